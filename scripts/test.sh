@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Installs what the tests need (idempotently) and runs the whole suite.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+bash scripts/bootstrap.sh
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@"
