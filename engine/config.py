@@ -1,0 +1,57 @@
+"""Model architecture numbers and the engine's user-facing knobs."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ModelConfig(BaseModel):
+    """Architecture of a Llama-family decoder, read from GGUF metadata or config.json."""
+
+    model_config = ConfigDict(frozen=True)
+
+    architecture: str = "llama"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # Hugging Face style: {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+    # "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}; None = plain RoPE.
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has q/k/v biases
+
+
+AttentionBackend = Literal["auto", "torch", "triton"]
+DType = Literal["auto", "float32", "float16", "bfloat16"]
+
+
+class EngineArgs(BaseModel):
+    """Knobs a user sets on `LLM(...)`, `AsyncLLM(...)` or `python -m engine.server`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "smollm2-135m"
+    tokenizer: str | None = None  # defaults to the model's own files
+    dtype: DType = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    block_size: int = Field(16, ge=1)
+    kv_cache_memory: int | None = Field(None, ge=1)  # bytes for the KV pool; None: a default budget
+    num_gpu_blocks_override: int | None = Field(None, ge=1)  # exact pool size (tests use it)
+    max_model_len: int | None = Field(None, ge=1)
+    max_num_seqs: int = Field(128, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_queue_len: int = Field(4096, ge=1)  # waiting requests beyond this are refused
+    attention_backend: AttentionBackend = "auto"
+    seed: int = 0
+    show_progress: bool = True

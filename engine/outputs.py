@@ -1,0 +1,100 @@
+"""What the engine hands back: per-request outputs, per-token logprobs and engine stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str  # the token's text (bytes that are not valid UTF-8 alone are shown as "bytes:\\xNN")
+    logprob: float
+
+
+@dataclass
+class SampleLogprobs:
+    """Logprob of the sampled token and the top alternatives at that step."""
+
+    sampled: TokenLogprob
+    top: list[TokenLogprob]
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps on the time.monotonic clock."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence. `text`/`token_ids` are cumulative; `delta_*` is what is new
+    since the previous output of the same request (streaming)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[SampleLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop string or token id that ended it
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[SampleLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: RequestMetrics | None = None
+
+    # The single-sequence view the offline API promises.
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for /metrics and heartbeats; counters are cumulative since start."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_blocks_total: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0  # of which found in the cache
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0

@@ -1,0 +1,28 @@
+"""Shared fixtures: the real model file and the shared data folder, skipping clearly when absent."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = Path(os.environ.get("FLEET_SHARED_DATA", ROOT.parent / "shared" / "data"))
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data folder {SHARED_DATA} is absent (set FLEET_SHARED_DATA)")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    from engine.registry import ModelNotFoundError, resolve_model_path
+
+    try:
+        return resolve_model_path("smollm2-135m")
+    except ModelNotFoundError as err:
+        pytest.skip(str(err))
