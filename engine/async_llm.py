@@ -1,0 +1,165 @@
+"""The asyncio front of the engine: per-request token streams and abort.
+
+The engine loop runs on one background thread (torch releases the GIL in its kernels),
+so the event loop stays free for HTTP. All engine mutations happen on that thread:
+callers validate and tokenize on their side, then hand add/abort commands over a queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import EngineArgs
+from engine.errors import EngineDeadError, PromptTooLongError, QueueFullError
+from engine.llm_engine import LLMEngine, PromptInput
+from engine.outputs import EngineStats, RequestOutput
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncLLM:
+    def __init__(self, model: str = "smollm2-135m", served_model_name: str | None = None, **engine_args: Any):
+        self.args = EngineArgs(model=model, **engine_args)
+        self.engine = LLMEngine(self.args)
+        self.tokenizer = self.engine.tokenizer
+        self.model_config = self.engine.model_config
+        self.max_model_len = self.engine.max_model_len
+        self.served_model_name = served_model_name or model
+        self._streams: dict[str, _Stream] = {}
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._ids = itertools.count()
+        self._pending = 0  # adds handed over but not yet applied (counted against the queue limit)
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # -- caller side (event loop) --------------------------------------------------------
+    async def generate(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields a RequestOutput per step with new tokens; the last one has finished=True."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop died: {self._dead!r}")
+        if self._stopping:
+            raise EngineDeadError("the engine is shutting down")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        ids = self.engine.tokenize_prompt(prompt)
+        max_tokens = params.max_tokens if params.max_tokens is not None else 1
+        if len(ids) + max_tokens > self.max_model_len:
+            raise PromptTooLongError(len(ids), max_tokens, self.max_model_len)
+        if len(self.engine.scheduler.waiting) + self._pending + params.n > self.args.max_queue_len:
+            raise QueueFullError(f"the waiting queue is full ({self.args.max_queue_len} requests)")
+
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._pending += params.n
+        self._send("add", (ids, params, request_id, priority, cache_salt, prompt))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    break
+        finally:
+            if not finished:
+                self._send("abort", request_id)
+            self._streams.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        self._send("abort", request_id)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._dead is None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def _send(self, kind: str, payload: Any) -> None:
+        self._commands.put((kind, payload))
+        self._wake.set()
+
+    # -- engine thread -------------------------------------------------------------------
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                ids, params, rid, priority, salt, prompt = payload
+                self._pending -= params.n
+                stream = self._streams.get(rid)
+                if stream is None:  # the caller went away before we got to it
+                    continue
+                try:
+                    self.engine.add_request(ids, params, rid, priority=priority, stream=True, cache_salt=salt)
+                    if isinstance(prompt, str):
+                        self.engine._parents[rid].prompt = prompt
+                except Exception as err:  # validation raced with the queue filling up
+                    stream.put(err)
+            elif kind == "abort":
+                out = self.engine.abort_request(payload)
+                stream = self._streams.get(payload)
+                if out is not None and stream is not None:
+                    stream.put(out)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                self._apply_commands()
+                while self.engine.has_unfinished_requests() and not self._stopping:
+                    for out in self.engine.step():
+                        stream = self._streams.get(out.request_id)
+                        if stream is not None:
+                            stream.put(out)
+                    self._apply_commands()
+        except BaseException as err:  # a bug or an OOM: fail every stream loudly
+            log.exception("engine loop died")
+            self._dead = err
+            dead = EngineDeadError(f"the engine loop died: {err!r}")
+            for stream in list(self._streams.values()):
+                stream.put(dead)

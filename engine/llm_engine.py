@@ -1,0 +1,343 @@
+"""The synchronous engine: add requests, `step()` until done.
+
+One step = schedule -> run the model on the flat batch -> append sampled tokens ->
+detokenize incrementally -> check stops -> free finished sequences. A request with
+`n > 1` becomes n sequences that share the prompt (and, through the prefix cache, its KV).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+from engine.config import EngineArgs
+from engine.errors import PromptTooLongError, QueueFullError
+from engine.kv_cache import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, SampleLogprobs
+from engine.registry import resolve_model_path
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledRequest, Scheduler
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+PromptInput = str | list[int]
+
+
+@dataclass(eq=False)
+class SequenceState:
+    """Text-side state of one sequence: detokenizer, stop handling, what was streamed."""
+
+    request: Request
+    index: int
+    detok: IncrementalDetokenizer
+    stop_ids: set[int]
+    text: str = ""
+    emitted_chars: int = 0
+    emitted_tokens: int = 0
+    logprobs: list[SampleLogprobs] | None = None
+    emitted_logprobs: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.request.status.finished
+
+
+@dataclass(eq=False)
+class ParentRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    arrival_time: float
+    seqs: list[SequenceState] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        model_path = resolve_model_path(args.model)
+        self.tokenizer = Tokenizer.from_path(args.tokenizer or model_path)
+        self.runner = ModelRunner(args, str(model_path))
+        self.model_config = self.runner.model_config
+        self.max_model_len = self.runner.max_model_len
+        self.kv = KVCacheManager(self.runner.num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=max(args.max_num_batched_tokens, args.block_size),
+            enable_chunked_prefill=args.enable_chunked_prefill,
+        )
+        self._parents: dict[str, ParentRequest] = {}
+        self._seq_parent: dict[str, ParentRequest] = {}
+        self._ids = itertools.count()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    # -- requests ------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptInput) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return ids
+
+    def add_request(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        stream: bool = False,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> str:
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        ids = self.tokenize_prompt(prompt)
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - len(ids)
+            if max_tokens < 1:
+                raise PromptTooLongError(len(ids), 1, self.max_model_len)
+        elif len(ids) + max_tokens > self.max_model_len:
+            raise PromptTooLongError(len(ids), max_tokens, self.max_model_len)
+        if len(self.scheduler.waiting) + params.n > self.args.max_queue_len:
+            raise QueueFullError(f"the waiting queue is full ({self.args.max_queue_len} requests)")
+
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        parent = ParentRequest(
+            request_id, prompt if isinstance(prompt, str) else None, ids, params, stream, arrival
+        )
+        base_stops = set() if params.ignore_eos else set(self.tokenizer.stop_token_ids)
+        stop_ids = base_stops | set(params.stop_token_ids)
+        for j in range(params.n):
+            child_params = params.model_copy(
+                update={
+                    "n": 1,
+                    "max_tokens": max_tokens,
+                    "seed": None if params.seed is None else params.seed + j,
+                }
+            )
+            req = Request(
+                request_id=request_id if params.n == 1 else f"{request_id}#{j}",
+                prompt_token_ids=ids,
+                sampling_params=child_params,
+                priority=priority,
+                arrival_time=arrival,
+                cache_salt=cache_salt,
+                eos_token_id=self.tokenizer.eos_token_id,
+                max_model_len=self.max_model_len,
+            )
+            seq = SequenceState(
+                request=req,
+                index=j,
+                detok=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+                stop_ids=stop_ids,
+                logprobs=[] if params.logprobs is not None else None,
+            )
+            parent.seqs.append(seq)
+            self._seq_parent[req.request_id] = parent
+            self.scheduler.add_request(req)
+        self._parents[request_id] = parent
+        self.prompt_tokens_total += len(ids)
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return None
+        for seq in parent.seqs:
+            self.scheduler.finish_request(seq.request, RequestStatus.FINISHED_ABORTED)
+        return self._finish_parent(parent)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # -- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        # Decodes first: the runner lays flat tokens out that way.
+        batch = [s for s in sched.scheduled if s.num_new_tokens == 1]
+        batch += [s for s in sched.scheduled if s.num_new_tokens != 1]
+        sampling: list[ScheduledRequest] = [s for s in batch if s.samples]
+        seqs = [self._seq_state(s.request) for s in batch]
+        result = self.runner.execute(
+            batch, [self.kv.get_block_ids(s.request.request_id) for s in batch], [q.stop_ids for q in seqs]
+        )
+        self.scheduler.update_after_step(sched)
+        if result is None:
+            return []
+
+        now = time.monotonic()
+        touched: dict[str, ParentRequest] = {}
+        if result.logprobs is not None:
+            self._fill_logprob_texts([lp for lp in result.logprobs if lp is not None])
+        for j, s in enumerate(sampling):
+            req = s.request
+            seq = self._seq_state(req)
+            token = result.token_ids[j]
+            req.append_output_token(token)
+            self.generation_tokens_total += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            if seq.logprobs is not None and result.logprobs is not None and result.logprobs[j] is not None:
+                seq.logprobs.append(result.logprobs[j])
+            status = self._append_text_and_check_stop(seq, token)
+            if status is not None:
+                self.scheduler.finish_request(req, status)
+            parent = self._seq_parent[req.request_id]
+            touched[parent.request_id] = parent
+
+        outputs = []
+        for parent in touched.values():
+            if parent.finished:
+                outputs.append(self._finish_parent(parent))
+            elif parent.stream:
+                outputs.append(self._make_output(parent))
+        return outputs
+
+    def _seq_state(self, req: Request) -> SequenceState:
+        parent = self._seq_parent[req.request_id]
+        return parent.seqs[0] if len(parent.seqs) == 1 else next(q for q in parent.seqs if q.request is req)
+
+    def _fill_logprob_texts(self, lps: list[SampleLogprobs]) -> None:
+        ids = [lp.sampled.token_id for lp in lps] + [t.token_id for lp in lps for t in lp.top]
+        texts = iter(self.tokenizer.token_texts(ids))
+        for lp in lps:
+            lp.sampled.token = next(texts)
+        for lp in lps:
+            for t in lp.top:
+                t.token = next(texts)
+
+    def _append_text_and_check_stop(self, seq: SequenceState, token: int) -> RequestStatus | None:
+        req, p = seq.request, seq.request.sampling_params
+        if token in seq.stop_ids and req.num_output_tokens >= p.min_tokens:
+            # The stop token's text is not part of the output (vLLM / OpenAI semantics).
+            req.stop_reason = None if token == self.tokenizer.eos_token_id else token
+            seq.text += seq.detok.flush()
+            return RequestStatus.FINISHED_STOPPED
+        before = len(seq.text)
+        seq.text += seq.detok.push([token])
+        if p.stop and len(seq.text) > before:
+            window_start = max(0, before - p.max_stop_len + 1)
+            hit = self._find_stop(seq.text, window_start, p.stop)
+            if hit is not None:
+                pos, stop = hit
+                seq.text = seq.text[: pos + len(stop) if p.include_stop_str_in_output else pos]
+                req.stop_reason = stop
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= (p.max_tokens or 0) or req.num_tokens >= self.max_model_len:
+            seq.text += seq.detok.flush()
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    @staticmethod
+    def _find_stop(text: str, start: int, stops: list[str]) -> tuple[int, str] | None:
+        best: tuple[int, str] | None = None
+        for stop in stops:
+            i = text.find(stop, start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, stop)
+        return best
+
+    def _finish_parent(self, parent: ParentRequest) -> RequestOutput:
+        out = self._make_output(parent)
+        del self._parents[parent.request_id]
+        for seq in parent.seqs:
+            self._seq_parent.pop(seq.request.request_id, None)
+        return out
+
+    def _make_output(self, parent: ParentRequest) -> RequestOutput:
+        completions = []
+        for seq in parent.seqs:
+            req = seq.request
+            p = req.sampling_params
+            finished = req.status.finished
+            # While streaming, hold back a tail that could still become a stop string.
+            hold = 0 if finished or not p.stop else p.max_stop_len - 1
+            visible = seq.text[: max(seq.emitted_chars, len(seq.text) - hold)]
+            tokens = req.output_token_ids
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=visible,
+                    token_ids=list(tokens),
+                    logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                    finish_reason=req.status.finish_reason,
+                    stop_reason=req.stop_reason,
+                    delta_text=visible[seq.emitted_chars :],
+                    delta_token_ids=tokens[seq.emitted_tokens :],
+                    delta_logprobs=seq.logprobs[seq.emitted_logprobs :] if seq.logprobs is not None else None,
+                )
+            )
+            seq.emitted_chars = len(visible)
+            seq.emitted_tokens = len(tokens)
+            if seq.logprobs is not None:
+                seq.emitted_logprobs = len(seq.logprobs)
+        first = parent.seqs[0].request
+        metrics = RequestMetrics(
+            arrival_time=parent.arrival_time,
+            first_scheduled_time=min(
+                (q.request.first_scheduled_time for q in parent.seqs if q.request.first_scheduled_time),
+                default=None,
+            ),
+            first_token_time=min(
+                (q.request.first_token_time for q in parent.seqs if q.request.first_token_time), default=None
+            ),
+            last_token_time=max(
+                (q.request.last_token_time for q in parent.seqs if q.request.last_token_time), default=None
+            ),
+            finished_time=time.monotonic() if parent.finished else None,
+        )
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=parent.finished,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+            metrics=metrics,
+        )
+
+    # -- introspection -------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.usage,
+            num_blocks_total=self.kv.num_blocks,
+            prefix_cache_queries=self.kv.stats.prefix_cache_queries,
+            prefix_cache_hits=self.kv.stats.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self.prompt_tokens_total,
+            generation_tokens=self.generation_tokens_total,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()

@@ -1,0 +1,212 @@
+"""Llama-family decoder over a flat batch of tokens from many sequences (no padding).
+
+Covers Llama 2/3, SmolLM2, Mistral and Qwen2 (q/k/v biases). Q/K/V and gate/up are fused
+into one matmul each: on CPU the number of GEMM calls per layer dominates small models.
+Attention reads and writes the paged KV cache through `kernels.ops`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from kernels import ops
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each flat token sits in the paged cache; built once per step by the runner.
+
+    Tokens are laid out decodes first (one token per sequence), then prefill chunks.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None  # [Bd, max_blocks] int32
+    decode_context_lens: torch.Tensor | None  # [Bd] int32
+    prefill_block_tables: torch.Tensor | None  # [Bp, max_blocks] int32
+    prefill_query_start_loc: torch.Tensor | None  # [Bp+1] int32, relative to the prefill part
+    prefill_context_lens: torch.Tensor | None  # [Bp] int32
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        cos_sin_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        n = hidden.shape[0]
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        q, k = q.contiguous(), k.contiguous()
+        ops.rotary_embedding(positions, q, k, cos_sin_cache)
+        k_cache, v_cache = kv_cache
+        ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+
+        nd = meta.num_decode_tokens
+        parts = []
+        if nd > 0:
+            parts.append(
+                ops.paged_attention_decode(
+                    q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+                )
+            )
+        if nd < n:
+            parts.append(
+                ops.paged_attention_prefill(
+                    q[nd:],
+                    k_cache,
+                    v_cache,
+                    meta.prefill_block_tables,
+                    meta.prefill_query_start_loc,
+                    meta.prefill_context_lens,
+                    self.scale,
+                )
+            )
+        attn = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        return self.o_proj(attn.reshape(n, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class RMSNormWeight(nn.Module):
+    """Holds the weight; the (fused) computation lives in kernels.ops.rms_norm."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, kv_cache, meta, cos_sin_cache):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta, cos_sin_cache)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
+
+    def init_rope(self, max_position: int) -> None:
+        cfg = self.config
+        self.cos_sin_cache = ops.build_cos_sin_cache(
+            cfg.head_dim,
+            max_position,
+            cfg.rope_theta,
+            cfg.rope_scaling,
+            device=self.embed_tokens.weight.device,
+            dtype=torch.float32,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Returns float32 logits for the tokens at `logits_indices` only."""
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv in zip(self.layers, kv_caches):
+            hidden, residual = layer(positions, hidden, residual, kv, meta, self.cos_sin_cache)
+        # Only the rows that need a next token go through the final norm and the LM head.
+        hidden = hidden.index_select(0, logits_indices)
+        residual = residual.index_select(0, logits_indices)
+        hidden, _ = self.norm(hidden, residual)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named weights in, fusing q/k/v and gate/up."""
+        cfg = self.config
+
+        def take(name: str) -> torch.Tensor:
+            try:
+                return state.pop(name)
+            except KeyError:
+                raise ValueError(f"checkpoint is missing tensor {name!r}") from None
+
+        self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
+        self.norm.weight.copy_(take("model.norm.weight"))
+        if self.lm_head is not None:
+            self.lm_head.weight.copy_(take("lm_head.weight"))
+        else:
+            state.pop("lm_head.weight", None)
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn = layer.self_attn
+            attn.qkv_proj.weight.copy_(
+                torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"], dim=0)
+            )
+            if cfg.attention_bias:
+                attn.qkv_proj.bias.copy_(torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"]))
+            attn.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
+            layer.mlp.gate_up_proj.weight.copy_(
+                torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0)
+            )
+            layer.mlp.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
+            layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
+            layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+        if state:
+            unexpected = ", ".join(sorted(state)[:5])
+            raise ValueError(f"checkpoint has {len(state)} unexpected tensor(s): {unexpected}")

@@ -1,0 +1,196 @@
+"""Turns a scheduler decision into tensors, runs the model and samples.
+
+Owns the model weights and the KV cache tensors; knows nothing about stopping or text.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine.config import EngineArgs, ModelConfig
+from engine.loader import load_checkpoint
+from engine.model.llama import AttentionMetadata, LlamaForCausalLM
+from engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from engine.scheduler import ScheduledRequest
+from kernels import ops
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEFAULT_CPU_KV_BYTES = 2 << 30
+GPU_MEMORY_UTILIZATION = 0.85
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+class ModelRunner:
+    def __init__(self, args: EngineArgs, model_path: str) -> None:
+        self.args = args
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        ops.set_backend(args.attention_backend)
+        t0 = time.perf_counter()
+        cfg, state = load_checkpoint(model_path, dtype=self.dtype, show_progress=args.show_progress)
+        self.model_config: ModelConfig = cfg
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        model.load_hf_state_dict({k: v.to(self.device) for k, v in state.items()})
+        del state
+        self.model = model.eval()
+        self.block_size = args.block_size
+        self.num_blocks = self._num_blocks()
+        self.kv_caches = self._allocate_kv_cache()
+        # A sequence must fit the pool on its own, or it could never be scheduled.
+        limit = args.max_model_len or cfg.max_position_embeddings
+        self.max_model_len = min(limit, self.num_blocks * self.block_size)
+        self.model.init_rope(max(self.max_model_len, cfg.max_position_embeddings))
+        self.sampler = Sampler()
+        log.info(
+            "model loaded in %.1fs: %s on %s, %d KV blocks of %d tokens",
+            time.perf_counter() - t0,
+            self.dtype,
+            self.device,
+            self.num_blocks,
+            self.block_size,
+        )
+
+    # -- KV cache ------------------------------------------------------------------------
+    @property
+    def kv_bytes_per_block(self) -> int:
+        c = self.model_config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim * elem
+
+    def _num_blocks(self) -> int:
+        if self.args.num_gpu_blocks_override:
+            return self.args.num_gpu_blocks_override
+        budget = self.args.kv_cache_memory
+        if budget is None:
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                used = total - free
+                budget = int(total * GPU_MEMORY_UTILIZATION) - used
+            else:
+                budget = DEFAULT_CPU_KV_BYTES
+        n = budget // self.kv_bytes_per_block
+        if n < 1:
+            raise ValueError(
+                f"KV cache budget of {budget} bytes holds no block ({self.kv_bytes_per_block} bytes each)"
+            )
+        return int(n)
+
+    def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        c = self.model_config
+        shape = (c.num_hidden_layers, 2, self.num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
+        cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self._kv_storage = cache
+        return [(cache[i, 0], cache[i, 1]) for i in range(c.num_hidden_layers)]
+
+    # -- one step ------------------------------------------------------------------------
+    def _build_inputs(
+        self, batch: list[ScheduledRequest], block_ids: list[list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Flat tokens, decodes first; `batch` is already ordered that way by the caller."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_idx: list[int] = []
+        dec_tables, dec_lens = [], []
+        pre_tables, pre_lens, pre_qsl = [], [], [0]
+        num_decode = 0
+        for s, blocks in zip(batch, block_ids):
+            r = s.request
+            start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
+            input_ids.extend(r.token_ids_slice(start, end))
+            positions.extend(range(start, end))
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            if s.num_new_tokens == 1:
+                num_decode += 1
+                dec_tables.append(blocks)
+                dec_lens.append(end)
+            else:
+                pre_tables.append(blocks)
+                pre_lens.append(end)
+                pre_qsl.append(pre_qsl[-1] + s.num_new_tokens)
+            if s.samples:
+                logits_idx.append(len(input_ids) - 1)
+        dev = self.device
+
+        def table(rows: list[list[int]]) -> torch.Tensor | None:
+            if not rows:
+                return None
+            width = max(len(b) for b in rows)
+            padded = [b + [0] * (width - len(b)) for b in rows]
+            return torch.tensor(padded, dtype=torch.int32, device=dev)
+
+        def ints(xs: list[int]) -> torch.Tensor | None:
+            return torch.tensor(xs, dtype=torch.int32, device=dev) if xs else None
+
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            num_decode_tokens=num_decode,
+            decode_block_tables=table(dec_tables),
+            decode_context_lens=ints(dec_lens),
+            prefill_block_tables=table(pre_tables),
+            prefill_query_start_loc=ints(pre_qsl) if pre_tables else None,
+            prefill_context_lens=ints(pre_lens),
+        )
+        return (
+            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta,
+            torch.tensor(logits_idx, dtype=torch.int64, device=dev),
+        )
+
+    def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
+        r = s.request
+        seed = r.sampling_params.seed
+        if seed is None:
+            return None
+        if r.generator is None:
+            r.generator = torch.Generator(device=self.device).manual_seed(seed)
+        return r.generator
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        batch: list[ScheduledRequest],
+        block_ids: list[list[int]],
+        stop_token_ids: list[set[int]],
+    ) -> SamplerOutput | None:
+        """Run one step; sample for the chunks that reach their last known token.
+
+        `batch` must list decodes (one new token) before prefill chunks. Returns None when
+        no chunk samples (only partial prefills ran).
+        """
+        input_ids, positions, meta, logits_idx = self._build_inputs(batch, block_ids)
+        logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
+        sampling = [(s, stops) for s, stops in zip(batch, stop_token_ids) if s.samples]
+        if not sampling:
+            return None
+        reqs = [s.request for s, _ in sampling]
+        sbatch = SamplingBatch.build(
+            params=[r.sampling_params for r in reqs],
+            prompt_token_ids=[r.prompt_token_ids for r in reqs],
+            output_token_ids=[r.output_token_ids for r in reqs],
+            generators=[self._generator(s) for s, _ in sampling],
+            stop_token_ids=[stops for _, stops in sampling],
+            vocab_size=self.model_config.vocab_size,
+            device=self.device,
+        )
+        return self.sampler(logits, sbatch)

@@ -1,0 +1,205 @@
+"""Continuous batching: which sequences run this step, and how many tokens each.
+
+One unified policy for prefill and decode (as in vLLM v1): every request has a number of
+known tokens (`num_tokens`) and a number whose KV is computed (`num_computed_tokens`);
+each step gives running requests, then waiting ones, up to `num_tokens - num_computed`
+new tokens within a per-step token budget. A long prompt is therefore prefilled in
+chunks alongside decodes. When the KV pool runs dry the least important, latest running
+request is preempted: its blocks are freed and it is recomputed later (its full blocks
+usually survive in the prefix cache, so recomputation is cheap).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from engine.kv_cache import KVCacheManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the known tokens, i.e. yields a next token."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class WaitingQueue:
+    """Waiting requests ordered by (priority, arrival); FCFS when priorities are equal.
+
+    Preempted requests go back with their original arrival time, so they come first again.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._tie = itertools.count()
+        self._removed: set[int] = set()  # id(request) of lazily removed entries
+        self._len = 0
+
+    def push(self, request: Request) -> None:
+        heapq.heappush(self._heap, (request.priority, request.arrival_time, next(self._tie), request))
+        self._len += 1
+
+    def _skip_removed(self) -> None:
+        while self._heap and id(self._heap[0][3]) in self._removed:
+            self._removed.discard(id(heapq.heappop(self._heap)[3]))
+
+    def peek(self) -> Request | None:
+        self._skip_removed()
+        return self._heap[0][3] if self._heap else None
+
+    def pop(self) -> Request:
+        self._skip_removed()
+        self._len -= 1
+        return heapq.heappop(self._heap)[3]
+
+    def remove(self, request: Request) -> None:
+        self._removed.add(id(request))
+        self._len -= 1
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self):
+        return (e[3] for e in self._heap if id(e[3]) not in self._removed)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.kv = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting = WaitingQueue()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # -- bookkeeping -------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.push(request)
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """Finish (stop, length, abort) a request wherever it is and release its blocks."""
+        if request.status.finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        request.finished_time = time.monotonic()
+        self.kv.free(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    # -- the policy --------------------------------------------------------------------
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push(victim)
+        out.preempted.append(victim)
+
+    @staticmethod
+    def _victim_key(r: Request) -> tuple[int, float]:
+        # Largest priority value (least important), then the latest arrival.
+        return (r.priority, r.arrival_time)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[int] = set()
+
+        # 1) Running requests, most important first, so preemption hits the tail.
+        self.running.sort(key=self._victim_key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:  # nothing to compute (should not happen for a running request)
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req, num_new):
+                victim = max((r for r in self.running if id(r) not in scheduled_ids), key=self._victim_key)
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, num_new))
+                scheduled_ids.add(id(req))
+                budget -= num_new
+                i += 1
+                continue
+            # `req` itself was preempted; the list shrank, so `i` now points past it.
+
+        # 2) Waiting requests, unless this step already had to preempt (memory is tight).
+        if not out.preempted:
+            while budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting.peek()
+                if req is None:
+                    break
+                computed_blocks, num_computed = ([], 0)
+                if req.num_computed_tokens == 0:
+                    computed_blocks, num_computed = self.kv.get_computed_blocks(req)
+                num_new = req.num_tokens - num_computed
+                if num_new > budget:
+                    if not self.enable_chunked_prefill:
+                        break
+                    num_new = budget
+                if not self.kv.allocate_slots(req, num_new, computed_blocks):
+                    break
+                self.waiting.pop()
+                req.num_computed_tokens = num_computed
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_computed
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = time.monotonic()
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                out.scheduled.append(ScheduledRequest(req, num_new))
+                scheduled_ids.add(id(req))
+                budget -= num_new
+        return out
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Advance progress of every scheduled chunk once the model has computed it."""
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
