@@ -1,0 +1,17 @@
+"""Paged KV cache bookkeeping: block pool, prefix cache, per-request block tables (no torch)."""
+
+from engine.kv_cache.block_hash import BlockHash, hash_block, hash_request_blocks, root_hash
+from engine.kv_cache.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from engine.kv_cache.kv_cache_manager import KVCacheManager, PrefixCacheStats
+
+__all__ = [
+    "BlockHash",
+    "BlockPool",
+    "FreeBlockQueue",
+    "KVBlock",
+    "KVCacheManager",
+    "PrefixCacheStats",
+    "hash_block",
+    "hash_request_blocks",
+    "root_hash",
+]

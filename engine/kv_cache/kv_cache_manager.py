@@ -1,0 +1,167 @@
+"""Per-request block tables over a `BlockPool`, with prefix caching by chained block hashes.
+
+The scheduler asks `get_computed_blocks` what prefix of a waiting request is already in
+the cache, then `allocate_slots` for the tokens it wants computed this step, and `free`
+when the request finishes, is aborted or is preempted. Full blocks are registered in the
+cache at allocation time: they are written in the same forward pass that any later hit
+in that step would read from, and every layer writes KV before it attends.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+from engine.kv_cache.block_hash import BlockHash, hash_block, root_hash
+from engine.kv_cache.block_pool import BlockPool, KVBlock
+from engine.request import Request
+
+
+@dataclass
+class PrefixCacheStats:
+    """Cumulative token counts: tokens looked up, and tokens served from the cache."""
+
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.stats = PrefixCacheStats()
+        # request_id -> its blocks, in position order.
+        self._tables: dict[str, list[KVBlock]] = {}
+        # request_id -> how many leading blocks of its table were already offered to the cache.
+        self._num_hashed_blocks: dict[str, int] = {}
+        # Block hashes of each request's full blocks, computed lazily and kept as long as the
+        # Request object lives (so preemption and re-admission do not rehash the prompt).
+        self._hashes: weakref.WeakKeyDictionary[Request, list[BlockHash]] = weakref.WeakKeyDictionary()
+
+    # ---- stats passthrough ---------------------------------------------------------------
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.stats.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.stats.prefix_cache_hits
+
+    # ---- queries -------------------------------------------------------------------------
+
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks()
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.block_pool.num_free_blocks() / self.num_blocks
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """A copy of the request's block table ([] for an unknown request)."""
+        return [b.block_id for b in self._tables.get(request_id, ())]
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._tables
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest cached run of full prefix blocks; never the block holding the last token."""
+        if not self.enable_caching:
+            return [], 0
+        # At most num_tokens - 1 tokens may be reused, so the model computes the last one.
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hit: list[int] = []
+        for i in range(max_blocks):
+            block = self.block_pool.get_cached_block(self._block_hash(request, i))
+            if block is None:
+                break
+            hit.append(block.block_id)
+        num_computed = len(hit) * self.block_size
+        self.stats.prefix_cache_queries += request.num_tokens
+        self.stats.prefix_cache_hits += num_computed
+        return hit, num_computed
+
+    # ---- mutations -----------------------------------------------------------------------
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: list[int] | None = None
+    ) -> bool:
+        """Give the request blocks for its computed + cached + new tokens; False changes nothing."""
+        bs = self.block_size
+        pool = self.block_pool
+        table = self._tables.get(request.request_id)
+        hits = [pool.blocks[i] for i in new_computed_blocks] if new_computed_blocks else []
+        if hits:
+            if table:
+                raise ValueError(f"request {request.request_id}: cache hits given to a request with blocks")
+            if any(b.block_hash is None for b in hits):
+                raise ValueError(f"request {request.request_id}: a cache-hit block was evicted meanwhile")
+        num_held = len(table) if table else 0
+        total_tokens = request.num_computed_tokens + len(hits) * bs + num_new_tokens
+        num_needed = max(0, -(-total_tokens // bs) - num_held - len(hits))
+        # Hits that sit in the free queue leave it when touched, so they are not free capacity.
+        num_hits_free = sum(1 for b in hits if b.ref_cnt == 0)
+        if num_needed > pool.num_free_blocks() - num_hits_free:
+            return False
+
+        if table is None:
+            table = self._tables[request.request_id] = []
+            self._num_hashed_blocks[request.request_id] = 0
+        if hits:
+            pool.touch(hits)
+            table.extend(hits)
+            self._num_hashed_blocks[request.request_id] = len(hits)
+        if num_needed:
+            table.extend(pool.get_new_blocks(num_needed))
+        if self.enable_caching:
+            self._cache_full_blocks(request, table, min(total_tokens, request.num_tokens) // bs)
+        return True
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first, so its shared prefix is evicted last."""
+        table = self._tables.pop(request.request_id, None)
+        self._num_hashed_blocks.pop(request.request_id, None)
+        if table:
+            self.block_pool.free_blocks(reversed(table))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes; refused (False) while any block is in use."""
+        return self.block_pool.reset_prefix_cache()
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _cache_full_blocks(self, request: Request, table: list[KVBlock], num_full: int) -> None:
+        rid = request.request_id
+        start = self._num_hashed_blocks[rid]
+        if num_full <= start:
+            return
+        for i in range(start, num_full):
+            # A hash already held by another block stays with that block (no duplicates).
+            self.block_pool.cache_block(table[i], self._block_hash(request, i))
+        self._num_hashed_blocks[rid] = num_full
+
+    def _block_hash(self, request: Request, index: int) -> BlockHash:
+        """Hash of the request's block `index` (must be full), extending the memo as needed.
+
+        The memo assumes token ids at existing positions never change (outputs only append).
+        """
+        hashes = self._hashes.get(request)
+        if hashes is None:
+            hashes = self._hashes[request] = []
+        bs = self.block_size
+        while len(hashes) <= index:
+            i = len(hashes)
+            tokens = request.token_ids_slice(i * bs, (i + 1) * bs)
+            if len(tokens) != bs:
+                raise ValueError(f"request {request.request_id}: block {i} is not full")
+            parent = hashes[-1] if hashes else root_hash(request.cache_salt)
+            hashes.append(hash_block(parent, tokens))
+        return hashes[index]
