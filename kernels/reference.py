@@ -1,0 +1,219 @@
+"""PyTorch reference kernels: the CPU hot path and the ground truth the Triton kernels are tested against.
+
+Shapes follow the kernel contract in docs/engine.md. Every function here is vectorized over
+the batch (decode runs one batched attention per layer), works on any device, and never
+reads cache slots past a sequence's context length into the result: gathered tails of
+partially filled blocks are zeroed before attention, so stale or NaN garbage there is harmless.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kernels.workspace import scratch
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter `key`/`value` [T, Hkv, D] into the paged caches at `slot_mapping` [T] (negative = skip)."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    slots = slot_mapping.long()
+    if slots.numel() == 0:
+        return
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, key, value = slots[keep], key[keep], value[keep]
+    k_flat.index_copy_(0, slots, key.to(k_cache.dtype))
+    v_flat.index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, name: str) -> torch.Tensor:
+    """Copy the blocks `block_ids` [B, nb] into a reused scratch buffer -> [B, nb*block_size, Hkv, D].
+
+    Reusing the buffer matters on CPU: a fresh multi-megabyte allocation per layer costs
+    more in page faults than the copy itself.
+    """
+    batch, num_blocks = block_ids.shape
+    block_size, num_kv_heads, head_dim = cache.shape[1:]
+    out = scratch(name, (batch * num_blocks, block_size, num_kv_heads, head_dim), cache.dtype, cache.device)
+    torch.index_select(cache, 0, block_ids.reshape(-1).long().clamp_min(0), out=out)
+    return out.view(batch, num_blocks * block_size, num_kv_heads, head_dim)
+
+
+def _zero_past_context(gathered: torch.Tensor, valid: torch.Tensor) -> None:
+    """Zero gathered positions past each context length (only the few tail slots are touched)."""
+    invalid = (~valid).reshape(-1).nonzero().squeeze(1)
+    if invalid.numel():
+        gathered.view(valid.numel(), -1).index_fill_(0, invalid, 0)
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence over its paged KV: q [B, Hq, D] -> [B, Hq, D]."""
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if batch == 0:
+        return torch.empty_like(q)
+    group = num_heads // num_kv_heads
+    max_len = int(context_lens.max())
+    num_blocks = -(-max_len // block_size)
+    block_ids = block_tables[:, :num_blocks]
+    keys = _gather_blocks(k_cache, block_ids, "decode_k")
+    values = _gather_blocks(v_cache, block_ids, "decode_v")
+    length = num_blocks * block_size
+    valid = torch.arange(length, device=q.device)[None, :] < context_lens.to(q.device)[:, None]
+    _zero_past_context(keys, valid)
+    _zero_past_context(values, valid)
+    # GQA without copies: the G query heads of one KV head become G "query positions".
+    out = F.scaled_dot_product_attention(
+        q.reshape(batch, num_kv_heads, group, head_dim),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+    )
+    return out.reshape(batch, num_heads, head_dim)
+
+
+def paged_attention_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Variable-length query chunks attending causally to their cached prefix and themselves.
+
+    q [T, Hq, D] holds S sequences back to back (`query_start_loc` [S+1]); chunk i covers
+    positions context_lens[i]-q_len_i .. context_lens[i]-1. One SDPA per sequence: prefill
+    batches hold few sequences, and each call is large.
+    """
+    num_heads = q.shape[1]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lengths = context_lens.tolist()
+    for seq, context_len in enumerate(lengths):
+        begin, end = starts[seq], starts[seq + 1]
+        q_len = end - begin
+        if q_len == 0:
+            continue
+        num_blocks = -(-context_len // block_size)
+        block_ids = block_tables[seq : seq + 1, :num_blocks]
+        keys = _gather_blocks(k_cache, block_ids, "prefill_k")[0, :context_len]
+        values = _gather_blocks(v_cache, block_ids, "prefill_v")[0, :context_len]
+        q_seq = q[begin:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        k_seq = keys.transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
+        v_seq = values.transpose(0, 1).unsqueeze(0)
+        gqa = num_heads != num_kv_heads
+        if q_len == context_len:
+            res = F.scaled_dot_product_attention(
+                q_seq, k_seq, v_seq, is_causal=True, scale=scale, enable_gqa=gqa
+            )
+        else:
+            offset = context_len - q_len
+            rows = torch.arange(q_len, device=q.device)[:, None] + offset
+            mask = torch.arange(context_len, device=q.device)[None, :] <= rows
+            res = F.scaled_dot_product_attention(
+                q_seq, k_seq, v_seq, attn_mask=mask, scale=scale, enable_gqa=gqa
+            )
+        out[begin:end] = res[0].transpose(0, 1)
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm in float32, result in x's dtype; with `residual`, normalizes x + residual and returns it too."""
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    inv_rms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = (xf * inv_rms * weight.float()).to(x.dtype)
+    return out if residual is None else (out, x)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> None:
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (rotate-half layout, first rot_dim dims)."""
+    rot_dim = cos_sin_cache.shape[1]
+    half = rot_dim // 2
+    cos_sin = cos_sin_cache.index_select(0, positions.reshape(-1).long()).float()
+    cos = cos_sin[:, None, :half]
+    sin = cos_sin[:, None, half:]
+    for x in (q, k):
+        x1 = x[..., :half].float()
+        x2 = x[..., half:rot_dim].float()
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        x[..., :rot_dim] = rotated.to(x.dtype)
+
+
+def _scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Apply Hugging Face `rope_scaling` to the inverse frequencies."""
+    if not scaling:
+        return inv_freq
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    factor = float(scaling["factor"])
+    if rope_type == "linear":
+        return inv_freq / factor
+    if rope_type == "llama3":
+        low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+        high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+        original_len = float(scaling.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths (low frequencies) are slowed by `factor`, short ones kept, and the
+        # band between them interpolated linearly in original_len / wavelen.
+        slowed = torch.where(wavelen > original_len / low_freq_factor, inv_freq / factor, inv_freq)
+        smooth = (original_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        blended = (1 - smooth) * slowed / factor + smooth * slowed
+        medium = (wavelen >= original_len / high_freq_factor) & (wavelen <= original_len / low_freq_factor)
+        return torch.where(medium, blended, slowed)
+    raise NotImplementedError(f"rope_scaling type {rope_type!r} is not supported (None, 'linear', 'llama3')")
+
+
+def build_cos_sin_cache(
+    head_dim: int,
+    max_position: int,
+    theta: float,
+    scaling: dict[str, Any] | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+    rotary_dim: int | None = None,
+) -> torch.Tensor:
+    """[max_position, rot_dim] = cat(cos, sin), computed in float32 like Hugging Face, stored as `dtype`."""
+    rot_dim = head_dim if rotary_dim is None else rotary_dim
+    if rot_dim % 2 or rot_dim > head_dim:
+        raise ValueError(f"rotary dim {rot_dim} must be even and at most head_dim {head_dim}")
+    exponents = torch.arange(0, rot_dim, 2, dtype=torch.int64, device=device).float() / rot_dim
+    inv_freq = _scaled_inv_freq(1.0 / (theta**exponents), scaling)
+    positions = torch.arange(max_position, dtype=torch.float32, device=device)
+    freqs = torch.outer(positions, inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)

@@ -1,0 +1,225 @@
+"""The PyTorch reference kernels against the most naive formulations (and Hugging Face's RoPE)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import reference as ref
+from tests.kernels.helpers import (
+    boundary_lengths,
+    contiguous_kv,
+    make_paged_kv,
+    naive_attention,
+    poisoned_allocations,
+    rel_err,
+)
+
+
+@pytest.mark.parametrize(
+    ("block_size", "head_dim", "group", "num_kv_heads"),
+    [
+        (16, 64, 1, 2),
+        (16, 128, 3, 2),
+        (32, 64, 8, 1),
+        (32, 128, 3, 3),
+    ],
+)
+def test_decode_matches_naive_attention(
+    block_size: int, head_dim: int, group: int, num_kv_heads: int
+) -> None:
+    gen = torch.Generator().manual_seed(block_size * head_dim + group)
+    lengths = boundary_lengths(gen, block_size, count=6)
+    kv = make_paged_kv(gen, lengths, block_size, num_kv_heads, head_dim, torch.float32)
+    q = torch.randn(len(lengths), num_kv_heads * group, head_dim, generator=gen)
+    scale = head_dim**-0.5
+    with poisoned_allocations():
+        out = ref.paged_attention_decode(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, scale)
+    for seq, length in enumerate(lengths):
+        k, v = contiguous_kv(kv, seq)
+        expected = naive_attention(q[seq : seq + 1], k, v, torch.tensor([length - 1]), scale)[0]
+        assert rel_err(out[seq], expected) < 1e-5, (seq, length)
+
+
+@pytest.mark.parametrize(("block_size", "group"), [(16, 3), (32, 1), (16, 8)])
+def test_prefill_matches_naive_attention_over_cached_prefix(block_size: int, group: int) -> None:
+    """Full prefills, chunks over a cached prefix and single-token chunks in one batch."""
+    gen = torch.Generator().manual_seed(block_size + group)
+    num_kv_heads, head_dim = 2, 64
+    # (cached prefix, chunk length): no prefix; prefix ending mid-block; q_len 1; chunk across blocks.
+    shapes = [
+        (0, 2 * block_size + 3),
+        (block_size + 5, block_size - 2),
+        (3 * block_size, 1),
+        (7, 2 * block_size),
+    ]
+    kv = make_paged_kv(gen, [p + n for p, n in shapes], block_size, num_kv_heads, head_dim, torch.float32)
+    q_lens = [n for _, n in shapes]
+    query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, generator=gen)
+    scale = 0.125
+    with poisoned_allocations():
+        out = ref.paged_attention_prefill(
+            q, kv.k_cache, kv.v_cache, kv.block_tables, query_start_loc, kv.context_lens, scale
+        )
+    for seq, (prefix, q_len) in enumerate(shapes):
+        begin = int(query_start_loc[seq])
+        k, v = contiguous_kv(kv, seq)
+        positions = torch.arange(prefix, prefix + q_len)
+        expected = naive_attention(q[begin : begin + q_len], k, v, positions, scale)
+        assert rel_err(out[begin : begin + q_len], expected) < 1e-5, seq
+
+
+def test_chunked_prefill_then_decode_equals_one_full_prefill() -> None:
+    """Writing KV and attending chunk by chunk (then token by token) reproduces the one-shot prefill."""
+    gen = torch.Generator().manual_seed(7)
+    block_size, num_kv_heads, group, head_dim, length = 16, 2, 3, 64, 45
+    q = torch.randn(length, num_kv_heads * group, head_dim, generator=gen)
+    k = torch.randn(length, num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(length, num_kv_heads, head_dim, generator=gen)
+    blocks = torch.tensor([[5, 2, 7]], dtype=torch.int32)
+    slots = torch.stack(
+        [blocks[0, p // block_size] * block_size + p % block_size for p in range(length)]
+    ).long()
+
+    def fresh_cache() -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (8, block_size, num_kv_heads, head_dim)
+        return torch.full(shape, float("nan")), torch.full(shape, float("nan"))
+
+    k_cache, v_cache = fresh_cache()
+    ref.write_kv_cache(k, v, k_cache, v_cache, slots)
+    whole = ref.paged_attention_prefill(
+        q,
+        k_cache,
+        v_cache,
+        blocks,
+        torch.tensor([0, length], dtype=torch.int32),
+        torch.tensor([length], dtype=torch.int32),
+        0.1,
+    )
+    k_cache, v_cache = fresh_cache()
+    pieces = []
+    for begin, end in [(0, 10), (10, 33)]:
+        ref.write_kv_cache(k[begin:end], v[begin:end], k_cache, v_cache, slots[begin:end])
+        pieces.append(
+            ref.paged_attention_prefill(
+                q[begin:end],
+                k_cache,
+                v_cache,
+                blocks,
+                torch.tensor([0, end - begin], dtype=torch.int32),
+                torch.tensor([end], dtype=torch.int32),
+                0.1,
+            )
+        )
+    for pos in range(33, length):
+        ref.write_kv_cache(k[pos : pos + 1], v[pos : pos + 1], k_cache, v_cache, slots[pos : pos + 1])
+        pieces.append(
+            ref.paged_attention_decode(
+                q[pos : pos + 1], k_cache, v_cache, blocks, torch.tensor([pos + 1], dtype=torch.int32), 0.1
+            )
+        )
+    assert rel_err(torch.cat(pieces), whole) < 1e-5
+
+
+def test_write_kv_cache_skips_negative_slots() -> None:
+    gen = torch.Generator().manual_seed(3)
+    k_cache = torch.zeros(4, 16, 2, 8)
+    v_cache = torch.zeros(4, 16, 2, 8)
+    key = torch.randn(3, 2, 8, generator=gen)
+    value = torch.randn(3, 2, 8, generator=gen)
+    ref.write_kv_cache(key, value, k_cache, v_cache, torch.tensor([17, -1, 63]))
+    assert torch.equal(k_cache[1, 1], key[0]) and torch.equal(v_cache[3, 15], value[2])
+    assert int((k_cache != 0).any(-1).any(-1).sum()) == 2  # exactly two slots written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_with_and_without_residual(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 96, generator=gen).to(dtype)
+    residual = torch.randn(5, 96, generator=gen).to(dtype)
+    weight = torch.rand(96, generator=gen).to(dtype) + 0.5
+    summed = (x.double() + residual.double()).to(dtype)
+    out, new_residual = ref.rms_norm(x, weight, 1e-6, residual)
+    assert out.dtype == dtype and torch.equal(new_residual, summed)
+    s = summed.double()
+    expected = s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert rel_err(out, expected) < tol
+    assert (
+        rel_err(
+            ref.rms_norm(x, weight, 1e-6),
+            x.double() / x.double().pow(2).mean(-1, True).add(1e-6).sqrt() * weight.double(),
+        )
+        < tol
+    )
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_rotary_rotates_pairs_by_position_angle(rotary_dim: int) -> None:
+    """Each pair (i, i + rot/2) is the complex number x_i + j x_{i+half} multiplied by e^{j pos θ_i}."""
+    gen = torch.Generator().manual_seed(2)
+    head_dim, theta = 64, 10000.0
+    cache = ref.build_cos_sin_cache(head_dim, 300, theta, None, rotary_dim=rotary_dim)
+    positions = torch.tensor([0, 1, 17, 299])
+    q = torch.randn(4, 3, head_dim, generator=gen)
+    k = torch.randn(4, 1, head_dim, generator=gen)
+    q_before, k_before = q.clone(), k.clone()
+    ref.rotary_embedding(positions, q, k, cache)
+    half = rotary_dim // 2
+    freqs = theta ** (-torch.arange(half, dtype=torch.float64) * 2 / rotary_dim)
+    angle = torch.exp(1j * positions.double()[:, None, None] * freqs)
+    for before, after in ((q_before, q), (k_before, k)):
+        z = torch.complex(before[..., :half].double(), before[..., half:rotary_dim].double()) * angle
+        assert torch.allclose(after[..., :half].double(), z.real, atol=1e-4)
+        assert torch.allclose(after[..., half:rotary_dim].double(), z.imag, atol=1e-4)
+        assert torch.equal(after[..., rotary_dim:], before[..., rotary_dim:])
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        None,
+        {"rope_type": "linear", "factor": 4.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ],
+)
+def test_cos_sin_cache_matches_hugging_face(scaling: dict | None) -> None:
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    theta = 500000.0
+    params = {"rope_type": "default", **(scaling or {}), "rope_theta": theta}
+    config = transformers.LlamaConfig(
+        hidden_size=512,
+        num_attention_heads=8,
+        head_dim=64,
+        max_position_embeddings=131072,
+        rope_parameters=params,
+    )
+    if params["rope_type"] == "default":
+        inv_freq = 1.0 / (theta ** (torch.arange(0, 64, 2, dtype=torch.int64).float() / 64))
+    else:
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu")
+        assert attention_scaling == 1.0
+    cache = ref.build_cos_sin_cache(64, 4096, theta, scaling)
+    freqs = torch.outer(torch.arange(4096).float(), inv_freq.float())
+    assert torch.allclose(cache, torch.cat((freqs.cos(), freqs.sin()), -1), atol=1e-6)
+    if scaling and scaling["rope_type"] == "llama3":
+        plain = ref.build_cos_sin_cache(64, 2, theta, None)
+        # Highest frequency kept, lowest slowed by `factor` (sin x ~ x at position 1).
+        assert math.isclose(cache[1, 32], plain[1, 32], rel_tol=1e-6)
+        assert math.isclose(cache[1, 63], plain[1, 63] / 8, rel_tol=1e-4)
+
+
+def test_unknown_rope_scaling_is_refused() -> None:
+    with pytest.raises(NotImplementedError, match="yarn"):
+        ref.build_cos_sin_cache(64, 16, 10000.0, {"rope_type": "yarn", "factor": 2.0})
