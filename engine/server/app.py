@@ -1,0 +1,102 @@
+"""The FastAPI application of one replica; the engine is injected through `ServerState`."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import Response
+
+from engine.outputs import EngineStats
+from engine.server.chat import create_chat_completion
+from engine.server.completions import create_completion
+from engine.server.errors import APIError, install_error_handlers
+from engine.server.inputs import chat_prompt_ids, check_model, check_token_ids, parse_body
+from engine.server.metrics import ServerMetrics
+from engine.server.middleware import GuardMiddleware
+from engine.server.protocol import DetokenizeRequest, TokenizeRequest
+from engine.server.state import EngineClient, ServerSettings, ServerState
+
+
+def new_state(settings: ServerSettings, engine: EngineClient | None = None) -> ServerState:
+    """A state whose metrics read the engine's stats once it is there."""
+    state = ServerState(settings=settings, metrics=ServerMetrics(settings.served_model_name), engine=engine)
+    state.created = time.time()
+
+    def stats() -> EngineStats | None:
+        return state.engine.stats() if state.engine is not None else None
+
+    state.metrics.stats = stats
+    return state
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="Fleet engine", version="1", openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.fleet = state
+    install_error_handlers(app)
+    app.add_middleware(GuardMiddleware, state=state)
+
+    def engine() -> EngineClient:
+        if state.engine is None:  # the guard refuses earlier; this is for type checkers
+            raise APIError(503, "The model is still loading; retry shortly")
+        return state.engine
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if state.engine is None:
+            status = "failed" if state.load_error else "loading"
+            return JSONResponse({"status": status, "error": state.load_error}, status_code=503)
+        if not getattr(state.engine, "is_running", True):
+            return JSONResponse({"status": "dead", "error": "the engine loop has stopped"}, status_code=503)
+        return JSONResponse({"status": "ok", "model": state.settings.served_model_name})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return PlainTextResponse(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = {
+            "id": state.settings.served_model_name,
+            "object": "model",
+            "created": int(state.created),
+            "owned_by": "fleet",
+            "max_model_len": engine().max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await create_chat_completion(request, state)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await create_completion(request, state)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        body = await parse_body(request, TokenizeRequest)
+        check_model(state, body.model)
+        eng = engine()
+        if body.messages is not None:
+            ids = chat_prompt_ids(eng, body.messages, None, body.add_generation_prompt)
+        else:
+            ids = eng.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        out: dict[str, object] = {"count": len(ids), "max_model_len": eng.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = eng.tokenizer.token_texts(ids)
+        return JSONResponse(out)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        body = await parse_body(request, DetokenizeRequest)
+        check_model(state, body.model)
+        eng = engine()
+        check_token_ids(eng, body.tokens, "tokens")
+        return JSONResponse({"prompt": eng.tokenizer.decode(body.tokens, skip_special_tokens=False)})
+
+    return app

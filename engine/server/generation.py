@@ -1,0 +1,222 @@
+"""Runs one API request on the engine: submits its prompts, merges their output streams,
+observes metrics, and aborts whatever is still running when the client goes away.
+
+Admission errors (context overflow, full queue) surface from `start()` before any response
+byte is sent, so even streaming requests get a proper 4xx status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+
+from engine.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+from engine.sampling_params import SamplingParams
+from engine.server.errors import context_error, engine_error
+from engine.server.state import EngineClient, ServerState
+
+_background: set[asyncio.Task[Any]] = set()
+
+
+def spawn(coro: Coroutine[Any, Any, Any]) -> None:
+    """Runs `coro` to completion even if the caller is being cancelled right now."""
+    task = asyncio.get_running_loop().create_task(coro)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+def check_context(engine: EngineClient, num_prompt_tokens: int, max_tokens: int | None, param: str) -> None:
+    """Refuses a request whose prompt plus completion cannot fit the context window."""
+    limit = engine.max_model_len
+    if num_prompt_tokens + (max_tokens if max_tokens is not None else 1) > limit:
+        raise context_error(limit, num_prompt_tokens, max_tokens, param)
+
+
+@dataclass
+class ChoiceState:
+    """What one output sequence (choice) has produced so far."""
+
+    latest: CompletionOutput
+    logprobs: list[SampleLogprobs] = field(default_factory=list)
+    finish_sent: bool = False
+
+    def all_logprobs(self) -> list[SampleLogprobs]:
+        return self.latest.logprobs if self.latest.logprobs is not None else self.logprobs
+
+
+class Generation:
+    """One API request's engine requests (one per prompt; `params.n` sequences each)."""
+
+    def __init__(
+        self,
+        state: ServerState,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        request_id: str,
+        param: str,
+    ) -> None:
+        assert state.engine is not None
+        self.state = state
+        self.engine = state.engine
+        self.prompts = prompts
+        self.params = params
+        self.param = param
+        self.request_id = request_id
+        self.ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        self.final: list[RequestOutput | None] = [None] * len(prompts)
+        self.choices: dict[tuple[int, int], ChoiceState] = {}
+        self._iters: list[AsyncIterator[RequestOutput] | None] = [None] * len(prompts)
+        self._firsts: list[RequestOutput] = []
+        self._done = [False] * len(prompts)
+        self._observers = [state.metrics.observer() for _ in prompts]
+        self._watcher: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Submits every prompt and waits for each one's first output (or admission error)."""
+        self.state.active_requests.update(self.ids)
+        results = await asyncio.gather(
+            *(self._first(i) for i in range(len(self.prompts))), return_exceptions=True
+        )
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            self.close(count_aborts=False)
+            mapped = engine_error(failure, self.param, self.state.settings.retry_after_s)
+            if mapped is None:
+                raise failure
+            raise mapped
+        self._firsts = [r for r in results if isinstance(r, RequestOutput)]
+
+    async def _first(self, i: int) -> RequestOutput:
+        it = self.engine.generate(self.prompts[i], self.params, self.ids[i])
+        self._iters[i] = it
+        try:
+            return await it.__anext__()
+        except StopAsyncIteration:
+            raise RuntimeError(f"engine stream {self.ids[i]} ended before any output") from None
+
+    def watch_disconnect(self, request: Request) -> None:
+        """Aborts the engine requests as soon as the client disconnects (non-streaming path)."""
+
+        async def watch() -> None:
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    self.close()
+                    return
+
+        self._watcher = asyncio.get_running_loop().create_task(watch())
+
+    def stop_watching(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+
+    def close(self, count_aborts: bool = True) -> None:
+        """Aborts every engine request that has not finished; safe to call more than once."""
+        self.stop_watching()
+        for i, rid in enumerate(self.ids):
+            if not self._done[i]:
+                self._done[i] = True
+                if count_aborts:
+                    self._observers[i].abandon(self.params.n)
+                if self._iters[i] is not None:
+                    spawn(self.engine.abort(rid))
+            self.state.active_requests.discard(rid)
+        self._closed = True
+
+    # -- outputs ---------------------------------------------------------------------------
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) in arrival order until every prompt's request finished."""
+        try:
+            for i, first in enumerate(self._firsts):
+                self._record(i, first)
+                yield i, first
+            pending = [i for i in range(len(self.prompts)) if not self._done[i]]
+            if len(pending) == 1:
+                i = pending[0]
+                it = self._iters[i]
+                assert it is not None
+                async for out in it:
+                    self._record(i, out)
+                    yield i, out
+                    if self._done[i]:
+                        break
+            elif pending:
+                async for i, out in self._merged(pending):
+                    self._record(i, out)
+                    yield i, out
+        finally:
+            self.close()
+
+    async def _merged(self, pending: list[int]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            it = self._iters[i]
+            assert it is not None
+            try:
+                async for out in it:
+                    await queue.put((i, out))
+                    if out.finished:
+                        break
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.get_running_loop().create_task(pump(i)) for i in pending]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, out = await queue.get()
+                if out is None:
+                    remaining -= 1
+                    continue
+                yield i, out
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(BaseException):
+                    await t
+
+    def _record(self, i: int, out: RequestOutput) -> None:
+        self.final[i] = out
+        for o in out.outputs:
+            key = (i, o.index)
+            st = self.choices.get(key)
+            if st is None:
+                self.choices[key] = st = ChoiceState(latest=o)
+            st.latest = o
+            if o.delta_logprobs:
+                st.logprobs.extend(o.delta_logprobs)
+        if self._done[i]:
+            return
+        self._observers[i].on_output(out)
+        if out.finished:
+            self._done[i] = True
+            self.state.active_requests.discard(self.ids[i])
+
+    async def collect(self) -> None:
+        async for _ in self.outputs():
+            pass
+
+    # -- summaries -------------------------------------------------------------------------
+    def usage(self) -> dict[str, Any]:
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(len(st.latest.token_ids) for st in self.choices.values())
+        cached = sum(o.num_cached_tokens for o in self.final if o is not None)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    def choice_index(self, prompt_index: int, seq_index: int) -> int:
+        return prompt_index * self.params.n + seq_index

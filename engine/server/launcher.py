@@ -1,0 +1,228 @@
+"""`python -m engine.server`: parse flags, listen at once, load the engine in the background,
+and on SIGTERM stop admitting, drain in-flight requests (bounded), then exit 0."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Generator, Sequence
+from typing import Any
+
+import uvicorn
+
+from engine.server.app import build_app, new_state
+from engine.server.state import ServerSettings, ServerState
+
+log = logging.getLogger("engine.server")
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1 << 30,
+    "gib": 1 << 30,
+}
+
+
+def byte_size(text: str) -> int:
+    """'1048576', '512MiB', '2G' -> bytes."""
+    s = text.strip().lower()
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num) :].strip()
+    if unit not in _UNITS or not num:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use bytes or e.g. 512MiB, 2GiB)")
+    return int(float(num) * _UNITS[unit])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m engine.server", description=__doc__)
+    p.add_argument("--model", default="smollm2-135m", help="model alias or path (GGUF file or HF directory)")
+    p.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("FLEET_ENGINE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on the API (default: $FLEET_ENGINE_API_KEY)",
+    )
+    p.add_argument(
+        "--max-request-bytes", type=byte_size, default=1 << 20, help="largest request body (413 above)"
+    )
+    p.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds to drain in-flight requests on SIGTERM"
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    e = p.add_argument_group("engine")
+    e.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=None)
+    e.add_argument("--device", default=None)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--max-num-seqs", type=int, default=None)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--max-queue-len", type=int, default=None, help="waiting requests beyond this get 429")
+    e.add_argument(
+        "--kv-cache-memory", type=byte_size, default=None, help="bytes for the KV cache, e.g. 2GiB"
+    )
+    e.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    e.add_argument("--block-size", type=int, default=None)
+    e.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default=None)
+    e.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
+    e.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false", default=None)
+    e.add_argument("--seed", type=int, default=None)
+    return p
+
+
+_ENGINE_FLAGS = (
+    "dtype",
+    "device",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_queue_len",
+    "kv_cache_memory",
+    "num_gpu_blocks_override",
+    "block_size",
+    "attention_backend",
+    "enable_prefix_caching",
+    "enable_chunked_prefill",
+    "seed",
+)
+
+
+def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
+    kwargs = {k: getattr(ns, k) for k in _ENGINE_FLAGS if getattr(ns, k) is not None}
+    kwargs["show_progress"] = False
+    return kwargs
+
+
+class _Server(uvicorn.Server):
+    """uvicorn with our signal handling: drain first, never re-raise the signal (exit 0)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+        self._drain: asyncio.Task[None] | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        loop = asyncio.get_running_loop()
+        sigs = (signal.SIGTERM, signal.SIGINT)
+        for sig in sigs:
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            yield
+        finally:
+            for sig in sigs:
+                loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: int) -> None:
+        if self._drain is not None:  # a second signal: stop now
+            log.warning("second %s: exiting without waiting", signal.Signals(sig).name)
+            self.force_exit = self.should_exit = True
+            return
+        log.info(
+            "%s: refusing new requests, draining %d in flight", signal.Signals(sig).name, self.state.in_flight
+        )
+        self.state.draining = True
+        self._drain = asyncio.get_running_loop().create_task(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        state = self.state
+        if not await state.wait_idle(state.settings.drain_timeout):
+            log.warning("drain timeout: aborting %d requests", len(state.active_requests))
+            if state.engine is not None:
+                for rid in list(state.active_requests):
+                    await state.engine.abort(rid)
+            await state.wait_idle(5.0)
+        self.should_exit = True
+
+
+def _load_engine(
+    model: str,
+    served: str,
+    kwargs: dict[str, Any],
+    state: ServerState,
+    loop: asyncio.AbstractEventLoop,
+    server: _Server,
+) -> None:
+    """Runs on a thread so /health can answer 503 while the weights load."""
+    try:
+        from engine.async_llm import AsyncLLM
+
+        engine = AsyncLLM(model=model, served_model_name=served, **kwargs)
+    except BaseException as err:
+        log.exception("the engine failed to load")
+        message = f"The engine failed to load: {err}"
+
+        def fail() -> None:
+            state.load_error = message
+            server.should_exit = True
+
+        loop.call_soon_threadsafe(fail)
+        return
+
+    def ready() -> None:
+        if state.draining:
+            engine.shutdown()
+            return
+        state.engine = engine
+        log.info("ready: serving %r (max_model_len=%d)", served, engine.max_model_len)
+
+    loop.call_soon_threadsafe(ready)
+
+
+async def _serve(ns: argparse.Namespace) -> int:
+    served = ns.served_model_name or ns.model
+    settings = ServerSettings(
+        served_model_name=served,
+        api_key=ns.api_key or None,
+        max_request_bytes=ns.max_request_bytes,
+        drain_timeout=ns.drain_timeout,
+    )
+    state = new_state(settings)
+    config = uvicorn.Config(
+        build_app(state),
+        host=ns.host,
+        port=ns.port,
+        log_level=ns.log_level,
+        access_log=ns.access_log,
+        timeout_graceful_shutdown=5,
+        lifespan="off",
+    )
+    server = _Server(config, state)
+    loader = threading.Thread(
+        target=_load_engine,
+        args=(ns.model, served, engine_kwargs(ns), state, asyncio.get_running_loop(), server),
+        name="engine-load",
+        daemon=True,
+    )
+    loader.start()
+    await server.serve()
+    if state.engine is not None:
+        state.engine.shutdown()
+    return 1 if state.load_error else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        from engine.config import EngineArgs
+
+        EngineArgs(model=ns.model, **engine_kwargs(ns))  # fail fast on bad flags, before listening
+    except Exception as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return asyncio.run(_serve(ns))

@@ -1,0 +1,207 @@
+"""Prometheus metrics of one replica, in a registry of its own (see docs/metrics.md).
+
+Engine-wide gauges and counters are read from `engine.stats()` at scrape time, so they can
+never drift from the engine; latency histograms and finish reasons are observed per request
+from the outputs the server streams.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.outputs import EngineStats, RequestOutput
+
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+QUEUE_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _EngineStatsCollector(Collector):
+    """Turns one `EngineStats` snapshot per scrape into gauges and counters."""
+
+    def __init__(self, model: str, stats: Callable[[], EngineStats | None]) -> None:
+        self.model = model
+        self.stats = stats
+
+    def collect(self) -> Iterable[Metric]:
+        s = self.stats() or EngineStats()
+        labels = [self.model]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=["model"])
+            g.add_metric(labels, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=["model"])
+            c.add_metric(labels, value)
+            return c
+
+        yield gauge("fleet_engine_requests_running", "Sequence groups being generated now.", s.num_running)
+        yield gauge("fleet_engine_requests_waiting", "Requests queued for admission.", s.num_waiting)
+        yield gauge(
+            "fleet_engine_kv_cache_usage_ratio",
+            "Fraction of KV-cache blocks in use (0..1).",
+            s.kv_cache_usage,
+        )
+        yield counter("fleet_engine_prompt_tokens", "Prompt tokens processed.", s.prompt_tokens)
+        yield counter("fleet_engine_generation_tokens", "Tokens generated.", s.generation_tokens)
+        yield counter(
+            "fleet_engine_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            s.prefix_cache_queries,
+        )
+        yield counter(
+            "fleet_engine_prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits
+        )
+        yield counter(
+            "fleet_engine_preemptions", "Sequences preempted for lack of KV blocks.", s.num_preemptions
+        )
+
+
+class ServerMetrics:
+    """The replica's registry: engine snapshot collector plus per-request histograms."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        # Set once the engine exists; until then the engine metrics read as zero.
+        self.stats: Callable[[], EngineStats | None] = lambda: None
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineStatsCollector(model, lambda: self.stats()))
+        r = self.registry
+        self.ttft = Histogram(
+            "fleet_engine_time_to_first_token_seconds",
+            "Arrival to first generated token.",
+            ["model"],
+            registry=r,
+            buckets=TTFT_BUCKETS,
+        ).labels(model)
+        self.itl = Histogram(
+            "fleet_engine_inter_token_latency_seconds",
+            "Time between successive tokens of a sequence.",
+            ["model"],
+            registry=r,
+            buckets=ITL_BUCKETS,
+        ).labels(model)
+        self.e2e = Histogram(
+            "fleet_engine_e2e_request_latency_seconds",
+            "Arrival to the last token of a request.",
+            ["model"],
+            registry=r,
+            buckets=E2E_BUCKETS,
+        ).labels(model)
+        self.queue = Histogram(
+            "fleet_engine_request_queue_time_seconds",
+            "Arrival to first scheduled (time waiting in the queue).",
+            ["model"],
+            registry=r,
+            buckets=QUEUE_BUCKETS,
+        ).labels(model)
+        self._finished = Counter(
+            "fleet_engine_requests",
+            "Finished sequences by finish reason (stop, length, abort).",
+            ["model", "finish_reason"],
+            registry=r,
+        )
+        for reason in ("stop", "length", "abort"):
+            self._finished.labels(model, reason)
+
+    def observer(self) -> RequestObserver:
+        return RequestObserver(self)
+
+    def finished(self, reason: str) -> None:
+        self._finished.labels(self.model, reason).inc()
+
+
+class RequestObserver:
+    """Observes one engine request's stream: TTFT, inter-token gaps, queue and e2e time.
+
+    Engine timestamps are used where the output carries them; token gaps are measured where
+    the tokens arrive (the server), divided evenly when one step delivers several tokens.
+    """
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.m = metrics
+        self.start = time.monotonic()
+        self.last: float | None = None
+        self.done = False
+
+    def on_output(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        new = max((len(o.delta_token_ids) for o in out.outputs), default=0)
+        if new:
+            if self.last is None:
+                ttft = out.metrics.ttft if out.metrics is not None else None
+                self.m.ttft.observe(ttft if ttft is not None else now - self.start)
+            else:
+                gap = (now - self.last) / new
+                for _ in range(new):
+                    self.m.itl.observe(gap)
+            self.last = now
+        if out.finished:
+            self.finish(out)
+
+    def finish(self, out: RequestOutput) -> None:
+        if self.done:
+            return
+        self.done = True
+        now = time.monotonic()
+        mt = out.metrics
+        if mt is not None and mt.queue_time is not None:
+            self.m.queue.observe(mt.queue_time)
+        end = (mt.finished_time or mt.last_token_time) if mt is not None else None
+        self.m.e2e.observe(end - mt.arrival_time if mt is not None and end is not None else now - self.start)
+        for o in out.outputs:
+            self.m.finished(o.finish_reason or "abort")
+
+    def abandon(self, num_sequences: int) -> None:
+        """The stream ended without a finished output (client gone, engine aborted)."""
+        if self.done:
+            return
+        self.done = True
+        self.m.e2e.observe(time.monotonic() - self.start)
+        for _ in range(num_sequences):
+            self.m.finished("abort")

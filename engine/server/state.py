@@ -1,0 +1,85 @@
+"""What the server knows about its engine and its own lifecycle (loading, ready, draining)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.outputs import EngineStats, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.server.metrics import ServerMetrics
+
+
+class EngineClient(Protocol):
+    """The part of `engine.AsyncLLM` the server uses (tests may pass anything shaped like it)."""
+
+    tokenizer: Any
+    max_model_len: int
+    model_config: Any
+
+    def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def shutdown(self) -> None: ...
+
+
+class ServerSettings(BaseModel):
+    """Server-side knobs (the engine's own knobs live in `engine.config.EngineArgs`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    served_model_name: str
+    api_key: str | None = None
+    max_request_bytes: int = Field(1 << 20, ge=1024)
+    drain_timeout: float = Field(30.0, ge=0.0)
+    retry_after_s: int = Field(1, ge=1)
+
+
+@dataclass
+class ServerState:
+    """Mutable lifecycle state shared by the app, its middleware and the launcher."""
+
+    settings: ServerSettings
+    metrics: ServerMetrics
+    engine: EngineClient | None = None
+    load_error: str | None = None
+    draining: bool = False
+    in_flight: int = 0
+    # engine request ids now generating, so a drain that times out can abort them
+    active_requests: set[str] = field(default_factory=set)
+    created: float = 0.0
+    idle: asyncio.Event | None = field(default=None, repr=False)
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and not self.draining
+
+    def enter(self) -> None:
+        self.in_flight += 1
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0 and self.idle is not None:
+            self.idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True when no request is in flight within `timeout` seconds."""
+        if self.in_flight == 0:
+            return True
+        self.idle = asyncio.Event()
+        try:
+            await asyncio.wait_for(self.idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            self.idle = None
