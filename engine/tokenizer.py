@@ -12,6 +12,7 @@ import codecs
 import json
 import logging
 import mmap
+import re
 import struct
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -84,12 +85,22 @@ def _byte_level_decoding_map() -> dict[str, int]:
     return mapping
 
 
+@lru_cache(maxsize=1)
+def _byte_level_translation() -> dict[int, int]:
+    return {ord(ch): b for ch, b in _byte_level_decoding_map().items()}
+
+
+# Characters below U+0100 that are not in the byte-level alphabet (they stand for nothing).
+_NOT_BYTE_LEVEL = re.compile("[\x00-\x20\x7f-\xa0\xad]")
+
+
 def _byte_level_bytes(piece: str) -> bytes:
-    table = _byte_level_decoding_map()
-    try:
-        return bytes(table[ch] for ch in piece)
-    except KeyError:  # not a byte-level string (same fallback as `tokenizers`)
-        return piece.encode("utf-8")
+    if not _NOT_BYTE_LEVEL.search(piece):
+        try:
+            return piece.translate(_byte_level_translation()).encode("latin-1")
+        except UnicodeEncodeError:
+            pass
+    return piece.encode("utf-8")  # not a byte-level string (same fallback as `tokenizers`)
 
 
 def _sentencepiece_bytes(piece: str) -> bytes:
@@ -218,10 +229,17 @@ def _sentencepiece_merges(pieces: Sequence[str], scores: Sequence[float], types:
 # --------------------------------------------------------------------------- chat template
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
-            sort_keys: bool = False) -> str:  # fmt: skip
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)  # fmt: skip
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """HF's `tojson` filter: unlike Jinja's built-in it keeps non-ASCII and HTML as is."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _raise_exception(message: str) -> None:
@@ -399,11 +417,12 @@ class Tokenizer:
         extra_stop_ids: set[int] | None = None,
         byte_table: list[bytes] | None = None,
         strip_leading_space: bool = False,
+        vocab_size: int | None = None,
     ) -> None:
         backend.no_truncation()
         backend.no_padding()
         self._backend = backend
-        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.vocab_size: int = vocab_size or backend.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
@@ -531,6 +550,7 @@ class Tokenizer:
             extra_stop_ids=stops,
             byte_table=_build_byte_table(pieces, added, table_kind),
             strip_leading_space=strip,
+            vocab_size=len(pieces),  # duplicate token strings must not shrink it
         )
 
     @classmethod
