@@ -157,7 +157,9 @@ class GGUFFile:
         n_kv = cur.u64()
         # Each KV pair and tensor entry takes at least 12 bytes: reject garbage counts early.
         if (n_tensors + n_kv) * 12 > cur.size:
-            raise CheckpointError(f"{self.path}: corrupt GGUF header ({n_tensors} tensors, {n_kv} keys)")
+            raise CheckpointError(
+                f"{self.path}: truncated or corrupt GGUF header ({n_tensors} tensors, {n_kv} keys)"
+            )
         self.metadata: dict[str, Any] = {}
         for _ in range(n_kv):
             key = cur.string()

@@ -69,7 +69,7 @@ def make_tiny_hf_checkpoint(
         num_key_value_heads=num_kv_heads,
         tie_word_embeddings=tie,
         rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
+        rope_scaling=dict(rope_scaling) if rope_scaling else None,  # transformers mutates it
         max_position_embeddings=max_position_embeddings,
         rms_norm_eps=1e-5,
     )
