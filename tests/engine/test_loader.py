@@ -304,6 +304,36 @@ def test_llama3_scaling_recovered_from_rope_freqs(
         llama3_scaling_from_factors(factors[::-1].copy(), head_dim, theta, orig)
 
 
+def test_head_dim_other_than_hidden_over_heads(tmp_path: Path) -> None:
+    """head_dim 32 with hidden 64 and 4 heads: Q has 128 rows; GGUF records attention.key_length."""
+    hf = make_tiny_hf_checkpoint(tmp_path / "hf", head_dim=32, num_layers=1, seed=4)
+    hf_cfg, hf_state = load_checkpoint(hf)
+    assert hf_cfg.head_dim == 32 and hf_state["model.layers.0.self_attn.q_proj.weight"].shape == (128, 64)
+    cfg, state = load_checkpoint(make_tiny_gguf(tmp_path / "hd.gguf", hf, "F32"))
+    assert cfg == hf_cfg
+    for name, orig in hf_state.items():
+        assert torch.equal(state[name], orig), name
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K"])
+def test_k_quant_blocks_dequantize_to_row_major_shape(tmp_path: Path, qtype: str) -> None:
+    """256-wide super-blocks (which gguf cannot quantize, only read) come back as [rows, cols]."""
+    from engine.loader.gguf import _dequantize
+
+    gtype = gguf.GGMLQuantizationType[qtype]
+    block_size, type_size = gguf.GGML_QUANT_SIZES[gtype]
+    rows, cols = 3, 2 * block_size
+    raw = np.random.default_rng(0).integers(0, 256, (rows, cols // block_size * type_size), dtype=np.uint8)
+    path = _write_gguf(tmp_path / "k.gguf", "llama", {"w.weight": (raw, gtype)})
+    with GGUFFile(path) as f:
+        info = f.tensors["w.weight"]
+        assert info.shape == (rows, cols)
+        got = _dequantize(f, info)
+    assert got.shape == (rows, cols)
+    # random bytes may hold inf/NaN f16 scales: compare NaN-aware
+    assert np.array_equal(got, gguf.quants.dequantize(raw, gtype), equal_nan=True)
+
+
 # ---------------------------------------------------------------- errors
 
 

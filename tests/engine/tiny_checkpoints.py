@@ -49,16 +49,19 @@ def make_tiny_hf_checkpoint(
     rope_theta: float = 10000.0,
     max_position_embeddings: int = 256,
     max_shard_size: str | int | None = None,
+    head_dim: int | None = None,
 ) -> Path:
     """Write config.json + safetensors of a random `model_type` model to `out_dir`; returns it.
 
     Every parameter (norms and biases too) is drawn from `seed`, so a loader that mixes up
     tensors or rows cannot pass by luck. `max_shard_size` (e.g. "100KB") makes a sharded
-    checkpoint with model.safetensors.index.json.
+    checkpoint with model.safetensors.index.json. `head_dim` (llama/mistral) may differ from
+    hidden_size // num_heads.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out_dir = Path(out_dir)
+    extra: dict[str, Any] = {} if head_dim is None else {"head_dim": head_dim}
     config = AutoConfig.for_model(
         model_type,
         vocab_size=vocab_size,
@@ -72,6 +75,7 @@ def make_tiny_hf_checkpoint(
         rope_scaling=dict(rope_scaling) if rope_scaling else None,  # transformers mutates it
         max_position_embeddings=max_position_embeddings,
         rms_norm_eps=1e-5,
+        **extra,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
