@@ -1,0 +1,169 @@
+"""The one dispatch point the engine calls: PyTorch references or Triton kernels.
+
+Backends: "torch" (references, any device), "triton" (Triton kernels; on CPU tensors only
+through Triton's interpreter, TRITON_INTERPRET=1) and "auto" (Triton on CUDA tensors when
+Triton is installed, the references everywhere else). Triton is imported on first use of
+the triton backend, so CPU-only processes never load it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any, Literal, cast
+
+import torch
+
+from kernels import reference
+from kernels.triton_mode import interpret_requested, interpreter_active
+
+Backend = Literal["auto", "torch", "triton"]
+BACKENDS: tuple[Backend, ...] = ("auto", "torch", "triton")
+
+_backend: Backend = "auto"
+_modules: dict[str, ModuleType] = {}
+_warned_no_triton = False
+
+
+def set_backend(name: str) -> None:
+    """Select the backend for every later call (process-wide)."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    _backend = cast(Backend, name)
+
+
+def get_backend() -> Backend:
+    return _backend
+
+
+@contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Temporarily switch the backend (tests, benchmarks)."""
+    previous = _backend
+    set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(previous)
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_backend(device: torch.device | str) -> Literal["torch", "triton"]:
+    """The implementation that runs for tensors on `device` under the current backend setting."""
+    global _warned_no_triton
+    device = torch.device(device)
+    if _backend == "torch":
+        return "torch"
+    if _backend == "auto":
+        if device.type != "cuda":
+            return "torch"
+        if not triton_available():
+            if not _warned_no_triton:
+                warnings.warn("triton is not installed: CUDA falls back to the PyTorch kernels", stacklevel=3)
+                _warned_no_triton = True
+            return "torch"
+        return "triton"
+    if not triton_available():
+        raise RuntimeError("the triton kernel backend was requested but triton is not installed")
+    if device.type != "cuda" and not interpreter_active():
+        if interpret_requested():
+            raise RuntimeError(
+                "TRITON_INTERPRET=1 was set after triton had been imported in compiled mode; "
+                "set it in the environment before the process first imports triton"
+            )
+        raise RuntimeError(
+            f"the triton kernel backend on {device.type} tensors needs Triton's interpreter: "
+            "start the process with TRITON_INTERPRET=1 (slow; for tests), or use the 'torch'/'auto' backend"
+        )
+    return "triton"
+
+
+def _triton(module: str) -> ModuleType:
+    if module not in _modules:
+        _modules[module] = importlib.import_module(f"kernels.{module}")
+    return _modules[module]
+
+
+def _impl(device: torch.device, module: str) -> Any:
+    return reference if resolve_backend(device) == "torch" else _triton(module)
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """key/value [T, Hkv, D] -> caches [num_blocks, block_size, Hkv, D] at slot_mapping [T] (negative = skip)."""
+    _impl(key.device, "triton_cache").write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [B, Hq, D], block_tables [B, max_blocks] int32, context_lens [B] int32 -> [B, Hq, D]."""
+    impl = _impl(q.device, "triton_attention")
+    return impl.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def paged_attention_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, Hq, D] of S chunks (query_start_loc [S+1]), context_lens [S] incl. the chunk -> [T, Hq, D]."""
+    impl = _impl(q.device, "triton_attention")
+    return impl.paged_attention_prefill(
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
+    )
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """rmsnorm(x) or, with residual, (rmsnorm(x + residual), x + residual)."""
+    return _impl(x.device, "triton_norm_rope").rms_norm(x, weight, eps, residual)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> None:
+    """In place on q [T, Hq, D] and k [T, Hkv, D]; cos_sin_cache [max_pos, rot_dim] = cat(cos, sin)."""
+    _impl(q.device, "triton_norm_rope").rotary_embedding(positions, q, k, cos_sin_cache)
+
+
+def build_cos_sin_cache(
+    head_dim: int,
+    max_position: int,
+    theta: float,
+    scaling: dict[str, Any] | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+    rotary_dim: int | None = None,
+) -> torch.Tensor:
+    """[max_position, rot_dim] = cat(cos, sin); HF rope_scaling None, "linear" or "llama3"."""
+    return reference.build_cos_sin_cache(head_dim, max_position, theta, scaling, device, dtype, rotary_dim)

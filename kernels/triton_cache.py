@@ -1,0 +1,91 @@
+"""Triton KV-cache write: scatter each new token's K and V rows into its slot."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kct,
+    stride_kch,
+    stride_vcb,
+    stride_vct,
+    stride_vch,
+    num_kv_heads,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    """One program = one token: all its KV heads; a negative slot means "do not store"."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot >= 0:
+        block = slot // BLOCK_SIZE
+        offset = slot % BLOCK_SIZE
+        heads = tl.arange(0, HEADS_PAD)
+        d = tl.arange(0, HEAD_DIM_PAD)
+        mask = (heads < num_kv_heads)[:, None] & (d < HEAD_DIM)[None, :]
+        k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + d[None, :], mask=mask)
+        v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + d[None, :], mask=mask)
+        k_dst = (
+            k_cache_ptr + block * stride_kcb + offset * stride_kct + heads[:, None] * stride_kch + d[None, :]
+        )
+        v_dst = (
+            v_cache_ptr + block * stride_vcb + offset * stride_vct + heads[:, None] * stride_vch + d[None, :]
+        )
+        tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Same contract as `kernels.reference.write_kv_cache`; key/value may be strided views."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    if key.stride(-1) != 1 or value.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("write_kv_cache needs a contiguous last (head_dim) dimension")
+    heads_pad = triton.next_power_of_2(num_kv_heads)
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    _write_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        num_kv_heads,
+        BLOCK_SIZE=k_cache.shape[1],
+        HEAD_DIM=head_dim,
+        HEADS_PAD=heads_pad,
+        HEAD_DIM_PAD=head_dim_pad,
+        num_warps=1 if heads_pad * head_dim_pad <= 1024 else 4,
+    )
