@@ -6,12 +6,13 @@ exponential race. Every stage works on the whole batch at once and is skipped wh
 needs it; the only per-row Python work is the noise draw of seeded rows, which must use the
 request's own generator so its tokens never depend on what else shares the batch.
 
-Truncation (top-k / top-p / min-p) is expressed as a per-row probability threshold found among
-the `num_candidates` most likely tokens (`topk`, far cheaper than sorting the vocabulary on
-CPU); a row whose threshold is not decided inside the candidates falls back to a full sort.
-Which path a row takes depends only on that row, and both give the same kept set.
+Truncation (top-k / top-p / min-p) is expressed as a per-row probability threshold, found
+among a row's most likely tokens (`topk`, far cheaper than sorting the vocabulary on CPU); a
+row whose threshold is not decided inside its candidates retries with 16x more, ending in a
+full sort. Which round decides a row depends only on that row, and every round gives the same
+kept set.
 
-`logits` passed to the sampler are never modified.
+The `logits` handed to the sampler are never modified.
 """
 
 from __future__ import annotations
@@ -25,25 +26,50 @@ from engine.outputs import SampleLogprobs, TokenLogprob
 from engine.sampling_params import SamplingParams
 
 DEFAULT_NUM_CANDIDATES = 256
+_WIDEN = 16  # candidate growth factor per undecided round
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """A subset of some row set: Python positions plus the matching index tensor.
+
+    `index` is None when the subset is the whole parent set in order, so no copy is needed.
+    """
+
+    positions: list[int]
+    index: torch.Tensor | None
+
+    @classmethod
+    def of(cls, positions: list[int], total: int, device: torch.device) -> _Rows:
+        whole = positions == list(range(total))
+        return cls(positions, None if whole else torch.tensor(positions, dtype=torch.long, device=device))
+
+    def select(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.index is None else x[self.index]
 
 
 @dataclass(frozen=True)
 class _Penalties:
-    """Penalty inputs for the rows that use any penalty (`rows` None: every row)."""
+    """Penalty inputs for the rows that use any penalty.
 
-    rows: torch.Tensor | None  # [P] long, indices into the batch
-    seen_tokens: torch.Tensor | None  # [P, Lp+Lo] prompt+output ids padded with vocab_size
-    output_tokens: torch.Tensor | None  # [P, Lo] output ids padded with vocab_size
-    repetition: torch.Tensor | None  # [P, 1]
+    Token tensors are padded with a token already in the row (0 for an empty row), so the
+    gather -> penalize -> scatter round trip writes identical values for duplicates.
+    """
+
+    rows: _Rows  # positions in the batch
+    seen_tokens: torch.Tensor | None  # [P, Ls] prompt + output ids
+    output_tokens: torch.Tensor | None  # [P, Lo] output ids
+    output_counting: torch.Tensor | None  # [P, Lo] output ids padded with vocab_size (a spare column)
+    repetition: torch.Tensor | None  # [P, 1]; 1.0 for rows with nothing seen
     frequency: torch.Tensor | None  # [P, 1]
     presence: torch.Tensor | None  # [P, 1]
 
 
 @dataclass(frozen=True)
 class _Truncation:
-    """top-k / top-p / min-p of the sampled rows that truncate (positions in the sampled set)."""
+    """top-k / top-p / min-p of the truncating rows (positions in the sampled set)."""
 
-    rows: list[int]
+    rows: _Rows
     top_k: torch.Tensor  # [T] long, 0 = off
     top_p: torch.Tensor  # [T] float, 1 = off
     min_p: torch.Tensor  # [T] float, 0 = off
@@ -54,31 +80,30 @@ class _Truncation:
 class SamplingBatch:
     """Per-step tensors derived from the requests' params; built once, read by `Sampler`.
 
-    Rows are split into greedy rows (argmax) and sampled rows; sampled rows further into
-    plain rows (full-vocabulary race) and truncating rows. Index lists are Python-side so the
-    sampler never has to sync to learn them.
+    Rows split into greedy rows (argmax) and sampled rows; sampled rows further into plain rows
+    (full-vocabulary race) and truncating rows. Row sets are known on the Python side so the
+    sampler never syncs to learn them.
     """
 
     num_rows: int
     vocab_size: int
     device: torch.device
-    greedy_rows: torch.Tensor | None  # [G] long; None when no row is greedy
-    sample_rows: torch.Tensor | None  # [S] long; None when no row samples
-    all_sampled: bool  # sample_rows covers the whole batch in order
-    temperature: torch.Tensor | None  # [S, 1]
-    plain_rows: list[int]  # positions in the sampled set
+    greedy: _Rows | None  # positions in the batch
+    sampled: _Rows | None  # positions in the batch
+    temperature: torch.Tensor | None  # [S, 1]; None when every sampled row uses 1.0
+    plain: _Rows | None  # positions in the sampled set
     truncation: _Truncation | None
-    generators: dict[int, torch.Generator]  # sampled-set position -> generator
+    generators: dict[int, torch.Generator]  # sampled-set position -> the request's generator
     penalties: _Penalties | None
-    blocked: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) set to -inf
+    blocked: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) forced to -inf
     num_logprobs: list[int | None]
-    logprob_rows: torch.Tensor | None  # [L] long; None when no row asks
+    logprob_rows: _Rows | None  # positions in the batch
     max_logprobs: int
 
     @property
     def fast_greedy(self) -> bool:
         """Nothing but argmax to do (the common benchmark case)."""
-        return self.sample_rows is None and self.penalties is None and self.blocked is None
+        return self.sampled is None and self.penalties is None and self.blocked is None
 
     @classmethod
     def build(
@@ -98,76 +123,95 @@ class SamplingBatch:
             raise ValueError("all per-row sequences must have one entry per row")
         device = torch.device(device)
 
-        def long_t(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=device)
-
-        def float_t(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
-
         greedy = [i for i, p in enumerate(params) if p.greedy]
         sampled = [i for i, p in enumerate(params) if not p.greedy]
-
         plain: list[int] = []
         trunc: list[int] = []
         gens: dict[int, torch.Generator] = {}
         for pos, i in enumerate(sampled):
             p = params[i]
-            if 0 < p.top_k < vocab_size or p.top_p < 1.0 or p.min_p > 0.0:
-                trunc.append(pos)
-            else:
-                plain.append(pos)
+            (trunc if 0 < p.top_k < vocab_size or p.top_p < 1.0 or p.min_p > 0.0 else plain).append(pos)
             gen = generators[i]
             if gen is None and p.seed is not None:
                 raise ValueError(f"row {i} has a seed but no generator")
             if gen is not None:
                 gens[pos] = gen
 
-        truncation = None
-        if trunc:
-            ks = [params[sampled[pos]].top_k for pos in trunc]
-            ks = [k if 0 < k < vocab_size else 0 for k in ks]
-            truncation = _Truncation(
-                rows=trunc,
-                top_k=long_t(ks),
-                top_p=float_t([params[sampled[pos]].top_p for pos in trunc]),
-                min_p=float_t([params[sampled[pos]].min_p for pos in trunc]),
-                max_top_k=max(ks),
-            )
-
-        blocked_rows: list[int] = []
-        blocked_ids: list[int] = []
-        for i, p in enumerate(params):
-            if len(output_token_ids[i]) < p.min_tokens:
-                ids = sorted(t for t in stop_token_ids[i] if 0 <= t < vocab_size)
-                blocked_rows.extend([i] * len(ids))
-                blocked_ids.extend(ids)
-        blocked = (long_t(blocked_rows), long_t(blocked_ids)) if blocked_rows else None
-
+        temps = [params[i].temperature for i in sampled]
         k_lp = [p.logprobs for p in params]
         lp_rows = [i for i, k in enumerate(k_lp) if k is not None]
-
         return cls(
             num_rows=n,
             vocab_size=vocab_size,
             device=device,
-            greedy_rows=long_t(greedy) if greedy else None,
-            sample_rows=long_t(sampled) if sampled else None,
-            all_sampled=len(sampled) == n,
-            temperature=float_t([params[i].temperature for i in sampled]).unsqueeze(1) if sampled else None,
-            plain_rows=plain,
-            truncation=truncation,
+            greedy=_Rows.of(greedy, n, device) if greedy else None,
+            sampled=_Rows.of(sampled, n, device) if sampled else None,
+            temperature=_column(temps, device) if any(t != 1.0 for t in temps) else None,
+            plain=_Rows.of(plain, len(sampled), device) if plain else None,
+            truncation=_build_truncation(params, sampled, trunc, vocab_size, device),
             generators=gens,
             penalties=_build_penalties(params, prompt_token_ids, output_token_ids, vocab_size, device),
-            blocked=blocked,
+            blocked=_build_blocked(params, output_token_ids, stop_token_ids, vocab_size, device),
             num_logprobs=k_lp,
-            logprob_rows=long_t(lp_rows) if lp_rows else None,
+            logprob_rows=_Rows.of(lp_rows, n, device) if lp_rows else None,
             max_logprobs=max((k for k in k_lp if k is not None), default=0),
         )
 
 
-def _pad(rows: list[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
+def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+
+def _build_truncation(
+    params: Sequence[SamplingParams],
+    sampled: list[int],
+    trunc: list[int],
+    vocab_size: int,
+    device: torch.device,
+) -> _Truncation | None:
+    if not trunc:
+        return None
+    ps = [params[sampled[pos]] for pos in trunc]
+    ks = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in ps]
+    return _Truncation(
+        rows=_Rows.of(trunc, len(sampled), device),
+        top_k=torch.tensor(ks, dtype=torch.long, device=device),
+        top_p=torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=device),
+        min_p=torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=device),
+        max_top_k=max(ks),
+    )
+
+
+def _build_blocked(
+    params: Sequence[SamplingParams],
+    output_token_ids: Sequence[Sequence[int]],
+    stop_token_ids: Sequence[set[int]],
+    vocab_size: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    rows: list[int] = []
+    ids: list[int] = []
+    for i, p in enumerate(params):
+        if len(output_token_ids[i]) < p.min_tokens:
+            stops = sorted(t for t in stop_token_ids[i] if 0 <= t < vocab_size)
+            rows.extend([i] * len(stops))
+            ids.extend(stops)
+    if not rows:
+        return None
+    return (
+        torch.tensor(rows, dtype=torch.long, device=device),
+        torch.tensor(ids, dtype=torch.long, device=device),
+    )
+
+
+def _pad(rows: list[list[int]], pad: int | None, device: torch.device) -> torch.Tensor:
+    """Right-pad to a rectangle with `pad`, or (None) with the row's own first token."""
     width = max((len(r) for r in rows), default=0) or 1
-    return torch.tensor([[*r, *([pad] * (width - len(r)))] for r in rows], dtype=torch.long, device=device)
+    return torch.tensor(
+        [[*r, *([(r[0] if r else 0) if pad is None else pad] * (width - len(r)))] for r in rows],
+        dtype=torch.long,
+        device=device,
+    )
 
 
 def _build_penalties(
@@ -182,22 +226,21 @@ def _build_penalties(
         return None
     ps = [params[i] for i in rows]
     use_rep = any(p.repetition_penalty != 1.0 for p in ps)
-    use_freq = any(p.frequency_penalty != 0.0 for p in ps)
-    use_pres = any(p.presence_penalty != 0.0 for p in ps)
-
-    def col(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
-
-    outputs = [output_token_ids[i] for i in rows]
+    use_count = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in ps)
+    seen = [[*prompt_token_ids[i], *output_token_ids[i]] for i in rows] if use_rep else []
+    outputs = [list(output_token_ids[i]) for i in rows] if use_count else []
     return _Penalties(
-        rows=None if len(rows) == len(params) else torch.tensor(rows, dtype=torch.long, device=device),
-        seen_tokens=_pad([[*prompt_token_ids[i], *output_token_ids[i]] for i in rows], vocab_size, device)
+        rows=_Rows.of(rows, len(params), device),
+        seen_tokens=_pad(seen, None, device) if use_rep else None,
+        output_tokens=_pad(outputs, None, device) if use_count else None,
+        output_counting=_pad(outputs, vocab_size, device) if use_count else None,
+        repetition=_column(
+            [p.repetition_penalty if s else 1.0 for p, s in zip(ps, seen, strict=True)], device
+        )
         if use_rep
         else None,
-        output_tokens=_pad(outputs, vocab_size, device) if use_freq or use_pres else None,
-        repetition=col([p.repetition_penalty for p in ps]) if use_rep else None,
-        frequency=col([p.frequency_penalty for p in ps]) if use_freq else None,
-        presence=col([p.presence_penalty for p in ps]) if use_pres else None,
+        frequency=_column([p.frequency_penalty for p in ps], device) if use_count else None,
+        presence=_column([p.presence_penalty for p in ps], device) if use_count else None,
     )
 
 
@@ -208,7 +251,7 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Stateless; `num_candidates` trades a cheaper top-k pass for more full-sort fallbacks."""
+    """Stateless. `num_candidates`: size of the first top-k pass used for truncation."""
 
     def __init__(self, num_candidates: int = DEFAULT_NUM_CANDIDATES) -> None:
         if num_candidates < 1:
@@ -219,113 +262,116 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != batch.num_rows or logits.shape[1] < batch.vocab_size:
             raise ValueError(f"logits {tuple(logits.shape)} do not match the batch ({batch.num_rows} rows)")
         raw = logits[:, : batch.vocab_size]  # padded vocab columns are never sampled
-
-        if batch.fast_greedy:
-            tokens = raw.argmax(dim=-1)
-        else:
-            tokens = self._sample(raw, batch)
-        token_list = tokens.tolist()
-        return SamplerOutput(token_ids=token_list, logprobs=_logprobs(raw, tokens, batch))
+        tokens = raw.argmax(dim=-1) if batch.fast_greedy else self._sample(raw, batch)
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=_logprobs(raw, tokens, batch))
 
     @staticmethod
     def adjusted_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Logits after min_tokens blocking and penalties: what greedy rows take the argmax of.
 
-        Returns `logits` itself (unmodified) when no row needs either.
+        A new tensor, or `logits` itself (unmodified) when no row needs either.
         """
-        x = logits[:, : batch.vocab_size]
-        raw = x
+        raw = logits[:, : batch.vocab_size]
+        if batch.blocked is None and batch.penalties is None:
+            return raw
+        x = raw.clone()
         if batch.blocked is not None:
-            x = x.clone()
             x[batch.blocked] = float("-inf")
         if batch.penalties is not None:
-            x = _apply_penalties(x, batch.penalties, owned=x is not raw)
+            _apply_penalties_(x, batch.penalties)
         return x
 
     def _sample(self, raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         x = self.adjusted_logits(raw, batch)
-        if batch.sample_rows is None:
+        if batch.sampled is None:
             return x.argmax(dim=-1)
-        assert batch.temperature is not None
-        scaled = x if batch.all_sampled else x.index_select(0, batch.sample_rows)
-        scaled = scaled / batch.temperature  # a fresh tensor either way
-        sampled = self._race(scaled, batch)
-        if batch.greedy_rows is None:
+        scaled = batch.sampled.select(x)
+        if batch.temperature is not None:
+            scaled = scaled / batch.temperature
+        sampled = self._race(scaled.softmax(dim=-1), batch)
+        if batch.greedy is None:
             return sampled
+        assert batch.sampled.index is not None and batch.greedy.index is not None
         tokens = torch.empty(batch.num_rows, dtype=torch.long, device=x.device)
-        tokens[batch.greedy_rows] = x.index_select(0, batch.greedy_rows).argmax(dim=-1)
-        tokens[batch.sample_rows] = sampled
+        tokens[batch.greedy.index] = x[batch.greedy.index].argmax(dim=-1)
+        tokens[batch.sampled.index] = sampled
         return tokens
 
-    def _race(self, scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Exponential race: argmax(p / E) with E ~ Exp(1) draws token i with probability p_i."""
-        probs = scaled.softmax(dim=-1)
-        noise = _Noise(batch, probs.shape[0])
+    def _race(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Exponential race: argmax(p / E), E ~ Exp(1) i.i.d., picks token i with probability p_i."""
+        noise = _Noise(batch)
+        if batch.truncation is None:  # every row plain: race in place over the whole vocabulary
+            assert batch.plain is not None
+            return probs.div_(noise.exponential(batch.plain.positions, None)).argmax(dim=-1)
         tokens = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
-        if batch.plain_rows:
-            if len(batch.plain_rows) == probs.shape[0]:
-                p = probs
-                rows = batch.plain_rows
-            else:
-                rows = batch.plain_rows
-                p = probs[_idx(rows, probs.device)]
-            e = noise.exponential(rows, None)
-            tokens[_idx(rows, probs.device)] = p.div_(e).argmax(dim=-1)
-        if batch.truncation is not None:
-            tokens[_idx(batch.truncation.rows, probs.device)] = self._truncated_race(
-                probs, batch.truncation, noise
-            )
+        if batch.plain is not None:
+            assert batch.plain.index is not None
+            p = probs[batch.plain.index]
+            tokens[batch.plain.index] = p.div_(noise.exponential(batch.plain.positions, None)).argmax(-1)
+        trunc_tokens = self._truncated_race(batch.truncation.rows.select(probs), batch.truncation, noise)
+        if batch.truncation.rows.index is None:
+            return trunc_tokens
+        tokens[batch.truncation.rows.index] = trunc_tokens
         return tokens
 
     def _truncated_race(self, probs: torch.Tensor, tr: _Truncation, noise: _Noise) -> torch.Tensor:
-        vocab = probs.shape[1]
-        p = probs if len(tr.rows) == probs.shape[0] else probs[_idx(tr.rows, probs.device)]
-        k = min(vocab, max(self.num_candidates, tr.max_top_k))
-        complete = k == vocab
-        cand_p, cand_i = p.sort(dim=-1, descending=True) if complete else p.topk(k, dim=-1)
-        keep, decided = _keep_mask(cand_p, tr.top_k, tr.top_p, tr.min_p, complete)
-        tokens = _race_candidates(cand_p, cand_i, keep, noise.exponential(tr.rows, cand_i))
-        if not complete:
+        """Race among each row's kept tokens, widening the candidate set for undecided rows."""
+        n, vocab = probs.shape
+        tokens = torch.empty(n, dtype=torch.long, device=probs.device)
+        pending: torch.Tensor | None = None  # rows of `probs` still undecided; None: all
+        width = max(self.num_candidates, tr.max_top_k)
+        while True:
+            sub = probs if pending is None else probs[pending]
+            complete = width >= vocab
+            cand_p, cand_i = sub.sort(dim=-1, descending=True) if complete else sub.topk(width, dim=-1)
+            if pending is None:
+                k, p, m = tr.top_k, tr.top_p, tr.min_p
+            else:
+                k, p, m = tr.top_k[pending], tr.top_p[pending], tr.min_p[pending]
+            keep, decided = _keep_mask(cand_p, k, p, m, complete)
+            positions = (
+                tr.rows.positions if pending is None else [tr.rows.positions[j] for j in pending.tolist()]
+            )
+            chosen = _race_candidates(cand_p, cand_i, keep, noise.exponential(positions, cand_i))
+            if pending is None:
+                tokens = chosen
+            else:
+                tokens[pending] = chosen  # undecided rows are overwritten in a later round
+            if complete:
+                return tokens
             undecided = (~decided).nonzero().squeeze(1)
-            if undecided.numel():  # the threshold lies beyond the candidates: sort those rows
-                sub = undecided.tolist()
-                full_p, full_i = p[undecided].sort(dim=-1, descending=True)
-                keep2, _ = _keep_mask(
-                    full_p, tr.top_k[undecided], tr.top_p[undecided], tr.min_p[undecided], True
-                )
-                e2 = noise.exponential([tr.rows[j] for j in sub], full_i)
-                tokens[undecided] = _race_candidates(full_p, full_i, keep2, e2)
-        return tokens
-
-
-def _idx(rows: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.long, device=device)
+            if undecided.numel() == 0:
+                return tokens
+            pending = undecided if pending is None else pending[undecided]
+            width *= _WIDEN
 
 
 class _Noise:
     """Exp(1) noise for the sampled rows of one step.
 
-    Seeded rows draw one uniform per vocabulary entry from their own generator, once per step,
-    so token `t` always meets noise `u[t]` whichever path the row takes. Unseeded rows draw
-    only the shape they need from the global generator. Exp(1) = -log(U) (inversion is ~4x
-    faster than `exponential_` on CPU); U = 0 gives +inf noise, i.e. that token just loses.
+    A seeded row draws one uniform per vocabulary entry from its own generator, once per step,
+    so token t always meets the same noise whichever path or round the row goes through.
+    Unseeded rows draw just the shape needed from the global generator. Exp(1) = -log(U):
+    inversion is ~4x faster than `exponential_` on CPU; U = 0 gives +inf noise (that token
+    simply loses) and U < 1 keeps the noise positive.
     """
 
-    def __init__(self, batch: SamplingBatch, num_sampled: int) -> None:
-        self.seeded: dict[int, torch.Tensor] = {}
-        for pos, gen in batch.generators.items():
-            self.seeded[pos] = torch.empty(batch.vocab_size, device=batch.device).uniform_(generator=gen)
+    def __init__(self, batch: SamplingBatch) -> None:
         self.device = batch.device
         self.vocab = batch.vocab_size
+        self.seeded = {
+            pos: torch.empty(self.vocab, device=self.device).uniform_(generator=gen)
+            for pos, gen in batch.generators.items()
+        }
 
-    def exponential(self, rows: list[int], index: torch.Tensor | None) -> torch.Tensor:
-        """Noise for sampled-set `rows`, at token ids `index` [n, K] (None: every token)."""
-        width = self.vocab if index is None else index.shape[1]
-        u = torch.rand(len(rows), width, device=self.device)
-        for i, r in enumerate(rows):
-            own = self.seeded.get(r)
-            if own is not None:
-                u[i] = own if index is None else own[index[i]]
+    def exponential(self, positions: list[int], index: torch.Tensor | None) -> torch.Tensor:
+        """Noise for sampled-set `positions` at token ids `index` [n, K] (None: every token)."""
+        u = torch.rand(len(positions), self.vocab if index is None else index.shape[1], device=self.device)
+        if self.seeded:
+            for i, pos in enumerate(positions):
+                own = self.seeded.get(pos)
+                if own is not None:
+                    u[i] = own if index is None else own[index[i]]
         return u.log_().neg_()
 
 
@@ -336,11 +382,11 @@ def _keep_mask(
     min_p: torch.Tensor,
     complete: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which candidates (probs sorted descending, [n, K]) survive top-k, top-p, min-p.
+    """Which candidates (probs sorted descending, [n, K]) survive top-k, top-p and min-p.
 
     Each filter is a probability threshold, so ties at a boundary are all kept. Returns the
-    keep mask and, per row, whether the kept set is decided by these candidates (always true
-    when `complete`, i.e. the candidates are the whole vocabulary).
+    keep mask and, per row, whether these candidates decide the kept set (always when
+    `complete`, i.e. the candidates are the whole vocabulary).
     """
     width = cand_p.shape[1]
     k_on = (top_k > 0).unsqueeze(1)
@@ -348,8 +394,7 @@ def _keep_mask(
     thresh = torch.where(k_on, kth, torch.zeros_like(kth))
 
     # top-p over the top-k-renormalized distribution: the smallest prefix holding p of the mass.
-    kept_k = torch.where(cand_p >= thresh, cand_p, torch.zeros_like(cand_p))
-    csum = kept_k.cumsum(dim=1)
+    csum = torch.where(cand_p >= thresh, cand_p, torch.zeros_like(cand_p)).cumsum(dim=1)
     total = torch.where(k_on, csum[:, -1:], torch.ones_like(kth))
     first = (csum < top_p.unsqueeze(1) * total).sum(dim=1, keepdim=True)
     p_on = (top_p < 1.0).unsqueeze(1)
@@ -360,9 +405,9 @@ def _keep_mask(
     keep = cand_p >= thresh
     if complete:
         return keep, torch.ones(cand_p.shape[0], dtype=torch.bool, device=cand_p.device)
+    # Decided when top-p found its cut here and no token past the candidates can be kept.
     last = cand_p[:, -1:]
-    found = ~p_on | (first < width)
-    decided = found & ((last < thresh) | (last == 0))
+    decided = (~p_on | (first < width)) & ((last < thresh) | (last == 0))
     return keep, decided.squeeze(1)
 
 
@@ -373,29 +418,21 @@ def _race_candidates(
     return cand_i.gather(1, score.argmax(dim=1, keepdim=True)).squeeze(1)
 
 
-def _apply_penalties(x: torch.Tensor, pen: _Penalties, owned: bool) -> torch.Tensor:
-    """HF repetition penalty on prompt+output tokens; OpenAI frequency/presence on outputs."""
-    sub = x if pen.rows is None else x.index_select(0, pen.rows)
-    n, vocab = sub.shape
-    if pen.repetition is not None and pen.seen_tokens is not None:
-        seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=x.device)
-        seen.scatter_(1, pen.seen_tokens, True)
-        seen = seen[:, :vocab]
-        rep = pen.repetition
-        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    if pen.output_tokens is not None:
-        counts = torch.zeros(n, vocab + 1, dtype=torch.float32, device=x.device)
-        counts.scatter_add_(1, pen.output_tokens, torch.ones_like(pen.output_tokens, dtype=torch.float32))
-        counts = counts[:, :vocab]
-        if pen.frequency is not None:
-            sub = sub - pen.frequency * counts
-        if pen.presence is not None:
-            sub = sub - pen.presence * (counts > 0).to(sub.dtype)
-    if pen.rows is None:
-        return sub
-    out = x if owned else x.clone()
-    out[pen.rows] = sub
-    return out
+def _apply_penalties_(x: torch.Tensor, pen: _Penalties) -> None:
+    """In place: HF repetition penalty on prompt+output tokens, then OpenAI frequency/presence
+    on output tokens. Only the touched entries are read and written (gather/scatter), so the
+    cost scales with the tokens, not the vocabulary (except the one count tensor)."""
+    n = len(pen.rows.positions)
+    rows = (pen.rows.index if pen.rows.index is not None else torch.arange(n, device=x.device)).unsqueeze(1)
+    if pen.seen_tokens is not None and pen.repetition is not None:
+        v = x[rows, pen.seen_tokens]
+        x[rows, pen.seen_tokens] = torch.where(v > 0, v / pen.repetition, v * pen.repetition)
+    if pen.output_tokens is not None and pen.output_counting is not None:
+        assert pen.frequency is not None and pen.presence is not None
+        counts = torch.zeros(n, x.shape[1] + 1, dtype=x.dtype, device=x.device)
+        counts.scatter_add_(1, pen.output_counting, torch.ones_like(pen.output_counting, dtype=x.dtype))
+        c = counts.gather(1, pen.output_tokens)
+        x[rows, pen.output_tokens] -= pen.frequency * c + pen.presence * (c > 0).to(x.dtype)
 
 
 def _logprobs(
@@ -404,16 +441,18 @@ def _logprobs(
     """Raw model logprobs (before any penalty or temperature), as vLLM reports them."""
     if batch.logprob_rows is None:
         return None
-    rows = batch.logprob_rows
-    lp = raw.index_select(0, rows).log_softmax(dim=-1)
-    chosen = tokens.index_select(0, rows)
+    lp = batch.logprob_rows.select(raw).log_softmax(dim=-1)
+    chosen = batch.logprob_rows.select(tokens)
     sampled_lp = lp.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
-    if batch.max_logprobs > 0:
-        top_v, top_i = lp.topk(min(batch.max_logprobs, lp.shape[1]), dim=-1)
+    k_max = min(batch.max_logprobs, lp.shape[1])
+    top_vals: list[list[float]] = []
+    top_ids: list[list[int]] = []
+    if k_max > 0:
+        top_v, top_i = lp.topk(k_max, dim=-1)
         top_vals, top_ids = top_v.tolist(), top_i.tolist()
     out: list[SampleLogprobs | None] = [None] * batch.num_rows
-    for j, (row, tok) in enumerate(zip(rows.tolist(), chosen.tolist(), strict=True)):
-        k = min(batch.num_logprobs[row] or 0, lp.shape[1])
-        top = [TokenLogprob(top_ids[j][m], "", top_vals[j][m]) for m in range(k)] if k else []
+    for j, (row, tok) in enumerate(zip(batch.logprob_rows.positions, chosen.tolist(), strict=True)):
+        k = min(batch.num_logprobs[row] or 0, k_max)
+        top = [TokenLogprob(top_ids[j][m], "", top_vals[j][m]) for m in range(k)]
         out[row] = SampleLogprobs(sampled=TokenLogprob(tok, "", sampled_lp[j]), top=top)
     return out
