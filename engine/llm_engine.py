@@ -149,7 +149,7 @@ class LLMEngine:
             seq = SequenceState(
                 request=req,
                 index=j,
-                detok=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+                detok=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, prefix_ids=ids[-8:]),
                 stop_ids=stop_ids,
                 logprobs=[] if params.logprobs is not None else None,
             )

@@ -178,7 +178,7 @@ class Scheduler:
                     break
                 computed_blocks, num_computed = ([], 0)
                 if req.num_computed_tokens == 0:
-                    computed_blocks, num_computed = self.kv.get_computed_blocks(req)
+                    computed_blocks, num_computed = self.kv.get_computed_blocks(req, record_stats=False)
                 num_new = req.num_tokens - num_computed
                 if num_new > budget:
                     if not self.enable_chunked_prefill:
@@ -187,6 +187,8 @@ class Scheduler:
                 if not self.kv.allocate_slots(req, num_new, computed_blocks):
                     break
                 self.waiting.pop()
+                if self.kv.enable_caching and req.num_computed_tokens == 0:
+                    self.kv.stats.record(req.num_tokens, num_computed)
                 req.num_computed_tokens = num_computed
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_computed

@@ -26,3 +26,15 @@ def smollm2_gguf() -> Path:
         return resolve_model_path("smollm2-135m")
     except ModelNotFoundError as err:
         pytest.skip(str(err))
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf):
+    """transformers' own load of the same GGUF (float32): the reference model. Slow (~20 s),
+    so loaded once per session."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
+    ).eval()

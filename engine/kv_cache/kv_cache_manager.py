@@ -24,6 +24,10 @@ class PrefixCacheStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
 
+    def record(self, num_queried: int, num_hit: int) -> None:
+        self.prefix_cache_queries += num_queried
+        self.prefix_cache_hits += num_hit
+
     @property
     def hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
@@ -72,8 +76,11 @@ class KVCacheManager:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._tables
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
-        """Longest cached run of full prefix blocks; never the block holding the last token."""
+    def get_computed_blocks(self, request: Request, record_stats: bool = True) -> tuple[list[int], int]:
+        """Longest cached run of full prefix blocks; never the block holding the last token.
+
+        A scheduler that may look up the same waiting request on several steps passes
+        record_stats=False and records once on admission (`stats.record`)."""
         if not self.enable_caching:
             return [], 0
         # At most num_tokens - 1 tokens may be reused, so the model computes the last one.
@@ -85,8 +92,8 @@ class KVCacheManager:
                 break
             hit.append(block.block_id)
         num_computed = len(hit) * self.block_size
-        self.stats.prefix_cache_queries += request.num_tokens
-        self.stats.prefix_cache_hits += num_computed
+        if record_stats:
+            self.stats.record(request.num_tokens, num_computed)
         return hit, num_computed
 
     # ---- mutations -----------------------------------------------------------------------

@@ -29,14 +29,9 @@ LLAMA3_TINY = {
 
 
 @pytest.fixture(scope="module")
-def hf_gguf_reference(smollm2_gguf: Path):
-    """transformers' own GGUF loading of SmolLM2 (~20 s): the state dict and config to match."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
-    )
-    return model.state_dict(), model.config
+def hf_gguf_reference(hf_smollm2):
+    """transformers' own GGUF loading of SmolLM2: the state dict and config to match."""
+    return hf_smollm2.state_dict(), hf_smollm2.config
 
 
 @pytest.mark.slow
