@@ -1,0 +1,308 @@
+"""Shared pieces of the engine benchmarks: real workloads, baselines' model loading,
+memory and roofline measurement, and table printing.
+
+Everything here measures and reports; nothing asserts a timing.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import random
+import resource
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Protocol
+
+import psutil
+from pydantic import BaseModel
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAREGPT_FILE = "sharegpt_v3_filtered_500.json"
+AZURE_CONV_FILE = "azure2023_conv.csv"
+EXIT_MISSING_INPUT = 2
+
+console = Console()
+
+
+# --------------------------------------------------------------------------- data
+
+
+class MissingInputError(FileNotFoundError):
+    """Benchmark input (shared data or the model) is absent; the message says how to get it."""
+
+
+def data_dir() -> Path:
+    """The shared public data folder (`../shared/data` from the repo root, or $FLEET_SHARED_DATA)."""
+    return Path(os.environ.get("FLEET_SHARED_DATA", ROOT.parent / "shared" / "data"))
+
+
+def require_data_file(name: str) -> Path:
+    path = data_dir() / name
+    if not path.is_file():
+        raise MissingInputError(
+            f"benchmark data {path} is absent: the benchmarks read the public data set in "
+            f"../shared/data (see its README.md); set FLEET_SHARED_DATA to another folder holding {name}"
+        )
+    return path
+
+
+def load_sharegpt_prompts(path: Path | None = None) -> list[str]:
+    """First human turn of every ShareGPT conversation, in file order (empty turns dropped)."""
+    path = path or require_data_file(SHAREGPT_FILE)
+    with path.open(encoding="utf-8") as f:
+        convs = json.load(f)
+    prompts: list[str] = []
+    for conv in convs:
+        turn = next((t for t in conv.get("conversations", []) if t.get("from") == "human"), None)
+        if turn is not None and turn.get("value", "").strip():
+            prompts.append(turn["value"])
+    return prompts
+
+
+def load_azure_output_lengths(
+    n: int, seed: int, path: Path | None = None, lo: int = 16, hi: int = 256
+) -> list[int]:
+    """`n` real chat output lengths (GeneratedTokens), clipped to [lo, hi], sampled with `seed`."""
+    path = path or require_data_file(AZURE_CONV_FILE)
+    with path.open(encoding="utf-8", newline="") as f:
+        lengths = [min(hi, max(lo, int(row["GeneratedTokens"]))) for row in csv.DictReader(f)]
+    if n > len(lengths):
+        raise ValueError(f"asked for {n} output lengths but {path} has only {len(lengths)} rows")
+    return random.Random(seed).sample(lengths, n)
+
+
+# --------------------------------------------------------------------------- model
+
+
+def resolve_model(model: str) -> Path:
+    """The model file, with a missing model reported as a missing benchmark input."""
+    from engine.registry import ModelNotFoundError, resolve_model_path
+
+    try:
+        return resolve_model_path(model)
+    except ModelNotFoundError as err:
+        raise MissingInputError(str(err)) from err
+
+
+def _hf_source(path: Path) -> tuple[Path, dict[str, Any]]:
+    if path.is_file():
+        return path.parent, {"gguf_file": path.name}
+    return path, {}
+
+
+def load_hf_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    source, kwargs = _hf_source(path)
+    return AutoTokenizer.from_pretrained(source, **kwargs)
+
+
+def load_hf_model(path: Path, dtype: str = "float32", device: str = "cpu") -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    source, kwargs = _hf_source(path)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), **kwargs)
+    return model.to(device).eval()
+
+
+def chat_token_ids(tokenizer: Any, user: str, system: str | None = None) -> list[int]:
+    """Token ids of one user turn under the model's chat template, ready for the assistant."""
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    messages.append({"role": "user", "content": user})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # The template already spells out the special tokens.
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def process_peak_rss_bytes() -> int:
+    """Peak resident set of this process since it started (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+class RSSMonitor:
+    """Samples this process's RSS on a thread, so each benchmark phase gets its own peak
+    (ru_maxrss only knows the whole process's)."""
+
+    def __init__(self, interval_s: float = 0.02) -> None:
+        self._interval = interval_s
+        self._proc = psutil.Process()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.start_bytes = 0
+        self.peak_bytes = 0
+
+    def _sample(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, self._proc.memory_info().rss)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._sample()
+
+    def __enter__(self) -> RSSMonitor:
+        self.start_bytes = self.peak_bytes = self._proc.memory_info().rss
+        self._thread = threading.Thread(target=self._run, name="rss-monitor", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._sample()
+
+
+def mib(n_bytes: float) -> float:
+    return n_bytes / 2**20
+
+
+# --------------------------------------------------------------------------- roofline
+
+
+class RooflineResult(BaseModel):
+    dtype: str
+    device: str
+    size: int
+    reps: int
+    seconds_per_matmul: float
+    gflops: float
+
+
+def matmul_roofline(dtype: str, size: int = 2048, reps: int = 3, device: str = "cpu") -> RooflineResult:
+    """Best-of-`reps` GFLOP/s of a size^3 matmul: what this machine's math units can reach."""
+    import torch
+
+    tdtype = getattr(torch, dtype)
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, generator=gen, device=device).to(tdtype)
+    b = torch.randn(size, size, generator=gen, device=device).to(tdtype)
+    torch.matmul(a, b)  # warm-up: thread pools, kernel selection
+    synchronize(device)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return RooflineResult(
+        dtype=dtype,
+        device=device,
+        size=size,
+        reps=reps,
+        seconds_per_matmul=best,
+        gflops=2.0 * size**3 / best / 1e9,
+    )
+
+
+# --------------------------------------------------------------------------- model FLOPs
+
+
+class DecoderShape(Protocol):
+    """What both engine.config.ModelConfig and a transformers LlamaConfig expose."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+
+
+def matmul_params(cfg: DecoderShape) -> int:
+    """Weights a token multiplies through: every projection plus the LM head (embedding
+    lookups and norms are not matmuls)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    attn = h * cfg.num_attention_heads * d * 2 + h * cfg.num_key_value_heads * d * 2
+    mlp = 3 * h * cfg.intermediate_size
+    return cfg.num_hidden_layers * (attn + mlp) + h * cfg.vocab_size
+
+
+def flops_per_token(cfg: DecoderShape) -> float:
+    """2 FLOPs per multiply-add over the matmul weights (attention over the context excluded)."""
+    return 2.0 * matmul_params(cfg)
+
+
+def attention_flops(cfg: DecoderShape, num_tokens: int) -> float:
+    """QK^T and PV FLOPs of a sequence whose tokens 1..num_tokens each attend to all earlier ones."""
+    per_position = 4.0 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
+    return per_position * num_tokens * (num_tokens + 1) / 2
+
+
+def request_flops(cfg: DecoderShape, prompt_len: int, output_len: int) -> float:
+    """Model FLOPs one request needs: every prompt and output token through the weights, plus
+    causal attention (the last output token is never fed back, a negligible overcount)."""
+    total = prompt_len + output_len
+    return flops_per_token(cfg) * total + attention_flops(cfg, total)
+
+
+# --------------------------------------------------------------------------- output
+
+
+def print_table(
+    title: str, columns: Sequence[str], rows: Sequence[Sequence[object]], caption: str | None = None
+) -> None:
+    table = Table(title=title, caption=caption, caption_justify="left")
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*(fmt(v) for v in row))
+    console.print(table)
+
+
+def fmt(v: object) -> str:
+    if isinstance(v, float):
+        if v == 0 or abs(v) >= 100:
+            return f"{v:,.1f}"
+        return f"{v:.3g}" if abs(v) < 1 else f"{v:.2f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return "-" if v is None else str(v)
+
+
+@contextmanager
+def progress(total: int, desc: str, unit: str = "req") -> Iterator[Callable[[int], object]]:
+    """A tqdm bar on stderr; yields its `update`."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True)
+    try:
+        yield bar.update
+    finally:
+        bar.close()
+
+
+def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
+    """Runs a benchmark's main, turning absent inputs into a clear message and exit code 2."""
+    try:
+        return main(argv)
+    except MissingInputError as err:
+        console.print(f"[red]missing input:[/red] {err}")
+        return EXIT_MISSING_INPUT
