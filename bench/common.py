@@ -114,13 +114,22 @@ def load_hf_model(path: Path, dtype: str = "float32", device: str = "cpu") -> An
     return model.to(device).eval()
 
 
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """Plain text -> ids; transformers' and the engine's tokenizers both speak this."""
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
 def chat_token_ids(tokenizer: Any, user: str, system: str | None = None) -> list[int]:
-    """Token ids of one user turn under the model's chat template, ready for the assistant."""
+    """Token ids of one user turn under the model's chat template, ready for the assistant.
+
+    Takes a transformers tokenizer (what the scripts use, so every system gets the reference
+    tokenization) or the engine's own (what the smoke tests use, to skip a slow load)."""
     messages = [{"role": "system", "content": system}] if system is not None else []
     messages.append({"role": "user", "content": user})
+    if hasattr(tokenizer, "encode_chat"):
+        return list(tokenizer.encode_chat(messages, add_generation_prompt=True))
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    # The template already spells out the special tokens.
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return encode(tokenizer, text)  # the template already spells out the special tokens
 
 
 def resolve_device(device: str) -> str:
@@ -129,6 +138,29 @@ def resolve_device(device: str) -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def set_threads(n: int | None) -> int:
+    """Pins torch's intra-op threads (None: torch's default) and returns the count in use.
+
+    On a shared, oversubscribed CPU, fewer threads than cores can be several times faster:
+    each op waits for its slowest thread to get scheduled."""
+    import torch
+
+    if n is not None:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
+def machine_note(device: str, threads: int) -> str:
+    """One line on what the numbers were measured on, load included (they are noisy under load)."""
+    import torch
+
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (
+        f"torch {torch.__version__}, device {device}, {threads} torch threads, "
+        f"{os.cpu_count()} CPUs, load average {load}"
+    )
 
 
 def synchronize(device: str) -> None:

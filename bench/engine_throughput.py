@@ -27,6 +27,7 @@ from bench.common import (
     load_hf_model,
     load_hf_tokenizer,
     load_sharegpt_prompts,
+    machine_note,
     matmul_roofline,
     mib,
     print_table,
@@ -36,6 +37,7 @@ from bench.common import (
     resolve_device,
     resolve_model,
     run_main,
+    set_threads,
     synchronize,
 )
 
@@ -171,7 +173,7 @@ def run_ours(llm: Any, workload: Workload) -> SystemResult:
     """Our engine, every request submitted at once in one `generate` call."""
     from engine import SamplingParams
 
-    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     llm.generate([workload.prompts[0][:16]], warm, use_tqdm=False)
     llm.reset_prefix_cache()  # the warm-up must not pre-cache a request's prefix
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
@@ -208,6 +210,7 @@ class Report(BaseModel):
     gflops: dict[str, float]
     ratios: dict[str, float]
     process_peak_rss_bytes: int
+    machine: list[str] = []  # at the start and at the end of the run
 
 
 def achieved_gflops(cfg: DecoderShape, workload: Workload, result: SystemResult) -> float:
@@ -281,6 +284,8 @@ def print_report(rep: Report) -> None:
         [[r.dtype, r.device, f"{r.size}^3", r.gflops] for r in rep.roofline],
         caption=f"process peak RSS (ru_maxrss): {mib(rep.process_peak_rss_bytes):,.0f} MiB",
     )
+    for line in rep.machine:
+        console.print(line)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -294,6 +299,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-prefix-caching", action="store_true", help="ours: disable prefix caching")
     p.add_argument("--dtype", default="auto", help="ours: auto = float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--hf-dtype", default="float32")
     p.add_argument("--hf-single-requests", type=int, default=16, help="measure one-at-a-time on these")
     p.add_argument("--hf-batch-size", type=int, default=16)
@@ -307,16 +313,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch
 
     args = parse_args(argv)
     texts = load_sharegpt_prompts()
     lens = load_azure_output_lengths(args.num_prompts, args.seed)
     model_path = resolve_model(args.model)
     device = resolve_device(args.device)
-    console.print(
-        f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} threads; model {model_path.name}"
-    )
+    threads = set_threads(args.threads)
+    start_note = f"{machine_note(device, threads)}; model {model_path.name}"
+    console.print(start_note)
     roofline = [
         matmul_roofline(d, args.roofline_size, args.roofline_reps, device) for d in ("float32", "bfloat16")
     ]
@@ -360,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print("nothing to measure: every system was skipped")
         return 1
     rep = report(cfg, workload, results, roofline)
+    rep.machine = [start_note, machine_note(device, threads)]
     print_report(rep)
     if args.json_path:
         with open(args.json_path, "w", encoding="utf-8") as f:

@@ -22,13 +22,16 @@ from pydantic import BaseModel
 from bench.common import (
     chat_token_ids,
     console,
+    encode,
     load_hf_tokenizer,
     load_sharegpt_prompts,
+    machine_note,
     print_table,
     progress,
     resolve_device,
     resolve_model,
     run_main,
+    set_threads,
 )
 
 GOAL_CACHED_OVER_COLD = 0.25
@@ -75,7 +78,7 @@ def build_system_prompt(tokenizer: Any, texts: Sequence[str], target_tokens: int
     parts: list[str] = []
     count = 0
     for text in texts:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = encode(tokenizer, text)
         room = target_tokens - count
         if len(ids) >= room:
             parts.append(tokenizer.decode(ids[:room]))
@@ -83,7 +86,7 @@ def build_system_prompt(tokenizer: Any, texts: Sequence[str], target_tokens: int
         parts.append(text)
         count += len(ids) + 2  # + the blank line between turns
     system = "\n\n".join(parts)
-    return system, len(tokenizer(system, add_special_tokens=False)["input_ids"]), len(parts)
+    return system, len(encode(tokenizer, system)), len(parts)
 
 
 def common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
@@ -114,7 +117,7 @@ def build_prefix_workload(
         q = text.strip()
         if i in used or q in seen or q in system:
             continue
-        if len(tokenizer(q, add_special_tokens=False)["input_ids"]) <= max_question_tokens:
+        if len(encode(tokenizer, q)) <= max_question_tokens:
             questions.append(q)
             seen.add(q)
     if len(questions) < num_requests + 1:
@@ -239,6 +242,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-question-tokens", type=int, default=128)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--json", dest="json_path", default=None, help="also write the numbers here")
     return p.parse_args(argv)
 
@@ -249,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     model_path = resolve_model(args.model)
     from engine import LLM
 
+    device = resolve_device(args.device)
+    console.print(machine_note(device, set_threads(args.threads)))
     tokenizer = load_hf_tokenizer(model_path)
     workload = build_prefix_workload(
         tokenizer, texts, args.num_requests, args.system_tokens, args.max_question_tokens

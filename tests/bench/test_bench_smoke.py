@@ -18,6 +18,15 @@ from bench import common, engine_throughput, prefix_cache
 from bench.engine_throughput import SystemResult, Workload
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Any:
+    """Tiny sizes gain nothing from threads, and on a busy 2-core box they lose a lot."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def tiny_llama() -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -124,11 +133,6 @@ BLOCK = 16
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(smollm2_gguf: Path) -> Any:
-    return common.load_hf_tokenizer(smollm2_gguf)
-
-
-@pytest.fixture(scope="module")
 def llm(smollm2_gguf: Path) -> Any:
     engine = pytest.importorskip("engine")
     if not hasattr(engine, "LLM"):
@@ -137,9 +141,9 @@ def llm(smollm2_gguf: Path) -> Any:
 
 
 @pytest.mark.slow
-def test_ours_throughput_smoke(llm: Any, hf_tokenizer: Any, shared_data: Path) -> None:
+def test_ours_throughput_smoke(llm: Any, shared_data: Path) -> None:
     texts = common.load_sharegpt_prompts()
-    workload = engine_throughput.make_workload(hf_tokenizer, texts, [4, 3], max_prompt_tokens=64)
+    workload = engine_throughput.make_workload(llm.tokenizer, texts, [4, 3], max_prompt_tokens=64)
     assert all(len(p) <= 64 for p in workload.prompts)
     res = engine_throughput.run_ours(llm, workload)
     assert res.output_tokens == 7 and res.computed_output_tokens == 7
@@ -147,9 +151,9 @@ def test_ours_throughput_smoke(llm: Any, hf_tokenizer: Any, shared_data: Path) -
 
 
 @pytest.mark.slow
-def test_prefix_cache_smoke(llm: Any, hf_tokenizer: Any, shared_data: Path, tmp_path: Path) -> None:
+def test_prefix_cache_smoke(llm: Any, shared_data: Path) -> None:
     texts = common.load_sharegpt_prompts()
-    workload = prefix_cache.build_prefix_workload(hf_tokenizer, texts, num_requests=2, system_tokens=64)
+    workload = prefix_cache.build_prefix_workload(llm.tokenizer, texts, num_requests=2, system_tokens=64)
     assert 60 <= workload.system_tokens <= 68
     assert workload.shared_prefix_tokens >= workload.system_tokens
     res = prefix_cache.run_prefix_bench(llm, workload)
