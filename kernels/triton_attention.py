@@ -338,8 +338,8 @@ def paged_attention_decode(
         return out
     _check_cache(q, k_cache, v_cache)
     head_dim_pad = _pow2(head_dim, 16)
-    if block_n is None:
-        block_n = 64 if head_dim_pad <= 128 else 32
+    if block_n is None:  # the interpreter pays per operation, not per element: big tiles
+        block_n = 256 if interpreter_active() else 64 if head_dim_pad <= 128 else 32
     max_len = max(1, block_tables.shape[1] * block_size)
     if partition_size is None:
         partition_size = _choose_partition(max_len, batch * num_kv_heads, block_n, q.device)
@@ -418,7 +418,7 @@ def paged_attention_prefill(
     context_lens: torch.Tensor,
     scale: float,
     *,
-    block_m: int = 64,
+    block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -434,11 +434,13 @@ def paged_attention_prefill(
     _check_cache(q, k_cache, v_cache)
     head_dim_pad = _pow2(head_dim, 16)
     group_pad = _pow2(group)
+    if block_m is None:
+        block_m = 64
     block_q = max(1, block_m // group_pad)
     if block_q * group_pad < 16:  # tl.dot needs at least 16 rows
         block_q = 16 // group_pad
     if block_n is None:
-        block_n = 64 if head_dim_pad <= 64 else 32
+        block_n = 64 if interpreter_active() or head_dim_pad <= 64 else 32
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         q,

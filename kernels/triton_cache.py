@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_norm_rope import rows_per_program
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -14,6 +16,7 @@ def _write_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    num_tokens,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -29,26 +32,24 @@ def _write_kv_kernel(
     HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    TOKENS: tl.constexpr,
 ):
-    """One program = one token: all its KV heads; a negative slot means "do not store"."""
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot >= 0:
-        block = slot // BLOCK_SIZE
-        offset = slot % BLOCK_SIZE
-        heads = tl.arange(0, HEADS_PAD)
-        d = tl.arange(0, HEAD_DIM_PAD)
-        mask = (heads < num_kv_heads)[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + d[None, :], mask=mask)
-        v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + d[None, :], mask=mask)
-        k_dst = (
-            k_cache_ptr + block * stride_kcb + offset * stride_kct + heads[:, None] * stride_kch + d[None, :]
-        )
-        v_dst = (
-            v_cache_ptr + block * stride_vcb + offset * stride_vct + heads[:, None] * stride_vch + d[None, :]
-        )
-        tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    """One program = TOKENS tokens, all their KV heads; a negative slot means "do not store"."""
+    token = (tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token, mask=token < num_tokens, other=-1).to(tl.int64)
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    heads = tl.arange(0, HEADS_PAD)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    mask = (slot >= 0)[:, None, None] & (heads < num_kv_heads)[None, :, None] & (d < HEAD_DIM)[None, None, :]
+    src_k = key_ptr + token[:, None, None] * stride_kt + heads[None, :, None] * stride_kh + d[None, None, :]
+    src_v = value_ptr + token[:, None, None] * stride_vt + heads[None, :, None] * stride_vh + d[None, None, :]
+    k = tl.load(src_k, mask=mask)
+    v = tl.load(src_v, mask=mask)
+    dst_k = (block * stride_kcb + offset * stride_kct)[:, None, None] + heads[None, :, None] * stride_kch
+    dst_v = (block * stride_vcb + offset * stride_vct)[:, None, None] + heads[None, :, None] * stride_vch
+    tl.store(k_cache_ptr + dst_k + d[None, None, :], k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst_v + d[None, None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv_cache(
@@ -66,12 +67,14 @@ def write_kv_cache(
         raise ValueError("write_kv_cache needs a contiguous last (head_dim) dimension")
     heads_pad = triton.next_power_of_2(num_kv_heads)
     head_dim_pad = triton.next_power_of_2(head_dim)
-    _write_kv_kernel[(num_tokens,)](
+    tokens = rows_per_program(num_tokens, heads_pad * head_dim_pad, gpu_budget=1024)
+    _write_kv_kernel[(triton.cdiv(num_tokens, tokens),)](
         key,
         value,
         k_cache,
         v_cache,
         slot_mapping,
+        num_tokens,
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -87,5 +90,6 @@ def write_kv_cache(
         HEAD_DIM=head_dim,
         HEADS_PAD=heads_pad,
         HEAD_DIM_PAD=head_dim_pad,
-        num_warps=1 if heads_pad * head_dim_pad <= 1024 else 4,
+        TOKENS=tokens,
+        num_warps=min(8, max(1, tokens * heads_pad * head_dim_pad // 512)),
     )

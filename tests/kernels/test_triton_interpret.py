@@ -129,10 +129,12 @@ def test_prefill_and_chunked_prefill(
     )
     args = (q, kv.k_cache, kv.v_cache, kv.block_tables, query_start_loc, kv.context_lens, scale)
     with poisoned_allocations():
-        # block_m=16: several query tiles per sequence, tiles straddling sequence starts.
-        out = triton_attention.paged_attention_prefill(*args, block_m=16)
+        # Small tiles: several query tiles per sequence and KV tiles per context, as on a GPU.
+        out = triton_attention.paged_attention_prefill(*args, block_m=16, block_n=16)
+        big_tiles = triton_attention.paged_attention_prefill(*args)
         reference = ref.paged_attention_prefill(*args)
     assert rel_err(out, expected) < TOLERANCE[dtype]
+    assert rel_err(big_tiles, expected) < TOLERANCE[dtype]
     assert rel_err(reference, expected) < TOLERANCE[dtype]
 
 
