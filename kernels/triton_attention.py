@@ -325,7 +325,7 @@ def paged_attention_decode(
     *,
     partition_size: int | None = None,
     block_n: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int = 2,
 ) -> torch.Tensor:
     """q [B, Hq, D] -> [B, Hq, D]. The split count comes from the table width, so trim
@@ -339,7 +339,10 @@ def paged_attention_decode(
     _check_cache(q, k_cache, v_cache)
     head_dim_pad = _pow2(head_dim, 16)
     if block_n is None:  # the interpreter pays per operation, not per element: big tiles
-        block_n = 256 if interpreter_active() else 64 if head_dim_pad <= 128 else 32
+        if interpreter_active():
+            block_n = 256
+        else:  # float32 operands take twice the registers (see kernels/compile_check.py)
+            block_n = 32 if q.dtype == torch.float32 else 64 if head_dim_pad <= 128 else 32
     max_len = max(1, block_tables.shape[1] * block_size)
     if partition_size is None:
         partition_size = _choose_partition(max_len, batch * num_kv_heads, block_n, q.device)
@@ -388,7 +391,7 @@ def paged_attention_decode(
         BLOCK_N=block_n,
         SINGLE_SPLIT=single,
         **_dot_options(q.dtype),
-        num_warps=num_warps,
+        num_warps=num_warps or (8 if q.dtype == torch.float32 else 4),
         num_stages=num_stages,
     )
     if not single:
@@ -420,7 +423,7 @@ def paged_attention_prefill(
     *,
     block_m: int | None = None,
     block_n: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int = 2,
 ) -> torch.Tensor:
     """q [T, Hq, D] of S variable-length chunks -> [T, Hq, D]; causal over prefix + chunk."""
@@ -435,12 +438,12 @@ def paged_attention_prefill(
     head_dim_pad = _pow2(head_dim, 16)
     group_pad = _pow2(group)
     if block_m is None:
-        block_m = 64
+        block_m = 32 if q.dtype == torch.float32 and not interpreter_active() else 64
     block_q = max(1, block_m // group_pad)
     if block_q * group_pad < 16:  # tl.dot needs at least 16 rows
         block_q = 16 // group_pad
     if block_n is None:
-        block_n = 64 if interpreter_active() or head_dim_pad <= 64 else 32
+        block_n = 64 if interpreter_active() or (head_dim_pad <= 64 and q.dtype != torch.float32) else 32
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         q,
@@ -472,7 +475,7 @@ def paged_attention_prefill(
         BLOCK_N=block_n,
         SEQS_PAD=_pow2(num_seqs, 16),
         **_dot_options(q.dtype),
-        num_warps=num_warps,
+        num_warps=num_warps or (8 if q.dtype == torch.float32 else 4),
         num_stages=num_stages,
     )
     return out
