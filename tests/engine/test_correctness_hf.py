@@ -44,26 +44,25 @@ def prompts(shared_data, smollm2_gguf) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(prompts, hf_smollm2) -> list[tuple[list[int], list[float]]]:
-    """HF greedy tokens and the top-2 logit margin at each step, one prompt at a time."""
+    """HF greedy tokens and the top-2 logit margin at each step, one prompt at a time.
+
+    A plain argmax loop over the raw logits with HF's own KV cache: `generate` with
+    min_new_tokens would mask EOS and so disagree with an engine that ignores EOS but
+    still lets the model pick it.
+    """
     model = hf_smollm2
     out = []
     with torch.inference_mode():
         for ids in prompts:
-            gen = model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=2,
-            )
-            tokens = gen.sequences[0, len(ids) :].tolist()
-            margins = []
-            for logits in gen.logits:
-                top2 = torch.topk(logits[0].float(), 2).values
-                margins.append(float(top2[0] - top2[1]))
+            res = model(torch.tensor([ids]), use_cache=True)
+            past, logits = res.past_key_values, res.logits[0, -1].float()
+            tokens, margins = [], []
+            for _ in range(NEW_TOKENS):
+                top2 = torch.topk(logits, 2)
+                tokens.append(int(top2.indices[0]))
+                margins.append(float(top2.values[0] - top2.values[1]))
+                res = model(torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
+                past, logits = res.past_key_values, res.logits[0, -1].float()
             out.append((tokens, margins))
     return out
 
