@@ -339,46 +339,60 @@ def time_decode(
 
 
 def sweep(
-    device: torch.device, timer: Timer, copy_bw: float, args: argparse.Namespace, dtype: torch.dtype
+    device: torch.device,
+    timer: Timer,
+    copy_bw: float,
+    args: argparse.Namespace,
+    dtype: torch.dtype,
+    shapes: Sequence[tuple[int, int]] = ((32, 4096), (64, 8192), (256, 4096), (8, 32768)),
 ) -> None:
-    """Tile / warp / stage settings of the decode kernel at a few shapes, to pick defaults."""
+    """Decode kernel tile / warp / stage settings and split-K partition sizes at a few shapes."""
     from kernels import triton_attention
 
     elt = torch.tensor([], dtype=dtype).element_size()
-    table = Table(title="Decode kernel settings (% of copy bandwidth)")
-    settings = [(bn, w, s) for bn in (32, 64, 128) for w in (2, 4, 8) for s in (1, 2)]
-    shapes = [(32, 4096), (64, 8192), (256, 4096), (8, 32768)]
-    table.add_column("block_n / warps / stages")
+    settings: list[tuple[str, dict[str, int]]] = [("defaults", {})]
+    settings += [
+        (f"block_n {bn} / warps {w} / stages {st}", {"block_n": bn, "num_warps": w, "num_stages": st})
+        for bn in (32, 64, 128)
+        for w in (2, 4, 8)
+        for st in (1, 2, 3)
+    ]
+    settings += [(f"partition {p}", {"partition_size": p}) for p in (256, 512, 1024, 2048, 4096, 32768)]
+    table = Table(title=f"Decode kernel settings, % of copy bandwidth ({copy_bw / 1e9:,.0f} GB/s)")
+    table.add_column("setting (others default)")
     for batch, context in shapes:
         table.add_column(f"B{batch} L{context}", justify="right")
-    rows: dict[tuple[int, int, int], list[str]] = {s: [] for s in settings}
+    cells: dict[str, list[str]] = {label: [] for label, _ in settings}
     for batch, context in shapes:
         kv_bytes = 2 * batch * context * args.num_kv_heads * args.head_dim * elt
         paged = paged_inputs(
             [context] * batch, args.block_size, args.num_kv_heads, args.head_dim, dtype, device
         )
         q = torch.randn(batch, args.num_heads, args.head_dim, dtype=dtype, device=device)
-        for block_n, warps, stages in settings:
+        for label, kwargs in settings:
+            if kwargs.get("partition_size", 0) > context:
+                cells[label].append("")
+                continue
+            decode = functools.partial(
+                triton_attention.paged_attention_decode,
+                q,
+                paged.k_cache,
+                paged.v_cache,
+                paged.block_tables,
+                paged.context_lens,
+                0.1,
+                **kwargs,
+            )
             try:
-                decode = functools.partial(
-                    triton_attention.paged_attention_decode,
-                    q,
-                    paged.k_cache,
-                    paged.v_cache,
-                    paged.block_tables,
-                    paged.context_lens,
-                    0.1,
-                    block_n=block_n,
-                    num_warps=warps,
-                    num_stages=stages,
-                )
                 ms = timer(decode)
-                rows[(block_n, warps, stages)].append(f"{100 * kv_bytes / (ms * 1e-3) / copy_bw:.0f}%")
+                cells[label].append(f"{100 * kv_bytes / (ms * 1e-3) / copy_bw:.0f}%")
             except Exception as err:  # e.g. out of shared memory for a setting
-                rows[(block_n, warps, stages)].append(f"[red]{type(err).__name__}")
+                cells[label].append(f"[red]{type(err).__name__}")
         del paged, q
-    for setting, cells in rows.items():
-        table.add_row(" / ".join(map(str, setting)), *cells)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    for label, row in cells.items():
+        table.add_row(label, *row)
     console.print(table)
 
 
@@ -441,7 +455,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.block_size,
         dtype,
     )
-    if args.sweep and not args.dry_run:
+    if args.sweep and args.dry_run:
+        sweep(device, timer, copy_bw, args, dtype, shapes=[(2, 64)])
+    elif args.sweep:
         sweep(device, timer, copy_bw, args, dtype)
     if not ok:
         console.print("[red]Some Triton kernels disagree with their references (see the first table).")

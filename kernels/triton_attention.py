@@ -306,11 +306,18 @@ def _num_sms(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
+# Split-K decode: aim for this many programs per SM (several waves, so the last, partial wave
+# costs little) without making a partition shorter than MIN_PARTITION tokens. Untuned guesses:
+# `python -m bench.kernels_gpu --sweep` measures alternatives on a real GPU.
+PROGRAMS_PER_SM = 16
+MIN_PARTITION = 256
+
+
 def _choose_partition(max_len: int, programs: int, block_n: int, device: torch.device) -> int:
-    """Tokens per split: enough splits to fill the GPU ~4 times over, none shorter than 256 tokens."""
+    """Tokens per split for `programs` (sequence, KV head) pairs over contexts up to `max_len`."""
     if device.type != "cuda":
         return max(block_n, -(-max_len // block_n) * block_n)  # one split: the interpreter is slow
-    wanted = max(1, min(-(-4 * _num_sms(device) // programs), -(-max_len // 256)))
+    wanted = max(1, min(-(-PROGRAMS_PER_SM * _num_sms(device) // programs), -(-max_len // MIN_PARTITION)))
     per_split = -(-max_len // wanted)
     return -(-per_split // block_n) * block_n
 
