@@ -29,6 +29,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     ids = chat_prompt_ids(engine, body.messages, body.tools, body.add_generation_prompt)
     check_context(engine, len(ids), params.max_tokens, "messages")
 
+    created = int(time.time())
     gen = Generation(state, [ids], params, f"chatcmpl-{uuid.uuid4().hex}", "messages")
     gen.watch_disconnect(request)
     try:
@@ -39,7 +40,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         gen.stop_watching()
         if not body.stream:
             gen.close()
-    head = {"id": gen.request_id, "created": int(time.time()), "model": state.settings.served_model_name}
+    head = {"id": gen.request_id, "created": created, "model": state.settings.served_model_name}
     token_bytes = TokenBytes(engine.tokenizer)
     if body.stream:
         return StreamingResponse(

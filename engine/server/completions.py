@@ -29,6 +29,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     for ids in prompts:
         check_context(engine, len(ids), params.max_tokens, "prompt")
 
+    created = int(time.time())
     gen = Generation(state, prompts, params, f"cmpl-{uuid.uuid4().hex}", "prompt")
     gen.watch_disconnect(request)
     try:
@@ -39,7 +40,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         gen.stop_watching()
         if not body.stream:
             gen.close()
-    head = {"id": gen.request_id, "created": int(time.time()), "model": state.settings.served_model_name}
+    head = {"id": gen.request_id, "created": created, "model": state.settings.served_model_name}
     if body.stream:
         return StreamingResponse(
             _stream(gen, body, head), media_type="text/event-stream", headers=SSE_HEADERS

@@ -75,7 +75,6 @@ class Generation:
         self._done = [False] * len(prompts)
         self._observers = [state.metrics.observer() for _ in prompts]
         self._watcher: asyncio.Task[None] | None = None
-        self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -129,7 +128,6 @@ class Generation:
                 if self._iters[i] is not None:
                     spawn(self.engine.abort(rid))
             self.state.active_requests.discard(rid)
-        self._closed = True
 
     # -- outputs ---------------------------------------------------------------------------
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -18,7 +18,16 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class _Strict(BaseModel):
+    """Strict types; an explicit JSON null means "use the default" (many clients send nulls)."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
 
 class StreamOptions(_Strict):

@@ -169,6 +169,19 @@ def test_unknown_route_and_method(http: httpx.Client) -> None:
     assert_error(http.get("/v1/chat/completions"), 405, says="GET")
 
 
+def test_explicit_nulls_mean_defaults(http: httpx.Client) -> None:
+    nulls = {
+        k: None for k in ("n", "stop", "stream", "stream_options", "logprobs", "temperature", "seed", "user")
+    }
+    r = http.post("/v1/completions", json={**COMP, **nulls})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1
+    r = http.post(
+        "/v1/chat/completions", json={**CHAT, **nulls, "top_logprobs": None, "max_completion_tokens": None}
+    )
+    assert r.status_code == 200, r.text
+
+
 def test_server_still_healthy_after_bad_input(http: httpx.Client) -> None:
     assert http.get("/health").status_code == 200
     r = http.post("/v1/completions", json={**COMP, "temperature": 0})

@@ -282,6 +282,22 @@ async def test_24_concurrent_requests_all_succeed(aclient: openai.AsyncOpenAI) -
     assert all(1 <= n <= 6 for _, n in results)
 
 
+def test_dropped_non_streaming_request_is_aborted(server: ServerProcess, http: httpx.Client) -> None:
+    before = metric(scrape(http), "fleet_engine_requests_total", finish_reason="abort")
+    body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 1500, "ignore_eos": True}
+    with httpx.Client(base_url=server.url, timeout=httpx.Timeout(60.0, read=1.5)) as impatient:
+        with pytest.raises(httpx.ReadTimeout):
+            impatient.post("/v1/completions", json=body)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        samples = scrape(http)
+        if metric(samples, "fleet_engine_requests_running") == 0:
+            break
+        time.sleep(0.05)
+    assert metric(samples, "fleet_engine_requests_running") == 0
+    assert metric(samples, "fleet_engine_requests_total", finish_reason="abort") == before + 1
+
+
 def test_tokenize_detokenize_round_trip(http: httpx.Client, client: openai.OpenAI) -> None:
     text = "Grüße, 世界! 🐍"
     tok = http.post("/tokenize", json={"model": MODEL, "prompt": text, "return_token_strs": True}).json()
