@@ -183,14 +183,8 @@ def _load_engine(
     loop.call_soon_threadsafe(ready)
 
 
-async def _serve(ns: argparse.Namespace) -> int:
-    served = ns.served_model_name or ns.model
-    settings = ServerSettings(
-        served_model_name=served,
-        api_key=ns.api_key or None,
-        max_request_bytes=ns.max_request_bytes,
-        drain_timeout=ns.drain_timeout,
-    )
+async def _serve(ns: argparse.Namespace, settings: ServerSettings) -> int:
+    served = settings.served_model_name
     state = new_state(settings)
     config = uvicorn.Config(
         build_app(state),
@@ -218,11 +212,17 @@ async def _serve(ns: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
+    try:  # fail fast on bad flags, before listening
         from engine.config import EngineArgs
 
-        EngineArgs(model=ns.model, **engine_kwargs(ns))  # fail fast on bad flags, before listening
+        EngineArgs(model=ns.model, **engine_kwargs(ns))
+        settings = ServerSettings(
+            served_model_name=ns.served_model_name or ns.model,
+            api_key=ns.api_key or None,
+            max_request_bytes=ns.max_request_bytes,
+            drain_timeout=ns.drain_timeout,
+        )
     except Exception as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    return asyncio.run(_serve(ns))
+    return asyncio.run(_serve(ns, settings))
