@@ -3,10 +3,11 @@ offline `LLM` on the same requests.
 
 ShareGPT first turns are sent as streaming chat completions (greedy, ignore_eos, a fixed
 number of output tokens each) at several concurrency levels. Per level it prints TTFT and
-inter-token latency percentiles (measured by the client) and output tokens/s; then the same
-requests go through `engine.LLM` in this process, all at once, and each level's throughput is
-shown as a fraction of that offline throughput. The server is stopped before the offline run
-so the two never share the CPU.
+inter-token latency percentiles (measured by the client) and output tokens/s. The same
+requests also go through `engine.LLM` in this process, all at once, before and after the
+server levels (never while the server runs, so the two do not share the CPU); each level's
+throughput is shown as a fraction of the pooled offline throughput, since load on a shared
+machine drifts.
 
     PYTHONPATH=. .venv/bin/python -m bench.serve --num-prompts 64 --max-tokens 32
     PYTHONPATH=. .venv/bin/python -m bench.serve --url http://127.0.0.1:8000   # a running server
@@ -35,6 +36,7 @@ from bench.common import (
     progress,
     resolve_model,
     run_main,
+    set_threads,
 )
 
 GOAL_FRACTION_AT_32 = 0.85
@@ -178,64 +180,56 @@ class OfflineResult(BaseModel):
         return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def run_offline(
-    model: str, prompts: Sequence[str], max_tokens: int, engine_args: dict[str, Any]
-) -> OfflineResult:
-    """The same chat requests through `engine.LLM`, all submitted at once (load time excluded)."""
-    from engine import LLM, SamplingParams
+def load_offline(model: str, engine_args: dict[str, Any]) -> Any:
+    from engine import LLM
 
-    llm = LLM(model=model, **engine_args)
+    return LLM(model=model, **engine_args)
+
+
+def run_offline(llm: Any, prompts: Sequence[str], max_tokens: int) -> OfflineResult:
+    """The same chat requests through `engine.LLM`, all submitted at once."""
+    from engine import SamplingParams
+
     convs = [[{"role": "user", "content": p}] for p in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    llm.chat(
-        convs[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False
-    )  # warm-up
+    warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    llm.chat(convs[:1], warm, use_tqdm=False)
     llm.reset_prefix_cache()
     t0 = time.perf_counter()
     outs = llm.chat(convs, params)
     seconds = time.perf_counter() - t0
+    llm.reset_prefix_cache()
     return OfflineResult(
         num_requests=len(outs), output_tokens=sum(len(o.token_ids) for o in outs), seconds=seconds
     )
 
 
-def print_results(levels: list[LevelResult], offline: OfflineResult | None, caption: str) -> None:
-    rows = []
-    for r in levels:
-        frac = r.tokens_per_s / offline.tokens_per_s if offline and offline.tokens_per_s > 0 else None
-        rows.append(
-            [
-                r.concurrency,
-                r.num_requests,
-                r.ttft_p50 * 1e3,
-                r.ttft_p99 * 1e3,
-                r.itl_p50 * 1e3,
-                r.itl_p99 * 1e3,
-                r.tokens_per_s,
-                frac,
-                r.errors,
-            ]
-        )
-    if offline is not None:
-        rows.append(
-            ["offline LLM", offline.num_requests, None, None, None, None, offline.tokens_per_s, 1.0, 0]
-        )
-    print_table(
-        "engine server vs offline LLM (streamed chat, greedy, ignore_eos)",
-        [
-            "concurrency",
-            "requests",
-            "TTFT p50 ms",
-            "TTFT p99 ms",
-            "ITL p50 ms",
-            "ITL p99 ms",
-            "output tok/s",
-            "vs offline",
-            "errors",
-        ],
-        rows,
-        caption=caption,
+def combined(runs: Sequence[OfflineResult]) -> OfflineResult | None:
+    """Offline runs before and after the server levels pooled: on a shared machine the load
+    drifts, and bracketing the server runs keeps the ratio honest."""
+    if not runs:
+        return None
+    return OfflineResult(
+        num_requests=runs[0].num_requests,
+        output_tokens=sum(r.output_tokens for r in runs),
+        seconds=sum(r.seconds for r in runs),
     )
+
+
+def print_results(levels: list[LevelResult], offline_runs: Sequence[OfflineResult], caption: str) -> None:
+    ref = combined(offline_runs)
+    rows: list[list[object]] = []
+    for r in levels:
+        frac = r.tokens_per_s / ref.tokens_per_s if ref and ref.tokens_per_s > 0 else None
+        row = [r.concurrency, r.num_requests, r.ttft_p50 * 1e3, r.ttft_p99 * 1e3, r.itl_p50 * 1e3]
+        rows.append([*row, r.itl_p99 * 1e3, r.tokens_per_s, frac, r.errors])
+    labels = ["offline LLM (before)", "offline LLM (after)"] if len(offline_runs) == 2 else ["offline LLM"]
+    for label, run in zip(labels, offline_runs, strict=False):
+        frac = run.tokens_per_s / ref.tokens_per_s if ref and ref.tokens_per_s > 0 else None
+        rows.append([label, run.num_requests, None, None, None, None, run.tokens_per_s, frac, 0])
+    columns = ["concurrency", "requests", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"]
+    columns += ["output tok/s", "vs offline", "errors"]
+    print_table("engine server vs offline LLM (streamed chat, greedy, ignore_eos)", columns, rows, caption)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -256,6 +250,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="keep prefix caching on (off by default: later levels would replay prompts already cached)",
     )
+    p.add_argument("--threads", type=int, default=None, help="torch threads, server and offline alike")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--json", dest="json_path", default=None, help="also write the results here")
     return p.parse_args(argv)
@@ -279,12 +274,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_num_seqs is not None:
         engine_args["max_num_seqs"] = args.max_num_seqs
 
+    offline_runs: list[OfflineResult] = []
+    llm = None
+    if not args.skip_offline:
+        set_threads(args.threads)
+        console.print("offline LLM on the same requests (before the server runs) ...")
+        llm = load_offline(args.model, engine_args)
+        offline_runs.append(run_offline(llm, prompts, args.max_tokens))
+
     server: ServerProcess | None = None
     url = args.url
     name = args.served_model_name or args.model
     if url is None:
         extra = ["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else []
         extra += [] if args.prefix_caching else ["--no-prefix-caching"]
+        extra += ["--threads", str(args.threads)] if args.threads else []
         log = Path(tempfile.mkdtemp(prefix="bench-serve-")) / "server.log"
         console.print(f"starting python -m engine.server (log: {log}) ...")
         server = ServerProcess(*extra, model=args.model, log_path=log).start()
@@ -300,21 +304,21 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.stop()
 
-    offline = None
-    if not args.skip_offline:
-        console.print("offline LLM on the same requests ...")
-        offline = run_offline(args.model, prompts, args.max_tokens, engine_args)
+    if llm is not None:
+        console.print("offline LLM again (after the server runs) ...")
+        offline_runs.append(run_offline(llm, prompts, args.max_tokens))
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     caption = (
         "TTFT and ITL measured at the client; tok/s = completion tokens / wall time of the level; "
+        "'vs offline' divides by the pooled offline runs; "
         f"prefix caching {'on' if args.prefix_caching else 'off'} in both. "
         f"Goal: >= {GOAL_FRACTION_AT_32} of offline at concurrency 32. {os.cpu_count()} CPUs, load average {load}."
     )
-    print_results(results, offline, caption)
+    print_results(results, offline_runs, caption)
     if args.json_path:
         payload = {
             "levels": [r.model_dump() for r in results],
-            "offline": offline.model_dump() if offline else None,
+            "offline": [r.model_dump() for r in offline_runs],
         }
         Path(args.json_path).write_text(json.dumps(payload, indent=2), encoding="utf-8")
     return 0 if all(r.errors == 0 for r in results) else 1

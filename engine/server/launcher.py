@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)"
+    )
     e = p.add_argument_group("engine")
     e.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=None)
     e.add_argument("--device", default=None)
@@ -225,4 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if ns.threads is not None:
+        import torch
+
+        torch.set_num_threads(max(1, ns.threads))
     return asyncio.run(_serve(ns, settings))

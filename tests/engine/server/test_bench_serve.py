@@ -36,6 +36,6 @@ def test_run_level_measures_streamed_requests(shared_data: Path, server: ServerP
     assert 0 < res.ttft_p50 <= res.ttft_p99 and 0 < res.itl_p50 <= res.itl_p99
     assert res.tokens_per_s > 0
     offline = serve.OfflineResult(num_requests=3, output_tokens=9, seconds=res.seconds / 2)
-    serve.print_results([res], offline, caption="test")
+    serve.print_results([res], [offline], caption="test")
     out = capsys.readouterr().out
     assert "offli" in out and "0.5" in out
