@@ -29,7 +29,8 @@ SHAREGPT_FILE = "sharegpt_v3_filtered_500.json"
 AZURE_CONV_FILE = "azure2023_conv.csv"
 EXIT_MISSING_INPUT = 2
 
-console = Console()
+# Redirected output keeps whole table rows instead of wrapping at 80 columns.
+console = Console(width=None if sys.stdout.isatty() else 200)
 
 
 # --------------------------------------------------------------------------- data

@@ -296,12 +296,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer ShareGPT prompts")
     p.add_argument("--max-num-seqs", type=int, default=None, help="ours: running-batch limit")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="ours: tokens per step")
+    p.add_argument("--kv-cache-mib", type=int, default=None, help="ours: KV pool size (default: engine's)")
     p.add_argument("--no-prefix-caching", action="store_true", help="ours: disable prefix caching")
     p.add_argument("--dtype", default="auto", help="ours: auto = float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--hf-dtype", default="float32")
-    p.add_argument("--hf-single-requests", type=int, default=16, help="measure one-at-a-time on these")
+    p.add_argument("--hf-single-requests", type=int, default=8, help="measure one-at-a-time on these")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--skip-hf-single", action="store_true")
     p.add_argument("--skip-hf-static", action="store_true")
@@ -336,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "enable_prefix_caching": False if args.no_prefix_caching else None,
+            "kv_cache_memory": args.kv_cache_mib * 2**20 if args.kv_cache_mib else None,
             "dtype": args.dtype,
             "device": device,
         }
@@ -365,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print("nothing to measure: every system was skipped")
         return 1
     rep = report(cfg, workload, results, roofline)
-    rep.machine = [start_note, machine_note(device, threads)]
+    rep.machine = [f"start: {start_note}", f"end: {machine_note(device, threads)}"]
     print_report(rep)
     if args.json_path:
         with open(args.json_path, "w", encoding="utf-8") as f:
