@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -121,11 +122,11 @@ def test_include_usage_raw_sse_has_usage_null_and_done(http: httpx.Client) -> No
 
 def test_n2_gives_two_choices(client: openai.OpenAI) -> None:
     kw = {"model": MODEL, "messages": QUESTION, "max_tokens": 5, "n": 2, "temperature": 1.0, "seed": 7}
-    r = client.chat.completions.create(**kw)
+    with ThreadPoolExecutor(2) as pool:  # concurrently: seeded sampling must not depend on the batch
+        r, again = pool.map(lambda _: client.chat.completions.create(**kw), range(2))
     assert sorted(c.index for c in r.choices) == [0, 1]
     assert all(c.message.content for c in r.choices)
     assert 2 <= r.usage.completion_tokens <= 10
-    again = client.chat.completions.create(**kw)
     assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
 
 
@@ -177,11 +178,13 @@ def test_stop_string_cuts_the_output(client: openai.OpenAI) -> None:
 
 def test_seed_reproducible(client: openai.OpenAI) -> None:
     kw = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 6, "temperature": 1.0}
-    a = client.completions.create(seed=1234, **kw).choices[0].text
-    b = client.completions.create(seed=1234, **kw).choices[0].text
-    others = {client.completions.create(seed=s, **kw).choices[0].text for s in (1, 2)}
+    with ThreadPoolExecutor(4) as pool:  # in one batch: a seed's samples must not depend on neighbours
+        a, b, *others = pool.map(
+            lambda seed: client.completions.create(seed=seed, **kw).choices[0].text, [1234, 1234, 1, 2]
+        )
     assert a == b
-    assert len(others | {a}) > 1  # sampling really samples
+    assert len({a, *others}) > 1  # sampling really samples
+    assert client.completions.create(seed=1234, **kw).choices[0].text == a  # and alone, later
 
 
 def test_chat_logprobs_concatenate_to_content(client: openai.OpenAI) -> None:
