@@ -181,8 +181,10 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        # Decodes first: the runner lays flat tokens out that way.
-        batch = [s for s in sched.scheduled if s.num_new_tokens == 1]
+        # Decodes first, shortest context first: the runner lays flat tokens out that way.
+        batch = sorted(
+            (s for s in sched.scheduled if s.num_new_tokens == 1), key=lambda s: s.request.num_computed_tokens
+        )
         batch += [s for s in sched.scheduled if s.num_new_tokens != 1]
         sampling: list[ScheduledRequest] = [s for s in batch if s.samples]
         seqs = [self._seq_state(s.request) for s in batch]

@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_CPU_KV_BYTES = 2 << 30
 GPU_MEMORY_UTILIZATION = 0.85
+GROUP_RATIO = 1.3  # decode groups on the CPU path: longest / shortest context within a group
+MIN_GROUP = 4
 
 
 def resolve_device(device: str) -> torch.device:
@@ -141,11 +143,13 @@ class ModelRunner:
         def ints(xs: list[int]) -> torch.Tensor | None:
             return torch.tensor(xs, dtype=torch.int32, device=dev) if xs else None
 
+        groups = []
+        for start, end in self._decode_groups(dec_lens):
+            groups.append((start, end, table(dec_tables[start:end]), ints(dec_lens[start:end])))
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             num_decode_tokens=num_decode,
-            decode_block_tables=table(dec_tables),
-            decode_context_lens=ints(dec_lens),
+            decode_groups=groups,
             prefill_block_tables=table(pre_tables),
             prefill_query_start_loc=ints(pre_qsl) if pre_tables else None,
             prefill_context_lens=ints(pre_lens),
@@ -156,6 +160,25 @@ class ModelRunner:
             meta,
             torch.tensor(logits_idx, dtype=torch.int64, device=dev),
         )
+
+    def _decode_groups(self, lens: list[int]) -> list[tuple[int, int]]:
+        """Split decodes (sorted by context length) into runs whose lengths differ < GROUP_RATIO.
+
+        The CPU reference gathers every sequence's KV padded to its group's longest one, so
+        mixing a 50-token and a 2,000-token sequence would cost 40x for the short one. The
+        Triton kernels handle ragged lengths natively: one group.
+        """
+        if not lens:
+            return []
+        if ops.resolve_backend(self.device) != "torch":
+            return [(0, len(lens))]
+        groups, start = [], 0
+        for i in range(1, len(lens)):
+            if lens[i] > GROUP_RATIO * lens[start] and i - start >= MIN_GROUP:
+                groups.append((start, i))
+                start = i
+        groups.append((start, len(lens)))
+        return groups
 
     def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
         r = s.request
@@ -175,7 +198,8 @@ class ModelRunner:
     ) -> SamplerOutput | None:
         """Run one step; sample for the chunks that reach their last known token.
 
-        `batch` must list decodes (one new token) before prefill chunks. Returns None when
+        `batch` must list decodes (one new token) before prefill chunks, decodes sorted by
+        context length (for grouping on the CPU path). Returns None when
         no chunk samples (only partial prefills ran).
         """
         input_ids, positions, meta, logits_idx = self._build_inputs(batch, block_ids)

@@ -26,8 +26,10 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] int64
     num_decode_tokens: int
-    decode_block_tables: torch.Tensor | None  # [Bd, max_blocks] int32
-    decode_context_lens: torch.Tensor | None  # [Bd] int32
+    # Decodes in groups of similar context length: (first token, end token, block tables
+    # [b, max_blocks] int32, context lens [b] int32). One group on GPU; on the CPU reference
+    # path grouping keeps short sequences from paying for the longest one's padding.
+    decode_groups: list[tuple[int, int, torch.Tensor, torch.Tensor]]
     prefill_block_tables: torch.Tensor | None  # [Bp, max_blocks] int32
     prefill_query_start_loc: torch.Tensor | None  # [Bp+1] int32, relative to the prefill part
     prefill_context_lens: torch.Tensor | None  # [Bp] int32
@@ -59,19 +61,14 @@ class LlamaAttention(nn.Module):
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        q, k = q.contiguous(), k.contiguous()
         ops.rotary_embedding(positions, q, k, cos_sin_cache)
         k_cache, v_cache = kv_cache
         ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
 
         nd = meta.num_decode_tokens
         parts = []
-        if nd > 0:
-            parts.append(
-                ops.paged_attention_decode(
-                    q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
-                )
-            )
+        for start, end, tables, lens in meta.decode_groups:
+            parts.append(ops.paged_attention_decode(q[start:end], k_cache, v_cache, tables, lens, self.scale))
         if nd < n:
             parts.append(
                 ops.paged_attention_prefill(
