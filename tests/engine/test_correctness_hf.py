@@ -94,15 +94,15 @@ CONFIGS = {
 def test_greedy_matches_transformers(name, prompts, reference, smollm2_gguf):
     llm = LLM("smollm2-135m", show_progress=False, max_num_seqs=16, **CONFIGS[name])
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    # Repeat the batch twice for prefix caching: the second pass must hit the cache.
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert _compare([o.token_ids for o in outs], reference) == []
     stats = llm.stats()
     if name == "preemption":
         assert stats.num_preemptions > 0, "the small pool should have forced preemption"
     if name == "prefix-caching-on":
-        again = llm.generate(prompts, params, use_tqdm=False)
-        assert _compare([o.token_ids for o in again], reference) == []
+        # A second pass over some prompts must hit the cache and still match.
+        again = llm.generate(prompts[:4], params, use_tqdm=False)
+        assert _compare([o.token_ids for o in again], reference[:4]) == []
         assert all(o.num_cached_tokens > 0 for o in again)
         assert llm.stats().prefix_cache_hits > 0
     if name == "prefix-caching-off":
