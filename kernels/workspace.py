@@ -34,7 +34,10 @@ def scratch(name: str, shape: Sequence[int], dtype: torch.dtype, device: torch.d
     key = (name, dtype, device)
     buffers = _buffers()
     buf = buffers.get(key)
-    if buf is None or buf.numel() < numel:
+    # A buffer made under torch.inference_mode (the engine's step) cannot be written in place
+    # outside it (tests, autograd users): make a fresh one then.
+    stale = buf is not None and buf.is_inference() and not torch.is_inference_mode_enabled()
+    if buf is None or buf.numel() < numel or stale:
         buf = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
     return buf[:numel].view(shape)
 
