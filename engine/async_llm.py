@@ -134,9 +134,15 @@ class AsyncLLM:
                 if stream is None:  # the caller went away before we got to it
                     continue
                 try:
-                    self.engine.add_request(ids, params, rid, priority=priority, stream=True, cache_salt=salt)
-                    if isinstance(prompt, str):
-                        self.engine._parents[rid].prompt = prompt
+                    self.engine.add_request(
+                        ids,
+                        params,
+                        rid,
+                        priority=priority,
+                        stream=True,
+                        cache_salt=salt,
+                        prompt_text=prompt if isinstance(prompt, str) else None,
+                    )
                 except Exception as err:  # validation raced with the queue filling up
                     stream.put(err)
             elif kind == "abort":

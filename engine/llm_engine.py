@@ -107,7 +107,9 @@ class LLMEngine:
         stream: bool = False,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        prompt_text: str | None = None,
     ) -> str:
+        """Queue a request; `prompt_text` labels outputs when the caller tokenized already."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in flight")
@@ -124,7 +126,7 @@ class LLMEngine:
 
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         parent = ParentRequest(
-            request_id, prompt if isinstance(prompt, str) else None, ids, params, stream, arrival
+            request_id, prompt if isinstance(prompt, str) else prompt_text, ids, params, stream, arrival
         )
         base_stops = set() if params.ignore_eos else set(self.tokenizer.stop_token_ids)
         stop_ids = base_stops | set(params.stop_token_ids)
