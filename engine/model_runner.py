@@ -98,7 +98,10 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         c = self.model_config
         shape = (c.num_hidden_layers, 2, self.num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
-        cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # On CPU, empty() maps pages lazily, so RSS grows with the blocks actually used rather
+        # than the whole budget up front; the kernels never read slots past a context length.
+        alloc = torch.empty if self.device.type == "cpu" else torch.zeros
+        cache = alloc(shape, dtype=self.dtype, device=self.device)
         self._kv_storage = cache
         return [(cache[i, 0], cache[i, 1]) for i in range(c.num_hidden_layers)]
 
