@@ -31,15 +31,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
 
     created = int(time.time())
     gen = Generation(state, [ids], params, f"chatcmpl-{uuid.uuid4().hex}", "messages")
-    gen.watch_disconnect(request)
-    try:
-        await gen.start()
-        if not body.stream:
-            await gen.collect()
-    finally:
-        gen.stop_watching()
-        if not body.stream:
-            gen.close()
+    await gen.run(request, stream=body.stream)
     head = {"id": gen.request_id, "created": created, "model": state.settings.served_model_name}
     token_bytes = TokenBytes(engine.tokenizer)
     if body.stream:

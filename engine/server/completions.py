@@ -31,15 +31,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
 
     created = int(time.time())
     gen = Generation(state, prompts, params, f"cmpl-{uuid.uuid4().hex}", "prompt")
-    gen.watch_disconnect(request)
-    try:
-        await gen.start()
-        if not body.stream:
-            await gen.collect()
-    finally:
-        gen.stop_watching()
-        if not body.stream:
-            gen.close()
+    await gen.run(request, stream=body.stream)
     head = {"id": gen.request_id, "created": created, "model": state.settings.served_model_name}
     if body.stream:
         return StreamingResponse(

@@ -100,6 +100,21 @@ class Generation:
         except StopAsyncIteration:
             raise RuntimeError(f"engine stream {self.ids[i]} ended before any output") from None
 
+    async def run(self, request: Request, stream: bool) -> None:
+        """Submit every prompt; for a plain response also wait for the end and release.
+
+        A client that disconnects meanwhile aborts the work (the watch ends here; a stream
+        notices a disconnect through its own body)."""
+        self.watch_disconnect(request)
+        try:
+            await self.start()
+            if not stream:
+                await self.collect()
+        finally:
+            self.stop_watching()
+            if not stream:
+                self.close()
+
     def watch_disconnect(self, request: Request) -> None:
         """Aborts the engine requests as soon as the client disconnects (non-streaming path)."""
 
