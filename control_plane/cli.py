@@ -1,8 +1,9 @@
-"""`fleetctl`: the operator's CLI. For now it launches a single engine replica; the control
-plane's commands (deploy, ls, status, ...) join as the control plane lands.
+"""`fleetctl`: the operator's CLI. A client of the admin API (deploy, ls, status, ...)
+and a launcher of the other components as processes (`up`, `agent`, `engine`): it never
+imports engine/ code, so the CLI stays free of torch.
 
-It starts other components as processes (never imports engine/ or agent/), so the CLI
-stays free of torch.
+Command groups live in `control_plane/commands/`; each module's `register(app)` adds
+its commands here.
 """
 
 from __future__ import annotations
@@ -41,6 +42,21 @@ def run_engine(
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
 
+
+def _register_command_groups() -> None:
+    import importlib
+    import pkgutil
+
+    import control_plane.commands as commands
+
+    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"control_plane.commands.{info.name}")
+        register = getattr(module, "register", None)
+        if register is not None:
+            register(app)
+
+
+_register_command_groups()
 
 if __name__ == "__main__":
     app()

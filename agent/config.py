@@ -1,0 +1,79 @@
+"""A cluster's agent/gateway configuration (`cluster.yaml`), validated at the edge."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from agent.protocol import Coordinates, PoolInventory
+
+RuntimeName = Literal["process"]
+
+
+class GatewayConfig(BaseModel):
+    host: str = "127.0.0.1"
+    port: int = Field(9000, ge=0, le=65535)
+    # The URL peers and clients use; defaults to http://host:port.
+    public_url: str = ""
+    # Requests waiting for a ready replica: at most this many, for at most this long.
+    queue_size: int = Field(256, ge=0)
+    queue_timeout_s: float = Field(10.0, ge=0)
+    # Largest request body accepted (bytes).
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+
+    @property
+    def url(self) -> str:
+        return self.public_url or f"http://{self.host}:{self.port}"
+
+
+class ReplicaConfig(BaseModel):
+    """How the process runtime launches engine replicas on this host."""
+
+    host: str = "127.0.0.1"
+    # Extra `python -m engine.server` flags for every replica here (e.g. --threads 1).
+    extra_args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    startup_timeout_s: float = Field(600.0, gt=0)
+    drain_timeout_s: float = Field(30.0, ge=0)
+    # Crash restarts back off exponentially from this, up to restart_backoff_max_s.
+    restart_backoff_s: float = Field(1.0, ge=0)
+    restart_backoff_max_s: float = Field(60.0, ge=0)
+
+
+class ClusterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    cluster: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+    provider: str = "local"
+    region: str = ""
+    coordinates: Coordinates = Field(default_factory=Coordinates)
+    nats_url: str = "nats://127.0.0.1:4222"
+    state_dir: Path = Path("~/.fleet/clusters/default")
+    runtime: RuntimeName = "process"
+    heartbeat_interval_s: float = Field(1.0, gt=0)
+    # Declared pools; empty means detect GPUs (nvidia-smi), else one CPU pool of
+    # `cpu_slots` replica slots so the same flow runs on a machine without GPUs.
+    pools: list[PoolInventory] = Field(default_factory=list)
+    cpu_slots: int = Field(2, ge=0)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    replica: ReplicaConfig = Field(default_factory=ReplicaConfig)
+
+    @field_validator("state_dir")
+    @classmethod
+    def _expand(cls, value: Path) -> Path:
+        return Path(value).expanduser()
+
+    @property
+    def region_or_cluster(self) -> str:
+        return self.region or self.cluster
+
+    @classmethod
+    def load(cls, path: str | Path) -> ClusterConfig:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        return cls.model_validate(data)
+
+    def dump(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False))

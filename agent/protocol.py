@@ -1,0 +1,312 @@
+"""Fleet's wire contract: every message that crosses NATS between the control plane,
+agents and gateways.
+
+JSON on the wire, one Pydantic model per message, each carrying `schema_version`.
+Readers ignore unknown fields so a newer writer does not break an older reader; a
+reader that sees a newer *major* schema logs and skips the message instead of guessing.
+Nothing here does I/O: `agent.nats_io` moves these models over NATS.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import time
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = 1
+
+# JetStream key-value buckets.
+BUCKET_DESIRED = "fleet_desired"  # key = cluster id -> DesiredState
+BUCKET_ROUTES = "fleet_routes"  # key = deployment name -> RoutingTable
+BUCKET_KEYS = "fleet_keys"  # key = api key id -> ApiKeyRecord
+BUCKETS = (BUCKET_DESIRED, BUCKET_ROUTES, BUCKET_KEYS)
+
+# Subjects (the trailing token is the cluster id).
+SUBJECT_PREFIX = "fleet.v1"
+STREAM_EVENTS = "FLEET_EVENTS"
+STREAM_USAGE = "FLEET_USAGE"
+
+
+def heartbeat_subject(cluster: str) -> str:
+    return f"{SUBJECT_PREFIX}.heartbeat.{cluster}"
+
+
+def events_subject(cluster: str) -> str:
+    return f"{SUBJECT_PREFIX}.events.{cluster}"
+
+
+def usage_subject(cluster: str) -> str:
+    return f"{SUBJECT_PREFIX}.usage.{cluster}"
+
+
+def kvcache_subject(cluster: str) -> str:
+    return f"{SUBJECT_PREFIX}.kvcache.{cluster}"
+
+
+HEARTBEAT_WILDCARD = f"{SUBJECT_PREFIX}.heartbeat.*"
+EVENTS_WILDCARD = f"{SUBJECT_PREFIX}.events.*"
+USAGE_WILDCARD = f"{SUBJECT_PREFIX}.usage.*"
+
+
+class Message(BaseModel):
+    """Base of every wire message."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    schema_version: int = SCHEMA_VERSION
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes | str):
+        return cls.model_validate_json(data)
+
+
+class Tier(str, Enum):
+    """Procurement tier of a capacity pool, cheapest-to-lose last."""
+
+    reserved = "reserved"
+    on_demand = "on-demand"
+    spot = "spot"
+
+
+TIER_ORDER = {Tier.reserved: 0, Tier.on_demand: 1, Tier.spot: 2}
+
+
+class ClusterStatus(str, Enum):
+    healthy = "healthy"
+    unhealthy = "unhealthy"
+    draining = "draining"  # operator cordon: keep serving, place nothing new
+
+
+class ReplicaState(str, Enum):
+    pending = "pending"  # wanted, not started yet
+    starting = "starting"
+    ready = "ready"
+    draining = "draining"
+    failed = "failed"
+    stopped = "stopped"
+
+
+class Coordinates(BaseModel):
+    lat: float = Field(0.0, ge=-90, le=90)
+    lon: float = Field(0.0, ge=-180, le=180)
+
+
+class Resources(BaseModel):
+    """What one replica needs. `gpu_models` empty means any accelerator (or CPU slots)."""
+
+    gpu_models: list[str] = Field(default_factory=list)
+    gpu_count: int = Field(1, ge=1, le=64)
+    gpu_memory_gb: float = Field(0.0, ge=0)
+
+
+class PoolInventory(BaseModel):
+    """A capacity pool a cluster offers. On a CPU machine `gpu_model` is "cpu" and the
+    "GPUs" are replica slots, so the same placement flow runs without accelerators."""
+
+    name: str
+    gpu_model: str
+    gpu_memory_gb: float = 0.0
+    gpus_per_node: int = 1
+    nodes: int = 1
+    tier: Tier = Tier.on_demand
+    hourly_price: float = 0.0
+
+
+# --------------------------------------------------------------------- desired state
+
+
+class ReplicaSpec(BaseModel):
+    """One replica the control plane wants on a cluster. A changed `version` (or spec)
+    under the same deployment means "replace", and a new replica_id is issued for it."""
+
+    replica_id: str
+    deployment: str
+    version: int
+    model: str
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    resources: Resources = Field(default_factory=Resources)
+    pool: str = ""
+
+
+class DesiredState(Message):
+    """Everything one cluster should run; the whole set, never a delta."""
+
+    cluster: str
+    generation: int = 0
+    replicas: list[ReplicaSpec] = Field(default_factory=list)
+    updated_at: float = Field(default_factory=time.time)
+
+
+# --------------------------------------------------------------------- routes
+
+
+class VersionWeight(BaseModel):
+    version: int
+    weight: float = Field(1.0, ge=0)
+
+
+class ClusterRoute(BaseModel):
+    """A cluster serving a deployment, and where its gateway listens (for spillover)."""
+
+    cluster: str
+    region: str = ""
+    gateway_url: str = ""
+    coordinates: Coordinates = Field(default_factory=Coordinates)
+    replicas: int = 0
+    healthy: bool = True
+
+
+class RoutingTable(Message):
+    deployment: str
+    versions: list[VersionWeight] = Field(default_factory=list)
+    clusters: list[ClusterRoute] = Field(default_factory=list)
+    generation: int = 0
+    updated_at: float = Field(default_factory=time.time)
+
+
+# --------------------------------------------------------------------- API keys
+
+
+class Quotas(BaseModel):
+    """Per-key limits; None means unlimited. Enforced by gateways."""
+
+    tokens_per_minute: int | None = Field(None, ge=1)
+    requests_per_minute: int | None = Field(None, ge=1)
+    max_concurrent: int | None = Field(None, ge=1)
+    priority: int = Field(0, ge=-10, le=10)
+
+
+class ApiKeyRecord(Message):
+    """An inference or admin key as gateways see it: the salted hash, never the secret."""
+
+    key_id: str
+    name: str
+    salt: str
+    hash: str
+    scopes: list[str] = Field(default_factory=lambda: ["inference"])
+    deployments: list[str] | None = None  # None: every deployment
+    quotas: Quotas = Field(default_factory=Quotas)
+    revoked: bool = False
+    created_at: float = Field(default_factory=time.time)
+
+    def allows(self, deployment: str) -> bool:
+        return self.deployments is None or deployment in self.deployments
+
+
+KEY_PREFIX = "fleet"
+
+
+def new_secret(key_id: str | None = None) -> tuple[str, str]:
+    """A new (key_id, secret). The secret embeds the id ("fleet-<id>-<random>") so a
+    verifier finds the record in O(1) before checking the salted hash."""
+    key_id = key_id or secrets.token_hex(6)
+    return key_id, f"{KEY_PREFIX}-{key_id}-{secrets.token_urlsafe(24)}"
+
+
+def key_id_of(secret: str) -> str | None:
+    parts = secret.split("-", 2)
+    if len(parts) != 3 or parts[0] != KEY_PREFIX or not parts[1]:
+        return None
+    return parts[1]
+
+
+def hash_secret(secret: str, salt: str | None = None) -> tuple[str, str]:
+    """(salt, hex digest). Keys are 192-bit random, so a keyed SHA-256 suffices; a slow
+    KDF would only cost every gateway request."""
+    salt = salt or secrets.token_hex(16)
+    digest = hashlib.sha256(f"{salt}:{secret}".encode()).hexdigest()
+    return salt, digest
+
+
+def verify_secret(secret: str, salt: str, digest: str) -> bool:
+    return hmac.compare_digest(hash_secret(secret, salt)[1], digest)
+
+
+# --------------------------------------------------------------------- heartbeats
+
+
+class ReplicaLoad(BaseModel):
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    tokens_per_s: float = 0.0
+
+
+class ReplicaStatus(BaseModel):
+    replica_id: str
+    deployment: str
+    version: int
+    state: ReplicaState
+    url: str = ""
+    pool: str = ""
+    restarts: int = 0
+    started_at: float | None = None
+    last_error: str = ""
+    load: ReplicaLoad = Field(default_factory=ReplicaLoad)
+
+
+class Heartbeat(Message):
+    """Every second from each agent: inventory, replicas and load. The first one also
+    registers the cluster with the control plane."""
+
+    cluster: str
+    provider: str = "local"
+    region: str = ""
+    coordinates: Coordinates = Field(default_factory=Coordinates)
+    gateway_url: str = ""
+    pools: list[PoolInventory] = Field(default_factory=list)
+    replicas: list[ReplicaStatus] = Field(default_factory=list)
+    desired_generation: int = -1  # last DesiredState generation the agent applied
+    queue_depth: int = 0
+    tokens_per_s: float = 0.0
+    sent_at: float = Field(default_factory=time.time)
+
+
+# --------------------------------------------------------------------- events and usage
+
+
+EventKind = Literal[
+    "replica_starting",
+    "replica_ready",
+    "replica_failed",
+    "replica_restarted",
+    "replica_stopped",
+    "replica_preempted",
+    "cluster_healthy",
+    "cluster_unhealthy",
+    "scaled",
+    "placed",
+    "info",
+]
+
+
+class Event(Message):
+    cluster: str
+    kind: EventKind
+    message: str = ""
+    deployment: str | None = None
+    replica_id: str | None = None
+    at: float = Field(default_factory=time.time)
+
+
+class UsageRecord(Message):
+    """One finished gateway request, for accounting and quotas."""
+
+    cluster: str
+    key_id: str
+    deployment: str
+    version: int | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    status: int = 200
+    ttft_s: float | None = None
+    latency_s: float = 0.0
+    at: float = Field(default_factory=time.time)

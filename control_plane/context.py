@@ -1,0 +1,28 @@
+"""What the control plane's parts share in one process: settings, the database session
+factory, the NATS link, and a way for API writes to wake the control loops at once
+instead of waiting for their next tick."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from control_plane.settings import Settings
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session, sessionmaker
+
+    from agent.nats_io import NatsLink
+
+
+@dataclass
+class ControlPlaneContext:
+    settings: Settings
+    sessions: sessionmaker[Session]
+    nats: NatsLink | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def kick(self) -> None:
+        """Desired state may have changed: reconcile now."""
+        self.changed.set()

@@ -1,0 +1,1 @@
+"""Running Fleet's components as local processes (`fleetctl up`, tests)."""

