@@ -247,6 +247,7 @@ class ReplicaStatus(BaseModel):
     state: ReplicaState
     url: str = ""
     pool: str = ""
+    pid: int | None = None  # process runtime only: lets `fleetctl ps/down` see replicas
     restarts: int = 0
     started_at: float | None = None
     last_error: str = ""
