@@ -1,0 +1,1 @@
+"""The control plane's database: models (`models`) and engines/sessions/migrations (`session`)."""

@@ -1,0 +1,247 @@
+"""The control plane's tables (SQLAlchemy 2.0, typed). Schema changes go through Alembic
+(`migrations/`); these classes are the source autogenerate compares against.
+
+Enum-like columns (cluster status, replica state, pool tier) are plain strings holding
+`agent.protocol` enum values, so a new value never needs a database enum migration.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
+
+# Deterministic constraint names so Alembic batch mode (SQLite) and PostgreSQL agree.
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class UTCDateTime(TypeDecorator):
+    """Timezone-aware UTC datetimes on every backend: SQLite drops the offset, so
+    values are stored as UTC and come back with tzinfo=UTC (comparable with `utcnow()`)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=timezone.utc)
+        return value.astimezone(timezone.utc)
+
+    def process_result_value(self, value: datetime | None, dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+    type_annotation_map = {dict[str, Any]: JSON, list[str]: JSON, datetime: UTCDateTime()}
+
+
+class Deployment(Base):
+    """A named model service. `replicas` is the desired count (set by create, `scale` or
+    the autoscaler), kept within the current version's min..max."""
+
+    __tablename__ = "deployments"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(63), unique=True, index=True)
+    replicas: Mapped[int] = mapped_column(Integer, default=1)
+    current_version: Mapped[int] = mapped_column(Integer, default=1)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+    versions: Mapped[list[DeploymentVersion]] = relationship(
+        back_populates="deployment",
+        cascade="all, delete-orphan",
+        passive_deletes=True,
+        order_by="DeploymentVersion.version",
+    )
+    assignments: Mapped[list[ReplicaAssignment]] = relationship(
+        back_populates="deployment", cascade="all, delete-orphan", passive_deletes=True
+    )
+
+    def version_row(self, version: int | None = None) -> DeploymentVersion | None:
+        want = self.current_version if version is None else version
+        return next((v for v in self.versions if v.version == want), None)
+
+
+class DeploymentVersion(Base):
+    """One immutable spec of a deployment. A spec change makes version N+1."""
+
+    __tablename__ = "deployment_versions"
+    __table_args__ = (UniqueConstraint("deployment_id", "version", name="uq_deployment_versions_dep_ver"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"), index=True)
+    version: Mapped[int] = mapped_column(Integer)
+    model: Mapped[str] = mapped_column(String(512))
+    engine_args: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    gpu_models: Mapped[list[str]] = mapped_column(default=list)  # empty: any
+    gpu_count: Mapped[int] = mapped_column(Integer, default=1)
+    gpu_memory_gb: Mapped[float] = mapped_column(Float, default=0.0)
+    min_replicas: Mapped[int] = mapped_column(Integer, default=1)
+    max_replicas: Mapped[int] = mapped_column(Integer, default=1)
+    autoscale_window_s: Mapped[float] = mapped_column(Float, default=60.0)
+    scale_down_delay_s: Mapped[float] = mapped_column(Float, default=300.0)
+    target_concurrency: Mapped[float] = mapped_column(Float, default=8.0)
+    scale_to_zero: Mapped[bool] = mapped_column(Boolean, default=False)
+    regions: Mapped[list[str]] = mapped_column(default=list)  # empty: any
+    min_regions: Mapped[int] = mapped_column(Integer, default=1)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    deployment: Mapped[Deployment] = relationship(back_populates="versions")
+
+
+class Cluster(Base):
+    """A cluster an agent runs; `id` is the agent's cluster id. Registered through the
+    API or by its first heartbeat."""
+
+    __tablename__ = "clusters"
+
+    id: Mapped[str] = mapped_column(String(63), primary_key=True)
+    provider: Mapped[str] = mapped_column(String(63), default="local")
+    region: Mapped[str] = mapped_column(String(63), default="", index=True)
+    lat: Mapped[float] = mapped_column(Float, default=0.0)
+    lon: Mapped[float] = mapped_column(Float, default=0.0)
+    status: Mapped[str] = mapped_column(String(16), default="healthy")  # agent.protocol.ClusterStatus
+    gateway_url: Mapped[str] = mapped_column(String(512), default="")
+    last_heartbeat_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    load: Mapped[dict[str, Any]] = mapped_column(default=dict)  # last heartbeat summary
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    pools: Mapped[list[CapacityPool]] = relationship(
+        back_populates="cluster",
+        cascade="all, delete-orphan",
+        passive_deletes=True,
+        order_by="CapacityPool.name",
+    )
+
+
+class CapacityPool(Base):
+    """GPUs of one kind a cluster offers: `nodes * gpus_per_node` GPUs of `gpu_model`."""
+
+    __tablename__ = "capacity_pools"
+    __table_args__ = (UniqueConstraint("cluster_id", "name", name="uq_capacity_pools_cluster_name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    cluster_id: Mapped[str] = mapped_column(ForeignKey("clusters.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(63))
+    gpu_model: Mapped[str] = mapped_column(String(63))
+    gpu_memory_gb: Mapped[float] = mapped_column(Float, default=0.0)
+    gpus_per_node: Mapped[int] = mapped_column(Integer, default=1)
+    nodes: Mapped[int] = mapped_column(Integer, default=1)
+    tier: Mapped[str] = mapped_column(String(16), default="on-demand")  # agent.protocol.Tier
+    hourly_price: Mapped[float] = mapped_column(Float, default=0.0)
+
+    cluster: Mapped[Cluster] = relationship(back_populates="pools")
+
+    @property
+    def total_gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+class ReplicaAssignment(Base):
+    """A replica placed on a cluster's pool; written by the reconcile loop, its state
+    updated from heartbeats."""
+
+    __tablename__ = "replica_assignments"
+
+    replica_id: Mapped[str] = mapped_column(String(63), primary_key=True)
+    deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"), index=True)
+    version: Mapped[int] = mapped_column(Integer)
+    cluster_id: Mapped[str] = mapped_column(ForeignKey("clusters.id"), index=True)
+    pool_name: Mapped[str] = mapped_column(String(63), default="")
+    gpus: Mapped[int] = mapped_column(Integer, default=1)
+    state: Mapped[str] = mapped_column(String(16), default="pending")  # agent.protocol.ReplicaState
+    url: Mapped[str] = mapped_column(String(512), default="")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+    deployment: Mapped[Deployment] = relationship(back_populates="assignments")
+    cluster: Mapped[Cluster] = relationship()
+
+
+class ApiKey(Base):
+    """An admin/read/inference key: salt and SHA-256 only, never the secret."""
+
+    __tablename__ = "api_keys"
+
+    key_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    salt: Mapped[str] = mapped_column(String(64))
+    hash: Mapped[str] = mapped_column(String(128))
+    scopes: Mapped[list[str]] = mapped_column(default=lambda: ["inference"])
+    deployments: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)  # None: all
+    quotas: Mapped[dict[str, Any]] = mapped_column(default=dict)  # agent.protocol.Quotas
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(nullable=True)
+
+
+class Event(Base):
+    """Something that happened in the fleet (replica ready, cluster unhealthy, scaled...)."""
+
+    __tablename__ = "events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+    cluster: Mapped[str | None] = mapped_column(String(63), nullable=True, index=True)
+    kind: Mapped[str] = mapped_column(String(32), index=True)
+    deployment: Mapped[str | None] = mapped_column(String(63), nullable=True, index=True)
+    replica_id: Mapped[str | None] = mapped_column(String(63), nullable=True)
+    message: Mapped[str] = mapped_column(Text, default="")
+
+
+class AuditRecord(Base):
+    """Who changed what through the admin API, with the resource before and after."""
+
+    __tablename__ = "audit_records"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+    actor: Mapped[str] = mapped_column(String(200))
+    action: Mapped[str] = mapped_column(String(64))
+    resource_type: Mapped[str] = mapped_column(String(32), index=True)
+    resource_id: Mapped[str] = mapped_column(String(128))
+    before: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    after: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+
+
+__all__ = [
+    "ApiKey",
+    "AuditRecord",
+    "Base",
+    "CapacityPool",
+    "Cluster",
+    "Deployment",
+    "DeploymentVersion",
+    "Event",
+    "ReplicaAssignment",
+    "utcnow",
+]

@@ -1,0 +1,106 @@
+"""Engines and sessions for SQLite (default, under $FLEET_HOME) and PostgreSQL
+(`postgresql+psycopg://`), and Alembic upgrades run from code.
+
+SQLite gets WAL (the API and the control loops write concurrently), foreign keys on
+(cascades) and a busy timeout, so a writer waits for the lock instead of failing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+import control_plane
+
+SQLITE_BUSY_TIMEOUT_MS = 15_000
+
+
+def normalize_url(url: str) -> str:
+    """`postgresql://` and `postgres://` mean psycopg 3 (the installed driver)."""
+    if url.startswith("postgres://"):
+        url = "postgresql://" + url[len("postgres://") :]
+    if url.startswith("postgresql://"):
+        url = "postgresql+psycopg://" + url[len("postgresql://") :]
+    return url
+
+
+def make_engine(url: str, **kwargs) -> Engine:
+    url = normalize_url(url)
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database and parsed.database != ":memory:":
+            Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(
+            url, connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}, **kwargs
+        )
+        event.listen(engine, "connect", _sqlite_pragmas)
+        return engine
+    kwargs.setdefault("pool_pre_ping", True)
+    return create_engine(url, **kwargs)
+
+
+def _sqlite_pragmas(dbapi_conn, _record) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.close()
+
+
+def make_sessions(url: str | Engine) -> sessionmaker[Session]:
+    engine = url if isinstance(url, Engine) else make_engine(url)
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+# --------------------------------------------------------------------- Alembic
+
+
+def migrations_dir() -> Path:
+    """`migrations/` at the repository root, next to the package (editable installs)."""
+    return Path(control_plane.__file__).resolve().parents[1] / "migrations"
+
+
+def alembic_config(url: str):
+    from alembic.config import Config
+
+    root = migrations_dir().parent
+    ini = root / "alembic.ini"
+    cfg = Config(str(ini)) if ini.exists() else Config()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    # ConfigParser interpolation: a literal % in a password must be doubled.
+    cfg.set_main_option("sqlalchemy.url", normalize_url(url).replace("%", "%%"))
+    cfg.attributes["configure_logger"] = False
+    return cfg
+
+
+def upgrade_to_head(url: str, revision: str = "head") -> None:
+    from alembic import command
+
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str, revision: str = "base") -> None:
+    from alembic import command
+
+    command.downgrade(alembic_config(url), revision)
+
+
+def current_revision(url: str) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+    finally:
+        engine.dispose()
+
+
+def head_revision(url: str = "sqlite://") -> str | None:
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory.from_config(alembic_config(url)).get_current_head()
