@@ -1,0 +1,316 @@
+"""A whole Fleet on one machine, as processes: nats-server, the control plane, and one
+agent plus one gateway per region; the agents start the engine replicas.
+
+The process table lives in `$FLEET_HOME/local/fleet.json` so `fleetctl ps` and
+`fleetctl down` work from any shell, also when the control plane is already dead. Every
+process of a local fleet carries `FLEET_LOCAL_FLEET=<fleet id>` in its environment
+(replicas inherit it from their agent): `down` sweeps for that marker at the end, so
+nothing survives even when an agent was killed and left its replicas orphaned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Literal
+
+import httpx
+import psutil
+from pydantic import BaseModel, Field, ValidationError
+
+from agent.config import ClusterConfig, GatewayConfig, ReplicaConfig
+from agent.local_state import LocalState, atomic_write
+from agent.protocol import Coordinates
+from control_plane.local.nats_server import NatsServer, free_port
+
+ProcessKind = Literal["nats", "control-plane", "agent", "gateway", "replica"]
+MARKER_ENV = "FLEET_LOCAL_FLEET"
+ROOT = Path(__file__).resolve().parents[2]
+
+# Rough coordinates so geo-aware policies have something real to work with.
+KNOWN_REGIONS: dict[str, tuple[float, float]] = {
+    "local-east": (39.0, -77.5),  # like us-east (N. Virginia)
+    "local-west": (45.6, -121.2),  # like us-west (Oregon)
+    "local-central": (41.3, -95.9),
+    "local-eu": (50.1, 8.7),
+    "local-asia": (35.7, 139.7),
+}
+
+
+class ProcessRecord(BaseModel):
+    kind: ProcessKind
+    name: str
+    pid: int
+    url: str = ""
+    log: str = ""
+    config: str = ""
+    started_at: float = Field(default_factory=time.time)
+
+
+class FleetState(BaseModel):
+    fleet_id: str
+    home: str
+    nats_url: str = ""
+    api_url: str = ""
+    regions: list[str] = Field(default_factory=list)
+    processes: list[ProcessRecord] = Field(default_factory=list)
+
+
+def pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def region_coordinates(region: str, index: int) -> Coordinates:
+    lat, lon = KNOWN_REGIONS.get(region, (10.0 * index, 20.0 * index))
+    return Coordinates(lat=lat, lon=lon)
+
+
+class LocalFleet:
+    def __init__(self, home: Path) -> None:
+        self.home = Path(home).expanduser()
+        self.dir = self.home / "local"
+        self.state_path = self.dir / "fleet.json"
+
+    # ------------------------------------------------------------------ state file
+
+    def load(self) -> FleetState | None:
+        try:
+            return FleetState.model_validate_json(self.state_path.read_bytes())
+        except (FileNotFoundError, ValidationError, ValueError):
+            return None
+
+    def save(self, state: FleetState) -> None:
+        atomic_write(self.state_path, state.model_dump_json(indent=1).encode())
+
+    def running(self) -> FleetState | None:
+        """The recorded fleet if any of its processes is still alive."""
+        state = self.load()
+        if state and any(pid_alive(p.pid) for p in state.processes):
+            return state
+        return None
+
+    def new_state(self, regions: list[str]) -> FleetState:
+        return FleetState(fleet_id=uuid.uuid4().hex[:12], home=str(self.home), regions=regions)
+
+    # ------------------------------------------------------------------ processes
+
+    def env(self, state: FleetState) -> dict[str, str]:
+        env = dict(os.environ)
+        env["FLEET_HOME"] = str(self.home)
+        env[MARKER_ENV] = state.fleet_id
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        return env
+
+    def spawn(
+        self,
+        state: FleetState,
+        kind: ProcessKind,
+        name: str,
+        argv: list[str],
+        url: str = "",
+        config: str = "",
+    ) -> ProcessRecord:
+        logs = self.dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        log_path = logs / f"{kind}-{name}.log"
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env(state),
+                cwd=str(ROOT),
+                start_new_session=True,
+            )
+        record = ProcessRecord(kind=kind, name=name, pid=proc.pid, url=url, log=str(log_path), config=config)
+        state.processes.append(record)
+        self.save(state)
+        return record
+
+    def start_nats(self, state: FleetState, port: int | None = None) -> ProcessRecord:
+        server = NatsServer(
+            self.dir / "nats", port=port or _port_or_free(4222), log_file=self.dir / "logs" / "nats-nats.log"
+        )
+        (self.dir / "logs").mkdir(parents=True, exist_ok=True)
+        record = self.spawn(state, "nats", "nats", server.command(), url=server.url)
+        state.nats_url = server.url
+        self.save(state)
+        return record
+
+    def start_control_plane(self, state: FleetState, port: int | None = None) -> ProcessRecord:
+        port = port or _port_or_free(7070)
+        url = f"http://127.0.0.1:{port}"
+        argv = [
+            sys.executable,
+            "-m",
+            "control_plane",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--nats-url",
+            state.nats_url,
+        ]
+        record = self.spawn(state, "control-plane", "control-plane", argv, url=url)
+        state.api_url = url
+        self.save(state)
+        return record
+
+    def write_cluster_config(
+        self, state: FleetState, region: str, index: int, slots: int, replica_args: list[str]
+    ) -> ClusterConfig:
+        cluster_dir = self.dir / "clusters" / region
+        config = ClusterConfig(
+            cluster=region,
+            provider="local",
+            region=region,
+            coordinates=region_coordinates(region, index),
+            nats_url=state.nats_url,
+            state_dir=cluster_dir / "state",
+            cpu_slots=slots,
+            gateway=GatewayConfig(port=_port_or_free(9000 + index + 1)),
+            replica=ReplicaConfig(extra_args=replica_args),
+        )
+        cluster_dir.mkdir(parents=True, exist_ok=True)
+        config.dump(cluster_dir / "cluster.yaml")
+        return config
+
+    def start_cluster(self, state: FleetState, config: ClusterConfig) -> tuple[ProcessRecord, ProcessRecord]:
+        path = str(self.dir / "clusters" / config.cluster / "cluster.yaml")
+        agent = self.spawn(
+            state, "agent", config.cluster, [sys.executable, "-m", "agent", "--config", path], config=path
+        )
+        gateway = self.spawn(
+            state,
+            "gateway",
+            config.cluster,
+            [sys.executable, "-m", "agent.gateway", "--config", path],
+            url=config.gateway.url,
+            config=path,
+        )
+        return agent, gateway
+
+    def replicas(self, state: FleetState) -> list[ProcessRecord]:
+        """Replica processes the agents report (from their state files)."""
+        out: list[ProcessRecord] = []
+        for region in state.regions:
+            snapshot = LocalState(self.dir / "clusters" / region / "state").load_replicas()
+            for replica in snapshot.replicas if snapshot else []:
+                if replica.pid:
+                    out.append(
+                        ProcessRecord(
+                            kind="replica",
+                            name=f"{region}/{replica.replica_id}",
+                            pid=replica.pid,
+                            url=replica.url,
+                            log=str(
+                                self.dir
+                                / "clusters"
+                                / region
+                                / "state"
+                                / "logs"
+                                / f"{replica.replica_id}.log"
+                            ),
+                        )
+                    )
+        return out
+
+    def marked_processes(self, fleet_id: str) -> list[psutil.Process]:
+        """Every live process carrying this fleet's marker (children included)."""
+        found = []
+        me = os.getpid()
+        for proc in psutil.process_iter(["pid"]):
+            if proc.pid == me:
+                continue
+            with contextlib.suppress(psutil.Error):
+                if proc.environ().get(MARKER_ENV) == fleet_id and proc.status() != psutil.STATUS_ZOMBIE:
+                    found.append(proc)
+        return found
+
+    def ps(self) -> list[dict]:
+        state = self.load()
+        if state is None:
+            return []
+        rows = []
+        for record in [*state.processes, *self.replicas(state)]:
+            rows.append({**record.model_dump(), "alive": pid_alive(record.pid)})
+        return rows
+
+    def down(self, timeout: float = 30.0) -> list[int]:
+        """Stop everything: gateways and agents first (agents drain their replicas),
+        then the control plane and NATS, then anything else still carrying the marker.
+        Returns the pids that had to be killed."""
+        state = self.load()
+        if state is None:
+            return []
+        order: list[Iterable[ProcessRecord]] = [
+            [p for p in state.processes if p.kind == "gateway"],
+            [p for p in state.processes if p.kind == "agent"],
+            self.replicas(state),
+            [p for p in state.processes if p.kind == "control-plane"],
+            [p for p in state.processes if p.kind == "nats"],
+        ]
+        killed: list[int] = []
+        for group in order:
+            killed += terminate([p.pid for p in group], timeout)
+        leftovers = [p.pid for p in self.marked_processes(state.fleet_id)]
+        killed += terminate(leftovers, 5.0)
+        with contextlib.suppress(FileNotFoundError):
+            self.state_path.unlink()
+        return killed
+
+
+def terminate(pids: list[int], timeout: float) -> list[int]:
+    """SIGTERM each live pid, wait up to `timeout`, SIGKILL the rest; returns killed pids."""
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            proc.send_signal(signal.SIGTERM)
+            procs.append(proc)
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=5)
+    return [p.pid for p in alive]
+
+
+def _port_or_free(preferred: int) -> int:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", preferred))
+            return preferred
+        except OSError:
+            return free_port()
+
+
+def wait_http(
+    url: str, timeout: float, ok=lambda r: r.status_code == 200, proc_pid: int | None = None
+) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc_pid is not None and not pid_alive(proc_pid):
+            return False
+        with contextlib.suppress(httpx.HTTPError):
+            if ok(httpx.get(url, timeout=2.0)):
+                return True
+        time.sleep(0.2)
+    return False
