@@ -21,6 +21,7 @@ from rich.table import Table
 
 from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, console, emit, emit_json, fail
 from control_plane.local.fleet import LocalFleet, pid_alive, wait_http
+from control_plane.local.nats_server import wait_port
 from control_plane.settings import fleet_home
 
 
@@ -151,9 +152,8 @@ def up(
 
 
 def _bring_up(fleet: LocalFleet, state, model, name, replicas, slots, replica_threads, wait_ready, timeout):
-    nats = fleet.start_nats(state)
+    fleet.start_nats(state)
     host, port = "127.0.0.1", int(state.nats_url.rsplit(":", 1)[1])
-    from control_plane.local.nats_server import wait_port
 
     if not wait_port(host, port, 15):
         raise RuntimeError("nats-server did not start")
