@@ -1,0 +1,76 @@
+"""The interface between the agent and whatever runs its replicas (local processes now,
+Kubernetes Deployments later). The daemon only ever talks to a replica through this and
+over HTTP at `handle.url`."""
+
+from __future__ import annotations
+
+import abc
+import time
+
+from pydantic import BaseModel, Field
+
+from agent.protocol import ReplicaSpec, ReplicaState
+
+
+class InvalidSpec(Exception):
+    """A replica could not be started for a reason a retry will not fix (bad spec)."""
+
+
+class ReplicaHandle(BaseModel):
+    """Where a started replica lives; persisted (runtime.json) so a restarted agent can
+    find and adopt it."""
+
+    replica_id: str
+    spec: ReplicaSpec
+    url: str
+    port: int = 0
+    pid: int | None = None
+    # Process start time as the OS reports it: guards adoption against pid reuse.
+    create_time: float | None = None
+    log_path: str = ""
+    argv: list[str] = Field(default_factory=list)
+    started_at: float = Field(default_factory=time.time)
+    restarts: int = 0
+
+
+class Probe(BaseModel):
+    """One look at a replica: starting, ready or failed (with why)."""
+
+    state: ReplicaState
+    exit_code: int | None = None
+    error: str = ""
+
+
+class Runtime(abc.ABC):
+    """Starts, watches and stops replicas. Methods never raise for a replica that died;
+    they report it (`Probe.state == failed`)."""
+
+    name: str = "runtime"
+
+    @abc.abstractmethod
+    async def start(self, spec: ReplicaSpec) -> ReplicaHandle:
+        """Launch a replica and return at once (it loads in the background).
+        Raises InvalidSpec for a spec that can never start."""
+
+    @abc.abstractmethod
+    async def poll(self, handle: ReplicaHandle) -> Probe:
+        """starting until /health says 200, then ready; failed once it exited, or did not
+        become ready in time, or stopped answering (the runtime then kills it)."""
+
+    @abc.abstractmethod
+    async def stop(self, handle: ReplicaHandle, drain_timeout_s: float) -> int | None:
+        """Ask the replica to drain in-flight work and exit; kill it after the timeout.
+        Returns its exit code where known."""
+
+    @abc.abstractmethod
+    async def kill(self, handle: ReplicaHandle) -> None:
+        """Stop it now, without draining."""
+
+    @abc.abstractmethod
+    async def adopt(self, handle: ReplicaHandle) -> bool:
+        """Take over a replica started by a previous agent run if it is still the same
+        live, answering replica; False (having cleaned it up) otherwise."""
+
+    async def close(self) -> None:
+        """Release the runtime's own resources (not the replicas)."""
+        return None

@@ -1,0 +1,335 @@
+"""Runtime `process`: each replica is a `python -m engine.server` child on a free port.
+
+- argv is a list (never a shell); the spec's `engine_args` become flags after checking
+  keys and values against safe patterns, then `config.replica.extra_args` (the host's own
+  flags win over the spec's, argparse taking the last).
+- each replica runs in its own session/process group (start_new_session) with stdout and
+  stderr appended to `state_dir/logs/<replica_id>.log`, so it outlives an agent killed
+  with SIGKILL and a restarted agent can adopt it (see `adopt`).
+- ready when GET /health answers 200 (the engine listens at once and says 503 while it
+  loads); failed when the process exits (exit code and log tail reported), when it is
+  not ready within `startup_timeout_s`, or when a ready replica stops answering /health
+  for `UNHEALTHY_AFTER_S` (then it is killed, so the restart is clean).
+- stop: SIGTERM to the group (the engine drains in-flight requests, bounded by the
+  `--drain-timeout` we pass), SIGKILL after `drain_timeout_s` plus a grace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from agent.config import ClusterConfig
+from agent.local_state import LocalState
+from agent.protocol import ReplicaSpec, ReplicaState
+from agent.runtime.base import InvalidSpec, Probe, ReplicaHandle, Runtime
+
+log = logging.getLogger(__name__)
+
+ENGINE_MODULE = "engine.server"
+UNHEALTHY_AFTER_S = 10.0
+KILL_GRACE_S = 5.0
+LOG_TAIL_LINES = 20
+LOG_TAIL_BYTES = 8192
+
+_KEY = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+_NUMBER = re.compile(r"^-?\d+(\.\d+)?([eE][-+]?\d+)?$")
+# Flags the runtime sets itself; a spec may not override them.
+RESERVED_KEYS = frozenset({"model", "served_model_name", "host", "port"})
+_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _check_text(what: str, value: str) -> str:
+    if not value or len(value) > 4096:
+        raise InvalidSpec(f"{what}: must be 1..4096 characters")
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise InvalidSpec(f"{what}: control characters are not allowed")
+    if value.startswith("-") and not _NUMBER.match(value):
+        raise InvalidSpec(f"{what}: {value!r} would read as a flag")
+    return value
+
+
+def engine_flags(engine_args: dict[str, Any]) -> list[str]:
+    """{"max_num_seqs": 8, "enforce_x": True, "seed": None} -> ["--max-num-seqs", "8", "--enforce-x"].
+
+    True gives the flag alone; False and None omit it; numbers and strings follow the
+    flag; anything else (lists, dicts) is refused with InvalidSpec."""
+    argv: list[str] = []
+    for key, value in engine_args.items():
+        if not isinstance(key, str) or not _KEY.match(key):
+            raise InvalidSpec(f"engine_args: key {key!r} must match {_KEY.pattern}")
+        if key in RESERVED_KEYS:
+            raise InvalidSpec(f"engine_args: {key!r} is set by the agent")
+        flag = "--" + key.replace("_", "-")
+        if value is None or value is False:
+            continue
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, int | float):
+            if isinstance(value, float) and not math.isfinite(value):
+                raise InvalidSpec(f"engine_args: {key} must be finite")
+            argv += [flag, repr(value) if isinstance(value, float) else str(value)]
+        elif isinstance(value, str):
+            argv += [flag, _check_text(f"engine_args.{key}", value)]
+        else:
+            raise InvalidSpec(
+                f"engine_args: {key} must be a string, number or boolean, not {type(value).__name__}"
+            )
+    return argv
+
+
+def engine_argv(
+    spec: ReplicaSpec, config: ClusterConfig, port: int, python: str = sys.executable
+) -> list[str]:
+    """The full command line of one replica."""
+    argv = [
+        python,
+        "-m",
+        ENGINE_MODULE,
+        "--model",
+        _check_text("model", spec.model),
+        "--served-model-name",
+        _check_text("deployment", spec.deployment),
+        "--host",
+        config.replica.host,
+        "--port",
+        str(port),
+    ]
+    argv += engine_flags(spec.engine_args)
+    argv += list(config.replica.extra_args)
+    if "--drain-timeout" not in argv:
+        argv += ["--drain-timeout", repr(float(config.replica.drain_timeout_s))]
+    return argv
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def log_tail(path: str | Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last lines of a replica's log (bounded read)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - LOG_TAIL_BYTES))
+            data = f.read()
+    except OSError:
+        return ""
+    return "\n".join(data.decode(errors="replace").splitlines()[-lines:])
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+class ProcessRuntime(Runtime):
+    name = "process"
+
+    def __init__(self, config: ClusterConfig, *, unhealthy_after_s: float = UNHEALTHY_AFTER_S) -> None:
+        self.config = config
+        self.logs_dir = LocalState(config.state_dir).logs_dir
+        self.unhealthy_after_s = unhealthy_after_s
+        self._children: dict[int, subprocess.Popen[bytes]] = {}  # pid -> our own child
+        self._last_ok: dict[int, float] = {}  # pid -> last /health 200
+        self._http = httpx.AsyncClient(timeout=2.0)
+
+    # ----------------------------------------------------------------- start
+
+    def _env(self) -> dict[str, str]:
+        env = {**os.environ, **self.config.replica.env}
+        if (_ROOT / "engine").is_dir():  # a source checkout: make `engine` importable
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
+        return env
+
+    async def start(self, spec: ReplicaSpec) -> ReplicaHandle:
+        host = self.config.replica.host
+        port = free_port(host)
+        argv = engine_argv(spec, self.config, port)  # raises InvalidSpec
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.logs_dir / f"{spec.replica_id}.log"
+        with open(log_path, "ab") as out:
+            out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} agent starts: {' '.join(argv)}\n".encode())
+            out.flush()
+            proc = subprocess.Popen(
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self._env(),
+                start_new_session=True,
+            )
+        self._children[proc.pid] = proc
+        create_time = None
+        with contextlib.suppress(psutil.Error):
+            create_time = psutil.Process(proc.pid).create_time()
+        log.info("replica %s: pid %d on port %d", spec.replica_id, proc.pid, port)
+        return ReplicaHandle(
+            replica_id=spec.replica_id,
+            spec=spec,
+            url=f"http://{_url_host(host)}:{port}",
+            port=port,
+            pid=proc.pid,
+            create_time=create_time,
+            log_path=str(log_path),
+            argv=argv,
+        )
+
+    # ----------------------------------------------------------------- liveness
+
+    def _exited(self, handle: ReplicaHandle) -> tuple[bool, int | None]:
+        """(exited, exit code if known)."""
+        if handle.pid is None:
+            return True, None
+        child = self._children.get(handle.pid)
+        if child is not None:
+            code = child.poll()
+            return code is not None, code
+        return not self._same_live_process(handle), None
+
+    def _same_live_process(self, handle: ReplicaHandle) -> bool:
+        """The pid is alive, not a zombie, and is still our engine (not a reused pid)."""
+        if handle.pid is None:
+            return False
+        try:
+            proc = psutil.Process(handle.pid)
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return False
+            if handle.create_time is not None and abs(proc.create_time() - handle.create_time) > 1.0:
+                return False
+            cmdline = proc.cmdline()
+        except psutil.Error:
+            return False
+        return ENGINE_MODULE in cmdline and str(handle.port) in cmdline
+
+    async def _health(self, url: str) -> tuple[int, str]:
+        """(HTTP status or 0 when unreachable, the engine's status word)."""
+        try:
+            r = await self._http.get(f"{url}/health")
+        except httpx.HTTPError:
+            return 0, ""
+        try:
+            word = str(r.json().get("status", ""))
+        except ValueError:
+            word = ""
+        return r.status_code, word
+
+    async def poll(self, handle: ReplicaHandle) -> Probe:
+        exited, code = self._exited(handle)
+        if exited:
+            self._forget(handle)
+            tail = log_tail(handle.log_path)
+            what = f"exited with code {code}" if code is not None else "exited"
+            return Probe(state=ReplicaState.failed, exit_code=code, error=f"{what}; log tail:\n{tail}")
+        status, word = await self._health(handle.url)
+        now = time.time()
+        assert handle.pid is not None
+        if status == 200:
+            self._last_ok[handle.pid] = now
+            return Probe(state=ReplicaState.ready)
+        if word == "draining":
+            return Probe(state=ReplicaState.draining)
+        if word == "dead":
+            await self.kill(handle)
+            return Probe(state=ReplicaState.failed, error="the engine loop stopped (/health: dead)")
+        last_ok = self._last_ok.get(handle.pid)
+        if last_ok is not None:  # was ready: tolerate a short blip
+            if now - last_ok > self.unhealthy_after_s:
+                await self.kill(handle)
+                return Probe(
+                    state=ReplicaState.failed,
+                    error=f"stopped answering /health for {now - last_ok:.0f} s; killed",
+                )
+            return Probe(state=ReplicaState.ready)
+        timeout = self.config.replica.startup_timeout_s
+        if now - handle.started_at > timeout:
+            await self.kill(handle)
+            tail = log_tail(handle.log_path)
+            return Probe(
+                state=ReplicaState.failed, error=f"not ready after {timeout:.0f} s; log tail:\n{tail}"
+            )
+        return Probe(state=ReplicaState.starting)
+
+    # ----------------------------------------------------------------- stop
+
+    def _signal(self, handle: ReplicaHandle, sig: int) -> None:
+        if handle.pid is None or not self._same_live_process_or_child(handle):
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(handle.pid, sig)  # its own session: pgid == pid
+
+    def _same_live_process_or_child(self, handle: ReplicaHandle) -> bool:
+        if handle.pid in self._children:
+            return self._children[handle.pid].poll() is None
+        return self._same_live_process(handle)
+
+    async def _wait_exit(self, handle: ReplicaHandle, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._exited(handle)[0]:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+
+    async def stop(self, handle: ReplicaHandle, drain_timeout_s: float) -> int | None:
+        self._signal(handle, signal.SIGTERM)
+        if not await self._wait_exit(handle, drain_timeout_s + KILL_GRACE_S):
+            log.warning("replica %s did not exit after draining; killing", handle.replica_id)
+            self._signal(handle, signal.SIGKILL)
+            await self._wait_exit(handle, 10.0)
+        code = self._exited(handle)[1]
+        self._forget(handle)
+        return code
+
+    async def kill(self, handle: ReplicaHandle) -> None:
+        self._signal(handle, signal.SIGKILL)
+        await self._wait_exit(handle, 10.0)
+        self._forget(handle)
+
+    def _forget(self, handle: ReplicaHandle) -> None:
+        if handle.pid is not None:
+            self._last_ok.pop(handle.pid, None)
+            child = self._children.pop(handle.pid, None)
+            if child is not None:
+                child.poll()  # reap
+
+    # ----------------------------------------------------------------- adopt
+
+    async def adopt(self, handle: ReplicaHandle) -> bool:
+        if not self._same_live_process(handle):
+            return False
+        status, _ = await self._health(handle.url)
+        if status == 0:
+            log.warning(
+                "replica %s (pid %s) is alive but does not answer; killing it", handle.replica_id, handle.pid
+            )
+            self._signal(handle, signal.SIGKILL)
+            return False
+        if status == 200 and handle.pid is not None:
+            self._last_ok[handle.pid] = time.time()
+        log.info("adopted replica %s (pid %s, %s)", handle.replica_id, handle.pid, handle.url)
+        return True
+
+    async def close(self) -> None:
+        await self._http.aclose()

@@ -1,0 +1,152 @@
+"""Small pure parts of the agent: engine_args -> argv, /metrics parsing and rates,
+nvidia-smi parsing, pool inventory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+
+from agent.config import ClusterConfig, ReplicaConfig
+from agent.inventory import cpu_pool, gpu_pools, inventory, parse_nvidia_smi
+from agent.protocol import PoolInventory, ReplicaSpec, Tier
+from agent.replica_metrics import EngineSample, LoadTracker, parse_metrics
+from agent.runtime.base import InvalidSpec
+from agent.runtime.process import engine_argv, engine_flags
+from engine.outputs import EngineStats
+from engine.server.metrics import ServerMetrics
+
+
+def config(tmp_path: Path, **replica: object) -> ClusterConfig:
+    return ClusterConfig(cluster="c1", state_dir=tmp_path, replica=ReplicaConfig(**replica))  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------- engine_args -> argv
+
+
+@pytest.mark.parametrize(
+    ("args", "flags"),
+    [
+        ({}, []),
+        ({"max_num_seqs": 8, "threads": 1}, ["--max-num-seqs", "8", "--threads", "1"]),
+        ({"enable_x": True, "disable_y": False, "seed": None}, ["--enable-x"]),
+        (
+            {"kv_cache_memory": "4MiB", "dtype": "float32"},
+            ["--kv-cache-memory", "4MiB", "--dtype", "float32"],
+        ),
+        ({"temperature": 0.5, "offset": -3}, ["--temperature", "0.5", "--offset", "-3"]),
+        ({"x": "-1.5e3"}, ["--x", "-1.5e3"]),
+    ],
+)
+def test_engine_flags(args: dict, flags: list[str]) -> None:
+    assert engine_flags(args) == flags
+
+
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        ({"Max": 1}, "must match"),
+        ({"a-b": 1}, "must match"),
+        ({"x; rm -rf /": 1}, "must match"),
+        ({"--api-key": "k"}, "must match"),
+        ({"port": 1}, "set by the agent"),
+        ({"model": "other"}, "set by the agent"),
+        ({"served_model_name": "x"}, "set by the agent"),
+        ({"device": "--api-key"}, "would read as a flag"),
+        ({"device": "cuda\n--port 1"}, "control characters"),
+        ({"device": ""}, "1..4096"),
+        ({"stop": ["a", "b"]}, "string, number or boolean"),
+        ({"x": float("nan")}, "finite"),
+    ],
+)
+def test_engine_flags_refuses_unsafe_input(args: dict, reason: str) -> None:
+    with pytest.raises(InvalidSpec, match=reason):
+        engine_flags(args)
+
+
+def test_engine_argv(tmp_path: Path) -> None:
+    spec = ReplicaSpec(
+        replica_id="r1", deployment="chat", version=2, model="smollm2-135m", engine_args={"max_num_seqs": 4}
+    )
+    cfg = config(tmp_path, extra_args=["--threads", "1"], drain_timeout_s=7)
+    argv = engine_argv(spec, cfg, 8123, python="py")
+    assert argv == [
+        "py", "-m", "engine.server", "--model", "smollm2-135m", "--served-model-name", "chat",
+        "--host", "127.0.0.1", "--port", "8123", "--max-num-seqs", "4", "--threads", "1",
+        "--drain-timeout", "7.0",
+    ]  # fmt: skip
+    cfg = config(tmp_path, extra_args=["--drain-timeout", "3"])
+    assert engine_argv(spec, cfg, 1, python="py")[-2:] == ["--drain-timeout", "3"]
+    with pytest.raises(InvalidSpec, match="model"):
+        engine_argv(spec.model_copy(update={"model": "-x"}), cfg, 1)
+
+
+# ----------------------------------------------------------------- /metrics
+
+
+def engine_metrics_text(stats: EngineStats) -> str:
+    """What a replica's /metrics returns, made by the engine server's own registry."""
+    m = ServerMetrics("chat")
+    m.stats = lambda: stats
+    m.ttft.observe(0.1)
+    m.finished("stop")
+    return generate_latest(m.registry).decode()
+
+
+def test_parse_engine_metrics() -> None:
+    text = engine_metrics_text(
+        EngineStats(
+            num_running=3, num_waiting=2, kv_cache_usage=0.25, generation_tokens=1234, prompt_tokens=99
+        )
+    )
+    assert parse_metrics(text) == EngineSample(
+        running=3, waiting=2, kv_cache_usage=0.25, generation_tokens=1234
+    )
+    assert parse_metrics("") == EngineSample()
+
+
+def test_load_tracker_rate_and_counter_reset() -> None:
+    t = LoadTracker(window_s=3.0)
+    assert t.update(EngineSample(generation_tokens=100), 10.0).tokens_per_s == 0.0
+    load = t.update(EngineSample(running=2, waiting=1, kv_cache_usage=0.5, generation_tokens=150), 11.0)
+    assert (load.running, load.waiting, load.kv_cache_usage, load.tokens_per_s) == (2, 1, 0.5, 50.0)
+    assert t.update(EngineSample(generation_tokens=250), 12.0).tokens_per_s == 75.0
+    # the window slides: 10 s is dropped once 11 s is 3 s old
+    assert t.update(EngineSample(generation_tokens=250), 14.0).tokens_per_s == pytest.approx(100 / 3)
+    assert t.update(EngineSample(generation_tokens=5), 15.0).tokens_per_s == 0.0  # replica restarted
+    assert t.update(EngineSample(generation_tokens=25), 16.0).tokens_per_s == 20.0
+
+
+# ----------------------------------------------------------------- inventory
+
+NVIDIA_SMI = """name, memory.total [MiB]
+NVIDIA H100 80GB HBM3, 81559 MiB
+NVIDIA H100 80GB HBM3, 81559 MiB
+NVIDIA L4, 23034 MiB
+"""
+
+
+def test_parse_nvidia_smi_groups_by_model() -> None:
+    gpus = parse_nvidia_smi(NVIDIA_SMI)
+    assert gpus == [("H100 80GB HBM3", 79.6), ("H100 80GB HBM3", 79.6), ("L4", 22.5)]
+    assert parse_nvidia_smi("NVIDIA L4, 23034\n") == [("L4", 22.5)]
+    pools = gpu_pools(gpus)
+    assert [(p.name, p.gpu_model, p.gpus_per_node, p.gpu_memory_gb) for p in pools] == [
+        ("gpu-h100-80gb-hbm3", "H100 80GB HBM3", 2, 79.6),
+        ("gpu-l4", "L4", 1, 22.5),
+    ]
+
+
+def test_inventory_declared_pools_win(tmp_path: Path) -> None:
+    declared = PoolInventory(name="a100", gpu_model="A100", gpus_per_node=8, nodes=4, tier=Tier.spot)
+    cfg = ClusterConfig(cluster="c1", state_dir=tmp_path, pools=[declared])
+    assert inventory(cfg) == [declared]
+
+
+def test_cpu_pool(tmp_path: Path) -> None:
+    cfg = ClusterConfig(cluster="c1", state_dir=tmp_path, cpu_slots=3)
+    pool = cpu_pool(cfg)
+    assert (pool.name, pool.gpu_model, pool.gpus_per_node, pool.nodes, pool.tier, pool.hourly_price) == (
+        "cpu", "cpu", 3, 1, Tier.reserved, 0.0,
+    )  # fmt: skip
