@@ -1,0 +1,1 @@
+"""The admin HTTP API (FastAPI): deployments, versions, clusters, pools, keys, events, audit."""

@@ -1,0 +1,122 @@
+"""The admin API application: `build_app(ctx)` wires routers, auth, the error shape,
+a body-size limit, and a lifespan that starts NATS and the control loops."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from control_plane.api import errors
+from control_plane.api.auth import TokenCache, authenticate
+from control_plane.api.routers import clusters, deployments, history, keys
+from control_plane.context import ControlPlaneContext
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 1 << 20
+
+
+class BodyLimit:
+    """413 for request bodies over `limit` bytes, declared or streamed."""
+
+    def __init__(self, app: ASGIApp, limit: int = MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        too_big = f"request body over {self.limit} bytes"
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            await errors.error_response(413, too_big)(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    # FastAPI passes HTTPExceptions from body reading through unchanged.
+                    raise HTTPException(413, too_big)
+            return message
+
+        await self.app(scope, limited, send)
+
+
+async def start_loops(ctx: ControlPlaneContext) -> object | None:
+    """`control_plane.loops.start_loops(ctx)` when that module exists (the control loops
+    are optional for the API: without them it still records desired state)."""
+    try:
+        module = importlib.import_module("control_plane.loops")
+    except ModuleNotFoundError as err:
+        if err.name and err.name.startswith("control_plane.loops"):
+            log.info("control loops not available (%s); serving the API only", err)
+            return None
+        log.exception("control loops failed to import; serving the API only")
+        return None
+    except Exception:
+        log.exception("control loops failed to import; serving the API only")
+        return None
+    starter = getattr(module, "start_loops", None)
+    if starter is None:
+        log.info("control_plane.loops has no start_loops; serving the API only")
+        return None
+    try:
+        return await starter(ctx)
+    except Exception:
+        log.exception("control loops failed to start; serving the API only")
+        return None
+
+
+def build_app(ctx: ControlPlaneContext, *, run_loops: bool = True) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.loop = asyncio.get_running_loop()
+        if ctx.nats is not None:
+            ctx.nats.start()
+        loops = await start_loops(ctx) if run_loops else None
+        on_ready = getattr(app.state, "on_ready", None)
+        if on_ready is not None:
+            on_ready()
+        try:
+            yield
+        finally:
+            if loops is not None and hasattr(loops, "stop"):
+                try:
+                    await asyncio.wait_for(loops.stop(), 10)
+                except Exception:
+                    log.exception("stopping the control loops failed")
+            if ctx.nats is not None:
+                await ctx.nats.close()
+
+    app = FastAPI(
+        title="Fleet control plane",
+        version="1",
+        description="Admin API: deployments, versions, clusters, capacity pools, API keys, events, audit.",
+        lifespan=lifespan,
+    )
+    app.state.ctx = ctx
+    app.state.token_cache = TokenCache()
+    errors.install(app)
+    app.add_middleware(BodyLimit)
+
+    @app.get("/healthz", tags=["health"])
+    async def healthz(request: Request) -> dict:
+        nats = request.app.state.ctx.nats
+        return {"status": "ok", "nats": bool(nats is not None and nats.is_connected)}
+
+    auth = [Depends(authenticate)]
+    for router in (deployments.router, clusters.router, keys.router, history.router):
+        app.include_router(router, dependencies=auth)
+    return app

@@ -1,0 +1,86 @@
+"""API keys. The secret is returned once, by create; the database keeps salt and hash.
+Revoking takes effect on this API at once and on gateways when the control loops
+republish `fleet_keys`."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Query, Request
+from sqlalchemy import select
+
+from agent.protocol import hash_secret, new_secret
+from control_plane.api.audit import audit
+from control_plane.api.deps import PagingDep, PrincipalDep, SessionDep, kick
+from control_plane.api.errors import not_found
+from control_plane.api.schemas import KeyCreate, KeyCreated, KeyOut, Page
+from control_plane.api.views import key_out
+from control_plane.db.models import ApiKey, utcnow
+
+router = APIRouter(prefix="/v1/keys", tags=["keys"])
+
+
+def make_key(name: str, scopes: list[str], deployments: list[str] | None, quotas: dict) -> tuple[ApiKey, str]:
+    """A new ApiKey row and its secret (not stored)."""
+    key_id, secret = new_secret()
+    salt, digest = hash_secret(secret)
+    row = ApiKey(
+        key_id=key_id,
+        name=name,
+        salt=salt,
+        hash=digest,
+        scopes=list(scopes),
+        deployments=None if deployments is None else list(deployments),
+        quotas=quotas,
+    )
+    return row, secret
+
+
+@router.post("", status_code=201, response_model=KeyCreated)
+def create_key(body: KeyCreate, request: Request, session: SessionDep, who: PrincipalDep):
+    row, secret = make_key(body.name, body.scopes, body.deployments, body.quotas.model_dump())
+    session.add(row)
+    session.flush()
+    out = key_out(row)
+    audit(session, who, "key.create", "key", row.key_id, None, out)
+    session.commit()
+    kick(request)
+    return KeyCreated(**out.model_dump(), key=secret)
+
+
+@router.get("", response_model=Page[KeyOut])
+def list_keys(
+    session: SessionDep,
+    who: PrincipalDep,
+    page: PagingDep,
+    include_revoked: bool = Query(True),
+):
+    query = select(ApiKey).order_by(ApiKey.created_at, ApiKey.key_id)
+    if not include_revoked:
+        query = query.where(ApiKey.revoked_at.is_(None))
+    rows, total = page.apply(session, query)
+    return Page(items=[key_out(r) for r in rows], total=total, limit=page.limit, offset=page.offset)
+
+
+@router.get("/{key_id}", response_model=KeyOut)
+def get_key(key_id: str, session: SessionDep, who: PrincipalDep):
+    row = session.get(ApiKey, key_id)
+    if row is None:
+        raise not_found("key", key_id)
+    return key_out(row)
+
+
+@router.delete("/{key_id}", response_model=KeyOut)
+def revoke_key(key_id: str, request: Request, session: SessionDep, who: PrincipalDep):
+    row = session.get(ApiKey, key_id)
+    if row is None:
+        raise not_found("key", key_id)
+    if row.revoked_at is not None:
+        return key_out(row)
+    before = key_out(row)
+    row.revoked_at = utcnow()
+    session.flush()
+    after = key_out(row)
+    audit(session, who, "key.revoke", "key", key_id, before, after)
+    session.commit()
+    request.app.state.token_cache.invalidate(key_id)
+    kick(request)
+    return after

@@ -1,0 +1,292 @@
+"""Request and response bodies of the admin API.
+
+Requests are strict (no "3" for 3, no NaN), refuse unknown fields and bound every
+number and string, so bad input is a 422 naming the field instead of a surprise later.
+Names that become NATS subjects or KV keys (deployments, clusters, pools) are limited to
+characters valid there.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+
+MAX_REPLICAS = 1000
+MAX_LIST = 64
+
+DeploymentName = Annotated[
+    str, StringConstraints(pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$", min_length=1, max_length=63)
+]
+ClusterId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?$")]
+PoolName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?$")]
+Label = Annotated[
+    str, StringConstraints(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.*:/-]*$")
+]
+ModelRef = Annotated[str, StringConstraints(min_length=1, max_length=512, strip_whitespace=True)]
+EngineArgName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")]
+Url = Annotated[str, StringConstraints(max_length=512, pattern=r"^(https?://\S+)?$")]
+Scope = Literal["admin", "read", "inference"]
+TierName = Literal["reserved", "on-demand", "spot"]
+ClusterStatusName = Literal["healthy", "unhealthy", "draining"]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+# --------------------------------------------------------------------- deployments
+
+
+class ScalingSpec(Strict):
+    min_replicas: int | None = Field(None, ge=0, le=MAX_REPLICAS)
+    max_replicas: int | None = Field(None, ge=0, le=MAX_REPLICAS)
+    autoscale_window_s: float | None = Field(None, gt=0, le=86_400)
+    scale_down_delay_s: float | None = Field(None, ge=0, le=86_400)
+    target_concurrency: float | None = Field(None, gt=0, le=100_000)
+    scale_to_zero: bool | None = None
+
+
+class SpecFields(ScalingSpec):
+    """Every field of a version; None means "not given" (defaults on create, unchanged
+    on update)."""
+
+    model: ModelRef | None = None
+    engine_args: dict[EngineArgName, Any] | None = Field(None, max_length=MAX_LIST)
+    gpu_models: list[Label] | None = Field(None, max_length=MAX_LIST)
+    gpu_count: int | None = Field(None, ge=1, le=64)
+    gpu_memory_gb: float | None = Field(None, ge=0, le=100_000)
+    regions: list[Label] | None = Field(None, max_length=MAX_LIST)
+    min_regions: int | None = Field(None, ge=1, le=MAX_LIST)
+    replicas: int | None = Field(None, ge=0, le=MAX_REPLICAS)
+
+    @field_validator("engine_args")
+    @classmethod
+    def _scalar_args(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key, arg in (value or {}).items():
+            if not isinstance(arg, (str, int, float, bool)) or (isinstance(arg, str) and len(arg) > 4096):
+                raise ValueError(f"{key!r} must be a string (up to 4096 characters), number or boolean")
+            if (isinstance(arg, float) and arg != arg) or arg in (float("inf"), float("-inf")):
+                raise ValueError(f"{key!r} must be finite")
+        return value
+
+    @field_validator("gpu_models", "regions")
+    @classmethod
+    def _unique(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and len(set(value)) != len(value):
+            raise ValueError("duplicate entries")
+        return value
+
+
+class DeploymentCreate(SpecFields):
+    """Create a deployment (version 1). With `replicas` alone the count is pinned
+    (min = max = replicas); give min/max replicas for an autoscaled range."""
+
+    name: DeploymentName
+    model: ModelRef
+
+
+class DeploymentUpdate(SpecFields):
+    """Change some fields. A changed spec makes a new version; `replicas` alone only scales."""
+
+
+class ScaleRequest(Strict):
+    replicas: int = Field(ge=0, le=MAX_REPLICAS)
+
+
+class VersionOut(BaseModel):
+    version: int
+    model: str
+    engine_args: dict[str, Any]
+    gpu_models: list[str]
+    gpu_count: int
+    gpu_memory_gb: float
+    min_replicas: int
+    max_replicas: int
+    autoscale_window_s: float
+    scale_down_delay_s: float
+    target_concurrency: float
+    scale_to_zero: bool
+    regions: list[str]
+    min_regions: int
+    created_at: datetime
+    replicas: int = 0  # assignments of this version
+    current: bool = False
+
+
+class Placement(BaseModel):
+    replica_id: str
+    cluster: str
+    region: str
+    pool: str
+    version: int
+    state: str
+    url: str
+    gpus: int
+
+
+class DeploymentSummary(BaseModel):
+    name: str
+    model: str
+    current_version: int
+    desired_replicas: int
+    ready_replicas: int
+    min_replicas: int
+    max_replicas: int
+    created_at: datetime
+    updated_at: datetime
+
+
+class DeploymentStatus(DeploymentSummary):
+    """`GET /v1/deployments/{name}`: what is wanted (current version, desired replicas)
+    and what runs (placements, ready replicas of any version)."""
+
+    spec: VersionOut
+    versions: list[VersionOut]
+    placements: list[Placement]
+
+
+# --------------------------------------------------------------------- clusters and pools
+
+
+class PoolIn(Strict):
+    name: PoolName
+    gpu_model: Label
+    gpu_memory_gb: float = Field(0.0, ge=0, le=100_000)
+    gpus_per_node: int = Field(1, ge=1, le=64)
+    nodes: int = Field(1, ge=0, le=100_000)
+    tier: TierName = "on-demand"
+    hourly_price: float = Field(0.0, ge=0, le=1_000_000)
+
+
+class PoolOut(BaseModel):
+    cluster: str
+    region: str
+    name: str
+    gpu_model: str
+    gpu_memory_gb: float
+    gpus_per_node: int
+    nodes: int
+    tier: str
+    hourly_price: float
+    total_gpus: int
+    used_gpus: int
+    free_gpus: int
+
+
+class ClusterCreate(Strict):
+    id: ClusterId
+    provider: Label = "local"
+    region: Annotated[str, StringConstraints(max_length=63, pattern=r"^[A-Za-z0-9_.-]*$")] = ""
+    lat: float = Field(0.0, ge=-90, le=90)
+    lon: float = Field(0.0, ge=-180, le=180)
+    gateway_url: Url = ""
+    status: Literal["healthy", "draining"] = "healthy"
+    pools: list[PoolIn] = Field(default_factory=list, max_length=MAX_LIST)
+
+    @model_validator(mode="after")
+    def _unique_pools(self) -> ClusterCreate:
+        names = [p.name for p in self.pools]
+        if len(set(names)) != len(names):
+            raise ValueError("pools: duplicate pool names")
+        return self
+
+
+class ClusterUpdate(Strict):
+    status: Literal["healthy", "draining"] | None = None
+    provider: Label | None = None
+    region: Annotated[str, StringConstraints(max_length=63, pattern=r"^[A-Za-z0-9_.-]*$")] | None = None
+    lat: float | None = Field(None, ge=-90, le=90)
+    lon: float | None = Field(None, ge=-180, le=180)
+    gateway_url: Url | None = None
+
+
+class ClusterOut(BaseModel):
+    id: str
+    provider: str
+    region: str
+    lat: float
+    lon: float
+    status: str
+    gateway_url: str
+    last_heartbeat_at: datetime | None
+    load: dict[str, Any]
+    created_at: datetime
+    replicas: int
+    pools: list[PoolOut]
+
+
+# --------------------------------------------------------------------- keys
+
+
+class QuotasIn(Strict):
+    tokens_per_minute: int | None = Field(None, ge=1, le=10**12)
+    requests_per_minute: int | None = Field(None, ge=1, le=10**9)
+    max_concurrent: int | None = Field(None, ge=1, le=10**6)
+    priority: int = Field(0, ge=-10, le=10)
+
+
+class KeyCreate(Strict):
+    name: Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f]+$")]
+    scopes: list[Scope] = Field(default_factory=lambda: ["inference"], min_length=1, max_length=3)
+    deployments: list[DeploymentName] | None = Field(None, max_length=1000)
+    quotas: QuotasIn = Field(default_factory=QuotasIn)
+
+    @field_validator("scopes")
+    @classmethod
+    def _unique_scopes(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError("duplicate scopes")
+        return value
+
+
+class KeyOut(BaseModel):
+    key_id: str
+    name: str
+    scopes: list[str]
+    deployments: list[str] | None
+    quotas: dict[str, Any]
+    created_at: datetime
+    revoked_at: datetime | None
+    revoked: bool
+
+
+class KeyCreated(KeyOut):
+    key: str = Field(description="the secret: shown once, never stored")
+
+
+# --------------------------------------------------------------------- events and audit
+
+
+class EventOut(BaseModel):
+    id: int
+    at: datetime
+    cluster: str | None
+    kind: str
+    deployment: str | None
+    replica_id: str | None
+    message: str
+
+
+class AuditOut(BaseModel):
+    id: int
+    at: datetime
+    actor: str
+    action: str
+    resource_type: str
+    resource_id: str
+    before: dict[str, Any] | None
+    after: dict[str, Any] | None
+
+
+# --------------------------------------------------------------------- lists
+
+T = TypeVar("T")
+
+
+class Page(BaseModel, Generic[T]):
+    items: list[T]
+    total: int
+    limit: int
+    offset: int

@@ -1,0 +1,93 @@
+"""How a deployment's spec is completed on create and merged on update: plain functions
+over dicts, no database, so the rules are easy to read and to test.
+
+- `replicas` alone pins the count (min = max = replicas); min/max give an autoscaled
+  range and `replicas` defaults into it.
+- An update merges the given fields onto the current version; if any version field
+  changes the result is a new version, while `replicas` alone only scales.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from control_plane.api.errors import invalid
+from control_plane.api.schemas import DeploymentCreate, DeploymentUpdate
+
+VERSION_DEFAULTS: dict[str, Any] = {
+    "engine_args": {},
+    "gpu_models": [],
+    "gpu_count": 1,
+    "gpu_memory_gb": 0.0,
+    "autoscale_window_s": 60.0,
+    "scale_down_delay_s": 300.0,
+    "target_concurrency": 8.0,
+    "scale_to_zero": False,
+    "regions": [],
+    "min_regions": 1,
+}
+VERSION_FIELDS = ("model", "min_replicas", "max_replicas", *VERSION_DEFAULTS)
+
+
+def _given(body: DeploymentCreate | DeploymentUpdate) -> dict[str, Any]:
+    return {k: v for k, v in body.model_dump(exclude_unset=True).items() if v is not None}
+
+
+def _bounds(given: dict[str, Any], replicas: int | None, scale_to_zero: bool) -> tuple[int, int]:
+    lo, hi = given.get("min_replicas"), given.get("max_replicas")
+    if lo is None and hi is None:
+        pinned = 1 if replicas is None else replicas
+        return pinned, pinned
+    if lo is None:
+        lo = 0 if scale_to_zero else min(1, hi)
+    if hi is None:
+        hi = max(lo, replicas if replicas is not None else lo, 1)
+    return lo, hi
+
+
+def check_spec(spec: dict[str, Any], replicas: int) -> None:
+    """Cross-field rules a single field's validation cannot see."""
+    lo, hi = spec["min_replicas"], spec["max_replicas"]
+    if lo > hi:
+        raise invalid("min_replicas", f"min_replicas ({lo}) is greater than max_replicas ({hi})")
+    if not lo <= replicas <= hi:
+        raise invalid(
+            "replicas", f"replicas ({replicas}) must be within min_replicas..max_replicas ({lo}..{hi})"
+        )
+    regions = spec["regions"]
+    if regions and spec["min_regions"] > len(regions):
+        raise invalid(
+            "min_regions", f"min_regions ({spec['min_regions']}) exceeds the {len(regions)} allowed region(s)"
+        )
+
+
+def new_spec(body: DeploymentCreate) -> tuple[dict[str, Any], int]:
+    """(version fields, desired replicas) of a new deployment."""
+    given = _given(body)
+    spec = {**VERSION_DEFAULTS, **{k: v for k, v in given.items() if k in VERSION_FIELDS}}
+    lo, hi = _bounds(given, given.get("replicas"), spec["scale_to_zero"])
+    spec["min_replicas"], spec["max_replicas"] = lo, hi
+    replicas = given.get("replicas")
+    if replicas is None:
+        replicas = min(max(1, lo), hi)
+    check_spec(spec, replicas)
+    return spec, replicas
+
+
+def merged_spec(current: dict[str, Any], replicas: int, body: DeploymentUpdate) -> tuple[dict[str, Any], int]:
+    """(version fields, desired replicas) after an update; compare with `current` to see
+    whether it makes a new version. Replicas outside new bounds are clamped into them
+    unless given explicitly (then it is an error)."""
+    given = _given(body)
+    spec = {**current, **{k: v for k, v in given.items() if k in VERSION_FIELDS}}
+    lo, hi = spec["min_replicas"], spec["max_replicas"]
+    if "replicas" in given:
+        new_replicas = given["replicas"]
+    else:
+        new_replicas = min(max(replicas, lo), hi) if lo <= hi else replicas
+    check_spec(spec, new_replicas)
+    return spec, new_replicas
+
+
+def version_fields(row: Any) -> dict[str, Any]:
+    return {field: getattr(row, field) for field in VERSION_FIELDS}

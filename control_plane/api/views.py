@@ -1,0 +1,203 @@
+"""Database rows -> API bodies. The deployment status view joins what is wanted (the
+current version, desired replicas) with what runs (assignments and their states)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from control_plane.api.schemas import (
+    AuditOut,
+    ClusterOut,
+    DeploymentStatus,
+    DeploymentSummary,
+    EventOut,
+    KeyOut,
+    Placement,
+    PoolOut,
+    VersionOut,
+)
+from control_plane.db.models import (
+    ApiKey,
+    AuditRecord,
+    CapacityPool,
+    Cluster,
+    Deployment,
+    DeploymentVersion,
+    Event,
+    ReplicaAssignment,
+)
+
+READY = "ready"
+
+
+def version_out(row: DeploymentVersion, current: int, counts: Counter | None = None) -> VersionOut:
+    return VersionOut(
+        version=row.version,
+        model=row.model,
+        engine_args=dict(row.engine_args or {}),
+        gpu_models=list(row.gpu_models or []),
+        gpu_count=row.gpu_count,
+        gpu_memory_gb=row.gpu_memory_gb,
+        min_replicas=row.min_replicas,
+        max_replicas=row.max_replicas,
+        autoscale_window_s=row.autoscale_window_s,
+        scale_down_delay_s=row.scale_down_delay_s,
+        target_concurrency=row.target_concurrency,
+        scale_to_zero=row.scale_to_zero,
+        regions=list(row.regions or []),
+        min_regions=row.min_regions,
+        created_at=row.created_at,
+        replicas=(counts or Counter())[row.version],
+        current=row.version == current,
+    )
+
+
+def _ready_counts(session: Session, deployment_ids: list[int]) -> dict[int, int]:
+    if not deployment_ids:
+        return {}
+    rows = session.execute(
+        select(ReplicaAssignment.deployment_id, func.count())
+        .where(ReplicaAssignment.deployment_id.in_(deployment_ids), ReplicaAssignment.state == READY)
+        .group_by(ReplicaAssignment.deployment_id)
+    )
+    return {dep_id: count for dep_id, count in rows}
+
+
+def deployment_summaries(session: Session, rows: list[Deployment]) -> list[DeploymentSummary]:
+    ready = _ready_counts(session, [d.id for d in rows])
+    out = []
+    for dep in rows:
+        current = dep.version_row()
+        out.append(
+            DeploymentSummary(
+                name=dep.name,
+                model=current.model if current else "",
+                current_version=dep.current_version,
+                desired_replicas=dep.replicas,
+                ready_replicas=ready.get(dep.id, 0),
+                min_replicas=current.min_replicas if current else 0,
+                max_replicas=current.max_replicas if current else 0,
+                created_at=dep.created_at,
+                updated_at=dep.updated_at,
+            )
+        )
+    return out
+
+
+def deployment_status(session: Session, dep: Deployment) -> DeploymentStatus:
+    assignments = list(
+        session.scalars(
+            select(ReplicaAssignment)
+            .where(ReplicaAssignment.deployment_id == dep.id)
+            .order_by(ReplicaAssignment.created_at, ReplicaAssignment.replica_id)
+        )
+    )
+    regions = dict(
+        session.execute(
+            select(Cluster.id, Cluster.region).where(Cluster.id.in_({a.cluster_id for a in assignments}))
+        ).all()
+    )
+    counts = Counter(a.version for a in assignments)
+    versions = [version_out(v, dep.current_version, counts) for v in dep.versions]
+    current = next(v for v in versions if v.current)
+    summary = deployment_summaries(session, [dep])[0]
+    return DeploymentStatus(
+        **summary.model_dump(),
+        spec=current,
+        versions=versions,
+        placements=[
+            Placement(
+                replica_id=a.replica_id,
+                cluster=a.cluster_id,
+                region=regions.get(a.cluster_id, ""),
+                pool=a.pool_name,
+                version=a.version,
+                state=a.state,
+                url=a.url,
+                gpus=a.gpus,
+            )
+            for a in assignments
+        ],
+    )
+
+
+def used_gpus(session: Session, cluster_ids: list[str] | None = None) -> dict[tuple[str, str], int]:
+    query = select(
+        ReplicaAssignment.cluster_id, ReplicaAssignment.pool_name, func.sum(ReplicaAssignment.gpus)
+    )
+    if cluster_ids is not None:
+        query = query.where(ReplicaAssignment.cluster_id.in_(cluster_ids))
+    rows = session.execute(query.group_by(ReplicaAssignment.cluster_id, ReplicaAssignment.pool_name))
+    return {(c, p): int(n or 0) for c, p, n in rows}
+
+
+def pool_out(pool: CapacityPool, region: str, used: dict[tuple[str, str], int]) -> PoolOut:
+    total = pool.nodes * pool.gpus_per_node
+    in_use = used.get((pool.cluster_id, pool.name), 0)
+    return PoolOut(
+        cluster=pool.cluster_id,
+        region=region,
+        name=pool.name,
+        gpu_model=pool.gpu_model,
+        gpu_memory_gb=pool.gpu_memory_gb,
+        gpus_per_node=pool.gpus_per_node,
+        nodes=pool.nodes,
+        tier=pool.tier,
+        hourly_price=pool.hourly_price,
+        total_gpus=total,
+        used_gpus=in_use,
+        free_gpus=max(0, total - in_use),
+    )
+
+
+def clusters_out(session: Session, rows: list[Cluster]) -> list[ClusterOut]:
+    ids = [c.id for c in rows]
+    used = used_gpus(session, ids)
+    replicas = dict(
+        session.execute(
+            select(ReplicaAssignment.cluster_id, func.count())
+            .where(ReplicaAssignment.cluster_id.in_(ids))
+            .group_by(ReplicaAssignment.cluster_id)
+        ).all()
+    )
+    return [
+        ClusterOut(
+            id=c.id,
+            provider=c.provider,
+            region=c.region,
+            lat=c.lat,
+            lon=c.lon,
+            status=c.status,
+            gateway_url=c.gateway_url,
+            last_heartbeat_at=c.last_heartbeat_at,
+            load=dict(c.load or {}),
+            created_at=c.created_at,
+            replicas=replicas.get(c.id, 0),
+            pools=[pool_out(p, c.region, used) for p in c.pools],
+        )
+        for c in rows
+    ]
+
+
+def key_out(row: ApiKey) -> KeyOut:
+    return KeyOut(
+        key_id=row.key_id,
+        name=row.name,
+        scopes=list(row.scopes or []),
+        deployments=None if row.deployments is None else list(row.deployments),
+        quotas=dict(row.quotas or {}),
+        created_at=row.created_at,
+        revoked_at=row.revoked_at,
+        revoked=row.revoked_at is not None,
+    )
+
+
+def event_out(row: Event) -> EventOut:
+    return EventOut.model_validate(row, from_attributes=True)
+
+
+def audit_out(row: AuditRecord) -> AuditOut:
+    return AuditOut.model_validate(row, from_attributes=True)
