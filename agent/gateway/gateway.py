@@ -1,0 +1,524 @@
+"""The request path: authenticate, validate, pick a target, proxy, account.
+
+A target is a ready replica of this cluster (chosen by the routing policy), or, when
+none is ready here and the request was not forwarded already, the nearest healthy peer
+cluster's gateway from the deployment's route. Failures before the client's first byte
+are retried once elsewhere; afterwards a stream ends with an in-band error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from agent.config import ClusterConfig
+from agent.gateway.auth import Authenticator
+from agent.gateway.errors import GatewayError, error_response, sse_error_event
+from agent.gateway.inputs import Endpoint, RequestInfo, parse_request, upstream_body
+from agent.gateway.load import LoadTracker
+from agent.gateway.metrics import UNKNOWN, GatewayMetrics
+from agent.gateway.proxy import AttemptFailed, Opened, make_client, open_upstream
+from agent.gateway.queue import ReplicaQueue
+from agent.gateway.routing import (
+    Candidate,
+    LeastOutstandingTokens,
+    RouteRequest,
+    RoutingPolicy,
+    peer_order,
+    pick_version,
+)
+from agent.gateway.sse import EventSplitter, StreamObserver
+from agent.gateway.state import ClusterView
+from agent.gateway.usage import UsagePublisher
+from agent.nats_io import NatsLink
+from agent.protocol import UsageRecord
+
+log = logging.getLogger("agent.gateway")
+
+FORWARDED_HEADER = "X-Fleet-Forwarded"
+REQUEST_ID_HEADER = "X-Request-Id"
+PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+CLIENT_CLOSED = 499  # status recorded when the client went away (nginx's convention)
+
+
+@dataclass
+class Target:
+    """Where one attempt goes: a replica here, or a peer cluster's gateway."""
+
+    name: str  # replica id or peer cluster id
+    url: str
+    version: int | None = None
+    is_peer: bool = False
+
+
+@dataclass
+class Exchange:
+    """One client request from arrival to its last byte: the telemetry it leaves."""
+
+    request_id: str
+    key_id: str
+    info: RequestInfo
+    started: float
+    forwarded_from: str | None
+    version: int | None = None
+    peer: str | None = None
+    ttft_s: float | None = None
+    usage: dict[str, Any] = field(default_factory=dict)
+    finished: bool = False
+
+    @property
+    def deployment(self) -> str:
+        return self.info.deployment
+
+
+class Gateway:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        *,
+        policy: RoutingPolicy | None = None,
+        nats: bool = True,
+        retry_after_s: int = 1,
+    ) -> None:
+        self.config = config
+        self.cluster = config.cluster
+        self.view = ClusterView(config.state_dir)
+        self.auth = Authenticator(lambda: self.view.keys)
+        self.tracker = LoadTracker()
+        self.policy = policy or LeastOutstandingTokens()
+        self.metrics = GatewayMetrics(load=self._load_snapshot)
+        self.queue = ReplicaQueue(
+            self.view, config.gateway.queue_size, config.gateway.queue_timeout_s, self.metrics, retry_after_s
+        )
+        link = NatsLink(config.nats_url, f"gateway-{config.cluster}") if nats and config.nats_url else None
+        self.usage = UsagePublisher(link, config.cluster, self.metrics)
+        self.client: httpx.AsyncClient | None = None
+        self.rng = random.Random()
+        self._watch: asyncio.Task[None] | None = None
+        self._seen_reloads = dict(self.view.reloads)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        self.client = make_client()
+        self._watch = asyncio.create_task(self.view.watch(), name="state-watch")
+        self.usage.start()
+
+    async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+        await self.usage.close()
+        if self.client is not None:
+            await self.client.aclose()
+
+    def refresh(self) -> None:
+        self.view.refresh()
+        for name, count in self.view.reloads.items():
+            if count != self._seen_reloads.get(name, 0):
+                self.metrics.state_reloads.labels(name).inc(count - self._seen_reloads.get(name, 0))
+                self._seen_reloads[name] = count
+
+    def _load_snapshot(self) -> dict[str, tuple[str, int, int]]:
+        deployments = {r.replica_id: r.deployment for r in self.view.replicas}
+        return {
+            rid: (deployments.get(rid, UNKNOWN), tokens, requests)
+            for rid, (tokens, requests) in self.tracker.snapshot().items()
+        }
+
+    # ------------------------------------------------------------------ small endpoints
+
+    def health(self) -> dict[str, Any]:
+        self.refresh()
+        ready: dict[str, int] = {}
+        for r in self.view.replicas:
+            if r in self.view.ready(r.deployment):
+                ready[r.deployment] = ready.get(r.deployment, 0) + 1
+        return {
+            "status": "ok",
+            "cluster": self.cluster,
+            "ready_replicas": ready,
+            "routes": sorted(self.view.routes),
+            "queue_depth": self.queue.depth,
+            "nats_connected": bool(self.usage.link and self.usage.link.is_connected),
+            "state": {name: ":".join(map(str, sig)) for name, sig in self.view.signatures.items()},
+        }
+
+    def models(self, request: Request) -> Response:
+        self.refresh()
+        try:
+            record = self.auth.authenticate(request.headers.get("authorization"))
+            self.auth.authorize(record)
+        except GatewayError as err:
+            return error_response(err)
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "fleet"}
+            for name in self.view.deployments()
+            if record.allows(name)
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    # ------------------------------------------------------------------ inference
+
+    async def inference(self, request: Request, endpoint: Endpoint) -> Response:
+        started = time.monotonic()
+        request_id = request.headers.get(REQUEST_ID_HEADER) or f"req-{secrets.token_hex(12)}"
+        reply_headers = {REQUEST_ID_HEADER: request_id, "X-Fleet-Cluster": self.cluster}
+        self.refresh()
+        try:
+            record = self.auth.authenticate(request.headers.get("authorization"))
+            self.auth.authorize(record)
+            raw = await self._read_body(request)
+            info = parse_request(raw, endpoint)
+            self.auth.authorize(record, info.deployment)
+            if not self.view.known(info.deployment):
+                raise GatewayError(
+                    404,
+                    f"The model '{info.deployment}' does not exist (see GET /v1/models)",
+                    param="model",
+                    code="model_not_found",
+                )
+        except GatewayError as err:
+            self._count(UNKNOWN, err.status, started)
+            return error_response(err, reply_headers)
+        ex = Exchange(request_id, record.key_id, info, started, request.headers.get(FORWARDED_HEADER))
+        self.metrics.in_flight.labels(info.deployment).inc()
+        try:
+            response = await _unless_disconnected(request, self._serve(ex, raw, request))
+        except GatewayError as err:
+            self._finish(ex, err.status)
+            return error_response(err, reply_headers)
+        except _ClientGone:
+            self._finish(ex, CLIENT_CLOSED)
+            return Response(status_code=CLIENT_CLOSED)
+        except BaseException:
+            self._finish(ex, 500)
+            raise
+        response.headers.update(reply_headers)
+        return response
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.config.gateway.max_body_bytes
+        too_large = GatewayError(
+            413,
+            f"Request body is larger than this gateway's limit of {limit} bytes",
+            code="request_too_large",
+        )
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise too_large
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            parts.append(chunk)
+        return b"".join(parts)
+
+    async def _serve(self, ex: Exchange, raw: bytes, request: Request) -> Response:
+        deployment = ex.deployment
+        if not self.view.ready(deployment) and not ex.forwarded_from:
+            peers = peer_order(self.view.route(deployment), self.cluster, self.config.coordinates)
+            if peers:
+                targets = [Target(p.cluster, p.gateway_url.rstrip("/"), is_peer=True) for p in peers]
+                return await self._attempts(ex, raw, request, self._peer_chooser(targets))
+        await self.queue.wait_ready(deployment)
+        return await self._attempts(ex, upstream_body(ex.info, raw), request, self._replica_chooser(ex))
+
+    def _peer_chooser(self, peers: list[Target]) -> Callable[[set[str]], Target | None]:
+        def choose(exclude: set[str]) -> Target | None:
+            return next((p for p in peers if p.name not in exclude), peers[0])
+
+        return choose
+
+    def _replica_chooser(self, ex: Exchange) -> Callable[[set[str]], Target | None]:
+        info = ex.info
+        route_request = RouteRequest(info.deployment, info.prompt_tokens, info.cost_tokens)
+        wanted: list[int | None] = []
+
+        def choose(exclude: set[str]) -> Target | None:
+            ready = self.view.ready(info.deployment)
+            if not ready:
+                return None
+            if not wanted:  # the canary split is drawn once per request
+                route = self.view.route(info.deployment)
+                versions = {r.version for r in ready}
+                draw = self.rng.random()
+                wanted.append(
+                    pick_version(versions, route.versions, draw) if route and len(versions) > 1 else None
+                )
+            pool = [r for r in ready if r.replica_id not in exclude] or ready
+            same_version = [r for r in pool if wanted[0] is None or r.version == wanted[0]]
+            pool = same_version or pool
+            candidates = [
+                Candidate(
+                    replica_id=r.replica_id,
+                    url=r.url.rstrip("/"),
+                    version=r.version,
+                    outstanding_tokens=self.tracker.outstanding(r.replica_id),
+                    in_flight=self.tracker.in_flight(r.replica_id),
+                    recently_failed=self.tracker.recently_failed(r.replica_id),
+                )
+                for r in pool
+            ]
+            chosen = self.policy.choose(candidates, route_request)
+            return Target(chosen.replica_id, chosen.url, chosen.version)
+
+        return choose
+
+    async def _attempts(
+        self, ex: Exchange, body: bytes, request: Request, choose: Callable[[set[str]], Target | None]
+    ) -> Response:
+        """Try a target; on a failure before the first byte, once more on another one."""
+        assert self.client is not None
+        deployment = ex.deployment
+        path = PATHS[ex.info.endpoint]
+        exclude: set[str] = set()
+        failure: AttemptFailed | None = None
+        for attempt in range(2):
+            target = choose(exclude)
+            if target is None:
+                break
+            if attempt:
+                self.metrics.retries.labels(deployment).inc()
+            headers = {"content-type": "application/json", REQUEST_ID_HEADER: ex.request_id}
+            if target.is_peer:
+                headers["authorization"] = request.headers.get("authorization", "")
+                headers[FORWARDED_HEADER] = self.cluster
+                self.metrics.forwarded.labels(deployment, target.name).inc()
+            else:
+                self.tracker.start(target.name, ex.info.cost_tokens)
+                self.metrics.replica_choice.labels(deployment, target.name, str(target.version)).inc()
+            try:
+                opened = await open_upstream(self.client, target.url + path, headers, body)
+                if opened.status >= 300 or not ex.info.stream:
+                    data = await opened.read_rest()
+            except AttemptFailed as err:
+                log.warning(
+                    "request %s: %s %s failed: %s",
+                    ex.request_id,
+                    "peer" if target.is_peer else "replica",
+                    target.name,
+                    err,
+                )
+                self.metrics.upstream_errors.labels(deployment, err.reason).inc()
+                if not target.is_peer:
+                    self.tracker.finish(target.name, ex.info.cost_tokens)
+                    self.tracker.mark_failed(target.name)
+                exclude.add(target.name)
+                failure = err
+                continue
+            except BaseException:
+                if not target.is_peer:
+                    self.tracker.finish(target.name, ex.info.cost_tokens)
+                raise
+            ex.version, ex.peer = target.version, (target.name if target.is_peer else None)
+            if opened.status >= 300 or not ex.info.stream:
+                self._release(ex, target)
+                return self._whole(ex, opened, data)
+            return self._stream(ex, opened, target)
+        if failure is not None and failure.status is not None:
+            self._finish(ex, failure.status)
+            return Response(failure.body, status_code=failure.status, headers=failure.headers)
+        if failure is not None:
+            raise GatewayError(
+                502,
+                f"The upstream serving '{deployment}' failed before responding ({failure.detail}); retry the request",
+                code="upstream_failed",
+                headers={"Retry-After": str(self.queue.retry_after_s)},
+            )
+        raise self.queue._unavailable(deployment, "its replicas went away")
+
+    def _release(self, ex: Exchange, target: Target) -> None:
+        if not target.is_peer:
+            self.tracker.finish(target.name, ex.info.cost_tokens)
+
+    def _whole(self, ex: Exchange, opened: Opened, data: bytes) -> Response:
+        if 200 <= opened.status < 300:
+            try:
+                usage = json.loads(data).get("usage")
+            except (ValueError, AttributeError):
+                usage = None
+            if isinstance(usage, dict):
+                ex.usage = usage
+        self._finish(ex, opened.status)
+        return Response(data, status_code=opened.status, headers=opened.headers())
+
+    def _stream(self, ex: Exchange, opened: Opened, target: Target) -> Response:
+        observer = StreamObserver(strip_usage=not target.is_peer and not ex.info.client_wants_usage)
+        closed = False
+
+        async def cleanup(status: int) -> None:
+            nonlocal closed
+            if closed:
+                return
+            closed = True
+            await opened.close()
+            self._release(ex, target)
+            if observer.usage:
+                ex.usage = observer.usage
+            self._finish(ex, status)
+
+        async def body() -> AsyncIterator[bytes]:
+            status = opened.status
+            splitter = EventSplitter()
+            try:
+                chunk = opened.first
+                while True:
+                    for event in splitter.feed(chunk):
+                        out = observer.observe(event)
+                        if observer.first_token and ex.ttft_s is None:
+                            ex.ttft_s = time.monotonic() - ex.started
+                        if out:
+                            yield out
+                    try:
+                        chunk = await opened.rest.__anext__()
+                    except StopAsyncIteration:
+                        break
+                rest = splitter.rest()
+                if rest:
+                    yield rest
+                if not observer.done and observer.error is None:
+                    status = 502
+                    self.metrics.upstream_errors.labels(ex.deployment, "midstream").inc()
+                    yield sse_error_event(
+                        502, "The upstream closed the stream before it finished", "upstream_failed"
+                    )
+            except httpx.HTTPError as err:
+                status = 502
+                self.metrics.upstream_errors.labels(ex.deployment, "midstream").inc()
+                log.warning("request %s: stream from %s broke: %s", ex.request_id, target.name, err)
+                yield sse_error_event(
+                    502, f"The upstream failed while streaming ({type(err).__name__})", "upstream_failed"
+                )
+            except BaseException:
+                status = CLIENT_CLOSED
+                raise
+            finally:
+                await cleanup(status)
+
+        return _ProxiedStream(
+            body(),
+            cleanup,
+            status_code=opened.status,
+            headers={**opened.headers(), **SSE_HEADERS},
+        )
+
+    # ------------------------------------------------------------------ telemetry
+
+    def _count(self, deployment: str, status: int, started: float) -> None:
+        self.metrics.requests.labels(deployment, str(status)).inc()
+        self.metrics.duration.labels(deployment).observe(time.monotonic() - started)
+
+    def _finish(self, ex: Exchange, status: int) -> None:
+        """Account one request exactly once: metrics always; a usage record when it was
+        served (or refused) here, not when a peer served it (the peer records it)."""
+        if ex.finished:
+            return
+        ex.finished = True
+        deployment = ex.deployment
+        latency = time.monotonic() - ex.started
+        self.metrics.in_flight.labels(deployment).dec()
+        self._count(deployment, status, ex.started)
+        if ex.ttft_s is not None:
+            self.metrics.ttft.labels(deployment).observe(ex.ttft_s)
+        if ex.peer is not None:
+            return
+        prompt = _int(ex.usage.get("prompt_tokens"))
+        completion = _int(ex.usage.get("completion_tokens"))
+        if prompt:
+            self.metrics.tokens.labels(deployment, "prompt").inc(prompt)
+        if completion:
+            self.metrics.tokens.labels(deployment, "completion").inc(completion)
+        self.usage.submit(
+            UsageRecord(
+                cluster=self.cluster,
+                key_id=ex.key_id,
+                deployment=deployment,
+                version=ex.version,
+                prompt_tokens=prompt,
+                completion_tokens=completion,
+                status=status,
+                ttft_s=ex.ttft_s,
+                latency_s=latency,
+            )
+        )
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+class _ProxiedStream(StreamingResponse):
+    """A streamed upstream response that is cleaned up however it ends: fully sent, cut
+    by the client, or never started (a disconnect before the first send)."""
+
+    def __init__(
+        self, content: AsyncIterator[bytes], cleanup: Callable[[int], Awaitable[None]], **kw: Any
+    ) -> None:
+        super().__init__(content, **kw)
+        self._cleanup = cleanup
+
+    async def abandon(self) -> None:
+        await _aclose(self.body_iterator)
+        await self._cleanup(CLIENT_CLOSED)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.abandon()
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Response]) -> Response:
+    """Run `work` (queueing, first attempt) but give up when the client disconnects, so a
+    caller that went away neither holds a queue slot nor keeps a replica generating."""
+
+    async def disconnected() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        watch.cancel()
+        raise
+    if task in done:
+        watch.cancel()
+        return task.result()
+    task.cancel()
+    try:
+        response = await task
+    except (asyncio.CancelledError, Exception):
+        raise _ClientGone() from None
+    # finished in the same instant: drop it (its stream, if any, is never sent)
+    if isinstance(response, _ProxiedStream):
+        await response.abandon()
+    raise _ClientGone()
+
+
+async def _aclose(iterator: Any) -> None:
+    close = getattr(iterator, "aclose", None)
+    if close is not None:
+        await close()

@@ -1,0 +1,175 @@
+"""What the gateway must know about a request before choosing where it goes.
+
+Only the fields routing, accounting and the proxy act on are checked here (model, stream,
+stream_options, the shape of messages/prompt, max_tokens, n); the replica validates the
+rest and its 4xx passes through unchanged. The checks mirror the engine's messages so a
+client sees the same answer whichever of the two refused it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from agent.gateway.errors import GatewayError
+
+Endpoint = Literal["chat", "completions"]
+
+# Without max_tokens a chat request may run to the end of the context; reserve this much
+# for it when estimating load (the engine's default for completions is 16).
+DEFAULT_CHAT_MAX_TOKENS = 256
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+# Per-message overhead of a chat template (role markers, separators), in tokens.
+CHAT_MESSAGE_OVERHEAD = 4
+
+
+class TokenCounter(Protocol):
+    """Counts the tokens of a text. The deployment's own tokenizer (`engine.tokenizer`,
+    torch-free) goes here once the gateway knows each deployment's tokenizer files."""
+
+    def count(self, text: str) -> int: ...
+
+
+class CharEstimate:
+    """About four characters per token: cheap, and good enough to balance load."""
+
+    def count(self, text: str) -> int:
+        return (len(text) + 3) // 4
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    endpoint: Endpoint
+    deployment: str
+    body: dict[str, Any]
+    stream: bool
+    client_wants_usage: bool
+    prompt_tokens: int  # estimated, over every prompt of the request
+    max_tokens: int  # per sequence, as requested or the default reserved for it
+    sequences: int  # prompts x n
+
+    @property
+    def cost_tokens(self) -> int:
+        """Tokens this request adds to a replica's outstanding work."""
+        return self.prompt_tokens + self.max_tokens * self.sequences
+
+
+def _bad(message: str, param: str | None = None) -> GatewayError:
+    return GatewayError(400, message, param=param)
+
+
+def _optional_int(body: dict[str, Any], name: str, minimum: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _bad(f"{name} must be an integer", name)
+    if value < minimum:
+        raise _bad(f"{name} must be at least {minimum}", name)
+    return value
+
+
+def _chat_prompt_tokens(messages: Any, counter: TokenCounter) -> int:
+    if not isinstance(messages, list):
+        raise _bad("messages must be a list of message objects", "messages")
+    if not messages:
+        raise _bad("messages must not be empty", "messages")
+    total = 0
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise _bad(f"messages[{i}] must be an object with 'role' and 'content'", "messages")
+        total += CHAT_MESSAGE_OVERHEAD
+        content = message.get("content")
+        if isinstance(content, str):
+            total += counter.count(content)
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    total += counter.count(part["text"])
+    return total
+
+
+def _completion_prompts(prompt: Any, counter: TokenCounter) -> tuple[int, int]:
+    """(estimated tokens, number of prompts), with the engine's shape rules."""
+    shape = "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids"
+    if prompt is None:
+        raise _bad("prompt is required", "prompt")
+    if isinstance(prompt, str):
+        return counter.count(prompt), 1
+    if not isinstance(prompt, list):
+        raise _bad(shape, "prompt")
+    if not prompt:
+        raise _bad("prompt must not be an empty list", "prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return sum(counter.count(p) for p in prompt), len(prompt)
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return len(prompt), 1
+    if all(isinstance(p, list) for p in prompt):
+        for ids in prompt:
+            if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise _bad("each token-id prompt must be a non-empty list of integers", "prompt")
+        return sum(len(ids) for ids in prompt), len(prompt)
+    raise _bad(shape, "prompt")
+
+
+def parse_request(raw: bytes, endpoint: Endpoint, counter: TokenCounter | None = None) -> RequestInfo:
+    """The routing-relevant facts of a request body, or a 400 saying what is wrong."""
+    counter = counter or CharEstimate()
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise _bad(f"The request body is not valid JSON: {err}") from None
+    if not isinstance(body, dict):
+        raise _bad("The request body must be a JSON object")
+    model = body.get("model")
+    if model is None:
+        raise _bad("model is required: the name of a deployment (see GET /v1/models)", "model")
+    if not isinstance(model, str) or not model.strip():
+        raise _bad("model must be a non-empty string naming a deployment", "model")
+    stream = body.get("stream")
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise _bad("stream must be a boolean", "stream")
+    options = body.get("stream_options")
+    wants_usage = False
+    if options is not None:
+        if not isinstance(options, dict):
+            raise _bad("stream_options must be an object", "stream_options")
+        include = options.get("include_usage")
+        if include is not None and not isinstance(include, bool):
+            raise _bad("stream_options.include_usage must be a boolean", "stream_options")
+        wants_usage = bool(include)
+    n = _optional_int(body, "n", 1) or 1
+    if endpoint == "chat":
+        prompt_tokens = _chat_prompt_tokens(body.get("messages"), counter)
+        prompts = 1
+        max_tokens = _optional_int(body, "max_tokens", 1)
+        max_completion = _optional_int(body, "max_completion_tokens", 1)
+        requested = max_completion if max_completion is not None else max_tokens
+        max_tokens = requested if requested is not None else DEFAULT_CHAT_MAX_TOKENS
+    else:
+        prompt_tokens, prompts = _completion_prompts(body.get("prompt"), counter)
+        requested = _optional_int(body, "max_tokens", 1)
+        max_tokens = requested if requested is not None else DEFAULT_COMPLETION_MAX_TOKENS
+    return RequestInfo(
+        endpoint=endpoint,
+        deployment=model,
+        body=body,
+        stream=stream,
+        client_wants_usage=stream and wants_usage,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        sequences=prompts * n,
+    )
+
+
+def upstream_body(info: RequestInfo, raw: bytes) -> bytes:
+    """The body sent to a replica: a stream always asks for the final usage chunk (the
+    gateway's accounting needs it; it is stripped again when the client did not ask)."""
+    if not info.stream or info.client_wants_usage:
+        return raw
+    options = dict(info.body.get("stream_options") or {})
+    options["include_usage"] = True
+    return json.dumps({**info.body, "stream_options": options}, ensure_ascii=False).encode()

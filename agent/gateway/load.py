@@ -1,0 +1,63 @@
+"""Outstanding work this gateway has sent to each replica, and which replicas just failed.
+
+Counts only this gateway's own requests (a replica shared with other gateways is balanced
+from each side independently); the heartbeat's engine-side load can refine it later.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass
+class _Load:
+    tokens: int = 0
+    requests: int = 0
+
+
+class LoadTracker:
+    def __init__(self, failure_window_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.failure_window_s = failure_window_s
+        self.clock = clock
+        self._load: dict[str, _Load] = {}
+        self._failed_at: dict[str, float] = {}
+
+    def start(self, replica_id: str, tokens: int) -> None:
+        load = self._load.setdefault(replica_id, _Load())
+        load.tokens += tokens
+        load.requests += 1
+
+    def finish(self, replica_id: str, tokens: int) -> None:
+        load = self._load.get(replica_id)
+        if load is None:
+            return
+        load.tokens = max(0, load.tokens - tokens)
+        load.requests = max(0, load.requests - 1)
+        if load.requests == 0:
+            del self._load[replica_id]
+
+    def outstanding(self, replica_id: str) -> int:
+        load = self._load.get(replica_id)
+        return load.tokens if load else 0
+
+    def in_flight(self, replica_id: str) -> int:
+        load = self._load.get(replica_id)
+        return load.requests if load else 0
+
+    def mark_failed(self, replica_id: str) -> None:
+        self._failed_at[replica_id] = self.clock()
+
+    def recently_failed(self, replica_id: str) -> bool:
+        at = self._failed_at.get(replica_id)
+        if at is None:
+            return False
+        if self.clock() - at > self.failure_window_s:
+            del self._failed_at[replica_id]
+            return False
+        return True
+
+    def snapshot(self) -> dict[str, tuple[int, int]]:
+        """replica id -> (outstanding tokens, requests in flight)."""
+        return {rid: (load.tokens, load.requests) for rid, load in self._load.items()}

@@ -1,0 +1,123 @@
+"""One attempt at a replica or peer gateway, up to its first body byte.
+
+Everything that can fail before the client has seen a byte (connect, reset, a 5xx, a
+body that breaks before its first chunk) raises `AttemptFailed`, which the gateway may
+retry elsewhere. Once `open_upstream` returns, the response is the client's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+
+# Response headers of a replica or peer worth passing to the client.
+PASS_HEADERS = ("content-type", "retry-after", "x-fleet-cluster")
+PASS_PREFIXES = ("x-ratelimit-",)
+MAX_ERROR_BODY = 64 * 1024
+
+
+def make_client(read_timeout_s: float = 600.0) -> httpx.AsyncClient:
+    """The gateway's one upstream client: pooled keep-alive connections, a short connect
+    timeout (a dead replica is found fast and retried elsewhere), a read timeout long
+    enough for a non-streamed generation, and no proxies from the environment."""
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(connect=2.0, read=read_timeout_s, write=30.0, pool=10.0),
+        limits=httpx.Limits(max_connections=2048, max_keepalive_connections=256, keepalive_expiry=30.0),
+        trust_env=False,
+        follow_redirects=False,
+    )
+
+
+class AttemptFailed(Exception):
+    def __init__(
+        self,
+        reason: str,
+        detail: str,
+        status: int | None = None,
+        body: bytes = b"",
+        headers: dict | None = None,
+    ) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason  # connect | status_5xx | read
+        self.detail = detail
+        self.status = status
+        self.body = body
+        self.headers = headers or {}
+
+
+@dataclass
+class Opened:
+    response: httpx.Response
+    first: bytes
+    rest: AsyncIterator[bytes] = field(repr=False)
+
+    @property
+    def status(self) -> int:
+        return self.response.status_code
+
+    def headers(self) -> dict[str, str]:
+        return pass_headers(self.response.headers)
+
+    async def read_rest(self) -> bytes:
+        """The remaining body; a break here is still before the client's first byte."""
+        parts = [self.first]
+        try:
+            async for chunk in self.rest:
+                parts.append(chunk)
+        except httpx.HTTPError as err:
+            await self.response.aclose()
+            raise AttemptFailed("read", f"{type(err).__name__}: {err}") from None
+        return b"".join(parts)
+
+    async def close(self) -> None:
+        await self.response.aclose()
+
+
+def pass_headers(headers: httpx.Headers) -> dict[str, str]:
+    return {
+        k: v for k, v in headers.items() if k.lower() in PASS_HEADERS or k.lower().startswith(PASS_PREFIXES)
+    }
+
+
+async def open_upstream(client: httpx.AsyncClient, url: str, headers: dict[str, str], body: bytes) -> Opened:
+    request = client.build_request(
+        "POST", url, headers={**headers, "accept-encoding": "identity"}, content=body
+    )
+    try:
+        response = await client.send(request, stream=True)
+    except httpx.HTTPError as err:
+        raise AttemptFailed("connect", f"{type(err).__name__}: {err}") from None
+    if response.status_code >= 500:
+        try:
+            data = await _read_bounded(response)
+        except httpx.HTTPError:
+            data = b""
+        finally:
+            await response.aclose()
+        raise AttemptFailed(
+            "status_5xx",
+            f"HTTP {response.status_code}",
+            status=response.status_code,
+            body=data,
+            headers=pass_headers(response.headers),
+        )
+    rest = response.aiter_raw()
+    try:
+        first = await rest.__anext__()
+    except StopAsyncIteration:
+        first = b""
+    except httpx.HTTPError as err:
+        await response.aclose()
+        raise AttemptFailed("read", f"{type(err).__name__}: {err}") from None
+    return Opened(response, first, rest)
+
+
+async def _read_bounded(response: httpx.Response) -> bytes:
+    data = b""
+    async for chunk in response.aiter_raw():
+        data += chunk
+        if len(data) > MAX_ERROR_BODY:
+            break
+    return data[:MAX_ERROR_BODY]

@@ -1,0 +1,112 @@
+"""Where a request goes: replica choice, canary version split, and peer order by distance.
+
+Plain synchronous policies without I/O: they take a snapshot and return a decision, so
+the same objects run in the live gateway and in `fleetctl simulate`. New policies
+(prefix-cache aware, LoRA aware, priority aware) register under a name and receive the
+same `Candidate`s and `RouteRequest`, which grow fields as those policies need them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from agent.protocol import ClusterRoute, Coordinates, RoutingTable, VersionWeight
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A ready replica as the gateway sees it right now."""
+
+    replica_id: str
+    url: str
+    version: int
+    outstanding_tokens: int = 0  # estimated prompt + max_tokens of requests in flight there
+    in_flight: int = 0
+    recently_failed: bool = False  # refused a connection or 5xx'd a moment ago
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    deployment: str
+    prompt_tokens: int
+    cost_tokens: int  # prompt + reserved completion tokens
+
+
+class RoutingPolicy(Protocol):
+    name: str
+
+    def choose(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
+        """One of `candidates` (never empty)."""
+        ...
+
+
+class LeastOutstandingTokens:
+    """The replica with the fewest tokens still to process from this gateway's requests;
+    ties go to fewer requests in flight, then to the replica id (stable, so an idle
+    deployment keeps hitting one warm prefix cache). Recently failed replicas come last."""
+
+    name = "least-outstanding-tokens"
+
+    def choose(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
+        if not candidates:
+            raise ValueError("choose() needs at least one candidate")
+        return min(
+            candidates, key=lambda c: (c.recently_failed, c.outstanding_tokens, c.in_flight, c.replica_id)
+        )
+
+
+POLICIES: dict[str, Callable[[], RoutingPolicy]] = {LeastOutstandingTokens.name: LeastOutstandingTokens}
+
+
+def register_policy(name: str, factory: Callable[[], RoutingPolicy]) -> None:
+    POLICIES[name] = factory
+
+
+def make_policy(name: str) -> RoutingPolicy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
+
+
+def pick_version(ready: set[int], weights: Sequence[VersionWeight], draw: float) -> int | None:
+    """The version a request goes to, by the route's weights among versions ready here.
+
+    `draw` is uniform in [0, 1) (the caller's random source, so this stays deterministic).
+    None means "any ready replica": no weights, or no weighted version is ready here (a
+    route that lags behind the replicas must not turn a servable request away).
+    """
+    weighted = [(w.version, w.weight) for w in weights if w.version in ready and w.weight > 0]
+    total = sum(weight for _, weight in weighted)
+    if not weighted or total <= 0:
+        return None
+    point = draw * total
+    for version, weight in weighted:
+        point -= weight
+        if point < 0:
+            return version
+    return weighted[-1][0]
+
+
+EARTH_RADIUS_KM = 6371.0
+
+
+def great_circle_km(a: Coordinates, b: Coordinates) -> float:
+    """Haversine distance."""
+    lat1, lon1, lat2, lon2 = map(math.radians, (a.lat, a.lon, b.lat, b.lon))
+    h = math.sin((lat2 - lat1) / 2) ** 2 + math.cos(lat1) * math.cos(lat2) * math.sin((lon2 - lon1) / 2) ** 2
+    return 2 * EARTH_RADIUS_KM * math.asin(min(1.0, math.sqrt(h)))
+
+
+def peer_order(route: RoutingTable | None, here: str, coordinates: Coordinates) -> list[ClusterRoute]:
+    """Healthy peer clusters with a gateway for this deployment, nearest first; peers the
+    route says run replicas come before those that run none."""
+    if route is None:
+        return []
+    peers = [c for c in route.clusters if c.cluster != here and c.healthy and c.gateway_url]
+    return sorted(
+        peers, key=lambda c: (c.replicas <= 0, great_circle_km(coordinates, c.coordinates), c.cluster)
+    )

@@ -1,0 +1,93 @@
+"""Server-sent events passed through one event at a time, observed on the way.
+
+The gateway forwards each complete event as soon as its last byte arrives (no buffering
+beyond one event), reads from it what telemetry needs (first token, usage, errors), and
+drops the usage chunk it asked the replica for when the client did not ask for it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+_DELIMITERS = (b"\n\n", b"\r\n\r\n")
+
+
+class EventSplitter:
+    """Bytes in, complete events (each with its trailing blank line) out."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buf += data
+        events: list[bytes] = []
+        while True:
+            cut = -1
+            for delim in _DELIMITERS:
+                at = self._buf.find(delim)
+                if at >= 0 and (cut < 0 or at + len(delim) < cut):
+                    cut = at + len(delim)
+            if cut < 0:
+                return events
+            events.append(self._buf[:cut])
+            self._buf = self._buf[cut:]
+
+    def rest(self) -> bytes:
+        rest, self._buf = self._buf, b""
+        return rest
+
+
+def _data(event: bytes) -> bytes | None:
+    lines = [line[5:].lstrip() for line in event.splitlines() if line.startswith(b"data:")]
+    return b"\n".join(lines) if lines else None
+
+
+@dataclass
+class StreamObserver:
+    """Watches an OpenAI SSE stream; `observe` returns the bytes to forward (maybe none)."""
+
+    strip_usage: bool
+    usage: dict[str, Any] | None = None
+    first_token: bool = False
+    done: bool = False
+    error: dict[str, Any] | None = None
+
+    def observe(self, event: bytes) -> bytes | None:
+        data = _data(event)
+        if data is None:
+            return event
+        if data.strip() == b"[DONE]":
+            self.done = True
+            return event
+        try:
+            payload = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return event
+        if not isinstance(payload, dict):
+            return event
+        if isinstance(payload.get("error"), dict):
+            self.error = payload["error"]
+            return event
+        usage = payload.get("usage")
+        if isinstance(usage, dict):
+            self.usage = usage
+        choices = payload.get("choices")
+        if not self.first_token and isinstance(choices, list) and any(_has_token(c) for c in choices):
+            self.first_token = True
+        if not self.strip_usage or "usage" not in payload:
+            return event
+        if usage is not None and not choices:
+            return None  # the usage chunk the client did not ask for
+        del payload["usage"]
+        return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _has_token(choice: Any) -> bool:
+    if not isinstance(choice, dict):
+        return False
+    delta = choice.get("delta")
+    if isinstance(delta, dict) and delta.get("content"):
+        return True
+    return bool(choice.get("text")) or choice.get("finish_reason") is not None
