@@ -49,16 +49,14 @@ def check_spec(spec: dict[str, Any], replicas: int) -> None:
     """Cross-field rules a single field's validation cannot see."""
     lo, hi = spec["min_replicas"], spec["max_replicas"]
     if lo > hi:
-        raise invalid("min_replicas", f"min_replicas ({lo}) is greater than max_replicas ({hi})")
+        raise invalid("min_replicas", f"{lo} is greater than max_replicas ({hi})")
     if not lo <= replicas <= hi:
         raise invalid(
             "replicas", f"replicas ({replicas}) must be within min_replicas..max_replicas ({lo}..{hi})"
         )
     regions = spec["regions"]
     if regions and spec["min_regions"] > len(regions):
-        raise invalid(
-            "min_regions", f"min_regions ({spec['min_regions']}) exceeds the {len(regions)} allowed region(s)"
-        )
+        raise invalid("min_regions", f"{spec['min_regions']} exceeds the {len(regions)} allowed region(s)")
 
 
 def new_spec(body: DeploymentCreate) -> tuple[dict[str, Any], int]:

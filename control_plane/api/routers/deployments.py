@@ -130,7 +130,7 @@ def scale_deployment(name: str, body: ScaleRequest, request: Request, session: S
     if not current.min_replicas <= body.replicas <= current.max_replicas:
         raise invalid(
             "replicas",
-            f"replicas ({body.replicas}) must be within min_replicas..max_replicas "
+            f"{body.replicas} is outside min_replicas..max_replicas "
             f"({current.min_replicas}..{current.max_replicas}) of version {current.version}; "
             "change the bounds with an update (fleetctl deploy --min-replicas/--max-replicas)",
         )

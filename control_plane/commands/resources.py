@@ -1,0 +1,418 @@
+"""fleetctl's resource commands, each one call (or a few) of the admin API:
+deploy, ls, status, scale, delete, clusters, cordon/uncordon, pools, keys, events, audit."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, console, emit, emit_json, fail
+
+keys_app = typer.Typer(help="API keys: create (the secret is shown once), ls, revoke.", no_args_is_help=True)
+
+DEPLOYMENT_COLUMNS = {
+    "name": "name",
+    "model": "model",
+    "version": "current_version",
+    "desired": "desired_replicas",
+    "ready": "ready_replicas",
+    "min": "min_replicas",
+    "max": "max_replicas",
+}
+PLACEMENT_COLUMNS = {
+    "replica": "replica_id",
+    "cluster": "cluster",
+    "region": "region",
+    "pool": "pool",
+    "version": "version",
+    "state": "state",
+    "url": "url",
+}
+VERSION_COLUMNS = {
+    "version": "version",
+    "model": "model",
+    "gpus": "gpu_models",
+    "count": "gpu_count",
+    "min": "min_replicas",
+    "max": "max_replicas",
+    "regions": "regions",
+    "replicas": "replicas",
+    "current": "current",
+}
+CLUSTER_COLUMNS = {
+    "id": "id",
+    "provider": "provider",
+    "region": "region",
+    "status": "status",
+    "gateway": "gateway_url",
+    "replicas": "replicas",
+    "heartbeat": "last_heartbeat_at",
+}
+POOL_COLUMNS = {
+    "cluster": "cluster",
+    "region": "region",
+    "pool": "name",
+    "gpu": "gpu_model",
+    "mem GB": "gpu_memory_gb",
+    "tier": "tier",
+    "$/h": "hourly_price",
+    "total": "total_gpus",
+    "used": "used_gpus",
+    "free": "free_gpus",
+}
+KEY_COLUMNS = {
+    "key_id": "key_id",
+    "name": "name",
+    "scopes": "scopes",
+    "deployments": "deployments",
+    "created": "created_at",
+    "revoked": "revoked",
+}
+EVENT_COLUMNS = {
+    "at": "at",
+    "kind": "kind",
+    "deployment": "deployment",
+    "cluster": "cluster",
+    "message": "message",
+}
+AUDIT_COLUMNS = {"at": "at", "actor": "actor", "action": "action", "resource": "resource_id"}
+
+
+def show(data: Any, output: OutputFormat, columns: dict[str, str], title: str | None = None) -> None:
+    """JSON as the API returned it; a table of `columns` (header -> field) otherwise,
+    with timestamps shortened to what a person reads."""
+    if output == OutputFormat.json:
+        emit_json(data)
+        return
+    rows = data if isinstance(data, list) else [data]
+    table = [{header: _short(row.get(key)) for header, key in columns.items()} for row in rows]
+    emit(table, output, list(columns), title=title)
+
+
+def _short(value: Any) -> Any:
+    if isinstance(value, str) and len(value) >= 19 and value[4] == "-" and value[10] == "T":
+        return value[:19].replace("T", " ")
+    return value
+
+
+def call(fn: Callable[[Any], Any]) -> Any:
+    """Run `fn(client)`, turning any API failure into one line and exit code 1."""
+    from control_plane.client import ApiError, FleetClient
+
+    try:
+        with FleetClient() as client:
+            return fn(client)
+    except ApiError as err:
+        fail(str(err))
+
+
+# --------------------------------------------------------------------- deployments
+
+
+def _parse_value(text: str) -> Any:
+    """engine-arg values: true/false, integers and numbers as such, else the string."""
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _engine_args(pairs: list[str]) -> dict[str, Any]:
+    args: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            fail(f"--engine-arg {pair!r}: expected KEY=VALUE")
+        args[key.strip().lstrip("-")] = _parse_value(value)
+    return args
+
+
+def _load_file(path: Path) -> dict[str, Any]:
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as err:
+        fail(f"cannot read {path}: {err.strerror}")
+    except yaml.YAMLError as err:
+        fail(f"{path} is not valid YAML: {str(err).splitlines()[0]}")
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        fail(f"{path}: expected a mapping of deployment fields")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def _print_status(status: dict, output: OutputFormat) -> None:
+    if output == OutputFormat.json:
+        emit_json(status)
+        return
+    show(status, output, DEPLOYMENT_COLUMNS, title=f"deployment {status['name']}")
+    show(status["versions"], output, VERSION_COLUMNS, title="versions")
+    if status["placements"]:
+        show(status["placements"], output, PLACEMENT_COLUMNS, title="placements")
+    else:
+        console.print("no replicas placed yet")
+
+
+def deploy(
+    name: str = typer.Argument(None, help="deployment name (or `name:` in -f FILE)"),
+    model: str = typer.Option(
+        None, "--model", "-m", help="model alias, .gguf file or Hugging Face directory"
+    ),
+    replicas: int = typer.Option(None, "--replicas", "-r", help="a fixed replica count (min = max = N)"),
+    min_replicas: int = typer.Option(None, "--min-replicas", help="autoscaling lower bound"),
+    max_replicas: int = typer.Option(None, "--max-replicas", help="autoscaling upper bound"),
+    gpu: list[str] = typer.Option(None, "--gpu", help="acceptable GPU model (repeatable; none: any)"),
+    gpus: int = typer.Option(None, "--gpus", help="GPUs per replica"),
+    gpu_memory: float = typer.Option(None, "--gpu-memory", help="GPU memory per GPU, GB"),
+    regions: str = typer.Option(None, "--regions", help="allowed regions, comma-separated (none: any)"),
+    min_regions: int = typer.Option(None, "--min-regions", help="spread replicas over at least N regions"),
+    engine_arg: list[str] = typer.Option(
+        None, "--engine-arg", "-e", help="engine flag KEY=VALUE (repeatable)"
+    ),
+    scale_to_zero: bool = typer.Option(
+        None, "--scale-to-zero/--no-scale-to-zero", help="allow zero replicas"
+    ),
+    target_concurrency: float = typer.Option(
+        None, "--target-concurrency", help="autoscaling target per replica"
+    ),
+    file: Path = typer.Option(
+        None, "--file", "-f", help="deployment YAML (the API's fields); flags override it"
+    ),
+    output: OutputFormat = OUTPUT_OPTION,
+) -> None:
+    """Create a deployment, or update it when NAME exists (a changed spec makes a new version)."""
+    body: dict[str, Any] = _load_file(file) if file else {}
+    name = name or body.pop("name", None)
+    body.pop("name", None)
+    if not name:
+        fail("a deployment NAME is required (argument or `name:` in -f FILE)")
+    flags = {
+        "model": model,
+        "replicas": replicas,
+        "min_replicas": min_replicas,
+        "max_replicas": max_replicas,
+        "gpu_models": list(gpu) if gpu else None,
+        "gpu_count": gpus,
+        "gpu_memory_gb": gpu_memory,
+        "regions": [r.strip() for r in regions.split(",") if r.strip()] if regions is not None else None,
+        "min_regions": min_regions,
+        "engine_args": _engine_args(engine_arg) if engine_arg else None,
+        "scale_to_zero": scale_to_zero,
+        "target_concurrency": target_concurrency,
+    }
+    body.update({k: v for k, v in flags.items() if v is not None})
+
+    def run(client) -> dict:
+        from control_plane.client import ApiError
+
+        try:
+            client.get(f"/v1/deployments/{name}")
+        except ApiError as err:
+            if err.status != 404:
+                raise
+            if "model" not in body:
+                fail(f"deployment {name!r} does not exist yet: --model is required to create it")
+            return client.post("/v1/deployments", {"name": name, **body})
+        update = dict(body)
+        # Declarative: `--replicas N` alone means a fixed count, on update as on create.
+        if "replicas" in update and "min_replicas" not in update and "max_replicas" not in update:
+            update["min_replicas"] = update["max_replicas"] = update["replicas"]
+        return client.patch(f"/v1/deployments/{name}", update)
+
+    _print_status(call(run), output)
+
+
+def list_deployments(
+    model: str = typer.Option(None, "--model", help="only deployments of this model"),
+    output: OutputFormat = OUTPUT_OPTION,
+) -> None:
+    """List deployments."""
+    rows = call(lambda c: c.items("/v1/deployments", model=model))
+    show(rows, output, DEPLOYMENT_COLUMNS, title="deployments")
+
+
+def status(
+    name: str = typer.Argument(..., help="deployment name"), output: OutputFormat = OUTPUT_OPTION
+) -> None:
+    """A deployment's versions, desired and ready replicas, and where they run."""
+    _print_status(call(lambda c: c.get(f"/v1/deployments/{name}")), output)
+
+
+def scale(
+    name: str = typer.Argument(..., help="deployment name"),
+    replicas: int = typer.Argument(..., help="desired replicas (within the version's min..max)"),
+    output: OutputFormat = OUTPUT_OPTION,
+) -> None:
+    """Set a deployment's desired replica count."""
+    _print_status(call(lambda c: c.post(f"/v1/deployments/{name}/scale", {"replicas": replicas})), output)
+
+
+def delete(
+    name: str = typer.Argument(..., help="deployment name"), output: OutputFormat = OUTPUT_OPTION
+) -> None:
+    """Delete a deployment (its replicas are stopped)."""
+    gone = call(lambda c: c.delete(f"/v1/deployments/{name}"))
+    if output == OutputFormat.json:
+        emit_json(gone)
+    else:
+        console.print(f"deleted {name} ({len(gone['placements'])} replica(s) to stop)")
+
+
+# --------------------------------------------------------------------- clusters and pools
+
+
+def clusters(
+    status: str = typer.Option(None, "--status", help="healthy, unhealthy or draining"),
+    region: str = typer.Option(None, "--region"),
+    output: OutputFormat = OUTPUT_OPTION,
+) -> None:
+    """List clusters."""
+    show(
+        call(lambda c: c.items("/v1/clusters", status=status, region=region)),
+        output,
+        CLUSTER_COLUMNS,
+        title="clusters",
+    )
+
+
+def _set_status(cluster: str, value: str, output: OutputFormat) -> None:
+    row = call(lambda c: c.patch(f"/v1/clusters/{cluster}", {"status": value}))
+    show(row, output, CLUSTER_COLUMNS)
+
+
+def cordon(
+    cluster: str = typer.Argument(..., help="cluster id"), output: OutputFormat = OUTPUT_OPTION
+) -> None:
+    """Mark a cluster draining: it keeps serving what it runs and gets no new replicas."""
+    _set_status(cluster, "draining", output)
+
+
+def uncordon(
+    cluster: str = typer.Argument(..., help="cluster id"), output: OutputFormat = OUTPUT_OPTION
+) -> None:
+    """Make a cordoned cluster eligible for new replicas again."""
+    _set_status(cluster, "healthy", output)
+
+
+def pools(
+    cluster: str = typer.Option(None, "--cluster"),
+    gpu_model: str = typer.Option(None, "--gpu-model"),
+    tier: str = typer.Option(None, "--tier", help="reserved, on-demand or spot"),
+    output: OutputFormat = OUTPUT_OPTION,
+) -> None:
+    """List capacity pools with used and free GPUs."""
+    rows = call(lambda c: c.items("/v1/pools", cluster=cluster, gpu_model=gpu_model, tier=tier))
+    show(rows, output, POOL_COLUMNS, title="capacity pools")
+
+
+# --------------------------------------------------------------------- keys
+
+
+@keys_app.command("create")
+def keys_create(
+    name: str = typer.Argument(..., help="a label for the key"),
+    scope: list[str] = typer.Option(None, "--scope", help="inference (default), read or admin (repeatable)"),
+    deployment: list[str] = typer.Option(
+        None, "--deployment", help="allowed deployment (repeatable; none: all)"
+    ),
+    tokens_per_minute: int = typer.Option(None, "--tokens-per-minute"),
+    requests_per_minute: int = typer.Option(None, "--requests-per-minute"),
+    max_concurrent: int = typer.Option(None, "--max-concurrent"),
+    priority: int = typer.Option(None, "--priority", help="-10..10; higher is served first"),
+    output: OutputFormat = OUTPUT_OPTION,
+) -> None:
+    """Create an API key; the secret (`key`) is printed once and never again."""
+    quotas = {
+        "tokens_per_minute": tokens_per_minute,
+        "requests_per_minute": requests_per_minute,
+        "max_concurrent": max_concurrent,
+        "priority": priority,
+    }
+    body: dict[str, Any] = {"name": name, "quotas": {k: v for k, v in quotas.items() if v is not None}}
+    if scope:
+        body["scopes"] = list(scope)
+    if deployment:
+        body["deployments"] = list(deployment)
+    row = call(lambda c: c.post("/v1/keys", body))
+    if output == OutputFormat.json:
+        emit_json(row)
+        return
+    show(row, output, KEY_COLUMNS)
+    console.print(f"key (shown once): [bold]{row['key']}[/bold]", highlight=False, soft_wrap=True)
+
+
+@keys_app.command("ls")
+def keys_ls(
+    all_keys: bool = typer.Option(True, "--all/--active", help="include revoked keys"),
+    output: OutputFormat = OUTPUT_OPTION,
+) -> None:
+    """List API keys (never their secrets)."""
+    rows = call(lambda c: c.items("/v1/keys", include_revoked=str(all_keys).lower()))
+    show(rows, output, KEY_COLUMNS, title="API keys")
+
+
+@keys_app.command("revoke")
+def keys_revoke(
+    key_id: str = typer.Argument(..., help="the key's id"), output: OutputFormat = OUTPUT_OPTION
+) -> None:
+    """Revoke an API key."""
+    row = call(lambda c: c.delete(f"/v1/keys/{key_id}"))
+    if output == OutputFormat.json:
+        emit_json(row)
+    else:
+        console.print(f"revoked {row['key_id']} ({row['name']})")
+
+
+# --------------------------------------------------------------------- history
+
+
+def events(
+    deployment: str = typer.Option(None, "--deployment"),
+    cluster: str = typer.Option(None, "--cluster"),
+    kind: str = typer.Option(None, "--kind"),
+    limit: int = typer.Option(50, "--limit", min=1, max=10_000),
+    output: OutputFormat = OUTPUT_OPTION,
+) -> None:
+    """Recent events, newest first."""
+    rows = call(
+        lambda c: c.items("/v1/events", limit=limit, deployment=deployment, cluster=cluster, kind=kind)
+    )
+    show(rows, output, EVENT_COLUMNS, title="events")
+
+
+def audit(
+    resource_type: str = typer.Option(None, "--resource-type", help="deployment, cluster, pool, key, ..."),
+    resource_id: str = typer.Option(None, "--resource-id"),
+    limit: int = typer.Option(50, "--limit", min=1, max=10_000),
+    output: OutputFormat = OUTPUT_OPTION,
+) -> None:
+    """Who changed what, newest first (`-o json` shows before and after)."""
+    rows = call(
+        lambda c: c.items("/v1/audit", limit=limit, resource_type=resource_type, resource_id=resource_id)
+    )
+    show(rows, output, AUDIT_COLUMNS, title="audit")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("deploy")(deploy)
+    app.command("ls")(list_deployments)
+    app.command("status")(status)
+    app.command("scale")(scale)
+    app.command("delete")(delete)
+    app.command("clusters")(clusters)
+    app.command("cordon")(cordon)
+    app.command("uncordon")(uncordon)
+    app.command("pools")(pools)
+    app.add_typer(keys_app, name="keys")
+    app.command("events")(events)
+    app.command("audit")(audit)
