@@ -205,7 +205,8 @@ class Gateway:
         except BaseException:
             self._finish(ex, 500)
             raise
-        response.headers.update(reply_headers)
+        response.headers[REQUEST_ID_HEADER] = request_id
+        response.headers.setdefault("X-Fleet-Cluster", self.cluster)  # a peer's answer keeps its own
         return response
 
     async def _read_body(self, request: Request) -> bytes:

@@ -1,0 +1,243 @@
+"""Test harness for the gateway: play the agent's part (write the cluster's state files)
+and run gateways as real subprocesses on free ports."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent.config import ClusterConfig, GatewayConfig
+from agent.gateway.state import file_signature
+from agent.local_state import KeySet, LocalState, ReplicaSnapshot, RouteSet
+from agent.protocol import (
+    ApiKeyRecord,
+    ClusterRoute,
+    Coordinates,
+    ReplicaState,
+    ReplicaStatus,
+    RoutingTable,
+    VersionWeight,
+    hash_secret,
+    new_secret,
+)
+from control_plane.local.nats_server import free_port
+
+ROOT = Path(__file__).resolve().parents[3]
+DEPLOYMENT = "tiny"
+
+
+def make_key(
+    key_id: str,
+    *,
+    deployments: list[str] | None = None,
+    scopes: list[str] | None = None,
+    revoked: bool = False,
+) -> tuple[str, ApiKeyRecord]:
+    """(secret, record) as the control plane would issue them."""
+    _, secret = new_secret(key_id)
+    salt, digest = hash_secret(secret)
+    record = ApiKeyRecord(
+        key_id=key_id,
+        name=key_id,
+        salt=salt,
+        hash=digest,
+        scopes=scopes if scopes is not None else ["inference"],
+        deployments=deployments,
+        revoked=revoked,
+    )
+    return secret, record
+
+
+def replica(
+    replica_id: str,
+    url: str,
+    *,
+    deployment: str = DEPLOYMENT,
+    version: int = 1,
+    state: ReplicaState = ReplicaState.ready,
+) -> ReplicaStatus:
+    return ReplicaStatus(replica_id=replica_id, deployment=deployment, version=version, state=state, url=url)
+
+
+def route(
+    deployment: str, clusters: list[ClusterRoute], versions: list[VersionWeight] | None = None
+) -> RoutingTable:
+    return RoutingTable(deployment=deployment, clusters=clusters, versions=versions or [])
+
+
+def peer(
+    cluster: str, url: str, lat: float, lon: float, *, healthy: bool = True, replicas: int = 1
+) -> ClusterRoute:
+    return ClusterRoute(
+        cluster=cluster,
+        region=cluster,
+        gateway_url=url,
+        coordinates=Coordinates(lat=lat, lon=lon),
+        replicas=replicas,
+        healthy=healthy,
+    )
+
+
+class ClusterFiles:
+    """The agent's side of a cluster's state_dir."""
+
+    def __init__(self, state_dir: Path, cluster: str) -> None:
+        self.local = LocalState(state_dir)
+        self.cluster = cluster
+
+    def write(
+        self,
+        *,
+        replicas: list[ReplicaStatus] | None = None,
+        keys: list[ApiKeyRecord] | None = None,
+        routes: list[RoutingTable] | None = None,
+    ) -> None:
+        if replicas is not None:
+            self.local.save_replicas(ReplicaSnapshot(cluster=self.cluster, replicas=replicas))
+        if keys is not None:
+            self.local.save_keys(KeySet(keys={k.key_id: k for k in keys}))
+        if routes is not None:
+            self.local.save_routes(RouteSet(routes={r.deployment: r for r in routes}))
+
+    def signatures(self) -> dict[str, str]:
+        paths = {
+            "replicas": self.local.replicas_path,
+            "keys": self.local.keys_path,
+            "routes": self.local.routes_path,
+        }
+        return {name: ":".join(map(str, file_signature(path))) for name, path in paths.items()}
+
+
+class GatewayProcess:
+    """`python -m agent.gateway --config <dir>/cluster.yaml` on a free port."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        cluster: str,
+        *,
+        nats_url: str,
+        lat: float = 0.0,
+        lon: float = 0.0,
+        queue_size: int = 8,
+        queue_timeout_s: float = 2.0,
+        max_body_bytes: int = 64 * 1024,
+    ) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir = workdir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.config = ClusterConfig(
+            cluster=cluster,
+            region=cluster,
+            coordinates=Coordinates(lat=lat, lon=lon),
+            nats_url=nats_url,
+            state_dir=workdir / "state",
+            gateway=GatewayConfig(
+                host="127.0.0.1",
+                port=self.port,
+                queue_size=queue_size,
+                queue_timeout_s=queue_timeout_s,
+                max_body_bytes=max_body_bytes,
+            ),
+        )
+        self.files = ClusterFiles(self.config.state_dir, cluster)
+        self.log_path = workdir / "gateway.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 30.0) -> GatewayProcess:
+        config_path = self.workdir / "cluster.yaml"
+        self.config.dump(config_path)
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "agent.gateway",
+                    "--config",
+                    str(config_path),
+                    "--log-level",
+                    "warning",
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited with {self.proc.returncode}: {self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"gateway not up after {timeout} s: {self.log_tail()}")
+
+    def log_tail(self) -> str:
+        if not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
+
+    def sync(self, timeout: float = 5.0) -> None:
+        """Wait until the gateway has loaded the state files as they are on disk now."""
+        want = self.files.signatures()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if httpx.get(f"{self.url}/health", timeout=2.0).json()["state"] == want:
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"gateway did not reload its state within {timeout} s")
+
+    def write(self, **kw: object) -> None:
+        self.files.write(**kw)  # type: ignore[arg-type]
+        self.sync()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """/metrics as {(sample name, sorted labels): value}."""
+    r = httpx.get(f"{url}/metrics", timeout=5.0)
+    assert r.status_code == 200
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def sample(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def sse_events(lines: list[str]) -> list[dict | str]:
+    """The data payloads of an SSE body: parsed JSON, or '[DONE]'."""
+    out: list[dict | str] = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
