@@ -135,6 +135,13 @@ def log_tail(path: str | Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(data.decode(errors="replace").splitlines()[-lines:])
 
 
+def _thread_count(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return 0
+
+
 def _url_host(host: str) -> str:
     if host in ("0.0.0.0", ""):
         return "127.0.0.1"
@@ -214,7 +221,8 @@ class ProcessRuntime(Runtime):
         try:
             proc = psutil.Process(handle.pid)
             if proc.status() == psutil.STATUS_ZOMBIE:
-                return False
+                # Its main thread is gone; other threads may still be finishing the exit.
+                return _thread_count(handle.pid) > 1
             if handle.create_time is not None and abs(proc.create_time() - handle.create_time) > 1.0:
                 return False
             cmdline = proc.cmdline()

@@ -1,0 +1,99 @@
+"""The process runtime against real engine replicas on a tiny random checkpoint:
+start -> ready, adoption by a second runtime (as after an agent restart), drain on stop,
+crash reporting with exit code and log tail, and refusal to adopt a reused pid."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agent.config import ClusterConfig
+from agent.protocol import ReplicaSpec, ReplicaState
+from agent.runtime.base import InvalidSpec, Probe, ReplicaHandle
+from agent.runtime.process import ProcessRuntime
+from tests.agent.conftest import cluster_config
+
+
+def spec(model: Path | str, rid: str = "r1", **engine_args: object) -> ReplicaSpec:
+    return ReplicaSpec(
+        replica_id=rid, deployment="tiny", version=1, model=str(model), engine_args=engine_args
+    )
+
+
+async def wait_state(
+    rt: ProcessRuntime, handle: ReplicaHandle, state: ReplicaState, timeout: float = 60
+) -> Probe:
+    deadline = time.monotonic() + timeout
+    probe = await rt.poll(handle)
+    while probe.state != state:
+        assert time.monotonic() < deadline, f"replica still {probe.state} ({probe.error}); wanted {state}"
+        assert probe.state != ReplicaState.failed, probe.error
+        await asyncio.sleep(0.1)
+        probe = await rt.poll(handle)
+    return probe
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> ClusterConfig:
+    return cluster_config(tmp_path, "nats://127.0.0.1:1")
+
+
+async def test_start_ready_adopt_and_drain(config: ClusterConfig, model_dir: Path) -> None:
+    rt = ProcessRuntime(config)
+    handle = await rt.start(spec(model_dir, max_num_seqs=2))
+    assert "--max-num-seqs" in handle.argv and handle.create_time is not None
+    assert (await rt.poll(handle)).state == ReplicaState.starting  # listening or not, not ready yet
+    await wait_state(rt, handle, ReplicaState.ready)
+    async with httpx.AsyncClient(base_url=handle.url, timeout=30) as http:
+        r = await http.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 3})
+        assert r.status_code == 200, r.text
+    log = Path(handle.log_path).read_text()
+    assert log.startswith("--- ") and "agent starts:" in log
+
+    # A new runtime (as in a restarted agent) adopts the live replica from its persisted handle.
+    saved = ReplicaHandle.model_validate_json(handle.model_dump_json())
+    rt2 = ProcessRuntime(config)
+    assert await rt2.adopt(saved)
+    assert (await rt2.poll(saved)).state == ReplicaState.ready
+    code = await rt2.stop(saved, drain_timeout_s=5)
+    assert code is None  # not our child: exit code unknown, but it is gone
+    probe = await rt.poll(handle)  # the original parent sees how it ended: drained, exit 0
+    assert (probe.state, probe.exit_code) == (ReplicaState.failed, 0)
+    await rt.close()
+    await rt2.close()
+
+
+async def test_crash_is_reported_with_exit_code_and_log_tail(config: ClusterConfig, tmp_path: Path) -> None:
+    rt = ProcessRuntime(config)
+    handle = await rt.start(spec(tmp_path / "no-such-model"))
+    deadline = time.monotonic() + 60
+    probe = await rt.poll(handle)
+    while probe.state != ReplicaState.failed:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+        probe = await rt.poll(handle)
+    assert probe.exit_code == 1  # the engine listened, then failed to load
+    assert "exited with code 1" in probe.error and "no-such-model" in probe.error
+    await rt.close()
+
+
+async def test_bad_spec_never_starts(config: ClusterConfig) -> None:
+    rt = ProcessRuntime(config)
+    with pytest.raises(InvalidSpec, match="set by the agent"):
+        await rt.start(spec("m", port=1))
+    await rt.close()
+
+
+async def test_adopt_refuses_a_reused_or_dead_pid(config: ClusterConfig) -> None:
+    rt = ProcessRuntime(config)
+    base = dict(replica_id="r1", spec=spec("m"), url="http://127.0.0.1:1", port=1)
+    # pid alive but not an engine (this test process): pid reuse, never adopted nor killed
+    assert not await rt.adopt(ReplicaHandle(pid=os.getpid(), **base))
+    assert not await rt.adopt(ReplicaHandle(pid=2**22 + 12345, **base))
+    assert not await rt.adopt(ReplicaHandle(pid=None, **base))
+    await rt.close()
