@@ -1,0 +1,39 @@
+"""Control plane fixtures: a database of each kind (SQLite, PostgreSQL) and a real server
+process on it. PostgreSQL comes from FLEET_TEST_POSTGRES_URL (scripts/postgres.sh
+starts one); without it those tests skip, unless FLEET_REQUIRE_POSTGRES=1 (CI)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.control_plane.cp_server import ControlPlaneServer, fresh_database
+
+DB_KINDS = ["sqlite", "postgresql"]
+
+
+@pytest.fixture(params=DB_KINDS)
+def db_url(request, tmp_path):
+    """An empty database of each kind, for one test."""
+    url, cleanup = fresh_database(request.param, tmp_path)
+    yield url
+    cleanup()
+
+
+@pytest.fixture(scope="module", params=DB_KINDS)
+def cp_server(request, tmp_path_factory):
+    """One control plane process per module and database kind (tests use unique names)."""
+    tmp = tmp_path_factory.mktemp(f"cp-{request.param}")
+    url, cleanup = fresh_database(request.param, tmp)
+    server = ControlPlaneServer(tmp / "home", url)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+        cleanup()
+
+
+@pytest.fixture
+def admin(cp_server):
+    with cp_server.client() as client:
+        yield client
