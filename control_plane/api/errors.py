@@ -56,7 +56,7 @@ def error_response(status: int, message: str, field: str | None = None, headers:
 
 
 def _field_of(loc: tuple) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header", "[key]")]
     return ".".join(parts) or None
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 MAX_REPLICAS = 1000
 MAX_LIST = 64
@@ -185,12 +185,13 @@ class ClusterCreate(Strict):
     status: Literal["healthy", "draining"] = "healthy"
     pools: list[PoolIn] = Field(default_factory=list, max_length=MAX_LIST)
 
-    @model_validator(mode="after")
-    def _unique_pools(self) -> ClusterCreate:
-        names = [p.name for p in self.pools]
+    @field_validator("pools")
+    @classmethod
+    def _unique_pools(cls, pools: list[PoolIn]) -> list[PoolIn]:
+        names = [p.name for p in pools]
         if len(set(names)) != len(names):
-            raise ValueError("pools: duplicate pool names")
-        return self
+            raise ValueError("duplicate pool names")
+        return pools
 
 
 class ClusterUpdate(Strict):
