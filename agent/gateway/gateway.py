@@ -107,7 +107,7 @@ class Gateway:
         self.client: httpx.AsyncClient | None = None
         self.rng = random.Random()
         self._watch: asyncio.Task[None] | None = None
-        self._seen_reloads = dict(self.view.reloads)
+        self._seen_reloads: dict[str, int] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -125,10 +125,17 @@ class Gateway:
 
     def refresh(self) -> None:
         self.view.refresh()
+        changed = False
         for name, count in self.view.reloads.items():
             if count != self._seen_reloads.get(name, 0):
                 self.metrics.state_reloads.labels(name).inc(count - self._seen_reloads.get(name, 0))
                 self._seen_reloads[name] = count
+                changed = True
+        if changed:
+            for deployment in self.view.deployments():
+                route = self.view.route(deployment)
+                peers = [c.cluster for c in route.clusters if c.cluster != self.cluster] if route else []
+                self.metrics.know(deployment, peers)
 
     def _load_snapshot(self) -> dict[str, tuple[str, int, int]]:
         deployments = {r.replica_id: r.deployment for r in self.view.replicas}

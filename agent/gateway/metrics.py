@@ -124,5 +124,18 @@ class GatewayMetrics:
         if load is not None:
             r.register(_LoadCollector(load))
 
+    def know(self, deployment: str, peers: Iterable[str] = ()) -> None:
+        """Create a deployment's series at zero, so they exist before the first event."""
+        for child in (self.duration, self.ttft, self.in_flight, self.queue_wait, self.retries):
+            child.labels(deployment)
+        for kind in ("prompt", "completion"):
+            self.tokens.labels(deployment, kind)
+        for reason in ("full", "timeout"):
+            self.queue_rejected.labels(deployment, reason)
+        for reason in ("connect", "status_5xx", "read", "midstream"):
+            self.upstream_errors.labels(deployment, reason)
+        for peer in peers:
+            self.forwarded.labels(deployment, peer)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -59,6 +59,8 @@ def replicas(gw_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         yield procs
     finally:
         for p in procs:
+            p.terminate()  # both drain at once
+        for p in procs:
             p.stop(timeout=10)
 
 

@@ -1,0 +1,118 @@
+"""Per-request telemetry: usage records on NATS (a real nats-server) and the documented
+Prometheus names."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from pathlib import Path
+
+import httpx
+import nats as nats_py
+
+from agent.protocol import ApiKeyRecord, UsageRecord, usage_subject
+from control_plane.local.nats_server import NatsServer
+from tests.agent.gateway.conftest import EAST
+from tests.agent.gateway.harness import DEPLOYMENT, GatewayProcess, peer, route, scrape
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+async def test_usage_records_arrive_on_nats(
+    east: GatewayProcess, nats: NatsServer, keys: dict[str, tuple[str, ApiKeyRecord]]
+) -> None:
+    deadline = time.monotonic() + 10
+    async with httpx.AsyncClient(base_url=east.url, timeout=60) as h:
+        while not (await h.get("/health")).json()["nats_connected"]:
+            assert time.monotonic() < deadline, "the gateway never connected to NATS"
+            await asyncio.sleep(0.05)
+        nc = await nats_py.connect(nats.url)
+        try:
+            sub = await nc.subscribe(usage_subject("east"))
+            headers = {"Authorization": f"Bearer {keys['usage'][0]}"}
+            chat = await h.post(
+                "/v1/chat/completions",
+                headers=headers,
+                json={"model": DEPLOYMENT, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+            )
+            assert chat.status_code == 200
+            stream = await h.post(
+                "/v1/completions",
+                headers=headers,
+                json={
+                    "model": DEPLOYMENT,
+                    "prompt": "abc",
+                    "max_tokens": 9,
+                    "ignore_eos": True,
+                    "stream": True,
+                },
+            )
+            assert stream.status_code == 200 and '"usage"' not in stream.text
+            records: list[UsageRecord] = []
+            while len(records) < 2:
+                msg = await sub.next_msg(timeout=5)
+                record = UsageRecord.from_bytes(msg.data)
+                if record.key_id == "usage":
+                    records.append(record)
+        finally:
+            await nc.close()
+    first, second = records
+    usage = chat.json()["usage"]
+    assert (first.prompt_tokens, first.completion_tokens) == (
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+    )
+    assert first.ttft_s is None  # not streamed
+    assert second.completion_tokens == 9 and second.prompt_tokens >= 1
+    assert second.ttft_s is not None and 0 < second.ttft_s <= second.latency_s
+    for record in records:
+        assert (record.cluster, record.deployment, record.version, record.status) == (
+            "east",
+            DEPLOYMENT,
+            1,
+            200,
+        )
+
+
+DOCUMENTED = re.compile(r"^\| `(fleet_gateway_[a-z_]+)", re.M)
+
+
+def test_metric_names_are_present_and_documented(east: GatewayProcess, secret: str) -> None:
+    # A route with a peer: its forwarding series exist (at zero) before anything is forwarded.
+    east.write(
+        routes=[
+            route(DEPLOYMENT, [peer("east", east.url, *EAST), peer("west", "http://127.0.0.1:9", 34, -118)])
+        ]
+    )
+    httpx.post(
+        f"{east.url}/v1/completions",
+        json={"model": DEPLOYMENT, "prompt": "hi", "max_tokens": 2, "stream": True},
+        headers={"Authorization": f"Bearer {secret}"},
+        timeout=30,
+    )
+    names = {name for name, _ in scrape(east.url)}
+    documented = set(DOCUMENTED.findall((ROOT / "docs" / "metrics.md").read_text()))
+    expected = {
+        "fleet_gateway_requests_total",
+        "fleet_gateway_request_duration_seconds_bucket",
+        "fleet_gateway_time_to_first_token_seconds_bucket",
+        "fleet_gateway_tokens_total",
+        "fleet_gateway_in_flight",
+        "fleet_gateway_queue_depth",
+        "fleet_gateway_queue_wait_seconds_bucket",
+        "fleet_gateway_queue_rejected_total",
+        "fleet_gateway_retries_total",
+        "fleet_gateway_upstream_errors_total",
+        "fleet_gateway_forwarded_total",
+        "fleet_gateway_replica_choice_total",
+        "fleet_gateway_usage_records_total",
+        "fleet_gateway_state_reloads_total",
+    }
+    assert expected <= names, expected - names
+
+    def stem(name: str) -> str:
+        return re.sub(r"_(bucket|sum|count|created|total)$", "", name)
+
+    exposed = {stem(n) for n in names if n.startswith("fleet_gateway_")}
+    assert exposed <= {stem(d) for d in documented}, exposed - {stem(d) for d in documented}
