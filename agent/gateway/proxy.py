@@ -82,12 +82,15 @@ def pass_headers(headers: httpx.Headers) -> dict[str, str]:
 
 
 async def open_upstream(client: httpx.AsyncClient, url: str, headers: dict[str, str], body: bytes) -> Opened:
-    request = client.build_request(
-        "POST", url, headers={**headers, "accept-encoding": "identity"}, content=body
-    )
+    try:
+        request = client.build_request(
+            "POST", url, headers={**headers, "accept-encoding": "identity"}, content=body
+        )
+    except (httpx.HTTPError, httpx.InvalidURL) as err:
+        raise AttemptFailed("connect", f"bad upstream URL {url!r}: {err}") from None
     try:
         response = await client.send(request, stream=True)
-    except httpx.HTTPError as err:
+    except (httpx.HTTPError, httpx.InvalidURL) as err:
         raise AttemptFailed("connect", f"{type(err).__name__}: {err}") from None
     if response.status_code >= 500:
         try:
