@@ -1,0 +1,580 @@
+"""The cluster agent: watch this cluster's desired state over NATS, reconcile replicas
+through a runtime, keep the gateway's files current, report heartbeats and events.
+
+Files under `state_dir` (atomic writes; see agent/local_state.py):
+- desired.json, routes.json, keys.json: the last DesiredState / RouteSet / KeySet seen on
+  NATS (deletions included). Loaded FIRST on start, so a restart while NATS or the
+  control plane is down reconciles and serves from them.
+- replicas.json: ReplicaSnapshot of every replica (state, url, load), rewritten on every
+  change and at least each second; the gateway routes from it.
+- runtime.json: RuntimeFile, the runtime handle of each replica (pid, port, url, spec,
+  restarts), for adoption.
+- logs/<replica_id>.log: each replica's stdout and stderr.
+- agent.lock: held while an agent runs, so two agents never share a state_dir.
+
+Lifetime of replicas versus the agent (a deliberate choice):
+- SIGTERM / SIGINT: the agent drains its replicas (SIGTERM, bounded by the replica
+  drain timeout), reports them stopped and exits 0. A second signal exits at once.
+- SIGKILL (or a crash) of the agent: replicas run in their own sessions and keep
+  serving. A restarted agent re-adopts each replica in runtime.json whose pid is alive,
+  is the same process (start time and `engine.server` + port on its command line, so a
+  reused pid is never adopted) and answers /health; anything else is started afresh.
+  Serving therefore survives agent upgrades and crashes without duplicate replicas.
+
+Absence is not deletion for the desired state: if NATS has no key for this cluster at
+connect, the copy on disk stays in force (the control plane may not have written yet); an
+explicit delete of the key means "run nothing". Routes and keys are made equal to NATS
+at every (re)connect, so a key revoked while the agent was away is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO
+
+from pydantic import BaseModel, Field, ValidationError
+
+from agent import protocol
+from agent.config import ClusterConfig
+from agent.inventory import inventory
+from agent.local_state import KeySet, LocalState, ReplicaSnapshot, RouteSet, atomic_write
+from agent.nats_io import KvWatch, NatsLink
+from agent.protocol import (
+    ApiKeyRecord,
+    DesiredState,
+    Event,
+    EventKind,
+    Heartbeat,
+    PoolInventory,
+    ReplicaLoad,
+    ReplicaSpec,
+    ReplicaState,
+    ReplicaStatus,
+    RoutingTable,
+)
+from agent.reconciler import Action, ReplicaRecord, Restart, Start, Stop, backoff_delay, plan
+from agent.replica_metrics import MetricsScraper
+from agent.runtime import InvalidSpec, ReplicaHandle, Runtime, make_runtime
+
+log = logging.getLogger("agent")
+
+RECONCILE_INTERVAL_S = 0.5
+SNAPSHOT_EVERY_S = 1.0
+
+
+class RuntimeFile(BaseModel):
+    """runtime.json: the handles of the replicas this agent runs, for adoption."""
+
+    runtime: str = "process"
+    replicas: dict[str, ReplicaHandle] = Field(default_factory=dict)
+
+
+@dataclass
+class Replica:
+    """The agent's live view of one replica."""
+
+    spec: ReplicaSpec
+    state: ReplicaState = ReplicaState.pending
+    handle: ReplicaHandle | None = None
+    restarts: int = 0
+    streak: int = 0  # crashes since it last stayed ready for a while (backoff exponent)
+    started_at: float | None = None
+    ready_since: float | None = None
+    failed_at: float | None = None
+    next_restart_at: float | None = None
+    last_error: str = ""
+    load: ReplicaLoad = field(default_factory=ReplicaLoad)
+
+    @property
+    def replica_id(self) -> str:
+        return self.spec.replica_id
+
+    def record(self) -> ReplicaRecord:
+        return ReplicaRecord(
+            replica_id=self.replica_id,
+            spec=self.spec,
+            state=self.state,
+            restarts=self.restarts,
+            failed_at=self.failed_at,
+            next_restart_at=self.next_restart_at,
+        )
+
+    def status(self) -> ReplicaStatus:
+        return ReplicaStatus(
+            replica_id=self.replica_id,
+            deployment=self.spec.deployment,
+            version=self.spec.version,
+            state=self.state,
+            url=self.handle.url if self.handle is not None else "",
+            pool=self.spec.pool,
+            restarts=self.restarts,
+            started_at=self.started_at,
+            last_error=self.last_error[-2000:],
+            load=self.load if self.state == ReplicaState.ready else ReplicaLoad(),
+        )
+
+
+class AgentLocked(Exception):
+    """Another agent holds this state_dir."""
+
+
+class Agent:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        runtime: Runtime | None = None,
+        *,
+        reconcile_interval_s: float = RECONCILE_INTERVAL_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.clock = clock  # wall clock of replica timestamps and restart backoff
+        self.cluster = config.cluster
+        self.files = LocalState(config.state_dir)
+        self.runtime = runtime or make_runtime(config)
+        self.reconcile_interval_s = reconcile_interval_s
+        self.link = NatsLink(config.nats_url, name=f"fleet-agent-{config.cluster}")
+        self.desired: DesiredState | None = None
+        self.routes = RouteSet()
+        self.keys = KeySet()
+        self.replicas: dict[str, Replica] = {}
+        self.pools: list[PoolInventory] = []
+        self.scraper = MetricsScraper()
+        self._stopping: dict[str, asyncio.Task[None]] = {}
+        self._background: set[asyncio.Task[None]] = set()
+        self._wake = asyncio.Event()
+        self._lock = asyncio.Lock()
+        self._last_snapshot: str = ""
+        self._last_snapshot_at = 0.0
+        self._last_runtime: str = ""
+        self._lockfile: IO[str] | None = None
+        self._watches = [
+            KvWatch(self.link, protocol.BUCKET_DESIRED, keys=self.cluster),
+            KvWatch(self.link, protocol.BUCKET_ROUTES),
+            KvWatch(self.link, protocol.BUCKET_KEYS),
+        ]
+        self._watches[0].subscribe(self._on_desired)
+        self._watches[1].subscribe(self._on_route)
+        self._watches[2].subscribe(self._on_key)
+        self.link.on_connect(self._on_connect)
+
+    @property
+    def runtime_path(self):
+        return self.files.dir / "runtime.json"
+
+    # ================================================================= lifecycle
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve until `stop` is set, then drain every replica and return."""
+        self._acquire_lock()
+        try:
+            self._load_from_disk()
+            self.pools = await asyncio.to_thread(inventory, self.config)
+            log.info(
+                "cluster %s: pools %s",
+                self.cluster,
+                ", ".join(f"{p.name}x{p.gpus_per_node}" for p in self.pools),
+            )
+            await self._adopt()
+            await self.reconcile_once()  # serve from disk before NATS answers
+            self.link.start()
+            loops = [
+                asyncio.create_task(self._reconcile_loop(), name="reconcile"),
+                asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+                asyncio.create_task(self._metrics_loop(), name="metrics"),
+            ]
+            await stop.wait()
+            log.info("stopping: draining %d replicas", len(self.replicas))
+            for task in loops:
+                task.cancel()
+            for task in loops:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            for watch in self._watches:
+                await watch.close()
+            await self._drain_all()
+            await self.link.close()
+        finally:
+            await self.scraper.close()
+            await self.runtime.close()
+            self._release_lock()
+
+    def _acquire_lock(self) -> None:
+        self.files.dir.mkdir(parents=True, exist_ok=True)
+        f = open(self.files.dir / "agent.lock", "a+")
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            raise AgentLocked(f"another agent is running on {self.files.dir}") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        self._lockfile = f
+
+    def _release_lock(self) -> None:
+        if self._lockfile is not None:
+            self._lockfile.close()
+            self._lockfile = None
+
+    def _load_from_disk(self) -> None:
+        desired = self.files.load_desired()
+        if desired is not None and desired.cluster == self.cluster:
+            self.desired = desired
+            log.info(
+                "desired state from disk: generation %d, %d replicas",
+                desired.generation,
+                len(desired.replicas),
+            )
+        self.routes = self.files.load_routes()
+        self.keys = self.files.load_keys()
+
+    async def _adopt(self) -> None:
+        try:
+            saved = RuntimeFile.model_validate_json(self.runtime_path.read_bytes())
+        except (FileNotFoundError, ValidationError, ValueError):
+            return
+        for rid, handle in saved.replicas.items():
+            if rid in self.replicas:
+                continue
+            if await self.runtime.adopt(handle):
+                self.replicas[rid] = Replica(
+                    spec=handle.spec,
+                    state=ReplicaState.starting,
+                    handle=handle,
+                    restarts=handle.restarts,
+                    started_at=handle.started_at,
+                )
+            else:
+                log.info("replica %s (pid %s) is gone; not adopted", rid, handle.pid)
+        self._write_runtime()
+
+    async def _drain_all(self) -> None:
+        for r in list(self.replicas.values()):
+            if r.replica_id not in self._stopping and r.state not in (ReplicaState.stopped,):
+                self._begin_stop(r, "agent shutting down")
+        if self._stopping:
+            await asyncio.gather(*self._stopping.values(), return_exceptions=True)
+        self._write_snapshot(force=True)
+        self._write_runtime()
+
+    # ================================================================= NATS inputs
+
+    async def _on_connect(self) -> None:
+        log.info("connected to NATS at %s", self.config.nats_url)
+        await self._prune(protocol.BUCKET_ROUTES)
+        await self._prune(protocol.BUCKET_KEYS)
+        await self._publish_heartbeat()
+
+    async def _prune(self, bucket: str) -> None:
+        """Drop what disk holds and NATS no longer does (deleted while we were away)."""
+        try:
+            live = set(await self.link.kv_items(bucket))
+        except Exception as err:
+            log.warning("could not list %s: %s", bucket, err)
+            return
+        if bucket == protocol.BUCKET_ROUTES:
+            gone = set(self.routes.routes) - live
+            for key in gone:
+                del self.routes.routes[key]
+            if gone:
+                self.files.save_routes(self.routes)
+        else:
+            gone = set(self.keys.keys) - live
+            for key in gone:
+                del self.keys.keys[key]
+            if gone:
+                self.files.save_keys(self.keys)
+        if gone:
+            log.info("%s: dropped %d entries deleted while disconnected", bucket, len(gone))
+
+    @staticmethod
+    def _parse(model: type[protocol.Message], key: str, value: bytes):
+        try:
+            message = model.from_bytes(value)
+        except (ValidationError, ValueError) as err:
+            log.warning("ignoring malformed %s %r: %s", model.__name__, key, err)
+            return None
+        if message.schema_version > protocol.SCHEMA_VERSION:
+            log.warning("ignoring %s %r of newer schema %d", model.__name__, key, message.schema_version)
+            return None
+        return message
+
+    async def _on_desired(self, key: str, value: bytes | None) -> None:
+        if value is None:
+            generation = self.desired.generation if self.desired else 0
+            desired = DesiredState(cluster=self.cluster, generation=generation, replicas=[])
+            log.info("desired state deleted: running nothing")
+        else:
+            parsed = self._parse(DesiredState, key, value)
+            if parsed is None:
+                return
+            desired = parsed
+            if desired.cluster != self.cluster:
+                log.warning("ignoring desired state for cluster %r under key %r", desired.cluster, key)
+                return
+            if self.desired is not None and desired.generation < self.desired.generation:
+                log.warning(
+                    "desired generation went back (%d -> %d)", self.desired.generation, desired.generation
+                )
+        self.files.save_desired(desired)
+        self.desired = desired
+        log.info("desired state: generation %d, %d replicas", desired.generation, len(desired.replicas))
+        self._wake.set()
+
+    async def _on_route(self, key: str, value: bytes | None) -> None:
+        if value is None:
+            if self.routes.routes.pop(key, None) is None:
+                return
+        else:
+            table = self._parse(RoutingTable, key, value)
+            if table is None:
+                return
+            self.routes.routes[key] = table
+        self.files.save_routes(self.routes)
+
+    async def _on_key(self, key: str, value: bytes | None) -> None:
+        if value is None:
+            if self.keys.keys.pop(key, None) is None:
+                return
+        else:
+            record = self._parse(ApiKeyRecord, key, value)
+            if record is None:
+                return
+            self.keys.keys[key] = record
+        self.files.save_keys(self.keys)
+
+    # ================================================================= reconcile
+
+    async def _reconcile_loop(self) -> None:
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.reconcile_interval_s)
+            self._wake.clear()
+            try:
+                await self.reconcile_once()
+            except Exception:
+                log.exception("reconcile pass failed")
+
+    async def reconcile_once(self) -> None:
+        """Observe every replica, apply the policy's actions, persist what changed."""
+        async with self._lock:
+            await self._observe()
+            now = self.clock()
+            actions = plan(self.desired, [r.record() for r in self.replicas.values()], now)
+            for action in actions:
+                await self._apply(action)
+            self._write_runtime()
+            self._write_snapshot()
+
+    async def _observe(self) -> None:
+        watched = [
+            r
+            for r in self.replicas.values()
+            if r.handle is not None
+            and r.replica_id not in self._stopping
+            and r.state in (ReplicaState.starting, ReplicaState.ready, ReplicaState.draining)
+        ]
+        probes = await asyncio.gather(
+            *(self.runtime.poll(r.handle) for r in watched if r.handle), return_exceptions=True
+        )
+        now = self.clock()
+        for r, probe in zip(watched, probes):
+            if isinstance(probe, BaseException):
+                log.warning("polling replica %s failed: %r", r.replica_id, probe)
+                continue
+            if probe.state == r.state:
+                continue
+            if probe.state == ReplicaState.failed:
+                await self._mark_failed(r, probe.error, now)
+            elif probe.state == ReplicaState.ready:
+                r.state = ReplicaState.ready
+                r.ready_since = now
+                r.last_error = ""
+                await self._event("replica_ready", r, f"serving at {r.handle.url if r.handle else ''}")
+            elif probe.state == ReplicaState.draining:
+                r.state = ReplicaState.draining
+            else:
+                r.state = probe.state
+
+    async def _mark_failed(self, r: Replica, error: str, now: float, retry: bool = True) -> None:
+        rc = self.config.replica
+        stayed_ready = r.ready_since is not None and now - r.ready_since >= rc.restart_backoff_max_s
+        r.streak = 1 if stayed_ready else r.streak + 1
+        r.state = ReplicaState.failed
+        r.handle = None
+        r.ready_since = None
+        r.failed_at = now
+        r.last_error = error
+        r.load = ReplicaLoad()
+        self.scraper.forget(r.replica_id)
+        if retry:
+            delay = backoff_delay(r.streak, rc.restart_backoff_s, rc.restart_backoff_max_s)
+            r.next_restart_at = now + delay
+            note = f"; restart in {delay:.1f} s"
+        else:
+            r.next_restart_at = None
+            note = "; not restarting"
+        log.warning("replica %s failed: %s%s", r.replica_id, error.splitlines()[0] if error else "", note)
+        await self._event("replica_failed", r, (error + note)[-2000:])
+
+    async def _apply(self, action: Action) -> None:
+        if isinstance(action, Start):
+            r = Replica(spec=action.spec)
+            self.replicas[action.replica_id] = r
+            await self._start(r, "replica_starting")
+        elif isinstance(action, Restart):
+            r = self.replicas[action.replica_id]
+            r.restarts += 1
+            r.spec = action.spec
+            await self._start(r, "replica_restarted")
+        elif isinstance(action, Stop):
+            r = self.replicas.get(action.replica_id)
+            if r is not None:
+                self._begin_stop(r, action.reason)
+
+    async def _start(self, r: Replica, kind: EventKind) -> None:
+        now = self.clock()
+        try:
+            r.handle = await self.runtime.start(r.spec)
+        except InvalidSpec as err:
+            await self._mark_failed(r, f"invalid spec: {err}", now, retry=False)
+            return
+        except Exception as err:
+            await self._mark_failed(r, f"could not start: {err}", now)
+            return
+        r.handle.restarts = r.restarts
+        r.state = ReplicaState.starting
+        r.started_at = now
+        r.next_restart_at = None
+        message = f"{r.spec.model} at {r.handle.url}"
+        if kind == "replica_restarted":
+            message = f"restart {r.restarts} after: {r.last_error.splitlines()[0] if r.last_error else '?'}"
+        await self._event(kind, r, message)
+
+    def _begin_stop(self, r: Replica, reason: str) -> None:
+        rid = r.replica_id
+        if rid in self._stopping:
+            return
+        log.info("replica %s: stopping (%s)", rid, reason)
+        if r.handle is None:  # nothing running (failed): just forget it
+            self._forget(r)
+            self._emit_soon("replica_stopped", r, reason)
+            return
+        r.state = ReplicaState.draining
+        self._stopping[rid] = asyncio.create_task(self._stop(r, reason), name=f"stop-{rid}")
+
+    async def _stop(self, r: Replica, reason: str) -> None:
+        handle = r.handle
+        assert handle is not None
+        try:
+            code = await self.runtime.stop(handle, self.config.replica.drain_timeout_s)
+        except Exception as err:
+            log.exception("stopping replica %s failed", r.replica_id)
+            code = None
+            reason = f"{reason}; stop failed: {err}"
+        r.state = ReplicaState.stopped
+        r.handle = None
+        self._forget(r)
+        self._stopping.pop(r.replica_id, None)
+        await self._event("replica_stopped", r, f"{reason}; exit code {code}")
+        self._write_runtime()
+        self._write_snapshot(force=True)
+        self._wake.set()
+
+    def _forget(self, r: Replica) -> None:
+        if self.replicas.get(r.replica_id) is r:
+            del self.replicas[r.replica_id]
+        self.scraper.forget(r.replica_id)
+
+    # ================================================================= outputs
+
+    def snapshot(self) -> ReplicaSnapshot:
+        return ReplicaSnapshot(
+            cluster=self.cluster,
+            replicas=[r.status() for r in sorted(self.replicas.values(), key=lambda r: r.replica_id)],
+        )
+
+    def _write_snapshot(self, force: bool = False) -> None:
+        snap = self.snapshot()
+        body = json.dumps([s.model_dump(mode="json") for s in snap.replicas], sort_keys=True)
+        now = time.monotonic()
+        if force or body != self._last_snapshot or now - self._last_snapshot_at >= SNAPSHOT_EVERY_S:
+            self.files.save_replicas(snap)
+            self._last_snapshot = body
+            self._last_snapshot_at = now
+
+    def _write_runtime(self) -> None:
+        handles = {}
+        for rid, r in sorted(self.replicas.items()):
+            if r.handle is not None:
+                r.handle.restarts = r.restarts
+                handles[rid] = r.handle
+        body = RuntimeFile(runtime=self.runtime.name, replicas=handles).model_dump_json(indent=1)
+        if body != self._last_runtime:
+            atomic_write(self.runtime_path, body.encode())
+            self._last_runtime = body
+
+    def heartbeat(self) -> Heartbeat:
+        statuses = [r.status() for r in sorted(self.replicas.values(), key=lambda r: r.replica_id)]
+        return Heartbeat(
+            cluster=self.cluster,
+            provider=self.config.provider,
+            region=self.config.region,
+            coordinates=self.config.coordinates,
+            gateway_url=self.config.gateway.url,
+            pools=self.pools,
+            replicas=statuses,
+            desired_generation=self.desired.generation if self.desired is not None else -1,
+            queue_depth=sum(s.load.waiting for s in statuses),
+            tokens_per_s=sum(s.load.tokens_per_s for s in statuses),
+        )
+
+    async def _publish_heartbeat(self) -> None:
+        await self.link.publish(protocol.heartbeat_subject(self.cluster), self.heartbeat())
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await self._publish_heartbeat()
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+
+    async def _metrics_loop(self) -> None:
+        while True:
+            ready = [
+                r for r in self.replicas.values() if r.state == ReplicaState.ready and r.handle is not None
+            ]
+            loads = await asyncio.gather(
+                *(self.scraper.scrape(r.replica_id, r.handle.url) for r in ready if r.handle)
+            )
+            for r, load in zip(ready, loads):
+                if load is not None and r.state == ReplicaState.ready:
+                    r.load = load
+            await asyncio.sleep(min(1.0, self.config.heartbeat_interval_s))
+
+    async def _event(self, kind: EventKind, r: Replica, message: str = "") -> None:
+        if kind != "replica_failed":  # failures are logged with their backoff
+            log.info(
+                "replica %s (%s v%d): %s %s", r.replica_id, r.spec.deployment, r.spec.version, kind, message
+            )
+        event = Event(
+            cluster=self.cluster,
+            kind=kind,
+            message=message,
+            deployment=r.spec.deployment,
+            replica_id=r.replica_id,
+        )
+        await self.link.publish(protocol.events_subject(self.cluster), event)
+
+    def _emit_soon(self, kind: EventKind, r: Replica, message: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._event(kind, r, message))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
