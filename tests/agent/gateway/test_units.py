@@ -271,3 +271,38 @@ def test_gateway_never_imports_torch() -> None:
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def test_replica_choice_follows_canary_weights_and_avoids_the_failed_one(tmp_path: Path) -> None:
+    from agent.config import ClusterConfig
+    from agent.gateway.gateway import Exchange, Gateway
+
+    config = ClusterConfig(cluster="c", state_dir=tmp_path)
+    ClusterFiles(tmp_path, "c").write(
+        replicas=[
+            replica("old-1", "http://o1", deployment="d", version=1),
+            replica("old-2", "http://o2", deployment="d", version=1),
+            replica("new-1", "http://n1", deployment="d", version=2),
+        ],
+        routes=[
+            route("d", [], versions=[VersionWeight(version=1, weight=3), VersionWeight(version=2, weight=1)])
+        ],
+    )
+    gw = Gateway(config, nats=False)
+    gw.rng.seed(7)
+    info = parse_request(b'{"model": "d", "prompt": "hi"}', "completions")
+    versions = []
+    for _ in range(400):
+        choose = gw._replica_chooser(Exchange("id", "k", info, 0.0, None))
+        target = choose(set())
+        assert target is not None
+        versions.append(target.version)
+    assert 0.18 < versions.count(2) / 400 < 0.32
+    # A retry leaves the failed replica out, staying in the request's version while it can.
+    choose = gw._replica_chooser(Exchange("id", "k", info, 0.0, None))
+    first = choose(set())
+    assert first is not None
+    second = choose({first.name})
+    assert second is not None and second.name != first.name
+    if first.version == 1:
+        assert second.version == 1
