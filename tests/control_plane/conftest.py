@@ -33,7 +33,8 @@ def cp_server(request, tmp_path_factory):
         cleanup()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def admin(cp_server):
+    """An httpx client with the server's admin token (shared: creating clients is not free)."""
     with cp_server.client() as client:
         yield client

@@ -1,0 +1,235 @@
+"""fleetctl's resource commands as a user runs them: subprocesses with FLEET_HOME pointing
+at a real control plane (which wrote its URL and admin token there), `-o json` for the
+assertions, tables for people, one line on stderr and a non-zero exit on errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from control_plane.local.nats_server import free_port
+from tests.control_plane.cp_server import ROOT, ControlPlaneServer
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fleetctl")
+    cp = ControlPlaneServer(tmp / "home", f"sqlite:///{tmp / 'fleet.db'}").start()
+    yield cp
+    cp.stop()
+
+
+def fleetctl(home, *args: str, env: dict | None = None, ok: bool = True) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "FLEET_HOME": str(home), "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    for name in ("FLEET_API_URL", "FLEET_TOKEN"):
+        full_env.pop(name, None)
+    full_env.update(env or {})
+    res = subprocess.run(
+        [sys.executable, "-m", "control_plane.cli", *args],
+        env=full_env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if ok:
+        assert res.returncode == 0, f"fleetctl {' '.join(args)}: {res.stderr}"
+    return res
+
+
+def fleetctl_many(home, *commands: list[str], env: dict | None = None) -> list[subprocess.CompletedProcess]:
+    """Independent commands at once (each is mostly interpreter start-up)."""
+    with ThreadPoolExecutor(len(commands)) as pool:
+        return list(pool.map(lambda args: fleetctl(home, *args, env=env, ok=False), commands))
+
+
+def as_json(home, *args: str) -> dict | list:
+    return json.loads(fleetctl(home, *args, "-o", "json").stdout)
+
+
+def one_line_error(res: subprocess.CompletedProcess) -> str:
+    assert res.returncode != 0
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    return lines[0]
+
+
+def test_deploy_update_scale_status_ls_delete(server):
+    home = server.home
+    out = fleetctl(
+        home,
+        "deploy",
+        "chat",
+        "--model",
+        "smollm2-135m",
+        "--min-replicas",
+        "1",
+        "--max-replicas",
+        "3",
+        "--gpu",
+        "L4",
+        "--gpu",
+        "A100",
+        "--regions",
+        "eu-west,us-east",
+        "-e",
+        "max_num_seqs=8",
+    )
+    assert "chat" in out.stdout and "smollm2-135m" in out.stdout
+
+    status = as_json(home, "status", "chat")
+    assert {"ready_replicas", "desired_replicas", "versions", "placements"} <= set(status)
+    assert status["desired_replicas"] == 1 and status["ready_replicas"] == 0 and status["placements"] == []
+    spec = status["versions"][0]
+    assert spec["gpu_models"] == ["L4", "A100"] and spec["regions"] == ["eu-west", "us-east"]
+    assert spec["engine_args"] == {"max_num_seqs": 8}
+
+    again = as_json(home, "deploy", "chat", "--model", "smollm2-135m")  # nothing changed: no new version
+    assert again["current_version"] == 1
+    changed = as_json(home, "deploy", "chat", "-e", "max_num_seqs=16", "-e", "enforce_eager=true")
+    assert changed["current_version"] == 2 and changed["spec"]["engine_args"] == {
+        "max_num_seqs": 16,
+        "enforce_eager": True,
+    }
+    assert changed["spec"]["gpu_models"] == ["L4", "A100"]  # unchanged fields carry over
+
+    scaled = as_json(home, "scale", "chat", "3")
+    assert scaled["desired_replicas"] == 3 and scaled["current_version"] == 2
+    err = one_line_error(fleetctl(home, "scale", "chat", "7", ok=False))
+    assert "replicas" in err and "1..3" in err and "422" in err
+
+    pinned = as_json(home, "deploy", "pinned", "--model", "m", "--replicas", "2")
+    assert (pinned["desired_replicas"], pinned["min_replicas"], pinned["max_replicas"]) == (2, 2, 2)
+    repinned = as_json(home, "deploy", "pinned", "--replicas", "4")
+    assert (repinned["desired_replicas"], repinned["min_replicas"], repinned["max_replicas"]) == (4, 4, 4)
+
+    listed = {d["name"]: d for d in as_json(home, "ls")}
+    assert {"chat", "pinned"} <= set(listed) and listed["chat"]["desired_replicas"] == 3
+    assert [d["name"] for d in as_json(home, "ls", "--model", "m")] == ["pinned"]
+    table = fleetctl(home, "ls").stdout
+    assert "chat" in table and "pinned" in table and "desired" in table
+
+    assert as_json(home, "delete", "pinned")["name"] == "pinned"
+    assert "not found" in one_line_error(fleetctl(home, "status", "pinned", ok=False))
+    assert "deleted chat" in fleetctl(home, "delete", "chat").stdout
+
+
+def test_deploy_from_file_and_flag_errors(server, tmp_path):
+    home = server.home
+    spec = tmp_path / "deployment.yaml"
+    spec.write_text(
+        "name: from-file\nmodel: smollm2-135m\nmin_replicas: 0\nmax_replicas: 2\n"
+        "scale_to_zero: true\nengine_args:\n  max_num_seqs: 4\n"
+    )
+    made = as_json(home, "deploy", "-f", str(spec), "--max-replicas", "3")  # flags override the file
+    assert made["name"] == "from-file" and made["spec"]["scale_to_zero"] is True
+    assert (made["min_replicas"], made["max_replicas"], made["desired_replicas"]) == (0, 3, 1)
+    assert made["spec"]["engine_args"] == {"max_num_seqs": 4}
+
+    bad_file = tmp_path / "bad.yaml"
+    bad_file.write_text("- just\n- a list\n")
+    no_model, bad_arg, bad_name, min_max, not_mapping = map(
+        one_line_error,
+        fleetctl_many(
+            home,
+            ["deploy", "nomodel"],
+            ["deploy", "x", "--model", "m", "-e", "oops"],
+            ["deploy", "Bad_Name", "--model", "m"],
+            ["deploy", "x2", "--model", "m", "--min-replicas", "3", "--max-replicas", "1"],
+            ["deploy", "-f", str(bad_file)],
+        ),
+    )
+    assert "--model is required" in no_model and "KEY=VALUE" in bad_arg
+    assert "name" in bad_name and "422" in bad_name and "min_replicas" in min_max and "mapping" in not_mapping
+
+
+def test_keys_create_ls_revoke(server):
+    home = server.home
+    created = as_json(
+        home,
+        "keys",
+        "create",
+        "app",
+        "--deployment",
+        "chat",
+        "--tokens-per-minute",
+        "1000",
+        "--requests-per-minute",
+        "60",
+    )
+    assert created["key"].startswith(f"fleet-{created['key_id']}-")
+    assert created["scopes"] == ["inference"] and created["deployments"] == ["chat"]
+    assert created["quotas"]["tokens_per_minute"] == 1000 and created["quotas"]["requests_per_minute"] == 60
+    table = fleetctl(home, "keys", "create", "reader", "--scope", "read").stdout
+    assert "shown once" in table and "fleet-" in table
+
+    listed = as_json(home, "keys", "ls")
+    assert created["key_id"] in [k["key_id"] for k in listed]
+    assert created["key"] not in json.dumps(listed) and all("hash" not in k for k in listed)
+
+    revoked = as_json(home, "keys", "revoke", created["key_id"])
+    assert revoked["revoked"] is True
+    active = as_json(home, "keys", "ls", "--active")
+    assert created["key_id"] not in [k["key_id"] for k in active]
+    assert "not found" in one_line_error(fleetctl(home, "keys", "revoke", "nope", ok=False))
+
+    # the read key can look but not touch
+    reader = as_json(home, "keys", "create", "ro", "--scope", "read")["key"]
+    looked, touched = fleetctl_many(
+        home, ["ls", "-o", "json"], ["scale", "x", "1"], env={"FLEET_TOKEN": reader}
+    )
+    assert looked.returncode == 0 and isinstance(json.loads(looked.stdout), list)
+    assert "403" in one_line_error(touched)
+
+
+def test_clusters_pools_events_audit(server):
+    home = server.home
+    with server.client() as admin:
+        assert (
+            admin.post(
+                "/v1/clusters",
+                json={
+                    "id": "gcp-eu",
+                    "region": "europe-west4",
+                    "provider": "gcp",
+                    "pools": [
+                        {"name": "l4", "gpu_model": "L4", "gpus_per_node": 4, "nodes": 2, "tier": "spot"}
+                    ],
+                },
+            ).status_code
+            == 201
+        )
+    clusters = as_json(home, "clusters")
+    assert [c["id"] for c in clusters] == ["gcp-eu"] and clusters[0]["status"] == "healthy"
+    assert as_json(home, "cordon", "gcp-eu")["status"] == "draining"
+    assert [c["id"] for c in as_json(home, "clusters", "--status", "draining")] == ["gcp-eu"]
+    assert as_json(home, "uncordon", "gcp-eu")["status"] == "healthy"
+    pools = as_json(home, "pools", "--cluster", "gcp-eu")
+    assert [(p["name"], p["total_gpus"], p["free_gpus"]) for p in pools] == [("l4", 8, 8)]
+    assert as_json(home, "pools", "--tier", "reserved") == []
+    assert "europe-west4" in fleetctl(home, "pools").stdout
+
+    as_json(home, "deploy", "evented", "--model", "m")
+    events = as_json(home, "events", "--deployment", "evented")
+    assert [e["kind"] for e in events] == ["deployment_created"]
+    assert len(as_json(home, "events", "--limit", "2")) == 2
+    assert any(e["kind"] == "cluster_draining" for e in as_json(home, "events", "--cluster", "gcp-eu"))
+    audit = as_json(home, "audit", "--resource-type", "cluster")
+    assert [a["action"] for a in audit] == ["cluster.uncordon", "cluster.cordon", "cluster.create"]
+    assert "cluster.cordon" in fleetctl(home, "audit").stdout
+
+
+def test_clear_errors_when_the_control_plane_is_unreachable_or_token_missing(server, tmp_path):
+    dead = f"http://127.0.0.1:{free_port()}"
+    commands = (["ls"], ["status", "x"], ["deploy", "x", "--model", "m"], ["keys", "ls"], ["events"])
+    for res in fleetctl_many(tmp_path, *commands, env={"FLEET_API_URL": dead}):
+        err = one_line_error(res)
+        assert "unreachable" in err and dead in err
+    # a FLEET_HOME without a token: the API's 401, with a hint
+    err = one_line_error(fleetctl(tmp_path, "ls", env={"FLEET_API_URL": server.url}, ok=False))
+    assert "401" in err and "token" in err.lower()
