@@ -8,8 +8,8 @@
 set -euo pipefail
 dir="${FLEET_PG_DIR:-/tmp/fleet-pg}"
 port="${FLEET_PG_PORT:-5432}"
-url="postgresql+psycopg://fleet:fleet@127.0.0.1:${port}/fleet_test"
 log() { echo "postgres.sh: $*" >&2; }
+port_busy() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
 find_bindir() {
   local d
@@ -47,7 +47,16 @@ if [ ! -f "$data/PG_VERSION" ]; then
     || as_pg "$bindir/initdb" -D "$data" -U postgres --auth=trust -E UTF8 --no-locale >/dev/null
 fi
 
-if ! as_pg "$bindir/pg_ctl" -D "$data" status >/dev/null 2>&1; then
+if as_pg "$bindir/pg_ctl" -D "$data" status >/dev/null 2>&1; then
+  port="$(sed -n 4p "$data/postmaster.pid")"  # already running: on whatever port it took
+else
+  # Another PostgreSQL (say Debian's own cluster, started by the package) may hold the port.
+  tries=0
+  while port_busy "$port"; do
+    log "port $port is taken; trying $((port + 1))"
+    port=$((port + 1)); tries=$((tries + 1))
+    [ "$tries" -lt 20 ] || { log "no free port"; exit 1; }
+  done
   log "starting on 127.0.0.1:$port"
   as_pg "$bindir/pg_ctl" -D "$data" -l "$dir/server.log" -w -t 60 \
     -o "-c listen_addresses=127.0.0.1 -p $port -k $dir -c fsync=off -c max_connections=200" start >/dev/null \
@@ -61,4 +70,4 @@ fi
 if [ "$(psql_pg "SELECT 1 FROM pg_database WHERE datname='fleet_test'")" != "1" ]; then
   psql_pg "CREATE DATABASE fleet_test OWNER fleet"
 fi
-echo "$url"
+echo "postgresql+psycopg://fleet:fleet@127.0.0.1:${port}/fleet_test"
