@@ -309,6 +309,7 @@ class Gateway:
             else:
                 self.tracker.start(target.name, ex.info.cost_tokens)
                 self.metrics.replica_choice.labels(deployment, target.name, str(target.version)).inc()
+            opened: Opened | None = None
             try:
                 opened = await open_upstream(self.client, target.url + path, headers, body)
                 if opened.status >= 300 or not ex.info.stream:
@@ -328,7 +329,9 @@ class Gateway:
                 exclude.add(target.name)
                 failure = err
                 continue
-            except BaseException:
+            except BaseException:  # cancelled (the client left) or a bug: release everything
+                if opened is not None:
+                    await opened.close()
                 if not target.is_peer:
                     self.tracker.finish(target.name, ex.info.cost_tokens)
                 raise
