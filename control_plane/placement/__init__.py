@@ -1,0 +1,31 @@
+"""Placement of replicas onto capacity pools, behind one interface (`Placer`) and a
+registry by name (`get_placer("ffd")`)."""
+
+from control_plane.placement.base import (
+    Assignment,
+    CurrentAssignment,
+    PlacementResult,
+    Placer,
+    PoolCapacity,
+    ReplicaDemand,
+    Unplaced,
+    get_placer,
+    placer_names,
+    register_placer,
+)
+from control_plane.placement.ffd import FirstFitDecreasing, new_replica_id
+
+__all__ = [
+    "Assignment",
+    "CurrentAssignment",
+    "FirstFitDecreasing",
+    "PlacementResult",
+    "Placer",
+    "PoolCapacity",
+    "ReplicaDemand",
+    "Unplaced",
+    "get_placer",
+    "new_replica_id",
+    "placer_names",
+    "register_placer",
+]

@@ -1,0 +1,186 @@
+"""The placement problem and its answer, independent of any algorithm.
+
+A placer turns replica demands, capacity pools and the current assignment into a new
+assignment. Placers are pure and synchronous (no database, no I/O), so the live
+reconcile loop, `fleetctl plan` and `fleetctl simulate` run the same code, and a
+better placer (issue #6) replaces first-fit-decreasing by registering under a name.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from agent.protocol import TIER_ORDER, ClusterStatus, Coordinates, Tier
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class PoolCapacity(_Frozen):
+    """A cluster's pool as the placer sees it. `hourly_price` is per node (what a
+    provider sells), so the price of one GPU is `hourly_price / gpus_per_node`."""
+
+    cluster: str
+    name: str
+    region: str = ""
+    gpu_model: str
+    gpu_memory_gb: float = Field(0.0, ge=0)
+    gpus_per_node: int = Field(1, ge=1)
+    nodes: int = Field(1, ge=0)
+    tier: Tier = Tier.on_demand
+    hourly_price: float = Field(0.0, ge=0)
+    cluster_status: ClusterStatus = ClusterStatus.healthy
+    coordinates: Coordinates = Field(default_factory=Coordinates)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.cluster, self.name)
+
+    @property
+    def total_gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def accepts_new(self) -> bool:
+        """Only healthy clusters get new replicas."""
+        return self.cluster_status == ClusterStatus.healthy
+
+    @property
+    def keeps_existing(self) -> bool:
+        """A draining cluster (operator cordon) keeps serving what it runs; an
+        unhealthy one loses its replicas to re-placement."""
+        return self.cluster_status in (ClusterStatus.healthy, ClusterStatus.draining)
+
+    @property
+    def price_per_gpu(self) -> float:
+        return self.hourly_price / self.gpus_per_node
+
+    def preference(self) -> tuple:
+        """Lower is better: reserved, then on-demand, then spot; then cheaper."""
+        return (TIER_ORDER[self.tier], self.price_per_gpu, self.cluster, self.name)
+
+
+class ReplicaDemand(_Frozen):
+    """`count` replicas of one deployment version, each needing `gpu_count` GPUs of one
+    node. `gpu_models` and `regions` empty mean any; regions may be glob patterns."""
+
+    deployment: str
+    version: int = Field(ge=0)
+    count: int = Field(ge=0)
+    gpu_models: tuple[str, ...] = ()
+    gpu_count: int = Field(1, ge=1)
+    gpu_memory_gb: float = Field(0.0, ge=0)
+    regions: tuple[str, ...] = ()
+    min_regions: int = Field(1, ge=0)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.deployment, self.version)
+
+    def model_ok(self, pool: PoolCapacity) -> bool:
+        if not self.gpu_models:
+            return True
+        return pool.gpu_model.lower() in {m.lower() for m in self.gpu_models}
+
+    def memory_ok(self, pool: PoolCapacity) -> bool:
+        return pool.gpu_memory_gb >= self.gpu_memory_gb
+
+    def region_ok(self, pool: PoolCapacity) -> bool:
+        if not self.regions:
+            return True
+        return any(fnmatch.fnmatchcase(pool.region, pattern) for pattern in self.regions)
+
+    def shape_ok(self, pool: PoolCapacity) -> bool:
+        """A replica never spans nodes."""
+        return self.gpu_count <= pool.gpus_per_node
+
+    def acceptable(self, pool: PoolCapacity) -> bool:
+        """Every static constraint (not health, not free room)."""
+        return self.model_ok(pool) and self.memory_ok(pool) and self.region_ok(pool) and self.shape_ok(pool)
+
+
+class Assignment(_Frozen):
+    """One replica on one pool. `node` (index within the pool) is the placer's own
+    bookkeeping; it may be None when the caller does not store it, and is then
+    reconstructed."""
+
+    replica_id: str
+    deployment: str
+    version: int
+    cluster: str
+    pool: str
+    gpus: int = Field(1, ge=1)
+    node: int | None = None
+
+    @property
+    def pool_key(self) -> tuple[str, str]:
+        return (self.cluster, self.pool)
+
+
+CurrentAssignment = Assignment
+
+
+class Unplaced(_Frozen):
+    """A demand not fully met: `missing` replicas could not be placed (0 when all were
+    placed but a soft constraint, like min_regions, could not be met) and why."""
+
+    deployment: str
+    version: int
+    missing: int
+    reason: str
+
+
+class PlacementResult(_Frozen):
+    kept: tuple[Assignment, ...] = ()
+    added: tuple[Assignment, ...] = ()
+    removed: tuple[str, ...] = ()  # replica ids of the current assignment no longer wanted
+    unplaced: tuple[Unplaced, ...] = ()
+
+    @property
+    def assignments(self) -> tuple[Assignment, ...]:
+        """The whole new assignment (feed it back as `current` next time)."""
+        return self.kept + self.added
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.added or self.removed)
+
+
+class Placer(ABC):
+    """Places replica demands onto pools, given what runs now. Pure: same inputs, same
+    decisions (up to fresh replica ids)."""
+
+    name: str = ""
+
+    @abstractmethod
+    def place(
+        self,
+        demands: Sequence[ReplicaDemand],
+        pools: Sequence[PoolCapacity],
+        current: Sequence[Assignment] = (),
+    ) -> PlacementResult: ...
+
+
+PlacerFactory = Callable[[], Placer]
+_REGISTRY: dict[str, PlacerFactory] = {}
+
+
+def register_placer(name: str, factory: PlacerFactory) -> None:
+    _REGISTRY[name] = factory
+
+
+def get_placer(name: str = "ffd") -> Placer:
+    """A placer by name; ValueError lists the known ones."""
+    try:
+        return _REGISTRY[name]()
+    except KeyError:
+        raise ValueError(f"unknown placer {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def placer_names() -> list[str]:
+    return sorted(_REGISTRY)

@@ -1,0 +1,276 @@
+"""First-fit-decreasing placement: the first placer, and the greedy fallback of an
+optimizing one.
+
+Demands are placed biggest replica first; each replica goes to the most preferred pool
+(reserved, then on-demand, then spot, then cheaper per GPU) that has a node with room,
+spreading over new regions until the demand's `min_regions` is reached. Replicas that
+already run where they are allowed stay put, so a re-plan after a small change moves
+little: only replicas on unhealthy clusters or unknown pools, replicas of versions no
+longer wanted, and the least preferred ones on scale-down are removed.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+
+from control_plane.placement.base import (
+    Assignment,
+    PlacementResult,
+    Placer,
+    PoolCapacity,
+    ReplicaDemand,
+    Unplaced,
+    register_placer,
+)
+
+MAX_REPLICA_ID = 63  # ReplicaAssignment.replica_id column width
+
+IdFactory = Callable[[str, int], str]
+
+
+def new_replica_id(deployment: str, version: int) -> str:
+    """`<deployment>-v<version>-<6 hex>`, trimmed to fit the database column."""
+    suffix = f"-v{version}-{secrets.token_hex(3)}"
+    return deployment[: MAX_REPLICA_ID - len(suffix)] + suffix
+
+
+class _Nodes:
+    """Free GPUs per node of every pool, for first-fit within a pool."""
+
+    def __init__(self, pools: Iterable[PoolCapacity]) -> None:
+        self.free: dict[tuple[str, str], list[int]] = {p.key: [p.gpus_per_node] * p.nodes for p in pools}
+
+    def first_fit(self, pool: PoolCapacity, gpus: int) -> int | None:
+        for node, free in enumerate(self.free[pool.key]):
+            if free >= gpus:
+                return node
+        return None
+
+    def fits(self, pool_key: tuple[str, str], node: int, gpus: int) -> bool:
+        free = self.free.get(pool_key, [])
+        return 0 <= node < len(free) and free[node] >= gpus
+
+    def take(self, pool_key: tuple[str, str], node: int, gpus: int) -> None:
+        self.free[pool_key][node] -= gpus
+
+    def give_back(self, pool_key: tuple[str, str], node: int, gpus: int) -> None:
+        self.free[pool_key][node] += gpus
+
+
+class FirstFitDecreasing(Placer):
+    name = "ffd"
+
+    def __init__(self, id_factory: IdFactory = new_replica_id) -> None:
+        self._id_factory = id_factory
+
+    def place(
+        self,
+        demands: Sequence[ReplicaDemand],
+        pools: Sequence[PoolCapacity],
+        current: Sequence[Assignment] = (),
+    ) -> PlacementResult:
+        by_demand: dict[tuple[str, int], ReplicaDemand] = {}
+        for d in demands:
+            if d.key in by_demand:
+                raise ValueError(f"duplicate demand for {d.deployment} v{d.version}")
+            by_demand[d.key] = d
+        ordered_pools = sorted({p.key: p for p in pools}.values(), key=PoolCapacity.preference)
+        by_pool = {p.key: p for p in ordered_pools}
+        nodes = _Nodes(ordered_pools)
+        used_ids = {a.replica_id for a in current}
+        removed: list[str] = []
+
+        # 1. Which current replicas may stay: right version, allowed pool, cluster not lost.
+        candidates: dict[tuple[str, int], list[Assignment]] = defaultdict(list)
+        seen: set[str] = set()
+        for a in current:
+            if a.replica_id in seen:
+                continue
+            seen.add(a.replica_id)
+            d = by_demand.get((a.deployment, a.version))
+            p = by_pool.get(a.pool_key)
+            if d is None or p is None or not p.keeps_existing or not d.acceptable(p) or a.gpus != d.gpu_count:
+                removed.append(a.replica_id)
+                continue
+            candidates[d.key].append(a)
+
+        # 2. Scale down: keep the best replica per region up to min_regions, then the most preferred.
+        keep: list[Assignment] = []
+        for key, group in candidates.items():
+            chosen = _keep_order(group, by_demand[key], by_pool)
+            keep += chosen[: by_demand[key].count]
+            removed += [a.replica_id for a in chosen[by_demand[key].count :]]
+
+        # 3. Fit the survivors onto nodes: their recorded node first, then first-fit, largest first.
+        kept: list[Assignment] = []
+        unfitted: list[Assignment] = []
+        for a in sorted(keep, key=lambda a: (by_pool[a.pool_key].preference(), a.replica_id)):
+            if a.node is not None and nodes.fits(a.pool_key, a.node, a.gpus):
+                nodes.take(a.pool_key, a.node, a.gpus)
+                kept.append(a)
+            else:
+                unfitted.append(a)
+        for a in sorted(unfitted, key=lambda a: (-a.gpus, by_pool[a.pool_key].preference(), a.replica_id)):
+            node = nodes.first_fit(by_pool[a.pool_key], a.gpus)
+            if node is None:
+                removed.append(a.replica_id)
+                continue
+            nodes.take(a.pool_key, node, a.gpus)
+            kept.append(a if a.node == node else a.model_copy(update={"node": node}))
+
+        # 4. Place what is missing, biggest replicas first.
+        placed: dict[tuple[str, int], list[Assignment]] = defaultdict(list)
+        for a in kept:
+            placed[(a.deployment, a.version)].append(a)
+        added: list[Assignment] = []
+        unplaced: dict[tuple[str, int], Unplaced] = {}
+        for d in sorted(
+            by_demand.values(),
+            key=lambda d: (
+                -d.gpu_count,
+                -d.gpu_memory_gb,
+                -(d.count - len(placed[d.key])),
+                d.deployment,
+                d.version,
+            ),
+        ):
+            for _ in range(d.count - len(placed[d.key])):
+                covered = {by_pool[a.pool_key].region for a in placed[d.key]}
+                spot = self._choose(d, ordered_pools, nodes, covered)
+                if spot is None:
+                    missing = d.count - len(placed[d.key])
+                    unplaced[d.key] = Unplaced(
+                        deployment=d.deployment,
+                        version=d.version,
+                        missing=missing,
+                        reason=_why(d, ordered_pools),
+                    )
+                    break
+                pool, node = spot
+                new = self._assign(d, pool, node, nodes, used_ids)
+                placed[d.key].append(new)
+                added.append(new)
+
+        # 5. Spread: move surplus replicas into new regions until min_regions (when capacity allows).
+        for d in by_demand.values():
+            group = placed[d.key]
+            for _ in range(len(group)):  # each move covers one more region
+                regions = defaultdict(list)
+                for a in group:
+                    regions[by_pool[a.pool_key].region].append(a)
+                if len(regions) >= min(d.min_regions, len(group)):
+                    break
+                spot = self._choose(d, ordered_pools, nodes, set(regions), new_region_only=True)
+                crowded = [a for r in regions.values() if len(r) > 1 for a in r]
+                if spot is None or not crowded:
+                    break
+                victim = max(crowded, key=lambda a: (by_pool[a.pool_key].preference(), a.replica_id))
+                group.remove(victim)
+                nodes.give_back(victim.pool_key, victim.node, victim.gpus)
+                if victim in added:
+                    added.remove(victim)
+                else:
+                    kept.remove(victim)
+                    removed.append(victim.replica_id)
+                new = self._assign(d, spot[0], spot[1], nodes, used_ids)
+                group.append(new)
+                added.append(new)
+            n_regions = len({by_pool[a.pool_key].region for a in group})
+            if n_regions < min(d.min_regions, d.count):
+                note = f"only {n_regions} of min_regions {d.min_regions} regions have room"
+                prior = unplaced.get(d.key)
+                unplaced[d.key] = Unplaced(
+                    deployment=d.deployment,
+                    version=d.version,
+                    missing=prior.missing if prior else 0,
+                    reason=f"{prior.reason}; {note}" if prior else note,
+                )
+
+        return PlacementResult(
+            kept=tuple(kept),
+            added=tuple(added),
+            removed=tuple(removed),
+            unplaced=tuple(unplaced[k] for k in sorted(unplaced)),
+        )
+
+    def _choose(
+        self,
+        d: ReplicaDemand,
+        pools: Sequence[PoolCapacity],
+        nodes: _Nodes,
+        covered: set[str],
+        new_region_only: bool = False,
+    ) -> tuple[PoolCapacity, int] | None:
+        """The most preferred pool with a node that fits, in a new region first while
+        the demand spans fewer than min_regions. `pools` is in preference order."""
+        spread = len(covered) < d.min_regions
+        fallback: tuple[PoolCapacity, int] | None = None
+        for pool in pools:
+            if not pool.accepts_new or not d.acceptable(pool):
+                continue
+            node = nodes.first_fit(pool, d.gpu_count)
+            if node is None:
+                continue
+            if pool.region not in covered or not spread:
+                return pool, node
+            if fallback is None and not new_region_only:
+                fallback = (pool, node)
+        return fallback
+
+    def _assign(
+        self, d: ReplicaDemand, pool: PoolCapacity, node: int, nodes: _Nodes, used_ids: set[str]
+    ) -> Assignment:
+        nodes.take(pool.key, node, d.gpu_count)
+        replica_id = self._id_factory(d.deployment, d.version)
+        while replica_id in used_ids:
+            replica_id = self._id_factory(d.deployment, d.version)
+        used_ids.add(replica_id)
+        return Assignment(
+            replica_id=replica_id,
+            deployment=d.deployment,
+            version=d.version,
+            cluster=pool.cluster,
+            pool=pool.name,
+            gpus=d.gpu_count,
+            node=node,
+        )
+
+
+def _keep_order(
+    group: list[Assignment], d: ReplicaDemand, by_pool: dict[tuple[str, str], PoolCapacity]
+) -> list[Assignment]:
+    """Current replicas of one demand, best kept first: the most preferred one in each
+    region until min_regions regions are covered, then by pool preference."""
+    ranked = sorted(group, key=lambda a: (by_pool[a.pool_key].preference(), a.replica_id))
+    first: list[Assignment] = []
+    regions: set[str] = set()
+    for a in ranked:
+        region = by_pool[a.pool_key].region
+        if len(regions) < d.min_regions and region not in regions:
+            regions.add(region)
+            first.append(a)
+    return first + [a for a in ranked if a not in first]
+
+
+def _why(d: ReplicaDemand, pools: Sequence[PoolCapacity]) -> str:
+    """Name the first constraint that rules out every pool."""
+    if not pools:
+        return "no capacity pools are known"
+    stages: list[tuple[Callable[[PoolCapacity], bool], str]] = [
+        (d.model_ok, f"no pool has an acceptable GPU model ({', '.join(d.gpu_models)})"),
+        (d.memory_ok, f"no pool of an acceptable model has {d.gpu_memory_gb:g} GB GPU memory"),
+        (d.region_ok, f"no matching pool in the allowed regions ({', '.join(d.regions)})"),
+        (d.shape_ok, f"no matching pool has {d.gpu_count} GPUs per node"),
+        (lambda p: p.accepts_new, "no matching pool is on a healthy cluster"),
+    ]
+    left = list(pools)
+    for check, reason in stages:
+        left = [p for p in left if check(p)]
+        if not left:
+            return reason
+    return f"no free node with {d.gpu_count} GPUs in the {len(left)} matching pool(s)"
+
+
+register_placer(FirstFitDecreasing.name, FirstFitDecreasing)
