@@ -177,14 +177,14 @@ class Agent:
         self._acquire_lock()
         try:
             self._load_from_disk()
+            await self._adopt()
+            await self.reconcile_once()  # serve from disk before NATS (or nvidia-smi) answers
             self.pools = await asyncio.to_thread(inventory, self.config)
             log.info(
                 "cluster %s: pools %s",
                 self.cluster,
                 ", ".join(f"{p.name}x{p.gpus_per_node}" for p in self.pools),
             )
-            await self._adopt()
-            await self.reconcile_once()  # serve from disk before NATS answers
             self.link.start()
             loops = [
                 asyncio.create_task(self._reconcile_loop(), name="reconcile"),
@@ -193,8 +193,9 @@ class Agent:
             ]
             await stop.wait()
             log.info("stopping: draining %d replicas", len(self.replicas))
-            for task in loops:
-                task.cancel()
+            async with self._lock:  # never cut a reconcile pass in half (a started, unrecorded replica)
+                for task in loops:
+                    task.cancel()
             for task in loops:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
@@ -243,11 +244,11 @@ class Agent:
             saved = RuntimeFile.model_validate_json(self.runtime_path.read_bytes())
         except (FileNotFoundError, ValidationError, ValueError):
             return
-        for rid, handle in saved.replicas.items():
-            if rid in self.replicas:
-                continue
-            if await self.runtime.adopt(handle):
-                self.replicas[rid] = Replica(
+        handles = [h for rid, h in saved.replicas.items() if rid not in self.replicas]
+        adopted = await asyncio.gather(*(self.runtime.adopt(h) for h in handles), return_exceptions=True)
+        for handle, ok in zip(handles, adopted):
+            if ok is True:
+                self.replicas[handle.replica_id] = Replica(
                     spec=handle.spec,
                     state=ReplicaState.starting,
                     handle=handle,
@@ -255,7 +256,7 @@ class Agent:
                     started_at=handle.started_at,
                 )
             else:
-                log.info("replica %s (pid %s) is gone; not adopted", rid, handle.pid)
+                log.info("replica %s (pid %s) is gone; not adopted (%s)", handle.replica_id, handle.pid, ok)
         self._write_runtime()
 
     async def _drain_all(self) -> None:
