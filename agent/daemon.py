@@ -38,6 +38,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO
 
 from pydantic import BaseModel, Field, ValidationError
@@ -167,7 +168,7 @@ class Agent:
         self.link.on_connect(self._on_connect)
 
     @property
-    def runtime_path(self):
+    def runtime_path(self) -> Path:
         return self.files.dir / "runtime.json"
 
     # ================================================================= lifecycle
@@ -399,8 +400,7 @@ class Agent:
                 await self._mark_failed(r, probe.error, now)
             elif probe.state == ReplicaState.ready:
                 r.state = ReplicaState.ready
-                r.ready_since = now
-                r.last_error = ""
+                r.ready_since = now  # last_error stays: why it last failed
                 await self._event("replica_ready", r, f"serving at {r.handle.url if r.handle else ''}")
             elif probe.state == ReplicaState.draining:
                 r.state = ReplicaState.draining
