@@ -250,7 +250,7 @@ def test_status_view_counts_ready_replicas_and_placements(admin, db):
     ok(admin.delete(f"/v1/clusters/{cid}"))
 
 
-def test_clusters_and_pools(admin):
+def test_clusters_and_pools(admin, db):
     a = _cluster(admin, region="eu-west")
     b = _cluster(admin, region="ap-south")
     assert admin.post("/v1/clusters", json={"id": a}).status_code == 409
@@ -312,6 +312,16 @@ def test_clusters_and_pools(admin):
     ok(admin.delete(f"/v1/clusters/{b}/pools/h100-reserved"))
     assert admin.delete(f"/v1/clusters/{b}/pools/h100-reserved").status_code == 404
     assert [p["name"] for p in ok(admin.get(f"/v1/clusters/{b}"))["pools"]] == ["gpus"]
+
+    # an unhealthy cluster may be cordoned, but only a heartbeat makes it healthy
+    from control_plane.db.models import Cluster
+
+    with db() as s:
+        s.get(Cluster, b).status = "unhealthy"
+        s.commit()
+    res = admin.patch(f"/v1/clusters/{b}", json={"status": "healthy"})
+    assert res.status_code == 409 and "heartbeat" in res.json()["error"]["message"]
+    assert ok(admin.patch(f"/v1/clusters/{b}", json={"status": "draining"}))["status"] == "draining"
 
     ok(admin.delete(f"/v1/clusters/{b}"))
     assert admin.get(f"/v1/clusters/{b}").status_code == 404

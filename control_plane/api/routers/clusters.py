@@ -96,6 +96,11 @@ def update_cluster(
     changes = {k: v for k, v in changes.items() if getattr(row, k) != v}
     if not changes:
         return before
+    if changes.get("status") == "healthy" and row.status == "unhealthy":
+        raise conflict(
+            f"cluster {cluster_id!r} is unhealthy (missed heartbeats); it turns healthy with its next heartbeat",
+            "status",
+        )
     for key, value in changes.items():
         setattr(row, key, value)
     session.flush()
