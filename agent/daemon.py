@@ -116,6 +116,7 @@ class Replica:
             state=self.state,
             url=self.handle.url if self.handle is not None else "",
             pool=self.spec.pool,
+            pid=self.handle.pid if self.handle is not None else None,
             restarts=self.restarts,
             started_at=self.started_at,
             last_error=self.last_error[-2000:],
