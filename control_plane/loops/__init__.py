@@ -1,0 +1,212 @@
+"""The control plane's control loops, started by the server's lifespan:
+
+- reconcile: on every API write (`ctx.changed`), every `reconcile_interval_s`, and after
+  a heartbeat that changed capacity or replica states: place (`placement`), write the
+  assignments, publish `fleet_desired`, `fleet_routes` and `fleet_keys`;
+- heartbeats and events: `fleet.v1.heartbeat.*` and `fleet.v1.events.*` into the
+  database, batched (the latest heartbeat per cluster, every `FLUSH_S`);
+- failover: a cluster silent for `missed_heartbeats * heartbeat_interval_s` becomes
+  unhealthy, which the next reconcile turns into re-placement and dropped routes.
+
+Decisions live in plain functions (`plan`, `ingest`, `placement`); this module is the
+asyncio plumbing around them. Database work runs in threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from datetime import datetime
+
+from pydantic import ValidationError
+
+from agent import protocol
+from control_plane.context import ControlPlaneContext
+from control_plane.db.models import utcnow
+from control_plane.loops.ingest import apply_heartbeats, mark_silent_unhealthy, record_events
+from control_plane.loops.publish import KvPublisher
+from control_plane.loops.reconcile import ReconcileOutcome, reconcile_once
+from control_plane.placement import Unplaced, get_placer
+
+log = logging.getLogger(__name__)
+
+FLUSH_S = 0.1  # heartbeats and events are written at most this often
+
+
+class Loops:
+    def __init__(self, ctx: ControlPlaneContext, placer: str = "ffd") -> None:
+        self.ctx = ctx
+        self.placer = get_placer(placer)
+        self.publisher = KvPublisher(ctx.nats) if ctx.nats is not None else None
+        self.last: ReconcileOutcome | None = None
+        self.reconciles = 0
+        self._nodes: dict[str, int] = {}
+        self._reported: dict[tuple[str, int], Unplaced] = {}
+        self._heartbeats: dict[str, protocol.Heartbeat] = {}
+        self._events: list[protocol.Event] = []
+        self._inbox = asyncio.Event()
+        self._subscribed_nc: object | None = None
+        self._subs: list = []
+        self._listening_since: datetime | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = False
+
+    # ----------------------------------------------------------------- lifecycle
+
+    async def start(self) -> Loops:
+        self._tasks = [
+            asyncio.create_task(self._reconcile_loop(), name="cp-reconcile"),
+            asyncio.create_task(self._ingest_loop(), name="cp-ingest"),
+            asyncio.create_task(self._failover_loop(), name="cp-failover"),
+        ]
+        link = self.ctx.nats
+        if link is not None:
+            link.on_connect(self._on_connect)
+            if link.is_connected:  # connected before we registered
+                await self._on_connect()
+        self.ctx.kick()
+        return self
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subs.clear()
+
+    async def _on_connect(self) -> None:
+        """Every (re)connect: subscribe once per connection object (nats-py re-subscribes
+        by itself after reconnects), start the silence clock, re-read the buckets and
+        republish whatever differs."""
+        link = self.ctx.nats
+        if link is None or link.nc is None:
+            return
+        if self._subscribed_nc is not link.nc:
+            self._subs = [
+                await link.nc.subscribe(protocol.HEARTBEAT_WILDCARD, cb=self._on_heartbeat),
+                await link.nc.subscribe(protocol.EVENTS_WILDCARD, cb=self._on_event),
+            ]
+            self._subscribed_nc = link.nc
+        self._listening_since = utcnow()
+        if self.publisher is not None:
+            self.publisher.invalidate()
+        self.ctx.kick()
+
+    # ----------------------------------------------------------------- reconcile
+
+    async def reconcile_now(self) -> ReconcileOutcome:
+        outcome = await asyncio.to_thread(
+            reconcile_once, self.ctx.sessions, self.placer, self._nodes, self._reported
+        )
+        self.reconciles += 1
+        self.last = outcome
+        if outcome.changed:
+            r = outcome.result
+            log.info("placement: %d added, %d removed, %d kept", len(r.added), len(r.removed), len(r.kept))
+        if self.publisher is not None:
+            await self.publisher.publish(outcome.wanted)
+        return outcome
+
+    async def _reconcile_loop(self) -> None:
+        interval = self.ctx.settings.reconcile_interval_s
+        while not self._stopping:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.ctx.changed.wait(), interval)
+            self.ctx.changed.clear()
+            try:
+                await self.reconcile_now()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("reconcile failed; retrying")
+                await asyncio.sleep(min(1.0, interval))
+
+    # ----------------------------------------------------------------- heartbeats and events
+
+    async def _on_heartbeat(self, msg) -> None:
+        try:
+            hb = protocol.Heartbeat.from_bytes(msg.data)
+        except (ValidationError, ValueError) as err:
+            log.warning("ignoring malformed heartbeat on %s: %s", msg.subject, err)
+            return
+        if hb.schema_version > protocol.SCHEMA_VERSION:
+            log.warning("ignoring heartbeat of newer schema %d from %s", hb.schema_version, hb.cluster)
+            return
+        if msg.subject != protocol.heartbeat_subject(hb.cluster):
+            log.warning("ignoring heartbeat for %r on %s", hb.cluster, msg.subject)
+            return
+        self._heartbeats[hb.cluster] = hb
+        self._inbox.set()
+
+    async def _on_event(self, msg) -> None:
+        try:
+            event = protocol.Event.from_bytes(msg.data)
+        except (ValidationError, ValueError) as err:
+            log.warning("ignoring malformed event on %s: %s", msg.subject, err)
+            return
+        if event.schema_version <= protocol.SCHEMA_VERSION:
+            self._events.append(event)
+            self._inbox.set()
+
+    def _write_inbox(self, heartbeats: list[protocol.Heartbeat], events: list[protocol.Event]) -> bool:
+        with self.ctx.sessions() as session:
+            changed = apply_heartbeats(session, heartbeats, utcnow())
+            record_events(session, events)
+            session.commit()
+            return changed
+
+    async def _ingest_loop(self) -> None:
+        while not self._stopping:
+            await self._inbox.wait()
+            self._inbox.clear()
+            heartbeats, self._heartbeats = list(self._heartbeats.values()), {}
+            events, self._events = self._events, []
+            try:
+                if await asyncio.to_thread(self._write_inbox, heartbeats, events):
+                    self.ctx.kick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("recording %d heartbeats and %d events failed", len(heartbeats), len(events))
+            await asyncio.sleep(FLUSH_S)
+
+    # ----------------------------------------------------------------- failover
+
+    def _mark_silent(self, since: datetime, limit_s: float) -> list[str]:
+        with self.ctx.sessions() as session:
+            marked = mark_silent_unhealthy(session, since, utcnow(), limit_s)
+            session.commit()
+            return marked
+
+    async def _failover_loop(self) -> None:
+        settings = self.ctx.settings
+        limit_s = settings.missed_heartbeats * settings.heartbeat_interval_s
+        while not self._stopping:
+            await asyncio.sleep(max(0.05, settings.heartbeat_interval_s / 2))
+            link = self.ctx.nats
+            if link is None or not link.is_connected or self._listening_since is None:
+                continue  # we cannot hear anyone: nobody is silent
+            try:
+                marked = await asyncio.to_thread(self._mark_silent, self._listening_since, limit_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("failover check failed")
+                continue
+            if marked:
+                log.warning("clusters unhealthy (no heartbeat for %.1fs): %s", limit_s, ", ".join(marked))
+                self.ctx.kick()
+
+
+async def start_loops(ctx: ControlPlaneContext) -> Loops:
+    """Start the control loops; `await loops.stop()` ends them."""
+    return await Loops(ctx, placer=getattr(ctx.settings, "placer", "ffd")).start()
+
+
+__all__ = ["Loops", "start_loops"]

@@ -1,0 +1,176 @@
+"""What agents report, into the database: heartbeats (cluster registration, pools,
+replica states, load), agent events, and the failover rule that marks a silent cluster
+unhealthy. Synchronous (run in a thread); each function returns whether placement or
+routes may have changed, so the caller knows to wake the reconcile loop."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime, timedelta, timezone
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, selectinload
+
+from agent.protocol import ClusterStatus, Event, Heartbeat, PoolInventory
+from control_plane.db.models import CapacityPool, Cluster, ReplicaAssignment
+from control_plane.db.models import Event as EventRow
+
+POOL_FIELDS = ("gpu_model", "gpu_memory_gb", "gpus_per_node", "nodes", "tier", "hourly_price")
+
+
+def _pool_values(p: PoolInventory) -> dict:
+    return {
+        "gpu_model": p.gpu_model,
+        "gpu_memory_gb": p.gpu_memory_gb,
+        "gpus_per_node": p.gpus_per_node,
+        "nodes": p.nodes,
+        "tier": p.tier.value,
+        "hourly_price": p.hourly_price,
+    }
+
+
+def load_summary(hb: Heartbeat) -> dict:
+    states: dict[str, int] = {}
+    for r in hb.replicas:
+        states[r.state.value] = states.get(r.state.value, 0) + 1
+    return {
+        "queue_depth": hb.queue_depth,
+        "tokens_per_s": hb.tokens_per_s,
+        "replicas": len(hb.replicas),
+        "states": states,
+        "desired_generation": hb.desired_generation,
+        "sent_at": hb.sent_at,
+    }
+
+
+def apply_heartbeat(session: Session, hb: Heartbeat, now: datetime) -> bool:
+    """Upsert the cluster and its pools, record replica states; True when something the
+    placement or routes depend on changed (not just the timestamp and load)."""
+    changed = False
+    cluster = session.scalar(
+        select(Cluster).where(Cluster.id == hb.cluster).options(selectinload(Cluster.pools))
+    )
+    if cluster is None:
+        cluster = Cluster(id=hb.cluster, status=ClusterStatus.healthy.value, load={})
+        session.add(cluster)
+        session.add(
+            EventRow(
+                kind="cluster_registered", cluster=hb.cluster, message=f"{hb.cluster} registered by heartbeat"
+            )
+        )
+        changed = True
+    identity = {
+        "provider": hb.provider,
+        "region": hb.region,
+        "lat": hb.coordinates.lat,
+        "lon": hb.coordinates.lon,
+        "gateway_url": hb.gateway_url,
+    }
+    for field, value in identity.items():
+        if getattr(cluster, field) != value:
+            setattr(cluster, field, value)
+            changed = True
+    if cluster.status == ClusterStatus.unhealthy.value:
+        cluster.status = ClusterStatus.healthy.value
+        session.add(
+            EventRow(
+                kind="cluster_healthy", cluster=hb.cluster, message=f"{hb.cluster} heart-beats again: healthy"
+            )
+        )
+        changed = True
+    cluster.last_heartbeat_at = now
+    cluster.load = load_summary(hb)
+
+    if hb.pools:  # an agent that reports pools owns its inventory
+        existing = {p.name: p for p in cluster.pools}
+        for inv in hb.pools:
+            values = _pool_values(inv)
+            row = existing.pop(inv.name, None)
+            if row is None:
+                cluster.pools.append(CapacityPool(name=inv.name, **values))
+                changed = True
+            elif any(getattr(row, k) != v for k, v in values.items()):
+                for k, v in values.items():
+                    setattr(row, k, v)
+                changed = True
+        for row in existing.values():
+            cluster.pools.remove(row)
+            changed = True
+
+    if hb.replicas:
+        reported = {r.replica_id: r for r in hb.replicas}
+        rows = session.scalars(
+            select(ReplicaAssignment).where(ReplicaAssignment.replica_id.in_(list(reported)))
+        ).all()
+        for row in rows:
+            status = reported[row.replica_id]
+            if row.cluster_id != hb.cluster:
+                continue
+            if row.state != status.state.value or row.url != status.url:
+                row.state = status.state.value
+                row.url = status.url
+                changed = True
+    return changed
+
+
+def apply_heartbeats(session: Session, heartbeats: Iterable[Heartbeat], now: datetime) -> bool:
+    changed = False
+    for hb in heartbeats:
+        changed = apply_heartbeat(session, hb, now) or changed
+    return changed
+
+
+def record_events(session: Session, events: Iterable[Event]) -> int:
+    n = 0
+    for e in events:
+        session.add(
+            EventRow(
+                at=datetime.fromtimestamp(e.at, timezone.utc),
+                cluster=e.cluster[:63],
+                kind=e.kind,
+                deployment=e.deployment[:63] if e.deployment else None,
+                replica_id=e.replica_id[:63] if e.replica_id else None,
+                message=e.message,
+            )
+        )
+        n += 1
+    return n
+
+
+def is_silent(
+    last_heartbeat_at: datetime | None, listening_since: datetime, now: datetime, limit_s: float
+) -> bool:
+    """A cluster is silent when no heartbeat came for `limit_s`, counted from when this
+    control plane could have heard one (so a restart or a NATS outage on our side does
+    not fail the fleet over). Clusters that never heart-beat are left to the operator."""
+    if last_heartbeat_at is None:
+        return False
+    return now - max(last_heartbeat_at, listening_since) > timedelta(seconds=limit_s)
+
+
+def mark_silent_unhealthy(
+    session: Session, listening_since: datetime, now: datetime, limit_s: float
+) -> list[str]:
+    """Healthy or draining clusters that stopped heart-beating become unhealthy (their
+    replicas are then re-placed and their routes dropped). Returns their ids."""
+    rows = session.scalars(
+        select(Cluster).where(
+            Cluster.status.in_([ClusterStatus.healthy.value, ClusterStatus.draining.value]),
+            Cluster.last_heartbeat_at.is_not(None),
+        )
+    ).all()
+    marked = []
+    for row in rows:
+        if not is_silent(row.last_heartbeat_at, listening_since, now, limit_s):
+            continue
+        was = row.status
+        row.status = ClusterStatus.unhealthy.value
+        session.add(
+            EventRow(
+                kind="cluster_unhealthy",
+                cluster=row.id,
+                message=f"{row.id}: no heartbeat for over {limit_s:g}s (was {was}); re-placing its replicas",
+            )
+        )
+        marked.append(row.id)
+    return marked

@@ -1,0 +1,192 @@
+"""Pure decisions of the reconcile loop: snapshot -> placement inputs, placement result
+-> the new assignment, and the assignment -> what NATS should hold (desired state per
+cluster, a routing table per deployment, key records). No I/O, no clock."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+
+from agent.protocol import (
+    ApiKeyRecord,
+    ClusterRoute,
+    ClusterStatus,
+    DesiredState,
+    ReplicaSpec,
+    ReplicaState,
+    Resources,
+    RoutingTable,
+    VersionWeight,
+)
+from control_plane.loops.snapshot import AssignmentRow, FleetSnapshot
+from control_plane.placement import Assignment, PlacementResult, PoolCapacity, ReplicaDemand
+
+
+def placement_inputs(
+    snap: FleetSnapshot, nodes: Mapping[str, int] | None = None
+) -> tuple[list[ReplicaDemand], list[PoolCapacity], list[Assignment]]:
+    """Demands (each deployment's current version x desired replicas), every pool of
+    every cluster (the placer decides by cluster status), and the current assignment
+    with node indices remembered from the last plan (`nodes`, by replica id)."""
+    nodes = nodes or {}
+    demands = []
+    for d in snap.deployments:
+        spec = snap.specs.get((d.name, d.current_version))
+        if spec is None:
+            continue
+        demands.append(
+            ReplicaDemand(
+                deployment=d.name,
+                version=spec.version,
+                count=max(0, d.replicas),
+                gpu_models=spec.gpu_models,
+                gpu_count=spec.gpu_count,
+                gpu_memory_gb=spec.gpu_memory_gb,
+                regions=spec.regions,
+                min_regions=spec.min_regions,
+            )
+        )
+    pools = [
+        PoolCapacity(
+            cluster=c.id,
+            name=p.name,
+            region=c.region,
+            gpu_model=p.gpu_model,
+            gpu_memory_gb=p.gpu_memory_gb,
+            gpus_per_node=p.gpus_per_node,
+            nodes=p.nodes,
+            tier=p.tier,
+            hourly_price=p.hourly_price,
+            cluster_status=c.status,
+            coordinates=c.coordinates,
+        )
+        for c in snap.clusters
+        for p in c.pools
+    ]
+    current = [
+        Assignment(
+            replica_id=a.replica_id,
+            deployment=a.deployment,
+            version=a.version,
+            cluster=a.cluster,
+            pool=a.pool,
+            gpus=a.gpus,
+            node=nodes.get(a.replica_id),
+        )
+        for a in snap.assignments
+    ]
+    return demands, pools, current
+
+
+def next_assignments(snap: FleetSnapshot, result: PlacementResult) -> list[AssignmentRow]:
+    """The assignment after applying `result`: kept rows keep their state and URL, new
+    ones start 'pending'."""
+    removed = set(result.removed)
+    rows = [a for a in snap.assignments if a.replica_id not in removed]
+    rows += [
+        AssignmentRow(
+            replica_id=a.replica_id,
+            deployment=a.deployment,
+            version=a.version,
+            cluster=a.cluster,
+            pool=a.pool,
+            gpus=a.gpus,
+            state=ReplicaState.pending.value,
+        )
+        for a in result.added
+    ]
+    return sorted(rows, key=lambda a: a.replica_id)
+
+
+def removal_reasons(snap: FleetSnapshot, result: PlacementResult) -> dict[str, str]:
+    """Why each removed replica goes, for its event."""
+    status = {c.id: c.status for c in snap.clusters}
+    current = {d.name: d.current_version for d in snap.deployments}
+    pools = {(c.id, p.name) for c in snap.clusters for p in c.pools}
+    by_id = {a.replica_id: a for a in snap.assignments}
+    out: dict[str, str] = {}
+    for rid in result.removed:
+        a = by_id.get(rid)
+        if a is None:
+            continue
+        if a.deployment not in current:
+            why = "deployment deleted"
+        elif a.version != current[a.deployment]:
+            why = f"replaced by version {current[a.deployment]}"
+        elif status.get(a.cluster) == ClusterStatus.unhealthy:
+            why = f"cluster {a.cluster} is unhealthy"
+        elif (a.cluster, a.pool) not in pools:
+            why = f"pool {a.cluster}/{a.pool} is gone"
+        else:
+            why = "scaled down or moved"
+        out[rid] = why
+    return out
+
+
+def build_desired(snap: FleetSnapshot, assignments: list[AssignmentRow]) -> dict[str, DesiredState]:
+    """Every known cluster's whole desired state (an empty list when it runs nothing);
+    generation is left 0 for the publisher to set."""
+    by_cluster: dict[str, list[ReplicaSpec]] = {c.id: [] for c in snap.clusters}
+    for a in assignments:
+        spec = snap.specs.get((a.deployment, a.version))
+        if spec is None or a.cluster not in by_cluster:
+            continue
+        by_cluster[a.cluster].append(
+            ReplicaSpec(
+                replica_id=a.replica_id,
+                deployment=a.deployment,
+                version=a.version,
+                model=spec.model,
+                engine_args=dict(spec.engine_args),
+                resources=Resources(
+                    gpu_models=list(spec.gpu_models),
+                    gpu_count=spec.gpu_count,
+                    gpu_memory_gb=spec.gpu_memory_gb,
+                ),
+                pool=a.pool,
+            )
+        )
+    return {
+        cluster: DesiredState(cluster=cluster, replicas=sorted(specs, key=lambda r: r.replica_id))
+        for cluster, specs in by_cluster.items()
+    }
+
+
+def build_routes(snap: FleetSnapshot, assignments: list[AssignmentRow]) -> dict[str, RoutingTable]:
+    """A routing table per deployment that wants replicas: its current version at full
+    weight, and each cluster it is assigned to with that cluster's ready replicas.
+    Unhealthy clusters are left out; deployments with zero replicas get no table."""
+    clusters = {c.id: c for c in snap.clusters}
+    assigned: dict[str, dict[str, list[AssignmentRow]]] = defaultdict(lambda: defaultdict(list))
+    for a in assignments:
+        assigned[a.deployment][a.cluster].append(a)
+    out: dict[str, RoutingTable] = {}
+    for d in snap.deployments:
+        if d.replicas <= 0:
+            continue
+        routes = []
+        for cluster_id, rows in sorted(assigned[d.name].items()):
+            c = clusters.get(cluster_id)
+            if c is None or c.status == ClusterStatus.unhealthy:
+                continue
+            routes.append(
+                ClusterRoute(
+                    cluster=c.id,
+                    region=c.region,
+                    gateway_url=c.gateway_url,
+                    coordinates=c.coordinates,
+                    replicas=sum(1 for a in rows if a.state == ReplicaState.ready.value),
+                    healthy=True,
+                )
+            )
+        out[d.name] = RoutingTable(
+            deployment=d.name,
+            versions=[VersionWeight(version=d.current_version, weight=1.0)],
+            clusters=routes,
+        )
+    return out
+
+
+def build_keys(snap: FleetSnapshot) -> dict[str, ApiKeyRecord]:
+    """Every key not revoked, as gateways verify it (salt and hash only)."""
+    return {k.key_id: k for k in snap.keys}

@@ -1,0 +1,130 @@
+"""One reconcile pass against the database: read the fleet, place, write the changed
+assignments and their events in one transaction, and return what NATS should hold."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from pydantic import BaseModel, ConfigDict
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from agent.protocol import BUCKET_DESIRED, BUCKET_KEYS, BUCKET_ROUTES, Message
+from control_plane.db.models import Deployment, Event, ReplicaAssignment
+from control_plane.loops.plan import (
+    build_desired,
+    build_keys,
+    build_routes,
+    next_assignments,
+    placement_inputs,
+    removal_reasons,
+)
+from control_plane.loops.snapshot import FleetSnapshot, read_snapshot
+from control_plane.placement import PlacementResult, Placer, Unplaced
+
+log = logging.getLogger(__name__)
+
+
+class ReconcileOutcome(BaseModel):
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    result: PlacementResult
+    wanted: dict[str, dict[str, Message]]  # bucket -> key -> message
+
+    @property
+    def changed(self) -> bool:
+        return self.result.changed
+
+
+def reconcile_once(
+    sessions: sessionmaker[Session],
+    placer: Placer,
+    nodes: dict[str, int],
+    reported: dict[tuple[str, int], Unplaced],
+) -> ReconcileOutcome:
+    """Synchronous (run it in a thread). `nodes` (replica id -> node index) and
+    `reported` (shortfalls already announced as events) are the loop's memory and are
+    updated in place."""
+    with sessions() as session:
+        snap = read_snapshot(session)
+        demands, pools, current = placement_inputs(snap, nodes)
+        result = placer.place(demands, pools, current)
+        shortfalls = {(u.deployment, u.version): u for u in result.unplaced}
+        if result.changed or shortfalls != reported:
+            _write(session, snap, result, reported)
+            session.commit()
+            reported.clear()
+            reported.update(shortfalls)
+        nodes.clear()
+        nodes.update({a.replica_id: a.node for a in result.assignments if a.node is not None})
+        assignments = next_assignments(snap, result)
+        wanted: dict[str, dict[str, Message]] = {
+            BUCKET_DESIRED: dict(build_desired(snap, assignments)),
+            BUCKET_ROUTES: dict(build_routes(snap, assignments)),
+            BUCKET_KEYS: dict(build_keys(snap)),
+        }
+        return ReconcileOutcome(result=result, wanted=wanted)
+
+
+def _write(
+    session: Session,
+    snap: FleetSnapshot,
+    result: PlacementResult,
+    reported: Mapping[tuple[str, int], Unplaced],
+) -> None:
+    if result.removed:
+        reasons = removal_reasons(snap, result)
+        rows = {a.replica_id: a for a in snap.assignments}
+        session.execute(delete(ReplicaAssignment).where(ReplicaAssignment.replica_id.in_(result.removed)))
+        for rid in result.removed:
+            row = rows.get(rid)
+            session.add(
+                Event(
+                    kind="removed",
+                    cluster=row.cluster if row else None,
+                    deployment=row.deployment if row else None,
+                    replica_id=rid,
+                    message=f"{rid} removed: {reasons.get(rid, 'no longer wanted')}",
+                )
+            )
+    if result.added:
+        ids = dict(
+            session.execute(
+                select(Deployment.name, Deployment.id).where(
+                    Deployment.name.in_({a.deployment for a in result.added})
+                )
+            ).all()
+        )
+        for a in result.added:
+            session.add(
+                ReplicaAssignment(
+                    replica_id=a.replica_id,
+                    deployment_id=ids[a.deployment],
+                    version=a.version,
+                    cluster_id=a.cluster,
+                    pool_name=a.pool,
+                    gpus=a.gpus,
+                    state="pending",
+                )
+            )
+            session.add(
+                Event(
+                    kind="placed",
+                    cluster=a.cluster,
+                    deployment=a.deployment,
+                    replica_id=a.replica_id,
+                    message=f"{a.replica_id} (v{a.version}, {a.gpus} GPU) placed on {a.cluster}/{a.pool}",
+                )
+            )
+    for u in result.unplaced:
+        if reported.get((u.deployment, u.version)) != u:
+            session.add(
+                Event(
+                    kind="placement_short",
+                    deployment=u.deployment,
+                    message=f"{u.deployment} v{u.version}: {u.missing} replica(s) unplaced: {u.reason}"
+                    if u.missing
+                    else f"{u.deployment} v{u.version}: {u.reason}",
+                )
+            )

@@ -1,0 +1,174 @@
+"""The fleet as the control loops see it: plain, immutable rows read from the database
+in one go, so every decision after the read is a pure function of this snapshot."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import select
+from sqlalchemy.orm import Session, selectinload
+
+from agent.protocol import ApiKeyRecord, ClusterStatus, Coordinates, Quotas, Tier
+from control_plane.db.models import ApiKey, Cluster, Deployment, ReplicaAssignment
+
+
+class _Row(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class VersionSpec(_Row):
+    deployment: str
+    version: int
+    model: str
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    gpu_models: tuple[str, ...] = ()
+    gpu_count: int = 1
+    gpu_memory_gb: float = 0.0
+    regions: tuple[str, ...] = ()
+    min_regions: int = 1
+
+
+class DeploymentRow(_Row):
+    name: str
+    replicas: int  # desired
+    current_version: int
+
+
+class PoolRow(_Row):
+    name: str
+    gpu_model: str
+    gpu_memory_gb: float = 0.0
+    gpus_per_node: int = 1
+    nodes: int = 1
+    tier: Tier = Tier.on_demand
+    hourly_price: float = 0.0
+
+
+class ClusterRow(_Row):
+    id: str
+    provider: str = "local"
+    region: str = ""
+    coordinates: Coordinates = Field(default_factory=Coordinates)
+    status: ClusterStatus = ClusterStatus.healthy
+    gateway_url: str = ""
+    last_heartbeat_at: datetime | None = None
+    pools: tuple[PoolRow, ...] = ()
+
+
+class AssignmentRow(_Row):
+    replica_id: str
+    deployment: str
+    version: int
+    cluster: str
+    pool: str
+    gpus: int = 1
+    state: str = "pending"
+    url: str = ""
+
+
+class FleetSnapshot(_Row):
+    deployments: tuple[DeploymentRow, ...] = ()
+    specs: dict[tuple[str, int], VersionSpec] = Field(default_factory=dict)
+    clusters: tuple[ClusterRow, ...] = ()
+    assignments: tuple[AssignmentRow, ...] = ()
+    keys: tuple[ApiKeyRecord, ...] = ()  # not revoked
+
+
+def _status(value: str) -> ClusterStatus:
+    try:
+        return ClusterStatus(value)
+    except ValueError:
+        return ClusterStatus.unhealthy  # an unknown status never gets replicas
+
+
+def _tier(value: str) -> Tier:
+    try:
+        return Tier(value)
+    except ValueError:
+        return Tier.spot  # unknown: least preferred
+
+
+def read_snapshot(session: Session) -> FleetSnapshot:
+    deployments = session.scalars(
+        select(Deployment).options(selectinload(Deployment.versions)).order_by(Deployment.name)
+    ).all()
+    clusters = session.scalars(
+        select(Cluster).options(selectinload(Cluster.pools)).order_by(Cluster.id)
+    ).all()
+    names = {d.id: d.name for d in deployments}
+    assignments = session.scalars(select(ReplicaAssignment).order_by(ReplicaAssignment.replica_id)).all()
+    keys = session.scalars(select(ApiKey).where(ApiKey.revoked_at.is_(None)).order_by(ApiKey.key_id)).all()
+    return FleetSnapshot(
+        deployments=tuple(
+            DeploymentRow(name=d.name, replicas=d.replicas, current_version=d.current_version)
+            for d in deployments
+        ),
+        specs={
+            (d.name, v.version): VersionSpec(
+                deployment=d.name,
+                version=v.version,
+                model=v.model,
+                engine_args=dict(v.engine_args or {}),
+                gpu_models=tuple(v.gpu_models or ()),
+                gpu_count=v.gpu_count,
+                gpu_memory_gb=v.gpu_memory_gb,
+                regions=tuple(v.regions or ()),
+                min_regions=v.min_regions,
+            )
+            for d in deployments
+            for v in d.versions
+        },
+        clusters=tuple(
+            ClusterRow(
+                id=c.id,
+                provider=c.provider,
+                region=c.region,
+                coordinates=Coordinates(lat=c.lat, lon=c.lon),
+                status=_status(c.status),
+                gateway_url=c.gateway_url,
+                last_heartbeat_at=c.last_heartbeat_at,
+                pools=tuple(
+                    PoolRow(
+                        name=p.name,
+                        gpu_model=p.gpu_model,
+                        gpu_memory_gb=p.gpu_memory_gb,
+                        gpus_per_node=p.gpus_per_node,
+                        nodes=p.nodes,
+                        tier=_tier(p.tier),
+                        hourly_price=p.hourly_price,
+                    )
+                    for p in c.pools
+                ),
+            )
+            for c in clusters
+        ),
+        assignments=tuple(
+            AssignmentRow(
+                replica_id=a.replica_id,
+                deployment=names[a.deployment_id],
+                version=a.version,
+                cluster=a.cluster_id,
+                pool=a.pool_name,
+                gpus=a.gpus,
+                state=a.state,
+                url=a.url,
+            )
+            for a in assignments
+            if a.deployment_id in names
+        ),
+        keys=tuple(
+            ApiKeyRecord(
+                key_id=k.key_id,
+                name=k.name,
+                salt=k.salt,
+                hash=k.hash,
+                scopes=list(k.scopes or []),
+                deployments=None if k.deployments is None else list(k.deployments),
+                quotas=Quotas.model_validate(k.quotas or {}),
+                created_at=k.created_at.timestamp(),
+            )
+            for k in keys
+        ),
+    )
