@@ -85,8 +85,9 @@ def public_url(host: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
-def run(settings: Settings) -> int:
-    """Serve until SIGTERM/SIGINT; returns the exit code."""
+def run(settings: Settings, *, loops: bool = True) -> int:
+    """Serve until SIGTERM/SIGINT; returns the exit code. `loops=False` serves the API
+    alone (nothing places or publishes: for API tests and debugging)."""
     import uvicorn
 
     from agent.nats_io import NatsLink
@@ -117,7 +118,7 @@ def run(settings: Settings) -> int:
         ctx = ControlPlaneContext(
             settings=settings, sessions=sessions, nats=NatsLink(settings.nats_url, "control-plane")
         )
-        app = build_app(ctx)
+        app = build_app(ctx, run_loops=loops)
 
         def on_ready() -> None:
             settings.api_file.write_text(url + "\n")
@@ -160,9 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--database-url", default=None, help="default $FLEET_DATABASE_URL or SQLite in $FLEET_HOME"
     )
+    parser.add_argument(
+        "--no-loops", action="store_true", help="serve the API only, without the control loops"
+    )
     args = parser.parse_args(argv)
     configure_logging()
     settings = Settings.from_env(
         host=args.host, port=args.port, nats_url=args.nats_url, database_url=args.database_url
     )
-    return run(settings)
+    return run(settings, loops=not args.no_loops)

@@ -10,6 +10,7 @@ def control_plane(
     port: int = typer.Option(None, help="listen port (default 7070; 0: any free port)"),
     nats_url: str = typer.Option(None, help="NATS server (default $FLEET_NATS_URL or nats://127.0.0.1:4222)"),
     database_url: str = typer.Option(None, help="default $FLEET_DATABASE_URL or SQLite under $FLEET_HOME"),
+    loops: bool = typer.Option(True, "--loops/--no-loops", help="run the control loops (off: the API only)"),
 ) -> None:
     """Run the control plane (admin API, database, control loops) in the foreground."""
     from control_plane.server import configure_logging, run
@@ -17,7 +18,7 @@ def control_plane(
 
     configure_logging()
     settings = Settings.from_env(host=host, port=port, nats_url=nats_url, database_url=database_url)
-    raise typer.Exit(run(settings))
+    raise typer.Exit(run(settings, loops=loops))
 
 
 def register(app: typer.Typer) -> None:

@@ -89,9 +89,14 @@ def fresh_database(kind: str, tmp: Path):
 
 
 class ControlPlaneServer:
-    """`python -m control_plane --port 0` with FLEET_HOME=home; NATS may be absent."""
+    """`python -m control_plane --port 0` with FLEET_HOME=home; NATS may be absent.
+    `loops=False` (the default here) serves the API alone, so API tests see exactly
+    what they wrote; pass loops=True for placement and publishing."""
 
-    def __init__(self, home: Path, database_url: str, nats_url: str | None = None) -> None:
+    def __init__(
+        self, home: Path, database_url: str, nats_url: str | None = None, *, loops: bool = False
+    ) -> None:
+        self.loops = loops
         self.home = Path(home)
         self.database_url = database_url
         self.nats_url = nats_url or f"nats://127.0.0.1:{free_port()}"  # nobody listens: fine
@@ -117,7 +122,8 @@ class ControlPlaneServer:
         api_file.unlink(missing_ok=True)
         log = open(self.home / "control-plane.log", "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "control_plane", "--port", "0", "--nats-url", self.nats_url],
+            [sys.executable, "-m", "control_plane", "--port", "0", "--nats-url", self.nats_url]
+            + ([] if self.loops else ["--no-loops"]),
             cwd=ROOT,
             env=self.env,
             stdout=log,

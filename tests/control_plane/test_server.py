@@ -26,7 +26,7 @@ def test_first_start_restart_and_sigterm(tmp_path):
     home = tmp_path / "home"
     db = f"sqlite:///{tmp_path / 'fleet.db'}"
     nats = NatsServer(tmp_path / "nats").start()
-    first = ControlPlaneServer(home, db, nats_url=nats.url)
+    first = ControlPlaneServer(home, db, nats_url=nats.url, loops=True)
     try:
         first.start()
         token_file = home / "admin-token"
