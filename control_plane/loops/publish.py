@@ -2,11 +2,12 @@
 changed, with a `generation` that only goes up.
 
 What counts as a change is the serialized content without `generation` and
-`updated_at`. The generation of a key is one more than the last one this process
-wrote or found in the bucket, so it stays monotonic across control-plane restarts
-(the bucket remembers) without a counter in the database. After every (re)connect the
-publisher re-reads the buckets and repairs whatever differs: missing keys (a NATS that
-lost its store) are written again, keys nobody wants any more are deleted.
+`updated_at`. A write's generation is the bucket stream's next sequence number (the
+KV revision it gets), so generations rise across control-plane restarts and even for
+a key deleted and written again, with no counter in the database; the highest
+generation this process saw per key is a floor on top, for a NATS that lost its store.
+After every (re)connect the publisher re-reads the buckets and repairs whatever
+differs: missing keys are written again, keys nobody wants any more are deleted.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class KvPublisher:
         self._known: dict[str, dict[str, _Entry]] = {b: {} for b in BUCKET_MODELS}
         # The highest generation this process saw per key, also of keys deleted or lost since.
         self._floor: dict[tuple[str, str], int] = {}
+        self._last_seq: dict[str, int] = {b: 0 for b in BUCKET_MODELS}
         self._loaded = False
         self.puts = 0
         self.deletes = 0
@@ -74,6 +76,8 @@ class KvPublisher:
             for key, raw in (await self.link.kv_items(bucket)).items():
                 entries[key] = _read(model, raw)
             known[bucket] = entries
+            info = await self.link.js.stream_info(f"KV_{bucket}")
+            self._last_seq[bucket] = max(self._last_seq[bucket], int(info.state.last_seq or 0))
         self._known = known
         self._loaded = True
 
@@ -102,15 +106,18 @@ class KvPublisher:
                 entry = known.get(key)
                 if entry is not None and entry.content == content:
                     continue
-                generation = self.generation(bucket, key) + 1
-                if await self.link.kv_put(bucket, key, with_generation(message, generation, now)):
-                    known[key] = _Entry(content=content, generation=generation)
-                    self.puts += 1
-                else:
+                generation = max(self.generation(bucket, key), self._last_seq[bucket]) + 1
+                revision = await self._put(bucket, key, with_generation(message, generation, now))
+                if revision is None:
                     ok = False
+                    continue
+                self._last_seq[bucket] = max(self._last_seq[bucket], revision)
+                known[key] = _Entry(content=content, generation=generation)
+                self.puts += 1
             for key in sorted(set(known) - set(items)):
                 if await self.link.kv_delete(bucket, key):
                     self._floor[(bucket, key)] = self.generation(bucket, key)
+                    self._last_seq[bucket] += 1  # the delete marker takes a sequence number
                     known.pop(key)
                     self.deletes += 1
                 else:
@@ -118,6 +125,16 @@ class KvPublisher:
         if not ok:
             self._loaded = False  # re-read before the retry: a half-done write leaves no doubt
         return ok
+
+    async def _put(self, bucket: str, key: str, message: protocol.Message) -> int | None:
+        """The revision of the write, None when it failed (NATS down: the next call retries)."""
+        if not self.link.is_connected:
+            return None
+        try:
+            return int(await (await self.link.kv(bucket)).put(key, message.to_bytes()))
+        except Exception as err:
+            log.warning("kv put %s/%s failed: %s", bucket, key, err)
+            return None
 
 
 def _read(model: type[protocol.Message], raw: bytes) -> _Entry:
