@@ -16,7 +16,6 @@ from pathlib import Path
 
 import httpx
 import typer
-from rich.panel import Panel
 from rich.table import Table
 
 from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, console, emit, emit_json, fail
@@ -89,8 +88,11 @@ def _print_usage(rows: list[dict], key: str, deployment: str | None) -> None:
         '    messages=[{"role": "user", "content": "Hello!"}])\n'
         "print(reply.choices[0].message.content)"
     )
-    console.print(Panel(curl, title="curl", expand=False))
-    console.print(Panel(sdk, title="OpenAI SDK (Python)", expand=False))
+    # Plain text, never wrapped, so it pastes as is.
+    console.print("\n[bold]curl[/bold]")
+    console.print(curl, soft_wrap=True, highlight=False, markup=False)
+    console.print("\n[bold]OpenAI SDK (Python)[/bold]")
+    console.print(sdk, soft_wrap=True, highlight=False, markup=False)
     if not deployment:
         console.print("Nothing deployed yet: [bold]fleetctl deploy NAME --model smollm2-135m[/bold]")
 
@@ -243,7 +245,7 @@ def _foreground(fleet: LocalFleet) -> None:
 def ps(output: OutputFormat = OUTPUT_OPTION) -> None:
     """List the processes of the local fleet (kind, pid, url)."""
     rows = _fleet().ps()
-    emit(rows, output, columns=["kind", "name", "pid", "alive", "url", "log"])
+    emit(rows, output, columns=["kind", "name", "pid", "alive", "url"])
 
 
 def down(timeout: float = typer.Option(30.0, help="seconds to let each group drain before SIGKILL")) -> None:
