@@ -24,7 +24,12 @@ from pydantic import ValidationError
 from agent import protocol
 from control_plane.context import ControlPlaneContext
 from control_plane.db.models import utcnow
-from control_plane.loops.ingest import apply_heartbeats, mark_silent_unhealthy, record_events
+from control_plane.loops.ingest import (
+    apply_heartbeats,
+    heartbeat_problem,
+    mark_silent_unhealthy,
+    record_events,
+)
 from control_plane.loops.publish import KvPublisher
 from control_plane.loops.reconcile import ReconcileOutcome, reconcile_once
 from control_plane.placement import Unplaced, get_placer
@@ -88,11 +93,11 @@ class Loops:
         if link is None or link.nc is None:
             return
         if self._subscribed_nc is not link.nc:
+            self._subscribed_nc = link.nc  # before awaiting: a concurrent call must not subscribe twice
             self._subs = [
                 await link.nc.subscribe(protocol.HEARTBEAT_WILDCARD, cb=self._on_heartbeat),
                 await link.nc.subscribe(protocol.EVENTS_WILDCARD, cb=self._on_event),
             ]
-            self._subscribed_nc = link.nc
         self._listening_since = utcnow()
         if self.publisher is not None:
             self.publisher.invalidate()
@@ -139,7 +144,11 @@ class Loops:
             log.warning("ignoring heartbeat of newer schema %d from %s", hb.schema_version, hb.cluster)
             return
         if msg.subject != protocol.heartbeat_subject(hb.cluster):
-            log.warning("ignoring heartbeat for %r on %s", hb.cluster, msg.subject)
+            log.warning("ignoring heartbeat for %r on %s", hb.cluster[:80], msg.subject)
+            return
+        problem = heartbeat_problem(hb)
+        if problem is not None:
+            log.warning("ignoring heartbeat on %s: %s", msg.subject, problem)
             return
         self._heartbeats[hb.cluster] = hb
         self._inbox.set()

@@ -5,6 +5,7 @@ routes may have changed, so the caller knows to wake the reconcile loop."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from datetime import datetime, timedelta, timezone
 
@@ -15,7 +16,28 @@ from agent.protocol import ClusterStatus, Event, Heartbeat, PoolInventory
 from control_plane.db.models import CapacityPool, Cluster, ReplicaAssignment
 from control_plane.db.models import Event as EventRow
 
-POOL_FIELDS = ("gpu_model", "gpu_memory_gb", "gpus_per_node", "nodes", "tier", "hourly_price")
+CLUSTER_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # as in agent.config.ClusterConfig
+
+
+def heartbeat_problem(hb: Heartbeat) -> str | None:
+    """Why a heartbeat cannot be stored (column widths, the cluster id rule), or None.
+    Checked before the batch's transaction, so one bad agent cannot stall the others."""
+    if not CLUSTER_ID.match(hb.cluster):
+        return f"cluster id {hb.cluster[:80]!r} is not [a-z0-9-], 1-63 characters"
+    for name, value, width in (
+        ("provider", hb.provider, 63),
+        ("region", hb.region, 63),
+        ("gateway_url", hb.gateway_url, 512),
+    ):
+        if len(value) > width:
+            return f"{name} is longer than {width} characters"
+    names = [p.name for p in hb.pools]
+    if len(set(names)) != len(names):
+        return "pool names repeat"
+    for p in hb.pools:
+        if not p.name or len(p.name) > 63 or len(p.gpu_model) > 63:
+            return f"pool {p.name[:80]!r}: name and gpu_model must be 1-63 characters"
+    return None
 
 
 def _pool_values(p: PoolInventory) -> dict:

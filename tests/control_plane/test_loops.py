@@ -23,7 +23,13 @@ from agent.protocol import (
 )
 from control_plane.db import models as m
 from control_plane.db.session import make_sessions, upgrade_to_head
-from control_plane.loops.ingest import apply_heartbeat, is_silent, mark_silent_unhealthy, record_events
+from control_plane.loops.ingest import (
+    apply_heartbeat,
+    heartbeat_problem,
+    is_silent,
+    mark_silent_unhealthy,
+    record_events,
+)
 from control_plane.loops.plan import build_routes, next_assignments, placement_inputs
 from control_plane.loops.reconcile import reconcile_once
 from control_plane.loops.snapshot import read_snapshot
@@ -344,3 +350,19 @@ def test_next_assignments_keeps_states_and_adds_pending(sessions):
     demands, pools, current = placement_inputs(snap)
     result = get_placer().place(demands, pools, current)
     assert sorted(a.state for a in next_assignments(snap, result)) == ["pending", "ready"]
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"cluster": "Bad_ID"}, "cluster id"),
+        ({"cluster": "x" * 64}, "cluster id"),
+        ({"region": "r" * 64}, "region"),
+        ({"gateway_url": "http://" + "g" * 600}, "gateway_url"),
+        ({"pools": [PoolInventory(name="p", gpu_model="cpu")] * 2}, "repeat"),
+        ({"pools": [PoolInventory(name="p" * 64, gpu_model="cpu")]}, "pool"),
+    ],
+)
+def test_heartbeats_that_cannot_be_stored_are_refused_with_a_reason(change, reason):
+    assert heartbeat_problem(heartbeat()) is None
+    assert reason in heartbeat_problem(heartbeat(**change))

@@ -17,8 +17,11 @@ from agent.protocol import (
     ApiKeyRecord,
     ClusterRoute,
     DesiredState,
+    Heartbeat,
+    PoolInventory,
     ReplicaSpec,
     RoutingTable,
+    heartbeat_subject,
 )
 from control_plane.local.nats_server import NatsServer
 from control_plane.loops.publish import KvPublisher
@@ -139,3 +142,79 @@ def _async(fn):
         fn()
 
     return wrapper
+
+
+async def test_loops_in_process_republish_after_nats_loses_its_store_and_keep_hearing(nats_server, tmp_path):
+    """start_loops wiring: a deployment reaches fleet_desired; NATS restarts empty; the
+    loops' on_connect re-reads the buckets and writes everything again, and heartbeats
+    are still heard on the reconnected link."""
+    from control_plane.context import ControlPlaneContext
+    from control_plane.db import models as m
+    from control_plane.db.session import make_sessions, upgrade_to_head
+    from control_plane.loops import start_loops
+    from control_plane.settings import Settings
+
+    url = f"sqlite:///{tmp_path / 'fleet.db'}"
+    upgrade_to_head(url)
+    sessions = make_sessions(url)
+    with sessions() as s:
+        d = m.Deployment(name="chat", replicas=1, current_version=1)
+        d.versions = [m.DeploymentVersion(version=1, model="tiny")]
+        s.add(d)
+        s.commit()
+    link = NatsLink(nats_server.url, "control-plane", max_backoff_s=0.5)
+    ctx = ControlPlaneContext(
+        settings=Settings(home=tmp_path, reconcile_interval_s=0.5), sessions=sessions, nats=link
+    )
+    link.start()
+    loops = await start_loops(ctx)
+    probe = await connected(nats_server.url)
+    try:
+        hb = Heartbeat(cluster="c1", pools=[PoolInventory(name="cpu", gpu_model="cpu", gpus_per_node=2)])
+
+        async def chat_on_c1() -> DesiredState | None:
+            await probe.publish(heartbeat_subject("c1"), hb)
+            try:
+                raw = await probe.kv_get(BUCKET_DESIRED, "c1")
+            except Exception:  # the probe's own reconnect (timeouts, bucket not there yet)
+                return None
+            d = DesiredState.from_bytes(raw) if raw else None
+            return d if d and [r.deployment for r in d.replicas] == ["chat"] else None
+
+        first = await _eventually(chat_on_c1)
+
+        nats_server.kill()
+        shutil.rmtree(nats_server.store_dir)
+        nats_server.start()
+        again = await _eventually(chat_on_c1, timeout=20)
+        assert again.replicas == first.replicas and again.generation > first.generation
+        assert (await read(probe, BUCKET_ROUTES, RoutingTable))["chat"].clusters[0].cluster == "c1"
+
+        with sessions() as s:  # heartbeats after the reconnect still land
+            seen = s.get(m.Cluster, "c1").last_heartbeat_at
+        hb2 = Heartbeat(cluster="c1", pools=hb.pools, queue_depth=7)
+        for _ in range(50):
+            await probe.publish(heartbeat_subject("c1"), hb2)
+            await asyncio.sleep(0.1)
+            with sessions() as s:
+                c = s.get(m.Cluster, "c1")
+                if c.last_heartbeat_at > seen and c.load.get("queue_depth") == 7:
+                    break
+        else:
+            raise AssertionError("heartbeats not heard after the reconnect")
+    finally:
+        await loops.stop()
+        await probe.close()
+        await link.close()
+        sessions.kw["bind"].dispose()
+
+
+async def _eventually(check, timeout: float = 10.0):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        result = await check()
+        if result:
+            return result
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s")
