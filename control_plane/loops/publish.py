@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Mapping
 
+from nats.js.errors import NotFoundError
 from pydantic import BaseModel, ValidationError
 
 from agent import protocol
@@ -72,12 +73,9 @@ class KvPublisher:
                 self._floor[(bucket, key)] = max(self._floor.get((bucket, key), 0), entry.generation)
         known: dict[str, dict[str, _Entry]] = {}
         for bucket, model in BUCKET_MODELS.items():
-            entries: dict[str, _Entry] = {}
-            for key, raw in (await self.link.kv_items(bucket)).items():
-                entries[key] = _read(model, raw)
-            known[bucket] = entries
-            info = await self.link.js.stream_info(f"KV_{bucket}")
-            self._last_seq[bucket] = max(self._last_seq[bucket], int(info.state.last_seq or 0))
+            items, last_seq = await bucket_items(self.link, bucket)
+            known[bucket] = {key: _read(model, raw) for key, raw in items.items()}
+            self._last_seq[bucket] = max(self._last_seq[bucket], last_seq)
         self._known = known
         self._loaded = True
 
@@ -135,6 +133,27 @@ class KvPublisher:
         except Exception as err:
             log.warning("kv put %s/%s failed: %s", bucket, key, err)
             return None
+
+
+async def bucket_items(link: NatsLink, bucket: str) -> tuple[dict[str, bytes], int]:
+    """Every live key of a bucket and the bucket stream's last sequence.
+
+    Lists subjects from the stream's info rather than nats-py's `KeyValue.keys()`, whose
+    watcher can report "no keys" for a bucket that has some (its end-of-data marker can
+    come before the first entry is delivered): the publisher would rewrite every key."""
+    assert link.js is not None
+    prefix = f"$KV.{bucket}."
+    info = await link.js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
+    kv = await link.kv(bucket)
+    out: dict[str, bytes] = {}
+    for subject in sorted(info.state.subjects or {}):
+        try:
+            entry = await kv.get(subject[len(prefix) :])
+        except NotFoundError:  # deleted or purged (KeyDeletedError, KeyNotFoundError)
+            continue
+        if entry.value is not None:
+            out[subject[len(prefix) :]] = entry.value
+    return out, int(info.state.last_seq or 0)
 
 
 def _read(model: type[protocol.Message], raw: bytes) -> _Entry:

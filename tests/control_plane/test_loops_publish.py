@@ -218,3 +218,21 @@ async def _eventually(check, timeout: float = 10.0):
             return result
         await asyncio.sleep(0.2)
     raise AssertionError(f"timed out after {timeout}s")
+
+
+async def test_bucket_items_lists_live_keys_without_the_keys_watcher(nats_server):
+    """Many rounds of put/put/delete: nats-py's keys() sometimes answers "no keys" here."""
+    from control_plane.loops.publish import bucket_items
+
+    link = await connected(nats_server.url)
+    try:
+        assert await bucket_items(link, BUCKET_ROUTES) == ({}, 0)
+        for i in range(40):
+            await link.kv_put(BUCKET_ROUTES, "b", RoutingTable(deployment="b", generation=i))
+            await link.kv_put(BUCKET_ROUTES, "a", RoutingTable(deployment="a", generation=i))
+            await link.kv_delete(BUCKET_ROUTES, "a")
+            items, last_seq = await bucket_items(link, BUCKET_ROUTES)
+            assert set(items) == {"b"} and last_seq == 3 * (i + 1)
+            assert RoutingTable.from_bytes(items["b"]).generation == i
+    finally:
+        await link.close()
