@@ -24,7 +24,7 @@ from agent.protocol import (
     heartbeat_subject,
 )
 from control_plane.local.nats_server import NatsServer
-from control_plane.loops.publish import KvPublisher
+from control_plane.loops.publish import KvPublisher, bucket_items
 
 
 @pytest.fixture
@@ -61,8 +61,12 @@ def wanted(replicas=("r1",), route_clusters=("a",), keys=("k1",)) -> dict:
     }
 
 
+async def items(link: NatsLink, bucket: str) -> dict[str, bytes]:
+    return (await bucket_items(link, bucket))[0]
+
+
 async def read(link: NatsLink, bucket: str, model):
-    return {k: model.from_bytes(v) for k, v in (await link.kv_items(bucket)).items()}
+    return {k: model.from_bytes(v) for k, v in (await items(link, bucket)).items()}
 
 
 async def test_only_changes_are_written_with_rising_generations(nats_server):
@@ -84,7 +88,7 @@ async def test_only_changes_are_written_with_rising_generations(nats_server):
         desired = await read(link, BUCKET_DESIRED, DesiredState)
         assert desired["a"].generation > gen["a"] and desired["b"].generation == gen["b"]
         assert (await read(link, BUCKET_ROUTES, RoutingTable))["chat"].generation > route_gen
-        assert await link.kv_items(BUCKET_KEYS) == {}
+        assert await items(link, BUCKET_KEYS) == {}
         gen = {k: d.generation for k, d in desired.items()}
 
         # A new control plane process (new publisher): same content, nothing written;
@@ -102,7 +106,7 @@ async def test_only_changes_are_written_with_rising_generations(nats_server):
         await link.kv_delete(BUCKET_DESIRED, "a")
         pub3 = KvPublisher(link)
         assert await pub3.publish(wanted(replicas=("r3",), route_clusters=(), keys=()))
-        assert "ghost" not in await link.kv_items(BUCKET_ROUTES)
+        assert "ghost" not in await items(link, BUCKET_ROUTES)
         desired = await read(link, BUCKET_DESIRED, DesiredState)
         assert [r.replica_id for r in desired["a"].replicas] == ["r3"] and desired["a"].generation > gen["a"]
         assert desired["b"].generation == gen["b"]
@@ -132,7 +136,7 @@ async def test_a_nats_that_lost_its_store_is_refilled_without_lowering_generatio
         assert set(desired) == {"a", "b"}
         assert [r.replica_id for r in desired["a"].replicas] == ["x"]
         assert desired["a"].generation > before["a"] and desired["b"].generation > before["b"]
-        assert set(await link.kv_items(BUCKET_KEYS)) == {"k1"}
+        assert set(await items(link, BUCKET_KEYS)) == {"k1"}
     finally:
         await link.close()
 
@@ -222,8 +226,6 @@ async def _eventually(check, timeout: float = 10.0):
 
 async def test_bucket_items_lists_live_keys_without_the_keys_watcher(nats_server):
     """Many rounds of put/put/delete: nats-py's keys() sometimes answers "no keys" here."""
-    from control_plane.loops.publish import bucket_items
-
     link = await connected(nats_server.url)
     try:
         assert await bucket_items(link, BUCKET_ROUTES) == ({}, 0)
@@ -231,8 +233,8 @@ async def test_bucket_items_lists_live_keys_without_the_keys_watcher(nats_server
             await link.kv_put(BUCKET_ROUTES, "b", RoutingTable(deployment="b", generation=i))
             await link.kv_put(BUCKET_ROUTES, "a", RoutingTable(deployment="a", generation=i))
             await link.kv_delete(BUCKET_ROUTES, "a")
-            items, last_seq = await bucket_items(link, BUCKET_ROUTES)
-            assert set(items) == {"b"} and last_seq == 3 * (i + 1)
-            assert RoutingTable.from_bytes(items["b"]).generation == i
+            live, last_seq = await bucket_items(link, BUCKET_ROUTES)
+            assert set(live) == {"b"} and last_seq == 3 * (i + 1)
+            assert RoutingTable.from_bytes(live["b"]).generation == i
     finally:
         await link.close()
