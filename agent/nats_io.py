@@ -151,20 +151,24 @@ class NatsLink:
         return entry.value
 
     async def kv_items(self, bucket: str) -> dict[str, bytes]:
-        """Every live key of a bucket (used for resyncs)."""
+        """Every live key of a bucket (used for resyncs).
+
+        Lists subjects from the bucket stream's info, not nats-py's `KeyValue.keys()`,
+        whose watcher can report "no keys" for a bucket that has some (its end-of-data
+        marker may arrive before the first entry): a resync would then "delete" them."""
+        assert self.js is not None
+        prefix = f"$KV.{bucket}."
+        info = await self.js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
         kv = await self.kv(bucket)
-        try:
-            keys = await kv.keys()
-        except (NotFoundError, Exception) as err:  # "no keys found" is an error in nats-py
-            if "no keys" in str(err).lower() or isinstance(err, NotFoundError):
-                return {}
-            raise
         out: dict[str, bytes] = {}
-        for key in keys:
-            with contextlib.suppress(KeyNotFoundError, NotFoundError):
+        for subject in sorted(info.state.subjects or {}):
+            key = subject[len(prefix) :]
+            try:
                 entry = await kv.get(key)
-                if entry.value is not None:
-                    out[key] = entry.value
+            except NotFoundError:  # deleted or purged (KeyDeletedError, KeyNotFoundError)
+                continue
+            if entry.value is not None:
+                out[key] = entry.value
         return out
 
     async def publish(self, subject: str, message: protocol.Message) -> bool:
