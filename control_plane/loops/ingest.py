@@ -92,16 +92,21 @@ def apply_heartbeat(session: Session, hb: Heartbeat, now: datetime) -> bool:
         if getattr(cluster, field) != value:
             setattr(cluster, field, value)
             changed = True
+    cordoned = bool((cluster.load or {}).get("cordoned"))
     if cluster.status == ClusterStatus.unhealthy.value:
-        cluster.status = ClusterStatus.healthy.value
+        # An operator's cordon outlives the outage: a draining cluster comes back draining.
+        back = ClusterStatus.draining if cordoned else ClusterStatus.healthy
+        cluster.status = back.value
         session.add(
             EventRow(
-                kind="cluster_healthy", cluster=hb.cluster, message=f"{hb.cluster} heart-beats again: healthy"
+                kind="cluster_healthy",
+                cluster=hb.cluster,
+                message=f"{hb.cluster} heart-beats again: {back.value}",
             )
         )
         changed = True
     cluster.last_heartbeat_at = now
-    cluster.load = load_summary(hb)
+    cluster.load = {**load_summary(hb), **({"cordoned": True} if cordoned else {})}
 
     if hb.pools:  # an agent that reports pools owns its inventory
         existing = {p.name: p for p in cluster.pools}
@@ -187,6 +192,8 @@ def mark_silent_unhealthy(
             continue
         was = row.status
         row.status = ClusterStatus.unhealthy.value
+        if was == ClusterStatus.draining.value:
+            row.load = {**(row.load or {}), "cordoned": True}
         session.add(
             EventRow(
                 kind="cluster_unhealthy",

@@ -324,6 +324,14 @@ def test_silent_clusters_become_unhealthy_counted_from_when_we_listen(sessions):
         }  # fmt: skip
     assert {e.cluster for e in events(sessions, "cluster_unhealthy")} == {"silent", "cordoned"}
     assert not is_silent(None, now, now + timedelta(hours=1), 3)
+    # Heart-beating again: the silent one is healthy, the cordoned one still draining.
+    with sessions() as s:
+        apply_heartbeat(s, heartbeat(cluster="silent"), m.utcnow())
+        apply_heartbeat(s, heartbeat(cluster="cordoned"), m.utcnow())
+        s.commit()
+    with sessions() as s:
+        assert s.get(m.Cluster, "silent").status == "healthy"
+        assert s.get(m.Cluster, "cordoned").status == "draining"
 
 
 def test_agent_events_are_recorded(sessions):

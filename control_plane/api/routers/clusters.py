@@ -103,6 +103,8 @@ def update_cluster(
         )
     for key, value in changes.items():
         setattr(row, key, value)
+    if changes.get("status") == "healthy" and (row.load or {}).get("cordoned"):
+        row.load = {k: v for k, v in row.load.items() if k != "cordoned"}  # uncordon outlives outages too
     session.flush()
     after = _view(session, row)
     action = {"draining": "cluster.cordon", "healthy": "cluster.uncordon"}.get(
