@@ -38,8 +38,10 @@ def test_first_start_restart_and_sigterm(tmp_path):
             assert admin.post("/v1/deployments", json={"name": "kept", "model": "m"}).status_code == 201
             assert admin.get("/v1/keys").json()["total"] == 1
     finally:
-        assert first.stop() == 0  # SIGTERM: clean exit
-        nats.stop()
+        try:
+            assert first.stop() == 0  # SIGTERM: clean exit
+        finally:
+            nats.stop()
 
     second = ControlPlaneServer(home, db).start()  # no NATS now: serves all the same
     try:
