@@ -175,13 +175,38 @@ class RoutingTable(Message):
 # --------------------------------------------------------------------- API keys
 
 
+class DeploymentLimits(BaseModel):
+    """A key's limits on one deployment, on top of its overall limits (None: unlimited)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tokens_per_minute: int | None = Field(None, ge=1)
+    requests_per_minute: int | None = Field(None, ge=1)
+    tokens_per_day: int | None = Field(None, ge=1)
+
+
 class Quotas(BaseModel):
-    """Per-key limits; None means unlimited. Enforced by gateways."""
+    """Per-key limits; None means unlimited. Enforced by gateways (docs/quotas.md)."""
 
     tokens_per_minute: int | None = Field(None, ge=1)
     requests_per_minute: int | None = Field(None, ge=1)
     max_concurrent: int | None = Field(None, ge=1)
     priority: int = Field(0, ge=-10, le=10)
+    tokens_per_day: int | None = Field(None, ge=1)
+    # deployment name -> limits on that deployment alone
+    deployments: dict[str, DeploymentLimits] = Field(default_factory=dict)
+    # the gateway's queueing class (e.g. "interactive" over "batch"); None: its default class
+    priority_class: str | None = Field(None, pattern=r"^[a-z][a-z0-9_-]{0,31}$")
+
+    def limited(self) -> bool:
+        """Whether any token or request rate applies (gateways then send x-ratelimit-* headers)."""
+        own = (self.tokens_per_minute, self.requests_per_minute, self.tokens_per_day)
+        per = [
+            v
+            for d in self.deployments.values()
+            for v in (d.tokens_per_minute, d.requests_per_minute, d.tokens_per_day)
+        ]
+        return any(v is not None for v in (*own, *per))
 
 
 class ApiKeyRecord(Message):
@@ -194,6 +219,9 @@ class ApiKeyRecord(Message):
     scopes: list[str] = Field(default_factory=lambda: ["inference"])
     deployments: list[str] | None = None  # None: every deployment
     quotas: Quotas = Field(default_factory=Quotas)
+    # cluster id -> this cluster's fraction of the key's token budgets, set by the control
+    # plane from recent usage; empty: every gateway enforces the whole budget (docs/quotas.md)
+    shares: dict[str, float] = Field(default_factory=dict)
     revoked: bool = False
     created_at: float = Field(default_factory=time.time)
 
