@@ -233,6 +233,32 @@ class AuditRecord(Base):
     after: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
+class Rollout(Base):
+    """A canary rollout of one deployment: the policy's persisted state
+    (`control_plane.rollouts.policy.RolloutState`), so a restart resumes it. `revision`
+    grows with every write; writers update only the revision they read."""
+
+    __tablename__ = "rollouts"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"), index=True)
+    baseline_version: Mapped[int] = mapped_column(Integer)
+    canary_version: Mapped[int] = mapped_column(Integer)
+    phase: Mapped[str] = mapped_column(String(16), default="deploying", index=True)
+    step: Mapped[int] = mapped_column(Integer, default=0)
+    params: Mapped[dict[str, Any]] = mapped_column(default=dict)  # RolloutParams
+    phase_started_at: Mapped[float] = mapped_column(Float, default=0.0)  # Unix seconds
+    window_started_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    reason: Mapped[str] = mapped_column(Text, default="")
+    last: Mapped[dict[str, Any]] = mapped_column(default=dict)  # the last decision's numbers
+    revision: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(nullable=True)
+
+    deployment: Mapped[Deployment] = relationship()
+
+
 __all__ = [
     "ApiKey",
     "AuditRecord",
@@ -243,5 +269,6 @@ __all__ = [
     "DeploymentVersion",
     "Event",
     "ReplicaAssignment",
+    "Rollout",
     "utcnow",
 ]

@@ -25,6 +25,7 @@ TABLES = {
     "api_keys",
     "events",
     "audit_records",
+    "rollouts",
 }
 
 
