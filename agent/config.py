@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from agent.protocol import Coordinates, PoolInventory
 
-RuntimeName = Literal["process"]
+RuntimeName = Literal["process", "sim"]
 
 
 class GatewayConfig(BaseModel):
@@ -23,6 +23,19 @@ class GatewayConfig(BaseModel):
     queue_timeout_s: float = Field(10.0, ge=0)
     # Largest request body accepted (bytes).
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    # Queueing classes, highest first; a key's Quotas.priority_class picks one, else
+    # default_class. A request queued max_queue_age_s or longer goes before younger ones.
+    priority_classes: list[str] = Field(
+        default_factory=lambda: ["interactive", "standard", "batch"], min_length=1
+    )
+    default_class: str = "standard"
+    max_queue_age_s: float = Field(5.0, gt=0)
+    # Requests in flight per ready replica before new ones queue here: per deployment
+    # `concurrency_targets`, else the replica's engine_args max_num_seqs, else this.
+    concurrency_target: int = Field(128, ge=1)
+    concurrency_targets: dict[str, int] = Field(default_factory=dict)
+    # Seconds in a quota "minute" (a day is 1440 of them): 60; tests shorten it.
+    quota_minute_s: float = Field(60.0, gt=0)
 
     @property
     def url(self) -> str:

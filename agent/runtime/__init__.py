@@ -1,4 +1,5 @@
-"""How the agent runs replicas: one `Runtime` interface, a `process` implementation."""
+"""How the agent runs replicas: one `Runtime` interface; `process` (engine replicas) and
+`sim` (simulated replicas) implementations."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ def make_runtime(config: ClusterConfig) -> Runtime:
         from agent.runtime.process import ProcessRuntime
 
         return ProcessRuntime(config)
+    if config.runtime == "sim":
+        from agent.runtime.sim import SimRuntime
+
+        return SimRuntime(config)
     raise ValueError(f"unknown runtime {config.runtime!r}")
 
 

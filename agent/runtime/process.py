@@ -152,6 +152,8 @@ def _url_host(host: str) -> str:
 
 class ProcessRuntime(Runtime):
     name = "process"
+    # The `python -m` module of a replica (adoption checks a process's command line for it).
+    module = ENGINE_MODULE
 
     def __init__(self, config: ClusterConfig, *, unhealthy_after_s: float = UNHEALTHY_AFTER_S) -> None:
         self.config = config
@@ -169,10 +171,14 @@ class ProcessRuntime(Runtime):
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
         return env
 
+    def replica_argv(self, spec: ReplicaSpec, port: int) -> list[str]:
+        """The command line of one replica (subclasses launch something else)."""
+        return engine_argv(spec, self.config, port)
+
     async def start(self, spec: ReplicaSpec) -> ReplicaHandle:
         host = self.config.replica.host
         port = free_port(host)
-        argv = engine_argv(spec, self.config, port)  # raises InvalidSpec
+        argv = self.replica_argv(spec, port)  # raises InvalidSpec
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.logs_dir / f"{spec.replica_id}.log"
         with open(log_path, "ab") as out:
@@ -228,7 +234,7 @@ class ProcessRuntime(Runtime):
             cmdline = proc.cmdline()
         except psutil.Error:
             return False
-        return ENGINE_MODULE in cmdline and str(handle.port) in cmdline
+        return self.module in cmdline and str(handle.port) in cmdline
 
     async def _health(self, url: str) -> tuple[int, str]:
         """(HTTP status or 0 when unreachable, the engine's status word)."""

@@ -1,0 +1,183 @@
+"""The timing of one simulated replica: continuous batching in continuous time.
+
+Pure and clock-free: the caller says what time it is (`advance(now)`), so the same object
+runs in real time (the sim server) and in virtual time (`fleetctl simulate`).
+
+Scheduling (vLLM-v0-like, prefill first): waiting requests are admitted in arrival order
+while the batch has room (`max_num_seqs`) and their prompt + output tokens fit the free KV
+capacity (reserved up front, so nothing is ever preempted), up to `max_prefill_tokens` per
+prefill batch. A prefill batch takes `prefill_time(sum of prompt tokens)` and yields each
+request's first token; then every running sequence gains one token per decode step of
+`decode_time(batch size)`. Between events the batch is constant, so time advances in
+segments, not steps: an hour of trace costs a few events per request, not per token."""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from agent.sim.profile import PerfProfile
+
+EPS = 1e-9
+
+
+@dataclass
+class SimRequest:
+    rid: int
+    prompt_tokens: int
+    output_tokens: int
+    arrival: float
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    start_clock: float = 0.0  # replica decode clock when its first token came out
+    finish_clock: float = 0.0
+    tag: object = field(default=None, compare=False)  # the caller's own data
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+
+class ReplicaModel:
+    """One replica's queue, batch and clock. `advance(now)` returns the requests that got
+    their first token or finished since the last call, in time order."""
+
+    def __init__(self, profile: PerfProfile, now: float = 0.0) -> None:
+        self.profile = profile
+        self.t = now
+        self.clock = 0.0  # decode steps every running sequence has taken
+        self.waiting: deque[SimRequest] = deque()
+        self.running: dict[int, SimRequest] = {}
+        self._finish_heap: list[tuple[float, int]] = []
+        self.prefilling: list[SimRequest] = []
+        self.prefill_end = math.inf
+        self.kv_used = 0
+        self.generated_tokens = 0
+        self.prompt_tokens = 0
+
+    # ------------------------------------------------------------ observation
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running) + len(self.prefilling)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        return min(1.0, self.kv_used / self.profile.kv_capacity_tokens)
+
+    def tokens_out(self, req: SimRequest) -> int:
+        """Tokens generated for `req` so far (as of the last advance)."""
+        if req.finished_at is not None:
+            return req.output_tokens
+        if req.first_token_at is None:
+            return 0
+        return min(req.output_tokens, 1 + int(self.clock - req.start_clock + EPS))
+
+    def idle(self) -> bool:
+        return not self.running and not self.prefilling and not self.waiting
+
+    def next_event_time(self) -> float:
+        if self.prefilling:
+            return self.prefill_end
+        if self._finish_heap:
+            step = self.profile.decode_time(len(self.running))
+            return self.t + max(0.0, self._finish_heap[0][0] - self.clock) * step
+        return math.inf
+
+    # ------------------------------------------------------------ input
+
+    def submit(self, req: SimRequest, now: float) -> list[SimRequest]:
+        """Queue a request at `now` (>= the last advance); returns events up to `now`."""
+        req.output_tokens = max(1, req.output_tokens)
+        req.prompt_tokens = max(1, req.prompt_tokens)
+        events = self.advance(now)
+        self.waiting.append(req)
+        if not self.prefilling:
+            self._start_prefill()
+        return events
+
+    # ------------------------------------------------------------ time
+
+    def advance(self, now: float) -> list[SimRequest]:
+        events: list[SimRequest] = []
+        while True:
+            if self.prefilling:
+                if self.prefill_end > now + EPS:
+                    # Decode is paused while a prefill batch runs.
+                    self.t = max(self.t, now)
+                    break
+                self._finish_prefill(events)
+                self._start_prefill()  # prefill first: admit what waited meanwhile
+                continue
+            if self._finish_heap:
+                step = self.profile.decode_time(len(self.running))
+                target, _ = self._finish_heap[0]
+                at = self.t + max(0.0, target - self.clock) * step
+                if at > now + EPS:
+                    self.clock += max(0.0, now - self.t) / step if step > 0 else 0.0
+                    self.t = now
+                    break
+                self.clock = max(self.clock, target)
+                self.t = at
+                while self._finish_heap and self._finish_heap[0][0] <= self.clock + EPS:
+                    _, rid = heapq.heappop(self._finish_heap)
+                    req = self.running.pop(rid)
+                    req.finished_at = at
+                    self.kv_used -= req.kv_tokens
+                    self.generated_tokens += req.output_tokens
+                    events.append(req)
+                self._start_prefill()
+                continue
+            self.t = max(self.t, now)
+            if not self._start_prefill():
+                break
+        return events
+
+    def _start_prefill(self) -> bool:
+        batch: list[SimRequest] = []
+        tokens = 0
+        prof = self.profile
+        while self.waiting:
+            req = self.waiting[0]
+            fits_kv = self.kv_used + req.kv_tokens <= prof.kv_capacity_tokens
+            alone = not self.running and not batch  # a request bigger than the cache runs alone
+            if self.num_running + len(batch) >= prof.max_num_seqs or not (fits_kv or alone):
+                break
+            if batch and tokens + req.prompt_tokens > prof.max_prefill_tokens:
+                break
+            self.waiting.popleft()
+            req.admitted_at = self.t
+            batch.append(req)
+            tokens += req.prompt_tokens
+            self.kv_used += req.kv_tokens
+        if not batch:
+            return False
+        self.prefilling = batch
+        self.prefill_end = self.t + prof.prefill_time(tokens)
+        self.prompt_tokens += tokens
+        return True
+
+    def _finish_prefill(self, events: list[SimRequest]) -> None:
+        end = self.prefill_end
+        self.t = max(self.t, end)
+        for req in self.prefilling:
+            req.first_token_at = end
+            req.start_clock = self.clock
+            req.finish_clock = self.clock + req.output_tokens - 1
+            events.append(req)
+            if req.output_tokens <= 1:
+                req.finished_at = end
+                self.kv_used -= req.kv_tokens
+                self.generated_tokens += req.output_tokens
+            else:
+                self.running[req.rid] = req
+                heapq.heappush(self._finish_heap, (req.finish_clock, req.rid))
+        self.prefilling = []
+        self.prefill_end = math.inf

@@ -1,0 +1,394 @@
+"""`python -m agent.sim.server`: a simulated replica. It speaks the engine's OpenAI API
+(chat/completions, completions, SSE with usage, /v1/models, /health, /metrics with the
+engine's metric names) but runs no model: its timing follows a `PerfProfile` through a
+`ReplicaModel` in real time, its text is a placeholder, and every response says
+`system_fingerprint: "simulated"`.
+
+- /health answers 503 `{"status": "loading"}` for `cold_start_s` after start, then 200;
+  on SIGTERM it answers 503 `draining`, refuses new work and exits once in-flight requests
+  finish (bounded by --drain-timeout), like the engine.
+- prompt tokens are estimated from the text (4 characters a token); output length is
+  `max_tokens` (default 16): a simulated model never stops early.
+- `--error-rate X` fails that share of requests with a 500 (a "bad version" for canaries).
+- flags of the real engine it does not know (e.g. --threads) are accepted and ignored, so
+  a host's `replica.extra_args` serve both runtimes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import signal
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from agent.sim.model import ReplicaModel, SimRequest
+from agent.sim.profile import PerfProfile, load_profile
+
+log = logging.getLogger("agent.sim.server")
+
+FINGERPRINT = "simulated"
+DEFAULT_PROFILE = "llama2-70b-h100-tp4"
+DEFAULT_MAX_TOKENS = 16
+WORDS = ("sim", "ulated", " text", " from", " a", " replica", " without", " a", " model", ".")
+MAX_BODY = 4 * 1024 * 1024
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    n: int = Field(1, ge=1, le=1)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | list[Any] | None = None
+
+
+def estimate_tokens(body: _Body) -> int:
+    """Prompt tokens, estimated: 4 characters a token (a list of ids counts as such)."""
+    if body.messages is not None:
+        chars = sum(len(json.dumps(m.get("content", ""))) + 4 for m in body.messages)
+        return max(1, chars // 4)
+    prompt = body.prompt
+    if isinstance(prompt, list):
+        if prompt and all(isinstance(x, int) for x in prompt):
+            return len(prompt)
+        return max(1, sum(len(str(x)) for x in prompt) // 4)
+    return max(1, len(prompt or "") // 4)
+
+
+def placeholder(start: int, end: int) -> str:
+    return "".join(WORDS[i % len(WORDS)] for i in range(start, end))
+
+
+@dataclass
+class SimState:
+    profile: PerfProfile
+    served_model_name: str
+    cold_start_s: float
+    error_rate: float
+    seed: int = 0
+    started: float = field(default_factory=time.monotonic)
+    created: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False
+    in_flight: int = 0
+    requests_ok: int = 0
+    requests_failed: int = 0
+    ttft_sum: float = 0.0
+    ttft_count: int = 0
+
+    def __post_init__(self) -> None:
+        self.model = ReplicaModel(self.profile, now=0.0)
+        self.rng = random.Random(self.seed)
+        self.changed = asyncio.Event()  # a new request arrived: the driver re-plans
+        self.progress = asyncio.Condition()  # tokens came out: streams look
+        self._next_id = 0
+
+    def now(self) -> float:
+        return time.monotonic() - self.started
+
+    @property
+    def ready(self) -> bool:
+        return self.now() >= self.cold_start_s
+
+    def new_request(self, prompt_tokens: int, output_tokens: int) -> SimRequest:
+        self._next_id += 1
+        return SimRequest(self._next_id, prompt_tokens, output_tokens, arrival=self.now())
+
+
+async def drive(state: SimState) -> None:
+    """Advances the model in real time: sleeps until its next event (at most 50 ms, so
+    streams see steady progress) or until a request arrives."""
+    while True:
+        state.model.advance(state.now())
+        async with state.progress:
+            state.progress.notify_all()
+        wait = min(state.model.next_event_time() - state.now(), 0.05 if not state.model.idle() else 1.0)
+        state.changed.clear()
+        if wait > 0:
+            try:
+                await asyncio.wait_for(state.changed.wait(), timeout=wait)
+            except TimeoutError:
+                pass
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    kind = {400: "invalid_request_error", 404: "invalid_request_error", 503: "service_unavailable"}
+    return JSONResponse(
+        {
+            "error": {
+                "message": message,
+                "type": kind.get(status, "internal_error"),
+                "param": param,
+                "code": None,
+            }
+        },
+        status_code=status,
+    )
+
+
+def build_app(state: SimState) -> Starlette:
+    async def health(request: Request) -> Response:
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not state.ready:
+            return JSONResponse({"status": "loading", "error": ""}, status_code=503)
+        return JSONResponse({"status": "ok", "model": state.served_model_name, "simulated": True})
+
+    async def metrics(request: Request) -> Response:
+        m, name = state.model, state.served_model_name
+        lab = f'{{model="{name}"}}'
+        lines = [
+            "# TYPE fleet_engine_requests_running gauge",
+            f"fleet_engine_requests_running{lab} {m.num_running}",
+            "# TYPE fleet_engine_requests_waiting gauge",
+            f"fleet_engine_requests_waiting{lab} {m.num_waiting}",
+            "# TYPE fleet_engine_kv_cache_usage_ratio gauge",
+            f"fleet_engine_kv_cache_usage_ratio{lab} {m.kv_usage}",
+            "# TYPE fleet_engine_prompt_tokens counter",
+            f"fleet_engine_prompt_tokens_total{lab} {m.prompt_tokens}",
+            "# TYPE fleet_engine_generation_tokens counter",
+            f"fleet_engine_generation_tokens_total{lab} {m.generated_tokens}",
+            "# TYPE fleet_engine_requests counter",
+            f'fleet_engine_requests_total{{model="{name}",status="ok"}} {state.requests_ok}',
+            f'fleet_engine_requests_total{{model="{name}",status="error"}} {state.requests_failed}',
+            "# TYPE fleet_sim_time_to_first_token_seconds summary",
+            f"fleet_sim_time_to_first_token_seconds_sum{lab} {state.ttft_sum}",
+            f"fleet_sim_time_to_first_token_seconds_count{lab} {state.ttft_count}",
+        ]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    async def models(request: Request) -> Response:
+        card = {
+            "id": state.served_model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "fleet",
+        }
+        return JSONResponse({"object": "list", "data": [{**card, "simulated": True}]})
+
+    async def chat(request: Request) -> Response:
+        return await _generate(request, state, chat=True)
+
+    async def completions(request: Request) -> Response:
+        return await _generate(request, state, chat=False)
+
+    return Starlette(
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+        ]
+    )
+
+
+async def _generate(request: Request, state: SimState, *, chat: bool) -> Response:
+    if state.draining:
+        return _error(503, "The server is shutting down")
+    if not state.ready:
+        return _error(503, "The model is still loading; retry shortly")
+    raw = await request.body()
+    if len(raw) > MAX_BODY:
+        return _error(413, "request body too large")
+    try:
+        body = _Body.model_validate_json(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        return _error(400, f"{param}: {first['msg']}", param)
+    if body.model is not None and body.model != state.served_model_name:
+        return _error(
+            404,
+            f"The model '{body.model}' does not exist on this server; it serves '{state.served_model_name}'",
+            "model",
+        )
+    if chat and not body.messages:
+        return _error(400, "messages: a non-empty list is required", "messages")
+    if not chat and body.prompt is None:
+        return _error(400, "prompt: required", "prompt")
+    if state.error_rate > 0 and state.rng.random() < state.error_rate:
+        state.requests_failed += 1
+        return _error(500, "simulated failure (error_rate)")
+
+    out_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
+    req = state.new_request(estimate_tokens(body), out_tokens)
+    state.model.submit(req, state.now())
+    state.in_flight += 1
+    state.changed.set()
+    prefix = "chatcmpl" if chat else "cmpl"
+    head = {
+        "id": f"{prefix}-{uuid.uuid4().hex}",
+        "created": int(time.time()),
+        "model": state.served_model_name,
+        "system_fingerprint": FINGERPRINT,
+    }
+    usage = {
+        "prompt_tokens": req.prompt_tokens,
+        "completion_tokens": req.output_tokens,
+        "total_tokens": req.prompt_tokens + req.output_tokens,
+    }
+
+    def done() -> None:
+        state.in_flight -= 1
+        state.requests_ok += 1
+        if req.first_token_at is not None:
+            state.ttft_sum += req.first_token_at - req.arrival
+            state.ttft_count += 1
+
+    if not body.stream:
+        async with state.progress:
+            await state.progress.wait_for(lambda: req.finished_at is not None)
+        done()
+        text = placeholder(0, req.output_tokens)
+        if chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": "length",
+            }
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
+            obj = "text_completion"
+        return JSONResponse({**head, "object": obj, "choices": [choice], "usage": usage})
+
+    include_usage = bool((body.stream_options or {}).get("include_usage"))
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(delta: str, finish: str | None, first: bool) -> str:
+        if chat:
+            d: dict[str, Any] = {"content": delta}
+            if first:
+                d = {"role": "assistant", "content": delta}
+            c: dict[str, Any] = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+        else:
+            c = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
+        payload: dict[str, Any] = {**head, "object": obj, "choices": [c]}
+        if include_usage:
+            payload["usage"] = None
+        return f"data: {json.dumps(payload)}\n\n"
+
+    async def events() -> AsyncIterator[str]:
+        sent = 0
+        try:
+            while sent < req.output_tokens:
+                async with state.progress:
+                    await state.progress.wait_for(lambda n=sent: state.model.tokens_out(req) > n)
+                now_out = state.model.tokens_out(req)
+                finish = "length" if now_out >= req.output_tokens else None
+                yield chunk(placeholder(sent, now_out), finish, sent == 0)
+                sent = now_out
+            if include_usage:
+                yield f"data: {json.dumps({**head, 'object': obj, 'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            done()
+
+    return StreamingResponse(
+        events(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m agent.sim.server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--profile", default=DEFAULT_PROFILE, help="profile name (agent/sim/profiles) or JSON path"
+    )
+    p.add_argument("--served-model-name", required=True)
+    p.add_argument("--model", default="", help="ignored (what a real engine would load)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--cold-start", type=float, default=None, help="seconds before ready (default: the profile's)"
+    )
+    p.add_argument("--error-rate", type=float, default=None, help="share of requests failed with 500")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="override the profile's batch limit")
+    p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        log.info("ignoring engine flags a simulated replica does not use: %s", " ".join(unknown))
+    try:
+        profile = load_profile(args.profile)
+    except ValueError as err:
+        sys.exit(f"error: {err}")
+    updates: dict[str, Any] = {}
+    if args.max_num_seqs is not None:
+        updates["max_num_seqs"] = args.max_num_seqs
+    profile = profile.model_copy(update=updates)
+    error_rate = profile.error_rate if args.error_rate is None else args.error_rate
+    if not 0 <= error_rate <= 1:
+        sys.exit("error: --error-rate must be within 0..1")
+    cold = profile.cold_start_s if args.cold_start is None else max(0.0, args.cold_start)
+    log.info(
+        "simulated replica %s: profile %s, cold start %.1f s, error rate %.3f",
+        args.served_model_name,
+        profile.name,
+        cold,
+        error_rate,
+    )
+    asyncio.run(_serve(args, profile, cold, error_rate))
+
+
+async def _serve(args: argparse.Namespace, profile: PerfProfile, cold: float, error_rate: float) -> None:
+    state = SimState(profile, args.served_model_name, cold, error_rate, seed=args.seed)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(state), host=args.host, port=args.port, log_level="warning", access_log=False
+        )
+    )
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    driver = asyncio.create_task(drive(state))
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    serving = asyncio.create_task(server.serve())
+
+    async def on_stop() -> None:
+        await stop.wait()
+        state.draining = True
+        deadline = time.monotonic() + args.drain_timeout
+        while state.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        server.should_exit = True
+
+    stopper = asyncio.create_task(on_stop())
+    await serving
+    stopper.cancel()
+    driver.cancel()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""The performance model: interpolation, profile validation, and the replica's timing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from agent.sim.model import ReplicaModel, SimRequest
+from agent.sim.profile import PerfProfile, interpolate, list_profiles, load_profile
+from agent.sim.splitwise import profile_from_splitwise
+
+
+def flat(**kw: object) -> PerfProfile:
+    base: dict[str, object] = dict(
+        name="flat",
+        prefill_tokens=[100.0, 1000.0],
+        prefill_s=[0.1, 1.0],  # 1 ms a token
+        decode_batch=[1.0, 4.0],
+        decode_step_s=[0.01, 0.04],  # 10 ms per sequence in the batch
+        kv_capacity_tokens=10_000,
+        max_num_seqs=4,
+    )
+    base.update(kw)
+    return PerfProfile.model_validate(base)
+
+
+def run(model: ReplicaModel, reqs: list[SimRequest]) -> None:
+    for r in sorted(reqs, key=lambda r: r.arrival):
+        model.submit(r, r.arrival)
+    while not model.idle():
+        model.advance(model.next_event_time())
+
+
+def test_interpolate_inside_outside_and_floor() -> None:
+    assert interpolate([1, 3], [10, 30], 2) == 20
+    assert interpolate([1, 3], [10, 30], 5) == 50  # extrapolates along the last segment
+    assert interpolate([1, 3], [10, 30], -10) == 0  # never negative
+    assert interpolate([2], [7], 100) == 7
+
+
+def test_profile_rejects_bad_curves() -> None:
+    with pytest.raises(ValueError, match="increase"):
+        flat(decode_batch=[4.0, 1.0])
+    with pytest.raises(ValueError, match="length"):
+        flat(prefill_s=[0.1])
+
+
+def test_single_request_timing_follows_the_profile() -> None:
+    m = ReplicaModel(flat())
+    r = SimRequest(1, prompt_tokens=500, output_tokens=11, arrival=0.0)
+    run(m, [r])
+    assert r.first_token_at == pytest.approx(0.5)  # prefill 500 tokens
+    assert r.finished_at == pytest.approx(0.5 + 10 * 0.01)  # 10 more decode steps at batch 1
+    assert m.generated_tokens == 11 and m.kv_used == 0
+
+
+def test_batch_slows_steps_and_prefill_pauses_decode() -> None:
+    m = ReplicaModel(flat())
+    a = SimRequest(1, 100, 101, arrival=0.0)
+    b = SimRequest(2, 100, 101, arrival=0.5)
+    run(m, [a, b])
+    assert a.first_token_at == pytest.approx(0.1)
+    assert b.first_token_at == pytest.approx(0.6)  # prefilled at once on arrival
+    # a: 40 steps alone (0.1..0.5), paused 0.1 for b's prefill, then batch 2 (20 ms a step)
+    assert a.finished_at == pytest.approx(0.6 + 60 * 0.02)
+    assert b.finished_at > a.finished_at
+
+
+def test_batch_limit_and_kv_capacity_bound_concurrency() -> None:
+    m = ReplicaModel(flat(max_num_seqs=2))
+    reqs = [SimRequest(i, 100, 50, arrival=0.0) for i in range(3)]
+    for r in reqs:
+        m.submit(r, 0.0)
+    m.advance(0.1)  # the first prefill (one request) is done; the next batch is admitted
+    assert m.num_running == 2 and m.num_waiting == 1
+    m2 = ReplicaModel(flat(kv_capacity_tokens=300))
+    for r in [SimRequest(i, 100, 50, arrival=0.0) for i in range(3)]:
+        m2.submit(r, 0.0)
+    m2.advance(0.1)
+    assert m2.num_running == 2 and m2.num_waiting == 1  # 2 x 150 tokens fill the cache
+    assert m2.kv_usage == pytest.approx(1.0)
+    run(m2, [])
+    assert m2.idle() and m2.kv_used == 0
+
+
+def test_tokens_out_grows_with_the_clock() -> None:
+    m = ReplicaModel(flat())
+    r = SimRequest(1, 100, 50, arrival=0.0)
+    m.submit(r, 0.0)
+    assert m.tokens_out(r) == 0
+    m.advance(0.1)
+    assert m.tokens_out(r) == 1
+    m.advance(0.1 + 0.2 + 1e-6)
+    assert m.tokens_out(r) == 21
+    assert math.isinf(ReplicaModel(flat()).next_event_time())
+
+
+def test_stored_profiles_load() -> None:
+    names = list_profiles()
+    assert "llama2-70b-h100-tp4" in names
+    p = load_profile("llama2-70b-h100-tp4")
+    assert p.gpus_per_replica == 4 and p.max_num_seqs == 64
+    assert p.decode_time(64) > p.decode_time(1) > 0
+    with pytest.raises(ValueError, match="unknown profile"):
+        load_profile("nope")
+
+
+def test_splitwise_profile_matches_stored(shared_data) -> None:
+    p = profile_from_splitwise(shared_data / "splitwise_perf_model.csv", "llama2-70b", "h100-80gb", 4)
+    assert p == load_profile("llama2-70b-h100-tp4")
+    assert p.prefill_time(1000) == pytest.approx(p.prefill_time(1024), rel=0.05)

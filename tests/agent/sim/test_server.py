@@ -1,0 +1,174 @@
+"""The simulated replica as a real process, through real clients (httpx, openai SDK), and
+runtime `sim` starting, probing and stopping one."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from agent.config import ClusterConfig
+from agent.protocol import ReplicaSpec, ReplicaState
+from agent.replica_metrics import parse_metrics
+from agent.runtime import make_runtime
+from agent.runtime.process import free_port
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def start(*args: str) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port("127.0.0.1")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "agent.sim.server",
+            "--port",
+            str(port),
+            "--served-model-name",
+            "sim-d",
+            "--threads",
+            "1",
+            *args,
+        ],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_status(url: str, code: int, timeout: float = 20.0) -> list[int]:
+    seen: list[int] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            seen.append(httpx.get(f"{url}/health", timeout=1).status_code)
+            if seen[-1] == code:
+                return seen
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"/health never answered {code}: {seen[-5:]}")
+
+
+@pytest.fixture
+def replica() -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    proc, url = start("--cold-start", "1.0", "--profile", "llama2-70b-h100-tp4")
+    yield proc, url
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def test_cold_start_then_openai_api(replica) -> None:
+    _proc, url = replica
+    t0 = time.monotonic()
+    seen = wait_status(url, 200)
+    assert 503 in seen and time.monotonic() - t0 >= 0.8  # loading while cold
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x")
+    t = time.monotonic()
+    r = client.chat.completions.create(
+        model="sim-d", messages=[{"role": "user", "content": "hi " * 400}], max_tokens=20
+    )
+    took = time.monotonic() - t
+    assert r.system_fingerprint == "simulated"
+    assert r.usage.completion_tokens == 20 and r.usage.prompt_tokens > 200
+    assert r.choices[0].message.content and r.choices[0].finish_reason == "length"
+    assert 0.5 < took < 3  # ~50 ms prefill + 19 steps of ~30 ms: real time from the profile
+
+    chunks = list(
+        client.completions.create(
+            model="sim-d", prompt="x", max_tokens=30, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert len(texts) >= 3 and all(c.system_fingerprint == "simulated" for c in chunks)
+    assert chunks[-1].usage.completion_tokens == 30 and chunks[-1].choices == []
+    assert [m.id for m in client.models.list().data] == ["sim-d"]
+
+    sample = parse_metrics(httpx.get(f"{url}/metrics").text)
+    assert sample.generation_tokens == 50 and sample.running == 0
+
+    bad = httpx.post(
+        f"{url}/v1/chat/completions", json={"model": "other", "messages": [{"role": "user", "content": "x"}]}
+    )
+    assert bad.status_code == 404 and "sim-d" in bad.json()["error"]["message"]
+    bad = httpx.post(f"{url}/v1/completions", json={"model": "sim-d", "prompt": "x", "max_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+    assert httpx.post(f"{url}/v1/completions", content=b"{nope").status_code == 400
+
+
+def test_concurrency_shows_in_metrics_and_sigterm_drains(replica) -> None:
+    proc, url = replica
+    wait_status(url, 200)
+
+    async def load() -> list[int]:
+        async with httpx.AsyncClient(timeout=30) as c:
+            body = {"model": "sim-d", "prompt": "y" * 400, "max_tokens": 40}
+            tasks = [asyncio.create_task(c.post(f"{url}/v1/completions", json=body)) for _ in range(8)]
+            await asyncio.sleep(0.4)
+            running = parse_metrics((await c.get(f"{url}/metrics")).text).running
+            proc.send_signal(signal.SIGTERM)  # drains: in-flight requests still complete
+            codes = [r.status_code for r in await asyncio.gather(*tasks)]
+            return [int(running), *codes]
+
+    running, *codes = asyncio.run(load())
+    assert running == 8 and codes == [200] * 8
+    assert proc.wait(timeout=10) == 0
+
+
+def test_error_rate_fails_requests() -> None:
+    proc, url = start("--cold-start", "0", "--error-rate", "1")
+    try:
+        wait_status(url, 200)
+        r = httpx.post(f"{url}/v1/completions", json={"model": "sim-d", "prompt": "x"})
+        assert r.status_code == 500 and "simulated" in r.json()["error"]["message"]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_sim_runtime_runs_a_replica(tmp_path: Path) -> None:
+    config = ClusterConfig(
+        cluster="c1", runtime="sim", state_dir=tmp_path, replica={"extra_args": ["--threads", "1"]}
+    )
+
+    async def go() -> None:
+        rt = make_runtime(config)
+        assert rt.name == "sim"
+        spec = ReplicaSpec(
+            replica_id="r1",
+            deployment="dep",
+            version=1,
+            model="llama",
+            engine_args={"cold_start": 0.5, "error_rate": 0.0},
+        )
+        h = await rt.start(spec)
+        try:
+            assert "agent.sim.server" in h.argv and "--cold-start" in h.argv
+            states = []
+            for _ in range(200):
+                states.append((await rt.poll(h)).state)
+                if states[-1] == ReplicaState.ready:
+                    break
+                await asyncio.sleep(0.05)
+            assert states[0] == ReplicaState.starting and states[-1] == ReplicaState.ready
+            assert await rt.adopt(h)  # the same live simulated replica
+            assert await rt.stop(h, drain_timeout_s=5) == 0
+        finally:
+            await rt.kill(h)
+            await rt.close()
+
+    asyncio.run(go())
