@@ -18,8 +18,9 @@ from agent.protocol import (
     RoutingTable,
     VersionWeight,
 )
-from control_plane.loops.snapshot import AssignmentRow, FleetSnapshot
+from control_plane.loops.snapshot import AssignmentRow, DeploymentRow, FleetSnapshot
 from control_plane.placement import Assignment, PlacementResult, PoolCapacity, ReplicaDemand
+from control_plane.rollouts.policy import baseline_target
 
 
 def placement_inputs(
@@ -31,21 +32,22 @@ def placement_inputs(
     nodes = nodes or {}
     demands = []
     for d in snap.deployments:
-        spec = snap.specs.get((d.name, d.current_version))
-        if spec is None:
-            continue
-        demands.append(
-            ReplicaDemand(
-                deployment=d.name,
-                version=spec.version,
-                count=max(0, d.replicas),
-                gpu_models=spec.gpu_models,
-                gpu_count=spec.gpu_count,
-                gpu_memory_gb=spec.gpu_memory_gb,
-                regions=spec.regions,
-                min_regions=spec.min_regions,
+        for version, count in version_counts(snap, d).items():
+            spec = snap.specs.get((d.name, version))
+            if spec is None:
+                continue
+            demands.append(
+                ReplicaDemand(
+                    deployment=d.name,
+                    version=spec.version,
+                    count=count,
+                    gpu_models=spec.gpu_models,
+                    gpu_count=spec.gpu_count,
+                    gpu_memory_gb=spec.gpu_memory_gb,
+                    regions=spec.regions,
+                    min_regions=spec.min_regions,
+                )
             )
-        )
     pools = [
         PoolCapacity(
             cluster=c.id,
@@ -76,6 +78,38 @@ def placement_inputs(
         for a in snap.assignments
     ]
     return demands, pools, current
+
+
+def version_counts(snap: FleetSnapshot, d: DeploymentRow) -> dict[int, int]:
+    """Replicas wanted per live version: the current version alone, or during a canary
+    rollout the canary's target and the baseline less the canary replicas already ready
+    (capacity follows the weights; the surplus is at most one step's canary replicas)."""
+    total = max(0, d.replicas)
+    rollout = snap.rollouts.get(d.name)
+    if rollout is None or rollout.canary_version == d.current_version:
+        return {d.current_version: total}
+    ready = sum(
+        1
+        for a in snap.assignments
+        if a.deployment == d.name
+        and a.version == rollout.canary_version
+        and a.state == ReplicaState.ready.value
+    )
+    canary = min(total, rollout.canary_replicas)
+    return {d.current_version: baseline_target(total, canary, ready), rollout.canary_version: canary}
+
+
+def version_weights(snap: FleetSnapshot, d: DeploymentRow) -> list[VersionWeight]:
+    """Routing weights: the current version alone, or canary first (so sticky users in
+    the canary's share stay there as it grows) and the baseline with the rest."""
+    rollout = snap.rollouts.get(d.name)
+    if rollout is None or rollout.canary_version == d.current_version:
+        return [VersionWeight(version=d.current_version, weight=1.0)]
+    share = min(100.0, max(0.0, rollout.canary_weight)) / 100
+    return [
+        VersionWeight(version=rollout.canary_version, weight=round(share, 6)),
+        VersionWeight(version=d.current_version, weight=round(1 - share, 6)),
+    ]
 
 
 def next_assignments(snap: FleetSnapshot, result: PlacementResult) -> list[AssignmentRow]:
@@ -111,6 +145,11 @@ def removal_reasons(snap: FleetSnapshot, result: PlacementResult) -> dict[str, s
             continue
         if a.deployment not in current:
             why = "deployment deleted"
+        elif a.deployment in snap.rollouts and a.version in (
+            snap.rollouts[a.deployment].canary_version,
+            current[a.deployment],
+        ):
+            why = f"canary rollout of version {snap.rollouts[a.deployment].canary_version} moves capacity"
         elif a.version != current[a.deployment]:
             why = f"replaced by version {current[a.deployment]}"
         elif status.get(a.cluster) == ClusterStatus.unhealthy:
@@ -181,7 +220,7 @@ def build_routes(snap: FleetSnapshot, assignments: list[AssignmentRow]) -> dict[
             )
         out[d.name] = RoutingTable(
             deployment=d.name,
-            versions=[VersionWeight(version=d.current_version, weight=1.0)],
+            versions=version_weights(snap, d),
             clusters=routes,
         )
     return out

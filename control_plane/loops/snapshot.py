@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session, selectinload
 
 from agent.protocol import ApiKeyRecord, ClusterStatus, Coordinates, Quotas, Tier
 from control_plane.db.models import ApiKey, Cluster, Deployment, ReplicaAssignment
+from control_plane.rollouts.store import RolloutPlan, plans
 
 
 class _Row(BaseModel):
@@ -74,6 +75,7 @@ class FleetSnapshot(_Row):
     clusters: tuple[ClusterRow, ...] = ()
     assignments: tuple[AssignmentRow, ...] = ()
     keys: tuple[ApiKeyRecord, ...] = ()  # not revoked
+    rollouts: dict[str, RolloutPlan] = Field(default_factory=dict)  # active canary rollouts by deployment
 
 
 def _status(value: str) -> ClusterStatus:
@@ -101,6 +103,7 @@ def read_snapshot(session: Session) -> FleetSnapshot:
     assignments = session.scalars(select(ReplicaAssignment).order_by(ReplicaAssignment.replica_id)).all()
     keys = session.scalars(select(ApiKey).where(ApiKey.revoked_at.is_(None)).order_by(ApiKey.key_id)).all()
     return FleetSnapshot(
+        rollouts=plans(session),
         deployments=tuple(
             DeploymentRow(name=d.name, replicas=d.replicas, current_version=d.current_version)
             for d in deployments

@@ -1,0 +1,74 @@
+"""Gateway telemetry as rollouts read it: finished requests per deployment and version,
+kept in memory for a bounded time, summarised over a window.
+
+Records are stamped with the control plane's clock when they arrive (gateway clocks may
+drift), so a window is "what arrived since the step began". No I/O here: the rollout
+loop feeds `add()` from its NATS subscription on `fleet.v1.usage.*`.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from agent.protocol import UsageRecord
+from control_plane.rollouts.policy import VersionStats
+
+
+@dataclass(frozen=True)
+class Sample:
+    at: float
+    version: int | None
+    error: bool
+    ttft_s: float | None
+
+
+def p90(values: list[float]) -> float | None:
+    """Nearest-rank 90th percentile."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
+
+
+class UsageWindows:
+    """Recent requests per deployment. A request's TTFT is the gateway's time to the
+    first token for streams and its whole latency otherwise (a non-streamed answer's
+    first byte is its last), so both versions are compared on the same measure."""
+
+    def __init__(
+        self,
+        retention_s: float = 3600.0,
+        max_per_deployment: int = 200_000,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.retention_s = retention_s
+        self.max_per_deployment = max_per_deployment
+        self.clock = clock
+        self._samples: dict[str, collections.deque[Sample]] = {}
+        self.received = 0
+
+    def add(self, record: UsageRecord) -> None:
+        ttft = record.ttft_s if record.ttft_s is not None else (record.latency_s or None)
+        if record.status == 499:  # the client left: says nothing about the version
+            return
+        sample = Sample(self.clock(), record.version, record.status >= 500, ttft)
+        queue = self._samples.setdefault(record.deployment, collections.deque(maxlen=self.max_per_deployment))
+        queue.append(sample)
+        self.received += 1
+        self._prune(queue, sample.at)
+
+    def _prune(self, queue: collections.deque[Sample], now: float) -> None:
+        while queue and queue[0].at < now - self.retention_s:
+            queue.popleft()
+
+    def stats(self, deployment: str, version: int, since: float) -> VersionStats:
+        samples = [s for s in self._samples.get(deployment, ()) if s.at >= since and s.version == version]
+        return VersionStats(
+            requests=len(samples),
+            errors=sum(1 for s in samples if s.error),
+            ttft_p90_s=p90([s.ttft_s for s in samples if s.ttft_s is not None]),
+        )
