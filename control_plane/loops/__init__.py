@@ -33,6 +33,7 @@ from control_plane.loops.ingest import (
 from control_plane.loops.publish import KvPublisher
 from control_plane.loops.reconcile import ReconcileOutcome, reconcile_once
 from control_plane.placement import Unplaced, get_placer
+from control_plane.rollouts.loop import RolloutLoop, start_rollout_loop
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ class Loops:
         self._listening_since: datetime | None = None
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
+        self.rollouts: RolloutLoop | None = None
+        self.children: list = []  # other loops started with these (objects with `async stop()`)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -75,6 +78,9 @@ class Loops:
 
     async def stop(self) -> None:
         self._stopping = True
+        for child in self.children:
+            with contextlib.suppress(Exception):
+                await child.stop()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -215,7 +221,10 @@ class Loops:
 
 async def start_loops(ctx: ControlPlaneContext) -> Loops:
     """Start the control loops; `await loops.stop()` ends them."""
-    return await Loops(ctx, placer=getattr(ctx.settings, "placer", "ffd")).start()
+    loops = await Loops(ctx, placer=getattr(ctx.settings, "placer", "ffd")).start()
+    loops.rollouts = await start_rollout_loop(ctx)
+    loops.children.append(loops.rollouts)
+    return loops
 
 
 __all__ = ["Loops", "start_loops"]

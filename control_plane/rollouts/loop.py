@@ -1,0 +1,155 @@
+"""The rollout loop: every tick, each active rollout's state, its canary's ready
+replicas and the gateway telemetry of its window go through `policy.decide`; a changed
+state is stored (conditionally on the row's revision) with an event, and reconcile is
+kicked so placement and routes follow. Usage records arrive on `fleet.v1.usage.*`
+(core NATS; the FLEET_USAGE stream keeps them for other readers)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from pydantic import ValidationError
+from sqlalchemy import func, select
+
+from agent import protocol
+from control_plane.context import ControlPlaneContext
+from control_plane.db.models import Deployment, Event, ReplicaAssignment, Rollout
+from control_plane.rollouts.policy import Decision, Observation, RolloutParams, decide
+from control_plane.rollouts.store import active_filter, numbers_text, params_of, record, state_of, write_state
+from control_plane.rollouts.telemetry import UsageWindows
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.25
+LAST_EVERY_S = 1.0  # how often a waiting rollout's live numbers are stored for `status`
+
+
+class RolloutLoop:
+    def __init__(
+        self, ctx: ControlPlaneContext, windows: UsageWindows | None = None, tick_s: float = TICK_S
+    ) -> None:
+        self.ctx = ctx
+        self.windows = windows or UsageWindows()
+        self.tick_s = tick_s
+        self.started_at = time.time()
+        self.decisions = 0
+        self._seen: set[int] = set()
+        self._last_written: dict[int, float] = {}
+        self._subscribed_nc: object | None = None
+        self._sub = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> RolloutLoop:
+        link = self.ctx.nats
+        if link is not None:
+            link.on_connect(self._on_connect)
+            if link.is_connected:
+                await self._on_connect()
+        self._task = asyncio.create_task(self._run(), name="cp-rollouts")
+        return self
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+
+    async def _on_connect(self) -> None:
+        link = self.ctx.nats
+        if link is None or link.nc is None or self._subscribed_nc is link.nc:
+            return
+        self._subscribed_nc = link.nc
+        self._sub = await link.nc.subscribe(protocol.USAGE_WILDCARD, cb=self._on_usage)
+
+    async def _on_usage(self, msg) -> None:
+        try:
+            usage = protocol.UsageRecord.from_bytes(msg.data)
+        except (ValidationError, ValueError):
+            return
+        if usage.schema_version <= protocol.SCHEMA_VERSION:
+            self.windows.add(usage)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick_s)
+            try:
+                if await asyncio.to_thread(self.tick, time.time()):
+                    self.ctx.kick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("rollout tick failed")
+
+    # ----------------------------------------------------------------- one pass (sync, in a thread)
+
+    def tick(self, now: float) -> bool:
+        """Decide every active rollout once; True when any state changed."""
+        changed = False
+        with self.ctx.sessions() as session:
+            rows = session.execute(
+                select(Rollout, Deployment.name, Deployment.replicas)
+                .join(Deployment, Deployment.id == Rollout.deployment_id)
+                .where(active_filter())
+                .order_by(Rollout.id)
+            ).all()
+            for row, name, replicas in rows:
+                if row.id not in self._seen:
+                    self._seen.add(row.id)
+                    if row.created_at.timestamp() < self.started_at - 1:
+                        session.add(
+                            Event(
+                                kind="rollout_resumed",
+                                deployment=name,
+                                message=(
+                                    f"{name} v{row.baseline_version}->v{row.canary_version}: resumed in phase "
+                                    f"{row.phase} at step {row.step + 1} (telemetry counts from now)"
+                                ),
+                            )
+                        )
+                decision = self._decide(session, row, name, replicas, now)
+                if decision.changed:
+                    if write_state(session, row, decision.state, decision.numbers):
+                        record(session, name, row, decision)
+                        self.decisions += 1
+                        changed = True
+                        log.info(
+                            "rollout %s: %s [%s]", name, decision.message, numbers_text(decision.numbers)
+                        )
+                elif now - self._last_written.get(row.id, 0.0) >= LAST_EVERY_S:
+                    numbers = {**decision.numbers, "status": decision.message}
+                    if write_state(session, row, decision.state, numbers):
+                        self._last_written[row.id] = now
+            session.commit()
+        return changed
+
+    def _decide(self, session, row: Rollout, name: str, replicas: int, now: float) -> Decision:
+        params: RolloutParams = params_of(row)
+        state = state_of(row)
+        ready = session.scalar(
+            select(func.count())
+            .select_from(ReplicaAssignment)
+            .where(
+                ReplicaAssignment.deployment_id == row.deployment_id,
+                ReplicaAssignment.version == row.canary_version,
+                ReplicaAssignment.state == protocol.ReplicaState.ready.value,
+            )
+        )
+        since = max(state.window_started_at or now, self.started_at)
+        obs = Observation(
+            now=now,
+            replicas=replicas,
+            canary_ready=int(ready or 0),
+            canary=self.windows.stats(name, row.canary_version, since),
+            baseline=self.windows.stats(name, row.baseline_version, since),
+        )
+        return decide(params, state, obs)
+
+
+async def start_rollout_loop(ctx: ControlPlaneContext) -> RolloutLoop:
+    return await RolloutLoop(ctx).start()
