@@ -1,0 +1,265 @@
+"""Autoscaling policies: plain, synchronous, side-effect free (the one thing a decision
+changes is the `ScalerState` it is handed: its sliding windows). The same objects run in
+the control plane's autoscale loop and in `fleetctl simulate`.
+
+Knative-like (KPA): demand is requests in flight and queued, summed over clusters.
+- stable demand: its mean over `stable_window_s`; panic demand: over `panic_window_s`;
+- desired = ceil(demand / (target_concurrency x target_utilization)), within min..max;
+- panic: when the panic window wants `panic_threshold` x the ready replicas, follow it at
+  once and never scale down until the panic has been over for a stable window;
+- scale up at once; scale down only to the highest desired count of the last
+  `scale_down_delay_s`; rate of change bounded by `max_scale_up_rate` and
+  `max_scale_down_rate` (factors of the ready count per decision);
+- scale to zero (min 0 and `scale_to_zero`) only after `scale_to_zero_grace_s` without
+  any demand; from zero: one replica at once when demand appears.
+
+Policies: `kpa` (the algorithm with Knative's defaults for its windows, delay and rates),
+`ours` (the same algorithm with tighter windows, a scale-down delay, and a saturation
+trigger: while requests queue, the demand of this tick counts, not only the windows' means), `static` (always the
+maximum). Every decision is a `Decision` with the reason in words.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class AutoscaleSettings(BaseModel):
+    """Per deployment version (JSON in `DeploymentVersion.autoscaling`); None means the
+    policy's own default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: str = "ours"
+    min_replicas: int = Field(1, ge=0, le=1000)
+    max_replicas: int = Field(10, ge=0, le=1000)
+    target_concurrency: float = Field(16.0, gt=0, description="requests per replica")
+    target_utilization: float | None = Field(None, gt=0, le=1)
+    stable_window_s: float | None = Field(None, gt=0, le=3600)
+    panic_window_s: float | None = Field(None, gt=0, le=3600)
+    panic_threshold: float | None = Field(None, ge=1)
+    scale_down_delay_s: float | None = Field(None, ge=0, le=3600)
+    max_scale_up_rate: float | None = Field(None, gt=1)
+    max_scale_down_rate: float | None = Field(None, gt=1)
+    scale_to_zero: bool = True
+    scale_to_zero_grace_s: float | None = Field(None, ge=0, le=3600)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscaleSettings:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError("max_replicas must be >= min_replicas")
+        if self.stable_window_s is not None and self.panic_window_s is not None:
+            if self.panic_window_s > self.stable_window_s:
+                raise ValueError("panic_window_s must be <= stable_window_s")
+        return self
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """A policy's defaults for the knobs a deployment leaves unset."""
+
+    target_utilization: float
+    stable_window_s: float
+    panic_window_s: float
+    panic_threshold: float
+    scale_down_delay_s: float
+    max_scale_up_rate: float
+    max_scale_down_rate: float
+    scale_to_zero_grace_s: float
+    saturation_trigger: bool = False
+
+
+# Knative Serving's defaults (config-autoscaler): 70 % utilization, 60 s stable window,
+# panic window 10 % of it, panic at 200 %, no scale-down delay, rates 1000 and 2.
+KPA_TUNING = Tuning(0.7, 60.0, 6.0, 2.0, 0.0, 1000.0, 2.0, 30.0)
+OURS_TUNING = Tuning(0.8, 30.0, 5.0, 1.5, 60.0, 1000.0, 1.5, 60.0, saturation_trigger=True)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One tick's view of a deployment, summed over clusters."""
+
+    at: float
+    in_flight: float  # running on replicas
+    queued: float = 0.0  # waiting on replicas and in gateway queues
+    ready: int = 0
+    starting: int = 0
+    current: int = 0  # replicas wanted now (Deployment.replicas)
+
+    @property
+    def demand(self) -> float:
+        return self.in_flight + self.queued
+
+
+@dataclass(frozen=True)
+class Decision:
+    desired: int
+    current: int
+    reason: str
+    stable_demand: float = 0.0
+    panic_demand: float = 0.0
+    panic: bool = False
+
+    @property
+    def changed(self) -> bool:
+        return self.desired != self.current
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "desired": self.desired,
+            "current": self.current,
+            "reason": self.reason,
+            "stable_demand": round(self.stable_demand, 3),
+            "panic_demand": round(self.panic_demand, 3),
+            "panic": self.panic,
+        }
+
+
+@dataclass
+class ScalerState:
+    """The windows of one deployment: demand samples, recent desired counts, panic."""
+
+    samples: deque[tuple[float, float]] = field(default_factory=deque)
+    recent: deque[tuple[float, int]] = field(default_factory=deque)
+    panic_until: float = -math.inf
+    last_demand_at: float = -math.inf
+
+
+class AutoscalePolicy(Protocol):
+    name: str
+
+    def decide(self, settings: AutoscaleSettings, state: ScalerState, obs: Observation) -> Decision: ...
+
+
+def _mean(samples: deque[tuple[float, float]], since: float) -> float:
+    values = [v for t, v in samples if t > since]
+    return sum(values) / len(values) if values else 0.0
+
+
+class KnativeLike:
+    """The KPA algorithm above, with `tuning` for the knobs a deployment leaves unset."""
+
+    def __init__(self, name: str, tuning: Tuning) -> None:
+        self.name = name
+        self.tuning = tuning
+
+    def knob(self, settings: AutoscaleSettings, key: str) -> float:
+        value = getattr(settings, key)
+        return float(getattr(self.tuning, key) if value is None else value)
+
+    def decide(self, settings: AutoscaleSettings, state: ScalerState, obs: Observation) -> Decision:
+        k = lambda key: self.knob(settings, key)  # noqa: E731
+        t, stable_w, panic_w = obs.at, k("stable_window_s"), k("panic_window_s")
+        state.samples.append((t, obs.demand))
+        while state.samples and state.samples[0][0] <= t - stable_w:
+            state.samples.popleft()
+        if obs.demand > 0:
+            state.last_demand_at = t
+        per_replica = settings.target_concurrency * k("target_utilization")
+        stable = _mean(state.samples, t - stable_w)
+        panic_demand = _mean(state.samples, t - panic_w)
+        want_stable = math.ceil(stable / per_replica - 1e-9)
+        want_panic = math.ceil(panic_demand / per_replica - 1e-9)
+        ready = obs.ready
+        base = max(ready, 1)
+
+        reasons: list[str] = []
+        if want_panic > ready and want_panic >= k("panic_threshold") * base:
+            if t >= state.panic_until:
+                reasons.append(f"panic: {panic_demand:.1f} in flight over {panic_w:g}s wants {want_panic}")
+            state.panic_until = t + stable_w
+        panic = t < state.panic_until
+        if panic:
+            desired = max(want_panic, want_stable, obs.current)
+            if not reasons:
+                reasons.append(f"panic mode (until {state.panic_until - t:.0f}s from now): no scale-down")
+        else:
+            desired = want_stable
+            reasons.append(
+                f"stable demand {stable:.1f} over {stable_w:g}s / {per_replica:g} per replica -> {desired}"
+            )
+
+        if self.tuning.saturation_trigger and obs.queued > 0:
+            instant = math.ceil(obs.demand / per_replica - 1e-9)
+            if instant > desired:
+                desired = instant
+                reasons.append(f"saturated: {obs.queued:g} queued, {obs.demand:g} in flight now -> {desired}")
+
+        # Scale down only to the highest desired count of the delay window.
+        delay = k("scale_down_delay_s")
+        state.recent.append((t, desired))
+        while state.recent and state.recent[0][0] < t - delay:
+            state.recent.popleft()
+        held = max(d for _, d in state.recent)
+        if held > desired:
+            desired = held
+            reasons.append(f"held at {held} by the {delay:g}s scale-down delay")
+
+        # Rates of change, relative to the ready replicas.
+        up_limit = math.ceil(k("max_scale_up_rate") * base)
+        down_limit = math.floor(ready / k("max_scale_down_rate"))
+        if desired > up_limit:
+            desired = up_limit
+            reasons.append(f"scale-up rate bounds it to {up_limit}")
+        if desired < down_limit and desired < obs.current:
+            desired = min(obs.current, down_limit)
+            reasons.append(f"scale-down rate bounds it to {desired}")
+
+        # Zero, and back from it.
+        if desired == 0:
+            grace = k("scale_to_zero_grace_s")
+            if settings.min_replicas > 0 or not settings.scale_to_zero:
+                desired = max(1, settings.min_replicas)
+            elif t - state.last_demand_at < grace:
+                desired = 1
+                reasons.append(
+                    f"idle for {max(0.0, t - state.last_demand_at):.0f}s of {grace:g}s before zero"
+                )
+            else:
+                reasons.append(f"scale to zero: no demand for {grace:g}s")
+        if obs.demand > 0 and desired == 0:
+            desired = 1
+        if obs.demand > 0 and obs.current == 0 and ready == 0:
+            reasons.append("scale from zero: demand with no replica")
+
+        bounded = min(max(desired, settings.min_replicas), settings.max_replicas)
+        if bounded != desired:
+            reasons.append(
+                f"bounded to {bounded} by min {settings.min_replicas} / max {settings.max_replicas}"
+            )
+        return Decision(bounded, obs.current, "; ".join(reasons), stable, panic_demand, panic)
+
+
+class Static:
+    """Always `max_replicas` (provisioned for the peak)."""
+
+    name = "static"
+
+    def decide(self, settings: AutoscaleSettings, state: ScalerState, obs: Observation) -> Decision:
+        return Decision(settings.max_replicas, obs.current, f"static: {settings.max_replicas} replicas")
+
+
+POLICIES: dict[str, Callable[[], AutoscalePolicy]] = {
+    "ours": lambda: KnativeLike("ours", OURS_TUNING),
+    "kpa": lambda: KnativeLike("kpa", KPA_TUNING),
+    "static": Static,
+}
+
+
+def register_policy(name: str, factory: Callable[[], AutoscalePolicy]) -> None:
+    POLICIES[name] = factory
+
+
+def make_policy(name: str) -> AutoscalePolicy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(
+            f"unknown autoscaling policy {name!r}; known: {', '.join(sorted(POLICIES))}"
+        ) from None
