@@ -26,6 +26,7 @@ from control_plane.api.schemas import (
 )
 from control_plane.api.views import deployment_status, deployment_summaries, version_out
 from control_plane.db.models import Deployment, DeploymentVersion, ReplicaAssignment, utcnow
+from control_plane.rollouts.store import active_for
 
 router = APIRouter(prefix="/v1/deployments", tags=["deployments"])
 VersionNumber = Annotated[int, Path(ge=1, le=2**31 - 1)]
@@ -103,6 +104,13 @@ def update_deployment(
     spec, replicas = specs.merged_spec(current_spec, dep.replicas, body)
     changes = []
     if spec != current_spec:
+        rollout = active_for(session, dep.id)
+        if rollout is not None:
+            raise conflict(
+                f"{name} is rolling out version {rollout.canary_version}; promote or abort it before "
+                "changing the spec (fleetctl rollout promote|abort)",
+                "deployment",
+            )
         version = max(v.version for v in dep.versions) + 1
         dep.versions.append(DeploymentVersion(version=version, **spec))
         dep.current_version = version
@@ -212,6 +220,9 @@ def delete_version(
     )
     if running is not None:
         raise conflict(f"version {version} of {name} still has replicas (e.g. {running})", "version")
+    rollout = active_for(session, dep.id)
+    if rollout is not None and version == rollout.canary_version:
+        raise conflict(f"version {version} of {name} is being rolled out", "version")
     out = version_out(row, dep.current_version)
     dep.versions.remove(row)
     audit(session, who, "version.delete", "deployment_version", f"{name}/{version}", out, None)

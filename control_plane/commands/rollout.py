@@ -1,0 +1,153 @@
+"""fleetctl rollout start|status|promote|abort: canary rollouts over the admin API."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, console, emit, emit_json, fail
+from control_plane.commands.resources import _engine_args, _load_file, call
+
+rollout_app = typer.Typer(help="Canary rollouts: start, status, promote, abort.", no_args_is_help=True)
+
+ROLLOUT_COLUMNS = [
+    "deployment",
+    "baseline_version",
+    "canary_version",
+    "phase",
+    "step",
+    "canary_weight",
+    "canary_replicas",
+    "reason",
+]
+NUMBER_COLUMNS = [
+    "canary_requests",
+    "canary_error_rate",
+    "baseline_requests",
+    "baseline_error_rate",
+    "canary_ttft_p90_s",
+    "baseline_ttft_p90_s",
+    "ttft_p90_ratio",
+    "status",
+]
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+
+
+def parse_duration(text: str) -> float:
+    """'90', '90s', '2m', '1.5h', '500ms' -> seconds."""
+    match = _DURATION.match(text)
+    if not match:
+        fail(f"--step-duration {text!r}: expected a duration like 30s, 2m or 1h")
+    value, unit = float(match.group(1)), match.group(2) or "s"
+    seconds = value * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[unit]
+    if seconds <= 0:
+        fail("--step-duration must be positive")
+    return seconds
+
+
+def parse_steps(text: str) -> list[float]:
+    try:
+        return [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        fail(f"--steps {text!r}: expected comma-separated percentages like 5,25,50,100")
+
+
+def _show(data: dict, output: OutputFormat) -> None:
+    if output == OutputFormat.json:
+        emit_json(data)
+        return
+    row = {
+        **data,
+        "step": f"{data['step']}/{len(data['steps'])}",
+        "canary_weight": f"{data['canary_weight']:g}%",
+    }
+    emit(row, output, ROLLOUT_COLUMNS, title=f"rollout of {data['deployment']}")
+    last = data.get("last") or {}
+    if last:
+        emit(last, output, [c for c in NUMBER_COLUMNS if c in last], title="last window")
+    else:
+        console.print("no telemetry yet")
+
+
+def start(
+    name: str = typer.Argument(..., help="deployment name"),
+    version: int = typer.Option(None, "--version", help="roll out this existing version"),
+    file: Path = typer.Option(
+        None, "--file", "-f", help="the new version's fields (YAML, like fleetctl deploy -f)"
+    ),
+    model: str = typer.Option(None, "--model", "-m", help="the new version's model"),
+    engine_arg: list[str] = typer.Option(
+        None, "--engine-arg", "-e", help="new version's engine flag KEY=VALUE"
+    ),
+    steps: str = typer.Option("5,25,50,100", "--steps", help="canary traffic percentages, ending at 100"),
+    step_duration: str = typer.Option("2m", "--step-duration", help="how long each step is observed"),
+    max_error_rate: float = typer.Option(
+        0.02, "--max-error-rate", help="roll back above this canary 5xx share"
+    ),
+    max_ttft_p90_ratio: float = typer.Option(
+        1.3, "--max-ttft-p90-ratio", help="roll back above this canary/baseline TTFT p90"
+    ),
+    min_requests: int = typer.Option(50, "--min-requests", help="canary requests needed per step"),
+    ready_timeout: str = typer.Option(
+        "10m", "--ready-timeout", help="roll back if canary replicas take longer"
+    ),
+    output: OutputFormat = OUTPUT_OPTION,
+) -> None:
+    """Start a canary rollout of NAME to --version V or to a new version (-f FILE, --model, -e)."""
+    body: dict[str, Any] = {
+        "steps": parse_steps(steps),
+        "step_duration_s": parse_duration(step_duration),
+        "max_error_rate": max_error_rate,
+        "max_ttft_p90_ratio": max_ttft_p90_ratio,
+        "min_requests": min_requests,
+        "ready_timeout_s": parse_duration(ready_timeout),
+    }
+    spec: dict[str, Any] = _load_file(file) if file else {}
+    spec.pop("name", None)
+    if model:
+        spec["model"] = model
+    if engine_arg:
+        spec["engine_args"] = {**spec.get("engine_args", {}), **_engine_args(engine_arg)}
+    if version is not None and spec:
+        fail("give either --version or a new spec (-f/--model/-e), not both")
+    if version is not None:
+        body["version"] = version
+    elif spec:
+        body["spec"] = spec
+    else:
+        fail("give --version V or the new version's fields (-f FILE, --model, -e KEY=VALUE)")
+    _show(call(lambda c: c.post(f"/v1/deployments/{name}/rollouts", body)), output)
+
+
+def status(
+    name: str = typer.Argument(..., help="deployment name"), output: OutputFormat = OUTPUT_OPTION
+) -> None:
+    """The active (or last) rollout of NAME with its last window's numbers."""
+    _show(call(lambda c: c.get(f"/v1/deployments/{name}/rollouts/current")), output)
+
+
+def promote(
+    name: str = typer.Argument(..., help="deployment name"), output: OutputFormat = OUTPUT_OPTION
+) -> None:
+    """Promote the canary now: it becomes the current version."""
+    _show(call(lambda c: c.post(f"/v1/deployments/{name}/rollouts/current/promote")), output)
+
+
+def abort(
+    name: str = typer.Argument(..., help="deployment name"), output: OutputFormat = OUTPUT_OPTION
+) -> None:
+    """Abort the rollout: all traffic back to the baseline, the canary's replicas removed."""
+    _show(call(lambda c: c.post(f"/v1/deployments/{name}/rollouts/current/abort")), output)
+
+
+rollout_app.command("start")(start)
+rollout_app.command("status")(status)
+rollout_app.command("promote")(promote)
+rollout_app.command("abort")(abort)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(rollout_app, name="rollout")
