@@ -162,12 +162,19 @@ class ClusterRoute(BaseModel):
     coordinates: Coordinates = Field(default_factory=Coordinates)
     replicas: int = 0
     healthy: bool = True
+    provider: str = ""
+    # Set in RoutingTable.by_region lists: expected RTT from that client region, and the
+    # cluster's share of the deployment's ready replicas (its capacity for spillover).
+    rtt_ms: float | None = None
+    weight: float = 0.0
 
 
 class RoutingTable(Message):
     deployment: str
     versions: list[VersionWeight] = Field(default_factory=list)
     clusters: list[ClusterRoute] = Field(default_factory=list)
+    # Client region -> clusters in order of expected latency (control_plane.geo.routes).
+    by_region: dict[str, list[ClusterRoute]] = Field(default_factory=dict)
     generation: int = 0
     updated_at: float = Field(default_factory=time.time)
 
@@ -296,6 +303,8 @@ class Heartbeat(Message):
     desired_generation: int = -1  # last DesiredState generation the agent applied
     queue_depth: int = 0
     tokens_per_s: float = 0.0
+    # Replicas whose spot node the provider reclaimed: re-placed at once (elsewhere).
+    preempted: list[str] = Field(default_factory=list)
     sent_at: float = Field(default_factory=time.time)
 
 

@@ -9,6 +9,7 @@ better placer (issue #6) replaces first-fit-decreasing by registering under a na
 from __future__ import annotations
 
 import fnmatch
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
@@ -36,6 +37,7 @@ class PoolCapacity(_Frozen):
     hourly_price: float = Field(0.0, ge=0)
     cluster_status: ClusterStatus = ClusterStatus.healthy
     coordinates: Coordinates = Field(default_factory=Coordinates)
+    provider: str = ""  # with `region`, finds measured latencies (control_plane.geo)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -77,6 +79,16 @@ class ReplicaDemand(_Frozen):
     gpu_memory_gb: float = Field(0.0, ge=0)
     regions: tuple[str, ...] = ()
     min_regions: int = Field(1, ge=0)
+    # At most this share of the replicas on spot pools (1.0: no limit). FFD ignores it.
+    max_spot_fraction: float = Field(1.0, ge=0, le=1)
+    # Where requests come from: region -> share (weights, need not sum to 1); the
+    # optimizing placer prefers pools near it once cost and moves are settled.
+    demand_regions: dict[str, float] = Field(default_factory=dict)
+
+    @property
+    def max_spot(self) -> int:
+        """How many replicas may run on spot."""
+        return math.floor(self.max_spot_fraction * self.count + 1e-9)
 
     @property
     def key(self) -> tuple[str, int]:
