@@ -1,5 +1,5 @@
 """Placement of replicas onto capacity pools, behind one interface (`Placer`) and a
-registry by name (`get_placer("ffd")`)."""
+registry by name (`get_placer("ffd")`, `get_placer("milp")`)."""
 
 from control_plane.placement.base import (
     Assignment,
@@ -14,15 +14,18 @@ from control_plane.placement.base import (
     register_placer,
 )
 from control_plane.placement.ffd import FirstFitDecreasing, new_replica_id
+from control_plane.placement.milp import MilpPlacer, SolveInfo
 
 __all__ = [
     "Assignment",
     "CurrentAssignment",
     "FirstFitDecreasing",
+    "MilpPlacer",
     "PlacementResult",
     "Placer",
     "PoolCapacity",
     "ReplicaDemand",
+    "SolveInfo",
     "Unplaced",
     "get_placer",
     "new_replica_id",

@@ -1,0 +1,113 @@
+"""What a plan costs and whether it keeps every rule: shared by the optimizing placer,
+`fleetctl plan`, the benchmark and the property tests, so all of them count alike.
+
+Cost is per hour: every node of a spot or on-demand pool that holds a replica, plus the
+committed price of every reserved node (paid whether used or not)."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+
+from agent.protocol import Tier
+from control_plane.placement.base import Assignment, PoolCapacity, ReplicaDemand
+
+
+def slot_size(gpus: int, gpus_per_node: int) -> float:
+    """GPUs a replica effectively takes on a node: a node holds floor(G/g) replicas of g
+    GPUs, so each takes G/floor(G/g). Equal to g when g divides G (1, 2, 4, 8 on 8-GPU
+    nodes); with such sizes first-fit-decreasing packs nodes exactly."""
+    per_node = gpus_per_node // gpus
+    return gpus_per_node / per_node if per_node else math.inf
+
+
+def nodes_used(
+    pools: Sequence[PoolCapacity], assignments: Iterable[Assignment]
+) -> dict[tuple[str, str], int]:
+    """Nodes holding a replica, per pool (recorded node indices; packed when absent)."""
+    by_pool = {p.key: p for p in pools}
+    seen: dict[tuple[str, str], set[int]] = defaultdict(set)
+    loose: dict[tuple[str, str], float] = defaultdict(float)
+    for a in assignments:
+        if a.node is not None:
+            seen[a.pool_key].add(a.node)
+        elif a.pool_key in by_pool:
+            p = by_pool[a.pool_key]
+            loose[a.pool_key] += slot_size(a.gpus, p.gpus_per_node)
+    out = {k: len(v) for k, v in seen.items()}
+    for k, gpus in loose.items():
+        out[k] = out.get(k, 0) + math.ceil(gpus / by_pool[k].gpus_per_node - 1e-9)
+    return out
+
+
+def committed_cost(pools: Iterable[PoolCapacity]) -> float:
+    """Reserved capacity's price, owed whatever the plan."""
+    return sum(p.hourly_price * p.nodes for p in pools if p.tier == Tier.reserved)
+
+
+def plan_cost(pools: Sequence[PoolCapacity], assignments: Iterable[Assignment]) -> float:
+    by_pool = {p.key: p for p in pools}
+    used = nodes_used(pools, assignments)
+    variable = sum(
+        by_pool[k].hourly_price * n
+        for k, n in used.items()
+        if k in by_pool and by_pool[k].tier != Tier.reserved
+    )
+    return variable + committed_cost(by_pool.values())
+
+
+def violations(
+    demands: Sequence[ReplicaDemand], pools: Sequence[PoolCapacity], assignments: Sequence[Assignment]
+) -> list[str]:
+    """Every hard rule a plan breaks (empty: it keeps them all). Replica counts may fall
+    short (that is reported as unplaced), never exceed; min_regions is checked by the caller
+    against the placer's own notes."""
+    problems: list[str] = []
+    by_pool = {p.key: p for p in pools}
+    by_demand = {d.key: d for d in demands}
+    count: dict[tuple[str, int], int] = defaultdict(int)
+    spot: dict[tuple[str, int], int] = defaultdict(int)
+    load: dict[tuple[tuple[str, str], int], float] = defaultdict(float)
+    ids: set[str] = set()
+    for a in assignments:
+        if a.replica_id in ids:
+            problems.append(f"replica id {a.replica_id} used twice")
+        ids.add(a.replica_id)
+        d, p = by_demand.get((a.deployment, a.version)), by_pool.get(a.pool_key)
+        if d is None or p is None:
+            problems.append(f"{a.replica_id}: unknown demand or pool")
+            continue
+        if not d.acceptable(p):
+            problems.append(f"{a.replica_id}: pool {p.key} breaks a static constraint of {d.deployment}")
+        if a.gpus != d.gpu_count:
+            problems.append(f"{a.replica_id}: {a.gpus} GPUs, wants {d.gpu_count}")
+        if not p.keeps_existing:
+            problems.append(f"{a.replica_id}: on unhealthy cluster {p.cluster}")
+        count[d.key] += 1
+        spot[d.key] += p.tier == Tier.spot
+        if a.node is None or not 0 <= a.node < p.nodes:
+            problems.append(f"{a.replica_id}: node {a.node} outside pool {p.key} of {p.nodes} nodes")
+        else:
+            load[(p.key, a.node)] += a.gpus
+    for (key, node), gpus in load.items():
+        if gpus > by_pool[key].gpus_per_node + 1e-9:
+            problems.append(f"node {node} of {key} holds {gpus:g} GPUs of {by_pool[key].gpus_per_node}")
+    for key, n in count.items():
+        d = by_demand[key]
+        if n > d.count:
+            problems.append(f"{d.deployment}: {n} replicas placed, {d.count} wanted")
+        if spot[key] > d.max_spot:
+            problems.append(f"{d.deployment}: {spot[key]} on spot, at most {d.max_spot}")
+    return problems
+
+
+def regions_of(
+    demand: ReplicaDemand, pools: Sequence[PoolCapacity], assignments: Iterable[Assignment]
+) -> set[str]:
+    by_pool = {p.key: p for p in pools}
+    return {
+        by_pool[a.pool_key].region
+        for a in assignments
+        if (a.deployment, a.version) == demand.key and a.pool_key in by_pool
+    }

@@ -1,0 +1,561 @@
+"""Optimizing placement: a mixed-integer program solved by HiGHS.
+
+Per (demand d, acceptable pool p) an integer x[d,p] (replicas), per pool an integer
+y[p] (nodes to acquire, at most the pool's `nodes`), and:
+
+    sum_p x[d,p] + u[d] = R_d                    every replica placed (u: shortfall)
+    sum_d s[d,p] x[d,p] <= G_p y[p]              node packing (s: effective slot size)
+    sum_{p spot} x[d,p] <= floor(S_d R_d)        spot share
+    z[d,r] <= sum_{p in r} x[d,p],  sum_r z[d,r] + v[d] >= min(K_d, R_d)   active-active
+    m[d,p] >= cur[d,p] - x[d,p]                  moves away from the current assignment
+
+minimize   sum_p price_p y_p   (reserved pools: 0, already paid for)
+         + move_fraction * (price per GPU of the pool left) * GPUs * m       a move must pay
+         + distance_weight * RTT(pool, demand regions) * GPUs * x            then nearness
+         + BIG * u + BIG_R * v                                                 shortfalls last
+
+The weights make the order cost > moves > distance without a second solve: a replica
+moves only to save more than `move_fraction` of its own hourly price. The solve is
+warm-started from first-fit-decreasing seeded with the current assignment (so it is
+never worse than FFD), runs under a time limit and a relative gap, and the LP
+relaxation of the cost-only problem gives a lower bound. Past `max_pairs` variables,
+or on any solver failure, the greedy FFD plan is used (made spot-share safe).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import highspy
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from agent.protocol import Tier
+from control_plane.placement.base import (
+    Assignment,
+    PlacementResult,
+    Placer,
+    PoolCapacity,
+    ReplicaDemand,
+    Unplaced,
+    register_placer,
+)
+from control_plane.placement.evaluate import committed_cost, plan_cost, slot_size
+from control_plane.placement.explain import explain_regions, explain_shortfall
+from control_plane.placement.ffd import FirstFitDecreasing, IdFactory, new_replica_id
+
+# RTT in ms from a pool to a client region; None when unknown.
+Distance = Callable[[PoolCapacity, str], float | None]
+
+
+class SolveInfo(BaseModel):
+    """How a plan was found, for `fleetctl plan` and the benchmark."""
+
+    model_config = ConfigDict(frozen=True)
+
+    method: str  # "milp-optimal", "milp-time-limit", "milp-gap", "greedy-huge", "greedy-error"
+    cost: float  # $/hour of the plan (evaluate.plan_cost)
+    lp_bound: float | None = None  # $/hour: no plan placing every replica costs less
+    mip_bound: float | None = None  # the solver's own dual bound on the weighted objective
+    solve_s: float = 0.0
+    variables: int = 0
+    note: str = ""
+
+
+@dataclass
+class _Model:
+    """A sparse model in row-wise form, built once and solved as MIP and as LP."""
+
+    cost: list[float] = field(default_factory=list)
+    cost_only: list[float] = field(default_factory=list)  # objective of the LP bound
+    lower: list[float] = field(default_factory=list)
+    upper: list[float] = field(default_factory=list)
+    integer: list[bool] = field(default_factory=list)
+    row_lower: list[float] = field(default_factory=list)
+    row_upper: list[float] = field(default_factory=list)
+    starts: list[int] = field(default_factory=lambda: [0])
+    index: list[int] = field(default_factory=list)
+    value: list[float] = field(default_factory=list)
+
+    def var(self, cost: float, upper: float, integer: bool, cost_only: float | None = None) -> int:
+        self.cost.append(cost)
+        self.cost_only.append(cost if cost_only is None else cost_only)
+        self.lower.append(0.0)
+        self.upper.append(upper)
+        self.integer.append(integer)
+        return len(self.cost) - 1
+
+    def row(self, terms: dict[int, float] | list[tuple[int, float]], lo: float, hi: float) -> None:
+        items = terms.items() if isinstance(terms, dict) else terms
+        for i, v in items:
+            if v:
+                self.index.append(i)
+                self.value.append(v)
+        self.starts.append(len(self.index))
+        self.row_lower.append(lo)
+        self.row_upper.append(hi)
+
+    def highs(self, relax: bool, time_limit_s: float, gap: float, threads: int) -> highspy.Highs:
+        inf = highspy.kHighsInf
+        lp = highspy.HighsLp()
+        lp.num_col_ = len(self.cost)
+        lp.num_row_ = len(self.row_lower)
+        lp.col_cost_ = np.array(self.cost_only if relax else self.cost, dtype=float)
+        lp.col_lower_ = np.array(self.lower, dtype=float)
+        lp.col_upper_ = np.array([inf if math.isinf(u) else u for u in self.upper], dtype=float)
+        lp.row_lower_ = np.array([-inf if math.isinf(v) else v for v in self.row_lower], dtype=float)
+        lp.row_upper_ = np.array([inf if math.isinf(v) else v for v in self.row_upper], dtype=float)
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+        lp.a_matrix_.start_ = np.array(self.starts, dtype=np.int32)
+        lp.a_matrix_.index_ = np.array(self.index, dtype=np.int32)
+        lp.a_matrix_.value_ = np.array(self.value, dtype=float)
+        if not relax:
+            lp.integrality_ = [
+                highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in self.integer
+            ]
+        h = _new_highs()
+        h.setOptionValue("output_flag", False)
+        h.setOptionValue("time_limit", max(0.05, time_limit_s))
+        h.setOptionValue("mip_rel_gap", gap)
+        h.setOptionValue("threads", threads)
+        h.setOptionValue("random_seed", 0)
+        h.passModel(lp)
+        return h
+
+
+_BANNER_SILENCED = False
+
+
+def _new_highs() -> highspy.Highs:
+    """A Highs instance; the first one of a process prints a banner on stdout from C++
+    (which would corrupt `fleetctl plan -o json`), so fd 1 is muted around it."""
+    global _BANNER_SILENCED
+    if _BANNER_SILENCED:
+        return highspy.Highs()
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            h = highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    _BANNER_SILENCED = True
+    return h
+
+
+class MilpPlacer(Placer):
+    name = "milp"
+
+    def __init__(
+        self,
+        time_limit_s: float = 5.0,
+        mip_gap: float = 0.005,
+        max_pairs: int = 150_000,
+        move_fraction: float = 0.1,
+        distance_weight: float = 1e-4,  # $/hour per ms of RTT per GPU
+        distance: Distance | None = None,
+        id_factory: IdFactory = new_replica_id,
+        threads: int = 1,
+    ) -> None:
+        self.time_limit_s = time_limit_s
+        self.mip_gap = mip_gap
+        self.max_pairs = max_pairs
+        self.move_fraction = move_fraction
+        self.distance_weight = distance_weight
+        self._distance = distance
+        self._id_factory = id_factory
+        self.threads = threads
+        self.last: SolveInfo | None = None
+
+    def place(
+        self,
+        demands: Sequence[ReplicaDemand],
+        pools: Sequence[PoolCapacity],
+        current: Sequence[Assignment] = (),
+    ) -> PlacementResult:
+        return self.solve(demands, pools, current)[0]
+
+    def solve(
+        self,
+        demands: Sequence[ReplicaDemand],
+        pools: Sequence[PoolCapacity],
+        current: Sequence[Assignment] = (),
+        lp_bound: bool = False,
+    ) -> tuple[PlacementResult, SolveInfo]:
+        started = time.perf_counter()
+        by_demand: dict[tuple[str, int], ReplicaDemand] = {}
+        for d in demands:
+            if d.key in by_demand:
+                raise ValueError(f"duplicate demand for {d.deployment} v{d.version}")
+            by_demand[d.key] = d
+        pools = list({p.key: p for p in pools}.values())
+        greedy = FirstFitDecreasing(self._id_factory).place(list(by_demand.values()), pools, current)
+        greedy = _cap_spot(greedy, by_demand, pools)
+        pairs = [
+            (d, p)
+            for d in by_demand.values()
+            for p in pools
+            if d.count > 0 and d.acceptable(p) and p.keeps_existing
+        ]
+        if len(pairs) > self.max_pairs:
+            info = self._info(
+                "greedy-huge", pools, greedy, started, note=f"{len(pairs)} pairs > {self.max_pairs}"
+            )
+            self.last = info
+            return greedy, info
+        try:
+            result, info = self._solve(by_demand, pools, current, pairs, greedy, started, lp_bound)
+        except Exception as e:
+            result, info = (
+                greedy,
+                self._info("greedy-error", pools, greedy, started, note=f"{type(e).__name__}: {e}"),
+            )
+        self.last = info
+        return result, info
+
+    # ----------------------------------------------------------------- the model
+
+    def _solve(self, by_demand, pools, current, pairs, greedy, started, want_bound):
+        by_pool = {p.key: p for p in pools}
+        cur_ok, removed = _current_split(current, by_demand, by_pool)
+        cur: dict[tuple, int] = defaultdict(int)
+        for a in cur_ok:
+            cur[((a.deployment, a.version), a.pool_key)] += 1
+        pairs = [(d, p) for d, p in pairs if p.accepts_new or cur[(d.key, p.key)] > 0]
+        top_price = max([p.hourly_price for p in pools] + [1.0])
+        big = 100.0 * (top_price + 1.0)
+        big_region = big / 2
+        m = _Model()
+        x: dict[tuple, int] = {}
+        y: dict[tuple[str, str], int] = {}
+        for _, p in pairs:
+            if p.key not in y:
+                price = 0.0 if p.tier == Tier.reserved else p.hourly_price
+                y[p.key] = m.var(price, float(p.nodes), True)
+        for d, p in pairs:
+            dist = self._demand_distance(d, p)
+            upper = d.count if p.accepts_new else min(d.count, cur[(d.key, p.key)])
+            x[(d.key, p.key)] = m.var(
+                self.distance_weight * dist * d.gpu_count, float(upper), True, cost_only=0.0
+            )
+        u = {k: m.var(big, float(d.count), False) for k, d in by_demand.items() if d.count > 0}
+        moves: dict[tuple, int] = {}
+        for (dk, pk), n in cur.items():
+            p = by_pool[pk]
+            w = self.move_fraction * p.price_per_gpu * by_demand[dk].gpu_count + 1e-3
+            moves[(dk, pk)] = m.var(w, float(n), False, cost_only=0.0)
+        # demand rows
+        per_demand: dict[tuple, list[int]] = defaultdict(list)
+        for (dk, _), j in x.items():
+            per_demand[dk].append(j)
+        for dk, j_u in u.items():
+            d = by_demand[dk]
+            m.row([(j, 1.0) for j in per_demand[dk]] + [(j_u, 1.0)], d.count, d.count)
+        # packing rows
+        per_pool: dict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
+        for (dk, pk), j in x.items():
+            p = by_pool[pk]
+            per_pool[pk].append((j, slot_size(by_demand[dk].gpu_count, p.gpus_per_node)))
+        for pk, terms in per_pool.items():
+            m.row([*terms, (y[pk], -float(by_pool[pk].gpus_per_node))], -math.inf, 0.0)
+        # spot share
+        for dk, d in by_demand.items():
+            spot = [x[(dk, pk)] for (dk2, pk) in x if dk2 == dk and by_pool[pk].tier == Tier.spot]
+            if spot and d.max_spot < d.count:
+                m.row([(j, 1.0) for j in spot], -math.inf, float(d.max_spot))
+        # active-active
+        v: dict[tuple, int] = {}
+        z: dict[tuple, int] = {}
+        for dk, d in by_demand.items():
+            k = min(d.min_regions, d.count)
+            if k <= 1:
+                continue
+            by_region: dict[str, list[int]] = defaultdict(list)
+            for (dk2, pk), j in x.items():
+                if dk2 == dk:
+                    by_region[by_pool[pk].region].append(j)
+            v[dk] = m.var(big_region, float(k), False)
+            for region, js in by_region.items():
+                z[(dk, region)] = m.var(0.0, 1.0, True)
+                m.row([(z[(dk, region)], 1.0)] + [(j, -1.0) for j in js], -math.inf, 0.0)
+            m.row([(z[(dk, r)], 1.0) for r in by_region] + [(v[dk], 1.0)], float(k), math.inf)
+        # moves
+        for (dk, pk), j in moves.items():
+            xj = x.get((dk, pk))
+            terms = [(j, 1.0)] + ([(xj, 1.0)] if xj is not None else [])
+            m.row(terms, float(cur[(dk, pk)]), math.inf)
+
+        # warm start: the greedy plan
+        counts: dict[tuple, int] = defaultdict(int)
+        for a in greedy.assignments:
+            counts[((a.deployment, a.version), a.pool_key)] += 1
+        start = np.zeros(len(m.cost))
+        for key, j in x.items():
+            start[j] = counts.get(key, 0)
+        for pk, j in y.items():
+            p = by_pool[pk]
+            used = sum(start[jx] * s for jx, s in per_pool.get(pk, []))
+            start[j] = min(p.nodes, math.ceil(used / p.gpus_per_node - 1e-9))
+        for dk, j in u.items():
+            start[j] = by_demand[dk].count - sum(start[jx] for jx in per_demand[dk])
+        for (dk, pk), j in moves.items():
+            start[j] = max(0.0, cur[(dk, pk)] - (start[x[(dk, pk)]] if (dk, pk) in x else 0))
+        for (dk, region), j in z.items():
+            start[j] = (
+                1.0
+                if any(
+                    start[jx] > 0 for (dk2, pk), jx in x.items() if dk2 == dk and by_pool[pk].region == region
+                )
+                else 0.0
+            )
+        for dk, j in v.items():
+            k = min(by_demand[dk].min_regions, by_demand[dk].count)
+            start[j] = max(0.0, k - sum(start[jz] for (dk2, _), jz in z.items() if dk2 == dk))
+
+        remaining = self.time_limit_s - (time.perf_counter() - started)
+        h = m.highs(False, remaining, self.mip_gap, self.threads)
+        sol = highspy.HighsSolution()
+        sol.col_value = start.tolist()
+        sol.value_valid = True
+        h.setSolution(sol)
+        h.run()
+        status = h.getModelStatus()
+        values = np.array(h.getSolution().col_value)
+        if len(values) != len(m.cost) or h.getInfo().primal_solution_status != 2:
+            raise RuntimeError(f"HiGHS found no feasible solution ({h.modelStatusToString(status)})")
+        method = {
+            highspy.HighsModelStatus.kOptimal: "milp-optimal",
+            highspy.HighsModelStatus.kTimeLimit: "milp-time-limit",
+        }.get(status, f"milp-{h.modelStatusToString(status).lower().replace(' ', '-')}")
+        mip_bound = h.getInfo().mip_dual_bound
+        bound = None
+        if want_bound:
+            lp = m.highs(True, max(1.0, self.time_limit_s), 0.0, self.threads)
+            lp.run()
+            if lp.getModelStatus() == highspy.HighsModelStatus.kOptimal:
+                bound = lp.getInfo().objective_function_value + committed_cost(pools)
+        want = {key: round(values[j]) for key, j in x.items() if values[j] > 0.5}
+        shortfall = {dk: round(values[j]) for dk, j in u.items() if values[j] > 0.5}
+        region_short = {dk for dk, j in v.items() if values[j] > 0.5}
+        result = self._result(by_demand, pools, cur_ok, removed, want, shortfall, region_short, greedy)
+        info = self._info(
+            method, pools, result, started, lp_bound=bound, mip_bound=mip_bound, variables=len(m.cost)
+        )
+        return result, info
+
+    def _demand_distance(self, d: ReplicaDemand, p: PoolCapacity) -> float:
+        if not d.demand_regions:
+            return 0.0
+        dist = self._distance or _default_distance()
+        total = sum(max(0.0, w) for w in d.demand_regions.values()) or 1.0
+        out = 0.0
+        for region, w in d.demand_regions.items():
+            rtt = dist(p, region)
+            out += max(0.0, w) / total * (rtt if rtt is not None else 0.0)
+        return out
+
+    # ----------------------------------------------------------------- the answer
+
+    def _result(self, by_demand, pools, cur_ok, removed, want, shortfall, region_short, greedy):
+        by_pool = {p.key: p for p in pools}
+        used_ids = {a.replica_id for a in cur_ok} | set(removed)
+        kept: list[Assignment] = []
+        removed = list(removed)
+        by_pair: dict[tuple, list[Assignment]] = defaultdict(list)
+        for a in sorted(cur_ok, key=lambda a: (a.node is None, a.replica_id)):
+            by_pair[((a.deployment, a.version), a.pool_key)].append(a)
+        for key, group in by_pair.items():
+            n = want.get(key, 0)
+            kept += group[:n]
+            removed += [a.replica_id for a in group[n:]]
+        new: list[tuple[ReplicaDemand, PoolCapacity]] = []
+        for (dk, pk), n in want.items():
+            extra = n - min(n, len(by_pair.get((dk, pk), [])))
+            new += [(by_demand[dk], by_pool[pk])] * extra
+        kept, added, lost = _pack(kept, new, by_pool, used_ids, self._id_factory)
+        removed += [a.replica_id for a in lost if a.replica_id not in {b.replica_id for b in added}]
+        unplaced: dict[tuple, Unplaced] = {}
+        short = defaultdict(int, shortfall)
+        for a in lost:
+            short[(a.deployment, a.version)] += 1
+        for dk, n in short.items():
+            if n > 0:
+                d = by_demand[dk]
+                unplaced[dk] = Unplaced(
+                    deployment=d.deployment, version=d.version, missing=n, reason=explain_shortfall(d, pools)
+                )
+        placed_regions: dict[tuple, set[str]] = defaultdict(set)
+        for a in kept + added:
+            placed_regions[(a.deployment, a.version)].add(by_pool[a.pool_key].region)
+        for dk, d in by_demand.items():
+            k = min(d.min_regions, d.count - short.get(dk, 0))
+            if len(placed_regions[dk]) < k or dk in region_short:
+                note = explain_regions(d, pools, len(placed_regions[dk]))
+                prior = unplaced.get(dk)
+                unplaced[dk] = Unplaced(
+                    deployment=d.deployment,
+                    version=d.version,
+                    missing=prior.missing if prior else 0,
+                    reason=f"{prior.reason}; {note}" if prior else note,
+                )
+        return PlacementResult(
+            kept=tuple(kept),
+            added=tuple(added),
+            removed=tuple(dict.fromkeys(removed)),
+            unplaced=tuple(unplaced[k] for k in sorted(unplaced)),
+        )
+
+    def _info(self, method, pools, result, started, **kw) -> SolveInfo:
+        return SolveInfo(
+            method=method,
+            cost=round(plan_cost(pools, result.assignments), 6),
+            solve_s=round(time.perf_counter() - started, 4),
+            **kw,
+        )
+
+
+def _current_split(current, by_demand, by_pool) -> tuple[list[Assignment], list[str]]:
+    """Current replicas that may stay (right version and shape, allowed pool, cluster not
+    lost) and the ids of those that must go."""
+    ok: list[Assignment] = []
+    gone: list[str] = []
+    seen: set[str] = set()
+    for a in current:
+        if a.replica_id in seen:
+            continue
+        seen.add(a.replica_id)
+        d, p = by_demand.get((a.deployment, a.version)), by_pool.get(a.pool_key)
+        if d is None or p is None or not p.keeps_existing or not d.acceptable(p) or a.gpus != d.gpu_count:
+            gone.append(a.replica_id)
+        else:
+            ok.append(a)
+    return ok, gone
+
+
+def _pack(kept, new, by_pool, used_ids, id_factory):
+    """Node indices: kept replicas stay on their node when it has room, then everything
+    else first-fit, biggest first. Returns (kept, added, lost) where lost are replicas
+    no node could take (fragmentation; rare, reported as a shortfall)."""
+    free: dict[tuple[str, str], list[float]] = {
+        k: [float(p.gpus_per_node)] * p.nodes for k, p in by_pool.items()
+    }
+    out_kept: list[Assignment] = []
+    loose: list[Assignment] = []
+    for a in kept:
+        size = slot_size(a.gpus, by_pool[a.pool_key].gpus_per_node)
+        nodes = free[a.pool_key]
+        if a.node is not None and 0 <= a.node < len(nodes) and nodes[a.node] >= size - 1e-9:
+            nodes[a.node] -= size
+            out_kept.append(a)
+        else:
+            loose.append(a)
+    work: list[tuple[float, int, Assignment | tuple[ReplicaDemand, PoolCapacity]]] = []
+    for a in loose:
+        work.append((slot_size(a.gpus, by_pool[a.pool_key].gpus_per_node), 0, a))
+    for d, p in new:
+        work.append((slot_size(d.gpu_count, p.gpus_per_node), 1, (d, p)))
+    work.sort(key=lambda w: -w[0])
+    added: list[Assignment] = []
+    lost: list[Assignment] = []
+    for size, is_new, item in work:
+        pk = item.pool_key if not is_new else item[1].key
+        nodes = free[pk]
+        node = next((i for i, f in enumerate(nodes) if f >= size - 1e-9), None)
+        if is_new:
+            d, p = item
+            rid = id_factory(d.deployment, d.version)
+            while rid in used_ids:
+                rid = id_factory(d.deployment, d.version)
+            used_ids.add(rid)
+            a = Assignment(
+                replica_id=rid,
+                deployment=d.deployment,
+                version=d.version,
+                cluster=p.cluster,
+                pool=p.name,
+                gpus=d.gpu_count,
+                node=node,
+            )
+        else:
+            a = item.model_copy(update={"node": node})
+        if node is None:
+            lost.append(a)
+            continue
+        nodes[node] -= size
+        (added if is_new else out_kept).append(a)
+    return out_kept, added, lost
+
+
+def _cap_spot(result: PlacementResult, by_demand, pools) -> PlacementResult:
+    """FFD does not know max_spot_fraction: drop surplus spot replicas (newest first) and
+    report them, so the greedy plan keeps every hard rule too."""
+    by_pool = {p.key: p for p in pools}
+    drop: set[str] = set()
+    notes: dict[tuple, int] = {}
+    for dk, d in by_demand.items():
+        spot = [
+            a
+            for a in result.added + result.kept
+            if (a.deployment, a.version) == dk and by_pool[a.pool_key].tier == Tier.spot
+        ]
+        extra = len(spot) - d.max_spot
+        if extra > 0:
+            drop |= {a.replica_id for a in spot[:extra]}
+            notes[dk] = extra
+    if not drop:
+        return result
+    unplaced = {(u.deployment, u.version): u for u in result.unplaced}
+    for dk, n in notes.items():
+        d = by_demand[dk]
+        reason = explain_shortfall(d, pools)
+        prior = unplaced.get(dk)
+        unplaced[dk] = Unplaced(
+            deployment=d.deployment,
+            version=d.version,
+            missing=(prior.missing if prior else 0) + n,
+            reason=reason,
+        )
+    kept = tuple(a for a in result.kept if a.replica_id not in drop)
+    return PlacementResult(
+        kept=kept,
+        added=tuple(a for a in result.added if a.replica_id not in drop),
+        removed=result.removed + tuple(a.replica_id for a in result.kept if a.replica_id in drop),
+        unplaced=tuple(unplaced[k] for k in sorted(unplaced)),
+    )
+
+
+_DISTANCE: Distance | None = None
+
+
+def _default_distance() -> Distance:
+    global _DISTANCE
+    if _DISTANCE is None:
+        from control_plane.geo import default_latency
+
+        lat = default_latency()
+        _DISTANCE = lambda pool, region: lat.rtt_ms(pool.region, region, provider=pool.provider)  # noqa: E731
+    return _DISTANCE
+
+
+class SafeMilpPlacer(MilpPlacer):
+    """The control plane's default: the MILP, and first-fit-decreasing on any error (the
+    MILP already falls back on solver failures; this also covers model-building bugs)."""
+
+    def place(self, demands, pools, current=()):
+        try:
+            return super().place(demands, pools, current)
+        except ValueError:
+            raise
+        except Exception:
+            return FirstFitDecreasing(self._id_factory).place(demands, pools, current)
+
+
+register_placer(MilpPlacer.name, lambda: SafeMilpPlacer(time_limit_s=2.0))
