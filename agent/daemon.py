@@ -537,9 +537,14 @@ class Agent:
             pools=self.pools,
             replicas=statuses,
             desired_generation=self.desired.generation if self.desired is not None else -1,
-            queue_depth=sum(s.load.waiting for s in statuses),
+            queue_depth=sum(s.load.waiting for s in statuses) + self._gateway_queue_depth(),
             tokens_per_s=sum(s.load.tokens_per_s for s in statuses),
         )
+
+    def _gateway_queue_depth(self) -> int:
+        """Requests queued at this cluster's gateway (its gateway.json; issue 9)."""
+        status = self.files.load_gateway()
+        return status.queue_depth if status is not None else 0
 
     async def _publish_heartbeat(self) -> None:
         await self.link.publish(protocol.heartbeat_subject(self.cluster), self.heartbeat())

@@ -35,6 +35,14 @@ class ReplicaSnapshot(Message):
     updated_at: float = Field(default_factory=time.time)
 
 
+class GatewayStatus(Message):
+    """What the gateway tells its agent (for the heartbeat): requests queued here now."""
+
+    queue_depth: int = 0
+    by_class: dict[str, int] = Field(default_factory=dict)
+    updated_at: float = Field(default_factory=time.time)
+
+
 def atomic_write(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -71,6 +79,20 @@ class LocalState:
     @property
     def replicas_path(self) -> Path:
         return self.dir / "replicas.json"
+
+    @property
+    def gateway_path(self) -> Path:
+        return self.dir / "gateway.json"
+
+    def save_gateway(self, status: GatewayStatus) -> None:
+        self._write(self.gateway_path, status)
+
+    def load_gateway(self, max_age_s: float = 5.0) -> GatewayStatus | None:
+        """The gateway's last status, if it is fresh (a stopped gateway queues nothing)."""
+        status = self._read(self.gateway_path, GatewayStatus)
+        if status is None or time.time() - status.updated_at > max_age_s:
+            return None
+        return status
 
     @property
     def logs_dir(self) -> Path:

@@ -26,10 +26,13 @@ from agent.config import ClusterConfig
 from agent.gateway.auth import Authenticator
 from agent.gateway.errors import GatewayError, error_response, sse_error_event
 from agent.gateway.inputs import Endpoint, RequestInfo, parse_request, upstream_body
+from agent.gateway.limits import QuotaGate
+from agent.gateway.liveness import PeerLiveness, sticky_draw
 from agent.gateway.load import LoadTracker
 from agent.gateway.metrics import UNKNOWN, GatewayMetrics
 from agent.gateway.proxy import AttemptFailed, Opened, make_client, open_upstream
 from agent.gateway.queue import ReplicaQueue
+from agent.gateway.quota import Reservation
 from agent.gateway.routing import (
     Candidate,
     LeastOutstandingTokens,
@@ -40,7 +43,9 @@ from agent.gateway.routing import (
 )
 from agent.gateway.sse import EventSplitter, StreamObserver
 from agent.gateway.state import ClusterView
+from agent.gateway.tokens import DesiredIndex, TokenCounters
 from agent.gateway.usage import UsagePublisher
+from agent.local_state import GatewayStatus, LocalState
 from agent.nats_io import NatsLink
 from agent.protocol import UsageRecord
 
@@ -51,6 +56,7 @@ REQUEST_ID_HEADER = "X-Request-Id"
 PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_CLOSED = 499  # status recorded when the client went away (nginx's convention)
+QUEUE_HEADER = "X-Fleet-Queue-Seconds"  # time a request waited for a replica slot here
 
 
 @dataclass
@@ -77,6 +83,14 @@ class Exchange:
     ttft_s: float | None = None
     usage: dict[str, Any] = field(default_factory=dict)
     finished: bool = False
+    # quotas and priority (issue 9)
+    reservation: Reservation | None = None
+    limit_headers: dict[str, str] = field(default_factory=dict)
+    klass: str = ""
+    admitted: bool = False  # holds a slot of the queue's concurrency target
+    queue_s: float = 0.0
+    ran: bool = False  # a replica answered 2xx: it may have generated tokens
+    draw: float | None = None  # sticky canary draw of the end user (issue 8)
 
     @property
     def deployment(self) -> str:
@@ -102,11 +116,20 @@ class Gateway:
         self.queue = ReplicaQueue(
             self.view, config.gateway.queue_size, config.gateway.queue_timeout_s, self.metrics, retry_after_s
         )
+        gwc = config.gateway
+        self.desired = DesiredIndex(config.state_dir)
+        self.tokens = TokenCounters(self.desired)
+        self.quota = QuotaGate(config.cluster, self.metrics, minute_s=gwc.quota_minute_s)
+        self.queue.classes = tuple(gwc.priority_classes)
+        self.queue.max_age_s = gwc.max_queue_age_s
+        self.queue.capacity = self._concurrency_target
         link = NatsLink(config.nats_url, f"gateway-{config.cluster}") if nats and config.nats_url else None
         self.usage = UsagePublisher(link, config.cluster, self.metrics)
+        self.liveness = PeerLiveness(link)  # clusters heard on NATS: failover faster than routes
         self.client: httpx.AsyncClient | None = None
         self.rng = random.Random()
         self._watch: asyncio.Task[None] | None = None
+        self._status: asyncio.Task[None] | None = None
         self._seen_reloads: dict[str, int] = {}
 
     # ------------------------------------------------------------------ lifecycle
@@ -114,11 +137,14 @@ class Gateway:
     async def start(self) -> None:
         self.client = make_client()
         self._watch = asyncio.create_task(self.view.watch(), name="state-watch")
+        self._status = asyncio.create_task(self._status_loop(), name="gateway-status")
         self.usage.start()
 
     async def close(self) -> None:
         if self._watch is not None:
             self._watch.cancel()
+        if self._status is not None:
+            self._status.cancel()
         await self.usage.close()
         if self.client is not None:
             await self.client.aclose()
@@ -136,6 +162,27 @@ class Gateway:
                 route = self.view.route(deployment)
                 peers = [c.cluster for c in route.clusters if c.cluster != self.cluster] if route else []
                 self.metrics.know(deployment, peers)
+
+    def _concurrency_target(self, deployment: str) -> int:
+        """Requests this gateway lets run at once on the deployment's ready replicas."""
+        gwc = self.config.gateway
+        per = gwc.concurrency_targets.get(deployment)
+        if per is None:
+            seqs = self.desired.engine_arg(deployment, "max_num_seqs")
+            per = seqs if isinstance(seqs, int) and seqs > 0 else gwc.concurrency_target
+        return per * len(self.view.ready(deployment))
+
+    async def _status_loop(self, interval_s: float = 0.5) -> None:
+        """Tell the agent the queue depth (gateway.json, for its heartbeat), each interval."""
+        local = LocalState(self.config.state_dir)
+        while True:
+            by_class = {c: self.queue.class_depth(c) for c in self.queue.classes}
+            status = GatewayStatus(queue_depth=self.queue.depth, by_class=by_class)
+            try:
+                await asyncio.to_thread(local.save_gateway, status)
+            except OSError as err:
+                log.warning("cannot write %s: %s", local.gateway_path, err)
+            await asyncio.sleep(interval_s)
 
     def _load_snapshot(self) -> dict[str, tuple[str, int, int]]:
         deployments = {r.replica_id: r.deployment for r in self.view.replicas}
@@ -196,10 +243,16 @@ class Gateway:
                     param="model",
                     code="model_not_found",
                 )
+            info, counter = self.tokens.recount(info)
+            self.metrics.prompt_tokens_counted.labels(info.deployment, counter).inc(info.prompt_tokens)
+            reservation, limit_headers = self.quota.admit(record, info)
         except GatewayError as err:
             self._count(UNKNOWN, err.status, started)
             return error_response(err, reply_headers)
         ex = Exchange(request_id, record.key_id, info, started, request.headers.get(FORWARDED_HEADER))
+        ex.reservation, ex.limit_headers = reservation, limit_headers
+        ex.klass = record.quotas.priority_class or self.config.gateway.default_class
+        reply_headers.update(limit_headers)
         self.metrics.in_flight.labels(info.deployment).inc()
         try:
             response = await _unless_disconnected(request, self._serve(ex, raw, request))
@@ -214,6 +267,11 @@ class Gateway:
             raise
         response.headers[REQUEST_ID_HEADER] = request_id
         response.headers.setdefault("X-Fleet-Cluster", self.cluster)  # a peer's answer keeps its own
+        if ex.admitted:
+            response.headers[QUEUE_HEADER] = f"{ex.queue_s:.4f}"
+        if ex.peer is None:  # a peer's answer carries the peer's limits
+            for name, value in ex.limit_headers.items():
+                response.headers[name] = value
         return response
 
     async def _read_body(self, request: Request) -> bytes:
@@ -237,13 +295,42 @@ class Gateway:
 
     async def _serve(self, ex: Exchange, raw: bytes, request: Request) -> Response:
         deployment = ex.deployment
-        if not self.view.ready(deployment) and not ex.forwarded_from:
-            peers = peer_order(self.view.route(deployment), self.cluster, self.config.coordinates)
-            if peers:
-                targets = [Target(p.cluster, p.gateway_url.rstrip("/"), is_peer=True) for p in peers]
+        ex.draw = sticky_draw(ex.info.body, request.headers)
+        if not ex.forwarded_from and not self._local_usable(deployment):
+            targets = self._live_peers(deployment)
+            if targets:
+                self.quota.refund(ex.reservation)  # the peer's gateway charges the key
                 return await self._attempts(ex, raw, request, self._peer_chooser(targets))
-        await self.queue.wait_ready(deployment)
-        return await self._attempts(ex, upstream_body(ex.info, raw), request, self._replica_chooser(ex))
+        ex.queue_s = await self.queue.admit(deployment, ex.klass)
+        ex.admitted = True
+        try:
+            return await self._attempts(ex, upstream_body(ex.info, raw), request, self._replica_chooser(ex))
+        except GatewayError as err:
+            # Every local attempt failed before a byte (dead replicas, a dead cluster): try live peers.
+            targets = (
+                [] if ex.forwarded_from or err.status not in (502, 503) else self._live_peers(deployment)
+            )
+            if not targets:
+                raise
+            self.quota.refund(ex.reservation)
+            return await self._attempts(ex, raw, request, self._peer_chooser(targets))
+
+    def _local_usable(self, deployment: str) -> bool:
+        """Ready replicas here that are worth a first attempt: not all of them just failed,
+        and our own agent has not gone silent (it and its replicas died together)."""
+        ready = self.view.ready(deployment)
+        if not ready or self.liveness.silent(self.cluster):
+            return False
+        return any(not self.tracker.recently_failed(r.replica_id) for r in ready)
+
+    def _live_peers(self, deployment: str) -> list[Target]:
+        """Peers from the route, nearest first, less those heard dead or just failed."""
+        peers = peer_order(self.view.route(deployment), self.cluster, self.config.coordinates)
+        return [
+            Target(p.cluster, p.gateway_url.rstrip("/"), is_peer=True)
+            for p in peers
+            if self.liveness.alive(p.cluster)
+        ]
 
     def _peer_chooser(self, peers: list[Target]) -> Callable[[set[str]], Target | None]:
         def choose(exclude: set[str]) -> Target | None:
@@ -263,7 +350,7 @@ class Gateway:
             if not wanted:  # the canary split is drawn once per request
                 route = self.view.route(info.deployment)
                 versions = {r.version for r in ready}
-                draw = self.rng.random()
+                draw = ex.draw if ex.draw is not None else self.rng.random()
                 wanted.append(
                     pick_version(versions, route.versions, draw) if route and len(versions) > 1 else None
                 )
@@ -327,6 +414,8 @@ class Gateway:
                     self.tracker.finish(target.name, ex.info.cost_tokens)
                     self.tracker.mark_failed(target.name)
                 exclude.add(target.name)
+                if target.is_peer and err.status is None:
+                    self.liveness.mark_down(target.name)
                 failure = err
                 continue
             except BaseException:  # cancelled (the client left) or a bug: release everything
@@ -336,6 +425,7 @@ class Gateway:
                     self.tracker.finish(target.name, ex.info.cost_tokens)
                 raise
             ex.version, ex.peer = target.version, (target.name if target.is_peer else None)
+            ex.ran = not target.is_peer and 200 <= opened.status < 300
             if opened.status >= 300 or not ex.info.stream:
                 self._release(ex, target)
                 return self._whole(ex, opened, data)
@@ -440,6 +530,9 @@ class Gateway:
             return
         ex.finished = True
         deployment = ex.deployment
+        if ex.admitted:
+            self.queue.release(deployment)
+        self.quota.settle(ex.reservation, ex.usage, ex.ran)
         latency = time.monotonic() - ex.started
         self.metrics.in_flight.labels(deployment).dec()
         self._count(deployment, status, ex.started)

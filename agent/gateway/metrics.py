@@ -117,6 +117,25 @@ class GatewayMetrics:
         self.state_reloads = Counter(
             "fleet_gateway_state_reloads", "Reloads of the agent's state files.", ["file"], registry=r
         )  # fmt: skip
+        # issue 9: priority queueing and quotas (docs/quotas.md)
+        self.queue_class_depth = Gauge(
+            "fleet_gateway_queue_class_depth", "Requests queued at this gateway by priority class.", ["class"],
+            registry=r,
+        )  # fmt: skip
+        self.queue_time = Histogram(
+            "fleet_gateway_queue_time_seconds",
+            "Time from arrival to a replica slot by priority class (0 when admitted at once).",
+            ["class"], buckets=QUEUE_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.rate_limited = Counter(
+            "fleet_gateway_rate_limited", "Requests answered 429 by a key's quota, by deployment and limit.",
+            ["deployment", "limit"], registry=r,
+        )  # fmt: skip
+        self.prompt_tokens_counted = Counter(
+            "fleet_gateway_prompt_tokens_counted",
+            "Prompt tokens counted at admission, by deployment and counter (tokenizer, estimate).",
+            ["deployment", "counter"], registry=r,
+        )  # fmt: skip
         for result in ("published", "dropped"):
             self.usage_records.labels(result)
         for name in ("replicas", "keys", "routes"):

@@ -1,18 +1,22 @@
 """Requests waiting for a deployment to have a ready replica here.
 
 Bounded in size and in time: a full queue or a wait past the timeout is answered 503
-with Retry-After. Waiters wake on every reload of the cluster state. Priority classes
-(interactive before batch, issue 9) will order admission here; today every waiter
-re-checks on each change, which is FIFO enough when replicas appear all at once.
+with Retry-After. Waiters wake on every reload of the cluster state.
+
+`admit` also holds requests while every ready replica of the deployment is at its
+concurrency target (`capacity`), and lets waiters go in priority order, FIFO within a
+class, the overdue first (`agent.gateway.priority`); `release` frees an admitted slot.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from agent.gateway.errors import GatewayError
 from agent.gateway.metrics import GatewayMetrics
+from agent.gateway.priority import DEFAULT_CLASSES, PriorityWaitlist
 from agent.gateway.state import ClusterView
 
 
@@ -26,6 +30,14 @@ class ReplicaQueue:
         self.metrics = metrics
         self.retry_after_s = retry_after_s
         self.depth = 0
+        # issue 9: priority admission under a per-deployment concurrency target
+        self.classes: tuple[str, ...] = DEFAULT_CLASSES
+        self.max_age_s = 5.0
+        self.capacity: Callable[[str], int | None] = lambda deployment: None
+        self.clock: Callable[[], float] = time.monotonic
+        self.active: dict[str, int] = {}
+        self._waitlists: dict[str, PriorityWaitlist] = {}
+        self._grants: dict[int, asyncio.Future[None]] = {}
 
     def _unavailable(self, deployment: str, why: str) -> GatewayError:
         return GatewayError(
@@ -61,3 +73,100 @@ class ReplicaQueue:
             self.depth -= 1
             self.metrics.queue_depth.set(self.depth)
             self.metrics.queue_wait.labels(deployment).observe(time.monotonic() - start)
+
+    # ------------------------------------------------------------------ priority admission
+
+    def waitlist(self, deployment: str) -> PriorityWaitlist:
+        wl = self._waitlists.get(deployment)
+        if wl is None:
+            wl = self._waitlists[deployment] = PriorityWaitlist(self.classes, self.max_age_s)
+        return wl
+
+    def class_depth(self, klass: str) -> int:
+        return sum(wl.depth(klass) for wl in self._waitlists.values())
+
+    def _room(self, deployment: str) -> bool:
+        if not self.view.ready(deployment):
+            return False
+        target = self.capacity(deployment)
+        return target is None or self.active.get(deployment, 0) < target
+
+    def dispatch(self, deployment: str) -> None:
+        """Grant free slots to waiters, best first."""
+        wl = self._waitlists.get(deployment)
+        while wl and self._room(deployment):
+            waiter = wl.pop(self.clock())
+            if waiter is None:
+                break
+            self.active[deployment] = self.active.get(deployment, 0) + 1
+            grant = self._grants.pop(waiter.seq, None)
+            if grant is not None and not grant.done():
+                grant.set_result(None)
+            else:  # its owner left already
+                self.active[deployment] -= 1
+
+    def release(self, deployment: str) -> None:
+        """An admitted request finished: free its slot and let the next waiter in."""
+        self.active[deployment] = max(0, self.active.get(deployment, 0) - 1)
+        self.dispatch(deployment)
+
+    def _set_depth_metrics(self, klass: str) -> None:
+        self.metrics.queue_depth.set(self.depth)
+        self.metrics.queue_class_depth.labels(klass).set(self.class_depth(klass))
+
+    async def admit(self, deployment: str, klass: str) -> float:
+        """Take a slot of `deployment` (call `release` when done); the seconds queued.
+        503 on a full queue or after the timeout."""
+        start = self.clock()
+        wl = self.waitlist(deployment)
+        klass = wl.klass(klass)
+        if not wl and self._room(deployment):
+            self.active[deployment] = self.active.get(deployment, 0) + 1
+            self.metrics.queue_time.labels(klass).observe(0.0)
+            return 0.0
+        if self.depth >= self.size:
+            self.metrics.queue_rejected.labels(deployment, "full").inc()
+            raise self._unavailable(deployment, f"the gateway queue is full at {self.size} requests")
+        loop = asyncio.get_running_loop()
+        waiter = wl.add(klass, start)
+        grant: asyncio.Future[None] = loop.create_future()
+        self._grants[waiter.seq] = grant
+        deadline = start + self.timeout_s
+        self.depth += 1
+        self._set_depth_metrics(klass)
+        admitted = False
+        try:
+            while True:
+                self.dispatch(deployment)
+                if grant.done():
+                    admitted = True
+                    return self.clock() - start
+                remaining = deadline - self.clock()
+                if remaining <= 0:
+                    self.metrics.queue_rejected.labels(deployment, "timeout").inc()
+                    if not self.view.ready(deployment):
+                        raise self._unavailable(deployment, f"waited {self.timeout_s:g} s")
+                    raise GatewayError(
+                        503,
+                        f"'{deployment}' is busy: waited {self.timeout_s:g} s in the gateway queue; retry shortly",
+                        code="queue_timeout",
+                        headers={"Retry-After": str(self.retry_after_s)},
+                    )
+                changed = asyncio.ensure_future(self.view.changed().wait())
+                try:
+                    await asyncio.wait(
+                        {grant, changed}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:
+                    changed.cancel()
+        finally:
+            wl.remove(waiter)
+            self._grants.pop(waiter.seq, None)
+            if not admitted and grant.done() and not grant.cancelled():
+                self.release(deployment)  # granted, but its owner left (cancelled)
+            grant.cancel()
+            self.depth -= 1
+            self._set_depth_metrics(klass)
+            waited = self.clock() - start
+            self.metrics.queue_wait.labels(deployment).observe(waited)
+            self.metrics.queue_time.labels(klass).observe(waited)

@@ -1,0 +1,81 @@
+"""The gateway's side of quotas: admit or refuse (429 with Retry-After and OpenAI's
+x-ratelimit-* headers), and settle each admitted request to the engine's usage.
+
+The decisions are `agent.gateway.quota.QuotaBook`'s; this module turns them into HTTP and
+metrics and picks the key's share of the budget for this cluster.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from agent.gateway.errors import GatewayError
+from agent.gateway.inputs import RequestInfo
+from agent.gateway.metrics import GatewayMetrics
+from agent.gateway.quota import MINUTE_S, QuotaBook, Reservation, share_of
+from agent.protocol import ApiKeyRecord
+
+
+class QuotaGate:
+    def __init__(
+        self,
+        cluster: str,
+        metrics: GatewayMetrics,
+        *,
+        minute_s: float = MINUTE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cluster = cluster
+        self.metrics = metrics
+        self.book = QuotaBook(clock, minute_s)
+
+    def admit(self, key: ApiKeyRecord, info: RequestInfo) -> tuple[Reservation | None, dict[str, str]]:
+        """(reservation to settle, headers for the response); GatewayError 429 when over."""
+        if not key.quotas.limited():
+            return None, {}
+        share = share_of(key, self.cluster)
+        decision = self.book.admit(key, info.deployment, info.cost_tokens, share)
+        headers = decision.status.headers()
+        if decision.admitted:
+            return decision.reservation, headers
+        self.metrics.rate_limited.labels(info.deployment, decision.reason.rsplit(":", 1)[-1]).inc()
+        if decision.never:
+            raise GatewayError(
+                429,
+                f"This request needs {info.cost_tokens} tokens (prompt + max_tokens), more than the key's "
+                f"limit '{decision.reason}' allows at once here; lower max_tokens or the prompt",
+                code="rate_limit_exceeded",
+                headers=headers,
+            )
+        retry = max(1, math.ceil(decision.retry_after_s))
+        unit = "requests" if decision.reason.endswith("rpm") else "tokens"
+        raise GatewayError(
+            429,
+            f"Rate limit reached for this key ({decision.reason}, {unit}); retry in {retry} s",
+            code="rate_limit_exceeded",
+            headers={**headers, "Retry-After": str(retry)},
+        )
+
+    def settle(self, reservation: Reservation | None, usage: dict[str, Any], ran: bool) -> None:
+        """Charge the engine's count. Without usage: the whole reservation when a replica
+        answered 2xx and may have generated (a cut stream), nothing otherwise."""
+        if reservation is None or reservation.settled:
+            return
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if isinstance(prompt, int) and isinstance(completion, int):
+            self.book.settle(reservation, prompt + completion)
+        else:
+            self.book.settle(reservation, reservation.tokens if ran else 0)
+
+    def refund(self, reservation: Reservation | None) -> None:
+        """Served elsewhere (a peer gateway charges the key there)."""
+        if reservation is not None:
+            self.book.settle(reservation, 0)
+
+    def headers(self, key: ApiKeyRecord, deployment: str) -> dict[str, str]:
+        if not key.quotas.limited():
+            return {}
+        return self.book.status(key, deployment, share_of(key, self.cluster)).headers()

