@@ -1,0 +1,71 @@
+"""`fleetctl plan`: run the optimizing placer offline over catalogs and a demands file
+(no server needed) and show what it would buy and what it would cost."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from pydantic import ValidationError
+
+from agent.protocol import Tier
+from control_plane.catalog import CatalogError, load_catalog, offers_to_pools
+from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, console, emit, emit_json, fail
+
+
+def plan_command(
+    catalog: list[Path] = typer.Option(..., "--catalog", help="SkyPilot-layout CSV (repeatable)"),
+    demands: Path = typer.Option(..., "--demands", help="demands.json (see docs/placement.md)"),
+    capacity: int = typer.Option(8, "--capacity", min=0, help="nodes that may be acquired per pool"),
+    tier: list[Tier] = typer.Option(None, "--tier", help="tiers to offer (default on-demand and spot)"),
+    time_limit: float = typer.Option(10.0, "--time-limit", min=0.1, help="solver seconds"),
+    output: OutputFormat = OUTPUT_OPTION,
+) -> None:
+    """Plan placement offline: nodes per pool, replicas per region, $/hour, the LP bound,
+    first-fit-decreasing's cost for the same input, solve time."""
+    from control_plane.placement.offline import DemandsFile, plan
+
+    try:
+        spec = DemandsFile.model_validate(json.loads(demands.read_text()))
+    except (OSError, json.JSONDecodeError) as e:
+        fail(f"cannot read {demands}: {e}")
+    except ValidationError as e:
+        first = e.errors()[0]
+        fail(f"{demands}: {'.'.join(str(p) for p in first['loc'])}: {first['msg']}")
+    names = [d.name for d in spec.deployments]
+    if len(set(names)) != len(names):
+        fail(f"{demands}: deployment names repeat")
+    pools = []
+    for path in catalog:
+        try:
+            offers, _ = load_catalog(
+                path, capacity=capacity, tiers=tuple(tier or (Tier.on_demand, Tier.spot))
+            )
+        except CatalogError as e:
+            fail(str(e))
+        pools += offers_to_pools(offers)
+    if not pools:
+        fail("the catalogs hold no GPU offers")
+    report = plan([d.demand() for d in spec.deployments], pools, time_limit_s=time_limit)
+    if output == OutputFormat.json:
+        emit_json(report.model_dump())
+        return
+    emit([line.model_dump() for line in report.nodes], output, title="nodes to acquire")
+    rows = [
+        {"deployment": d, "regions": regions, "spot": report.spot_share.get(d, 0.0)}
+        for d, regions in report.replicas_by_region.items()
+    ]
+    emit(rows, output, ["deployment", "regions", "spot"], title="replicas by region")
+    console.print(
+        f"$/hour {report.cost_per_hour:,.2f}  LP bound {report.lp_bound or 0:,.2f}"
+        f"  gap {report.gap_pct if report.gap_pct is not None else '-'}%"
+        f"  FFD $/hour {report.ffd_cost_per_hour:,.2f}  solve {report.solve_s:.2f}s ({report.method})",
+        highlight=False,
+    )
+    for u in report.unplaced:
+        console.print(f"[yellow]{u['deployment']}: {u['missing']} unplaced: {u['reason']}[/yellow]")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("plan")(plan_command)
