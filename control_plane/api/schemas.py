@@ -221,11 +221,35 @@ class ClusterOut(BaseModel):
 # --------------------------------------------------------------------- keys
 
 
+class DeploymentLimitsIn(Strict):
+    tokens_per_minute: int | None = Field(None, ge=1, le=10**12)
+    requests_per_minute: int | None = Field(None, ge=1, le=10**9)
+    tokens_per_day: int | None = Field(None, ge=1, le=10**15)
+
+
+PriorityClass = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]
+
+
 class QuotasIn(Strict):
     tokens_per_minute: int | None = Field(None, ge=1, le=10**12)
     requests_per_minute: int | None = Field(None, ge=1, le=10**9)
     max_concurrent: int | None = Field(None, ge=1, le=10**6)
     priority: int = Field(0, ge=-10, le=10)
+    # issue 9 (docs/quotas.md)
+    tokens_per_day: int | None = Field(None, ge=1, le=10**15)
+    deployments: dict[DeploymentName, DeploymentLimitsIn] = Field(default_factory=dict, max_length=1000)
+    priority_class: PriorityClass | None = None
+
+
+class KeyUpdate(Strict):
+    """PATCH /v1/keys/{id}: fields given replace the key's; `quotas` fields given replace
+    those quotas (null clears a limit), the others stay."""
+
+    name: (
+        Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f]+$")] | None
+    ) = None
+    deployments: list[DeploymentName] | None = Field(None, max_length=1000)
+    quotas: dict[str, Any] | None = None
 
 
 class KeyCreate(Strict):

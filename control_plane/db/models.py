@@ -202,6 +202,25 @@ class ApiKey(Base):
     quotas: Mapped[dict[str, Any]] = mapped_column(default=dict)  # agent.protocol.Quotas
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    # cluster id -> fraction of the key's token budgets (ApiKeyRecord.shares; docs/quotas.md)
+    shares: Mapped[dict[str, float]] = mapped_column(JSON, default=dict, server_default="{}")
+
+
+class UsageRecord(Base):
+    """One finished gateway request (`agent.protocol.UsageRecord` from fleet.v1.usage.*)."""
+
+    __tablename__ = "usage_records"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(index=True)
+    cluster: Mapped[str] = mapped_column(String(63), index=True)
+    key_id: Mapped[str] = mapped_column(String(32), index=True)
+    deployment: Mapped[str] = mapped_column(String(63), index=True)
+    version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    status: Mapped[int] = mapped_column(Integer, default=200)
+    latency_s: Mapped[float] = mapped_column(Float, default=0.0)
 
 
 class Event(Base):

@@ -26,6 +26,7 @@ TABLES = {
     "events",
     "audit_records",
     "rollouts",
+    "usage_records",
 }
 
 

@@ -5,13 +5,14 @@ republish `fleet_keys`."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Query, Request
+from pydantic import ValidationError
 from sqlalchemy import select
 
 from agent.protocol import hash_secret, new_secret
 from control_plane.api.audit import audit
 from control_plane.api.deps import PagingDep, PrincipalDep, SessionDep, kick
-from control_plane.api.errors import not_found
-from control_plane.api.schemas import KeyCreate, KeyCreated, KeyOut, Page
+from control_plane.api.errors import invalid, not_found
+from control_plane.api.schemas import KeyCreate, KeyCreated, KeyOut, KeyUpdate, Page, QuotasIn
 from control_plane.api.views import key_out
 from control_plane.db.models import ApiKey, utcnow
 
@@ -66,6 +67,34 @@ def get_key(key_id: str, session: SessionDep, who: PrincipalDep):
     if row is None:
         raise not_found("key", key_id)
     return key_out(row)
+
+
+@router.patch("/{key_id}", response_model=KeyOut)
+def update_key(key_id: str, body: KeyUpdate, request: Request, session: SessionDep, who: PrincipalDep):
+    """Change a key's name, deployments or quotas; gateways apply it at the next publish."""
+    row = session.get(ApiKey, key_id)
+    if row is None:
+        raise not_found("key", key_id)
+    before = key_out(row)
+    if body.name is not None:
+        row.name = body.name
+    if "deployments" in body.model_fields_set:
+        row.deployments = None if body.deployments is None else list(body.deployments)
+    if body.quotas is not None:
+        merged = {**(row.quotas or {}), **body.quotas}
+        try:
+            quotas = QuotasIn.model_validate(merged)
+        except ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise invalid(f"quotas.{where}" if where else "quotas", first["msg"]) from None
+        row.quotas = quotas.model_dump()
+    session.flush()
+    after = key_out(row)
+    audit(session, who, "key.update", "key", key_id, before, after)
+    session.commit()
+    kick(request)
+    return after
 
 
 @router.delete("/{key_id}", response_model=KeyOut)
