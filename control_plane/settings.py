@@ -30,6 +30,9 @@ class Settings(BaseModel):
     # A cluster is unhealthy after this many heartbeat intervals without one.
     missed_heartbeats: int = 5
     reconcile_interval_s: float = 2.0
+    # Placement algorithm by registry name (FLEET_PLACER): "milp" (HiGHS, falls back to
+    # first-fit-decreasing on any solver error) or "ffd".
+    placer: str = "milp"
 
     @classmethod
     def from_env(cls, **overrides) -> Settings:
@@ -39,6 +42,8 @@ class Settings(BaseModel):
             "database_url": os.environ.get("FLEET_DATABASE_URL", ""),
             "nats_url": os.environ.get("FLEET_NATS_URL", "nats://127.0.0.1:4222"),
         }
+        if os.environ.get("FLEET_PLACER"):
+            values["placer"] = os.environ["FLEET_PLACER"]
         if "FLEET_MISSED_HEARTBEATS" in os.environ:
             values["missed_heartbeats"] = int(os.environ["FLEET_MISSED_HEARTBEATS"])
         values.update({k: v for k, v in overrides.items() if v is not None})

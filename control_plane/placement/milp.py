@@ -130,6 +130,7 @@ class _Model:
         return h
 
 
+TIE_WEIGHT = 1e-7  # $/hour per preference rank per GPU
 _BANNER_SILENCED = False
 
 
@@ -241,11 +242,15 @@ class MilpPlacer(Placer):
             if p.key not in y:
                 price = 0.0 if p.tier == Tier.reserved else p.hourly_price
                 y[p.key] = m.var(price, float(p.nodes), True)
+        # Ties go as first-fit-decreasing would break them (tier, price per GPU, names),
+        # so equal-cost plans are deterministic and familiar.
+        rank = {p.key: i for i, p in enumerate(sorted(pools, key=PoolCapacity.preference))}
         for d, p in pairs:
             dist = self._demand_distance(d, p)
             upper = d.count if p.accepts_new else min(d.count, cur[(d.key, p.key)])
+            tie = TIE_WEIGHT * rank[p.key] * d.gpu_count
             x[(d.key, p.key)] = m.var(
-                self.distance_weight * dist * d.gpu_count, float(upper), True, cost_only=0.0
+                self.distance_weight * dist * d.gpu_count + tie, float(upper), True, cost_only=0.0
             )
         u = {k: m.var(big, float(d.count), False) for k, d in by_demand.items() if d.count > 0}
         moves: dict[tuple, int] = {}
