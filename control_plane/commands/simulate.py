@@ -1,0 +1,163 @@
+"""`fleetctl simulate`: replay a request trace in virtual time through the real routing
+and autoscaling policies and simulated replicas, and compare policies (GPU-hours, cost,
+latency, share within the TTFT target, cold starts), for capacity planning."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, emit_json, fail
+
+COLUMNS = [
+    "policy",
+    "gpu_hours",
+    "cost",
+    "ttft_p50_s",
+    "ttft_p90_s",
+    "ttft_p99_s",
+    "e2e_p50_s",
+    "e2e_p99_s",
+    "within_target",
+    "queue_mean_s",
+    "queue_p99_s",
+    "cold_starts",
+    "replicas_max",
+    "replicas_mean",
+]
+
+
+class SimulateConfig(BaseModel):
+    """`--deployment-config FILE` (YAML or JSON): the deployment's autoscaling settings
+    (fields of AutoscaleSettings, as in a version's `autoscaling`) and simulation knobs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    autoscaling: dict[str, object] = Field(default_factory=dict)
+    policies: list[str] | None = None
+    tick_s: float = Field(2.0, gt=0, le=60)
+    warmup_s: float = Field(300.0, ge=0)
+    cold_start_s: float | None = Field(None, ge=0)
+
+
+def _config(path: Path | None) -> SimulateConfig:
+    if path is None:
+        return SimulateConfig()
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as err:
+        fail(f"--deployment-config {path}: {err}")
+    if isinstance(data, dict) and "autoscaling" not in data and "policies" not in data:
+        data = {"autoscaling": data}  # a bare settings mapping
+    try:
+        return SimulateConfig.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        fail(f"--deployment-config {path}: {'.'.join(map(str, first['loc']))}: {first['msg']}")
+
+
+def simulate(
+    trace: Path = typer.Option(
+        ..., "--trace", help="Azure CSV (TIMESTAMP,ContextTokens,GeneratedTokens) or Mooncake JSONL"
+    ),
+    profile: str = typer.Option(
+        "llama2-70b-h100-tp4", help="performance profile name (agent/sim/profiles) or JSON path"
+    ),
+    deployment_config: Path = typer.Option(
+        None, "--deployment-config", help="YAML/JSON: autoscaling settings"
+    ),
+    rate_scale: float = typer.Option(
+        1.0, "--rate-scale", help="replay X times as fast (X times the request rate)"
+    ),
+    slo_ttft: float = typer.Option(2.0, "--slo-ttft", help="TTFT target in seconds"),
+    policies: str = typer.Option(None, help="comma-separated policies (default: static,kpa,ours)"),
+    limit: float = typer.Option(None, help="only the first SECONDS of (scaled) trace"),
+    plot: Path = typer.Option(None, "--plot", help="write a PNG of load and replicas over time"),
+    output: OutputFormat = OUTPUT_OPTION,
+) -> None:
+    """Replay a trace through the routing and autoscaling policies on simulated replicas."""
+    from agent.sim.profile import load_profile
+    from control_plane.autoscale.policy import POLICIES, AutoscaleSettings
+    from control_plane.simulate import DEFAULT_POLICIES, TraceError, compare, default_settings, load_trace
+
+    if slo_ttft <= 0:
+        fail("--slo-ttft must be > 0")
+    cfg = _config(deployment_config)
+    try:
+        prof = load_profile(profile)
+    except ValueError as err:
+        fail(str(err))
+    if cfg.cold_start_s is not None:
+        prof = prof.model_copy(update={"cold_start_s": cfg.cold_start_s})
+    try:
+        settings = AutoscaleSettings.model_validate(
+            {**default_settings(prof).model_dump(), **cfg.autoscaling}
+        )
+    except ValidationError as err:
+        first = err.errors()[0]
+        fail(f"autoscaling: {'.'.join(map(str, first['loc'])) or 'settings'}: {first['msg']}")
+    names = tuple(p.strip() for p in policies.split(",") if p.strip()) if policies else None
+    names = names or tuple(cfg.policies or DEFAULT_POLICIES)
+    unknown = [n for n in names if n not in POLICIES]
+    if unknown:
+        fail(f"unknown policy {unknown[0]!r}; known: {', '.join(sorted(POLICIES))}")
+    try:
+        requests = load_trace(trace, rate_scale=rate_scale, limit_s=limit)
+    except TraceError as err:
+        fail(str(err))
+    if not requests:
+        fail(f"{trace}: no requests in the selected range")
+    report = compare(
+        requests,
+        prof,
+        settings,
+        trace_name=trace.name,
+        slo_ttft_s=slo_ttft,
+        rate_scale=rate_scale,
+        policies=names,
+        tick_s=cfg.tick_s,
+        warmup_s=min(cfg.warmup_s, requests[-1].at / 2),
+        plot_path=plot,
+    )
+    if output == OutputFormat.json:
+        emit_json(report.model_dump())
+        return
+    rows = []
+    for p in report.policies:
+        row = p.model_dump(exclude={"timeline"})
+        row["within_target"] = f"{100 * p.within_ttft_target:.2f}%"
+        row["cost"] = f"${p.cost:,.2f}"
+        row["gpu_hours"] = f"{p.gpu_hours:.2f}"
+        rows.append(row)
+    title = (
+        f"{report.trace} x{rate_scale:g}: {report.requests} requests over {report.duration_s / 60:.1f} min, "
+        f"{prof.name}, TTFT target {slo_ttft:g}s (first {report.warmup_s:g}s warm-up, not counted; "
+        f"simulated in {report.wall_s:.1f}s)"
+    )
+    _table(rows, title)
+    if plot is not None:
+        typer.echo(f"plot: {plot}")
+
+
+def _table(rows: list[dict[str, object]], title: str) -> None:
+    """The comparison, wide enough for its columns even when piped."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from control_plane.commands.output import _cell
+
+    table = Table(title=title, header_style="bold")
+    for col in COLUMNS:
+        table.add_column(
+            col.replace("_s", " s").replace("_", " "), justify="left" if col == "policy" else "right"
+        )
+    for row in rows:
+        table.add_row(*[_cell(row.get(col)) for col in COLUMNS])
+    Console(width=max(170, Console().width)).print(table)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("simulate")(simulate)

@@ -1,0 +1,94 @@
+"""`fleetctl simulate`: replay a trace in virtual time through the real routing and
+autoscaling policies and simulated replicas, and compare policies."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+from agent.sim.profile import PerfProfile
+from control_plane.autoscale.policy import AutoscaleSettings
+from control_plane.simulate.des import RunResult, Simulation
+from control_plane.simulate.report import PolicyReport, SimulationReport, plot, summarize
+from control_plane.simulate.trace import TraceError, TraceRequest, load_trace
+
+DEFAULT_POLICIES = ("static", "kpa", "ours")
+
+
+def default_settings(profile: PerfProfile) -> AutoscaleSettings:
+    """Half the profile's batch limit per replica, up to 64 replicas."""
+    return AutoscaleSettings(
+        min_replicas=1, max_replicas=64, target_concurrency=max(1.0, profile.max_num_seqs / 2)
+    )
+
+
+def compare(
+    trace: list[TraceRequest],
+    profile: PerfProfile,
+    settings: AutoscaleSettings,
+    *,
+    trace_name: str = "",
+    slo_ttft_s: float = 2.0,
+    rate_scale: float = 1.0,
+    policies: tuple[str, ...] = DEFAULT_POLICIES,
+    tick_s: float = 2.0,
+    warmup_s: float = 300.0,
+    plot_path: Path | None = None,
+) -> SimulationReport:
+    """Runs every policy on the same trace. `static` gets the peak replica count the
+    autoscaled runs reached (provisioning for the peak). Autoscaled runs start at
+    `min_replicas` (at least one) and the first `warmup_s` of trace only warms them up:
+    requests arriving then and GPU time spent then are not counted, for any policy."""
+    started = time.perf_counter()
+    runs: dict[str, RunResult] = {}
+    reports: list[PolicyReport] = []
+    autoscaled = [p for p in policies if p != "static"]
+    peak = settings.max_replicas
+    order = [*autoscaled, *(["static"] if "static" in policies else [])]
+    initial = max(1, settings.min_replicas)
+    if autoscaled:
+        probe = Simulation(
+            trace,
+            profile,
+            settings,
+            autoscaled[-1],
+            tick_s=tick_s,
+            initial_replicas=initial,
+            warmup_s=warmup_s,
+        ).run()
+        peak = max((s.desired for s in probe.samples), default=1)
+        runs[probe.policy] = probe
+    for name in order:
+        if name in runs:
+            continue
+        s, start = settings, initial
+        if name == "static":
+            s = settings.model_copy(
+                update={"max_replicas": peak, "min_replicas": min(settings.min_replicas, peak)}
+            )
+            start = peak
+        runs[name] = Simulation(
+            trace, profile, s, name, tick_s=tick_s, initial_replicas=start, warmup_s=warmup_s
+        ).run()
+    for name in policies:
+        reports.append(summarize(runs[name], profile, slo_ttft_s))
+    duration = trace[-1].at if trace else 0.0
+    report = SimulationReport(
+        trace=trace_name,
+        profile=profile.name,
+        requests=len(trace),
+        duration_s=round(duration, 1),
+        slo_ttft_s=slo_ttft_s,
+        rate_scale=rate_scale,
+        warmup_s=warmup_s,
+        settings=settings.model_dump(),
+        policies=reports,
+    )
+    if plot_path is not None:
+        plot(report, runs, plot_path)
+    report.wall_s = round(time.perf_counter() - started, 2)
+    return report
+
+
+__all__ = ["DEFAULT_POLICIES", "TraceError", "compare", "default_settings", "load_trace", "math"]

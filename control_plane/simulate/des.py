@@ -1,0 +1,236 @@
+"""Discrete-event simulation of one deployment in virtual time: a trace's requests go
+through the gateway's real routing policy (`agent.gateway.routing`) to simulated replicas
+(`agent.sim.model`, timing from a profile), while a real autoscaling policy
+(`control_plane.autoscale`) decides the replica count every tick.
+
+- a request with no ready replica waits in the gateway queue (and, with nothing starting,
+  triggers a scale-from-zero decision at once, as a live gateway's demand signal does);
+  when a replica becomes ready the queue drains to it;
+- a new replica is ready `cold_start_s` after the decision; removing replicas cancels
+  starting ones first, then drains the ready ones with the least work (no new requests;
+  released when idle);
+- GPU time counts every replica from decision to release (starting, serving, draining).
+
+Events are few per request (arrival, first token, finish) plus one per tick, so an hour
+of trace runs in seconds."""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from agent.gateway.routing import Candidate, RouteRequest
+from agent.gateway.routing import make_policy as make_routing
+from agent.sim.model import ReplicaModel, SimRequest
+from agent.sim.profile import PerfProfile
+from control_plane.autoscale.policy import AutoscaleSettings, Observation, ScalerState, make_policy
+from control_plane.simulate.trace import TraceRequest
+
+
+@dataclass
+class SimReplica:
+    rid: str
+    model: ReplicaModel
+    created: float
+    ready_at: float
+    draining: bool = False
+    released: float | None = None
+    outstanding_tokens: int = 0
+    in_flight: int = 0
+
+
+@dataclass
+class Sample:
+    at: float
+    replicas: int  # allocated: starting + ready + draining
+    ready: int
+    desired: int
+    demand: float
+    arrivals: int  # in the tick
+
+
+@dataclass
+class RunResult:
+    policy: str
+    requests: list[SimRequest]
+    samples: list[Sample]
+    replica_seconds: float
+    cold_starts: int
+    decisions: list[tuple[float, int, str]] = field(default_factory=list)
+    end: float = 0.0
+    warmup_s: float = 0.0  # requests before it, and GPU time before it, are not counted
+
+    @property
+    def measured(self) -> list[SimRequest]:
+        return [r for r in self.requests if r.arrival >= self.warmup_s]
+
+
+class Simulation:
+    def __init__(
+        self,
+        trace: list[TraceRequest],
+        profile: PerfProfile,
+        settings: AutoscaleSettings,
+        policy: str,
+        *,
+        tick_s: float = 2.0,
+        initial_replicas: int = 1,
+        routing: str = "least-outstanding-tokens",
+        warmup_s: float = 0.0,
+    ) -> None:
+        self.warmup_s = warmup_s
+        self.trace = trace
+        self.profile = profile
+        self.settings = settings
+        self.policy = make_policy(policy)
+        self.policy_name = policy
+        self.router = make_routing(routing)
+        self.tick_s = tick_s
+        self.initial = initial_replicas
+        self.replicas: list[SimReplica] = []
+        self.live: list[SimReplica] = []  # not yet released
+        self.pending: deque[SimRequest] = deque()  # gateway queue: no ready replica
+        self.where: dict[int, SimReplica] = {}
+        self.state = ScalerState()
+        self.desired = initial_replicas
+        self.cold_starts = 0
+        self._n = 0
+        self._ready_heap: list[tuple[float, int, str]] = []
+
+    # ------------------------------------------------------------ replicas
+
+    def _add_replica(self, now: float, cold: bool) -> None:
+        self._n += 1
+        ready_at = now + (self.profile.cold_start_s if cold else 0.0)
+        r = SimReplica(f"r{self._n}", ReplicaModel(self.profile, now), now, ready_at)
+        self.replicas.append(r)
+        self.live.append(r)
+        if cold:
+            self.cold_starts += 1
+            heapq.heappush(self._ready_heap, (ready_at, self._n, r.rid))
+
+    def _ready(self, now: float) -> list[SimReplica]:
+        return [r for r in self.live if not r.draining and r.ready_at <= now]
+
+    def _release_idle_drained(self, now: float) -> None:
+        for r in list(self.live):
+            if r.draining and r.in_flight == 0:
+                r.released = now
+                self.live.remove(r)
+
+    def _scale_to(self, want: int, now: float) -> None:
+        active = [r for r in self.live if not r.draining]
+        if want > len(active):
+            for _ in range(want - len(active)):
+                self._add_replica(now, cold=True)
+            return
+        extra = len(active) - want
+        starting = sorted((r for r in active if r.ready_at > now), key=lambda r: -r.created)
+        for r in starting[:extra]:
+            r.draining = True
+        extra -= min(extra, len(starting))
+        ready = sorted(
+            (r for r in active if r.ready_at <= now), key=lambda r: (r.in_flight, r.outstanding_tokens)
+        )
+        for r in ready[:extra]:
+            r.draining = True
+        self._release_idle_drained(now)
+
+    # ------------------------------------------------------------ requests
+
+    def _route(self, req: SimRequest, now: float) -> bool:
+        ready = self._ready(now)
+        if not ready:
+            return False
+        cands = [Candidate(r.rid, "", 1, r.outstanding_tokens, r.in_flight) for r in ready]
+        choice = self.router.choose(cands, RouteRequest("sim", req.prompt_tokens, req.kv_tokens))
+        r = next(x for x in ready if x.rid == choice.replica_id)
+        r.outstanding_tokens += req.kv_tokens
+        r.in_flight += 1
+        self.where[req.rid] = r
+        r.model.submit(req, now)
+        return True
+
+    def _on_events(self, r: SimReplica, events: list[SimRequest], now: float) -> None:
+        for req in events:
+            if req.finished_at is not None and req.rid in self.where:
+                del self.where[req.rid]
+                r.outstanding_tokens -= req.kv_tokens
+                r.in_flight -= 1
+        if r.draining and r.in_flight == 0 and r.released is None:
+            r.released = now
+            self.live.remove(r)
+
+    def _drain_queue(self, now: float) -> None:
+        while self.pending and self._route(self.pending[0], now):
+            self.pending.popleft()
+
+    # ------------------------------------------------------------ the loop
+
+    def _tick(self, now: float, samples: list[Sample], decisions: list, arrivals: int) -> None:
+        for r in list(self.live):
+            self._on_events(r, r.model.advance(now), now)
+        ready = self._ready(now)
+        starting = [r for r in self.live if not r.draining and r.ready_at > now]
+        running = sum(r.model.num_running for r in ready)
+        queued = sum(r.model.num_waiting for r in ready) + len(self.pending)
+        obs = Observation(now, running, queued, len(ready), len(starting), self.desired)
+        d = self.policy.decide(self.settings, self.state, obs)
+        if d.desired != self.desired:
+            decisions.append((now, d.desired, d.reason))
+        self.desired = d.desired
+        self._scale_to(d.desired, now)
+        samples.append(Sample(now, len(self.live), len(ready), d.desired, obs.demand, arrivals))
+
+    def run(self) -> RunResult:
+        for _ in range(self.initial):
+            self._add_replica(0.0, cold=False)
+        reqs = [SimRequest(i, t.prompt_tokens, t.output_tokens, t.at) for i, t in enumerate(self.trace)]
+        samples: list[Sample] = []
+        decisions: list[tuple[float, int, str]] = []
+        i, next_tick, arrivals = 0, 0.0, 0
+        end_of_trace = reqs[-1].arrival if reqs else 0.0
+        now = 0.0
+        while True:
+            t_arrival = reqs[i].arrival if i < len(reqs) else math.inf
+            t_ready = self._ready_heap[0][0] if self._ready_heap else math.inf
+            best_r, t_replica = None, math.inf
+            for r in self.live:
+                te = r.model.next_event_time()
+                if te < t_replica:
+                    best_r, t_replica = r, te
+            busy = bool(self.live and any(not r.model.idle() for r in self.live)) or self.pending
+            if i >= len(reqs) and not busy:
+                break
+            now = min(t_arrival, t_ready, t_replica, next_tick)
+            if now == next_tick:
+                self._tick(now, samples, decisions, arrivals)
+                arrivals = 0
+                next_tick += self.tick_s
+                if now > end_of_trace + 3600:  # a stuck queue: give up rather than loop
+                    break
+            elif now == t_ready:
+                heapq.heappop(self._ready_heap)
+                self._drain_queue(now)
+            elif now == t_replica and best_r is not None:
+                self._on_events(best_r, best_r.model.advance(now), now)
+            else:
+                req = reqs[i]
+                i += 1
+                arrivals += 1
+                if not self._route(req, now):
+                    self.pending.append(req)
+                    if not any(not r.draining for r in self.live):  # scale from zero now
+                        self._tick(now, samples, decisions, 0)
+        end = max(now, end_of_trace)
+        w = self.warmup_s
+        replica_s = sum(
+            max(0.0, (r.released if r.released is not None else end) - max(r.created, w))
+            for r in self.replicas
+        )
+        cold = sum(1 for r in self.replicas if r.ready_at > r.created and r.created >= w)
+        return RunResult(
+            self.policy_name, reqs, [x for x in samples if x.at >= w], replica_s, cold, decisions, end, w
+        )

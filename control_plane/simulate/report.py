@@ -1,0 +1,125 @@
+"""What a simulated run cost and how it served: GPU-hours, cost, TTFT / end-to-end
+percentiles, the share of requests within the TTFT target, queue time, cold starts, and
+replicas over time; plus a PNG of load against replicas per policy."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from agent.sim.profile import PerfProfile
+from control_plane.simulate.des import RunResult
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile of `values` (q in 0..100); NaN when empty."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1))
+    return s[k]
+
+
+class PolicyReport(BaseModel):
+    policy: str
+    requests: int
+    completed: int
+    gpu_hours: float
+    replica_hours: float
+    cost: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+    ttft_p99_s: float
+    e2e_p50_s: float
+    e2e_p99_s: float
+    within_ttft_target: float  # share of all requests (unfinished ones count as misses)
+    queue_mean_s: float
+    queue_p99_s: float
+    cold_starts: int
+    replicas_max: int
+    replicas_mean: float
+    timeline: list[tuple[float, int, float]]  # (t, replicas allocated, demand) per sample
+
+
+class SimulationReport(BaseModel):
+    trace: str
+    profile: str
+    requests: int
+    duration_s: float
+    slo_ttft_s: float
+    rate_scale: float
+    warmup_s: float = 0.0
+    settings: dict[str, object]
+    wall_s: float = 0.0
+    policies: list[PolicyReport]
+
+
+def summarize(
+    run: RunResult, profile: PerfProfile, slo_ttft_s: float, timeline_every: int = 5
+) -> PolicyReport:
+    done = [r for r in run.measured if r.finished_at is not None and r.first_token_at is not None]
+    ttft = [r.first_token_at - r.arrival for r in done]  # type: ignore[operator]
+    e2e = [r.finished_at - r.arrival for r in done]  # type: ignore[operator]
+    queue = [(r.admitted_at - r.arrival) for r in done if r.admitted_at is not None]
+    within = sum(1 for x in ttft if x <= slo_ttft_s)
+    replica_h = run.replica_seconds / 3600
+    n = len(run.measured)
+    replicas = [s.replicas for s in run.samples]
+    return PolicyReport(
+        policy=run.policy,
+        requests=n,
+        completed=len(done),
+        gpu_hours=round(replica_h * profile.gpus_per_replica, 3),
+        replica_hours=round(replica_h, 3),
+        cost=round(replica_h * profile.hourly_price, 2),
+        ttft_p50_s=round(percentile(ttft, 50), 4),
+        ttft_p90_s=round(percentile(ttft, 90), 4),
+        ttft_p99_s=round(percentile(ttft, 99), 4),
+        e2e_p50_s=round(percentile(e2e, 50), 3),
+        e2e_p99_s=round(percentile(e2e, 99), 3),
+        within_ttft_target=round(within / n, 5) if n else 0.0,
+        queue_mean_s=round(sum(queue) / len(queue), 4) if queue else 0.0,
+        queue_p99_s=round(percentile(queue, 99), 4),
+        cold_starts=run.cold_starts,
+        replicas_max=max(replicas, default=0),
+        replicas_mean=round(sum(replicas) / len(replicas), 2) if replicas else 0.0,
+        timeline=[(s.at, s.replicas, round(s.demand, 2)) for s in run.samples[::timeline_every]],
+    )
+
+
+def plot(report: SimulationReport, runs: dict[str, RunResult], out: Path) -> None:
+    """Load (arrivals per minute) and replicas per policy over time, one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_load, ax_rep) = plt.subplots(2, 1, figsize=(11, 6.5), sharex=True, height_ratios=[1, 1.4])
+    first = next(iter(runs.values()))
+    minutes: dict[int, int] = {}
+    for r in first.requests:
+        minutes[int(r.arrival // 60)] = minutes.get(int(r.arrival // 60), 0) + 1
+    xs = sorted(minutes)
+    ax_load.bar([x for x in xs], [minutes[x] for x in xs], width=0.9, color="#999")
+    ax_load.set_ylabel("requests / min")
+    ax_load.set_title(
+        f"{report.trace} x{report.rate_scale:g} on {report.profile} (TTFT target {report.slo_ttft_s:g} s)"
+    )
+    for pr in report.policies:
+        run = runs[pr.policy]
+        label = (
+            f"{pr.policy}: {pr.gpu_hours:.1f} GPU-h, {100 * pr.within_ttft_target:.2f}% within target, "
+            f"TTFT p99 {pr.ttft_p99_s:.2f}s"
+        )
+        ax_rep.step(
+            [s.at / 60 for s in run.samples], [s.replicas for s in run.samples], where="post", label=label
+        )
+    ax_rep.set_ylabel("replicas")
+    ax_rep.set_xlabel("minutes")
+    ax_rep.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)

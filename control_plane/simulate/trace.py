@@ -1,0 +1,80 @@
+"""Request traces: Azure LLM inference (CSV: TIMESTAMP, ContextTokens, GeneratedTokens)
+and Mooncake (JSONL: timestamp in ms, input_length, output_length, hash_ids), read into
+one shape with arrival times in seconds from the first request."""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be read (says which line and why)."""
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    at: float
+    prompt_tokens: int
+    output_tokens: int
+
+
+def _azure_time(text: str) -> float:
+    # "2023-11-16 18:15:46.6805900": seven fractional digits; datetime takes six.
+    head, _, frac = text.strip().partition(".")
+    return datetime.fromisoformat(head).timestamp() + (float("0." + frac) if frac else 0.0)
+
+
+def _azure(path: Path) -> list[tuple[float, int, int]]:
+    out = []
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        need = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}
+        if not need <= set(reader.fieldnames or []):
+            raise TraceError(f"{path}: an Azure trace needs columns {', '.join(sorted(need))}")
+        for n, row in enumerate(reader, start=2):
+            try:
+                out.append(
+                    (_azure_time(row["TIMESTAMP"]), int(row["ContextTokens"]), int(row["GeneratedTokens"]))
+                )
+            except (ValueError, TypeError) as err:
+                raise TraceError(f"{path}:{n}: {err}") from None
+    return out
+
+
+def _mooncake(path: Path) -> list[tuple[float, int, int]]:
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                out.append(
+                    (float(row["timestamp"]) / 1000.0, int(row["input_length"]), int(row["output_length"]))
+                )
+            except (ValueError, KeyError, TypeError) as err:
+                raise TraceError(f"{path}:{n}: {err!r}") from None
+    return out
+
+
+def load_trace(path: str | Path, rate_scale: float = 1.0, limit_s: float | None = None) -> list[TraceRequest]:
+    """Requests sorted by arrival, from 0 s. `rate_scale` 2 replays twice as fast (twice
+    the request rate); `limit_s` keeps only the first seconds of (scaled) trace."""
+    p = Path(path)
+    if not p.is_file():
+        raise TraceError(f"{p}: no such trace file")
+    if rate_scale <= 0:
+        raise TraceError("rate scale must be > 0")
+    rows = _mooncake(p) if p.suffix in (".jsonl", ".json") else _azure(p)
+    if not rows:
+        raise TraceError(f"{p}: no requests")
+    rows.sort()
+    t0 = rows[0][0]
+    out = [TraceRequest((t - t0) / rate_scale, max(1, a), max(1, b)) for t, a, b in rows]
+    if limit_s is not None:
+        out = [r for r in out if r.at <= limit_s]
+    return out
