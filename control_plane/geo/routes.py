@@ -62,3 +62,28 @@ def routes_by_region(
         if client.region and client.region not in out:
             out[client.region] = rank_clusters(client, routes, latency)
     return out
+
+
+MAX_PER_REGION = 16  # keeps a routing table small on NATS KV however many clusters there are
+
+
+def by_region_for(
+    routes: Sequence[ClusterRoute], clusters: Iterable, latency: LatencyMatrix | None = None
+) -> dict[str, list[ClusterRoute]]:
+    """`RoutingTable.by_region` for the reconcile loop: every cluster with a gateway is a
+    client region (requests arrive there); `clusters` are snapshot rows (region,
+    provider, coordinates, gateway_url)."""
+    from control_plane.geo.latency import default_latency
+
+    latency = latency or default_latency()
+    clients = [
+        ClientRegion(
+            region=c.region, provider=c.provider if c.provider != "local" else "", coordinates=c.coordinates
+        )
+        for c in sorted(clusters, key=lambda c: c.id)
+        if c.gateway_url and c.region
+    ]
+    return {
+        region: ranked[:MAX_PER_REGION]
+        for region, ranked in routes_by_region(routes, clients, latency).items()
+    }

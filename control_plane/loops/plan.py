@@ -18,6 +18,7 @@ from agent.protocol import (
     RoutingTable,
     VersionWeight,
 )
+from control_plane.geo.routes import by_region_for
 from control_plane.loops.snapshot import AssignmentRow, DeploymentRow, FleetSnapshot
 from control_plane.placement import Assignment, PlacementResult, PoolCapacity, ReplicaDemand
 from control_plane.rollouts.policy import baseline_target
@@ -61,6 +62,7 @@ def placement_inputs(
             hourly_price=p.hourly_price,
             cluster_status=c.status,
             coordinates=c.coordinates,
+            provider=c.provider,
         )
         for c in snap.clusters
         for p in c.pools
@@ -216,12 +218,14 @@ def build_routes(snap: FleetSnapshot, assignments: list[AssignmentRow]) -> dict[
                     coordinates=c.coordinates,
                     replicas=sum(1 for a in rows if a.state == ReplicaState.ready.value),
                     healthy=True,
+                    provider=c.provider,
                 )
             )
         out[d.name] = RoutingTable(
             deployment=d.name,
             versions=version_weights(snap, d),
             clusters=routes,
+            by_region=by_region_for(routes, snap.clusters),
         )
     return out
 
