@@ -211,3 +211,9 @@ def delete_pool(cluster_id: str, name: str, request: Request, session: SessionDe
     session.commit()
     kick(request)
     return before
+
+
+# Bulk pool import from provider catalogs (POST /v1/pools/import) lives in its own module.
+from control_plane.api.routers.catalog import router as _catalog_router  # noqa: E402
+
+router.include_router(_catalog_router)
