@@ -1,0 +1,235 @@
+"""A local fleet of real processes (nats-server, control plane, one agent + gateway per
+region) whose agents run the `sim` runtime: simulated replicas start in a fraction of a
+second and fail on demand (`error_rate`), so traffic-shaped tests run without torch.
+Plus a steady load generator that records every request."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+
+from agent.protocol import PoolInventory
+from control_plane.local.fleet import LocalFleet, pid_alive
+
+
+def wait_for(check, timeout: float, interval: float = 0.2, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except Exception as err:  # a component may be restarting
+            last = err
+        if last and not isinstance(last, Exception):
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+
+
+class SimFleet:
+    def __init__(self, home: Path, regions: list[str], slots: int = 4) -> None:
+        self.home = home
+        self.regions = regions
+        self.slots = slots
+        self.local = LocalFleet(home)
+        self.state = self.local.new_state(regions)
+        self.token = ""
+        self.key = ""
+        self.gateways: dict[str, str] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def up(self, timeout: float = 60) -> SimFleet:
+        local, state = self.local, self.state
+        local.save(state)
+        local.start_nats(state)
+        self.start_control_plane(timeout=timeout)
+        for index, region in enumerate(self.regions):
+            config = local.write_cluster_config(state, region, index, self.slots, [])
+            config = config.model_copy(
+                update={
+                    "runtime": "sim",
+                    "pools": [PoolInventory(name="sim", gpu_model="cpu", gpus_per_node=self.slots, nodes=1)],
+                }
+            )
+            config.dump(local.dir / "clusters" / region / "cluster.yaml")
+            local.start_cluster(state, config)
+            self.gateways[region] = config.gateway.url
+
+        def healthy():
+            clusters = {c["id"]: c for c in self.api("GET", "/v1/clusters").json()["items"]}
+            return all(clusters.get(r, {}).get("status") == "healthy" for r in self.regions)
+
+        wait_for(healthy, timeout, 0.2, "every cluster's first heartbeat")
+        for url in self.gateways.values():
+            wait_for(
+                lambda url=url: httpx.get(f"{url}/health", timeout=2).status_code == 200, timeout, 0.2, url
+            )
+        self.key = self.api("POST", "/v1/keys", json={"name": "e2e", "scopes": ["inference"]}).json()["key"]
+        return self
+
+    def start_control_plane(self, port: int | None = None, timeout: float = 60) -> None:
+        record = self.local.start_control_plane(self.state, port=port)
+        token_file = self.home / "admin-token"
+        wait_for(
+            lambda: httpx.get(f"{record.url}/healthz", timeout=1).status_code == 200 and token_file.exists(),
+            timeout,
+            0.1,
+            "the control plane",
+        )
+        self.token = token_file.read_text().strip()
+
+    def process(self, kind: str, name: str | None = None):
+        for record in self.local.load().processes:
+            if record.kind == kind and (name is None or record.name == name):
+                return record
+        raise KeyError(kind, name)
+
+    def kill_control_plane(self) -> int:
+        cp = self.process("control-plane")
+        psutil.Process(cp.pid).kill()
+        wait_for(lambda: not pid_alive(cp.pid), 10, 0.05, "the control plane to die")
+        state = self.local.load()
+        state.processes = [p for p in state.processes if p.kind != "control-plane"]
+        self.local.save(state)
+        self.state = state
+        return int(cp.url.rsplit(":", 1)[1])
+
+    def kill_region(self, region: str) -> list[int]:
+        """kill -9 the region's agent and every replica it runs (its gateway stays)."""
+        pids = [self.process("agent", region).pid]
+        pids += [r.pid for r in self.local.replicas(self.local.load()) if r.name.startswith(f"{region}/")]
+        procs = []
+        for pid in pids:
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(pid)
+                procs += [proc, *proc.children(recursive=True)]
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(procs, timeout=5)
+        return pids
+
+    def down(self) -> None:
+        state = self.local.load()
+        with contextlib.suppress(Exception):
+            self.local.down(timeout=5)
+        if state is not None:
+            for proc in self.local.marked_processes(state.fleet_id):
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+
+    # ------------------------------------------------------------------ clients
+
+    @property
+    def api_url(self) -> str:
+        return self.process("control-plane").url
+
+    def api(self, method: str, path: str, **kw) -> httpx.Response:
+        return httpx.request(
+            method,
+            f"{self.api_url}{path}",
+            headers={"authorization": f"Bearer {self.token}"},
+            timeout=10,
+            **kw,
+        )
+
+    def deployment(self, name: str) -> dict:
+        return self.api("GET", f"/v1/deployments/{name}").json()
+
+    def ready_by_version(self, name: str) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for p in self.deployment(name)["placements"]:
+            if p["state"] == "ready":
+                out[p["version"]] = out.get(p["version"], 0) + 1
+        return out
+
+    def gateway_metric(self, region: str, name: str, **labels: str) -> float:
+        text = httpx.get(f"{self.gateways[region]}/metrics", timeout=5).text
+        total = 0.0
+        for line in text.splitlines():
+            if not line.startswith(name + "{"):
+                continue
+            got = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0]))
+            if all(got.get(k) == v for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+@dataclass
+class Result:
+    gateway: str
+    started: float
+    ended: float
+    status: int
+    cluster: str = ""
+    version: str = ""
+    error: str = ""
+
+
+@dataclass
+class Load:
+    """Steady non-streaming chat load: `workers` threads, each a request at a time,
+    round-robin over `gateways`, a fresh end user per request (so the canary split is
+    drawn afresh), optionally paced."""
+
+    gateways: list[str]
+    key: str
+    model: str
+    workers: int = 4
+    pause_s: float = 0.0
+    results: list[Result] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def _run(self, index: int) -> None:
+        headers = {"authorization": f"Bearer {self.key}"}
+        with httpx.Client(timeout=30) as client:
+            n = index
+            while not self._stop.is_set():
+                gateway = self.gateways[n % len(self.gateways)]
+                n += 1
+                body = {
+                    "model": self.model,
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 2,
+                    "user": uuid.uuid4().hex,
+                }
+                started = time.time()
+                try:
+                    r = client.post(f"{gateway}/v1/chat/completions", json=body, headers=headers)
+                    result = Result(
+                        gateway, started, time.time(), r.status_code,
+                        r.headers.get("x-fleet-cluster", ""), r.headers.get("x-fleet-version", ""),
+                        "" if r.status_code == 200 else r.text[:200],
+                    )  # fmt: skip
+                except httpx.HTTPError as err:
+                    result = Result(gateway, started, time.time(), 0, error=f"{type(err).__name__}: {err}")
+                self.results.append(result)
+                if self.pause_s:
+                    time.sleep(self.pause_s)
+
+    def start(self) -> Load:
+        self._threads = [
+            threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(self.workers)
+        ]
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> list[Result]:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=35)
+        return self.results
+
+    def failed(self) -> list[Result]:
+        return [r for r in self.results if r.status != 200]
