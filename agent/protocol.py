@@ -48,7 +48,12 @@ def kvcache_subject(cluster: str) -> str:
     return f"{SUBJECT_PREFIX}.kvcache.{cluster}"
 
 
+def demand_subject(cluster: str) -> str:
+    return f"{SUBJECT_PREFIX}.demand.{cluster}"
+
+
 HEARTBEAT_WILDCARD = f"{SUBJECT_PREFIX}.heartbeat.*"
+DEMAND_WILDCARD = f"{SUBJECT_PREFIX}.demand.*"
 EVENTS_WILDCARD = f"{SUBJECT_PREFIX}.events.*"
 USAGE_WILDCARD = f"{SUBJECT_PREFIX}.usage.*"
 
@@ -175,6 +180,9 @@ class RoutingTable(Message):
     clusters: list[ClusterRoute] = Field(default_factory=list)
     # Client region -> clusters in order of expected latency (control_plane.geo.routes).
     by_region: dict[str, list[ClusterRoute]] = Field(default_factory=dict)
+    # The deployment may have zero replicas (min_replicas 0): gateways hold its requests
+    # for a cold start (`gateway.cold_start_timeout_s`) and signal demand (issue 7).
+    scale_to_zero: bool = False
     generation: int = 0
     updated_at: float = Field(default_factory=time.time)
 
@@ -287,6 +295,8 @@ class ReplicaStatus(BaseModel):
     started_at: float | None = None
     last_error: str = ""
     load: ReplicaLoad = Field(default_factory=ReplicaLoad)
+    # Seconds from the agent starting this replica to its first ready /health (issue 7).
+    cold_start_s: float | None = None
 
 
 class Heartbeat(Message):
@@ -347,4 +357,20 @@ class UsageRecord(Message):
     status: int = 200
     ttft_s: float | None = None
     latency_s: float = 0.0
+    at: float = Field(default_factory=time.time)
+    # A replica attempt that failed before the first byte and was retried elsewhere: not a
+    # finished request (no tokens; accounting skips it), but the canary guards count it
+    # against the version that failed (issue 8).
+    attempt_failed: bool = False
+
+
+class Demand(Message):
+    """A gateway's requests waiting for replicas of one deployment (issue 7), on
+    `fleet.v1.demand.<cluster>`: sent when a request queues and at most every
+    `DEMAND_EVERY_S` while any wait. `ready` = 0 asks the autoscaler to scale from zero."""
+
+    cluster: str
+    deployment: str
+    queued: int = Field(0, ge=0)
+    ready: int = Field(0, ge=0)
     at: float = Field(default_factory=time.time)
