@@ -172,6 +172,9 @@ class ClusterRoute(BaseModel):
     # cluster's share of the deployment's ready replicas (its capacity for spillover).
     rtt_ms: float | None = None
     weight: float = 0.0
+    # Active-passive (issue 8): a warm standby takes traffic only while no primary
+    # cluster of the deployment is alive.
+    standby: bool = False
 
 
 class RoutingTable(Message):
@@ -358,6 +361,9 @@ class UsageRecord(Message):
     ttft_s: float | None = None
     latency_s: float = 0.0
     at: float = Field(default_factory=time.time)
+    # a request a quota refused (status 429): the tokens it asked for, which the control
+    # plane counts as demand when it splits the key's budget between regions
+    refused_tokens: int = Field(0, ge=0)
     # A replica attempt that failed before the first byte and was retried elsewhere: not a
     # finished request (no tokens; accounting skips it), but the canary guards count it
     # against the version that failed (issue 8).
