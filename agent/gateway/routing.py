@@ -101,12 +101,49 @@ def great_circle_km(a: Coordinates, b: Coordinates) -> float:
     return 2 * EARTH_RADIUS_KM * math.asin(min(1.0, math.sqrt(h)))
 
 
-def peer_order(route: RoutingTable | None, here: str, coordinates: Coordinates) -> list[ClusterRoute]:
+def peer_order(
+    route: RoutingTable | None, here: str, coordinates: Coordinates, region: str = ""
+) -> list[ClusterRoute]:
     """Healthy peer clusters with a gateway for this deployment, nearest first; peers the
-    route says run replicas come before those that run none."""
+    route says run replicas come before those that run none. When the control plane
+    ranked clusters for this gateway's region (`route.by_region`, by measured
+    inter-region latency), that order is used; else great-circle distance."""
     if route is None:
         return []
+    ranked = route.by_region.get(region) if region else None
+    if ranked:
+        return [c for c in ranked if c.cluster != here and c.healthy and c.gateway_url]
     peers = [c for c in route.clusters if c.cluster != here and c.healthy and c.gateway_url]
     return sorted(
         peers, key=lambda c: (c.replicas <= 0, great_circle_km(coordinates, c.coordinates), c.cluster)
     )
+
+
+# Hops a request has made between gateways. A forwarded request (X-Fleet-Forwarded or a
+# hop count >= MAX_HOPS) is served where it lands, never bounced back or on.
+HOPS_HEADER = "X-Fleet-Hops"
+MAX_HOPS = 1
+
+
+def hops_of(value: str | None) -> int:
+    try:
+        return max(0, int(value or 0))
+    except ValueError:
+        return MAX_HOPS  # garbled: treat as forwarded already
+
+
+def should_spill(waiting: int, ready: int, per_replica: float | None) -> bool:
+    """Forward to the nearest peer with room instead of queueing here: when more than
+    `per_replica` requests per ready replica already wait (None: never on load alone)."""
+    if per_replica is None or ready <= 0:
+        return False
+    return waiting >= per_replica * ready
+
+
+def forwarded_from(headers, forwarded_header: str) -> str | None:
+    """The gateway a request came from, or None when a client sent it. A request that
+    made MAX_HOPS hops counts as forwarded even without the older header."""
+    sender = headers.get(forwarded_header)
+    if sender:
+        return sender
+    return "unknown-peer" if hops_of(headers.get(HOPS_HEADER)) >= MAX_HOPS else None
