@@ -114,6 +114,7 @@ class DeploymentVersion(Base):
     scale_to_zero: Mapped[bool] = mapped_column(Boolean, default=False)
     regions: Mapped[list[str]] = mapped_column(default=list)  # empty: any
     min_regions: Mapped[int] = mapped_column(Integer, default=1)
+    standby_regions: Mapped[list[str]] = mapped_column(default=list)  # warm, at min_replicas, no traffic
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
     deployment: Mapped[Deployment] = relationship(back_populates="versions")
