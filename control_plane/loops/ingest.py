@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session, selectinload
 from agent.protocol import ClusterStatus, Event, Heartbeat, PoolInventory
 from control_plane.db.models import CapacityPool, Cluster, ReplicaAssignment
 from control_plane.db.models import Event as EventRow
+from control_plane.loops.preemption import apply_preemptions
 
 CLUSTER_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # as in agent.config.ClusterConfig
 
@@ -124,6 +125,7 @@ def apply_heartbeat(session: Session, hb: Heartbeat, now: datetime) -> bool:
             cluster.pools.remove(row)
             changed = True
 
+    changed = apply_preemptions(session, hb) or changed  # spot nodes lost: re-place at once
     if hb.replicas:
         reported = {r.replica_id: r for r in hb.replicas}
         rows = session.scalars(

@@ -1,0 +1,39 @@
+"""Spot preemption, as SkyServe handles it: when an agent reports that the provider
+reclaimed spot nodes (`Heartbeat.preempted`: the replicas that ran on them), their
+assignments go at once, so the very next reconcile pass re-places them. Where they land
+follows the cluster's inventory: its spot pool reports fewer nodes, so the placer falls
+back to on-demand (or other spot capacity) elsewhere."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from agent.protocol import Heartbeat
+from control_plane.db.models import Event, ReplicaAssignment
+
+MAX_PER_HEARTBEAT = 1000
+
+
+def apply_preemptions(session: Session, hb: Heartbeat) -> bool:
+    """Drop the preempted replicas' assignments (this cluster's only); True when any went."""
+    ids = [r for r in hb.preempted[:MAX_PER_HEARTBEAT] if isinstance(r, str) and 0 < len(r) <= 63]
+    if not ids:
+        return False
+    rows = session.scalars(
+        select(ReplicaAssignment).where(
+            ReplicaAssignment.replica_id.in_(ids), ReplicaAssignment.cluster_id == hb.cluster
+        )
+    ).all()
+    for row in rows:
+        session.add(
+            Event(
+                kind="replica_preempted",
+                cluster=hb.cluster,
+                deployment=row.deployment.name if row.deployment else None,
+                replica_id=row.replica_id,
+                message=f"{row.replica_id}: spot node reclaimed on {hb.cluster}/{row.pool_name}; re-placing",
+            )
+        )
+        session.delete(row)
+    return bool(rows)
