@@ -21,6 +21,9 @@ class GatewayConfig(BaseModel):
     # Requests waiting for a ready replica: at most this many, for at most this long.
     queue_size: int = Field(256, ge=0)
     queue_timeout_s: float = Field(10.0, ge=0)
+    # ... or this long while the deployment has no ready replica here (scale from zero
+    # waits for a cold start instead of failing; issue 7).
+    cold_start_timeout_s: float = Field(300.0, ge=0)
     # Largest request body accepted (bytes).
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     # Queueing classes, highest first; a key's Quotas.priority_class picks one, else

@@ -89,6 +89,7 @@ class Replica:
     streak: int = 0  # crashes since it last stayed ready for a while (backoff exponent)
     started_at: float | None = None
     ready_since: float | None = None
+    cold_start_s: float | None = None  # started_at -> first ready of the latest start
     failed_at: float | None = None
     next_restart_at: float | None = None
     last_error: str = ""
@@ -121,6 +122,7 @@ class Replica:
             started_at=self.started_at,
             last_error=self.last_error[-2000:],
             load=self.load if self.state == ReplicaState.ready else ReplicaLoad(),
+            cold_start_s=self.cold_start_s,
         )
 
 
@@ -400,9 +402,13 @@ class Agent:
             if probe.state == ReplicaState.failed:
                 await self._mark_failed(r, probe.error, now)
             elif probe.state == ReplicaState.ready:
+                was_starting = r.state == ReplicaState.starting
                 r.state = ReplicaState.ready
                 r.ready_since = now  # last_error stays: why it last failed
-                await self._event("replica_ready", r, f"serving at {r.handle.url if r.handle else ''}")
+                if was_starting and r.started_at is not None:  # this start's cold start
+                    r.cold_start_s = round(now - r.started_at, 3)
+                cold = f" after a {r.cold_start_s:.1f} s cold start" if r.cold_start_s is not None else ""
+                await self._event("replica_ready", r, f"serving at {r.handle.url if r.handle else ''}{cold}")
             elif probe.state == ReplicaState.draining:
                 r.state = ReplicaState.draining
             else:

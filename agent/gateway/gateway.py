@@ -9,6 +9,7 @@ are retried once elsewhere; afterwards a stream ends with an in-band error event
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -24,6 +25,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from agent.config import ClusterConfig
 from agent.gateway.auth import Authenticator
+from agent.gateway.coldstart import ColdStartCollector
+from agent.gateway.demand import DemandSignal
 from agent.gateway.errors import GatewayError, error_response, sse_error_event
 from agent.gateway.inputs import Endpoint, RequestInfo, parse_request, upstream_body
 from agent.gateway.limits import QuotaGate
@@ -125,6 +128,11 @@ class Gateway:
         self.queue.capacity = self._concurrency_target
         link = NatsLink(config.nats_url, f"gateway-{config.cluster}") if nats and config.nats_url else None
         self.usage = UsagePublisher(link, config.cluster, self.metrics)
+        # issue 7: demand for the autoscaler (scale from zero), cold starts on /metrics
+        self.demand = DemandSignal(link, config.cluster, ready=lambda d: len(self.view.ready(d)))
+        self.queue.cold_start_timeout_s = gwc.cold_start_timeout_s
+        self.metrics.registry.register(ColdStartCollector(lambda: self.view.replicas))
+        self._demand: asyncio.Task[None] | None = None
         self.liveness = PeerLiveness(link)  # clusters heard on NATS: failover faster than routes
         self.client: httpx.AsyncClient | None = None
         self.rng = random.Random()
@@ -139,12 +147,15 @@ class Gateway:
         self._watch = asyncio.create_task(self.view.watch(), name="state-watch")
         self._status = asyncio.create_task(self._status_loop(), name="gateway-status")
         self.usage.start()
+        self._demand = asyncio.create_task(self.demand.repeat(), name="gateway-demand")
 
     async def close(self) -> None:
         if self._watch is not None:
             self._watch.cancel()
         if self._status is not None:
             self._status.cancel()
+        if self._demand is not None:
+            self._demand.cancel()
         await self.usage.close()
         if self.client is not None:
             await self.client.aclose()
@@ -301,7 +312,8 @@ class Gateway:
             if targets:
                 self.quota.refund(ex.reservation)  # the peer's gateway charges the key
                 return await self._attempts(ex, raw, request, self._peer_chooser(targets))
-        ex.queue_s = await self.queue.admit(deployment, ex.klass)
+        with self._waiting(deployment):
+            ex.queue_s = await self.queue.admit(deployment, ex.klass)
         ex.admitted = True
         try:
             return await self._attempts(ex, upstream_body(ex.info, raw), request, self._replica_chooser(ex))
@@ -314,6 +326,12 @@ class Gateway:
                 raise
             self.quota.refund(ex.reservation)
             return await self._attempts(ex, raw, request, self._peer_chooser(targets))
+
+    def _waiting(self, deployment: str) -> contextlib.AbstractContextManager[None]:
+        """Counts the request as demand while it waits for a replica slot (issue 7)."""
+        if self.queue._room(deployment) and not self.queue._waitlists.get(deployment):
+            return contextlib.nullcontext()
+        return self.demand.waiting(deployment, len(self.view.ready(deployment)))
 
     def _local_usable(self, deployment: str) -> bool:
         """Ready replicas here that are worth a first attempt: not all of them just failed,

@@ -36,8 +36,17 @@ class ReplicaQueue:
         self.capacity: Callable[[str], int | None] = lambda deployment: None
         self.clock: Callable[[], float] = time.monotonic
         self.active: dict[str, int] = {}
+        self.cold_start_timeout_s = 0.0  # see wait_limit
         self._waitlists: dict[str, PriorityWaitlist] = {}
         self._grants: dict[int, asyncio.Future[None]] = {}
+
+    def wait_limit(self, deployment: str) -> float:
+        """Seconds a request may wait here: longer while a deployment that scales to zero
+        has no ready replica (a cold start is coming; issue 7)."""
+        route = self.view.route(deployment)
+        if self.view.ready(deployment) or route is None or not route.scale_to_zero:
+            return self.timeout_s
+        return max(self.timeout_s, self.cold_start_timeout_s)
 
     def _unavailable(self, deployment: str, why: str) -> GatewayError:
         return GatewayError(
@@ -131,7 +140,7 @@ class ReplicaQueue:
         waiter = wl.add(klass, start)
         grant: asyncio.Future[None] = loop.create_future()
         self._grants[waiter.seq] = grant
-        deadline = start + self.timeout_s
+        deadline = start + self.wait_limit(deployment)
         self.depth += 1
         self._set_depth_metrics(klass)
         admitted = False

@@ -196,14 +196,18 @@ def build_desired(snap: FleetSnapshot, assignments: list[AssignmentRow]) -> dict
 def build_routes(snap: FleetSnapshot, assignments: list[AssignmentRow]) -> dict[str, RoutingTable]:
     """A routing table per deployment that wants replicas: its current version at full
     weight, and each cluster it is assigned to with that cluster's ready replicas.
-    Unhealthy clusters are left out; deployments with zero replicas get no table."""
+    Unhealthy clusters are left out; deployments with zero replicas get no table, unless
+    they may scale to zero (min_replicas 0): then gateways keep knowing them, hold their
+    requests for a cold start and signal demand (`scale_to_zero`; issue 7)."""
     clusters = {c.id: c for c in snap.clusters}
     assigned: dict[str, dict[str, list[AssignmentRow]]] = defaultdict(lambda: defaultdict(list))
     for a in assignments:
         assigned[a.deployment][a.cluster].append(a)
     out: dict[str, RoutingTable] = {}
     for d in snap.deployments:
-        if d.replicas <= 0:
+        spec = snap.specs.get((d.name, d.current_version))
+        scale_to_zero = spec is not None and spec.min_replicas == 0
+        if d.replicas <= 0 and not scale_to_zero:
             continue
         routes = []
         for cluster_id, rows in sorted(assigned[d.name].items()):
@@ -226,6 +230,7 @@ def build_routes(snap: FleetSnapshot, assignments: list[AssignmentRow]) -> dict[
             versions=version_weights(snap, d),
             clusters=routes,
             by_region=by_region_for(routes, snap.clusters),
+            scale_to_zero=scale_to_zero,
         )
     return out
 

@@ -1,0 +1,169 @@
+"""The autoscale loop (issue 7): every `autoscale_interval_s`, and at once when a gateway
+asks to scale a deployment up from zero, each autoscaled deployment's demand (heartbeats
+and gateway demand on NATS, summed over clusters) goes through its policy
+(`control_plane.autoscale`); a changed count is written to `Deployment.replicas` (the
+state that survives a restart) with a `scaled` event carrying the decision, and the
+reconcile loop is kicked so placement, desired state and routes follow.
+
+Autoscaled: a current version with min_replicas < max_replicas. The policy's windows live
+in memory; after a restart it does not scale down before one full window (the policy's
+own rule), so a restart never drops replicas on a blind spot."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+
+from pydantic import ValidationError
+from sqlalchemy import select
+from sqlalchemy.orm import selectinload
+
+from agent import protocol
+from control_plane.autoscale.observe import observe, settings_of
+from control_plane.autoscale.policy import Decision, ScalerState, make_policy
+from control_plane.context import ControlPlaneContext
+from control_plane.db.models import Deployment, Event
+
+log = logging.getLogger(__name__)
+
+DEFAULT_INTERVAL_S = 2.0
+
+
+def interval_from_env() -> float:
+    """FLEET_AUTOSCALE_INTERVAL_S (seconds between decisions)."""
+    try:
+        return max(0.05, float(os.environ.get("FLEET_AUTOSCALE_INTERVAL_S", DEFAULT_INTERVAL_S)))
+    except ValueError:
+        return DEFAULT_INTERVAL_S
+
+
+class AutoscaleLoop:
+    def __init__(
+        self, ctx: ControlPlaneContext, interval_s: float | None = None, policy: str | None = None
+    ) -> None:
+        self.ctx = ctx
+        self.interval_s = (
+            interval_s or getattr(ctx.settings, "autoscale_interval_s", None) or interval_from_env()
+        )
+        self.policy_name = policy or os.environ.get("FLEET_AUTOSCALE_POLICY", "ours")
+        self.policy = make_policy(self.policy_name)
+        self.heartbeats: dict[str, protocol.Heartbeat] = {}
+        self.demands: dict[tuple[str, str], protocol.Demand] = {}
+        self.states: dict[str, ScalerState] = {}
+        self.decisions = 0
+        self.last: dict[str, Decision] = {}
+        self._wake = asyncio.Event()
+        self._subscribed_nc: object | None = None
+        self._subs: list = []
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> AutoscaleLoop:
+        link = self.ctx.nats
+        if link is not None:
+            link.on_connect(self._on_connect)
+            if link.is_connected:
+                await self._on_connect()
+        self._task = asyncio.create_task(self._run(), name="cp-autoscale")
+        return self
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subs.clear()
+
+    async def _on_connect(self) -> None:
+        link = self.ctx.nats
+        if link is None or link.nc is None or self._subscribed_nc is link.nc:
+            return
+        self._subscribed_nc = link.nc
+        self._subs = [
+            await link.nc.subscribe(protocol.HEARTBEAT_WILDCARD, cb=self._on_heartbeat),
+            await link.nc.subscribe(protocol.DEMAND_WILDCARD, cb=self._on_demand),
+        ]
+
+    async def _on_heartbeat(self, msg) -> None:
+        try:
+            hb = protocol.Heartbeat.from_bytes(msg.data)
+        except (ValidationError, ValueError):
+            return
+        if msg.subject == protocol.heartbeat_subject(hb.cluster):
+            self.heartbeats[hb.cluster] = hb
+
+    async def _on_demand(self, msg) -> None:
+        try:
+            d = protocol.Demand.from_bytes(msg.data)
+        except (ValidationError, ValueError):
+            return
+        if msg.subject != protocol.demand_subject(d.cluster):
+            return
+        d = d.model_copy(update={"at": time.time()})  # our clock: agents' clocks may differ
+        self.demands[(d.cluster, d.deployment)] = d
+        if d.ready == 0:
+            self._wake.set()  # scale from zero now, not at the next tick
+
+    async def _run(self) -> None:
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+            self._wake.clear()
+            try:
+                if await asyncio.to_thread(self.tick, time.time()):
+                    self.ctx.kick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("autoscale tick failed")
+
+    def tick(self, now: float) -> bool:
+        """One decision per autoscaled deployment; True when a count changed."""
+        changed = False
+        heartbeats = list(self.heartbeats.values())
+        with self.ctx.sessions() as session:
+            rows = session.scalars(select(Deployment).options(selectinload(Deployment.versions))).all()
+            names = {d.name for d in rows}
+            for name in list(self.states):
+                if name not in names:
+                    del self.states[name]
+            for d in rows:
+                version = d.version_row()
+                if version is None or version.min_replicas >= version.max_replicas:
+                    self.states.pop(d.name, None)
+                    continue
+                settings = settings_of(version, self.policy_name)
+                obs = observe(d.name, heartbeats, self.demands, now=now, current=d.replicas)
+                state = self.states.setdefault(d.name, ScalerState())
+                decision = self.policy.decide(settings, state, obs)
+                self.last[d.name] = decision
+                self.decisions += 1
+                if decision.desired != d.replicas:
+                    log.info(
+                        "autoscale %s: %d -> %d (%s)", d.name, d.replicas, decision.desired, decision.reason
+                    )
+                    d.replicas = decision.desired
+                    session.add(
+                        Event(
+                            kind="scaled",
+                            deployment=d.name,
+                            message=f"{decision.current} -> {decision.desired}: {decision.reason} "
+                            f"{json.dumps(decision.as_dict(), sort_keys=True)}",
+                        )
+                    )
+                    changed = True
+            session.commit()
+        cutoff = now - 60
+        for key in [k for k, v in self.demands.items() if v.at < cutoff]:
+            del self.demands[key]
+        return changed
+
+
+async def start_autoscale_loop(ctx: ControlPlaneContext) -> AutoscaleLoop:
+    return await AutoscaleLoop(ctx).start()
