@@ -37,12 +37,16 @@ from agent.gateway.proxy import AttemptFailed, Opened, make_client, open_upstrea
 from agent.gateway.queue import ReplicaQueue
 from agent.gateway.quota import Reservation
 from agent.gateway.routing import (
+    HOPS_HEADER,
     Candidate,
     LeastOutstandingTokens,
     RouteRequest,
     RoutingPolicy,
+    forwarded_from,
+    hops_of,
     peer_order,
     pick_version,
+    should_spill,
 )
 from agent.gateway.sse import EventSplitter, StreamObserver
 from agent.gateway.state import ClusterView
@@ -168,6 +172,8 @@ class Gateway:
                 self.metrics.state_reloads.labels(name).inc(count - self._seen_reloads.get(name, 0))
                 self._seen_reloads[name] = count
                 changed = True
+                if name == "keys":
+                    self.quota.prime(list(self.view.keys.values()))
         if changed:
             for deployment in self.view.deployments():
                 route = self.view.route(deployment)
@@ -256,11 +262,27 @@ class Gateway:
                 )
             info, counter = self.tokens.recount(info)
             self.metrics.prompt_tokens_counted.labels(info.deployment, counter).inc(info.prompt_tokens)
-            reservation, limit_headers = self.quota.admit(record, info)
         except GatewayError as err:
             self._count(UNKNOWN, err.status, started)
             return error_response(err, reply_headers)
-        ex = Exchange(request_id, record.key_id, info, started, request.headers.get(FORWARDED_HEADER))
+        try:
+            reservation, limit_headers = self.quota.admit(record, info)
+        except GatewayError as err:  # over a quota: the refusal is demand the control plane sees
+            self._count(info.deployment, err.status, started)
+            self.usage.submit(
+                UsageRecord(
+                    cluster=self.cluster,
+                    key_id=record.key_id,
+                    deployment=info.deployment,
+                    status=err.status,
+                    refused_tokens=info.cost_tokens,
+                    latency_s=time.monotonic() - started,
+                )
+            )
+            return error_response(err, reply_headers)
+        ex = Exchange(
+            request_id, record.key_id, info, started, forwarded_from(request.headers, FORWARDED_HEADER)
+        )
         ex.reservation, ex.limit_headers = reservation, limit_headers
         ex.klass = record.quotas.priority_class or self.config.gateway.default_class
         reply_headers.update(limit_headers)
@@ -278,6 +300,8 @@ class Gateway:
             raise
         response.headers[REQUEST_ID_HEADER] = request_id
         response.headers.setdefault("X-Fleet-Cluster", self.cluster)  # a peer's answer keeps its own
+        if ex.version is not None:
+            response.headers.setdefault("X-Fleet-Version", str(ex.version))  # which version answered
         if ex.admitted:
             response.headers[QUEUE_HEADER] = f"{ex.queue_s:.4f}"
         if ex.peer is None:  # a peer's answer carries the peer's limits
@@ -307,7 +331,7 @@ class Gateway:
     async def _serve(self, ex: Exchange, raw: bytes, request: Request) -> Response:
         deployment = ex.deployment
         ex.draw = sticky_draw(ex.info.body, request.headers)
-        if not ex.forwarded_from and not self._local_usable(deployment):
+        if not ex.forwarded_from and (not self._local_usable(deployment) or self._spill(deployment)):
             targets = self._live_peers(deployment)
             if targets:
                 self.quota.refund(ex.reservation)  # the peer's gateway charges the key
@@ -333,6 +357,13 @@ class Gateway:
             return contextlib.nullcontext()
         return self.demand.waiting(deployment, len(self.view.ready(deployment)))
 
+    def _spill(self, deployment: str) -> bool:
+        """The queue here is beyond `gateway.spill_queue_per_replica` per ready replica:
+        the nearest peer with replicas serves it instead (issue 6)."""
+        waiting = len(self.queue._waitlists.get(deployment) or ())
+        per_replica = getattr(self.config.gateway, "spill_queue_per_replica", None)
+        return should_spill(waiting, len(self.view.ready(deployment)), per_replica)
+
     def _local_usable(self, deployment: str) -> bool:
         """Ready replicas here that are worth a first attempt: not all of them just failed,
         and our own agent has not gone silent (it and its replicas died together)."""
@@ -343,7 +374,9 @@ class Gateway:
 
     def _live_peers(self, deployment: str) -> list[Target]:
         """Peers from the route, nearest first, less those heard dead or just failed."""
-        peers = peer_order(self.view.route(deployment), self.cluster, self.config.coordinates)
+        peers = peer_order(
+            self.view.route(deployment), self.cluster, self.config.coordinates, region=self.config.region
+        )
         return [
             Target(p.cluster, p.gateway_url.rstrip("/"), is_peer=True)
             for p in peers
@@ -394,13 +427,18 @@ class Gateway:
     async def _attempts(
         self, ex: Exchange, body: bytes, request: Request, choose: Callable[[set[str]], Target | None]
     ) -> Response:
-        """Try a target; on a failure before the first byte, once more on another one."""
+        """Try a target; on a failure before the first byte, once more on another one (twice
+        more when every failure so far was work never started: a refused connection or a
+        503 from a replica shutting down, as when a rollout or failover moves replicas)."""
         assert self.client is not None
         deployment = ex.deployment
         path = PATHS[ex.info.endpoint]
         exclude: set[str] = set()
         failure: AttemptFailed | None = None
-        for attempt in range(2):
+        unstarted = True  # every failure so far: nothing ran there
+        for attempt in range(3):
+            if attempt == 2 and not unstarted:
+                break
             target = choose(exclude)
             if target is None:
                 break
@@ -410,6 +448,7 @@ class Gateway:
             if target.is_peer:
                 headers["authorization"] = request.headers.get("authorization", "")
                 headers[FORWARDED_HEADER] = self.cluster
+                headers[HOPS_HEADER] = str(hops_of(request.headers.get(HOPS_HEADER)) + 1)
                 self.metrics.forwarded.labels(deployment, target.name).inc()
             else:
                 self.tracker.start(target.name, ex.info.cost_tokens)
@@ -432,8 +471,11 @@ class Gateway:
                     self.tracker.finish(target.name, ex.info.cost_tokens)
                     self.tracker.mark_failed(target.name)
                 exclude.add(target.name)
+                unstarted = unstarted and err.status in (None, 503) and err.reason != "read"
                 if target.is_peer and err.status is None:
                     self.liveness.mark_down(target.name)
+                if not target.is_peer and err.status is not None and err.status != 503:
+                    self._attempt_failed(ex, target, err.status)  # a 503 is a replica shutting down
                 failure = err
                 continue
             except BaseException:  # cancelled (the client left) or a bug: release everything
@@ -540,6 +582,21 @@ class Gateway:
     def _count(self, deployment: str, status: int, started: float) -> None:
         self.metrics.requests.labels(deployment, str(status)).inc()
         self.metrics.duration.labels(deployment).observe(time.monotonic() - started)
+
+    def _attempt_failed(self, ex: Exchange, target: Target, status: int) -> None:
+        """Telemetry of a replica attempt that failed and was retried: rollouts judge the
+        version that failed, not the one that answered in the end."""
+        self.usage.submit(
+            UsageRecord(
+                cluster=self.cluster,
+                key_id=ex.key_id,
+                deployment=ex.deployment,
+                version=target.version,
+                status=status,
+                latency_s=time.monotonic() - ex.started,
+                attempt_failed=True,
+            )
+        )
 
     def _finish(self, ex: Exchange, status: int) -> None:
         """Account one request exactly once: metrics always; a usage record when it was

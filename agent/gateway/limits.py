@@ -75,6 +75,10 @@ class QuotaGate:
         if reservation is not None:
             self.book.settle(reservation, 0)
 
+    def prime(self, keys: list[ApiKeyRecord]) -> None:
+        """The keys file was reloaded: create new keys' buckets, drop deleted keys'."""
+        self.book.prime([k for k in keys if not k.revoked], lambda k: share_of(k, self.cluster))
+
     def headers(self, key: ApiKeyRecord, deployment: str) -> dict[str, str]:
         if not key.quotas.limited():
             return {}

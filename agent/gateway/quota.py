@@ -83,13 +83,14 @@ class TokenBucket:
         return 0.0 if level >= self.capacity or self.rate <= 0 else (self.capacity - level) / self.rate
 
     def resize(self, capacity: float, period_s: float, now: float) -> None:
-        """A new capacity (limit or share changed): keep what was spent, not what was left,
-        so a larger share adds only the difference and a smaller one may leave debt."""
+        """A new capacity (the limit or this cluster's share changed). Never a gift: a
+        larger bucket keeps its level and grows by refill at the new rate, a smaller one
+        is cut to its capacity (debt stays). So a share moving between regions never adds
+        tokens to the regions' total, which keeps the bound across regions (docs/quotas.md)."""
         self.refill(now)
-        spent = self.capacity - self.level
         self.capacity = capacity
         self.rate = capacity / period_s
-        self.level = capacity - spent
+        self.level = min(self.level, capacity)
 
 
 # --------------------------------------------------------------------- per key
@@ -271,6 +272,17 @@ class QuotaBook:
             else:
                 status.limit_tokens, status.remaining_tokens, status.reset_tokens_s = values
         return status
+
+    def prime(self, keys: list[ApiKeyRecord], share: float | Callable[[ApiKeyRecord], float] = 1.0) -> None:
+        """Create the buckets of limited keys as soon as they are known (not at their first
+        request), so a share raised meanwhile cannot hand out a fresh full bucket."""
+        for key in keys:
+            if not key.quotas.limited():
+                continue
+            s = share(key) if callable(share) else share
+            for deployment in ["", *key.quotas.deployments]:
+                self.status(key, deployment, s)
+        self.forget({k.key_id for k in keys})
 
     def forget(self, live_keys: set[str]) -> None:
         """Drop the buckets of keys that no longer exist."""

@@ -14,7 +14,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from control_plane.api import errors
 from control_plane.api.auth import TokenCache, authenticate
-from control_plane.api.routers import clusters, deployments, history, keys, rollouts
+from control_plane.api.routers import clusters, deployments, history, keys, rollouts, usage
 from control_plane.context import ControlPlaneContext
 
 log = logging.getLogger(__name__)
@@ -117,6 +117,14 @@ def build_app(ctx: ControlPlaneContext, *, run_loops: bool = True) -> FastAPI:
         return {"status": "ok", "nats": bool(nats is not None and nats.is_connected)}
 
     auth = [Depends(authenticate)]
-    for router in (deployments.router, clusters.router, keys.router, history.router, rollouts.router):
+    routers = (
+        deployments.router,
+        clusters.router,
+        keys.router,
+        history.router,
+        rollouts.router,
+        usage.router,
+    )
+    for router in routers:
         app.include_router(router, dependencies=auth)
     return app

@@ -32,6 +32,7 @@ from control_plane.loops.ingest import (
 )
 from control_plane.loops.publish import KvPublisher
 from control_plane.loops.reconcile import ReconcileOutcome, reconcile_once
+from control_plane.loops.usage import UsageLoop
 from control_plane.placement import Unplaced, get_placer
 from control_plane.rollouts.loop import RolloutLoop, start_rollout_loop
 
@@ -63,6 +64,7 @@ class Loops:
     # ----------------------------------------------------------------- lifecycle
 
     async def start(self) -> Loops:
+        self.usage = await UsageLoop(self.ctx).start()  # usage records, quota shares (issue 9)
         self._tasks = [
             asyncio.create_task(self._reconcile_loop(), name="cp-reconcile"),
             asyncio.create_task(self._ingest_loop(), name="cp-ingest"),
@@ -78,6 +80,8 @@ class Loops:
 
     async def stop(self) -> None:
         self._stopping = True
+        if getattr(self, "usage", None) is not None:
+            await self.usage.stop()
         for child in self.children:
             with contextlib.suppress(Exception):
                 await child.stop()

@@ -172,6 +172,7 @@ def read_snapshot(session: Session) -> FleetSnapshot:
                 scopes=list(k.scopes or []),
                 deployments=None if k.deployments is None else list(k.deployments),
                 quotas=Quotas.model_validate(k.quotas or {}),
+                shares=dict(k.shares or {}),
                 created_at=k.created_at.timestamp(),
             )
             for k in keys

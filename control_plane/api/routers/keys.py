@@ -15,6 +15,7 @@ from control_plane.api.errors import invalid, not_found
 from control_plane.api.schemas import KeyCreate, KeyCreated, KeyOut, KeyUpdate, Page, QuotasIn
 from control_plane.api.views import key_out
 from control_plane.db.models import ApiKey, utcnow
+from control_plane.loops.usage import initial_shares
 
 router = APIRouter(prefix="/v1/keys", tags=["keys"])
 
@@ -38,6 +39,7 @@ def make_key(name: str, scopes: list[str], deployments: list[str] | None, quotas
 @router.post("", status_code=201, response_model=KeyCreated)
 def create_key(body: KeyCreate, request: Request, session: SessionDep, who: PrincipalDep):
     row, secret = make_key(body.name, body.scopes, body.deployments, body.quotas.model_dump())
+    row.shares = initial_shares(session, row.quotas)  # multi-region budgets (docs/quotas.md)
     session.add(row)
     session.flush()
     out = key_out(row)
@@ -89,6 +91,8 @@ def update_key(key_id: str, body: KeyUpdate, request: Request, session: SessionD
             where = ".".join(str(p) for p in first["loc"])
             raise invalid(f"quotas.{where}" if where else "quotas", first["msg"]) from None
         row.quotas = quotas.model_dump()
+        if not row.shares:
+            row.shares = initial_shares(session, row.quotas)
     session.flush()
     after = key_out(row)
     audit(session, who, "key.update", "key", key_id, before, after)

@@ -5,6 +5,7 @@ any interval T a limit admits at most capacity + rate * T (net of refunds)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -152,19 +153,76 @@ def test_two_regions_with_shares_hold_the_global_budget(tpm: int, share: float, 
             assert net <= tpm + tpm / 60 * (t1 - t0) + 2 + EPS  # +2: each bucket's floor of 1
 
 
-def test_share_resize_keeps_what_was_spent() -> None:
+def test_a_share_change_never_adds_tokens_at_once() -> None:
     clock = Clock()
     book = QuotaBook(clock)
     k = key(Quotas(tokens_per_minute=1000), {"east": 0.5, "west": 0.5})
     assert book.admit(k, "m", 400, 0.5).admitted  # 100 left of 500
     d = book.admit(k, "m", 150, 0.5)
     assert not d.admitted and d.status.remaining_tokens == 100
-    # a larger share adds only the difference: 100 + 300 = 400 left of 800
-    assert book.status(k, "m", 0.8).remaining_tokens == 400
-    # a smaller one may leave debt: 200 - 400 spent -> nothing left, reset after 400 tokens refill
-    st_small = book.status(k, "m", 0.2)
-    assert st_small.remaining_tokens == 0
-    assert st_small.reset_tokens_s == pytest.approx(400 / (200 / 60))
+    # a larger share keeps the level and refills at the new rate (800/min)
+    grown = book.status(k, "m", 0.8)
+    assert grown.remaining_tokens == 100 and grown.limit_tokens == 800
+    clock.t += 3
+    assert book.status(k, "m", 0.8).remaining_tokens == 100 + 40
+    # a smaller one cuts the level to its capacity
+    small = book.status(k, "m", 0.1)
+    assert small.remaining_tokens == 100 and small.limit_tokens == 100
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tpm=st.integers(100, 5000),
+    ops=st.lists(
+        st.one_of(
+            st.tuples(
+                st.just("req"), st.floats(0, 2), st.integers(1, 300), st.sampled_from(["east", "west"])
+            ),
+            st.tuples(
+                st.just("share"), st.floats(0, 2), st.floats(0.05, 0.95), st.sampled_from(["east", "west"])
+            ),
+        ),
+        max_size=80,
+    ),
+)
+def test_regions_applying_share_moves_at_different_times(tpm: int, ops) -> None:
+    """Each region applies a new split when it hears of it (not at the same time). Tokens
+    admitted in any interval stay within what the applied capacities at its start plus the
+    applied refill rates over it allow; with shares summing to 1 that is L(1 + T/W)."""
+    clock = Clock()
+    books = {"east": QuotaBook(clock), "west": QuotaBook(clock)}
+    applied = {"east": 0.5, "west": 0.5}
+    events: list[tuple[float, float]] = []  # admissions
+    timeline: list[tuple[float, dict[str, float]]] = [(clock.t, dict(applied))]
+    k = key(Quotas(tokens_per_minute=tpm))
+    for cluster, book in books.items():  # the gateway primes a key's buckets when it loads the key
+        book.prime([k], applied[cluster])
+    for kind, dt, value, cluster in ops:
+        clock.t += dt
+        if kind == "share":
+            applied[cluster] = value  # the other region still has the old split
+            books[cluster].status(k, "m", value)
+            timeline.append((clock.t, dict(applied)))
+        else:
+            d = books[cluster].admit(k, "m", value, applied[cluster])
+            if d.admitted:
+                events.append((clock.t, value))
+
+    def shares_at(t: float) -> dict[str, float]:
+        return [s for at, s in timeline if at <= t][-1]
+
+    def refill(t0: float, t1: float) -> float:
+        total, points = 0.0, [t0] + [at for at, _ in timeline if t0 < at < t1] + [t1]
+        for a, b in itertools.pairwise(points):
+            total += sum(shares_at(a).values()) * tpm / 60 * (b - a)
+        return total
+
+    for i, (t0, _) in enumerate(events):
+        net = 0.0
+        capacity = sum(max(1.0, s * tpm) for s in shares_at(t0).values())
+        for t1, amount in events[i:]:
+            net += amount
+            assert net <= capacity + refill(t0, t1) + 2 + EPS
 
 
 def test_per_deployment_limits_and_binding_headers() -> None:

@@ -1,0 +1,41 @@
+"""`fleetctl usage`: tokens and estimated cost per key and deployment (GET /v1/usage)."""
+
+from __future__ import annotations
+
+import typer
+
+from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, console, emit_json
+from control_plane.commands.resources import call, show
+
+USAGE_COLUMNS = {
+    "key": "key_id",
+    "deployment": "deployment",
+    "requests": "requests",
+    "errors": "errors",
+    "prompt": "prompt_tokens",
+    "completion": "completion_tokens",
+    "tokens": "total_tokens",
+    "est. cost": "estimated_cost",
+}
+
+
+def usage(
+    key: str = typer.Option(None, "--key", help="one key's id"),
+    deployment: str = typer.Option(None, "--deployment", help="one deployment"),
+    since: str = typer.Option("1h", "--since", help="90s, 30m, 1h, 7d or an ISO 8601 time"),
+    output: OutputFormat = OUTPUT_OPTION,
+) -> None:
+    """Token usage and estimated cost per key and deployment, from the gateways' usage records."""
+    report = call(lambda c: c.get("/v1/usage", key=key, deployment=deployment, since=since))
+    if output == OutputFormat.json:
+        emit_json(report)
+        return
+    show(report["items"], output, USAGE_COLUMNS, title=f"usage since {report['since'][:19]}Z")
+    console.print(
+        f"total: {report['total_tokens']} tokens, estimated cost {report['estimated_cost']:.4f}",
+        highlight=False,
+    )
+
+
+def register(app: typer.Typer) -> None:
+    app.command("usage")(usage)

@@ -1,0 +1,246 @@
+"""Usage from gateways into the database, and each key's per-cluster budget shares.
+
+- ingest: `fleet.v1.usage.*` (one `UsageRecord` per finished request) into
+  `usage_records`, batched, a malformed or oversized record logged and skipped;
+- shares: every `interval_s`, for each key with a token limit, each cluster's demand in
+  the last `window_s` (tokens it admitted, from the stored records, plus tokens it refused
+  with 429, kept in memory only) -> `compute_shares` -> `api_keys.shares`; a change wakes
+  the reconcile loop, which republishes `fleet_keys` and so the gateways' shares.
+
+Settings come from the environment (FLEET_QUOTA_SHARE_INTERVAL_S, FLEET_QUOTA_SHARE_WINDOW_S,
+FLEET_QUOTA_MIN_SHARE) so tests can shorten them. Database work runs in threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import time
+from datetime import datetime, timedelta, timezone
+
+from pydantic import ValidationError
+from sqlalchemy import func, select
+
+from agent import protocol
+from control_plane.context import ControlPlaneContext
+from control_plane.db.models import ApiKey, Cluster, UsageRecord
+from control_plane.loops.shares import ShareSettings, compute_shares
+
+log = logging.getLogger(__name__)
+
+FLUSH_S = 0.2
+MAX_TOKENS = 2**31 - 1
+
+
+def share_settings_from_env() -> ShareSettings:
+    values: dict[str, float] = {}
+    for name, env in (
+        ("interval_s", "FLEET_QUOTA_SHARE_INTERVAL_S"),
+        ("window_s", "FLEET_QUOTA_SHARE_WINDOW_S"),
+        ("min_share", "FLEET_QUOTA_MIN_SHARE"),
+    ):
+        if os.environ.get(env):
+            values[name] = float(os.environ[env])
+    return ShareSettings(**values)
+
+
+def record_problem(r: protocol.UsageRecord) -> str | None:
+    for name, value, width in (
+        ("cluster", r.cluster, 63),
+        ("key_id", r.key_id, 32),
+        ("deployment", r.deployment, 63),
+    ):
+        if not value or len(value) > width:
+            return f"{name} must be 1-{width} characters"
+    for name, value in (("prompt_tokens", r.prompt_tokens), ("completion_tokens", r.completion_tokens)):
+        if not 0 <= value <= MAX_TOKENS:
+            return f"{name} out of range"
+    return None
+
+
+def token_limited(quotas: dict) -> bool:
+    if quotas.get("tokens_per_minute") or quotas.get("tokens_per_day"):
+        return True
+    per = quotas.get("deployments") or {}
+    return any(
+        isinstance(d, dict) and (d.get("tokens_per_minute") or d.get("tokens_per_day")) for d in per.values()
+    )
+
+
+def store_records(sessions, records: list[protocol.UsageRecord]) -> None:
+    with sessions() as session:
+        session.add_all(
+            UsageRecord(
+                at=datetime.fromtimestamp(r.at, timezone.utc),
+                cluster=r.cluster,
+                key_id=r.key_id,
+                deployment=r.deployment,
+                version=r.version,
+                prompt_tokens=r.prompt_tokens,
+                completion_tokens=r.completion_tokens,
+                status=r.status,
+                latency_s=r.latency_s,
+            )
+            for r in records
+        )
+        session.commit()
+
+
+def update_shares(
+    sessions, settings: ShareSettings, now: datetime, refused: dict[str, dict[str, float]] | None = None
+) -> list[str]:
+    """Recompute every token-limited key's shares from admitted tokens (stored) plus
+    `refused` (key -> cluster -> tokens refused in the window); the keys whose shares changed."""
+    with sessions() as session:
+        keys = [
+            k
+            for k in session.scalars(select(ApiKey).where(ApiKey.revoked_at.is_(None))).all()
+            if token_limited(k.quotas or {})
+        ]
+        if not keys:
+            return []
+        clusters = session.scalars(select(Cluster.id).where(Cluster.status != "unhealthy")).all()
+        since = now - timedelta(seconds=settings.window_s)
+        rows = session.execute(
+            select(
+                UsageRecord.key_id,
+                UsageRecord.cluster,
+                func.sum(UsageRecord.prompt_tokens + UsageRecord.completion_tokens),
+            )
+            .where(UsageRecord.at >= since, UsageRecord.key_id.in_([k.key_id for k in keys]))
+            .group_by(UsageRecord.key_id, UsageRecord.cluster)
+        ).all()
+        usage: dict[str, dict[str, float]] = {}
+        for key_id, cluster, tokens in rows:
+            usage.setdefault(key_id, {})[cluster] = float(tokens or 0)
+        for key_id, per_cluster in (refused or {}).items():
+            for cluster, tokens in per_cluster.items():
+                usage.setdefault(key_id, {})[cluster] = usage.get(key_id, {}).get(cluster, 0.0) + tokens
+        changed = []
+        for k in keys:
+            new = compute_shares(usage.get(k.key_id, {}), clusters, dict(k.shares or {}), settings)
+            if new != dict(k.shares or {}):
+                k.shares = new
+                changed.append(k.key_id)
+        session.commit()
+        return changed
+
+
+class UsageLoop:
+    def __init__(self, ctx: ControlPlaneContext, settings: ShareSettings | None = None) -> None:
+        self.ctx = ctx
+        self.settings = settings or share_settings_from_env()
+        self._records: list[protocol.UsageRecord] = []
+        # (monotonic time, key, cluster, tokens) of refusals within the window
+        self._refused: collections.deque[tuple[float, str, str, int]] = collections.deque()
+        self._inbox = asyncio.Event()
+        self._subscribed_nc: object | None = None
+        self._subs: list = []
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> UsageLoop:
+        self._tasks = [
+            asyncio.create_task(self._ingest_loop(), name="cp-usage-ingest"),
+            asyncio.create_task(self._shares_loop(), name="cp-usage-shares"),
+        ]
+        link = self.ctx.nats
+        if link is not None:
+            link.on_connect(self._on_connect)
+            if link.is_connected:
+                await self._on_connect()
+        return self
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subs.clear()
+        if self._records:  # what arrived before the stop
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(store_records, self.ctx.sessions, self._records)
+
+    async def _on_connect(self) -> None:
+        link = self.ctx.nats
+        if link is None or link.nc is None or self._subscribed_nc is link.nc:
+            return
+        self._subscribed_nc = link.nc
+        self._subs = [await link.nc.subscribe(protocol.USAGE_WILDCARD, cb=self._on_usage)]
+
+    async def _on_usage(self, msg) -> None:
+        try:
+            record = protocol.UsageRecord.from_bytes(msg.data)
+        except (ValidationError, ValueError) as err:
+            log.warning("ignoring malformed usage record on %s: %s", msg.subject, err)
+            return
+        problem = record_problem(record)
+        if problem is not None or msg.subject != protocol.usage_subject(record.cluster):
+            log.warning(
+                "ignoring usage record on %s: %s", msg.subject, problem or "subject and cluster differ"
+            )
+            return
+        if record.refused_tokens > 0:  # demand, not usage: never stored
+            self._refused.append((time.monotonic(), record.key_id, record.cluster, record.refused_tokens))
+            return
+        self._records.append(record)
+        self._inbox.set()
+
+    def refused(self) -> dict[str, dict[str, float]]:
+        """key -> cluster -> tokens refused in the last window_s."""
+        horizon = time.monotonic() - self.settings.window_s
+        while self._refused and self._refused[0][0] < horizon:
+            self._refused.popleft()
+        out: dict[str, dict[str, float]] = {}
+        for _, key_id, cluster, tokens in self._refused:
+            per = out.setdefault(key_id, {})
+            per[cluster] = per.get(cluster, 0.0) + tokens
+        return out
+
+    async def _ingest_loop(self) -> None:
+        while True:
+            await self._inbox.wait()
+            self._inbox.clear()
+            records, self._records = self._records, []
+            try:
+                await asyncio.to_thread(store_records, self.ctx.sessions, records)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("storing %d usage records failed", len(records))
+            await asyncio.sleep(FLUSH_S)
+
+    async def _shares_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.interval_s)
+            try:
+                changed = await asyncio.to_thread(
+                    update_shares,
+                    self.ctx.sessions,
+                    self.settings,
+                    datetime.now(timezone.utc),
+                    self.refused(),
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("updating quota shares failed")
+                continue
+            if changed:
+                log.info("quota shares changed for %d key(s): %s", len(changed), ", ".join(changed[:10]))
+                self.ctx.kick()
+
+
+def initial_shares(session, quotas: dict) -> dict[str, float]:
+    """An equal split for a key that just got a token limit, so no region enforces the whole
+    budget until the first usage-based split (the next `interval_s`)."""
+    if not token_limited(quotas):
+        return {}
+    clusters = session.scalars(select(Cluster.id).where(Cluster.status != "unhealthy")).all()
+    return compute_shares({}, clusters, {}, ShareSettings())
