@@ -186,6 +186,8 @@ class UsageLoop:
                 "ignoring usage record on %s: %s", msg.subject, problem or "subject and cluster differ"
             )
             return
+        if getattr(record, "attempt_failed", False):  # a retried attempt, not a request (issue 8)
+            return
         if record.refused_tokens > 0:  # demand, not usage: never stored
             self._refused.append((time.monotonic(), record.key_id, record.cluster, record.refused_tokens))
             return
