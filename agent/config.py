@@ -37,6 +37,9 @@ class GatewayConfig(BaseModel):
     # `concurrency_targets`, else the replica's engine_args max_num_seqs, else this.
     concurrency_target: int = Field(128, ge=1)
     concurrency_targets: dict[str, int] = Field(default_factory=dict)
+    # Forward a new request to the nearest peer with replicas (RoutingTable.by_region)
+    # once this many per ready replica wait here; None: only when none is ready (issue 6).
+    spill_queue_per_replica: float | None = Field(None, gt=0)
     # Seconds in a quota "minute" (a day is 1440 of them): 60; tests shorten it.
     quota_minute_s: float = Field(60.0, gt=0)
 
