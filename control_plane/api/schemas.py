@@ -59,6 +59,9 @@ class SpecFields(ScalingSpec):
     gpu_memory_gb: float | None = Field(None, ge=0, le=100_000)
     regions: list[Label] | None = Field(None, max_length=MAX_LIST)
     min_regions: int | None = Field(None, ge=1, le=MAX_LIST)
+    standby_regions: list[Label] | None = Field(
+        None, max_length=MAX_LIST
+    )  # warm, no traffic while primaries live
     replicas: int | None = Field(None, ge=0, le=MAX_REPLICAS)
 
     @field_validator("engine_args")
@@ -71,7 +74,7 @@ class SpecFields(ScalingSpec):
                 raise ValueError(f"{key!r} must be finite")
         return value
 
-    @field_validator("gpu_models", "regions")
+    @field_validator("gpu_models", "regions", "standby_regions")
     @classmethod
     def _unique(cls, value: list[str] | None) -> list[str] | None:
         if value is not None and len(set(value)) != len(value):
@@ -110,6 +113,7 @@ class VersionOut(BaseModel):
     scale_to_zero: bool
     regions: list[str]
     min_regions: int
+    standby_regions: list[str] = []
     created_at: datetime
     replicas: int = 0  # assignments of this version
     current: bool = False

@@ -25,6 +25,7 @@ VERSION_DEFAULTS: dict[str, Any] = {
     "scale_to_zero": False,
     "regions": [],
     "min_regions": 1,
+    "standby_regions": [],
 }
 VERSION_FIELDS = ("model", "min_replicas", "max_replicas", *VERSION_DEFAULTS)
 
@@ -55,6 +56,9 @@ def check_spec(spec: dict[str, Any], replicas: int) -> None:
             "replicas", f"replicas ({replicas}) must be within min_replicas..max_replicas ({lo}..{hi})"
         )
     regions = spec["regions"]
+    both = sorted(set(regions) & set(spec.get("standby_regions") or []))
+    if both:
+        raise invalid("standby_regions", f"{', '.join(both)} cannot be both a serving and a standby region")
     if regions and spec["min_regions"] > len(regions):
         raise invalid("min_regions", f"{spec['min_regions']} exceeds the {len(regions)} allowed region(s)")
 

@@ -49,6 +49,7 @@ def version_out(row: DeploymentVersion, current: int, counts: Counter | None = N
         scale_to_zero=row.scale_to_zero,
         regions=list(row.regions or []),
         min_regions=row.min_regions,
+        standby_regions=list(row.standby_regions or []),
         created_at=row.created_at,
         replicas=(counts or Counter())[row.version],
         current=row.version == current,

@@ -20,6 +20,7 @@ from agent.protocol import (
 )
 from control_plane.geo.routes import by_region_for
 from control_plane.loops.snapshot import AssignmentRow, DeploymentRow, FleetSnapshot
+from control_plane.loops.standby import in_regions, primary_regions
 from control_plane.placement import Assignment, PlacementResult, PoolCapacity, ReplicaDemand
 from control_plane.rollouts.policy import baseline_target
 
@@ -45,7 +46,7 @@ def placement_inputs(
                     gpu_models=spec.gpu_models,
                     gpu_count=spec.gpu_count,
                     gpu_memory_gb=spec.gpu_memory_gb,
-                    regions=spec.regions,
+                    regions=primary_regions(snap, spec),
                     min_regions=spec.min_regions,
                 )
             )
@@ -223,6 +224,7 @@ def build_routes(snap: FleetSnapshot, assignments: list[AssignmentRow]) -> dict[
                     replicas=sum(1 for a in rows if a.state == ReplicaState.ready.value),
                     healthy=True,
                     provider=c.provider,
+                    standby=bool(spec and in_regions(c.region, spec.standby_regions)),
                 )
             )
         out[d.name] = RoutingTable(

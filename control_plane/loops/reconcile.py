@@ -21,6 +21,8 @@ from control_plane.loops.plan import (
     removal_reasons,
 )
 from control_plane.loops.snapshot import FleetSnapshot, read_snapshot
+from control_plane.loops.standby import complete as complete_standby
+from control_plane.loops.standby import split as split_standby
 from control_plane.placement import PlacementResult, Placer, Unplaced
 
 log = logging.getLogger(__name__)
@@ -49,7 +51,8 @@ def reconcile_once(
     with sessions() as session:
         snap = read_snapshot(session)
         demands, pools, current = placement_inputs(snap, nodes)
-        result = placer.place(demands, pools, current)
+        standby = split_standby(snap, pools, current)  # warm standby replicas stay out of the placer's way
+        result = complete_standby(snap, pools, placer.place(demands, standby.pools, standby.current), standby)
         shortfalls = {(u.deployment, u.version): u for u in result.unplaced}
         if result.changed or shortfalls != reported:
             _write(session, snap, result, reported)

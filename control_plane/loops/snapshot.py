@@ -29,6 +29,7 @@ class VersionSpec(_Row):
     gpu_memory_gb: float = 0.0
     regions: tuple[str, ...] = ()
     min_regions: int = 1
+    standby_regions: tuple[str, ...] = ()  # active-passive (control_plane.loops.standby)
     min_replicas: int = 1  # 0: the deployment may scale to zero (its route stays; issue 7)
 
 
@@ -120,6 +121,7 @@ def read_snapshot(session: Session) -> FleetSnapshot:
                 gpu_memory_gb=v.gpu_memory_gb,
                 regions=tuple(v.regions or ()),
                 min_regions=v.min_regions,
+                standby_regions=tuple(v.standby_regions or ()),
                 min_replicas=v.min_replicas,
             )
             for d in deployments
