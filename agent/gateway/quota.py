@@ -13,8 +13,8 @@ over any interval T a bucket admits at most `capacity + rate * T` units, plus, o
 settlement charges more than was reserved (a prompt under-counted by the fallback
 estimate), that excess; the excess is charged as debt, so later admissions pay for it.
 
-In several regions each gateway's token buckets are scaled by its cluster's share of the
-key's budget (`ApiKeyRecord.shares`); request limits are not shared (docs/quotas.md).
+In several regions each gateway's buckets (tokens and requests) are scaled by its
+cluster's share of the key's budget (`ApiKeyRecord.shares`; docs/quotas.md).
 """
 
 from __future__ import annotations
@@ -107,8 +107,8 @@ class Limit:
 
 
 def limits_for(quotas: Quotas, deployment: str, share: float, minute_s: float = MINUTE_S) -> list[Limit]:
-    """The buckets a request of this key on `deployment` must pass, token capacities scaled
-    by this cluster's share of the key's budget."""
+    """The buckets a request of this key on `deployment` must pass, capacities scaled by
+    this cluster's share of the key's budget (at least 1 each)."""
     day_s = minute_s * DAY_MINUTES
     out: list[Limit] = []
 
@@ -116,7 +116,7 @@ def limits_for(quotas: Quotas, deployment: str, share: float, minute_s: float = 
         if tpm is not None:
             out.append(Limit(f"{prefix}tpm", "tokens", max(1.0, tpm * share), minute_s))
         if rpm is not None:
-            out.append(Limit(f"{prefix}rpm", "requests", float(rpm), minute_s))
+            out.append(Limit(f"{prefix}rpm", "requests", max(1.0, rpm * share), minute_s))
         if tpd is not None:
             out.append(Limit(f"{prefix}tpd", "tokens", max(1.0, tpd * share), day_s))
 
