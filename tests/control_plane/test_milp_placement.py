@@ -85,7 +85,7 @@ def test_every_plan_keeps_every_constraint_and_costs_at_least_the_lp_bound(pools
     if not result.unplaced and info.lp_bound is not None:
         assert info.cost >= info.lp_bound - 1e-6
     # a second pass over its own answer changes nothing
-    again = EXACT.place(demands, pools, result.assignments)
+    again = MilpPlacer(time_limit_s=20, mip_gap=0.0).place(demands, pools, result.assignments)
     assert not again.added and not again.removed
 
 
@@ -281,3 +281,16 @@ def test_assignment_type_is_the_placers():
     d = ReplicaDemand(deployment="x", version=1, count=1)
     result = EXACT.place([d], [_pool("a", "r1")])
     assert all(isinstance(a, Assignment) for a in result.assignments)
+
+
+def test_an_unchanged_fleet_is_not_solved_again():
+    pools = [_pool("a", "r1", price=1.0), _pool("b", "r2", price=2.0)]
+    d = ReplicaDemand(deployment="x", version=1, count=3, gpu_count=2)
+    placer = MilpPlacer()
+    first, info = placer.solve([d], pools)
+    assert info.method == "milp-optimal"
+    same, info = placer.solve([d], pools, first.assignments)
+    assert info.method == "unchanged" and set(same.kept) == set(first.assignments) and not same.changed
+    cheaper = [pools[0], pools[1].model_copy(update={"hourly_price": 0.5})]
+    moved, info = placer.solve([d], cheaper, first.assignments)
+    assert info.method == "milp-optimal" and {a.cluster for a in moved.assignments} == {"b"}
