@@ -74,6 +74,7 @@ class Target:
     url: str
     version: int | None = None
     is_peer: bool = False
+    standby: bool = False  # a warm standby peer (active-passive)
 
 
 @dataclass
@@ -331,7 +332,19 @@ class Gateway:
     async def _serve(self, ex: Exchange, raw: bytes, request: Request) -> Response:
         deployment = ex.deployment
         ex.draw = sticky_draw(ex.info.body, request.headers)
-        if not ex.forwarded_from and (not self._local_usable(deployment) or self._spill(deployment)):
+        if not ex.forwarded_from and self._standby_here(deployment):
+            # A warm standby serves only while no primary is alive (issue 8).
+            primaries = [t for t in self._live_peers(deployment) if not t.standby]
+            if primaries:
+                self.quota.refund(ex.reservation)  # the primary's gateway charges the key
+                try:
+                    return await self._attempts(
+                        ex, raw, request, self._peer_chooser(primaries), pass_failure=False
+                    )
+                except GatewayError:  # no primary answered: serve here, and skip them for a while
+                    for target in primaries:
+                        self.liveness.mark_down(target.name)
+        elif not ex.forwarded_from and (not self._local_usable(deployment) or self._spill(deployment)):
             targets = self._live_peers(deployment)
             if targets:
                 self.quota.refund(ex.reservation)  # the peer's gateway charges the key
@@ -373,15 +386,21 @@ class Gateway:
         return any(not self.tracker.recently_failed(r.replica_id) for r in ready)
 
     def _live_peers(self, deployment: str) -> list[Target]:
-        """Peers from the route, nearest first, less those heard dead or just failed."""
+        """Peers from the route, nearest first, less those heard dead or just failed;
+        standby peers only while no primary peer is alive."""
         peers = peer_order(
             self.view.route(deployment), self.cluster, self.config.coordinates, region=self.config.region
         )
-        return [
-            Target(p.cluster, p.gateway_url.rstrip("/"), is_peer=True)
+        live = [
+            Target(p.cluster, p.gateway_url.rstrip("/"), is_peer=True, standby=p.standby)
             for p in peers
             if self.liveness.alive(p.cluster)
         ]
+        return [t for t in live if not t.standby] or live
+
+    def _standby_here(self, deployment: str) -> bool:
+        route = self.view.route(deployment)
+        return route is not None and any(c.cluster == self.cluster and c.standby for c in route.clusters)
 
     def _peer_chooser(self, peers: list[Target]) -> Callable[[set[str]], Target | None]:
         def choose(exclude: set[str]) -> Target | None:
@@ -425,7 +444,12 @@ class Gateway:
         return choose
 
     async def _attempts(
-        self, ex: Exchange, body: bytes, request: Request, choose: Callable[[set[str]], Target | None]
+        self,
+        ex: Exchange,
+        body: bytes,
+        request: Request,
+        choose: Callable[[set[str]], Target | None],
+        pass_failure: bool = True,
     ) -> Response:
         """Try a target; on a failure before the first byte, once more on another one (twice
         more when every failure so far was work never started: a refused connection or a
@@ -490,7 +514,7 @@ class Gateway:
                 self._release(ex, target)
                 return self._whole(ex, opened, data)
             return self._stream(ex, opened, target)
-        if failure is not None and failure.status is not None:
+        if failure is not None and failure.status is not None and pass_failure:
             self._finish(ex, failure.status)
             return Response(failure.body, status_code=failure.status, headers=failure.headers)
         if failure is not None:

@@ -179,6 +179,11 @@ def deploy(
     gpu_memory: float = typer.Option(None, "--gpu-memory", help="GPU memory per GPU, GB"),
     regions: str = typer.Option(None, "--regions", help="allowed regions, comma-separated (none: any)"),
     min_regions: int = typer.Option(None, "--min-regions", help="spread replicas over at least N regions"),
+    standby: list[str] = typer.Option(
+        None,
+        "--standby",
+        help="warm standby region at min replicas, serving only while primaries are down (repeatable)",
+    ),
     engine_arg: list[str] = typer.Option(
         None, "--engine-arg", "-e", help="engine flag KEY=VALUE (repeatable)"
     ),
@@ -209,6 +214,9 @@ def deploy(
         "gpu_memory_gb": gpu_memory,
         "regions": [r.strip() for r in regions.split(",") if r.strip()] if regions is not None else None,
         "min_regions": min_regions,
+        "standby_regions": [r.strip() for item in standby for r in item.split(",") if r.strip()]
+        if standby
+        else None,
         "engine_args": _engine_args(engine_arg) if engine_arg else None,
         "scale_to_zero": scale_to_zero,
         "target_concurrency": target_concurrency,

@@ -18,6 +18,7 @@ import psutil
 
 from agent.protocol import PoolInventory
 from control_plane.local.fleet import LocalFleet, pid_alive
+from control_plane.local.nats_server import free_port
 
 
 def wait_for(check, timeout: float, interval: float = 0.2, what: str = "condition"):
@@ -50,13 +51,14 @@ class SimFleet:
     def up(self, timeout: float = 60) -> SimFleet:
         local, state = self.local, self.state
         local.save(state)
-        local.start_nats(state)
-        self.start_control_plane(timeout=timeout)
+        local.start_nats(state, port=free_port())  # never a shared default port: others run fleets too
+        self.start_control_plane(port=free_port(), timeout=timeout)
         for index, region in enumerate(self.regions):
             config = local.write_cluster_config(state, region, index, self.slots, [])
             config = config.model_copy(
                 update={
                     "runtime": "sim",
+                    "gateway": config.gateway.model_copy(update={"port": free_port()}),
                     "pools": [PoolInventory(name="sim", gpu_model="cpu", gpus_per_node=self.slots, nodes=1)],
                 }
             )

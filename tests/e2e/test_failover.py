@@ -116,3 +116,37 @@ def test_losing_a_region_fails_no_request_and_traffic_moves_within_3s(fleet: Sim
     results = load.stop()
     print(f"[partition] NATS killed: {len(results)} requests, {len(load.failed())} failed")
     assert results and load.failed() == []
+
+
+def test_standby_region_serves_only_while_the_primary_is_down(fleet: SimFleet):
+    r = fleet.api(
+        "POST", "/v1/deployments",
+        json={"name": NAME, "model": "sim", "replicas": 1, "standby_regions": [WEST], "engine_args": {"cold_start": 0.2}},
+    )  # fmt: skip
+    assert r.status_code == 201, r.text
+    wait_for(
+        lambda: sorted(p["cluster"] for p in fleet.deployment(NAME)["placements"] if p["state"] == "ready")
+        == [EAST, WEST],
+        60, 0.2, "the primary and the warm standby",
+    )  # fmt: skip
+    time.sleep(1.0)  # routes (with the standby flag) reach both gateways
+    load = Load([fleet.gateways[EAST], fleet.gateways[WEST]], fleet.key, NAME, workers=4).start()
+    try:
+        time.sleep(2.0)
+        killed_at = time.time()
+        fleet.kill_region(EAST)
+        time.sleep(5.0)
+    finally:
+        results = load.stop()
+    before = [x for x in results if x.ended < killed_at]
+    after = [x for x in results if x.started > killed_at]
+    first_west = min((x.ended for x in after if x.cluster == WEST), default=float("nan"))
+    late_east = [x for x in after if x.cluster == EAST and x.started > killed_at + 3.0]
+    print(
+        f"\n[standby] {len(results)} requests, {len(load.failed())} failed; before the kill "
+        f"{sum(x.cluster == EAST for x in before)}/{len(before)} served by the primary; standby serving "
+        f"{first_west - killed_at:.2f}s after kill -9"
+    )
+    assert before and all(x.cluster == EAST for x in before)  # the standby took nothing
+    assert load.failed() == [], load.failed()[:3]
+    assert after and not late_east and any(x.cluster == WEST for x in after)
