@@ -30,7 +30,7 @@ from agent.gateway.demand import DemandSignal
 from agent.gateway.errors import GatewayError, error_response, sse_error_event
 from agent.gateway.inputs import Endpoint, RequestInfo, parse_request, upstream_body
 from agent.gateway.limits import QuotaGate
-from agent.gateway.liveness import PeerLiveness, sticky_draw
+from agent.gateway.liveness import SESSION_HEADER, PeerLiveness, sticky_draw
 from agent.gateway.load import LoadTracker
 from agent.gateway.metrics import UNKNOWN, GatewayMetrics
 from agent.gateway.proxy import AttemptFailed, Opened, make_client, open_upstream
@@ -472,6 +472,8 @@ class Gateway:
             if target.is_peer:
                 headers["authorization"] = request.headers.get("authorization", "")
                 headers[FORWARDED_HEADER] = self.cluster
+                if request.headers.get(SESSION_HEADER):  # the peer keeps the user's canary side
+                    headers[SESSION_HEADER] = request.headers[SESSION_HEADER]
                 headers[HOPS_HEADER] = str(hops_of(request.headers.get(HOPS_HEADER)) + 1)
                 self.metrics.forwarded.labels(deployment, target.name).inc()
             else:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import httpx
 
 # Response headers of a replica or peer worth passing to the client.
-PASS_HEADERS = ("content-type", "retry-after", "x-fleet-cluster")
+PASS_HEADERS = ("content-type", "retry-after", "x-fleet-cluster", "x-fleet-version")
 PASS_PREFIXES = ("x-ratelimit-",)
 MAX_ERROR_BODY = 64 * 1024
 
