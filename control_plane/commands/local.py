@@ -107,6 +107,9 @@ def up(
     detach: bool = typer.Option(False, "--detach", "-d", help="return once up; stop with `fleetctl down`"),
     wait_ready: bool = typer.Option(True, "--wait/--no-wait", help="wait for --model's replicas to be ready"),
     timeout: float = typer.Option(600.0, help="seconds to wait for each stage"),
+    runtime: str = typer.Option(
+        "process", help="replica runtime: process (engine) or sim (simulated replicas)"
+    ),
     output: OutputFormat = OUTPUT_OPTION,
 ) -> None:
     """Run a whole fleet on this machine: NATS, control plane, an agent and gateway per region."""
@@ -119,6 +122,8 @@ def up(
             fail(f"region {region!r}: use lowercase letters, digits and dashes")
     if len(set(region_list)) != len(region_list):
         fail("--regions lists a region twice")
+    if runtime not in ("process", "sim"):
+        fail(f"--runtime {runtime!r}: use process or sim")
     if fleet.running():
         fail("a local fleet is already running under this FLEET_HOME (fleetctl ps; fleetctl down)")
     fleet.home.mkdir(parents=True, exist_ok=True)
@@ -126,7 +131,7 @@ def up(
     fleet.save(state)
     try:
         deployment, key, rows = _bring_up(
-            fleet, state, model, name, replicas, slots, replica_threads, wait_ready, timeout
+            fleet, state, model, name, replicas, slots, replica_threads, wait_ready, timeout, runtime
         )
     except KeyboardInterrupt:
         fleet.down()
@@ -153,7 +158,18 @@ def up(
     _foreground(fleet)
 
 
-def _bring_up(fleet: LocalFleet, state, model, name, replicas, slots, replica_threads, wait_ready, timeout):
+def _bring_up(
+    fleet: LocalFleet,
+    state,
+    model,
+    name,
+    replicas,
+    slots,
+    replica_threads,
+    wait_ready,
+    timeout,
+    runtime="process",
+):
     fleet.start_nats(state)
     host, port = "127.0.0.1", int(state.nats_url.rsplit(":", 1)[1])
 
@@ -173,7 +189,7 @@ def _bring_up(fleet: LocalFleet, state, model, name, replicas, slots, replica_th
     replica_args = ["--threads", str(replica_threads)]
     rows = []
     for index, region in enumerate(state.regions):
-        config = fleet.write_cluster_config(state, region, index, slots, replica_args)
+        config = fleet.write_cluster_config(state, region, index, slots, replica_args, runtime)
         agent, gateway = fleet.start_cluster(state, config)
         rows.append(
             {
@@ -203,7 +219,10 @@ def _bring_up(fleet: LocalFleet, state, model, name, replicas, slots, replica_th
     deployment = None
     if model:
         deployment = name or _deployment_name(model)
-        api.call("POST", "/v1/deployments", json={"name": deployment, "model": model, "replicas": replicas})
+        body: dict = {"name": deployment, "model": model, "replicas": replicas}
+        if runtime == "sim":  # simulated replicas: a short cold start, not the profile's minute
+            body["engine_args"] = {"cold_start": 1.0}
+        api.call("POST", "/v1/deployments", json=body)
         if wait_ready:
 
             def ready():

@@ -172,7 +172,13 @@ class LocalFleet:
         return record
 
     def write_cluster_config(
-        self, state: FleetState, region: str, index: int, slots: int, replica_args: list[str]
+        self,
+        state: FleetState,
+        region: str,
+        index: int,
+        slots: int,
+        replica_args: list[str],
+        runtime: str = "process",
     ) -> ClusterConfig:
         cluster_dir = self.dir / "clusters" / region
         config = ClusterConfig(
@@ -185,6 +191,7 @@ class LocalFleet:
             cpu_slots=slots,
             gateway=GatewayConfig(port=_port_or_free(9000 + index + 1)),
             replica=ReplicaConfig(extra_args=replica_args),
+            runtime=runtime,  # "sim": simulated replicas (issue 7)
         )
         cluster_dir.mkdir(parents=True, exist_ok=True)
         config.dump(cluster_dir / "cluster.yaml")

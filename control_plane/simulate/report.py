@@ -116,6 +116,13 @@ def plot(report: SimulationReport, runs: dict[str, RunResult], out: Path) -> Non
         ax_rep.step(
             [s.at / 60 for s in run.samples], [s.replicas for s in run.samples], where="post", label=label
         )
+    from matplotlib.ticker import MaxNLocator
+
+    ax_rep.yaxis.set_major_locator(MaxNLocator(integer=True))
+    if report.warmup_s > 0:
+        ax_rep.axvspan(
+            0, report.warmup_s / 60, color="#eee", label=f"warm-up ({report.warmup_s:g}s, not counted)"
+        )
     ax_rep.set_ylabel("replicas")
     ax_rep.set_xlabel("minutes")
     ax_rep.legend(loc="lower right", fontsize=8)

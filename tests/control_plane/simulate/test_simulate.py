@@ -108,7 +108,9 @@ def test_fleetctl_simulate_azure_hour(shared_data: Path, tmp_path: Path) -> None
     )
     assert out.exit_code == 0, out.output
     rep = json.loads(out.stdout)
-    assert rep["requests"] == 19366 and rep["wall_s"] < 60  # an hour of trace, well under a minute
+    assert (
+        rep["requests"] == 19366 and rep["wall_s"] < 120
+    )  # an hour of trace: ~3 s on an idle core; generous for a loaded CI box
     by = {p["policy"]: p for p in rep["policies"]}
     assert set(by) == {"static", "kpa", "ours"}
     for p in by.values():
