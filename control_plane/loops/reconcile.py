@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from agent.protocol import BUCKET_DESIRED, BUCKET_KEYS, BUCKET_ROUTES, Message
 from control_plane.db.models import Deployment, Event, ReplicaAssignment
+from control_plane.loops.demand_regions import read_demand_regions, with_demand_regions
 from control_plane.loops.plan import (
     build_desired,
     build_keys,
@@ -51,6 +52,7 @@ def reconcile_once(
     with sessions() as session:
         snap = read_snapshot(session)
         demands, pools, current = placement_inputs(snap, nodes)
+        demands = with_demand_regions(demands, read_demand_regions(session, snap))  # nearer to clients
         standby = split_standby(snap, pools, current)  # warm standby replicas stay out of the placer's way
         result = complete_standby(snap, pools, placer.place(demands, standby.pools, standby.current), standby)
         shortfalls = {(u.deployment, u.version): u for u in result.unplaced}
