@@ -108,10 +108,18 @@ class PeerLiveness(LivenessBook):
             return
         self.seen(cluster)
 
-    def alive(self, cluster: str) -> bool:
+    def _sync(self) -> None:
+        """A dropped link stops judgement at once (reconnects restart it via on_connect)."""
         if self.link is not None and not self.link.is_connected:
             self.listening_since = None
+
+    def alive(self, cluster: str) -> bool:
+        self._sync()
         return super().alive(cluster)
+
+    def silent(self, cluster: str) -> bool:
+        self._sync()
+        return super().silent(cluster)
 
 
 def sticky_draw(body: Mapping[str, Any], headers: Mapping[str, str]) -> float | None:

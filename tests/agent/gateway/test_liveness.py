@@ -64,3 +64,27 @@ def test_sticky_draw_is_fixed_per_user_and_spread_across_users():
     # users on the canary at 10% stay on it at 50% (canary listed first)
     wider = [VersionWeight(version=2, weight=0.5), VersionWeight(version=1, weight=0.5)]
     assert all(pick_version({1, 2}, wider, d) == 2 for d in draws if pick_version({1, 2}, weights, d) == 2)
+
+
+class FakeLink:
+    def __init__(self) -> None:
+        self.is_connected = True
+        self.callbacks = []
+
+    def on_connect(self, callback) -> None:
+        self.callbacks.append(callback)
+
+
+def test_a_dropped_link_stops_judging_our_own_agent_too():
+    from agent.gateway.liveness import PeerLiveness
+
+    clock = Clock()
+    link = FakeLink()
+    book = PeerLiveness(link, dead_after_s=1.8, clock=clock)  # type: ignore[arg-type]
+    book.listening(True)
+    clock.now += 2
+    book.seen("here")
+    clock.now += 3
+    assert book.silent("here")
+    link.is_connected = False  # a partition: the silence is ours, not the agent's
+    assert not book.silent("here") and book.alive("here")
