@@ -2,7 +2,8 @@
 replicas and the gateway telemetry of its window go through `policy.decide`; a changed
 state is stored (conditionally on the row's revision) with an event, and reconcile is
 kicked so placement and routes follow. Usage records arrive on `fleet.v1.usage.*`
-(core NATS; the FLEET_USAGE stream keeps them for other readers)."""
+(core NATS); after a restart, the open windows are first replayed from the FLEET_USAGE
+stream, so a resumed step is judged on its whole window."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import asyncio
 import contextlib
 import logging
 import time
+from datetime import datetime, timezone
 
+import nats.errors
+from nats.js.api import ConsumerConfig, DeliverPolicy
 from pydantic import ValidationError
 from sqlalchemy import func, select
 
@@ -40,6 +44,8 @@ class RolloutLoop:
         self._last_written: dict[int, float] = {}
         self._subscribed_nc: object | None = None
         self._sub = None
+        self.replayed: int | None = None  # records replayed from the stream (None: not yet)
+        self.replayed_since: float | None = None  # windows are whole from here on
         self._task: asyncio.Task | None = None
 
     async def start(self) -> RolloutLoop:
@@ -66,6 +72,56 @@ class RolloutLoop:
             return
         self._subscribed_nc = link.nc
         self._sub = await link.nc.subscribe(protocol.USAGE_WILDCARD, cb=self._on_usage)
+        if self.replayed is None:
+            try:
+                self.replayed = await self._replay(until=time.time())
+            except Exception as err:  # the live feed still works; windows count from now
+                log.warning("replaying usage for open rollout windows failed: %s", err)
+
+    async def _replay(self, until: float) -> int:
+        """Usage records of open windows from the FLEET_USAGE stream, up to `until` (the
+        live subscription has everything after it)."""
+        link = self.ctx.nats
+        since = await asyncio.to_thread(self._open_since)
+        if since is None or link is None or link.js is None:
+            return 0
+        start = datetime.fromtimestamp(since, timezone.utc).isoformat().replace("+00:00", "Z")
+        sub = await link.js.subscribe(
+            protocol.USAGE_WILDCARD,
+            stream=protocol.STREAM_USAGE,
+            ordered_consumer=True,
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start),
+        )
+        count = 0
+        try:
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=1.0)
+                except nats.errors.TimeoutError:
+                    break
+                try:
+                    usage = protocol.UsageRecord.from_bytes(msg.data)
+                except (ValidationError, ValueError):
+                    usage = None
+                if usage is not None and since <= usage.at < until:
+                    self.windows.add(usage, at=usage.at)
+                    count += 1
+                if msg.metadata.num_pending == 0:
+                    break
+        finally:
+            await sub.unsubscribe()
+        self.replayed_since = since
+        log.info("replayed %d usage records since %s for open rollout windows", count, start)
+        return count
+
+    def _open_since(self) -> float | None:
+        with self.ctx.sessions() as session:
+            starts = session.scalars(
+                select(Rollout.window_started_at).where(
+                    active_filter(), Rollout.window_started_at.is_not(None)
+                )
+            ).all()
+        return min(starts) if starts else None
 
     async def _on_usage(self, msg) -> None:
         try:
@@ -108,7 +164,7 @@ class RolloutLoop:
                                 deployment=name,
                                 message=(
                                     f"{name} v{row.baseline_version}->v{row.canary_version}: resumed in phase "
-                                    f"{row.phase} at step {row.step + 1} (telemetry counts from now)"
+                                    f"{row.phase} at step {row.step + 1}"
                                 ),
                             )
                         )
@@ -140,7 +196,9 @@ class RolloutLoop:
                 ReplicaAssignment.state == protocol.ReplicaState.ready.value,
             )
         )
-        since = max(state.window_started_at or now, self.started_at)
+        window = state.window_started_at or now
+        floor = self.started_at if self.replayed_since is None else min(self.started_at, self.replayed_since)
+        since = max(window, floor)  # before a restart: only what the stream replayed
         obs = Observation(
             now=now,
             replicas=replicas,

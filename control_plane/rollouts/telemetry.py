@@ -51,11 +51,12 @@ class UsageWindows:
         self._samples: dict[str, collections.deque[Sample]] = {}
         self.received = 0
 
-    def add(self, record: UsageRecord) -> None:
+    def add(self, record: UsageRecord, at: float | None = None) -> None:
+        """One record, stamped now (or `at`: a record replayed from the stream)."""
         ttft = record.ttft_s if record.ttft_s is not None else (record.latency_s or None)
         if record.status == 499:  # the client left: says nothing about the version
             return
-        sample = Sample(self.clock(), record.version, record.status >= 500, ttft)
+        sample = Sample(self.clock() if at is None else at, record.version, record.status >= 500, ttft)
         queue = self._samples.setdefault(record.deployment, collections.deque(maxlen=self.max_per_deployment))
         queue.append(sample)
         self.received += 1
