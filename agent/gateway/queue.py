@@ -135,7 +135,14 @@ class ReplicaQueue:
             return 0.0
         if self.depth >= self.size:
             self.metrics.queue_rejected.labels(deployment, "full").inc()
-            raise self._unavailable(deployment, f"the gateway queue is full at {self.size} requests")
+            if not self.view.ready(deployment):
+                raise self._unavailable(deployment, f"the gateway queue is full at {self.size} requests")
+            raise GatewayError(
+                503,
+                f"'{deployment}' is busy: the gateway queue is full at {self.size} requests; retry shortly",
+                code="queue_full",
+                headers={"Retry-After": str(self.retry_after_s)},
+            )
         loop = asyncio.get_running_loop()
         waiter = wl.add(klass, start)
         grant: asyncio.Future[None] = loop.create_future()

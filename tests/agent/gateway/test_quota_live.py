@@ -52,10 +52,12 @@ def desired(state_dir: Path, model: Path) -> None:
 
 
 @pytest.fixture
-def gateway(tmp_path: Path, nats, replicas: list[ServerProcess], gw_model: Path) -> Iterator[GatewayProcess]:
-    gw = GatewayProcess(tmp_path / "gw", "quota", nats_url=nats.url, queue_size=64, queue_timeout_s=30.0)
+def gateway(
+    request: pytest.FixtureRequest, tmp_path: Path, nats, replicas: list[ServerProcess], gw_model: Path
+) -> Iterator[GatewayProcess]:
+    gw = GatewayProcess(tmp_path / "gw", "quota", nats_url=nats.url, queue_size=256, queue_timeout_s=30.0)
     gw.config.gateway.concurrency_target = 1  # 2 replicas -> 2 slots: saturation is easy to reach
-    gw.config.gateway.max_queue_age_s = 1.5
+    gw.config.gateway.max_queue_age_s = getattr(request, "param", 1.5)
     desired(gw.config.state_dir, gw_model)
     gw.start()
     try:
@@ -105,7 +107,7 @@ async def test_a_key_is_stopped_at_its_token_budget(
                     ok.append(r)
 
         started = time.monotonic()
-        await asyncio.gather(*(worker() for _ in range(4)))
+        await asyncio.gather(*(worker() for _ in range(8)))
         elapsed = time.monotonic() - started
         # the other key is unaffected
         r_other = await h.post("/v1/completions", headers={"Authorization": f"Bearer {other[0]}"}, json=body)
@@ -154,11 +156,24 @@ async def test_a_key_is_stopped_at_its_token_budget(
     assert counted >= prompt_tokens * len(ok)
 
 
+async def service_time(h: httpx.AsyncClient, secret: str, body: dict) -> float:
+    """How long one request takes on an idle replica now (the machine may be busy): arrival
+    rates below are set from it, so the test means the same on a fast or a loaded host."""
+    took = []
+    for _ in range(4):  # the first also loads the tokenizer: not counted
+        t0 = time.monotonic()
+        r = await h.post("/v1/completions", headers={"Authorization": f"Bearer {secret}"}, json=body)
+        assert r.status_code == 200, r.text
+        took.append(time.monotonic() - t0)
+    return min(took[1:])
+
+
 def p90(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
 
 
+@pytest.mark.parametrize("gateway", [30.0], indirect=True)  # max_queue_age_s: no aging here
 async def test_interactive_queues_less_than_batch_and_batch_is_not_starved(
     gateway: GatewayProcess, replicas: list[ServerProcess]
 ) -> None:
@@ -169,7 +184,6 @@ async def test_interactive_queues_less_than_batch_and_batch_is_not_starved(
         keys=[inter[1], batch[1]],
         routes=[route(DEPLOYMENT, [])],
     )
-    age = gateway.config.gateway.max_queue_age_s
     slots = 2
     body = {"model": DEPLOYMENT, "prompt": "hello world", "max_tokens": 24, "ignore_eos": True}
     waits: dict[str, list[float]] = {"interactive": [], "batch": []}
@@ -186,21 +200,27 @@ async def test_interactive_queues_less_than_batch_and_batch_is_not_starved(
             waits[klass].append(queued)
             service.append(time.monotonic() - t0 - queued)
 
-        n_batch, n_inter = 12, 14
-        tasks = [one("batch", batch[0], 0.0) for _ in range(n_batch)]
-        tasks += [one("interactive", inter[0], 0.05 + 0.06 * i) for i in range(n_inter)]
+        # batch fills the queue first; then interactive arrives at half the 2 slots' capacity
+        service_s = await service_time(h, inter[0], body)
+        n_batch, n_inter = 16, 10
+        tasks = [asyncio.create_task(one("batch", batch[0], 0.0)) for _ in range(n_batch)]
+        deadline = time.monotonic() + 20
+        while (await h.get("/health")).json()["queue_depth"] < n_batch - slots - 2:
+            assert time.monotonic() < deadline, "the batch requests never queued"
+            await asyncio.sleep(0.02)
+        tasks += [asyncio.create_task(one("interactive", inter[0], service_s * i)) for i in range(n_inter)]
         await asyncio.gather(*tasks)
         depth = (await h.get("/health")).json()["queue_depth"]
     p_inter, p_batch = p90(waits["interactive"]), p90(waits["batch"])
-    # starvation bound (docs/quotas.md): once overdue, a request goes before every request that
-    # arrived after it, so it waits at most max_queue_age_s plus the time its predecessors
-    # (the other batch requests, at most n_batch over `slots`) and the requests running
-    # when it became overdue take
-    bound = age + (math.ceil(n_batch / slots) + 1) * max(service)
+    # no batch request waits past the queue timeout, nor beyond what the requests ahead
+    # of it (all batch and interactive ones, over `slots`) take
+    bound = min(
+        gateway.config.gateway.queue_timeout_s, (math.ceil((n_batch + n_inter) / slots) + 1) * max(service)
+    )
     print(
         f"\npriority: interactive p90 queue {p_inter:.3f} s, batch p90 {p_batch:.3f} s "
         f"(ratio {p_batch / max(p_inter, 1e-9):.1f}x), batch max {max(waits['batch']):.3f} s "
-        f"(bound {bound:.2f} s = age {age} + {math.ceil(n_batch / slots) + 1} x service {max(service):.3f} s)"
+        f"(bound {bound:.2f} s; service {max(service):.3f} s)"
     )
     assert p_batch >= 3 * p_inter
     assert max(waits["batch"]) <= bound
@@ -225,31 +245,36 @@ async def test_an_interactive_flood_does_not_starve_batch_beyond_the_age(
     age = gateway.config.gateway.max_queue_age_s
     body = {"model": DEPLOYMENT, "prompt": "hello world", "max_tokens": 24, "ignore_eos": True}
     batch_waits: list[float] = []
-    inter_done: list[float] = []
     service: list[float] = []
 
     async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as h:
-        start = time.monotonic()
 
-        async def one(secret: str, delay: float, out: list[float]) -> None:
+        async def one(secret: str, delay: float, out: list[float] | None = None) -> None:
             await asyncio.sleep(delay)
             t0 = time.monotonic()
             r = await h.post("/v1/completions", headers={"Authorization": f"Bearer {secret}"}, json=body)
             assert r.status_code == 200, r.text
             queued = float(r.headers["x-fleet-queue-seconds"])
             service.append(time.monotonic() - t0 - queued)
-            out.append(queued if out is batch_waits else time.monotonic() - start)
+            if out is not None:
+                out.append(queued)
 
-        tasks = [one(inter[0], 0.0, inter_done) for _ in range(4)]  # take both slots first
-        tasks += [one(batch[0], 0.02, batch_waits) for _ in range(2)]
-        tasks += [one(inter[0], 0.03 + 0.04 * i, inter_done) for i in range(60)]
-        await asyncio.gather(*tasks)
-    flood_end = max(inter_done)
+        # interactive alone at 1.5x the 2 slots' capacity, for longer than the age
+        service_s = await service_time(h, inter[0], body)
+        gap = service_s / 3
+        n_flood = math.ceil((age + 2.0) / gap)
+        flood = [asyncio.create_task(one(inter[0], 0.0)) for _ in range(4)]  # take both slots first
+        flood += [asyncio.create_task(one(inter[0], 0.03 + gap * i)) for i in range(n_flood)]
+        await asyncio.gather(*(one(batch[0], 0.02, batch_waits) for _ in range(2)))
+        still_queued = (await h.get("/health")).json()["queue_depth"]
+        for task in flood:  # the rest of the flood is not needed: leave (the gateway frees the slots)
+            task.cancel()
+        await asyncio.gather(*flood, return_exceptions=True)
     bound = age + 2 * max(service)
     print(
         f"\nstarvation: batch waits {[round(w, 3) for w in sorted(batch_waits)]} s with max_queue_age_s {age} "
-        f"(bound {bound:.2f} s); the interactive flood ended at {flood_end:.2f} s"
+        f"(bound {bound:.2f} s); {still_queued} interactive requests still queued when they were served"
     )
     assert max(batch_waits) <= bound
     assert max(batch_waits) >= age * 0.9  # they did wait behind the flood until overdue
-    assert flood_end > max(batch_waits) + 0.5  # and went in while it still ran
+    assert still_queued > 0  # and went in while it still ran
