@@ -16,10 +16,12 @@ minimize   sum_p price_p y_p   (reserved pools: 0, already paid for)
 
 The weights make the order cost > moves > distance without a second solve: a replica
 moves only to save more than `move_fraction` of its own hourly price. The solve is
-warm-started from first-fit-decreasing seeded with the current assignment (so it is
-never worse than FFD), runs under a time limit and a relative gap, and the LP
-relaxation of the cost-only problem gives a lower bound. Past `max_pairs` variables,
-or on any solver failure, the greedy FFD plan is used (made spot-share safe).
+warm-started from the current assignment (on small instances, from first-fit-decreasing
+seeded with it, so it is never worse than FFD; FFD is Python and too slow to seed
+thousands of replicas over thousands of pools), runs under a time limit and a relative
+gap, and the LP relaxation of the cost-only problem gives a lower bound. Past
+`max_pairs` variables, or on any solver failure, the greedy FFD plan is used (made
+spot-share safe).
 """
 
 from __future__ import annotations
@@ -161,6 +163,7 @@ class MilpPlacer(Placer):
         time_limit_s: float = 5.0,
         mip_gap: float = 0.005,
         max_pairs: int = 150_000,
+        ffd_warm_limit: int = 500_000,  # replicas x pools up to which FFD seeds the solver
         move_fraction: float = 0.1,
         distance_weight: float = 1e-4,  # $/hour per ms of RTT per GPU
         distance: Distance | None = None,
@@ -170,6 +173,7 @@ class MilpPlacer(Placer):
         self.time_limit_s = time_limit_s
         self.mip_gap = mip_gap
         self.max_pairs = max_pairs
+        self.ffd_warm_limit = ffd_warm_limit
         self.move_fraction = move_fraction
         self.distance_weight = distance_weight
         self._distance = distance
@@ -217,26 +221,35 @@ class MilpPlacer(Placer):
                 raise ValueError(f"duplicate demand for {d.deployment} v{d.version}")
             by_demand[d.key] = d
         pools = list({p.key: p for p in pools}.values())
-        greedy = FirstFitDecreasing(self._id_factory).place(list(by_demand.values()), pools, current)
-        greedy = _cap_spot(greedy, by_demand, pools)
         pairs = [
             (d, p)
             for d in by_demand.values()
             for p in pools
             if d.count > 0 and d.acceptable(p) and p.keeps_existing
         ]
+
+        def greedy() -> PlacementResult:
+            plan = FirstFitDecreasing(self._id_factory).place(list(by_demand.values()), pools, current)
+            return _cap_spot(plan, by_demand, pools)
+
         if len(pairs) > self.max_pairs:
+            plan = greedy()
             info = self._info(
-                "greedy-huge", pools, greedy, started, note=f"{len(pairs)} pairs > {self.max_pairs}"
+                "greedy-huge", pools, plan, started, note=f"{len(pairs)} pairs > {self.max_pairs}"
             )
             self.last = info
-            return greedy, info
+            return plan, info
+        # Warm start: FFD seeded with the current assignment while that is cheap (FFD is
+        # Python, replicas x pools); past that, the current assignment itself.
+        replicas = sum(d.count for d in by_demand.values())
+        warm = greedy() if replicas * len(pools) <= self.ffd_warm_limit else None
         try:
-            result, info = self._solve(by_demand, pools, current, pairs, greedy, started, lp_bound)
+            result, info = self._solve(by_demand, pools, current, pairs, warm, started, lp_bound)
         except Exception as e:
+            plan = warm or greedy()
             result, info = (
-                greedy,
-                self._info("greedy-error", pools, greedy, started, note=f"{type(e).__name__}: {e}"),
+                plan,
+                self._info("greedy-error", pools, plan, started, note=f"{type(e).__name__}: {e}"),
             )
         self.last = info
         return result, info
@@ -317,10 +330,18 @@ class MilpPlacer(Placer):
             terms = [(j, 1.0)] + ([(xj, 1.0)] if xj is not None else [])
             m.row(terms, float(cur[(dk, pk)]), math.inf)
 
-        # warm start: the greedy plan
+        # warm start: the greedy plan, else what runs now (capped at each demand's count)
         counts: dict[tuple, int] = defaultdict(int)
-        for a in greedy.assignments:
-            counts[((a.deployment, a.version), a.pool_key)] += 1
+        if greedy is not None:
+            for a in greedy.assignments:
+                counts[((a.deployment, a.version), a.pool_key)] += 1
+        else:
+            left = {dk: d.count for dk, d in by_demand.items()}
+            for (dk, pk), n in sorted(cur.items()):
+                take = min(n, left.get(dk, 0))
+                if take and (dk, pk) in x:
+                    counts[(dk, pk)] = take
+                    left[dk] -= take
         start = np.zeros(len(m.cost))
         for key, j in x.items():
             start[j] = counts.get(key, 0)
@@ -332,17 +353,15 @@ class MilpPlacer(Placer):
             start[j] = by_demand[dk].count - sum(start[jx] for jx in per_demand[dk])
         for (dk, pk), j in moves.items():
             start[j] = max(0.0, cur[(dk, pk)] - (start[x[(dk, pk)]] if (dk, pk) in x else 0))
+        covered: dict[tuple, set[str]] = defaultdict(set)
+        for (dk, pk), jx in x.items():
+            if start[jx] > 0:
+                covered[dk].add(by_pool[pk].region)
         for (dk, region), j in z.items():
-            start[j] = (
-                1.0
-                if any(
-                    start[jx] > 0 for (dk2, pk), jx in x.items() if dk2 == dk and by_pool[pk].region == region
-                )
-                else 0.0
-            )
+            start[j] = 1.0 if region in covered[dk] else 0.0
         for dk, j in v.items():
             k = min(by_demand[dk].min_regions, by_demand[dk].count)
-            start[j] = max(0.0, k - sum(start[jz] for (dk2, _), jz in z.items() if dk2 == dk))
+            start[j] = max(0.0, k - len(covered[dk]))
 
         remaining = self.time_limit_s - (time.perf_counter() - started)
         h = m.highs(False, remaining, self.mip_gap, self.threads)
