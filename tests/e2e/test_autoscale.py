@@ -130,6 +130,7 @@ def test_scale_from_zero_up_under_load_and_back_to_zero(fleet) -> None:
         for v in re.findall(r'fleet_agent_cold_start_seconds\{deployment="auto",[^}]*\} (\S+)', metrics)
     ]
     assert cold and all(COLD_START_S <= c < 30 for c in cold)
+    print(f"\nfirst request from zero: {took:.2f} s (replica cold start {cold[0]:.2f} s)")
 
     # 2. Concurrent load: 8 requests in flight for target 2 x 0.7 per replica -> max 3.
     stop = threading.Event()
@@ -142,8 +143,12 @@ def test_scale_from_zero_up_under_load_and_back_to_zero(fleet) -> None:
     threads = [threading.Thread(target=worker) for _ in range(8)]
     for t in threads:
         t.start()
+    t_load = time.monotonic()
     try:
-        wait_for(lambda: api.get(f"/v1/deployments/{DEP}").json()["desired_replicas"] == 3, 30, "scale-up to 3")
+        wait_for(
+            lambda: api.get(f"/v1/deployments/{DEP}").json()["desired_replicas"] == 3, 30, "scale-up to 3"
+        )
+        print(f"load -> 3 replicas wanted after {time.monotonic() - t_load:.1f} s")
         wait_for(
             lambda: sum(p["state"] == "ready" for p in api.get(f"/v1/deployments/{DEP}").json()["placements"]) == 3,
             30, "3 ready replicas",
@@ -156,8 +161,14 @@ def test_scale_from_zero_up_under_load_and_back_to_zero(fleet) -> None:
 
     # 3. Idle: down after the window, the delay and the grace, to zero.
     t_idle = time.monotonic()
-    wait_for(lambda: api.get(f"/v1/deployments/{DEP}").json()["desired_replicas"] == 0, 60, "scale-down to zero", 0.5)
+    wait_for(
+        lambda: api.get(f"/v1/deployments/{DEP}").json()["desired_replicas"] == 0,
+        60,
+        "scale-down to zero",
+        0.5,
+    )
     assert time.monotonic() - t_idle >= 2  # not before the scale-down delay
+    print(f"idle -> 0 replicas after {time.monotonic() - t_idle:.1f} s")
     messages = [
         e["message"]
         for e in api.get("/v1/events", params={"deployment": DEP, "kind": "scaled"}).json()["items"]
