@@ -225,6 +225,8 @@ async def test_interactive_queues_less_than_batch_and_batch_is_not_starved(
     assert p_batch >= 3 * p_inter
     assert max(waits["batch"]) <= bound
     assert depth == 0
+    status = LocalState(gateway.config.state_dir).load_gateway()  # what the agent puts in its heartbeat
+    assert status is not None and set(status.by_class) == {"interactive", "standard", "batch"}
     metrics = scrape(gateway.url)
     assert sample(metrics, "fleet_gateway_queue_time_seconds_count", **{"class": "batch"}) >= n_batch
     assert sample(metrics, "fleet_gateway_queue_class_depth", **{"class": "interactive"}) == 0
