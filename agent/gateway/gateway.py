@@ -54,7 +54,7 @@ from agent.gateway.tokens import DesiredIndex, TokenCounters
 from agent.gateway.usage import UsagePublisher
 from agent.local_state import GatewayStatus, LocalState
 from agent.nats_io import NatsLink
-from agent.protocol import UsageRecord
+from agent.protocol import ApiKeyRecord, UsageRecord
 
 log = logging.getLogger("agent.gateway")
 
@@ -248,6 +248,7 @@ class Gateway:
         request_id = request.headers.get(REQUEST_ID_HEADER) or f"req-{secrets.token_hex(12)}"
         reply_headers = {REQUEST_ID_HEADER: request_id, "X-Fleet-Cluster": self.cluster}
         self.refresh()
+        record: ApiKeyRecord | None = None
         try:
             record = self.auth.authenticate(request.headers.get("authorization"))
             self.auth.authorize(record)
@@ -265,6 +266,8 @@ class Gateway:
             self.metrics.prompt_tokens_counted.labels(info.deployment, counter).inc(info.prompt_tokens)
         except GatewayError as err:
             self._count(UNKNOWN, err.status, started)
+            if record is not None:  # a key with limits sees them on every answer
+                reply_headers.update(self.quota.headers(record, ""))
             return error_response(err, reply_headers)
         try:
             reservation, limit_headers = self.quota.admit(record, info)

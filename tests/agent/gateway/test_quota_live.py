@@ -90,33 +90,42 @@ async def test_a_key_is_stopped_at_its_token_budget(
     cost = prompt_tokens + MAX_TOKENS
     body = {"model": DEPLOYMENT, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True}
     ok: list[httpx.Response] = []
+    streamed: list[httpx.Response] = []
     refused: list[httpx.Response] = []
     stop = asyncio.Event()
 
     async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as h:
         auth = {"Authorization": f"Bearer {capped[0]}"}
 
-        async def worker() -> None:
+        async def worker(stream: bool) -> None:
             while not stop.is_set():
-                r = await h.post("/v1/completions", headers=auth, json=body)
+                r = await h.post("/v1/completions", headers=auth, json={**body, "stream": stream})
                 if r.status_code == 429:
                     refused.append(r)
                     stop.set()
                 else:
                     assert r.status_code == 200, r.text
-                    ok.append(r)
+                    (streamed if stream else ok).append(r)
 
+        # half the clients stream without asking for usage: the gateway asks the replica
+        # for it, settles the reservation from it, and strips it again
         started = time.monotonic()
-        await asyncio.gather(*(worker() for _ in range(8)))
+        await asyncio.gather(*(worker(stream=i % 2 == 1) for i in range(8)))
         elapsed = time.monotonic() - started
+        bad = await h.post("/v1/completions", headers=auth, json={**body, "max_tokens": "many"})
         # the other key is unaffected
         r_other = await h.post("/v1/completions", headers={"Authorization": f"Bearer {other[0]}"}, json=body)
-    engine_tokens = sum(r.json()["usage"]["total_tokens"] for r in ok)
     assert all(r.json()["usage"]["prompt_tokens"] == prompt_tokens for r in ok)  # the gateway counted right
+    assert all(r.json()["usage"]["completion_tokens"] == MAX_TOKENS for r in ok)  # ignore_eos: all of them
+    for r in streamed:  # same request, streamed: the engine generated the same; no usage reached the client
+        assert r.text.rstrip().endswith("data: [DONE]") and '"usage"' not in r.text
+    engine_tokens = sum(r.json()["usage"]["total_tokens"] for r in ok) + cost * len(streamed)
+    assert streamed and ok
     refill = TPM / 60 * elapsed
     print(
         f"\nquota live: budget {TPM} tok/min, engine-counted tokens admitted {engine_tokens} "
-        f"({100 * (engine_tokens - TPM) / TPM:+.1f}%), {len(ok)} requests of {cost} tokens in {elapsed:.2f} s "
+        f"({100 * (engine_tokens - TPM) / TPM:+.1f}%), {len(ok)} + {len(streamed)} streamed requests of {cost} "
+        f"tokens in {elapsed:.2f} s "
         f"(refill {refill:.0f} tokens)"
     )
     assert abs(engine_tokens - TPM) <= 0.05 * TPM
@@ -132,9 +141,11 @@ async def test_a_key_is_stopped_at_its_token_budget(
     assert TPM - cost <= engine_tokens + remaining <= TPM + refill + 1
     reset = parse_reset(h429["x-ratelimit-reset-tokens"])
     assert reset == pytest.approx((TPM - remaining) / (TPM / 60), abs=1.0)
-    assert int(h429["x-ratelimit-remaining-requests"]) >= RPM - len(ok) - 4
+    assert int(h429["x-ratelimit-remaining-requests"]) >= RPM - len(ok) - len(streamed) - 8
+    # a refused bad request of the key carries its limits too
+    assert bad.status_code == 400 and bad.headers["x-ratelimit-limit-tokens"] == str(TPM)
     # every success carried the headers too, and remaining tokens went down
-    for r in ok:
+    for r in ok + streamed:
         for name in (
             "x-ratelimit-limit-requests",
             "x-ratelimit-limit-tokens",
