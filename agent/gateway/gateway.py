@@ -262,7 +262,7 @@ class Gateway:
                     param="model",
                     code="model_not_found",
                 )
-            info, counter = self.tokens.recount(info)
+            info, counter = await self.tokens.recount_async(info)
             self.metrics.prompt_tokens_counted.labels(info.deployment, counter).inc(info.prompt_tokens)
         except GatewayError as err:
             self._count(UNKNOWN, err.status, started)

@@ -11,6 +11,7 @@ When no tokenizer is available the count falls back to the ~4 characters/token e
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import importlib.util
 import logging
@@ -86,6 +87,7 @@ class TokenCounters:
         self.clock = clock
         self._tokenizers: dict[str, Any] = {}
         self._failed: dict[str, float] = {}
+        self._loading: dict[str, asyncio.Lock] = {}
 
     def tokenizer(self, deployment: str) -> Any | None:
         spec = self.desired.spec(deployment)
@@ -112,6 +114,17 @@ class TokenCounters:
             return None
         self._tokenizers[model] = tok
         return tok
+
+    async def recount_async(self, info: RequestInfo) -> tuple[RequestInfo, str]:
+        """`recount`, loading a tokenizer the first time in a thread (a GGUF's vocabulary
+        takes ~0.5 s) so the gateway keeps serving meanwhile."""
+        spec = self.desired.spec(info.deployment)
+        if spec is not None and spec.model not in self._tokenizers:
+            lock = self._loading.setdefault(spec.model, asyncio.Lock())
+            async with lock:
+                if spec.model not in self._tokenizers:
+                    await asyncio.to_thread(self.tokenizer, info.deployment)
+        return self.recount(info)
 
     def recount(self, info: RequestInfo) -> tuple[RequestInfo, str]:
         """`info` with prompt_tokens counted by the deployment's tokenizer, and the counter used."""
