@@ -7,6 +7,9 @@
   with 429, kept in memory only) -> `compute_shares` -> `api_keys.shares`; a change wakes
   the reconcile loop, which republishes `fleet_keys` and so the gateways' shares.
 
+- retention: records older than FLEET_USAGE_RETENTION_DAYS (default 90) are deleted
+  every ten minutes.
+
 Settings come from the environment (FLEET_QUOTA_SHARE_INTERVAL_S, FLEET_QUOTA_SHARE_WINDOW_S,
 FLEET_QUOTA_MIN_SHARE) so tests can shorten them. Database work runs in threads.
 """
@@ -22,7 +25,7 @@ import time
 from datetime import datetime, timedelta, timezone
 
 from pydantic import ValidationError
-from sqlalchemy import func, select
+from sqlalchemy import delete, func, select
 
 from agent import protocol
 from control_plane.context import ControlPlaneContext
@@ -32,6 +35,7 @@ from control_plane.loops.shares import ShareSettings, compute_shares
 log = logging.getLogger(__name__)
 
 FLUSH_S = 0.2
+PRUNE_EVERY_S = 600.0
 MAX_TOKENS = 2**31 - 1
 
 
@@ -87,6 +91,13 @@ def store_records(sessions, records: list[protocol.UsageRecord]) -> None:
             for r in records
         )
         session.commit()
+
+
+def prune_records(sessions, before: datetime) -> int:
+    with sessions() as session:
+        result = session.execute(delete(UsageRecord).where(UsageRecord.at < before))
+        session.commit()
+        return int(result.rowcount or 0)
 
 
 def update_shares(
@@ -219,8 +230,15 @@ class UsageLoop:
             await asyncio.sleep(FLUSH_S)
 
     async def _shares_loop(self) -> None:
+        retention = timedelta(days=float(os.environ.get("FLEET_USAGE_RETENTION_DAYS") or 90))
+        pruned_at = 0.0
         while True:
             await asyncio.sleep(self.settings.interval_s)
+            if time.monotonic() - pruned_at >= PRUNE_EVERY_S:
+                pruned_at = time.monotonic()
+                with contextlib.suppress(Exception):
+                    before = datetime.now(timezone.utc) - retention
+                    await asyncio.to_thread(prune_records, self.ctx.sessions, before)
             try:
                 changed = await asyncio.to_thread(
                     update_shares,

@@ -14,7 +14,7 @@ from agent.protocol import UsageRecord as UsageMessage
 from control_plane.db.models import ApiKey, CapacityPool, Cluster, Deployment, ReplicaAssignment
 from control_plane.db.session import make_sessions, upgrade_to_head
 from control_plane.loops.shares import ShareSettings, compute_shares
-from control_plane.loops.usage import record_problem, store_records, update_shares
+from control_plane.loops.usage import prune_records, record_problem, store_records, update_shares
 from tests.control_plane.cp_server import ControlPlaneServer
 from tests.control_plane.test_fleetctl_resources import as_json, fleetctl, one_line_error
 
@@ -101,6 +101,7 @@ def test_usage_moves_the_shares_in_the_database(db_url: str) -> None:
     with sessions() as session:
         assert session.get(ApiKey, "lim").shares == {"east": 0.172, "west": 0.828}
     assert update_shares(sessions, settings_, now, {"lim": {"west": 9000}}) == []  # stable
+    assert prune_records(sessions, now - timedelta(minutes=1)) == 1  # the 5-minute-old one
 
 
 @pytest.fixture(scope="module")
