@@ -112,6 +112,7 @@ def server(tmp_path_factory):
     cp.stop()
 
 
+@pytest.mark.slow  # a server process and three fleetctl subprocesses
 def test_patch_keys_and_usage_report(server: ControlPlaneServer) -> None:
     with server.client() as api:
         r = api.post(
