@@ -267,16 +267,20 @@ def ps(output: OutputFormat = OUTPUT_OPTION) -> None:
     emit(rows, output, columns=["kind", "name", "pid", "alive", "url"])
 
 
-def down(timeout: float = typer.Option(30.0, help="seconds to let each group drain before SIGKILL")) -> None:
+def down(
+    timeout: float = typer.Option(30.0, help="seconds to let each group drain before SIGKILL"),
+    output: OutputFormat = OUTPUT_OPTION,
+) -> None:
     """Stop every process of the local fleet (works when the control plane is already dead)."""
     fleet = _fleet()
     if fleet.load() is None:
-        console.print("no local fleet recorded under this FLEET_HOME")
+        if output == OutputFormat.json:
+            emit_json([])
+        else:
+            console.print("no local fleet recorded under this FLEET_HOME")
         return
-    killed = fleet.down(timeout)
-    console.print(
-        "local fleet stopped" + (f" ({len(killed)} process(es) had to be killed)" if killed else "")
-    )
+    reports = [r.model_dump() for r in fleet.down(timeout)]
+    emit(reports, output, columns=["step", "stopped", "killed", "seconds"], title="local fleet stopped")
 
 
 def _exec_module(module: str, config: Path) -> None:

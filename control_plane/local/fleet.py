@@ -258,44 +258,79 @@ class LocalFleet:
             rows.append({**record.model_dump(), "alive": pid_alive(record.pid)})
         return rows
 
-    def down(self, timeout: float = 30.0) -> list[int]:
+    def down(self, timeout: float = 30.0) -> list[StopReport]:
         """Stop everything: gateways and agents first (agents drain their replicas),
         then the control plane and NATS, then anything else still carrying the marker.
-        Returns the pids that had to be killed."""
+        Returns what each step stopped, how long it took, and what had to be killed."""
         state = self.load()
         if state is None:
             return []
-        order: list[Iterable[ProcessRecord]] = [
-            [p for p in state.processes if p.kind == "gateway"],
-            [p for p in state.processes if p.kind == "agent"],
-            self.replicas(state),
-            [p for p in state.processes if p.kind == "control-plane"],
-            [p for p in state.processes if p.kind == "nats"],
+        order: list[tuple[str, Iterable[ProcessRecord]]] = [
+            ("gateways", [p for p in state.processes if p.kind == "gateway"]),
+            ("agents (draining replicas)", [p for p in state.processes if p.kind == "agent"]),
+            ("replicas", self.replicas(state)),
+            ("control plane", [p for p in state.processes if p.kind == "control-plane"]),
+            ("nats", [p for p in state.processes if p.kind == "nats"]),
         ]
-        killed: list[int] = []
-        for group in order:
-            killed += terminate([p.pid for p in group], timeout)
+        reports: list[StopReport] = []
+        for name, group in order:
+            pids = [p.pid for p in group if pid_alive(p.pid)]
+            started = time.monotonic()
+            killed = terminate(pids, timeout)
+            reports.append(
+                StopReport(step=name, stopped=len(pids), killed=killed, seconds=time.monotonic() - started)
+            )
         leftovers = [p.pid for p in self.marked_processes(state.fleet_id)]
-        killed += terminate(leftovers, 5.0)
+        started = time.monotonic()
+        killed = terminate(leftovers, 5.0)
+        reports.append(
+            StopReport(
+                step="leftovers", stopped=len(leftovers), killed=killed, seconds=time.monotonic() - started
+            )
+        )
         with contextlib.suppress(FileNotFoundError):
             self.state_path.unlink()
-        return killed
+        return reports
+
+
+class StopReport(BaseModel):
+    step: str
+    stopped: int
+    killed: list[int]
+    seconds: float
 
 
 def terminate(pids: list[int], timeout: float) -> list[int]:
-    """SIGTERM each live pid, wait up to `timeout`, SIGKILL the rest; returns killed pids."""
+    """SIGTERM each live pid, wait up to `timeout`, SIGKILL the rest; returns killed pids.
+
+    A zombie counts as gone: a process started by another parent (a foreground `up`, a
+    test) stays a zombie until that parent reaps it, and waiting for it would only stall."""
     procs = []
     for pid in pids:
         with contextlib.suppress(psutil.Error):
             proc = psutil.Process(pid)
             proc.send_signal(signal.SIGTERM)
             procs.append(proc)
-    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    alive = _wait_gone(procs, timeout)
     for proc in alive:
         with contextlib.suppress(psutil.Error):
             proc.kill()
-    psutil.wait_procs(alive, timeout=5)
+    _wait_gone(alive, 5.0)
     return [p.pid for p in alive]
+
+
+def _wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    alive = list(procs)
+    while alive:
+        for proc in alive:
+            with contextlib.suppress(psutil.Error, psutil.TimeoutExpired):
+                proc.wait(0)  # reaps our own children
+        alive = [p for p in alive if pid_alive(p.pid)]
+        if not alive or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    return alive
 
 
 def _port_or_free(preferred: int) -> int:
