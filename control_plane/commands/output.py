@@ -35,7 +35,9 @@ def emit_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
 
 
-def emit(data: Any, fmt: OutputFormat, columns: Sequence[str] | None = None, title: str | None = None) -> None:
+def emit(
+    data: Any, fmt: OutputFormat, columns: Sequence[str] | None = None, title: str | None = None
+) -> None:
     """Print `data` (a dict or a list of dicts) as JSON or as a table of `columns`."""
     if fmt == OutputFormat.json:
         emit_json(data)

@@ -43,7 +43,9 @@ def primary_regions(snap: FleetSnapshot, spec: VersionSpec) -> tuple[str, ...]:
     allowed = [r for r in known if not spec.regions or in_regions(r, spec.regions)]
     primary = [r for r in allowed if not in_regions(r, spec.standby_regions)]
     if not any(c.region in primary and c.status == ClusterStatus.healthy for c in snap.clusters):
-        return tuple(sorted(set(allowed) | {r for r in known if in_regions(r, spec.standby_regions)})) or (NO_REGION,)
+        return tuple(sorted(set(allowed) | {r for r in known if in_regions(r, spec.standby_regions)})) or (
+            NO_REGION,
+        )
     return tuple(primary) or (NO_REGION,)
 
 
@@ -141,9 +143,7 @@ def complete(
     for name, spec in sorted(specs.items()):
         demand = _demand(spec)
         for region in _standby_regions(snap, spec):
-            have = sum(
-                1 for a in standby.kept if a.deployment == name and by_region(pools, a) == region
-            )
+            have = sum(1 for a in standby.kept if a.deployment == name and by_region(pools, a) == region)
             for _ in range(standby_count(spec) - have):
                 pool = next(
                     (
