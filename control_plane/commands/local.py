@@ -240,7 +240,9 @@ def _foreground(fleet: LocalFleet) -> None:
     def _stop(signum, frame):
         raise KeyboardInterrupt
 
+    # Explicitly, also for SIGINT: a shell starts background jobs with SIGINT ignored.
     signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     try:
         reported: set[int] = set()
         while True:

@@ -280,3 +280,42 @@ def _marked(proc: psutil.Process, fleet_id: str) -> bool:
         return proc.environ().get(MARKER_ENV) == fleet_id
     except psutil.Error:
         return False
+
+
+def test_foreground_up_stops_everything_on_ctrl_c(tmp_path):
+    """`fleetctl up` without --detach: Ctrl-C (SIGINT) takes the whole fleet down."""
+    env = {**os.environ, "FLEET_HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "control_plane.cli", "up", "--regions", "local-solo"],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    local = LocalFleet(tmp_path)
+    try:
+        wait_for(
+            lambda: (
+                (s := local.load())
+                and {p.kind for p in s.processes} >= {"agent", "gateway"}
+                and all(pid_alive(p.pid) for p in s.processes)
+            ),
+            120,
+            0.5,
+            "the fleet to start",
+        )
+        # The key is written just before the summary: then `up` enters its foreground loop.
+        wait_for(lambda: (tmp_path / "local" / "inference-key").exists(), 120, 0.2, "up to finish")
+        state = local.load()
+        time.sleep(2)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out
+        assert "stopping the local fleet" in out
+        assert all(not pid_alive(p.pid) for p in state.processes)
+        assert local.marked_processes(state.fleet_id) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        fleetctl(tmp_path, "down", check=False)
