@@ -116,7 +116,7 @@ def test_bad_canary_is_rolled_back_automatically(fleet: SimFleet):
             lambda: (r := rollout(fleet))["phase"] == "rolled_back" and r, 40, 0.1, "the rollback"
         )
         rolled_back_at = time.time()
-        wait_for(lambda: 2 not in fleet.ready_by_version(NAME), 20, 0.1, "the canary's replicas to go")
+        wait_for(lambda: 2 not in fleet.ready_by_version(NAME), 60, 0.1, "the canary's replicas to go")
         time.sleep(0.5)
     finally:
         results = load.stop()
@@ -134,7 +134,7 @@ def test_bad_canary_is_rolled_back_automatically(fleet: SimFleet):
     assert "error rate" in done["reason"] and done["step"] == 1
     assert share <= 0.10 + 0.10, share  # the first step's weight plus one step's worth
     assert fleet.deployment(NAME)["current_version"] == 1
-    wait_for(lambda: fleet.ready_by_version(NAME) == {1: REPLICAS}, 20, 0.2, "the baseline back at full size")
+    wait_for(lambda: fleet.ready_by_version(NAME) == {1: REPLICAS}, 60, 0.2, "the baseline back at full size")
     events = fleet.api("GET", "/v1/events", params={"deployment": NAME, "kind": "rollout_rolled_back"}).json()
     assert events["items"] and "canary_error_rate=" in events["items"][0]["message"]
 
@@ -155,7 +155,7 @@ def test_good_canary_is_promoted_without_failed_requests(fleet: SimFleet):
                 0.2,
                 "the end",
             )
-            wait_for(lambda: fleet.ready_by_version(NAME) == {3: REPLICAS}, 20, 0.2, "the baseline to go")
+            wait_for(lambda: fleet.ready_by_version(NAME) == {3: REPLICAS}, 60, 0.2, "the baseline to go")
     finally:
         results = load.stop()
     print(
