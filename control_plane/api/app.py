@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from fastapi import Depends, FastAPI, HTTPException, Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from control_plane.api import errors
+from control_plane.api import errors, metrics
 from control_plane.api.auth import TokenCache, authenticate
 from control_plane.api.routers import clusters, deployments, history, keys, rollouts, usage
 from control_plane.context import ControlPlaneContext
@@ -86,6 +86,7 @@ def build_app(ctx: ControlPlaneContext, *, run_loops: bool = True) -> FastAPI:
         if ctx.nats is not None:
             ctx.nats.start()
         loops = await start_loops(ctx) if run_loops else None
+        app.state.loops = loops  # GET /metrics reads its reconcile stats
         on_ready = getattr(app.state, "on_ready", None)
         if on_ready is not None:
             on_ready()
@@ -115,6 +116,8 @@ def build_app(ctx: ControlPlaneContext, *, run_loops: bool = True) -> FastAPI:
     async def healthz(request: Request) -> dict:
         nats = request.app.state.ctx.nats
         return {"status": "ok", "nats": bool(nats is not None and nats.is_connected)}
+
+    app.include_router(metrics.router)  # Prometheus text, no auth
 
     auth = [Depends(authenticate)]
     routers = (

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from datetime import datetime
 
 from pydantic import ValidationError
@@ -32,6 +33,7 @@ from control_plane.loops.ingest import (
 )
 from control_plane.loops.publish import KvPublisher
 from control_plane.loops.reconcile import ReconcileOutcome, reconcile_once
+from control_plane.loops.stats import ReconcileStats
 from control_plane.loops.usage import UsageLoop
 from control_plane.placement import Unplaced, get_placer
 from control_plane.rollouts.loop import RolloutLoop, start_rollout_loop
@@ -48,6 +50,7 @@ class Loops:
         self.publisher = KvPublisher(ctx.nats) if ctx.nats is not None else None
         self.last: ReconcileOutcome | None = None
         self.reconciles = 0
+        self.stats = ReconcileStats()  # read by GET /metrics
         self._nodes: dict[str, int] = {}
         self._reported: dict[tuple[str, int], Unplaced] = {}
         self._heartbeats: dict[str, protocol.Heartbeat] = {}
@@ -116,9 +119,15 @@ class Loops:
     # ----------------------------------------------------------------- reconcile
 
     async def reconcile_now(self) -> ReconcileOutcome:
-        outcome = await asyncio.to_thread(
-            reconcile_once, self.ctx.sessions, self.placer, self._nodes, self._reported
-        )
+        began = time.perf_counter()
+        try:
+            outcome = await asyncio.to_thread(
+                reconcile_once, self.ctx.sessions, self.placer, self._nodes, self._reported
+            )
+        except Exception:
+            self.stats.fail()
+            raise
+        self.stats.observe(time.perf_counter() - began)
         self.reconciles += 1
         self.last = outcome
         if outcome.changed:

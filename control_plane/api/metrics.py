@@ -1,0 +1,159 @@
+"""`GET /metrics`: the control plane's Prometheus text, no auth (like the gateways' and
+replicas'). Every gauge is computed from the database at scrape time, so it cannot drift
+from what the API serves; the reconcile counters come from the running loops, if any.
+A dedicated registry: no process or Python collectors, nothing from other modules."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from agent.protocol import ClusterStatus, ReplicaState
+from control_plane.api.views import used_gpus
+from control_plane.db.models import CapacityPool, Cluster, Deployment, ReplicaAssignment, Rollout
+from control_plane.loops.stats import ReconcileStats
+
+PREFIX = "fleet_control_plane_"
+READY = ReplicaState.ready.value
+
+
+class ControlPlaneCollector(Collector):
+    """Reads the database on every scrape; `stats()` gives the loops' reconcile stats."""
+
+    def __init__(
+        self, sessions: Callable[[], sessionmaker[Session]], stats: Callable[[], ReconcileStats | None]
+    ) -> None:
+        self.sessions = sessions
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        with self.sessions()() as session:
+            yield from _database_metrics(session)
+        stats = self.stats()
+        if stats is not None:
+            yield from _reconcile_metrics(stats)
+
+
+def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+
+
+def _database_metrics(session: Session) -> Iterator[Metric]:
+    clusters = list(session.execute(select(Cluster.id, Cluster.region, Cluster.status)))
+    by_status = Counter(status for _, _, status in clusters)
+    g = _gauge("clusters", "Clusters by status.", ["status"])
+    for status in sorted({s.value for s in ClusterStatus} | set(by_status)):
+        g.add_metric([status], by_status.get(status, 0))
+    yield g
+
+    deployments = list(session.execute(select(Deployment.id, Deployment.name, Deployment.replicas)))
+    yield GaugeMetricFamily(PREFIX + "deployments", "Deployments.", value=len(deployments))
+
+    states: dict[int, Counter] = {}
+    per_cluster: Counter = Counter()
+    rows = session.execute(
+        select(
+            ReplicaAssignment.deployment_id,
+            ReplicaAssignment.cluster_id,
+            ReplicaAssignment.state,
+            func.count(),
+        ).group_by(ReplicaAssignment.deployment_id, ReplicaAssignment.cluster_id, ReplicaAssignment.state)
+    )
+    for dep_id, cluster_id, state, count in rows:
+        states.setdefault(dep_id, Counter())[state] += count
+        per_cluster[(cluster_id, state)] += count
+    desired = _gauge(
+        "desired_replicas", "Replicas each deployment asks for (autoscaler included).", ["deployment"]
+    )
+    ready = _gauge("ready_replicas", "Replicas of each deployment that are ready.", ["deployment"])
+    assigned = _gauge("assigned_replicas", "Replicas placed for each deployment, any state.", ["deployment"])
+    for dep_id, name, replicas in sorted(deployments, key=lambda d: d[1]):
+        desired.add_metric([name], replicas)
+        ready.add_metric([name], states.get(dep_id, Counter()).get(READY, 0))
+        assigned.add_metric([name], sum(states.get(dep_id, Counter()).values()))
+    yield from (desired, ready, assigned)
+
+    regions = {cid: region for cid, region, _ in clusters}
+    g = _gauge("replicas", "Replica assignments by cluster and state.", ["cluster", "region", "state"])
+    for cluster_id, _, _ in sorted(clusters):
+        for state in ReplicaState:
+            g.add_metric(
+                [cluster_id, regions[cluster_id], state.value], per_cluster.get((cluster_id, state.value), 0)
+            )
+    yield g
+
+    used = used_gpus(session)
+    total_g = _gauge(
+        "pool_gpus",
+        "GPUs of capacity pools (nodes x GPUs per node).",
+        ["cluster", "pool", "tier", "gpu_model"],
+    )
+    used_g = _gauge(
+        "pool_gpus_used",
+        "GPUs of capacity pools held by replica assignments.",
+        ["cluster", "pool", "tier", "gpu_model"],
+    )
+    pools = session.execute(
+        select(CapacityPool).order_by(CapacityPool.cluster_id, CapacityPool.name)
+    ).scalars()
+    for pool in pools:
+        labels = [pool.cluster_id, pool.name, pool.tier, pool.gpu_model]
+        total_g.add_metric(labels, pool.nodes * pool.gpus_per_node)
+        used_g.add_metric(labels, used.get((pool.cluster_id, pool.name), 0))
+    yield from (total_g, used_g)
+
+    phases = Counter(phase for (phase,) in session.execute(select(Rollout.phase)))
+    g = _gauge("rollouts", "Rollouts by phase (finished ones included).", ["phase"])
+    for phase in sorted(phases):
+        g.add_metric([phase], phases[phase])
+    yield g
+
+
+def _reconcile_metrics(stats: ReconcileStats) -> Iterator[Metric]:
+    c = CounterMetricFamily(PREFIX + "reconcile_failures", "Reconcile passes that raised.")
+    c.add_metric([], stats.failures)
+    yield c
+    h = HistogramMetricFamily(
+        PREFIX + "reconcile_duration_seconds",
+        "Successful reconcile passes: placement, writes (publishing excluded).",
+    )
+    h.add_metric([], stats.cumulative(), sum_value=stats.seconds_sum)
+    yield h
+    if stats.last_success_at is not None:
+        yield GaugeMetricFamily(
+            PREFIX + "last_reconcile_timestamp_seconds",
+            "Unix time of the last successful reconcile pass.",
+            value=stats.last_success_at,
+        )
+
+
+router = APIRouter()
+
+
+@router.get("/metrics", include_in_schema=False)
+def metrics(request: Request) -> Response:
+    """Sync on purpose: FastAPI runs it in a thread, so the database reads do not block."""
+    registry = getattr(request.app.state, "metrics_registry", None)
+    if registry is None:
+        app_state = request.app.state
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(
+            ControlPlaneCollector(
+                lambda: app_state.ctx.sessions,
+                lambda: getattr(getattr(app_state, "loops", None), "stats", None),
+            )
+        )
+        app_state.metrics_registry = registry
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
