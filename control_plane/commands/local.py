@@ -7,6 +7,7 @@ call it. The components run as `python -m ...` processes; nothing here imports t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -140,6 +141,8 @@ def up(
         logs = fleet.dir / "logs"
         fleet.down()
         fail(f"{err} (logs: {logs})")
+    with contextlib.suppress(OSError):  # Prometheus file_sd (deploy/README.md)
+        fleet.write_prometheus_targets(state)
     if output == OutputFormat.json:
         emit_json(
             {
@@ -250,6 +253,8 @@ def _foreground(fleet: LocalFleet) -> None:
             state = fleet.load()
             if state is None:  # `fleetctl down` from another shell
                 return
+            with contextlib.suppress(OSError):  # replicas come and go: keep file_sd current
+                fleet.write_prometheus_targets(state)
             for record in state.processes:
                 if record.pid not in reported and not pid_alive(record.pid):
                     reported.add(record.pid)

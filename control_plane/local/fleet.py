@@ -29,6 +29,7 @@ from agent.config import ClusterConfig, GatewayConfig, ReplicaConfig
 from agent.local_state import LocalState, atomic_write
 from agent.protocol import Coordinates
 from control_plane.local.nats_server import NatsServer, free_port
+from control_plane.local.prometheus_sd import TARGETS_FILE, prometheus_targets, write_targets
 
 ProcessKind = Literal["nats", "control-plane", "agent", "gateway", "replica"]
 MARKER_ENV = "FLEET_LOCAL_FLEET"
@@ -237,6 +238,19 @@ class LocalFleet:
                     )
         return out
 
+    @property
+    def targets_path(self) -> Path:
+        return self.dir / TARGETS_FILE
+
+    def write_prometheus_targets(self, state: FleetState) -> Path:
+        """Rewrite `prometheus-targets.json` (Prometheus file_sd): control plane, gateways,
+        and the replicas the agents report now. Called by `up` and `ps`."""
+        gateways = {p.name: p.url for p in state.processes if p.kind == "gateway"}
+        dirs = {region: self.dir / "clusters" / region / "state" for region in state.regions}
+        return write_targets(
+            self.targets_path, prometheus_targets(state.fleet_id, state.api_url, gateways, dirs)
+        )
+
     def marked_processes(self, fleet_id: str) -> list[psutil.Process]:
         """Every live process carrying this fleet's marker (children included)."""
         found = []
@@ -253,6 +267,8 @@ class LocalFleet:
         state = self.load()
         if state is None:
             return []
+        with contextlib.suppress(OSError):  # monitoring only: never fail `ps` for it
+            self.write_prometheus_targets(state)
         rows = []
         for record in [*state.processes, *self.replicas(state)]:
             rows.append({**record.model_dump(), "alive": pid_alive(record.pid)})
