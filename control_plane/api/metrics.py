@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterator
+from typing import get_args
 
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -24,6 +25,7 @@ from agent.protocol import ClusterStatus, ReplicaState
 from control_plane.api.views import used_gpus
 from control_plane.db.models import CapacityPool, Cluster, Deployment, ReplicaAssignment, Rollout
 from control_plane.loops.stats import ReconcileStats
+from control_plane.rollouts.policy import Phase
 
 PREFIX = "fleet_control_plane_"
 READY = ReplicaState.ready.value
@@ -116,7 +118,7 @@ def _database_metrics(session: Session) -> Iterator[Metric]:
 
     phases = Counter(phase for (phase,) in session.execute(select(Rollout.phase)))
     g = _gauge("rollouts", "Rollouts by phase (finished ones included).", ["phase"])
-    for phase in sorted(phases):
+    for phase in sorted(set(get_args(Phase)) | set(phases)):
         g.add_metric([phase], phases[phase])
     yield g
 

@@ -58,6 +58,7 @@ def test_names_present_without_auth(server):
         assert P + name in names, sorted(names)
     assert value(samples, "clusters", status="healthy") == 0
     assert value(samples, "deployments") == 0
+    assert value(samples, "rollouts", phase="deploying") == 0
     assert not any(n.startswith(("python_", "process_")) for n in names)  # dedicated registry
     assert not any(n.startswith("fleet_") and not n.startswith(P) for n in names)
 
