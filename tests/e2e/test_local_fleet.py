@@ -141,6 +141,10 @@ def test_up_deploy_and_serve_through_every_gateway(fleet: Fleet):
     assert len([p for p in status["placements"] if p["state"] == "ready"]) == 2
 
     fleet.key = fleetctl_json(fleet.home, "keys", "create", "e2e")["key"]
+    # A new key reaches the gateways through NATS KV and the agents' state files: within
+    # about a second, not at once.
+    for gateway in fleet.gateway_urls():
+        wait_for(lambda g=gateway: _key_accepted(g, fleet.key), 30, 0.2, f"the new key at {gateway}")
     for gateway in fleet.gateway_urls():
         client = fleet.client(gateway)
         reply = chat(client)
@@ -159,6 +163,11 @@ def test_up_deploy_and_serve_through_every_gateway(fleet: Fleet):
         )
         assert response.status_code == 401
         assert response.json()["error"]["message"]
+
+
+def _key_accepted(gateway: str, key: str) -> bool:
+    response = httpx.get(f"{gateway}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+    return response.status_code == 200
 
 
 def _burst(fleet: Fleet, n: int, stream_every: int | None = 3) -> list[str]:
