@@ -35,6 +35,7 @@ from control_plane.loops.publish import KvPublisher
 from control_plane.loops.reconcile import ReconcileOutcome, reconcile_once
 from control_plane.loops.stats import ReconcileStats
 from control_plane.loops.usage import UsageLoop
+from control_plane.nats_loop import Handler, NatsLoop
 from control_plane.placement import Unplaced, get_placer
 from control_plane.rollouts.loop import RolloutLoop, start_rollout_loop
 
@@ -43,9 +44,9 @@ log = logging.getLogger(__name__)
 FLUSH_S = 0.1  # heartbeats and events are written at most this often
 
 
-class Loops:
+class Loops(NatsLoop):
     def __init__(self, ctx: ControlPlaneContext, placer: str = "ffd") -> None:
-        self.ctx = ctx
+        super().__init__(ctx)
         self.placer = get_placer(placer)
         self.publisher = KvPublisher(ctx.nats) if ctx.nats is not None else None
         self.last: ReconcileOutcome | None = None
@@ -56,10 +57,7 @@ class Loops:
         self._heartbeats: dict[str, protocol.Heartbeat] = {}
         self._events: list[protocol.Event] = []
         self._inbox = asyncio.Event()
-        self._subscribed_nc: object | None = None
-        self._subs: list = []
         self._listening_since: datetime | None = None
-        self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self.rollouts: RolloutLoop | None = None
         self.children: list = []  # other loops started with these (objects with `async stop()`)
@@ -68,16 +66,10 @@ class Loops:
 
     async def start(self) -> Loops:
         self.usage = await UsageLoop(self.ctx).start()  # usage records, quota shares (issue 9)
-        self._tasks = [
-            asyncio.create_task(self._reconcile_loop(), name="cp-reconcile"),
-            asyncio.create_task(self._ingest_loop(), name="cp-ingest"),
-            asyncio.create_task(self._failover_loop(), name="cp-failover"),
-        ]
-        link = self.ctx.nats
-        if link is not None:
-            link.on_connect(self._on_connect)
-            if link.is_connected:  # connected before we registered
-                await self._on_connect()
+        self._spawn(self._reconcile_loop(), name="cp-reconcile")
+        self._spawn(self._ingest_loop(), name="cp-ingest")
+        self._spawn(self._failover_loop(), name="cp-failover")
+        await self._listen()
         self.ctx.kick()
         return self
 
@@ -88,29 +80,17 @@ class Loops:
         for child in self.children:
             with contextlib.suppress(Exception):
                 await child.stop()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        for sub in self._subs:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-        self._subs.clear()
+        await self._close()
 
-    async def _on_connect(self) -> None:
-        """Every (re)connect: subscribe once per connection object (nats-py re-subscribes
-        by itself after reconnects), start the silence clock, re-read the buckets and
-        republish whatever differs."""
-        link = self.ctx.nats
-        if link is None or link.nc is None:
-            return
-        if self._subscribed_nc is not link.nc:
-            self._subscribed_nc = link.nc  # before awaiting: a concurrent call must not subscribe twice
-            self._subs = [
-                await link.nc.subscribe(protocol.HEARTBEAT_WILDCARD, cb=self._on_heartbeat),
-                await link.nc.subscribe(protocol.EVENTS_WILDCARD, cb=self._on_event),
-            ]
+    def _subscriptions(self) -> list[tuple[str, Handler]]:
+        return [
+            (protocol.HEARTBEAT_WILDCARD, self._on_heartbeat),
+            (protocol.EVENTS_WILDCARD, self._on_event),
+        ]
+
+    async def _on_connected(self) -> None:
+        """Every (re)connect (after subscribing on a new connection): start the silence
+        clock, re-read the buckets and republish whatever differs."""
         self._listening_since = utcnow()
         if self.publisher is not None:
             self.publisher.invalidate()

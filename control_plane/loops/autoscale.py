@@ -27,6 +27,7 @@ from control_plane.autoscale.observe import observe, settings_of
 from control_plane.autoscale.policy import Decision, ScalerState, make_policy
 from control_plane.context import ControlPlaneContext
 from control_plane.db.models import Deployment, Event
+from control_plane.nats_loop import Handler, NatsLoop
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +42,11 @@ def interval_from_env() -> float:
         return DEFAULT_INTERVAL_S
 
 
-class AutoscaleLoop:
+class AutoscaleLoop(NatsLoop):
     def __init__(
         self, ctx: ControlPlaneContext, interval_s: float | None = None, policy: str | None = None
     ) -> None:
-        self.ctx = ctx
+        super().__init__(ctx)
         self.interval_s = (
             interval_s or getattr(ctx.settings, "autoscale_interval_s", None) or interval_from_env()
         )
@@ -57,37 +58,19 @@ class AutoscaleLoop:
         self.decisions = 0
         self.last: dict[str, Decision] = {}
         self._wake = asyncio.Event()
-        self._subscribed_nc: object | None = None
-        self._subs: list = []
-        self._task: asyncio.Task | None = None
 
     async def start(self) -> AutoscaleLoop:
-        link = self.ctx.nats
-        if link is not None:
-            link.on_connect(self._on_connect)
-            if link.is_connected:
-                await self._on_connect()
-        self._task = asyncio.create_task(self._run(), name="cp-autoscale")
+        await self._listen()
+        self._spawn(self._run(), name="cp-autoscale")
         return self
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-        for sub in self._subs:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-        self._subs.clear()
+        await self._close()
 
-    async def _on_connect(self) -> None:
-        link = self.ctx.nats
-        if link is None or link.nc is None or self._subscribed_nc is link.nc:
-            return
-        self._subscribed_nc = link.nc
-        self._subs = [
-            await link.nc.subscribe(protocol.HEARTBEAT_WILDCARD, cb=self._on_heartbeat),
-            await link.nc.subscribe(protocol.DEMAND_WILDCARD, cb=self._on_demand),
+    def _subscriptions(self) -> list[tuple[str, Handler]]:
+        return [
+            (protocol.HEARTBEAT_WILDCARD, self._on_heartbeat),
+            (protocol.DEMAND_WILDCARD, self._on_demand),
         ]
 
     async def _on_heartbeat(self, msg) -> None:

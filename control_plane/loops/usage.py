@@ -31,6 +31,7 @@ from agent import protocol
 from control_plane.context import ControlPlaneContext
 from control_plane.db.models import ApiKey, Cluster, UsageRecord
 from control_plane.loops.shares import ShareSettings, compute_shares
+from control_plane.nats_loop import Handler, NatsLoop
 
 log = logging.getLogger(__name__)
 
@@ -140,50 +141,29 @@ def update_shares(
         return changed
 
 
-class UsageLoop:
+class UsageLoop(NatsLoop):
     def __init__(self, ctx: ControlPlaneContext, settings: ShareSettings | None = None) -> None:
-        self.ctx = ctx
+        super().__init__(ctx)
         self.settings = settings or share_settings_from_env()
         self._records: list[protocol.UsageRecord] = []
         # (monotonic time, key, cluster, tokens) of refusals within the window
         self._refused: collections.deque[tuple[float, str, str, int]] = collections.deque()
         self._inbox = asyncio.Event()
-        self._subscribed_nc: object | None = None
-        self._subs: list = []
-        self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> UsageLoop:
-        self._tasks = [
-            asyncio.create_task(self._ingest_loop(), name="cp-usage-ingest"),
-            asyncio.create_task(self._shares_loop(), name="cp-usage-shares"),
-        ]
-        link = self.ctx.nats
-        if link is not None:
-            link.on_connect(self._on_connect)
-            if link.is_connected:
-                await self._on_connect()
+        self._spawn(self._ingest_loop(), name="cp-usage-ingest")
+        self._spawn(self._shares_loop(), name="cp-usage-shares")
+        await self._listen()
         return self
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        for sub in self._subs:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-        self._subs.clear()
+        await self._close()
         if self._records:  # what arrived before the stop
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(store_records, self.ctx.sessions, self._records)
 
-    async def _on_connect(self) -> None:
-        link = self.ctx.nats
-        if link is None or link.nc is None or self._subscribed_nc is link.nc:
-            return
-        self._subscribed_nc = link.nc
-        self._subs = [await link.nc.subscribe(protocol.USAGE_WILDCARD, cb=self._on_usage)]
+    def _subscriptions(self) -> list[tuple[str, Handler]]:
+        return [(protocol.USAGE_WILDCARD, self._on_usage)]
 
     async def _on_usage(self, msg) -> None:
         try:

@@ -8,7 +8,6 @@ stream, so a resumed step is judged on its whole window."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from datetime import datetime, timezone
@@ -21,6 +20,7 @@ from sqlalchemy import func, select
 from agent import protocol
 from control_plane.context import ControlPlaneContext
 from control_plane.db.models import Deployment, Event, ReplicaAssignment, Rollout
+from control_plane.nats_loop import Handler, NatsLoop
 from control_plane.rollouts.policy import Decision, Observation, RolloutParams, decide
 from control_plane.rollouts.store import active_filter, numbers_text, params_of, record, state_of, write_state
 from control_plane.rollouts.telemetry import UsageWindows
@@ -31,47 +31,32 @@ TICK_S = 0.25
 LAST_EVERY_S = 1.0  # how often a waiting rollout's live numbers are stored for `status`
 
 
-class RolloutLoop:
+class RolloutLoop(NatsLoop):
     def __init__(
         self, ctx: ControlPlaneContext, windows: UsageWindows | None = None, tick_s: float = TICK_S
     ) -> None:
-        self.ctx = ctx
+        super().__init__(ctx)
         self.windows = windows or UsageWindows()
         self.tick_s = tick_s
         self.started_at = time.time()
         self.decisions = 0
         self._seen: set[int] = set()
         self._last_written: dict[int, float] = {}
-        self._subscribed_nc: object | None = None
-        self._sub = None
         self.replayed: int | None = None  # records replayed from the stream (None: not yet)
         self.replayed_since: float | None = None  # windows are whole from here on
-        self._task: asyncio.Task | None = None
 
     async def start(self) -> RolloutLoop:
-        link = self.ctx.nats
-        if link is not None:
-            link.on_connect(self._on_connect)
-            if link.is_connected:
-                await self._on_connect()
-        self._task = asyncio.create_task(self._run(), name="cp-rollouts")
+        await self._listen()
+        self._spawn(self._run(), name="cp-rollouts")
         return self
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
+        await self._close()
 
-    async def _on_connect(self) -> None:
-        link = self.ctx.nats
-        if link is None or link.nc is None or self._subscribed_nc is link.nc:
-            return
-        self._subscribed_nc = link.nc
-        self._sub = await link.nc.subscribe(protocol.USAGE_WILDCARD, cb=self._on_usage)
+    def _subscriptions(self) -> list[tuple[str, Handler]]:
+        return [(protocol.USAGE_WILDCARD, self._on_usage)]
+
+    async def _on_subscribed(self) -> None:
         if self.replayed is None:
             try:
                 self.replayed = await self._replay(until=time.time())
