@@ -1,33 +1,60 @@
-"""Say exactly which constraint a demand cannot meet, from the pools alone (pure)."""
+"""Say exactly which constraint a demand cannot meet, from the pools alone (pure); shared
+by the placers (ffd, milp)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from agent.protocol import Tier
-from control_plane.placement.base import PoolCapacity, ReplicaDemand
+from control_plane.placement.base import PoolCapacity, ReplicaDemand, Unplaced
 
 
 def _slots(d: ReplicaDemand, pools: Sequence[PoolCapacity]) -> int:
     return sum((p.gpus_per_node // d.gpu_count) * p.nodes for p in pools)
 
 
-def explain_shortfall(d: ReplicaDemand, pools: Sequence[PoolCapacity]) -> str:
-    """The first rule, in the order a reader checks them, that leaves too little room."""
+def rule_out(
+    d: ReplicaDemand, pools: Sequence[PoolCapacity], labelled: bool = True
+) -> str | list[PoolCapacity]:
+    """The first pool rule, in the order a reader checks them, that matches no pool (a
+    reason), else the pools that pass every rule. `labelled` names the demand's field
+    first ("gpu_models: ..."); unlabelled keeps the first-fit placer's own wording."""
     if not pools:
         return "no capacity pools are known"
-    stages = [
-        (d.model_ok, f"gpu_models: no pool has an acceptable GPU model ({', '.join(d.gpu_models)})"),
-        (d.memory_ok, f"gpu_memory_gb: no pool of an acceptable model has {d.gpu_memory_gb:g} GB per GPU"),
-        (d.region_ok, f"regions: no matching pool in the allowed regions ({', '.join(d.regions)})"),
-        (d.shape_ok, f"gpus: no matching pool has {d.gpu_count} GPUs per node"),
-        (lambda p: p.accepts_new, "no matching pool is on a healthy cluster"),
+    memory = "per GPU" if labelled else "GPU memory"
+    stages: list[tuple[Callable[[PoolCapacity], bool], str, str]] = [
+        (d.model_ok, "gpu_models", f"no pool has an acceptable GPU model ({', '.join(d.gpu_models)})"),
+        (d.memory_ok, "gpu_memory_gb", f"no pool of an acceptable model has {d.gpu_memory_gb:g} GB {memory}"),
+        (d.region_ok, "regions", f"no matching pool in the allowed regions ({', '.join(d.regions)})"),
+        (d.shape_ok, "gpus", f"no matching pool has {d.gpu_count} GPUs per node"),
+        (lambda p: p.accepts_new, "", "no matching pool is on a healthy cluster"),
     ]
     left = list(pools)
-    for check, reason in stages:
+    for check, field, reason in stages:
         left = [p for p in left if check(p)]
         if not left:
-            return reason
+            return f"{field}: {reason}" if labelled and field else reason
+    return left
+
+
+def add_note(
+    unplaced: dict[tuple[str, int], Unplaced], key: tuple[str, int], d: ReplicaDemand, note: str
+) -> None:
+    """Append `note` to the demand's Unplaced entry (one with nothing missing if none)."""
+    prior = unplaced.get(key)
+    unplaced[key] = Unplaced(
+        deployment=d.deployment,
+        version=d.version,
+        missing=prior.missing if prior else 0,
+        reason=f"{prior.reason}; {note}" if prior else note,
+    )
+
+
+def explain_shortfall(d: ReplicaDemand, pools: Sequence[PoolCapacity]) -> str:
+    """The first rule, in the order a reader checks them, that leaves too little room."""
+    left = rule_out(d, pools)
+    if isinstance(left, str):
+        return left
     total = _slots(d, left)
     if total < d.count:
         return f"capacity: the {len(left)} matching pool(s) hold {total} replica(s) of {d.gpu_count} GPU(s), {d.count} wanted"

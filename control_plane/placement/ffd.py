@@ -24,6 +24,7 @@ from control_plane.placement.base import (
     Unplaced,
     register_placer,
 )
+from control_plane.placement.explain import add_note, rule_out
 
 MAX_REPLICA_ID = 63  # ReplicaAssignment.replica_id column width
 
@@ -179,13 +180,8 @@ class FirstFitDecreasing(Placer):
                 added.append(new)
             n_regions = len({by_pool[a.pool_key].region for a in group})
             if n_regions < min(d.min_regions, d.count):
-                note = f"only {n_regions} of min_regions {d.min_regions} regions have room"
-                prior = unplaced.get(d.key)
-                unplaced[d.key] = Unplaced(
-                    deployment=d.deployment,
-                    version=d.version,
-                    missing=prior.missing if prior else 0,
-                    reason=f"{prior.reason}; {note}" if prior else note,
+                add_note(
+                    unplaced, d.key, d, f"only {n_regions} of min_regions {d.min_regions} regions have room"
                 )
 
         return PlacementResult(
@@ -256,20 +252,9 @@ def _keep_order(
 
 def _why(d: ReplicaDemand, pools: Sequence[PoolCapacity]) -> str:
     """Name the first constraint that rules out every pool."""
-    if not pools:
-        return "no capacity pools are known"
-    stages: list[tuple[Callable[[PoolCapacity], bool], str]] = [
-        (d.model_ok, f"no pool has an acceptable GPU model ({', '.join(d.gpu_models)})"),
-        (d.memory_ok, f"no pool of an acceptable model has {d.gpu_memory_gb:g} GB GPU memory"),
-        (d.region_ok, f"no matching pool in the allowed regions ({', '.join(d.regions)})"),
-        (d.shape_ok, f"no matching pool has {d.gpu_count} GPUs per node"),
-        (lambda p: p.accepts_new, "no matching pool is on a healthy cluster"),
-    ]
-    left = list(pools)
-    for check, reason in stages:
-        left = [p for p in left if check(p)]
-        if not left:
-            return reason
+    left = rule_out(d, pools, labelled=False)
+    if isinstance(left, str):
+        return left
     return f"no free node with {d.gpu_count} GPUs in the {len(left)} matching pool(s)"
 
 

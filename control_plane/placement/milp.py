@@ -49,7 +49,7 @@ from control_plane.placement.base import (
     register_placer,
 )
 from control_plane.placement.evaluate import committed_cost, plan_cost, slot_size
-from control_plane.placement.explain import explain_regions, explain_shortfall
+from control_plane.placement.explain import add_note, explain_regions, explain_shortfall
 from control_plane.placement.ffd import FirstFitDecreasing, IdFactory, new_replica_id
 
 # RTT in ms from a pool to a client region; None when unknown.
@@ -452,14 +452,7 @@ class MilpPlacer(Placer):
         for dk, d in by_demand.items():
             k = min(d.min_regions, d.count - short.get(dk, 0))
             if len(placed_regions[dk]) < k or dk in region_short:
-                note = explain_regions(d, pools, len(placed_regions[dk]))
-                prior = unplaced.get(dk)
-                unplaced[dk] = Unplaced(
-                    deployment=d.deployment,
-                    version=d.version,
-                    missing=prior.missing if prior else 0,
-                    reason=f"{prior.reason}; {note}" if prior else note,
-                )
+                add_note(unplaced, dk, d, explain_regions(d, pools, len(placed_regions[dk])))
         return PlacementResult(
             kept=tuple(kept),
             added=tuple(added),
