@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime, timezone
+from typing import Any
 
 from fastapi import APIRouter, Query
+from pydantic import BaseModel
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
-from control_plane.api.deps import PagingDep, PrincipalDep, SessionDep, as_utc
+from control_plane.api.deps import Paging, PagingDep, PrincipalDep, SessionDep, as_utc
 from control_plane.api.errors import invalid
 from control_plane.api.schemas import AuditOut, EventOut, Page
 from control_plane.api.views import audit_out, event_out
@@ -29,6 +33,26 @@ def _since(value: datetime | float | None) -> datetime | None:
     return as_utc(value)
 
 
+def _newest_first(
+    session: Session,
+    page: Paging,
+    model: type[Event] | type[AuditRecord],
+    out: Callable[[Any], BaseModel],
+    since: datetime | float | None,
+    **equal: str | None,
+) -> Page:
+    """One page of `model` rows, newest first: those whose columns equal the given filters
+    (None: any) and newer than `since`."""
+    query = select(model).order_by(model.id.desc())
+    for column, value in equal.items():
+        if value is not None:
+            query = query.where(getattr(model, column) == value)
+    if (after := _since(since)) is not None:
+        query = query.where(model.at > after)
+    rows, total = page.apply(session, query)
+    return Page(items=[out(r) for r in rows], total=total, limit=page.limit, offset=page.offset)
+
+
 @router.get("/v1/events", response_model=Page[EventOut])
 def list_events(
     session: SessionDep,
@@ -39,17 +63,9 @@ def list_events(
     kind: str | None = Query(None, max_length=32),
     since: float | datetime | None = SINCE,
 ):
-    query = select(Event).order_by(Event.id.desc())
-    if deployment is not None:
-        query = query.where(Event.deployment == deployment)
-    if cluster is not None:
-        query = query.where(Event.cluster == cluster)
-    if kind is not None:
-        query = query.where(Event.kind == kind)
-    if (after := _since(since)) is not None:
-        query = query.where(Event.at > after)
-    rows, total = page.apply(session, query)
-    return Page(items=[event_out(r) for r in rows], total=total, limit=page.limit, offset=page.offset)
+    return _newest_first(
+        session, page, Event, event_out, since, deployment=deployment, cluster=cluster, kind=kind
+    )
 
 
 @router.get("/v1/audit", response_model=Page[AuditOut])
@@ -62,14 +78,13 @@ def list_audit(
     action: str | None = Query(None, max_length=64),
     since: float | datetime | None = SINCE,
 ):
-    query = select(AuditRecord).order_by(AuditRecord.id.desc())
-    if resource_type is not None:
-        query = query.where(AuditRecord.resource_type == resource_type)
-    if resource_id is not None:
-        query = query.where(AuditRecord.resource_id == resource_id)
-    if action is not None:
-        query = query.where(AuditRecord.action == action)
-    if (after := _since(since)) is not None:
-        query = query.where(AuditRecord.at > after)
-    rows, total = page.apply(session, query)
-    return Page(items=[audit_out(r) for r in rows], total=total, limit=page.limit, offset=page.offset)
+    return _newest_first(
+        session,
+        page,
+        AuditRecord,
+        audit_out,
+        since,
+        resource_type=resource_type,
+        resource_id=resource_id,
+        action=action,
+    )
