@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -57,6 +59,17 @@ class NatsLoop:
             self._subs = [await link.nc.subscribe(subject, cb=cb) for subject, cb in self._subscriptions()]
             await self._on_subscribed()
         await self._on_connected()
+
+    async def _tick(self, tick: Callable[[float], bool], log: logging.Logger, what: str) -> None:
+        """One `tick(now)` in a thread; a True result (something changed) kicks reconcile.
+        A failure is logged as "<what> failed", so the loop goes on."""
+        try:
+            if await asyncio.to_thread(tick, time.time()):
+                self.ctx.kick()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("%s failed", what)
 
     async def _close(self) -> None:
         """Cancel the tasks, wait for them, and unsubscribe."""

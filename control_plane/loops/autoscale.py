@@ -98,13 +98,7 @@ class AutoscaleLoop(NatsLoop):
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.interval_s)
             self._wake.clear()
-            try:
-                if await asyncio.to_thread(self.tick, time.time()):
-                    self.ctx.kick()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("autoscale tick failed")
+            await self._tick(self.tick, log, "autoscale tick")
 
     def tick(self, now: float) -> bool:
         """One decision per autoscaled deployment; True when a count changed."""

@@ -119,13 +119,7 @@ class RolloutLoop(NatsLoop):
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.tick_s)
-            try:
-                if await asyncio.to_thread(self.tick, time.time()):
-                    self.ctx.kick()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("rollout tick failed")
+            await self._tick(self.tick, log, "rollout tick")
 
     # ----------------------------------------------------------------- one pass (sync, in a thread)
 
