@@ -24,6 +24,10 @@ Action = Literal["wait", "step_started", "advance", "promote", "rollback", "abor
 
 DEFAULT_STEPS = (5.0, 25.0, 50.0, 100.0)
 MIN_BASELINE_SAMPLES = 10  # baseline requests needed before the TTFT ratio means anything
+# Canary requests needed before its TTFT p90 is judged: the p90 of a dozen samples is one of
+# the two slowest, and a good canary was rolled back on exactly that noise (1.7x on 12
+# requests in a 10% step). Below this the latency guard waits for a later, larger window.
+MIN_LATENCY_SAMPLES = 30
 
 
 class _Frozen(BaseModel):
@@ -178,8 +182,9 @@ def breach(params: RolloutParams, obs: Observation) -> str | None:
 
     Error rate: judged once `min_requests` canary requests finished, or earlier when the
     errors already seen exceed what `max_error_rate` allows at `min_requests` (the verdict
-    cannot change any more). TTFT p90: canary / baseline over the same window, once both
-    have samples."""
+    cannot change any more). TTFT p90: canary / baseline over the same window, once the
+    canary has `MIN_LATENCY_SAMPLES` (and `min_requests`) and the baseline
+    `MIN_BASELINE_SAMPLES`."""
     c = obs.canary
     allowed_at_min = params.max_error_rate * params.min_requests
     if c.requests and (
@@ -191,7 +196,8 @@ def breach(params: RolloutParams, obs: Observation) -> str | None:
             f"max_error_rate {params.max_error_rate:g}"
         )
     ratio = ttft_ratio(obs)
-    if ratio is not None and c.requests >= max(1, params.min_requests) and ratio > params.max_ttft_p90_ratio:
+    enough = c.requests >= max(MIN_LATENCY_SAMPLES, params.min_requests)
+    if ratio is not None and enough and ratio > params.max_ttft_p90_ratio:
         return (
             f"canary TTFT p90 {c.ttft_p90_s:.3f}s is {ratio:.2f}x the baseline's "
             f"{obs.baseline.ttft_p90_s:.3f}s (max {params.max_ttft_p90_ratio:g}x)"

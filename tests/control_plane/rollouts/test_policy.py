@@ -84,7 +84,7 @@ def test_observing_advances_after_duration_and_min_requests_and_promotes_at_the_
     [
         ((20, 2, 0.2), (100, 0, 0.2), "error rate"),  # 10% > 5% with min_requests met
         ((5, 2, 0.2), (100, 0, 0.2), "error rate"),  # 2 errors > 5% of 20 already: certain
-        ((20, 0, 0.4), (100, 0, 0.2), "TTFT p90"),  # 2x the baseline
+        ((30, 0, 0.4), (100, 0, 0.2), "TTFT p90"),  # 2x the baseline, on enough samples
     ],
 )
 def test_a_breach_rolls_back_at_once_from_any_phase_with_a_window(canary, baseline, why):
@@ -119,6 +119,15 @@ def test_terminal_states_stay_and_operators_end_rollouts():
     aborted = operator(s, "abort", 5, "admin")
     assert aborted.phase == "aborted" and "admin" in aborted.reason
     assert decide(P, aborted, obs(canary=(100, 100, 9.0))).action == "wait"
+
+
+def test_a_slow_p90_on_too_few_canary_samples_is_not_judged_yet():
+    # 20 requests meet min_requests, but a p90 of 20 samples is noise: no rollback yet.
+    s = RolloutState(phase="observing", step=0, window_started_at=100)
+    d = decide(P, s, obs(now=101, ready=1, canary=(20, 0, 0.4), baseline=(100, 0, 0.2)))
+    assert d.action != "rollback", d
+    assert breach(P, obs(now=101, ready=1, canary=(29, 0, 0.4), baseline=(100, 0, 0.2))) is None
+    assert "TTFT p90" in breach(P, obs(now=101, ready=1, canary=(30, 0, 0.4), baseline=(100, 0, 0.2)))
 
 
 @pytest.mark.parametrize("steps", [(), (50, 25, 100), (5, 50), (0, 100), (5, 5, 100), (101,)])
