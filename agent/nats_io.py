@@ -151,7 +151,11 @@ class NatsLink:
         return entry.value
 
     async def kv_items(self, bucket: str) -> dict[str, bytes]:
-        """Every live key of a bucket (used for resyncs).
+        """Every live key of a bucket (used for resyncs)."""
+        return (await self.kv_snapshot(bucket))[0]
+
+    async def kv_snapshot(self, bucket: str) -> tuple[dict[str, bytes], int]:
+        """Every live key of a bucket and the bucket stream's last sequence.
 
         Lists subjects from the bucket stream's info, not nats-py's `KeyValue.keys()`,
         whose watcher can report "no keys" for a bucket that has some (its end-of-data
@@ -169,7 +173,7 @@ class NatsLink:
                 continue
             if entry.value is not None:
                 out[key] = entry.value
-        return out
+        return out, int(info.state.last_seq or 0)
 
     async def publish(self, subject: str, message: protocol.Message) -> bool:
         if not self.is_connected:

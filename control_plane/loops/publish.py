@@ -17,7 +17,6 @@ import logging
 import time
 from collections.abc import Mapping
 
-from nats.js.errors import NotFoundError
 from pydantic import BaseModel, ValidationError
 
 from agent import protocol
@@ -136,24 +135,9 @@ class KvPublisher:
 
 
 async def bucket_items(link: NatsLink, bucket: str) -> tuple[dict[str, bytes], int]:
-    """Every live key of a bucket and the bucket stream's last sequence.
-
-    Lists subjects from the stream's info rather than nats-py's `KeyValue.keys()`, whose
-    watcher can report "no keys" for a bucket that has some (its end-of-data marker can
-    come before the first entry is delivered): the publisher would rewrite every key."""
-    assert link.js is not None
-    prefix = f"$KV.{bucket}."
-    info = await link.js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
-    kv = await link.kv(bucket)
-    out: dict[str, bytes] = {}
-    for subject in sorted(info.state.subjects or {}):
-        try:
-            entry = await kv.get(subject[len(prefix) :])
-        except NotFoundError:  # deleted or purged (KeyDeletedError, KeyNotFoundError)
-            continue
-        if entry.value is not None:
-            out[subject[len(prefix) :]] = entry.value
-    return out, int(info.state.last_seq or 0)
+    """Every live key of a bucket and the bucket stream's last sequence (see
+    `NatsLink.kv_snapshot`: it never trusts nats-py's `keys()`, which can miss keys)."""
+    return await link.kv_snapshot(bucket)
 
 
 def _read(model: type[protocol.Message], raw: bytes) -> _Entry:

@@ -17,6 +17,7 @@ import pytest
 
 from agent.protocol import PoolInventory
 from control_plane.local.fleet import LocalFleet
+from tests.e2e import sim_fleet
 
 pytestmark = pytest.mark.slow
 
@@ -25,17 +26,8 @@ COLD_START_S = 1.5
 
 
 def wait_for(check, timeout: float, what: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-        except (httpx.HTTPError, KeyError, ValueError) as err:
-            last = err
-        if last and not isinstance(last, Exception):
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+    """`sim_fleet.wait_for` with this file's argument order."""
+    return sim_fleet.wait_for(check, timeout, interval, what)
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ import psutil
 import pytest
 
 from control_plane.local.fleet import MARKER_ENV, LocalFleet, pid_alive
+from tests.e2e.sim_fleet import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 REGIONS = ["local-east", "local-west"]
@@ -52,20 +53,6 @@ def fleetctl(home: Path, *args: str, timeout: float = 600, check: bool = True) -
 
 def fleetctl_json(home: Path, *args: str, **kwargs):
     return json.loads(fleetctl(home, *args, "-o", "json", **kwargs).stdout)
-
-
-def wait_for(check, timeout: float, interval: float = 0.5, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-        except Exception as err:  # a component may be restarting
-            last = err
-        if last and not isinstance(last, Exception):
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
 
 class Fleet:

@@ -26,6 +26,7 @@ import pytest
 
 from agent.protocol import PoolInventory
 from control_plane.local.fleet import LocalFleet
+from tests.e2e import sim_fleet
 
 pytestmark = pytest.mark.slow
 
@@ -38,15 +39,8 @@ RUN_S = 12.0
 
 
 def wait_for(check, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError, OSError, ValueError, KeyError):
-            last = check()
-            if last:
-                return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+    """`sim_fleet.wait_for` with this file's argument order."""
+    return sim_fleet.wait_for(check, timeout, interval, what)
 
 
 class Fleet:
