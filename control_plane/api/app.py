@@ -15,6 +15,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from control_plane.api import errors, metrics
 from control_plane.api.auth import TokenCache, authenticate
 from control_plane.api.routers import clusters, deployments, history, keys, rollouts, usage
+from control_plane.console import install as install_console
 from control_plane.context import ControlPlaneContext
 
 log = logging.getLogger(__name__)
@@ -130,4 +131,5 @@ def build_app(ctx: ControlPlaneContext, *, run_loops: bool = True) -> FastAPI:
     )
     for router in routers:
         app.include_router(router, dependencies=auth)
+    install_console(app)  # /console: its own session login over the same tokens
     return app

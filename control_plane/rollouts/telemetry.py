@@ -66,6 +66,11 @@ class UsageWindows:
         while queue and queue[0].at < now - self.retention_s:
             queue.popleft()
 
+    def samples(self, deployment: str, since: float) -> list[Sample]:
+        """The deployment's samples since `since`, oldest first (what `stats` summarises)."""
+        copied = list(self._samples.get(deployment, ()))  # one C-level copy: safe from another thread
+        return [s for s in copied if s.at >= since]
+
     def stats(self, deployment: str, version: int, since: float) -> VersionStats:
         samples = [s for s in self._samples.get(deployment, ()) if s.at >= since and s.version == version]
         return VersionStats(

@@ -1,0 +1,205 @@
+"""What each console page shows, gathered through the admin API's own view and route
+functions (no query of theirs is repeated here), as plain dicts for the templates."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections import defaultdict
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, selectinload
+
+from control_plane.api.auth import Principal
+from control_plane.api.deps import Paging
+from control_plane.api.routers import history, rollouts, usage
+from control_plane.api.schemas import ClusterOut
+from control_plane.api.views import clusters_out, deployment_status, deployment_summaries, key_out
+from control_plane.console.worldmap import project
+from control_plane.db.models import ApiKey, Cluster, Deployment, Rollout
+
+COLD_START = re.compile(r"after a ([0-9.]+) s cold start")
+SCALED = re.compile(r"^(\d+) -> (\d+): (.*?)(?: (\{.*\}))?$", re.S)
+QUOTA_WINDOWS = (("tokens_per_minute", "1m", "tokens"), ("requests_per_minute", "1m", "requests"),
+                 ("tokens_per_day", "1d", "tokens"))  # fmt: skip
+
+
+def _deployments(session: Session) -> list[Deployment]:
+    return list(
+        session.scalars(
+            select(Deployment).options(selectinload(Deployment.versions)).order_by(Deployment.name)
+        )
+    )
+
+
+def clusters(session: Session) -> list[ClusterOut]:
+    rows = session.scalars(select(Cluster).options(selectinload(Cluster.pools)).order_by(Cluster.id))
+    return clusters_out(session, list(rows))
+
+
+def overview(session: Session) -> dict[str, Any]:
+    cluster_views = clusters(session)
+    deps = deployment_summaries(session, _deployments(session))
+    spend = usage.hourly_cost(session, {d.name for d in deps})
+    tiers: dict[str, dict[str, int]] = defaultdict(lambda: {"total": 0, "used": 0, "free": 0})
+    pools = []
+    for c in cluster_views:
+        for p in c.pools:
+            t = tiers[p.tier]
+            t["total"] += p.total_gpus
+            t["used"] += p.used_gpus
+            t["free"] += p.free_gpus
+            per_gpu = (p.hourly_price or 0.0) / max(1, p.gpus_per_node)
+            pools.append({**p.model_dump(), "spend_per_hour": round(per_gpu * p.used_gpus, 4)})
+    markers = []
+    for c in cluster_views:
+        x, y = project(c.lat, c.lon)
+        markers.append({"id": c.id, "region": c.region, "status": c.status, "x": x, "y": y,
+                        "replicas": c.replicas, "provider": c.provider})  # fmt: skip
+    return {
+        "clusters": cluster_views,
+        "markers": markers,
+        "deployments": [{**d.model_dump(), "spend_per_hour": round(spend.get(d.name, 0.0), 4)} for d in deps],
+        "pools": pools,
+        "tiers": dict(sorted(tiers.items())),
+        "spend_per_hour": round(sum(spend.values()), 4),
+        "healthy": sum(1 for c in cluster_views if c.status == "healthy"),
+    }
+
+
+def events(
+    session: Session, who: Principal, limit: int = 50, offset: int = 0, **filters: Any
+) -> dict[str, Any]:
+    page = history.list_events(
+        session=session,
+        who=who,
+        page=Paging(limit, offset),
+        deployment=filters.get("deployment"),
+        cluster=filters.get("cluster"),
+        kind=filters.get("kind"),
+        since=filters.get("since"),
+    )
+    return page.model_dump()
+
+
+def audit(
+    session: Session, who: Principal, limit: int = 50, offset: int = 0, **filters: Any
+) -> dict[str, Any]:
+    page = history.list_audit(
+        session=session,
+        who=who,
+        page=Paging(limit, offset),
+        resource_type=filters.get("resource_type"),
+        resource_id=filters.get("resource_id"),
+        action=filters.get("action"),
+        since=filters.get("since"),
+    )
+    items = []
+    for item in page.items:
+        row = item.model_dump()
+        row["changes"] = _changes(row.get("before"), row.get("after"))
+        items.append(row)
+    return {**page.model_dump(), "items": items}
+
+
+def _changes(before: dict | None, after: dict | None) -> list[str]:
+    """Top-level fields an audit record changed, e.g. `replicas: 2 -> 3`."""
+    before, after = before or {}, after or {}
+    out = []
+    for key in sorted(set(before) | set(after)):
+        if key in ("updated_at", "placements", "versions"):
+            continue
+        old, new = before.get(key), after.get(key)
+        if old != new:
+            out.append(f"{key}: {_short(old)} -> {_short(new)}")
+    return out[:12]
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, default=str, sort_keys=True)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def deployment(session: Session, who: Principal, name: str) -> dict[str, Any] | None:
+    dep = session.scalar(
+        select(Deployment).where(Deployment.name == name).options(selectinload(Deployment.versions))
+    )
+    if dep is None:
+        return None
+    status = deployment_status(session, dep)
+    scaled = events(session, who, limit=30, deployment=name, kind="scaled")["items"]
+    decisions = []
+    for e in scaled:
+        m = SCALED.match(e["message"])
+        decisions.append({"at": e["at"], "from": m and int(m.group(1)), "to": m and int(m.group(2)),
+                          "reason": m.group(3) if m else e["message"]})  # fmt: skip
+    ready = events(session, who, limit=30, deployment=name, kind="replica_ready")["items"]
+    cold = []
+    for e in ready:
+        m = COLD_START.search(e["message"])
+        if m:
+            cold.append(
+                {"at": e["at"], "replica": e["replica_id"], "cluster": e["cluster"], "s": float(m[1])}
+            )
+    latest = session.scalar(
+        select(Rollout).where(Rollout.deployment_id == dep.id).order_by(Rollout.id.desc())
+    )
+    return {
+        "status": status,
+        "decisions": decisions,
+        "cold_starts": cold,
+        "rollout": rollouts.rollout_out(latest, dep).model_dump() if latest is not None else None,
+    }
+
+
+def rollout(session: Session, who: Principal, name: str) -> dict[str, Any] | None:
+    dep = session.scalar(
+        select(Deployment).where(Deployment.name == name).options(selectinload(Deployment.versions))
+    )
+    if dep is None:
+        return None
+    rows = session.scalars(select(Rollout).where(Rollout.deployment_id == dep.id).order_by(Rollout.id.desc()))
+    history_ = [rollouts.rollout_out(r, dep).model_dump() for r in rows]
+    current = next((r for r in history_ if r["active"]), history_[0] if history_ else None)
+    timeline = []
+    if current is not None:
+        since = current["created_at"]
+        for e in events(session, who, limit=100, deployment=name)["items"]:
+            if e["kind"].startswith("rollout") and e["at"] >= since:
+                timeline.append(e)
+    return {"name": name, "current": current, "history": history_[:10], "timeline": timeline}
+
+
+def keys_and_usage(session: Session, who: Principal, since: str = "1h") -> dict[str, Any]:
+    keys = [key_out(r) for r in session.scalars(select(ApiKey).order_by(ApiKey.created_at, ApiKey.key_id))]
+    report = usage.get_usage(session=session, who=who, key=None, deployment=None, since=since)
+    windows = {w: usage.get_usage(session=session, who=who, key=None, deployment=None, since=w)
+               for w in ("1m", "1d")}  # fmt: skip
+    used: dict[tuple[str, str], dict[str, int]] = {}
+    for window, rep in windows.items():
+        for item in rep.items:
+            u = used.setdefault((item.key_id, window), {"tokens": 0, "requests": 0})
+            u["tokens"] += item.total_tokens
+            u["requests"] += item.requests
+    rows = []
+    for k in keys:
+        headroom = []
+        for field, window, what in QUOTA_WINDOWS:
+            limit = (k.quotas or {}).get(field)
+            if not limit:
+                continue
+            spent = used.get((k.key_id, window), {}).get(what, 0)
+            headroom.append({"limit": field, "max": limit, "used": spent, "left": max(0, limit - spent)})
+        rows.append({**k.model_dump(), "headroom": headroom})
+    return {"keys": rows, "usage": report.model_dump(), "since": since}
+
+
+def now() -> float:
+    return time.time()
+
+
+def iso(value: datetime | None) -> str:
+    return "" if value is None else value.strftime("%Y-%m-%d %H:%M:%S")

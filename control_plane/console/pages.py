@@ -1,0 +1,176 @@
+"""The console's pages (GET only): each page renders its live part from a fragment
+template that htmx re-fetches every few seconds (`.../panel`), and its charts read
+`.../series.json`. Every route needs a console session (`web.require`)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse, RedirectResponse, Response
+
+from control_plane.console import data, series
+from control_plane.console.session import ConsoleSession
+from control_plane.console.web import render, require, secure
+from control_plane.console.worldmap import land_svg
+
+router = APIRouter(prefix="/console", include_in_schema=False, dependencies=[Depends(require)])
+
+GUARD_WINDOW_S = 30.0  # the rollout chart starts this long before the rollout
+DEPLOYMENT_WINDOW_S = 300.0
+
+
+def _db(request: Request):
+    return request.app.state.ctx.sessions()
+
+
+def _missing(request: Request, what: str):
+    return render(request, "message.html", 404, title="Not found", message=f"{what} not found.")
+
+
+@router.get("")
+def root():
+    return secure(RedirectResponse("/console/", status_code=307))
+
+
+@router.get("/")
+def overview(request: Request):
+    with _db(request) as db:
+        return render(request, "overview.html", page="overview", o=data.overview(db))
+
+
+@router.get("/land.svg")
+def land():
+    response = secure(Response(land_svg(), media_type="image/svg+xml"))
+    response.headers["Cache-Control"] = "private, max-age=86400"
+    return response
+
+
+@router.get("/panel/overview")
+def overview_panel(request: Request):
+    with _db(request) as db:
+        return render(request, "_overview.html", o=data.overview(db))
+
+
+@router.get("/deployments/{name}")
+def deployment(name: str, request: Request, who: ConsoleSession = Depends(require)):
+    with _db(request) as db:
+        d = data.deployment(db, who.principal, name)
+    if d is None:
+        return _missing(request, f"Deployment {name!r}")
+    return render(request, "deployment.html", page="deployments", name=name, d=d)
+
+
+@router.get("/deployments/{name}/panel")
+def deployment_panel(name: str, request: Request, who: ConsoleSession = Depends(require)):
+    with _db(request) as db:
+        d = data.deployment(db, who.principal, name)
+    if d is None:
+        return _missing(request, f"Deployment {name!r}")
+    return render(request, "_deployment.html", name=name, d=d)
+
+
+@router.get("/deployments/{name}/series.json")
+def deployment_series(
+    name: str, request: Request, window_s: float = Query(DEPLOYMENT_WINDOW_S, ge=10, le=86_400)
+):
+    until = data.now()
+    since = until - window_s
+    with _db(request) as db:
+        rows = series.usage_rows(db, name, since)
+    return secure(JSONResponse(series.deployment_series(rows, since, until)))
+
+
+@router.get("/deployments/{name}/rollout")
+def rollout(name: str, request: Request, who: ConsoleSession = Depends(require)):
+    with _db(request) as db:
+        r = data.rollout(db, who.principal, name)
+    if r is None:
+        return _missing(request, f"Deployment {name!r}")
+    return render(request, "rollout.html", page="deployments", name=name, r=r)
+
+
+@router.get("/deployments/{name}/rollout/panel")
+def rollout_panel(name: str, request: Request, who: ConsoleSession = Depends(require)):
+    with _db(request) as db:
+        r = data.rollout(db, who.principal, name)
+    if r is None:
+        return _missing(request, f"Deployment {name!r}")
+    return render(request, "_rollout.html", name=name, r=r)
+
+
+@router.get("/deployments/{name}/rollout/series.json")
+def rollout_series(name: str, request: Request, who: ConsoleSession = Depends(require)):
+    with _db(request) as db:
+        r = data.rollout(db, who.principal, name)
+        current = r and r["current"]
+        if not current:
+            return secure(JSONResponse({"errors": None, "ttft": None}))
+        start = current["created_at"].timestamp() - GUARD_WINDOW_S
+        end = current["finished_at"].timestamp() + 5 if current["finished_at"] else data.now()
+        windows = getattr(
+            getattr(getattr(request.app.state, "loops", None), "rollouts", None), "windows", None
+        )
+        if windows is not None:
+            samples = windows.samples(name, start)
+        else:
+            samples = series.samples_of(series.usage_rows(db, name, start))
+    params = current["params"]
+    body = series.guard_series(
+        [s for s in samples if s.at <= end],
+        current["baseline_version"],
+        current["canary_version"],
+        start,
+        end,
+        float(params["max_error_rate"]),
+        float(params["max_ttft_p90_ratio"]),
+    )
+    return secure(JSONResponse(body))
+
+
+@router.get("/keys")
+def keys(request: Request, who: ConsoleSession = Depends(require), since: str = Query("1h", max_length=64)):
+    with _db(request) as db:
+        k = data.keys_and_usage(db, who.principal, since)
+    return render(request, "keys.html", page="keys", k=k)
+
+
+def _filters(**values: Any) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if v not in (None, "")}
+
+
+@router.get("/events")
+def events(
+    request: Request,
+    who: ConsoleSession = Depends(require),
+    deployment: str | None = Query(None, max_length=63),
+    cluster: str | None = Query(None, max_length=63),
+    kind: str | None = Query(None, max_length=32),
+    since: datetime | None = Query(None),
+    offset: int = Query(0, ge=0, le=10**9),
+    fragment: bool = Query(False),
+):
+    filters = _filters(deployment=deployment, cluster=cluster, kind=kind, since=since)
+    with _db(request) as db:
+        page = data.events(db, who.principal, 50, offset, **filters)
+    template = "_events.html" if fragment else "events.html"
+    return render(request, template, page="events", p=page, filters=filters)
+
+
+@router.get("/audit")
+def audit(
+    request: Request,
+    who: ConsoleSession = Depends(require),
+    resource_type: str | None = Query(None, max_length=32),
+    resource_id: str | None = Query(None, max_length=128),
+    action: str | None = Query(None, max_length=64),
+    since: datetime | None = Query(None),
+    offset: int = Query(0, ge=0, le=10**9),
+    fragment: bool = Query(False),
+):
+    filters = _filters(resource_type=resource_type, resource_id=resource_id, action=action, since=since)
+    with _db(request) as db:
+        page = data.audit(db, who.principal, 50, offset, **filters)
+    template = "_audit.html" if fragment else "audit.html"
+    return render(request, template, page="audit", p=page, filters=filters)

@@ -1,0 +1,172 @@
+"""Time series for the console's charts, from what the control plane already has:
+
+- a deployment's traffic: the usage records the gateways publish (one per request, with
+  version, status, tokens and latency), bucketed per version;
+- a rollout's guards: the very samples the rollout policy judges (the rollout loop's
+  in-memory `UsageWindows`, TTFT included), or the stored usage records when the loops
+  run elsewhere (then a request's latency stands in for its TTFT, as the policy does
+  for non-streamed requests).
+
+Output is uPlot's columnar shape: `{"x": [unix seconds...], "series": {label: [value or
+None...]}}`, one x per bucket, so the page script hands it to the chart as it is."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from control_plane.db.models import UsageRecord
+from control_plane.rollouts.telemetry import Sample, p90
+
+MAX_ROWS = 100_000
+MAX_BUCKETS = 90
+
+
+@dataclass(frozen=True)
+class Row:
+    at: float
+    version: int | None
+    status: int
+    completion_tokens: int
+    latency_s: float
+    ttft_s: float | None
+
+
+def usage_rows(session: Session, deployment: str, since: float) -> list[Row]:
+    start = datetime.fromtimestamp(since, tz=timezone.utc)
+    query = (
+        select(
+            UsageRecord.at,
+            UsageRecord.version,
+            UsageRecord.status,
+            UsageRecord.completion_tokens,
+            UsageRecord.latency_s,
+        )
+        .where(UsageRecord.deployment == deployment, UsageRecord.at >= start)
+        .order_by(UsageRecord.at.desc())
+        .limit(MAX_ROWS)
+    )
+    out = []
+    for at, version, status, completion, latency in session.execute(query):
+        stamp = (at if at.tzinfo else at.replace(tzinfo=timezone.utc)).timestamp()
+        out.append(Row(stamp, version, status, completion or 0, latency or 0.0, None))
+    return out
+
+
+def step_for(span_s: float) -> float:
+    """Bucket width: at most MAX_BUCKETS buckets, whole seconds, at least 1 s."""
+    return float(max(1, math.ceil(span_s / MAX_BUCKETS)))
+
+
+def _buckets(since: float, until: float, step: float) -> list[float]:
+    first = math.floor(since / step) * step
+    return [first + i * step for i in range(int((until - first) // step) + 1)]
+
+
+def _grouped(rows: Iterable[Row], since: float, step: float) -> dict[tuple[int | None, int], list[Row]]:
+    groups: dict[tuple[int | None, int], list[Row]] = defaultdict(list)
+    first = math.floor(since / step) * step
+    for r in rows:
+        if r.at >= first:
+            groups[(r.version, int((r.at - first) // step))].append(r)
+    return groups
+
+
+def deployment_series(rows: list[Row], since: float, until: float) -> dict[str, dict]:
+    """Per version: requests/s, error rate, latency p50/p90, time per output token, output
+    tokens/s. Keys are chart names."""
+    step = step_for(until - since)
+    xs = _buckets(since, until, step)
+    groups = _grouped(rows, since, step)
+    versions = sorted({v for v, _ in groups}, key=lambda v: (v is None, v or 0))
+    charts: dict[str, dict] = {
+        name: {"x": xs, "series": {}} for name in ("latency", "itl", "tokens", "requests")
+    }
+    for v in versions:
+        label = f"v{v}" if v is not None else "unknown"
+        lat50, lat90, itl, tokens, reqs = [], [], [], [], []
+        for i in range(len(xs)):
+            bucket = groups.get((v, i), [])
+            ok = [r for r in bucket if r.status < 400]
+            lat = [r.ttft_s if r.ttft_s is not None else r.latency_s for r in ok]
+            lat50.append(_round(_quantile(lat, 0.5)))
+            lat90.append(_round(p90(lat)))
+            per_token = [
+                (r.latency_s - (r.ttft_s or 0.0)) / (r.completion_tokens - 1) if r.ttft_s else None
+                for r in ok
+                if r.completion_tokens > 1
+            ]
+            per_token = [p for p in per_token if p is not None] or [
+                r.latency_s / r.completion_tokens for r in ok if r.completion_tokens > 0
+            ]
+            itl.append(_round(sum(per_token) / len(per_token)) if per_token else None)
+            tokens.append(_round(sum(r.completion_tokens for r in ok) / step))
+            reqs.append(_round(len(bucket) / step))
+        charts["latency"]["series"][f"{label} p50"] = lat50
+        charts["latency"]["series"][f"{label} p90"] = lat90
+        charts["itl"]["series"][label] = itl
+        charts["tokens"]["series"][label] = tokens
+        charts["requests"]["series"][label] = reqs
+    return charts
+
+
+def guard_series(
+    samples: list[Sample],
+    baseline: int,
+    canary: int,
+    since: float,
+    until: float,
+    max_error_rate: float,
+    max_ttft_ratio: float,
+) -> dict[str, dict]:
+    """Canary vs baseline error rate and TTFT p90 per bucket, with each guard's line:
+    `max_error_rate`, and the baseline's TTFT p90 times `max_ttft_p90_ratio`."""
+    step = step_for(until - since)
+    xs = _buckets(since, until, step)
+    first = xs[0]
+    by: dict[tuple[int | None, int], list[Sample]] = defaultdict(list)
+    for s in samples:
+        if s.at >= first:
+            by[(s.version, int((s.at - first) // step))].append(s)
+    errors: dict[str, list] = {"baseline": [], "canary": [], "guard: max error rate": []}
+    ttft: dict[str, list] = {"baseline p90": [], "canary p90": [], "guard: baseline p90 x ratio": []}
+    for i in range(len(xs)):
+        base, can = by.get((baseline, i), []), by.get((canary, i), [])
+        errors["baseline"].append(_rate(base))
+        errors["canary"].append(_rate(can))
+        errors["guard: max error rate"].append(max_error_rate)
+        b90 = p90([s.ttft_s for s in base if s.ttft_s is not None])
+        ttft["baseline p90"].append(_round(b90))
+        ttft["canary p90"].append(_round(p90([s.ttft_s for s in can if s.ttft_s is not None])))
+        ttft["guard: baseline p90 x ratio"].append(_round(b90 * max_ttft_ratio) if b90 else None)
+    return {"errors": {"x": xs, "series": errors}, "ttft": {"x": xs, "series": ttft}}
+
+
+def samples_of(rows: list[Row]) -> list[Sample]:
+    """Stored usage rows as the rollout policy's samples (a 499 says nothing of a version)."""
+    return [
+        Sample(r.at, r.version, r.status >= 500, r.ttft_s if r.ttft_s is not None else r.latency_s or None)
+        for r in rows
+        if r.status != 499
+    ]
+
+
+def _rate(samples: list[Sample]) -> float | None:
+    return _round(sum(1 for s in samples if s.error) / len(samples)) if samples else None
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 5)
