@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -46,6 +47,28 @@ DEFAULT_PROFILE = "llama2-70b-h100-tp4"
 DEFAULT_MAX_TOKENS = 16
 WORDS = ("sim", "ulated", " text", " from", " a", " replica", " without", " a", " model", ".")
 MAX_BODY = 4 * 1024 * 1024
+# The engine's buckets (engine/server/metrics.py), so dashboards read both runtimes alike.
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+QUEUE_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class _Body(BaseModel):
@@ -97,6 +120,15 @@ class SimState:
     def __post_init__(self) -> None:
         self.model = ReplicaModel(self.profile, now=0.0)
         self.rng = random.Random(self.seed)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.ttft = Histogram(
+            "fleet_engine_time_to_first_token_seconds", "Simulated arrival to first token.",
+            ["model"], registry=self.registry, buckets=TTFT_BUCKETS,
+        )  # fmt: skip
+        self.queue_time = Histogram(
+            "fleet_engine_request_queue_time_seconds", "Simulated arrival to first scheduled.",
+            ["model"], registry=self.registry, buckets=QUEUE_BUCKETS,
+        )  # fmt: skip
         self.changed = asyncio.Event()  # a new request arrived: the driver re-plans
         self.progress = asyncio.Condition()  # tokens came out: streams look
         self._next_id = 0
@@ -173,7 +205,8 @@ def build_app(state: SimState) -> Starlette:
             f"fleet_sim_time_to_first_token_seconds_sum{lab} {state.ttft_sum}",
             f"fleet_sim_time_to_first_token_seconds_count{lab} {state.ttft_count}",
         ]
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+        histograms = generate_latest(state.registry).decode()
+        return PlainTextResponse("\n".join(lines) + "\n" + histograms, media_type="text/plain; version=0.0.4")
 
     async def models(request: Request) -> Response:
         card = {
@@ -253,6 +286,9 @@ async def _generate(request: Request, state: SimState, *, chat: bool) -> Respons
         if req.first_token_at is not None:
             state.ttft_sum += req.first_token_at - req.arrival
             state.ttft_count += 1
+            state.ttft.labels(state.served_model_name).observe(req.first_token_at - req.arrival)
+        if req.admitted_at is not None:
+            state.queue_time.labels(state.served_model_name).observe(req.admitted_at - req.arrival)
 
     if not body.stream:
         async with state.progress:

@@ -36,10 +36,11 @@ def wait_for(check, timeout: float, interval: float = 0.2, what: str = "conditio
 
 
 class SimFleet:
-    def __init__(self, home: Path, regions: list[str], slots: int = 4) -> None:
+    def __init__(self, home: Path, regions: list[str], slots: int = 4, gateway: dict | None = None) -> None:
         self.home = home
         self.regions = regions
         self.slots = slots
+        self.gateway_settings = gateway or {}  # GatewayConfig fields, e.g. queue_timeout_s
         self.local = LocalFleet(home)
         self.state = self.local.new_state(regions)
         self.token = ""
@@ -58,7 +59,9 @@ class SimFleet:
             config = config.model_copy(
                 update={
                     "runtime": "sim",
-                    "gateway": config.gateway.model_copy(update={"port": free_port()}),
+                    "gateway": config.gateway.model_copy(
+                        update={**self.gateway_settings, "port": free_port()}
+                    ),
                     "pools": [PoolInventory(name="sim", gpu_model="cpu", gpus_per_node=self.slots, nodes=1)],
                 }
             )

@@ -1,0 +1,143 @@
+"""Debian's prometheus and chromium for the observability and console tests: find them,
+or skip with the reason (fail instead when FLEET_REQUIRE_PROMETHEUS_CHROMIUM=1, as .ci/run
+sets after scripts/install-browser-prometheus.sh), and a real Prometheus server on a free
+port with a temporary storage dir."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from control_plane.local.nats_server import free_port
+
+REQUIRE_ENV = "FLEET_REQUIRE_PROMETHEUS_CHROMIUM"
+INSTALL = "bash scripts/install-browser-prometheus.sh"
+CHROMIUM = "/usr/bin/chromium"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def require_tool(name: str) -> str:
+    """The tool's path, or skip (fail in CI) saying how to install it."""
+    path = name if os.path.isabs(name) and os.access(name, os.X_OK) else shutil.which(name)
+    if path:
+        return path
+    reason = f"{name} is not installed (Debian package; install with `{INSTALL}`)"
+    if os.environ.get(REQUIRE_ENV) == "1":
+        pytest.fail(f"{REQUIRE_ENV}=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
+    raise AssertionError("unreachable")
+
+
+def require_playwright():
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        reason = "the playwright Python package is not installed (pip install -e '.[dev]')"
+        if os.environ.get(REQUIRE_ENV) == "1":
+            pytest.fail(f"{REQUIRE_ENV}=1 but {reason}", pytrace=False)
+        pytest.skip(reason)
+    require_tool(CHROMIUM)
+    return sync_playwright
+
+
+class Prometheus:
+    """`prometheus` with deploy/prometheus/prometheus.yml's scrape job and rule files, made
+    fast for a test: 1 s scrape and rule evaluation, targets read from `targets_dir`."""
+
+    def __init__(self, workdir: Path, targets_dir: Path) -> None:
+        self.binary = require_tool("prometheus")
+        self.workdir = workdir
+        self.targets_dir = targets_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def config(self) -> dict:
+        config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+        config["global"].update(scrape_interval="1s", evaluation_interval="1s")
+        config["rule_files"] = [str(p) for p in self._fast_rules(config["rule_files"])]
+        jobs = []
+        for job in config["scrape_configs"]:
+            if job["job_name"] == "prometheus":
+                job["static_configs"] = [{"targets": [f"127.0.0.1:{self.port}"]}]
+            for sd in job.get("file_sd_configs", []):
+                sd["files"] = [str(self.targets_dir / Path(f).name) for f in sd["files"]]
+                sd["refresh_interval"] = "1s"
+            jobs.append(job)
+        config["scrape_configs"] = jobs
+        return config
+
+    def _fast_rules(self, patterns: list[str]) -> list[Path]:
+        """Copies of the rule files (globs relative to deploy/prometheus), every group
+        evaluated each second; the rules themselves unchanged."""
+        out = []
+        for pattern in patterns:
+            for rules in sorted((ROOT / "deploy/prometheus").glob(pattern)):
+                text = yaml.safe_load(rules.read_text())
+                for group in text["groups"]:
+                    group["interval"] = "1s"
+                copy = self.workdir / f"rules-{rules.name}"
+                copy.write_text(yaml.safe_dump(text))
+                out.append(copy)
+        assert out, f"no rule files match {patterns}"
+        return out
+
+    def start(self, timeout: float = 60) -> Prometheus:
+        path = self.workdir / "prometheus.yml"
+        path.write_text(yaml.safe_dump(self.config()))
+        log = open(self.workdir / "prometheus.log", "ab")
+        self.proc = subprocess.Popen(
+            [
+                self.binary,
+                f"--config.file={path}",
+                f"--storage.tsdb.path={self.workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--storage.tsdb.retention.time=1h",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"prometheus exited {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/-/ready", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"prometheus not ready in {timeout}s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        path = self.workdir / "prometheus.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    def query(self, expr: str) -> list[dict]:
+        r = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10)
+        body = r.json()
+        assert r.status_code == 200 and body["status"] == "success", f"{expr}: {r.status_code} {body}"
+        return body["data"]["result"]
+
+    def targets(self) -> list[dict]:
+        return httpx.get(f"{self.url}/api/v1/targets", timeout=10).json()["data"]["activeTargets"]
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
