@@ -81,6 +81,8 @@ def _grouped(rows: Iterable[Row], since: float, step: float) -> dict[tuple[int |
 def deployment_series(rows: list[Row], since: float, until: float) -> dict[str, dict]:
     """Per version: requests/s, error rate, latency p50/p90, time per output token, output
     tokens/s. Keys are chart names."""
+    if rows:  # no empty stretch before the first request
+        since = max(since, min(r.at for r in rows))
     step = step_for(until - since)
     xs = _buckets(since, until, step)
     groups = _grouped(rows, since, step)
@@ -127,6 +129,8 @@ def guard_series(
 ) -> dict[str, dict]:
     """Canary vs baseline error rate and TTFT p90 per bucket, with each guard's line:
     `max_error_rate`, and the baseline's TTFT p90 times `max_ttft_p90_ratio`."""
+    if samples:
+        since = max(since, min(s.at for s in samples))
     step = step_for(until - since)
     xs = _buckets(since, until, step)
     first = xs[0]

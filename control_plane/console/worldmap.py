@@ -6,6 +6,7 @@ needs no script and every marker is a labelled SVG element."""
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 from importlib import resources
 
@@ -67,8 +68,11 @@ def svg_path(topology: dict, name: str) -> str:
             points = [project(lat, lon) for lon, lat in _ring(arcs, ring)]
             if len(points) < 3:
                 continue
-            head, *rest = points
-            parts.append(f"M{head[0]} {head[1]}" + "".join(f"L{x} {y}" for x, y in rest) + "Z")
+            path = [f"M{points[0][0]} {points[0][1]}"]
+            for (x0, _), (x, y) in itertools.pairwise(points):
+                # a ring that crosses the antimeridian jumps across the map: move, don't draw
+                path.append(f"{'M' if abs(x - x0) > WIDTH / 2 else 'L'}{x} {y}")
+            parts.append("".join(path) + "Z")
     return "".join(parts)
 
 

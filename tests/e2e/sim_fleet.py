@@ -191,6 +191,7 @@ class Load:
     model: str
     workers: int = 4
     pause_s: float = 0.0
+    prompt: str = "hi"
     results: list[Result] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
@@ -204,7 +205,7 @@ class Load:
                 n += 1
                 body = {
                     "model": self.model,
-                    "messages": [{"role": "user", "content": "hi"}],
+                    "messages": [{"role": "user", "content": self.prompt}],
                     "max_tokens": 2,
                     "user": uuid.uuid4().hex,
                 }
