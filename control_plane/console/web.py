@@ -63,7 +63,13 @@ def require(request: Request) -> sessions.ConsoleSession:
 
 def login_required_response(request: Request) -> Response:
     path = request.url.path
-    if request.method == "GET" and not request.headers.get("hx-request") and not path.endswith(".json"):
+    fragment = (
+        request.headers.get("hx-request")
+        or path.endswith((".json", "/panel"))
+        or "/panel/" in path
+        or request.query_params.get("fragment")
+    )
+    if request.method == "GET" and not fragment:
         target = "/console/login" + (f"?next={path}" if path.startswith("/console") else "")
         return secure(RedirectResponse(target, status_code=303))
     response = Response("login required", status_code=401, media_type="text/plain")
