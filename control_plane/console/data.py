@@ -107,7 +107,10 @@ def audit(
 
 def _changes(before: dict | None, after: dict | None) -> list[str]:
     """Top-level fields an audit record changed, e.g. `replicas: 2 -> 3`."""
-    before, after = before or {}, after or {}
+    if before is None:
+        return ["created"]
+    if after is None:
+        return ["deleted"]
     out = []
     for key in sorted(set(before) | set(after)):
         if key in ("updated_at", "placements", "versions"):

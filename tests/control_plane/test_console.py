@@ -285,3 +285,23 @@ def test_guard_series_marks_the_crossing():
     assert max(v for v in ttft["canary p90"] if v is not None) > max(
         v for v in ttft["guard: baseline p90 x ratio"] if v is not None
     )
+
+
+def test_deployment_page_lists_scaling_decisions_and_cold_starts(cp):
+    """Events as the autoscale loop and the agents write them (kinds `scaled`, `replica_ready`)."""
+    from control_plane.db.models import Event
+    from control_plane.db.session import make_sessions
+
+    sessions = make_sessions(cp.database_url)
+    with sessions() as db:
+        db.add(
+            Event(kind="scaled", deployment=NAME, message='1 -> 3: concurrency 5.2 > target 2 {"desired": 3}')
+        )
+        db.add(Event(kind="replica_ready", deployment=NAME, cluster="aws-us-east-1", replica_id="web-v1-a",
+                     message="serving at http://127.0.0.1:1 after a 4.2 s cold start"))  # fmt: skip
+        db.commit()
+    sessions.kw["bind"].dispose()
+    console = Console(cp, cp.read_key)
+    panel = console.get(f"/console/deployments/{NAME}/panel").text
+    assert "1 → 3" in panel and "concurrency 5.2 &gt; target 2" in panel and '{"desired"' not in panel
+    assert "web-v1-a" in panel and "4.20" in panel

@@ -16,6 +16,7 @@ import os
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.e2e.observability_tools import CHROMIUM, require_playwright
@@ -62,8 +63,8 @@ class Shots:
         folder.mkdir(parents=True, exist_ok=True)
         self.pages: dict[str, str] = {}  # url -> html, every page a test looked at
 
-    def take(self, page, name: str) -> None:
-        page.screenshot(path=str(self.folder / f"{name}.png"), full_page=True)
+    def take(self, page, name: str, full_page: bool = True) -> None:
+        page.screenshot(path=str(self.folder / f"{name}.png"), full_page=full_page)
         self.pages[f"{name} {page.url}"] = page.content()
 
 
@@ -114,7 +115,15 @@ def watch(page, until, timeout: float, what: str) -> list[tuple[str, str]]:
 
 def test_console_in_a_browser(fleet: SimFleet, browser, shots: Shots):
     read_key = fleet.api("POST", "/v1/keys", json={"name": "viewer", "scopes": ["read"]}).json()["key"]
-    load = Load([fleet.gateways["local-east"], fleet.gateways["local-west"]], fleet.key, NAME, workers=4,
+    quotas = {"requests_per_minute": 100_000, "tokens_per_minute": 1_000_000, "tokens_per_day": 50_000_000}
+    app_key = fleet.api("POST", "/v1/keys", json={"name": "app", "scopes": ["inference"], "quotas": quotas})
+    app_key = app_key.json()["key"]
+    for gateway in fleet.gateways.values():  # keys reach the gateways over NATS
+        wait_for(lambda g=gateway: httpx.post(f"{g}/v1/chat/completions", timeout=10,
+                 headers={"authorization": f"Bearer {app_key}"},
+                 json={"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+                 ).status_code == 200, 20, 0.2, f"the app key at {gateway}")  # fmt: skip
+    load = Load([fleet.gateways["local-east"], fleet.gateways["local-west"]], app_key, NAME, workers=4,
                 prompt=PROMPT).start()  # fmt: skip
     try:
         context = browser.new_context(viewport={"width": 1400, "height": 900})
@@ -195,19 +204,20 @@ def test_console_in_a_browser(fleet: SimFleet, browser, shots: Shots):
         page.goto(f"{fleet.api_url}/console/keys")
         wait_for(lambda: page.locator("#usage tbody td").first.inner_text() != "No usage in this period.", 5, 0.5,
                  "usage rows")  # fmt: skip
+        assert "requests_per_minute" in page.locator("#keys").inner_text()
         shots.take(page, "keys")
         page.goto(f"{fleet.api_url}/console/events?kind=rollout_rolled_back")
         assert "canary_error_rate=" in page.locator("#events").inner_text()
         page.goto(f"{fleet.api_url}/console/events?deployment={NAME}")
-        shots.take(page, "events")
+        shots.take(page, "events", full_page=False)
         page.goto(f"{fleet.api_url}/console/audit?action=rollout.abort")
         assert "rollout.abort" in page.locator("#audit tbody").inner_text()
         page.goto(f"{fleet.api_url}/console/audit")
-        shots.take(page, "audit")
+        shots.take(page, "audit", full_page=False)
         admin.close()
     finally:
         load.stop()
     assert len(load.results) > 50
     for where, html in shots.pages.items():
-        for secret in (fleet.token, read_key, fleet.key, PROMPT, "zebra-canary"):
+        for secret in (fleet.token, read_key, fleet.key, app_key, PROMPT, "zebra-canary"):
             assert secret not in html, f"{where} shows a secret or the prompt"

@@ -5,6 +5,7 @@
   "use strict";
   var COLORS = ["#1f5fbf", "#e07b00", "#2e8b57", "#8e44ad", "#00838f", "#6d4c41"];
   var REFRESH_MS = 3000;
+  var X_STEPS = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 43200, 86400];
 
   function options(fig, labels, width) {
     var guard = fig.dataset.guard;
@@ -19,7 +20,7 @@
     return {
       width: width, height: 220, series: series,
       scales: { x: { time: true } },
-      axes: [{}, { label: unit, size: 60 }],
+      axes: [{ incrs: X_STEPS, space: 70 }, { label: unit, size: 60 }],
       legend: { live: true }
     };
   }
