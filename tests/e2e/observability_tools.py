@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -141,3 +143,33 @@ class Prometheus:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
+
+
+def streams(gateways: list[str], key: str, model: str, stop: threading.Event) -> None:
+    """Streaming chat requests until `stop` (the gateway's TTFT histogram counts streams only)."""
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+    with httpx.Client(timeout=30, headers={"authorization": f"Bearer {key}"}) as client:
+        n = 0
+        while not stop.is_set():
+            try:
+                with client.stream(
+                    "POST", f"{gateways[n % len(gateways)]}/v1/chat/completions", json=body
+                ) as r:
+                    for _ in r.iter_lines():
+                        pass
+            except httpx.HTTPError:
+                pass
+            n += 1
+            time.sleep(0.1)
+
+
+def fleetctl(home: Path, *args: str) -> str:
+    env = {**os.environ, "FLEET_HOME": str(home), "PYTHONPATH": str(ROOT)}
+    env.pop("FLEET_API_URL", None)
+    env.pop("FLEET_TOKEN", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "control_plane.cli", *args], env=env, cwd=ROOT, capture_output=True,
+        text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout

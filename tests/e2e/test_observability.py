@@ -1,27 +1,53 @@
-"""The operator console in a real browser: Debian's Chromium, driven by Playwright, against
-a local sim fleet of real processes (nats-server, control plane, two agents + gateways,
-simulated replicas) under steady load.
+"""Observability and the operator console end to end, on one local sim fleet of real
+processes (nats-server, control plane, two agents + gateways, simulated replicas):
 
-One story, in order: log in with the admin token; both clusters on the map and the
-deployment's replicas in both; a good canary progresses step by step and is promoted
-with the admin token; a bad canary rolls back by itself while its error-rate chart
-crosses the guard line; a read token sees no buttons and a forged promote with its own
-CSRF token is refused; the admin aborts; keys, events and audit pages. No page ever holds
-a token or the prompt text. Screenshots of each page go to FLEET_CONSOLE_SCREENSHOTS
-(docs/console/ when regenerating the docs), else to the test's temporary folder."""
+1. a real Prometheus (Debian's package) scrapes the fleet through the targets file
+   `fleetctl ps` writes and evaluates deploy/prometheus's SLO rules; every query of the
+   Grafana dashboard, evaluated through Prometheus's HTTP API, returns series; `promtool`
+   checks the rule files and runs their unit tests;
+2. the console in Debian's Chromium, driven by Playwright, one story in order: log in with
+   the admin token; both clusters on the map and the deployment's replicas in both; a good
+   canary progresses step by step and is promoted with the admin token; a bad canary rolls
+   back by itself while its error-rate chart crosses the guard line; a read token sees no
+   buttons and a forged promote with its own CSRF token is refused; the admin aborts; keys,
+   events and audit pages. No page ever holds a token or the prompt text. Screenshots of
+   each page go to FLEET_CONSOLE_SCREENSHOTS (docs/console/ when regenerating the docs),
+   else to the test's temporary folder.
+
+Deployments: `web` (both regions; the console's rollouts), `api` (east only, 20% of its
+requests fail: errors, retries, and west forwarding to east for Prometheus), `stuck` (a
+replica that never gets ready: requests queue at the gateway and time out)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import subprocess
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
-from tests.e2e.observability_tools import CHROMIUM, require_playwright
+from control_plane.local.prometheus_sd import TARGETS_FILE
+from tests.e2e.observability_tools import (
+    CHROMIUM,
+    Prometheus,
+    fleetctl,
+    require_playwright,
+    require_tool,
+    streams,
+)
 from tests.e2e.sim_fleet import Load, SimFleet, wait_for
+from tests.test_deploy_assets import expressions
 
+ROOT = Path(__file__).resolve().parents[2]
+RULES = sorted((ROOT / "deploy/prometheus/rules").glob("*.yml"))
+RULE_TESTS = sorted((ROOT / "deploy/prometheus/rules/tests").glob("*.yml"))
+RATE_INTERVAL = "5s"  # about what Grafana's $__rate_interval is at a 1 s scrape (4 x scrape)
 NAME = "web"
 PROMPT = "zebra-canary-prompt-7f3a please summarise my secret plans"
 SIM = {"cold_start": 0.2, "max_num_seqs": 16}
@@ -31,23 +57,161 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-f
 pytestmark = pytest.mark.slow
 
 
+def deploy(fleet: SimFleet, **body) -> None:
+    r = fleet.api("POST", "/v1/deployments", json={"model": "sim", **body})
+    assert r.status_code == 201, r.text
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    require_playwright()
-    fleet = SimFleet(tmp_path_factory.mktemp("console-home"), ["local-east", "local-west"], slots=6)
+    home = tmp_path_factory.mktemp("observed-home")
+    fleet = SimFleet(home, ["local-east", "local-west"], slots=6, gateway={"queue_timeout_s": 2})
     try:
         fleet.up()
-        body = {"name": NAME, "model": "sim", "replicas": 2, "min_regions": 2, "engine_args": SIM}
-        r = fleet.api("POST", "/v1/deployments", json=body)
-        assert r.status_code == 201, r.text
-        wait_for(lambda: fleet.ready_by_version(NAME).get(1) == 2, 60, 0.2, "the baseline's replicas")
+        deploy(fleet, name=NAME, replicas=2, min_regions=2, engine_args=SIM)
+        deploy(fleet, name="api", replicas=2, regions=["local-east"], engine_args={**SIM, "error_rate": 0.2})
+        deploy(fleet, name="stuck", replicas=1, regions=["local-west"], engine_args={"cold_start": 3600})
+        wait_for(lambda: fleet.ready_by_version(NAME).get(1) == 2, 60, 0.2, "web's replicas")
+        wait_for(lambda: fleet.ready_by_version("api").get(1) == 2, 60, 0.2, "api's replicas")
+        wait_for(lambda: fleet.deployment("stuck")["placements"], 60, 0.2, "stuck's replica placed")
         yield fleet
     finally:
         fleet.down()
 
 
+def test_promtool_checks_and_tests_the_rules():
+    promtool = require_tool("promtool")
+    assert RULES and RULE_TESTS
+    check = subprocess.run([promtool, "check", "rules", *map(str, RULES)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert re.search(r"SUCCESS: \d+ rules found", check.stdout)
+    unit = subprocess.run([promtool, "test", "rules", *map(str, RULE_TESTS)], capture_output=True, text=True)
+    assert unit.returncode == 0, unit.stdout + unit.stderr
+    config = subprocess.run(
+        [promtool, "check", "config", "--syntax-only", str(ROOT / "deploy/prometheus/prometheus.yml")],
+        capture_output=True,
+        text=True,
+    )
+    assert config.returncode == 0, config.stdout + config.stderr
+
+
+@pytest.fixture
+def prometheus_binary() -> str:
+    return require_tool("prometheus")  # skips (fails in CI) before the fleet comes up
+
+
+def test_every_dashboard_query_returns_series(prometheus_binary, fleet: SimFleet, tmp_path):
+    # the targets file, as `fleetctl up`/`ps` write it, linked where prometheus.yml looks
+    targets_file = fleet.home / "local" / TARGETS_FILE
+
+    def listed():
+        fleetctl(fleet.home, "ps")
+        groups = json.loads(targets_file.read_text())
+        kinds = sorted(g["labels"]["kind"] for g in groups)
+        return (
+            kinds
+            == ["control-plane", "gateway", "gateway", "replica", "replica", "replica", "replica", "replica"]
+            and groups
+        )
+
+    groups = wait_for(listed, 30, 0.5, "every replica in the targets file")
+    targets_dir = tmp_path / "targets"
+    targets_dir.mkdir()
+    (targets_dir / TARGETS_FILE).symlink_to(targets_file)
+    prom = Prometheus(tmp_path, targets_dir).start()
+    limited = fleet.api(
+        "POST",
+        "/v1/keys",
+        json={"name": "limited", "scopes": ["inference"], "quotas": {"requests_per_minute": 2}},
+    ).json()["key"]
+    gateways = [fleet.gateways["local-east"], fleet.gateways["local-west"]]  # west forwards to east
+    load = Load(gateways, fleet.key, "api", workers=2, pause_s=0.05).start()
+    stop = threading.Event()
+    streamer = threading.Thread(target=streams, args=(gateways, fleet.key, "api", stop), daemon=True)
+    streamer.start()
+    threads = [streamer]
+    try:
+
+        def all_up():
+            up = [t for t in prom.targets() if t["labels"].get("job") == "fleet" and t["health"] == "up"]
+            return len(up) == len(groups) and up
+
+        wait_for(all_up, 60, 0.5, "every fleet target up in Prometheus")
+
+        def rate_limited():  # the 429s of a key over its requests_per_minute
+            body = {"model": "api", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+            r = httpx.post(f"{gateways[0]}/v1/chat/completions", json=body, timeout=10,
+                           headers={"authorization": f"Bearer {limited}"})  # fmt: skip
+            return r.status_code == 429
+
+        wait_for(rate_limited, 30, 0.3, "a 429 from the limited key's quota")
+
+        def queued():  # waits for the replica that never comes, then 503
+            body = {"model": "stuck", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+            with httpx.Client(timeout=30, headers={"authorization": f"Bearer {fleet.key}"}) as client:
+                while not stop.is_set():
+                    for url in gateways:
+                        try:
+                            client.post(f"{url}/v1/chat/completions", json=body)
+                        except httpx.HTTPError:
+                            pass
+
+        waiter = threading.Thread(target=queued, daemon=True)
+        waiter.start()
+        threads.append(waiter)
+
+        queries = [
+            expr.replace("$__rate_interval", RATE_INTERVAL).replace("$deployment", ".*")
+            for expr in expressions()
+        ]
+        rules = [
+            r["record"]
+            for f in RULES
+            for g in yaml.safe_load(f.read_text())["groups"]
+            for r in g["rules"]
+            if "record" in r
+        ]
+        missing: dict[str, int] = {}
+
+        def every_query_answers():
+            missing.clear()
+            for expr in [*queries, *rules]:
+                if not prom.query(expr):
+                    missing[expr] = 0
+            return not missing
+
+        started = time.monotonic()
+        try:
+            wait_for(
+                every_query_answers, 90, 1.0, "every dashboard query and recording rule to return series"
+            )
+        except AssertionError:
+            raise AssertionError(
+                f"no series for: {json.dumps(sorted(missing), indent=1)}\n{prom.log_tail()}"
+            ) from None
+        print(f"\n[prometheus] {len(queries)} dashboard queries and {len(rules)} recording rules return series "
+              f"({time.monotonic() - started:.1f}s after all {len(groups)} targets were up)")  # fmt: skip
+        # the numbers behind them are the fleet's: two ready replicas, both clusters healthy
+        (ready,) = prom.query('fleet_control_plane_ready_replicas{deployment="api"}')
+        assert float(ready["value"][1]) == 2
+        healthy = prom.query('fleet_control_plane_clusters{status="healthy"}')
+        assert float(healthy[0]["value"][1]) == 2
+        forwarded = prom.query('sum(fleet_gateway_forwarded_total{cluster="local-west",deployment="api"})')
+        assert forwarded and float(forwarded[0]["value"][1]) > 0, "west forwards api's requests to east"
+        alerts = httpx.get(f"{prom.url}/api/v1/rules", timeout=10).json()["data"]["groups"]
+        assert sum(len(g["rules"]) for g in alerts) >= 15 and all(
+            r["health"] == "ok" for g in alerts for r in g["rules"]
+        ), alerts
+    finally:
+        stop.set()
+        load.stop()
+        for thread in threads:
+            thread.join(35)
+        prom.stop()
+
+
 @pytest.fixture(scope="module")
-def browser(fleet):
+def browser():
     sync_playwright = require_playwright()
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
@@ -113,7 +277,7 @@ def watch(page, until, timeout: float, what: str) -> list[tuple[str, str]]:
     raise AssertionError(f"timed out waiting for {what}; saw {seen}")
 
 
-def test_console_in_a_browser(fleet: SimFleet, browser, shots: Shots):
+def test_console_in_a_browser(browser, fleet: SimFleet, shots: Shots):
     read_key = fleet.api("POST", "/v1/keys", json={"name": "viewer", "scopes": ["read"]}).json()["key"]
     quotas = {"requests_per_minute": 100_000, "tokens_per_minute": 1_000_000, "tokens_per_day": 50_000_000}
     app_key = fleet.api("POST", "/v1/keys", json={"name": "app", "scopes": ["inference"], "quotas": quotas})
