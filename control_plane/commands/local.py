@@ -156,6 +156,9 @@ def up(
         )
     else:
         _print_usage(rows, key, deployment)
+        console.print(
+            f"\n[bold]Console[/bold] {state.api_url}/console/ (log in with $FLEET_HOME/admin-token)"
+        )
     if detach:
         return
     _foreground(fleet)

@@ -249,8 +249,8 @@ def login(browser, fleet: SimFleet, token: str):
     return context, page
 
 
-def start_rollout(fleet: SimFleet, **engine_args) -> dict:
-    body = {"spec": {"engine_args": {**SIM, **engine_args}}, "steps": [10, 50, 100], "step_duration_s": 4,
+def start_rollout(fleet: SimFleet, step_s: float = 4, **engine_args) -> dict:
+    body = {"spec": {"engine_args": {**SIM, **engine_args}}, "steps": [10, 50, 100], "step_duration_s": step_s,
             "min_requests": 10, "max_error_rate": 0.05}  # fmt: skip
     r = fleet.api("POST", f"/v1/deployments/{NAME}/rollouts", json=body)
     assert r.status_code == 201, r.text
@@ -315,7 +315,7 @@ def test_console_in_a_browser(browser, fleet: SimFleet, shots: Shots):
         shots.take(page, "deployment")
 
         # a good canary progresses; the admin promotes it from the page at step 2
-        start_rollout(fleet, seed=2)
+        start_rollout(fleet, step_s=6, seed=2)  # long enough at 50% to click before it promotes itself
         page.goto(f"{fleet.api_url}/console/deployments/{NAME}/rollout")
         seen = watch(page, lambda phase: page.locator(".steps li.now").all_inner_texts() == ["50%"],
                      60, "the canary at step 2 (50%)")  # fmt: skip
