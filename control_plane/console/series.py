@@ -34,8 +34,7 @@ class Row:
     version: int | None
     status: int
     completion_tokens: int
-    latency_s: float
-    ttft_s: float | None
+    latency_s: float  # the stored records hold no TTFT: a non-streamed request's TTFT is this
 
 
 def usage_rows(session: Session, deployment: str, since: float) -> list[Row]:
@@ -55,7 +54,7 @@ def usage_rows(session: Session, deployment: str, since: float) -> list[Row]:
     out = []
     for at, version, status, completion, latency in session.execute(query):
         stamp = (at if at.tzinfo else at.replace(tzinfo=timezone.utc)).timestamp()
-        out.append(Row(stamp, version, status, completion or 0, latency or 0.0, None))
+        out.append(Row(stamp, version, status, completion or 0, latency or 0.0))
     return out
 
 
@@ -79,8 +78,8 @@ def _grouped(rows: Iterable[Row], since: float, step: float) -> dict[tuple[int |
 
 
 def deployment_series(rows: list[Row], since: float, until: float) -> dict[str, dict]:
-    """Per version: requests/s, error rate, latency p50/p90, time per output token, output
-    tokens/s. Keys are chart names."""
+    """Per version: requests/s, latency p50/p90 and latency per output token of the
+    successful requests, output tokens/s. Keys are chart names."""
     if rows:  # no empty stretch before the first request
         since = max(since, min(r.at for r in rows))
     step = step_for(until - since)
@@ -96,17 +95,10 @@ def deployment_series(rows: list[Row], since: float, until: float) -> dict[str, 
         for i in range(len(xs)):
             bucket = groups.get((v, i), [])
             ok = [r for r in bucket if r.status < 400]
-            lat = [r.ttft_s if r.ttft_s is not None else r.latency_s for r in ok]
+            lat = [r.latency_s for r in ok]
             lat50.append(_round(_quantile(lat, 0.5)))
             lat90.append(_round(p90(lat)))
-            per_token = [
-                (r.latency_s - (r.ttft_s or 0.0)) / (r.completion_tokens - 1) if r.ttft_s else None
-                for r in ok
-                if r.completion_tokens > 1
-            ]
-            per_token = [p for p in per_token if p is not None] or [
-                r.latency_s / r.completion_tokens for r in ok if r.completion_tokens > 0
-            ]
+            per_token = [r.latency_s / r.completion_tokens for r in ok if r.completion_tokens > 0]
             itl.append(_round(sum(per_token) / len(per_token)) if per_token else None)
             tokens.append(_round(sum(r.completion_tokens for r in ok) / step))
             reqs.append(_round(len(bucket) / step))
@@ -155,7 +147,7 @@ def guard_series(
 def samples_of(rows: list[Row]) -> list[Sample]:
     """Stored usage rows as the rollout policy's samples (a 499 says nothing of a version)."""
     return [
-        Sample(r.at, r.version, r.status >= 500, r.ttft_s if r.ttft_s is not None else r.latency_s or None)
+        Sample(r.at, r.version, r.status >= 500, r.latency_s or None)
         for r in rows
         if r.status != 499
     ]

@@ -305,3 +305,16 @@ def test_deployment_page_lists_scaling_decisions_and_cold_starts(cp):
     panel = console.get(f"/console/deployments/{NAME}/panel").text
     assert "1 → 3" in panel and "concurrency 5.2 &gt; target 2" in panel and '{"desired"' not in panel
     assert "web-v1-a" in panel and "4.20" in panel
+
+
+def test_deployment_series_per_version():
+    now = 2_000_000.0
+    rows = [series.Row(now + i, 1, 200, 10, 0.5) for i in range(20)]
+    rows += [series.Row(now + 10 + i, 2, 500 if i < 2 else 200, 4, 2.0) for i in range(10)]
+    charts = series.deployment_series(rows, now - 3600, now + 20)
+    assert charts["latency"]["x"][0] <= now < charts["latency"]["x"][1]  # starts at the first request
+    assert set(charts["itl"]["series"]) == {"v1", "v2"}
+    assert {v for v in charts["itl"]["series"]["v1"] if v is not None} == {0.05}  # 0.5 s / 10 tokens
+    assert {v for v in charts["latency"]["series"]["v2 p90"] if v is not None} == {2.0}
+    total = sum(v or 0 for v in charts["requests"]["series"]["v2"]) * series.step_for(20)
+    assert total == 10  # failed requests count as requests, not in the latency

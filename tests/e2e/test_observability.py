@@ -238,9 +238,19 @@ def shots(tmp_path_factory):
     return Shots(Path(folder) if folder else tmp_path_factory.mktemp("console-shots"))
 
 
+BROWSER_ERRORS: list[str] = []  # script errors and console errors (CSP violations show there)
+
+
+def watched(context):
+    page = context.new_page()
+    page.on("pageerror", lambda err: BROWSER_ERRORS.append(f"{page.url}: {err}"))
+    page.on("console", lambda m: m.type == "error" and BROWSER_ERRORS.append(f"{page.url}: {m.text}"))
+    return page
+
+
 def login(browser, fleet: SimFleet, token: str):
     context = browser.new_context(viewport={"width": 1400, "height": 900})
-    page = context.new_page()
+    page = watched(context)
     page.goto(f"{fleet.api_url}/console/")
     assert "/console/login" in page.url
     page.get_by_label("Token").fill(token)
@@ -291,7 +301,7 @@ def test_console_in_a_browser(browser, fleet: SimFleet, shots: Shots):
                 prompt=PROMPT).start()  # fmt: skip
     try:
         context = browser.new_context(viewport={"width": 1400, "height": 900})
-        page = context.new_page()
+        page = watched(context)
         page.goto(f"{fleet.api_url}/console/deployments/{NAME}")
         assert "/console/login" in page.url
         shots.take(page, "login")
@@ -382,6 +392,8 @@ def test_console_in_a_browser(browser, fleet: SimFleet, shots: Shots):
     finally:
         load.stop()
     assert len(load.results) > 50
+    # the forged POST's 403 is the one error a page may log
+    assert [e for e in BROWSER_ERRORS if "403" not in e] == [], BROWSER_ERRORS
     for where, html in shots.pages.items():
         for secret in (fleet.token, read_key, fleet.key, app_key, PROMPT, "zebra-canary"):
             assert secret not in html, f"{where} shows a secret or the prompt"
