@@ -117,6 +117,7 @@ def rollout_series(name: str, request: Request, who: ConsoleSession = Depends(re
         else:
             samples = series.samples_of(series.usage_rows(db, name, start))
     params = current["params"]
+    windows = [e["at"].timestamp() for e in r["timeline"]]  # each rollout event: a step changed
     body = series.guard_series(
         [s for s in samples if s.at <= end],
         current["baseline_version"],
@@ -125,6 +126,7 @@ def rollout_series(name: str, request: Request, who: ConsoleSession = Depends(re
         end,
         float(params["max_error_rate"]),
         float(params["max_ttft_p90_ratio"]),
+        windows,
     )
     return secure(JSONResponse(body))
 

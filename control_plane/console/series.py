@@ -5,7 +5,7 @@
 - a rollout's guards: the very samples the rollout policy judges (the rollout loop's
   in-memory `UsageWindows`, TTFT included), or the stored usage records when the loops
   run elsewhere (then a request's latency stands in for its TTFT, as the policy does
-  for non-streamed requests).
+  for non-streamed requests), summarised like the policy does: over the step's window.
 
 Output is uPlot's columnar shape: `{"x": [unix seconds...], "series": {label: [value or
 None...]}}`, one x per bucket, so the page script hands it to the chart as it is."""
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -118,22 +118,26 @@ def guard_series(
     until: float,
     max_error_rate: float,
     max_ttft_ratio: float,
+    windows: Sequence[float] = (),
 ) -> dict[str, dict]:
-    """Canary vs baseline error rate and TTFT p90 per bucket, with each guard's line:
-    `max_error_rate`, and the baseline's TTFT p90 times `max_ttft_p90_ratio`."""
+    """Canary vs baseline error rate and TTFT p90 as the rollout policy judges them: over
+    the step's window so far (each time in `windows` starts a new one: the rollout's step
+    changes), with each guard's line: `max_error_rate`, and the baseline's p90 times
+    `max_ttft_p90_ratio`. A point is the window from its start to the bucket's end."""
     if samples:
         since = max(since, min(s.at for s in samples))
     step = step_for(until - since)
     xs = _buckets(since, until, step)
-    first = xs[0]
-    by: dict[tuple[int | None, int], list[Sample]] = defaultdict(list)
-    for s in samples:
-        if s.at >= first:
-            by[(s.version, int((s.at - first) // step))].append(s)
+    starts = sorted(windows)
+    ordered = sorted(samples, key=lambda s: s.at)
     errors: dict[str, list] = {"baseline": [], "canary": [], "guard: max error rate": []}
     ttft: dict[str, list] = {"baseline p90": [], "canary p90": [], "guard: baseline p90 x ratio": []}
-    for i in range(len(xs)):
-        base, can = by.get((baseline, i), []), by.get((canary, i), [])
+    for x in xs:
+        end = x + step
+        opened = max((w for w in starts if w <= end), default=since)
+        window = [s for s in ordered if opened <= s.at < end]
+        base = [s for s in window if s.version == baseline]
+        can = [s for s in window if s.version == canary]
         errors["baseline"].append(_rate(base))
         errors["canary"].append(_rate(can))
         errors["guard: max error rate"].append(max_error_rate)
@@ -146,11 +150,7 @@ def guard_series(
 
 def samples_of(rows: list[Row]) -> list[Sample]:
     """Stored usage rows as the rollout policy's samples (a 499 says nothing of a version)."""
-    return [
-        Sample(r.at, r.version, r.status >= 500, r.latency_s or None)
-        for r in rows
-        if r.status != 499
-    ]
+    return [Sample(r.at, r.version, r.status >= 500, r.latency_s or None) for r in rows if r.status != 499]
 
 
 def _rate(samples: list[Sample]) -> float | None:

@@ -285,6 +285,11 @@ def test_guard_series_marks_the_crossing():
     assert max(v for v in ttft["canary p90"] if v is not None) > max(
         v for v in ttft["guard: baseline p90 x ratio"] if v is not None
     )
+    assert errors["canary"][-1] == 0.5  # the whole window so far: 10 of 20
+    # a new step starts a new window: only what came after it counts
+    late = [Sample(now + 10 + i * 0.5, 2, i < 10, 0.5) for i in range(20)]
+    body = series.guard_series(late, 1, 2, now - 30, now + 20, 0.05, 1.3, windows=[now + 15])
+    assert body["errors"]["series"]["canary"][-1] == 0.0
 
 
 def test_deployment_page_lists_scaling_decisions_and_cold_starts(cp):
