@@ -19,6 +19,7 @@ router = APIRouter(prefix="/console", include_in_schema=False, dependencies=[Dep
 
 GUARD_WINDOW_S = 30.0  # the rollout chart starts this long before the rollout
 DEPLOYMENT_WINDOW_S = 300.0
+WINDOW_EVENTS = ("rollout_started", "rollout_step", "rollout_resumed")
 
 
 def _db(request: Request):
@@ -117,7 +118,8 @@ def rollout_series(name: str, request: Request, who: ConsoleSession = Depends(re
         else:
             samples = series.samples_of(series.usage_rows(db, name, start))
     params = current["params"]
-    windows = [e["at"].timestamp() for e in r["timeline"]]  # each rollout event: a step changed
+    # a step's window opens with its event; a finished rollout's line stays where it ended
+    windows = [e["at"].timestamp() for e in r["timeline"] if e["kind"] in WINDOW_EVENTS]
     body = series.guard_series(
         [s for s in samples if s.at <= end],
         current["baseline_version"],
