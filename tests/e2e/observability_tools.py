@@ -1,7 +1,7 @@
 """Debian's prometheus and chromium for the observability and console tests: find them,
 or skip with the reason (fail instead when FLEET_REQUIRE_PROMETHEUS_CHROMIUM=1, as .ci/run
-sets after scripts/install-browser-prometheus.sh), and a real Prometheus server on a free
-port with a temporary storage dir."""
+sets after scripts/install-browser-prometheus.sh); a real Prometheus server on a free port
+with a temporary storage dir; the traffic and page helpers of the console's browser story."""
 
 from __future__ import annotations
 
@@ -175,3 +175,40 @@ def fleetctl(home: Path, *args: str) -> str:
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
+
+
+class Shots:
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self.pages: dict[str, str] = {}  # url -> html, every page a test looked at
+
+    def take(self, page, name: str, full_page: bool = True) -> None:
+        page.screenshot(path=str(self.folder / f"{name}.png"), full_page=full_page)
+        self.pages[f"{name} {page.url}"] = page.content()
+
+
+BROWSER_ERRORS: list[str] = []  # script errors and console errors (CSP violations show there)
+
+
+def watched(context):
+    page = context.new_page()
+    page.on("pageerror", lambda err: BROWSER_ERRORS.append(f"{page.url}: {err}"))
+    page.on("console", lambda m: m.type == "error" and BROWSER_ERRORS.append(f"{page.url}: {m.text}"))
+    return page
+
+
+def watch(page, until, timeout: float, what: str) -> list[tuple[str, str]]:
+    """(phase, step) as the page shows them, polled until `until(phase)`."""
+    seen: list[tuple[str, str]] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        phase = page.locator("#phase").inner_text()
+        step = page.locator(".steps li.now").all_inner_texts()
+        now = (phase, step[0] if step else "")
+        if not seen or seen[-1] != now:
+            seen.append(now)
+        if until(phase):
+            return seen
+        time.sleep(0.25)
+    raise AssertionError(f"timed out waiting for {what}; saw {seen}")

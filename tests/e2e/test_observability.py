@@ -34,12 +34,16 @@ import yaml
 
 from control_plane.local.prometheus_sd import TARGETS_FILE
 from tests.e2e.observability_tools import (
+    BROWSER_ERRORS,
     CHROMIUM,
     Prometheus,
+    Shots,
     fleetctl,
     require_playwright,
     require_tool,
     streams,
+    watch,
+    watched,
 )
 from tests.e2e.sim_fleet import Load, SimFleet, wait_for
 from tests.test_deploy_assets import expressions
@@ -224,31 +228,10 @@ def browser():
             browser.close()
 
 
-class Shots:
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        folder.mkdir(parents=True, exist_ok=True)
-        self.pages: dict[str, str] = {}  # url -> html, every page a test looked at
-
-    def take(self, page, name: str, full_page: bool = True) -> None:
-        page.screenshot(path=str(self.folder / f"{name}.png"), full_page=full_page)
-        self.pages[f"{name} {page.url}"] = page.content()
-
-
 @pytest.fixture(scope="module")
 def shots(tmp_path_factory):
     folder = os.environ.get("FLEET_CONSOLE_SCREENSHOTS")
     return Shots(Path(folder) if folder else tmp_path_factory.mktemp("console-shots"))
-
-
-BROWSER_ERRORS: list[str] = []  # script errors and console errors (CSP violations show there)
-
-
-def watched(context):
-    page = context.new_page()
-    page.on("pageerror", lambda err: BROWSER_ERRORS.append(f"{page.url}: {err}"))
-    page.on("console", lambda m: m.type == "error" and BROWSER_ERRORS.append(f"{page.url}: {m.text}"))
-    return page
 
 
 def login(browser, fleet: SimFleet, token: str):
@@ -272,22 +255,6 @@ def start_rollout(fleet: SimFleet, step_s: float = 4, **engine_args) -> dict:
 
 def current(fleet: SimFleet) -> dict:
     return fleet.api("GET", f"/v1/deployments/{NAME}/rollouts/current").json()
-
-
-def watch(page, until, timeout: float, what: str) -> list[tuple[str, str]]:
-    """(phase, step) as the page shows them, polled until `until(phase)`."""
-    seen: list[tuple[str, str]] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        phase = page.locator("#phase").inner_text()
-        step = page.locator(".steps li.now").all_inner_texts()
-        now = (phase, step[0] if step else "")
-        if not seen or seen[-1] != now:
-            seen.append(now)
-        if until(phase):
-            return seen
-        time.sleep(0.25)
-    raise AssertionError(f"timed out waiting for {what}; saw {seen}")
 
 
 def test_console_in_a_browser(browser, fleet: SimFleet, shots: Shots):
