@@ -36,11 +36,13 @@ def wait_for(check, timeout: float, interval: float = 0.2, what: str = "conditio
 
 
 class SimFleet:
-    def __init__(self, home: Path, regions: list[str], slots: int = 4, gateway: dict | None = None) -> None:
+    def __init__(
+        self, home: Path, regions: list[str], slots: int = 4, gateway: dict[str, dict] | None = None
+    ) -> None:
         self.home = home
         self.regions = regions
         self.slots = slots
-        self.gateway_settings = gateway or {}  # GatewayConfig fields, e.g. queue_timeout_s
+        self.gateway_overrides = gateway or {}  # region -> GatewayConfig fields
         self.local = LocalFleet(home)
         self.state = self.local.new_state(regions)
         self.token = ""
@@ -60,7 +62,7 @@ class SimFleet:
                 update={
                     "runtime": "sim",
                     "gateway": config.gateway.model_copy(
-                        update={**self.gateway_settings, "port": free_port()}
+                        update={"port": free_port(), **self.gateway_overrides.get(region, {})}
                     ),
                     "pools": [PoolInventory(name="sim", gpu_model="cpu", gpus_per_node=self.slots, nodes=1)],
                 }

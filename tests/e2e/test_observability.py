@@ -53,12 +53,22 @@ RULES = sorted((ROOT / "deploy/prometheus/rules").glob("*.yml"))
 RULE_TESTS = sorted((ROOT / "deploy/prometheus/rules/tests").glob("*.yml"))
 RATE_INTERVAL = "5s"  # about what Grafana's $__rate_interval is at a 1 s scrape (4 x scrape)
 NAME = "web"
+REGIONS = ["local-east", "local-west"]
 PROMPT = "zebra-canary-prompt-7f3a please summarise my secret plans"
 SIM = {"cold_start": 0.2, "max_num_seqs": 16}
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
 
 pytestmark = pytest.mark.slow
+
+# Metrics that only a component a sim fleet lacks exports (the real engine, the kubernetes
+# runtime), with the reason: their panels' queries must evaluate, not return series. Empty:
+# a sim fleet feeds every panel of the dashboard today.
+SIM_CANNOT_EXPORT: dict[str, str] = {}
+
+
+def sim_cannot_export(expr: str) -> bool:
+    return any(metric in expr for metric in SIM_CANNOT_EXPORT)
 
 
 def deploy(fleet: SimFleet, **body) -> None:
@@ -69,7 +79,7 @@ def deploy(fleet: SimFleet, **body) -> None:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     home = tmp_path_factory.mktemp("observed-home")
-    fleet = SimFleet(home, ["local-east", "local-west"], slots=6, gateway={"queue_timeout_s": 2})
+    fleet = SimFleet(home, REGIONS, slots=6, gateway={r: {"queue_timeout_s": 2} for r in REGIONS})
     try:
         fleet.up()
         deploy(fleet, name=NAME, replicas=2, min_regions=2, engine_args=SIM)
@@ -175,7 +185,9 @@ def test_every_dashboard_query_returns_series(prometheus_binary, fleet: SimFleet
             for r in g["rules"]
             if "record" in r
         ]
-        pending = {*queries, *rules}
+        for expr in queries:  # every query parses and evaluates, whatever it finds
+            prom.query(expr)
+        pending = {*(q for q in queries if not sim_cannot_export(q)), *rules}
         answered: dict[str, float] = {}  # expr -> seconds until it first returned series
         started = time.monotonic()
 
