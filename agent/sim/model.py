@@ -80,6 +80,11 @@ class ReplicaModel:
             return 0
         return min(req.output_tokens, 1 + int(self.clock - req.start_clock + EPS))
 
+    def tokens_generated(self) -> int:
+        """Output tokens generated so far, finished requests and running ones (as of the
+        last advance): a counter that moves with every decode step, not only at finishes."""
+        return self.generated_tokens + sum(self.tokens_out(r) for r in self.running.values())
+
     def idle(self) -> bool:
         return not self.running and not self.prefilling and not self.waiting
 

@@ -15,10 +15,12 @@ Knative-like (KPA): demand is requests in flight and queued, summed over cluster
 - scale to zero (min 0 and `scale_to_zero`) only after `scale_to_zero_grace_s` without
   any demand; from zero: one replica at once when demand appears.
 
-Policies: `kpa` (the algorithm with Knative's defaults for its windows, delay and rates),
-`ours` (the same algorithm with a scale-down delay, a longer scale-to-zero grace, and a saturation
+Policies here: `kpa` (the algorithm with Knative's defaults for its windows, delay and rates),
+`concurrency` (the previous default: the same algorithm with a scale-down delay, a longer scale-to-zero grace, and a saturation
 trigger: while requests queue, the demand of this tick counts, not only the windows' means), `static` (always the
-maximum). Every decision is a `Decision` with the reason in words.
+maximum). The default, `ours`, is the SLO-driven `slo` policy (`control_plane.autoscale.slo`);
+`planner` follows Dynamo's SLA planner (`control_plane.autoscale.planner`). Every decision
+is a `Decision` with the reason in words.
 """
 
 from __future__ import annotations
@@ -30,6 +32,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from agent.sim.profile import PerfProfile
+from control_plane.autoscale.capacity import Variant
+
+DEFAULT_SLO_TTFT_S = 2.0
+DEFAULT_SLO_ITL_S = 0.1
 
 
 class AutoscaleSettings(BaseModel):
@@ -51,6 +59,11 @@ class AutoscaleSettings(BaseModel):
     max_scale_down_rate: float | None = Field(None, gt=1)
     scale_to_zero: bool = True
     scale_to_zero_grace_s: float | None = Field(None, ge=0, le=3600)
+    # SLO-driven policies (`slo`, `planner`): the targets, and what a replica can do.
+    slo_ttft_s: float = Field(DEFAULT_SLO_TTFT_S, gt=0, le=3600, description="time to first token")
+    slo_itl_s: float = Field(DEFAULT_SLO_ITL_S, gt=0, le=60, description="mean inter-token latency")
+    profile: PerfProfile | None = Field(None, exclude=True, description="one replica's performance")
+    variants: list[Variant] = Field(default_factory=list, exclude=True, description="GPU types / tiers")
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscaleSettings:
@@ -96,6 +109,14 @@ class Observation:
     ready: int = 0
     starting: int = 0
     current: int = 0  # replicas wanted now (Deployment.replicas)
+    # Work, for the SLO-driven policies (0 / None: not reported).
+    requests_per_s: float = 0.0  # arriving
+    prompt_tokens_per_s: float = 0.0  # arriving (or admitted, where arrivals are not seen)
+    output_tokens_per_s: float = 0.0  # generated
+    kv_usage: float = 0.0  # mean over ready replicas, 0..1
+    ttft_s: float | None = None  # observed mean TTFT of the last interval
+    itl_s: float | None = None  # observed mean inter-token latency of the last interval
+    prompt_sample: tuple[int, ...] = ()  # prompt lengths of some requests that arrived (the mix)
 
     @property
     def demand(self) -> float:
@@ -110,6 +131,8 @@ class Decision:
     stable_demand: float = 0.0
     panic_demand: float = 0.0
     panic: bool = False
+    mix: dict[str, int] = field(default_factory=dict)  # variant -> replicas (empty: any)
+    predicted: dict[str, object] = field(default_factory=dict)  # the model's view, for the record
 
     @property
     def changed(self) -> bool:
@@ -123,6 +146,8 @@ class Decision:
             "stable_demand": round(self.stable_demand, 3),
             "panic_demand": round(self.panic_demand, 3),
             "panic": self.panic,
+            **({"mix": dict(self.mix)} if self.mix else {}),
+            **({"predicted": self.predicted} if self.predicted else {}),
         }
 
 
@@ -135,6 +160,7 @@ class ScalerState:
     panic_until: float = -math.inf
     last_demand_at: float = -math.inf
     first_at: float | None = None  # the first observation: no scale-down before a full window
+    memory: dict[str, object] = field(default_factory=dict)  # a policy's own state, by policy
 
 
 class AutoscalePolicy(Protocol):
@@ -258,7 +284,9 @@ class Static:
 
 
 POLICIES: dict[str, Callable[[], AutoscalePolicy]] = {
-    "ours": lambda: KnativeLike("ours", OURS_TUNING),
+    # `ours` (the default) and `slo` register from control_plane.autoscale.slo, `planner`
+    # from control_plane.autoscale.planner.
+    "concurrency": lambda: KnativeLike("concurrency", OURS_TUNING),
     "kpa": lambda: KnativeLike("kpa", KPA_TUNING),
     "static": Static,
 }

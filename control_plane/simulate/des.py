@@ -28,6 +28,8 @@ from agent.sim.profile import PerfProfile
 from control_plane.autoscale.policy import AutoscaleSettings, Observation, ScalerState, make_policy
 from control_plane.simulate.trace import TraceRequest
 
+SAMPLE_PER_TICK = 32  # prompt lengths a decision sees of the requests that arrived since the last
+
 
 @dataclass
 class SimReplica:
@@ -83,7 +85,9 @@ class Simulation:
         self.warmup_s = warmup_s
         self.trace = trace
         self.profile = profile
-        self.settings = settings
+        self.settings = (
+            settings if settings.profile is not None else settings.model_copy(update={"profile": profile})
+        )
         self.policy = make_policy(policy)
         self.policy_name = policy
         self.router = make_routing(routing)
@@ -98,6 +102,14 @@ class Simulation:
         self.cold_starts = 0
         self._n = 0
         self._ready_heap: list[tuple[float, int, str]] = []
+        # What the gateways and replicas would report, since the last decision.
+        self._last_obs = 0.0
+        self._arrived = 0
+        self._arrived_prompt = 0
+        self._sample: list[int] = []
+        self._generated: dict[str, int] = {}
+        self._ttft: list[float] = []
+        self._itl: list[float] = []
 
     # ------------------------------------------------------------ replicas
 
@@ -155,7 +167,12 @@ class Simulation:
 
     def _on_events(self, r: SimReplica, events: list[SimRequest], now: float) -> None:
         for req in events:
+            if req.first_token_at is not None and req.tag is None:
+                req.tag = "first"
+                self._ttft.append(req.first_token_at - req.arrival)
             if req.finished_at is not None and req.rid in self.where:
+                if req.output_tokens > 1 and req.first_token_at is not None:
+                    self._itl.append((req.finished_at - req.first_token_at) / (req.output_tokens - 1))
                 del self.where[req.rid]
                 r.outstanding_tokens -= req.kv_tokens
                 r.in_flight -= 1
@@ -176,13 +193,43 @@ class Simulation:
         starting = [r for r in self.live if not r.draining and r.ready_at > now]
         running = sum(r.model.num_running for r in ready)
         queued = sum(r.model.num_waiting for r in ready) + len(self.pending)
-        obs = Observation(now, running, queued, len(ready), len(starting), self.desired)
+        obs = self._observe(now, running, queued, ready, len(starting))
         d = self.policy.decide(self.settings, self.state, obs)
         if d.desired != self.desired:
             decisions.append((now, d.desired, d.reason))
         self.desired = d.desired
         self._scale_to(d.desired, now)
         samples.append(Sample(now, len(self.live), len(ready), d.desired, obs.demand, arrivals))
+
+    def _observe(
+        self, now: float, running: int, queued: int, ready: list[SimReplica], starting: int
+    ) -> Observation:
+        """This decision's view, as gateways (arrivals, prompt tokens) and replicas
+        (generated tokens, KV usage, TTFT and ITL of their requests) report it."""
+        dt = max(now - self._last_obs, self.tick_s)
+        generated = 0
+        for r in self.live:
+            count = r.model.tokens_generated()
+            generated += max(0, count - self._generated.get(r.rid, 0))
+            self._generated[r.rid] = count
+        obs = Observation(
+            now,
+            running,
+            queued,
+            len(ready),
+            starting,
+            self.desired,
+            requests_per_s=self._arrived / dt,
+            prompt_tokens_per_s=self._arrived_prompt / dt,
+            output_tokens_per_s=generated / dt,
+            kv_usage=sum(r.model.kv_usage for r in ready) / len(ready) if ready else 0.0,
+            ttft_s=sum(self._ttft) / len(self._ttft) if self._ttft else None,
+            itl_s=sum(self._itl) / len(self._itl) if self._itl else None,
+            prompt_sample=tuple(self._sample),
+        )
+        self._last_obs, self._arrived, self._arrived_prompt, self._sample = now, 0, 0, []
+        self._ttft, self._itl = [], []
+        return obs
 
     def run(self) -> RunResult:
         for _ in range(self.initial):
@@ -220,6 +267,10 @@ class Simulation:
                 req = reqs[i]
                 i += 1
                 arrivals += 1
+                self._arrived += 1
+                self._arrived_prompt += req.prompt_tokens
+                if len(self._sample) < SAMPLE_PER_TICK:
+                    self._sample.append(req.prompt_tokens)
                 if not self._route(req, now):
                     self.pending.append(req)
                     if not any(not r.draining for r in self.live):  # scale from zero now

@@ -51,14 +51,14 @@ def at(result: list[tuple[float, int, str]], t: float) -> int:
 BASE = dict(target_concurrency=10.0, target_utilization=0.8, min_replicas=1, max_replicas=20)
 
 
-@pytest.mark.parametrize("policy", ["ours", "kpa"])
+@pytest.mark.parametrize("policy", ["concurrency", "kpa"])
 def test_steady_load_settles_at_demand_over_target(policy: str) -> None:
     r = run(policy, series((0, 300, 32)), **BASE)  # 32 / (10 x 0.8) = 4
     assert {d for t, d, _ in r if t >= 60} == {4}
     assert "stable demand" in r[-1][2]
 
 
-@pytest.mark.parametrize("policy", ["ours", "kpa"])
+@pytest.mark.parametrize("policy", ["concurrency", "kpa"])
 def test_step_up_scales_at_once(policy: str) -> None:
     r = run(policy, series((0, 60, 8), (60, 200, 80)), **BASE)
     assert at(r, 58) == 1
@@ -68,7 +68,7 @@ def test_step_up_scales_at_once(policy: str) -> None:
 
 @pytest.mark.parametrize(
     ("policy", "held_until"),
-    [("ours", 60), ("kpa", 60)],  # both hold through the panic (one stable window)
+    [("concurrency", 60), ("kpa", 60)],  # both hold through the panic (one stable window)
 )
 def test_burst_panics_then_holds(policy: str, held_until: float) -> None:
     r = run(policy, series((0, 100, 8), (100, 106, 120), (106, 400, 8)), **BASE)
@@ -79,7 +79,7 @@ def test_burst_panics_then_holds(policy: str, held_until: float) -> None:
 
 
 def test_decay_waits_for_the_scale_down_delay() -> None:
-    ours = run("ours", series((0, 120, 80), (120, 400, 0)), start=10, **BASE)
+    ours = run("concurrency", series((0, 120, 80), (120, 400, 0)), start=10, **BASE)
     kpa = run("kpa", series((0, 120, 80), (120, 400, 0)), start=10, **BASE)
     # ours: the 60s window's mean falls from ~126s on; the 90s delay holds 10 until ~216s
     assert at(ours, 210) == 10 and at(ours, 230) < 10
@@ -91,7 +91,7 @@ def test_decay_waits_for_the_scale_down_delay() -> None:
     assert all(b >= a // 2 for a, b in itertools.pairwise(seq))  # rate-bounded
 
 
-@pytest.mark.parametrize("policy", ["ours", "kpa", "static"])
+@pytest.mark.parametrize("policy", ["concurrency", "kpa", "static"])
 def test_min_and_max_bounds(policy: str) -> None:
     hi = run(policy, series((0, 120, 1000)), **{**BASE, "max_replicas": 6})
     assert max(d for _, d, _ in hi) == 6
@@ -99,11 +99,11 @@ def test_min_and_max_bounds(policy: str) -> None:
     assert lo[-1][1] == (6 if policy == "static" else 2)
 
 
-@pytest.mark.parametrize("policy", ["ours", "kpa"])
+@pytest.mark.parametrize("policy", ["concurrency", "kpa"])
 def test_scale_to_zero_and_back(policy: str) -> None:
     s = {**BASE, "min_replicas": 0}
     r = run(policy, series((0, 20, 8), (20, 300, 0), (300, 320, 4)), **s)
-    grace = 60 if policy == "ours" else 30
+    grace = 60 if policy == "concurrency" else 30
     zero_at = next(t for t, d, _ in r if d == 0)
     assert zero_at >= 20 + grace
     assert "scale to zero" in next(reason for t, _, reason in r if t == zero_at)
@@ -117,13 +117,13 @@ def test_scale_to_zero_and_back(policy: str) -> None:
 def test_ours_saturation_trigger_follows_a_queue_at_once() -> None:
     s = AutoscaleSettings(**BASE)
     out = {}
-    for name in ("ours", "kpa"):
+    for name in ("concurrency", "kpa"):
         p, state = make_policy(name), ScalerState()
         for t in range(0, 30, 2):  # 70 in flight on 10 replicas: calm
             p.decide(s, state, Observation(at=t, in_flight=70, ready=10, current=10))
         # a rise below the panic threshold, but 10 requests now queue behind full replicas
         out[name] = p.decide(s, state, Observation(at=30, in_flight=90, queued=10, ready=10, current=10))
-    assert out["ours"].desired == 13 and "saturated" in out["ours"].reason  # ceil(100 / 8)
+    assert out["concurrency"].desired == 13 and "saturated" in out["concurrency"].reason  # ceil(100 / 8)
     assert out["kpa"].desired <= 10 and not out["kpa"].panic
 
 
@@ -134,5 +134,5 @@ def test_settings_validate() -> None:
         AutoscaleSettings(stable_window_s=10, panic_window_s=20)
     with pytest.raises(ValueError, match="unknown autoscaling policy"):
         make_policy("nope")
-    d = run("ours", series((0, 4, 8)), **BASE)
+    d = run("concurrency", series((0, 4, 8)), **BASE)
     assert d[0][1] == 1

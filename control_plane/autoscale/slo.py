@@ -1,0 +1,339 @@
+"""The `slo` policy (the default, as `ours`): replicas sized by work against latency
+targets, not by requests in flight.
+
+Every decision:
+1. load: requests/s, prompt tokens/s and output tokens/s, smoothed with a trend (Holt),
+   forecast one cold start ahead (what a replica asked for now must already carry), never
+   below the current level; requests queued anywhere add the rate that drains them over
+   that horizon;
+2. feedback: the observed mean TTFT against the model's own prediction for the ready
+   replicas at the current load gives a correction factor on service times (bounded,
+   smoothed), so a profile that is wrong for this workload is corrected live;
+3. desired: for each variant (GPU type / tier; one when the deployment has one), the
+   smallest count whose predicted TTFT and ITL at the predicted load meet `slo_ttft_s`
+   and `slo_itl_s` (`capacity.ReplicaCapacity`); across variants the cheapest mix that
+   meets them (`mix`);
+4. floors: requests in flight and queued now over `target_concurrency` per replica (a
+   hard cap on a replica's batch);
+5. the same guards as the Knative-like policies: the highest desired count of the last
+   `scale_down_delay_s`, no scale-down before one stable window, scale-down at most by
+   `max_scale_down_rate`, scale to zero after a grace without demand and back at once.
+
+A deployment without a profile has no capacity model: it is scaled by the concurrency
+policy (`concurrency`) and the decision says so."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from control_plane.autoscale.capacity import Load, Prediction, ReplicaCapacity, Variant
+from control_plane.autoscale.forecast import Holt
+from control_plane.autoscale.policy import (
+    OURS_TUNING,
+    AutoscaleSettings,
+    Decision,
+    KnativeLike,
+    Observation,
+    ScalerState,
+)
+
+# Of the requests whose own prefill fits the TTFT target (the attainable ones), at most
+# this share of all requests may be predicted to miss it by waiting.
+MISS_BUDGET = 0.01
+SAMPLE_S = 60.0  # prompt lengths remembered for the mix
+SAMPLE_MAX = 128
+CORRECTION_BOUNDS = (0.5, 2.0)
+CORRECTION_S = 60.0  # smoothing time constant of the correction
+
+
+@dataclass
+class SloMemory:
+    requests: Holt = field(default_factory=Holt)
+    prompt: Holt = field(default_factory=Holt)
+    output: Holt = field(default_factory=Holt)
+    correction: float = 1.0
+    corrected_at: float | None = None
+    prompts: deque[tuple[float, int]] = field(default_factory=deque)
+
+    def remember(self, t: float, sample: tuple[int, ...]) -> None:
+        self.prompts.extend((t, x) for x in sample)
+        while self.prompts and self.prompts[0][0] < t - SAMPLE_S:
+            self.prompts.popleft()
+        while len(self.prompts) > 4 * SAMPLE_MAX:
+            self.prompts.popleft()
+
+    def mix(self) -> list[int]:
+        values = [x for _, x in self.prompts]
+        step = max(1, len(values) // SAMPLE_MAX)
+        return values[::step]
+
+
+def meets(p: Prediction, settings: AutoscaleSettings) -> bool:
+    """The prediction meets the targets: finite queues, ITL within target, and all but
+    MISS_BUDGET of the requests that can meet the TTFT target at all predicted to."""
+    if not p.feasible or p.itl_s > settings.slo_itl_s:
+        return False
+    return p.attainment >= p.attainable - MISS_BUDGET
+
+
+def smallest(
+    cap: ReplicaCapacity,
+    load: Load,
+    settings: AutoscaleSettings,
+    limit: int,
+    correction: float,
+    prompts: list[int],
+) -> tuple[int, Prediction]:
+    """The smallest replica count in 1..limit meeting the targets (or `limit`, with its
+    prediction, when none does). Predictions improve with the count: bisection."""
+    predict = lambda n: cap.predict(load, n, correction, prompts, settings.slo_ttft_s)  # noqa: E731
+    lo, hi = 1, max(1, limit)
+    top = predict(hi)
+    if not meets(top, settings):
+        return hi, top
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if meets(predict(mid), settings):
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi, predict(hi)
+
+
+def cheapest_mix(
+    variants: list[Variant], load: Load, settings: AutoscaleSettings, correction: float, prompts: list[int]
+) -> tuple[dict[str, int], Prediction, list[str]]:
+    """Greedy over variants by the cost of carrying the whole load on one: fill the
+    cheapest up to its pools' room; the rest of the load (in proportion) goes to the next."""
+    caps = {v.name: ReplicaCapacity(v.profile) for v in variants}
+    alone = {}
+    for v in variants:
+        n, pred = smallest(caps[v.name], load, settings, settings.max_replicas, correction, prompts)
+        alone[v.name] = (n * v.hourly_price, n, pred)
+    order = sorted(variants, key=lambda v: (alone[v.name][0], v.name))
+    mix: dict[str, int] = {}
+    notes: list[str] = []
+    share_left = 1.0
+    first: Prediction | None = None
+    for v in order:
+        if share_left <= 1e-9:
+            break
+        part = load.scaled(share_left)
+        if share_left == 1.0:
+            n, pred = alone[v.name][1], alone[v.name][2]
+        else:
+            n, pred = smallest(caps[v.name], part, settings, settings.max_replicas, correction, prompts)
+        room = v.max_replicas if v.max_replicas is not None else n
+        take = min(n, room)
+        if take <= 0:
+            notes.append(f"{v.name}: no room")
+            continue
+        mix[v.name] = take
+        notes.append(f"{take} x {v.name} (${v.hourly_price:g}/h each)")
+        if first is None:
+            first = (
+                pred
+                if take == n
+                else caps[v.name].predict(
+                    part.scaled(take / n), take, correction, prompts, settings.slo_ttft_s
+                )
+            )
+        share_left *= 1 - take / n
+    if first is None:  # no variant has room: the cheapest at its own best
+        first = alone[order[0].name][2]
+    return mix, first, notes
+
+
+class SloPolicy:
+    name = "slo"
+
+    def __init__(self, name: str = "slo") -> None:
+        self.name = name
+        self.fallback = KnativeLike("concurrency", OURS_TUNING)
+
+    def knob(self, settings: AutoscaleSettings, key: str) -> float:
+        value = getattr(settings, key)
+        return float(getattr(OURS_TUNING, key) if value is None else value)
+
+    def decide(self, settings: AutoscaleSettings, state: ScalerState, obs: Observation) -> Decision:
+        variants = settings.variants or (
+            [Variant(name="", profile=settings.profile, hourly_price=settings.profile.hourly_price)]
+            if settings.profile is not None
+            else []
+        )
+        if not variants:
+            d = self.fallback.decide(settings, state, obs)
+            return Decision(d.desired, d.current, f"no performance profile, by concurrency: {d.reason}",
+                            d.stable_demand, d.panic_demand, d.panic)  # fmt: skip
+        k = lambda key: self.knob(settings, key)  # noqa: E731
+        t = obs.at
+        mem = state.memory.setdefault(self.name, SloMemory())
+        assert isinstance(mem, SloMemory)
+        if state.first_at is None:
+            state.first_at = t
+        if obs.demand > 0 or obs.requests_per_s > 0:
+            state.last_demand_at = t
+        mem.requests.update(t, obs.requests_per_s)
+        mem.prompt.update(t, obs.prompt_tokens_per_s)
+        mem.output.update(t, obs.output_tokens_per_s)
+        mem.remember(t, obs.prompt_sample)
+        prompts = mem.mix()
+        horizon = max(v.profile.cold_start_s for v in variants) + k("panic_window_s")
+        now = Load(obs.requests_per_s, obs.prompt_tokens_per_s, obs.output_tokens_per_s)
+        level = Load(mem.requests.forecast(0), mem.prompt.forecast(0), mem.output.forecast(0))
+        ahead = Load(
+            max(level.requests_per_s, mem.requests.forecast(horizon)),
+            max(level.prompt_tokens_per_s, mem.prompt.forecast(horizon)),
+            max(level.output_tokens_per_s, mem.output.forecast(horizon)),
+        )
+        reasons: list[str] = []
+        if obs.queued > 0 and ahead.requests_per_s > 0:
+            drain = obs.queued / horizon  # requests/s more, until the queue is gone
+            ahead = ahead.scaled(1 + drain / ahead.requests_per_s)
+            reasons.append(f"{obs.queued:g} queued: +{drain:.2f} req/s to drain them")
+
+        primary = ReplicaCapacity(variants[0].profile)
+        self._feedback(mem, primary, settings, obs, level, t, prompts)
+        c = mem.correction
+
+        if ahead.requests_per_s > 0:
+            mix, pred, notes = cheapest_mix(variants, ahead, settings, c, prompts)
+            desired = sum(mix.values())
+            reasons.append(
+                f"load {ahead.requests_per_s:.2f} req/s, {ahead.prompt_tokens_per_s:.0f} prompt + "
+                f"{ahead.output_tokens_per_s:.0f} output tok/s (next {horizon:g}s) -> {desired}: "
+                f"TTFT {pred.ttft_s:.2f}s / {settings.slo_ttft_s:g}s ({100 * pred.attainment:.1f}% of "
+                f"{100 * pred.attainable:.1f}% attainable within), ITL {pred.itl_s * 1000:.0f}ms / "
+                f"{settings.slo_itl_s * 1000:g}ms"
+                + ("" if meets(pred, settings) else f" (targets out of reach: {pred.why or 'at max'})")
+            )
+            if c != 1.0:
+                reasons.append(f"service times x{c:.2f} from observed TTFT")
+            if len(variants) > 1:
+                reasons.append("mix: " + ", ".join(notes))
+        else:
+            mix, pred, desired = (
+                {},
+                primary.predict(now, max(1, obs.ready), c, prompts, settings.slo_ttft_s),
+                0,
+            )
+            reasons.append("no load")
+
+        floor = math.ceil(obs.demand / settings.target_concurrency - 1e-9)
+        if floor > desired:
+            desired = floor
+            reasons.append(
+                f"{obs.demand:g} in flight and queued / {settings.target_concurrency:g} per replica -> {floor}"
+            )
+
+        desired = self._guards(settings, state, obs, desired, reasons, k)
+        bounded = min(max(desired, settings.min_replicas), settings.max_replicas)
+        if bounded != desired:
+            reasons.append(
+                f"bounded to {bounded} by min {settings.min_replicas} / max {settings.max_replicas}"
+            )
+        if len(variants) > 1 and bounded != sum(mix.values()):
+            mix = _rescale(mix, bounded, [v.name for v in variants])
+        predicted = {**pred.as_dict(), "correction": round(c, 3), "requests_per_s": round(ahead.requests_per_s, 3),
+                     "prompt_tokens_per_s": round(ahead.prompt_tokens_per_s, 1),
+                     "output_tokens_per_s": round(ahead.output_tokens_per_s, 1)}  # fmt: skip
+        return Decision(
+            bounded,
+            obs.current,
+            "; ".join(reasons),
+            stable_demand=ahead.requests_per_s,
+            panic_demand=now.requests_per_s,
+            mix=mix if len(variants) > 1 else {},
+            predicted=predicted,
+        )
+
+    def _feedback(
+        self,
+        mem: SloMemory,
+        cap: ReplicaCapacity,
+        settings: AutoscaleSettings,
+        obs: Observation,
+        level: Load,
+        t: float,
+        prompts: list[int],
+    ) -> None:
+        """Observed TTFT / predicted TTFT at the ready replicas (both at the current level of
+        load), smoothed over CORRECTION_S, within CORRECTION_BOUNDS. A slow TTFT corrects the
+        model only where it predicted the ready replicas would do: where it already knew
+        they were too few (a burst, a backlog, a cold start), that is no news about the model."""
+        if obs.ttft_s is None or obs.ready <= 0 or level.requests_per_s <= 0:
+            return
+        expected = cap.predict(level, obs.ready, mem.correction, prompts, settings.slo_ttft_s)
+        if not expected.feasible or expected.ttft_s <= 0:
+            return
+        if obs.ttft_s > expected.ttft_s and not meets(expected, settings):
+            return
+        lo, hi = CORRECTION_BOUNDS
+        ratio = min(hi, max(lo, mem.correction * obs.ttft_s / expected.ttft_s))
+        dt = t - mem.corrected_at if mem.corrected_at is not None else 0.0
+        a = 1 - math.exp(-max(0.0, dt) / CORRECTION_S)
+        mem.correction = min(hi, max(lo, (1 - a) * mem.correction + a * ratio))
+        mem.corrected_at = t
+
+    def _guards(
+        self,
+        settings: AutoscaleSettings,
+        state: ScalerState,
+        obs: Observation,
+        desired: int,
+        reasons: list[str],
+        k,
+    ) -> int:
+        t = obs.at
+        delay = k("scale_down_delay_s")
+        state.recent.append((t, desired))
+        while state.recent and state.recent[0][0] < t - delay:
+            state.recent.popleft()
+        held = max(d for _, d in state.recent)
+        if held > desired:
+            desired = held
+            reasons.append(f"held at {held} by the {delay:g}s scale-down delay")
+        window = k("stable_window_s")
+        assert state.first_at is not None
+        if t - state.first_at < window and desired < obs.current:
+            desired = obs.current
+            reasons.append(f"no scale-down before a full {window:g}s window of demand")
+        down_limit = math.floor(obs.ready / k("max_scale_down_rate"))
+        if desired < down_limit and desired < obs.current:
+            desired = min(obs.current, down_limit)
+            reasons.append(f"scale-down rate bounds it to {desired}")
+        if desired == 0:
+            grace = k("scale_to_zero_grace_s")
+            if settings.min_replicas > 0 or not settings.scale_to_zero:
+                desired = max(1, settings.min_replicas)
+            elif t - state.last_demand_at < grace:
+                desired = 1
+                reasons.append(
+                    f"idle for {max(0.0, t - state.last_demand_at):.0f}s of {grace:g}s before zero"
+                )
+            else:
+                reasons.append(f"scale to zero: no demand for {grace:g}s")
+        if obs.demand > 0 and desired == 0:
+            desired = 1
+        if obs.demand > 0 and obs.current == 0 and obs.ready == 0:
+            reasons.append("scale from zero: demand with no replica")
+        return desired
+
+
+def _rescale(mix: dict[str, int], total: int, order: list[str]) -> dict[str, int]:
+    """A mix grown or shrunk to `total` replicas (guards and bounds moved the count):
+    growth goes to the mix's first (cheapest) variant, shrinking takes from its last."""
+    out = dict(mix) or {order[0]: 0}
+    names = list(out)
+    diff = total - sum(out.values())
+    if diff > 0:
+        out[names[0]] += diff
+    for name in reversed(names):
+        if diff >= 0:
+            break
+        take = min(out[name], -diff)
+        out[name] -= take
+        diff += take
+    return {n: c for n, c in out.items() if c > 0}
