@@ -283,7 +283,12 @@ class ReplicaLoad(BaseModel):
     running: int = 0
     waiting: int = 0
     kv_cache_usage: float = 0.0
-    tokens_per_s: float = 0.0
+    tokens_per_s: float = 0.0  # generated
+    # Work for the SLO-driven autoscaler: admitted prompt tokens/s, first tokens/s (requests
+    # starting), and the mean TTFT of those requests (None: none in the window).
+    prompt_tokens_per_s: float = 0.0
+    requests_per_s: float = 0.0
+    ttft_s: float | None = None
 
 
 class ReplicaStatus(BaseModel):

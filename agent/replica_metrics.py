@@ -1,6 +1,8 @@
 """Load of each ready replica, read from its Prometheus `/metrics` (see docs/metrics.md):
-running and waiting sequences, KV-cache usage, and generated tokens/s as the rate of the
-`fleet_engine_generation_tokens_total` counter between scrapes."""
+running and waiting sequences, KV-cache usage, and as rates between scrapes: generated
+tokens/s (`fleet_engine_generation_tokens_total`), admitted prompt tokens/s
+(`fleet_engine_prompt_tokens_total`), requests starting per second and their mean TTFT
+(`fleet_engine_time_to_first_token_seconds` count and sum)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,9 @@ RUNNING = "fleet_engine_requests_running"
 WAITING = "fleet_engine_requests_waiting"
 KV_USAGE = "fleet_engine_kv_cache_usage_ratio"
 GENERATED = "fleet_engine_generation_tokens_total"
+PROMPT = "fleet_engine_prompt_tokens_total"
+TTFT_SUM = "fleet_engine_time_to_first_token_seconds_sum"
+TTFT_COUNT = "fleet_engine_time_to_first_token_seconds_count"
 
 
 @dataclass(frozen=True)
@@ -25,12 +30,15 @@ class EngineSample:
     waiting: float = 0.0
     kv_cache_usage: float = 0.0
     generation_tokens: float = 0.0
+    prompt_tokens: float = 0.0
+    ttft_sum: float = 0.0
+    ttft_count: float = 0.0
 
 
 def parse_metrics(text: str) -> EngineSample:
     """The engine's load gauges and token counter from Prometheus text, summed over the
     `model` label (one per replica today). Missing series read as zero."""
-    values = {RUNNING: 0.0, WAITING: 0.0, KV_USAGE: 0.0, GENERATED: 0.0}
+    values = dict.fromkeys((RUNNING, WAITING, KV_USAGE, GENERATED, PROMPT, TTFT_SUM, TTFT_COUNT), 0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in values:
@@ -40,6 +48,9 @@ def parse_metrics(text: str) -> EngineSample:
         waiting=values[WAITING],
         kv_cache_usage=values[KV_USAGE],
         generation_tokens=values[GENERATED],
+        prompt_tokens=values[PROMPT],
+        ttft_sum=values[TTFT_SUM],
+        ttft_count=values[TTFT_COUNT],
     )
 
 
@@ -49,21 +60,29 @@ class LoadTracker:
 
     def __init__(self, window_s: float = 3.0) -> None:
         self.window_s = window_s
-        self._history: deque[tuple[float, float]] = deque()
+        self._history: deque[tuple[float, EngineSample]] = deque()
 
     def update(self, sample: EngineSample, now: float) -> ReplicaLoad:
-        if self._history and sample.generation_tokens < self._history[-1][1]:
+        if self._history and sample.generation_tokens < self._history[-1][1].generation_tokens:
             self._history.clear()
-        self._history.append((now, sample.generation_tokens))
+        self._history.append((now, sample))
         while len(self._history) > 2 and now - self._history[1][0] >= self.window_s:
             self._history.popleft()
-        (t0, c0), (t1, c1) = self._history[0], self._history[-1]
-        rate = (c1 - c0) / (t1 - t0) if t1 > t0 else 0.0
+        (t0, a), (t1, b) = self._history[0], self._history[-1]
+        dt = t1 - t0
+
+        def rate(x: float, y: float) -> float:
+            return max(0.0, (y - x) / dt) if dt > 0 else 0.0
+
+        started = b.ttft_count - a.ttft_count
         return ReplicaLoad(
             running=round(sample.running),
             waiting=round(sample.waiting),
             kv_cache_usage=min(1.0, max(0.0, sample.kv_cache_usage)),
-            tokens_per_s=max(0.0, rate),
+            tokens_per_s=rate(a.generation_tokens, b.generation_tokens),
+            prompt_tokens_per_s=rate(a.prompt_tokens, b.prompt_tokens),
+            requests_per_s=rate(a.ttft_count, b.ttft_count),
+            ttft_s=(b.ttft_sum - a.ttft_sum) / started if started > 0 else None,
         )
 
 

@@ -46,6 +46,10 @@ class ScalingSpec(Strict):
     scale_down_delay_s: float | None = Field(None, ge=0, le=86_400)
     target_concurrency: float | None = Field(None, gt=0, le=100_000)
     scale_to_zero: bool | None = None
+    slo_ttft_s: float | None = Field(None, gt=0, le=3600, description="TTFT target (default 2 s)")
+    slo_itl_s: float | None = Field(
+        None, gt=0, le=60, description="inter-token latency target (default 0.1 s)"
+    )
 
 
 class SpecFields(ScalingSpec):
@@ -111,6 +115,8 @@ class VersionOut(BaseModel):
     scale_down_delay_s: float
     target_concurrency: float
     scale_to_zero: bool
+    slo_ttft_s: float | None = None
+    slo_itl_s: float | None = None
     regions: list[str]
     min_regions: int
     standby_regions: list[str] = []

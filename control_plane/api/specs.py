@@ -23,6 +23,8 @@ VERSION_DEFAULTS: dict[str, Any] = {
     "scale_down_delay_s": 300.0,
     "target_concurrency": 8.0,
     "scale_to_zero": False,
+    "slo_ttft_s": None,
+    "slo_itl_s": None,
     "regions": [],
     "min_regions": 1,
     "standby_regions": [],

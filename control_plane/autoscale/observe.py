@@ -1,16 +1,27 @@
 """From what agents and gateways report to one `Observation` per deployment (pure).
 
 - replicas: the latest heartbeat of each cluster (stale ones, older than `stale_s`, are
-  left out): ready replicas' running and waiting sequences, ready and starting counts;
+  left out): ready replicas' running and waiting sequences, ready and starting counts,
+  and their work: admitted prompt tokens/s, generated tokens/s, requests starting per
+  second, KV usage and the mean TTFT of the requests that started;
 - gateway queues: the latest `Demand` per (cluster, deployment) younger than `demand_ttl_s`;
-- settings: a deployment version's scaling columns as `AutoscaleSettings`."""
+- settings: a deployment version's scaling columns as `AutoscaleSettings`, with the
+  performance profile its `engine_args` name and, when its pools offer several GPU types
+  with a profile each, one `Variant` per type."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from agent.protocol import Demand, Heartbeat, ReplicaState
-from control_plane.autoscale.policy import AutoscaleSettings, Observation
+from agent.sim.profile import PerfProfile, load_profile
+from control_plane.autoscale.capacity import Variant
+from control_plane.autoscale.policy import (
+    DEFAULT_SLO_ITL_S,
+    DEFAULT_SLO_TTFT_S,
+    AutoscaleSettings,
+    Observation,
+)
 
 STARTING = (ReplicaState.pending, ReplicaState.starting)
 
@@ -27,6 +38,7 @@ def observe(
 ) -> Observation:
     running = waiting = 0.0
     ready = starting = 0
+    prompt = output = started = kv = ttft_weighted = 0.0
     for hb in heartbeats:
         if now - hb.sent_at > stale_s:
             continue
@@ -37,19 +49,82 @@ def observe(
                 ready += 1
                 running += r.load.running
                 waiting += r.load.waiting
+                prompt += r.load.prompt_tokens_per_s
+                output += r.load.tokens_per_s
+                started += r.load.requests_per_s
+                kv += r.load.kv_cache_usage
+                if r.load.ttft_s is not None:
+                    ttft_weighted += r.load.ttft_s * r.load.requests_per_s
             elif r.state in STARTING:
                 starting += 1
     queued = sum(
         d.queued for (_, dep), d in demands.items() if dep == deployment and now - d.at <= demand_ttl_s
     )
     return Observation(
-        at=now, in_flight=running, queued=waiting + queued, ready=ready, starting=starting, current=current
+        at=now,
+        in_flight=running,
+        queued=waiting + queued,
+        ready=ready,
+        starting=starting,
+        current=current,
+        requests_per_s=started,
+        prompt_tokens_per_s=prompt,
+        output_tokens_per_s=output,
+        kv_usage=kv / ready if ready else 0.0,
+        ttft_s=ttft_weighted / started if started > 0 else None,
     )
 
 
-def settings_of(version: object, policy: str = "ours") -> AutoscaleSettings:
-    """A `DeploymentVersion` row's scaling columns (window, delay, target, bounds)."""
+def profiles_of(engine_args: Mapping[str, object]) -> dict[str, PerfProfile]:
+    """GPU type (upper case) -> profile: `profile` and any `profile_<GPU>` engine args that
+    name a stored profile (or a JSON path). Unknown names are left out."""
+    out: dict[str, PerfProfile] = {}
+    for key, value in engine_args.items():
+        if key != "profile" and not key.startswith("profile_"):
+            continue
+        try:
+            prof = load_profile(str(value))
+        except ValueError:
+            continue
+        gpu = key.removeprefix("profile_").upper() if key != "profile" else prof.gpu_model.upper()
+        out.setdefault(gpu, prof)
+    cold = engine_args.get("cold_start")
+    if isinstance(cold, (int, float)) and cold >= 0:  # the sim runtime's own cold start
+        out = {g: p.model_copy(update={"cold_start_s": float(cold)}) for g, p in out.items()}
+    return out
+
+
+def variants_of(
+    profiles: Mapping[str, PerfProfile], pools: Sequence[object], allowed: Sequence[str], gpus: int
+) -> list[Variant]:
+    """One variant per GPU type that has a profile, is allowed, and has pools: priced at its
+    cheapest pool's GPU price x the replica's GPUs, with room for what its pools hold."""
+    allow = {a.upper() for a in allowed}
+    out = []
+    for gpu, prof in sorted(profiles.items()):
+        mine = [p for p in pools if str(getattr(p, "gpu_model", "")).upper() == gpu]
+        if not mine or (allow and gpu not in allow):
+            continue
+        price = min(float(p.hourly_price) / max(1, int(p.gpus_per_node)) for p in mine) * max(1, gpus)
+        room = sum(int(p.gpus_per_node) * int(p.nodes) // max(1, gpus) for p in mine)
+        out.append(Variant(name=gpu, profile=prof, hourly_price=price, max_replicas=room))
+    return out
+
+
+def settings_of(version: object, policy: str = "ours", pools: Sequence[object] = ()) -> AutoscaleSettings:
+    """A `DeploymentVersion` row's scaling columns (window, delay, target, bounds, SLO
+    targets) and what its replicas can do (profiles, variants over `pools`)."""
     window = float(getattr(version, "autoscale_window_s", 60.0))
+    profiles = profiles_of(dict(getattr(version, "engine_args", None) or {}))
+    variants = variants_of(
+        profiles,
+        pools,
+        list(getattr(version, "gpu_models", None) or []),
+        int(getattr(version, "gpu_count", 1) or 1),
+    )
+    primary = next(iter(profiles.values()), None)
+    ttft = getattr(version, "slo_ttft_s", None)
+    itl = getattr(version, "slo_itl_s", None)
     return AutoscaleSettings(
         policy=policy,
         min_replicas=int(getattr(version, "min_replicas", 1)),
@@ -61,4 +136,8 @@ def settings_of(version: object, policy: str = "ours") -> AutoscaleSettings:
         scale_to_zero=bool(getattr(version, "scale_to_zero", False))
         or int(getattr(version, "min_replicas", 1)) == 0,
         scale_to_zero_grace_s=min(window, 60.0),
+        slo_ttft_s=float(ttft) if ttft else DEFAULT_SLO_TTFT_S,
+        slo_itl_s=float(itl) if itl else DEFAULT_SLO_ITL_S,
+        profile=primary,
+        variants=variants if len(variants) > 1 else [],
     )

@@ -22,6 +22,9 @@ COLUMNS = [
     "e2e_p50_s",
     "e2e_p99_s",
     "within_target",
+    "itl_p50_s",
+    "itl_p99_s",
+    "within_itl",
     "queue_mean_s",
     "queue_p99_s",
     "cold_starts",
@@ -61,7 +64,9 @@ def _config(path: Path | None) -> SimulateConfig:
 
 def simulate(
     trace: Path = typer.Option(
-        ..., "--trace", help="Azure CSV (TIMESTAMP,ContextTokens,GeneratedTokens) or Mooncake JSONL"
+        ...,
+        "--trace",
+        help="Azure CSV (TIMESTAMP,ContextTokens,GeneratedTokens: conversation or code) or Mooncake JSONL",
     ),
     profile: str = typer.Option(
         "llama2-70b-h100-tp4", help="performance profile name (agent/sim/profiles) or JSON path"
@@ -72,8 +77,13 @@ def simulate(
     rate_scale: float = typer.Option(
         1.0, "--rate-scale", help="replay X times as fast (X times the request rate)"
     ),
-    slo_ttft: float = typer.Option(2.0, "--slo-ttft", help="TTFT target in seconds"),
-    policies: str = typer.Option(None, help="comma-separated policies (default: static,kpa,ours)"),
+    slo_ttft: float = typer.Option(
+        None, "--slo-ttft", help="TTFT target in seconds (default: the settings' slo_ttft_s, 2)"
+    ),
+    slo_itl: float = typer.Option(
+        None, "--slo-itl", help="inter-token latency target in seconds (default: slo_itl_s, 0.1)"
+    ),
+    policies: str = typer.Option(None, help="comma-separated policies (default: static,kpa,planner,ours)"),
     limit: float = typer.Option(None, help="only the first SECONDS of (scaled) trace"),
     plot: Path = typer.Option(None, "--plot", help="write a PNG of load and replicas over time"),
     output: OutputFormat = OUTPUT_OPTION,
@@ -83,8 +93,10 @@ def simulate(
     from control_plane.autoscale.policy import POLICIES, AutoscaleSettings
     from control_plane.simulate import DEFAULT_POLICIES, TraceError, compare, default_settings, load_trace
 
-    if slo_ttft <= 0:
+    if slo_ttft is not None and slo_ttft <= 0:
         fail("--slo-ttft must be > 0")
+    if slo_itl is not None and slo_itl <= 0:
+        fail("--slo-itl must be > 0")
     cfg = _config(deployment_config)
     try:
         prof = load_profile(profile)
@@ -116,6 +128,7 @@ def simulate(
         settings,
         trace_name=trace.name,
         slo_ttft_s=slo_ttft,
+        slo_itl_s=slo_itl,
         rate_scale=rate_scale,
         policies=names,
         tick_s=cfg.tick_s,
@@ -129,12 +142,13 @@ def simulate(
     for p in report.policies:
         row = p.model_dump(exclude={"timeline"})
         row["within_target"] = f"{100 * p.within_ttft_target:.2f}%"
+        row["within_itl"] = f"{100 * p.within_itl_target:.2f}%"
         row["cost"] = f"${p.cost:,.2f}"
         row["gpu_hours"] = f"{p.gpu_hours:.2f}"
         rows.append(row)
     title = (
         f"{report.trace} x{rate_scale:g}: {report.requests} requests over {report.duration_s / 60:.1f} min, "
-        f"{prof.name}, TTFT target {slo_ttft:g}s (first {report.warmup_s:g}s warm-up, not counted; "
+        f"{prof.name}, targets TTFT {report.slo_ttft_s:g}s, ITL {1000 * report.slo_itl_s:g}ms (first {report.warmup_s:g}s warm-up, not counted; "
         f"simulated in {report.wall_s:.1f}s)"
     )
     _table(rows, title)

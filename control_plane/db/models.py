@@ -73,6 +73,8 @@ class Deployment(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     name: Mapped[str] = mapped_column(String(63), unique=True, index=True)
     replicas: Mapped[int] = mapped_column(Integer, default=1)
+    # The autoscaler's cheapest mix of GPU types (gpu model -> replicas); empty: any.
+    variant_mix: Mapped[dict[str, Any]] = mapped_column(default=dict)
     current_version: Mapped[int] = mapped_column(Integer, default=1)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
@@ -112,6 +114,8 @@ class DeploymentVersion(Base):
     scale_down_delay_s: Mapped[float] = mapped_column(Float, default=300.0)
     target_concurrency: Mapped[float] = mapped_column(Float, default=8.0)
     scale_to_zero: Mapped[bool] = mapped_column(Boolean, default=False)
+    slo_ttft_s: Mapped[float | None] = mapped_column(Float, nullable=True, default=None)  # None: 2 s
+    slo_itl_s: Mapped[float | None] = mapped_column(Float, nullable=True, default=None)  # None: 0.1 s
     regions: Mapped[list[str]] = mapped_column(default=list)  # empty: any
     min_regions: Mapped[int] = mapped_column(Integer, default=1)
     standby_regions: Mapped[list[str]] = mapped_column(default=list)  # warm, at min_replicas, no traffic

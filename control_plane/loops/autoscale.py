@@ -1,9 +1,10 @@
-"""The autoscale loop (issue 7): every `autoscale_interval_s`, and at once when a gateway
+"""The autoscale loop: every `autoscale_interval_s`, and at once when a gateway
 asks to scale a deployment up from zero, each autoscaled deployment's demand (heartbeats
 and gateway demand on NATS, summed over clusters) goes through its policy
 (`control_plane.autoscale`); a changed count is written to `Deployment.replicas` (the
-state that survives a restart) with a `scaled` event carrying the decision, and the
-reconcile loop is kicked so placement, desired state and routes follow.
+state that survives a restart) with a `scaled` event carrying the decision, a changed GPU
+mix to `Deployment.variant_mix` (the placer's allowed GPU types), and the reconcile loop
+is kicked so placement, desired state and routes follow.
 
 Autoscaled: a current version with min_replicas < max_replicas. The policy's windows live
 in memory; after a restart it does not scale down before one full window (the policy's
@@ -26,7 +27,7 @@ from agent import protocol
 from control_plane.autoscale.observe import observe, settings_of
 from control_plane.autoscale.policy import Decision, ScalerState, make_policy
 from control_plane.context import ControlPlaneContext
-from control_plane.db.models import Deployment, Event
+from control_plane.db.models import CapacityPool, Deployment, Event
 from control_plane.nats_loop import Handler, NatsLoop
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class AutoscaleLoop(NatsLoop):
         heartbeats = list(self.heartbeats.values())
         with self.ctx.sessions() as session:
             rows = session.scalars(select(Deployment).options(selectinload(Deployment.versions))).all()
+            pools = session.scalars(select(CapacityPool)).all()
             names = {d.name for d in rows}
             for name in list(self.states):
                 if name not in names:
@@ -115,12 +117,15 @@ class AutoscaleLoop(NatsLoop):
                 if version is None or version.min_replicas >= version.max_replicas:
                     self.states.pop(d.name, None)
                     continue
-                settings = settings_of(version, self.policy_name)
+                settings = settings_of(version, self.policy_name, pools)
                 obs = observe(d.name, heartbeats, self.demands, now=now, current=d.replicas)
                 state = self.states.setdefault(d.name, ScalerState())
                 decision = self.policy.decide(settings, state, obs)
                 self.last[d.name] = decision
                 self.decisions += 1
+                if decision.mix != dict(d.variant_mix or {}):
+                    d.variant_mix = dict(decision.mix)  # the placer follows (reconcile kicked below)
+                    changed = True
                 if decision.desired != d.replicas:
                     log.info(
                         "autoscale %s: %d -> %d (%s)", d.name, d.replicas, decision.desired, decision.reason

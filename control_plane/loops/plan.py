@@ -38,12 +38,16 @@ def placement_inputs(
             spec = snap.specs.get((d.name, version))
             if spec is None:
                 continue
+            gpu_models = spec.gpu_models
+            mix = tuple(m for m, n in d.variant_mix.items() if n > 0) if version == d.current_version else ()
+            if mix:  # the autoscaler's cheapest GPU types: the placer's cost objective fills them in order
+                gpu_models = mix
             demands.append(
                 ReplicaDemand(
                     deployment=d.name,
                     version=spec.version,
                     count=count,
-                    gpu_models=spec.gpu_models,
+                    gpu_models=gpu_models,
                     gpu_count=spec.gpu_count,
                     gpu_memory_gb=spec.gpu_memory_gb,
                     regions=primary_regions(snap, spec),

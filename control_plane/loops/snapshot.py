@@ -37,6 +37,7 @@ class DeploymentRow(_Row):
     name: str
     replicas: int  # desired
     current_version: int
+    variant_mix: dict[str, int] = Field(default_factory=dict)  # autoscaler's GPU mix; empty: any
 
 
 class PoolRow(_Row):
@@ -107,7 +108,12 @@ def read_snapshot(session: Session) -> FleetSnapshot:
     return FleetSnapshot(
         rollouts=plans(session),
         deployments=tuple(
-            DeploymentRow(name=d.name, replicas=d.replicas, current_version=d.current_version)
+            DeploymentRow(
+                name=d.name,
+                replicas=d.replicas,
+                current_version=d.current_version,
+                variant_mix={str(k): int(v) for k, v in (d.variant_mix or {}).items()},
+            )
             for d in deployments
         ),
         specs={

@@ -13,7 +13,7 @@ from control_plane.simulate.des import RunResult, Simulation
 from control_plane.simulate.report import PolicyReport, SimulationReport, plot, summarize
 from control_plane.simulate.trace import TraceError, TraceRequest, load_trace
 
-DEFAULT_POLICIES = ("static", "kpa", "ours")
+DEFAULT_POLICIES = ("static", "kpa", "planner", "ours")
 
 
 def default_settings(profile: PerfProfile) -> AutoscaleSettings:
@@ -29,18 +29,25 @@ def compare(
     settings: AutoscaleSettings,
     *,
     trace_name: str = "",
-    slo_ttft_s: float = 2.0,
+    slo_ttft_s: float | None = None,
+    slo_itl_s: float | None = None,
     rate_scale: float = 1.0,
     policies: tuple[str, ...] = DEFAULT_POLICIES,
     tick_s: float = 2.0,
     warmup_s: float = 300.0,
     plot_path: Path | None = None,
 ) -> SimulationReport:
-    """Runs every policy on the same trace. `static` gets the peak replica count the
+    """Runs every policy on the same trace, against the targets (`slo_ttft_s`, `slo_itl_s`;
+    None: the settings' own, which the SLO-driven policies aim at). `static` gets the peak replica count the
     autoscaled runs reached (provisioning for the peak). Autoscaled runs start at
     `min_replicas` (at least one) and the first `warmup_s` of trace only warms them up:
     requests arriving then and GPU time spent then are not counted, for any policy."""
     started = time.perf_counter()
+    targets = {"slo_ttft_s": slo_ttft_s, "slo_itl_s": slo_itl_s}
+    settings = settings.model_copy(
+        update={"profile": settings.profile or profile, **{k: v for k, v in targets.items() if v is not None}}
+    )
+    slo_ttft_s, slo_itl_s = settings.slo_ttft_s, settings.slo_itl_s
     runs: dict[str, RunResult] = {}
     reports: list[PolicyReport] = []
     autoscaled = [p for p in policies if p != "static"]
@@ -72,7 +79,7 @@ def compare(
             trace, profile, s, name, tick_s=tick_s, initial_replicas=start, warmup_s=warmup_s
         ).run()
     for name in policies:
-        reports.append(summarize(runs[name], profile, slo_ttft_s))
+        reports.append(summarize(runs[name], profile, slo_ttft_s, slo_itl_s=slo_itl_s))
     duration = trace[-1].at if trace else 0.0
     report = SimulationReport(
         trace=trace_name,
@@ -80,6 +87,7 @@ def compare(
         requests=len(trace),
         duration_s=round(duration, 1),
         slo_ttft_s=slo_ttft_s,
+        slo_itl_s=slo_itl_s,
         rate_scale=rate_scale,
         warmup_s=warmup_s,
         settings=settings.model_dump(),

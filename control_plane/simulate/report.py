@@ -35,6 +35,9 @@ class PolicyReport(BaseModel):
     e2e_p50_s: float
     e2e_p99_s: float
     within_ttft_target: float  # share of all requests (unfinished ones count as misses)
+    itl_p50_s: float = math.nan
+    itl_p99_s: float = math.nan
+    within_itl_target: float = 0.0  # share of requests with 2+ output tokens (unfinished: misses)
     queue_mean_s: float
     queue_p99_s: float
     cold_starts: int
@@ -49,6 +52,7 @@ class SimulationReport(BaseModel):
     requests: int
     duration_s: float
     slo_ttft_s: float
+    slo_itl_s: float = math.nan
     rate_scale: float
     warmup_s: float = 0.0
     settings: dict[str, object]
@@ -57,13 +61,21 @@ class SimulationReport(BaseModel):
 
 
 def summarize(
-    run: RunResult, profile: PerfProfile, slo_ttft_s: float, timeline_every: int = 5
+    run: RunResult,
+    profile: PerfProfile,
+    slo_ttft_s: float,
+    timeline_every: int = 5,
+    slo_itl_s: float = math.inf,
 ) -> PolicyReport:
     done = [r for r in run.measured if r.finished_at is not None and r.first_token_at is not None]
     ttft = [r.first_token_at - r.arrival for r in done]  # type: ignore[operator]
     e2e = [r.finished_at - r.arrival for r in done]  # type: ignore[operator]
     queue = [(r.admitted_at - r.arrival) for r in done if r.admitted_at is not None]
     within = sum(1 for x in ttft if x <= slo_ttft_s)
+    # Mean inter-token latency of each request that streams (2+ output tokens).
+    streams = [r for r in run.measured if r.output_tokens > 1]
+    itl = [(r.finished_at - r.first_token_at) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]  # type: ignore[operator]
+    within_itl = sum(1 for x in itl if x <= slo_itl_s)
     replica_h = run.replica_seconds / 3600
     n = len(run.measured)
     replicas = [s.replicas for s in run.samples]
@@ -80,6 +92,9 @@ def summarize(
         e2e_p50_s=round(percentile(e2e, 50), 3),
         e2e_p99_s=round(percentile(e2e, 99), 3),
         within_ttft_target=round(within / n, 5) if n else 0.0,
+        itl_p50_s=round(percentile(itl, 50), 4),
+        itl_p99_s=round(percentile(itl, 99), 4),
+        within_itl_target=round(within_itl / len(streams), 5) if streams else 1.0,
         queue_mean_s=round(sum(queue) / len(queue), 4) if queue else 0.0,
         queue_p99_s=round(percentile(queue, 99), 4),
         cold_starts=run.cold_starts,
@@ -105,13 +120,14 @@ def plot(report: SimulationReport, runs: dict[str, RunResult], out: Path) -> Non
     ax_load.bar([x for x in xs], [minutes[x] for x in xs], width=0.9, color="#999")
     ax_load.set_ylabel("requests / min")
     ax_load.set_title(
-        f"{report.trace} x{report.rate_scale:g} on {report.profile} (TTFT target {report.slo_ttft_s:g} s)"
+        f"{report.trace} x{report.rate_scale:g} on {report.profile} "
+        f"(targets: TTFT {report.slo_ttft_s:g} s, ITL {1000 * report.slo_itl_s:g} ms)"
     )
     for pr in report.policies:
         run = runs[pr.policy]
         label = (
-            f"{pr.policy}: {pr.gpu_hours:.1f} GPU-h, {100 * pr.within_ttft_target:.2f}% within target, "
-            f"TTFT p99 {pr.ttft_p99_s:.2f}s"
+            f"{pr.policy}: {pr.gpu_hours:.1f} GPU-h, {100 * pr.within_ttft_target:.2f}% within TTFT, "
+            f"{100 * pr.within_itl_target:.2f}% within ITL target, TTFT p99 {pr.ttft_p99_s:.2f}s"
         )
         ax_rep.step(
             [s.at / 60 for s in run.samples], [s.replicas for s in run.samples], where="post", label=label

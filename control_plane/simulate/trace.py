@@ -1,5 +1,5 @@
-"""Request traces: Azure LLM inference (CSV: TIMESTAMP, ContextTokens, GeneratedTokens)
-and Mooncake (JSONL: timestamp in ms, input_length, output_length, hash_ids), read into
+"""Request traces: Azure LLM inference (CSV: TIMESTAMP, ContextTokens, GeneratedTokens: the
+2023 conversation and code traces alike) and Mooncake (JSONL: timestamp in ms, input_length, output_length, hash_ids), read into
 one shape with arrival times in seconds from the first request."""
 
 from __future__ import annotations
@@ -61,6 +61,14 @@ def _mooncake(path: Path) -> list[tuple[float, int, int]]:
     return out
 
 
+def _is_jsonl(path: Path) -> bool:
+    """By content, not by name: a Mooncake trace is JSON lines, an Azure one a CSV (the
+    conversation and code traces share its columns) whatever the files are called."""
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    return head.startswith(b"{")
+
+
 def load_trace(path: str | Path, rate_scale: float = 1.0, limit_s: float | None = None) -> list[TraceRequest]:
     """Requests sorted by arrival, from 0 s. `rate_scale` 2 replays twice as fast (twice
     the request rate); `limit_s` keeps only the first seconds of (scaled) trace."""
@@ -69,7 +77,7 @@ def load_trace(path: str | Path, rate_scale: float = 1.0, limit_s: float | None 
         raise TraceError(f"{p}: no such trace file")
     if rate_scale <= 0:
         raise TraceError("rate scale must be > 0")
-    rows = _mooncake(p) if p.suffix in (".jsonl", ".json") else _azure(p)
+    rows = _mooncake(p) if _is_jsonl(p) else _azure(p)
     if not rows:
         raise TraceError(f"{p}: no requests")
     rows.sort()

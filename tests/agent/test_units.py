@@ -101,7 +101,13 @@ def test_parse_engine_metrics() -> None:
         )
     )
     assert parse_metrics(text) == EngineSample(
-        running=3, waiting=2, kv_cache_usage=0.25, generation_tokens=1234
+        running=3,
+        waiting=2,
+        kv_cache_usage=0.25,
+        generation_tokens=1234,
+        prompt_tokens=99,
+        ttft_sum=pytest.approx(0.1),
+        ttft_count=1,
     )
     assert parse_metrics("") == EngineSample()
 
@@ -116,6 +122,14 @@ def test_load_tracker_rate_and_counter_reset() -> None:
     assert t.update(EngineSample(generation_tokens=250), 14.0).tokens_per_s == pytest.approx(100 / 3)
     assert t.update(EngineSample(generation_tokens=5), 15.0).tokens_per_s == 0.0  # replica restarted
     assert t.update(EngineSample(generation_tokens=25), 16.0).tokens_per_s == 20.0
+
+
+def test_load_tracker_reports_work_prompt_tokens_requests_and_ttft() -> None:
+    t = LoadTracker(window_s=3.0)
+    assert t.update(EngineSample(prompt_tokens=1000, ttft_sum=2.0, ttft_count=10), 10.0).ttft_s is None
+    load = t.update(EngineSample(prompt_tokens=5000, ttft_sum=3.5, ttft_count=13), 12.0)
+    assert load.prompt_tokens_per_s == 2000 and load.requests_per_s == 1.5
+    assert load.ttft_s == pytest.approx(0.5)  # the 3 requests that started: 1.5 s of TTFT
 
 
 # ----------------------------------------------------------------- inventory

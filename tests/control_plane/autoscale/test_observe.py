@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from agent.gateway.demand import DemandSignal
 from agent.protocol import Demand, Heartbeat, ReplicaLoad, ReplicaState, ReplicaStatus
 from control_plane.autoscale.observe import observe, settings_of
-from control_plane.db.models import DeploymentVersion
+from control_plane.db.models import CapacityPool, DeploymentVersion
 from control_plane.loops.plan import build_routes
 from control_plane.loops.snapshot import DeploymentRow, FleetSnapshot, VersionSpec
 
@@ -82,3 +84,43 @@ def test_demand_signal_counts_waiters_and_sends_at_once_from_zero() -> None:
         ("chat", 2, 0),
         ("code", 1, 2),
     ]
+
+
+def test_observe_sums_work_and_weights_ttft_by_requests() -> None:
+    now = 1000.0
+    busy = ReplicaLoad(running=4, prompt_tokens_per_s=3000, tokens_per_s=400, requests_per_s=3, ttft_s=0.5,
+                       kv_cache_usage=0.6)  # fmt: skip
+    calm = ReplicaLoad(running=1, prompt_tokens_per_s=1000, tokens_per_s=100, requests_per_s=1, ttft_s=0.1,
+                       kv_cache_usage=0.2)  # fmt: skip
+    hb = Heartbeat(cluster="a", sent_at=now, replicas=[
+        ReplicaStatus(replica_id="x", deployment="chat", version=1, state=ReplicaState.ready, load=busy),
+        ReplicaStatus(replica_id="y", deployment="chat", version=1, state=ReplicaState.ready, load=calm)])  # fmt: skip
+    obs = observe("chat", [hb], {}, now=now, current=2)
+    assert (obs.requests_per_s, obs.prompt_tokens_per_s, obs.output_tokens_per_s) == (4, 4000, 500)
+    assert obs.ttft_s == pytest.approx((3 * 0.5 + 1 * 0.1) / 4) and obs.kv_usage == pytest.approx(0.4)
+
+
+def test_settings_carry_the_profile_targets_and_variants_over_pools() -> None:
+    v = DeploymentVersion(version=1, model="m", min_replicas=1, max_replicas=9, gpu_count=4, gpu_models=[],
+                          autoscale_window_s=60.0, scale_down_delay_s=90.0, target_concurrency=8.0,
+                          engine_args={"profile": "llama2-70b-h100-tp4", "profile_a100": "llama2-70b-a100-tp4",
+                                       "profile_l4": "no-such-profile", "cold_start": 5},
+                          slo_ttft_s=1.5, slo_itl_s=0.05)  # fmt: skip
+    one = settings_of(v)
+    assert one.profile is not None and one.profile.name == "llama2-70b-h100-tp4"
+    assert one.profile.cold_start_s == 5 and (one.slo_ttft_s, one.slo_itl_s) == (1.5, 0.05)
+    assert one.variants == []  # no pools: nothing to choose among
+    pools = [
+        CapacityPool(name="h", gpu_model="H100", gpus_per_node=8, nodes=2, hourly_price=80.0),
+        CapacityPool(name="a", gpu_model="a100", gpus_per_node=8, nodes=1, hourly_price=30.0),
+        CapacityPool(name="a-cheap", gpu_model="A100", gpus_per_node=4, nodes=1, hourly_price=10.0),
+    ]
+    s = settings_of(v, pools=pools)
+    by = {x.name: x for x in s.variants}
+    assert set(by) == {"A100", "H100"}
+    assert by["A100"].hourly_price == pytest.approx(10.0) and by["A100"].max_replicas == 3  # (8 + 4) / 4
+    assert by["H100"].hourly_price == pytest.approx(40.0) and by["H100"].max_replicas == 4
+    v.gpu_models = ["H100"]
+    assert settings_of(v, pools=pools).variants == []  # one allowed type: no choice
+    v.slo_ttft_s = None
+    assert settings_of(v).slo_ttft_s == 2.0  # the documented default

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import math
+import random
 from pathlib import Path
 
 import pytest
@@ -48,6 +50,20 @@ def test_trace_readers(tmp_path: Path, shared_data: Path) -> None:
     bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,abc,3\n")
     with pytest.raises(TraceError, match=r"bad\.csv:2"):
         load_trace(bad)
+    # Formats by content, not by file name (the Azure code trace shares the CSV columns).
+    named = tmp_path / "AzureLLMInferenceTrace_code.trace"
+    named.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,2048,8\n2023-11-16 18:15:47.6,1900,30\n"
+    )
+    assert [(r.at, r.prompt_tokens, r.output_tokens) for r in load_trace(named)] == [
+        (0.0, 2048, 8),
+        (1.5, 1900, 30),
+    ]
+    moon_txt = tmp_path / "moon.txt"
+    moon_txt.write_text(
+        '{"timestamp": 0, "input_length": 9, "output_length": 2}\n{"timestamp": 500, "input_length": 5, "output_length": 1}\n'
+    )
+    assert [(r.at, r.prompt_tokens) for r in load_trace(moon_txt)] == [(0.0, 9), (0.5, 5)]
     (tmp_path / "cols.csv").write_text("a,b\n1,2\n")
     with pytest.raises(TraceError, match="needs columns"):
         load_trace(tmp_path / "cols.csv")
@@ -71,7 +87,9 @@ def test_autoscaler_follows_a_step_and_scales_to_zero_and_back() -> None:
     run = Simulation(trace, PROFILE, s, "ours", initial_replicas=1).run()
     assert all(r.finished_at is not None for r in run.requests)
     reps = {int(x.at): x.replicas for x in run.samples}
-    assert max(v for t, v in reps.items() if 100 < t < 360) >= 3  # scaled up under load
+    assert max(v for t, v in reps.items() if 100 < t < 360) >= 2  # scaled up under load
+    busy = [r for r in run.requests if 120 < r.arrival < 360]
+    assert sum(r.first_token_at - r.arrival <= s.slo_ttft_s for r in busy) >= 0.99 * len(busy)
     assert min(v for t, v in reps.items() if 600 < t < 700) == 0  # to zero when idle
     late = run.requests[-1]
     assert late.first_token_at - late.arrival >= PROFILE.cold_start_s  # waited for a cold start
@@ -90,6 +108,33 @@ def test_compare_static_gets_the_autoscaled_peak(tmp_path: Path) -> None:
     assert (tmp_path / "p.png").stat().st_size > 10_000
 
 
+def code_like(seconds: float, seed: int = 7) -> list[TraceRequest]:
+    """A synthetic stand-in for the shape of the Azure 2023 code trace (long prompts around
+    2k tokens, short outputs around 25), with a slow swing in the rate: a guard that the
+    defaults hold on a workload unlike the conversation trace, not a copy of the real one."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    while t < seconds:
+        t += rng.expovariate(4.0 + 2.5 * math.sin(2 * math.pi * t / 1200))
+        prompt = int(min(8000, max(100, rng.lognormvariate(math.log(2000), 0.6))))
+        out.append(TraceRequest(t, prompt, int(min(500, max(1, rng.lognormvariate(math.log(25), 0.8))))))
+    return out
+
+
+def test_long_prompts_short_outputs_hold_where_concurrency_collapses() -> None:
+    from agent.sim.profile import load_profile
+    from control_plane.simulate import default_settings
+
+    prof = load_profile("llama2-70b-h100-tp4")
+    rep = compare(
+        code_like(900), prof, default_settings(prof), policies=("static", "kpa", "ours"), warmup_s=120
+    )
+    by = {p.policy: p for p in rep.policies}
+    assert by["ours"].within_ttft_target >= 0.99
+    assert by["ours"].gpu_hours < by["static"].gpu_hours
+    assert by["kpa"].within_ttft_target < 0.95  # concurrency is the wrong signal here
+
+
 def test_fleetctl_simulate_azure_hour(shared_data: Path, tmp_path: Path) -> None:
     runner = CliRunner()
     out = runner.invoke(
@@ -98,8 +143,6 @@ def test_fleetctl_simulate_azure_hour(shared_data: Path, tmp_path: Path) -> None
             "simulate",
             "--trace",
             str(shared_data / "azure2023_conv.csv"),
-            "--slo-ttft",
-            "1",
             "-o",
             "json",
             "--plot",
@@ -112,11 +155,16 @@ def test_fleetctl_simulate_azure_hour(shared_data: Path, tmp_path: Path) -> None
         rep["requests"] == 19366 and rep["wall_s"] < 120
     )  # an hour of trace: ~3 s on an idle core; generous for a loaded CI box
     by = {p["policy"]: p for p in rep["policies"]}
-    assert set(by) == {"static", "kpa", "ours"}
+    assert set(by) == {"static", "kpa", "planner", "ours"}
     for p in by.values():
         assert p["completed"] == p["requests"] and 0 < p["ttft_p50_s"] <= p["ttft_p90_s"] <= p["ttft_p99_s"]
+        assert 0 < p["itl_p50_s"] <= p["itl_p99_s"] and 0 < p["within_itl_target"] <= 1
+    assert rep["slo_ttft_s"] == 2 and rep["slo_itl_s"] == 0.1  # the documented defaults
     assert by["ours"]["within_ttft_target"] >= 0.99
     assert by["ours"]["gpu_hours"] <= 0.7 * by["static"]["gpu_hours"]
+    assert by["ours"]["gpu_hours"] < by["kpa"]["gpu_hours"]
+    assert by["ours"]["within_ttft_target"] >= by["kpa"]["within_ttft_target"]
+    assert by["ours"]["within_itl_target"] >= by["kpa"]["within_itl_target"]
     assert by["ours"]["cold_starts"] < by["kpa"]["cold_starts"]
 
 
@@ -145,6 +193,7 @@ def test_fleetctl_simulate_mooncake_and_bad_input(shared_data: Path, tmp_path: P
         (["--trace", str(shared_data / "azure2023_conv.csv"), "--profile", "nope"], "unknown profile"),
         (["--trace", str(shared_data / "azure2023_conv.csv"), "--policies", "x"], "unknown policy"),
         (["--trace", str(shared_data / "azure2023_conv.csv"), "--rate-scale", "0"], "rate scale"),
+        (["--trace", str(shared_data / "azure2023_conv.csv"), "--slo-itl", "0"], "--slo-itl must be > 0"),
     ]
     bad_cfg = tmp_path / "bad.yaml"
     bad_cfg.write_text("autoscaling:\n  min_replicas: 5\n  max_replicas: 2\n")
