@@ -169,7 +169,7 @@ class AutoscalePolicy(Protocol):
     def decide(self, settings: AutoscaleSettings, state: ScalerState, obs: Observation) -> Decision: ...
 
 
-def _mean(samples: deque[tuple[float, float]], since: float) -> float:
+def window_mean(samples: deque[tuple[float, float]], since: float) -> float:
     values = [v for t, v in samples if t > since]
     return sum(values) / len(values) if values else 0.0
 
@@ -196,8 +196,8 @@ class KnativeLike:
         if obs.demand > 0:
             state.last_demand_at = t
         per_replica = settings.target_concurrency * k("target_utilization")
-        stable = _mean(state.samples, t - stable_w)
-        panic_demand = _mean(state.samples, t - panic_w)
+        stable = window_mean(state.samples, t - stable_w)
+        panic_demand = window_mean(state.samples, t - panic_w)
         want_stable = math.ceil(stable / per_replica - 1e-9)
         want_panic = math.ceil(panic_demand / per_replica - 1e-9)
         ready = obs.ready

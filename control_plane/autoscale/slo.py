@@ -13,8 +13,9 @@ Every decision:
    smallest count whose predicted TTFT and ITL at the predicted load meet `slo_ttft_s`
    and `slo_itl_s` (`capacity.ReplicaCapacity`); across variants the cheapest mix that
    meets them (`mix`);
-4. floors: requests in flight and queued now over `target_concurrency` per replica (a
-   hard cap on a replica's batch);
+4. a floor: requests in flight and queued (their mean over the panic window, or over the
+   stable window when higher) over `target_concurrency` per replica: the deployment's cap
+   on a replica's batch;
 5. the same guards as the Knative-like policies: the highest desired count of the last
    `scale_down_delay_s`, no scale-down before one stable window, scale-down at most by
    `max_scale_down_rate`, scale to zero after a grace without demand and back at once.
@@ -37,6 +38,7 @@ from control_plane.autoscale.policy import (
     KnativeLike,
     Observation,
     ScalerState,
+    window_mean,
 )
 
 # Of the requests whose own prefill fits the TTFT target (the attainable ones), at most
@@ -221,11 +223,20 @@ class SloPolicy:
             )
             reasons.append("no load")
 
-        floor = math.ceil(obs.demand / settings.target_concurrency - 1e-9)
+        # Requests in flight and queued, averaged like the concurrency policies do (the
+        # short window to go up, the long one to come down), over the per-replica cap.
+        state.samples.append((t, obs.demand))
+        while state.samples and state.samples[0][0] <= t - k("stable_window_s"):
+            state.samples.popleft()
+        held = max(
+            window_mean(state.samples, t - k("panic_window_s")),
+            window_mean(state.samples, t - k("stable_window_s")),
+        )
+        floor = math.ceil(held / settings.target_concurrency - 1e-9)
         if floor > desired:
             desired = floor
             reasons.append(
-                f"{obs.demand:g} in flight and queued / {settings.target_concurrency:g} per replica -> {floor}"
+                f"{held:.1f} in flight and queued / {settings.target_concurrency:g} per replica -> {floor}"
             )
 
         desired = self._guards(settings, state, obs, desired, reasons, k)
