@@ -211,7 +211,7 @@ class ReplicaCapacity:
         if self.decode_rate(hi, correction) < tokens_per_s:
             return None
         lo = 0.0
-        for _ in range(24):
+        for _ in range(16):
             mid = (lo + hi) / 2
             if self.decode_rate(max(mid, 1e-6), correction) >= tokens_per_s:
                 hi = mid

@@ -45,7 +45,7 @@ from control_plane.autoscale.policy import (
 # this share of all requests may be predicted to miss it by waiting.
 MISS_BUDGET = 0.01
 SAMPLE_S = 60.0  # prompt lengths remembered for the mix
-SAMPLE_MAX = 128
+SAMPLE_MAX = 64
 CORRECTION_BOUNDS = (0.5, 2.0)
 CORRECTION_S = 60.0  # smoothing time constant of the correction
 

@@ -193,6 +193,10 @@ def deploy(
     target_concurrency: float = typer.Option(
         None, "--target-concurrency", help="autoscaling target per replica"
     ),
+    slo_ttft: float = typer.Option(None, "--slo-ttft", help="autoscaling TTFT target, seconds (default 2)"),
+    slo_itl: float = typer.Option(
+        None, "--slo-itl", help="autoscaling inter-token latency target, seconds (default 0.1)"
+    ),
     file: Path = typer.Option(
         None, "--file", "-f", help="deployment YAML (the API's fields); flags override it"
     ),
@@ -220,6 +224,8 @@ def deploy(
         "engine_args": _engine_args(engine_arg) if engine_arg else None,
         "scale_to_zero": scale_to_zero,
         "target_concurrency": target_concurrency,
+        "slo_ttft_s": slo_ttft,
+        "slo_itl_s": slo_itl,
     }
     body.update({k: v for k, v in flags.items() if v is not None})
 

@@ -114,11 +114,17 @@ def plot(report: SimulationReport, runs: dict[str, RunResult], out: Path) -> Non
     fig, (ax_load, ax_rep) = plt.subplots(2, 1, figsize=(11, 6.5), sharex=True, height_ratios=[1, 1.4])
     first = next(iter(runs.values()))
     minutes: dict[int, int] = {}
+    prompt: dict[int, int] = {}
     for r in first.requests:
-        minutes[int(r.arrival // 60)] = minutes.get(int(r.arrival // 60), 0) + 1
+        m = int(r.arrival // 60)
+        minutes[m] = minutes.get(m, 0) + 1
+        prompt[m] = prompt.get(m, 0) + r.prompt_tokens
     xs = sorted(minutes)
     ax_load.bar([x for x in xs], [minutes[x] for x in xs], width=0.9, color="#999")
     ax_load.set_ylabel("requests / min")
+    ax_work = ax_load.twinx()  # the work: what the SLO policy scales on
+    ax_work.plot([x for x in xs], [prompt[x] / 60 for x in xs], color="#c44", lw=1.2)
+    ax_work.set_ylabel("prompt tokens / s", color="#c44")
     ax_load.set_title(
         f"{report.trace} x{report.rate_scale:g} on {report.profile} "
         f"(targets: TTFT {report.slo_ttft_s:g} s, ITL {1000 * report.slo_itl_s:g} ms)"

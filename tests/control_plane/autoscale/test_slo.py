@@ -110,7 +110,7 @@ def test_burst_scales_up_within_seconds_and_holds_through_the_delay() -> None:
 
 
 def test_diurnal_decay_follows_the_load_down_without_oscillating() -> None:
-    work = [(float(t), Work(12.0 - 10.0 * t / 1800, 1500, 250)) for t in range(0, 2400, 2)]
+    work = [(float(t), Work(12.0 - 10.0 * t / 1200, 1500, 250)) for t in range(0, 1500, 3)]
     r = run("slo", work, start=10)
     seq = [d for t, d, _ in r if t >= 120]
     assert all(b <= a for a, b in itertools.pairwise(seq))  # only down as the load falls
@@ -154,7 +154,7 @@ def test_scale_to_zero_and_back() -> None:
 
 
 def test_observed_ttft_above_the_model_corrects_it() -> None:
-    work = series((0, 600, Work(6.0, 2000, 100)))
+    work = series((0, 300, Work(6.0, 2000, 100)))
     plain = run("slo", work)
     s = AutoscaleSettings(profile=H100, max_replicas=40, target_concurrency=64.0)
     p, state, current = make_policy("slo"), ScalerState(), 1

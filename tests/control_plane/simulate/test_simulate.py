@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import json
-import math
-import random
 from pathlib import Path
 
 import pytest
@@ -109,16 +107,11 @@ def test_compare_static_gets_the_autoscaled_peak(tmp_path: Path) -> None:
 
 
 def code_like(seconds: float, seed: int = 7) -> list[TraceRequest]:
-    """A synthetic stand-in for the shape of the Azure 2023 code trace (long prompts around
-    2k tokens, short outputs around 25), with a slow swing in the rate: a guard that the
-    defaults hold on a workload unlike the conversation trace, not a copy of the real one."""
-    rng = random.Random(seed)
-    t, out = 0.0, []
-    while t < seconds:
-        t += rng.expovariate(4.0 + 2.5 * math.sin(2 * math.pi * t / 1200))
-        prompt = int(min(8000, max(100, rng.lognormvariate(math.log(2000), 0.6))))
-        out.append(TraceRequest(t, prompt, int(min(500, max(1, rng.lognormvariate(math.log(25), 0.8))))))
-    return out
+    """`bench.code_like_trace`: long prompts (~2k tokens), short outputs (~25), a swing in
+    the rate; a guard that the defaults hold on a workload unlike the conversation trace."""
+    from bench.code_like_trace import generate
+
+    return [TraceRequest(t, p, o) for t, p, o in generate(seconds, seed, period_s=1200)]
 
 
 def test_long_prompts_short_outputs_hold_where_concurrency_collapses() -> None:
