@@ -87,6 +87,18 @@ def _database_metrics(session: Session) -> Iterator[Metric]:
         assigned.add_metric([name], sum(states.get(dep_id, Counter()).values()))
     yield from (desired, ready, assigned)
 
+    mix = _gauge(
+        "variant_replicas",
+        "The autoscaler's cheapest mix of GPU types per deployment.",
+        ["deployment", "gpu_model"],
+    )
+    for name, variant_mix in session.execute(
+        select(Deployment.name, Deployment.variant_mix).order_by(Deployment.name)
+    ):
+        for gpu, count in sorted((variant_mix or {}).items()):
+            mix.add_metric([name, str(gpu)], float(count))
+    yield mix
+
     regions = {cid: region for cid, region, _ in clusters}
     g = _gauge("replicas", "Replica assignments by cluster and state.", ["cluster", "region", "state"])
     for cluster_id, _, _ in sorted(clusters):

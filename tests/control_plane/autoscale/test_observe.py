@@ -124,3 +124,29 @@ def test_settings_carry_the_profile_targets_and_variants_over_pools() -> None:
     assert settings_of(v, pools=pools).variants == []  # one allowed type: no choice
     v.slo_ttft_s = None
     assert settings_of(v).slo_ttft_s == 2.0  # the documented default
+
+
+def test_the_placer_receives_the_autoscalers_gpu_mix() -> None:
+    from control_plane.loops.plan import placement_inputs
+    from control_plane.loops.snapshot import ClusterRow, PoolRow
+    from control_plane.placement.ffd import FirstFitDecreasing
+
+    spec = VersionSpec(deployment="chat", version=1, model="m", gpu_models=("H100", "A100"), gpu_count=4)
+    pools = (PoolRow(name="h", gpu_model="H100", gpus_per_node=8, nodes=2, hourly_price=8 * 10.0),
+             PoolRow(name="a", gpu_model="A100", gpus_per_node=8, nodes=2, hourly_price=8 * 4.0))  # fmt: skip
+    cluster = ClusterRow(id="c", region="r", pools=pools)
+    free = FleetSnapshot(deployments=(DeploymentRow(name="chat", replicas=3, current_version=1),),
+                         specs={("chat", 1): spec}, clusters=(cluster,))  # fmt: skip
+    demands, _, _ = placement_inputs(free)
+    assert demands[0].gpu_models == ("H100", "A100")  # no mix: the version's own choice
+    mixed = free.model_copy(
+        update={
+            "deployments": (
+                DeploymentRow(name="chat", replicas=3, current_version=1, variant_mix={"A100": 3}),
+            )
+        }
+    )
+    demands, pools_in, current = placement_inputs(mixed)
+    assert demands[0].gpu_models == ("A100",) and demands[0].count == 3
+    result = FirstFitDecreasing().place(demands, pools_in, current)
+    assert {a.pool for a in result.assignments} == {"a"}
