@@ -1,21 +1,25 @@
-"""What one replica can serve, from its performance profile: predicted TTFT and
+"""What one replica can serve, from its performance profile: predicted TTFT attainment and
 inter-token latency of a replica count at a given load (pure, no state).
 
-The model (see docs/autoscaling.md for its assumptions):
-- load is work, not requests: requests/s, prompt tokens/s and output tokens/s arriving,
-  split evenly over the replicas (the gateway routes by least outstanding tokens);
+The model (docs/autoscaling.md has its assumptions):
+- load is work, not requests: requests/s, prompt tokens/s and output tokens/s, spread
+  evenly over the replicas (the gateway routes by least outstanding tokens);
 - prefill runs first and pauses decode (as the engine and the simulated replica do); a
-  replica's prefill busy share is rho = lambda x S, where S is the prefill time of a
-  request of the mean prompt length in the prefill batch it would share at that load;
-- the wait for prefill is M/G/1 (Pollaczek-Khinchine): W = lambda E[S^2] / (2 (1 - rho)),
-  with prompt lengths assumed as variable as an exponential (E[S^2] = 2 S^2);
-- decode: the running batch B produces B / step(B) tokens/s in the (1 - rho) share of time
-  left by prefill, so B solves B / step(B) x (1 - rho) = output tokens/s, and ITL =
+  replica's prefill share is rho = lambda x S, S the prefill time per request of the mean
+  prompt length in the batch it shares at that load;
+- waiting for prefill: the replicas wait like one queue served by n (M/G/n, Allen-Cunneen):
+  P(wait > x) ~ C(n, rho n) exp(-x / theta), theta = E[S^2] / (2 E[S] n (1 - rho)), with
+  service times in proportion to the prompt lengths of the recent mix (without one, an
+  exponential spread around the mean);
+- TTFT attainment: the share of the mix whose own prefill plus wait fits the target;
+  attainable: the share whose own prefill fits at all;
+- decode: the running batch B makes B / step(B) tokens/s in the (1 - rho) share of time
+  prefill leaves, so B solves B / step(B) x (1 - rho) = output tokens/s, and ITL =
   step(B) / (1 - rho);
-- concurrency (Little: lambda x (S + W + output x ITL)) stays within `slot_share` of the
-  batch limit and of the KV capacity, else requests wait for a slot and TTFT is unbounded;
-- `correction` (>= some floor) multiplies the prefill and decode times: the live fix when
-  replicas turn out slower (or faster) than the profile said."""
+- slots: requests in flight (Little's law) within SLOT_SHARE of the batch limit and of the
+  KV capacity, else requests queue for a slot and TTFT is unbounded;
+- `correction` multiplies prefill and decode times: the live fix when replicas turn out
+  slower (or faster) than the profile said."""
 
 from __future__ import annotations
 

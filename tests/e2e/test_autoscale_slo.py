@@ -1,7 +1,7 @@
 """SLO-driven autoscaling with real processes: nats-server, the control plane (autoscale
 loop every 0.5 s), one agent with the `sim` runtime (replicas timed by the Llama2-70B H100
 profile) and its gateway. Four clients keep four requests in flight throughout; when
-their prompts grow from ~30 to ~15,000 tokens the work per request grows ~500x while the
+their prompts grow from a dozen tokens to ~15,000 the work per request grows ~1000x while the
 concurrency stays put: the default policy scales up on the work, and the previous
 concurrency policy, fed the same in-flight counts, stays at one replica."""
 
