@@ -89,12 +89,23 @@ def smallest(
     prompts: list[int],
 ) -> tuple[int, Prediction]:
     """The smallest replica count in 1..limit meeting the targets (or `limit`, with its
-    prediction, when none does). Predictions improve with the count: bisection."""
+    prediction, when none does). Predictions improve with the count."""
     predict = lambda n: cap.predict(load, n, correction, prompts, settings.slo_ttft_s)  # noqa: E731
-    lo, hi = 1, max(1, limit)
-    top = predict(hi)
-    if not meets(top, settings):
-        return hi, top
+    limit = max(1, limit)
+    # Below `lo` no count can do: prefill at its best batching, or decode at its full batch,
+    # would need more than all of the replicas' time. Gallop up from there, then bisect.
+    prompt = max(1.0, load.mean_prompt)
+    best_prefill = cap.prefill_cost(prompt, load.requests_per_s, correction)
+    best_decode = cap.decode_rate(cap.batch_limit, correction)
+    decode = load.requests_per_s * max(0.0, load.mean_output - 1)
+    need = max(load.requests_per_s * best_prefill, decode / best_decode)
+    lo = min(limit, max(1, math.ceil(need - 1e-9)))
+    step, hi = 1, lo
+    while not meets(found := predict(hi), settings):
+        if hi >= limit:
+            return limit, found
+        lo, hi = hi + 1, min(limit, hi + step)
+        step *= 2
     while lo < hi:
         mid = (lo + hi) // 2
         if meets(predict(mid), settings):
