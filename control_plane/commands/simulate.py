@@ -122,19 +122,30 @@ def simulate(
         fail(str(err))
     if not requests:
         fail(f"{trace}: no requests in the selected range")
-    report = compare(
-        requests,
-        prof,
-        settings,
-        trace_name=trace.name,
-        slo_ttft_s=slo_ttft,
-        slo_itl_s=slo_itl,
-        rate_scale=rate_scale,
-        policies=names,
-        tick_s=cfg.tick_s,
-        warmup_s=min(cfg.warmup_s, requests[-1].at / 2),
-        plot_path=plot,
-    )
+    from rich.console import Console
+
+    status = Console(stderr=True).status(f"simulating {len(requests)} requests")
+    done: list[str] = []
+
+    def on_run(policy: str) -> None:
+        done.append(policy)
+        status.update(f"simulating {len(requests)} requests: {policy} ({len(done)} of {len(names)})")
+
+    with status:
+        report = compare(
+            requests,
+            prof,
+            settings,
+            trace_name=trace.name,
+            slo_ttft_s=slo_ttft,
+            slo_itl_s=slo_itl,
+            rate_scale=rate_scale,
+            policies=names,
+            tick_s=cfg.tick_s,
+            warmup_s=min(cfg.warmup_s, requests[-1].at / 2),
+            plot_path=plot,
+            on_run=on_run,
+        )
     if output == OutputFormat.json:
         emit_json(report.model_dump())
         return

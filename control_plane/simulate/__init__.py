@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from agent.sim.profile import PerfProfile
@@ -36,12 +37,14 @@ def compare(
     tick_s: float = 2.0,
     warmup_s: float = 300.0,
     plot_path: Path | None = None,
+    on_run: Callable[[str], None] | None = None,
 ) -> SimulationReport:
     """Runs every policy on the same trace, against the targets (`slo_ttft_s`, `slo_itl_s`;
     None: the settings' own, which the SLO-driven policies aim at). `static` gets the peak replica count the
     autoscaled runs reached (provisioning for the peak). Autoscaled runs start at
     `min_replicas` (at least one) and the first `warmup_s` of trace only warms them up:
-    requests arriving then and GPU time spent then are not counted, for any policy."""
+    requests arriving then and GPU time spent then are not counted, for any policy.
+    `on_run(policy)` is called as each policy's run starts (progress)."""
     started = time.perf_counter()
     targets = {"slo_ttft_s": slo_ttft_s, "slo_itl_s": slo_itl_s}
     settings = settings.model_copy(
@@ -55,6 +58,8 @@ def compare(
     order = [*autoscaled, *(["static"] if "static" in policies else [])]
     initial = max(1, settings.min_replicas)
     if autoscaled:
+        if on_run:
+            on_run(autoscaled[-1])
         probe = Simulation(
             trace,
             profile,
@@ -75,6 +80,8 @@ def compare(
                 update={"max_replicas": peak, "min_replicas": min(settings.min_replicas, peak)}
             )
             start = peak
+        if on_run:
+            on_run(name)
         runs[name] = Simulation(
             trace, profile, s, name, tick_s=tick_s, initial_replicas=start, warmup_s=warmup_s
         ).run()

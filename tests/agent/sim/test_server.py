@@ -100,6 +100,8 @@ def test_cold_start_then_openai_api(replica) -> None:
 
     sample = parse_metrics(httpx.get(f"{url}/metrics").text)
     assert sample.generation_tokens == 50 and sample.running == 0
+    # The work the autoscaler reads: prompt tokens, and the TTFT of the two requests.
+    assert sample.prompt_tokens > 200 and sample.ttft_count == 2 and 0 < sample.ttft_sum < 2
 
     bad = httpx.post(
         f"{url}/v1/chat/completions", json={"model": "other", "messages": [{"role": "user", "content": "x"}]}
