@@ -211,7 +211,10 @@ class SloPolicy:
         self._feedback(mem, primary, settings, obs, level, t, prompts)
         c = mem.correction
 
-        if ahead.requests_per_s > 0:
+        # Nothing arriving and nothing in flight: no work now (the smoothed load only decays
+        # towards zero); the scale-down delay and the grace before zero decide from here.
+        idle = obs.requests_per_s <= 0 and obs.demand <= 0
+        if ahead.requests_per_s > 0 and not idle:
             mix, pred, notes = cheapest_mix(variants, ahead, settings, c, prompts)
             desired = sum(mix.values())
             reasons.append(
@@ -232,7 +235,7 @@ class SloPolicy:
                 primary.predict(now, max(1, obs.ready), c, prompts, settings.slo_ttft_s),
                 0,
             )
-            reasons.append("no load")
+            reasons.append("no work arriving or in flight")
 
         # Requests in flight and queued, averaged like the concurrency policies do (the
         # short window to go up, the long one to come down), over the per-replica cap.
