@@ -89,13 +89,14 @@ def _database_metrics(session: Session) -> Iterator[Metric]:
 
     mix = _gauge(
         "variant_replicas",
-        "The autoscaler's cheapest mix of GPU types per deployment.",
+        "Replicas per GPU type the placer is given (the autoscaler's cheapest mix; 'any': no mix).",
         ["deployment", "gpu_model"],
     )
-    for name, variant_mix in session.execute(
-        select(Deployment.name, Deployment.variant_mix).order_by(Deployment.name)
-    ):
-        for gpu, count in sorted((variant_mix or {}).items()):
+    rows = session.execute(
+        select(Deployment.name, Deployment.replicas, Deployment.variant_mix).order_by(Deployment.name)
+    )
+    for name, replicas, variant_mix in rows:
+        for gpu, count in sorted((variant_mix or {}).items()) or [("any", replicas)]:
             mix.add_metric([name, str(gpu)], float(count))
     yield mix
 

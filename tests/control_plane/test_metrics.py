@@ -93,6 +93,7 @@ def test_values_follow_the_api(server):
         assert value(s, "clusters", status="unhealthy") == 0
         assert value(s, "deployments") == 1
         assert value(s, "desired_replicas", deployment="m-chat") == 3
+        assert value(s, "variant_replicas", deployment="m-chat", gpu_model="any") == 3  # no GPU mix
         assert value(s, "ready_replicas", deployment="m-chat") == 0  # no agent runs them
         assert value(s, "assigned_replicas", deployment="m-chat") == 3
         assert value(s, "replicas", cluster="m-west", region="us-west", state="pending") == 0
