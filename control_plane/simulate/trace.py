@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -22,15 +23,23 @@ class TraceRequest:
     output_tokens: int
 
 
+_STAMP = re.compile(r"^(?P<head>[^.+Z]+?)(?:\.(?P<frac>\d+))?(?P<tz>Z|[+-]\d\d:?\d\d)?$")
+
+
 def _azure_time(text: str) -> float:
-    # "2023-11-16 18:15:46.6805900": seven fractional digits; datetime takes six.
-    head, _, frac = text.strip().partition(".")
-    return datetime.fromisoformat(head).timestamp() + (float("0." + frac) if frac else 0.0)
+    """ "2023-11-16 18:15:46.6805900" (seven fractional digits; datetime takes six), also
+    with a UTC offset ("...+00:00", "Z") as later Azure traces write it."""
+    m = _STAMP.match(text.strip())
+    if m is None:
+        raise ValueError(f"unreadable timestamp {text!r}")
+    tz = m["tz"] or ""
+    head = datetime.fromisoformat(m["head"] + ("+00:00" if tz == "Z" else tz))
+    return head.timestamp() + (float("0." + m["frac"]) if m["frac"] else 0.0)
 
 
 def _azure(path: Path) -> list[tuple[float, int, int]]:
     out = []
-    with open(path, newline="") as f:
+    with open(path, newline="", encoding="utf-8-sig") as f:
         reader = csv.DictReader(f)
         need = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}
         if not need <= set(reader.fieldnames or []):

@@ -57,6 +57,12 @@ def test_trace_readers(tmp_path: Path, shared_data: Path) -> None:
         (0.0, 2048, 8),
         (1.5, 1900, 30),
     ]
+    offsets = tmp_path / "week.csv"  # a byte-order mark, UTC offsets on the timestamps
+    offsets.write_text(
+        "\ufeffTIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2024-05-10 00:00:00.250000+00:00,100,5\n2024-05-10 00:00:02+00:00,200,6\n"
+    )
+    assert [r.at for r in load_trace(offsets)] == [0.0, 1.75]
     moon_txt = tmp_path / "moon.txt"
     moon_txt.write_text(
         '{"timestamp": 0, "input_length": 9, "output_length": 2}\n{"timestamp": 500, "input_length": 5, "output_length": 1}\n'
