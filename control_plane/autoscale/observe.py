@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from functools import lru_cache
 
 from agent.protocol import Demand, Heartbeat, ReplicaState
 from agent.sim.profile import PerfProfile, load_profile
@@ -75,6 +76,12 @@ def observe(
     )
 
 
+@lru_cache(maxsize=128)
+def _profile(name: str) -> PerfProfile:
+    """Profiles by name, read once per process (the loop asks every tick)."""
+    return load_profile(name)
+
+
 def profiles_of(engine_args: Mapping[str, object]) -> dict[str, PerfProfile]:
     """GPU type (upper case) -> profile: `profile` and any `profile_<GPU>` engine args that
     name a stored profile (or a JSON path). Unknown names are left out."""
@@ -83,7 +90,7 @@ def profiles_of(engine_args: Mapping[str, object]) -> dict[str, PerfProfile]:
         if key != "profile" and not key.startswith("profile_"):
             continue
         try:
-            prof = load_profile(str(value))
+            prof = _profile(str(value))
         except ValueError:
             continue
         gpu = key.removeprefix("profile_").upper() if key != "profile" else prof.gpu_model.upper()
