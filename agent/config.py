@@ -8,9 +8,10 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from agent.kube_config import KubernetesConfig
 from agent.protocol import Coordinates, PoolInventory
 
-RuntimeName = Literal["process", "sim"]
+RuntimeName = Literal["process", "sim", "kubernetes"]
 
 
 class GatewayConfig(BaseModel):
@@ -79,6 +80,8 @@ class ClusterConfig(BaseModel):
     cpu_slots: int = Field(2, ge=0)
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     replica: ReplicaConfig = Field(default_factory=ReplicaConfig)
+    # runtime `kubernetes` only: API, image, pools -> node pools, model volume
+    kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
 
     @field_validator("state_dir")
     @classmethod

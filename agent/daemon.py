@@ -44,6 +44,7 @@ from typing import IO
 from pydantic import BaseModel, Field, ValidationError
 
 from agent import protocol
+from agent.capacity import CapacitySignals, Placed
 from agent.config import ClusterConfig
 from agent.inventory import inventory
 from agent.local_state import KeySet, LocalState, ReplicaSnapshot, RouteSet, atomic_write
@@ -94,6 +95,7 @@ class Replica:
     next_restart_at: float | None = None
     last_error: str = ""
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
+    unschedulable: bool = False  # the runtime cannot place it (kubernetes: pod Unschedulable)
 
     @property
     def replica_id(self) -> str:
@@ -152,6 +154,7 @@ class Agent:
         self.replicas: dict[str, Replica] = {}
         self.pools: list[PoolInventory] = []
         self.scraper = MetricsScraper()
+        self.capacity = CapacitySignals(hold_s=config.kubernetes.unschedulable_hold_s)
         self._stopping: dict[str, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
@@ -247,8 +250,15 @@ class Agent:
         try:
             saved = RuntimeFile.model_validate_json(self.runtime_path.read_bytes())
         except (FileNotFoundError, ValidationError, ValueError):
-            return
+            saved = RuntimeFile(runtime=self.runtime.name)
         handles = [h for rid, h in saved.replicas.items() if rid not in self.replicas]
+        try:  # replicas the runtime finds itself (kubernetes: pods by label), runtime.json lost
+            known = {h.replica_id for h in handles}
+            handles += [h for h in await self.runtime.discover() if h.replica_id not in known]
+        except Exception as err:
+            log.warning("could not list replicas to adopt: %s", err)
+        if not handles:
+            return
         adopted = await asyncio.gather(*(self.runtime.adopt(h) for h in handles), return_exceptions=True)
         for handle, ok in zip(handles, adopted):
             if ok is True:
@@ -397,9 +407,18 @@ class Agent:
             if isinstance(probe, BaseException):
                 log.warning("polling replica %s failed: %r", r.replica_id, probe)
                 continue
+            if probe.unschedulable != r.unschedulable:
+                r.unschedulable = probe.unschedulable
+                if probe.unschedulable:
+                    r.last_error = probe.error
+                    await self._event("replica_unschedulable", r, probe.error[-2000:])
             if probe.state == r.state:
                 continue
             if probe.state == ReplicaState.failed:
+                r.unschedulable = False
+                if probe.preempted:
+                    self.capacity.preempt(r.replica_id, now)
+                    await self._event("replica_preempted", r, probe.error[-2000:])
                 await self._mark_failed(r, probe.error, now)
             elif probe.state == ReplicaState.ready:
                 was_starting = r.state == ReplicaState.starting
@@ -534,14 +553,25 @@ class Agent:
 
     def heartbeat(self) -> Heartbeat:
         statuses = [r.status() for r in sorted(self.replicas.values(), key=lambda r: r.replica_id)]
+        now = self.clock()
+        self.capacity.observe(
+            [
+                Placed(r.replica_id, r.spec.pool, r.spec.resources.gpu_count, r.unschedulable)
+                for r in self.replicas.values()
+                if r.state in (ReplicaState.starting, ReplicaState.ready, ReplicaState.draining)
+            ],
+            now,
+        )
         return Heartbeat(
             cluster=self.cluster,
             provider=self.config.provider,
             region=self.config.region,
             coordinates=self.config.coordinates,
             gateway_url=self.config.gateway.url,
-            pools=self.pools,
+            pools=self.capacity.pools(self.pools, now),
             replicas=statuses,
+            preempted=self.capacity.preempted(now),
+            unschedulable=self.capacity.unschedulable,
             desired_generation=self.desired.generation if self.desired is not None else -1,
             queue_depth=sum(s.load.waiting for s in statuses) + self._gateway_queue_depth(),
             tokens_per_s=sum(s.load.tokens_per_s for s in statuses),

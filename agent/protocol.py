@@ -323,6 +323,9 @@ class Heartbeat(Message):
     tokens_per_s: float = 0.0
     # Replicas whose spot node the provider reclaimed: re-placed at once (elsewhere).
     preempted: list[str] = Field(default_factory=list)
+    # Replicas the cluster cannot schedule (capacity its pool claimed is missing; the pool
+    # is reported smaller meanwhile): re-placed at once, like preempted ones.
+    unschedulable: list[str] = Field(default_factory=list)
     sent_at: float = Field(default_factory=time.time)
 
 
@@ -336,6 +339,7 @@ EventKind = Literal[
     "replica_restarted",
     "replica_stopped",
     "replica_preempted",
+    "replica_unschedulable",
     "cluster_healthy",
     "cluster_unhealthy",
     "scaled",

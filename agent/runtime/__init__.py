@@ -1,5 +1,6 @@
-"""How the agent runs replicas: one `Runtime` interface; `process` (engine replicas) and
-`sim` (simulated replicas) implementations."""
+"""How the agent runs replicas: one `Runtime` interface; `process` (engine replicas),
+`kubernetes` (one pod per replica through the Kubernetes API) and `sim` (simulated
+replicas) implementations."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ def make_runtime(config: ClusterConfig) -> Runtime:
         from agent.runtime.sim import SimRuntime
 
         return SimRuntime(config)
+    if config.runtime == "kubernetes":
+        from agent.runtime.kubernetes import KubernetesRuntime
+
+        return KubernetesRuntime(config)
     raise ValueError(f"unknown runtime {config.runtime!r}")
 
 

@@ -1,5 +1,5 @@
-"""The interface between the agent and whatever runs its replicas (local processes now,
-Kubernetes Deployments later). The daemon only ever talks to a replica through this and
+"""The interface between the agent and whatever runs its replicas (local processes, pods
+through the Kubernetes API, simulated replicas). The daemon only ever talks to a replica through this and
 over HTTP at `handle.url`."""
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ class ReplicaHandle(BaseModel):
     # Process start time as the OS reports it: guards adoption against pid reuse.
     create_time: float | None = None
     log_path: str = ""
+    # runtime kubernetes: the replica's pod (namespace/name)
+    pod: str = ""
     argv: list[str] = Field(default_factory=list)
     started_at: float = Field(default_factory=time.time)
     restarts: int = 0
@@ -39,6 +41,10 @@ class Probe(BaseModel):
     state: ReplicaState
     exit_code: int | None = None
     error: str = ""
+    # failed because the provider reclaimed its (spot) node: the control plane re-places it
+    preempted: bool = False
+    # starting, but the cluster cannot schedule it (capacity the pool claimed is missing)
+    unschedulable: bool = False
 
 
 class Runtime(abc.ABC):
@@ -70,6 +76,11 @@ class Runtime(abc.ABC):
     async def adopt(self, handle: ReplicaHandle) -> bool:
         """Take over a replica started by a previous agent run if it is still the same
         live, answering replica; False (having cleaned it up) otherwise."""
+
+    async def discover(self) -> list[ReplicaHandle]:
+        """Replicas a previous agent run started that this runtime can find by itself
+        (without runtime.json), for adoption; the process runtimes find none."""
+        return []
 
     async def close(self) -> None:
         """Release the runtime's own resources (not the replicas)."""

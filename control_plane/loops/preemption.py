@@ -16,8 +16,18 @@ MAX_PER_HEARTBEAT = 1000
 
 
 def apply_preemptions(session: Session, hb: Heartbeat) -> bool:
-    """Drop the preempted replicas' assignments (this cluster's only); True when any went."""
-    ids = [r for r in hb.preempted[:MAX_PER_HEARTBEAT] if isinstance(r, str) and 0 < len(r) <= 63]
+    """Drop the preempted and the unschedulable replicas' assignments (this cluster's
+    only); True when any went. An unschedulable replica's pool is reported smaller
+    meanwhile (agent/capacity.py), so it is placed elsewhere, not straight back."""
+    changed = _drop(session, hb, hb.preempted, "replica_preempted", "spot node reclaimed")
+    return (
+        _drop(session, hb, hb.unschedulable, "replica_unschedulable", "the cluster cannot schedule it")
+        or changed
+    )
+
+
+def _drop(session: Session, hb: Heartbeat, reported: list[str], kind: str, why: str) -> bool:
+    ids = [r for r in reported[:MAX_PER_HEARTBEAT] if isinstance(r, str) and 0 < len(r) <= 63]
     if not ids:
         return False
     rows = session.scalars(
@@ -28,11 +38,11 @@ def apply_preemptions(session: Session, hb: Heartbeat) -> bool:
     for row in rows:
         session.add(
             Event(
-                kind="replica_preempted",
+                kind=kind,
                 cluster=hb.cluster,
                 deployment=row.deployment.name if row.deployment else None,
                 replica_id=row.replica_id,
-                message=f"{row.replica_id}: spot node reclaimed on {hb.cluster}/{row.pool_name}; re-placing",
+                message=f"{row.replica_id}: {why} on {hb.cluster}/{row.pool_name}; re-placing",
             )
         )
         session.delete(row)

@@ -1,0 +1,326 @@
+"""Runtime `kubernetes`: each replica is one pod (see kube_pod) created through the
+Kubernetes API with lightkube's async client.
+
+Why one pod per replica rather than a Deployment per deployment-version: the agent's
+reconciler already owns identity (replica ids from the control plane), surge (a new
+version's ids come up before the old ones drain) and restart backoff; one pod per
+replica id keeps all three exact (drain *this* replica, report *this* one preempted),
+where a ReplicaSet would pick its own victims on scale-down.
+
+- a list + watch of this cluster's replica pods (by labels) keeps a local cache, as an
+  informer does: resourceVersion from the list, relist after a 410 or a broken stream;
+  `poll` reads the cache (a GET until the first list is in);
+- the gateway reaches a replica by pod IP (`handle.url` is set once the pod has one);
+- `stop` deletes with the pod's grace (preStop pause + drain timeout + margin) and waits
+  until the pod is gone; `kill` deletes with grace 0;
+- a failed pod (restartPolicy Never) is deleted after its log tail is read; the
+  reconciler restarts the replica under a new pod name after its backoff;
+- `discover` lists pods by labels and rebuilds handles from the spec annotation, so an
+  agent that lost runtime.json (an emptyDir in a new pod) still adopts its replicas.
+
+API calls, all in the agent's namespace (the Role in deploy/kubernetes grants these and
+no more): pods create / get / list / watch / delete, pods/log get, deployments get
+(the owner of replica pods).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from lightkube import ApiError, AsyncClient, KubeConfig
+from lightkube.codecs import from_dict
+from lightkube.config.models import Cluster, User
+from lightkube.resources.apps_v1 import Deployment
+from lightkube.resources.core_v1 import Pod
+
+from agent.config import ClusterConfig
+from agent.inventory import inventory
+from agent.protocol import PoolInventory, ReplicaSpec, ReplicaState
+from agent.runtime.base import Probe, ReplicaHandle, Runtime
+from agent.runtime.kube_pod import (
+    LABEL,
+    SPEC_ANNOTATION,
+    replica_pod,
+    selector_labels,
+    termination_grace_s,
+)
+from agent.runtime.kube_status import PodView, classify, vanished
+
+log = logging.getLogger(__name__)
+
+LOG_TAIL_LINES = 20
+RELIST_BACKOFF_S = (0.2, 5.0)
+GONE_WAIT_S = 10.0
+
+
+def kube_config(config: ClusterConfig) -> KubeConfig:
+    kc = config.kubernetes
+    if kc.server:  # no credentials: kubectl proxy, or a test's API server
+        return KubeConfig.from_one(cluster=Cluster(server=kc.server), user=User(), namespace=kc.namespace)
+    if kc.kubeconfig:
+        return KubeConfig.from_file(kc.kubeconfig)
+    return KubeConfig.from_env()
+
+
+def _status_code(err: ApiError) -> int:
+    return int(getattr(err.status, "code", 0) or 0)
+
+
+class KubernetesRuntime(Runtime):
+    name = "kubernetes"
+
+    def __init__(self, config: ClusterConfig, client: AsyncClient | None = None) -> None:
+        self.config = config
+        self.kc = config.kubernetes
+        self.namespace = self.kc.namespace
+        self.client = client or AsyncClient(kube_config(config), namespace=self.namespace)
+        self.labels = selector_labels(config.cluster)
+        self.pools: dict[str, PoolInventory] = {p.name: p for p in (config.pools or inventory(config))}
+        self.pods: dict[str, dict] = {}  # name -> the latest pod object the watch saw
+        self.gone: dict[str, dict] = {}  # name -> the last object of a pod that was deleted
+        self.synced = asyncio.Event()
+        self._changed = asyncio.Event()
+        self._deleting: set[str] = set()  # pods this runtime deleted (not "vanished")
+        self._pending_since: dict[str, float] = {}
+        self._owner: dict | None = None
+        self._watch: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------- the cache
+
+    def _ensure_watch(self) -> None:
+        if self._watch is None or self._watch.done():
+            self._watch = asyncio.get_running_loop().create_task(self._list_watch(), name="kube-pods")
+
+    def _seen(self, kind: str, pod: dict) -> None:
+        name = pod["metadata"]["name"]
+        if kind == "DELETED":
+            self.pods.pop(name, None)
+            self.gone[name] = pod
+            while len(self.gone) > 1000:
+                self.gone.pop(next(iter(self.gone)))
+        else:
+            self.pods[name] = pod
+        self._changed.set()
+
+    async def _list_watch(self) -> None:
+        delay = RELIST_BACKOFF_S[0]
+        while True:
+            try:
+                listing = self.client.list(Pod, namespace=self.namespace, labels=self.labels)
+                fresh = {p.metadata.name: p.to_dict() async for p in listing}
+                for name in set(self.pods) - set(fresh):
+                    self._seen("DELETED", self.pods[name])
+                for pod in fresh.values():
+                    self._seen("MODIFIED", pod)
+                self.synced.set()
+                version = listing.resourceVersion
+                delay = RELIST_BACKOFF_S[0]
+                async for kind, obj in self.client.watch(
+                    Pod, namespace=self.namespace, labels=self.labels, resource_version=version
+                ):
+                    self._seen(kind, obj.to_dict())
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # 410 Expired, a dropped stream, an API outage: relist
+                log.info("pod watch ended (%s); relisting in %.1f s", err, delay)
+                await asyncio.sleep(delay)
+                delay = min(RELIST_BACKOFF_S[1], delay * 2)
+
+    async def _pod(self, name: str) -> dict | None:
+        """The pod from the cache; a GET when the cache lacks it (the watch may lag behind
+        our own create), so a miss is only believed from the API."""
+        self._ensure_watch()
+        if name in self.pods:
+            return self.pods[name]
+        try:
+            return (await self.client.get(Pod, name, namespace=self.namespace)).to_dict()
+        except ApiError as err:
+            if _status_code(err) == 404:
+                return None
+            raise
+
+    async def _wait_gone(self, name: str, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if await self._pod(name) is None:
+                return True
+            self._changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), min(0.5, max(0.01, deadline - time.monotonic())))
+        return False
+
+    # ------------------------------------------------------------- start
+
+    async def _owner_ref(self) -> dict | None:
+        if not self.kc.owner_deployment:
+            return None
+        if self._owner is None:
+            owner = await self.client.get(Deployment, self.kc.owner_deployment, namespace=self.namespace)
+            self._owner = {
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "name": owner.metadata.name,
+                "uid": owner.metadata.uid,
+            }
+        return self._owner
+
+    def pod_for(self, spec: ReplicaSpec, owner: dict | None = None) -> dict:
+        """The pod object `start` would create (raises InvalidSpec)."""
+        return replica_pod(spec, self.config, self.pools.get(spec.pool), owner)
+
+    async def start(self, spec: ReplicaSpec) -> ReplicaHandle:
+        self.pod_for(spec)  # a bad spec fails before any API call
+        self._ensure_watch()
+        pod = self.pod_for(spec, await self._owner_ref())
+        created = await self.client.create(from_dict(pod), namespace=self.namespace)
+        name = created.metadata.name
+        log.info("replica %s: pod %s/%s created", spec.replica_id, self.namespace, name)
+        return ReplicaHandle(
+            replica_id=spec.replica_id,
+            spec=spec,
+            url="",
+            port=self.kc.port,
+            pod=f"{self.namespace}/{name}",
+            argv=pod["spec"]["containers"][0]["command"],
+        )
+
+    # ------------------------------------------------------------- poll
+
+    @staticmethod
+    def _name(handle: ReplicaHandle) -> str:
+        return handle.pod.rsplit("/", 1)[-1]
+
+    async def _log_tail(self, name: str) -> str:
+        try:
+            lines = [
+                line
+                async for line in self.client.log(name, namespace=self.namespace, tail_lines=LOG_TAIL_LINES)
+            ]
+        except Exception:
+            return ""
+        return "".join(lines).rstrip()
+
+    async def poll(self, handle: ReplicaHandle) -> Probe:
+        name = self._name(handle)
+        pod = await self._pod(name)
+        if pod is None and name in self._deleting:
+            view = PodView(ReplicaState.failed, "pod deleted by the agent")
+        elif pod is None:
+            view = vanished(self.gone.get(name))
+        else:
+            view = classify(pod, self.kc.memory_limit)
+        if view.pod_ip and not handle.url:
+            host = f"[{view.pod_ip}]" if ":" in view.pod_ip else view.pod_ip
+            handle.url = f"http://{host}:{handle.port}"
+        if view.state == ReplicaState.failed:
+            return await self._failed(handle, name, view, pod is not None)
+        unschedulable = False
+        if view.unschedulable:
+            since = self._pending_since.setdefault(name, time.monotonic())
+            unschedulable = time.monotonic() - since >= self.kc.unschedulable_after_s
+        else:
+            self._pending_since.pop(name, None)
+        return Probe(state=view.state, error=view.error if unschedulable else "", unschedulable=unschedulable)
+
+    async def _failed(self, handle: ReplicaHandle, name: str, view: PodView, exists: bool) -> Probe:
+        error = view.error
+        if exists:
+            tail = await self._log_tail(name)
+            if tail:
+                error = f"{error}; log tail:\n{tail}"
+            await self._delete(name, 0)
+        self._pending_since.pop(name, None)
+        return Probe(
+            state=ReplicaState.failed, exit_code=view.exit_code, error=error, preempted=view.preempted
+        )
+
+    # ------------------------------------------------------------- stop
+
+    async def _delete(self, name: str, grace: int | None) -> None:
+        self._deleting.add(name)
+        try:
+            await self.client.delete(Pod, name, namespace=self.namespace, grace_period=grace)
+        except ApiError as err:
+            if _status_code(err) != 404:
+                raise
+
+    def _exit_code(self, name: str) -> int | None:
+        pod = self.pods.get(name) or self.gone.get(name) or {}
+        for status in (pod.get("status") or {}).get("containerStatuses") or []:
+            term = (status.get("state") or {}).get("terminated") or {}
+            if "exitCode" in term:
+                return int(term["exitCode"])
+        return None
+
+    async def stop(self, handle: ReplicaHandle, drain_timeout_s: float) -> int | None:
+        name = self._name(handle)
+        grace = termination_grace_s(drain_timeout_s)
+        self._ensure_watch()
+        await self._delete(name, grace)
+        if not await self._wait_gone(name, grace + GONE_WAIT_S):
+            log.warning(
+                "replica %s: pod %s still there after its grace; deleting now", handle.replica_id, name
+            )
+            await self.kill(handle)
+        return self._exit_code(name)
+
+    async def kill(self, handle: ReplicaHandle) -> None:
+        name = self._name(handle)
+        self._ensure_watch()
+        await self._delete(name, 0)
+        await self._wait_gone(name, GONE_WAIT_S)
+
+    # ------------------------------------------------------------- adopt
+
+    async def adopt(self, handle: ReplicaHandle) -> bool:
+        if not handle.pod:
+            return False
+        name = self._name(handle)
+        pod = await self._pod(name)
+        labels = ((pod or {}).get("metadata") or {}).get("labels") or {}
+        if pod is None or labels.get(f"{LABEL}/replica") != handle.replica_id:
+            return False
+        view = classify(pod, self.kc.memory_limit)
+        if view.state in (ReplicaState.failed, ReplicaState.draining):
+            await self._delete(name, 0)
+            return False
+        if view.pod_ip:
+            handle.url = f"http://{view.pod_ip}:{handle.port}"
+        log.info("adopted replica %s (pod %s)", handle.replica_id, handle.pod)
+        return True
+
+    async def discover(self) -> list[ReplicaHandle]:
+        handles = []
+        async for obj in self.client.list(Pod, namespace=self.namespace, labels=self.labels):
+            pod = obj.to_dict()
+            meta = pod["metadata"]
+            try:
+                spec = ReplicaSpec.model_validate_json((meta.get("annotations") or {})[SPEC_ANNOTATION])
+            except (KeyError, ValueError):
+                log.warning(
+                    "pod %s has no readable %s annotation; leaving it alone", meta["name"], SPEC_ANNOTATION
+                )
+                continue
+            if spec.replica_id != (meta.get("labels") or {}).get(f"{LABEL}/replica"):
+                continue
+            handles.append(
+                ReplicaHandle(
+                    replica_id=spec.replica_id,
+                    spec=spec,
+                    url="",
+                    port=self.kc.port,
+                    pod=f"{self.namespace}/{meta['name']}",
+                    argv=pod["spec"]["containers"][0].get("command", []),
+                )
+            )
+        return handles
+
+    async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._watch
+        await self.client.close()

@@ -1,0 +1,95 @@
+"""Fixtures for the kubernetes runtime: the fake API server (see fake_apiserver.py: it
+stands in for a real one), a cluster config pointing at it, strict schema validation."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+
+from agent.config import ClusterConfig, ReplicaConfig
+from agent.kube_config import KubernetesConfig
+from agent.protocol import PoolInventory, ReplicaSpec, Resources, Tier
+from tests.agent.kube.fake_apiserver import FakeApiServer
+
+K8S_VERSION = "1.30.0"
+NAMESPACE = "fleet"
+
+AGENT_DEPLOYMENT = {
+    "apiVersion": "apps/v1",
+    "kind": "Deployment",
+    "metadata": {"name": "fleet-agent", "labels": {"app.kubernetes.io/name": "fleet-agent"}},
+    "spec": {
+        "selector": {"matchLabels": {"app.kubernetes.io/name": "fleet-agent"}},
+        "template": {
+            "metadata": {"labels": {"app.kubernetes.io/name": "fleet-agent"}},
+            "spec": {"containers": [{"name": "agent", "image": "fleet-platform:0.1.0"}]},
+        },
+    },
+}
+
+POOLS = [
+    PoolInventory(
+        name="h100-spot", gpu_model="H100", gpu_memory_gb=80, gpus_per_node=8, nodes=2, tier=Tier.spot
+    ),
+    PoolInventory(
+        name="h100", gpu_model="H100", gpu_memory_gb=80, gpus_per_node=8, nodes=1, tier=Tier.on_demand
+    ),
+]
+
+
+def validate(obj: dict) -> None:
+    """Strict validation against the official 1.30 OpenAPI schemas (unknown fields fail)."""
+    kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def spec(
+    replica_id: str = "chat-v1-abc123", pool: str = "h100-spot", gpus: int = 1, version: int = 1
+) -> ReplicaSpec:
+    return ReplicaSpec(
+        replica_id=replica_id,
+        deployment="chat",
+        version=version,
+        model="/models/smollm2-135m",
+        engine_args={"max_num_seqs": 8},
+        resources=Resources(gpu_models=["H100"], gpu_count=gpus),
+        pool=pool,
+    )
+
+
+def config_for(api: FakeApiServer, tmp_path: Path, **kube: object) -> ClusterConfig:
+    return ClusterConfig(
+        cluster="gke-east",
+        provider="gcp",
+        runtime="kubernetes",
+        state_dir=tmp_path / "state",
+        pools=POOLS,
+        replica=ReplicaConfig(drain_timeout_s=2.0, startup_timeout_s=900, restart_backoff_s=1.0),
+        kubernetes=KubernetesConfig(
+            server=api.url, namespace=NAMESPACE, node_provider="gke", unschedulable_after_s=0, **kube
+        ),
+    )
+
+
+async def eventually(check: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> object:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[FakeApiServer]:
+    async with FakeApiServer() as server:
+        server.add(AGENT_DEPLOYMENT, namespace=NAMESPACE)
+        yield server
