@@ -556,7 +556,12 @@ class Agent:
         now = self.clock()
         self.capacity.observe(
             [
-                Placed(r.replica_id, r.spec.pool, r.spec.resources.gpu_count, r.unschedulable)
+                Placed(
+                    r.replica_id,
+                    r.spec.pool,
+                    r.spec.resources.gpu_count,
+                    r.unschedulable and r.state == ReplicaState.starting,
+                )
                 for r in self.replicas.values()
                 if r.state in (ReplicaState.starting, ReplicaState.ready, ReplicaState.draining)
             ],

@@ -46,13 +46,14 @@ class PoolPlacement(BaseModel):
 
 class ModelVolume(BaseModel):
     """Where replicas read model files: a PersistentVolumeClaim (ReadOnlyMany, filled by
-    the model-delivery pre-pull), the node's model cache directory, or none (a model the
-    image carries, or an alias resolved inside it)."""
+    the model-delivery pre-pull), the node's model cache directory (hostPath: the
+    namespace then cannot enforce Pod Security "restricted" or "baseline"), or none (a
+    model the image carries, e.g. the CPU image's smollm2-135m)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["pvc", "host_path", "none"] = "host_path"
-    claim_name: str = ""
+    kind: Literal["pvc", "host_path", "none"] = "pvc"
+    claim_name: str = "fleet-models"
     host_path: str = "/var/cache/fleet/models"
     mount_path: str = "/models"
 

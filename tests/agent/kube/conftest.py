@@ -4,6 +4,7 @@ stands in for a real one), a cluster config pointing at it, strict schema valida
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -88,8 +89,15 @@ async def eventually(check: Callable[[], object], timeout: float = 10.0, what: s
         await asyncio.sleep(0.02)
 
 
-@pytest.fixture
-async def api() -> AsyncIterator[FakeApiServer]:
+@contextlib.asynccontextmanager
+async def fake_cluster() -> AsyncIterator[FakeApiServer]:
+    """The fake API server with the agent's own Deployment in the Fleet namespace."""
     async with FakeApiServer() as server:
         server.add(AGENT_DEPLOYMENT, namespace=NAMESPACE)
+        yield server
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[FakeApiServer]:
+    async with fake_cluster() as server:
         yield server

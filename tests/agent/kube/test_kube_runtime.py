@@ -246,6 +246,7 @@ async def test_unschedulable_reported_in_heartbeat_and_pool_shrinks(api, tmp_pat
         )
         await agent.reconcile_once()
         await eventually(lambda: len(api.pods(NAMESPACE)) == 1, what="pending pod deleted")
+        await eventually(lambda: "chat-v1-bbb222" not in agent.replicas, what="replica forgotten")
         assert agent.heartbeat().unschedulable == []
         assert next(p for p in agent.heartbeat().pools if p.name == "h100-spot").nodes == 1  # held
     finally:
