@@ -1,4 +1,5 @@
-"""`python -m agent --config cluster.yaml`: run this cluster's agent in the foreground.
+"""`python -m agent --config cluster.yaml [--runtime process|sim|kubernetes]`: run this
+cluster's agent in the foreground.
 
 Logs go to stderr. SIGTERM or SIGINT drains the replicas and exits 0; a second signal
 exits at once, leaving replicas running for the next agent to adopt. Exit 2 on a bad
@@ -13,11 +14,12 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from typing import get_args
 
 import yaml
 from pydantic import ValidationError
 
-from agent.config import ClusterConfig
+from agent.config import ClusterConfig, RuntimeName
 from agent.daemon import Agent, AgentLocked
 
 log = logging.getLogger("agent")
@@ -53,6 +55,12 @@ async def serve(config: ClusterConfig) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m agent", description="Fleet cluster agent.")
     parser.add_argument("--config", required=True, help="cluster.yaml")
+    parser.add_argument(
+        "--runtime",
+        default=None,
+        choices=list(get_args(RuntimeName)),
+        help="how replicas run (overrides cluster.yaml `runtime`): local processes, simulated, or pods",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     ns = parser.parse_args(argv)
     logging.basicConfig(
@@ -66,6 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, yaml.YAMLError, ValidationError) as err:
         print(f"error: cannot use config {ns.config}: {err}", file=sys.stderr)
         return 2
+    if ns.runtime is not None:
+        config.runtime = ns.runtime
     return asyncio.run(serve(config))
 
 

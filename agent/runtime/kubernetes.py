@@ -37,7 +37,6 @@ from lightkube.resources.apps_v1 import Deployment
 from lightkube.resources.core_v1 import Pod
 
 from agent.config import ClusterConfig
-from agent.inventory import inventory
 from agent.protocol import PoolInventory, ReplicaSpec, ReplicaState
 from agent.runtime.base import Probe, ReplicaHandle, Runtime
 from agent.runtime.kube_pod import (
@@ -73,12 +72,14 @@ class KubernetesRuntime(Runtime):
     name = "kubernetes"
 
     def __init__(self, config: ClusterConfig, client: AsyncClient | None = None) -> None:
+        if not config.pools:
+            raise ValueError("runtime kubernetes: declare the cluster's pools in cluster.yaml (`pools:`)")
         self.config = config
         self.kc = config.kubernetes
         self.namespace = self.kc.namespace
         self.client = client or AsyncClient(kube_config(config), namespace=self.namespace)
         self.labels = selector_labels(config.cluster)
-        self.pools: dict[str, PoolInventory] = {p.name: p for p in (config.pools or inventory(config))}
+        self.pools: dict[str, PoolInventory] = {p.name: p for p in config.pools}
         self.pods: dict[str, dict] = {}  # name -> the latest pod object the watch saw
         self.gone: dict[str, dict] = {}  # name -> the last object of a pod that was deleted
         self.synced = asyncio.Event()
