@@ -52,3 +52,31 @@ def test_preempted_spot_replicas_are_replaced_on_demand_at_once(sessions):  # no
         s.commit()
     assert not again and len(assignments(sessions)) == 3
     assert other  # c2 registered, but nothing of c1's was dropped
+
+
+def test_unschedulable_replicas_are_replaced_where_capacity_is(sessions):  # noqa: F811
+    """The agent reports a replica its cluster cannot schedule and the pool shrunk to what
+    the cluster holds (agent/capacity.py): it moves to capacity that exists."""
+    now = m.utcnow()
+    hb = Heartbeat(cluster="c1", region="us-east4", provider="gcp", pools=[SPOT, ON_DEMAND])
+    with sessions() as s:
+        apply_heartbeat(s, hb, now)
+        s.commit()
+    add_deployment(sessions, "chat", replicas=2, gpu_models=["L4"])
+    placer = get_placer("milp")
+    memory = ({}, {})
+    reconcile_once(sessions, placer, *memory)
+    rows = assignments(sessions)
+    stuck = sorted(rows)[0]
+    held = SPOT.model_copy(update={"nodes": 1})  # one replica scheduled, one pending
+    with sessions() as s:
+        changed = apply_heartbeat(
+            s, hb.model_copy(update={"pools": [held, ON_DEMAND], "unschedulable": [stuck]}), now
+        )
+        s.commit()
+    assert changed and stuck not in assignments(sessions)
+    assert [e.replica_id for e in events(sessions, "replica_unschedulable")] == [stuck]
+    reconcile_once(sessions, placer, *memory)
+    with sessions() as s:
+        pools = sorted(a.pool_name for a in s.query(m.ReplicaAssignment))
+    assert pools == ["od", "spot"]
