@@ -15,6 +15,9 @@ Files under `state_dir` (atomic writes; see agent/local_state.py):
 Lifetime of replicas versus the agent (a deliberate choice):
 - SIGTERM / SIGINT: the agent drains its replicas (SIGTERM, bounded by the replica
   drain timeout), reports them stopped and exits 0. A second signal exits at once.
+  Except where the runtime's replicas are the cluster's, not the agent's
+  (`Runtime.drain_on_exit` False: kubernetes pods): an agent pod that is rescheduled or
+  upgraded leaves them serving, and the next agent adopts them by their labels.
 - SIGKILL (or a crash) of the agent: replicas run in their own sessions and keep
   serving. A restarted agent re-adopts each replica in runtime.json whose pid is alive,
   is the same process (start time and `engine.server` + port on its command line, so a
@@ -208,7 +211,12 @@ class Agent:
                     await task
             for watch in self._watches:
                 await watch.close()
-            await self._drain_all()
+            if self.runtime.drain_on_exit:
+                await self._drain_all()
+            else:
+                log.info("leaving %d replicas running for the next agent", len(self.replicas))
+                self._write_snapshot(force=True)
+                self._write_runtime()
             await self.link.close()
         finally:
             await self.scraper.close()

@@ -52,6 +52,9 @@ class Runtime(abc.ABC):
     they report it (`Probe.state == failed`)."""
 
     name: str = "runtime"
+    # Whether the agent drains its replicas when it is stopped (SIGTERM). False where
+    # replicas belong to the cluster and outlive the agent (kubernetes pods).
+    drain_on_exit: bool = True
 
     @abc.abstractmethod
     async def start(self, spec: ReplicaSpec) -> ReplicaHandle:

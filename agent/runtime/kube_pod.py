@@ -222,7 +222,7 @@ def replica_pod(
     volumes, mounts = _volumes(config)
     health = {"path": "/health", "port": "http"}
     env = [{"name": k, "value": v} for k, v in sorted(config.replica.env.items())]
-    env += [{"name": "HOME", "value": "/tmp"}, {"name": "FLEET_REPLICA_ID", "value": spec.replica_id}]
+    env.append({"name": "HOME", "value": "/tmp"})
     container = {
         "name": CONTAINER,
         "image": kc.image,

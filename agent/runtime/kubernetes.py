@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 LOG_TAIL_LINES = 20
 RELIST_BACKOFF_S = (0.2, 5.0)
 GONE_WAIT_S = 10.0
+STARTUP_SLACK_S = 60.0  # image pull and scheduling on top of the engine's startup timeout
 
 
 def kube_config(config: ClusterConfig) -> KubeConfig:
@@ -64,12 +65,17 @@ def kube_config(config: ClusterConfig) -> KubeConfig:
     return KubeConfig.from_env()
 
 
+def _pod_url(ip: str, port: int) -> str:
+    return f"http://[{ip}]:{port}" if ":" in ip else f"http://{ip}:{port}"
+
+
 def _status_code(err: ApiError) -> int:
     return int(getattr(err.status, "code", 0) or 0)
 
 
 class KubernetesRuntime(Runtime):
     name = "kubernetes"
+    drain_on_exit = False  # an agent pod that moves or upgrades leaves its replicas serving
 
     def __init__(self, config: ClusterConfig, client: AsyncClient | None = None) -> None:
         if not config.pools:
@@ -214,8 +220,13 @@ class KubernetesRuntime(Runtime):
         else:
             view = classify(pod, self.kc.memory_limit)
         if view.pod_ip and not handle.url:
-            host = f"[{view.pod_ip}]" if ":" in view.pod_ip else view.pod_ip
-            handle.url = f"http://{host}:{handle.port}"
+            handle.url = _pod_url(view.pod_ip, handle.port)
+        if view.state == ReplicaState.starting and not view.unschedulable:
+            # the startup probe bounds a running container; this bounds the rest (a volume
+            # that never attaches, an image that never arrives)
+            limit = self.config.replica.startup_timeout_s + STARTUP_SLACK_S
+            if time.time() - handle.started_at > limit:
+                view = PodView(ReplicaState.failed, f"not ready after {limit:.0f} s (pod {name})")
         if view.state == ReplicaState.failed:
             return await self._failed(handle, name, view, pod is not None)
         unschedulable = False
@@ -289,7 +300,7 @@ class KubernetesRuntime(Runtime):
             await self._delete(name, 0)
             return False
         if view.pod_ip:
-            handle.url = f"http://{view.pod_ip}:{handle.port}"
+            handle.url = _pod_url(view.pod_ip, handle.port)
         log.info("adopted replica %s (pod %s)", handle.replica_id, handle.pod)
         return True
 

@@ -147,9 +147,11 @@ class FakeApiServer:
     requests: list[Recorded] = field(default_factory=list)
     logs: dict[tuple[str, str], str] = field(default_factory=dict)
     rv: int = 100
+    compacted: int = 0  # watches from an older resourceVersion get 410 Expired
     port: int = 0
 
     def __post_init__(self) -> None:
+        self._epoch = 0  # drop_watches() ends every open watch
         self._changed = asyncio.Condition()
         self._timers: dict[tuple[str, str, str], asyncio.TimerHandle] = {}
         self._server: uvicorn.Server | None = None
@@ -485,14 +487,14 @@ class FakeApiServer:
                     yield line("ADDED", obj)
         else:
             cursor = int(since)
-            oldest = self.events[0][0] if self.events else self.rv + 1
-            if cursor < oldest - 1:
+            oldest = self.events[0][0] - 1 if self.events else self.rv
+            if cursor < max(self.compacted, oldest):
                 status = {
                     "kind": "Status",
                     "apiVersion": "v1",
                     "metadata": {},
                     "status": "Failure",
-                    "message": f"too old resource version: {cursor} ({oldest - 1})",
+                    "message": f"too old resource version: {cursor} ({max(self.compacted, oldest)})",
                     "reason": "Expired",
                     "code": 410,
                 }
@@ -500,7 +502,8 @@ class FakeApiServer:
                 return
         timeout = float(request.query_params.get("timeoutSeconds", 300))
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        epoch = self._epoch
+        while time.monotonic() < deadline and epoch == self._epoch:
             for rv, type_, p, obj in list(self.events):
                 if rv <= cursor:
                     continue
@@ -517,4 +520,10 @@ class FakeApiServer:
 
     def compact(self) -> None:
         """Forget the watch history (etcd compaction): older resourceVersions get 410."""
+        self.compacted = self.rv
         del self.events[:]
+
+    def drop_watches(self) -> None:
+        """End every open watch stream (an API server restart, a load balancer timeout)."""
+        self._epoch += 1
+        self._notify()

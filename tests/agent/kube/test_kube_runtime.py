@@ -339,3 +339,88 @@ async def test_kill_and_owner_garbage_collection(api, tmp_path) -> None:
         assert not probe.preempted and "deleted outside the agent" in probe.error
     finally:
         await rt.close()
+
+
+async def test_watch_relists_after_410_expired(api, tmp_path) -> None:
+    """The cache follows the API across a compacted history: the re-watch from the old
+    resourceVersion gets 410 Expired, the runtime lists again and keeps watching."""
+    rt = KubernetesRuntime(config_for(api, tmp_path))
+    try:
+        handle = await rt.start(spec())
+        name = handle.pod.split("/")[1]
+        await eventually(rt.synced.is_set)
+        await eventually(lambda: name in rt.pods)
+        watches = sum(r.verb == "watch" for r in api.requests)
+        lists = sum(r.verb == "list" for r in api.requests)
+        api.drop_watches()
+        api.schedule(name, namespace=NAMESPACE)  # written while the watch is down...
+        api.compact()  # ...and compacted away before it comes back
+        api.run(name, ready=True, ip="10.9.9.9", namespace=NAMESPACE)
+        await eventually(
+            lambda: rt.pods[name]["status"].get("podIP") == "10.9.9.9", what="cache after relist"
+        )
+        assert sum(r.verb == "list" for r in api.requests) > lists
+        assert sum(r.verb == "watch" for r in api.requests) > watches
+        api.terminate(name, 1, namespace=NAMESPACE)  # and the new watch streams again
+        await eventually(lambda: rt.pods[name]["status"]["phase"] == "Failed", what="watch after relist")
+    finally:
+        await rt.close()
+
+
+async def test_pod_stuck_before_start_fails_after_the_startup_timeout(api, tmp_path) -> None:
+    rt = KubernetesRuntime(config_for(api, tmp_path))
+    try:
+        handle = await rt.start(spec())
+        api.schedule(handle.pod.split("/")[1], namespace=NAMESPACE)  # e.g. a volume never attaches
+        assert (await rt.poll(handle)).state == ReplicaState.starting
+        handle.started_at -= 900 + 61
+        probe = await rt.poll(handle)
+        assert probe.state == ReplicaState.failed and "not ready after 960 s" in probe.error
+        await eventually(lambda: not api.pods(NAMESPACE), what="stuck pod deleted")
+    finally:
+        await rt.close()
+
+
+async def test_agent_stop_leaves_pods_serving_and_the_next_agent_adopts(api, tmp_path, nats_server) -> None:
+    """SIGTERM to the agent (its pod rescheduled or upgraded) does not drain replica pods;
+    a new agent with an empty state_dir adopts them and starts nothing new."""
+    import asyncio
+
+    from agent.local_state import LocalState
+
+    async def run_agent(state_dir: str) -> tuple[Agent, asyncio.Event, asyncio.Task]:
+        config = config_for(api, tmp_path).model_copy(
+            update={"nats_url": nats_server.url, "state_dir": tmp_path / state_dir}
+        )
+        LocalState(config.state_dir).save_desired(
+            DesiredState(cluster=config.cluster, generation=1, replicas=[spec()])
+        )
+        agent = Agent(config, reconcile_interval_s=0.05)
+        stop = asyncio.Event()
+        return agent, stop, asyncio.create_task(agent.run(stop))
+
+    first, stop, task = await run_agent("one")
+    (pod,) = await eventually(lambda: api.pods(NAMESPACE), what="pod created")
+    name = pod["metadata"]["name"]
+    api.schedule(name, namespace=NAMESPACE)
+    api.run(name, ready=True, namespace=NAMESPACE)
+    await eventually(lambda: first.replicas["chat-v1-abc123"].state == ReplicaState.ready, what="ready")
+    stop.set()
+    await asyncio.wait_for(task, 30)
+    assert [p["metadata"]["name"] for p in api.pods(NAMESPACE)] == [name]
+    assert not api.pod(name, NAMESPACE)["metadata"].get("deletionTimestamp")
+
+    second, stop, task = await run_agent("two")
+    try:
+        await eventually(
+            lambda: (
+                "chat-v1-abc123" in second.replicas
+                and second.replicas["chat-v1-abc123"].state == ReplicaState.ready
+            ),
+            what="adopted and ready",
+        )
+        assert [p["metadata"]["name"] for p in api.pods(NAMESPACE)] == [name]
+        assert second.replicas["chat-v1-abc123"].restarts == 0
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
