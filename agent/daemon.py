@@ -128,6 +128,7 @@ class Replica:
             last_error=self.last_error[-2000:],
             load=self.load if self.state == ReplicaState.ready else ReplicaLoad(),
             cold_start_s=self.cold_start_s,
+            unschedulable=self.unschedulable,
         )
 
 

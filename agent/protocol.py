@@ -305,6 +305,8 @@ class ReplicaStatus(BaseModel):
     load: ReplicaLoad = Field(default_factory=ReplicaLoad)
     # Seconds from the agent starting this replica to its first ready /health (issue 7).
     cold_start_s: float | None = None
+    # The cluster cannot schedule it (runtime kubernetes: pod Pending, Unschedulable).
+    unschedulable: bool = False
 
 
 class Heartbeat(Message):

@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from agent.config import ClusterConfig
 from agent.gateway.auth import Authenticator
+from agent.gateway.capacity_metrics import UnschedulableCollector
 from agent.gateway.coldstart import ColdStartCollector
 from agent.gateway.demand import DemandSignal
 from agent.gateway.errors import GatewayError, error_response, sse_error_event
@@ -137,6 +138,7 @@ class Gateway:
         self.demand = DemandSignal(link, config.cluster, ready=lambda d: len(self.view.ready(d)))
         self.queue.cold_start_timeout_s = gwc.cold_start_timeout_s
         self.metrics.registry.register(ColdStartCollector(lambda: self.view.replicas))
+        self.metrics.registry.register(UnschedulableCollector(lambda: self.view.replicas))
         self._demand: asyncio.Task[None] | None = None
         self.liveness = PeerLiveness(link)  # clusters heard on NATS: failover faster than routes
         self.client: httpx.AsyncClient | None = None

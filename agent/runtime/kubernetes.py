@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 LOG_TAIL_LINES = 20
 RELIST_BACKOFF_S = (0.2, 5.0)
 GONE_WAIT_S = 10.0
+MEMORY = 1000  # deleted pods remembered (their last object; whether we deleted them)
 STARTUP_SLACK_S = 60.0  # image pull and scheduling on top of the engine's startup timeout
 
 
@@ -90,7 +91,7 @@ class KubernetesRuntime(Runtime):
         self.gone: dict[str, dict] = {}  # name -> the last object of a pod that was deleted
         self.synced = asyncio.Event()
         self._changed = asyncio.Event()
-        self._deleting: set[str] = set()  # pods this runtime deleted (not "vanished")
+        self._deleting: dict[str, None] = {}  # pods this runtime deleted (not "vanished")
         self._pending_since: dict[str, float] = {}
         self._owner: dict | None = None
         self._watch: asyncio.Task[None] | None = None
@@ -106,8 +107,9 @@ class KubernetesRuntime(Runtime):
         if kind == "DELETED":
             self.pods.pop(name, None)
             self.gone[name] = pod
-            while len(self.gone) > 1000:
-                self.gone.pop(next(iter(self.gone)))
+            for remembered in (self.gone, self._deleting):
+                while len(remembered) > MEMORY:
+                    remembered.pop(next(iter(remembered)))
         else:
             self.pods[name] = pod
         self._changed.set()
@@ -252,7 +254,7 @@ class KubernetesRuntime(Runtime):
     # ------------------------------------------------------------- stop
 
     async def _delete(self, name: str, grace: int | None) -> None:
-        self._deleting.add(name)
+        self._deleting[name] = None
         try:
             await self.client.delete(Pod, name, namespace=self.namespace, grace_period=grace)
         except ApiError as err:

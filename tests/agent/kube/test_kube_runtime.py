@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 
 from agent.daemon import Agent
+from agent.gateway.capacity_metrics import UnschedulableCollector
 from agent.protocol import DesiredState, ReplicaState
 from agent.runtime.base import InvalidSpec
 from agent.runtime.kube_pod import termination_grace_s
@@ -234,6 +235,11 @@ async def test_unschedulable_reported_in_heartbeat_and_pool_shrinks(api, tmp_pat
         await eventually(flagged, what="unschedulable")
         hb = agent.heartbeat()
         assert hb.unschedulable == ["chat-v1-bbb222"]
+        assert [r.replica_id for r in hb.replicas if r.unschedulable] == ["chat-v1-bbb222"]
+        (family,) = UnschedulableCollector(lambda: agent.snapshot().replicas).collect()
+        assert [(s.labels, s.value) for s in family.samples] == [
+            ({"deployment": "chat", "pool": "h100-spot"}, 1)
+        ]
         spot = next(p for p in hb.pools if p.name == "h100-spot")
         assert spot.nodes == 1  # declared 2 nodes of 8; the cluster holds the 8 GPUs in use
         assert next(p for p in hb.pools if p.name == "h100").nodes == 1
