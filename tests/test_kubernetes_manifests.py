@@ -121,6 +121,14 @@ def test_agent_config_and_the_pods_it_would_create(rendered, overlay) -> None:
     mounted = {v["name"]: v for v in agent["spec"]["template"]["spec"]["volumes"]}
     assert mounted["config"]["configMap"]["name"] == cm["metadata"]["name"]
     assert mounted["credentials"]["secret"]["secretName"] == "fleet-agent-credentials"
+    # only the agent container holds the Kubernetes API token; the gateway has none
+    pod = agent["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    token_mounts = {
+        c["name"]: any(m["name"] == "kube-api-access" for m in c["volumeMounts"]) for c in pod["containers"]
+    }
+    assert token_mounts == {"agent": True, "gateway": False}
+    assert mounted["kube-api-access"]["projected"]["sources"][0]["serviceAccountToken"]["path"] == "token"
     assert config.pools
     for pool in config.pools:
         s = ReplicaSpec(

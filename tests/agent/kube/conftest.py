@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import kubernetes_validate
+import kubernetes_validate.utils
 import pytest
 
 from agent.config import ClusterConfig, ReplicaConfig
@@ -18,6 +20,12 @@ from agent.protocol import PoolInventory, ReplicaSpec, Resources, Tier
 from tests.agent.kube.fake_apiserver import FakeApiServer
 
 K8S_VERSION = "1.30.0"
+# kubernetes-validate re-reads its (large) schema files on every call; they never change
+# within a run, so read each once. Validation itself is untouched.
+if not hasattr(kubernetes_validate.utils.schema_contents, "cache_info"):
+    kubernetes_validate.utils.schema_contents = functools.lru_cache(maxsize=None)(
+        kubernetes_validate.utils.schema_contents
+    )
 NAMESPACE = "fleet"
 
 AGENT_DEPLOYMENT = {
