@@ -20,6 +20,14 @@ ROOT = Path(__file__).resolve().parents[1]
 IMAGES = ROOT / "deploy" / "images"
 DOCKERFILES = sorted(IMAGES.glob("*.Dockerfile"))
 ENGINE_ONLY = ("torch", "triton", "transformers", "safetensors", "accelerate")
+CLI_ONLY = ("typer", "rich", "matplotlib")
+SERVICE_MODULES = [
+    "control_plane.server",
+    "control_plane.api.app",
+    "agent.daemon",
+    "agent.gateway.app",
+    "agent.runtime.kubernetes",
+]
 PLATFORM_MODULES = [
     "control_plane.cli",
     "control_plane.server",
@@ -32,16 +40,17 @@ PLATFORM_MODULES = [
     "agent.runtime.kubernetes",
     "agent.runtime.process",
 ]
-BLOCK_ENGINE = f"""
+BLOCKING = """
 import importlib, importlib.abc, sys
+blocked = set(sys.argv[1].split(","))
 class Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {ENGINE_ONLY!r}:
-            raise ImportError(name + " is not in the platform image")
-for m in sys.argv[1:]:
-    sys.meta_path.insert(0, Block())
+        if name.split(".")[0] in blocked:
+            raise ImportError(name + " is not installed")
+sys.meta_path.insert(0, Block())
+for m in sys.argv[2:]:
     importlib.import_module(m)
-print("imported", len(sys.argv) - 1)
+print("imported", len(sys.argv) - 2)
 """
 
 
@@ -56,15 +65,20 @@ def names(reqs: list[str]) -> set[str]:
 def test_base_and_cli_install_need_no_torch() -> None:
     project = pyproject()["project"]
     extras = project["optional-dependencies"]
-    assert not names(project["dependencies"]) & set(ENGINE_ONLY)
-    assert not names(extras["cli"]) & set(ENGINE_ONLY)
+    assert not names(project["dependencies"]) & set(ENGINE_ONLY + CLI_ONLY)
+    assert names(extras["cli"]) == set(CLI_ONLY)
     assert "torch==2.13.0" in extras["engine"]
     assert "fleet[engine,cli]" in extras["dev"]  # `pip install -e ".[dev]"` installs everything
 
 
-def test_platform_modules_import_without_torch() -> None:
+@pytest.mark.parametrize(
+    ("blocked", "modules"),
+    [(ENGINE_ONLY, PLATFORM_MODULES), (ENGINE_ONLY + CLI_ONLY, SERVICE_MODULES)],
+    ids=["cli-install", "base-install"],
+)
+def test_platform_modules_import_without_torch(blocked, modules) -> None:
     out = subprocess.run(
-        [sys.executable, "-c", BLOCK_ENGINE, *PLATFORM_MODULES],
+        [sys.executable, "-c", BLOCKING, ",".join(blocked), *modules],
         capture_output=True,
         text=True,
         timeout=120,
@@ -72,7 +86,7 @@ def test_platform_modules_import_without_torch() -> None:
         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert f"imported {len(PLATFORM_MODULES)}" in out.stdout
+    assert f"imported {len(modules)}" in out.stdout
 
 
 def stages(path: Path) -> list[list[dockerfile.Command]]:
