@@ -429,6 +429,9 @@ class Agent:
                     self.capacity.preempt(r.replica_id, now)
                     await self._event("replica_preempted", r, probe.error[-2000:])
                 await self._mark_failed(r, probe.error, now)
+                if probe.preempted and r.next_restart_at is not None:
+                    # the control plane re-places it; restart here only if it does not
+                    r.next_restart_at = max(r.next_restart_at, now + self.capacity.report_s)
             elif probe.state == ReplicaState.ready:
                 was_starting = r.state == ReplicaState.starting
                 r.state = ReplicaState.ready

@@ -294,6 +294,8 @@ async def test_spot_node_loss_is_preemption(api, tmp_path, pool, how, preempted)
         hb = agent.heartbeat()
         assert hb.preempted == (["chat-v1-abc123"] if preempted else [])
         assert ("replica_preempted" in events.kinds()) is preempted
+        # a preempted replica waits for the control plane to re-place it before restarting here
+        assert (r.next_restart_at - r.failed_at >= 30) is preempted
     finally:
         await agent.runtime.close()
 
