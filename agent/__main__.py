@@ -41,7 +41,11 @@ async def serve(config: ClusterConfig) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
-    agent = Agent(config)
+    try:
+        agent = Agent(config)
+    except ValueError as err:  # a runtime that cannot work with this config
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     try:
         await agent.run(stop)
     except AgentLocked as err:

@@ -33,6 +33,7 @@ import time
 from lightkube import ApiError, AsyncClient, KubeConfig
 from lightkube.codecs import from_dict
 from lightkube.config.models import Cluster, User
+from lightkube.core.exceptions import ConfigError
 from lightkube.resources.apps_v1 import Deployment
 from lightkube.resources.core_v1 import Pod
 
@@ -58,12 +59,19 @@ STARTUP_SLACK_S = 60.0  # image pull and scheduling on top of the engine's start
 
 
 def kube_config(config: ClusterConfig) -> KubeConfig:
+    """`server` (no credentials: kubectl proxy, a test's API server), else `kubeconfig`,
+    else the pod's service account, else $KUBECONFIG / ~/.kube/config. ValueError when
+    none is usable."""
     kc = config.kubernetes
-    if kc.server:  # no credentials: kubectl proxy, or a test's API server
+    if kc.server:
         return KubeConfig.from_one(cluster=Cluster(server=kc.server), user=User(), namespace=kc.namespace)
-    if kc.kubeconfig:
-        return KubeConfig.from_file(kc.kubeconfig)
-    return KubeConfig.from_env()
+    try:
+        return KubeConfig.from_file(kc.kubeconfig) if kc.kubeconfig else KubeConfig.from_env()
+    except (ConfigError, OSError, KeyError, ValueError) as err:
+        raise ValueError(
+            f"runtime kubernetes: no usable Kubernetes API credentials ({err}); run in-cluster "
+            "or set kubernetes.kubeconfig / kubernetes.server"
+        ) from err
 
 
 def _pod_url(ip: str, port: int) -> str:

@@ -226,3 +226,17 @@ def test_preempted_ids_repeat_for_the_report_window() -> None:
     caps.preempt("x", now=100)
     assert caps.preempted(now=110) == ["x"]
     assert caps.preempted(now=131) == []
+
+
+def test_agent_cli_selects_kubernetes_and_refuses_what_cannot_work(tmp_path, capsys, monkeypatch) -> None:
+    from agent.__main__ import main
+
+    path = tmp_path / "cluster.yaml"
+    ClusterConfig(cluster="c", state_dir=tmp_path / "state").dump(path)  # runtime: process
+    assert main(["--config", str(path), "--runtime", "kubernetes"]) == 2
+    assert "declare the cluster's pools" in capsys.readouterr().err
+    ClusterConfig(cluster="c", state_dir=tmp_path / "state", pools=POOLS).dump(path)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "")  # not in a pod
+    assert main(["--config", str(path), "--runtime", "kubernetes"]) == 2
+    assert "no usable Kubernetes API credentials" in capsys.readouterr().err
