@@ -77,6 +77,10 @@ class KubernetesConfig(BaseModel):
     node_provider: NodeProvider = "generic"
     pools: dict[str, PoolPlacement] = Field(default_factory=dict)
     model_volume: ModelVolume = Field(default_factory=ModelVolume)
+    # A Secret mounted read-only into every replica at /etc/fleet/credentials (e.g. the
+    # replica certificate and token of the cluster's enrolment bundle; engine flags that
+    # use them go in replica.extra_args). "" = none.
+    replica_secret: str = Field("", pattern=r"^$|" + _DNS_LABEL[1:])
     port: int = Field(8000, ge=1, le=65535)
     cpu_request: str = "4"
     memory_request: str = "16Gi"

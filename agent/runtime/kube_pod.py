@@ -33,6 +33,7 @@ PRESTOP_PAUSE_S = 5
 KILL_MARGIN_S = 5
 PROBE_PERIOD_S = 10
 UID = 10001
+CREDENTIALS_DIR = "/etc/fleet/credentials"
 
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _DNS_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -190,6 +191,11 @@ def _volumes(config: ClusterConfig) -> tuple[list[dict], list[dict]]:
         volumes.append({"name": "models", "hostPath": {"path": mv.host_path, "type": "DirectoryOrCreate"}})
     if mv.kind != "none":
         mounts.append({"name": "models", "mountPath": mv.mount_path, "readOnly": True})
+    if kc.replica_secret:
+        volumes.append(
+            {"name": "credentials", "secret": {"secretName": kc.replica_secret, "defaultMode": 0o440}}
+        )
+        mounts.append({"name": "credentials", "mountPath": CREDENTIALS_DIR, "readOnly": True})
     return volumes, mounts
 
 

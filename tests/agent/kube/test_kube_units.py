@@ -197,6 +197,18 @@ def test_node_placement_per_provider(pool, placement, provider, selector, tolera
     validate(replica_pod(spec(pool=pool.name), config, pool))
 
 
+def test_replica_secret_mounts_read_only() -> None:
+    config = ClusterConfig(
+        cluster="c", kubernetes=KubernetesConfig(replica_secret="fleet-replica-credentials")
+    )
+    obj = replica_pod(spec(pool="cpu"), config, PoolInventory(name="cpu", gpu_model="cpu"))
+    validate(obj)
+    (vol,) = [v for v in obj["spec"]["volumes"] if v["name"] == "credentials"]
+    assert vol["secret"] == {"secretName": "fleet-replica-credentials", "defaultMode": 0o440}
+    (mount,) = [m for m in obj["spec"]["containers"][0]["volumeMounts"] if m["name"] == "credentials"]
+    assert mount == {"name": "credentials", "mountPath": "/etc/fleet/credentials", "readOnly": True}
+
+
 def test_model_volumes_and_cpu_pool_validate() -> None:
     for volume in ({"kind": "pvc", "claim_name": "models"}, {"kind": "host_path"}, {"kind": "none"}):
         config = ClusterConfig(
