@@ -154,6 +154,7 @@ async def test_adopt_after_agent_restart_without_runtime_json(api, tmp_path) -> 
         assert second.replicas["chat-v1-abc123"].state == ReplicaState.ready
         assert [p["metadata"]["name"] for p in api.pods(NAMESPACE)] == [name]  # no second pod
         assert second.replicas["chat-v1-abc123"].handle.url == "http://10.0.0.7:8000"
+        validate_created(api)
     finally:
         await second.runtime.close()
 
@@ -255,6 +256,7 @@ async def test_unschedulable_reported_in_heartbeat_and_pool_shrinks(api, tmp_pat
         await eventually(lambda: "chat-v1-bbb222" not in agent.replicas, what="replica forgotten")
         assert agent.heartbeat().unschedulable == []
         assert next(p for p in agent.heartbeat().pools if p.name == "h100-spot").nodes == 1  # held
+        validate_created(api)
     finally:
         await agent.runtime.close()
 
@@ -296,6 +298,7 @@ async def test_spot_node_loss_is_preemption(api, tmp_path, pool, how, preempted)
         assert ("replica_preempted" in events.kinds()) is preempted
         # a preempted replica waits for the control plane to re-place it before restarting here
         assert (r.next_restart_at - r.failed_at >= 30) is preempted
+        validate_created(api)
     finally:
         await agent.runtime.close()
 
@@ -320,6 +323,7 @@ async def test_drain_deletes_with_grace_and_waits_for_kubelet(api, tmp_path) -> 
         api.finish_termination(name, namespace=NAMESPACE)
         assert await asyncio.wait_for(stop, 10) == 0
         assert not api.pods(NAMESPACE)
+        validate_created(api)
     finally:
         await rt.close()
 
@@ -345,6 +349,7 @@ async def test_kill_and_owner_garbage_collection(api, tmp_path) -> None:
         await eventually(failed, what="failed")
         probe = await rt.poll(two)
         assert not probe.preempted and "deleted outside the agent" in probe.error
+        validate_created(api)
     finally:
         await rt.close()
 
@@ -429,6 +434,7 @@ async def test_agent_stop_leaves_pods_serving_and_the_next_agent_adopts(api, tmp
         )
         assert [p["metadata"]["name"] for p in api.pods(NAMESPACE)] == [name]
         assert second.replicas["chat-v1-abc123"].restarts == 0
+        validate_created(api)
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
