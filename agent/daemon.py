@@ -420,18 +420,17 @@ class Agent:
                 r.unschedulable = probe.unschedulable
                 if probe.unschedulable:
                     r.last_error = probe.error
-                    await self._event("replica_unschedulable", r, probe.error[-2000:])
+                    message = f"{probe.error}; reported for re-placement"
+                    await self._event("replica_unschedulable", r, message[-2000:])
             if probe.state == r.state:
                 continue
             if probe.state == ReplicaState.failed:
                 r.unschedulable = False
-                if probe.preempted:
+                if probe.preempted:  # the control plane records `replica_preempted` as it re-places
                     self.capacity.preempt(r.replica_id, now)
-                    await self._event("replica_preempted", r, probe.error[-2000:])
-                await self._mark_failed(r, probe.error, now)
-                if probe.preempted and r.next_restart_at is not None:
-                    # the control plane re-places it; restart here only if it does not
-                    r.next_restart_at = max(r.next_restart_at, now + self.capacity.report_s)
+                # preempted: the control plane re-places it; restart here only if it does not
+                wait = self.capacity.report_s if probe.preempted else 0.0
+                await self._mark_failed(r, probe.error, now, min_delay_s=wait)
             elif probe.state == ReplicaState.ready:
                 was_starting = r.state == ReplicaState.starting
                 r.state = ReplicaState.ready
@@ -445,7 +444,9 @@ class Agent:
             else:
                 r.state = probe.state
 
-    async def _mark_failed(self, r: Replica, error: str, now: float, retry: bool = True) -> None:
+    async def _mark_failed(
+        self, r: Replica, error: str, now: float, retry: bool = True, min_delay_s: float = 0.0
+    ) -> None:
         rc = self.config.replica
         stayed_ready = r.ready_since is not None and now - r.ready_since >= rc.restart_backoff_max_s
         r.streak = 1 if stayed_ready else r.streak + 1
@@ -457,7 +458,7 @@ class Agent:
         r.load = ReplicaLoad()
         self.scraper.forget(r.replica_id)
         if retry:
-            delay = backoff_delay(r.streak, rc.restart_backoff_s, rc.restart_backoff_max_s)
+            delay = max(min_delay_s, backoff_delay(r.streak, rc.restart_backoff_s, rc.restart_backoff_max_s))
             r.next_restart_at = now + delay
             note = f"; restart in {delay:.1f} s"
         else:

@@ -116,5 +116,9 @@ def vanished(pod: dict | None) -> PodView:
     """The pod is gone and the agent did not delete it: its node was deleted (a spot
     reclaim on most clouds) or someone deleted the pod."""
     spot = pod is not None and is_spot(pod)
-    why = "pod deleted by the cluster (node removed)" if spot else "pod deleted outside the agent"
+    why = (
+        "node lost: pod deleted by the cluster (its node was removed)"
+        if spot
+        else "pod deleted outside the agent"
+    )
     return PodView(ReplicaState.failed, why, preempted=spot)

@@ -18,15 +18,13 @@ MAX_PER_HEARTBEAT = 1000
 def apply_preemptions(session: Session, hb: Heartbeat) -> bool:
     """Drop the preempted and the unschedulable replicas' assignments (this cluster's
     only); True when any went. An unschedulable replica's pool is reported smaller
-    meanwhile (agent/capacity.py), so it is placed elsewhere, not straight back."""
-    changed = _drop(session, hb, hb.preempted, "replica_preempted", "spot node reclaimed")
-    return (
-        _drop(session, hb, hb.unschedulable, "replica_unschedulable", "the cluster cannot schedule it")
-        or changed
-    )
+    meanwhile (agent/capacity.py), so it is placed elsewhere, not straight back; its
+    event is the agent's own `replica_unschedulable` (with the scheduler's message)."""
+    changed = _drop(session, hb, hb.preempted, "spot node reclaimed", record=True)
+    return _drop(session, hb, hb.unschedulable, "the cluster cannot schedule it", record=False) or changed
 
 
-def _drop(session: Session, hb: Heartbeat, reported: list[str], kind: str, why: str) -> bool:
+def _drop(session: Session, hb: Heartbeat, reported: list[str], why: str, *, record: bool) -> bool:
     ids = [r for r in reported[:MAX_PER_HEARTBEAT] if isinstance(r, str) and 0 < len(r) <= 63]
     if not ids:
         return False
@@ -36,9 +34,12 @@ def _drop(session: Session, hb: Heartbeat, reported: list[str], kind: str, why: 
         )
     ).all()
     for row in rows:
+        if not record:
+            session.delete(row)
+            continue
         session.add(
             Event(
-                kind=kind,
+                kind="replica_preempted",
                 cluster=hb.cluster,
                 deployment=row.deployment.name if row.deployment else None,
                 replica_id=row.replica_id,

@@ -295,7 +295,9 @@ async def test_spot_node_loss_is_preemption(api, tmp_path, pool, how, preempted)
         await eventually(failed, what="failed")
         hb = agent.heartbeat()
         assert hb.preempted == (["chat-v1-abc123"] if preempted else [])
-        assert ("replica_preempted" in events.kinds()) is preempted
+        failed_event = next(m for m in events.items if getattr(m, "kind", "") == "replica_failed")
+        assert "node lost" in failed_event.message  # replica_preempted is the control plane's record
+        assert ("restart in 30.0 s" in failed_event.message) is preempted
         # a preempted replica waits for the control plane to re-place it before restarting here
         assert (r.next_restart_at - r.failed_at >= 30) is preempted
         validate_created(api)
