@@ -1,7 +1,8 @@
 """`fleet_agent_unschedulable_replicas`: replicas the cluster cannot schedule (runtime
 `kubernetes`: pods the scheduler left Pending as Unschedulable), per deployment and pool,
-from the agent's replicas.json; served on the gateway's /metrics. Non-zero means a pool
-claims capacity the cluster lacks; the control plane re-places those replicas."""
+from the agent's replicas.json; served on the gateway's /metrics, 0 for every deployment
+and pool with replicas here. Non-zero means a pool claims capacity the cluster lacks; the
+control plane re-places those replicas."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ class UnschedulableCollector:
 
     def collect(self) -> Iterator[Metric]:
         g = GaugeMetricFamily(NAME, HELP, labels=["deployment", "pool"])
-        counts = Counter((r.deployment, r.pool) for r in self.replicas() if r.unschedulable)
+        counts: Counter[tuple[str, str]] = Counter()
+        for r in self.replicas():  # 0 for every deployment and pool with replicas here
+            counts[(r.deployment, r.pool)] += int(r.unschedulable)
         for (deployment, pool), n in sorted(counts.items()):
             g.add_metric([deployment, pool], n)
         yield g

@@ -252,3 +252,22 @@ def test_agent_cli_selects_kubernetes_and_refuses_what_cannot_work(tmp_path, cap
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "")  # not in a pod
     assert main(["--config", str(path), "--runtime", "kubernetes"]) == 2
     assert "no usable Kubernetes API credentials" in capsys.readouterr().err
+
+
+def test_unschedulable_gauge_is_zero_where_all_schedule() -> None:
+    from agent.gateway.capacity_metrics import UnschedulableCollector
+    from agent.protocol import ReplicaStatus
+
+    def status(rid: str, pool: str, stuck: bool) -> ReplicaStatus:
+        return ReplicaStatus(
+            replica_id=rid,
+            deployment="chat",
+            version=1,
+            state=ReplicaState.starting,
+            pool=pool,
+            unschedulable=stuck,
+        )
+
+    replicas = [status("a", "cpu", False), status("b", "l4", True), status("c", "l4", False)]
+    (family,) = UnschedulableCollector(lambda: replicas).collect()
+    assert [(s.labels["pool"], s.value) for s in family.samples] == [("cpu", 0), ("l4", 1)]
