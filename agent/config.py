@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from agent.kube_config import KubernetesConfig
 from agent.protocol import Coordinates, PoolInventory
+from agent.security.tls import Credentials
 
 RuntimeName = Literal["process", "sim", "kubernetes"]
 
@@ -43,10 +44,27 @@ class GatewayConfig(BaseModel):
     spill_queue_per_replica: float | None = Field(None, gt=0)
     # Seconds in a quota "minute" (a day is 1440 of them): 60; tests shorten it.
     quota_minute_s: float = Field(60.0, gt=0)
+    # The HTTPS listener peer gateways forward to (mutual TLS with the fleet CA, plus a
+    # signed peer token); 0: none. Its URL is what enrollment registers for peers.
+    peer_port: int = Field(0, ge=0, le=65535)
+    public_peer_url: str = ""
+    # Revocation when the key state goes stale (the agent or NATS or the control plane is
+    # gone and the key set's lease is older than key_state_max_age_s): "verified" serves
+    # only keys this gateway verified while fresh, "refuse" refuses every key (docs/security.md).
+    key_state_max_age_s: float = Field(180.0, gt=0)
+    stale_keys: Literal["verified", "refuse"] = "verified"
+    # /metrics needs a bearer key with the "metrics" or "read" scope.
+    protect_metrics: bool = False
 
     @property
     def url(self) -> str:
         return self.public_url or f"http://{self.host}:{self.port}"
+
+    @property
+    def peer_url(self) -> str:
+        if self.public_peer_url:
+            return self.public_peer_url
+        return f"https://{self.host}:{self.peer_port}" if self.peer_port else ""
 
 
 class ReplicaConfig(BaseModel):
@@ -82,6 +100,8 @@ class ClusterConfig(BaseModel):
     replica: ReplicaConfig = Field(default_factory=ReplicaConfig)
     # runtime `kubernetes` only: API, image, pools -> node pools, model volume
     kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
+    # The cluster's credential bundle (`fleetctl clusters enroll`); empty: no TLS (tests).
+    security: Credentials = Field(default_factory=Credentials)
 
     @field_validator("state_dir")
     @classmethod

@@ -51,7 +51,7 @@ from agent.capacity import CapacitySignals, Placed
 from agent.config import ClusterConfig
 from agent.inventory import inventory
 from agent.local_state import KeySet, LocalState, ReplicaSnapshot, RouteSet, atomic_write
-from agent.nats_io import KvWatch, NatsLink
+from agent.nats_io import KvWatch, NatsLink, redact_url
 from agent.protocol import (
     ApiKeyRecord,
     DesiredState,
@@ -68,6 +68,7 @@ from agent.protocol import (
 from agent.reconciler import Action, ReplicaRecord, Restart, Start, Stop, backoff_delay, plan
 from agent.replica_metrics import MetricsScraper
 from agent.runtime import InvalidSpec, ReplicaHandle, Runtime, make_runtime
+from agent.security.tls import nats_tls
 
 log = logging.getLogger("agent")
 
@@ -151,7 +152,12 @@ class Agent:
         self.files = LocalState(config.state_dir)
         self.runtime = runtime or make_runtime(config)
         self.reconcile_interval_s = reconcile_interval_s
-        self.link = NatsLink(config.nats_url, name=f"fleet-agent-{config.cluster}")
+        self.link = NatsLink(
+            config.nats_url,
+            name=f"fleet-agent-{config.cluster}",
+            tls=nats_tls(config.security, "agent", config.cluster),
+            manage_jetstream=not config.security.enabled,  # with identities, the control plane's job
+        )
         self.desired: DesiredState | None = None
         self.routes = RouteSet()
         self.keys = KeySet()
@@ -294,7 +300,7 @@ class Agent:
     # ================================================================= NATS inputs
 
     async def _on_connect(self) -> None:
-        log.info("connected to NATS at %s", self.config.nats_url)
+        log.info("connected to NATS at %s", redact_url(self.config.nats_url))
         await self._prune(protocol.BUCKET_ROUTES)
         await self._prune(protocol.BUCKET_KEYS)
         await self._publish_heartbeat()
@@ -347,9 +353,14 @@ class Agent:
                 log.warning("ignoring desired state for cluster %r under key %r", desired.cluster, key)
                 return
             if self.desired is not None and desired.generation < self.desired.generation:
+                # A replayed or forged older state: never act on it (a control plane that
+                # lost its store still writes higher generations: control_plane.loops.publish).
                 log.warning(
-                    "desired generation went back (%d -> %d)", self.desired.generation, desired.generation
+                    "ignoring desired state whose generation went back (%d -> %d)",
+                    self.desired.generation,
+                    desired.generation,
                 )
+                return
         self.files.save_desired(desired)
         self.desired = desired
         log.info("desired state: generation %d, %d replicas", desired.generation, len(desired.replicas))
@@ -367,6 +378,11 @@ class Agent:
         self.files.save_routes(self.routes)
 
     async def _on_key(self, key: str, value: bytes | None) -> None:
+        if key == protocol.KEYS_LEASE:
+            if value is not None and self._parse(protocol.KeyLease, key, value) is not None:
+                self.keys.lease_seen_at = time.time()
+                self.files.save_keys(self.keys)
+            return
         if value is None:
             if self.keys.keys.pop(key, None) is None:
                 return

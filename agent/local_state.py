@@ -25,6 +25,9 @@ class RouteSet(Message):
 
 class KeySet(Message):
     keys: dict[str, ApiKeyRecord] = Field(default_factory=dict)
+    # The agent's own clock when it last heard the key set's lease renewed (None: never):
+    # how old this copy is, for the gateway's staleness rule (docs/security.md).
+    lease_seen_at: float | None = None
 
 
 class ReplicaSnapshot(Message):

@@ -23,6 +23,7 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from agent import protocol
+from agent.security.tls import NatsTls
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +35,22 @@ class NatsLink:
     reconnects (nats-py only retries after a first success). `on_connect` callbacks run
     after every (re)connect: the place to republish state and re-create watchers."""
 
-    def __init__(self, url: str, name: str, *, max_backoff_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        name: str,
+        *,
+        max_backoff_s: float = 5.0,
+        tls: NatsTls | None = None,
+        manage_jetstream: bool = True,
+    ) -> None:
         self.url = url
         self.name = name
         self.max_backoff_s = max_backoff_s
+        # TLS with this identity's certificate; None: plaintext and anonymous (tests only).
+        self.tls = tls
+        # Create missing buckets and streams on connect: only the control plane may.
+        self.manage_jetstream = manage_jetstream
         self.nc: NATS | None = None
         self.js: JetStreamContext | None = None
         self.connected = asyncio.Event()
@@ -66,11 +79,15 @@ class NatsLink:
 
     async def _connect_loop(self) -> None:
         delay = 0.2
+        secure: dict = {}
+        if self.tls is not None:
+            secure = {"tls": self.tls.context(), "inbox_prefix": self.tls.inbox_prefix}
         while not self._closing:
             try:
                 nc = await nats.connect(
                     self.url,
                     name=self.name,
+                    **secure,
                     connect_timeout=2,
                     allow_reconnect=True,
                     max_reconnect_attempts=-1,
@@ -80,7 +97,13 @@ class NatsLink:
                     error_cb=self._error,
                 )
             except Exception as err:  # nats raises several unrelated types on refusal
-                log.info("nats %s unreachable (%s); retrying in %.1fs", self.url, type(err).__name__, delay)
+                log.info(
+                    "nats %s unreachable (%s: %s); retrying in %.1fs",
+                    redact_url(self.url),
+                    type(err).__name__,
+                    str(err)[:200],
+                    delay,
+                )
                 await asyncio.sleep(delay * (0.8 + 0.4 * random.random()))
                 delay = min(self.max_backoff_s, delay * 2)
                 continue
@@ -91,10 +114,11 @@ class NatsLink:
 
     async def _after_connect(self) -> None:
         self._kv.clear()
-        try:
-            await ensure_jetstream(self.js)
-        except Exception as err:
-            log.warning("could not set up JetStream buckets: %s", err)
+        if self.manage_jetstream:
+            try:
+                await ensure_jetstream(self.js)
+            except Exception as err:
+                log.warning("could not set up JetStream buckets: %s", err)
         self.connected.set()
         for callback in list(self._on_connect):
             try:
@@ -104,11 +128,11 @@ class NatsLink:
 
     async def _disconnected(self) -> None:
         if not self._closing:
-            log.warning("nats disconnected from %s", self.url)
+            log.warning("nats disconnected from %s", redact_url(self.url))
         self.connected.clear()
 
     async def _reconnected(self) -> None:
-        log.info("nats reconnected to %s", self.url)
+        log.info("nats reconnected to %s", redact_url(self.url))
         await self._after_connect()
 
     async def _error(self, err: Exception) -> None:
@@ -197,13 +221,32 @@ class NatsLink:
         self.connected.clear()
 
 
+def redact_url(url: str) -> str:
+    """A NATS URL (or comma-separated list) without user:password or token."""
+    parsed = []
+    for part in url.split(","):
+        scheme, sep, rest = part.strip().partition("://")
+        if not sep:
+            scheme, rest = "", scheme
+        host = rest.rsplit("@", 1)[-1]
+        masked = "***@" if "@" in rest else ""
+        parsed.append(f"{scheme}{sep}{masked}{host}")
+    return ",".join(parsed)
+
+
 async def ensure_jetstream(js: JetStreamContext) -> None:
-    """Create the contract's KV buckets and streams if missing (idempotent)."""
+    """Create the contract's KV buckets and streams if missing (idempotent). Buckets allow
+    direct get, so a single key's read is one subject a NATS user can be permitted."""
     for bucket in protocol.BUCKETS:
         try:
             await js.key_value(bucket)
         except BucketNotFoundError:
-            await js.create_key_value(KeyValueConfig(bucket=bucket, history=1))
+            await js.create_key_value(KeyValueConfig(bucket=bucket, history=1, direct=True))
+            continue
+        info = await js.stream_info(f"KV_{bucket}")
+        if not info.config.allow_direct:
+            info.config.allow_direct = True
+            await js.update_stream(info.config)
     for name, subjects in (
         (protocol.STREAM_EVENTS, [protocol.EVENTS_WILDCARD]),
         (protocol.STREAM_USAGE, [protocol.USAGE_WILDCARD]),
@@ -255,9 +298,13 @@ class KvWatch:
                 log.exception("kv watch callback failed for %s/%s", self.bucket, key)
 
     async def resync(self) -> None:
-        items = await self.link.kv_items(self.bucket)
-        if self.keys != ">":
-            items = {k: v for k, v in items.items() if _matches(self.keys, k)}
+        if _is_single_key(self.keys):  # one key: a direct get, never a listing of the bucket
+            value = await self.link.kv_get(self.bucket, self.keys)
+            items = {} if value is None else {self.keys: value}
+        else:
+            items = await self.link.kv_items(self.bucket)
+            if self.keys != ">":
+                items = {k: v for k, v in items.items() if _matches(self.keys, k)}
         for key in list(self._seen):
             if key not in items:
                 await self._emit(key, None)
@@ -265,38 +312,49 @@ class KvWatch:
             await self._emit(key, value)
 
     async def _run(self) -> None:
+        """Updates arrive on a core subscription to the bucket's subjects (`$KV.<bucket>.<keys>`):
+        a KV put is a publish there, and a NATS user can be allowed exactly those subjects,
+        unlike a consumer, whose filter travels in the request payload."""
+        prefix = f"$KV.{self.bucket}."
         while True:
+            sub = None
             try:
-                await self.resync()
-                kv = await self.link.kv(self.bucket)
-                watcher = await kv.watch(self.keys, ignore_deletes=False)
+                assert self.link.nc is not None
+                updates: asyncio.Queue = asyncio.Queue()
+                sub = await self.link.nc.subscribe(prefix + self.keys, cb=updates.put)
+                await self.link.nc.flush(timeout=5)
                 loop = asyncio.get_running_loop()
-                deadline = loop.time() + self.resync_s
                 while True:
-                    timeout = max(0.1, deadline - loop.time())
-                    try:
-                        entry = await watcher.updates(timeout=timeout)
-                    except (asyncio.TimeoutError, nats.errors.TimeoutError):
-                        entry = None
-                    if loop.time() >= deadline:
-                        with contextlib.suppress(Exception):
-                            await watcher.stop()
-                        break
-                    if entry is None:
-                        continue
-                    deleted = entry.operation in ("DEL", "PURGE")
-                    await self._emit(entry.key, None if deleted else entry.value)
+                    await self.resync()
+                    deadline = loop.time() + self.resync_s
+                    while (timeout := deadline - loop.time()) > 0:
+                        try:
+                            msg = await asyncio.wait_for(updates.get(), timeout)
+                        except asyncio.TimeoutError:
+                            break
+                        key = msg.subject[len(prefix) :]
+                        operation = (msg.headers or {}).get("KV-Operation", "")
+                        deleted = operation in ("DEL", "PURGE") or not msg.data
+                        await self._emit(key, None if deleted else msg.data)
             except asyncio.CancelledError:
                 raise
             except Exception as err:
                 log.debug("kv watch %s interrupted: %s", self.bucket, err)
                 await asyncio.sleep(1.0)
+            finally:
+                if sub is not None:
+                    with contextlib.suppress(Exception):
+                        await sub.unsubscribe()
 
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
+
+
+def _is_single_key(pattern: str) -> bool:
+    return not any(token in ("*", ">") for token in pattern.split("."))
 
 
 def _matches(pattern: str, key: str) -> bool:

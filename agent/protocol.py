@@ -247,6 +247,20 @@ class ApiKeyRecord(Message):
         return self.deployments is None or deployment in self.deployments
 
 
+# A reserved entry of `fleet_keys` (key ids are hex, so it never collides): the control
+# plane renews it every few seconds whether or not a key changed, so an agent and its
+# gateway can tell a current key set from one that stopped being updated.
+KEYS_LEASE = "_lease"
+
+
+class KeyLease(Message):
+    """The key set's lease: valid for `valid_s` from `issued_at` (the issuer's clock)."""
+
+    issued_at: float = Field(default_factory=time.time)
+    valid_s: float = Field(15.0, gt=0)
+    keys: int = Field(0, ge=0)  # live keys in the set when issued
+
+
 KEY_PREFIX = "fleet"
 
 

@@ -22,7 +22,10 @@ class ControlPlaneContext:
     sessions: sessionmaker[Session]
     nats: NatsLink | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set with `changed`: the key loop publishes fleet_keys apart from placement.
+    keys_changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def kick(self) -> None:
         """Desired state may have changed: reconcile now."""
         self.changed.set()
+        self.keys_changed.set()

@@ -90,7 +90,7 @@ def run(settings: Settings, *, loops: bool = True) -> int:
     alone (nothing places or publishes: for API tests and debugging)."""
     import uvicorn
 
-    from agent.nats_io import NatsLink
+    from agent.nats_io import NatsLink, redact_url
     from control_plane.api.app import build_app
     from control_plane.context import ControlPlaneContext
 
@@ -116,13 +116,21 @@ def run(settings: Settings, *, loops: bool = True) -> int:
 
     async def serve() -> None:
         ctx = ControlPlaneContext(
-            settings=settings, sessions=sessions, nats=NatsLink(settings.nats_url, "control-plane")
+            settings=settings,
+            sessions=sessions,
+            nats=NatsLink(settings.nats_url, "control-plane", tls=settings.nats_tls()),
         )
         app = build_app(ctx, run_loops=loops)
 
         def on_ready() -> None:
             settings.api_file.write_text(url + "\n")
-            log.info("admin API on %s (docs: %s/docs); NATS %s", url, url, settings.nats_url)
+            log.info(
+                "admin API on %s (docs: %s/docs); NATS %s (%s)",
+                url,
+                url,
+                redact_url(settings.nats_url),
+                "TLS, certificate identity" if settings.nats_tls() else "plaintext, anonymous",
+            )
 
         app.state.on_ready = on_ready
         config = uvicorn.Config(

@@ -33,6 +33,15 @@ class Settings(BaseModel):
     # Placement algorithm by registry name (FLEET_PLACER): "milp" (HiGHS, falls back to
     # first-fit-decreasing on any solver error) or "ffd".
     placer: str = "milp"
+    # The control plane's NATS identity (FLEET_NATS_CA / FLEET_NATS_CERT / FLEET_NATS_KEY):
+    # TLS with its certificate; unset: plaintext and anonymous (tests).
+    nats_ca_file: Path | None = None
+    nats_cert_file: Path | None = None
+    nats_key_file: Path | None = None
+    # Publish the key set's lease (fleet_keys) this often; gateways judge staleness by it.
+    key_lease_interval_s: float = 5.0
+    # FLEET_PROTECT_DOCS=1: /docs, /redoc and /openapi.json need a bearer token too.
+    protect_docs: bool = False
 
     @classmethod
     def from_env(cls, **overrides) -> Settings:
@@ -44,10 +53,33 @@ class Settings(BaseModel):
         }
         if os.environ.get("FLEET_PLACER"):
             values["placer"] = os.environ["FLEET_PLACER"]
+        for field, env in (
+            ("nats_ca_file", "FLEET_NATS_CA"),
+            ("nats_cert_file", "FLEET_NATS_CERT"),
+            ("nats_key_file", "FLEET_NATS_KEY"),
+        ):
+            if os.environ.get(env):
+                values[field] = Path(os.environ[env])
+        if os.environ.get("FLEET_PROTECT_DOCS"):
+            values["protect_docs"] = os.environ["FLEET_PROTECT_DOCS"].lower() in ("1", "true", "yes")
         if "FLEET_MISSED_HEARTBEATS" in os.environ:
             values["missed_heartbeats"] = int(os.environ["FLEET_MISSED_HEARTBEATS"])
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+    def nats_tls(self):
+        """The control plane's `agent.security.tls.NatsTls`, or None without certificates."""
+        from agent.security.identity import inbox_prefix
+        from agent.security.tls import NatsTls
+
+        if not (self.nats_ca_file and self.nats_cert_file and self.nats_key_file):
+            return None
+        return NatsTls(
+            ca_file=self.nats_ca_file,
+            cert_file=self.nats_cert_file,
+            key_file=self.nats_key_file,
+            inbox_prefix=inbox_prefix("control-plane"),
+        )
 
     @property
     def db_url(self) -> str:

@@ -56,6 +56,7 @@ from agent.gateway.usage import UsagePublisher
 from agent.local_state import GatewayStatus, LocalState
 from agent.nats_io import NatsLink
 from agent.protocol import ApiKeyRecord, UsageRecord
+from agent.security.tls import nats_tls
 
 log = logging.getLogger("agent.gateway")
 
@@ -132,7 +133,16 @@ class Gateway:
         self.queue.classes = tuple(gwc.priority_classes)
         self.queue.max_age_s = gwc.max_queue_age_s
         self.queue.capacity = self._concurrency_target
-        link = NatsLink(config.nats_url, f"gateway-{config.cluster}") if nats and config.nats_url else None
+        link = (
+            NatsLink(
+                config.nats_url,
+                f"gateway-{config.cluster}",
+                tls=nats_tls(config.security, "gateway", config.cluster),
+                manage_jetstream=not config.security.enabled,
+            )
+            if nats and config.nats_url
+            else None
+        )
         self.usage = UsagePublisher(link, config.cluster, self.metrics)
         # issue 7: demand for the autoscaler (scale from zero), cold starts on /metrics
         self.demand = DemandSignal(link, config.cluster, ready=lambda d: len(self.view.ready(d)))

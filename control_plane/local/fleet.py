@@ -28,8 +28,10 @@ from pydantic import BaseModel, Field, ValidationError
 from agent.config import ClusterConfig, GatewayConfig, ReplicaConfig
 from agent.local_state import LocalState, atomic_write
 from agent.protocol import Coordinates
+from agent.security.tls import Credentials
 from control_plane.local.nats_server import NatsServer, free_port
 from control_plane.local.prometheus_sd import TARGETS_FILE, prometheus_targets, write_targets
+from control_plane.security.enroll import Enrolment
 
 ProcessKind = Literal["nats", "control-plane", "agent", "gateway", "replica"]
 MARKER_ENV = "FLEET_LOCAL_FLEET"
@@ -58,6 +60,8 @@ class ProcessRecord(BaseModel):
 class FleetState(BaseModel):
     fleet_id: str
     home: str
+    # TLS and per-identity NATS permissions, HTTPS between gateways and to replicas.
+    secure: bool = True
     nats_url: str = ""
     api_url: str = ""
     regions: list[str] = Field(default_factory=list)
@@ -80,10 +84,19 @@ def region_coordinates(region: str, index: int) -> Coordinates:
 
 
 class LocalFleet:
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, *, secure: bool = True) -> None:
         self.home = Path(home).expanduser()
         self.dir = self.home / "local"
         self.state_path = self.dir / "fleet.json"
+        self.secure = secure  # for new_state; a loaded state says for itself
+        self._enrolment: Enrolment | None = None
+
+    @property
+    def enrolment(self) -> Enrolment:
+        """The fleet CA and enrolled clusters under FLEET_HOME (created on first use)."""
+        if self._enrolment is None:
+            self._enrolment = Enrolment(self.home)
+        return self._enrolment
 
     # ------------------------------------------------------------------ state file
 
@@ -104,7 +117,9 @@ class LocalFleet:
         return None
 
     def new_state(self, regions: list[str]) -> FleetState:
-        return FleetState(fleet_id=uuid.uuid4().hex[:12], home=str(self.home), regions=regions)
+        return FleetState(
+            fleet_id=uuid.uuid4().hex[:12], home=str(self.home), regions=regions, secure=self.secure
+        )
 
     # ------------------------------------------------------------------ processes
 
@@ -124,6 +139,7 @@ class LocalFleet:
         argv: list[str],
         url: str = "",
         config: str = "",
+        extra_env: dict[str, str] | None = None,
     ) -> ProcessRecord:
         logs = self.dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -134,7 +150,7 @@ class LocalFleet:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=self.env(state),
+                env={**self.env(state), **(extra_env or {})},
                 cwd=str(ROOT),
                 start_new_session=True,
             )
@@ -144,11 +160,26 @@ class LocalFleet:
         return record
 
     def start_nats(self, state: FleetState, port: int | None = None) -> ProcessRecord:
+        port = port or _port_or_free(4222)
+        config_file = None
+        if state.secure:  # TLS required; one user per identity (control_plane.security)
+            listen = self.enrolment.load().model_copy(
+                update={"host": "127.0.0.1", "port": port, "store_dir": str(self.dir / "nats")}
+            )
+            listen.server_name = f"fleet-{state.fleet_id}"
+            listen.clusters = sorted(set(listen.clusters) | set(state.regions))
+            config_file = self.enrolment.write_nats_config(listen)
         server = NatsServer(
-            self.dir / "nats", port=port or _port_or_free(4222), log_file=self.dir / "logs" / "nats-nats.log"
+            self.dir / "nats",
+            port=port,
+            log_file=self.dir / "logs" / "nats-nats.log",
+            config_file=config_file,
         )
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
         record = self.spawn(state, "nats", "nats", server.command(), url=server.url)
+        if state.secure:
+            listen.pid = record.pid
+            self.enrolment.save(listen)
         state.nats_url = server.url
         self.save(state)
         return record
@@ -167,7 +198,8 @@ class LocalFleet:
             "--nats-url",
             state.nats_url,
         ]
-        record = self.spawn(state, "control-plane", "control-plane", argv, url=url)
+        env = self.enrolment.control_plane_env() if state.secure else None
+        record = self.spawn(state, "control-plane", "control-plane", argv, url=url, extra_env=env)
         state.api_url = url
         self.save(state)
         return record
@@ -182,6 +214,7 @@ class LocalFleet:
         runtime: str = "process",
     ) -> ClusterConfig:
         cluster_dir = self.dir / "clusters" / region
+        security = self.enrolment.enroll(region) if state.secure else Credentials()
         config = ClusterConfig(
             cluster=region,
             provider="local",
@@ -190,15 +223,42 @@ class LocalFleet:
             nats_url=state.nats_url,
             state_dir=cluster_dir / "state",
             cpu_slots=slots,
-            gateway=GatewayConfig(port=_port_or_free(9000 + index + 1)),
+            gateway=GatewayConfig(
+                port=_port_or_free(9000 + index + 1), peer_port=free_port() if state.secure else 0
+            ),
             replica=ReplicaConfig(extra_args=replica_args),
             runtime=runtime,  # "sim": simulated replicas (issue 7)
+            security=security,
         )
         cluster_dir.mkdir(parents=True, exist_ok=True)
         config.dump(cluster_dir / "cluster.yaml")
         return config
 
+    def register_cluster(self, state: FleetState, config: ClusterConfig) -> None:
+        """Record the cluster and its peer gateway URL with the control plane: the URL peers
+        forward to comes from this record (enrolment), never from a heartbeat's claim."""
+        if not state.api_url:
+            return
+        token = (self.home / "admin-token").read_text().strip()
+        url = config.gateway.peer_url or config.gateway.url
+        body = {
+            "id": config.cluster,
+            "provider": config.provider,
+            "region": config.region,
+            "lat": config.coordinates.lat,
+            "lon": config.coordinates.lon,
+            "gateway_url": url,
+        }
+        with httpx.Client(
+            base_url=state.api_url, headers={"Authorization": f"Bearer {token}"}, timeout=10
+        ) as api:
+            response = api.post("/v1/clusters", json=body)
+            if response.status_code == 409:
+                response = api.patch(f"/v1/clusters/{config.cluster}", json={"gateway_url": url})
+            response.raise_for_status()
+
     def start_cluster(self, state: FleetState, config: ClusterConfig) -> tuple[ProcessRecord, ProcessRecord]:
+        self.register_cluster(state, config)
         path = str(self.dir / "clusters" / config.cluster / "cluster.yaml")
         agent = self.spawn(
             state, "agent", config.cluster, [sys.executable, "-m", "agent", "--config", path], config=path

@@ -44,19 +44,29 @@ class NatsServer:
     """Start (and restart, on the same port and store) a JetStream-enabled nats-server."""
 
     def __init__(
-        self, store_dir: Path, port: int | None = None, host: str = "127.0.0.1", log_file: Path | None = None
+        self,
+        store_dir: Path,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        log_file: Path | None = None,
+        config_file: Path | None = None,
     ) -> None:
         self.store_dir = Path(store_dir)
         self.host = host
         self.port = port or free_port(host)
         self.log_file = log_file or self.store_dir / "nats-server.log"
+        # A generated config (TLS, users, permissions: control_plane.security.nats_config);
+        # it must listen on host:port. None: plaintext, anonymous (tests of other things).
+        self.config_file = config_file
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        return f"{'tls' if self.config_file else 'nats'}://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
+        if self.config_file is not None:
+            return [nats_server_binary(), "-c", str(self.config_file)]
         return [
             nats_server_binary(),
             "-a",

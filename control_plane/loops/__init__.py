@@ -48,7 +48,8 @@ class Loops(NatsLoop):
     def __init__(self, ctx: ControlPlaneContext, placer: str = "ffd") -> None:
         super().__init__(ctx)
         self.placer = get_placer(placer)
-        self.publisher = KvPublisher(ctx.nats) if ctx.nats is not None else None
+        buckets = (protocol.BUCKET_DESIRED, protocol.BUCKET_ROUTES)  # keys: control_plane.loops.keys
+        self.publisher = KvPublisher(ctx.nats, buckets) if ctx.nats is not None else None
         self.last: ReconcileOutcome | None = None
         self.reconciles = 0
         self.stats = ReconcileStats()  # read by GET /metrics
@@ -150,6 +151,8 @@ class Loops(NatsLoop):
             log.warning("ignoring heartbeat on %s: %s", msg.subject, problem)
             return
         self._heartbeats[hb.cluster] = hb
+        if self.publisher is not None:
+            self.publisher.raise_floor(protocol.BUCKET_DESIRED, hb.cluster, hb.desired_generation)
         self._inbox.set()
 
     async def _on_event(self, msg) -> None:
@@ -157,6 +160,10 @@ class Loops(NatsLoop):
             event = protocol.Event.from_bytes(msg.data)
         except (ValidationError, ValueError) as err:
             log.warning("ignoring malformed event on %s: %s", msg.subject, err)
+            return
+        if msg.subject != protocol.events_subject(event.cluster):
+            # permissions bind each agent to its own subject: the subject names the sender
+            log.warning("ignoring event for %r on %s", event.cluster[:80], msg.subject)
             return
         if event.schema_version <= protocol.SCHEMA_VERSION:
             self._events.append(event)
@@ -218,8 +225,10 @@ async def start_loops(ctx: ControlPlaneContext) -> Loops:
     loops.rollouts = await start_rollout_loop(ctx)
     loops.children.append(loops.rollouts)
     from control_plane.loops.autoscale import start_autoscale_loop  # issue 7
+    from control_plane.loops.keys import start_key_loop
 
     loops.children.append(await start_autoscale_loop(ctx))
+    loops.children.append(await start_key_loop(ctx))
     return loops
 
 

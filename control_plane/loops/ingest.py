@@ -82,12 +82,13 @@ def apply_heartbeat(session: Session, hb: Heartbeat, now: datetime) -> bool:
             )
         )
         changed = True
+    # Never `hb.gateway_url`: where peers forward users' keys and prompts comes from the
+    # cluster's enrolment (POST /v1/clusters), not from what a heartbeat claims.
     identity = {
         "provider": hb.provider,
         "region": hb.region,
         "lat": hb.coordinates.lat,
         "lon": hb.coordinates.lon,
-        "gateway_url": hb.gateway_url,
     }
     for field, value in identity.items():
         if getattr(cluster, field) != value:

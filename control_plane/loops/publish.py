@@ -52,12 +52,13 @@ class KvPublisher:
     """Keeps the three buckets equal to what the reconcile loop wants. Not thread-safe:
     one task (the reconcile loop) calls `publish`."""
 
-    def __init__(self, link: NatsLink) -> None:
+    def __init__(self, link: NatsLink, buckets: tuple[str, ...] = tuple(BUCKET_MODELS)) -> None:
         self.link = link
-        self._known: dict[str, dict[str, _Entry]] = {b: {} for b in BUCKET_MODELS}
+        self.buckets = buckets
+        self._known: dict[str, dict[str, _Entry]] = {b: {} for b in buckets}
         # The highest generation this process saw per key, also of keys deleted or lost since.
         self._floor: dict[tuple[str, str], int] = {}
-        self._last_seq: dict[str, int] = {b: 0 for b in BUCKET_MODELS}
+        self._last_seq: dict[str, int] = {b: 0 for b in buckets}
         self._loaded = False
         self.puts = 0
         self.deletes = 0
@@ -71,12 +72,20 @@ class KvPublisher:
             for key, entry in entries.items():
                 self._floor[(bucket, key)] = max(self._floor.get((bucket, key), 0), entry.generation)
         known: dict[str, dict[str, _Entry]] = {}
-        for bucket, model in BUCKET_MODELS.items():
+        for bucket in self.buckets:
+            model = BUCKET_MODELS[bucket]
             items, last_seq = await bucket_items(self.link, bucket)
             known[bucket] = {key: _read(model, raw) for key, raw in items.items()}
             self._last_seq[bucket] = max(self._last_seq[bucket], last_seq)
         self._known = known
         self._loaded = True
+
+    def raise_floor(self, bucket: str, key: str, generation: int) -> None:
+        """A generation the key is known to have reached elsewhere (an agent's heartbeat
+        reports the desired generation it applied): the next write goes above it, so an
+        agent never sees a lower generation after both NATS and this process lost theirs."""
+        if generation > self._floor.get((bucket, key), 0):
+            self._floor[(bucket, key)] = generation
 
     def generation(self, bucket: str, key: str) -> int:
         entry = self._known[bucket].get(key)

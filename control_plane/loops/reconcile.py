@@ -10,12 +10,11 @@ from pydantic import BaseModel, ConfigDict
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from agent.protocol import BUCKET_DESIRED, BUCKET_KEYS, BUCKET_ROUTES, Message
+from agent.protocol import BUCKET_DESIRED, BUCKET_ROUTES, Message
 from control_plane.db.models import Deployment, Event, ReplicaAssignment
 from control_plane.loops.demand_regions import read_demand_regions, with_demand_regions
 from control_plane.loops.plan import (
     build_desired,
-    build_keys,
     build_routes,
     next_assignments,
     placement_inputs,
@@ -67,7 +66,6 @@ def reconcile_once(
         wanted: dict[str, dict[str, Message]] = {
             BUCKET_DESIRED: dict(build_desired(snap, assignments)),
             BUCKET_ROUTES: dict(build_routes(snap, assignments)),
-            BUCKET_KEYS: dict(build_keys(snap)),
         }
         return ReconcileOutcome(result=result, wanted=wanted)
 

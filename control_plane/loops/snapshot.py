@@ -171,18 +171,26 @@ def read_snapshot(session: Session) -> FleetSnapshot:
             for a in assignments
             if a.deployment_id in names
         ),
-        keys=tuple(
-            ApiKeyRecord(
-                key_id=k.key_id,
-                name=k.name,
-                salt=k.salt,
-                hash=k.hash,
-                scopes=list(k.scopes or []),
-                deployments=None if k.deployments is None else list(k.deployments),
-                quotas=Quotas.model_validate(k.quotas or {}),
-                shares=dict(k.shares or {}),
-                created_at=k.created_at.timestamp(),
-            )
-            for k in keys
-        ),
+        keys=tuple(key_record(k) for k in keys),
     )
+
+
+def key_record(k: ApiKey) -> ApiKeyRecord:
+    """A key row as gateways see it (salt and hash, never a secret)."""
+    return ApiKeyRecord(
+        key_id=k.key_id,
+        name=k.name,
+        salt=k.salt,
+        hash=k.hash,
+        scopes=list(k.scopes or []),
+        deployments=None if k.deployments is None else list(k.deployments),
+        quotas=Quotas.model_validate(k.quotas or {}),
+        shares=dict(k.shares or {}),
+        created_at=k.created_at.timestamp(),
+    )
+
+
+def live_keys(session: Session) -> list[ApiKeyRecord]:
+    """Every key not revoked, by id."""
+    rows = session.scalars(select(ApiKey).where(ApiKey.revoked_at.is_(None)).order_by(ApiKey.key_id)).all()
+    return [key_record(k) for k in rows]

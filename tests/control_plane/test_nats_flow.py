@@ -199,6 +199,12 @@ async def test_deploy_failover_and_restart_over_real_nats(control_plane, nats_se
             "gpu": ("healthy", "eu-west"),
         }
 
+        # Peers forward to the URL enrolled with the control plane, never to a heartbeat's claim.
+        with cp.client() as api:
+            api.patch(
+                "/v1/clusters/west", json={"gateway_url": "https://west.enrolled:9443"}
+            ).raise_for_status()
+
         # CPU replicas spread over two regions; the GPU deployment goes to the GPU pool.
         await cli(
             cp.home,
@@ -246,7 +252,7 @@ async def test_deploy_failover_and_restart_over_real_nats(control_plane, nats_se
 
         r = await eventually(chat_route_ready, what="chat's route with ready counts")
         assert [(v.version, v.weight) for v in r.versions] == [(1, 1.0)]
-        assert {c.cluster: c.gateway_url for c in r.clusters}["west"] == "http://west.invalid:9000"
+        assert {c.cluster: c.gateway_url for c in r.clusters}["west"] == "https://west.enrolled:9443"
 
         # East goes silent: unhealthy after 2 missed heartbeats, its replicas move west, its route goes.
         agents["east"].beating = False
