@@ -68,7 +68,7 @@ from agent.protocol import (
 from agent.reconciler import Action, ReplicaRecord, Restart, Start, Stop, backoff_delay, plan
 from agent.replica_metrics import MetricsScraper
 from agent.runtime import InvalidSpec, ReplicaHandle, Runtime, make_runtime
-from agent.security.tls import nats_tls
+from agent.security.tls import nats_tls, replica_verify
 
 log = logging.getLogger("agent")
 
@@ -163,8 +163,8 @@ class Agent:
         self.keys = KeySet()
         self.replicas: dict[str, Replica] = {}
         self.pools: list[PoolInventory] = []
-        self.scraper = MetricsScraper()
         self.capacity = CapacitySignals(hold_s=config.kubernetes.unschedulable_hold_s)
+        self.scraper = MetricsScraper(verify=replica_verify(config.security))
         self._stopping: dict[str, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()

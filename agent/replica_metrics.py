@@ -6,6 +6,7 @@ tokens/s (`fleet_engine_generation_tokens_total`), admitted prompt tokens/s
 
 from __future__ import annotations
 
+import ssl
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -89,8 +90,8 @@ class LoadTracker:
 class MetricsScraper:
     """Scrapes replicas over HTTP and keeps one `LoadTracker` per replica id."""
 
-    def __init__(self, timeout_s: float = 2.0) -> None:
-        self._http = httpx.AsyncClient(timeout=timeout_s)
+    def __init__(self, timeout_s: float = 2.0, verify: ssl.SSLContext | bool = True) -> None:
+        self._http = httpx.AsyncClient(timeout=timeout_s, verify=verify)  # verify: the fleet CA
         self._trackers: dict[str, LoadTracker] = {}
 
     async def scrape(self, replica_id: str, url: str, now: float | None = None) -> ReplicaLoad | None:

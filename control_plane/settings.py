@@ -40,8 +40,10 @@ class Settings(BaseModel):
     nats_key_file: Path | None = None
     # Publish the key set's lease (fleet_keys) this often; gateways judge staleness by it.
     key_lease_interval_s: float = 5.0
-    # FLEET_PROTECT_DOCS=1: /docs, /redoc and /openapi.json need a bearer token too.
+    # FLEET_PROTECT_DOCS=1: /docs and /openapi.json need a bearer token too (and /redoc
+    # goes); FLEET_PROTECT_METRICS=1: so does /metrics.
     protect_docs: bool = False
+    protect_metrics: bool = False
 
     @classmethod
     def from_env(cls, **overrides) -> Settings:
@@ -60,8 +62,12 @@ class Settings(BaseModel):
         ):
             if os.environ.get(env):
                 values[field] = Path(os.environ[env])
-        if os.environ.get("FLEET_PROTECT_DOCS"):
-            values["protect_docs"] = os.environ["FLEET_PROTECT_DOCS"].lower() in ("1", "true", "yes")
+        for field, env in (
+            ("protect_docs", "FLEET_PROTECT_DOCS"),
+            ("protect_metrics", "FLEET_PROTECT_METRICS"),
+        ):
+            if os.environ.get(env):
+                values[field] = os.environ[env].lower() in ("1", "true", "yes")
         if "FLEET_MISSED_HEARTBEATS" in os.environ:
             values["missed_heartbeats"] = int(os.environ["FLEET_MISSED_HEARTBEATS"])
         values.update({k: v for k, v in overrides.items() if v is not None})

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import ssl
 import sys
 from collections.abc import Sequence
 
@@ -12,6 +14,7 @@ from pydantic import ValidationError
 
 from agent.config import ClusterConfig
 from agent.gateway.app import build_app
+from agent.gateway.peers import mark_peer_listener
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -32,9 +35,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         config.gateway.port = ns.port
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("nats").setLevel(logging.WARNING)
+    app = build_app(config)
     server = uvicorn.Server(
         uvicorn.Config(
-            build_app(config),
+            app,
             host=config.gateway.host,
             port=config.gateway.port,
             log_level=ns.log_level,
@@ -43,11 +47,53 @@ def main(argv: Sequence[str] | None = None) -> int:
             lifespan="on",
         )
     )
+    peer = peer_server(config, app, ns.log_level)
     logging.getLogger("agent.gateway").info(
-        "gateway of cluster %s on %s (state %s)", config.cluster, config.gateway.url, config.state_dir
+        "gateway of cluster %s on %s%s (state %s)",
+        config.cluster,
+        config.gateway.url,
+        f", peers on {config.gateway.peer_url} (mutual TLS)" if peer else "",
+        config.state_dir,
     )
-    server.run()
+    if peer is None:
+        server.run()
+    else:
+        asyncio.run(serve_both(server, peer))
     return 0
+
+
+def peer_server(config: ClusterConfig, app, log_level: str) -> uvicorn.Server | None:
+    """The HTTPS listener for peer gateways: the fleet CA must have issued the client's
+    certificate (mutual TLS); which gateway it is comes from its peer token."""
+    creds, gwc = config.security, config.gateway
+    if not (gwc.peer_port and creds.enabled and creds.gateway_cert and creds.gateway_key):
+        return None
+    return uvicorn.Server(
+        uvicorn.Config(
+            mark_peer_listener(app),
+            host=gwc.host,
+            port=gwc.peer_port,
+            log_level=log_level,
+            access_log=False,
+            timeout_graceful_shutdown=5,
+            lifespan="off",  # the client listener's server runs the app's lifespan
+            ssl_certfile=str(creds.gateway_cert),
+            ssl_keyfile=str(creds.gateway_key),
+            ssl_ca_certs=str(creds.ca_file),
+            ssl_cert_reqs=ssl.CERT_REQUIRED,
+        )
+    )
+
+
+async def serve_both(server: uvicorn.Server, peer: uvicorn.Server) -> None:
+    """The client listener owns signals and lifespan; the peer listener stops with it."""
+    peer.config.load()
+    peer_task = asyncio.create_task(peer._serve())
+    try:
+        await server.serve()
+    finally:
+        peer.should_exit = True
+        await peer_task
 
 
 if __name__ == "__main__":

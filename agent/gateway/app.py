@@ -36,6 +36,11 @@ def build_app(config: ClusterConfig, gateway: Gateway | None = None) -> Starlett
 
     async def metrics(request: Request) -> Response:
         gw.refresh()
+        if config.gateway.protect_metrics:
+            try:
+                gw.auth.authorize_metrics(gw.auth.authenticate(request.headers.get("authorization")))
+            except GatewayError as err:
+                return error_response(err)
         return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def http_error(request: Request, exc: Exception) -> Response:

@@ -14,9 +14,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from agent.gateway.errors import GatewayError
+from agent.gateway.freshness import KeyFreshness
 from agent.protocol import ApiKeyRecord, key_id_of, verify_secret
 
-INFERENCE_SCOPES = frozenset({"inference", "admin"})
+# An admin key (the bootstrap token above all) manages the fleet; it never runs inference.
+INFERENCE_SCOPES = frozenset({"inference"})
+METRICS_SCOPES = frozenset({"metrics", "read", "admin"})
 
 
 @dataclass(frozen=True)
@@ -52,8 +55,10 @@ class Authenticator:
         cache_ttl_s: float = 30.0,
         max_cached: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
+        freshness: KeyFreshness | None = None,
     ) -> None:
         self.keys = keys
+        self.freshness = freshness  # None: the key set is trusted however old
         self.cache_ttl_s = cache_ttl_s
         self.max_cached = max_cached
         self.clock = clock
@@ -80,14 +85,28 @@ class Authenticator:
             and hit.key_id == key_id
             and (hit.salt, hit.hash) == (record.salt, record.hash)
         ):
-            return record
+            return self._fresh_enough(record)
         if not verify_secret(secret, record.salt, record.hash):
             self._cache.pop(digest, None)
             raise _unauthorized("Incorrect API key provided")
         if len(self._cache) >= self.max_cached:
             self._cache.clear()
         self._cache[digest] = _Verified(key_id, record.salt, record.hash, now + self.cache_ttl_s)
+        return self._fresh_enough(record)
+
+    def _fresh_enough(self, record: ApiKeyRecord) -> ApiKeyRecord:
+        if self.freshness is not None:
+            self.freshness.admit(record)
         return record
+
+    @staticmethod
+    def authorize_metrics(record: ApiKeyRecord) -> None:
+        if not METRICS_SCOPES.intersection(record.scopes):
+            raise GatewayError(
+                403,
+                f"API key '{record.key_id}' lacks the 'metrics' or 'read' scope",
+                code="insufficient_scope",
+            )
 
     @staticmethod
     def authorize(record: ApiKeyRecord, deployment: str | None = None) -> None:

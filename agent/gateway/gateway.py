@@ -29,11 +29,13 @@ from agent.gateway.capacity_metrics import UnschedulableCollector
 from agent.gateway.coldstart import ColdStartCollector
 from agent.gateway.demand import DemandSignal
 from agent.gateway.errors import GatewayError, error_response, sse_error_event
-from agent.gateway.inputs import Endpoint, RequestInfo, parse_request, upstream_body
+from agent.gateway.freshness import KeyFreshness
+from agent.gateway.inputs import Endpoint, RequestInfo, parse_request
 from agent.gateway.limits import QuotaGate
 from agent.gateway.liveness import SESSION_HEADER, PeerLiveness, sticky_draw
 from agent.gateway.load import LoadTracker
 from agent.gateway.metrics import UNKNOWN, GatewayMetrics
+from agent.gateway.peers import PeerAuth
 from agent.gateway.proxy import AttemptFailed, Opened, make_client, open_upstream
 from agent.gateway.queue import ReplicaQueue
 from agent.gateway.quota import Reservation
@@ -43,7 +45,6 @@ from agent.gateway.routing import (
     LeastOutstandingTokens,
     RouteRequest,
     RoutingPolicy,
-    forwarded_from,
     hops_of,
     peer_order,
     pick_version,
@@ -51,6 +52,7 @@ from agent.gateway.routing import (
 )
 from agent.gateway.sse import EventSplitter, StreamObserver
 from agent.gateway.state import ClusterView
+from agent.gateway.tenancy import salted_body
 from agent.gateway.tokens import DesiredIndex, TokenCounters
 from agent.gateway.usage import UsagePublisher
 from agent.local_state import GatewayStatus, LocalState
@@ -119,7 +121,11 @@ class Gateway:
         self.config = config
         self.cluster = config.cluster
         self.view = ClusterView(config.state_dir)
-        self.auth = Authenticator(lambda: self.view.keys)
+        gwc = config.gateway
+        self.freshness = KeyFreshness(
+            lambda: self.view.keys_confirmed_at, gwc.key_state_max_age_s, gwc.stale_keys
+        )
+        self.auth = Authenticator(lambda: self.view.keys, freshness=self.freshness)
         self.tracker = LoadTracker()
         self.policy = policy or LeastOutstandingTokens()
         self.metrics = GatewayMetrics(load=self._load_snapshot)
@@ -151,6 +157,7 @@ class Gateway:
         self.metrics.registry.register(UnschedulableCollector(lambda: self.view.replicas))
         self._demand: asyncio.Task[None] | None = None
         self.liveness = PeerLiveness(link)  # clusters heard on NATS: failover faster than routes
+        self.peers = PeerAuth(config)  # who forwarded a request; credentials for upstreams
         self.client: httpx.AsyncClient | None = None
         self.rng = random.Random()
         self._watch: asyncio.Task[None] | None = None
@@ -160,7 +167,7 @@ class Gateway:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        self.client = make_client()
+        self.client = make_client(verify=self.peers.client_verify)
         self._watch = asyncio.create_task(self.view.watch(), name="state-watch")
         self._status = asyncio.create_task(self._status_loop(), name="gateway-status")
         self.usage.start()
@@ -296,9 +303,8 @@ class Gateway:
                 )
             )
             return error_response(err, reply_headers)
-        ex = Exchange(
-            request_id, record.key_id, info, started, forwarded_from(request.headers, FORWARDED_HEADER)
-        )
+        origin = self.peers.origin(request.scope, request.headers, FORWARDED_HEADER)
+        ex = Exchange(request_id, record.key_id, info, started, origin)
         ex.reservation, ex.limit_headers = reservation, limit_headers
         ex.klass = record.quotas.priority_class or self.config.gateway.default_class
         reply_headers.update(limit_headers)
@@ -368,7 +374,8 @@ class Gateway:
             ex.queue_s = await self.queue.admit(deployment, ex.klass)
         ex.admitted = True
         try:
-            return await self._attempts(ex, upstream_body(ex.info, raw), request, self._replica_chooser(ex))
+            body = salted_body(ex.info, raw, ex.key_id)  # prefix cache hits never cross keys
+            return await self._attempts(ex, body, request, self._replica_chooser(ex))
         except GatewayError as err:
             # Every local attempt failed before a byte (dead replicas, a dead cluster): try live peers.
             targets = (
@@ -489,9 +496,11 @@ class Gateway:
                 headers[FORWARDED_HEADER] = self.cluster
                 if request.headers.get(SESSION_HEADER):  # the peer keeps the user's canary side
                     headers[SESSION_HEADER] = request.headers[SESSION_HEADER]
-                headers[HOPS_HEADER] = str(hops_of(request.headers.get(HOPS_HEADER)) + 1)
+                headers[HOPS_HEADER] = str(hops_of(self.peers.hops(ex.forwarded_from, request.headers)) + 1)
+                headers.update(self.peers.to_peer(target.name, ex.request_id))
                 self.metrics.forwarded.labels(deployment, target.name).inc()
             else:
+                headers.update(self.peers.replica_headers)
                 self.tracker.start(target.name, ex.info.cost_tokens)
                 self.metrics.replica_choice.labels(deployment, target.name, str(target.version)).inc()
             opened: Opened | None = None

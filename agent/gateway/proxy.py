@@ -7,6 +7,7 @@ retry elsewhere. Once `open_upstream` returns, the response is the client's.
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -18,11 +19,13 @@ PASS_PREFIXES = ("x-ratelimit-",)
 MAX_ERROR_BODY = 64 * 1024
 
 
-def make_client(read_timeout_s: float = 600.0) -> httpx.AsyncClient:
+def make_client(read_timeout_s: float = 600.0, verify: ssl.SSLContext | bool = True) -> httpx.AsyncClient:
     """The gateway's one upstream client: pooled keep-alive connections, a short connect
     timeout (a dead replica is found fast and retried elsewhere), a read timeout long
-    enough for a non-streamed generation, and no proxies from the environment."""
+    enough for a non-streamed generation, and no proxies from the environment. `verify`:
+    the fleet CA context (with the gateway's client certificate) on a secured cluster."""
     return httpx.AsyncClient(
+        verify=verify,
         timeout=httpx.Timeout(connect=2.0, read=read_timeout_s, write=30.0, pool=10.0),
         limits=httpx.Limits(max_connections=2048, max_keepalive_connections=256, keepalive_expiry=30.0),
         trust_env=False,

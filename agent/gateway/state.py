@@ -51,6 +51,7 @@ class ClusterView:
         self.clock = clock
         self.replicas: list[ReplicaStatus] = []
         self.keys: dict[str, ApiKeyRecord] = {}
+        self.keys_confirmed_at: float | None = None  # wall clock: the agent last confirmed the key set
         self.routes: dict[str, RoutingTable] = {}
         self.signatures: dict[str, Signature] = {name: ABSENT for name in self.FILES}
         self.reloads: dict[str, int] = {name: 0 for name in self.FILES}
@@ -99,6 +100,8 @@ class ClusterView:
             self.replicas = parsed.replicas if isinstance(parsed, ReplicaSnapshot) else []
         elif name == "keys":
             self.keys = parsed.keys if isinstance(parsed, KeySet) else {}
+            lease = parsed.lease_seen_at if isinstance(parsed, KeySet) else None
+            self.keys_confirmed_at = lease if lease is not None else (sig[1] / 1e9 if parsed else None)
         else:
             self.routes = parsed.routes if isinstance(parsed, RouteSet) else {}
         return True

@@ -37,6 +37,8 @@ from agent.config import ClusterConfig
 from agent.local_state import LocalState
 from agent.protocol import ReplicaSpec, ReplicaState
 from agent.runtime.base import InvalidSpec, Probe, ReplicaHandle, Runtime
+from agent.security.replica_auth import replica_env
+from agent.security.tls import replica_verify
 
 log = logging.getLogger(__name__)
 
@@ -161,12 +163,12 @@ class ProcessRuntime(Runtime):
         self.unhealthy_after_s = unhealthy_after_s
         self._children: dict[int, subprocess.Popen[bytes]] = {}  # pid -> our own child
         self._last_ok: dict[int, float] = {}  # pid -> last /health 200
-        self._http = httpx.AsyncClient(timeout=2.0)
+        self._http = httpx.AsyncClient(timeout=2.0, verify=replica_verify(config.security))
 
     # ----------------------------------------------------------------- start
 
     def _env(self) -> dict[str, str]:
-        env = {**os.environ, **self.config.replica.env}
+        env = {**os.environ, **self.config.replica.env, **replica_env(self.config.security)}
         if (_ROOT / "engine").is_dir():  # a source checkout: make `engine` importable
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
         return env
@@ -200,7 +202,7 @@ class ProcessRuntime(Runtime):
         return ReplicaHandle(
             replica_id=spec.replica_id,
             spec=spec,
-            url=f"http://{_url_host(host)}:{port}",
+            url=f"{'https' if self.config.security.enabled else 'http'}://{_url_host(host)}:{port}",
             port=port,
             pid=proc.pid,
             create_time=create_time,

@@ -88,3 +88,8 @@ def nats_tls(creds: Credentials, role: str, cluster: str) -> NatsTls | None:
     return NatsTls(
         ca_file=creds.ca_file, cert_file=cert, key_file=key, inbox_prefix=inbox_prefix(role, cluster)
     )  # type: ignore[arg-type]
+
+
+def replica_verify(creds: Credentials) -> ssl.SSLContext | bool:
+    """httpx `verify=` for calls to this cluster's replicas (the fleet CA), True without TLS."""
+    return client_context(creds.ca_file) if creds.enabled and creds.ca_file else True

@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import random
 import signal
 import sys
@@ -37,6 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from agent.security.replica_auth import API_KEY_ENV, CERT_ENV, KEY_ENV, require_bearer
 from agent.sim.model import ReplicaModel, SimRequest
 from agent.sim.profile import PerfProfile, load_profile
 
@@ -367,6 +369,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=None, help="override the profile's batch limit")
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
+    # As the engine: the replica token and HTTPS certificate from the environment.
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV))
+    p.add_argument("--ssl-certfile", default=os.environ.get(CERT_ENV))
+    p.add_argument("--ssl-keyfile", default=os.environ.get(KEY_ENV))
     return p
 
 
@@ -401,7 +407,13 @@ async def _serve(args: argparse.Namespace, profile: PerfProfile, cold: float, er
     state = SimState(profile, args.served_model_name, cold, error_rate, seed=args.seed)
     server = uvicorn.Server(
         uvicorn.Config(
-            build_app(state), host=args.host, port=args.port, log_level="warning", access_log=False
+            require_bearer(build_app(state), args.api_key),
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            access_log=False,
+            ssl_certfile=args.ssl_certfile,
+            ssl_keyfile=args.ssl_keyfile,
         )
     )
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]

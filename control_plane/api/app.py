@@ -14,6 +14,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from control_plane.api import errors, metrics
 from control_plane.api.auth import TokenCache, authenticate
+from control_plane.api.protected import docs_urls, install_docs
 from control_plane.api.routers import clusters, deployments, history, keys, rollouts, usage
 from control_plane.console import install as install_console
 from control_plane.context import ControlPlaneContext
@@ -107,7 +108,10 @@ def build_app(ctx: ControlPlaneContext, *, run_loops: bool = True) -> FastAPI:
         version="1",
         description="Admin API: deployments, versions, clusters, capacity pools, API keys, events, audit.",
         lifespan=lifespan,
+        **docs_urls(ctx.settings.protect_docs),
     )
+    if ctx.settings.protect_docs:
+        install_docs(app)
     app.state.ctx = ctx
     app.state.token_cache = TokenCache()
     errors.install(app)
@@ -118,9 +122,10 @@ def build_app(ctx: ControlPlaneContext, *, run_loops: bool = True) -> FastAPI:
         nats = request.app.state.ctx.nats
         return {"status": "ok", "nats": bool(nats is not None and nats.is_connected)}
 
-    app.include_router(metrics.router)  # Prometheus text, no auth
-
     auth = [Depends(authenticate)]
+    # Prometheus text; FLEET_PROTECT_METRICS=1: a bearer token too
+    app.include_router(metrics.router, dependencies=auth if ctx.settings.protect_metrics else [])
+
     routers = (
         deployments.router,
         clusters.router,

@@ -27,7 +27,7 @@ Label = Annotated[
 ModelRef = Annotated[str, StringConstraints(min_length=1, max_length=512, strip_whitespace=True)]
 EngineArgName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")]
 Url = Annotated[str, StringConstraints(max_length=512, pattern=r"^(https?://\S+)?$")]
-Scope = Literal["admin", "read", "inference"]
+Scope = Literal["admin", "read", "inference", "metrics"]
 TierName = Literal["reserved", "on-demand", "spot"]
 ClusterStatusName = Literal["healthy", "unhealthy", "draining"]
 

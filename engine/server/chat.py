@@ -30,7 +30,9 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     check_context(engine, len(ids), params.max_tokens, "messages")
 
     created = int(time.time())
-    gen = Generation(state, [ids], params, f"chatcmpl-{uuid.uuid4().hex}", "messages")
+    gen = Generation(
+        state, [ids], params, f"chatcmpl-{uuid.uuid4().hex}", "messages", cache_salt=body.cache_salt
+    )
     await gen.run(request, stream=body.stream)
     head = {"id": gen.request_id, "created": created, "model": state.settings.served_model_name}
     token_bytes = TokenBytes(engine.tokenizer)

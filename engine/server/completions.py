@@ -30,7 +30,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         check_context(engine, len(ids), params.max_tokens, "prompt")
 
     created = int(time.time())
-    gen = Generation(state, prompts, params, f"cmpl-{uuid.uuid4().hex}", "prompt")
+    gen = Generation(state, prompts, params, f"cmpl-{uuid.uuid4().hex}", "prompt", cache_salt=body.cache_salt)
     await gen.run(request, stream=body.stream)
     head = {"id": gen.request_id, "created": created, "model": state.settings.served_model_name}
     if body.stream:

@@ -59,6 +59,7 @@ class Generation:
         params: SamplingParams,
         request_id: str,
         param: str,
+        cache_salt: str | None = None,
     ) -> None:
         assert state.engine is not None
         self.state = state
@@ -67,6 +68,7 @@ class Generation:
         self.params = params
         self.param = param
         self.request_id = request_id
+        self.cache_salt = cache_salt
         self.ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         self.final: list[RequestOutput | None] = [None] * len(prompts)
         self.choices: dict[tuple[int, int], ChoiceState] = {}
@@ -93,7 +95,7 @@ class Generation:
         self._firsts = [r for r in results if isinstance(r, RequestOutput)]
 
     async def _first(self, i: int) -> RequestOutput:
-        it = self.engine.generate(self.prompts[i], self.params, self.ids[i])
+        it = self.engine.generate(self.prompts[i], self.params, self.ids[i], cache_salt=self.cache_salt)
         self._iters[i] = it
         try:
             return await it.__anext__()

@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer KEY' on the API (default: $FLEET_ENGINE_API_KEY)",
     )
     p.add_argument(
+        "--ssl-certfile",
+        default=os.environ.get("FLEET_ENGINE_SSL_CERTFILE"),
+        help="serve HTTPS with this certificate (default: $FLEET_ENGINE_SSL_CERTFILE)",
+    )
+    p.add_argument("--ssl-keyfile", default=os.environ.get("FLEET_ENGINE_SSL_KEYFILE"))
+    p.add_argument(
         "--max-request-bytes", type=byte_size, default=1 << 20, help="largest request body (413 above)"
     )
     p.add_argument(
@@ -197,6 +203,8 @@ async def _serve(ns: argparse.Namespace, settings: ServerSettings) -> int:
         access_log=ns.access_log,
         timeout_graceful_shutdown=5,
         lifespan="off",
+        ssl_certfile=ns.ssl_certfile,
+        ssl_keyfile=ns.ssl_keyfile,
     )
     server = _Server(config, state)
     loader = threading.Thread(

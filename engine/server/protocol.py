@@ -114,6 +114,9 @@ class _SamplingRequest(_Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
+    # vLLM's extra: prefix-cache blocks are shared only between requests with the same salt
+    # (the fleet gateway sets it per tenant and replaces whatever a client sent).
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None

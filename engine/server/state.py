@@ -22,7 +22,13 @@ class EngineClient(Protocol):
     model_config: Any
 
     def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        *,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...

@@ -1,0 +1,29 @@
+"""Tenant isolation in the replicas' prefix cache.
+
+Every request a gateway sends a replica carries `cache_salt` derived from the API key, and
+a client's own `cache_salt` is replaced: cached KV blocks are then shared only between
+requests of the same key, so `usage.prompt_tokens_details.cached_tokens` (and latency)
+can no longer tell one tenant whether another sent a given prompt. The salt is a hash,
+not the key id, so replica logs do not name keys either.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from agent.gateway.inputs import RequestInfo, upstream_body
+
+SALT_FIELD = "cache_salt"
+
+
+def cache_salt(key_id: str) -> str:
+    return hashlib.sha256(f"fleet-prefix-cache:{key_id}".encode()).hexdigest()[:32]
+
+
+def salted_body(info: RequestInfo, raw: bytes, key_id: str) -> bytes:
+    """`upstream_body` with this key's cache salt in place of any the client sent."""
+    out = upstream_body(info, raw)
+    body = dict(info.body) if out is raw else json.loads(out)
+    body[SALT_FIELD] = cache_salt(key_id)
+    return json.dumps(body, ensure_ascii=False).encode()
