@@ -298,8 +298,12 @@ class KvWatch:
                 log.exception("kv watch callback failed for %s/%s", self.bucket, key)
 
     async def resync(self) -> None:
+        if not self.link.is_connected:  # "no answer" is not "no key": never emit deletes for it
+            raise ConnectionError(f"resync of {self.bucket} while NATS is down")
         if _is_single_key(self.keys):  # one key: a direct get, never a listing of the bucket
             value = await self.link.kv_get(self.bucket, self.keys)
+            if value is None and not self.link.is_connected:
+                raise ConnectionError(f"NATS went down during the resync of {self.bucket}")
             items = {} if value is None else {self.keys: value}
         else:
             items = await self.link.kv_items(self.bucket)

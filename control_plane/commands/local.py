@@ -211,7 +211,10 @@ def _bring_up(
             if not pid_alive(record.pid):
                 raise RuntimeError(f"{record.kind} {record.name} exited; see {record.log}")
         clusters = {c.get("id"): c for c in api.items("/v1/clusters")}
-        return all(clusters.get(r, {}).get("status") == "healthy" for r in state.regions)
+        return all(  # enrolment registers each cluster before its first heartbeat
+            clusters.get(r, {}).get("status") == "healthy" and clusters[r].get("last_heartbeat_at")
+            for r in state.regions
+        )
 
     if not _wait("waiting for every cluster's first heartbeat", clusters_healthy, timeout):
         raise RuntimeError("clusters did not register")

@@ -73,7 +73,10 @@ class SimFleet:
 
         def healthy():
             clusters = {c["id"]: c for c in self.api("GET", "/v1/clusters").json()["items"]}
-            return all(clusters.get(r, {}).get("status") == "healthy" for r in self.regions)
+            return all(
+                clusters.get(r, {}).get("status") == "healthy" and clusters[r]["last_heartbeat_at"]
+                for r in self.regions
+            )  # enrolment registers a cluster before its first heartbeat
 
         wait_for(healthy, timeout, 0.2, "every cluster's first heartbeat")
         for url in self.gateways.values():

@@ -1,0 +1,205 @@
+"""The NATS rows of the attack table, on the real nats-server with the config `fleetctl up`
+generates (control_plane.security): TLS required, one user per certificate identity,
+per-subject permissions. Every denial is checked twice: the server reports a permissions
+violation to the offender, and nobody (the control plane listening on everything) sees
+the forged message."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from pathlib import Path
+
+import nats
+import pytest
+from nats.js.errors import KeyNotFoundError
+
+from agent import protocol
+from agent.security.tls import NatsTls, client_context, nats_tls
+from control_plane.local.nats_server import NatsServer, free_port
+from control_plane.security.enroll import Enrolment, NatsListen
+from control_plane.security.pki import FleetPki
+
+pytestmark = pytest.mark.timeout(120)
+
+# what nats-py raises when a server turns it away: TLS alerts (ssl.SSLError is an OSError),
+# a reset, its own errors (no servers, authorization), or a timeout
+REFUSED = (nats.errors.Error, OSError, asyncio.TimeoutError)
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory):
+    home = tmp_path_factory.mktemp("fleet-home")
+    enrolment = Enrolment(home)
+    port = free_port()
+    listen = NatsListen(port=port, store_dir=str(home / "nats"), clusters=["east", "west"])
+    server = NatsServer(home / "nats", port=port, config_file=enrolment.write_nats_config(listen)).start()
+    env = enrolment.control_plane_env()
+    cp = NatsTls(
+        ca_file=Path(env["FLEET_NATS_CA"]),
+        cert_file=Path(env["FLEET_NATS_CERT"]),
+        key_file=Path(env["FLEET_NATS_KEY"]),
+        inbox_prefix="_INBOX.control-plane",
+    )
+    try:
+        yield server, enrolment, cp
+    finally:
+        server.stop()
+
+
+class Client:
+    """A raw nats-py client that records the server's errors (permission violations)."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+        self.nc = None
+
+    async def connect(self, url: str, tls: NatsTls | None = None, **kw):
+        async def on_error(err):
+            self.errors.append(str(err))
+
+        opts = {"tls": tls.context(), "inbox_prefix": tls.inbox_prefix} if tls else {}
+        self.nc = await nats.connect(
+            url, connect_timeout=3, allow_reconnect=False, error_cb=on_error, **opts, **kw
+        )
+        return self
+
+    async def violation(self, what: str, timeout: float = 5.0) -> bool:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while asyncio.get_running_loop().time() < deadline:
+            # nats-py lower-cases the server's message
+            if any("permissions violation" in e.lower() and what.lower() in e.lower() for e in self.errors):
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    async def close(self):
+        if self.nc is not None:
+            await self.nc.close()
+
+
+async def _control_plane(url: str, cp: NatsTls) -> Client:
+    client = await Client().connect(url, cp)
+    js = client.nc.jetstream()
+    from agent.nats_io import ensure_jetstream
+
+    await ensure_jetstream(js)
+    return client
+
+
+async def test_anonymous_plaintext_and_foreign_clients_are_refused(secured, tmp_path):
+    server, enrolment, _ = secured
+    # plaintext: the server requires TLS
+    with pytest.raises(REFUSED):
+        await nats.connect(server.url.replace("tls://", "nats://"), connect_timeout=3, allow_reconnect=False)
+    # TLS that trusts the fleet CA, but no client certificate: no identity, no entry
+    anonymous = client_context(enrolment.pki.ca_file)
+    with pytest.raises(REFUSED):
+        await nats.connect(server.url, tls=anonymous, connect_timeout=3, allow_reconnect=False)
+    # a certificate from another CA with the right name: refused at the handshake
+    foreign = FleetPki(tmp_path / "elsewhere").cluster("east")
+    ctx = client_context(enrolment.pki.ca_file, foreign.agent_cert, foreign.agent_key)
+    with pytest.raises(REFUSED):
+        await nats.connect(server.url, tls=ctx, connect_timeout=3, allow_reconnect=False)
+    # a fleet certificate without a NATS user (a replica's) is refused too
+    creds = enrolment.enroll("east")
+    replica = client_context(enrolment.pki.ca_file, creds.replica_cert, creds.replica_key)
+    with pytest.raises(REFUSED):
+        await nats.connect(server.url, tls=replica, connect_timeout=3, allow_reconnect=False)
+    # the old plaintext, anonymous defaults (ssl.create_default_context) get nowhere either
+    with pytest.raises(REFUSED):
+        await nats.connect(
+            server.url, tls=ssl.create_default_context(), connect_timeout=3, allow_reconnect=False
+        )
+
+
+async def test_agent_a_is_confined_to_its_own_subjects_and_desired_key(secured):
+    server, enrolment, cp_tls = secured
+    cp = await _control_plane(server.url, cp_tls)
+    east = await Client().connect(server.url, nats_tls(enrolment.enroll("east"), "agent", "east"))
+    try:
+        seen: list[str] = []
+
+        async def record(msg):
+            seen.append(msg.subject)
+
+        await cp.nc.subscribe("fleet.v1.>", cb=record)
+        await cp.nc.subscribe("$KV.>", cb=record)
+        await cp.nc.flush()
+        cp_kv = {b: await cp.nc.jetstream().key_value(b) for b in protocol.BUCKETS}
+        west_state = protocol.DesiredState(cluster="west", generation=7)
+        await cp_kv[protocol.BUCKET_DESIRED].put("west", west_state.to_bytes())
+        await cp_kv[protocol.BUCKET_DESIRED].put("east", protocol.DesiredState(cluster="east").to_bytes())
+
+        # allowed: its own heartbeat, and its own desired key
+        await east.nc.publish(protocol.heartbeat_subject("east"), b"{}")
+        east_js = east.nc.jetstream()
+        desired = await east_js.key_value(protocol.BUCKET_DESIRED)
+        assert (await desired.get("east")).value
+        await asyncio.sleep(0.3)
+        assert protocol.heartbeat_subject("east") in seen
+
+        # denied: west's heartbeat (the forged registration / gateway_url attack)
+        await east.nc.publish(protocol.heartbeat_subject("west"), b'{"cluster": "west"}')
+        assert await east.violation(protocol.heartbeat_subject("west"))
+        # denied: writing keys (a key of its own making) or any desired state
+        record_bytes = protocol.ApiKeyRecord(key_id="evil", name="evil", salt="s", hash="h").to_bytes()
+        for subject in ("$KV.fleet_keys.evil", "$KV.fleet_desired.east", "$KV.fleet_desired.west"):
+            await east.nc.publish(subject, record_bytes)
+            assert await east.violation(subject), east.errors
+        keys = await east_js.key_value(protocol.BUCKET_KEYS)
+        with pytest.raises(REFUSED):
+            await keys.put("evil", record_bytes)
+        # denied: reading west's desired state, by direct get or by subscribing
+        with pytest.raises(REFUSED):
+            await asyncio.wait_for(desired.get("west"), 3)
+        assert await east.violation("DIRECT.GET.KV_fleet_desired.$KV.fleet_desired.west")
+        await east.nc.subscribe("$KV.fleet_desired.west")
+        assert await east.violation("$KV.fleet_desired.west")
+        # denied: a consumer on the desired bucket (its filter would sit in the payload)
+        with pytest.raises(REFUSED):
+            await asyncio.wait_for(
+                east_js.subscribe("$KV.fleet_desired.west", stream="KV_fleet_desired", ordered_consumer=True),
+                3,
+            )
+        # denied: listening to other identities' replies
+        await east.nc.subscribe("_INBOX.control-plane.>")
+        assert await east.violation("_INBOX.control-plane.>")
+
+        await asyncio.sleep(0.3)
+        assert protocol.heartbeat_subject("west") not in seen
+        assert not any(s.startswith("$KV.fleet_keys.") for s in seen)
+        assert (await cp_kv[protocol.BUCKET_DESIRED].get("west")).value == west_state.to_bytes()
+        with pytest.raises(KeyNotFoundError):
+            await cp_kv[protocol.BUCKET_KEYS].get("evil")
+    finally:
+        await east.close()
+        await cp.close()
+
+
+async def test_gateway_identity_publishes_only_usage_and_demand_of_its_cluster(secured):
+    server, enrolment, cp_tls = secured
+    cp = await _control_plane(server.url, cp_tls)
+    gw = await Client().connect(server.url, nats_tls(enrolment.enroll("west"), "gateway", "west"))
+    try:
+        seen: list[str] = []
+
+        async def record(msg):
+            seen.append(msg.subject)
+
+        await cp.nc.subscribe("fleet.v1.>", cb=record)
+        await cp.nc.flush()
+        await gw.nc.publish(protocol.usage_subject("west"), b"{}")
+        await gw.nc.publish(protocol.demand_subject("west"), b"{}")
+        for forged in (
+            protocol.usage_subject("east"),
+            protocol.heartbeat_subject("west"),
+            "$KV.fleet_routes.x",
+        ):
+            await gw.nc.publish(forged, b"{}")
+            assert await gw.violation(forged)
+        await asyncio.sleep(0.3)
+        assert sorted(seen) == sorted([protocol.usage_subject("west"), protocol.demand_subject("west")])
+    finally:
+        await gw.close()
+        await cp.close()
