@@ -288,12 +288,18 @@ def delete(
 # --------------------------------------------------------------------- clusters and pools
 
 
+clusters_app = typer.Typer(help="List clusters (`fleetctl clusters`), enrol one (`clusters enroll NAME`).")
+
+
 def clusters(
+    ctx: typer.Context,
     status: str = typer.Option(None, "--status", help="healthy, unhealthy or draining"),
     region: str = typer.Option(None, "--region"),
     output: OutputFormat = OUTPUT_OPTION,
 ) -> None:
     """List clusters."""
+    if ctx.invoked_subcommand is not None:
+        return
     show(
         call(lambda c: c.items("/v1/clusters", status=status, region=region)),
         output,
@@ -507,7 +513,8 @@ def register(app: typer.Typer) -> None:
     app.command("status")(status)
     app.command("scale")(scale)
     app.command("delete")(delete)
-    app.command("clusters")(clusters)
+    clusters_app.callback(invoke_without_command=True)(clusters)
+    app.add_typer(clusters_app, name="clusters")
     app.command("cordon")(cordon)
     app.command("uncordon")(uncordon)
     pools_app.callback()(pools)

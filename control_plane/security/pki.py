@@ -207,6 +207,7 @@ class FleetPki:
         """The cluster's bundle, created on first use; `hosts` name its gateway and replicas."""
         d = self.cluster_dir(cluster)
         d.mkdir(parents=True, exist_ok=True)
+        os.chmod(d.parent, 0o700)
         os.chmod(d, 0o700)
         ca_copy = d / "ca.pem"
         if not ca_copy.exists() or ca_copy.read_bytes() != self.ca_file.read_bytes():
