@@ -69,8 +69,13 @@ def chat(url: str, key: str, **kw) -> httpx.Response:
     )
 
 
+SECRETS: list[str] = []  # every secret this module handed out: none may reach a log
+
+
 def new_key(fleet: SimFleet, name: str) -> str:
-    return fleet.api("POST", "/v1/keys", json={"name": name, "scopes": ["inference"]}).json()["key"]
+    key = fleet.api("POST", "/v1/keys", json={"name": name, "scopes": ["inference"]}).json()["key"]
+    SECRETS.append(key)
+    return key
 
 
 def cluster_config(fleet: SimFleet, region: str):
@@ -203,6 +208,23 @@ def test_revoked_key_stops_within_2s_on_a_connected_gateway(fleet: SimFleet):
     took = time.monotonic() - revoked_at
     print(f"\n[revocation] a revoked key stopped working at a connected gateway after {took:.2f}s")
     assert took <= 2.0
+
+
+def test_no_secret_in_any_log(fleet: SimFleet):
+    """Keys, the admin token and replica tokens never appear in any process's log (the
+    gateways log at info, the agents log every replica's command line)."""
+    secrets = [*SECRETS, fleet.key, fleet.token]
+    secrets += [cluster_config(fleet, r).security.replica_token for r in (EAST, WEST)]
+    logs = list((fleet.local.dir / "logs").glob("*.log")) + list(
+        (fleet.local.dir / "clusters").rglob("*.log")
+    )
+    assert len(logs) >= 6
+    for path in logs:
+        text = path.read_text(errors="replace")
+        for secret in secrets:
+            assert secret and secret not in text, f"a secret in {path}"
+        secret_part = [s.split("-", 2)[2] for s in [*SECRETS, fleet.key]]
+        assert not any(part in text for part in secret_part), f"a key's secret part in {path}"
 
 
 def test_revocation_with_a_dead_agent_follows_the_staleness_setting(fleet: SimFleet):
