@@ -149,6 +149,7 @@ def up(
                 "fleet_id": state.fleet_id,
                 "api_url": state.api_url,
                 "nats_url": state.nats_url,
+                "ca_file": str(fleet.enrolment.pki.ca_file) if state.secure else None,
                 "key": key,
                 "deployment": deployment,
                 "clusters": rows,
@@ -159,6 +160,12 @@ def up(
         console.print(
             f"\n[bold]Console[/bold] {state.api_url}/console/ (log in with $FLEET_HOME/admin-token)"
         )
+        if state.secure:
+            console.print(
+                f"Secured: NATS {state.nats_url} (TLS, one identity per process), replicas and peers over "
+                f"HTTPS; fleet CA {fleet.enrolment.pki.ca_file} (docs/security.md)",
+                highlight=False,
+            )
     if detach:
         return
     _foreground(fleet)
