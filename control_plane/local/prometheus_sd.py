@@ -59,6 +59,8 @@ def prometheus_targets(
                     "replica": replica.replica_id,
                     "version": str(replica.version),
                 }
+                if replica.url.startswith("https://"):  # a secured fleet (docs/security.md)
+                    labels["__scheme__"] = "https"
                 groups.append(TargetGroup(targets=[target], labels=labels))
     return groups
 

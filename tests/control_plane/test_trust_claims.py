@@ -1,0 +1,44 @@
+"""What a message claims must match where it came from: NATS permissions bind each agent
+to its own subjects, and the control plane drops a heartbeat or event whose claimed
+cluster is not the subject's. An agent never acts on a desired state whose generation
+went down (a replay, or a forgery that got past everything else)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from agent import protocol
+from agent.config import ClusterConfig
+from agent.daemon import Agent
+from control_plane.context import ControlPlaneContext
+from control_plane.loops import Loops
+from control_plane.settings import Settings
+
+
+def msg(subject: str, message: protocol.Message) -> SimpleNamespace:
+    return SimpleNamespace(subject=subject, data=message.to_bytes())
+
+
+async def test_control_plane_drops_messages_whose_cluster_is_not_their_subject(tmp_path):
+    loops = Loops(ControlPlaneContext(settings=Settings(home=tmp_path), sessions=None))  # type: ignore[arg-type]
+    await loops._on_event(msg(protocol.events_subject("east"), protocol.Event(cluster="west", kind="info")))
+    await loops._on_heartbeat(msg(protocol.heartbeat_subject("east"), protocol.Heartbeat(cluster="west")))
+    assert loops._events == [] and loops._heartbeats == {}
+    await loops._on_event(msg(protocol.events_subject("east"), protocol.Event(cluster="east", kind="info")))
+    await loops._on_heartbeat(msg(protocol.heartbeat_subject("east"), protocol.Heartbeat(cluster="east")))
+    assert [e.cluster for e in loops._events] == ["east"] and list(loops._heartbeats) == ["east"]
+
+
+async def test_agent_ignores_a_desired_state_whose_generation_goes_down(tmp_path):
+    config = ClusterConfig(cluster="east", state_dir=tmp_path / "state", runtime="sim")
+    agent = Agent(config)
+    spec = protocol.ReplicaSpec(replica_id="r1", deployment="d", version=1, model="m")
+    newer = protocol.DesiredState(cluster="east", generation=5, replicas=[spec])
+    await agent._on_desired("east", newer.to_bytes())
+    older = protocol.DesiredState(cluster="east", generation=3, replicas=[])
+    await agent._on_desired("east", older.to_bytes())
+    assert agent.desired is not None and agent.desired.generation == 5 and agent.desired.replicas == [spec]
+    assert agent.files.load_desired().generation == 5  # and the copy on disk did not go back either
+    for other in (protocol.DesiredState(cluster="west", generation=9),):  # another cluster's state
+        await agent._on_desired("east", other.to_bytes())
+    assert agent.desired.generation == 5
