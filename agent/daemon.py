@@ -380,8 +380,7 @@ class Agent:
     async def _on_key(self, key: str, value: bytes | None) -> None:
         if key == protocol.KEYS_LEASE:
             if value is not None and self._parse(protocol.KeyLease, key, value) is not None:
-                self.keys.lease_seen_at = time.time()
-                self.files.save_keys(self.keys)
+                self.files.save_key_lease(time.time())
             return
         if value is None:
             if self.keys.keys.pop(key, None) is None:

@@ -25,9 +25,14 @@ class RouteSet(Message):
 
 class KeySet(Message):
     keys: dict[str, ApiKeyRecord] = Field(default_factory=dict)
-    # The agent's own clock when it last heard the key set's lease renewed (None: never):
-    # how old this copy is, for the gateway's staleness rule (docs/security.md).
-    lease_seen_at: float | None = None
+
+
+class KeyLeaseSeen(Message):
+    """keys-lease.json: the agent's own clock when it last heard the key set's lease
+    renewed, i.e. how old keys.json may be (the gateway's staleness rule, docs/security.md).
+    A file of its own so a renewal every few seconds does not rewrite the whole key set."""
+
+    seen_at: float
 
 
 class ReplicaSnapshot(Message):
@@ -124,6 +129,17 @@ class LocalState:
 
     def save_keys(self, keys: KeySet) -> None:
         self._write(self.keys_path, keys)
+
+    @property
+    def key_lease_path(self) -> Path:
+        return self.dir / "keys-lease.json"
+
+    def save_key_lease(self, seen_at: float) -> None:
+        self._write(self.key_lease_path, KeyLeaseSeen(seen_at=seen_at))
+
+    def load_key_lease(self) -> float | None:
+        seen = self._read(self.key_lease_path, KeyLeaseSeen)
+        return seen.seen_at if seen is not None else None
 
     def load_keys(self) -> KeySet:
         return self._read(self.keys_path, KeySet) or KeySet()

@@ -2,7 +2,7 @@
 revocations (`gateway.stale_keys`, docs/security.md).
 
 The age is the time since the agent last heard the control plane renew the key set's
-lease (`KeySet.lease_seen_at`; without a lease ever seen, since keys.json was written).
+lease (`keys-lease.json`; without a lease ever seen, since keys.json was written).
 While the age is within `key_state_max_age_s`, keys are judged by the key set alone and
 a revocation arrives within a couple of seconds. Past it (agent dead, NATS or control plane
 unreachable), a revocation may have been missed:

@@ -51,7 +51,9 @@ class ClusterView:
         self.clock = clock
         self.replicas: list[ReplicaStatus] = []
         self.keys: dict[str, ApiKeyRecord] = {}
-        self.keys_confirmed_at: float | None = None  # wall clock: the agent last confirmed the key set
+        self._keys_written_at: float | None = None
+        self._lease_sig: Signature = ABSENT
+        self._lease_seen_at: float | None = None
         self.routes: dict[str, RoutingTable] = {}
         self.signatures: dict[str, Signature] = {name: ABSENT for name in self.FILES}
         self.reloads: dict[str, int] = {name: 0 for name in self.FILES}
@@ -79,6 +81,10 @@ class ClusterView:
                 self.signatures[name] = sig
                 self.reloads[name] += 1
                 changed.add(name)
+        lease_sig = file_signature(self.local.key_lease_path)
+        if lease_sig != self._lease_sig:
+            self._lease_sig = lease_sig
+            self._lease_seen_at = self.local.load_key_lease()
         if changed and self._changed is not None:
             self._changed.set()
             self._changed = None
@@ -100,11 +106,18 @@ class ClusterView:
             self.replicas = parsed.replicas if isinstance(parsed, ReplicaSnapshot) else []
         elif name == "keys":
             self.keys = parsed.keys if isinstance(parsed, KeySet) else {}
-            lease = parsed.lease_seen_at if isinstance(parsed, KeySet) else None
-            self.keys_confirmed_at = lease if lease is not None else (sig[1] / 1e9 if parsed else None)
+            self._keys_written_at = sig[1] / 1e9 if parsed is not None else None
         else:
             self.routes = parsed.routes if isinstance(parsed, RouteSet) else {}
         return True
+
+    @property
+    def keys_confirmed_at(self) -> float | None:
+        """Wall clock of the agent's last confirmation of the key set: when it last heard
+        the lease renewed, else (no lease seen yet) when it wrote keys.json."""
+        if self._lease_seen_at is not None:
+            return max(self._lease_seen_at, self._keys_written_at or 0.0)
+        return self._keys_written_at
 
     def changed(self) -> asyncio.Event:
         """An event set at the next reload of any file (for requests waiting on a replica)."""

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(300)
 
 EAST, WEST = "local-east", "local-west"
 NAME = "guarded"
-MAX_AGE_S = 4.0
+MAX_AGE_S = 8.0  # above the control plane's 5 s lease renewal
 BODY = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 

@@ -147,6 +147,7 @@ class GatewayProcess:
                 queue_size=queue_size,
                 queue_timeout_s=queue_timeout_s,
                 max_body_bytes=max_body_bytes,
+                key_state_max_age_s=3600,  # no agent renews the key set's lease here
             ),
         )
         self.files = ClusterFiles(self.config.state_dir, cluster)
