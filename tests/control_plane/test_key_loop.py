@@ -1,0 +1,76 @@
+"""fleet_keys is published by its own loop: keys reach NATS while placement fails, with
+the key set's lease renewed on every pass, and a revoked key is deleted at once."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from agent import protocol
+from control_plane.context import ControlPlaneContext
+from control_plane.db import models as m
+from control_plane.db.session import make_sessions, upgrade_to_head
+from control_plane.loops import Loops
+from control_plane.loops.keys import KeyLoop
+from control_plane.loops.publish import bucket_items
+from control_plane.settings import Settings
+from tests.control_plane.test_loops_publish import connected, nats_server  # noqa: F401 (fixture)
+
+
+class BrokenPlacer:
+    name = "broken"
+
+    def place(self, *args, **kwargs):
+        raise RuntimeError("placement is down")
+
+
+@pytest.fixture
+def sessions(tmp_path):
+    url = f"sqlite:///{tmp_path / 'fleet.db'}"
+    upgrade_to_head(url)
+    return make_sessions(url)
+
+
+async def test_keys_and_their_lease_publish_while_placement_fails(nats_server, sessions, tmp_path):  # noqa: F811
+    link = await connected(nats_server.url)
+    settings = Settings(home=tmp_path, key_lease_interval_s=0.2)
+    ctx = ControlPlaneContext(settings=settings, sessions=sessions, nats=link)
+    with sessions() as s:
+        s.add(m.ApiKey(key_id="k1", name="app", salt="s", hash="h", scopes=["inference"]))
+        s.commit()
+    loops = Loops(ctx)
+    loops.placer = BrokenPlacer()
+    with pytest.raises(RuntimeError):
+        await loops.reconcile_now()  # placement fails ...
+    keys = await KeyLoop(ctx).start()  # ... and keys are published anyway
+    try:
+
+        async def published() -> dict[str, bytes]:
+            for _ in range(100):
+                items, _ = await bucket_items(link, protocol.BUCKET_KEYS)
+                if "k1" in items and protocol.KEYS_LEASE in items:
+                    return items
+                await asyncio.sleep(0.05)
+            raise AssertionError("keys not published")
+
+        items = await published()
+        lease = protocol.KeyLease.from_bytes(items[protocol.KEYS_LEASE])
+        assert lease.keys == 1 and lease.valid_s > settings.key_lease_interval_s
+        await asyncio.sleep(0.6)
+        renewed = protocol.KeyLease.from_bytes((await published())[protocol.KEYS_LEASE])
+        assert renewed.issued_at > lease.issued_at  # renewed without any key changing
+
+        with sessions() as s:
+            s.get(m.ApiKey, "k1").revoked_at = m.utcnow()
+            s.commit()
+        ctx.kick()
+        for _ in range(100):
+            if "k1" not in (await bucket_items(link, protocol.BUCKET_KEYS))[0]:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the revoked key is still published")
+    finally:
+        await keys.stop()
+        await link.close()
