@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import signal
 import statistics
 import tempfile
 import time
@@ -133,6 +134,10 @@ def measure(fleet: BenchFleet, prompts: list[str], concurrency: int, max_tokens:
     }
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.trust_overhead", description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=16)
@@ -141,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runtime", choices=["process", "sim"], default="process")
     p.add_argument("--model", default="smollm2-135m")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)  # a killed benchmark still takes its fleet down
     model = args.model if args.runtime == "process" else "sim"
     prompts = [f"In two sentences, explain topic number {i} of cloud security." for i in range(args.requests)]
     rows = []

@@ -157,7 +157,8 @@ class Gateway:
         self.metrics.registry.register(UnschedulableCollector(lambda: self.view.replicas))
         self._demand: asyncio.Task[None] | None = None
         self.liveness = PeerLiveness(link)  # clusters heard on NATS: failover faster than routes
-        self.peers = PeerAuth(config)  # who forwarded a request; credentials for upstreams
+        # who forwarded a request; credentials for upstreams
+        self.peers = PeerAuth(config, self.metrics.registry)
         self.client: httpx.AsyncClient | None = None
         self.rng = random.Random()
         self._watch: asyncio.Task[None] | None = None

@@ -18,6 +18,8 @@ import ssl
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter
+
 from agent.config import ClusterConfig
 from agent.gateway.routing import HOPS_HEADER, forwarded_from
 from agent.security.peer_token import PeerSigner, PeerTokenError, PeerVerifier
@@ -42,14 +44,18 @@ def mark_peer_listener(app: Any) -> Any:
 
 
 class PeerAuth:
-    def __init__(self, config: ClusterConfig) -> None:
+    def __init__(self, config: ClusterConfig, registry: CollectorRegistry | None = None) -> None:
         creds = config.security
         self.cluster = config.cluster
         self.secure = creds.enabled
         self.signer: PeerSigner | None = None
         self.verifier: PeerVerifier | None = None
         self.replica_headers = replica_headers(creds)
-        self.rejected = 0
+        self.rejected = Counter(
+            "fleet_gateway_peer_auth_failures_total",
+            "Requests on the peer listener whose peer token did not verify (served as a client's)",
+            registry=registry,
+        )
         # httpx `verify=` for replicas and peers: the fleet CA, presenting our certificate
         self.client_verify: ssl.SSLContext | bool = True
         if self.secure:
@@ -71,7 +77,7 @@ class PeerAuth:
         try:
             return self.verifier.verify(token, headers.get("x-request-id"))
         except PeerTokenError as err:
-            self.rejected += 1
+            self.rejected.inc()
             log.warning("treating a request with a bad peer token as a client's: %s", err)
             return None
 

@@ -85,9 +85,8 @@ def nats_tls(creds: Credentials, role: str, cluster: str) -> NatsTls | None:
     )
     if cert is None or key is None or creds.ca_file is None:
         raise ValueError(f"security.ca_file is set but the {role} certificate or key is missing")
-    return NatsTls(
-        ca_file=creds.ca_file, cert_file=cert, key_file=key, inbox_prefix=inbox_prefix(role, cluster)
-    )  # type: ignore[arg-type]
+    prefix = inbox_prefix("agent" if role == "agent" else "gateway", cluster)
+    return NatsTls(ca_file=creds.ca_file, cert_file=cert, key_file=key, inbox_prefix=prefix)
 
 
 def replica_verify(creds: Credentials) -> ssl.SSLContext | bool:

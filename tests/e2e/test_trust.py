@@ -127,6 +127,7 @@ def test_forged_forwarding_headers_are_a_clients(fleet: SimFleet):
         timeout=30,
     )
     assert r.status_code == 200 and r.headers["x-fleet-cluster"] == WEST, r.text
+    assert fleet.gateway_metric(EAST, "fleet_gateway_peer_auth_failures_total") >= 1
 
 
 def test_forged_heartbeat_gateway_url_does_not_move_spill_traffic(fleet: SimFleet):
