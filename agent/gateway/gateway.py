@@ -417,7 +417,7 @@ class Gateway:
         live = [
             Target(p.cluster, p.gateway_url.rstrip("/"), is_peer=True, standby=p.standby)
             for p in peers
-            if self.liveness.alive(p.cluster)
+            if self.liveness.alive(p.cluster) and self.peers.usable(p.gateway_url)
         ]
         return [t for t in live if not t.standby] or live
 

@@ -81,6 +81,10 @@ class PeerAuth:
             log.warning("treating a request with a bad peer token as a client's: %s", err)
             return None
 
+    def usable(self, peer_url: str) -> bool:
+        """A secured gateway forwards users' keys and prompts only over HTTPS."""
+        return not self.secure or peer_url.startswith("https://")
+
     def hops(self, origin: str | None, headers: Mapping[str, str]) -> str | None:
         """The hop count to build on: a client's own claim counts for nothing."""
         return headers.get(HOPS_HEADER) if origin is not None else None
