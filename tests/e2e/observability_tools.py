@@ -53,10 +53,11 @@ class Prometheus:
     """`prometheus` with deploy/prometheus/prometheus.yml's scrape job and rule files, made
     fast for a test: 1 s scrape and rule evaluation, targets read from `targets_dir`."""
 
-    def __init__(self, workdir: Path, targets_dir: Path) -> None:
+    def __init__(self, workdir: Path, targets_dir: Path, ca_file: Path | None = None) -> None:
         self.binary = require_tool("prometheus")
         self.workdir = workdir
         self.targets_dir = targets_dir
+        self.ca_file = ca_file  # a secured fleet's CA: its replicas serve HTTPS
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -73,6 +74,8 @@ class Prometheus:
             for sd in job.get("file_sd_configs", []):
                 sd["files"] = [str(self.targets_dir / Path(f).name) for f in sd["files"]]
                 sd["refresh_interval"] = "1s"
+            if job.get("file_sd_configs") and self.ca_file is not None:
+                job["tls_config"] = {"ca_file": str(self.ca_file)}
             jobs.append(job)
         config["scrape_configs"] = jobs
         return config

@@ -132,7 +132,7 @@ def test_every_dashboard_query_returns_series(prometheus_binary, fleet: SimFleet
     targets_dir = tmp_path / "targets"
     targets_dir.mkdir()
     (targets_dir / TARGETS_FILE).symlink_to(targets_file)
-    prom = Prometheus(tmp_path, targets_dir).start()
+    prom = Prometheus(tmp_path, targets_dir, ca_file=fleet.home / "pki" / "ca.pem").start()
     limited = fleet.api(
         "POST",
         "/v1/keys",
