@@ -21,6 +21,7 @@ from engine.errors import EngineDeadError, PromptTooLongError, QueueFullError
 from engine.llm_engine import LLMEngine, PromptInput
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.timing import HistogramSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ class AsyncLLM:
         if len(self.engine.scheduler.waiting) + self._pending + params.n > self.args.max_queue_len:
             raise QueueFullError(f"the waiting queue is full ({self.args.max_queue_len} requests)")
 
+        if params.structured is not None:  # compile (or hit the cache) off the engine thread
+            await asyncio.to_thread(self.engine.grammar.compile, params.structured)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         self._pending += params.n
@@ -102,6 +105,11 @@ class AsyncLLM:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def grammar_timings(self) -> dict[str, HistogramSnapshot]:
+        """Grammar compile and per-step mask-fill durations (for the server's /metrics)."""
+        g = self.engine.grammar
+        return {"compile": g.compile_seconds.snapshot(), "mask": g.mask_seconds.snapshot()}
 
     @property
     def is_running(self) -> bool:

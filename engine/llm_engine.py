@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineArgs
 from engine.errors import PromptTooLongError, QueueFullError
+from engine.grammar import GrammarBackend
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, SampleLogprobs
@@ -70,6 +71,8 @@ class LLMEngine:
         self.runner = ModelRunner(args, str(model_path))
         self.model_config = self.runner.model_config
         self.max_model_len = self.runner.max_model_len
+        self.grammar = GrammarBackend(self.tokenizer, self.model_config.vocab_size)
+        self.runner.grammar = self.grammar
         self.kv = KVCacheManager(self.runner.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv,
@@ -123,6 +126,10 @@ class LLMEngine:
             raise PromptTooLongError(len(ids), max_tokens, self.max_model_len)
         if len(self.scheduler.waiting) + params.n > self.args.max_queue_len:
             raise QueueFullError(f"the waiting queue is full ({self.args.max_queue_len} requests)")
+        if params.pooling is not None and params.n != 1:
+            raise ValueError("an embedding request has exactly one sequence (n = 1)")
+        if params.structured is not None:
+            self.grammar.compile(params.structured)  # cached; raises GrammarError (a ValueError)
 
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         parent = ParentRequest(
@@ -148,6 +155,8 @@ class LLMEngine:
                 eos_token_id=self.tokenizer.eos_token_id,
                 max_model_len=self.max_model_len,
             )
+            if params.structured is not None:
+                req.grammar = self.grammar.matcher(params.structured)
             seq = SequenceState(
                 request=req,
                 index=j,
@@ -188,7 +197,7 @@ class LLMEngine:
             (s for s in sched.scheduled if s.num_new_tokens == 1), key=lambda s: s.request.num_computed_tokens
         )
         batch += [s for s in sched.scheduled if s.num_new_tokens != 1]
-        sampling: list[ScheduledRequest] = [s for s in batch if s.samples]
+        sampling: list[ScheduledRequest] = [s for s in batch if s.samples and not s.request.pooling]
         seqs = [self._seq_state(s.request) for s in batch]
         result = self.runner.execute(
             batch, [self.kv.get_block_ids(s.request.request_id) for s in batch], [q.stop_ids for q in seqs]
@@ -199,6 +208,14 @@ class LLMEngine:
 
         now = time.monotonic()
         touched: dict[str, ParentRequest] = {}
+        for s in batch:
+            vec = result.embeddings.get(s.request.request_id) if s.request.pooling else None
+            if vec is not None:
+                s.request.embedding = vec
+                s.request.first_token_time = s.request.last_token_time = now
+                self.scheduler.finish_request(s.request, RequestStatus.FINISHED_STOPPED)
+                parent = self._seq_parent[s.request.request_id]
+                touched[parent.request_id] = parent
         if result.logprobs is not None:
             self._fill_logprob_texts([lp for lp in result.logprobs if lp is not None])
         for j, s in enumerate(sampling):
@@ -213,6 +230,8 @@ class LLMEngine:
             if seq.logprobs is not None and result.logprobs is not None and result.logprobs[j] is not None:
                 seq.logprobs.append(result.logprobs[j])
             status = self._append_text_and_check_stop(seq, token)
+            if req.grammar is not None and status is None:
+                status = self._advance_grammar(seq, token)
             if status is not None:
                 self.scheduler.finish_request(req, status)
             parent = self._seq_parent[req.request_id]
@@ -259,6 +278,18 @@ class LLMEngine:
         if req.num_output_tokens >= (p.max_tokens or 0) or req.num_tokens >= self.max_model_len:
             seq.text += seq.detok.flush()
             return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _advance_grammar(self, seq: SequenceState, token: int) -> RequestStatus | None:
+        """Feed the sampled token to the sequence's grammar; a completed grammar ends it."""
+        m = seq.request.grammar
+        if not m.accept_token(token):  # cannot happen with the mask applied; never loop on it
+            log.warning("request %s: token %d left its grammar", seq.request.request_id, token)
+            seq.text += seq.detok.flush()
+            return RequestStatus.FINISHED_STOPPED
+        if m.is_terminated():
+            seq.text += seq.detok.flush()
+            return RequestStatus.FINISHED_STOPPED
         return None
 
     @staticmethod
@@ -327,6 +358,7 @@ class LLMEngine:
             finished=parent.finished,
             num_cached_tokens=max(first.num_cached_tokens, 0),
             metrics=metrics,
+            embedding=first.embedding,
         )
 
     # -- introspection -------------------------------------------------------------------

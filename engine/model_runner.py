@@ -11,6 +11,7 @@ import time
 import torch
 
 from engine.config import EngineArgs, ModelConfig
+from engine.grammar import GrammarBackend
 from engine.loader import load_checkpoint
 from engine.model.llama import AttentionMetadata, LlamaForCausalLM
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch
@@ -61,6 +62,7 @@ class ModelRunner:
         self.max_model_len = min(limit, self.num_blocks * self.block_size)
         self.model.init_rope(max(self.max_model_len, cfg.max_position_embeddings))
         self.sampler = Sampler()
+        self.grammar: GrammarBackend | None = None  # set by the engine (it owns the tokenizer)
         log.info(
             "model loaded in %.1fs: %s on %s, %d KV blocks of %d tokens",
             time.perf_counter() - t0,
@@ -108,8 +110,10 @@ class ModelRunner:
     # -- one step ------------------------------------------------------------------------
     def _build_inputs(
         self, batch: list[ScheduledRequest], block_ids: list[list[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Flat tokens, decodes first; `batch` is already ordered that way by the caller."""
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[tuple[int, int]]]:
+        """Flat tokens, decodes first; `batch` is already ordered that way by the caller.
+
+        Also the flat (start, end) rows of each embedding request's chunk (the rows it pools)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -118,9 +122,12 @@ class ModelRunner:
         dec_tables, dec_lens = [], []
         pre_tables, pre_lens, pre_qsl = [], [], [0]
         num_decode = 0
+        pool_rows: list[tuple[int, int]] = []
         for s, blocks in zip(batch, block_ids):
             r = s.request
             start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
+            if r.pooling:
+                pool_rows.append((len(input_ids), len(input_ids) + s.num_new_tokens))
             input_ids.extend(r.token_ids_slice(start, end))
             positions.extend(range(start, end))
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
@@ -132,7 +139,7 @@ class ModelRunner:
                 pre_tables.append(blocks)
                 pre_lens.append(end)
                 pre_qsl.append(pre_qsl[-1] + s.num_new_tokens)
-            if s.samples:
+            if s.samples and not r.pooling:
                 logits_idx.append(len(input_ids) - 1)
         dev = self.device
 
@@ -162,6 +169,7 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.int64, device=dev),
             meta,
             torch.tensor(logits_idx, dtype=torch.int64, device=dev),
+            pool_rows,
         )
 
     def _decode_groups(self, lens: list[int]) -> list[tuple[int, int]]:
@@ -205,12 +213,21 @@ class ModelRunner:
         context length (for grouping on the CPU path). Returns None when
         no chunk samples (only partial prefills ran).
         """
-        input_ids, positions, meta, logits_idx = self._build_inputs(batch, block_ids)
-        logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
-        sampling = [(s, stops) for s, stops in zip(batch, stop_token_ids) if s.samples]
+        input_ids, positions, meta, logits_idx, pool_rows = self._build_inputs(batch, block_ids)
+        embeddings: dict[str, list[float]] = {}
+        if pool_rows:
+            hidden_idx = torch.cat([torch.arange(a, b) for a, b in pool_rows]).to(self.device)
+            logits, hidden = self.model(input_ids, positions, self.kv_caches, meta, logits_idx, hidden_idx)
+            embeddings = self._pool([s for s in batch if s.request.pooling], pool_rows, hidden)
+        else:
+            logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
+        sampling = [
+            (s, stops) for s, stops in zip(batch, stop_token_ids) if s.samples and not s.request.pooling
+        ]
         if not sampling:
-            return None
+            return SamplerOutput(token_ids=[], logprobs=None, embeddings=embeddings) if embeddings else None
         reqs = [s.request for s, _ in sampling]
+        bitmask = self.grammar.bitmask([r.grammar for r in reqs]) if self.grammar is not None else None
         sbatch = SamplingBatch.build(
             params=[r.sampling_params for r in reqs],
             prompt_token_ids=[r.prompt_token_ids for r in reqs],
@@ -219,5 +236,35 @@ class ModelRunner:
             stop_token_ids=[stops for _, stops in sampling],
             vocab_size=self.model_config.vocab_size,
             device=self.device,
+            token_bitmask=bitmask,
         )
-        return self.sampler(logits, sbatch)
+        out = self.sampler(logits, sbatch)
+        out.embeddings = embeddings
+        return out
+
+    def _pool(
+        self, batch: list[ScheduledRequest], rows: list[tuple[int, int]], hidden: torch.Tensor
+    ) -> dict[str, list[float]]:
+        """Accumulate each embedding request's chunk; finish those whose prompt is complete.
+
+        `hidden` holds the pooled rows of every chunk back to back, in `rows` order."""
+        done: dict[str, list[float]] = {}
+        at = 0
+        for s, (a, b) in zip(batch, rows):
+            r = s.request
+            chunk = hidden[at : at + (b - a)]
+            at += b - a
+            p = r.sampling_params.pooling
+            assert p is not None
+            if r.num_computed_tokens == 0 or r.pool_sum is None:  # first chunk (or recomputed)
+                r.pool_sum = torch.zeros(chunk.shape[1], dtype=torch.float32, device=chunk.device)
+            if p.pooling == "mean":
+                r.pool_sum += chunk.sum(dim=0)
+            if not s.samples:
+                continue
+            vec = chunk[-1] if p.pooling == "last" else r.pool_sum / r.num_prompt_tokens
+            if p.normalize:
+                vec = torch.nn.functional.normalize(vec, dim=0)
+            done[r.request_id] = vec.tolist()
+            r.pool_sum = None
+        return done

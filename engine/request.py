@@ -52,6 +52,9 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     generator: Any = None  # torch.Generator for seeded sampling, created by the runner
+    grammar: Any = None  # xgrammar matcher of a structured-output sequence
+    pool_sum: Any = None  # embedding requests: running sum of the prompt's hidden states
+    embedding: list[float] | None = None
     # Timestamps (time.monotonic) for latency metrics.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -85,6 +88,10 @@ class Request:
         if start >= n:
             return self.output_token_ids[start - n : end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    @property
+    def pooling(self) -> bool:
+        return self.sampling_params.pooling is not None
 
     @property
     def is_finished(self) -> bool:

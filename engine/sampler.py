@@ -18,10 +18,11 @@ The `logits` handed to the sampler are never modified.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from engine.grammar import apply_bitmask_
 from engine.outputs import SampleLogprobs, TokenLogprob
 from engine.sampling_params import SamplingParams
 
@@ -99,11 +100,18 @@ class SamplingBatch:
     num_logprobs: list[int | None]
     logprob_rows: _Rows | None  # positions in the batch
     max_logprobs: int
+    # [rows, ceil(V/32)] int32 allowed-token bits of constrained rows (structured outputs)
+    token_bitmask: torch.Tensor | None = None
 
     @property
     def fast_greedy(self) -> bool:
         """Nothing but argmax to do (the common benchmark case)."""
-        return self.sampled is None and self.penalties is None and self.blocked is None
+        return (
+            self.sampled is None
+            and self.penalties is None
+            and self.blocked is None
+            and self.token_bitmask is None
+        )
 
     @classmethod
     def build(
@@ -115,6 +123,7 @@ class SamplingBatch:
         stop_token_ids: Sequence[set[int]],
         vocab_size: int,
         device: torch.device | str,
+        token_bitmask: torch.Tensor | None = None,
     ) -> SamplingBatch:
         n = len(params)
         if not (
@@ -155,6 +164,7 @@ class SamplingBatch:
             num_logprobs=k_lp,
             logprob_rows=_Rows.of(lp_rows, n, device) if lp_rows else None,
             max_logprobs=max((k for k in k_lp if k is not None), default=0),
+            token_bitmask=token_bitmask,
         )
 
 
@@ -248,6 +258,8 @@ def _build_penalties(
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[SampleLogprobs | None] | None  # None when no row asked for logprobs
+    # embedding requests whose last prompt chunk ran this step: request id -> vector
+    embeddings: dict[str, list[float]] = field(default_factory=dict)
 
 
 class Sampler:
@@ -267,14 +279,15 @@ class Sampler:
 
     @staticmethod
     def adjusted_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Logits after min_tokens blocking and penalties: what greedy rows take the argmax of.
-
-        A new tensor, or `logits` itself (unmodified) when no row needs either.
+        """Logits after grammar masks, min_tokens blocking and penalties: what greedy rows take
+        the argmax of. A new tensor, or `logits` itself (unmodified) when no row needs any.
         """
         raw = logits[:, : batch.vocab_size]
-        if batch.blocked is None and batch.penalties is None:
+        if batch.blocked is None and batch.penalties is None and batch.token_bitmask is None:
             return raw
         x = raw.clone()
+        if batch.token_bitmask is not None:
+            apply_bitmask_(x, batch.token_bitmask, batch.vocab_size)
         if batch.blocked is not None:
             x[batch.blocked] = float("-inf")
         if batch.penalties is not None:

@@ -2,7 +2,36 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class StructuredOutput(BaseModel):
+    """A constraint on the text to generate: JSON matching `json_schema` (a JSON string), or
+    any JSON object (`json_object`). The engine compiles it to a grammar once and masks
+    every token that would leave it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["json_schema", "json_object"]
+    json_schema: str | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> StructuredOutput:
+        if (self.kind == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required for kind 'json_schema' and only for it")
+        return self
+
+
+class PoolingParams(BaseModel):
+    """Embed the prompt instead of generating: pool the last hidden state over the prompt's
+    tokens (`mean`) or take its last token's (`last`), L2-normalized unless told not to."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pooling: Literal["mean", "last"] = "mean"
+    normalize: bool = True
 
 
 class SamplingParams(BaseModel):
@@ -32,6 +61,8 @@ class SamplingParams(BaseModel):
     logprobs: int | None = Field(None, ge=0, le=20)  # top alternatives per sampled token
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = None
+    pooling: PoolingParams | None = None  # set: an embedding request (nothing is sampled)
 
     @field_validator("stop", mode="before")
     @classmethod

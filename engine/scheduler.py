@@ -177,7 +177,8 @@ class Scheduler:
                 if req is None:
                     break
                 computed_blocks, num_computed = ([], 0)
-                if req.num_computed_tokens == 0:
+                # An embedding pools the hidden state of every prompt token: nothing is skipped.
+                if req.num_computed_tokens == 0 and not req.pooling:
                     computed_blocks, num_computed = self.kv.get_computed_blocks(req, record_stats=False)
                 num_new = req.num_tokens - num_computed
                 if num_new > budget:

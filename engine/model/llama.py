@@ -159,18 +159,26 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
-    ) -> torch.Tensor:
-        """Returns float32 logits for the tokens at `logits_indices` only."""
+        hidden_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Returns float32 logits for the tokens at `logits_indices` only; with
+        `hidden_indices`, also the final (normed) hidden states of those tokens (embeddings)."""
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv, meta, self.cos_sin_cache)
+        pooled = None
+        if hidden_indices is not None:
+            pooled, _ = self.norm(
+                hidden.index_select(0, hidden_indices), residual.index_select(0, hidden_indices)
+            )
         # Only the rows that need a next token go through the final norm and the LM head.
         hidden = hidden.index_select(0, logits_indices)
         residual = residual.index_select(0, logits_indices)
         hidden, _ = self.norm(hidden, residual)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight).float()
+        return logits if pooled is None else (logits, pooled.float())
 
     @torch.no_grad()
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:

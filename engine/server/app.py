@@ -16,7 +16,7 @@ from engine.server.errors import APIError, install_error_handlers
 from engine.server.inputs import chat_prompt_ids, check_model, check_token_ids, parse_body
 from engine.server.metrics import ServerMetrics
 from engine.server.middleware import GuardMiddleware
-from engine.server.protocol import DetokenizeRequest, TokenizeRequest
+from engine.openai_contract.requests import DetokenizeRequest, TokenizeRequest
 from engine.server.state import EngineClient, ServerSettings, ServerState
 
 

@@ -14,7 +14,7 @@ from starlette.responses import Response
 from engine.server.formatting import SSE_DONE, TokenBytes, chat_logprobs, sse, sse_error, visible_logprobs
 from engine.server.generation import Generation, check_context
 from engine.server.inputs import chat_prompt_ids, check_model, parse_body, sampling_params
-from engine.server.protocol import ChatCompletionRequest
+from engine.openai_contract.requests import ChatCompletionRequest
 from engine.server.state import ServerState
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -15,7 +15,7 @@ from engine.server.chat import SSE_HEADERS
 from engine.server.formatting import SSE_DONE, completion_logprobs, sse, sse_error, visible_logprobs
 from engine.server.generation import Generation, check_context
 from engine.server.inputs import check_model, completion_prompt_ids, parse_body, sampling_params
-from engine.server.protocol import CompletionRequest
+from engine.openai_contract.requests import CompletionRequest
 from engine.server.state import ServerState
 
 

@@ -7,7 +7,6 @@ become 5xx. FastAPI's default 422 for validation is replaced by OpenAI's 400.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -16,53 +15,14 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import EngineDeadError, EngineError, PromptTooLongError, QueueFullError
+from engine.openai_contract.errors import OpenAIError, error_body, validation_error
+
+__all__ = ["APIError", "context_error", "engine_error", "error_body", "error_response", "validation_error"]
 
 logger = logging.getLogger("engine.server")
 
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "internal_error",
-    503: "service_unavailable",
-}
-
-
-class APIError(Exception):
-    """An error the client sees in OpenAI's shape; raise it from anywhere in a request."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.headers = headers
-
-
-def error_body(
-    status: int, message: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    return {
-        "error": {
-            "message": message,
-            "type": _TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error"),
-            "param": param,
-            "code": code,
-        }
-    }
+# The contract's error: raise it from anywhere in a request (the gateway raises the same one).
+APIError = OpenAIError
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -87,6 +47,7 @@ def engine_error(err: BaseException, param: str | None = None, retry_after_s: in
     """The client-facing form of an error the engine raised; None = a server fault."""
     if isinstance(err, APIError):
         return err
+
     if isinstance(err, PromptTooLongError):
         return context_error(err.max_model_len, err.num_prompt_tokens, err.max_tokens, param or "prompt")
     if isinstance(err, QueueFullError):
@@ -101,40 +62,6 @@ def engine_error(err: BaseException, param: str | None = None, retry_after_s: in
     if isinstance(err, ValueError):
         return APIError(400, str(err), param=param)
     return None
-
-
-def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
-    """('messages', 0, 'role') -> 'messages.0.role'; drops the union-member tags Pydantic adds."""
-    parts = [str(p) for p in loc if isinstance(p, int) or ("[" not in str(p) and str(p) not in _TAGS)]
-    parts = [p for p in parts if p != "body"]
-    return ".".join(parts) or None
-
-
-_TAGS = {"str", "int", "float", "bool", "list", "dict", "function-after", "function-before", "none"}
-
-
-def validation_error(errors: list[Any]) -> APIError:
-    """The most specific Pydantic error, phrased for a person."""
-    if not errors:
-        return APIError(400, "invalid request body")
-    first = errors[0]
-    if first.get("type") == "json_invalid":
-        detail = first.get("ctx", {}).get("error") or first.get("msg", "")
-        return APIError(400, f"The request body is not valid JSON: {detail}", code="invalid_json")
-    if first.get("type") == "model_type" and not first.get("loc"):
-        return APIError(400, "The request body must be a JSON object", code="invalid_json")
-    best = max(errors, key=lambda e: len(e.get("loc", ())))
-    param = _loc_to_param(tuple(best.get("loc", ())))
-    msg = str(best.get("msg", "invalid value")).removeprefix("Value error, ")
-    if best.get("type") == "missing":
-        text = f"'{param}' is a required field"
-    elif param:
-        shown = repr(best.get("input"))
-        shown = shown if len(shown) <= 80 else shown[:77] + "..."
-        text = f"Invalid value for '{param}': {msg} (got {shown})"
-    else:
-        text = msg
-    return APIError(400, text, param=param)
 
 
 def install_error_handlers(app: FastAPI) -> None:

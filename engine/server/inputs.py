@@ -10,7 +10,7 @@ from starlette.requests import Request
 
 from engine.sampling_params import SamplingParams
 from engine.server.errors import APIError, validation_error
-from engine.server.protocol import ChatMessage
+from engine.openai_contract.requests import ChatMessage
 from engine.server.state import EngineClient, ServerState
 
 M = TypeVar("M", bound=BaseModel)

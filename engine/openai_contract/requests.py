@@ -8,26 +8,26 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from engine.sampling_params import SamplingParams
+from engine.openai_contract.base import Strict
+from engine.openai_contract.structured import (
+    ResponseFormat,
+    Tool,
+    ToolChoice,
+    ToolMode,
+    check_tools,
+    tool_call_constraint,
+    tool_mode,
+)
+from engine.sampling_params import SamplingParams, StructuredOutput
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 16
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
-class _Strict(BaseModel):
-    """Strict types; an explicit JSON null means "use the default" (many clients send nulls)."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_default(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
+_Strict = Strict
 
 
 class StreamOptions(_Strict):
@@ -140,7 +140,9 @@ class _SamplingRequest(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _params(
+        self, max_tokens: int | None, logprobs: int | None, structured: StructuredOutput | None = None
+    ) -> SamplingParams:
         given: dict[str, Any] = {
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -161,6 +163,7 @@ class _SamplingRequest(_Strict):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured=structured,
             **{k: v for k, v in given.items() if v is not None},
         )
 
@@ -170,20 +173,47 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("only tool_choice 'none' or 'auto' is supported")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported")
         return self
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_matches_tools(cls, v: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        check_tools(info.data.get("tools"), v)
+        return v
+
+    @property
+    def tool_mode(self) -> ToolMode:
+        return tool_mode(self.tools, self.tool_choice)
+
+    @property
+    def feature(self) -> str:
+        """What shapes the output, for metrics: tools_<mode>, json_schema, json_object or text."""
+        if self.tool_mode != "none":
+            return f"tools_{self.tool_mode}"
+        return self.response_format.type if self.response_format is not None else "text"
+
+    def structured_output(self) -> StructuredOutput | None:
+        """A forced tool call wins over response_format (which then shapes nothing)."""
+        forced = tool_call_constraint(self.tools or [], self.tool_choice, self.parallel_tool_calls)
+        if forced is not None:
+            return forced
+        return self.response_format.structured() if self.response_format is not None else None
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template sees them (none when tool_choice is 'none')."""
+        if self.tool_mode == "none":
+            return None
+        return [t.model_dump(exclude_none=True, by_alias=True) for t in self.tools or []]
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -191,7 +221,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def sampling_params(self) -> SamplingParams:
         top = (self.top_logprobs or 0) if self.logprobs else None
-        return self._params(self.requested_max_tokens, top)
+        return self._params(self.requested_max_tokens, top, self.structured_output())
 
 
 def _check_prompt(v: object) -> object:
