@@ -28,6 +28,12 @@ def build_app(config: ClusterConfig, gateway: Gateway | None = None) -> Starlett
     async def completions(request: Request) -> Response:
         return await gw.inference(request, "completions")
 
+    async def embeddings(request: Request) -> Response:
+        return await gw.inference(request, "embeddings")
+
+    async def responses(request: Request) -> Response:
+        return await gw.inference(request, "responses")
+
     async def models(request: Request) -> Response:
         return gw.models(request)
 
@@ -68,6 +74,8 @@ def build_app(config: ClusterConfig, gateway: Gateway | None = None) -> Starlett
         routes=[
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/embeddings", embeddings, methods=["POST"]),
+            Route("/v1/responses", responses, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),

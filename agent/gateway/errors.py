@@ -1,32 +1,21 @@
 """OpenAI's error shape for everything the gateway itself refuses.
 
-Same body as the engine's (`{"error": {"message", "type", "param", "code"}}`) so a client
-cannot tell whether the gateway or a replica answered a bad request.
+The shape and the exception come from the contract the engine server uses too
+(`engine.openai_contract.errors`), so a client cannot tell which of the two refused it.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from starlette.responses import Response
 
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "internal_error",
-    502: "upstream_error",
-    503: "service_unavailable",
-    504: "upstream_error",
-}
+from engine.openai_contract.errors import OpenAIError, error_body
+
+__all__ = ["GatewayError", "error_body", "error_response", "sse_error_event"]
 
 
-class GatewayError(Exception):
+class GatewayError(OpenAIError):
     """A refusal the client sees in OpenAI's shape; raise it anywhere in a request."""
 
     def __init__(
@@ -38,19 +27,8 @@ class GatewayError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-
-def error_body(
-    status: int, message: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+        super().__init__(status, message, param=param, code=code, headers=headers or {})
+        self.headers: dict[str, str] = headers or {}
 
 
 def error_response(err: GatewayError, headers: dict[str, str] | None = None) -> Response:

@@ -27,6 +27,7 @@ from agent.config import ClusterConfig
 from agent.gateway.auth import Authenticator
 from agent.gateway.capacity_metrics import UnschedulableCollector
 from agent.gateway.coldstart import ColdStartCollector
+from agent.gateway.contract import accounting_usage
 from agent.gateway.demand import DemandSignal
 from agent.gateway.errors import GatewayError, error_response, sse_error_event
 from agent.gateway.freshness import KeyFreshness
@@ -64,7 +65,12 @@ log = logging.getLogger("agent.gateway")
 
 FORWARDED_HEADER = "X-Fleet-Forwarded"
 REQUEST_ID_HEADER = "X-Request-Id"
-PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+PATHS: dict[Endpoint, str] = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "embeddings": "/v1/embeddings",
+    "responses": "/v1/responses",
+}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_CLOSED = 499  # status recorded when the client went away (nginx's convention)
 QUEUE_HEADER = "X-Fleet-Queue-Seconds"  # time a request waited for a replica slot here
@@ -564,7 +570,7 @@ class Gateway:
             except (ValueError, AttributeError):
                 usage = None
             if isinstance(usage, dict):
-                ex.usage = usage
+                ex.usage = accounting_usage(ex.info.endpoint, usage)
         self._finish(ex, opened.status)
         return Response(data, status_code=opened.status, headers=opened.headers())
 
@@ -580,7 +586,7 @@ class Gateway:
             await opened.close()
             self._release(ex, target)
             if observer.usage:
-                ex.usage = observer.usage
+                ex.usage = accounting_usage(ex.info.endpoint, observer.usage)
             self._finish(ex, status)
 
         async def body() -> AsyncIterator[bytes]:

@@ -12,9 +12,10 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from agent.gateway.contract import check_body, embedding_prompts, responses_prompt_tokens
 from agent.gateway.errors import GatewayError
 
-Endpoint = Literal["chat", "completions"]
+Endpoint = Literal["chat", "completions", "embeddings", "responses"]
 
 # Without max_tokens a chat request may run to the end of the context; reserve this much
 # for it when estimating load (the engine's default for completions is 16).
@@ -142,7 +143,15 @@ def parse_request(raw: bytes, endpoint: Endpoint, counter: TokenCounter | None =
             raise _bad("stream_options.include_usage must be a boolean", "stream_options")
         wants_usage = bool(include)
     n = _optional_int(body, "n", 1) or 1
-    if endpoint == "chat":
+    check_body(raw, endpoint)  # the replica's own validation, so its 400s come from here
+    if endpoint == "embeddings":
+        prompt_tokens, prompts = embedding_prompts(body, counter)
+        max_tokens = 0
+    elif endpoint == "responses":
+        prompt_tokens, prompts = responses_prompt_tokens(body, counter), 1
+        requested = _optional_int(body, "max_output_tokens", 1)
+        max_tokens = requested if requested is not None else DEFAULT_CHAT_MAX_TOKENS
+    elif endpoint == "chat":
         prompt_tokens = _chat_prompt_tokens(body.get("messages"), counter)
         prompts = 1
         max_tokens = _optional_int(body, "max_tokens", 1)
@@ -168,8 +177,8 @@ def parse_request(raw: bytes, endpoint: Endpoint, counter: TokenCounter | None =
 def upstream_body(info: RequestInfo, raw: bytes) -> bytes:
     """The body sent to a replica: a stream always asks for the final usage chunk (the
     gateway's accounting needs it; it is stripped again when the client did not ask)."""
-    if not info.stream or info.client_wants_usage:
-        return raw
+    if not info.stream or info.client_wants_usage or info.endpoint == "responses":
+        return raw  # a Responses stream always ends with its usage
     options = dict(info.body.get("stream_options") or {})
     options["include_usage"] = True
     return json.dumps({**info.body, "stream_options": options}, ensure_ascii=False).encode()

@@ -70,6 +70,9 @@ class StreamObserver:
         if isinstance(payload.get("error"), dict):
             self.error = payload["error"]
             return event
+        kind = payload.get("type")
+        if isinstance(kind, str) and kind.startswith("response."):
+            return self._responses_event(kind, payload, event)
         usage = payload.get("usage")
         if isinstance(usage, dict):
             self.usage = usage
@@ -82,6 +85,22 @@ class StreamObserver:
             return None  # the usage chunk the client did not ask for
         del payload["usage"]
         return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+    def _responses_event(self, kind: str, payload: dict[str, Any], event: bytes) -> bytes:
+        """A Responses API event: tokens on deltas, usage and the end on the final event."""
+        if kind in _RESPONSE_TOKENS:
+            self.first_token = True
+        if kind in _RESPONSE_ENDS:
+            self.done = True
+            response = payload.get("response")
+            usage = response.get("usage") if isinstance(response, dict) else None
+            if isinstance(usage, dict):
+                self.usage = usage
+        return event
+
+
+_RESPONSE_ENDS = ("response.completed", "response.incomplete", "response.failed")
+_RESPONSE_TOKENS = ("response.output_text.delta", "response.function_call_arguments.delta")
 
 
 def _has_token(choice: Any) -> bool:

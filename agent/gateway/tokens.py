@@ -152,6 +152,14 @@ def _count(tok: Any, info: RequestInfo) -> int:
                     len(tok.encode(content, False)) if isinstance(content, str) else 0
                 )
             return total
+    if info.endpoint == "embeddings":  # quotas charge embeddings by their prompt tokens
+        inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
+        texts = [x for x in inputs if isinstance(x, str)]
+        return (
+            sum(len(tok.encode(t, True)) for t in texts) if len(texts) == len(inputs) else info.prompt_tokens
+        )
+    if info.endpoint == "responses":
+        return info.prompt_tokens  # estimated from the items; the replica's usage settles it
     prompt = body.get("prompt")
     special = body.get("add_special_tokens", True) is not False
     if isinstance(prompt, str):

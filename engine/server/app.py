@@ -9,15 +9,18 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
+from engine.openai_contract.requests import DetokenizeRequest, TokenizeRequest
 from engine.outputs import EngineStats
 from engine.server.chat import create_chat_completion
 from engine.server.completions import create_completion
+from engine.server.embeddings import create_embedding
 from engine.server.errors import APIError, install_error_handlers
 from engine.server.inputs import chat_prompt_ids, check_model, check_token_ids, parse_body
 from engine.server.metrics import ServerMetrics
 from engine.server.middleware import GuardMiddleware
-from engine.openai_contract.requests import DetokenizeRequest, TokenizeRequest
+from engine.server.responses import create_response
 from engine.server.state import EngineClient, ServerSettings, ServerState
+from engine.timing import HistogramSnapshot
 
 
 def new_state(settings: ServerSettings, engine: EngineClient | None = None) -> ServerState:
@@ -28,7 +31,12 @@ def new_state(settings: ServerSettings, engine: EngineClient | None = None) -> S
     def stats() -> EngineStats | None:
         return state.engine.stats() if state.engine is not None else None
 
+    def grammar_timings() -> dict[str, HistogramSnapshot]:
+        timings = getattr(state.engine, "grammar_timings", None)
+        return timings() if timings is not None else {}
+
     state.metrics.stats = stats
+    state.metrics.grammar_timings = grammar_timings
     return state
 
 
@@ -76,6 +84,14 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await create_completion(request, state)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await create_embedding(request, state)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await create_response(request, state)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

@@ -1,103 +1,158 @@
-"""POST /v1/chat/completions: the chat template, then one engine request with `n` sequences."""
+"""POST /v1/chat/completions: the chat template, then one engine request with `n` sequences.
+
+Structured outputs and forced tool calls arrive here as a grammar constraint in the sampling
+params (the engine masks every token outside it); tool calls are assembled per choice by
+`engine.tool_calls.output`. `run_chat` and `chat_chunks` are shared with /v1/responses.
+"""
 
 from __future__ import annotations
 
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
+from engine.openai_contract.requests import ChatCompletionRequest
+from engine.openai_contract.structured import NamedToolChoice
 from engine.server.formatting import SSE_DONE, TokenBytes, chat_logprobs, sse, sse_error, visible_logprobs
 from engine.server.generation import Generation, check_context
 from engine.server.inputs import chat_prompt_ids, check_model, parse_body, sampling_params
-from engine.openai_contract.requests import ChatCompletionRequest
 from engine.server.state import ServerState
+from engine.tool_calls.output import ChoiceOutput
+from engine.tool_calls.parsers import parser_for_template
+from engine.tool_calls.render import prepare
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-async def create_chat_completion(request: Request, state: ServerState) -> Response:
-    body = await parse_body(request, ChatCompletionRequest)
+@dataclass
+class ChatRun:
+    """A chat request admitted to the engine: its generation and how to shape its choices."""
+
+    gen: Generation
+    body: ChatCompletionRequest
+    head: dict[str, Any]
+    token_bytes: TokenBytes
+    template: str | None
+
+    def choice_output(self) -> ChoiceOutput:
+        mode = self.body.tool_mode
+        named = (
+            self.body.tool_choice.function.name
+            if isinstance(self.body.tool_choice, NamedToolChoice)
+            else None
+        )
+        return ChoiceOutput(mode, parser_for_template(self.template) if mode == "auto" else None, named)
+
+
+async def run_chat(
+    request: Request, state: ServerState, body: ChatCompletionRequest, endpoint: str
+) -> ChatRun:
+    """Validate against the engine, render the prompt, submit (admission errors are 4xx here)."""
     check_model(state, body.model)
     engine = state.engine
     assert engine is not None
+    state.metrics.api_request(endpoint, body.feature)
     params = sampling_params(body.sampling_params)
-    ids = chat_prompt_ids(engine, body.messages, body.tools, body.add_generation_prompt)
+    template = getattr(engine.tokenizer, "chat_template", None)
+    messages, tools = prepare([m.to_template() for m in body.messages], body.template_tools(), template)
+    ids = chat_prompt_ids(engine, messages, tools, body.add_generation_prompt)
     check_context(engine, len(ids), params.max_tokens, "messages")
-
     created = int(time.time())
     gen = Generation(
         state, [ids], params, f"chatcmpl-{uuid.uuid4().hex}", "messages", cache_salt=body.cache_salt
     )
     await gen.run(request, stream=body.stream)
     head = {"id": gen.request_id, "created": created, "model": state.settings.served_model_name}
-    token_bytes = TokenBytes(engine.tokenizer)
+    return ChatRun(gen, body, head, TokenBytes(engine.tokenizer), template)
+
+
+async def create_chat_completion(request: Request, state: ServerState) -> Response:
+    body = await parse_body(request, ChatCompletionRequest)
+    run = await run_chat(request, state, body, "chat")
     if body.stream:
-        return StreamingResponse(
-            _stream(gen, body, head, token_bytes), media_type="text/event-stream", headers=SSE_HEADERS
-        )
+        return StreamingResponse(_sse(run), media_type="text/event-stream", headers=SSE_HEADERS)
+    return JSONResponse(chat_result(run))
+
+
+def chat_result(run: ChatRun) -> dict[str, Any]:
+    gen, body = run.gen, run.body
     choices = []
     for (_, j), st in sorted(gen.choices.items()):
         o = st.latest
-        lps = chat_logprobs(visible_logprobs(o, st.all_logprobs()), token_bytes) if body.logprobs else None
-        choices.append(
-            {
-                "index": j,
-                "message": {"role": "assistant", "content": o.text, "refusal": None},
-                "logprobs": lps,
-                "finish_reason": o.finish_reason,
-            }
+        lps = (
+            chat_logprobs(visible_logprobs(o, st.all_logprobs()), run.token_bytes) if body.logprobs else None
         )
-    return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": gen.usage()})
+        message, finish = run.choice_output().message(o.text, o.finish_reason)
+        choices.append({"index": j, "message": message, "logprobs": lps, "finish_reason": finish})
+    return {**run.head, "object": "chat.completion", "choices": choices, "usage": gen.usage()}
 
 
-async def _stream(
-    gen: Generation, body: ChatCompletionRequest, head: dict[str, Any], token_bytes: TokenBytes
-) -> AsyncIterator[str]:
-    base = {**head, "object": "chat.completion.chunk"}
+async def chat_chunks(run: ChatRun) -> AsyncIterator[dict[str, Any]]:
+    """The stream's chunks as data (the caller frames them); usage last when asked for."""
+    gen, body = run.gen, run.body
+    base = {**run.head, "object": "chat.completion.chunk"}
     include_usage = body.include_usage
+    outputs = [run.choice_output() for _ in range(gen.params.n)]
 
-    def chunk(choice: dict[str, Any]) -> str:
+    def chunk(choice: dict[str, Any]) -> dict[str, Any]:
         payload: dict[str, Any] = {**base, "choices": [choice]}
         if include_usage:
             payload["usage"] = None
-        return sse(payload)
+        return payload
 
-    try:
-        for j in range(gen.params.n):
-            yield chunk(
-                {
-                    "index": j,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-            )
-        async for i, out in gen.outputs():
-            for o in out.outputs:
-                st = gen.choices[(i, o.index)]
-                if st.finish_sent:
-                    continue
-                steps = visible_logprobs(o, o.delta_logprobs) if body.logprobs else []
-                if not o.delta_text and not steps and not o.finished:
-                    continue
-                st.finish_sent = o.finished
+    for j in range(gen.params.n):
+        yield chunk(
+            {
+                "index": j,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        )
+    async for i, out in gen.outputs():
+        for o in out.outputs:
+            st = gen.choices[(i, o.index)]
+            if st.finish_sent:
+                continue
+            steps = visible_logprobs(o, o.delta_logprobs) if body.logprobs else []
+            if not o.delta_text and not steps and not o.finished:
+                continue
+            st.finish_sent = o.finished
+            shaper = outputs[o.index]
+            deltas = shaper.feed(o.delta_text) if o.delta_text else []
+            finish = None
+            if o.finished:
+                last, finish = shaper.finish(o.finish_reason)
+                deltas += last
+            lps = chat_logprobs(steps, run.token_bytes) if body.logprobs else None
+            if not deltas and (lps is not None or o.finished):
+                deltas = [{}]
+            for k, delta in enumerate(deltas):
+                final = k == len(deltas) - 1
                 yield chunk(
                     {
                         "index": o.index,
-                        "delta": {"content": o.delta_text} if o.delta_text or not o.finished else {},
-                        "logprobs": chat_logprobs(steps, token_bytes) if body.logprobs else None,
-                        "finish_reason": o.finish_reason,
+                        "delta": delta,
+                        "logprobs": lps if k == 0 else None,
+                        "finish_reason": finish if final else None,
                     }
                 )
-        if include_usage:
-            yield sse({**base, "choices": [], "usage": gen.usage()})
+    if include_usage:
+        yield {**base, "choices": [], "usage": gen.usage()}
+
+
+async def _sse(run: ChatRun) -> AsyncIterator[str]:
+    try:
+        async for payload in chat_chunks(run):
+            yield sse(payload)
         yield SSE_DONE
     except Exception as err:  # headers are sent: report in-band, as OpenAI does
         yield sse_error(err)
     finally:
-        gen.close()
+        run.gen.close()

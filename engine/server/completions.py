@@ -11,11 +11,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
+from engine.openai_contract.requests import CompletionRequest
 from engine.server.chat import SSE_HEADERS
 from engine.server.formatting import SSE_DONE, completion_logprobs, sse, sse_error, visible_logprobs
 from engine.server.generation import Generation, check_context
 from engine.server.inputs import check_model, completion_prompt_ids, parse_body, sampling_params
-from engine.openai_contract.requests import CompletionRequest
 from engine.server.state import ServerState
 
 
@@ -24,6 +24,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     check_model(state, body.model)
     engine = state.engine
     assert engine is not None
+    state.metrics.api_request("completions", "text")
     params = sampling_params(body.sampling_params)
     prompts = completion_prompt_ids(engine, body.prompts())
     for ids in prompts:

@@ -78,7 +78,7 @@ def install_error_handlers(app: FastAPI) -> None:
         message = str(exc.detail) if exc.detail else "HTTP error"
         if exc.status_code == 404:
             message = f"Not found: {request.url.path} (this server serves /v1/models, /v1/completions, "
-            message += "/v1/chat/completions, /tokenize, /detokenize, /health, /metrics)"
+            message += "/v1/chat/completions, /v1/embeddings, /v1/responses, /tokenize, /detokenize, /health, /metrics)"
         elif exc.status_code == 405:
             message = f"Method {request.method} is not allowed on {request.url.path}"
         return error_response(APIError(exc.status_code, message, headers=getattr(exc, "headers", None)))

@@ -8,9 +8,9 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
+from engine.openai_contract.requests import ChatMessage
 from engine.sampling_params import SamplingParams
 from engine.server.errors import APIError, validation_error
-from engine.openai_contract.requests import ChatMessage
 from engine.server.state import EngineClient, ServerState
 
 M = TypeVar("M", bound=BaseModel)
@@ -47,16 +47,13 @@ def sampling_params(build: Any) -> SamplingParams:
 
 def chat_prompt_ids(
     engine: EngineClient,
-    messages: list[ChatMessage],
+    messages: list[ChatMessage] | list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
     add_generation_prompt: bool = True,
 ) -> list[int]:
+    plain = [m.to_template() if isinstance(m, ChatMessage) else m for m in messages]
     try:
-        return list(
-            engine.tokenizer.encode_chat(
-                [m.to_template() for m in messages], add_generation_prompt=add_generation_prompt, tools=tools
-            )
-        )
+        return list(engine.tokenizer.encode_chat(plain, add_generation_prompt=add_generation_prompt, tools=tools))
     except ValueError as err:  # ChatTemplateError is a ValueError
         raise APIError(400, f"Could not apply the chat template: {err}", param="messages") from None
 
@@ -68,15 +65,17 @@ def check_token_ids(engine: EngineClient, ids: list[int], param: str) -> None:
         raise APIError(400, f"Token id {bad} is outside the vocabulary [0, {vocab})", param=param)
 
 
-def completion_prompt_ids(engine: EngineClient, prompts: list[str | list[int]]) -> list[list[int]]:
+def completion_prompt_ids(
+    engine: EngineClient, prompts: list[str | list[int]], param: str = "prompt"
+) -> list[list[int]]:
     texts = [p for p in prompts if isinstance(p, str)]
     encoded = iter(engine.tokenizer.encode_batch(texts) if texts else [])
     out: list[list[int]] = []
     for p in prompts:
         ids = next(encoded) if isinstance(p, str) else list(p)
         if isinstance(p, list):
-            check_token_ids(engine, ids, "prompt")
+            check_token_ids(engine, ids, param)
         if not ids:
-            raise APIError(400, "The prompt is empty: give at least one token of text", param="prompt")
+            raise APIError(400, f"The {param} is empty: give at least one token of text", param=param)
         out.append(ids)
     return out

@@ -69,6 +69,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds to drain in-flight requests on SIGTERM"
     )
+    p.add_argument(
+        "--embedding-pooling",
+        choices=["mean", "last"],
+        default="mean",
+        help="/v1/embeddings: mean of the prompt's last hidden states, or the last token's",
+    )
+    p.add_argument(
+        "--no-embedding-normalize",
+        dest="embedding_normalize",
+        action="store_false",
+        help="/v1/embeddings: return raw pooled vectors instead of L2-normalized ones",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument(
@@ -232,6 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             api_key=ns.api_key or None,
             max_request_bytes=ns.max_request_bytes,
             drain_timeout=ns.drain_timeout,
+            embedding_pooling=ns.embedding_pooling,
+            embedding_normalize=ns.embedding_normalize,
         )
     except Exception as err:
         print(f"error: {err}", file=sys.stderr)

@@ -11,10 +11,11 @@ import time
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine.outputs import EngineStats, RequestOutput
+from engine.timing import HistogramSnapshot
 
 TTFT_BUCKETS = (
     0.001,
@@ -102,6 +103,41 @@ class _EngineStatsCollector(Collector):
         )
 
 
+_GRAMMAR_HISTOGRAMS = {
+    "compile": (
+        "fleet_engine_grammar_compile_seconds",
+        "Compiling a JSON schema to a token grammar (cache misses only; hits cost nothing).",
+    ),
+    "mask": (
+        "fleet_engine_grammar_mask_seconds",
+        "Filling one step's token bitmask for every constrained sequence of the batch (one batched call).",
+    ),
+}
+
+
+class _GrammarCollector(Collector):
+    """Grammar timings from the engine's own histograms, read at scrape time."""
+
+    def __init__(self, model: str, timings: Callable[[], dict[str, HistogramSnapshot]]) -> None:
+        self.model = model
+        self.timings = timings
+
+    def collect(self) -> Iterable[Metric]:
+        snaps = self.timings()
+        for key, (name, doc) in _GRAMMAR_HISTOGRAMS.items():
+            h = HistogramMetricFamily(name, doc, labels=["model"])
+            snap = snaps.get(key)
+            if snap is not None:
+                cumulative, buckets = 0, []
+                for bound, count in zip((*snap.buckets, float("inf")), snap.counts):
+                    cumulative += count
+                    buckets.append((str(bound) if bound != float("inf") else "+Inf", cumulative))
+                h.add_metric([self.model], buckets, snap.total)
+            else:
+                h.add_metric([self.model], [("+Inf", 0)], 0.0)
+            yield h
+
+
 class ServerMetrics:
     """The replica's registry: engine snapshot collector plus per-request histograms."""
 
@@ -148,6 +184,19 @@ class ServerMetrics:
         )
         for reason in ("stop", "length", "abort"):
             self._finished.labels(model, reason)
+        self._api = Counter(
+            "fleet_engine_api_requests",
+            "API requests admitted past validation, by endpoint and by what shapes the output "
+            "(text, json_object, json_schema, tools_auto, tools_required, tools_named, embedding).",
+            ["model", "endpoint", "feature"],
+            registry=r,
+        )
+        # Set once the engine exists: grammar compile / mask-fill durations (engine.timing).
+        self.grammar_timings: Callable[[], dict[str, HistogramSnapshot]] = dict
+        self.registry.register(_GrammarCollector(model, lambda: self.grammar_timings()))
+
+    def api_request(self, endpoint: str, feature: str) -> None:
+        self._api.labels(self.model, endpoint, feature).inc()
 
     def observer(self) -> RequestObserver:
         return RequestObserver(self)

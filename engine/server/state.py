@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -48,6 +48,9 @@ class ServerSettings(BaseModel):
     max_request_bytes: int = Field(1 << 20, ge=1024)
     drain_timeout: float = Field(30.0, ge=0.0)
     retry_after_s: int = Field(1, ge=1)
+    # /v1/embeddings: how the last hidden state becomes one vector per input
+    embedding_pooling: Literal["mean", "last"] = "mean"
+    embedding_normalize: bool = True
 
 
 @dataclass
