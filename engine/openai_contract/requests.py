@@ -185,6 +185,12 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
 
+    @field_validator("tools")
+    @classmethod
+    def _tools_unique(cls, v: list[Tool] | None) -> list[Tool] | None:
+        check_tools(v, None)
+        return v
+
     @field_validator("tool_choice")
     @classmethod
     def _choice_matches_tools(cls, v: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
