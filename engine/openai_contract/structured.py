@@ -27,7 +27,7 @@ def check_schema(schema: Any, where: str) -> str:
     """The schema as compact JSON, or a ValueError naming what is wrong with it."""
     if not isinstance(schema, dict):
         raise ValueError(f"{where} must be a JSON Schema object")
-    text = json.dumps(schema, separators=(",", ":"), sort_keys=True)
+    text = json.dumps(schema, separators=(",", ":"))
     if len(text) > MAX_SCHEMA_BYTES:
         raise ValueError(f"{where} is larger than {MAX_SCHEMA_BYTES} bytes")
     validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
@@ -68,7 +68,8 @@ class ResponseFormat(Strict):
             return StructuredOutput(kind="json_object")
         if self.type == "json_schema":
             assert self.json_schema is not None
-            text = json.dumps(self.json_schema.schema_, separators=(",", ":"), sort_keys=True)
+            # property order is kept: the grammar generates properties in the schema's order
+            text = json.dumps(self.json_schema.schema_, separators=(",", ":"))
             return StructuredOutput(kind="json_schema", json_schema=text)
         return None
 
