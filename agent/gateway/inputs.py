@@ -1,9 +1,11 @@
 """What the gateway must know about a request before choosing where it goes.
 
-Only the fields routing, accounting and the proxy act on are checked here (model, stream,
-stream_options, the shape of messages/prompt, max_tokens, n); the replica validates the
-rest and its 4xx passes through unchanged. The checks mirror the engine's messages so a
-client sees the same answer whichever of the two refused it.
+The fields routing, accounting and the proxy act on are read here (model, stream,
+stream_options, the shape of messages/prompt/input, max_tokens, n); then the whole body is
+validated with the replica's own contract (`engine.openai_contract`, via `contract.py`), so a
+client sees the same 400 whichever of the two refused it. What only the loaded model can
+judge (a schema its grammar compiler cannot express, the context window) is the replica's
+4xx, passed through unchanged.
 """
 
 from __future__ import annotations
@@ -143,7 +145,8 @@ def parse_request(raw: bytes, endpoint: Endpoint, counter: TokenCounter | None =
             raise _bad("stream_options.include_usage must be a boolean", "stream_options")
         wants_usage = bool(include)
     n = _optional_int(body, "n", 1) or 1
-    check_body(raw, endpoint)  # the replica's own validation, so its 400s come from here
+    if endpoint in ("embeddings", "responses"):
+        check_body(raw, endpoint)
     if endpoint == "embeddings":
         prompt_tokens, prompts = embedding_prompts(body, counter)
         max_tokens = 0
@@ -162,6 +165,8 @@ def parse_request(raw: bytes, endpoint: Endpoint, counter: TokenCounter | None =
         prompt_tokens, prompts = _completion_prompts(body.get("prompt"), counter)
         requested = _optional_int(body, "max_tokens", 1)
         max_tokens = requested if requested is not None else DEFAULT_COMPLETION_MAX_TOKENS
+    if endpoint in ("chat", "completions"):
+        check_body(raw, endpoint)  # then everything else the replica checks, with its own 400s
     return RequestInfo(
         endpoint=endpoint,
         deployment=model,
