@@ -108,8 +108,7 @@ class AsyncLLM:
 
     def grammar_timings(self) -> dict[str, HistogramSnapshot]:
         """Grammar compile and per-step mask-fill durations (for the server's /metrics)."""
-        g = self.engine.grammar
-        return {"compile": g.compile_seconds.snapshot(), "mask": g.mask_seconds.snapshot()}
+        return self.engine.grammar_timings()
 
     @property
     def is_running(self) -> bool:

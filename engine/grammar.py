@@ -12,18 +12,19 @@ schema the compiler cannot express is a `GrammarError` (a ValueError, so a 400).
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import xgrammar as xgr
 
 from engine.sampling_params import StructuredOutput
 from engine.timing import DurationHistogram
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,9 @@ class GrammarBackend:
     """Compiles specs (LRU-cached) and fills bitmasks for a batch of matchers."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, cache_size: int = CACHE_SIZE) -> None:
+        import xgrammar as xgr  # imported on first use: it brings transformers along (seconds)
+
+        self._xgr = xgr
         stops = sorted(t for t in tokenizer.stop_token_ids if 0 <= t < vocab_size)
         n = min(int(tokenizer.vocab_size), vocab_size)
         vocab = list(tokenizer.token_bytes(range(n)))
@@ -93,7 +97,7 @@ class GrammarBackend:
         return compiled
 
     def matcher(self, spec: StructuredOutput) -> xgr.GrammarMatcher:
-        return xgr.GrammarMatcher(self.compile(spec))
+        return self._xgr.GrammarMatcher(self.compile(spec))
 
     # -- per step --------------------------------------------------------------------------
     def bitmask(self, matchers: list[xgr.GrammarMatcher | None]) -> torch.Tensor | None:
@@ -103,7 +107,7 @@ class GrammarBackend:
         if not rows:
             return None
         t0 = time.perf_counter()
-        mask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        mask = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
         self._batch.batch_fill_next_token_bitmask([matchers[i] for i in rows], mask, rows)  # type: ignore[misc]
         self.mask_seconds.observe(time.perf_counter() - t0)
         return mask
@@ -111,6 +115,8 @@ class GrammarBackend:
 
 def apply_bitmask_(logits: torch.Tensor, mask: torch.Tensor, vocab_size: int) -> None:
     """Sets the logits of disallowed tokens to -inf, in place, for the whole batch at once."""
+    import xgrammar as xgr
+
     if mask.device != logits.device:
         mask = mask.to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab_size)
@@ -119,7 +125,3 @@ def apply_bitmask_(logits: torch.Tensor, mask: torch.Tensor, vocab_size: int) ->
 def _reason(err: BaseException) -> str:
     text = str(err).strip() or type(err).__name__
     return text.splitlines()[0] if len(text) > 300 else text
-
-
-def schema_of(spec: StructuredOutput) -> Any:
-    return json.loads(spec.json_schema) if spec.json_schema else {"type": "object"}

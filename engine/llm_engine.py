@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ from engine.registry import resolve_model_path
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler
+from engine.timing import HistogramSnapshot
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -71,8 +73,8 @@ class LLMEngine:
         self.runner = ModelRunner(args, str(model_path))
         self.model_config = self.runner.model_config
         self.max_model_len = self.runner.max_model_len
-        self.grammar = GrammarBackend(self.tokenizer, self.model_config.vocab_size)
-        self.runner.grammar = self.grammar
+        self._grammar: GrammarBackend | None = None
+        self._grammar_lock = threading.Lock()
         self.kv = KVCacheManager(self.runner.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv,
@@ -85,6 +87,21 @@ class LLMEngine:
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+
+    @property
+    def grammar(self) -> GrammarBackend:
+        """The structured-output backend, built on first use (any thread)."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                self._grammar = GrammarBackend(self.tokenizer, self.model_config.vocab_size)
+                self.runner.grammar = self._grammar
+            return self._grammar
+
+    def grammar_timings(self) -> dict[str, HistogramSnapshot]:
+        g = self._grammar
+        return (
+            {} if g is None else {"compile": g.compile_seconds.snapshot(), "mask": g.mask_seconds.snapshot()}
+        )
 
     # -- requests ------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptInput) -> list[int]:

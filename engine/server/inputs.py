@@ -53,7 +53,9 @@ def chat_prompt_ids(
 ) -> list[int]:
     plain = [m.to_template() if isinstance(m, ChatMessage) else m for m in messages]
     try:
-        return list(engine.tokenizer.encode_chat(plain, add_generation_prompt=add_generation_prompt, tools=tools))
+        return list(
+            engine.tokenizer.encode_chat(plain, add_generation_prompt=add_generation_prompt, tools=tools)
+        )
     except ValueError as err:  # ChatTemplateError is a ValueError
         raise APIError(400, f"Could not apply the chat template: {err}", param="messages") from None
 

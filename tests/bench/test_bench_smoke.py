@@ -163,3 +163,16 @@ def test_prefix_cache_smoke(llm: Any, shared_data: Path) -> None:
     assert all(s.ttft_s > 0 and s.wall_s >= s.ttft_s * 0.999 for s in res.cold + res.cached)
     prefix_cache.print_result(res)
     json.loads(res.model_dump_json())
+
+
+def test_structured_outputs_bench_measures_both_engines(smollm2_gguf: Path) -> None:
+    from bench import structured_outputs
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_path(smollm2_gguf)
+    schema = structured_outputs.wide_schema(4)
+    compile_rows = structured_outputs.compile_times(tok, tok.vocab_size, schema)
+    assert [r[0] for r in compile_rows] == ["xgrammar (engine)", "llguidance"]
+    assert all(isinstance(v, float) and v >= 0 for v in compile_rows[0][1:])
+    mask_rows = structured_outputs.mask_costs(tok, tok.vocab_size, schema, batch=2)
+    assert mask_rows[0][1] == mask_rows[1][1] > 5  # both walked the whole document
