@@ -312,7 +312,7 @@ def test_bad_input_is_a_400_in_the_error_shape_at_both(
 
 
 def test_metrics_per_feature_and_grammar_timings(server: ServerProcess) -> None:
-    with httpx.Client(base_url=server.url) as http:
+    with httpx.Client(base_url=server.url, timeout=60) as http:
         samples = scrape_engine(http)
     assert metric(samples, "fleet_engine_api_requests_total", endpoint="chat", feature="json_schema") >= 1
     assert metric(samples, "fleet_engine_api_requests_total", endpoint="embeddings", feature="embedding") >= 1
@@ -322,5 +322,5 @@ def test_metrics_per_feature_and_grammar_timings(server: ServerProcess) -> None:
 
 
 def test_an_unknown_path_lists_the_new_endpoints(server: ServerProcess) -> None:
-    r = httpx.post(f"{server.url}/v1/nothing", json={})
+    r = httpx.post(f"{server.url}/v1/nothing", json={}, timeout=60)
     assert r.status_code == 404 and "/v1/embeddings" in r.json()["error"]["message"]
