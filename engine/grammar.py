@@ -37,6 +37,8 @@ _OBJECT_SCHEMA = '{"type":"object"}'
 class GrammarError(ValueError):
     """A schema the grammar compiler refuses; the message says why."""
 
+    param = "response_format"  # the request field a client fixes (forced tool calls: their schema)
+
 
 class GrammarBackend:
     """Compiles specs (LRU-cached) and fills bitmasks for a batch of matchers."""

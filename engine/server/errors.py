@@ -60,7 +60,7 @@ def engine_error(err: BaseException, param: str | None = None, retry_after_s: in
     if isinstance(err, EngineDeadError):
         return APIError(503, f"The engine has stopped and this replica must be restarted: {err}")
     if isinstance(err, ValueError):
-        return APIError(400, str(err), param=param)
+        return APIError(400, str(err), param=getattr(err, "param", None) or param)
     return None
 
 

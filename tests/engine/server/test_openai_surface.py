@@ -106,7 +106,7 @@ def test_json_schema_strict_conforms_at_temperature_07_through_the_gateway(clien
             model=MODEL,
             messages=[{"role": "user", "content": prompt}],
             temperature=0.7,
-            max_tokens=48,
+            max_tokens=64,
             response_format={
                 "type": "json_schema",
                 "json_schema": {"name": "person", "schema": PERSON, "strict": True},
@@ -264,9 +264,10 @@ def test_responses_text_and_stream_events(client: openai.OpenAI) -> None:
 
 def test_responses_json_schema_and_function_tool(client: openai.OpenAI) -> None:
     r = client.responses.create(
-        model=MODEL, input="A person, please.", max_output_tokens=48,
+        model=MODEL, input="A person, please.", max_output_tokens=64,
         text={"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}},
     )  # fmt: skip
+    assert r.status == "completed", r.output_text
     jsonschema.validate(json.loads(r.output_text), PERSON)
     fn = WEATHER["function"]
     r = client.responses.create(
@@ -279,7 +280,7 @@ def test_responses_json_schema_and_function_tool(client: openai.OpenAI) -> None:
 
 BAD = [
     ("/chat/completions", {"messages": ASK, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}}, "response_format.json_schema"),
-    ("/chat/completions", {"messages": ASK, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/$defs/none"}}}}}}, None),
+    ("/chat/completions", {"messages": ASK, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/$defs/none"}}}}}}, "response_format"),
     ("/chat/completions", {"messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ("/chat/completions", {"messages": ASK, "tools": {"get_weather": WEATHER}}, "tools"),
     ("/embeddings", {"input": []}, "input"),
