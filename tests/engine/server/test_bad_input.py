@@ -165,7 +165,7 @@ def test_body_too_large_is_413(http: httpx.Client) -> None:
 
 
 def test_unknown_route_and_method(http: httpx.Client) -> None:
-    assert_error(http.post("/v1/embeddings", json={}), 404, says="/v1/embeddings")
+    assert_error(http.post("/v1/audio/speech", json={}), 404, says="/v1/audio/speech")
     assert_error(http.get("/v1/chat/completions"), 405, says="GET")
 
 
