@@ -132,7 +132,7 @@ async def chat_chunks(run: ChatRun) -> AsyncIterator[dict[str, Any]]:
                 deltas += last
             lps = chat_logprobs(steps, run.token_bytes) if body.logprobs else None
             if not deltas and (lps is not None or o.finished):
-                deltas = [{}]
+                deltas = [{"content": ""} if not o.finished and shaper.mode == "none" else {}]
             for k, delta in enumerate(deltas):
                 final = k == len(deltas) - 1
                 yield chunk(
