@@ -13,6 +13,7 @@ schema the compiler cannot express is a `GrammarError` (a ValueError, so a 400).
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -124,6 +125,11 @@ def apply_bitmask_(logits: torch.Tensor, mask: torch.Tensor, vocab_size: int) ->
     xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab_size)
 
 
+_LOG_PREFIX = re.compile(r"^\[\d{2}:\d{2}:\d{2}\] \S+: ")
+
+
 def _reason(err: BaseException) -> str:
-    text = str(err).strip() or type(err).__name__
-    return text.splitlines()[0] if len(text) > 300 else text
+    """xgrammar's message without its log prefix (a timestamp and a C++ source path)."""
+    lines = [_LOG_PREFIX.sub("", line).strip() for line in str(err).strip().splitlines()]
+    text = next((line for line in lines if line), type(err).__name__)
+    return text if len(text) <= 300 else text[:297] + "..."
