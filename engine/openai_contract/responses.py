@@ -106,6 +106,8 @@ class ResponsesRequest(Strict):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    # the prefix-cache salt the fleet gateway sets per tenant, passed on to the chat request
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     @field_validator("input")
     @classmethod
@@ -156,6 +158,7 @@ class ResponsesRequest(Strict):
             "top_p": self.top_p,
             "parallel_tool_calls": self.parallel_tool_calls,
             "user": self.user,
+            "cache_salt": self.cache_salt,
         }
         if self.stream:
             body["stream_options"] = {"include_usage": True}

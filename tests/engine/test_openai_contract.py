@@ -116,6 +116,7 @@ def test_responses_translate_onto_chat() -> None:
                 "text": {"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}}},
                 "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}],
                 "tool_choice": {"type": "function", "name": "get_weather"},
+                "cache_salt": "tenant-a",
             }
         )
     )
@@ -124,6 +125,7 @@ def test_responses_translate_onto_chat() -> None:
     assert roles == ["system", "user", "assistant", "tool"]
     assert chat_req.messages[2].tool_calls and chat_req.messages[3].tool_call_id == "c1"
     assert chat_req.requested_max_tokens == 7 and chat_req.tool_mode == "named"
+    assert chat_req.cache_salt == "tenant-a"  # the gateway's per-tenant salt reaches the engine
 
 
 def test_previous_response_id_is_a_clear_400() -> None:
