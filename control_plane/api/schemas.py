@@ -13,6 +13,9 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
+from control_plane.placement.base import PriorityClass as DeploymentPriority
+from control_plane.rollouts.surge import check_budget
+
 MAX_REPLICAS = 1000
 MAX_LIST = 64
 
@@ -86,7 +89,29 @@ class SpecFields(ScalingSpec):
         return value
 
 
-class DeploymentCreate(SpecFields):
+class PolicyFields(Strict):
+    """Per-deployment, unversioned: the placement class and the rollout surge budget
+    (a replica count, or a percentage of the desired replicas such as "25%")."""
+
+    priority: DeploymentPriority | None = None
+    max_surge: int | str | None = Field(None, description='replicas above the desired count: 2 or "25%"')
+    max_unavailable: int | str | None = Field(
+        None, description='replicas allowed not ready during a rollout: 1 or "25%"'
+    )
+
+    @field_validator("max_surge", "max_unavailable")
+    @classmethod
+    def _budget(cls, value: int | str | None) -> str | None:
+        if value is None:
+            return None
+        if isinstance(value, int):
+            if not 0 <= value <= MAX_REPLICAS:
+                raise ValueError(f"a replica count must be within 0..{MAX_REPLICAS}")
+            return str(value)
+        return check_budget(value.strip())
+
+
+class DeploymentCreate(SpecFields, PolicyFields):
     """Create a deployment (version 1). With `replicas` alone the count is pinned
     (min = max = replicas); give min/max replicas for an autoscaled range."""
 
@@ -94,11 +119,11 @@ class DeploymentCreate(SpecFields):
     model: ModelRef
 
 
-class DeploymentUpdate(SpecFields):
+class DeploymentUpdate(SpecFields, PolicyFields):
     """Change some fields. A changed spec makes a new version; `replicas` alone only scales."""
 
 
-class ScaleRequest(Strict):
+class ScaleRequest(PolicyFields):
     replicas: int = Field(ge=0, le=MAX_REPLICAS)
 
 
@@ -144,6 +169,9 @@ class DeploymentSummary(BaseModel):
     ready_replicas: int
     min_replicas: int
     max_replicas: int
+    priority: str = "standard"
+    max_surge: str = "25%"
+    max_unavailable: str = "25%"
     created_at: datetime
     updated_at: datetime
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from control_plane.api.errors import invalid
-from control_plane.api.schemas import DeploymentCreate, DeploymentUpdate
+from control_plane.api.schemas import DeploymentCreate, DeploymentUpdate, PolicyFields
+from control_plane.rollouts.surge import DEFAULT_MAX_SURGE, DEFAULT_MAX_UNAVAILABLE
 
 VERSION_DEFAULTS: dict[str, Any] = {
     "engine_args": {},
@@ -32,7 +33,7 @@ VERSION_DEFAULTS: dict[str, Any] = {
 VERSION_FIELDS = ("model", "min_replicas", "max_replicas", *VERSION_DEFAULTS)
 
 
-def _given(body: DeploymentCreate | DeploymentUpdate) -> dict[str, Any]:
+def _given(body: PolicyFields) -> dict[str, Any]:
     return {k: v for k, v in body.model_dump(exclude_unset=True).items() if v is not None}
 
 
@@ -91,6 +92,29 @@ def merged_spec(current: dict[str, Any], replicas: int, body: DeploymentUpdate) 
         new_replicas = min(max(replicas, lo), hi) if lo <= hi else replicas
     check_spec(spec, new_replicas)
     return spec, new_replicas
+
+
+POLICY_FIELDS = ("priority", "max_surge", "max_unavailable")
+
+
+def apply_policy(dep: Any, body: PolicyFields) -> list[str]:
+    """Set the deployment's unversioned fields that `body` gives; the changes, described.
+    A surge budget of 0 with 0 unavailable could never roll out, so it is refused."""
+    given = {k: v for k, v in _given(body).items() if k in POLICY_FIELDS}
+    surge = given.get("max_surge", getattr(dep, "max_surge", None) or DEFAULT_MAX_SURGE)
+    unavailable = given.get(
+        "max_unavailable", getattr(dep, "max_unavailable", None) or DEFAULT_MAX_UNAVAILABLE
+    )
+    if float(surge.rstrip("%")) == 0 and float(unavailable.rstrip("%")) == 0:
+        raise invalid(
+            "max_unavailable", "max_surge and max_unavailable cannot both be 0: no rollout could progress"
+        )
+    changes = []
+    for field, value in given.items():
+        if getattr(dep, field, None) != value:
+            changes.append(f"{field} {getattr(dep, field, None)} -> {value}")
+            setattr(dep, field, value)
+    return changes
 
 
 def version_fields(row: Any) -> dict[str, Any]:

@@ -83,6 +83,9 @@ def deployment_summaries(session: Session, rows: list[Deployment]) -> list[Deplo
                 ready_replicas=ready.get(dep.id, 0),
                 min_replicas=current.min_replicas if current else 0,
                 max_replicas=current.max_replicas if current else 0,
+                priority=dep.priority,
+                max_surge=dep.max_surge,
+                max_unavailable=dep.max_unavailable,
                 created_at=dep.created_at,
                 updated_at=dep.updated_at,
             )

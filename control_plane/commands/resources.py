@@ -23,6 +23,9 @@ DEPLOYMENT_COLUMNS = {
     "ready": "ready_replicas",
     "min": "min_replicas",
     "max": "max_replicas",
+    "priority": "priority",
+    "surge": "max_surge",
+    "unavail": "max_unavailable",
 }
 PLACEMENT_COLUMNS = {
     "replica": "replica_id",
@@ -166,6 +169,13 @@ def _print_status(status: dict, output: OutputFormat) -> None:
         console.print("no replicas placed yet")
 
 
+PRIORITY_HELP = "placement class: critical, standard (default) or batch; a higher one may preempt a lower one"
+SURGE_HELP = 'replicas a rollout may add above the desired count: a count or a percentage (default "25%")'
+UNAVAILABLE_HELP = (
+    'replicas a rollout may take out of service: a count or a percentage (default "25%", at least 1)'
+)
+
+
 def deploy(
     name: str = typer.Argument(None, help="deployment name (or `name:` in -f FILE)"),
     model: str = typer.Option(
@@ -197,6 +207,9 @@ def deploy(
     slo_itl: float = typer.Option(
         None, "--slo-itl", help="autoscaling inter-token latency target, seconds (default 0.1)"
     ),
+    priority: str = typer.Option(None, "--priority", help=PRIORITY_HELP),
+    max_surge: str = typer.Option(None, "--max-surge", help=SURGE_HELP),
+    max_unavailable: str = typer.Option(None, "--max-unavailable", help=UNAVAILABLE_HELP),
     file: Path = typer.Option(
         None, "--file", "-f", help="deployment YAML (the API's fields); flags override it"
     ),
@@ -226,6 +239,9 @@ def deploy(
         "target_concurrency": target_concurrency,
         "slo_ttft_s": slo_ttft,
         "slo_itl_s": slo_itl,
+        "priority": priority,
+        "max_surge": max_surge,
+        "max_unavailable": max_unavailable,
     }
     body.update({k: v for k, v in flags.items() if v is not None})
 
@@ -268,10 +284,16 @@ def status(
 def scale(
     name: str = typer.Argument(..., help="deployment name"),
     replicas: int = typer.Argument(..., help="desired replicas (within the version's min..max)"),
+    priority: str = typer.Option(None, "--priority", help=PRIORITY_HELP),
+    max_surge: str = typer.Option(None, "--max-surge", help=SURGE_HELP),
+    max_unavailable: str = typer.Option(None, "--max-unavailable", help=UNAVAILABLE_HELP),
     output: OutputFormat = OUTPUT_OPTION,
 ) -> None:
-    """Set a deployment's desired replica count."""
-    _print_status(call(lambda c: c.post(f"/v1/deployments/{name}/scale", {"replicas": replicas})), output)
+    """Set a deployment's desired replica count (and, optionally, its class and surge budget)."""
+    body: dict[str, Any] = {"replicas": replicas}
+    given = {"priority": priority, "max_surge": max_surge, "max_unavailable": max_unavailable}
+    body.update({k: v for k, v in given.items() if v is not None})
+    _print_status(call(lambda c: c.post(f"/v1/deployments/{name}/scale", body)), output)
 
 
 def delete(

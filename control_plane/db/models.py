@@ -76,6 +76,12 @@ class Deployment(Base):
     # The autoscaler's cheapest mix of GPU types (gpu model -> replicas); empty: any.
     variant_mix: Mapped[dict[str, Any]] = mapped_column(default=dict)
     current_version: Mapped[int] = mapped_column(Integer, default=1)
+    # Placement class (critical, standard, batch) and the rollout surge budget (a count or a
+    # percentage of `replicas`): per deployment, not per version, so changing them never
+    # starts a rollout.
+    priority: Mapped[str] = mapped_column(String(16), default="standard", server_default="standard")
+    max_surge: Mapped[str] = mapped_column(String(16), default="25%", server_default="25%")
+    max_unavailable: Mapped[str] = mapped_column(String(16), default="25%", server_default="25%")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 

@@ -19,10 +19,17 @@ from agent.protocol import (
     VersionWeight,
 )
 from control_plane.geo.routes import by_region_for
-from control_plane.loops.snapshot import AssignmentRow, DeploymentRow, FleetSnapshot
+from control_plane.loops.snapshot import AssignmentRow, DeploymentRow, FleetSnapshot, VersionSpec
 from control_plane.loops.standby import in_regions, primary_regions
 from control_plane.placement import Assignment, PlacementResult, PoolCapacity, ReplicaDemand
-from control_plane.rollouts.policy import baseline_target
+from control_plane.placement.evaluate import slot_size
+from control_plane.rollouts.surge import (
+    CapacityInputs,
+    CapacityPlan,
+    plan_capacity,
+    resolve_surge,
+    resolve_unavailable,
+)
 
 
 def placement_inputs(
@@ -38,23 +45,42 @@ def placement_inputs(
             spec = snap.specs.get((d.name, version))
             if spec is None:
                 continue
-            gpu_models = spec.gpu_models
-            mix = tuple(m for m, n in d.variant_mix.items() if n > 0) if version == d.current_version else ()
-            if mix:  # the autoscaler's cheapest GPU types: the placer's cost objective fills them in order
-                gpu_models = mix
-            demands.append(
-                ReplicaDemand(
-                    deployment=d.name,
-                    version=spec.version,
-                    count=count,
-                    gpu_models=gpu_models,
-                    gpu_count=spec.gpu_count,
-                    gpu_memory_gb=spec.gpu_memory_gb,
-                    regions=primary_regions(snap, spec),
-                    min_regions=spec.min_regions,
-                )
-            )
-    pools = [
+            demands.append(_demand(snap, d, spec, count))
+    current = [
+        Assignment(
+            replica_id=a.replica_id,
+            deployment=a.deployment,
+            version=a.version,
+            cluster=a.cluster,
+            pool=a.pool,
+            gpus=a.gpus,
+            node=nodes.get(a.replica_id),
+        )
+        for a in snap.assignments
+    ]
+    return demands, _pools(snap), current
+
+
+def _demand(snap: FleetSnapshot, d: DeploymentRow, spec: VersionSpec, count: int) -> ReplicaDemand:
+    gpu_models = spec.gpu_models
+    mix = tuple(m for m, n in d.variant_mix.items() if n > 0) if spec.version == d.current_version else ()
+    if mix:  # the autoscaler's cheapest GPU types: the placer's cost objective fills them in order
+        gpu_models = mix
+    return ReplicaDemand(
+        deployment=d.name,
+        version=spec.version,
+        count=count,
+        gpu_models=gpu_models,
+        gpu_count=spec.gpu_count,
+        gpu_memory_gb=spec.gpu_memory_gb,
+        regions=primary_regions(snap, spec),
+        min_regions=spec.min_regions,
+        priority=d.priority,
+    )
+
+
+def _pools(snap: FleetSnapshot) -> list[PoolCapacity]:
+    return [
         PoolCapacity(
             cluster=c.id,
             name=p.name,
@@ -72,38 +98,51 @@ def placement_inputs(
         for c in snap.clusters
         for p in c.pools
     ]
-    current = [
-        Assignment(
-            replica_id=a.replica_id,
-            deployment=a.deployment,
-            version=a.version,
-            cluster=a.cluster,
-            pool=a.pool,
-            gpus=a.gpus,
-            node=nodes.get(a.replica_id),
-        )
-        for a in snap.assignments
-    ]
-    return demands, pools, current
 
 
 def version_counts(snap: FleetSnapshot, d: DeploymentRow) -> dict[int, int]:
     """Replicas wanted per live version: the current version alone, or during a canary
-    rollout the canary's target and the baseline less the canary replicas already ready
-    (capacity follows the weights; the surplus is at most one step's canary replicas)."""
+    rollout what the surge budget allows (`capacity_plan`)."""
     total = max(0, d.replicas)
     rollout = snap.rollouts.get(d.name)
-    if rollout is None or rollout.canary_version == d.current_version:
+    plan = capacity_plan(snap, d)
+    if rollout is None or plan is None:
         return {d.current_version: total}
-    ready = sum(
-        1
-        for a in snap.assignments
-        if a.deployment == d.name
-        and a.version == rollout.canary_version
-        and a.state == ReplicaState.ready.value
+    return {d.current_version: plan.baseline, rollout.canary_version: plan.canary}
+
+
+def capacity_plan(snap: FleetSnapshot, d: DeploymentRow) -> CapacityPlan | None:
+    """Surge or replace for a deployment in a canary rollout (None when not in one):
+    free capacity is counted for the canary's shape on healthy pools it accepts."""
+    rollout = snap.rollouts.get(d.name)
+    spec = snap.specs.get((d.name, rollout.canary_version)) if rollout else None
+    if rollout is None or rollout.canary_version == d.current_version or spec is None:
+        return None
+    total = max(0, d.replicas)
+    mine = [a for a in snap.assignments if a.deployment == d.name]
+    ready = ReplicaState.ready.value
+    shape = _demand(snap, d, spec, 1)
+    used: dict[tuple[str, str], int] = defaultdict(int)
+    for a in snap.assignments:
+        used[(a.cluster, a.pool)] += a.gpus
+    free = sum(
+        int(max(0, p.total_gpus - used[p.key]) // slot_size(shape.gpu_count, p.gpus_per_node))
+        for p in _pools(snap)
+        if p.accepts_new and shape.acceptable(p)
     )
-    canary = min(total, rollout.canary_replicas)
-    return {d.current_version: baseline_target(total, canary, ready), rollout.canary_version: canary}
+    return plan_capacity(
+        CapacityInputs(
+            replicas=total,
+            canary_wanted=min(total, rollout.canary_replicas),
+            canary_ready=sum(1 for a in mine if a.version == rollout.canary_version and a.state == ready),
+            canary_assigned=sum(1 for a in mine if a.version == rollout.canary_version),
+            baseline_assigned=sum(1 for a in mine if a.version == d.current_version),
+            baseline_ready=sum(1 for a in mine if a.version == d.current_version and a.state == ready),
+            free_slots=free,
+            max_surge=resolve_surge(d.max_surge, total),
+            max_unavailable=resolve_unavailable(d.max_unavailable, total),
+        )
+    )
 
 
 def version_weights(snap: FleetSnapshot, d: DeploymentRow) -> list[VersionWeight]:
@@ -145,12 +184,15 @@ def removal_reasons(snap: FleetSnapshot, result: PlacementResult) -> dict[str, s
     current = {d.name: d.current_version for d in snap.deployments}
     pools = {(c.id, p.name) for c in snap.clusters for p in c.pools}
     by_id = {a.replica_id: a for a in snap.assignments}
+    preempted = {p.replica_id: p.reason for p in result.preempted}
     out: dict[str, str] = {}
     for rid in result.removed:
         a = by_id.get(rid)
         if a is None:
             continue
-        if a.deployment not in current:
+        if rid in preempted:
+            why = preempted[rid]
+        elif a.deployment not in current:
             why = "deployment deleted"
         elif a.deployment in snap.rollouts and a.version in (
             snap.rollouts[a.deployment].canary_version,

@@ -79,12 +79,13 @@ def _write(
     if result.removed:
         reasons = removal_reasons(snap, result)
         rows = {a.replica_id: a for a in snap.assignments}
+        preempted = {p.replica_id for p in result.preempted}
         session.execute(delete(ReplicaAssignment).where(ReplicaAssignment.replica_id.in_(result.removed)))
         for rid in result.removed:
             row = rows.get(rid)
             session.add(
                 Event(
-                    kind="removed",
+                    kind="preempted" if rid in preempted else "removed",
                     cluster=row.cluster if row else None,
                     deployment=row.deployment if row else None,
                     replica_id=rid,

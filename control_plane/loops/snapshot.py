@@ -12,7 +12,9 @@ from sqlalchemy.orm import Session, selectinload
 
 from agent.protocol import ApiKeyRecord, ClusterStatus, Coordinates, Quotas, Tier
 from control_plane.db.models import ApiKey, Cluster, Deployment, ReplicaAssignment
+from control_plane.placement.base import PRIORITY_RANK, PriorityClass
 from control_plane.rollouts.store import RolloutPlan, plans
+from control_plane.rollouts.surge import DEFAULT_MAX_SURGE, DEFAULT_MAX_UNAVAILABLE
 
 
 class _Row(BaseModel):
@@ -38,6 +40,9 @@ class DeploymentRow(_Row):
     replicas: int  # desired
     current_version: int
     variant_mix: dict[str, int] = Field(default_factory=dict)  # autoscaler's GPU mix; empty: any
+    priority: PriorityClass = "standard"
+    max_surge: str = DEFAULT_MAX_SURGE
+    max_unavailable: str = DEFAULT_MAX_UNAVAILABLE
 
 
 class PoolRow(_Row):
@@ -113,6 +118,9 @@ def read_snapshot(session: Session) -> FleetSnapshot:
                 replicas=d.replicas,
                 current_version=d.current_version,
                 variant_mix={str(k): int(v) for k, v in (d.variant_mix or {}).items()},
+                priority=d.priority if d.priority in PRIORITY_RANK else "standard",
+                max_surge=d.max_surge,
+                max_unavailable=d.max_unavailable,
             )
             for d in deployments
         ),

@@ -2,11 +2,14 @@
 registry by name (`get_placer("ffd")`, `get_placer("milp")`)."""
 
 from control_plane.placement.base import (
+    PRIORITY_RANK,
     Assignment,
     CurrentAssignment,
     PlacementResult,
     Placer,
     PoolCapacity,
+    Preemption,
+    PriorityClass,
     ReplicaDemand,
     Unplaced,
     get_placer,
@@ -17,6 +20,7 @@ from control_plane.placement.ffd import FirstFitDecreasing, new_replica_id
 from control_plane.placement.milp import MilpPlacer, SolveInfo
 
 __all__ = [
+    "PRIORITY_RANK",
     "Assignment",
     "CurrentAssignment",
     "FirstFitDecreasing",
@@ -24,6 +28,8 @@ __all__ = [
     "PlacementResult",
     "Placer",
     "PoolCapacity",
+    "Preemption",
+    "PriorityClass",
     "ReplicaDemand",
     "SolveInfo",
     "Unplaced",

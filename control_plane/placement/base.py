@@ -12,6 +12,7 @@ import fnmatch
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,6 +21,12 @@ from agent.protocol import TIER_ORDER, ClusterStatus, Coordinates, Tier
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# A deployment's class: a higher one may preempt replicas of a strictly lower one to place
+# its demand, never the reverse (docs/placement.md, "Priorities").
+PriorityClass = Literal["critical", "standard", "batch"]
+PRIORITY_RANK: dict[str, int] = {"batch": 0, "standard": 1, "critical": 2}
 
 
 class PoolCapacity(_Frozen):
@@ -84,6 +91,11 @@ class ReplicaDemand(_Frozen):
     # Where requests come from: region -> share (weights, need not sum to 1); the
     # optimizing placer prefers pools near it once cost and moves are settled.
     demand_regions: dict[str, float] = Field(default_factory=dict)
+    priority: PriorityClass = "standard"
+
+    @property
+    def rank(self) -> int:
+        return PRIORITY_RANK[self.priority]
 
     @property
     def max_spot(self) -> int:
@@ -147,11 +159,26 @@ class Unplaced(_Frozen):
     reason: str
 
 
+class Preemption(_Frozen):
+    """A running replica removed so that a demand of a strictly higher class fits; its
+    id is also in `PlacementResult.removed`."""
+
+    replica_id: str
+    deployment: str
+    version: int
+    priority: PriorityClass
+    by_deployment: str
+    by_version: int
+    by_priority: PriorityClass
+    reason: str
+
+
 class PlacementResult(_Frozen):
     kept: tuple[Assignment, ...] = ()
     added: tuple[Assignment, ...] = ()
     removed: tuple[str, ...] = ()  # replica ids of the current assignment no longer wanted
     unplaced: tuple[Unplaced, ...] = ()
+    preempted: tuple[Preemption, ...] = ()
 
     @property
     def assignments(self) -> tuple[Assignment, ...]:

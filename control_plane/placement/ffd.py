@@ -20,11 +20,13 @@ from control_plane.placement.base import (
     PlacementResult,
     Placer,
     PoolCapacity,
+    Preemption,
     ReplicaDemand,
     Unplaced,
     register_placer,
 )
 from control_plane.placement.explain import add_note, rule_out
+from control_plane.placement.preempt import choose_victims, preemption
 
 MAX_REPLICA_ID = 63  # ReplicaAssignment.replica_id column width
 
@@ -121,15 +123,22 @@ class FirstFitDecreasing(Placer):
             nodes.take(a.pool_key, node, a.gpus)
             kept.append(a if a.node == node else a.model_copy(update={"node": node}))
 
-        # 4. Place what is missing, biggest replicas first.
+        # 4. Place what is missing, the highest class first, then biggest replicas first; a
+        #    replica that finds no free node may preempt replicas of strictly lower classes.
         placed: dict[tuple[str, int], list[Assignment]] = defaultdict(list)
         for a in kept:
             placed[(a.deployment, a.version)].append(a)
         added: list[Assignment] = []
         unplaced: dict[tuple[str, int], Unplaced] = {}
+        preempted: list[Preemption] = []
+
+        def rank_of(a: Assignment) -> int:
+            return by_demand[(a.deployment, a.version)].rank
+
         for d in sorted(
             by_demand.values(),
             key=lambda d: (
+                -d.rank,
                 -d.gpu_count,
                 -d.gpu_memory_gb,
                 -(d.count - len(placed[d.key])),
@@ -140,6 +149,20 @@ class FirstFitDecreasing(Placer):
             for _ in range(d.count - len(placed[d.key])):
                 covered = {by_pool[a.pool_key].region for a in placed[d.key]}
                 spot = self._choose(d, ordered_pools, nodes, covered)
+                if spot is None and d.rank > 0:
+                    choice = choose_victims(d, ordered_pools, nodes.free, kept + added, rank_of)
+                    if choice is not None:
+                        pool, node, victims = choice
+                        for v in victims:
+                            placed[(v.deployment, v.version)].remove(v)
+                            nodes.give_back(v.pool_key, v.node, v.gpus)
+                            if v in added:  # placed earlier in this plan: never ran
+                                added.remove(v)
+                                continue
+                            kept.remove(v)
+                            removed.append(v.replica_id)
+                            preempted.append(preemption(v, by_demand[(v.deployment, v.version)], d))
+                        spot = (pool, node)
                 if spot is None:
                     missing = d.count - len(placed[d.key])
                     unplaced[d.key] = Unplaced(
@@ -184,11 +207,15 @@ class FirstFitDecreasing(Placer):
                     unplaced, d.key, d, f"only {n_regions} of min_regions {d.min_regions} regions have room"
                 )
 
+        for key, by in sorted({(p.deployment, p.version): p for p in preempted}.items()):
+            if key in unplaced:
+                add_note(unplaced, key, by_demand[key], f"preempted by {by.by_deployment} ({by.by_priority})")
         return PlacementResult(
             kept=tuple(kept),
             added=tuple(added),
             removed=tuple(removed),
             unplaced=tuple(unplaced[k] for k in sorted(unplaced)),
+            preempted=tuple(preempted),
         )
 
     def _choose(

@@ -47,6 +47,7 @@ def create_deployment(body: DeploymentCreate, request: Request, session: Session
     if session.scalar(select(Deployment.id).where(Deployment.name == body.name)) is not None:
         raise conflict(f"deployment {body.name!r} already exists (update it with PATCH)", "name")
     dep = Deployment(name=body.name, replicas=replicas, current_version=1)
+    specs.apply_policy(dep, body)
     dep.versions.append(DeploymentVersion(version=1, **spec))
     session.add(dep)
     try:
@@ -119,6 +120,7 @@ def update_deployment(
     if replicas != dep.replicas:
         changes.append(f"replicas {dep.replicas} -> {replicas}")
         dep.replicas = replicas
+    changes += specs.apply_policy(dep, body)
     if not changes:
         return before
     dep.updated_at = utcnow()
@@ -143,7 +145,8 @@ def scale_deployment(name: str, body: ScaleRequest, request: Request, session: S
             "change the bounds with an update (fleetctl deploy --min-replicas/--max-replicas)",
         )
     before = deployment_status(session, dep)
-    if body.replicas == dep.replicas:
+    policy = specs.apply_policy(dep, body)
+    if body.replicas == dep.replicas and not policy:
         return before
     old = dep.replicas
     dep.replicas = body.replicas
@@ -157,12 +160,13 @@ def scale_deployment(name: str, body: ScaleRequest, request: Request, session: S
         "deployment",
         dep.name,
         {"replicas": old},
-        {"replicas": body.replicas},
+        {"replicas": body.replicas, **body.model_dump(include=set(specs.POLICY_FIELDS), exclude_none=True)},
     )
+    what = [f"replicas {old} -> {body.replicas}"] if old != body.replicas else []
     event(
         session,
         "scaled",
-        f"{dep.name}: replicas {old} -> {body.replicas} (by {who.actor})",
+        f"{dep.name}: {'; '.join(what + policy)} (by {who.actor})",
         deployment=dep.name,
     )
     session.commit()

@@ -1,0 +1,147 @@
+"""The surge budget policy: table tests and a simulated rollout on a full pool whose
+ready count is checked against `replicas - max_unavailable` on every pass."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from control_plane.rollouts.policy import DEFAULT_STEPS, canary_replicas
+from control_plane.rollouts.surge import (
+    CapacityInputs,
+    check_budget,
+    plan_capacity,
+    resolve_surge,
+    resolve_unavailable,
+)
+
+
+@pytest.mark.parametrize(
+    ("value", "replicas", "surge", "unavailable"),
+    [
+        ("25%", 4, 1, 1),
+        ("25%", 2, 1, 1),  # unavailable: at least 1 so a full cluster can still replace
+        ("25%", 10, 3, 2),  # surge rounds up, unavailable down
+        ("0", 4, 0, 0),
+        ("0%", 4, 0, 0),
+        ("3", 2, 3, 2),  # never more unavailable than replicas
+        ("100%", 4, 4, 4),
+        ("25%", 0, 0, 0),
+    ],
+)
+def test_resolve(value, replicas, surge, unavailable):
+    assert resolve_surge(value, replicas) == surge
+    assert resolve_unavailable(value, replicas) == unavailable
+
+
+@pytest.mark.parametrize("bad", ["", "-1", "25", "abc", "101%", "1.5", "%", "25 %"])
+def test_bad_budgets(bad):
+    if bad == "25":
+        assert check_budget(bad) == "25"
+        return
+    with pytest.raises(ValueError):
+        check_budget(bad)
+
+
+def _x(**kw) -> CapacityInputs:
+    base = dict(
+        replicas=4,
+        canary_wanted=1,
+        canary_ready=0,
+        canary_assigned=0,
+        baseline_assigned=4,
+        baseline_ready=4,
+        free_slots=0,
+        max_surge=1,
+        max_unavailable=1,
+    )
+    return CapacityInputs(**{**base, **kw})
+
+
+@pytest.mark.parametrize(
+    ("inputs", "baseline", "canary", "mode"),
+    [
+        (_x(free_slots=8), 4, 1, "surge"),  # free room: the baseline stays whole
+        (_x(free_slots=0), 3, 1, "replace"),  # full: drain one baseline replica for the canary
+        (_x(free_slots=0, canary_assigned=1, baseline_assigned=3), 3, 1, "replace"),  # stable next pass
+        (_x(free_slots=0, max_unavailable=0), 4, 0, "surge"),  # no budget to replace: wait
+        (_x(free_slots=8, max_surge=0), 3, 1, "replace"),  # surge forbidden: replace even with room
+        (_x(canary_wanted=4, free_slots=8), 3, 2, "replace"),  # a big step: surge 1 and replace 1
+        (_x(canary_wanted=2, canary_ready=1, canary_assigned=1, baseline_assigned=3), 2, 2, "replace"),
+        (_x(canary_wanted=1, canary_ready=1, canary_assigned=1, baseline_assigned=3), 3, 1, "ready"),
+        # a baseline replica still starting counts against the budget: nothing more is drained
+        (_x(free_slots=0, baseline_ready=3), 4, 0, "surge"),
+    ],
+)
+def test_table(inputs, baseline, canary, mode):
+    plan = plan_capacity(inputs)
+    assert (plan.baseline, plan.canary, plan.mode) == (baseline, canary, mode), plan.reason
+    assert plan.min_ready == inputs.replicas - inputs.max_unavailable
+
+
+def test_reasons_say_why():
+    assert "drained" in plan_capacity(_x()).reason
+    assert "free capacity" in plan_capacity(_x(free_slots=3)).reason
+    assert "waiting" in plan_capacity(_x(max_unavailable=0)).reason
+
+
+def _simulate(replicas: int, slots: int, steps, surge: int, unavailable: int) -> tuple[list[int], int]:
+    """Pass by pass on a pool of `slots` 1-GPU slots the deployment alone uses: the plan's
+    counts are applied (removals at once, additions pending), then pending canaries become
+    ready; the ready count is recorded after every change. Returns the ready counts and
+    the canary's ready replicas at the end."""
+    baseline_ready, canary_ready, canary_pending = replicas, 0, 0
+    ready_log = [replicas]
+    for percent in steps:
+        wanted = canary_replicas(replicas, percent)
+        for _ in range(4 * replicas + 4):
+            assigned = baseline_ready + canary_ready + canary_pending
+            plan = plan_capacity(
+                CapacityInputs(
+                    replicas=replicas,
+                    canary_wanted=wanted,
+                    canary_ready=canary_ready,
+                    canary_assigned=canary_ready + canary_pending,
+                    baseline_assigned=baseline_ready,
+                    baseline_ready=baseline_ready,
+                    free_slots=slots - assigned,
+                    max_surge=surge,
+                    max_unavailable=unavailable,
+                )
+            )
+            baseline_ready = min(baseline_ready, plan.baseline)  # drained first
+            ready_log.append(baseline_ready + canary_ready)
+            room = slots - baseline_ready - canary_ready - canary_pending
+            canary_pending = min(max(0, plan.canary - canary_ready), canary_pending + max(0, room))
+            assert baseline_ready + canary_ready + canary_pending <= slots
+            canary_ready, canary_pending = canary_ready + canary_pending, 0  # they become ready
+            ready_log.append(baseline_ready + canary_ready)
+            if canary_ready >= wanted:
+                break
+        assert canary_ready >= wanted, f"stuck at step {percent}%: {canary_ready}/{wanted}"
+    return ready_log, canary_ready
+
+
+def test_full_cluster_rollout_reaches_100_within_the_bound():
+    ready, canary = _simulate(replicas=4, slots=4, steps=(10, 30, 60, 100), surge=1, unavailable=1)
+    assert min(ready) >= 3
+    assert 3 in ready  # it did replace (never more than one out at a time)
+    assert canary == 4
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    replicas=st.integers(1, 12),
+    spare=st.integers(0, 4),
+    surge=st.sampled_from(["0", "1", "25%", "50%"]),
+    unavailable=st.sampled_from(["0", "1", "25%", "100%"]),
+    steps=st.sampled_from([DEFAULT_STEPS, (10.0, 30.0, 60.0, 100.0), (100.0,), (50.0, 100.0)]),
+)
+def test_any_rollout_keeps_the_bound(replicas, spare, surge, unavailable, steps):
+    s, u = resolve_surge(surge, replicas), resolve_unavailable(unavailable, replicas)
+    if (spare == 0 and u == 0) or (s == 0 and u == 0):
+        return  # cannot progress by design (refused by the API when both are 0)
+    ready, canary = _simulate(replicas, replicas + spare, steps, s, u)
+    assert min(ready) >= replicas - u
+    assert canary == replicas
