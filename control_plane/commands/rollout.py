@@ -31,6 +31,10 @@ NUMBER_COLUMNS = [
     "canary_ttft_p90_s",
     "baseline_ttft_p90_s",
     "ttft_p90_ratio",
+    "ready",
+    "min_ready",
+    "capacity_mode",
+    "capacity_reason",
     "status",
 ]
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")

@@ -21,6 +21,7 @@ from agent import protocol
 from control_plane.context import ControlPlaneContext
 from control_plane.db.models import Deployment, Event, ReplicaAssignment, Rollout
 from control_plane.nats_loop import Handler, NatsLoop
+from control_plane.rollouts.capacity_status import with_capacity
 from control_plane.rollouts.policy import Decision, Observation, RolloutParams, decide
 from control_plane.rollouts.store import active_filter, numbers_text, params_of, record, state_of, write_state
 from control_plane.rollouts.telemetry import UsageWindows
@@ -133,6 +134,7 @@ class RolloutLoop(NatsLoop):
                 .where(active_filter())
                 .order_by(Rollout.id)
             ).all()
+            capacity = _capacity(session) if rows else {}
             for row, name, replicas in rows:
                 if row.id not in self._seen:
                     self._seen.add(row.id)
@@ -147,7 +149,7 @@ class RolloutLoop(NatsLoop):
                                 ),
                             )
                         )
-                decision = self._decide(session, row, name, replicas, now)
+                decision = with_capacity(self._decide(session, row, name, replicas, now), capacity.get(name))
                 if decision.changed:
                     if write_state(session, row, decision.state, decision.numbers):
                         record(session, name, row, decision)
@@ -186,6 +188,14 @@ class RolloutLoop(NatsLoop):
             baseline=self.windows.stats(name, row.baseline_version, since),
         )
         return decide(params, state, obs)
+
+
+def _capacity(session) -> dict:
+    """Surge/replace numbers by deployment (imported here: control_plane.loops imports this module)."""
+    from control_plane.loops.snapshot import read_snapshot
+    from control_plane.rollouts.capacity_status import capacity_numbers
+
+    return capacity_numbers(read_snapshot(session))
 
 
 async def start_rollout_loop(ctx: ControlPlaneContext) -> RolloutLoop:

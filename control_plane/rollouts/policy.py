@@ -93,7 +93,7 @@ class Observation(_Frozen):
     baseline: VersionStats = Field(default_factory=VersionStats)
 
 
-Number = float | int | None
+Number = float | int | str | None
 
 
 class Decision(_Frozen):

@@ -151,6 +151,27 @@ def test_deployment_create_update_scale_versions_delete(admin, db):
         assert s.query(ReplicaAssignment).filter_by(deployment_id=dep_id).count() == 0
 
 
+def test_priority_and_surge_budget_are_per_deployment(admin):
+    name = uniq("prio")
+    created = ok(admin.post("/v1/deployments", json={"name": name, "model": "m", "replicas": 4}), 201)
+    assert (created["priority"], created["max_surge"], created["max_unavailable"]) == (
+        "standard",
+        "25%",
+        "25%",
+    )
+    body = {"priority": "batch", "max_surge": 0, "max_unavailable": "50%"}
+    updated = ok(admin.patch(f"/v1/deployments/{name}", json=body))
+    assert (updated["priority"], updated["max_surge"], updated["max_unavailable"]) == ("batch", "0", "50%")
+    assert updated["current_version"] == 1  # not a spec change: no new version, no rollout
+    scaled = ok(admin.post(f"/v1/deployments/{name}/scale", json={"replicas": 4, "priority": "critical"}))
+    assert scaled["priority"] == "critical"
+    for bad in ({"priority": "urgent"}, {"max_surge": "150%"}, {"max_unavailable": "x"}, {"max_surge": -1}):
+        r = admin.patch(f"/v1/deployments/{name}", json=bad)
+        assert r.status_code == 422, (bad, r.text)
+    r = admin.patch(f"/v1/deployments/{name}", json={"max_unavailable": "0%"})  # with max_surge 0
+    assert r.status_code == 422 and "both be 0" in r.text
+
+
 def test_name_taken_is_409(admin):
     name = uniq("dup")
     ok(admin.post("/v1/deployments", json={"name": name, "model": "m"}), 201)

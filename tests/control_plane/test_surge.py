@@ -145,3 +145,61 @@ def test_any_rollout_keeps_the_bound(replicas, spare, surge, unavailable, steps)
     ready, canary = _simulate(replicas, replicas + spare, steps, s, u)
     assert min(ready) >= replicas - u
     assert canary == replicas
+
+
+# --------------------------------------------------------------------- through reconcile's inputs
+
+
+def _snapshot(free_nodes: int = 0):
+    from control_plane.loops.snapshot import (
+        AssignmentRow,
+        ClusterRow,
+        DeploymentRow,
+        FleetSnapshot,
+        PoolRow,
+        VersionSpec,
+    )
+    from control_plane.rollouts.store import RolloutPlan
+
+    return FleetSnapshot(
+        deployments=(DeploymentRow(name="web", replicas=4, current_version=1),),
+        specs={("web", v): VersionSpec(deployment="web", version=v, model="m") for v in (1, 2)},
+        clusters=(ClusterRow(id="c1", pools=(PoolRow(name="p", gpu_model="sim", nodes=4 + free_nodes),)),),
+        assignments=tuple(
+            AssignmentRow(
+                replica_id=f"web-v1-{i}", deployment="web", version=1, cluster="c1", pool="p", state="ready"
+            )
+            for i in range(4)
+        ),
+        rollouts={
+            "web": RolloutPlan(
+                deployment="web", baseline_version=1, canary_version=2, canary_replicas=1, canary_weight=0.0
+            )
+        },
+    )
+
+
+def test_full_pool_canary_replaces_a_baseline_replica_in_the_placer():
+    from control_plane.loops.plan import placement_inputs, removal_reasons
+    from control_plane.placement import FirstFitDecreasing
+    from control_plane.rollouts.capacity_status import capacity_numbers
+
+    snap = _snapshot()
+    demands, pools, current = placement_inputs(snap)
+    assert {(d.version, d.count) for d in demands} == {(1, 3), (2, 1)}
+    result = FirstFitDecreasing().place(demands, pools, current)
+    assert len(result.removed) == 1 and [a.version for a in result.added] == [2]
+    assert not result.unplaced and not result.preempted
+    assert "canary rollout" in removal_reasons(snap, result)[result.removed[0]]
+    numbers = capacity_numbers(snap)["web"]
+    assert numbers["capacity_mode"] == "replace" and numbers["min_ready"] == 3 and numbers["ready"] == 4
+
+
+def test_free_capacity_surges_without_touching_the_baseline():
+    from control_plane.loops.plan import placement_inputs
+    from control_plane.placement import FirstFitDecreasing
+
+    snap = _snapshot(free_nodes=2)
+    demands, pools, current = placement_inputs(snap)
+    result = FirstFitDecreasing().place(demands, pools, current)
+    assert not result.removed and [a.version for a in result.added] == [2]
