@@ -1,10 +1,13 @@
-"""Canary rollouts on a full fleet (every sim slot taken): the canary gets its GPUs by
-replacing baseline replicas in place within max_unavailable. Real nats-server, control
-plane, agent and gateway processes with simulated replicas under steady load. The ready
+"""A full fleet (every sim slot taken), one fleet for the module: canary rollouts get
+their GPUs by replacing baseline replicas in place within max_unavailable, then a
+`critical` deployment takes slots from a `batch` one. Real nats-server, control plane,
+agent and gateway processes with simulated replicas under steady load; the placer is
+first-fit-decreasing (the one that models priorities, docs/placement.md). The ready
 count is sampled over time and printed (pytest -s)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -23,6 +26,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
+    old = os.environ.get("FLEET_PLACER")
+    os.environ["FLEET_PLACER"] = "ffd"  # inherited by the control plane process
     fleet = SimFleet(tmp_path_factory.mktemp("full-home"), [REGION], slots=REPLICAS)
     try:
         fleet.up()
@@ -33,6 +38,10 @@ def fleet(tmp_path_factory):
         yield fleet
     finally:
         fleet.down()
+        if old is None:
+            os.environ.pop("FLEET_PLACER", None)
+        else:
+            os.environ["FLEET_PLACER"] = old
 
 
 class ReadyWatch:
@@ -96,7 +105,7 @@ def _run_rollout(fleet: SimFleet, *args: str) -> tuple[dict, ReadyWatch, Load]:
 def test_good_canary_is_promoted_by_replacement(fleet: SimFleet):
     ro, watch, load = _run_rollout(
         fleet, "-e", "seed=2", "-e", "cold_start=0.2", "-e", "max_num_seqs=16",
-        "--steps", "10,30,60,100", "--step-duration", "2s", "--min-requests", "10",
+        "--steps", "25,50,100", "--step-duration", "2s", "--min-requests", "10",
     )  # fmt: skip
     ready = [n for _, n in watch.samples]
     print(f"\n[full, good] {ro['phase']}: {ro['reason']}; {len(load.results)} requests, "
@@ -118,3 +127,44 @@ def test_bad_canary_is_rolled_back_and_the_baseline_restored(fleet: SimFleet):
     assert ro["phase"] == "rolled_back", ro
     assert min(n for _, n in watch.samples) >= REPLICAS - 1, watch.log()
     assert fleet.ready_by_version(NAME) == {2: REPLICAS}  # version 2 was the promoted good canary
+
+
+def test_critical_scale_up_takes_slots_from_batch(fleet: SimFleet):
+    r = fleet.api("DELETE", f"/v1/deployments/{NAME}")  # free the slots the rollouts used
+    assert r.status_code == 200, r.text
+    wait_for(lambda: fleet.api("GET", f"/v1/deployments/{NAME}").status_code == 404, 30, 0.2, "the deletion")
+    body = {"name": "train", "model": "sim", "replicas": 4, "engine_args": SIM_ARGS, "priority": "batch"}
+    assert fleet.api("POST", "/v1/deployments", json=body).status_code == 201
+    wait_for(lambda: fleet.ready_by_version("train").get(1) == 4, 60, 0.2, "batch replicas")
+    load = Load([fleet.gateways[REGION]], fleet.key, "train", workers=3).start()
+    try:
+        time.sleep(1.0)
+        body = {
+            "name": "chat",
+            "model": "sim",
+            "replicas": 2,
+            "engine_args": SIM_ARGS,
+            "priority": "critical",
+        }
+        assert fleet.api("POST", "/v1/deployments", json=body).status_code == 201
+        wait_for(lambda: fleet.ready_by_version("chat").get(1) == 2, 60, 0.2, "critical replicas")
+        time.sleep(1.0)
+    finally:
+        results = load.stop()
+    events = fleet.api("GET", "/v1/events", params={"deployment": "train", "kind": "preempted"}).json()[
+        "items"
+    ]
+    print(f"\n[priority] {len(results)} batch requests, {len(load.failed())} failed; "
+          f"batch ready {fleet.ready_by_version('train')}; preemptions: {[e['message'] for e in events]}")  # fmt: skip
+    assert len(events) == 2 and all(
+        "(batch) preempted" in e["message"] and "chat" in e["message"] for e in events
+    )
+    assert fleet.ready_by_version("train").get(1, 0) == 2
+    assert load.failed() == [], load.failed()[:3]
+    # never the reverse: scaling the batch deployment back up takes nothing from critical
+    r = fleet.api(
+        "PATCH", "/v1/deployments/train", json={"replicas": 4, "min_replicas": 4, "max_replicas": 4}
+    )
+    assert r.status_code == 200, r.text
+    time.sleep(2.0)
+    assert fleet.ready_by_version("chat").get(1) == 2
