@@ -1,10 +1,14 @@
-"""Model aliases -> local files. Never downloads: weights come from installed packages or paths."""
+"""Model names -> local files: an alias (an installed weights package), a path, or a model
+URI (`s3://`, `hf://`, `oci://`, `https://`) served from the node's model cache, pulled
+into it first when `pull` is allowed (`engine.models`)."""
 
 from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+
+from engine.models import ModelCache, is_remote
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -35,8 +39,13 @@ def _package_dir(package: str) -> Path | None:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def resolve_model_path(model: str) -> Path:
-    """A GGUF file or a Hugging Face directory for `model` (an alias or a path)."""
+def resolve_model_path(model: str, *, pull: bool = True, show_progress: bool = False) -> Path:
+    """A GGUF file or a Hugging Face directory for `model` (an alias, a path or a URI).
+
+    A URI not in the cache is pulled when `pull` (raising `engine.models.ModelStoreError`
+    with the reason when that fails), else it is a ModelNotFoundError."""
+    if is_remote(model):
+        return _cached_path(model, pull, show_progress)
     alias = ALIASES.get(model.lower())
     if alias is not None:
         pkg_dir = _package_dir(alias.package)
@@ -61,3 +70,37 @@ def resolve_model_path(model: str) -> Path:
         f"model {model!r} is not a known alias ({known}), a .gguf file, or a Hugging Face "
         "directory with config.json"
     )
+
+
+def _cached_path(uri: str, pull: bool, show_progress: bool) -> Path:
+    cache = ModelCache()
+    entry = cache.lookup(uri)
+    if entry is None:
+        if not pull:
+            raise ModelNotFoundError(f"model {uri!r} is not in the model cache at {cache.root}")
+        bar = None
+        if show_progress:
+            from tqdm import tqdm
+
+            bar = tqdm(desc=f"Pulling {uri}", unit="B", unit_scale=True)
+
+        def progress(done: int, total: int) -> None:
+            if bar is not None:
+                bar.total = total
+                bar.n = done
+                bar.refresh()
+
+        try:
+            entry = cache.pull(uri, progress=progress, in_use=[uri]).entry
+        finally:
+            if bar is not None:
+                bar.close()
+    cache.touch(entry)
+    folder = cache.model_dir(entry)
+    try:
+        return resolve_model_path(str(folder))
+    except ModelNotFoundError:
+        names = ", ".join(f.name for f in entry.files)
+        raise ModelNotFoundError(
+            f"model {uri!r} ({names}) is neither one .gguf file nor a Hugging Face directory with config.json"
+        ) from None

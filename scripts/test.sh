@@ -4,5 +4,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash scripts/bootstrap.sh
+bash scripts/oci-registry.sh
+export FLEET_REQUIRE_OCI_REGISTRY=1
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@"

