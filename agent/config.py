@@ -102,6 +102,11 @@ class ClusterConfig(BaseModel):
     kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
     # The cluster's credential bundle (`fleetctl clusters enroll`); empty: no TLS (tests).
     security: Credentials = Field(default_factory=Credentials)
+    # The node's model cache (engine.models): None takes $FLEET_MODEL_CACHE, else
+    # $FLEET_HOME/models; replicas get the same folder. Bounded at model_cache_max_bytes
+    # (None: $FLEET_MODEL_CACHE_MAX_BYTES, else only by the disk).
+    model_cache_dir: Path | None = None
+    model_cache_max_bytes: int | None = Field(None, ge=1)
 
     @field_validator("state_dir")
     @classmethod

@@ -51,6 +51,7 @@ from agent.capacity import CapacitySignals, Placed
 from agent.config import ClusterConfig
 from agent.inventory import inventory
 from agent.local_state import KeySet, LocalState, ReplicaSnapshot, RouteSet, atomic_write
+from agent.models import ModelPuller
 from agent.nats_io import KvWatch, NatsLink, redact_url
 from agent.protocol import (
     ApiKeyRecord,
@@ -58,6 +59,7 @@ from agent.protocol import (
     Event,
     EventKind,
     Heartbeat,
+    ModelCommand,
     PoolInventory,
     ReplicaLoad,
     ReplicaSpec,
@@ -69,6 +71,7 @@ from agent.reconciler import Action, ReplicaRecord, Restart, Start, Stop, backof
 from agent.replica_metrics import MetricsScraper
 from agent.runtime import InvalidSpec, ReplicaHandle, Runtime, make_runtime
 from agent.security.tls import nats_tls, replica_verify
+from engine.models import ModelCache
 
 log = logging.getLogger("agent")
 
@@ -95,6 +98,8 @@ class Replica:
     started_at: float | None = None
     ready_since: float | None = None
     cold_start_s: float | None = None  # started_at -> first ready of the latest start
+    pull_since: float | None = None  # waiting for its model in the node cache since
+    startup: dict[str, float] = field(default_factory=dict)  # pull/load/warmup/first_token seconds
     failed_at: float | None = None
     next_restart_at: float | None = None
     last_error: str = ""
@@ -130,6 +135,10 @@ class Replica:
             load=self.load if self.state == ReplicaState.ready else ReplicaLoad(),
             cold_start_s=self.cold_start_s,
             unschedulable=self.unschedulable,
+            pull_s=self.startup.get("pull"),
+            load_s=self.startup.get("load"),
+            warmup_s=self.startup.get("warmup"),
+            first_token_s=self.startup.get("first_token"),
         )
 
 
@@ -165,6 +174,8 @@ class Agent:
         self.pools: list[PoolInventory] = []
         self.capacity = CapacitySignals(hold_s=config.kubernetes.unschedulable_hold_s)
         self.scraper = MetricsScraper(verify=replica_verify(config.security))
+        cache = ModelCache(config.model_cache_dir, config.model_cache_max_bytes)
+        self.models = ModelPuller(cache, on_change=lambda: self._wake.set())
         self._stopping: dict[str, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
@@ -182,6 +193,7 @@ class Agent:
         self._watches[1].subscribe(self._on_route)
         self._watches[2].subscribe(self._on_key)
         self.link.on_connect(self._on_connect)
+        self.link.respond(protocol.models_subject(self.cluster), self._on_models_command)
 
     @property
     def runtime_path(self) -> Path:
@@ -224,6 +236,7 @@ class Agent:
                 log.info("leaving %d replicas running for the next agent", len(self.replicas))
                 self._write_snapshot(force=True)
                 self._write_runtime()
+            await self.models.close()
             await self.link.close()
         finally:
             await self.scraper.close()
@@ -366,6 +379,12 @@ class Agent:
         log.info("desired state: generation %d, %d replicas", desired.generation, len(desired.replicas))
         self._wake.set()
 
+    async def _on_models_command(self, data: bytes) -> protocol.Message:
+        command = self._parse(ModelCommand, "models", data)
+        if command is None:
+            return protocol.ModelCommandReply(ok=False, message="malformed model command")
+        return await self.models.command(command)
+
     async def _on_route(self, key: str, value: bytes | None) -> None:
         if value is None:
             if self.routes.routes.pop(key, None) is None:
@@ -409,9 +428,18 @@ class Agent:
         async with self._lock:
             await self._observe()
             now = self.clock()
+            if self.desired is not None:  # pre-pull on first placement, before any replica starts
+                self.models.prefetch(
+                    [s.model for s in self.desired.replicas] + [r.spec.model for r in self.replicas.values()]
+                )
             actions = plan(self.desired, [r.record() for r in self.replicas.values()], now)
             for action in actions:
                 await self._apply(action)
+            for r in list(self.replicas.values()):  # replicas whose model has arrived (or failed)
+                if r.pull_since is not None and r.handle is None and r.state == ReplicaState.pending:
+                    pull = self.models.status(r.spec.model)
+                    if pull is None or pull.state != "pulling":
+                        await self._start(r, "replica_starting")
             self._write_runtime()
             self._write_snapshot()
 
@@ -499,6 +527,10 @@ class Agent:
 
     async def _start(self, r: Replica, kind: EventKind) -> None:
         now = self.clock()
+        if kind == "replica_restarted":  # its backoff is over: a failed pull may be tried again
+            self.models.retry(r.spec.model)
+        if not await self._model_ready(r, now):
+            return
         try:
             r.handle = await self.runtime.start(r.spec)
         except InvalidSpec as err:
@@ -515,6 +547,28 @@ class Agent:
         if kind == "replica_restarted":
             message = f"restart {r.restarts} after: {r.last_error.splitlines()[0] if r.last_error else '?'}"
         await self._event(kind, r, message)
+
+    async def _model_ready(self, r: Replica, now: float) -> bool:
+        """Whether the replica's model is in the node cache; else it waits (pending) for the
+        pull, or fails with the pull's reason (a restart after the backoff pulls again)."""
+        model = r.spec.model
+        if not self.models.needs_pull(model):
+            return True
+        pull = self.models.ensure(model)
+        if pull.state == "pulling":
+            if r.pull_since is None:
+                r.pull_since, r.state = now, ReplicaState.pending
+                await self._event(
+                    "replica_starting", r, f"waiting for {model} to be pulled into the node cache"
+                )
+            return False
+        waited = round(now - r.pull_since, 3) if r.pull_since is not None else 0.0
+        r.pull_since = None
+        if pull.state == "failed":
+            await self._mark_failed(r, f"model pull failed: {pull.error}", now, retry=pull.retryable)
+            return False
+        r.startup = {"pull": waited}
+        return True
 
     def _begin_stop(self, r: Replica, reason: str) -> None:
         rid = r.replica_id
@@ -605,6 +659,7 @@ class Agent:
             replicas=statuses,
             preempted=self.capacity.preempted(now),
             unschedulable=self.capacity.unschedulable,
+            models=self.models.report(),
             desired_generation=self.desired.generation if self.desired is not None else -1,
             queue_depth=sum(s.load.waiting for s in statuses) + self._gateway_queue_depth(),
             tokens_per_s=sum(s.load.tokens_per_s for s in statuses),
@@ -634,6 +689,7 @@ class Agent:
             for r, load in zip(ready, loads):
                 if load is not None and r.state == ReplicaState.ready:
                     r.load = load
+                    r.startup.update(self.scraper.startup(r.replica_id))
             await asyncio.sleep(min(1.0, self.config.heartbeat_interval_s))
 
     async def _event(self, kind: EventKind, r: Replica, message: str = "") -> None:

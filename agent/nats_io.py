@@ -28,6 +28,7 @@ from agent.security.tls import NatsTls
 log = logging.getLogger(__name__)
 
 OnConnect = Callable[[], Awaitable[None]]
+Responder = Callable[[bytes], Awaitable[protocol.Message]]
 
 
 class NatsLink:
@@ -58,6 +59,47 @@ class NatsLink:
         self._task: asyncio.Task | None = None
         self._closing = False
         self._kv: dict[str, KeyValue] = {}
+        self._responders: dict[str, Responder] = {}
+        self._answering: set[tuple[int, str]] = set()  # (connection, subject) subscribed
+
+    def respond(self, subject: str, handler: Responder) -> None:
+        """Answer requests on `subject` with `handler(request bytes) -> reply`, from now on
+        and after every reconnect."""
+        self._responders[subject] = handler
+        if self.is_connected:
+            asyncio.get_running_loop().create_task(self._subscribe_responders())
+
+    async def _subscribe_responders(self) -> None:
+        nc = self.nc
+        if nc is None:
+            return
+        for subject, handler in self._responders.items():
+            if (id(nc), subject) in self._answering:
+                continue
+            self._answering.add((id(nc), subject))
+
+            async def answer(msg, handler=handler) -> None:
+                try:
+                    reply = await handler(msg.data)
+                except Exception:
+                    log.exception("answering %s failed", msg.subject)
+                    return
+                if msg.reply:
+                    with contextlib.suppress(Exception):
+                        await msg.respond(reply.to_bytes())
+
+            await nc.subscribe(subject, cb=answer)
+
+    async def request(self, subject: str, message: protocol.Message, timeout: float = 5.0) -> bytes | None:
+        """One request/reply; None when NATS is down or nobody answered in time."""
+        if not self.is_connected:
+            return None
+        try:
+            msg = await self.nc.request(subject, message.to_bytes(), timeout=timeout)
+        except Exception as err:
+            log.debug("request %s failed: %s", subject, err)
+            return None
+        return msg.data
 
     def on_connect(self, callback: OnConnect) -> None:
         self._on_connect.append(callback)
@@ -120,6 +162,10 @@ class NatsLink:
             except Exception as err:
                 log.warning("could not set up JetStream buckets: %s", err)
         self.connected.set()
+        try:
+            await self._subscribe_responders()
+        except Exception as err:
+            log.warning("could not subscribe responders: %s", err)
         for callback in list(self._on_connect):
             try:
                 await callback()

@@ -44,6 +44,11 @@ def usage_subject(cluster: str) -> str:
     return f"{SUBJECT_PREFIX}.usage.{cluster}"
 
 
+def models_subject(cluster: str) -> str:
+    """Requests to a cluster's agent about its model cache (ModelCommand -> ModelCommandReply)."""
+    return f"{SUBJECT_PREFIX}.models.{cluster}"
+
+
 def kvcache_subject(cluster: str) -> str:
     return f"{SUBJECT_PREFIX}.kvcache.{cluster}"
 
@@ -321,6 +326,39 @@ class ReplicaStatus(BaseModel):
     cold_start_s: float | None = None
     # The cluster cannot schedule it (runtime kubernetes: pod Pending, Unschedulable).
     unschedulable: bool = False
+    # The cold start in parts: waiting for the model in the node cache (0 when cached),
+    # loading it, the warm-up token, and the first request's time to first token.
+    pull_s: float | None = None
+    load_s: float | None = None
+    warmup_s: float | None = None
+    first_token_s: float | None = None
+
+
+class CachedModel(BaseModel):
+    """A model in (or on its way into) a cluster's node cache, as its agent reports it."""
+
+    uri: str
+    state: Literal["pulling", "ready", "failed"] = "ready"
+    pinned_uri: str = ""
+    size_bytes: int = 0
+    bytes_done: int = 0
+    files: int = 0
+    in_use: bool = False
+    last_used: float | None = None
+    pull_s: float | None = None
+    error: str = ""
+
+
+class ModelCommand(Message):
+    """`fleetctl models pull|rm` for one cluster, sent by the control plane (request/reply)."""
+
+    action: Literal["pull", "rm"]
+    uri: str = Field(min_length=1, max_length=512)
+
+
+class ModelCommandReply(Message):
+    ok: bool
+    message: str = ""
 
 
 class Heartbeat(Message):
@@ -342,6 +380,8 @@ class Heartbeat(Message):
     # Replicas the cluster cannot schedule (capacity its pool claimed is missing; the pool
     # is reported smaller meanwhile): re-placed at once, like preempted ones.
     unschedulable: list[str] = Field(default_factory=list)
+    # The node's model cache: what is cached or being pulled (`fleetctl models ls`).
+    models: list[CachedModel] = Field(default_factory=list)
     sent_at: float = Field(default_factory=time.time)
 
 

@@ -23,6 +23,8 @@ GENERATED = "fleet_engine_generation_tokens_total"
 PROMPT = "fleet_engine_prompt_tokens_total"
 TTFT_SUM = "fleet_engine_time_to_first_token_seconds_sum"
 TTFT_COUNT = "fleet_engine_time_to_first_token_seconds_count"
+STARTUP = "fleet_engine_startup_seconds"  # {phase}: the replica's own cold-start parts
+ENGINE_PHASES = ("load", "warmup", "first_token")
 
 
 @dataclass(frozen=True)
@@ -34,16 +36,20 @@ class EngineSample:
     prompt_tokens: float = 0.0
     ttft_sum: float = 0.0
     ttft_count: float = 0.0
+    startup: tuple[tuple[str, float], ...] = ()
 
 
 def parse_metrics(text: str) -> EngineSample:
     """The engine's load gauges and token counter from Prometheus text, summed over the
     `model` label (one per replica today). Missing series read as zero."""
     values = dict.fromkeys((RUNNING, WAITING, KV_USAGE, GENERATED, PROMPT, TTFT_SUM, TTFT_COUNT), 0.0)
+    startup: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in values:
                 values[sample.name] += float(sample.value)
+            elif sample.name == STARTUP and sample.labels.get("phase") in ENGINE_PHASES:
+                startup[sample.labels["phase"]] = float(sample.value)
     return EngineSample(
         running=values[RUNNING],
         waiting=values[WAITING],
@@ -52,6 +58,7 @@ def parse_metrics(text: str) -> EngineSample:
         prompt_tokens=values[PROMPT],
         ttft_sum=values[TTFT_SUM],
         ttft_count=values[TTFT_COUNT],
+        startup=tuple(sorted(startup.items())),
     )
 
 
@@ -93,6 +100,7 @@ class MetricsScraper:
     def __init__(self, timeout_s: float = 2.0, verify: ssl.SSLContext | bool = True) -> None:
         self._http = httpx.AsyncClient(timeout=timeout_s, verify=verify)  # verify: the fleet CA
         self._trackers: dict[str, LoadTracker] = {}
+        self._startup: dict[str, dict[str, float]] = {}
 
     async def scrape(self, replica_id: str, url: str, now: float | None = None) -> ReplicaLoad | None:
         """The replica's load now, or None when /metrics did not answer sensibly."""
@@ -103,11 +111,17 @@ class MetricsScraper:
             sample = parse_metrics(r.text)
         except (httpx.HTTPError, ValueError):
             return None
+        self._startup[replica_id] = dict(sample.startup)
         tracker = self._trackers.setdefault(replica_id, LoadTracker())
         return tracker.update(sample, time.monotonic() if now is None else now)
 
+    def startup(self, replica_id: str) -> dict[str, float]:
+        """The load/warmup/first_token seconds the replica last reported of its own start."""
+        return self._startup.get(replica_id, {})
+
     def forget(self, replica_id: str) -> None:
         self._trackers.pop(replica_id, None)
+        self._startup.pop(replica_id, None)
 
     async def close(self) -> None:
         await self._http.aclose()

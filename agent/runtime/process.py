@@ -169,6 +169,8 @@ class ProcessRuntime(Runtime):
 
     def _env(self) -> dict[str, str]:
         env = {**os.environ, **self.config.replica.env, **replica_env(self.config.security)}
+        if self.config.model_cache_dir is not None:  # the agent's cache is the replica's
+            env["FLEET_MODEL_CACHE"] = str(Path(self.config.model_cache_dir).expanduser())
         if (_ROOT / "engine").is_dir():  # a source checkout: make `engine` importable
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
         return env

@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from control_plane.api import errors, metrics
 from control_plane.api.auth import TokenCache, authenticate
 from control_plane.api.protected import docs_urls, install_docs
-from control_plane.api.routers import clusters, deployments, history, keys, rollouts, usage
+from control_plane.api.routers import clusters, deployments, history, keys, model_cache, rollouts, usage
 from control_plane.console import install as install_console
 from control_plane.context import ControlPlaneContext
 
@@ -133,6 +133,7 @@ def build_app(ctx: ControlPlaneContext, *, run_loops: bool = True) -> FastAPI:
         history.router,
         rollouts.router,
         usage.router,
+        model_cache.router,
     )
     for router in routers:
         app.include_router(router, dependencies=auth)

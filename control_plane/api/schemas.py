@@ -159,6 +159,8 @@ class Placement(BaseModel):
     state: str
     url: str
     gpus: int
+    # cold start in parts, seconds, as the agent measured it: cold_start, pull, load, warmup, first_token
+    startup: dict[str, float | None] = {}
 
 
 class DeploymentSummary(BaseModel):

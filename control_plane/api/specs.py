@@ -3,6 +3,7 @@ over dicts, no database, so the rules are easy to read and to test.
 
 - `replicas` alone pins the count (min = max = replicas); min/max give an autoscaled
   range and `replicas` defaults into it.
+- A model URI is checked and stored canonical, an hf:// revision pinned (`model_refs`).
 - An update merges the given fields onto the current version; if any version field
   changes the result is a new version, while `replicas` alone only scales.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from control_plane.api.errors import invalid
+from control_plane.api.model_refs import model_ref
 from control_plane.api.schemas import DeploymentCreate, DeploymentUpdate, PolicyFields
 from control_plane.rollouts.surge import DEFAULT_MAX_SURGE, DEFAULT_MAX_UNAVAILABLE
 
@@ -70,6 +72,7 @@ def new_spec(body: DeploymentCreate) -> tuple[dict[str, Any], int]:
     """(version fields, desired replicas) of a new deployment."""
     given = _given(body)
     spec = {**VERSION_DEFAULTS, **{k: v for k, v in given.items() if k in VERSION_FIELDS}}
+    spec["model"] = model_ref(spec["model"])
     lo, hi = _bounds(given, given.get("replicas"), spec["scale_to_zero"])
     spec["min_replicas"], spec["max_replicas"] = lo, hi
     replicas = given.get("replicas")
@@ -85,6 +88,8 @@ def merged_spec(current: dict[str, Any], replicas: int, body: DeploymentUpdate) 
     unless given explicitly (then it is an error)."""
     given = _given(body)
     spec = {**current, **{k: v for k, v in given.items() if k in VERSION_FIELDS}}
+    if "model" in given and given["model"] != current.get("model"):
+        spec["model"] = model_ref(spec["model"])
     lo, hi = spec["min_replicas"], spec["max_replicas"]
     if "replicas" in given:
         new_replicas = given["replicas"]

@@ -101,11 +101,13 @@ def deployment_status(session: Session, dep: Deployment) -> DeploymentStatus:
             .order_by(ReplicaAssignment.created_at, ReplicaAssignment.replica_id)
         )
     )
-    regions = dict(
-        session.execute(
-            select(Cluster.id, Cluster.region).where(Cluster.id.in_({a.cluster_id for a in assignments}))
-        ).all()
-    )
+    clusters = session.execute(
+        select(Cluster.id, Cluster.region, Cluster.load).where(
+            Cluster.id.in_({a.cluster_id for a in assignments})
+        )
+    ).all()
+    regions = {c.id: c.region for c in clusters}
+    startup = {c.id: (c.load or {}).get("startup", {}) for c in clusters}
     counts = Counter(a.version for a in assignments)
     versions = [version_out(v, dep.current_version, counts) for v in dep.versions]
     current = next(v for v in versions if v.current)
@@ -124,6 +126,7 @@ def deployment_status(session: Session, dep: Deployment) -> DeploymentStatus:
                 state=a.state,
                 url=a.url,
                 gpus=a.gpus,
+                startup=startup.get(a.cluster_id, {}).get(a.replica_id, {}),
             )
             for a in assignments
         ],

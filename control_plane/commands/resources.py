@@ -35,6 +35,7 @@ PLACEMENT_COLUMNS = {
     "version": "version",
     "state": "state",
     "url": "url",
+    "cold start (s)": "startup",
 }
 VERSION_COLUMNS = {
     "version": "version",
@@ -179,7 +180,10 @@ UNAVAILABLE_HELP = (
 def deploy(
     name: str = typer.Argument(None, help="deployment name (or `name:` in -f FILE)"),
     model: str = typer.Option(
-        None, "--model", "-m", help="model alias, .gguf file or Hugging Face directory"
+        None,
+        "--model",
+        "-m",
+        help="model alias, .gguf file, Hugging Face directory or URI (s3://, hf://org/repo[@rev][/file], oci://, https://...#sha256=)",
     ),
     replicas: int = typer.Option(None, "--replicas", "-r", help="a fixed replica count (min = max = N)"),
     min_replicas: int = typer.Option(None, "--min-replicas", help="autoscaling lower bound"),

@@ -12,7 +12,7 @@ from datetime import datetime, timedelta, timezone
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
-from agent.protocol import ClusterStatus, Event, Heartbeat, PoolInventory
+from agent.protocol import ClusterStatus, Event, Heartbeat, PoolInventory, ReplicaStatus
 from control_plane.db.models import CapacityPool, Cluster, ReplicaAssignment
 from control_plane.db.models import Event as EventRow
 from control_plane.loops.preemption import apply_preemptions
@@ -63,6 +63,23 @@ def load_summary(hb: Heartbeat) -> dict:
         "states": states,
         "desired_generation": hb.desired_generation,
         "sent_at": hb.sent_at,
+        # the node model cache and each replica's cold start in parts (fleetctl models ls, status)
+        "models": [m.model_dump(mode="json") for m in hb.models],
+        "startup": {
+            r.replica_id: startup_parts(r)
+            for r in hb.replicas
+            if r.cold_start_s is not None or r.pull_s is not None
+        },
+    }
+
+
+def startup_parts(r: ReplicaStatus) -> dict[str, float | None]:
+    return {
+        "cold_start": r.cold_start_s,
+        "pull": r.pull_s,
+        "load": r.load_s,
+        "warmup": r.warmup_s,
+        "first_token": r.first_token_s,
     }
 
 

@@ -98,6 +98,8 @@ class ModelCache:
         self.root = Path(root).expanduser() if root is not None else default_cache_dir()
         self.max_bytes = max_bytes if max_bytes is not None else default_max_bytes()
         self.workers = max(1, workers)
+
+    def _make_dirs(self) -> None:
         for sub in ("blobs/sha256", "models", "refs", "partial", "locks"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
 
@@ -141,7 +143,10 @@ class ModelCache:
         os.utime(self._dir(entry.key) / LAST_USED)
 
     def entries(self) -> list[CacheEntry]:
-        found = (self._read(d.name) for d in (self.root / "models").iterdir() if not d.name.startswith("."))
+        models = self.root / "models"
+        if not models.is_dir():
+            return []
+        found = (self._read(d.name) for d in models.iterdir() if not d.name.startswith("."))
         return sorted((e for e in found if e is not None), key=lambda e: e.uri)
 
     def size_bytes(self) -> int:
@@ -169,6 +174,7 @@ class ModelCache:
             self.touch(entry)
             return PullResult(entry, downloaded=False)
         key = cache_key(canonical)
+        self._make_dirs()
         with FileLock(str(self.root / "locks" / f"{key}.lock")):
             if not refresh and (entry := self.lookup(canonical)) is not None:
                 self.touch(entry)  # another process pulled it while we waited

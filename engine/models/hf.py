@@ -80,6 +80,22 @@ class HfSource(Source):
         rev = listing.pinned or self.revision
         return f"hf://{self.repo}@{rev}" + (f"/{self.path}" if self.path else "")
 
+    def pinned(self) -> str:
+        """This URI with its revision resolved to a commit (asks the hub unless it is one)."""
+        if self.commit:
+            return self.canonical
+        from huggingface_hub import HfApi
+
+        try:
+            info: Any = HfApi(endpoint=endpoint(), token=token()).model_info(
+                self.repo, revision=self.revision
+            )
+        except Exception as err:
+            raise _error(err, self.canonical) from err
+        if not info.sha:
+            raise MissingObject(f"{self.canonical}: the hub did not say which commit it is")
+        return f"hf://{self.repo}@{info.sha}" + (f"/{self.path}" if self.path else "")
+
     def _wanted(self, name: str) -> bool:
         if self.path:
             return name == self.path or name.startswith(self.path + "/")

@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Generator, Sequence
 from typing import Any
 
@@ -48,7 +49,11 @@ def byte_size(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m engine.server", description=__doc__)
-    p.add_argument("--model", default="smollm2-135m", help="model alias or path (GGUF file or HF directory)")
+    p.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="model alias, path (GGUF file or HF directory) or URI (s3://, hf://, oci://, https://...#sha256=)",
+    )
     p.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -178,11 +183,25 @@ def _load_engine(
     loop: asyncio.AbstractEventLoop,
     server: _Server,
 ) -> None:
-    """Runs on a thread so /health can answer 503 while the weights load."""
+    """Runs on a thread so /health can answer 503 while the weights load (and, for a URI
+    not in the node's cache yet, while it is pulled). Each part is timed into
+    `fleet_engine_startup_seconds`; one warm-up token runs before the replica says ready."""
+    phases = state.metrics.startup
     try:
         from engine.async_llm import AsyncLLM
+        from engine.models import is_remote
+        from engine.registry import resolve_model_path
 
-        engine = AsyncLLM(model=model, served_model_name=served, **kwargs)
+        t0 = time.perf_counter()
+        path = str(resolve_model_path(model)) if is_remote(model) else model
+        if is_remote(model):
+            phases["pull"] = round(time.perf_counter() - t0, 4)
+        t1 = time.perf_counter()
+        engine = AsyncLLM(model=path, served_model_name=served, **kwargs)
+        phases["load"] = round(time.perf_counter() - t1, 4)
+        t2 = time.perf_counter()
+        asyncio.run_coroutine_threadsafe(_warm_up(engine), loop).result(timeout=600)
+        phases["warmup"] = round(time.perf_counter() - t2, 4)
     except BaseException as err:
         log.exception("the engine failed to load")
         message = f"The engine failed to load: {err}"
@@ -202,6 +221,16 @@ def _load_engine(
         log.info("ready: serving %r (max_model_len=%d)", served, engine.max_model_len)
 
     loop.call_soon_threadsafe(ready)
+
+
+async def _warm_up(engine: Any) -> None:
+    """One greedy token through the whole stack (kernels compiled, caches touched), so the
+    first real request does not pay for it."""
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    async for _ in engine.generate("Hello", params, request_id="fleet-warmup"):
+        pass
 
 
 async def _serve(ns: argparse.Namespace, settings: ServerSettings) -> int:

@@ -138,15 +138,41 @@ class _GrammarCollector(Collector):
             yield h
 
 
+STARTUP_METRIC = "fleet_engine_startup_seconds"
+STARTUP_PHASES = ("pull", "load", "warmup", "first_token")
+
+
+class _StartupCollector(Collector):
+    """`fleet_engine_startup_seconds{model,phase}`: the parts of this replica's cold start
+    it measured itself (pull: fetching a model URI it found uncached; load: weights to
+    device and KV cache; warmup: one token generated before reporting ready; first_token:
+    the first real request's time to first token). A phase not reached is absent."""
+
+    def __init__(self, model: str, phases: dict[str, float]) -> None:
+        self.model = model
+        self.phases = phases
+
+    def collect(self) -> Iterable[Metric]:
+        g = GaugeMetricFamily(STARTUP_METRIC, "Seconds of each part of this replica's cold start.",
+                              labels=["model", "phase"])  # fmt: skip
+        for phase in STARTUP_PHASES:
+            if phase in self.phases:
+                g.add_metric([self.model, phase], self.phases[phase])
+        yield g
+
+
 class ServerMetrics:
     """The replica's registry: engine snapshot collector plus per-request histograms."""
 
     def __init__(self, model: str) -> None:
         self.model = model
+        # phase -> seconds, filled by the launcher (pull, load, warmup) and the first request.
+        self.startup: dict[str, float] = {}
         # Set once the engine exists; until then the engine metrics read as zero.
         self.stats: Callable[[], EngineStats | None] = lambda: None
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineStatsCollector(model, lambda: self.stats()))
+        self.registry.register(_StartupCollector(model, self.startup))
         r = self.registry
         self.ttft = Histogram(
             "fleet_engine_time_to_first_token_seconds",
@@ -225,6 +251,9 @@ class RequestObserver:
             if self.last is None:
                 ttft = out.metrics.ttft if out.metrics is not None else None
                 self.m.ttft.observe(ttft if ttft is not None else now - self.start)
+                self.m.startup.setdefault(
+                    "first_token", round(ttft if ttft is not None else now - self.start, 4)
+                )
             else:
                 gap = (now - self.last) / new
                 for _ in range(new):

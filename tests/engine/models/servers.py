@@ -62,8 +62,14 @@ def _range(request: Request, size: int) -> int:
     return 0
 
 
-def file_response(request: Request, data: bytes, headers: dict[str, str], *, cut_after: int | None = None,
-                  delay_s: float = 0.0) -> Response:  # fmt: skip
+def file_response(
+    request: Request,
+    data: bytes,
+    headers: dict[str, str],
+    *,
+    cut_after: int | None = None,
+    delay_s: float = 0.0,
+) -> Response:
     start = _range(request, len(data))
     body = data[start:]
     status = 206 if start else 200
@@ -138,12 +144,14 @@ class HubServer:
     def _repo(self, request: Request) -> tuple[str, Response | None]:
         repo = f"{request.path_params['org']}/{request.path_params['repo']}"
         if repo not in self.repos:
-            return repo, JSONResponse({"error": "Repository not found"}, status_code=404,
-                                      headers={"X-Error-Code": "RepoNotFound"})  # fmt: skip
+            return repo, JSONResponse(
+                {"error": "Repository not found"}, status_code=404, headers={"X-Error-Code": "RepoNotFound"}
+            )
         rev = request.path_params["rev"]
         if rev not in ("main", self.commit(repo)):
-            return repo, JSONResponse({"error": "Revision not found"}, status_code=404,
-                                      headers={"X-Error-Code": "RevisionNotFound"})  # fmt: skip
+            return repo, JSONResponse(
+                {"error": "Revision not found"}, status_code=404, headers={"X-Error-Code": "RevisionNotFound"}
+            )
         return repo, None
 
     def app(self) -> Starlette:
@@ -163,8 +171,16 @@ class HubServer:
                         "pointerSize": 134,
                     }
                 siblings.append(s)
-            return JSONResponse({"id": repo, "modelId": repo, "sha": self.commit(repo), "siblings": siblings,
-                                 "private": False, "tags": []})  # fmt: skip
+            return JSONResponse(
+                {
+                    "id": repo,
+                    "modelId": repo,
+                    "sha": self.commit(repo),
+                    "siblings": siblings,
+                    "private": False,
+                    "tags": [],
+                }
+            )
 
         async def resolve(request: Request) -> Response:
             if (denied := self._denied(request)) is not None:
@@ -175,8 +191,9 @@ class HubServer:
             name = request.path_params["path"]
             data = self.repos[repo].get(name)
             if data is None:
-                return JSONResponse({"error": "Entry not found"}, status_code=404,
-                                    headers={"X-Error-Code": "EntryNotFound"})  # fmt: skip
+                return JSONResponse(
+                    {"error": "Entry not found"}, status_code=404, headers={"X-Error-Code": "EntryNotFound"}
+                )
             etag = hashlib.sha256(data).hexdigest() if len(data) >= self.lfs_min else git_blob_sha1(data)
             headers = {"X-Repo-Commit": self.commit(repo), "ETag": f'"{etag}"'}
             if len(data) >= self.lfs_min:

@@ -59,8 +59,12 @@ def test_concurrent_pulls_in_two_processes_fetch_once(cache: ModelCache) -> None
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with serve(files.app()) as base:
         uri = _uri(base, "m.gguf", data)
-        procs = [subprocess.Popen([sys.executable, "-c", code, str(cache.root), uri], stdout=subprocess.PIPE,
-                                  env=env) for _ in range(2)]  # fmt: skip
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", code, str(cache.root), uri], stdout=subprocess.PIPE, env=env
+            )
+            for _ in range(2)
+        ]
         outs = sorted(p.communicate(timeout=60)[0].decode().strip() for p in procs)
     assert outs == ["False", "True"]
     assert len(files.gets) == 1
@@ -72,8 +76,10 @@ def test_threads_in_one_process_single_flight_too(cache: ModelCache) -> None:
     with serve(files.app()) as base:
         uri = _uri(base, "m.gguf", data)
         results = []
-        threads = [threading.Thread(target=lambda: results.append(ModelCache(cache.root).pull(uri)))
-                   for _ in range(3)]  # fmt: skip
+        threads = [
+            threading.Thread(target=lambda: results.append(ModelCache(cache.root).pull(uri)))
+            for _ in range(3)
+        ]
         for t in threads:
             t.start()
         for t in threads:

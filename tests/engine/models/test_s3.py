@@ -43,11 +43,17 @@ def test_prefix_pulls_every_object_and_multipart_etag_is_verified(s3, cache: Mod
     up = client.create_multipart_upload(Bucket="models", Key="hf/model.safetensors")
     parts = []
     for i, start in enumerate(range(0, len(big), 5 * 1024 * 1024), start=1):
-        r = client.upload_part(Bucket="models", Key="hf/model.safetensors", PartNumber=i,
-                               UploadId=up["UploadId"], Body=big[start : start + 5 * 1024 * 1024])  # fmt: skip
+        r = client.upload_part(
+            Bucket="models",
+            Key="hf/model.safetensors",
+            PartNumber=i,
+            UploadId=up["UploadId"],
+            Body=big[start : start + 5 * 1024 * 1024],
+        )
         parts.append({"PartNumber": i, "ETag": r["ETag"]})
-    client.complete_multipart_upload(Bucket="models", Key="hf/model.safetensors", UploadId=up["UploadId"],
-                                     MultipartUpload={"Parts": parts})  # fmt: skip
+    client.complete_multipart_upload(
+        Bucket="models", Key="hf/model.safetensors", UploadId=up["UploadId"], MultipartUpload={"Parts": parts}
+    )
     client.put_object(Bucket="models", Key="hf/config.json", Body=b'{"model_type": "llama"}')
     entry = cache.pull("s3://models/hf/").entry
     assert sorted(f.name for f in entry.files) == ["config.json", "model.safetensors"]
