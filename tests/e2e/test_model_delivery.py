@@ -1,0 +1,133 @@
+"""Model delivery end to end with real processes: moto's S3 server holds SmolLM2, a
+local fleet (`fleetctl up`: nats-server, control plane, agent, gateway) deploys it from
+`s3://`, the agent pre-pulls it into the node cache and the replica serves through the
+gateway; then, with the S3 server stopped, a new replica on the same node starts from the
+cache. Bad URIs are refused at deploy time (422); a missing object fails its replica with
+the reason and no crash loop."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.e2e.sim_fleet import wait_for
+from tests.e2e.test_local_fleet import fleetctl, fleetctl_json
+from tests.engine.models.conftest import AWS_ENV, S3Server
+
+pytestmark = pytest.mark.slow
+URI = "s3://models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module")
+def s3_fleet(tmp_path_factory, smollm2_gguf: Path):
+    pytest.importorskip("moto.server")
+    s3 = S3Server()
+    client = s3.client()
+    client.create_bucket(Bucket="models")
+    client.upload_file(str(smollm2_gguf), "models", URI.split("/", 3)[3])
+    home = tmp_path_factory.mktemp("fleet-home")
+    saved = {k: os.environ.get(k) for k in [*AWS_ENV, "AWS_ENDPOINT_URL"]}
+    os.environ.update({**AWS_ENV, "AWS_ENDPOINT_URL": s3.url})  # the agent's own credentials
+    try:
+        up = fleetctl_json(home, "up", "--detach", "--regions", "local-east", timeout=300)
+        yield home, s3, up
+    finally:
+        fleetctl(home, "down", check=False, timeout=120)
+        s3.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _ready(home: Path, name: str, n: int) -> dict:
+    return wait_for(
+        lambda: (s := fleetctl_json(home, "status", name))["ready_replicas"] >= n and s,
+        300,
+        1.0,
+        f"{n} ready",
+    )
+
+
+def _chat(up: dict, key: str, name: str) -> str:
+    client = openai.OpenAI(
+        base_url=f"{up['clusters'][0]['gateway']}/v1", api_key=key, max_retries=2, timeout=120
+    )
+    reply = client.chat.completions.create(
+        model=name, messages=[{"role": "user", "content": "Name one colour."}], max_tokens=4, temperature=0
+    )
+    return reply.choices[0].message.content or ""
+
+
+def test_deploy_from_s3_serve_then_start_from_the_cache_without_s3(s3_fleet) -> None:
+    home, s3, up = s3_fleet
+    bad = fleetctl(home, "deploy", "bad", "--model", "ftp://models/x.gguf", check=False)
+    assert bad.returncode != 0 and "unknown_scheme" in bad.stdout + bad.stderr
+    bad = fleetctl(home, "deploy", "bad", "--model", "https://example.com/m.gguf", check=False)
+    assert bad.returncode != 0 and "sha256" in bad.stdout + bad.stderr
+
+    fleetctl_json(
+        home,
+        "deploy",
+        "smol-s3",
+        "--model",
+        URI,
+        "--min-replicas",
+        "1",
+        "--max-replicas",
+        "2",
+        "--replicas",
+        "1",
+    )
+    status = _ready(home, "smol-s3", 1)
+    first = status["placements"][0]
+    key = fleetctl_json(home, "keys", "create", "e2e")["key"]
+    wait_for(lambda: _try_chat(up, key, "smol-s3"), 60, 0.5, "a reply through the gateway")
+    cached = wait_for(
+        lambda: [m for m in fleetctl_json(home, "models", "ls") if m["state"] == "ready"], 30, 1.0, "ls"
+    )
+    assert cached[0]["uri"] == URI and cached[0]["in_use"] and cached[0]["size_bytes"] > 90_000_000
+    parts = wait_for(lambda: _startup(home, "smol-s3", first["replica_id"]), 30, 1.0, "cold-start parts")
+    assert parts["pull"] > 0 and parts["load"] > 0 and parts["warmup"] is not None
+
+    s3.stop()  # the store is gone; the node's cache is not
+    fleetctl_json(home, "scale", "smol-s3", "2")
+    status = _ready(home, "smol-s3", 2)
+    second = next(p for p in status["placements"] if p["replica_id"] != first["replica_id"])
+    assert second["cluster"] == first["cluster"]
+    parts = wait_for(
+        lambda: _startup(home, "smol-s3", second["replica_id"]), 30, 1.0, "second replica's parts"
+    )
+    assert parts["pull"] == 0.0  # nothing to wait for: it was cached
+    assert _chat(up, key, "smol-s3")
+
+    fleetctl_json(home, "deploy", "absent", "--model", "s3://models/absent.gguf", "--replicas", "1")
+    event = wait_for(
+        lambda: [
+            e
+            for e in fleetctl_json(home, "events", "--deployment", "absent")
+            if e["kind"] == "replica_failed"
+        ],
+        120,
+        1.0,
+        "the failed pull's event",
+    )
+    assert "model pull failed" in event[0]["message"]
+
+
+def _try_chat(up: dict, key: str, name: str) -> bool:
+    try:
+        return bool(_chat(up, key, name))
+    except openai.APIError:
+        return False
+
+
+def _startup(home: Path, name: str, replica_id: str) -> dict | None:
+    for p in fleetctl_json(home, "status", name)["placements"]:
+        if p["replica_id"] == replica_id and p["startup"].get("load") is not None:
+            return p["startup"]
+    return None
