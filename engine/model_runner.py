@@ -51,7 +51,9 @@ class ModelRunner:
         with torch.device("meta"):
             model = LlamaForCausalLM(cfg)
         model = model.to_empty(device=self.device).to(self.dtype)
-        model.load_hf_state_dict({k: v.to(self.device) for k, v in state.items()})
+        for name in list(state):  # in place: the model takes (pops) each tensor and frees it
+            state[name] = state[name].to(self.device)
+        model.load_hf_state_dict(state)  # so the weights never exist twice in memory
         del state
         self.model = model.eval()
         self.block_size = args.block_size

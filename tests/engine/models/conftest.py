@@ -53,18 +53,30 @@ def _creds() -> dict[str, str]:
     }
 
 
-@pytest.fixture()
-def s3(monkeypatch) -> Iterator[S3Server]:
+@pytest.fixture(scope="module")
+def s3_server() -> Iterator[S3Server]:
     pytest.importorskip("moto.server")
     server = S3Server()
-    for k, v in AWS_ENV.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", server.url)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
     try:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture()
+def s3(s3_server: S3Server, monkeypatch) -> S3Server:
+    """The module's S3 server, emptied (moto's reset API), with this process's AWS env
+    pointing at it. A test that stops it gets a new one in the next test."""
+    import httpx
+
+    if s3_server._server is None:
+        s3_server.__init__()
+    httpx.post(f"{s3_server.url}/moto-api/reset", timeout=10).raise_for_status()
+    for k, v in AWS_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.url)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    return s3_server
 
 
 @pytest.fixture()

@@ -1,0 +1,61 @@
+"""The agent's pre-pull (agent/models.py) against a real local HTTP server: one pull
+however many replicas ask, a failure kept (no hot retry loop) until `retry`, the cache
+as heartbeats report it, and `models rm` refused while a deployment uses the model."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+
+from agent.models import ModelPuller
+from agent.protocol import ModelCommand
+from engine.models import ModelCache
+from tests.engine.models.servers import FileServer, serve
+
+
+async def _settle(puller: ModelPuller, uri: str) -> str:
+    for _ in range(400):
+        pull = puller.status(uri)
+        if pull is not None and pull.state != "pulling":
+            return pull.state
+        await asyncio.sleep(0.05)
+    raise AssertionError("the pull did not finish")
+
+
+async def test_pull_once_report_and_refuse_rm_in_use(tmp_path) -> None:
+    data = os.urandom(500_000)
+    files = FileServer({"m.gguf": data}, delay_s=0.005)
+    woke = []
+    with serve(files.app()) as base:
+        uri = f"{base}/m.gguf#sha256={hashlib.sha256(data).hexdigest()}"
+        puller = ModelPuller(ModelCache(tmp_path / "cache"), on_change=lambda: woke.append(1))
+        puller.prefetch([uri, "smollm2-135m"])  # local names are not pulled
+        assert puller.ensure(uri).state == "pulling"  # a second replica joins the same pull
+        report = puller.report()
+        assert [(m.state, m.in_use) for m in report] == [("pulling", True)]
+        assert await _settle(puller, uri) == "ready"
+        assert len(files.gets) == 1 and woke
+        report = puller.report()
+        assert report[0].state == "ready" and report[0].size_bytes == len(data) and report[0].in_use
+        refused = await puller.command(ModelCommand(action="rm", uri=uri))
+        assert not refused.ok and "in use" in refused.message
+        puller.prefetch([])  # the deployment went away
+        removed = await puller.command(ModelCommand(action="rm", uri=uri))
+        assert removed.ok and puller.report() == []
+
+
+async def test_a_failed_pull_waits_for_retry(tmp_path) -> None:
+    with serve(FileServer({}).app()) as base:
+        uri = f"{base}/absent.gguf#sha256={'0' * 64}"
+        puller = ModelPuller(ModelCache(tmp_path / "cache"))
+        puller.ensure(uri)
+        assert await _settle(puller, uri) == "failed"
+        assert "missing_object" in puller.status(uri).error
+        puller.prefetch([uri])  # the next reconcile pass does not start it again
+        assert puller.status(uri).state == "failed"
+        puller.retry(uri)  # a replica's backoff ended
+        assert puller.ensure(uri).state == "pulling"
+        assert await _settle(puller, uri) == "failed"
+        bad = await puller.command(ModelCommand(action="pull", uri="ftp://x/y"))
+        assert not bad.ok and "unknown_scheme" in bad.message
