@@ -10,25 +10,22 @@ bytes. Store credentials never enter the record: agents use their own.
 
 from __future__ import annotations
 
+from agent.model_uris import BadModelUri, ModelStoreError, check_model_uri, is_remote, pin_model_uri
 from control_plane.api.errors import invalid
-from engine.models import ModelStoreError, check_model_uri, source_for, uri_scheme
-from engine.models.hf import HfSource
 
 
 def model_ref(model: str) -> str:
+    if not is_remote(model):
+        return model
     try:
-        canonical = check_model_uri(model)
-    except ModelStoreError as err:
+        check_model_uri(model)
+    except BadModelUri as err:
         raise invalid("model", str(err)) from None
-    if uri_scheme(canonical) != "hf":
-        return canonical
-    source = source_for(canonical)
-    assert isinstance(source, HfSource)
     try:
-        return source.pinned()
+        return pin_model_uri(model)
     except ModelStoreError as err:
         raise invalid(
             "model",
-            f"cannot pin {canonical} to a commit ({err}); name one (hf://org/repo@<40 hex digits>) to deploy "
-            "without asking the hub",
+            f"cannot pin {model.strip()} to a commit ({err}); name one (hf://org/repo@<40 hex digits>) to "
+            "deploy without asking the hub",
         ) from None
