@@ -1,8 +1,8 @@
 """Model delivery end to end with real processes: moto's S3 server holds SmolLM2, a
 local fleet (`fleetctl up`: nats-server, control plane, agent, gateway) deploys it from
 `s3://`, the agent pre-pulls it into the node cache and the replica serves through the
-gateway; then, with the S3 server stopped, a new replica on the same node starts from the
-cache. Bad URIs are refused at deploy time (422); a missing object fails its replica with
+gateway; then, with the S3 server stopped, a new replica (of a second deployment of the same URI) on
+the same node starts from the cache. Bad URIs are refused at deploy time (422); a missing object fails its replica with
 the reason and no crash loop."""
 
 from __future__ import annotations
@@ -95,15 +95,16 @@ def test_deploy_from_s3_serve_then_start_from_the_cache_without_s3(s3_fleet) -> 
     assert parts["pull"] > 0 and parts["load"] > 0 and parts["warmup"] is not None
 
     s3.stop()  # the store is gone; the node's cache is not
-    fleetctl_json(home, "scale", "smol-s3", "2")
-    status = _ready(home, "smol-s3", 2)
-    second = next(p for p in status["placements"] if p["replica_id"] != first["replica_id"])
+    fleetctl_json(home, "deploy", "smol-s3-b", "--model", URI, "--replicas", "1")
+    status = _ready(home, "smol-s3-b", 1)
+    second = status["placements"][0]
     assert second["cluster"] == first["cluster"]
     parts = wait_for(
-        lambda: _startup(home, "smol-s3", second["replica_id"]), 30, 1.0, "second replica's parts"
+        lambda: _startup(home, "smol-s3-b", second["replica_id"]), 30, 1.0, "second replica's parts"
     )
     assert parts["pull"] == 0.0  # nothing to wait for: it was cached
-    assert _chat(up, key, "smol-s3")
+    assert _chat(up, key, "smol-s3-b")
+    fleetctl_json(home, "delete", "smol-s3-b")
 
     fleetctl_json(home, "deploy", "absent", "--model", "s3://models/absent.gguf", "--replicas", "1")
     event = wait_for(
