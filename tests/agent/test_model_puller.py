@@ -59,3 +59,35 @@ async def test_a_failed_pull_waits_for_retry(tmp_path) -> None:
         assert await _settle(puller, uri) == "failed"
         bad = await puller.command(ModelCommand(action="pull", uri="ftp://x/y"))
         assert not bad.ok and "unknown_scheme" in bad.message
+
+
+def test_cold_start_parts_travel_from_engine_metrics_to_the_gateway() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from agent.gateway.coldstart import ColdStartCollector
+    from agent.protocol import ReplicaState, ReplicaStatus
+    from agent.replica_metrics import parse_metrics
+    from engine.server.metrics import ServerMetrics
+
+    engine = ServerMetrics("m")
+    engine.startup.update(pull=1.5, load=2.5, warmup=0.25)
+    sample = parse_metrics(generate_latest(engine.registry).decode())
+    assert dict(sample.startup) == {"load": 2.5, "warmup": 0.25}  # the agent measures the pull itself
+
+    status = ReplicaStatus(
+        replica_id="r1",
+        deployment="d",
+        version=1,
+        state=ReplicaState.ready,
+        cold_start_s=4.0,
+        pull_s=0.0,
+        load_s=2.5,
+        warmup_s=0.25,
+    )
+    registry = CollectorRegistry()
+    registry.register(ColdStartCollector(lambda: [status]))
+    text = generate_latest(registry).decode()
+    assert 'fleet_agent_model_pull_seconds{deployment="d",replica="r1"} 0.0' in text
+    assert 'fleet_agent_model_load_seconds{deployment="d",replica="r1"} 2.5' in text
+    assert 'fleet_agent_model_warmup_seconds{deployment="d",replica="r1"} 0.25' in text
+    assert "fleet_agent_model_first_token_seconds{" not in text  # no request served yet
