@@ -553,6 +553,7 @@ class Agent:
         pull, or fails with the pull's reason (a restart after the backoff pulls again)."""
         model = r.spec.model
         if not self.models.needs_pull(model):
+            r.startup = {}
             return True
         pull = self.models.ensure(model)
         if pull.state == "pulling":
