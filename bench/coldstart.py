@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     import boto3
     from moto.server import ThreadedMotoServer
 
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's request log
     model = resolve_model(args.model)
     if not model.is_file():
         console.print("[red]--model must be a single file (a .gguf) to upload[/red]")

@@ -1,12 +1,14 @@
 """Model delivery end to end with real processes: moto's S3 server holds SmolLM2, a
 local fleet (`fleetctl up`: nats-server, control plane, agent, gateway) deploys it from
 `s3://`, the agent pre-pulls it into the node cache and the replica serves through the
-gateway; then, with the S3 server stopped, a new replica (of a second deployment of the same URI) on
-the same node starts from the cache. Bad URIs are refused at deploy time (422); a missing object fails its replica with
-the reason and no crash loop."""
+gateway; then, with the S3 server stopped, a new replica (a second deployment of the same
+URI) on the same node starts from the cache. `fleetctl models pull|ls|rm` reach the
+agent's cache. Bad URIs are refused at deploy time (422); a missing object fails its
+replica with the reason, without a crash loop."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import pytest
 from tests.e2e.sim_fleet import wait_for
 from tests.e2e.test_local_fleet import fleetctl, fleetctl_json
 from tests.engine.models.conftest import AWS_ENV, S3Server
+from tests.engine.models.servers import FileServer, serve
 
 pytestmark = pytest.mark.slow
 URI = "s3://models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -118,6 +121,25 @@ def test_deploy_from_s3_serve_then_start_from_the_cache_without_s3(s3_fleet) -> 
         "the failed pull's event",
     )
     assert "model pull failed" in event[0]["message"]
+
+
+def _models_pull_ls_rm(home: Path) -> None:
+    """`fleetctl models pull|ls|rm` through the control plane and NATS to the agent, which
+    fetches from a real local HTTP server."""
+    data = os.urandom(3_000_000)
+    files = FileServer({"extra.gguf": data}, delay_s=0.002)
+    with serve(files.app()) as base:
+        uri = f"{base}/extra.gguf#sha256={hashlib.sha256(data).hexdigest()}"
+        pulled = fleetctl(home, "models", "pull", uri, "--timeout", "120")
+        assert "extra.gguf" in pulled.stdout
+    rows = [m for m in fleetctl_json(home, "models", "ls") if m["uri"] == uri]
+    assert (
+        rows and rows[0]["state"] == "ready" and rows[0]["size_bytes"] == len(data) and not rows[0]["in_use"]
+    )
+    assert len(files.gets) == 1
+    removed = fleetctl_json(home, "models", "rm", uri)
+    assert removed[0]["ok"], removed
+    wait_for(lambda: not [m for m in fleetctl_json(home, "models", "ls") if m["uri"] == uri], 30, 1.0, "rm")
 
 
 def _try_chat(up: dict, key: str, name: str) -> bool:
