@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path, PurePosixPath
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import httpx
 
@@ -15,6 +15,7 @@ from engine.models.source import Listing, Progress, RemoteFile, Source, resume_o
 
 _FRAGMENT = re.compile(r"^sha256=(?P<hex>[0-9a-fA-F]{64})$")
 TIMEOUT = httpx.Timeout(30.0, connect=10.0)
+_CREDENTIAL_PARAMS = {"x-amz-signature", "x-amz-credential", "x-goog-signature", "sig", "signature", "token"}
 
 
 def _error(err: Exception, what: str) -> ModelStoreError:
@@ -45,6 +46,12 @@ class HttpsSource(Source):
             )
         if parts.username or parts.password:
             raise BadModelUri(f"{uri!r}: credentials do not belong in a model URI")
+        signed = {k.lower() for k, _ in parse_qsl(parts.query)} & _CREDENTIAL_PARAMS
+        if signed:  # a presigned URL would put a credential into the deployment record
+            raise BadModelUri(
+                f"{parts.scheme}://{parts.netloc}{parts.path}: a signed URL ({', '.join(sorted(signed))}) "
+                "carries a credential; name the object by its store URI (s3://...) instead"
+            )
         self.sha256 = m["hex"].lower()
         self.url = urlunsplit((parts.scheme, parts.netloc, parts.path, parts.query, ""))
         name = PurePosixPath(parts.path).name or "model"
