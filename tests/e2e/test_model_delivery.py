@@ -15,6 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from control_plane.client import FleetClient
 from tests.e2e.sim_fleet import wait_for
 from tests.e2e.test_local_fleet import fleetctl, fleetctl_json
 from tests.engine.models.conftest import AWS_ENV, S3Server
@@ -47,13 +48,20 @@ def s3_fleet(tmp_path_factory, smollm2_gguf: Path):
                 os.environ[k] = v
 
 
+def _api(home: Path) -> FleetClient:
+    """The fleet's admin API in-process: polling through a `fleetctl` process per second
+    would pay a Python start each time."""
+    return FleetClient((home / "api-url").read_text().strip(), (home / "admin-token").read_text().strip())
+
+
 def _ready(home: Path, name: str, n: int) -> dict:
-    return wait_for(
-        lambda: (s := fleetctl_json(home, "status", name))["ready_replicas"] >= n and s,
-        300,
-        1.0,
-        f"{n} ready",
-    )
+    with _api(home) as api:
+        return wait_for(
+            lambda: (s := api.get(f"/v1/deployments/{name}"))["ready_replicas"] >= n and s,
+            300,
+            0.5,
+            f"{n} ready",
+        )
 
 
 def _chat(up: dict, key: str, name: str) -> str:
@@ -72,54 +80,41 @@ def test_deploy_from_s3_serve_then_start_from_the_cache_without_s3(s3_fleet) -> 
     assert bad.returncode != 0 and "unknown_scheme" in bad.stdout + bad.stderr
     bad = fleetctl(home, "deploy", "bad", "--model", "https://example.com/m.gguf", check=False)
     assert bad.returncode != 0 and "sha256" in bad.stdout + bad.stderr
+    _models_pull_ls_rm(home)
 
-    fleetctl_json(
-        home,
-        "deploy",
-        "smol-s3",
-        "--model",
-        URI,
-        "--min-replicas",
-        "1",
-        "--max-replicas",
-        "2",
-        "--replicas",
-        "1",
-    )
+    fleetctl_json(home, "deploy", "smol-s3", "--model", URI, "--replicas", "1")
     status = _ready(home, "smol-s3", 1)
     first = status["placements"][0]
     key = fleetctl_json(home, "keys", "create", "e2e")["key"]
     wait_for(lambda: _try_chat(up, key, "smol-s3"), 60, 0.5, "a reply through the gateway")
-    cached = wait_for(
-        lambda: [m for m in fleetctl_json(home, "models", "ls") if m["state"] == "ready"], 30, 1.0, "ls"
-    )
+    with _api(home) as api:
+        cached = wait_for(
+            lambda: [m for m in api.get("/v1/model-cache") if m["state"] == "ready"], 30, 0.5, "ls"
+        )
     assert cached[0]["uri"] == URI and cached[0]["in_use"] and cached[0]["size_bytes"] > 90_000_000
-    parts = wait_for(lambda: _startup(home, "smol-s3", first["replica_id"]), 30, 1.0, "cold-start parts")
+    parts = wait_for(lambda: _startup(home, "smol-s3", first["replica_id"]), 30, 0.5, "cold-start parts")
     assert parts["pull"] > 0 and parts["load"] > 0 and parts["warmup"] is not None
+    assert fleetctl_json(home, "status", "smol-s3")["placements"][0]["startup"]["pull"] > 0  # fleetctl status
 
     s3.stop()  # the store is gone; the node's cache is not
     fleetctl_json(home, "deploy", "smol-s3-b", "--model", URI, "--replicas", "1")
-    status = _ready(home, "smol-s3-b", 1)
-    second = status["placements"][0]
+    second = _ready(home, "smol-s3-b", 1)["placements"][0]
     assert second["cluster"] == first["cluster"]
-    parts = wait_for(
-        lambda: _startup(home, "smol-s3-b", second["replica_id"]), 30, 1.0, "second replica's parts"
-    )
+    parts = wait_for(lambda: _startup(home, "smol-s3-b", second["replica_id"]), 30, 0.5, "its parts")
     assert parts["pull"] == 0.0  # nothing to wait for: it was cached
     assert _chat(up, key, "smol-s3-b")
     fleetctl_json(home, "delete", "smol-s3-b")
 
     fleetctl_json(home, "deploy", "absent", "--model", "s3://models/absent.gguf", "--replicas", "1")
-    event = wait_for(
-        lambda: [
-            e
-            for e in fleetctl_json(home, "events", "--deployment", "absent")
-            if e["kind"] == "replica_failed"
-        ],
-        120,
-        1.0,
-        "the failed pull's event",
-    )
+    with _api(home) as api:
+        event = wait_for(
+            lambda: [
+                e for e in api.items("/v1/events", deployment="absent") if e["kind"] == "replica_failed"
+            ],
+            120,
+            0.5,
+            "the failed pull's event",
+        )
     assert "model pull failed" in event[0]["message"]
 
 
@@ -132,14 +127,15 @@ def _models_pull_ls_rm(home: Path) -> None:
         uri = f"{base}/extra.gguf#sha256={hashlib.sha256(data).hexdigest()}"
         pulled = fleetctl(home, "models", "pull", uri, "--timeout", "120")
         assert "extra.gguf" in pulled.stdout
-    rows = [m for m in fleetctl_json(home, "models", "ls") if m["uri"] == uri]
+    rows = [m for m in fleetctl_json(home, "models", "ls") if m["uri"] == uri]  # the CLI's listing
     assert (
         rows and rows[0]["state"] == "ready" and rows[0]["size_bytes"] == len(data) and not rows[0]["in_use"]
     )
     assert len(files.gets) == 1
     removed = fleetctl_json(home, "models", "rm", uri)
     assert removed[0]["ok"], removed
-    wait_for(lambda: not [m for m in fleetctl_json(home, "models", "ls") if m["uri"] == uri], 30, 1.0, "rm")
+    with _api(home) as api:
+        wait_for(lambda: not [m for m in api.get("/v1/model-cache") if m["uri"] == uri], 30, 0.5, "rm")
 
 
 def _try_chat(up: dict, key: str, name: str) -> bool:
@@ -150,7 +146,9 @@ def _try_chat(up: dict, key: str, name: str) -> bool:
 
 
 def _startup(home: Path, name: str, replica_id: str) -> dict | None:
-    for p in fleetctl_json(home, "status", name)["placements"]:
+    with _api(home) as api:
+        placements = api.get(f"/v1/deployments/{name}")["placements"]
+    for p in placements:
         if p["replica_id"] == replica_id and p["startup"].get("load") is not None:
             return p["startup"]
     return None
