@@ -35,7 +35,12 @@ PLACEMENT_COLUMNS = {
     "version": "version",
     "state": "state",
     "url": "url",
-    "cold start (s)": "startup",
+    # the replica's cold start in parts (seconds), from `startup`
+    "cold start": "cold_start_s",
+    "pull": "pull_s",
+    "load": "load_s",
+    "warm-up": "warmup_s",
+    "1st token": "first_token_s",
 }
 VERSION_COLUMNS = {
     "version": "version",
@@ -165,7 +170,10 @@ def _print_status(status: dict, output: OutputFormat) -> None:
     show(status, output, DEPLOYMENT_COLUMNS, title=f"deployment {status['name']}")
     show(status["versions"], output, VERSION_COLUMNS, title="versions")
     if status["placements"]:
-        show(status["placements"], output, PLACEMENT_COLUMNS, title="placements")
+        rows = [
+            {**p, **{f"{k}_s": v for k, v in (p.get("startup") or {}).items()}} for p in status["placements"]
+        ]
+        show(rows, output, PLACEMENT_COLUMNS, title="placements (cold start in seconds)")
     else:
         console.print("no replicas placed yet")
 
