@@ -256,6 +256,7 @@ def test_status_view_counts_ready_replicas_and_placements(admin, db):
         "state": "starting",
         "url": "",
         "gpus": 2,
+        "startup": {},  # no heartbeat has reported its cold start yet
     }
     assert status["versions"][0]["replicas"] == 3
     listed = [d for d in ok(admin.get("/v1/deployments", params={"name_prefix": name}))["items"]]
