@@ -167,7 +167,9 @@ class ModelCache:
         in_use: Iterable[str] = (),
         refresh: bool = False,
     ) -> PullResult:
-        """`uri` in the cache, downloading what is missing; single-flight across processes."""
+        """`uri` in the cache, downloading what is missing; single-flight across processes.
+        `in_use`: URIs eviction must keep (the models replicas here use)."""
+        in_use = list(in_use)
         source = source_for(uri)
         canonical = source.canonical
         if not refresh and (entry := self.lookup(canonical)) is not None:
