@@ -189,13 +189,16 @@ def _load_engine(
     phases = state.metrics.startup
     try:
         from engine.async_llm import AsyncLLM
-        from engine.models import is_remote
+        from engine.models import ModelCache, is_remote
         from engine.registry import resolve_model_path
 
-        t0 = time.perf_counter()
-        path = str(resolve_model_path(model)) if is_remote(model) else model
+        path = model
         if is_remote(model):
-            phases["pull"] = round(time.perf_counter() - t0, 4)
+            cached = ModelCache().lookup(model) is not None
+            t0 = time.perf_counter()
+            path = str(resolve_model_path(model))
+            if not cached:  # the agent pre-pulls; a standalone server fetches it here
+                phases["pull"] = round(time.perf_counter() - t0, 4)
         t1 = time.perf_counter()
         engine = AsyncLLM(model=path, served_model_name=served, **kwargs)
         phases["load"] = round(time.perf_counter() - t1, 4)
