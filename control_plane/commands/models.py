@@ -102,6 +102,10 @@ def _follow(uri: str, clusters: list[str], timeout: float) -> list[str]:
                     if row["state"] == "failed":
                         progress.update(tasks[name], description=f"{name}: failed: {row['error'][:120]}")
             time.sleep(0.5)
+    for c in clusters:
+        console.print(
+            f"{c}: {done.get(c, 'still pulling (timed out following it)')}", soft_wrap=True, highlight=False
+        )
     return [c for c in clusters if done.get(c) != "ready"]
 
 
