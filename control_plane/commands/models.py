@@ -5,7 +5,6 @@ draws a progress bar per cluster from what their heartbeats report."""
 from __future__ import annotations
 
 import time
-from urllib.parse import urlencode
 
 import typer
 from rich.progress import (
@@ -118,8 +117,8 @@ def rm(
     output: OutputFormat = OUTPUT_OPTION,
 ) -> None:
     """Remove a model from clusters' caches (refused where a deployment uses it)."""
-    query = urlencode([("model", model), *(("cluster", c) for c in cluster or [])])
-    answers = call(lambda c: c.delete(f"/v1/model-cache?{query}"))
+    params = {"model": model, **({"cluster": list(cluster)} if cluster else {})}
+    answers = call(lambda c: c.request("DELETE", "/v1/model-cache", params=params))
     show(answers, output, ANSWER_COLUMNS, title=f"rm {model}")
     if not any(a["ok"] for a in answers):
         raise typer.Exit(1)
