@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()
     size = model.stat().st_size
+    gpu = all("gpu_peak" in r for r in results.values())
     rows = []
     for name, r in results.items():
         total = sum(r[k] or 0.0 for k in ("pull_s", "load_s", "warmup_s", "first_token_s"))
@@ -201,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                 mib(r["peak_rss"]),
                 mib(r["peak_anon"]),
                 mib(r["weights_in_memory"]),
+                *([mib(r["gpu_peak"])] if gpu else []),
             ]
         )
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
@@ -216,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             "peak RSS MiB",
             "peak anon MiB (load)",
             "weights in memory MiB",
+            *(["GPU peak MiB"] if gpu else []),
         ],
         rows,
         caption=f"device {args.device or 'default'}; {os.cpu_count()} CPUs, load average {load}; "
