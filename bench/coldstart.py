@@ -93,7 +93,6 @@ def child(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     out: dict[str, float | int | bool | None] = {"pull_s": None, "downloaded": None}
-    before = _status_kib("RssAnon") * 1024
     path = args.target
     if is_remote(args.target):
         t0 = time.perf_counter()
@@ -102,6 +101,7 @@ def child(args: argparse.Namespace) -> int:
         out["downloaded"] = result.downloaded
         path = str(ModelCache(args.cache).model_dir(result.entry))
     kwargs = {"device": args.device} if args.device else {}
+    before = _status_kib("RssAnon") * 1024  # after the pull: the load's own memory
     with MemorySampler() as mem:
         t0 = time.perf_counter()
         llm = LLM(model=path, **kwargs)
