@@ -553,7 +553,7 @@ class Agent:
         pull, or fails with the pull's reason (a restart after the backoff pulls again)."""
         model = r.spec.model
         if not self.models.needs_pull(model):
-            r.startup = {}
+            r.startup = {"pull": 0.0}  # nothing to wait for: an alias or a local path
             return True
         pull = self.models.ensure(model)
         if pull.state == "pulling":

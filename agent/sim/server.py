@@ -118,6 +118,7 @@ class SimState:
     requests_failed: int = 0
     ttft_sum: float = 0.0
     ttft_count: int = 0
+    first_ttft: float | None = None
 
     def __post_init__(self) -> None:
         self.model = ReplicaModel(self.profile, now=0.0)
@@ -207,6 +208,11 @@ def build_app(state: SimState) -> Starlette:
             f"fleet_sim_time_to_first_token_seconds_sum{lab} {state.ttft_sum}",
             f"fleet_sim_time_to_first_token_seconds_count{lab} {state.ttft_count}",
         ]
+        if state.ready:  # the engine's cold-start parts: the simulated load, no warm-up
+            lines.append("# TYPE fleet_engine_startup_seconds gauge")
+            phases = {"load": state.cold_start_s, "warmup": 0.0, "first_token": state.first_ttft}
+            lines += [f'fleet_engine_startup_seconds{{model="{name}",phase="{p}"}} {v}'
+                      for p, v in phases.items() if v is not None]  # fmt: skip
         histograms = generate_latest(state.registry).decode()
         return PlainTextResponse("\n".join(lines) + "\n" + histograms, media_type="text/plain; version=0.0.4")
 
@@ -288,6 +294,8 @@ async def _generate(request: Request, state: SimState, *, chat: bool) -> Respons
         if req.first_token_at is not None:
             state.ttft_sum += req.first_token_at - req.arrival
             state.ttft_count += 1
+            if state.first_ttft is None:
+                state.first_ttft = req.first_token_at - req.arrival
             state.ttft.labels(state.served_model_name).observe(req.first_token_at - req.arrival)
         if req.admitted_at is not None:
             state.queue_time.labels(state.served_model_name).observe(req.admitted_at - req.arrival)
