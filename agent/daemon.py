@@ -176,6 +176,9 @@ class Agent:
         self.scraper = MetricsScraper(verify=replica_verify(config.security))
         cache = ModelCache(config.model_cache_dir, config.model_cache_max_bytes)
         self.models = ModelPuller(cache, on_change=lambda: self._wake.set())
+        # Pre-pull where replicas read the agent's cache: local processes, or a folder
+        # configured as shared with them (a Kubernetes model volume the agent mounts too).
+        self.prepull = self.runtime.name == "process" or config.model_cache_dir is not None
         self._stopping: dict[str, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
@@ -428,7 +431,7 @@ class Agent:
         async with self._lock:
             await self._observe()
             now = self.clock()
-            if self.desired is not None:  # pre-pull on first placement, before any replica starts
+            if self.desired is not None and self.prepull:  # on first placement, before a replica starts
                 self.models.prefetch(
                     [s.model for s in self.desired.replicas] + [r.spec.model for r in self.replicas.values()]
                 )
@@ -552,7 +555,7 @@ class Agent:
         """Whether the replica's model is in the node cache; else it waits (pending) for the
         pull, or fails with the pull's reason (a restart after the backoff pulls again)."""
         model = r.spec.model
-        if not self.models.needs_pull(model):
+        if not self.prepull or not self.models.needs_pull(model):
             r.startup = {"pull": 0.0}  # nothing to wait for: an alias or a local path
             return True
         pull = self.models.ensure(model)

@@ -229,6 +229,9 @@ def replica_pod(
     health = {"path": "/health", "port": "http"}
     env = [{"name": k, "value": v} for k, v in sorted(config.replica.env.items())]
     env.append({"name": "HOME", "value": "/tmp"})
+    if config.kubernetes.model_volume.kind != "none" and "FLEET_MODEL_CACHE" not in config.replica.env:
+        # a model URI resolves from the volume (the node cache layout, docs/models.md)
+        env.append({"name": "FLEET_MODEL_CACHE", "value": config.kubernetes.model_volume.mount_path})
     container = {
         "name": CONTAINER,
         "image": kc.image,

@@ -137,10 +137,13 @@ class ModelCache:
         return self._dir(entry.key)
 
     def touch(self, entry: CacheEntry) -> None:
-        """Mark `entry` used now (LRU)."""
-        with open(self._dir(entry.key) / LAST_USED, "a"):
+        """Mark `entry` used now (LRU); a read-only cache (a volume mounted into a pod) stays as it is."""
+        try:
+            with open(self._dir(entry.key) / LAST_USED, "a"):
+                pass
+            os.utime(self._dir(entry.key) / LAST_USED)
+        except OSError:
             pass
-        os.utime(self._dir(entry.key) / LAST_USED)
 
     def entries(self) -> list[CacheEntry]:
         models = self.root / "models"
