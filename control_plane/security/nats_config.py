@@ -48,7 +48,9 @@ def agent_permissions(cluster: str) -> dict:
         protocol.demand_subject(cluster),
         protocol.kvcache_subject(cluster),
     ]
-    sub = [f"{inbox_prefix('agent', cluster)}.>"]
+    # `fleetctl models pull|rm` arrive as requests on its own subject; it answers them
+    # (allow_responses: only to the reply subject of a request it received)
+    sub = [f"{inbox_prefix('agent', cluster)}.>", protocol.models_subject(cluster)]
     for bucket, key in (
         (protocol.BUCKET_DESIRED, cluster),
         (protocol.BUCKET_ROUTES, ">"),
@@ -57,7 +59,7 @@ def agent_permissions(cluster: str) -> dict:
         p, s = _kv_read(bucket, key)
         pub += p
         sub += s
-    return {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
+    return {"publish": {"allow": pub}, "subscribe": {"allow": sub}, "allow_responses": {"max": 1}}
 
 
 def gateway_permissions(cluster: str) -> dict:
