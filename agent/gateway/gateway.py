@@ -1,9 +1,9 @@
 """The request path: authenticate, validate, pick a target, proxy, account.
 
-A target is a ready replica of this cluster (chosen by the routing policy), or, when
-none is ready here and the request was not forwarded already, the nearest healthy peer
-cluster's gateway from the deployment's route. Failures before the client's first byte
-are retried once elsewhere; afterwards a stream ends with an in-band error event.
+Where a request goes is one pure plan (`agent.gateway.plan`: ready replicas here by
+cached prefix and load, live peers, standby, spill); this module gathers its facts and
+walks its attempts doing the I/O. Failures before the client's first byte are retried
+elsewhere; afterwards a stream ends with an in-band error event.
 """
 
 from __future__ import annotations
@@ -37,20 +37,12 @@ from agent.gateway.liveness import SESSION_HEADER, PeerLiveness, sticky_draw
 from agent.gateway.load import LoadTracker
 from agent.gateway.metrics import UNKNOWN, GatewayMetrics
 from agent.gateway.peers import PeerAuth
+from agent.gateway.plan import Attempt, ClusterFacts, PeerFacts, Plan, ReplicaFacts, RequestFacts, plan_route
+from agent.gateway.prefix import PrefixRouting
 from agent.gateway.proxy import AttemptFailed, Opened, make_client, open_upstream
 from agent.gateway.queue import ReplicaQueue
 from agent.gateway.quota import Reservation
-from agent.gateway.routing import (
-    HOPS_HEADER,
-    Candidate,
-    LeastOutstandingTokens,
-    RouteRequest,
-    RoutingPolicy,
-    hops_of,
-    peer_order,
-    pick_version,
-    should_spill,
-)
+from agent.gateway.routing import HOPS_HEADER, hops_of, peer_order
 from agent.gateway.sse import EventSplitter, StreamObserver
 from agent.gateway.state import ClusterView
 from agent.gateway.tenancy import salted_body
@@ -77,17 +69,6 @@ QUEUE_HEADER = "X-Fleet-Queue-Seconds"  # time a request waited for a replica sl
 
 
 @dataclass
-class Target:
-    """Where one attempt goes: a replica here, or a peer cluster's gateway."""
-
-    name: str  # replica id or peer cluster id
-    url: str
-    version: int | None = None
-    is_peer: bool = False
-    standby: bool = False  # a warm standby peer (active-passive)
-
-
-@dataclass
 class Exchange:
     """One client request from arrival to its last byte: the telemetry it leaves."""
 
@@ -109,6 +90,7 @@ class Exchange:
     queue_s: float = 0.0
     ran: bool = False  # a replica answered 2xx: it may have generated tokens
     draw: float | None = None  # sticky canary draw of the end user (issue 8)
+    block_keys: tuple[int, ...] | None = None  # the prompt's prefix-block keys, once computed
 
     @property
     def deployment(self) -> str:
@@ -120,7 +102,6 @@ class Gateway:
         self,
         config: ClusterConfig,
         *,
-        policy: RoutingPolicy | None = None,
         nats: bool = True,
         retry_after_s: int = 1,
     ) -> None:
@@ -133,7 +114,6 @@ class Gateway:
         )
         self.auth = Authenticator(lambda: self.view.keys, freshness=self.freshness)
         self.tracker = LoadTracker()
-        self.policy = policy or LeastOutstandingTokens()
         self.metrics = GatewayMetrics(load=self._load_snapshot)
         self.queue = ReplicaQueue(
             self.view, config.gateway.queue_size, config.gateway.queue_timeout_s, self.metrics, retry_after_s
@@ -156,6 +136,15 @@ class Gateway:
             else None
         )
         self.usage = UsagePublisher(link, config.cluster, self.metrics)
+        self.prefix = PrefixRouting(
+            link,
+            config.cluster,
+            self.metrics,
+            routing=gwc.routing,
+            tokens_per_s=gwc.prefix_tokens_per_s,
+            max_blocks=gwc.prefix_index_blocks,
+            engine_arg=self.desired.engine_arg,
+        )
         # issue 7: demand for the autoscaler (scale from zero), cold starts on /metrics
         self.demand = DemandSignal(link, config.cluster, ready=lambda d: len(self.view.ready(d)))
         self.queue.cold_start_timeout_s = gwc.cold_start_timeout_s
@@ -358,126 +347,111 @@ class Gateway:
         return b"".join(parts)
 
     async def _serve(self, ex: Exchange, raw: bytes, request: Request) -> Response:
+        """Walk the routing plan's stages (agent.gateway.plan) doing the I/O."""
         deployment = ex.deployment
         ex.draw = sticky_draw(ex.info.body, request.headers)
-        if not ex.forwarded_from and self._standby_here(deployment):
-            # A warm standby serves only while no primary is alive (issue 8).
-            primaries = [t for t in self._live_peers(deployment) if not t.standby]
-            if primaries:
-                self.quota.refund(ex.reservation)  # the primary's gateway charges the key
-                try:
-                    return await self._attempts(
-                        ex, raw, request, self._peer_chooser(primaries), pass_failure=False
-                    )
-                except GatewayError:  # no primary answered: serve here, and skip them for a while
-                    for target in primaries:
-                        self.liveness.mark_down(target.name)
-        elif not ex.forwarded_from and (not self._local_usable(deployment) or self._spill(deployment)):
-            targets = self._live_peers(deployment)
-            if targets:
+        plan = self._plan(ex)
+        for stage in plan.stages:
+            attempts = plan.stage(stage)
+            if stage in ("primary", "peer-prefix"):
+                # A warm standby serves only while no primary is alive (issue 8); a peer
+                # holding the prefix is worth a try. Either way, a failure serves here.
                 self.quota.refund(ex.reservation)  # the peer's gateway charges the key
-                return await self._attempts(ex, raw, request, self._peer_chooser(targets))
-        with self._waiting(deployment):
-            ex.queue_s = await self.queue.admit(deployment, ex.klass)
-        ex.admitted = True
-        try:
-            body = salted_body(ex.info, raw, ex.key_id)  # prefix cache hits never cross keys
-            return await self._attempts(ex, body, request, self._replica_chooser(ex))
-        except GatewayError as err:
-            # Every local attempt failed before a byte (dead replicas, a dead cluster): try live peers.
-            targets = (
-                [] if ex.forwarded_from or err.status not in (502, 503) else self._live_peers(deployment)
-            )
-            if not targets:
-                raise
-            self.quota.refund(ex.reservation)
-            return await self._attempts(ex, raw, request, self._peer_chooser(targets))
+                try:
+                    return await self._attempts(ex, raw, request, attempts, pass_failure=False)
+                except GatewayError:
+                    if stage == "primary":  # no primary answered: skip them for a while
+                        for target in attempts:
+                            self.liveness.mark_down(target.name)
+            elif stage == "peer":
+                self.quota.refund(ex.reservation)
+                return await self._attempts(ex, raw, request, attempts)
+            elif stage == "local":
+                with self._waiting(deployment):
+                    ex.queue_s = await self.queue.admit(deployment, ex.klass)
+                ex.admitted = True
+                if ex.queue_s > 0 or not attempts[0].name:  # waited: choose on fresh load
+                    attempts = self._plan(ex).stage("local")
+                try:
+                    body = salted_body(ex.info, raw, ex.key_id)  # prefix cache hits never cross keys
+                    return await self._attempts(ex, body, request, attempts)
+                except GatewayError as err:
+                    # Every local attempt failed before a byte (dead replicas, a dead cluster).
+                    failover = plan.stage("failover")
+                    if not failover or err.status not in (502, 503):
+                        raise
+                    self.quota.refund(ex.reservation)
+                    return await self._attempts(ex, raw, request, failover)
+        raise self.queue.unavailable(deployment, "no replica or peer can serve it")
 
     def _waiting(self, deployment: str) -> contextlib.AbstractContextManager[None]:
         """Counts the request as demand while it waits for a replica slot (issue 7)."""
-        if self.queue._room(deployment) and not self.queue._waitlists.get(deployment):
+        if not self.queue.would_wait(deployment):
             return contextlib.nullcontext()
         return self.demand.waiting(deployment, len(self.view.ready(deployment)))
 
-    def _spill(self, deployment: str) -> bool:
-        """The queue here is beyond `gateway.spill_queue_per_replica` per ready replica:
-        the nearest peer with replicas serves it instead (issue 6)."""
-        waiting = len(self.queue._waitlists.get(deployment) or ())
-        per_replica = getattr(self.config.gateway, "spill_queue_per_replica", None)
-        return should_spill(waiting, len(self.view.ready(deployment)), per_replica)
+    def _plan(self, ex: Exchange) -> Plan:
+        """The facts the routing plan needs, gathered now (agent.gateway.plan)."""
+        info = ex.info
+        deployment = info.deployment
+        route = self.view.route(deployment)
+        replicas = tuple(
+            ReplicaFacts(
+                r.replica_id,
+                r.url.rstrip("/"),
+                r.version,
+                self.tracker.outstanding(r.replica_id),
+                self.tracker.in_flight(r.replica_id),
+                self.tracker.recently_failed(r.replica_id),
+            )
+            for r in self.view.ready(deployment)
+        )
+        here = ClusterFacts(
+            self.cluster,
+            replicas,
+            versions=tuple(route.versions) if route else (),
+            standby_here=route is not None
+            and any(c.cluster == self.cluster and c.standby for c in route.clusters),
+            agent_silent=self.liveness.silent(self.cluster),
+            waiting=self.queue.waiting(deployment),
+            spill_per_replica=getattr(self.config.gateway, "spill_queue_per_replica", None),
+        )
+        facts = RequestFacts(
+            deployment,
+            info.prompt_tokens,
+            info.cost_tokens,
+            forwarded=ex.forwarded_from is not None,
+            draw=ex.draw if ex.draw is not None else self.rng.random(),
+            block_hashes=self.prefix.keys(ex),
+            block_tokens=self.prefix.block_tokens(deployment),
+        )
+        return plan_route(facts, here, self._live_peers(deployment), self.prefix.index, self.prefix.model)
 
-    def _local_usable(self, deployment: str) -> bool:
-        """Ready replicas here that are worth a first attempt: not all of them just failed,
-        and our own agent has not gone silent (it and its replicas died together)."""
-        ready = self.view.ready(deployment)
-        if not ready or self.liveness.silent(self.cluster):
-            return False
-        return any(not self.tracker.recently_failed(r.replica_id) for r in ready)
-
-    def _live_peers(self, deployment: str) -> list[Target]:
+    def _live_peers(self, deployment: str) -> list[PeerFacts]:
         """Peers from the route, nearest first, less those heard dead or just failed;
         standby peers only while no primary peer is alive."""
         peers = peer_order(
             self.view.route(deployment), self.cluster, self.config.coordinates, region=self.config.region
         )
         live = [
-            Target(p.cluster, p.gateway_url.rstrip("/"), is_peer=True, standby=p.standby)
+            PeerFacts(
+                p.cluster,
+                p.gateway_url.rstrip("/"),
+                standby=p.standby,
+                rtt_s=p.rtt_ms / 1000 if p.rtt_ms is not None else None,
+                replica_ids=self.prefix.index.replicas(p.cluster, deployment),
+            )
             for p in peers
             if self.liveness.alive(p.cluster) and self.peers.usable(p.gateway_url)
         ]
         return [t for t in live if not t.standby] or live
-
-    def _standby_here(self, deployment: str) -> bool:
-        route = self.view.route(deployment)
-        return route is not None and any(c.cluster == self.cluster and c.standby for c in route.clusters)
-
-    def _peer_chooser(self, peers: list[Target]) -> Callable[[set[str]], Target | None]:
-        def choose(exclude: set[str]) -> Target | None:
-            return next((p for p in peers if p.name not in exclude), peers[0])
-
-        return choose
-
-    def _replica_chooser(self, ex: Exchange) -> Callable[[set[str]], Target | None]:
-        info = ex.info
-        route_request = RouteRequest(info.deployment, info.prompt_tokens, info.cost_tokens)
-        wanted: list[int | None] = []
-
-        def choose(exclude: set[str]) -> Target | None:
-            ready = self.view.ready(info.deployment)
-            if not ready:
-                return None
-            if not wanted:  # the canary split is drawn once per request
-                route = self.view.route(info.deployment)
-                versions = {r.version for r in ready}
-                draw = ex.draw if ex.draw is not None else self.rng.random()
-                wanted.append(
-                    pick_version(versions, route.versions, draw) if route and len(versions) > 1 else None
-                )
-            pool = [r for r in ready if r.replica_id not in exclude] or ready
-            same_version = [r for r in pool if wanted[0] is None or r.version == wanted[0]]
-            pool = same_version or pool
-            candidates = [
-                Candidate(
-                    replica_id=r.replica_id,
-                    url=r.url.rstrip("/"),
-                    version=r.version,
-                    outstanding_tokens=self.tracker.outstanding(r.replica_id),
-                    in_flight=self.tracker.in_flight(r.replica_id),
-                    recently_failed=self.tracker.recently_failed(r.replica_id),
-                )
-                for r in pool
-            ]
-            chosen = self.policy.choose(candidates, route_request)
-            return Target(chosen.replica_id, chosen.url, chosen.version)
-
-        return choose
 
     async def _attempts(
         self,
         ex: Exchange,
         body: bytes,
         request: Request,
-        choose: Callable[[set[str]], Target | None],
+        targets: list[Attempt],
         pass_failure: bool = True,
     ) -> Response:
         """Try a target; on a failure before the first byte, once more on another one (twice
@@ -486,14 +460,10 @@ class Gateway:
         assert self.client is not None
         deployment = ex.deployment
         path = PATHS[ex.info.endpoint]
-        exclude: set[str] = set()
         failure: AttemptFailed | None = None
         unstarted = True  # every failure so far: nothing ran there
-        for attempt in range(3):
+        for attempt, target in enumerate(t for t in targets if t.name):
             if attempt == 2 and not unstarted:
-                break
-            target = choose(exclude)
-            if target is None:
                 break
             if attempt:
                 self.metrics.retries.labels(deployment).inc()
@@ -508,8 +478,9 @@ class Gateway:
                 self.metrics.forwarded.labels(deployment, target.name).inc()
             else:
                 headers.update(self.peers.replica_headers)
-                self.tracker.start(target.name, ex.info.cost_tokens)
+                self.tracker.start(target.name, self._work(ex, target))
                 self.metrics.replica_choice.labels(deployment, target.name, str(target.version)).inc()
+            self.prefix.count(ex, target)
             opened: Opened | None = None
             try:
                 opened = await open_upstream(self.client, target.url + path, headers, body)
@@ -525,9 +496,8 @@ class Gateway:
                 )
                 self.metrics.upstream_errors.labels(deployment, err.reason).inc()
                 if not target.is_peer:
-                    self.tracker.finish(target.name, ex.info.cost_tokens)
+                    self.tracker.finish(target.name, self._work(ex, target))
                     self.tracker.mark_failed(target.name)
-                exclude.add(target.name)
                 unstarted = unstarted and err.status in (None, 503) and err.reason != "read"
                 if target.is_peer and err.status is None:
                     self.liveness.mark_down(target.name)
@@ -539,7 +509,7 @@ class Gateway:
                 if opened is not None:
                     await opened.close()
                 if not target.is_peer:
-                    self.tracker.finish(target.name, ex.info.cost_tokens)
+                    self.tracker.finish(target.name, self._work(ex, target))
                 raise
             ex.version, ex.peer = target.version, (target.name if target.is_peer else None)
             ex.ran = not target.is_peer and 200 <= opened.status < 300
@@ -557,11 +527,16 @@ class Gateway:
                 code="upstream_failed",
                 headers={"Retry-After": str(self.queue.retry_after_s)},
             )
-        raise self.queue._unavailable(deployment, "its replicas went away")
+        raise self.queue.unavailable(deployment, "its replicas went away")
 
-    def _release(self, ex: Exchange, target: Target) -> None:
+    @staticmethod
+    def _work(ex: Exchange, target: Attempt) -> int:
+        """Queued work a request adds at a replica: its new prefill and reserved completion."""
+        return max(0, ex.info.cost_tokens - target.cached_tokens)
+
+    def _release(self, ex: Exchange, target: Attempt) -> None:
         if not target.is_peer:
-            self.tracker.finish(target.name, ex.info.cost_tokens)
+            self.tracker.finish(target.name, self._work(ex, target))
 
     def _whole(self, ex: Exchange, opened: Opened, data: bytes) -> Response:
         if 200 <= opened.status < 300:
@@ -574,7 +549,7 @@ class Gateway:
         self._finish(ex, opened.status)
         return Response(data, status_code=opened.status, headers=opened.headers())
 
-    def _stream(self, ex: Exchange, opened: Opened, target: Target) -> Response:
+    def _stream(self, ex: Exchange, opened: Opened, target: Attempt) -> Response:
         observer = StreamObserver(strip_usage=not target.is_peer and not ex.info.client_wants_usage)
         closed = False
 
@@ -640,7 +615,7 @@ class Gateway:
         self.metrics.requests.labels(deployment, str(status)).inc()
         self.metrics.duration.labels(deployment).observe(time.monotonic() - started)
 
-    def _attempt_failed(self, ex: Exchange, target: Target, status: int) -> None:
+    def _attempt_failed(self, ex: Exchange, target: Attempt, status: int) -> None:
         """Telemetry of a replica attempt that failed and was retried: rollouts judge the
         version that failed, not the one that answered in the end."""
         self.usage.submit(

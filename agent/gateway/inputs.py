@@ -51,6 +51,7 @@ class RequestInfo:
     prompt_tokens: int  # estimated, over every prompt of the request
     max_tokens: int  # per sequence, as requested or the default reserved for it
     sequences: int  # prompts x n
+    prompt_ids: tuple[int, ...] | None = None  # the prompt's token ids, when tokenized (one prompt)
 
     @property
     def cost_tokens(self) -> int:

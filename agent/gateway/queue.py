@@ -48,7 +48,7 @@ class ReplicaQueue:
             return self.timeout_s
         return max(self.timeout_s, self.cold_start_timeout_s)
 
-    def _unavailable(self, deployment: str, why: str) -> GatewayError:
+    def unavailable(self, deployment: str, why: str) -> GatewayError:
         return GatewayError(
             503,
             f"No replica of '{deployment}' is ready in this cluster ({why}); retry shortly",
@@ -62,7 +62,7 @@ class ReplicaQueue:
             return
         if self.depth >= self.size:
             self.metrics.queue_rejected.labels(deployment, "full").inc()
-            raise self._unavailable(deployment, f"the gateway queue is full at {self.size} requests")
+            raise self.unavailable(deployment, f"the gateway queue is full at {self.size} requests")
         start = time.monotonic()
         deadline = start + self.timeout_s
         self.depth += 1
@@ -72,7 +72,7 @@ class ReplicaQueue:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     self.metrics.queue_rejected.labels(deployment, "timeout").inc()
-                    raise self._unavailable(deployment, f"waited {self.timeout_s:g} s")
+                    raise self.unavailable(deployment, f"waited {self.timeout_s:g} s")
                 changed = self.view.changed()
                 try:
                     await asyncio.wait_for(changed.wait(), remaining)
@@ -90,6 +90,14 @@ class ReplicaQueue:
         if wl is None:
             wl = self._waitlists[deployment] = PriorityWaitlist(self.classes, self.max_age_s)
         return wl
+
+    def waiting(self, deployment: str) -> int:
+        """Requests of `deployment` waiting for a slot now."""
+        return len(self._waitlists.get(deployment) or ())
+
+    def would_wait(self, deployment: str) -> bool:
+        """A request arriving now would queue (no slot free, or others wait already)."""
+        return not self._room(deployment) or bool(self._waitlists.get(deployment))
 
     def class_depth(self, klass: str) -> int:
         return sum(wl.depth(klass) for wl in self._waitlists.values())
@@ -136,7 +144,7 @@ class ReplicaQueue:
         if self.depth >= self.size:
             self.metrics.queue_rejected.labels(deployment, "full").inc()
             if not self.view.ready(deployment):
-                raise self._unavailable(deployment, f"the gateway queue is full at {self.size} requests")
+                raise self.unavailable(deployment, f"the gateway queue is full at {self.size} requests")
             raise GatewayError(
                 503,
                 f"'{deployment}' is busy: the gateway queue is full at {self.size} requests; retry shortly",
@@ -161,7 +169,7 @@ class ReplicaQueue:
                 if remaining <= 0:
                     self.metrics.queue_rejected.labels(deployment, "timeout").inc()
                     if not self.view.ready(deployment):
-                        raise self._unavailable(deployment, f"waited {self.timeout_s:g} s")
+                        raise self.unavailable(deployment, f"waited {self.timeout_s:g} s")
                     raise GatewayError(
                         503,
                         f"'{deployment}' is busy: waited {self.timeout_s:g} s in the gateway queue; retry shortly",

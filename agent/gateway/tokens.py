@@ -123,23 +123,28 @@ class TokenCounters:
         return self.recount(info)
 
     def recount(self, info: RequestInfo) -> tuple[RequestInfo, str]:
-        """`info` with prompt_tokens counted by the deployment's tokenizer, and the counter used."""
+        """`info` with prompt_tokens counted by the deployment's tokenizer (and, for one
+        prompt, its token ids: the prefix router hashes them), and the counter used."""
         tok = self.tokenizer(info.deployment)
         if tok is None:
             return info, "estimate"
         try:
-            n = _count(tok, info)
+            n, ids = _count(tok, info)
         except Exception as err:  # a template or shape the tokenizer refuses: the replica will say
             log.debug("counting with the tokenizer failed: %s", err)
             return info, "estimate"
-        return dataclasses.replace(info, prompt_tokens=n), "tokenizer"
+        return dataclasses.replace(info, prompt_tokens=n, prompt_ids=ids), "tokenizer"
 
 
-def _count(tok: Any, info: RequestInfo) -> int:
+def _count(tok: Any, info: RequestInfo) -> tuple[int, tuple[int, ...] | None]:
+    """Prompt tokens, and the ids of a single prompt (None when there are several or
+    the count fell back to per-message estimates)."""
     body = info.body
     if info.endpoint == "chat":
         try:
-            return len(tok.encode_chat(body["messages"], add_generation_prompt=True))
+            kw = {"tools": body["tools"]} if body.get("tools") else {}
+            ids = tuple(tok.encode_chat(body["messages"], add_generation_prompt=True, **kw))
+            return len(ids), ids
         except Exception:
             total = 0
             for m in body["messages"]:
@@ -147,22 +152,24 @@ def _count(tok: Any, info: RequestInfo) -> int:
                 total += CHAT_MESSAGE_OVERHEAD + (
                     len(tok.encode(content, False)) if isinstance(content, str) else 0
                 )
-            return total
+            return total, None
     if info.endpoint == "embeddings":  # quotas charge embeddings by their prompt tokens
         inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
         texts = [x for x in inputs if isinstance(x, str)]
-        return (
-            sum(len(tok.encode(t, True)) for t in texts) if len(texts) == len(inputs) else info.prompt_tokens
-        )
+        n = sum(len(tok.encode(t, True)) for t in texts) if len(texts) == len(inputs) else info.prompt_tokens
+        return n, None
     if info.endpoint == "responses":
-        return info.prompt_tokens  # estimated from the items; the replica's usage settles it
+        return info.prompt_tokens, None  # estimated from the items; the replica's usage settles it
     prompt = body.get("prompt")
     special = body.get("add_special_tokens", True) is not False
     if isinstance(prompt, str):
-        return len(tok.encode(prompt, special))
+        ids = tuple(tok.encode(prompt, special))
+        return len(ids), ids
     if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
-        return sum(len(tok.encode(p, special)) for p in prompt)
-    return info.prompt_tokens  # token ids: already exact
+        return sum(len(tok.encode(p, special)) for p in prompt), None
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return info.prompt_tokens, tuple(prompt)
+    return info.prompt_tokens, None  # token ids: already exact
 
 
 __all__ = ["CharEstimate", "DesiredIndex", "TokenCounters", "tokenizer_path"]

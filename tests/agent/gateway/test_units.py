@@ -293,16 +293,12 @@ def test_replica_choice_follows_canary_weights_and_avoids_the_failed_one(tmp_pat
     info = parse_request(b'{"model": "d", "prompt": "hi"}', "completions")
     versions = []
     for _ in range(400):
-        choose = gw._replica_chooser(Exchange("id", "k", info, 0.0, None))
-        target = choose(set())
-        assert target is not None
-        versions.append(target.version)
+        first = gw._plan(Exchange("id", "k", info, 0.0, None)).stage("local")[0]
+        versions.append(first.version)
     assert 0.18 < versions.count(2) / 400 < 0.32
-    # A retry leaves the failed replica out, staying in the request's version while it can.
-    choose = gw._replica_chooser(Exchange("id", "k", info, 0.0, None))
-    first = choose(set())
-    assert first is not None
-    second = choose({first.name})
-    assert second is not None and second.name != first.name
+    # A retry goes to another replica, staying in the request's version while it can.
+    local = gw._plan(Exchange("id", "k", info, 0.0, None)).stage("local")
+    first, second = local[0], local[1]
+    assert second.name != first.name
     if first.version == 1:
         assert second.version == 1

@@ -1,0 +1,277 @@
+"""Where one request goes: a pure plan of ordered attempts, each with a reason.
+
+The gateway gathers facts (the request, this cluster's ready replicas and their load,
+live peers, the prefix index), calls `plan_route`, and walks the attempts doing the I/O;
+`fleetctl simulate` calls the same function on simulated replicas, so simulated and
+live routing cannot drift. No I/O, no clock, no randomness here: the canary draw is a
+fact of the request.
+
+Stages, in the order the executor walks them:
+- ``primary``: this cluster is a warm standby and a primary peer is alive; on failure
+  the request falls through to the stages below (served here).
+- ``peer-prefix``: a peer holds the request's prefix and no local replica does, and the
+  cost model says the peer is cheaper even with its RTT; falls through on failure.
+- ``peer``: nothing usable here (no ready replica, all just failed, our agent silent)
+  or the queue here is past the spill threshold; final.
+- ``local``: this cluster's replicas, best first (the executor takes a queue slot
+  first, and re-plans after waiting); an empty ``local`` stage means "wait for a replica".
+- ``failover``: peers to try when every local attempt failed before its first byte.
+
+Cost model (``CostModel``), in prompt-token equivalents, lower is better:
+``cost = new prefill tokens + queued work + rtt_s * tokens_per_s`` where new prefill
+tokens are the prompt less the cached prefix (prefix routing only), queued work is the
+tokens this gateway still has outstanding at the replica (its requests' new prefill plus
+reserved completion), and RTT counts for peers only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal, Protocol
+
+from agent.gateway.routing import pick_version, should_spill
+from agent.protocol import VersionWeight
+
+Stage = Literal["primary", "peer-prefix", "peer", "local", "failover"]
+ROUTINGS = ("least-load", "prefix")
+MAX_ATTEMPTS = 3  # per stage; the executor allows the third only after unstarted failures
+
+
+class PrefixLookup(Protocol):
+    """What the plan reads of the prefix index: leading blocks a replica holds."""
+
+    def match(self, cluster: str, replica_id: str, hashes: Sequence[int]) -> int: ...
+
+
+@dataclass(frozen=True)
+class RequestFacts:
+    deployment: str
+    prompt_tokens: int
+    cost_tokens: int  # prompt + reserved completion tokens
+    forwarded: bool = False  # came from a peer gateway: served here, never sent on
+    draw: float = 0.0  # uniform [0, 1): the canary split's draw (sticky per user, else random)
+    block_hashes: tuple[int, ...] = ()  # chained prefix-block keys of the prompt
+    block_tokens: int = 16  # tokens per block
+
+
+@dataclass(frozen=True)
+class ReplicaFacts:
+    replica_id: str
+    url: str
+    version: int
+    outstanding_tokens: int = 0
+    in_flight: int = 0
+    recently_failed: bool = False
+
+
+@dataclass(frozen=True)
+class PeerFacts:
+    cluster: str
+    url: str
+    standby: bool = False
+    rtt_s: float | None = None  # from the routing table; None: unknown
+    replica_ids: tuple[str, ...] = ()  # its replicas known to the prefix index
+
+
+@dataclass(frozen=True)
+class ClusterFacts:
+    cluster: str
+    replicas: tuple[ReplicaFacts, ...] = ()  # ready replicas of the deployment here
+    versions: tuple[VersionWeight, ...] = ()  # the route's canary weights
+    standby_here: bool = False
+    agent_silent: bool = False  # our own agent stopped heart-beating
+    waiting: int = 0  # requests of the deployment queued here
+    spill_per_replica: float | None = None
+
+
+@dataclass(frozen=True)
+class CostModel:
+    routing: str = "prefix"  # or "least-load"
+    tokens_per_s: float = 4000.0  # prefill token-equivalents of one second of RTT
+    min_prefix_blocks: int = 1  # a peer must hold at least this many blocks to be preferred
+
+    def __post_init__(self) -> None:
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"unknown routing {self.routing!r}; known: {', '.join(ROUTINGS)}")
+
+    @property
+    def prefix(self) -> bool:
+        return self.routing == "prefix"
+
+
+@dataclass(frozen=True)
+class Attempt:
+    stage: Stage
+    reason: str
+    name: str = ""  # replica id or peer cluster; "" for "wait for a replica"
+    url: str = ""
+    version: int | None = None
+    is_peer: bool = False
+    standby: bool = False
+    cached_tokens: int = 0  # prompt tokens the target holds already (prefix index)
+    cost: float = 0.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    attempts: tuple[Attempt, ...] = field(default_factory=tuple)
+
+    def stage(self, name: Stage) -> list[Attempt]:
+        return [a for a in self.attempts if a.stage == name]
+
+    @property
+    def stages(self) -> list[Stage]:
+        out: list[Stage] = []
+        for a in self.attempts:
+            if a.stage not in out:
+                out.append(a.stage)
+        return out
+
+
+def cached_tokens(request: RequestFacts, blocks: int) -> int:
+    """Prompt tokens a replica holding `blocks` leading blocks need not prefill (the last
+    prompt token is always computed, as the engine does)."""
+    return max(0, min(blocks * request.block_tokens, request.prompt_tokens - 1))
+
+
+def _cycle(attempts: list[Attempt], n: int = MAX_ATTEMPTS) -> list[Attempt]:
+    """Retries go down the ranking, then around it again (one replica is retried)."""
+    if not attempts:
+        return []
+    picked = [attempts[i % len(attempts)] for i in range(n)]
+    return [picked[0], *(replace(a, reason="retry") for a in picked[1:])]
+
+
+def _peer_attempts(
+    stage: Stage, reason: str, peers: Sequence[PeerFacts], request: RequestFacts, index: PrefixLookup | None
+) -> list[Attempt]:
+    out = []
+    for p in peers:
+        blocks = _peer_blocks(p, request, index)
+        out.append(
+            Attempt(
+                stage,
+                reason,
+                p.cluster,
+                p.url,
+                is_peer=True,
+                standby=p.standby,
+                cached_tokens=cached_tokens(request, blocks),
+            )
+        )
+    return _cycle(out)
+
+
+def _peer_blocks(p: PeerFacts, request: RequestFacts, index: PrefixLookup | None) -> int:
+    if index is None or not request.block_hashes:
+        return 0
+    return max((index.match(p.cluster, rid, request.block_hashes) for rid in p.replica_ids), default=0)
+
+
+def rank_replicas(
+    request: RequestFacts,
+    here: ClusterFacts,
+    index: PrefixLookup | None,
+    model: CostModel,
+) -> list[Attempt]:
+    """Local replicas best first: the canary's version first, then by cost; replicas that
+    just failed last. The first attempt's reason says why it won."""
+    if not here.replicas:
+        return []
+    wanted: int | None = None
+    versions = {r.version for r in here.replicas}
+    if len(versions) > 1 and here.versions:
+        wanted = pick_version(versions, here.versions, request.draw)
+    scored = []
+    for r in here.replicas:
+        blocks = 0
+        if model.prefix and index is not None and request.block_hashes:
+            blocks = index.match(here.cluster, r.replica_id, request.block_hashes)
+        hit = cached_tokens(request, blocks)
+        new = request.prompt_tokens - hit if model.prefix else 0
+        cost = float(new + r.outstanding_tokens)
+        key = (wanted is not None and r.version != wanted, r.recently_failed, cost, r.in_flight, r.replica_id)
+        scored.append((key, r, hit, cost))
+    scored.sort(key=lambda s: s[0])
+    best_hit = max(s[2] for s in scored if s[0][:2] == scored[0][0][:2])  # among the top's peers
+    out = []
+    for _key, r, hit, cost in scored:
+        if not model.prefix or best_hit == 0:
+            reason = "least-load"
+        elif hit == best_hit:
+            reason = "prefix"
+        elif hit > 0:
+            reason = "partial-prefix"
+        else:
+            reason = "load-over-prefix"  # a replica with more of the prefix is too busy
+        out.append(Attempt("local", reason, r.replica_id, r.url, r.version, cached_tokens=hit, cost=cost))
+    return _cycle(out)
+
+
+def plan_route(
+    request: RequestFacts,
+    here: ClusterFacts,
+    peers: Sequence[PeerFacts],
+    index: PrefixLookup | None = None,
+    model: CostModel | None = None,
+) -> Plan:
+    """The ordered attempts for one request. `peers` are live peers nearest first."""
+    model = model or CostModel()
+    local = rank_replicas(request, here, index, model)
+    if request.forwarded:  # served where it lands: no peers, no standby hand-off
+        return Plan(tuple(local or [Attempt("local", "wait-for-replica")]))
+    attempts: list[Attempt] = []
+    primaries = [p for p in peers if not p.standby]
+    if here.standby_here and primaries:
+        attempts += _peer_attempts("primary", "standby-primary", primaries, request, index)
+    else:
+        usable = (
+            bool(here.replicas)
+            and not here.agent_silent
+            and any(not r.recently_failed for r in here.replicas)
+        )
+        spill = should_spill(here.waiting, len(here.replicas), here.spill_per_replica)
+        if peers and (not usable or spill):
+            reason = "no-local-replica" if not here.replicas else ("spill" if usable else "local-unusable")
+            return Plan(tuple(_peer_attempts("peer", reason, peers, request, index)))
+        prefer = _prefix_peers(request, local, peers, index, model)
+        attempts += prefer
+    attempts += local or [Attempt("local", "wait-for-replica")]
+    attempts += _peer_attempts("failover", "failover", peers, request, index)
+    return Plan(tuple(attempts))
+
+
+def _prefix_peers(
+    request: RequestFacts,
+    local: list[Attempt],
+    peers: Sequence[PeerFacts],
+    index: PrefixLookup | None,
+    model: CostModel,
+) -> list[Attempt]:
+    """Peers worth trying first: no local replica holds any of the prefix, a peer holds
+    at least `min_prefix_blocks`, and its new prefill + RTT costs less than the best
+    local replica's."""
+    if not model.prefix or index is None or not request.block_hashes or not local:
+        return []
+    if local[0].cached_tokens > 0:
+        return []
+    best_local = local[0].cost
+    out = []
+    for p in peers:
+        if p.standby:
+            continue
+        blocks = _peer_blocks(p, request, index)
+        if blocks < model.min_prefix_blocks:
+            continue
+        hit = cached_tokens(request, blocks)
+        rtt = p.rtt_s if p.rtt_s is not None else 0.1
+        cost = (request.prompt_tokens - hit) + rtt * model.tokens_per_s
+        if cost < best_local:
+            out.append(
+                Attempt(
+                    "peer-prefix", "peer-prefix", p.cluster, p.url, is_peer=True, cached_tokens=hit, cost=cost
+                )
+            )
+    out.sort(key=lambda a: a.cost)
+    return out[:1]

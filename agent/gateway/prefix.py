@@ -1,0 +1,173 @@
+"""The gateway's prefix-cache knowledge: the index of every replica's cached blocks (fed
+by `fleet.v1.kvcache.*`, local cluster and peers alike), the request's own block keys
+(the engine's chained hashes over the prompt the gateway tokenized already), and the
+metrics of what prefix routing saved.
+
+The hashes are the engine's own function (`engine.kv_cache.block_hash`, torch-free), over
+the same token ids and cache salt the engine will use, so a key the gateway computes is
+the key the engine published. A gap in a replica's sequence numbers asks its agent for
+the full set on `fleet.v1.kvresync.<cluster>` (at most once per `RESYNC_EVERY_S`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from prometheus_client import Counter
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from pydantic import ValidationError
+
+from agent.gateway.kv_index import KvUpdate, PrefixIndex, block_key
+from agent.gateway.metrics import GatewayMetrics
+from agent.gateway.plan import Attempt, CostModel
+from agent.nats_io import NatsLink
+from agent.protocol import KVCACHE_WILDCARD, KvCacheBatch, KvResyncRequest, kvresync_subject
+from engine.kv_cache.block_hash import hash_request_blocks
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_SIZE = 16  # the engine's default (engine.config.EngineArgs.block_size)
+RESYNC_EVERY_S = 2.0
+
+
+def prefix_keys(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None) -> tuple[int, ...]:
+    """Index keys of a prompt's full blocks, in the engine's chained-hash scheme."""
+    return tuple(block_key(h) for h in hash_request_blocks(list(token_ids), block_size, cache_salt))
+
+
+def to_update(batch: KvCacheBatch) -> KvUpdate:
+    ops = tuple((op.kind, tuple(block_key(bytes.fromhex(h)) for h in op.block_hashes)) for op in batch.ops)
+    return KvUpdate(
+        batch.cluster,
+        batch.replica_id,
+        batch.deployment,
+        batch.epoch,
+        batch.seq,
+        ops,
+        snapshot=batch.snapshot,
+        block_size=batch.block_size,
+    )
+
+
+class _IndexCollector(Collector):
+    def __init__(self, index: PrefixIndex) -> None:
+        self.index = index
+
+    def collect(self) -> Iterable[Metric]:
+        g = GaugeMetricFamily(
+            "fleet_gateway_prefix_index_blocks", "Block hashes the prefix index holds, all replicas."
+        )
+        g.add_metric([], self.index.size)
+        yield g
+
+
+class PrefixRouting:
+    """Index + cost model + the NATS feed that keeps the index current."""
+
+    def __init__(
+        self,
+        link: NatsLink | None,
+        cluster: str,
+        metrics: GatewayMetrics,
+        *,
+        routing: str = "prefix",
+        tokens_per_s: float = 4000.0,
+        max_blocks: int = 65536,
+        engine_arg: Callable[[str, str], Any] = lambda deployment, name: None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.link = link
+        self.cluster = cluster
+        self.index = PrefixIndex(max_blocks_per_replica=max_blocks)
+        self.model = CostModel(routing=routing, tokens_per_s=tokens_per_s)
+        self.engine_arg = engine_arg
+        self.clock = clock
+        self._asked: dict[tuple[str, str], float] = {}
+        self._nc: object | None = None
+        r = metrics.registry
+        self.decisions = Counter(
+            "fleet_gateway_routing_decisions", "Attempts by the routing plan's reason for them.",
+            ["deployment", "reason"], registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            "fleet_gateway_prefix_prompt_tokens", "Prompt tokens of requests sent to a replica.",
+            ["deployment", "replica"], registry=r,
+        )  # fmt: skip
+        self.cached_tokens = Counter(
+            "fleet_gateway_prefix_cached_tokens",
+            "Of those, tokens the replica held in its prefix cache (prefill saved), per the index.",
+            ["deployment", "replica"], registry=r,
+        )  # fmt: skip
+        self.events = Counter(
+            "fleet_gateway_kv_events", "KV-event batches received, by outcome (applied, stale, resync, invalid).",
+            ["outcome"], registry=r,
+        )  # fmt: skip
+        r.register(_IndexCollector(self.index))
+        if link is not None:
+            link.on_connect(self._on_connect)
+
+    # ------------------------------------------------------------------ per request
+
+    def block_tokens(self, deployment: str) -> int:
+        size = self.index.block_size(deployment) or self.engine_arg(deployment, "block_size")
+        return size if isinstance(size, int) and size > 0 else DEFAULT_BLOCK_SIZE
+
+    def keys(self, ex: Any) -> tuple[int, ...]:
+        """The request's block keys (memoized on the exchange); () when routing ignores
+        prefixes or the prompt was not tokenized (estimated counts have no ids)."""
+        if ex.block_keys is not None:
+            return ex.block_keys
+        ids = ex.info.prompt_ids
+        keys: tuple[int, ...] = ()
+        if self.model.prefix and ids:
+            salt = ex.info.body.get("cache_salt")
+            keys = prefix_keys(ids, self.block_tokens(ex.deployment), salt if isinstance(salt, str) else None)
+        ex.block_keys = keys
+        return keys
+
+    def count(self, ex: Any, target: Attempt) -> None:
+        deployment = ex.deployment
+        self.decisions.labels(deployment, target.reason).inc()
+        if not target.is_peer:
+            self.prompt_tokens.labels(deployment, target.name).inc(ex.info.prompt_tokens)
+            self.cached_tokens.labels(deployment, target.name).inc(target.cached_tokens)
+
+    # ------------------------------------------------------------------ the feed
+
+    async def _on_connect(self) -> None:
+        link = self.link
+        if link is not None and link.nc is not None and self._nc is not link.nc:
+            self._nc = link.nc
+            await link.nc.subscribe(KVCACHE_WILDCARD, cb=self._on_message)
+
+    async def _on_message(self, msg: Any) -> None:
+        cluster = msg.subject.rsplit(".", 1)[-1]
+        try:
+            batch = KvCacheBatch.from_bytes(msg.data)
+        except (ValidationError, ValueError):
+            self.events.labels("invalid").inc()
+            return
+        if batch.cluster != cluster:  # a claim about another cluster's replicas
+            self.events.labels("invalid").inc()
+            return
+        outcome = self.apply(batch)
+        if outcome == "resync":
+            await self.ask_resync(batch.cluster, batch.replica_id)
+
+    def apply(self, batch: KvCacheBatch) -> str:
+        outcome = self.index.apply(to_update(batch))
+        self.events.labels(outcome).inc()
+        return outcome
+
+    async def ask_resync(self, cluster: str, replica_id: str) -> None:
+        now = self.clock()
+        key = (cluster, replica_id)
+        if now - self._asked.get(key, -RESYNC_EVERY_S) < RESYNC_EVERY_S or self.link is None:
+            return
+        self._asked[key] = now
+        request = KvResyncRequest(cluster=cluster, replica_id=replica_id, requester=self.cluster)
+        await self.link.publish(kvresync_subject(cluster), request)
