@@ -18,6 +18,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from agent.sim.prefix_cache import PrefixCacheModel
 from agent.sim.profile import PerfProfile
 
 EPS = 1e-9
@@ -35,6 +36,9 @@ class SimRequest:
     start_clock: float = 0.0  # replica decode clock when its first token came out
     finish_clock: float = 0.0
     tag: object = field(default=None, compare=False)  # the caller's own data
+    block_hashes: tuple[int, ...] = ()  # chained prefix-block ids (prefix caching)
+    block_tokens: int = 16
+    cached_tokens: int = 0  # prompt tokens found in the replica's prefix cache at admission
 
     @property
     def kv_tokens(self) -> int:
@@ -45,8 +49,9 @@ class ReplicaModel:
     """One replica's queue, batch and clock. `advance(now)` returns the requests that got
     their first token or finished since the last call, in time order."""
 
-    def __init__(self, profile: PerfProfile, now: float = 0.0) -> None:
+    def __init__(self, profile: PerfProfile, now: float = 0.0, cache: PrefixCacheModel | None = None) -> None:
         self.profile = profile
+        self.cache = cache  # with one, a prompt's cached prefix is not prefilled again
         self.t = now
         self.clock = 0.0  # decode steps every running sequence has taken
         self.waiting: deque[SimRequest] = deque()
@@ -160,7 +165,11 @@ class ReplicaModel:
             self.waiting.popleft()
             req.admitted_at = self.t
             batch.append(req)
-            tokens += req.prompt_tokens
+            if self.cache is not None and req.block_hashes:
+                hit = self.cache.lookup(req.block_hashes)
+                req.cached_tokens = max(0, min(hit * req.block_tokens, req.prompt_tokens - 1))
+                self.cache.insert(req.block_hashes)
+            tokens += req.prompt_tokens - req.cached_tokens
             self.kv_used += req.kv_tokens
         if not batch:
             return False

@@ -14,6 +14,7 @@ from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, emit_json
 
 COLUMNS = [
     "policy",
+    "routing",
     "gpu_hours",
     "cost",
     "ttft_p50_s",
@@ -30,6 +31,7 @@ COLUMNS = [
     "cold_starts",
     "replicas_max",
     "replicas_mean",
+    "cache_hit_rate",
 ]
 
 
@@ -84,7 +86,16 @@ def simulate(
         None, "--slo-itl", help="inter-token latency target in seconds (default: slo_itl_s, 0.1)"
     ),
     policies: str = typer.Option(None, help="comma-separated policies (default: static,kpa,planner,ours)"),
+    routing: str = typer.Option(
+        "least-load", "--routing", help="comma-separated replica choices to compare: least-load, prefix"
+    ),
     limit: float = typer.Option(None, help="only the first SECONDS of (scaled) trace"),
+    replicas: int = typer.Option(
+        None,
+        "--replicas",
+        min=1,
+        help="replicas of the static run (default: the autoscaled peak, else max_replicas)",
+    ),
     plot: Path = typer.Option(None, "--plot", help="write a PNG of load and replicas over time"),
     output: OutputFormat = OUTPUT_OPTION,
 ) -> None:
@@ -116,6 +127,12 @@ def simulate(
     unknown = [n for n in names if n not in POLICIES]
     if unknown:
         fail(f"unknown policy {unknown[0]!r}; known: {', '.join(sorted(POLICIES))}")
+    from agent.gateway.plan import ROUTINGS
+
+    routings = tuple(dict.fromkeys(r.strip() for r in routing.split(",") if r.strip()))
+    bad = [r for r in routings if r not in ROUTINGS]
+    if bad or not routings:
+        fail(f"unknown routing {bad[0] if bad else routing!r}; known: {', '.join(ROUTINGS)}")
     try:
         requests = load_trace(trace, rate_scale=rate_scale, limit_s=limit)
     except TraceError as err:
@@ -129,7 +146,8 @@ def simulate(
 
     def on_run(policy: str) -> None:
         done.append(policy)
-        status.update(f"simulating {len(requests)} requests: {policy} ({len(done)} of {len(names)})")
+        total = len(names) * len(routings)
+        status.update(f"simulating {len(requests)} requests: {policy} ({len(done)} of {total})")
 
     with status:
         report = compare(
@@ -141,6 +159,8 @@ def simulate(
             slo_itl_s=slo_itl,
             rate_scale=rate_scale,
             policies=names,
+            routings=routings,
+            static_replicas=replicas,
             tick_s=cfg.tick_s,
             warmup_s=min(cfg.warmup_s, requests[-1].at / 2),
             plot_path=plot,
@@ -156,6 +176,7 @@ def simulate(
         row["within_itl"] = f"{100 * p.within_itl_target:.2f}%"
         row["cost"] = f"${p.cost:,.2f}"
         row["gpu_hours"] = f"{p.gpu_hours:.2f}"
+        row["cache_hit_rate"] = f"{100 * p.cache_hit_rate:.1f}%"
         rows.append(row)
     title = (
         f"{report.trace} x{rate_scale:g}: {report.requests} requests over {report.duration_s / 60:.1f} min, "

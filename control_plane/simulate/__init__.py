@@ -15,6 +15,7 @@ from control_plane.simulate.report import PolicyReport, SimulationReport, plot, 
 from control_plane.simulate.trace import TraceError, TraceRequest, load_trace
 
 DEFAULT_POLICIES = ("static", "kpa", "planner", "ours")
+DEFAULT_ROUTINGS = ("least-load",)
 
 
 def default_settings(profile: PerfProfile) -> AutoscaleSettings:
@@ -34,6 +35,8 @@ def compare(
     slo_itl_s: float | None = None,
     rate_scale: float = 1.0,
     policies: tuple[str, ...] = DEFAULT_POLICIES,
+    routings: tuple[str, ...] = DEFAULT_ROUTINGS,
+    static_replicas: int | None = None,
     tick_s: float = 2.0,
     warmup_s: float = 300.0,
     plot_path: Path | None = None,
@@ -44,14 +47,16 @@ def compare(
     autoscaled runs reached (provisioning for the peak). Autoscaled runs start at
     `min_replicas` (at least one) and the first `warmup_s` of trace only warms them up:
     requests arriving then and GPU time spent then are not counted, for any policy.
-    `on_run(policy)` is called as each policy's run starts (progress)."""
+    `on_run(policy)` is called as each policy's run starts (progress).
+    `static_replicas` fixes the static run's count instead. Each routing in `routings`
+    (agent.gateway.plan: least-load, prefix) runs every policy on the same replicas."""
     started = time.perf_counter()
     targets = {"slo_ttft_s": slo_ttft_s, "slo_itl_s": slo_itl_s}
     settings = settings.model_copy(
         update={"profile": settings.profile or profile, **{k: v for k, v in targets.items() if v is not None}}
     )
     slo_ttft_s, slo_itl_s = settings.slo_ttft_s, settings.slo_itl_s
-    runs: dict[str, RunResult] = {}
+    runs: dict[tuple[str, str], RunResult] = {}
     reports: list[PolicyReport] = []
     autoscaled = [p for p in policies if p != "static"]
     peak = settings.max_replicas
@@ -68,25 +73,37 @@ def compare(
             tick_s=tick_s,
             initial_replicas=initial,
             warmup_s=warmup_s,
+            routing=routings[0],
         ).run()
         peak = max((s.desired for s in probe.samples), default=1)
-        runs[probe.policy] = probe
-    for name in order:
-        if name in runs:
-            continue
-        s, start = settings, initial
-        if name == "static":
-            s = settings.model_copy(
-                update={"max_replicas": peak, "min_replicas": min(settings.min_replicas, peak)}
-            )
-            start = peak
-        if on_run:
-            on_run(name)
-        runs[name] = Simulation(
-            trace, profile, s, name, tick_s=tick_s, initial_replicas=start, warmup_s=warmup_s
-        ).run()
+        runs[(probe.policy, routings[0])] = probe
+    if static_replicas is not None:
+        peak = static_replicas
+    for routing in routings:  # every routing at the same replicas: static gets the same peak
+        for name in order:
+            if (name, routing) in runs:
+                continue
+            s, start = settings, initial
+            if name == "static":
+                s = settings.model_copy(
+                    update={"max_replicas": peak, "min_replicas": min(settings.min_replicas, peak)}
+                )
+                start = peak
+            if on_run:
+                on_run(name if len(routings) == 1 else f"{name}/{routing}")
+            runs[(name, routing)] = Simulation(
+                trace,
+                profile,
+                s,
+                name,
+                tick_s=tick_s,
+                initial_replicas=start,
+                warmup_s=warmup_s,
+                routing=routing,
+            ).run()
     for name in policies:
-        reports.append(summarize(runs[name], profile, slo_ttft_s, slo_itl_s=slo_itl_s))
+        for routing in routings:
+            reports.append(summarize(runs[(name, routing)], profile, slo_ttft_s, slo_itl_s=slo_itl_s))
     duration = trace[-1].at if trace else 0.0
     report = SimulationReport(
         trace=trace_name,
@@ -101,9 +118,17 @@ def compare(
         policies=reports,
     )
     if plot_path is not None:
-        plot(report, runs, plot_path)
+        plot(report, {f"{p}/{r}" if len(routings) > 1 else p: run for (p, r), run in runs.items()}, plot_path)
     report.wall_s = round(time.perf_counter() - started, 2)
     return report
 
 
-__all__ = ["DEFAULT_POLICIES", "TraceError", "compare", "default_settings", "load_trace", "math"]
+__all__ = [
+    "DEFAULT_POLICIES",
+    "DEFAULT_ROUTINGS",
+    "TraceError",
+    "compare",
+    "default_settings",
+    "load_trace",
+    "math",
+]

@@ -1,7 +1,8 @@
 """Discrete-event simulation of one deployment in virtual time: a trace's requests go
-through the gateway's real routing policy (`agent.gateway.routing`) to simulated replicas
-(`agent.sim.model`, timing from a profile), while a real autoscaling policy
-(`control_plane.autoscale`) decides the replica count every tick.
+through the gateway's own routing plan (`agent.gateway.plan`, over the same prefix index
+the gateway keeps, fed by the simulated replicas' prefix caches as the engines' KV events
+feed it live) to simulated replicas (`agent.sim.model`, timing from a profile), while a
+real autoscaling policy (`control_plane.autoscale`) decides the replica count every tick.
 
 - a request with no ready replica waits in the gateway queue (and, with nothing starting,
   triggers a scale-from-zero decision at once, as a live gateway's demand signal does);
@@ -21,9 +22,10 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from agent.gateway.routing import Candidate, RouteRequest
-from agent.gateway.routing import make_policy as make_routing
+from agent.gateway.kv_index import KvUpdate, PrefixIndex
+from agent.gateway.plan import ClusterFacts, CostModel, ReplicaFacts, RequestFacts, plan_route
 from agent.sim.model import ReplicaModel, SimRequest
+from agent.sim.prefix_cache import Ops, PrefixCacheModel
 from agent.sim.profile import PerfProfile
 from control_plane.autoscale.policy import AutoscaleSettings, Observation, ScalerState, make_policy
 from control_plane.simulate.trace import TraceRequest
@@ -41,6 +43,7 @@ class SimReplica:
     released: float | None = None
     outstanding_tokens: int = 0
     in_flight: int = 0
+    kv_seq: int = 0  # sequence number of its next KV-event batch
 
 
 @dataclass
@@ -63,6 +66,7 @@ class RunResult:
     decisions: list[tuple[float, int, str]] = field(default_factory=list)
     end: float = 0.0
     warmup_s: float = 0.0  # requests before it, and GPU time before it, are not counted
+    routing: str = "least-load"
 
     @property
     def measured(self) -> list[SimRequest]:
@@ -79,7 +83,7 @@ class Simulation:
         *,
         tick_s: float = 2.0,
         initial_replicas: int = 1,
-        routing: str = "least-outstanding-tokens",
+        routing: str = "least-load",
         warmup_s: float = 0.0,
     ) -> None:
         self.warmup_s = warmup_s
@@ -90,13 +94,16 @@ class Simulation:
         )
         self.policy = make_policy(policy)
         self.policy_name = policy
-        self.router = make_routing(routing)
+        self.routing = routing
+        self.cost = CostModel(routing=routing)
+        self.index = PrefixIndex(max_blocks_per_replica=max(1, self._cache_blocks()))
         self.tick_s = tick_s
         self.initial = initial_replicas
         self.replicas: list[SimReplica] = []
+        self._by_id: dict[str, SimReplica] = {}
         self.live: list[SimReplica] = []  # not yet released
         self.pending: deque[SimRequest] = deque()  # gateway queue: no ready replica
-        self.where: dict[int, SimReplica] = {}
+        self.where: dict[int, tuple[SimReplica, int]] = {}  # request -> (replica, work sent)
         self.state = ScalerState()
         self.desired = initial_replicas
         self.cold_starts = 0
@@ -113,11 +120,20 @@ class Simulation:
 
     # ------------------------------------------------------------ replicas
 
+    def _cache_blocks(self) -> int:
+        block = next((t.block_tokens for t in self.trace if t.hash_ids), 0)
+        return self.profile.kv_capacity_tokens // block if block else 0
+
     def _add_replica(self, now: float, cold: bool) -> None:
         self._n += 1
         ready_at = now + (self.profile.cold_start_s if cold else 0.0)
-        r = SimReplica(f"r{self._n}", ReplicaModel(self.profile, now), now, ready_at)
+        rid = f"r{self._n}"
+        blocks = self._cache_blocks()
+        cache = PrefixCacheModel(blocks, lambda ops, rid=rid: self._kv_events(rid, ops)) if blocks else None
+        r = SimReplica(rid, ReplicaModel(self.profile, now, cache), now, ready_at)
+        self.index.apply(KvUpdate("sim", rid, "sim", rid, 0, (), snapshot=True))
         self.replicas.append(r)
+        self._by_id[rid] = r
         self.live.append(r)
         if cold:
             self.cold_starts += 1
@@ -152,16 +168,28 @@ class Simulation:
 
     # ------------------------------------------------------------ requests
 
+    def _kv_events(self, rid: str, ops: Ops) -> None:
+        """A replica's cache changed: the batch reaches the index at once (one KV event)."""
+        r = self._by_id[rid]
+        r.kv_seq += 1
+        self.index.apply(KvUpdate("sim", rid, "sim", rid, r.kv_seq, tuple(ops)))
+
     def _route(self, req: SimRequest, now: float) -> bool:
         ready = self._ready(now)
         if not ready:
             return False
-        cands = [Candidate(r.rid, "", 1, r.outstanding_tokens, r.in_flight) for r in ready]
-        choice = self.router.choose(cands, RouteRequest("sim", req.prompt_tokens, req.kv_tokens))
-        r = next(x for x in ready if x.rid == choice.replica_id)
-        r.outstanding_tokens += req.kv_tokens
+        here = ClusterFacts(
+            "sim", tuple(ReplicaFacts(r.rid, "", 1, r.outstanding_tokens, r.in_flight) for r in ready)
+        )
+        facts = RequestFacts(
+            "sim", req.prompt_tokens, req.kv_tokens, True, 0.0, req.block_hashes, req.block_tokens
+        )
+        first = plan_route(facts, here, (), self.index, self.cost).stage("local")[0]
+        r = next(x for x in ready if x.rid == first.name)
+        work = req.kv_tokens - first.cached_tokens
+        r.outstanding_tokens += work
         r.in_flight += 1
-        self.where[req.rid] = r
+        self.where[req.rid] = (r, work)
         r.model.submit(req, now)
         return True
 
@@ -173,8 +201,8 @@ class Simulation:
             if req.finished_at is not None and req.rid in self.where:
                 if req.output_tokens > 1 and req.first_token_at is not None:
                     self._itl.append((req.finished_at - req.first_token_at) / (req.output_tokens - 1))
-                del self.where[req.rid]
-                r.outstanding_tokens -= req.kv_tokens
+                _, work = self.where.pop(req.rid)
+                r.outstanding_tokens -= work
                 r.in_flight -= 1
         if r.draining and r.in_flight == 0 and r.released is None:
             r.released = now
@@ -234,7 +262,17 @@ class Simulation:
     def run(self) -> RunResult:
         for _ in range(self.initial):
             self._add_replica(0.0, cold=False)
-        reqs = [SimRequest(i, t.prompt_tokens, t.output_tokens, t.at) for i, t in enumerate(self.trace)]
+        reqs = [
+            SimRequest(
+                i,
+                t.prompt_tokens,
+                t.output_tokens,
+                t.at,
+                block_hashes=t.hash_ids,
+                block_tokens=t.block_tokens,
+            )
+            for i, t in enumerate(self.trace)
+        ]
         samples: list[Sample] = []
         decisions: list[tuple[float, int, str]] = []
         i, next_tick, arrivals = 0, 0.0, 0
@@ -283,5 +321,13 @@ class Simulation:
         )
         cold = sum(1 for r in self.replicas if r.ready_at > r.created and r.created >= w)
         return RunResult(
-            self.policy_name, reqs, [x for x in samples if x.at >= w], replica_s, cold, decisions, end, w
+            self.policy_name,
+            reqs,
+            [x for x in samples if x.at >= w],
+            replica_s,
+            cold,
+            decisions,
+            end,
+            w,
+            self.routing,
         )

@@ -24,6 +24,7 @@ def percentile(values: list[float], q: float) -> float:
 
 class PolicyReport(BaseModel):
     policy: str
+    routing: str = "least-load"  # the gateway's replica choice (agent.gateway.plan)
     requests: int
     completed: int
     gpu_hours: float
@@ -44,6 +45,8 @@ class PolicyReport(BaseModel):
     replicas_max: int
     replicas_mean: float
     timeline: list[tuple[float, int, float]]  # (t, replicas allocated, demand) per sample
+    # prompt tokens found in the replicas' prefix caches / prompt tokens (admitted requests)
+    cache_hit_rate: float = 0.0
 
 
 class SimulationReport(BaseModel):
@@ -79,8 +82,12 @@ def summarize(
     replica_h = run.replica_seconds / 3600
     n = len(run.measured)
     replicas = [s.replicas for s in run.samples]
+    admitted = [r for r in run.measured if r.admitted_at is not None]
+    prompt = sum(r.prompt_tokens for r in admitted)
     return PolicyReport(
         policy=run.policy,
+        routing=run.routing,
+        cache_hit_rate=round(sum(r.cached_tokens for r in admitted) / prompt, 4) if prompt else 0.0,
         requests=n,
         completed=len(done),
         gpu_hours=round(replica_h * profile.gpus_per_replica, 3),
@@ -130,7 +137,7 @@ def plot(report: SimulationReport, runs: dict[str, RunResult], out: Path) -> Non
         f"(targets: TTFT {report.slo_ttft_s:g} s, ITL {1000 * report.slo_itl_s:g} ms)"
     )
     for pr in report.policies:
-        run = runs[pr.policy]
+        run = runs.get(f"{pr.policy}/{pr.routing}") or runs[pr.policy]
         label = (
             f"{pr.policy}: {pr.gpu_hours:.1f} GPU-h, {100 * pr.within_ttft_target:.2f}% within TTFT, "
             f"{100 * pr.within_itl_target:.2f}% within ITL target, TTFT p99 {pr.ttft_p99_s:.2f}s"

@@ -1,6 +1,10 @@
 """Request traces: Azure LLM inference (CSV: TIMESTAMP, ContextTokens, GeneratedTokens: the
-2023 conversation and code traces alike) and Mooncake (JSONL: timestamp in ms, input_length, output_length, hash_ids), read into
-one shape with arrival times in seconds from the first request."""
+2023 conversation and code traces alike) and Mooncake (JSONL: timestamp in ms, input_length,
+output_length, hash_ids), read into one shape with arrival times in seconds from the first request.
+
+Mooncake's `hash_ids` name the prompt's blocks of `MOONCAKE_BLOCK_TOKENS` tokens, chained
+(an id stands for a block and everything before it), which is what the simulator's
+prefix caches and the prefix router key on; Azure traces carry no prefix information."""
 
 from __future__ import annotations
 
@@ -16,11 +20,16 @@ class TraceError(ValueError):
     """A trace file that cannot be read (says which line and why)."""
 
 
+MOONCAKE_BLOCK_TOKENS = 512
+
+
 @dataclass(frozen=True)
 class TraceRequest:
     at: float
     prompt_tokens: int
     output_tokens: int
+    hash_ids: tuple[int, ...] = ()  # chained prefix-block ids, when the trace has them
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS
 
 
 _STAMP = re.compile(r"^(?P<head>[^.+Z]+?)(?:\.(?P<frac>\d+))?(?P<tz>Z|[+-]\d\d:?\d\d)?$")
@@ -37,7 +46,10 @@ def _azure_time(text: str) -> float:
     return head.timestamp() + (float("0." + m["frac"]) if m["frac"] else 0.0)
 
 
-def _azure(path: Path) -> list[tuple[float, int, int]]:
+Row = tuple[float, int, int, tuple[int, ...]]
+
+
+def _azure(path: Path) -> list[Row]:
     out = []
     with open(path, newline="", encoding="utf-8-sig") as f:
         reader = csv.DictReader(f)
@@ -47,14 +59,19 @@ def _azure(path: Path) -> list[tuple[float, int, int]]:
         for n, row in enumerate(reader, start=2):
             try:
                 out.append(
-                    (_azure_time(row["TIMESTAMP"]), int(row["ContextTokens"]), int(row["GeneratedTokens"]))
+                    (
+                        _azure_time(row["TIMESTAMP"]),
+                        int(row["ContextTokens"]),
+                        int(row["GeneratedTokens"]),
+                        (),
+                    )
                 )
             except (ValueError, TypeError) as err:
                 raise TraceError(f"{path}:{n}: {err}") from None
     return out
 
 
-def _mooncake(path: Path) -> list[tuple[float, int, int]]:
+def _mooncake(path: Path) -> list[Row]:
     out = []
     with open(path) as f:
         for n, line in enumerate(f, start=1):
@@ -62,8 +79,16 @@ def _mooncake(path: Path) -> list[tuple[float, int, int]]:
                 continue
             try:
                 row = json.loads(line)
+                ids = row.get("hash_ids") or []
+                if not isinstance(ids, list):
+                    raise TypeError("hash_ids must be a list of integers")
                 out.append(
-                    (float(row["timestamp"]) / 1000.0, int(row["input_length"]), int(row["output_length"]))
+                    (
+                        float(row["timestamp"]) / 1000.0,
+                        int(row["input_length"]),
+                        int(row["output_length"]),
+                        tuple(int(h) for h in ids),
+                    )
                 )
             except (ValueError, KeyError, TypeError) as err:
                 raise TraceError(f"{path}:{n}: {err!r}") from None
@@ -91,7 +116,7 @@ def load_trace(path: str | Path, rate_scale: float = 1.0, limit_s: float | None 
         raise TraceError(f"{p}: no requests")
     rows.sort()
     t0 = rows[0][0]
-    out = [TraceRequest((t - t0) / rate_scale, max(1, a), max(1, b)) for t, a, b in rows]
+    out = [TraceRequest((t - t0) / rate_scale, max(1, a), max(1, b), h) for t, a, b, h in rows]
     if limit_s is not None:
         out = [r for r in out if r.at <= limit_s]
     return out
