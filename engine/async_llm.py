@@ -42,6 +42,7 @@ class AsyncLLM:
         self.tokenizer = self.engine.tokenizer
         self.model_config = self.engine.model_config
         self.max_model_len = self.engine.max_model_len
+        self.kv_events = self.engine.kv_events  # thread-safe: read by the server's /kv/events
         self.served_model_name = served_model_name or model
         self._streams: dict[str, _Stream] = {}
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from engine.config import EngineArgs
 from engine.errors import PromptTooLongError, QueueFullError
 from engine.grammar import GrammarBackend
-from engine.kv_cache import KVCacheManager
+from engine.kv_cache import KVCacheManager, KvEventLog
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, SampleLogprobs
 from engine.registry import resolve_model_path
@@ -75,7 +75,11 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self._grammar: GrammarBackend | None = None
         self._grammar_lock = threading.Lock()
-        self.kv = KVCacheManager(self.runner.num_blocks, args.block_size, args.enable_prefix_caching)
+        # KV events: what the prefix cache holds, for prefix-aware routing (server /kv/events)
+        self.kv_events = KvEventLog(args.block_size)
+        self.kv = KVCacheManager(
+            self.runner.num_blocks, args.block_size, args.enable_prefix_caching, events=self.kv_events
+        )
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=args.max_num_seqs,

@@ -2,6 +2,7 @@
 
 from engine.kv_cache.block_hash import BlockHash, hash_block, hash_request_blocks, root_hash
 from engine.kv_cache.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from engine.kv_cache.events import KvEventLog, KvEventsRead
 from engine.kv_cache.kv_cache_manager import KVCacheManager, PrefixCacheStats
 
 __all__ = [
@@ -10,6 +11,8 @@ __all__ = [
     "FreeBlockQueue",
     "KVBlock",
     "KVCacheManager",
+    "KvEventLog",
+    "KvEventsRead",
     "PrefixCacheStats",
     "hash_block",
     "hash_request_blocks",

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from engine.kv_cache.block_hash import BlockHash
+from engine.kv_cache.events import KvEventLog
 
 
 class KVBlock:
@@ -81,7 +82,9 @@ class FreeBlockQueue:
 class BlockPool:
     """Owns blocks 0..num_blocks-1; hands them out, takes them back, remembers their hashes."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, events: KvEventLog | None = None
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -90,6 +93,7 @@ class BlockPool:
         # Never-used blocks first, in id order; freed blocks follow in the order freed.
         self.free_queue = FreeBlockQueue(self.blocks)
         self._cached: dict[BlockHash, KVBlock] = {}
+        self.events = events  # told of every hash cached and evicted (KV events)
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -152,6 +156,8 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        if self.events is not None:
+            self.events.stored(block_hash)
         return True
 
     def reset_prefix_cache(self) -> bool:
@@ -161,6 +167,8 @@ class BlockPool:
         for block in self._cached.values():
             block.block_hash = None
         self._cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     def _evict(self, block: KVBlock) -> None:
@@ -168,4 +176,6 @@ class BlockPool:
             return
         if self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]
+            if self.events is not None:
+                self.events.removed(block.block_hash)
         block.block_hash = None

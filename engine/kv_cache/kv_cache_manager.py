@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from engine.kv_cache.block_hash import BlockHash, hash_block, root_hash
 from engine.kv_cache.block_pool import BlockPool, KVBlock
+from engine.kv_cache.events import KvEventLog
 from engine.request import Request
 
 
@@ -34,13 +35,15 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, events: KvEventLog | None = None
+    ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching, events)
         self.stats = PrefixCacheStats()
         # request_id -> its blocks, in position order.
         self._tables: dict[str, list[KVBlock]] = {}

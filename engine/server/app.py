@@ -16,6 +16,7 @@ from engine.server.completions import create_completion
 from engine.server.embeddings import create_embedding
 from engine.server.errors import APIError, install_error_handlers
 from engine.server.inputs import chat_prompt_ids, check_model, check_token_ids, parse_body
+from engine.server.kv_events import register as register_kv_events
 from engine.server.metrics import ServerMetrics
 from engine.server.middleware import GuardMiddleware
 from engine.server.responses import create_response
@@ -106,6 +107,8 @@ def build_app(state: ServerState) -> FastAPI:
         if body.return_token_strs:
             out["token_strs"] = eng.tokenizer.token_texts(ids)
         return JSONResponse(out)
+
+    register_kv_events(app, state)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
