@@ -50,6 +50,7 @@ from agent import protocol
 from agent.capacity import CapacitySignals, Placed
 from agent.config import ClusterConfig
 from agent.inventory import inventory
+from agent.kv_relay import Followed, KvRelay
 from agent.local_state import KeySet, LocalState, ReplicaSnapshot, RouteSet, atomic_write
 from agent.models import ModelPuller
 from agent.nats_io import KvWatch, NatsLink, redact_url
@@ -70,6 +71,7 @@ from agent.protocol import (
 from agent.reconciler import Action, ReplicaRecord, Restart, Start, Stop, backoff_delay, plan
 from agent.replica_metrics import MetricsScraper
 from agent.runtime import InvalidSpec, ReplicaHandle, Runtime, make_runtime
+from agent.security.replica_auth import replica_headers
 from agent.security.tls import nats_tls, replica_verify
 from engine.models import ModelCache
 
@@ -179,6 +181,13 @@ class Agent:
         # Pre-pull where replicas read the agent's cache: local processes, or a folder
         # configured as shared with them (a Kubernetes model volume the agent mounts too).
         self.prepull = self.runtime.name == "process" or config.model_cache_dir is not None
+        # replicas' KV events -> fleet.v1.kvcache (the replica token and CA as the gateway uses)
+        self.kv_relay = KvRelay(
+            self.link,
+            config.cluster,
+            verify=replica_verify(config.security),
+            headers=replica_headers(config.security),
+        )
         self._stopping: dict[str, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
@@ -233,6 +242,7 @@ class Agent:
                     await task
             for watch in self._watches:
                 await watch.close()
+            await self.kv_relay.close()
             if self.runtime.drain_on_exit:
                 await self._drain_all()
             else:
@@ -687,6 +697,9 @@ class Agent:
             ready = [
                 r for r in self.replicas.values() if r.state == ReplicaState.ready and r.handle is not None
             ]
+            self.kv_relay.sync(
+                [Followed(r.replica_id, r.spec.deployment, r.handle.url) for r in ready if r.handle]
+            )
             loads = await asyncio.gather(
                 *(self.scraper.scrape(r.replica_id, r.handle.url) for r in ready if r.handle)
             )

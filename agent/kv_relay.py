@@ -1,0 +1,174 @@
+"""The agent's relay of its replicas' KV events to `fleet.v1.kvcache.<cluster>`, where
+this cluster's gateway and its peers' gateways keep their prefix indexes.
+
+One follower per ready replica long-polls the engine's `GET /kv/events` and publishes
+each answer as a `KvCacheBatch`. Sequence numbers are the relay's own, consecutive per
+replica within an epoch made of the engine's epoch and this relay's start, so a restarted
+replica or agent reads as a new epoch and its first batch is a snapshot. A gateway that
+sees a gap asks on `fleet.v1.kvresync.<cluster>`; the follower then fetches and publishes
+the replica's full set. Big snapshots go out in chunks (a snapshot, then stored deltas),
+each under NATS' default payload limit. Replicas without KV events (the sim runtime's)
+answer 404 and are left alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import ssl
+from dataclasses import dataclass
+
+import httpx
+from pydantic import ValidationError
+
+from agent.nats_io import NatsLink
+from agent.protocol import KvCacheBatch, KvCacheOp, KvResyncRequest, kvcache_subject, kvresync_subject
+
+log = logging.getLogger(__name__)
+
+WAIT_S = 2.0  # long-poll wait: also how soon a resync request is served
+CHUNK = 4096  # block hashes per message (~270 KB of JSON)
+RETRY_S = 2.0
+
+
+@dataclass(frozen=True)
+class Followed:
+    replica_id: str
+    deployment: str
+    url: str
+
+
+class KvRelay:
+    def __init__(
+        self,
+        link: NatsLink,
+        cluster: str,
+        *,
+        verify: ssl.SSLContext | bool = True,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self.link = link
+        self.verify = verify  # httpx verify= for HTTPS replicas
+        self.headers = headers or {}  # the replica token, when replicas require one
+        self.cluster = cluster
+        self.relay_id = secrets.token_hex(4)
+        self._tasks: dict[str, tuple[Followed, asyncio.Task[None]]] = {}
+        self._resync: set[str] = set()
+        self._client: httpx.AsyncClient | None = None
+        self._nc: object | None = None
+        link.on_connect(self._on_connect)
+
+    def sync(self, replicas: list[Followed]) -> None:
+        """Follow exactly these (ready) replicas."""
+        want = {r.replica_id: r for r in replicas}
+        for rid, (followed, task) in list(self._tasks.items()):
+            if want.get(rid) != followed or task.done():
+                task.cancel()
+                del self._tasks[rid]
+        for rid, r in want.items():
+            if rid not in self._tasks:
+                self._tasks[rid] = (r, asyncio.create_task(self._follow(r), name=f"kv-relay-{rid}"))
+
+    async def close(self) -> None:
+        tasks = [t for _, t in self._tasks.values()]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+        if self._client is not None:
+            await self._client.aclose()
+
+    async def _on_connect(self) -> None:
+        nc = self.link.nc
+        if nc is not None and self._nc is not nc:
+            self._nc = nc
+            await nc.subscribe(kvresync_subject(self.cluster), cb=self._on_resync)
+
+    async def _on_resync(self, msg) -> None:
+        try:
+            request = KvResyncRequest.from_bytes(msg.data)
+        except (ValidationError, ValueError):
+            return
+        if request.cluster == self.cluster and request.replica_id in self._tasks:
+            self._resync.add(request.replica_id)
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                timeout=httpx.Timeout(WAIT_S + 10, connect=2.0),
+                trust_env=False,
+                verify=self.verify,
+                headers=self.headers,
+            )
+        return self._client
+
+    async def _follow(self, r: Followed) -> None:
+        epoch: str | None = None  # the engine's, as last read
+        after: int | None = None
+        seq = -1  # last published
+        url = r.url.rstrip("/") + "/kv/events"
+        while True:
+            if r.replica_id in self._resync:
+                self._resync.discard(r.replica_id)
+                after = None  # a snapshot on the next read
+            params: dict[str, str | float | int] = {"wait": WAIT_S}
+            if epoch is not None and after is not None:
+                params.update(epoch=epoch, after=after)
+            try:
+                resp = await self._http().get(url, params=params)
+                if resp.status_code == 404:
+                    log.info("replica %s publishes no KV events; not relayed", r.replica_id)
+                    return
+                resp.raise_for_status()
+                data = resp.json()
+                ops = [KvCacheOp.model_validate(op) for op in data["ops"]]
+                new_epoch, snapshot = str(data["epoch"]), bool(data["snapshot"])
+                block_size, read_seq = int(data["block_size"]), int(data["seq"])
+            except (httpx.HTTPError, ValueError, KeyError, TypeError, ValidationError) as err:
+                log.debug("kv events of %s: %s", r.replica_id, err)
+                await asyncio.sleep(RETRY_S)
+                continue
+            if new_epoch != epoch:
+                seq = -1  # a restarted engine: a new relay epoch, numbered afresh
+            epoch, after = new_epoch, read_seq
+            if not snapshot and not ops:
+                continue
+            for i, chunk in enumerate(_chunks(ops)):
+                seq += 1
+                batch = KvCacheBatch(
+                    cluster=self.cluster,
+                    deployment=r.deployment,
+                    replica_id=r.replica_id,
+                    epoch=f"{epoch}.{self.relay_id}",
+                    seq=seq,
+                    snapshot=snapshot and i == 0,
+                    block_size=block_size,
+                    ops=chunk,
+                )
+                if not await self.link.publish(kvcache_subject(self.cluster), batch):
+                    after = None  # readers will miss this: resend the full set when we can
+                    await asyncio.sleep(RETRY_S)
+                    break
+
+
+def _chunks(ops: list[KvCacheOp]) -> list[list[KvCacheOp]]:
+    """Ops split so that no message holds more than CHUNK hashes, order kept."""
+    out: list[list[KvCacheOp]] = [[]]
+    size = 0
+    for op in ops:
+        hashes = op.block_hashes
+        if not hashes:
+            out[-1].append(op)
+            continue
+        for start in range(0, len(hashes), CHUNK):
+            part = hashes[start : start + CHUNK]
+            if size + len(part) > CHUNK and out[-1]:
+                out.append([])
+                size = 0
+            out[-1].append(KvCacheOp(kind=op.kind, block_hashes=part))
+            size += len(part)
+    return out
