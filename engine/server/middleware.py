@@ -14,6 +14,8 @@ from engine.server.errors import APIError, error_body
 from engine.server.state import ServerState
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
+# Guarded, but not work a drain waits for: the agent's KV-event long poll.
+UNCOUNTED_PATHS = frozenset({"/kv/events"})
 
 
 class BodyTooLargeError(APIError):
@@ -48,6 +50,9 @@ class GuardMiddleware:
         err = self._refusal(scope)
         if err is not None:
             await _send_error(send, err)
+            return
+        if scope["path"] in UNCOUNTED_PATHS:
+            await self.app(scope, receive, send)
             return
         self.state.enter()
         try:
