@@ -198,10 +198,18 @@ class Simulation:
             if req.first_token_at is not None and req.tag is None:
                 req.tag = "first"
                 self._ttft.append(req.first_token_at - req.arrival)
-            if req.finished_at is not None and req.rid in self.where:
+            if req.rid not in self.where:
+                continue
+            _, work = self.where[req.rid]
+            if req.first_token_at is not None and work > req.output_tokens:
+                # Prefilled: what is left there is its decode (as a live gateway sees the first byte).
+                r.outstanding_tokens -= work - req.output_tokens
+                work = req.output_tokens
+                self.where[req.rid] = (r, work)
+            if req.finished_at is not None:
                 if req.output_tokens > 1 and req.first_token_at is not None:
                     self._itl.append((req.finished_at - req.first_token_at) / (req.output_tokens - 1))
-                _, work = self.where.pop(req.rid)
+                del self.where[req.rid]
                 r.outstanding_tokens -= work
                 r.in_flight -= 1
         if r.draining and r.in_flight == 0 and r.released is None:

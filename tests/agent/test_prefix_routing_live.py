@@ -1,0 +1,138 @@
+"""Prefix-aware routing end to end: a real agent (`python -m agent`) runs two engine
+replicas of a tiny checkpoint and relays their KV events over a real nats-server; the
+gateway (in this process, on a real socket) indexes them and sends each conversation's
+later turns to the replica that holds its prefix."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import httpx
+import uvicorn
+
+from agent import protocol
+from agent.gateway.app import build_app
+from agent.gateway.prefix import prefix_keys
+from agent.nats_io import NatsLink, ensure_jetstream
+from agent.protocol import (
+    ApiKeyRecord,
+    ClusterRoute,
+    DesiredState,
+    ReplicaSpec,
+    RoutingTable,
+    hash_secret,
+    new_secret,
+)
+from control_plane.local.nats_server import free_port
+from tests.agent.conftest import cluster_config
+
+
+async def eventually(check, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.1)
+
+
+async def test_later_turns_follow_their_prefix(tmp_path, nats_server, model_dir, agent_factory) -> None:
+    port = free_port()
+    cfg = cluster_config(tmp_path, nats_server.url, gateway={"port": port, "routing": "prefix"})
+    key_id, secret = new_secret()
+    salt, digest = hash_secret(secret)
+    record = ApiKeyRecord(key_id=key_id, name="t", salt=salt, hash=digest, scopes=["inference"])
+    link = NatsLink(nats_server.url, "test-control")
+    link.start()
+    assert await link.wait_connected(10) and link.nc is not None
+    await ensure_jetstream(link.nc.jetstream())
+    specs = [
+        ReplicaSpec(replica_id=f"tiny-{i}", deployment="tiny", version=1, model=str(model_dir))
+        for i in range(2)
+    ]
+    await link.kv_put(
+        protocol.BUCKET_DESIRED, cfg.cluster, DesiredState(cluster=cfg.cluster, generation=1, replicas=specs)
+    )
+    route = RoutingTable(deployment="tiny", clusters=[ClusterRoute(cluster=cfg.cluster)])
+    await link.kv_put(protocol.BUCKET_ROUTES, "tiny", route)
+    await link.kv_put(protocol.BUCKET_KEYS, key_id, record)
+    await link.close()
+    agent_factory(cfg).start()
+
+    app = build_app(cfg)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    serve = asyncio.create_task(server.serve())
+    url = f"http://127.0.0.1:{port}"
+    headers = {"Authorization": f"Bearer {secret}"}
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=60, trust_env=False) as client:
+
+            async def ready() -> bool:
+                with contextlib.suppress(httpx.HTTPError):
+                    return (await client.get("/health")).json()["ready_replicas"].get("tiny", 0) == 2
+                return False
+
+            await eventually(ready, 90, "two ready replicas")
+            gateway = app.state.gateway
+            index = gateway.prefix.index
+            tok = gateway.tokens.tokenizer("tiny")
+            assert tok is not None
+
+            def prompt(conv: int, turn: int) -> str:
+                return f"conversation {conv} is about topic {conv * 7}. " * 6 + " and then more" * (5 * turn)
+
+            def keys(text: str) -> tuple[int, ...]:
+                return prefix_keys(tok.encode(text, True), gateway.prefix.block_tokens("tiny"))
+
+            async def complete(text: str) -> None:
+                body = {"model": "tiny", "prompt": text, "max_tokens": 2, "temperature": 0}
+                r = await client.post("/v1/completions", json=body, headers=headers)
+                assert r.status_code == 200, r.text
+
+            def holder(text: str) -> str | None:
+                k = keys(text)
+                held = [rid for rid in ("tiny-0", "tiny-1") if index.match(cfg.cluster, rid, k) == len(k)]
+                return held[0] if len(held) == 1 else None
+
+            # First turns at once: least outstanding work spreads them over both replicas.
+            await asyncio.gather(*(complete(prompt(c, 0)) for c in range(4)))
+
+            async def all_indexed() -> bool:
+                return all(holder(prompt(c, 0)) for c in range(4))
+
+            await eventually(all_indexed, 30, "first turns in the gateway's index")
+            home = {c: holder(prompt(c, 0)) for c in range(4)}
+            assert set(home.values()) == {"tiny-0", "tiny-1"}
+            # Later turns one at a time (idle replicas: least-load would pick tiny-0 every time).
+            for turn in (1, 2):
+                for c in range(4):
+                    before = _choices(gateway)
+                    await complete(prompt(c, turn))
+                    after = _choices(gateway)
+                    assert [rid for rid, n in after.items() if n > before.get(rid, 0)] == [home[c]]
+
+                    async def indexed(text: str = prompt(c, turn), rid: str = home[c]) -> bool:
+                        k = keys(text)
+                        return index.match(cfg.cluster, rid, k) == len(k)
+
+                    await eventually(indexed, 20, "the new turn's blocks in the index")
+            reasons = {
+                s.labels["reason"]: s.value
+                for s in _samples(gateway, "fleet_gateway_routing_decisions_total")
+            }
+            assert reasons.get("prefix", 0) >= 8
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(serve, 10)
+
+
+def _samples(gateway, name: str):
+    for family in gateway.metrics.registry.collect():
+        for s in family.samples:
+            if s.name == name:
+                yield s
+
+
+def _choices(gateway) -> dict[str, float]:
+    return {s.labels["replica"]: s.value for s in _samples(gateway, "fleet_gateway_replica_choice_total")}
