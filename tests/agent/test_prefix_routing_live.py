@@ -79,7 +79,7 @@ async def test_later_turns_follow_their_prefix(tmp_path, nats_server, model_dir,
             assert tok is not None
 
             def prompt(conv: int, turn: int) -> str:
-                return f"conversation {conv} is about topic {conv * 7}. " * 6 + " and then more" * (5 * turn)
+                return f"conversation {conv} is about topic {conv * 7}. " * 3 + " and then more" * (3 * turn)
 
             def keys(text: str) -> tuple[int, ...]:
                 return prefix_keys(tok.encode(text, True), gateway.prefix.block_tokens("tiny"))
