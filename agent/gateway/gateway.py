@@ -37,7 +37,16 @@ from agent.gateway.liveness import SESSION_HEADER, PeerLiveness, sticky_draw
 from agent.gateway.load import LoadTracker
 from agent.gateway.metrics import UNKNOWN, GatewayMetrics
 from agent.gateway.peers import PeerAuth
-from agent.gateway.plan import Attempt, ClusterFacts, PeerFacts, Plan, ReplicaFacts, RequestFacts, plan_route
+from agent.gateway.plan import (
+    Attempt,
+    ClusterFacts,
+    PeerFacts,
+    Plan,
+    ReplicaFacts,
+    RequestFacts,
+    plan_failover,
+    plan_route,
+)
 from agent.gateway.prefix import PrefixRouting
 from agent.gateway.proxy import AttemptFailed, Opened, make_client, open_upstream
 from agent.gateway.queue import ReplicaQueue
@@ -351,6 +360,8 @@ class Gateway:
         """Walk the routing plan's stages (agent.gateway.plan) doing the I/O."""
         deployment = ex.deployment
         ex.draw = sticky_draw(ex.info.body, request.headers)
+        if ex.draw is None:  # the canary split is drawn once per request, re-plans included
+            ex.draw = self.rng.random()
         plan = self._plan(ex)
         for stage in plan.stages:
             attempts = plan.stage(stage)
@@ -377,8 +388,10 @@ class Gateway:
                     body = salted_body(ex.info, raw, ex.key_id)  # prefix cache hits never cross keys
                     return await self._attempts(ex, body, request, attempts)
                 except GatewayError as err:
-                    # Every local attempt failed before a byte (dead replicas, a dead cluster).
-                    failover = plan.stage("failover")
+                    # Every local attempt failed before a byte (dead replicas, a dead cluster):
+                    # the peers alive now (a primary that just failed is not).
+                    facts = self._facts(ex)
+                    failover = plan_failover(facts, self._live_peers(deployment), self.prefix.index)
                     if not failover or err.status not in (502, 503):
                         raise
                     self.quota.refund(ex.reservation)
@@ -392,9 +405,24 @@ class Gateway:
         return self.demand.waiting(deployment, len(self.view.ready(deployment)))
 
     def _plan(self, ex: Exchange) -> Plan:
-        """The facts the routing plan needs, gathered now (agent.gateway.plan)."""
+        """The routing plan on the facts as they are now (agent.gateway.plan)."""
+        here = self._cluster_facts(ex.deployment)
+        peers = self._live_peers(ex.deployment)
+        return plan_route(self._facts(ex), here, peers, self.prefix.index, self.prefix.model)
+
+    def _facts(self, ex: Exchange) -> RequestFacts:
         info = ex.info
-        deployment = info.deployment
+        return RequestFacts(
+            info.deployment,
+            info.prompt_tokens,
+            info.cost_tokens,
+            forwarded=ex.forwarded_from is not None,
+            draw=ex.draw if ex.draw is not None else self.rng.random(),
+            block_hashes=self.prefix.keys(ex),
+            block_tokens=self.prefix.block_tokens(info.deployment),
+        )
+
+    def _cluster_facts(self, deployment: str) -> ClusterFacts:
         route = self.view.route(deployment)
         replicas = tuple(
             ReplicaFacts(
@@ -407,7 +435,7 @@ class Gateway:
             )
             for r in self.view.ready(deployment)
         )
-        here = ClusterFacts(
+        return ClusterFacts(
             self.cluster,
             replicas,
             versions=tuple(route.versions) if route else (),
@@ -417,16 +445,6 @@ class Gateway:
             waiting=self.queue.waiting(deployment),
             spill_per_replica=getattr(self.config.gateway, "spill_queue_per_replica", None),
         )
-        facts = RequestFacts(
-            deployment,
-            info.prompt_tokens,
-            info.cost_tokens,
-            forwarded=ex.forwarded_from is not None,
-            draw=ex.draw if ex.draw is not None else self.rng.random(),
-            block_hashes=self.prefix.keys(ex),
-            block_tokens=self.prefix.block_tokens(deployment),
-        )
-        return plan_route(facts, here, self._live_peers(deployment), self.prefix.index, self.prefix.model)
 
     def _live_peers(self, deployment: str) -> list[PeerFacts]:
         """Peers from the route, nearest first, less those heard dead or just failed;

@@ -238,8 +238,15 @@ def plan_route(
         prefer = _prefix_peers(request, local, peers, index, model)
         attempts += prefer
     attempts += local or [Attempt("local", "wait-for-replica")]
-    attempts += _peer_attempts("failover", "failover", peers, request, index)
+    attempts += plan_failover(request, peers, index)
     return Plan(tuple(attempts))
+
+
+def plan_failover(
+    request: RequestFacts, peers: Sequence[PeerFacts], index: PrefixLookup | None = None
+) -> list[Attempt]:
+    """Peers to try after every local attempt failed (none for a forwarded request)."""
+    return [] if request.forwarded else _peer_attempts("failover", "failover", peers, request, index)
 
 
 def _prefix_peers(
