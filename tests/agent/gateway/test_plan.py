@@ -15,6 +15,7 @@ from agent.gateway.plan import (
     Plan,
     ReplicaFacts,
     RequestFacts,
+    plan_failover,
     plan_route,
 )
 from agent.protocol import VersionWeight
@@ -212,3 +213,9 @@ def test_cached_tokens_never_cover_the_last_prompt_token() -> None:
 def test_unknown_routing_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown routing"):
         CostModel(routing="random")
+
+
+def test_failover_is_planned_fresh_and_never_for_a_forwarded_request() -> None:
+    assert [a.name for a in plan_failover(REQ, (PEER_S,))] == ["south"] * MAX_ATTEMPTS
+    assert plan_failover(RequestFacts("d", 10, 20, forwarded=True), (PEER_S,)) == []
+    assert plan_failover(REQ, ()) == []
