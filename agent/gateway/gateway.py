@@ -201,6 +201,7 @@ class Gateway:
                 if name == "keys":
                     self.quota.prime(list(self.view.keys.values()))
         if changed:
+            self.prefix.index.keep_only(self.cluster, [r.replica_id for r in self.view.replicas])
             for deployment in self.view.deployments():
                 route = self.view.route(deployment)
                 peers = [c.cluster for c in route.clusters if c.cluster != self.cluster] if route else []
