@@ -198,7 +198,9 @@ def _table(rows: list[dict[str, object]], title: str) -> None:
     table = Table(title=title, header_style="bold")
     for col in COLUMNS:
         table.add_column(
-            col.replace("_s", " s").replace("_", " "), justify="left" if col == "policy" else "right"
+            col.replace("_s", " s").replace("_", " "),
+            justify="left" if col in ("policy", "routing") else "right",
+            no_wrap=col in ("policy", "routing"),
         )
     for row in rows:
         table.add_row(*[_cell(row.get(col)) for col in COLUMNS])
