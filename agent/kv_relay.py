@@ -24,7 +24,14 @@ import httpx
 from pydantic import ValidationError
 
 from agent.nats_io import NatsLink
-from agent.protocol import KvCacheBatch, KvCacheOp, KvResyncRequest, kvcache_subject, kvresync_subject
+from agent.protocol import (
+    ALL_REPLICAS,
+    KvCacheBatch,
+    KvCacheOp,
+    KvResyncRequest,
+    kvcache_subject,
+    kvresync_subject,
+)
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +100,11 @@ class KvRelay:
             request = KvResyncRequest.from_bytes(msg.data)
         except (ValidationError, ValueError):
             return
-        if request.cluster == self.cluster and request.replica_id in self._tasks:
+        if request.cluster != self.cluster:
+            return
+        if request.replica_id == ALL_REPLICAS:
+            self._resync.update(self._tasks)
+        elif request.replica_id in self._tasks:
             self._resync.add(request.replica_id)
 
     def _http(self) -> httpx.AsyncClient:

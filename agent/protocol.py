@@ -494,8 +494,12 @@ class KvCacheBatch(Message):
     at: float = Field(default_factory=time.time)
 
 
+ALL_REPLICAS = "*"
+
+
 class KvResyncRequest(Message):
-    """A gateway lost track of a replica's prefix cache: send its full set again."""
+    """A gateway lost track of a replica's prefix cache (or, `replica_id` "*", of every
+    replica of the cluster: it just connected): send the full set again."""
 
     cluster: str
     replica_id: str

@@ -154,6 +154,7 @@ class Gateway:
             tokens_per_s=gwc.prefix_tokens_per_s,
             max_blocks=gwc.prefix_index_blocks,
             engine_arg=self.desired.engine_arg,
+            clusters=self._route_clusters,
         )
         # issue 7: demand for the autoscaler (scale from zero), cold starts on /metrics
         self.demand = DemandSignal(link, config.cluster, ready=lambda d: len(self.view.ready(d)))
@@ -206,6 +207,15 @@ class Gateway:
                 route = self.view.route(deployment)
                 peers = [c.cluster for c in route.clusters if c.cluster != self.cluster] if route else []
                 self.metrics.know(deployment, peers)
+
+    def _route_clusters(self) -> set[str]:
+        """This cluster and every cluster its routes name (whose KV events it indexes)."""
+        out = {self.cluster}
+        for deployment in self.view.deployments():
+            route = self.view.route(deployment)
+            if route is not None:
+                out.update(c.cluster for c in route.clusters)
+        return out
 
     def _concurrency_target(self, deployment: str) -> int:
         """Requests this gateway lets run at once on the deployment's ready replicas."""

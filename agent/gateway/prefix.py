@@ -25,7 +25,7 @@ from agent.gateway.kv_index import KvUpdate, PrefixIndex, block_key
 from agent.gateway.metrics import GatewayMetrics
 from agent.gateway.plan import Attempt, CostModel
 from agent.nats_io import NatsLink
-from agent.protocol import KVCACHE_WILDCARD, KvCacheBatch, KvResyncRequest, kvresync_subject
+from agent.protocol import ALL_REPLICAS, KVCACHE_WILDCARD, KvCacheBatch, KvResyncRequest, kvresync_subject
 from engine.kv_cache.block_hash import hash_request_blocks
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,7 @@ class PrefixRouting:
         tokens_per_s: float = 4000.0,
         max_blocks: int = 65536,
         engine_arg: Callable[[str, str], Any] = lambda deployment, name: None,
+        clusters: Callable[[], Iterable[str]] = tuple,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.link = link
@@ -85,6 +86,7 @@ class PrefixRouting:
         self.index = PrefixIndex(max_blocks_per_replica=max_blocks)
         self.model = CostModel(routing=routing, tokens_per_s=tokens_per_s)
         self.engine_arg = engine_arg
+        self.clusters = clusters  # whose replicas' full sets to ask for on (re)connect
         self.clock = clock
         self._asked: dict[tuple[str, str], float] = {}
         self._nc: object | None = None
@@ -143,6 +145,10 @@ class PrefixRouting:
         if link is not None and link.nc is not None and self._nc is not link.nc:
             self._nc = link.nc
             await link.nc.subscribe(KVCACHE_WILDCARD, cb=self._on_message)
+            # Whatever was missed while away: every known cluster's replicas, in full.
+            for cluster in sorted(set(self.clusters())):
+                request = KvResyncRequest(cluster=cluster, replica_id=ALL_REPLICAS, requester=self.cluster)
+                await link.publish(kvresync_subject(cluster), request)
 
     async def _on_message(self, msg: Any) -> None:
         cluster = msg.subject.rsplit(".", 1)[-1]

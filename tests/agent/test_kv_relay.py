@@ -102,6 +102,15 @@ async def test_relay_feeds_the_gateway_index_and_resyncs(nats_server) -> None:
         replica.run(a)
         await eventually(lambda: prefix.index.match("east", "r1", keys) == 2)
         assert prefix.events.labels("resync")._value.get() >= 1
+
+        # A gateway that connects later asks for every replica's full set at once.
+        late_link = NatsLink(nats_server.url, "late-gateway")
+        late = PrefixRouting(late_link, "south", GatewayMetrics(load=dict), clusters=lambda: ["east"])
+        late_link.start()
+        try:
+            await eventually(lambda: late.index.match("east", "r1", keys) == 2)
+        finally:
+            await late_link.close()
     finally:
         await relay.close()
         await agent_link.close()
