@@ -27,7 +27,7 @@ def _update(seq: int, ops, *, snapshot: bool = False, rid: str = "r1", epoch: st
     return KvUpdate("c", rid, "d", epoch, seq, tuple((k, tuple(v)) for k, v in ops), snapshot=snapshot)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(STREAM, st.integers(min_value=1, max_value=12))
 def test_never_claims_a_block_evicted_after_the_eviction_arrived(stream, cap) -> None:
     """Whatever the network does to the batches, a block the index claims is one the
@@ -65,14 +65,12 @@ def test_never_claims_a_block_evicted_after_the_eviction_arrived(stream, cap) ->
             held = {k for k in range(41) if index.holds("c", "r1", k)}
             assert held <= truth_at[applied_seq]
             assert len(held) <= cap
-        elif outcome == "resync":
-            assert not any(index.holds("c", "r1", k) for k in range(41))
-        for k in range(41):
-            if index.holds("c", "r1", k):
-                assert k in truth_at[applied_seq]
+        else:  # stale or resync: still nothing beyond the truth at the last applied batch
+            held = {k for k in range(41) if index.holds("c", "r1", k)}
+            assert held <= truth_at[applied_seq] and (outcome == "stale" or not held)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     st.lists(st.tuples(st.integers(0, 30), st.lists(st.integers(0, 10_000), max_size=50)), max_size=40),
     st.integers(1, 64),
