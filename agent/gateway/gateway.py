@@ -100,7 +100,6 @@ class Exchange:
     ran: bool = False  # a replica answered 2xx: it may have generated tokens
     draw: float | None = None  # sticky canary draw of the end user (issue 8)
     block_keys: tuple[int, ...] | None = None  # the prompt's prefix-block keys, once computed
-    prefilled: int = 0  # outstanding tokens released at the first token (the prefill done)
 
     @property
     def deployment(self) -> str:
@@ -561,16 +560,8 @@ class Gateway:
 
     @staticmethod
     def _work(ex: Exchange, target: Attempt) -> int:
-        """Queued work a request adds at a replica: its new prefill and reserved completion
-        (less the prefill once its first token came)."""
-        return max(0, ex.info.cost_tokens - target.cached_tokens - ex.prefilled)
-
-    def _first_token(self, ex: Exchange, target: Attempt) -> None:
-        ex.ttft_s = time.monotonic() - ex.started
-        if not target.is_peer:
-            done = max(0, ex.info.prompt_tokens - target.cached_tokens)
-            self.tracker.release(target.name, done)
-            ex.prefilled = done
+        """Queued work a request adds at a replica: its new prefill and reserved completion."""
+        return max(0, ex.info.cost_tokens - target.cached_tokens)
 
     def _release(self, ex: Exchange, target: Attempt) -> None:
         if not target.is_peer:
@@ -611,7 +602,7 @@ class Gateway:
                     for event in splitter.feed(chunk):
                         out = observer.observe(event)
                         if observer.first_token and ex.ttft_s is None:
-                            self._first_token(ex, target)
+                            ex.ttft_s = time.monotonic() - ex.started
                         if out:
                             yield out
                     try:

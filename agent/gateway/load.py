@@ -38,12 +38,6 @@ class LoadTracker:
         if load.requests == 0:
             del self._load[replica_id]
 
-    def release(self, replica_id: str, tokens: int) -> None:
-        """Part of a request's work is done (its prefill, at the first token)."""
-        load = self._load.get(replica_id)
-        if load is not None:
-            load.tokens = max(0, load.tokens - tokens)
-
     def outstanding(self, replica_id: str) -> int:
         load = self._load.get(replica_id)
         return load.tokens if load else 0

@@ -20,8 +20,8 @@ Stages, in the order the executor walks them:
 Cost model (``CostModel``), in prompt-token equivalents, lower is better:
 ``cost = new prefill tokens + queued work + rtt_s * tokens_per_s`` where new prefill
 tokens are the prompt less the cached prefix (prefix routing only), queued work is the
-tokens this gateway still has outstanding at the replica (its requests' new prefill until
-their first token, plus reserved completion), and RTT counts for peers only.
+tokens this gateway still has outstanding at the replica (its requests' new prefill plus
+reserved completion), and RTT counts for peers only.
 """
 
 from __future__ import annotations

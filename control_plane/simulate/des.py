@@ -200,16 +200,10 @@ class Simulation:
                 self._ttft.append(req.first_token_at - req.arrival)
             if req.rid not in self.where:
                 continue
-            _, work = self.where[req.rid]
-            if req.first_token_at is not None and work > req.output_tokens:
-                # Prefilled: what is left there is its decode (as a live gateway sees the first byte).
-                r.outstanding_tokens -= work - req.output_tokens
-                work = req.output_tokens
-                self.where[req.rid] = (r, work)
             if req.finished_at is not None:
                 if req.output_tokens > 1 and req.first_token_at is not None:
                     self._itl.append((req.finished_at - req.first_token_at) / (req.output_tokens - 1))
-                del self.where[req.rid]
+                _, work = self.where.pop(req.rid)
                 r.outstanding_tokens -= work
                 r.in_flight -= 1
         if r.draining and r.in_flight == 0 and r.released is None:
