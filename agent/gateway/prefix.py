@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from agent.gateway.kv_index import KvUpdate, PrefixIndex, block_key
 from agent.gateway.metrics import GatewayMetrics
 from agent.gateway.plan import Attempt, CostModel
+from agent.gateway.tenancy import cache_salt
 from agent.nats_io import NatsLink
 from agent.protocol import ALL_REPLICAS, KVCACHE_WILDCARD, KvCacheBatch, KvResyncRequest, kvresync_subject
 from engine.kv_cache.block_hash import hash_request_blocks
@@ -125,9 +126,8 @@ class PrefixRouting:
             return ex.block_keys
         ids = ex.info.prompt_ids
         keys: tuple[int, ...] = ()
-        if self.model.prefix and ids:
-            salt = ex.info.body.get("cache_salt")
-            keys = prefix_keys(ids, self.block_tokens(ex.deployment), salt if isinstance(salt, str) else None)
+        if self.model.prefix and ids:  # the salt the replica gets (agent.gateway.tenancy)
+            keys = prefix_keys(ids, self.block_tokens(ex.deployment), cache_salt(ex.key_id))
         ex.block_keys = keys
         return keys
 
