@@ -15,6 +15,7 @@ import uvicorn
 from agent import protocol
 from agent.gateway.app import build_app
 from agent.gateway.prefix import prefix_keys
+from agent.gateway.tenancy import cache_salt
 from agent.nats_io import NatsLink, ensure_jetstream
 from agent.protocol import (
     ApiKeyRecord,
@@ -82,7 +83,10 @@ async def test_later_turns_follow_their_prefix(tmp_path, nats_server, model_dir,
                 return f"conversation {conv} is about topic {conv * 7}. " * 3 + " and then more" * (3 * turn)
 
             def keys(text: str) -> tuple[int, ...]:
-                return prefix_keys(tok.encode(text, True), gateway.prefix.block_tokens("tiny"))
+                # the key's salt, as the gateway gives the replica: unsalted blocks never match
+                return prefix_keys(
+                    tok.encode(text, True), gateway.prefix.block_tokens("tiny"), cache_salt(key_id)
+                )
 
             async def complete(text: str) -> None:
                 body = {"model": "tiny", "prompt": text, "max_tokens": 2, "temperature": 0}
