@@ -17,13 +17,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineArgs
-from engine.errors import EngineDeadError, PromptTooLongError, QueueFullError
-from engine.llm_engine import LLMEngine, PromptInput
+from engine.errors import EngineDeadError, PromptTooLongError, QueueFullError, StepFailedError
+from engine.llm_engine import LLMEngine, PromptInput, StepError
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.timing import HistogramSnapshot
 
 log = logging.getLogger(__name__)
+
+MAX_FAILED_STEPS = 3
 
 
 @dataclass
@@ -50,6 +52,7 @@ class AsyncLLM:
         self._dead: BaseException | None = None
         self._ids = itertools.count()
         self._pending = 0  # adds handed over but not yet applied (counted against the queue limit)
+        self._failed_steps = 0  # consecutive
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -158,6 +161,27 @@ class AsyncLLM:
                 if out is not None and stream is not None:
                     stream.put(out)
 
+    def _step(self) -> list[RequestOutput]:
+        """One engine step. A failed step fails the requests that were in it (their
+        clients get an error) and the loop goes on; `MAX_FAILED_STEPS` failures in a row
+        mean the engine itself is broken, and the loop dies (the replica is restarted)."""
+        try:
+            outs = self.engine.step()
+        except StepError as err:
+            self._failed_steps += 1
+            log.error("engine step failed (%d in a row): %r", self._failed_steps, err.cause)
+            if self._failed_steps >= MAX_FAILED_STEPS:
+                raise err.cause from err
+            failure = StepFailedError(f"this request's engine step failed: {err.cause!r}")
+            for rid in err.request_ids:
+                stream = self._streams.get(rid)
+                if stream is not None:
+                    stream.put(failure)
+            self.engine.fail_requests(err.request_ids)
+            return []
+        self._failed_steps = 0
+        return outs
+
     def _run(self) -> None:
         try:
             while not self._stopping:
@@ -165,7 +189,7 @@ class AsyncLLM:
                 self._wake.clear()
                 self._apply_commands()
                 while self.engine.has_unfinished_requests() and not self._stopping:
-                    for out in self.engine.step():
+                    for out in self._step():
                         stream = self._streams.get(out.request_id)
                         if stream is not None:
                             stream.put(out)

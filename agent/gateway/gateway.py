@@ -31,7 +31,7 @@ from agent.gateway.contract import accounting_usage
 from agent.gateway.demand import DemandSignal
 from agent.gateway.errors import GatewayError, error_response, sse_error_event
 from agent.gateway.freshness import KeyFreshness
-from agent.gateway.inputs import Endpoint, RequestInfo, parse_request
+from agent.gateway.inputs import OFF_LOOP_BYTES, Endpoint, RequestInfo, parse_off_loop
 from agent.gateway.limits import QuotaGate
 from agent.gateway.liveness import SESSION_HEADER, PeerLiveness, sticky_draw
 from agent.gateway.load import LoadTracker
@@ -58,7 +58,7 @@ from agent.gateway.tokens import DesiredIndex, TokenCounters
 from agent.gateway.usage import UsagePublisher
 from agent.local_state import GatewayStatus, LocalState
 from agent.nats_io import NatsLink
-from agent.protocol import ApiKeyRecord, UsageRecord
+from agent.protocol import MAX_USAGE_TOKENS, ApiKeyRecord, UsageRecord
 from agent.security.tls import nats_tls
 
 log = logging.getLogger("agent.gateway")
@@ -279,7 +279,7 @@ class Gateway:
             record = self.auth.authenticate(request.headers.get("authorization"))
             self.auth.authorize(record)
             raw = await self._read_body(request)
-            info = parse_request(raw, endpoint)
+            info = await parse_off_loop(raw, endpoint)
             self.auth.authorize(record, info.deployment)
             if not self.view.known(info.deployment):
                 raise GatewayError(
@@ -288,7 +288,7 @@ class Gateway:
                     param="model",
                     code="model_not_found",
                 )
-            info, counter = await self.tokens.recount_async(info)
+            info, counter = await self.tokens.recount_async(info, off_loop=len(raw) > OFF_LOOP_BYTES)
             self.metrics.prompt_tokens_counted.labels(info.deployment, counter).inc(info.prompt_tokens)
         except GatewayError as err:
             self._count(UNKNOWN, err.status, started)
@@ -305,7 +305,7 @@ class Gateway:
                     key_id=record.key_id,
                     deployment=info.deployment,
                     status=err.status,
-                    refused_tokens=info.cost_tokens,
+                    refused_tokens=min(info.cost_tokens, MAX_USAGE_TOKENS),
                     latency_s=time.monotonic() - started,
                 )
             )
@@ -694,7 +694,8 @@ class Gateway:
 
 
 def _int(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+    ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return min(value, MAX_USAGE_TOKENS) if ok else 0
 
 
 class _ProxiedStream(StreamingResponse):

@@ -17,6 +17,9 @@ import httpx
 PASS_HEADERS = ("content-type", "retry-after", "x-fleet-cluster", "x-fleet-version")
 PASS_PREFIXES = ("x-ratelimit-",)
 MAX_ERROR_BODY = 64 * 1024
+# A replica's 5xx that is the request's own failure (the engine's header): passed to the
+# client, not retried on another replica, like a 4xx.
+NO_RETRY_HEADER = "x-fleet-no-retry"
 
 
 def make_client(read_timeout_s: float = 600.0, verify: ssl.SSLContext | bool = True) -> httpx.AsyncClient:
@@ -95,7 +98,7 @@ async def open_upstream(client: httpx.AsyncClient, url: str, headers: dict[str, 
         response = await client.send(request, stream=True)
     except (httpx.HTTPError, httpx.InvalidURL) as err:
         raise AttemptFailed("connect", f"{type(err).__name__}: {err}") from None
-    if response.status_code >= 500:
+    if response.status_code >= 500 and not response.headers.get(NO_RETRY_HEADER):
         try:
             data = await _read_bounded(response)
         except httpx.HTTPError:
