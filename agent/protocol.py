@@ -19,6 +19,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.bounds import FiniteFloat, Timestamp
+from engine.bounds import InputError as InputError  # re-exported: the control plane's route to them
+from engine.bounds import load_json as load_json
 
 # Bounds of what an agent or gateway may report (the admin API's pool limits, for one):
 # a heartbeat cannot make the control plane allocate per node beyond these.

@@ -40,7 +40,12 @@ Timestamp = Annotated[float, Field(ge=0.0, le=253_402_300_799.0, allow_inf_nan=F
 
 
 class InputError(ValueError):
-    """Input outside the bounds; the message says which and is safe to show a client."""
+    """Input outside the bounds; the message says which and is safe to show a client.
+    `reason` is a short label: json, depth, utf8, nonfinite, range."""
+
+    def __init__(self, message: str, reason: str = "range") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def text_problem(s: str) -> str | None:
@@ -54,22 +59,23 @@ def text_problem(s: str) -> str | None:
     return None
 
 
-def check_tree(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
-    """Walk a decoded JSON value without recursion: depth and strings (keys included)."""
+def check_tree(value: Any, max_depth: int = MAX_JSON_DEPTH, finite: bool = True) -> None:
+    """Walk a decoded JSON value without recursion: depth, strings (keys included) and,
+    with `finite`, numbers."""
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         node, depth = stack.pop()
         if isinstance(node, str):
             problem = text_problem(node)
             if problem is not None:
-                raise InputError(f"A string in the request body {problem}; it is not valid UTF-8")
+                raise InputError(f"A string in the request body {problem}; it is not valid UTF-8", "utf8")
             continue
-        if isinstance(node, float) and not math.isfinite(node):
-            raise InputError("The request body contains a non-finite number (NaN or Infinity)")
+        if finite and isinstance(node, float) and not math.isfinite(node):
+            raise InputError("The request body contains a non-finite number (NaN or Infinity)", "nonfinite")
         if not isinstance(node, dict | list):
             continue
         if depth > max_depth:
-            raise InputError(f"The request body is nested deeper than {max_depth} levels")
+            raise InputError(f"The request body is nested deeper than {max_depth} levels", "depth")
         items = node.items() if isinstance(node, dict) else enumerate(node)
         for k, v in items:
             if isinstance(k, str):
@@ -78,18 +84,19 @@ def check_tree(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
 
 
 def _no_constant(name: str) -> Any:
-    raise InputError(f"The request body is not valid JSON: {name} is not a JSON number")
+    raise InputError(f"The request body is not valid JSON: {name} is not a JSON number", "nonfinite")
 
 
-def load_json(raw: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """`json.loads` with the bounds above; every failure is an `InputError`."""
+def load_json(raw: bytes | str, max_depth: int = MAX_JSON_DEPTH, finite: bool = True) -> Any:
+    """`json.loads` with the bounds above; every failure is an `InputError`. `finite=False`
+    leaves NaN and Infinity to the caller's own validation (its field-level message)."""
     try:
-        value = json.loads(raw, parse_constant=_no_constant)
+        value = json.loads(raw, parse_constant=_no_constant if finite else None)
     except RecursionError:
-        raise InputError(f"The request body is nested deeper than {max_depth} levels") from None
+        raise InputError(f"The request body is nested deeper than {max_depth} levels", "depth") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InputError(f"The request body is not valid JSON: {err}") from None
-    check_tree(value, max_depth)
+        raise InputError(f"The request body is not valid JSON: {err}", "json") from None
+    check_tree(value, max_depth, finite)
     return value
 
 
