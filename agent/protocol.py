@@ -135,8 +135,8 @@ class PoolInventory(BaseModel):
     """A capacity pool a cluster offers. On a CPU machine `gpu_model` is "cpu" and the
     "GPUs" are replica slots, so the same placement flow runs without accelerators."""
 
-    name: str = Field(max_length=63)
-    gpu_model: str = Field(max_length=63)
+    name: str  # widths are checked by the control plane's ingest (a reason, not a parse error)
+    gpu_model: str
     gpu_memory_gb: float = Field(0.0, ge=0, le=100_000, allow_inf_nan=False)
     gpus_per_node: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE)
     nodes: int = Field(1, ge=0, le=MAX_POOL_NODES)
