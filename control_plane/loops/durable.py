@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,10 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import FetchTimeoutError
 
 log = logging.getLogger(__name__)
+
+# Test hook: the process dies (like kill -9) right after receiving a batch ("received")
+# or right after its commit, before any ack ("committed"). Only tests set it.
+CRASH_ENV = "FLEET_TEST_INGEST_CRASH"
 
 
 @dataclass(frozen=True)
@@ -60,7 +65,8 @@ class DurableConsumer:
         self.durable = durable
         self.store = store
         self.batch = batch
-        self.ack_wait_s = ack_wait_s
+        # FLEET_INGEST_ACK_WAIT_S: how long an unacknowledged batch waits for redelivery
+        self.ack_wait_s = float(os.environ.get("FLEET_INGEST_ACK_WAIT_S") or ack_wait_s)
         self.retry_s = retry_s
         self.stored = 0  # messages acknowledged after a commit
 
@@ -103,8 +109,13 @@ class DurableConsumer:
 
     async def _handle(self, msgs: list) -> None:
         batch = [Received(m.subject, m.data, _seq(m)) for m in msgs]
+        crash = os.environ.get(CRASH_ENV)
+        if crash == "received":
+            os._exit(137)
         try:
             verdicts = await asyncio.to_thread(self.store, batch)
+            if crash == "committed":
+                os._exit(137)
         except asyncio.CancelledError:
             raise
         except Exception:
