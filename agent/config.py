@@ -55,6 +55,12 @@ class GatewayConfig(BaseModel):
     stale_keys: Literal["verified", "refuse"] = "verified"
     # /metrics needs a bearer key with the "metrics" or "read" scope.
     protect_metrics: bool = False
+    # Per-attempt limits at a replica or peer, so a hung one costs seconds, not a long
+    # read timeout: until the first byte of a stream; between chunks after it; and for a
+    # non-streamed answer (whole generation) first_byte + token_timeout_s per token asked.
+    first_byte_timeout_s: float = Field(60.0, gt=0)
+    inter_chunk_timeout_s: float = Field(30.0, gt=0)
+    token_timeout_s: float = Field(0.5, ge=0)
 
     @property
     def url(self) -> str:

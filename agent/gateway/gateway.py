@@ -37,7 +37,7 @@ from agent.gateway.liveness import SESSION_HEADER, PeerLiveness, sticky_draw
 from agent.gateway.load import LoadTracker
 from agent.gateway.metrics import UNKNOWN, GatewayMetrics
 from agent.gateway.peers import PeerAuth
-from agent.gateway.proxy import AttemptFailed, Opened, make_client, open_upstream
+from agent.gateway.proxy import AttemptFailed, Deadlines, Opened, make_client, open_upstream
 from agent.gateway.queue import ReplicaQueue
 from agent.gateway.quota import Reservation
 from agent.gateway.routing import (
@@ -512,7 +512,9 @@ class Gateway:
                 self.metrics.replica_choice.labels(deployment, target.name, str(target.version)).inc()
             opened: Opened | None = None
             try:
-                opened = await open_upstream(self.client, target.url + path, headers, body)
+                opened = await open_upstream(
+                    self.client, target.url + path, headers, body, self._deadlines(ex, target)
+                )
                 if opened.status >= 300 or not ex.info.stream:
                     data = await opened.read_rest()
             except AttemptFailed as err:
@@ -558,6 +560,13 @@ class Gateway:
                 headers={"Retry-After": str(self.queue.retry_after_s)},
             )
         raise self.queue._unavailable(deployment, "its replicas went away")
+
+    def _deadlines(self, ex: Exchange, target: Target) -> Deadlines:
+        gwc = self.config.gateway
+        first = gwc.first_byte_timeout_s + (gwc.queue_timeout_s if target.is_peer else 0.0)
+        if not ex.info.stream:  # the first byte comes with the whole answer
+            first += gwc.token_timeout_s * ex.info.max_tokens * ex.info.sequences
+        return Deadlines(first_byte_s=first, gap_s=gwc.inter_chunk_timeout_s)
 
     def _release(self, ex: Exchange, target: Target) -> None:
         if not target.is_peer:

@@ -60,7 +60,23 @@ def build_app(state: ServerState) -> FastAPI:
             return JSONResponse({"status": status, "error": state.load_error}, status_code=503)
         if not getattr(state.engine, "is_running", True):
             return JSONResponse({"status": "dead", "error": "the engine loop has stopped"}, status_code=503)
+        stalled = getattr(state.engine, "stalled_for", lambda: 0.0)()
+        if stalled > state.settings.stall_timeout_s:
+            error = f"the engine loop has had work and made no step for {stalled:.0f} s"
+            return JSONResponse({"status": "stalled", "error": error}, status_code=503)
         return JSONResponse({"status": "ok", "model": state.settings.served_model_name})
+
+    if state.settings.test_hooks:
+
+        @app.post("/debug/freeze")
+        async def freeze() -> Response:
+            engine().freeze(True)  # type: ignore[attr-defined]
+            return JSONResponse({"frozen": True})
+
+        @app.post("/debug/thaw")
+        async def thaw() -> Response:
+            engine().freeze(False)  # type: ignore[attr-defined]
+            return JSONResponse({"frozen": False})
 
     @app.get("/metrics")
     async def metrics() -> Response:
