@@ -296,7 +296,9 @@ class Gateway:
                 reply_headers.update(self.quota.headers(record, ""))
             return error_response(err, reply_headers)
         try:
-            reservation, limit_headers = self.quota.admit(record, info)
+            reservation, limit_headers = self.quota.admit(
+                record, info, info.worst_case_tokens(self._context_tokens(info.deployment))
+            )
         except GatewayError as err:  # over a quota: the refusal is demand the control plane sees
             self._count(info.deployment, err.status, started)
             self.usage.submit(
@@ -364,14 +366,16 @@ class Gateway:
             # A warm standby serves only while no primary is alive (issue 8).
             primaries = [t for t in self._live_peers(deployment) if not t.standby]
             if primaries:
-                self.quota.refund(ex.reservation)  # the primary's gateway charges the key
                 try:
-                    return await self._attempts(
+                    response = await self._attempts(
                         ex, raw, request, self._peer_chooser(primaries), pass_failure=False
                     )
-                except GatewayError:  # no primary answered: serve here, and skip them for a while
+                except GatewayError:  # no primary answered: serve here (charged here), skip them a while
                     for target in primaries:
                         self.liveness.mark_down(target.name)
+                else:
+                    self.quota.refund(ex.reservation)  # the primary's gateway charged the key
+                    return response
         elif not ex.forwarded_from and (not self._local_usable(deployment) or self._spill(deployment)):
             targets = self._live_peers(deployment)
             if targets:
@@ -561,6 +565,13 @@ class Gateway:
             )
         raise self.queue._unavailable(deployment, "its replicas went away")
 
+    def _context_tokens(self, deployment: str) -> int:
+        """The deployment's context window: its engine_args max_model_len, else the setting."""
+        value = self.desired.engine_arg(deployment, "max_model_len")
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+        return self.config.gateway.default_context_tokens
+
     def _deadlines(self, ex: Exchange, target: Target) -> Deadlines:
         gwc = self.config.gateway
         first = gwc.first_byte_timeout_s + (gwc.queue_timeout_s if target.is_peer else 0.0)
@@ -596,6 +607,9 @@ class Gateway:
             self._release(ex, target)
             if observer.usage:
                 ex.usage = accounting_usage(ex.info.endpoint, observer.usage)
+            elif not target.is_peer and 200 <= opened.status < 300:
+                # cut short (the client left, the upstream broke): charge what was streamed
+                ex.usage = {"prompt_tokens": ex.info.prompt_tokens, "completion_tokens": observer.tokens_seen}
             self._finish(ex, status)
 
         async def body() -> AsyncIterator[bytes]:

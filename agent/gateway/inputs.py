@@ -55,11 +55,18 @@ class RequestInfo:
     prompt_tokens: int  # estimated, over every prompt of the request
     max_tokens: int  # per sequence, as requested or the default reserved for it
     sequences: int  # prompts x n
+    max_tokens_given: bool = True  # False: a chat request may run to the end of the context
 
     @property
     def cost_tokens(self) -> int:
         """Tokens this request adds to a replica's outstanding work."""
         return self.prompt_tokens + self.max_tokens * self.sequences
+
+    def worst_case_tokens(self, context_tokens: int) -> int:
+        """What the request may cost at most: max_tokens, else the context left."""
+        if self.max_tokens_given:
+            return self.cost_tokens
+        return self.prompt_tokens + max(1, context_tokens - self.prompt_tokens) * self.sequences
 
 
 def _bad(message: str, param: str | None = None) -> GatewayError:
@@ -148,6 +155,7 @@ def parse_request(raw: bytes, endpoint: Endpoint, counter: TokenCounter | None =
             raise _bad("stream_options.include_usage must be a boolean", "stream_options")
         wants_usage = bool(include)
     n = _optional_int(body, "n", 1, MAX_N) or 1
+    given = True  # max_tokens (or its default) bounds the output; False below: the context does
     if endpoint in ("embeddings", "responses"):
         check_body(raw, endpoint)
     if endpoint == "embeddings":
@@ -164,10 +172,12 @@ def parse_request(raw: bytes, endpoint: Endpoint, counter: TokenCounter | None =
         max_completion = _optional_int(body, "max_completion_tokens", 1)
         requested = max_completion if max_completion is not None else max_tokens
         max_tokens = requested if requested is not None else DEFAULT_CHAT_MAX_TOKENS
+        given = requested is not None
     else:
         prompt_tokens, prompts = _completion_prompts(body.get("prompt"), counter)
         requested = _optional_int(body, "max_tokens", 1)
         max_tokens = requested if requested is not None else DEFAULT_COMPLETION_MAX_TOKENS
+        given = True  # the engine's default (16) is the real bound
     if endpoint in ("chat", "completions"):
         check_body(raw, endpoint)  # then everything else the replica checks, with its own 400s
     return RequestInfo(
@@ -179,6 +189,7 @@ def parse_request(raw: bytes, endpoint: Endpoint, counter: TokenCounter | None =
         prompt_tokens=prompt_tokens,
         max_tokens=max_tokens,
         sequences=prompts * n,
+        max_tokens_given=given,
     )
 
 
