@@ -18,6 +18,7 @@ from engine.server.errors import APIError, install_error_handlers
 from engine.server.inputs import chat_prompt_ids, check_model, check_token_ids, parse_body
 from engine.server.metrics import ServerMetrics
 from engine.server.middleware import GuardMiddleware
+from engine.server.openapi import openapi_document
 from engine.server.responses import create_response
 from engine.server.state import EngineClient, ServerSettings, ServerState
 from engine.timing import HistogramSnapshot
@@ -77,6 +78,10 @@ def build_app(state: ServerState) -> FastAPI:
         async def thaw() -> Response:
             engine().freeze(False)  # type: ignore[attr-defined]
             return JSONResponse({"frozen": False})
+
+    @app.get("/openapi.json")
+    async def openapi() -> Response:
+        return JSONResponse(openapi_document("Fleet engine", bearer=state.settings.api_key is not None))
 
     @app.get("/metrics")
     async def metrics() -> Response:
