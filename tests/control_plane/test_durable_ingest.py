@@ -2,7 +2,9 @@
 events published while the control plane is down, or while it dies between receiving a batch
 and committing it (or between the commit and the acks), are all in the database once.
 
-Two publishers play the gateways of two clusters (the records are what a gateway sends)."""
+Two publishers play the gateways of two clusters (the records are what a gateway sends).
+On PostgreSQL when one is configured (CI), else SQLite: tests/e2e/test_control_plane_outage_usage.py
+runs the whole fleet (SQLite, the default) through a control plane outage."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from agent import protocol
 from agent.nats_io import NatsLink
 from control_plane.db import session as dbs
 from control_plane.local.nats_server import NatsServer
-from tests.control_plane.cp_server import ControlPlaneServer
+from tests.control_plane.cp_server import PG_ENV, ControlPlaneServer, fresh_database
 
 pytestmark = pytest.mark.slow
 
@@ -79,6 +81,13 @@ def _wait_rows(url: str, traffic: Traffic, timeout: float = 60.0) -> tuple[int, 
         if (got[0] >= traffic.records and got[3] >= traffic.events) or time.monotonic() > deadline:
             return got
         time.sleep(0.2)
+
+
+@pytest.fixture
+def db_url(tmp_path):
+    url, cleanup = fresh_database("postgresql" if os.environ.get(PG_ENV) else "sqlite", tmp_path)
+    yield url
+    cleanup()
 
 
 async def test_nothing_lost_nothing_counted_twice(db_url: str, tmp_path, monkeypatch) -> None:
