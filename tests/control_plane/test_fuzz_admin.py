@@ -33,9 +33,9 @@ def test_admin_api_never_answers_5xx(cp_server) -> None:
     with cp_server.client() as admin:  # something to find, change and delete
         admin.post("/v1/deployments", json={"name": "fuzzed", "model": "m", "max_replicas": 3})
         admin.post("/v1/clusters", json={"id": "fuzz-c", "pools": [{"name": "gpus", "gpu_model": "L4"}]})
-    report = fuzz(f"{cp_server.url}/openapi.json", cp_server.url, headers=headers, examples=4)
+    report = fuzz(f"{cp_server.url}/openapi.json", cp_server.url, headers=headers, examples=3)
     print(f"\nadmin fuzz: {report.calls} calls in {report.call_s:.1f} s of server time ({report.table()})")
-    assert report.calls > 80
+    assert report.calls > 60
     assert report.failures == []
     with cp_server.client() as admin:
         assert admin.get("/healthz").status_code == 200
