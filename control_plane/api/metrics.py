@@ -57,7 +57,8 @@ class ControlPlaneCollector(Collector):
             labels=["subject", "reason"],
         )
         rejections = self.rejections()
-        for (subject, reason), n in sorted((rejections.snapshot() if rejections else {}).items()):
+        snapshot = rejections.snapshot() if rejections else {}
+        for (subject, reason), n in sorted(snapshot.items()):
             c.add_metric([subject, reason], n)
         yield c
 

@@ -16,6 +16,9 @@ from collections import Counter
 log = logging.getLogger(__name__)
 
 LOG_EVERY_S = 60.0
+# Every (pattern, reason) is exported, 0 until it happens, so dashboards always have series.
+PATTERNS = ("fleet.v1.heartbeat.*", "fleet.v1.events.*", "fleet.v1.usage.*")
+REASONS = ("malformed", "invalid", "subject", "schema", "database")
 
 
 class Rejections:
@@ -44,4 +47,4 @@ class Rejections:
 
     def snapshot(self) -> dict[tuple[str, str], int]:
         with self._lock:
-            return dict(self.counts)
+            return {**{(p, r): 0 for p in PATTERNS for r in REASONS}, **self.counts}
