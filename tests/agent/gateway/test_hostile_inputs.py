@@ -50,14 +50,15 @@ def test_hostile_bodies_never_reach_a_replica(
 def test_a_replica_refusal_is_not_retried_elsewhere(
     east: GatewayProcess, secret: str, replicas: list[ServerProcess]
 ) -> None:
-    """seed 2**64: only the engine knows its bound; one replica says 400, the other is not asked."""
+    """seed 2**64: refused with a 400 by the shared contract (at the gateway, or by one
+    replica), never tried on a second replica."""
     before, _ = _replica_traffic(replicas)
     body = {"model": DEPLOYMENT, "prompt": "hi", "max_tokens": 1, "seed": 2**64}
     r = httpx.post(f"{east.url}/v1/completions", json=body, headers=bearer(secret), timeout=30)
     err = assert_openai_error(r, 400)
     assert err["param"] == "seed"
     after, _ = _replica_traffic(replicas)
-    assert after == before + 1
+    assert after - before <= 1
     ok = httpx.post(
         f"{east.url}/v1/completions", json={**body, "seed": 2**63 - 1}, headers=bearer(secret), timeout=30
     )
