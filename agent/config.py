@@ -61,6 +61,15 @@ class GatewayConfig(BaseModel):
     routing: Literal["least-load", "prefix"] = "prefix"
     prefix_tokens_per_s: float = Field(4000.0, gt=0)
     prefix_index_blocks: int = Field(65536, ge=1)  # block hashes remembered per replica
+    # Per-attempt limits at a replica or peer, so a hung one costs seconds, not a long
+    # read timeout: until the first byte of a stream; between chunks after it; and for a
+    # non-streamed answer (whole generation) first_byte + token_timeout_s per token asked.
+    first_byte_timeout_s: float = Field(60.0, gt=0)
+    inter_chunk_timeout_s: float = Field(30.0, gt=0)
+    token_timeout_s: float = Field(0.5, ge=0)
+    # The context window assumed for a deployment whose engine_args give no max_model_len:
+    # a chat request without max_tokens reserves quota for the context it may fill.
+    default_context_tokens: int = Field(8192, ge=1)
 
     @property
     def url(self) -> str:

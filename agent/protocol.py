@@ -18,6 +18,20 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from engine.bounds import FiniteFloat, Timestamp
+from engine.bounds import InputError as InputError  # re-exported: the control plane's route to them
+from engine.bounds import load_json as load_json
+
+# Bounds of what an agent or gateway may report (the admin API's pool limits, for one):
+# a heartbeat cannot make the control plane allocate per node beyond these.
+MAX_POOL_NODES = 100_000
+MAX_GPUS_PER_NODE = 64
+MAX_POOLS = 256
+MAX_REPLICAS = 10_000
+MAX_COUNT = 1 << 30
+MAX_USAGE_TOKENS = 2**31 - 1
+MAX_TEXT = 4096
+
 SCHEMA_VERSION = 1
 
 # JetStream key-value buckets.
@@ -127,13 +141,13 @@ class PoolInventory(BaseModel):
     """A capacity pool a cluster offers. On a CPU machine `gpu_model` is "cpu" and the
     "GPUs" are replica slots, so the same placement flow runs without accelerators."""
 
-    name: str
+    name: str  # widths are checked by the control plane's ingest (a reason, not a parse error)
     gpu_model: str
-    gpu_memory_gb: float = 0.0
-    gpus_per_node: int = 1
-    nodes: int = 1
+    gpu_memory_gb: float = Field(0.0, ge=0, le=100_000, allow_inf_nan=False)
+    gpus_per_node: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE)
+    nodes: int = Field(1, ge=0, le=MAX_POOL_NODES)
     tier: Tier = Tier.on_demand
-    hourly_price: float = 0.0
+    hourly_price: float = Field(0.0, ge=0, le=1_000_000, allow_inf_nan=False)
 
 
 # --------------------------------------------------------------------- desired state
@@ -305,15 +319,15 @@ def verify_secret(secret: str, salt: str, digest: str) -> bool:
 
 
 class ReplicaLoad(BaseModel):
-    running: int = 0
-    waiting: int = 0
-    kv_cache_usage: float = 0.0
-    tokens_per_s: float = 0.0  # generated
+    running: int = Field(0, ge=0, le=MAX_COUNT)
+    waiting: int = Field(0, ge=0, le=MAX_COUNT)
+    kv_cache_usage: FiniteFloat = 0.0
+    tokens_per_s: FiniteFloat = 0.0  # generated
     # Work for the SLO-driven autoscaler: admitted prompt tokens/s, first tokens/s (requests
     # starting), and the mean TTFT of those requests (None: none in the window).
-    prompt_tokens_per_s: float = 0.0
-    requests_per_s: float = 0.0
-    ttft_s: float | None = None
+    prompt_tokens_per_s: FiniteFloat = 0.0
+    requests_per_s: FiniteFloat = 0.0
+    ttft_s: FiniteFloat | None = None
 
 
 class ReplicaStatus(BaseModel):
@@ -376,19 +390,19 @@ class Heartbeat(Message):
     region: str = ""
     coordinates: Coordinates = Field(default_factory=Coordinates)
     gateway_url: str = ""
-    pools: list[PoolInventory] = Field(default_factory=list)
-    replicas: list[ReplicaStatus] = Field(default_factory=list)
-    desired_generation: int = -1  # last DesiredState generation the agent applied
-    queue_depth: int = 0
-    tokens_per_s: float = 0.0
+    pools: list[PoolInventory] = Field(default_factory=list, max_length=MAX_POOLS)
+    replicas: list[ReplicaStatus] = Field(default_factory=list, max_length=MAX_REPLICAS)
+    desired_generation: int = Field(-1, ge=-1, le=2**62)  # last DesiredState generation applied
+    queue_depth: int = Field(0, ge=0, le=MAX_COUNT)
+    tokens_per_s: FiniteFloat = 0.0
     # Replicas whose spot node the provider reclaimed: re-placed at once (elsewhere).
-    preempted: list[str] = Field(default_factory=list)
+    preempted: list[str] = Field(default_factory=list, max_length=MAX_REPLICAS)
     # Replicas the cluster cannot schedule (capacity its pool claimed is missing; the pool
     # is reported smaller meanwhile): re-placed at once, like preempted ones.
-    unschedulable: list[str] = Field(default_factory=list)
+    unschedulable: list[str] = Field(default_factory=list, max_length=MAX_REPLICAS)
     # The node's model cache: what is cached or being pulled (`fleetctl models ls`).
-    models: list[CachedModel] = Field(default_factory=list)
-    sent_at: float = Field(default_factory=time.time)
+    models: list[CachedModel] = Field(default_factory=list, max_length=MAX_REPLICAS)
+    sent_at: Timestamp = Field(default_factory=time.time)
 
 
 # --------------------------------------------------------------------- events and usage
@@ -413,10 +427,12 @@ EventKind = Literal[
 class Event(Message):
     cluster: str
     kind: EventKind
-    message: str = ""
+    message: str = Field("", max_length=MAX_TEXT)
     deployment: str | None = None
     replica_id: str | None = None
-    at: float = Field(default_factory=time.time)
+    at: Timestamp = Field(default_factory=time.time)
+    # Unique per event (the writer's), so a redelivered message is stored once.
+    event_id: str | None = Field(default_factory=lambda: secrets.token_hex(12), max_length=64)
 
 
 class UsageRecord(Message):
@@ -425,16 +441,18 @@ class UsageRecord(Message):
     cluster: str
     key_id: str
     deployment: str
-    version: int | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    status: int = 200
-    ttft_s: float | None = None
-    latency_s: float = 0.0
-    at: float = Field(default_factory=time.time)
+    version: int | None = Field(None, ge=0, le=2**31 - 1)
+    prompt_tokens: int = Field(0, ge=0, le=MAX_USAGE_TOKENS)
+    completion_tokens: int = Field(0, ge=0, le=MAX_USAGE_TOKENS)
+    status: int = Field(200, ge=100, le=599)
+    ttft_s: FiniteFloat | None = None
+    latency_s: FiniteFloat = 0.0
+    at: Timestamp = Field(default_factory=time.time)
     # a request a quota refused (status 429): the tokens it asked for, which the control
     # plane counts as demand when it splits the key's budget between regions
-    refused_tokens: int = Field(0, ge=0)
+    refused_tokens: int = Field(0, ge=0, le=MAX_USAGE_TOKENS)
+    # Unique per record (the gateway's), so a redelivered message is counted once.
+    record_id: str | None = Field(default_factory=lambda: secrets.token_hex(12), max_length=64)
     # A replica attempt that failed before the first byte and was retried elsewhere: not a
     # finished request (no tokens; accounting skips it), but the canary guards count it
     # against the version that failed (issue 8).

@@ -12,18 +12,21 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineArgs
-from engine.errors import EngineDeadError, PromptTooLongError, QueueFullError
-from engine.llm_engine import LLMEngine, PromptInput
+from engine.errors import EngineDeadError, PromptTooLongError, QueueFullError, StepFailedError
+from engine.llm_engine import LLMEngine, PromptInput, StepError
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.timing import HistogramSnapshot
 
 log = logging.getLogger(__name__)
+
+MAX_FAILED_STEPS = 3
 
 
 @dataclass
@@ -51,6 +54,11 @@ class AsyncLLM:
         self._dead: BaseException | None = None
         self._ids = itertools.count()
         self._pending = 0  # adds handed over but not yet applied (counted against the queue limit)
+        self._failed_steps = 0  # consecutive
+        # Liveness: when the loop last made progress (a step, or found nothing to do), and
+        # a test hook that makes it hang the way a stuck kernel would.
+        self._progress_at = time.monotonic()
+        self._frozen = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -111,6 +119,20 @@ class AsyncLLM:
         """Grammar compile and per-step mask-fill durations (for the server's /metrics)."""
         return self.engine.grammar_timings()
 
+    def stalled_for(self) -> float:
+        """Seconds the loop has had work and made no step (0 when idle or progressing)."""
+        if not self._streams and self._pending <= 0:
+            return 0.0
+        return max(0.0, time.monotonic() - self._progress_at)
+
+    def freeze(self, frozen: bool = True) -> None:
+        """Test hook: the loop stops stepping (as if a kernel hung) until unfrozen."""
+        if frozen:
+            self._frozen.set()
+        else:
+            self._frozen.clear()
+            self._wake.set()
+
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and self._dead is None
@@ -159,17 +181,47 @@ class AsyncLLM:
                 if out is not None and stream is not None:
                     stream.put(out)
 
+    def _hang_while_frozen(self) -> None:
+        while self._frozen.is_set() and not self._stopping:
+            time.sleep(0.05)
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step. A failed step fails the requests that were in it (their
+        clients get an error) and the loop goes on; `MAX_FAILED_STEPS` failures in a row
+        mean the engine itself is broken, and the loop dies (the replica is restarted)."""
+        try:
+            outs = self.engine.step()
+        except StepError as err:
+            self._failed_steps += 1
+            log.error("engine step failed (%d in a row): %r", self._failed_steps, err.cause)
+            if self._failed_steps >= MAX_FAILED_STEPS:
+                raise err.cause from err
+            failure = StepFailedError(f"this request's engine step failed: {err.cause!r}")
+            for rid in err.request_ids:
+                stream = self._streams.get(rid)
+                if stream is not None:
+                    stream.put(failure)
+            self.engine.fail_requests(err.request_ids)
+            return []
+        self._failed_steps = 0
+        return outs
+
     def _run(self) -> None:
         try:
             while not self._stopping:
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
+                self._hang_while_frozen()
                 self._apply_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._progress_at = time.monotonic()
                 while self.engine.has_unfinished_requests() and not self._stopping:
-                    for out in self.engine.step():
+                    self._hang_while_frozen()
+                    for out in self._step():
                         stream = self._streams.get(out.request_id)
                         if stream is not None:
                             stream.put(out)
+                    self._progress_at = time.monotonic()
                     self._apply_commands()
         except BaseException as err:  # a bug or an OOM: fail every stream loudly
             log.exception("engine loop died")

@@ -28,3 +28,8 @@ class QueueFullError(EngineError):
 
 class EngineDeadError(EngineError):
     """The engine loop died; the replica must be restarted (HTTP 503)."""
+
+
+class StepFailedError(EngineError):
+    """An engine step this request was in failed; the request failed, the engine goes on
+    (HTTP 500, marked so the gateway does not retry the same input on another replica)."""

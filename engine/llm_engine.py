@@ -31,6 +31,15 @@ log = logging.getLogger(__name__)
 PromptInput = str | list[int]
 
 
+class StepError(Exception):
+    """A step failed; `request_ids` were in it (the others are untouched)."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"a step of {len(request_ids)} request(s) failed: {cause!r}")
+        self.request_ids = request_ids
+        self.cause = cause
+
+
 @dataclass(eq=False)
 class SequenceState:
     """Text-side state of one sequence: detokenizer, stop handling, what was streamed."""
@@ -156,6 +165,8 @@ class LLMEngine:
         parent = ParentRequest(
             request_id, prompt if isinstance(prompt, str) else prompt_text, ids, params, stream, arrival
         )
+        if params.seed is not None:  # here, so a bad seed fails this request only
+            self.runner.make_generator(params.seed + params.n - 1)
         base_stops = set() if params.ignore_eos else set(self.tokenizer.stop_token_ids)
         stop_ids = base_stops | set(params.stop_token_ids)
         for j in range(params.n):
@@ -178,6 +189,8 @@ class LLMEngine:
             )
             if params.structured is not None:
                 req.grammar = self.grammar.matcher(params.structured)
+            if child_params.seed is not None:
+                req.generator = self.runner.make_generator(child_params.seed)
             seq = SequenceState(
                 request=req,
                 index=j,
@@ -201,6 +214,15 @@ class LLMEngine:
             self.scheduler.finish_request(seq.request, RequestStatus.FINISHED_ABORTED)
         return self._finish_parent(parent)
 
+    def fail_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Abort these requests (a step they were in failed); their final outputs."""
+        outs = []
+        for rid in dict.fromkeys(request_ids):
+            out = self.abort_request(rid)
+            if out is not None:
+                outs.append(out)
+        return outs
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
 
@@ -210,9 +232,22 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step. A failure raises `StepError` naming the requests that were in it, so
+        the caller can fail those and go on."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        try:
+            return self._step(sched)
+        except Exception as err:
+            ids = [
+                self._seq_parent[s.request.request_id].request_id
+                for s in sched.scheduled
+                if s.request.request_id in self._seq_parent
+            ]
+            raise StepError(ids, err) from err
+
+    def _step(self, sched) -> list[RequestOutput]:
         # Decodes first, shortest context first: the runner lays flat tokens out that way.
         batch = sorted(
             (s for s in sched.scheduled if s.num_new_tokens == 1), key=lambda s: s.request.num_computed_tokens

@@ -193,13 +193,20 @@ class ModelRunner:
         groups.append((start, len(lens)))
         return groups
 
+    def make_generator(self, seed: int) -> torch.Generator:
+        """A request's own generator; a seed torch refuses is that request's ValueError."""
+        try:
+            return torch.Generator(device=self.device).manual_seed(seed)
+        except (RuntimeError, ValueError, OverflowError) as err:
+            raise ValueError(f"seed {seed} is not usable: {err}") from None
+
     def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
         r = s.request
         seed = r.sampling_params.seed
         if seed is None:
             return None
         if r.generator is None:
-            r.generator = torch.Generator(device=self.device).manual_seed(seed)
+            r.generator = self.make_generator(seed)
         return r.generator
 
     @torch.inference_mode()

@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from engine.bounds import MAX_N, MAX_STOP_TOKEN_IDS, MAX_TOKENS, Seed, TokenId
+
 
 class StructuredOutput(BaseModel):
     """A constraint on the text to generate: JSON matching `json_schema` (a JSON string), or
@@ -43,20 +45,20 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1, le=MAX_N)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)  # -1 or 0: disabled
+    top_k: int = Field(-1, ge=-1, le=MAX_TOKENS)  # -1 or 0: disabled
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: Seed | None = None
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    max_tokens: int | None = Field(16, ge=1)  # None: up to the context window
-    min_tokens: int = Field(0, ge=0)
+    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS)  # None: up to the context window
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS)
     ignore_eos: bool = False
     stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)  # top alternatives per sampled token
     prompt_logprobs: int | None = None

@@ -6,8 +6,16 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 ROOT = Path(__file__).resolve().parents[1]
+# Property tests: `ci` is derandomized (the same examples every run, so CI is reproducible);
+# `dev` draws fresh examples. scripts/test.sh selects `ci`; docs/testing.md has the
+# `--hypothesis-seed` sweep for nightly-style runs.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("dev", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
 SHARED_DATA = Path(os.environ.get("FLEET_SHARED_DATA", ROOT.parent / "shared" / "data"))
 
 

@@ -62,6 +62,12 @@ def build_app(config: ClusterConfig, gateway: Gateway | None = None) -> Starlett
         log.exception("unhandled error on %s", request.url.path, exc_info=exc)
         return error_response(GatewayError(500, f"Internal gateway error: {type(exc).__name__}"))
 
+    async def openapi(request: Request) -> Response:
+        """The OpenAI surface this gateway serves (the engine's request models)."""
+        from engine.server.openapi import openapi_document  # on first call: keeps startup light
+
+        return JSONResponse(openapi_document("Fleet gateway", tokenize=False, bearer=True))
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await gw.start()
@@ -79,6 +85,7 @@ def build_app(config: ClusterConfig, gateway: Gateway | None = None) -> Starlett
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            Route("/openapi.json", openapi, methods=["GET"]),
         ],
         exception_handlers={HTTPException: http_error, Exception: internal_error},
         lifespan=lifespan,

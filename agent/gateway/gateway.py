@@ -31,7 +31,7 @@ from agent.gateway.contract import accounting_usage
 from agent.gateway.demand import DemandSignal
 from agent.gateway.errors import GatewayError, error_response, sse_error_event
 from agent.gateway.freshness import KeyFreshness
-from agent.gateway.inputs import Endpoint, RequestInfo, parse_request
+from agent.gateway.inputs import OFF_LOOP_BYTES, Endpoint, RequestInfo, parse_off_loop
 from agent.gateway.limits import QuotaGate
 from agent.gateway.liveness import SESSION_HEADER, PeerLiveness, sticky_draw
 from agent.gateway.load import LoadTracker
@@ -48,7 +48,7 @@ from agent.gateway.plan import (
     plan_route,
 )
 from agent.gateway.prefix import PrefixRouting
-from agent.gateway.proxy import AttemptFailed, Opened, make_client, open_upstream
+from agent.gateway.proxy import AttemptFailed, Deadlines, Opened, make_client, open_upstream
 from agent.gateway.queue import ReplicaQueue
 from agent.gateway.quota import Reservation
 from agent.gateway.routing import HOPS_HEADER, hops_of, peer_order
@@ -59,7 +59,7 @@ from agent.gateway.tokens import DesiredIndex, TokenCounters
 from agent.gateway.usage import UsagePublisher
 from agent.local_state import GatewayStatus, LocalState
 from agent.nats_io import NatsLink
-from agent.protocol import ApiKeyRecord, UsageRecord
+from agent.protocol import MAX_USAGE_TOKENS, ApiKeyRecord, UsageRecord
 from agent.security.tls import nats_tls
 
 log = logging.getLogger("agent.gateway")
@@ -288,7 +288,7 @@ class Gateway:
             record = self.auth.authenticate(request.headers.get("authorization"))
             self.auth.authorize(record)
             raw = await self._read_body(request)
-            info = parse_request(raw, endpoint)
+            info = await parse_off_loop(raw, endpoint)
             self.auth.authorize(record, info.deployment)
             if not self.view.known(info.deployment):
                 raise GatewayError(
@@ -297,7 +297,7 @@ class Gateway:
                     param="model",
                     code="model_not_found",
                 )
-            info, counter = await self.tokens.recount_async(info)
+            info, counter = await self.tokens.recount_async(info, off_loop=len(raw) > OFF_LOOP_BYTES)
             self.metrics.prompt_tokens_counted.labels(info.deployment, counter).inc(info.prompt_tokens)
         except GatewayError as err:
             self._count(UNKNOWN, err.status, started)
@@ -305,7 +305,9 @@ class Gateway:
                 reply_headers.update(self.quota.headers(record, ""))
             return error_response(err, reply_headers)
         try:
-            reservation, limit_headers = self.quota.admit(record, info)
+            reservation, limit_headers = self.quota.admit(
+                record, info, info.worst_case_tokens(self._context_tokens(info.deployment))
+            )
         except GatewayError as err:  # over a quota: the refusal is demand the control plane sees
             self._count(info.deployment, err.status, started)
             self.usage.submit(
@@ -314,7 +316,7 @@ class Gateway:
                     key_id=record.key_id,
                     deployment=info.deployment,
                     status=err.status,
-                    refused_tokens=info.cost_tokens,
+                    refused_tokens=min(info.cost_tokens, MAX_USAGE_TOKENS),
                     latency_s=time.monotonic() - started,
                 )
             )
@@ -378,13 +380,15 @@ class Gateway:
             if stage in ("primary", "peer-prefix"):
                 # A warm standby serves only while no primary is alive (issue 8); a peer
                 # holding the prefix is worth a try. Either way, a failure serves here.
-                self.quota.refund(ex.reservation)  # the peer's gateway charges the key
                 try:
-                    return await self._attempts(ex, raw, request, attempts, pass_failure=False)
-                except GatewayError:
+                    response = await self._attempts(ex, raw, request, attempts, pass_failure=False)
+                except GatewayError:  # nobody answered: serve here (charged here)
                     if stage == "primary":  # no primary answered: skip them for a while
                         for target in attempts:
                             self.liveness.mark_down(target.name)
+                else:
+                    self.quota.refund(ex.reservation)  # the peer's gateway charged the key
+                    return response
             elif stage == "peer":
                 self.quota.refund(ex.reservation)
                 return await self._attempts(ex, raw, request, attempts)
@@ -512,7 +516,9 @@ class Gateway:
             self.prefix.count(ex, target)
             opened: Opened | None = None
             try:
-                opened = await open_upstream(self.client, target.url + path, headers, body)
+                opened = await open_upstream(
+                    self.client, target.url + path, headers, body, self._deadlines(ex, target)
+                )
                 if opened.status >= 300 or not ex.info.stream:
                     data = await opened.read_rest()
             except AttemptFailed as err:
@@ -563,6 +569,20 @@ class Gateway:
         """Queued work a request adds at a replica: its new prefill and reserved completion."""
         return max(0, ex.info.cost_tokens - target.cached_tokens)
 
+    def _context_tokens(self, deployment: str) -> int:
+        """The deployment's context window: its engine_args max_model_len, else the setting."""
+        value = self.desired.engine_arg(deployment, "max_model_len")
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+        return self.config.gateway.default_context_tokens
+
+    def _deadlines(self, ex: Exchange, target: Attempt) -> Deadlines:
+        gwc = self.config.gateway
+        first = gwc.first_byte_timeout_s + (gwc.queue_timeout_s if target.is_peer else 0.0)
+        if not ex.info.stream:  # the first byte comes with the whole answer
+            first += gwc.token_timeout_s * ex.info.max_tokens * ex.info.sequences
+        return Deadlines(first_byte_s=first, gap_s=gwc.inter_chunk_timeout_s)
+
     def _release(self, ex: Exchange, target: Attempt) -> None:
         if not target.is_peer:
             self.tracker.finish(target.name, self._work(ex, target))
@@ -591,6 +611,9 @@ class Gateway:
             self._release(ex, target)
             if observer.usage:
                 ex.usage = accounting_usage(ex.info.endpoint, observer.usage)
+            elif not target.is_peer and 200 <= opened.status < 300:
+                # cut short (the client left, the upstream broke): charge what was streamed
+                ex.usage = {"prompt_tokens": ex.info.prompt_tokens, "completion_tokens": observer.tokens_seen}
             self._finish(ex, status)
 
         async def body() -> AsyncIterator[bytes]:
@@ -698,7 +721,8 @@ class Gateway:
 
 
 def _int(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+    ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return min(value, MAX_USAGE_TOKENS) if ok else 0
 
 
 class _ProxiedStream(StreamingResponse):

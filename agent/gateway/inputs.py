@@ -10,12 +10,14 @@ judge (a schema its grammar compiler cannot express, the context window) is the 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from agent.gateway.contract import check_body, embedding_prompts, responses_prompt_tokens
 from agent.gateway.errors import GatewayError
+from engine.bounds import MAX_N, MAX_TOKENS, InputError, bounded_int, load_json
 
 Endpoint = Literal["chat", "completions", "embeddings", "responses"]
 
@@ -23,6 +25,8 @@ Endpoint = Literal["chat", "completions", "embeddings", "responses"]
 # for it when estimating load (the engine's default for completions is 16).
 DEFAULT_CHAT_MAX_TOKENS = 256
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+# Bodies above this are parsed and tokenized in a thread, off the gateway's event loop.
+OFF_LOOP_BYTES = 64 * 1024
 # Per-message overhead of a chat template (role markers, separators), in tokens.
 CHAT_MESSAGE_OVERHEAD = 4
 
@@ -52,26 +56,32 @@ class RequestInfo:
     max_tokens: int  # per sequence, as requested or the default reserved for it
     sequences: int  # prompts x n
     prompt_ids: tuple[int, ...] | None = None  # the prompt's token ids, when tokenized (one prompt)
+    max_tokens_given: bool = True  # False: a chat request may run to the end of the context
 
     @property
     def cost_tokens(self) -> int:
         """Tokens this request adds to a replica's outstanding work."""
         return self.prompt_tokens + self.max_tokens * self.sequences
 
+    def worst_case_tokens(self, context_tokens: int) -> int:
+        """What the request may cost at most: max_tokens, else the context left."""
+        if self.max_tokens_given:
+            return self.cost_tokens
+        return self.prompt_tokens + max(1, context_tokens - self.prompt_tokens) * self.sequences
+
 
 def _bad(message: str, param: str | None = None) -> GatewayError:
     return GatewayError(400, message, param=param)
 
 
-def _optional_int(body: dict[str, Any], name: str, minimum: int) -> int | None:
+def _optional_int(body: dict[str, Any], name: str, minimum: int, maximum: int = MAX_TOKENS) -> int | None:
     value = body.get(name)
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise _bad(f"{name} must be an integer", name)
-    if value < minimum:
-        raise _bad(f"{name} must be at least {minimum}", name)
-    return value
+    try:
+        return bounded_int(value, name, minimum, maximum)
+    except InputError as err:
+        raise _bad(str(err), name) from None
 
 
 def _chat_prompt_tokens(messages: Any, counter: TokenCounter) -> int:
@@ -121,9 +131,9 @@ def parse_request(raw: bytes, endpoint: Endpoint, counter: TokenCounter | None =
     """The routing-relevant facts of a request body, or a 400 saying what is wrong."""
     counter = counter or CharEstimate()
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise _bad(f"The request body is not valid JSON: {err}") from None
+        body = load_json(raw)  # depth, lone surrogates, NaN: refused before any work
+    except InputError as err:
+        raise _bad(str(err)) from None
     if not isinstance(body, dict):
         raise _bad("The request body must be a JSON object")
     model = body.get("model")
@@ -145,7 +155,8 @@ def parse_request(raw: bytes, endpoint: Endpoint, counter: TokenCounter | None =
         if include is not None and not isinstance(include, bool):
             raise _bad("stream_options.include_usage must be a boolean", "stream_options")
         wants_usage = bool(include)
-    n = _optional_int(body, "n", 1) or 1
+    n = _optional_int(body, "n", 1, MAX_N) or 1
+    given = True  # max_tokens (or its default) bounds the output; False below: the context does
     if endpoint in ("embeddings", "responses"):
         check_body(raw, endpoint)
     if endpoint == "embeddings":
@@ -162,10 +173,12 @@ def parse_request(raw: bytes, endpoint: Endpoint, counter: TokenCounter | None =
         max_completion = _optional_int(body, "max_completion_tokens", 1)
         requested = max_completion if max_completion is not None else max_tokens
         max_tokens = requested if requested is not None else DEFAULT_CHAT_MAX_TOKENS
+        given = requested is not None
     else:
         prompt_tokens, prompts = _completion_prompts(body.get("prompt"), counter)
         requested = _optional_int(body, "max_tokens", 1)
         max_tokens = requested if requested is not None else DEFAULT_COMPLETION_MAX_TOKENS
+        given = True  # the engine's default (16) is the real bound
     if endpoint in ("chat", "completions"):
         check_body(raw, endpoint)  # then everything else the replica checks, with its own 400s
     return RequestInfo(
@@ -177,7 +190,15 @@ def parse_request(raw: bytes, endpoint: Endpoint, counter: TokenCounter | None =
         prompt_tokens=prompt_tokens,
         max_tokens=max_tokens,
         sequences=prompts * n,
+        max_tokens_given=given,
     )
+
+
+async def parse_off_loop(raw: bytes, endpoint: Endpoint) -> RequestInfo:
+    """`parse_request`, in a thread for a large body (its JSON walk takes milliseconds)."""
+    if len(raw) > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(parse_request, raw, endpoint)
+    return parse_request(raw, endpoint)
 
 
 def upstream_body(info: RequestInfo, raw: bytes) -> bytes:

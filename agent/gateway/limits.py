@@ -15,7 +15,7 @@ from typing import Any
 from agent.gateway.errors import GatewayError
 from agent.gateway.inputs import RequestInfo
 from agent.gateway.metrics import GatewayMetrics
-from agent.gateway.quota import MINUTE_S, QuotaBook, Reservation, share_of
+from agent.gateway.quota import MINUTE_S, QuotaBook, Reservation, limits_for, share_of
 from agent.protocol import ApiKeyRecord
 
 
@@ -32,12 +32,21 @@ class QuotaGate:
         self.metrics = metrics
         self.book = QuotaBook(clock, minute_s)
 
-    def admit(self, key: ApiKeyRecord, info: RequestInfo) -> tuple[Reservation | None, dict[str, str]]:
-        """(reservation to settle, headers for the response); GatewayError 429 when over."""
+    def admit(
+        self, key: ApiKeyRecord, info: RequestInfo, worst_tokens: int | None = None
+    ) -> tuple[Reservation | None, dict[str, str]]:
+        """(reservation to settle, headers for the response); GatewayError 429 when over.
+        `worst_tokens` (no max_tokens: the context left) is reserved up to the key's
+        smallest token budget here, so such a request is never refused outright."""
         if not key.quotas.limited():
             return None, {}
         share = share_of(key, self.cluster)
-        decision = self.book.admit(key, info.deployment, info.cost_tokens, share)
+        tokens = info.cost_tokens
+        if worst_tokens is not None and worst_tokens > tokens:
+            limits = limits_for(key.quotas, info.deployment, share, self.book.minute_s)
+            caps = [int(lim.capacity) for lim in limits if lim.unit == "tokens"]
+            tokens = max(tokens, min([worst_tokens, *caps]))
+        decision = self.book.admit(key, info.deployment, tokens, share)
         headers = decision.status.headers()
         if decision.admitted:
             return decision.reservation, headers

@@ -7,6 +7,7 @@ retry elsewhere. Once `open_upstream` returns, the response is the client's.
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -17,6 +18,9 @@ import httpx
 PASS_HEADERS = ("content-type", "retry-after", "x-fleet-cluster", "x-fleet-version")
 PASS_PREFIXES = ("x-ratelimit-",)
 MAX_ERROR_BODY = 64 * 1024
+# A replica's 5xx that is the request's own failure (the engine's header): passed to the
+# client, not retried on another replica, like a 4xx.
+NO_RETRY_HEADER = "x-fleet-no-retry"
 
 
 def make_client(read_timeout_s: float = 600.0, verify: ssl.SSLContext | bool = True) -> httpx.AsyncClient:
@@ -43,7 +47,7 @@ class AttemptFailed(Exception):
         headers: dict | None = None,
     ) -> None:
         super().__init__(f"{reason}: {detail}")
-        self.reason = reason  # connect | status_5xx | read
+        self.reason = reason  # connect | status_5xx | read | timeout
         self.detail = detail
         self.status = status
         self.body = body
@@ -84,7 +88,47 @@ def pass_headers(headers: httpx.Headers) -> dict[str, str]:
     }
 
 
-async def open_upstream(client: httpx.AsyncClient, url: str, headers: dict[str, str], body: bytes) -> Opened:
+@dataclass(frozen=True)
+class Deadlines:
+    """Per-attempt time limits: until the first body byte (for a non-streamed answer that
+    is the whole generation), and between chunks after it. A hung replica costs a client
+    at most these, not one long read timeout; None: no limit."""
+
+    first_byte_s: float | None = None
+    gap_s: float | None = None
+
+
+async def _gapped(chunks: AsyncIterator[bytes], gap_s: float | None) -> AsyncIterator[bytes]:
+    """`chunks`, raising httpx.ReadTimeout when the next one takes longer than `gap_s`."""
+    while True:
+        try:
+            chunk = await asyncio.wait_for(chunks.__anext__(), gap_s)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise httpx.ReadTimeout(f"no data from the upstream for {gap_s:g} s") from None
+        yield chunk
+
+
+async def open_upstream(
+    client: httpx.AsyncClient,
+    url: str,
+    headers: dict[str, str],
+    body: bytes,
+    deadlines: Deadlines = Deadlines(),
+) -> Opened:
+    try:
+        return await asyncio.wait_for(_open(client, url, headers, body, deadlines), deadlines.first_byte_s)
+    except asyncio.TimeoutError:
+        raise AttemptFailed(
+            "timeout",
+            f"no first byte within {deadlines.first_byte_s:g} s (the upstream is hung or overloaded)",
+        ) from None
+
+
+async def _open(
+    client: httpx.AsyncClient, url: str, headers: dict[str, str], body: bytes, deadlines: Deadlines
+) -> Opened:
     try:
         request = client.build_request(
             "POST", url, headers={**headers, "accept-encoding": "identity"}, content=body
@@ -95,7 +139,15 @@ async def open_upstream(client: httpx.AsyncClient, url: str, headers: dict[str, 
         response = await client.send(request, stream=True)
     except (httpx.HTTPError, httpx.InvalidURL) as err:
         raise AttemptFailed("connect", f"{type(err).__name__}: {err}") from None
-    if response.status_code >= 500:
+    try:
+        return await _first_byte(response, deadlines)
+    except BaseException:  # a timeout cancels us here: the connection must not leak
+        await response.aclose()
+        raise
+
+
+async def _first_byte(response: httpx.Response, deadlines: Deadlines) -> Opened:
+    if response.status_code >= 500 and not response.headers.get(NO_RETRY_HEADER):
         try:
             data = await _read_bounded(response)
         except httpx.HTTPError:
@@ -109,7 +161,7 @@ async def open_upstream(client: httpx.AsyncClient, url: str, headers: dict[str, 
             body=data,
             headers=pass_headers(response.headers),
         )
-    rest = response.aiter_raw()
+    rest = _gapped(response.aiter_raw(), deadlines.gap_s)
     try:
         first = await rest.__anext__()
     except StopAsyncIteration:

@@ -53,6 +53,9 @@ class StreamObserver:
     first_token: bool = False
     done: bool = False
     error: dict[str, Any] | None = None
+    # choice deltas that carried text: the tokens the client got (the engine streams one
+    # per step per sequence), charged when a stream ends without its usage chunk
+    tokens_seen: int = 0
 
     def observe(self, event: bytes) -> bytes | None:
         data = _data(event)
@@ -77,8 +80,11 @@ class StreamObserver:
         if isinstance(usage, dict):
             self.usage = usage
         choices = payload.get("choices")
-        if not self.first_token and isinstance(choices, list) and any(_has_token(c) for c in choices):
-            self.first_token = True
+        if isinstance(choices, list):
+            carried = sum(1 for c in choices if _has_text(c))
+            self.tokens_seen += carried
+            if not self.first_token and (carried or any(_has_token(c) for c in choices)):
+                self.first_token = True
         if not self.strip_usage or "usage" not in payload:
             return event
         if usage is not None and not choices:
@@ -101,6 +107,13 @@ class StreamObserver:
 
 _RESPONSE_ENDS = ("response.completed", "response.incomplete", "response.failed")
 _RESPONSE_TOKENS = ("response.output_text.delta", "response.function_call_arguments.delta")
+
+
+def _has_text(choice: Any) -> bool:
+    if not isinstance(choice, dict):
+        return False
+    delta = choice.get("delta")
+    return bool(isinstance(delta, dict) and delta.get("content")) or bool(choice.get("text"))
 
 
 def _has_token(choice: Any) -> bool:

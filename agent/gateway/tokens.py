@@ -111,15 +111,18 @@ class TokenCounters:
         self._tokenizers[model] = tok
         return tok
 
-    async def recount_async(self, info: RequestInfo) -> tuple[RequestInfo, str]:
+    async def recount_async(self, info: RequestInfo, off_loop: bool = False) -> tuple[RequestInfo, str]:
         """`recount`, loading a tokenizer the first time in a thread (a GGUF's vocabulary
-        takes ~0.5 s) so the gateway keeps serving meanwhile."""
+        takes ~0.5 s) so the gateway keeps serving meanwhile; `off_loop` counts in a thread
+        too (a large body would hold the event loop for its tokenizing)."""
         spec = self.desired.spec(info.deployment)
         if spec is not None and spec.model not in self._tokenizers:
             lock = self._loading.setdefault(spec.model, asyncio.Lock())
             async with lock:
                 if spec.model not in self._tokenizers:
                     await asyncio.to_thread(self.tokenizer, info.deployment)
+        if off_loop:
+            return await asyncio.to_thread(self.recount, info)
         return self.recount(info)
 
     def recount(self, info: RequestInfo) -> tuple[RequestInfo, str]:

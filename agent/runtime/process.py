@@ -267,9 +267,9 @@ class ProcessRuntime(Runtime):
             return Probe(state=ReplicaState.ready)
         if word == "draining":
             return Probe(state=ReplicaState.draining)
-        if word == "dead":
+        if word in ("dead", "stalled"):  # stopped, or hung with work: restart it
             await self.kill(handle)
-            return Probe(state=ReplicaState.failed, error="the engine loop stopped (/health: dead)")
+            return Probe(state=ReplicaState.failed, error=f"the engine loop {word} (/health: {word}); killed")
         last_ok = self._last_ok.get(handle.pid)
         if last_ok is not None:  # was ready: tolerate a short blip
             if now - last_ok > self.unhealthy_after_s:

@@ -41,6 +41,7 @@ from starlette.routing import Route
 from agent.security.replica_auth import API_KEY_ENV, CERT_ENV, KEY_ENV, require_bearer
 from agent.sim.model import ReplicaModel, SimRequest
 from agent.sim.profile import PerfProfile, load_profile
+from engine.bounds import Seed
 
 log = logging.getLogger("agent.sim.server")
 
@@ -84,6 +85,7 @@ class _Body(BaseModel):
     stream_options: dict[str, Any] | None = None
     messages: list[dict[str, Any]] | None = None
     prompt: str | list[Any] | None = None
+    seed: Seed | None = None  # the engine's bound: a simulated replica refuses what a real one does
 
 
 def estimate_tokens(body: _Body) -> int:

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from fastapi import Depends, FastAPI, HTTPException, Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from agent.protocol import InputError, load_json
 from control_plane.api import errors, metrics
 from control_plane.api.auth import TokenCache, authenticate
 from control_plane.api.protected import docs_urls, install_docs
@@ -41,6 +42,9 @@ class BodyLimit:
         if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
             await errors.error_response(413, too_big)(scope, receive, send)
             return
+        if scope.get("method") in ("POST", "PUT", "PATCH") and b"json" in headers.get(b"content-type", b""):
+            await self._checked_json(scope, receive, send, too_big)
+            return
         seen = 0
 
         async def limited() -> dict:
@@ -54,6 +58,41 @@ class BodyLimit:
             return message
 
         await self.app(scope, limited, send)
+
+    async def _checked_json(self, scope: Scope, receive: Receive, send: Send, too_big: str) -> None:
+        """Read the whole (bounded) body and refuse JSON nested too deep before a parser
+        recurses into it; then hand the same bytes on."""
+        parts: list[bytes] = []
+        size, more = 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                await self.app(scope, receive, send)  # a disconnect: let the app see it
+                return
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                await errors.error_response(413, too_big)(scope, receive, send)
+                return
+            parts.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(parts)
+        if body.strip():
+            try:
+                load_json(body, finite=False)
+            except InputError as err:
+                if err.reason in ("depth", "utf8"):
+                    await errors.error_response(400, str(err))(scope, receive, send)
+                    return  # malformed JSON is left to the app's own (field-naming) message
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
 
 
 async def start_loops(ctx: ControlPlaneContext) -> object | None:

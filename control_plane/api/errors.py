@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import IntegrityError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,21 @@ def install(app: FastAPI) -> None:
         if exc.status_code == 404 and message == "Not Found":
             message = "no such route"
         return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(IntegrityError)
+    async def _integrity(_request: Request, exc: IntegrityError) -> JSONResponse:
+        # Two writers raced (two PATCHes minting the same version, say): the loser retries.
+        log.info("conflicting concurrent write: %s", exc.orig)
+        return error_response(409, "a concurrent change conflicted with this one; retry the request")
+
+    @app.exception_handler(OperationalError)
+    async def _operational(_request: Request, exc: OperationalError) -> JSONResponse:
+        text = str(exc.orig).lower()
+        if any(s in text for s in ("locked", "could not serialize", "deadlock")):
+            log.info("write lost a lock race: %s", exc.orig)
+            return error_response(409, "a concurrent change held the data; retry the request")
+        log.exception("database error: %s", exc)
+        return JSONResponse(error_body(500, "internal error", type="internal_error"), status_code=500)
 
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:

@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from agent.protocol import ClusterStatus, ReplicaState
 from control_plane.api.views import used_gpus
 from control_plane.db.models import CapacityPool, Cluster, Deployment, ReplicaAssignment, Rollout
+from control_plane.loops.rejects import Rejections
 from control_plane.loops.stats import ReconcileStats
 from control_plane.rollouts.policy import Phase
 
@@ -35,10 +36,14 @@ class ControlPlaneCollector(Collector):
     """Reads the database on every scrape; `stats()` gives the loops' reconcile stats."""
 
     def __init__(
-        self, sessions: Callable[[], sessionmaker[Session]], stats: Callable[[], ReconcileStats | None]
+        self,
+        sessions: Callable[[], sessionmaker[Session]],
+        stats: Callable[[], ReconcileStats | None],
+        rejections: Callable[[], Rejections | None] = lambda: None,
     ) -> None:
         self.sessions = sessions
         self.stats = stats
+        self.rejections = rejections
 
     def collect(self) -> Iterator[Metric]:
         with self.sessions()() as session:
@@ -46,6 +51,16 @@ class ControlPlaneCollector(Collector):
         stats = self.stats()
         if stats is not None:
             yield from _reconcile_metrics(stats)
+        c = CounterMetricFamily(
+            PREFIX + "rejected_messages",
+            "NATS messages refused and skipped (malformed, out of bounds, refused by the database).",
+            labels=["subject", "reason"],
+        )
+        rejections = self.rejections()
+        snapshot = rejections.snapshot() if rejections else {}
+        for (subject, reason), n in sorted(snapshot.items()):
+            c.add_metric([subject, reason], n)
+        yield c
 
 
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
@@ -168,6 +183,7 @@ def metrics(request: Request) -> Response:
             ControlPlaneCollector(
                 lambda: app_state.ctx.sessions,
                 lambda: getattr(getattr(app_state, "loops", None), "stats", None),
+                lambda: getattr(getattr(app_state, "loops", None), "rejections", None),
             )
         )
         app_state.metrics_registry = registry

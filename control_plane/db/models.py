@@ -232,6 +232,8 @@ class UsageRecord(Base):
     completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
     status: Mapped[int] = mapped_column(Integer, default=200)
     latency_s: Mapped[float] = mapped_column(Float, default=0.0)
+    # the gateway's id of the record (or the stream sequence): a redelivery is stored once
+    record_id: Mapped[str | None] = mapped_column(String(64), nullable=True, unique=True)
 
 
 class Event(Base):
@@ -246,6 +248,8 @@ class Event(Base):
     deployment: Mapped[str | None] = mapped_column(String(63), nullable=True, index=True)
     replica_id: Mapped[str | None] = mapped_column(String(63), nullable=True)
     message: Mapped[str] = mapped_column(Text, default="")
+    # the agent's id of the event: a redelivery is stored once (None: written here)
+    event_id: Mapped[str | None] = mapped_column(String(64), nullable=True, unique=True)
 
 
 class AuditRecord(Base):

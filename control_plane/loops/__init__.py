@@ -3,8 +3,10 @@
 - reconcile: on every API write (`ctx.changed`), every `reconcile_interval_s`, and after
   a heartbeat that changed capacity or replica states: place (`placement`), write the
   assignments, publish `fleet_desired`, `fleet_routes` and `fleet_keys`;
-- heartbeats and events: `fleet.v1.heartbeat.*` and `fleet.v1.events.*` into the
-  database, batched (the latest heartbeat per cluster, every `FLUSH_S`);
+- heartbeats: `fleet.v1.heartbeat.*` (core NATS) into the database, batched (the latest
+  heartbeat per cluster, every `FLUSH_S`), each in its own savepoint;
+- events: the `FLEET_EVENTS` stream through a durable consumer (`durable`), acknowledged
+  after the commit, stored once by event id; a bad message is counted (`rejects`) and skipped;
 - failover: a cluster silent for `missed_heartbeats * heartbeat_interval_s` becomes
   unhealthy, which the next reconcile turns into re-placement and dropped routes.
 
@@ -25,14 +27,16 @@ from pydantic import ValidationError
 from agent import protocol
 from control_plane.context import ControlPlaneContext
 from control_plane.db.models import utcnow
+from control_plane.loops.durable import DurableConsumer
 from control_plane.loops.ingest import (
     apply_heartbeats,
     heartbeat_problem,
     mark_silent_unhealthy,
-    record_events,
+    store_event_batch,
 )
 from control_plane.loops.publish import KvPublisher
 from control_plane.loops.reconcile import ReconcileOutcome, reconcile_once
+from control_plane.loops.rejects import Rejections
 from control_plane.loops.stats import ReconcileStats
 from control_plane.loops.usage import UsageLoop
 from control_plane.nats_loop import Handler, NatsLoop
@@ -56,7 +60,7 @@ class Loops(NatsLoop):
         self._nodes: dict[str, int] = {}
         self._reported: dict[tuple[str, int], Unplaced] = {}
         self._heartbeats: dict[str, protocol.Heartbeat] = {}
-        self._events: list[protocol.Event] = []
+        self.rejections = Rejections()  # read by GET /metrics
         self._inbox = asyncio.Event()
         self._listening_since: datetime | None = None
         self._stopping = False
@@ -66,9 +70,18 @@ class Loops(NatsLoop):
     # ----------------------------------------------------------------- lifecycle
 
     async def start(self) -> Loops:
-        self.usage = await UsageLoop(self.ctx).start()  # usage records, quota shares (issue 9)
+        self.usage = await UsageLoop(self.ctx, rejections=self.rejections).start()
         self._spawn(self._reconcile_loop(), name="cp-reconcile")
         self._spawn(self._ingest_loop(), name="cp-ingest")
+        if self.ctx.nats is not None:
+            self.events = DurableConsumer(
+                self.ctx.nats,
+                protocol.STREAM_EVENTS,
+                protocol.EVENTS_WILDCARD,
+                "control-plane-events",
+                lambda batch: store_event_batch(self.ctx.sessions, batch, self.rejections),
+            )
+            self._spawn(self.events.run(), name="cp-events")
         self._spawn(self._failover_loop(), name="cp-failover")
         await self._listen()
         self.ctx.kick()
@@ -84,10 +97,7 @@ class Loops(NatsLoop):
         await self._close()
 
     def _subscriptions(self) -> list[tuple[str, Handler]]:
-        return [
-            (protocol.HEARTBEAT_WILDCARD, self._on_heartbeat),
-            (protocol.EVENTS_WILDCARD, self._on_event),
-        ]
+        return [(protocol.HEARTBEAT_WILDCARD, self._on_heartbeat)]
 
     async def _on_connected(self) -> None:
         """Every (re)connect (after subscribing on a new connection): start the silence
@@ -135,44 +145,31 @@ class Loops(NatsLoop):
     # ----------------------------------------------------------------- heartbeats and events
 
     async def _on_heartbeat(self, msg) -> None:
+        reject = self.rejections.reject
+        pattern = protocol.HEARTBEAT_WILDCARD
         try:
             hb = protocol.Heartbeat.from_bytes(msg.data)
         except (ValidationError, ValueError) as err:
-            log.warning("ignoring malformed heartbeat on %s: %s", msg.subject, err)
+            reject(pattern, "malformed", msg.subject, err)
             return
         if hb.schema_version > protocol.SCHEMA_VERSION:
-            log.warning("ignoring heartbeat of newer schema %d from %s", hb.schema_version, hb.cluster)
+            reject(pattern, "schema", msg.subject, f"newer schema {hb.schema_version}")
             return
         if msg.subject != protocol.heartbeat_subject(hb.cluster):
-            log.warning("ignoring heartbeat for %r on %s", hb.cluster[:80], msg.subject)
+            reject(pattern, "subject", msg.subject, f"cluster {hb.cluster[:80]!r}")
             return
         problem = heartbeat_problem(hb)
         if problem is not None:
-            log.warning("ignoring heartbeat on %s: %s", msg.subject, problem)
+            reject(pattern, "invalid", msg.subject, problem)
             return
         self._heartbeats[hb.cluster] = hb
         if self.publisher is not None:
             self.publisher.raise_floor(protocol.BUCKET_DESIRED, hb.cluster, hb.desired_generation)
         self._inbox.set()
 
-    async def _on_event(self, msg) -> None:
-        try:
-            event = protocol.Event.from_bytes(msg.data)
-        except (ValidationError, ValueError) as err:
-            log.warning("ignoring malformed event on %s: %s", msg.subject, err)
-            return
-        if msg.subject != protocol.events_subject(event.cluster):
-            # permissions bind each agent to its own subject: the subject names the sender
-            log.warning("ignoring event for %r on %s", event.cluster[:80], msg.subject)
-            return
-        if event.schema_version <= protocol.SCHEMA_VERSION:
-            self._events.append(event)
-            self._inbox.set()
-
-    def _write_inbox(self, heartbeats: list[protocol.Heartbeat], events: list[protocol.Event]) -> bool:
+    def _write_inbox(self, heartbeats: list[protocol.Heartbeat]) -> bool:
         with self.ctx.sessions() as session:
-            changed = apply_heartbeats(session, heartbeats, utcnow())
-            record_events(session, events)
+            changed = apply_heartbeats(session, heartbeats, utcnow(), self.rejections)
             session.commit()
             return changed
 
@@ -181,14 +178,13 @@ class Loops(NatsLoop):
             await self._inbox.wait()
             self._inbox.clear()
             heartbeats, self._heartbeats = list(self._heartbeats.values()), {}
-            events, self._events = self._events, []
             try:
-                if await asyncio.to_thread(self._write_inbox, heartbeats, events):
+                if await asyncio.to_thread(self._write_inbox, heartbeats):
                     self.ctx.kick()
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.exception("recording %d heartbeats and %d events failed", len(heartbeats), len(events))
+                log.exception("recording %d heartbeats failed", len(heartbeats))
             await asyncio.sleep(FLUSH_S)
 
     # ----------------------------------------------------------------- failover

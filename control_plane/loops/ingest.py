@@ -9,13 +9,29 @@ import re
 from collections.abc import Iterable
 from datetime import datetime, timedelta, timezone
 
+from pydantic import ValidationError
 from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, selectinload
 
-from agent.protocol import ClusterStatus, Event, Heartbeat, PoolInventory, ReplicaStatus
+from agent.protocol import (
+    EVENTS_WILDCARD,
+    HEARTBEAT_WILDCARD,
+    SCHEMA_VERSION,
+    ClusterStatus,
+    Event,
+    Heartbeat,
+    PoolInventory,
+    ReplicaStatus,
+    events_subject,
+    heartbeat_subject,
+)
 from control_plane.db.models import CapacityPool, Cluster, ReplicaAssignment
 from control_plane.db.models import Event as EventRow
+from control_plane.db.once import insert_once
+from control_plane.loops.durable import Received, Verdicts
 from control_plane.loops.preemption import apply_preemptions
+from control_plane.loops.rejects import Rejections
 
 CLUSTER_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # as in agent.config.ClusterConfig
 
@@ -160,28 +176,79 @@ def apply_heartbeat(session: Session, hb: Heartbeat, now: datetime) -> bool:
     return changed
 
 
-def apply_heartbeats(session: Session, heartbeats: Iterable[Heartbeat], now: datetime) -> bool:
+def apply_heartbeats(
+    session: Session,
+    heartbeats: Iterable[Heartbeat],
+    now: datetime,
+    rejections: Rejections | None = None,
+) -> bool:
+    """Each heartbeat in its own savepoint: one that the database refuses is rolled back
+    alone (counted and skipped), the others are kept."""
     changed = False
     for hb in heartbeats:
-        changed = apply_heartbeat(session, hb, now) or changed
+        try:
+            with session.begin_nested():
+                changed = apply_heartbeat(session, hb, now) or changed
+        except SQLAlchemyError as err:
+            if rejections is None:
+                raise
+            rejections.reject(HEARTBEAT_WILDCARD, "database", heartbeat_subject(hb.cluster), err)
     return changed
 
 
+def _event_values(e: Event, seq: int | None = None) -> dict:
+    return {
+        "at": datetime.fromtimestamp(e.at, timezone.utc),
+        "cluster": e.cluster[:63],
+        "kind": e.kind,
+        "deployment": e.deployment[:63] if e.deployment else None,
+        "replica_id": e.replica_id[:63] if e.replica_id else None,
+        "message": e.message,
+        "event_id": e.event_id or (f"js-{seq}" if seq else None),
+    }
+
+
 def record_events(session: Session, events: Iterable[Event]) -> int:
+    """Store events, each once (by `event_id`); the number newly stored."""
     n = 0
     for e in events:
-        session.add(
-            EventRow(
-                at=datetime.fromtimestamp(e.at, timezone.utc),
-                cluster=e.cluster[:63],
-                kind=e.kind,
-                deployment=e.deployment[:63] if e.deployment else None,
-                replica_id=e.replica_id[:63] if e.replica_id else None,
-                message=e.message,
-            )
-        )
-        n += 1
+        values = _event_values(e)
+        if values["event_id"] is None:
+            session.add(EventRow(**values))
+            n += 1
+        else:
+            n += insert_once(session, EventRow, values, "event_id")
     return n
+
+
+def store_event_batch(sessions, batch: list[Received], rejections: Rejections) -> Verdicts:
+    """A batch from the events stream, in one transaction with a savepoint per event:
+    a malformed or refused event is counted and marked poison, never rolls back the rest."""
+    poison: set[int] = set()
+    with sessions() as session:
+        for i, m in enumerate(batch):
+            try:
+                e = Event.from_bytes(m.data)
+            except (ValidationError, ValueError) as err:
+                rejections.reject(EVENTS_WILDCARD, "malformed", m.subject, err)
+                poison.add(i)
+                continue
+            if e.schema_version > SCHEMA_VERSION:
+                rejections.reject(EVENTS_WILDCARD, "schema", m.subject, f"schema {e.schema_version}")
+                poison.add(i)
+                continue
+            if m.subject != events_subject(e.cluster):
+                rejections.reject(EVENTS_WILDCARD, "subject", m.subject, f"cluster {e.cluster[:80]!r}")
+                poison.add(i)
+                continue
+            try:
+                with session.begin_nested():
+                    insert_once(session, EventRow, _event_values(e, m.seq), "event_id")
+            except SQLAlchemyError as err:
+                rejections.reject(EVENTS_WILDCARD, "database", m.subject, err)
+                poison.add(i)
+        session.commit()
+    return Verdicts(poison)
 
 
 def is_silent(

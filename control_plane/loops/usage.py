@@ -1,7 +1,9 @@
 """Usage from gateways into the database, and each key's per-cluster budget shares.
 
-- ingest: `fleet.v1.usage.*` (one `UsageRecord` per finished request) into
-  `usage_records`, batched, a malformed or oversized record logged and skipped;
+- ingest: the `FLEET_USAGE` stream (one `UsageRecord` per finished request) through a
+  durable consumer, acknowledged after the commit, each record stored once (by its
+  `record_id`), so what was sent while the control plane was down arrives when it is
+  back and a redelivery never double-counts; a malformed record is counted and skipped;
 - shares: every `interval_s`, for each key with a token limit, each cluster's demand in
   the last `window_s` (tokens it admitted, from the stored records, plus tokens it refused
   with 429, kept in memory only) -> `compute_shares` -> `api_keys.shares`; a change wakes
@@ -30,14 +32,16 @@ from sqlalchemy import delete, func, select
 from agent import protocol
 from control_plane.context import ControlPlaneContext
 from control_plane.db.models import ApiKey, Cluster, UsageRecord
+from control_plane.db.once import insert_once
+from control_plane.loops.durable import DurableConsumer, Received, Verdicts
+from control_plane.loops.rejects import Rejections
 from control_plane.loops.shares import ShareSettings, compute_shares
-from control_plane.nats_loop import Handler, NatsLoop
+from control_plane.nats_loop import NatsLoop
 
 log = logging.getLogger(__name__)
 
-FLUSH_S = 0.2
 PRUNE_EVERY_S = 600.0
-MAX_TOKENS = 2**31 - 1
+MAX_TOKENS = protocol.MAX_USAGE_TOKENS
 
 
 def share_settings_from_env() -> ShareSettings:
@@ -75,23 +79,70 @@ def token_limited(quotas: dict) -> bool:
     )
 
 
-def store_records(sessions, records: list[protocol.UsageRecord]) -> None:
+def _values(r: protocol.UsageRecord, seq: int | None = None) -> dict:
+    return {
+        "at": datetime.fromtimestamp(r.at, timezone.utc),
+        "cluster": r.cluster,
+        "key_id": r.key_id,
+        "deployment": r.deployment,
+        "version": r.version,
+        "prompt_tokens": r.prompt_tokens,
+        "completion_tokens": r.completion_tokens,
+        "status": r.status,
+        "latency_s": r.latency_s,
+        "record_id": r.record_id or (f"js-{seq}" if seq else None),
+    }
+
+
+def store_records(sessions, records: list[protocol.UsageRecord]) -> int:
+    """Store records, each once (by `record_id`); the number newly stored."""
+    n = 0
     with sessions() as session:
-        session.add_all(
-            UsageRecord(
-                at=datetime.fromtimestamp(r.at, timezone.utc),
-                cluster=r.cluster,
-                key_id=r.key_id,
-                deployment=r.deployment,
-                version=r.version,
-                prompt_tokens=r.prompt_tokens,
-                completion_tokens=r.completion_tokens,
-                status=r.status,
-                latency_s=r.latency_s,
-            )
-            for r in records
-        )
+        for r in records:
+            values = _values(r)
+            if values["record_id"] is None:
+                session.add(UsageRecord(**values))
+                n += 1
+            else:
+                n += insert_once(session, UsageRecord, values, "record_id")
         session.commit()
+    return n
+
+
+def store_usage_batch(sessions, batch: list[Received], rejections: Rejections, on_refused=None) -> Verdicts:
+    """A batch from the usage stream in one transaction, a savepoint per record: a bad
+    record is counted and marked poison, the others are committed (then acknowledged)."""
+    pattern = protocol.USAGE_WILDCARD
+    poison: set[int] = set()
+    with sessions() as session:
+        for i, m in enumerate(batch):
+            try:
+                record = protocol.UsageRecord.from_bytes(m.data)
+            except (ValidationError, ValueError) as err:
+                rejections.reject(pattern, "malformed", m.subject, err)
+                poison.add(i)
+                continue
+            problem = record_problem(record)
+            if problem is None and m.subject != protocol.usage_subject(record.cluster):
+                problem = "subject and cluster differ"
+            if problem is not None:
+                rejections.reject(pattern, "invalid", m.subject, problem)
+                poison.add(i)
+                continue
+            if record.attempt_failed:  # a retried attempt, not a request
+                continue
+            if record.refused_tokens > 0:  # demand, not usage: never stored
+                if on_refused is not None:
+                    on_refused(record)
+                continue
+            try:
+                with session.begin_nested():
+                    insert_once(session, UsageRecord, _values(record, m.seq), "record_id")
+            except Exception as err:
+                rejections.reject(pattern, "database", m.subject, err)
+                poison.add(i)
+        session.commit()
+    return Verdicts(poison)
 
 
 def prune_records(sessions, before: datetime) -> int:
@@ -142,48 +193,45 @@ def update_shares(
 
 
 class UsageLoop(NatsLoop):
-    def __init__(self, ctx: ControlPlaneContext, settings: ShareSettings | None = None) -> None:
+    def __init__(
+        self,
+        ctx: ControlPlaneContext,
+        settings: ShareSettings | None = None,
+        rejections: Rejections | None = None,
+    ) -> None:
         super().__init__(ctx)
         self.settings = settings or share_settings_from_env()
-        self._records: list[protocol.UsageRecord] = []
+        self.rejections = rejections or Rejections()
         # (monotonic time, key, cluster, tokens) of refusals within the window
         self._refused: collections.deque[tuple[float, str, str, int]] = collections.deque()
-        self._inbox = asyncio.Event()
+        self.consumer: DurableConsumer | None = None
 
     async def start(self) -> UsageLoop:
-        self._spawn(self._ingest_loop(), name="cp-usage-ingest")
+        if self.ctx.nats is not None:
+            self.consumer = DurableConsumer(
+                self.ctx.nats,
+                protocol.STREAM_USAGE,
+                protocol.USAGE_WILDCARD,
+                "control-plane-usage",
+                lambda batch: store_usage_batch(self.ctx.sessions, batch, self.rejections, self._on_refused),
+            )
+            self._spawn(self.consumer.run(), name="cp-usage-ingest")
         self._spawn(self._shares_loop(), name="cp-usage-shares")
         await self._listen()
         return self
 
     async def stop(self) -> None:
-        await self._close()
-        if self._records:  # what arrived before the stop
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(store_records, self.ctx.sessions, self._records)
+        await self._close()  # what was not acknowledged yet stays in the stream
 
-    def _subscriptions(self) -> list[tuple[str, Handler]]:
-        return [(protocol.USAGE_WILDCARD, self._on_usage)]
-
-    async def _on_usage(self, msg) -> None:
-        try:
-            record = protocol.UsageRecord.from_bytes(msg.data)
-        except (ValidationError, ValueError) as err:
-            log.warning("ignoring malformed usage record on %s: %s", msg.subject, err)
+    def _on_refused(self, record: protocol.UsageRecord) -> None:
+        """From the store's thread; deque appends are atomic. A refusal replayed from the
+        stream after the window (a restart) is no longer demand."""
+        age = time.time() - record.at
+        if age > self.settings.window_s:
             return
-        problem = record_problem(record)
-        if problem is not None or msg.subject != protocol.usage_subject(record.cluster):
-            log.warning(
-                "ignoring usage record on %s: %s", msg.subject, problem or "subject and cluster differ"
-            )
-            return
-        if getattr(record, "attempt_failed", False):  # a retried attempt, not a request (issue 8)
-            return
-        if record.refused_tokens > 0:  # demand, not usage: never stored
-            self._refused.append((time.monotonic(), record.key_id, record.cluster, record.refused_tokens))
-            return
-        self._records.append(record)
-        self._inbox.set()
+        self._refused.append(
+            (time.monotonic() - max(0.0, age), record.key_id, record.cluster, record.refused_tokens)
+        )
 
     def refused(self) -> dict[str, dict[str, float]]:
         """key -> cluster -> tokens refused in the last window_s."""
@@ -195,19 +243,6 @@ class UsageLoop(NatsLoop):
             per = out.setdefault(key_id, {})
             per[cluster] = per.get(cluster, 0.0) + tokens
         return out
-
-    async def _ingest_loop(self) -> None:
-        while True:
-            await self._inbox.wait()
-            self._inbox.clear()
-            records, self._records = self._records, []
-            try:
-                await asyncio.to_thread(store_records, self.ctx.sessions, records)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("storing %d usage records failed", len(records))
-            await asyncio.sleep(FLUSH_S)
 
     async def _shares_loop(self) -> None:
         retention = timedelta(days=float(os.environ.get("FLEET_USAGE_RETENTION_DAYS") or 90))

@@ -111,3 +111,33 @@ def regions_of(
         for a in assignments
         if (a.deployment, a.version) == demand.key and a.pool_key in by_pool
     }
+
+
+def dropped_running(
+    demands: Sequence[ReplicaDemand],
+    pools: Sequence[PoolCapacity],
+    current: Sequence[Assignment],
+    removed: Iterable[str],
+    added: Iterable[Assignment],
+    missing: dict[tuple[str, int], int],
+) -> list[str]:
+    """Demands a plan leaves short while removing more of their running replicas (ones
+    that could stay: demand, pool and shape still allowed) than it places anew. A move is
+    a removal plus a placement; a removal with nothing placed instead is a drop."""
+    by_pool = {p.key: p for p in pools}
+    by_demand = {d.key: d for d in demands}
+    gone = set(removed)
+    lost: dict[tuple[str, int], int] = defaultdict(int)
+    for a in current:
+        d, p = by_demand.get((a.deployment, a.version)), by_pool.get(a.pool_key)
+        if a.replica_id not in gone or d is None or p is None:
+            continue
+        if p.keeps_existing and d.acceptable(p) and a.gpus == d.gpu_count:
+            lost[d.key] += 1
+    for a in added:
+        lost[(a.deployment, a.version)] -= 1
+    return [
+        f"{key[0]} v{key[1]}: {n} running replica(s) dropped while {missing[key]} short"
+        for key, n in sorted(lost.items())
+        if n > 0 and missing.get(key, 0) > 0
+    ]

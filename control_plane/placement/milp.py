@@ -48,7 +48,7 @@ from control_plane.placement.base import (
     Unplaced,
     register_placer,
 )
-from control_plane.placement.evaluate import committed_cost, plan_cost, slot_size
+from control_plane.placement.evaluate import committed_cost, dropped_running, plan_cost, slot_size, violations
 from control_plane.placement.explain import add_note, explain_regions, explain_shortfall
 from control_plane.placement.ffd import FirstFitDecreasing, IdFactory, new_replica_id
 
@@ -103,6 +103,34 @@ class _Model:
         self.starts.append(len(self.index))
         self.row_lower.append(lo)
         self.row_upper.append(hi)
+
+    def problem(self, values: np.ndarray, objective: float, tol: float = 1e-6) -> str | None:
+        """Why `values` is not the solution the solver claims (bounds, integrality, rows,
+        or an objective other than the one it reported), or None. Vectorized: it runs on
+        every solve, and large models have hundreds of thousands of entries."""
+        lower, upper = np.array(self.lower, dtype=float), np.array(self.upper, dtype=float)
+        bad = np.flatnonzero((values < lower - tol) | (values > upper + tol))
+        if bad.size:
+            j = int(bad[0])
+            return f"column {j} = {values[j]} outside [{lower[j]}, {upper[j]}]"
+        integer = np.array(self.integer, dtype=bool)
+        frac = np.flatnonzero(integer & (np.abs(values - np.round(values)) > tol))
+        if frac.size:
+            return f"column {int(frac[0])} = {values[int(frac[0])]} is not integral"
+        starts = np.array(self.starts, dtype=np.int64)
+        rows = len(self.row_lower)
+        owner = np.repeat(np.arange(rows), np.diff(starts))
+        prod = np.array(self.value, dtype=float) * values[np.array(self.index, dtype=np.int64)]
+        totals = np.bincount(owner, weights=prod, minlength=rows) if rows else np.zeros(0)
+        row_lower, row_upper = np.array(self.row_lower, dtype=float), np.array(self.row_upper, dtype=float)
+        broken = np.flatnonzero((totals < row_lower - tol) | (totals > row_upper + tol))
+        if broken.size:
+            r = int(broken[0])
+            return f"row {r} = {totals[r]} outside [{row_lower[r]}, {row_upper[r]}]"
+        own = float(np.dot(self.cost, values))
+        if abs(own - objective) > tol * max(1.0, abs(objective)):
+            return f"the columns cost {own:.6g}, the solver reported {objective:.6g}"
+        return None
 
     def highs(self, relax: bool, time_limit_s: float, gap: float, threads: int) -> highspy.Highs:
         inf = highspy.kHighsInf
@@ -245,6 +273,9 @@ class MilpPlacer(Placer):
         warm = greedy() if replicas * len(pools) <= self.ffd_warm_limit else None
         try:
             result, info = self._solve(by_demand, pools, current, pairs, warm, started, lp_bound)
+            problems = plan_problems(list(by_demand.values()), pools, current, result)
+            if problems:  # never call a plan optimal that breaks a rule or drops a replica
+                raise RuntimeError(f"the solver's plan does not check out: {'; '.join(problems[:3])}")
         except Exception as e:
             plan = warm or greedy()
             result, info = (
@@ -364,16 +395,15 @@ class MilpPlacer(Placer):
             start[j] = max(0.0, k - len(covered[dk]))
 
         remaining = self.time_limit_s - (time.perf_counter() - started)
-        h = m.highs(False, remaining, self.mip_gap, self.threads)
-        sol = highspy.HighsSolution()
-        sol.col_value = start.tolist()
-        sol.value_valid = True
-        h.setSolution(sol)
-        h.run()
+        h, values = self._run(m, remaining, start)
+        if m.problem(values, h.getInfo().objective_function_value) is not None:
+            # HiGHS can report the optimum's objective while handing back the warm start's
+            # columns (a worse plan, called optimal): solve again without the start.
+            h, values = self._run(m, self.time_limit_s - (time.perf_counter() - started), None)
+            problem = m.problem(values, h.getInfo().objective_function_value)
+            if problem is not None:
+                raise RuntimeError(f"HiGHS's solution does not check out: {problem}")
         status = h.getModelStatus()
-        values = np.array(h.getSolution().col_value)
-        if len(values) != len(m.cost) or h.getInfo().primal_solution_status != 2:
-            raise RuntimeError(f"HiGHS found no feasible solution ({h.modelStatusToString(status)})")
         method = {
             highspy.HighsModelStatus.kOptimal: "milp-optimal",
             highspy.HighsModelStatus.kTimeLimit: "milp-time-limit",
@@ -403,6 +433,22 @@ class MilpPlacer(Placer):
             lp_s=round(lp_s, 4),
         )
         return result, info
+
+    def _run(
+        self, m: _Model, time_limit_s: float, start: np.ndarray | None
+    ) -> tuple[highspy.Highs, np.ndarray]:
+        h = m.highs(False, time_limit_s, self.mip_gap, self.threads)
+        if start is not None:
+            sol = highspy.HighsSolution()
+            sol.col_value = start.tolist()
+            sol.value_valid = True
+            h.setSolution(sol)
+        h.run()
+        values = np.array(h.getSolution().col_value)
+        if len(values) != len(m.cost) or h.getInfo().primal_solution_status != 2:
+            status = h.modelStatusToString(h.getModelStatus())
+            raise RuntimeError(f"HiGHS found no feasible solution ({status})")
+        return h, values
 
     def _demand_distance(self, d: ReplicaDemand, p: PoolCapacity) -> float:
         if not d.demand_regions:
@@ -491,6 +537,14 @@ def _fingerprint_assignments(assignments) -> int:
                 for a in assignments
             )
         )
+    )
+
+
+def plan_problems(demands, pools, current, result: PlacementResult) -> list[str]:
+    """Every rule the plan breaks, and every running replica it drops."""
+    missing = {(u.deployment, u.version): u.missing for u in result.unplaced}
+    return violations(demands, pools, result.assignments) + dropped_running(
+        demands, pools, current, result.removed, result.added, missing
     )
 
 

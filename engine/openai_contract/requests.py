@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from engine.bounds import MAX_N, MAX_STOP_TOKEN_IDS, MAX_TOKENS, Seed, TokenId, TokenLimit
 from engine.openai_contract.base import Strict
 from engine.openai_contract.structured import (
     ResponseFormat,
@@ -97,19 +98,19 @@ class _SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extras)."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: TokenLimit | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOKENS)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=128)
-    seed: int | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    seed: Seed | None = None
     stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -170,7 +171,7 @@ class _SamplingRequest(_Strict):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: TokenLimit | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = None
@@ -250,10 +251,10 @@ def _check_prompt(v: object) -> object:
 
 class CompletionRequest(_SamplingRequest):
     prompt: Any
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: TokenLimit | None = 16
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
 
     @field_validator("prompt", mode="before")

@@ -19,6 +19,7 @@ from engine.server.inputs import chat_prompt_ids, check_model, check_token_ids, 
 from engine.server.kv_events import register as register_kv_events
 from engine.server.metrics import ServerMetrics
 from engine.server.middleware import GuardMiddleware
+from engine.server.openapi import openapi_document
 from engine.server.responses import create_response
 from engine.server.state import EngineClient, ServerSettings, ServerState
 from engine.timing import HistogramSnapshot
@@ -61,7 +62,27 @@ def build_app(state: ServerState) -> FastAPI:
             return JSONResponse({"status": status, "error": state.load_error}, status_code=503)
         if not getattr(state.engine, "is_running", True):
             return JSONResponse({"status": "dead", "error": "the engine loop has stopped"}, status_code=503)
+        stalled = getattr(state.engine, "stalled_for", lambda: 0.0)()
+        if stalled > state.settings.stall_timeout_s:
+            error = f"the engine loop has had work and made no step for {stalled:.0f} s"
+            return JSONResponse({"status": "stalled", "error": error}, status_code=503)
         return JSONResponse({"status": "ok", "model": state.settings.served_model_name})
+
+    if state.settings.test_hooks:
+
+        @app.post("/debug/freeze")
+        async def freeze() -> Response:
+            engine().freeze(True)  # type: ignore[attr-defined]
+            return JSONResponse({"frozen": True})
+
+        @app.post("/debug/thaw")
+        async def thaw() -> Response:
+            engine().freeze(False)  # type: ignore[attr-defined]
+            return JSONResponse({"frozen": False})
+
+    @app.get("/openapi.json")
+    async def openapi() -> Response:
+        return JSONResponse(openapi_document("Fleet engine", bearer=state.settings.api_key is not None))
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -14,12 +14,16 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import EngineDeadError, EngineError, PromptTooLongError, QueueFullError
+from engine.errors import EngineDeadError, EngineError, PromptTooLongError, QueueFullError, StepFailedError
 from engine.openai_contract.errors import OpenAIError, error_body, validation_error
 
 __all__ = ["APIError", "context_error", "engine_error", "error_body", "error_response", "validation_error"]
 
 logger = logging.getLogger("engine.server")
+
+# On a 5xx that is this request's own failure: retrying it elsewhere would only repeat it.
+NO_RETRY_HEADER = "X-Fleet-No-Retry"
+NO_RETRY = {NO_RETRY_HEADER: "1"}
 
 # The contract's error: raise it from anywhere in a request (the gateway raises the same one).
 APIError = OpenAIError
@@ -56,6 +60,10 @@ def engine_error(err: BaseException, param: str | None = None, retry_after_s: in
             f"The server's request queue is full; retry after {retry_after_s} s. ({err})",
             code="queue_full",
             headers={"Retry-After": str(retry_after_s)},
+        )
+    if isinstance(err, StepFailedError):
+        return APIError(
+            500, f"This request failed inside the engine: {err}", code="request_failed", headers=NO_RETRY
         )
     if isinstance(err, EngineDeadError):
         return APIError(503, f"The engine has stopped and this replica must be restarted: {err}")

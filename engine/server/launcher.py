@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="/v1/embeddings: return raw pooled vectors instead of L2-normalized ones",
     )
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=60.0,
+        help="seconds the engine loop may have work and make no step before /health says stalled",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument(
@@ -109,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=None)
     return p
 
+
+# Set to 1 (tests only) to expose POST /debug/freeze and /debug/thaw.
+TEST_HOOKS_ENV = "FLEET_ENGINE_TEST_HOOKS"
 
 _ENGINE_FLAGS = (
     "dtype",
@@ -278,6 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             drain_timeout=ns.drain_timeout,
             embedding_pooling=ns.embedding_pooling,
             embedding_normalize=ns.embedding_normalize,
+            stall_timeout_s=ns.stall_timeout,
+            test_hooks=os.environ.get(TEST_HOOKS_ENV) == "1",
         )
     except Exception as err:
         print(f"error: {err}", file=sys.stderr)

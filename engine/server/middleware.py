@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from engine.server.errors import APIError, error_body
 from engine.server.state import ServerState
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 # Guarded, but not work a drain waits for: the agent's KV-event long poll.
 UNCOUNTED_PATHS = frozenset({"/kv/events"})
 

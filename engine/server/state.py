@@ -46,6 +46,11 @@ class ServerSettings(BaseModel):
     served_model_name: str
     api_key: str | None = None
     max_request_bytes: int = Field(1 << 20, ge=1024)
+    # /health says "stalled" (503) once the engine loop has had work and made no step for
+    # this long, so the agent restarts the replica.
+    stall_timeout_s: float = Field(60.0, gt=0)
+    # Test hooks (POST /debug/freeze, /debug/thaw); never on in production.
+    test_hooks: bool = False
     drain_timeout: float = Field(30.0, ge=0.0)
     retry_after_s: int = Field(1, ge=1)
     # /v1/embeddings: how the last hidden state becomes one vector per input

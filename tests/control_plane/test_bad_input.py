@@ -200,6 +200,25 @@ CASES = [
         "deployments.0",
     ),
     ("key-revoke-unknown", "DELETE", "/v1/keys/nope", None, 404, None),
+    # hostile: nesting a parser would recurse into, a duration past year 1
+    (
+        "deeply-nested",
+        "POST",
+        "/v1/deployments",
+        '{"name": "x", "model": ' + "[" * 5000 + "]" * 5000 + "}",
+        400,
+        None,
+    ),
+    (
+        "nested-patch",
+        "PATCH",
+        f"/v1/deployments/{TARGET}",
+        '{"engine_args": ' + '{"a": ' * 200 + "1" + "}" * 201,
+        400,
+        None,
+    ),
+    ("surrogate-name", "POST", "/v1/deployments", '{"name": "\\ud800", "model": "m"}', 400, None),
+    ("since-999999999999d", "GET", "/v1/usage?since=999999999999d", None, 422, "since"),
     # routing
     ("no-route", "GET", "/v1/nothing-here", None, 404, None),
     ("wrong-method", "PUT", "/v1/deployments", {}, 405, None),
@@ -317,3 +336,24 @@ def test_wrong_secret_and_revoked_key_are_401_read_scope_write_is_403(seeded, ad
         assert admin.delete(f"/v1/keys/{key_id}").status_code == 200
         assert reader.get("/v1/deployments").status_code == 401
     assert admin.get(f"/v1/deployments/{TARGET}").json()["desired_replicas"] == 1
+
+
+def test_concurrent_patches_are_never_a_500(seeded, admin):
+    """Eight PATCHes of one deployment at once, each a new spec: each is applied (one after
+    another) or told to retry with a 409; the versions stay consecutive and unique."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    name = "raced"
+    assert admin.post("/v1/deployments", json={"name": name, "model": "m"}).status_code == 201
+
+    def patch(i: int) -> int:
+        with seeded.client() as c:
+            return c.patch(f"/v1/deployments/{name}", json={"engine_args": {"i": i}}).status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        statuses = list(pool.map(patch, range(8)))
+    assert set(statuses) <= {200, 409}, statuses
+    assert 200 in statuses
+    versions = [v["version"] for v in admin.get(f"/v1/deployments/{name}/versions").json()["items"]]
+    assert sorted(versions) == list(range(1, len(versions) + 1))
+    assert len(versions) == 1 + statuses.count(200)

@@ -296,3 +296,37 @@ def test_an_unchanged_fleet_is_not_solved_again():
     cheaper = [pools[0], pools[1].model_copy(update={"hourly_price": 0.5})]
     moved, info = placer.solve([d], cheaper, first.assignments)
     assert info.method == "milp-optimal" and {a.cluster for a in moved.assignments} == {"b"}
+
+
+def test_warm_started_replan_keeps_every_running_replica():
+    """The issue's minimal case: HiGHS, warm-started from FFD (which drops a replica here),
+    reported the optimum's objective with the warm start's columns. The plan is now checked
+    against the model before it is called optimal, and every running replica stays."""
+    pools = [
+        PoolCapacity(cluster="c0", name="p", region="r2", gpu_model="a100", gpus_per_node=2, nodes=2),
+        PoolCapacity(cluster="c1", name="p", region="r1", gpu_model="a100", nodes=0, tier=Tier.reserved),
+        PoolCapacity(cluster="c2", name="p", region="r1", gpu_model="a100", nodes=1, tier=Tier.spot),
+        PoolCapacity(cluster="c3", name="p", region="r1", gpu_model="a100", nodes=0, tier=Tier.reserved),
+    ]
+    demands = [
+        ReplicaDemand(deployment="d0", version=1, count=2, min_regions=2, max_spot_fraction=0.0),
+        ReplicaDemand(deployment="d1", version=1, count=0),
+        ReplicaDemand(deployment="d2", version=1, count=2, max_spot_fraction=0.5),
+    ]
+    first, _ = MilpPlacer(mip_gap=0.0, ffd_warm_limit=0).solve(demands, pools)
+    assert len(first.assignments) == 4
+    again, info = MilpPlacer(mip_gap=0.0).solve(demands, pools, first.assignments)
+    assert info.method == "milp-optimal"
+    assert {a.replica_id for a in again.assignments} == {a.replica_id for a in first.assignments}
+    assert not again.removed and not again.added
+
+
+@PROFILE
+@given(pools_st(), demands_st())
+def test_a_replan_from_its_own_plan_never_drops_a_running_replica(pools, demands):
+    first, _ = COLD.solve(demands, pools)
+    again, info = MilpPlacer(time_limit_s=20, mip_gap=0.0).solve(demands, pools, first.assignments)
+    assert violations(demands, pools, again.assignments) == []
+    if info.method == "milp-optimal":
+        kept = {a.replica_id for a in again.assignments}
+        assert kept >= {a.replica_id for a in first.assignments}

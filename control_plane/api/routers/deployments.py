@@ -32,10 +32,13 @@ router = APIRouter(prefix="/v1/deployments", tags=["deployments"])
 VersionNumber = Annotated[int, Path(ge=1, le=2**31 - 1)]
 
 
-def _load(session: Session, name: str) -> Deployment:
-    dep = session.scalar(
-        select(Deployment).where(Deployment.name == name).options(selectinload(Deployment.versions))
-    )
+def _load(session: Session, name: str, lock: bool = False) -> Deployment:
+    """The deployment; `lock` holds its row until commit (PostgreSQL), so two concurrent
+    changes apply one after the other (SQLite serializes writers itself; a lost race is a 409)."""
+    query = select(Deployment).where(Deployment.name == name)
+    if lock:
+        query = query.with_for_update()
+    dep = session.scalar(query.options(selectinload(Deployment.versions)))
     if dep is None:
         raise not_found("deployment", name)
     return dep
@@ -98,7 +101,7 @@ def get_deployment(name: str, session: SessionDep, who: PrincipalDep):
 def update_deployment(
     name: str, body: DeploymentUpdate, request: Request, session: SessionDep, who: PrincipalDep
 ):
-    dep = _load(session, name)
+    dep = _load(session, name, lock=True)
     before = deployment_status(session, dep)
     current = dep.version_row()
     current_spec = specs.version_fields(current)

@@ -48,7 +48,10 @@ def parse_since(text: str, now: datetime) -> datetime:
     """ "90s", "30m", "1h", "7d", or an ISO 8601 time."""
     m = DURATION.match(text.strip())
     if m:
-        return now - timedelta(seconds=float(m.group(1)) * UNITS[m.group(2)])
+        try:
+            return now - timedelta(seconds=float(m.group(1)) * UNITS[m.group(2)])
+        except (OverflowError, ValueError):  # "999999999999d" reaches before year 1
+            raise invalid("since", f"{text.strip()!r} reaches back further than a datetime can") from None
     try:
         value = datetime.fromisoformat(text.strip())
     except ValueError:

@@ -130,6 +130,7 @@ class GatewayProcess:
         queue_size: int = 8,
         queue_timeout_s: float = 2.0,
         max_body_bytes: int = 64 * 1024,
+        **gateway: object,
     ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
@@ -148,6 +149,7 @@ class GatewayProcess:
                 queue_timeout_s=queue_timeout_s,
                 max_body_bytes=max_body_bytes,
                 key_state_max_age_s=3600,  # no agent renews the key set's lease here
+                **gateway,
             ),
         )
         self.files = ClusterFiles(self.config.state_dir, cluster)

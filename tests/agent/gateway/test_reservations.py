@@ -1,0 +1,71 @@
+"""Quota reservations for the real worst case: a chat request without max_tokens reserves
+the context it may fill (up to the key's budget here, so it is never refused outright), a
+settlement charges what the engine reports, and a stream cut short is charged for the
+tokens it carried."""
+
+from __future__ import annotations
+
+import json
+
+from agent.gateway.inputs import parse_request
+from agent.gateway.limits import QuotaGate
+from agent.gateway.metrics import GatewayMetrics
+from agent.gateway.sse import StreamObserver
+from agent.protocol import Quotas
+from tests.agent.gateway.harness import make_key
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "x" * 40}]}
+
+
+class Clock:
+    now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def gate() -> tuple[QuotaGate, Clock]:
+    clock = Clock()
+    return QuotaGate("east", GatewayMetrics(), minute_s=60.0, clock=clock), clock
+
+
+def keyed(tpm: int):
+    _, record = make_key("k")
+    return record.model_copy(update={"quotas": Quotas(tokens_per_minute=tpm)})
+
+
+def test_worst_case_is_max_tokens_else_the_context_left() -> None:
+    given = parse_request(json.dumps({**CHAT, "max_tokens": 7, "n": 2}).encode(), "chat")
+    assert given.worst_case_tokens(4096) == given.prompt_tokens + 14
+    open_ended = parse_request(json.dumps({**CHAT, "n": 2}).encode(), "chat")
+    assert not open_ended.max_tokens_given
+    assert (
+        open_ended.worst_case_tokens(4096) == open_ended.prompt_tokens + (4096 - open_ended.prompt_tokens) * 2
+    )
+    completion = parse_request(json.dumps({"model": "m", "prompt": "hi"}).encode(), "completions")
+    assert completion.worst_case_tokens(4096) == completion.cost_tokens  # the engine's default of 16
+
+
+def test_open_ended_request_reserves_up_to_the_budget_and_settles_to_usage() -> None:
+    quota, _ = gate()
+    key = keyed(10_000)
+    info = parse_request(json.dumps(CHAT).encode(), "chat")
+    reservation, headers = quota.admit(key, info, info.worst_case_tokens(4096))
+    assert reservation is not None and reservation.tokens == 4096  # not the old 256
+    assert int(headers["x-ratelimit-remaining-tokens"]) == 10_000 - 4096
+    quota.settle(reservation, {"prompt_tokens": 14, "completion_tokens": 30}, ran=True)
+    assert int(quota.headers(key, "m")["x-ratelimit-remaining-tokens"]) == 10_000 - 44
+
+    small = keyed(1000)  # a context bigger than the whole budget: reserve the budget, admit
+    reservation, _ = quota.admit(small, info, info.worst_case_tokens(4096))
+    assert reservation is not None and reservation.tokens == 1000
+
+
+def test_a_cut_stream_counts_the_tokens_it_carried() -> None:
+    observer = StreamObserver(strip_usage=True)
+    for text in ("Hel", "lo", ""):
+        chunk = {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+        observer.observe(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+    two = {"choices": [{"index": 0, "text": "a"}, {"index": 1, "text": "b"}]}
+    observer.observe(b"data: " + json.dumps(two).encode() + b"\n\n")
+    assert observer.tokens_seen == 4 and observer.usage is None and observer.first_token

@@ -1,0 +1,162 @@
+"""Durable ingestion against a real nats-server and a real control plane process: usage and
+events published while the control plane is down, or while it dies between receiving a batch
+and committing it (or between the commit and the acks), are all in the database once.
+
+Two publishers play the gateways of two clusters (the records are what a gateway sends).
+On PostgreSQL when one is configured (CI), else SQLite: tests/e2e/test_control_plane_outage_usage.py
+runs the whole fleet (SQLite, the default) through a control plane outage."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+import sqlalchemy as sa
+
+from agent import protocol
+from agent.nats_io import NatsLink
+from control_plane.db import session as dbs
+from control_plane.local.nats_server import NatsServer
+from tests.control_plane.cp_server import PG_ENV, ControlPlaneServer, fresh_database
+
+pytestmark = pytest.mark.slow
+
+CLUSTERS = ("east", "west")
+DOWN_S = float(os.environ.get("FLEET_TEST_DOWN_S", "3"))
+
+
+def _rows(url: str) -> tuple[int, int, int, int]:
+    engine = dbs.make_engine(url)
+    try:
+        with engine.connect() as conn:
+            n, tokens, ids = conn.execute(
+                sa.text(
+                    "SELECT count(*), coalesce(sum(prompt_tokens + completion_tokens), 0), "
+                    "count(DISTINCT record_id) FROM usage_records"
+                )
+            ).one()
+            events = conn.execute(sa.text("SELECT count(*) FROM events WHERE kind = 'info'")).scalar_one()
+            return int(n), int(tokens), int(ids), int(events)
+    finally:
+        engine.dispose()
+
+
+class Traffic:
+    """What the two "gateways" sent: usage records and agent events, with their tokens."""
+
+    def __init__(self, link: NatsLink) -> None:
+        self.link = link
+        self.records = 0
+        self.tokens = 0
+        self.events = 0
+
+    async def send(self, n: int) -> None:
+        for i in range(n):
+            cluster = CLUSTERS[i % 2]
+            record = protocol.UsageRecord(
+                cluster=cluster, key_id="k1", deployment="d", prompt_tokens=7 + i % 5, completion_tokens=11
+            )
+            assert await self.link.publish(protocol.usage_subject(cluster), record)
+            self.records += 1
+            self.tokens += record.prompt_tokens + record.completion_tokens
+            if i % 10 == 0:
+                event = protocol.Event(cluster=cluster, kind="info", message=f"event {i}")
+                assert await self.link.publish(protocol.events_subject(cluster), event)
+                self.events += 1
+        await self.link.nc.flush()
+        # poison in the same streams: skipped, never blocking the rest
+        await self.link.nc.publish(protocol.usage_subject("east"), b'{"cluster": "east", "key_id": ')
+        await self.link.nc.publish(
+            protocol.events_subject("east"), b'{"cluster": "east", "kind": "info", "at": 1e300}'
+        )
+        await self.link.nc.flush()
+
+
+def _wait_rows(url: str, traffic: Traffic, timeout: float = 60.0) -> tuple[int, int, int, int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = _rows(url)
+        if (got[0] >= traffic.records and got[3] >= traffic.events) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def db_url(tmp_path):
+    url, cleanup = fresh_database("postgresql" if os.environ.get(PG_ENV) else "sqlite", tmp_path)
+    yield url
+    cleanup()
+
+
+async def test_nothing_lost_nothing_counted_twice(db_url: str, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("FLEET_INGEST_ACK_WAIT_S", "2")
+    nats = NatsServer(tmp_path / "nats").start()
+    link = NatsLink(nats.url, "test-gateways")
+    link.start()
+    try:
+        assert await link.wait_connected(15)
+        traffic = Traffic(link)
+        await traffic.send(40)  # before the control plane ever ran
+
+        # Dies right after receiving its first batch: nothing was committed.
+        crashing = ControlPlaneServer(tmp_path / "home", db_url, nats.url, loops=True)
+        crashing_env = {"FLEET_TEST_INGEST_CRASH": "received"}
+        await asyncio.to_thread(_start_until_exit, crashing, crashing_env)
+        assert _rows(db_url) == (0, 0, 0, 0)
+
+        # Dies right after committing, before any ack: everything is redelivered later.
+        await asyncio.to_thread(_start_until_exit, crashing, {"FLEET_TEST_INGEST_CRASH": "committed"})
+        committed = _rows(db_url)
+        assert committed[0] + committed[3] > 0  # a usage or an events batch, never acknowledged
+
+        cp = ControlPlaneServer(tmp_path / "home", db_url, nats.url, loops=True)
+        await asyncio.to_thread(cp.start)
+        try:
+            await traffic.send(30)
+            got = await asyncio.to_thread(_wait_rows, db_url, traffic)
+            assert got == (traffic.records, traffic.tokens, traffic.records, traffic.events)
+
+            cp.stop()  # down, under traffic
+            deadline = time.monotonic() + DOWN_S
+            while time.monotonic() < deadline:
+                await traffic.send(20)
+                await asyncio.sleep(0.5)
+            await asyncio.to_thread(cp.start)
+            got = await asyncio.to_thread(_wait_rows, db_url, traffic)
+            assert got == (traffic.records, traffic.tokens, traffic.records, traffic.events)
+            with cp.client() as admin:
+                text = admin.get("/metrics").text
+            assert (
+                'fleet_control_plane_rejected_messages_total{reason="malformed",subject="fleet.v1.usage.*"}'
+                in text
+            )
+            assert (
+                'fleet_control_plane_rejected_messages_total{reason="malformed",subject="fleet.v1.events.*"}'
+                in text
+            )
+        finally:
+            cp.stop()
+    finally:
+        await link.close()
+        nats.stop()
+
+
+def _start_until_exit(server: ControlPlaneServer, extra_env: dict[str, str], timeout: float = 60.0) -> None:
+    """Start with `extra_env` and wait for the process to die at its crash point."""
+    os.environ.update(extra_env)
+    try:
+        try:
+            server.start(timeout=timeout)
+        except RuntimeError as err:  # it may die before it answered /healthz
+            assert "exited with 137" in str(err), err
+            return
+        deadline = time.monotonic() + timeout
+        while server.proc is not None and server.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert server.proc is not None and server.proc.returncode == 137, server.log_tail()
+        server.proc = None
+    finally:
+        for k in extra_env:
+            os.environ.pop(k, None)
