@@ -119,15 +119,20 @@ def test_a_forwarded_request_is_never_forwarded_again(west: GatewayProcess, secr
     assert forwarded(west, "east") == before
 
 
-def test_peer_refusals_pass_through(west: GatewayProcess, keys: dict[str, tuple[str, ApiKeyRecord]]) -> None:
-    """The forwarding gateway checks the key itself; the peer's own 4xx comes back as is."""
+def test_refusals_happen_before_forwarding(
+    west: GatewayProcess, keys: dict[str, tuple[str, ApiKeyRecord]]
+) -> None:
+    """The forwarding gateway checks the key and the body (the shared OpenAI contract) itself:
+    an invalid request is refused here with the replica's own 400 and never reaches the peer."""
+    before = forwarded(west, "east")
     r = httpx.post(
         f"{west.url}/v1/completions",
         json={"model": DEPLOYMENT, "prompt": "hi", "temperature": 9},
         headers={"Authorization": f"Bearer {keys['main'][0]}"},
         timeout=30,
     )
-    assert (r.status_code == 400 and r.json()["error"]["param"] is not None) or r.status_code == 400
-    assert r.headers["x-fleet-cluster"] == "east"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    assert r.headers["x-fleet-cluster"] == "west"
+    assert forwarded(west, "east") == before
     r = httpx.post(f"{west.url}/v1/completions", json={"model": DEPLOYMENT, "prompt": "hi"}, timeout=30)
     assert r.status_code == 401 and r.headers["x-fleet-cluster"] == "west"
