@@ -11,7 +11,12 @@ from agent import protocol
 from agent.config import ClusterConfig
 from agent.daemon import Agent
 from control_plane.context import ControlPlaneContext
+from control_plane.db.models import Event as EventRow
+from control_plane.db.session import make_sessions, upgrade_to_head
 from control_plane.loops import Loops
+from control_plane.loops.durable import Received
+from control_plane.loops.ingest import store_event_batch
+from control_plane.loops.rejects import Rejections
 from control_plane.settings import Settings
 
 
@@ -21,12 +26,25 @@ def msg(subject: str, message: protocol.Message) -> SimpleNamespace:
 
 async def test_control_plane_drops_messages_whose_cluster_is_not_their_subject(tmp_path):
     loops = Loops(ControlPlaneContext(settings=Settings(home=tmp_path), sessions=None))  # type: ignore[arg-type]
-    await loops._on_event(msg(protocol.events_subject("east"), protocol.Event(cluster="west", kind="info")))
     await loops._on_heartbeat(msg(protocol.heartbeat_subject("east"), protocol.Heartbeat(cluster="west")))
-    assert loops._events == [] and loops._heartbeats == {}
-    await loops._on_event(msg(protocol.events_subject("east"), protocol.Event(cluster="east", kind="info")))
+    assert loops._heartbeats == {}
     await loops._on_heartbeat(msg(protocol.heartbeat_subject("east"), protocol.Heartbeat(cluster="east")))
-    assert [e.cluster for e in loops._events] == ["east"] and list(loops._heartbeats) == ["east"]
+    assert list(loops._heartbeats) == ["east"]
+
+    # Events arrive through the durable consumer's store: a forged claim is poison, never stored.
+    url = f"sqlite:///{tmp_path / 'claims.db'}"
+    upgrade_to_head(url)
+    sessions = make_sessions(url)
+    subject = protocol.events_subject("east")
+    forged = protocol.Event(cluster="west", kind="info", event_id="forged")
+    honest = protocol.Event(cluster="east", kind="info", event_id="honest")
+    batch = [Received(subject, forged.to_bytes(), 1), Received(subject, honest.to_bytes(), 2)]
+    rejections = Rejections()
+    verdicts = store_event_batch(sessions, batch, rejections)
+    assert verdicts.poison == {0}
+    assert rejections.counts[(protocol.EVENTS_WILDCARD, "subject")] == 1
+    with sessions() as session:
+        assert [(e.cluster, e.event_id) for e in session.query(EventRow).all()] == [("east", "honest")]
 
 
 async def test_agent_ignores_a_desired_state_whose_generation_goes_down(tmp_path):
