@@ -187,7 +187,7 @@ def test_control_plane_restarted_mid_rollout_resumes_it(fleet: SimFleet):
         assert (resumed["id"], resumed["step"], resumed["canary_version"]) == (before["id"], 1, 4)
         assert resumed["phase"] in ("observing", "deploying", "promoted")  # never back to a fresh start
         ro = wait_for(
-            lambda: (x := rollout(fleet))["phase"] in ("promoted", "rolled_back") and x, 40, 0.2, "the end"
+            lambda: (x := rollout(fleet))["phase"] in ("promoted", "rolled_back") and x, 90, 0.2, "the end"
         )
     finally:
         results = load.stop()
