@@ -130,7 +130,8 @@ def test_parse_into_a_pydantic_model(client: openai.OpenAI) -> None:
         model=MODEL,
         messages=[{"role": "user", "content": "Invent a pet."}],
         response_format=Pet,
-        max_tokens=32,
+        temperature=0,
+        max_tokens=64,
     )
     pet = r.choices[0].message.parsed
     assert isinstance(pet, Pet) and 0 <= pet.legs <= 8
