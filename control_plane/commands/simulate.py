@@ -94,7 +94,7 @@ def simulate(
         None,
         "--replicas",
         min=1,
-        help="replicas of the static run (default: the autoscaled peak, else max_replicas)",
+        help="replicas of the static run (default: the autoscaled peak, else what the capacity model needs at the busiest minute)",
     ),
     plot: Path = typer.Option(None, "--plot", help="write a PNG of load and replicas over time"),
     output: OutputFormat = OUTPUT_OPTION,
@@ -184,6 +184,8 @@ def simulate(
         f"simulated in {report.wall_s:.1f}s)"
     )
     _table(rows, title)
+    if report.static_replicas is not None:
+        typer.echo(f"static: {report.static_replicas} replicas ({report.static_sizing})")
     if plot is not None:
         typer.echo(f"plot: {plot}")
 

@@ -12,6 +12,7 @@ from agent.sim.profile import PerfProfile
 from control_plane.autoscale.policy import AutoscaleSettings
 from control_plane.simulate.des import RunResult, Simulation
 from control_plane.simulate.report import PolicyReport, SimulationReport, plot, summarize
+from control_plane.simulate.sizing import peak_size
 from control_plane.simulate.trace import TraceError, TraceRequest, load_trace
 
 DEFAULT_POLICIES = ("static", "kpa", "planner", "ours")
@@ -44,7 +45,8 @@ def compare(
 ) -> SimulationReport:
     """Runs every policy on the same trace, against the targets (`slo_ttft_s`, `slo_itl_s`;
     None: the settings' own, which the SLO-driven policies aim at). `static` gets the peak replica count the
-    autoscaled runs reached (provisioning for the peak). Autoscaled runs start at
+    autoscaled runs reached (provisioning for the peak); run alone, the count the capacity
+    model needs at the trace's busiest minute (`sizing.peak_size`). Autoscaled runs start at
     `min_replicas` (at least one) and the first `warmup_s` of trace only warms them up:
     requests arriving then and GPU time spent then are not counted, for any policy.
     `on_run(policy)` is called as each policy's run starts (progress).
@@ -59,7 +61,7 @@ def compare(
     runs: dict[tuple[str, str], RunResult] = {}
     reports: list[PolicyReport] = []
     autoscaled = [p for p in policies if p != "static"]
-    peak = settings.max_replicas
+    peak, sizing = settings.max_replicas, f"max_replicas {settings.max_replicas}"
     order = [*autoscaled, *(["static"] if "static" in policies else [])]
     initial = max(1, settings.min_replicas)
     if autoscaled:
@@ -76,9 +78,13 @@ def compare(
             routing=routings[0],
         ).run()
         peak = max((s.desired for s in probe.samples), default=1)
+        sizing = f"the peak of {probe.policy}"
         runs[(probe.policy, routings[0])] = probe
+    elif "static" in policies and static_replicas is None:
+        size = peak_size(trace, profile, settings)
+        peak, sizing = size.replicas, size.why
     if static_replicas is not None:
-        peak = static_replicas
+        peak, sizing = static_replicas, "--replicas"
     for routing in routings:  # every routing at the same replicas: static gets the same peak
         for name in order:
             if (name, routing) in runs:
@@ -116,6 +122,8 @@ def compare(
         warmup_s=warmup_s,
         settings=settings.model_dump(),
         policies=reports,
+        static_replicas=peak if "static" in policies else None,
+        static_sizing=sizing if "static" in policies else "",
     )
     if plot_path is not None:
         plot(report, {f"{p}/{r}" if len(routings) > 1 else p: run for (p, r), run in runs.items()}, plot_path)

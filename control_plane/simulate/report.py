@@ -60,6 +60,8 @@ class SimulationReport(BaseModel):
     warmup_s: float = 0.0
     settings: dict[str, object]
     wall_s: float = 0.0
+    static_replicas: int | None = None  # replicas of the static runs (every routing alike)
+    static_sizing: str = ""  # why that many (simulate.sizing)
     policies: list[PolicyReport]
 
 
