@@ -90,7 +90,9 @@ def test_fleetctl_simulate_routing_rows_on_mooncake(shared_data: Path) -> None:
         app, [*args, "--routing", "least-load,prefix", "--replicas", "8", "--limit", "400", "-o", "json"]
     )
     assert out.exit_code == 0, out.output
-    rows = json.loads(out.stdout)["policies"]
+    report = json.loads(out.stdout)
+    assert report["static_replicas"] == 8 and report["static_sizing"] == "--replicas"
+    rows = report["policies"]
     assert [(r["policy"], r["routing"]) for r in rows] == [("static", "least-load"), ("static", "prefix")]
     ll, px = rows
     assert px["cache_hit_rate"] > ll["cache_hit_rate"] and px["ttft_p90_s"] < ll["ttft_p90_s"]
