@@ -11,7 +11,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 from agent.protocol import Tier
-from control_plane.placement.base import Assignment, PoolCapacity, ReplicaDemand
+from control_plane.placement.base import Assignment, PlacementResult, PoolCapacity, ReplicaDemand
+from control_plane.placement.quotas import GpuQuotas, class_caps, preemptible, running_gpus
 
 
 def slot_size(gpus: int, gpus_per_node: int) -> float:
@@ -141,3 +142,64 @@ def dropped_running(
         for key, n in sorted(lost.items())
         if n > 0 and missing.get(key, 0) > 0
     ]
+
+
+def priority_problems(
+    demands: Sequence[ReplicaDemand],
+    pools: Sequence[PoolCapacity],
+    current: Sequence[Assignment],
+    result: PlacementResult,
+    quotas: GpuQuotas | None = None,
+) -> list[str]:
+    """Every priority or quota rule a plan breaks: a preemption of an equal or higher
+    class, of a replica that was not running or is not removed, one whose preemptor gets
+    no new replica on that pool; a class over its bound (beyond what it ran) or
+    preempted below its floor."""
+    by_demand = {d.key: d for d in demands}
+    running = {a.replica_id: a for a in current}
+    removed = set(result.removed)
+    problems: list[str] = []
+    landed = {(a.deployment, a.version, a.pool_key) for a in result.added}
+    preempted_gpus: dict[str, int] = defaultdict(int)
+    for p in result.preempted:
+        victim, by = by_demand.get((p.deployment, p.version)), by_demand.get((p.by_deployment, p.by_version))
+        a = running.get(p.replica_id)
+        if victim is None or by is None or a is None:
+            problems.append(f"{p.replica_id}: preempted but not a running replica of a known demand")
+            continue
+        if victim.rank >= by.rank:
+            problems.append(
+                f"{p.replica_id} ({victim.priority}) preempted by {by.deployment} ({by.priority})"
+            )
+        if p.replica_id not in removed:
+            problems.append(f"{p.replica_id}: preempted but not removed")
+        if (by.deployment, by.version, a.pool_key) not in landed:
+            problems.append(
+                f"{p.replica_id}: preempted for {by.deployment}, which gets nothing on {a.pool_key}"
+            )
+        preempted_gpus[victim.priority] += a.gpus
+    if quotas:
+        stayable: dict[tuple[str, int], int] = defaultdict(int)
+        by_pool = {p.key: p for p in pools}
+        for a in current:
+            d, pool = by_demand.get((a.deployment, a.version)), by_pool.get(a.pool_key)
+            if (
+                d is not None
+                and pool is not None
+                and pool.keeps_existing
+                and d.acceptable(pool)
+                and a.gpus == d.gpu_count
+            ):
+                stayable[d.key] += 1
+        ran = running_gpus(demands, stayable)
+        held: dict[str, int] = defaultdict(int)
+        for a in result.assignments:
+            if (a.deployment, a.version) in by_demand:
+                held[by_demand[(a.deployment, a.version)].priority] += a.gpus
+        for c, cap in class_caps(quotas, ran).items():
+            if held[c] > cap:
+                problems.append(f"class {c} holds {held[c]} GPUs, bound {cap}")
+        for c, left in preemptible(quotas, ran).items():
+            if preempted_gpus[c] > left:
+                problems.append(f"class {c}: {preempted_gpus[c]} GPUs preempted, {left} above its floor")
+    return problems

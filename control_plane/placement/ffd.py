@@ -16,6 +16,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 
 from control_plane.placement.base import (
+    PRIORITY_RANK,
     Assignment,
     PlacementResult,
     Placer,
@@ -27,6 +28,14 @@ from control_plane.placement.base import (
 )
 from control_plane.placement.explain import add_note, rule_out
 from control_plane.placement.preempt import choose_victims, preemption
+from control_plane.placement.quotas import (
+    NO_QUOTAS,
+    GpuQuotas,
+    class_caps,
+    preemptible,
+    quota_reason,
+    running_gpus,
+)
 
 MAX_REPLICA_ID = 63  # ReplicaAssignment.replica_id column width
 
@@ -65,8 +74,9 @@ class _Nodes:
 class FirstFitDecreasing(Placer):
     name = "ffd"
 
-    def __init__(self, id_factory: IdFactory = new_replica_id) -> None:
+    def __init__(self, id_factory: IdFactory = new_replica_id, quotas: GpuQuotas = NO_QUOTAS) -> None:
         self._id_factory = id_factory
+        self.quotas = quotas
 
     def place(
         self,
@@ -125,17 +135,56 @@ class FirstFitDecreasing(Placer):
 
         # 4. Place what is missing, the highest class first, then biggest replicas first; a
         #    replica that finds no free node may preempt replicas of strictly lower classes.
+        #    Class floors (quotas) are placed first; class bounds stop a class's growth.
         placed: dict[tuple[str, int], list[Assignment]] = defaultdict(list)
         for a in kept:
             placed[(a.deployment, a.version)].append(a)
         added: list[Assignment] = []
         unplaced: dict[tuple[str, int], Unplaced] = {}
         preempted: list[Preemption] = []
+        running = running_gpus(by_demand.values(), {k: len(g) for k, g in candidates.items()})
+        caps = class_caps(self.quotas, running)
+        budget = {PRIORITY_RANK[c]: n for c, n in preemptible(self.quotas, running).items()}
+        held: dict[str, int] = defaultdict(int)
+        for a in kept:
+            held[by_demand[(a.deployment, a.version)].priority] += a.gpus
 
         def rank_of(a: Assignment) -> int:
             return by_demand[(a.deployment, a.version)].rank
 
-        for d in sorted(
+        def place_one(d: ReplicaDemand) -> str | None:
+            """Place one replica of `d`; None, or why not."""
+            cap = caps.get(d.priority)
+            if cap is not None and held[d.priority] + d.gpu_count > cap:
+                return quota_reason(d.priority, self.quotas, held[d.priority])
+            covered = {by_pool[a.pool_key].region for a in placed[d.key]}
+            spot = self._choose(d, ordered_pools, nodes, covered)
+            if spot is None and d.rank > 0:
+                choice = choose_victims(d, ordered_pools, nodes.free, kept + added, rank_of, budget)
+                if choice is not None:
+                    pool, node, victims = choice
+                    for v in victims:
+                        placed[(v.deployment, v.version)].remove(v)
+                        nodes.give_back(v.pool_key, v.node, v.gpus)
+                        held[by_demand[(v.deployment, v.version)].priority] -= v.gpus
+                        if rank_of(v) in budget:
+                            budget[rank_of(v)] -= v.gpus
+                        if v in added:  # placed earlier in this plan: never ran
+                            added.remove(v)
+                            continue
+                        kept.remove(v)
+                        removed.append(v.replica_id)
+                        preempted.append(preemption(v, by_demand[(v.deployment, v.version)], d))
+                    spot = (pool, node)
+            if spot is None:
+                return _why(d, ordered_pools)
+            new = self._assign(d, spot[0], spot[1], nodes, used_ids)
+            placed[d.key].append(new)
+            added.append(new)
+            held[d.priority] += d.gpu_count
+            return None
+
+        order = sorted(
             by_demand.values(),
             key=lambda d: (
                 -d.rank,
@@ -145,37 +194,23 @@ class FirstFitDecreasing(Placer):
                 d.deployment,
                 d.version,
             ),
-        ):
-            for _ in range(d.count - len(placed[d.key])):
-                covered = {by_pool[a.pool_key].region for a in placed[d.key]}
-                spot = self._choose(d, ordered_pools, nodes, covered)
-                if spot is None and d.rank > 0:
-                    choice = choose_victims(d, ordered_pools, nodes.free, kept + added, rank_of)
-                    if choice is not None:
-                        pool, node, victims = choice
-                        for v in victims:
-                            placed[(v.deployment, v.version)].remove(v)
-                            nodes.give_back(v.pool_key, v.node, v.gpus)
-                            if v in added:  # placed earlier in this plan: never ran
-                                added.remove(v)
-                                continue
-                            kept.remove(v)
-                            removed.append(v.replica_id)
-                            preempted.append(preemption(v, by_demand[(v.deployment, v.version)], d))
-                        spot = (pool, node)
-                if spot is None:
-                    missing = d.count - len(placed[d.key])
+        )
+        for d in order:  # floors first: each floored class up to its guaranteed GPUs
+            floor = self.quotas.floor(d.priority)
+            while len(placed[d.key]) < d.count and held[d.priority] < floor:
+                if place_one(d) is not None:
+                    break
+        for d in order:
+            while len(placed[d.key]) < d.count:
+                why = place_one(d)
+                if why is not None:
                     unplaced[d.key] = Unplaced(
                         deployment=d.deployment,
                         version=d.version,
-                        missing=missing,
-                        reason=_why(d, ordered_pools),
+                        missing=d.count - len(placed[d.key]),
+                        reason=why,
                     )
                     break
-                pool, node = spot
-                new = self._assign(d, pool, node, nodes, used_ids)
-                placed[d.key].append(new)
-                added.append(new)
 
         # 5. Spread: move surplus replicas into new regions until min_regions (when capacity allows).
         for d in by_demand.values():

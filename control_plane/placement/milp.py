@@ -48,9 +48,14 @@ from control_plane.placement.base import (
     Unplaced,
     register_placer,
 )
-from control_plane.placement.evaluate import committed_cost, dropped_running, plan_cost, slot_size, violations
-from control_plane.placement.explain import add_note, explain_regions, explain_shortfall
+from control_plane.placement.evaluate import committed_cost, plan_cost, slot_size
+from control_plane.placement.explain import explain_shortfall
 from control_plane.placement.ffd import FirstFitDecreasing, IdFactory, new_replica_id
+from control_plane.placement.milp_priority import add_priority_terms, shortfall_weights
+from control_plane.placement.milp_priority import read as read_priority
+from control_plane.placement.milp_priority import warm_start as priority_start
+from control_plane.placement.milp_result import build_result, plan_problems
+from control_plane.placement.quotas import NO_QUOTAS, GpuQuotas
 
 # RTT in ms from a pool to a client region; None when unknown.
 Distance = Callable[[PoolCapacity, str], float | None]
@@ -197,7 +202,9 @@ class MilpPlacer(Placer):
         distance: Distance | None = None,
         id_factory: IdFactory = new_replica_id,
         threads: int = 1,
+        quotas: GpuQuotas = NO_QUOTAS,
     ) -> None:
+        self.quotas = quotas
         self.time_limit_s = time_limit_s
         self.mip_gap = mip_gap
         self.max_pairs = max_pairs
@@ -226,7 +233,7 @@ class MilpPlacer(Placer):
         lp_bound: bool = False,
     ) -> tuple[PlacementResult, SolveInfo]:
         started = time.perf_counter()
-        inputs = _fingerprint_inputs(demands, pools)
+        inputs = (_fingerprint_inputs(demands, pools), self.quotas.fingerprint())
         steady = self._steady
         if (
             steady is not None
@@ -257,7 +264,9 @@ class MilpPlacer(Placer):
         ]
 
         def greedy() -> PlacementResult:
-            plan = FirstFitDecreasing(self._id_factory).place(list(by_demand.values()), pools, current)
+            plan = FirstFitDecreasing(self._id_factory, self.quotas).place(
+                list(by_demand.values()), pools, current
+            )
             return _cap_spot(plan, by_demand, pools)
 
         if len(pairs) > self.max_pairs:
@@ -273,7 +282,7 @@ class MilpPlacer(Placer):
         warm = greedy() if replicas * len(pools) <= self.ffd_warm_limit else None
         try:
             result, info = self._solve(by_demand, pools, current, pairs, warm, started, lp_bound)
-            problems = plan_problems(list(by_demand.values()), pools, current, result)
+            problems = plan_problems(list(by_demand.values()), pools, current, result, self.quotas)
             if problems:  # never call a plan optimal that breaks a rule or drops a replica
                 raise RuntimeError(f"the solver's plan does not check out: {'; '.join(problems[:3])}")
         except Exception as e:
@@ -314,7 +323,8 @@ class MilpPlacer(Placer):
             x[(d.key, p.key)] = m.var(
                 self.distance_weight * dist * d.gpu_count + tie, float(upper), True, cost_only=0.0
             )
-        u = {k: m.var(big, float(d.count), False) for k, d in by_demand.items() if d.count > 0}
+        weights, penalty = shortfall_weights(by_demand, pools, big)
+        u = {k: m.var(weights[d.rank], float(d.count), False) for k, d in by_demand.items() if d.count > 0}
         moves: dict[tuple, int] = {}
         for (dk, pk), n in cur.items():
             p = by_pool[pk]
@@ -355,23 +365,34 @@ class MilpPlacer(Placer):
                 z[(dk, region)] = m.var(0.0, 1.0, True)
                 m.row([(z[(dk, region)], 1.0)] + [(j, -1.0) for j in js], -math.inf, 0.0)
             m.row([(z[(dk, r)], 1.0) for r in by_region] + [(v[dk], 1.0)], float(k), math.inf)
-        # moves
+        # priorities, preemption, class quotas (placement/milp_priority.py)
+        prio = add_priority_terms(m, by_demand, by_pool, x, cur, self.quotas, weights, penalty)
+        # moves: every running replica not kept (a preempted one too)
         for (dk, pk), j in moves.items():
-            xj = x.get((dk, pk))
-            terms = [(j, 1.0)] + ([(xj, 1.0)] if xj is not None else [])
+            kj = prio.keep.get((dk, pk), x.get((dk, pk)))
+            terms = [(j, 1.0)] + ([(kj, 1.0)] if kj is not None else [])
             m.row(terms, float(cur[(dk, pk)]), math.inf)
 
         # warm start: the greedy plan, else what runs now (capped at each demand's count)
         counts: dict[tuple, int] = defaultdict(int)
+        kept0: dict[tuple, int] = defaultdict(int)
+        evicted0: dict[tuple, int] = defaultdict(int)
+        running_ids = {a.replica_id for a in cur_ok}
         if greedy is not None:
             for a in greedy.assignments:
                 counts[((a.deployment, a.version), a.pool_key)] += 1
+                if a.replica_id in running_ids:
+                    kept0[((a.deployment, a.version), a.pool_key)] += 1
+            by_id = {a.replica_id: a for a in cur_ok}
+            for pre in greedy.preempted:
+                if pre.replica_id in by_id:
+                    evicted0[((pre.deployment, pre.version), by_id[pre.replica_id].pool_key)] += 1
         else:
             left = {dk: d.count for dk, d in by_demand.items()}
             for (dk, pk), n in sorted(cur.items()):
                 take = min(n, left.get(dk, 0))
                 if take and (dk, pk) in x:
-                    counts[(dk, pk)] = take
+                    counts[(dk, pk)] = kept0[(dk, pk)] = take
                     left[dk] -= take
         start = np.zeros(len(m.cost))
         for key, j in x.items():
@@ -382,8 +403,10 @@ class MilpPlacer(Placer):
             start[j] = min(p.nodes, math.ceil(used / p.gpus_per_node - 1e-9))
         for dk, j in u.items():
             start[j] = by_demand[dk].count - sum(start[jx] for jx in per_demand[dk])
+        priority_start(prio, start, by_demand, x, cur, kept0, evicted0)
         for (dk, pk), j in moves.items():
-            start[j] = max(0.0, cur[(dk, pk)] - (start[x[(dk, pk)]] if (dk, pk) in x else 0))
+            kj = prio.keep.get((dk, pk), x.get((dk, pk)))
+            start[j] = max(0.0, cur[(dk, pk)] - (start[kj] if kj is not None else 0))
         covered: dict[tuple, set[str]] = defaultdict(set)
         for (dk, pk), jx in x.items():
             if start[jx] > 0:
@@ -421,7 +444,20 @@ class MilpPlacer(Placer):
         want = {key: round(values[j]) for key, j in x.items() if values[j] > 0.5}
         shortfall = {dk: round(values[j]) for dk, j in u.items() if values[j] > 0.5}
         region_short = {dk for dk, j in v.items() if values[j] > 0.5}
-        result = self._result(by_demand, pools, cur_ok, removed, want, shortfall, region_short, greedy)
+        keep, evicted = read_priority(prio, values)
+        result = build_result(
+            by_demand,
+            pools,
+            cur_ok,
+            removed,
+            want,
+            shortfall,
+            region_short,
+            keep,
+            evicted,
+            self._id_factory,
+            self.quotas,
+        )
         info = self._info(
             method,
             pools,
@@ -463,49 +499,6 @@ class MilpPlacer(Placer):
 
     # ----------------------------------------------------------------- the answer
 
-    def _result(self, by_demand, pools, cur_ok, removed, want, shortfall, region_short, greedy):
-        by_pool = {p.key: p for p in pools}
-        used_ids = {a.replica_id for a in cur_ok} | set(removed)
-        kept: list[Assignment] = []
-        removed = list(removed)
-        by_pair: dict[tuple, list[Assignment]] = defaultdict(list)
-        for a in sorted(cur_ok, key=lambda a: (a.node is None, a.replica_id)):
-            by_pair[((a.deployment, a.version), a.pool_key)].append(a)
-        for key, group in by_pair.items():
-            n = want.get(key, 0)
-            kept += group[:n]
-            removed += [a.replica_id for a in group[n:]]
-        new: list[tuple[ReplicaDemand, PoolCapacity]] = []
-        for (dk, pk), n in want.items():
-            extra = n - min(n, len(by_pair.get((dk, pk), [])))
-            new += [(by_demand[dk], by_pool[pk])] * extra
-        kept, added, lost = _pack(kept, new, by_pool, used_ids, self._id_factory)
-        current_ids = {a.replica_id for a in cur_ok}
-        removed += [a.replica_id for a in lost if a.replica_id in current_ids]
-        unplaced: dict[tuple, Unplaced] = {}
-        short = defaultdict(int, shortfall)
-        for a in lost:
-            short[(a.deployment, a.version)] += 1
-        for dk, n in short.items():
-            if n > 0:
-                d = by_demand[dk]
-                unplaced[dk] = Unplaced(
-                    deployment=d.deployment, version=d.version, missing=n, reason=explain_shortfall(d, pools)
-                )
-        placed_regions: dict[tuple, set[str]] = defaultdict(set)
-        for a in kept + added:
-            placed_regions[(a.deployment, a.version)].add(by_pool[a.pool_key].region)
-        for dk, d in by_demand.items():
-            k = min(d.min_regions, d.count - short.get(dk, 0))
-            if len(placed_regions[dk]) < k or dk in region_short:
-                add_note(unplaced, dk, d, explain_regions(d, pools, len(placed_regions[dk])))
-        return PlacementResult(
-            kept=tuple(kept),
-            added=tuple(added),
-            removed=tuple(dict.fromkeys(removed)),
-            unplaced=tuple(unplaced[k] for k in sorted(unplaced)),
-        )
-
     def _info(self, method, pools, result, started, **kw) -> SolveInfo:
         return SolveInfo(
             method=method,
@@ -518,7 +511,7 @@ class MilpPlacer(Placer):
 def _fingerprint_inputs(demands, pools) -> int:
     d = tuple(
         (x.deployment, x.version, x.count, x.gpu_models, x.gpu_count, x.gpu_memory_gb, x.regions,
-         x.min_regions, x.max_spot_fraction, tuple(sorted(x.demand_regions.items())))
+         x.min_regions, x.max_spot_fraction, tuple(sorted(x.demand_regions.items())), x.priority)
         for x in demands
     )  # fmt: skip
     p = tuple(
@@ -540,14 +533,6 @@ def _fingerprint_assignments(assignments) -> int:
     )
 
 
-def plan_problems(demands, pools, current, result: PlacementResult) -> list[str]:
-    """Every rule the plan breaks, and every running replica it drops."""
-    missing = {(u.deployment, u.version): u.missing for u in result.unplaced}
-    return violations(demands, pools, result.assignments) + dropped_running(
-        demands, pools, current, result.removed, result.added, missing
-    )
-
-
 def _current_split(current, by_demand, by_pool) -> tuple[list[Assignment], list[str]]:
     """Current replicas that may stay (right version and shape, allowed pool, cluster not
     lost) and the ids of those that must go."""
@@ -564,60 +549,6 @@ def _current_split(current, by_demand, by_pool) -> tuple[list[Assignment], list[
         else:
             ok.append(a)
     return ok, gone
-
-
-def _pack(kept, new, by_pool, used_ids, id_factory):
-    """Node indices: kept replicas stay on their node when it has room, then everything
-    else first-fit, biggest first. Returns (kept, added, lost) where lost are replicas
-    no node could take (fragmentation; rare, reported as a shortfall)."""
-    free: dict[tuple[str, str], list[float]] = {
-        k: [float(p.gpus_per_node)] * p.nodes for k, p in by_pool.items()
-    }
-    out_kept: list[Assignment] = []
-    loose: list[Assignment] = []
-    for a in kept:
-        size = slot_size(a.gpus, by_pool[a.pool_key].gpus_per_node)
-        nodes = free[a.pool_key]
-        if a.node is not None and 0 <= a.node < len(nodes) and nodes[a.node] >= size - 1e-9:
-            nodes[a.node] -= size
-            out_kept.append(a)
-        else:
-            loose.append(a)
-    work: list[tuple[float, int, Assignment | tuple[ReplicaDemand, PoolCapacity]]] = []
-    for a in loose:
-        work.append((slot_size(a.gpus, by_pool[a.pool_key].gpus_per_node), 0, a))
-    for d, p in new:
-        work.append((slot_size(d.gpu_count, p.gpus_per_node), 1, (d, p)))
-    work.sort(key=lambda w: -w[0])
-    added: list[Assignment] = []
-    lost: list[Assignment] = []
-    for size, is_new, item in work:
-        pk = item.pool_key if not is_new else item[1].key
-        nodes = free[pk]
-        node = next((i for i, f in enumerate(nodes) if f >= size - 1e-9), None)
-        if is_new:
-            d, p = item
-            rid = id_factory(d.deployment, d.version)
-            while rid in used_ids:
-                rid = id_factory(d.deployment, d.version)
-            used_ids.add(rid)
-            a = Assignment(
-                replica_id=rid,
-                deployment=d.deployment,
-                version=d.version,
-                cluster=p.cluster,
-                pool=p.name,
-                gpus=d.gpu_count,
-                node=node,
-            )
-        else:
-            a = item.model_copy(update={"node": node})
-        if node is None:
-            lost.append(a)
-            continue
-        nodes[node] -= size
-        (added if is_new else out_kept).append(a)
-    return out_kept, added, lost
 
 
 def _cap_spot(result: PlacementResult, by_demand, pools) -> PlacementResult:
@@ -681,7 +612,7 @@ class SafeMilpPlacer(MilpPlacer):
         except ValueError:
             raise
         except Exception:
-            return FirstFitDecreasing(self._id_factory).place(demands, pools, current)
+            return FirstFitDecreasing(self._id_factory, self.quotas).place(demands, pools, current)
 
 
 register_placer(MilpPlacer.name, lambda: SafeMilpPlacer(time_limit_s=2.0))

@@ -18,9 +18,13 @@ def choose_victims(
     free: Mapping[tuple[str, str], list[int]],
     occupants: Sequence[Assignment],
     rank_of: Callable[[Assignment], int],
+    budget: Mapping[int, int] | None = None,
 ) -> tuple[PoolCapacity, int, list[Assignment]] | None:
     """(pool, node, replicas to remove) for one replica of `d`, or None. `free` is GPUs
-    free per node of each pool; `occupants` the plan's replicas with their nodes."""
+    free per node of each pool; `occupants` the plan's replicas with their nodes;
+    `budget` the GPUs that may still be preempted per class rank (a class with a floor
+    quota; ranks not in it are unlimited)."""
+    budget = budget or {}
     on_node: dict[tuple[tuple[str, str], int], list[Assignment]] = defaultdict(list)
     for a in occupants:
         if a.node is not None and rank_of(a) < d.rank:
@@ -34,9 +38,14 @@ def choose_victims(
                 on_node.get((pool.key, node), []), key=lambda a: (rank_of(a), -a.gpus, a.replica_id)
             )
             victims: list[Assignment] = []
+            spent: dict[int, int] = defaultdict(int)
             for a in lower:
                 if room >= d.gpu_count:
                     break
+                r = rank_of(a)
+                if r in budget and spent[r] + a.gpus > budget[r]:
+                    continue  # its class is at its floor
+                spent[r] += a.gpus
                 victims.append(a)
                 room += a.gpus
             if room < d.gpu_count or not victims:

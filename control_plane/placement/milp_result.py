@@ -1,0 +1,185 @@
+"""The MILP's solution -> a `PlacementResult`: which running replicas stay (on their
+node), which go (moved, scaled down or preempted, with the demand each preemption made
+room for), node indices for the new ones, and the reason of every shortfall. Also the
+check every MILP plan must pass before it is used (`plan_problems`)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from control_plane.placement.base import (
+    Assignment,
+    PlacementResult,
+    PoolCapacity,
+    Preemption,
+    ReplicaDemand,
+    Unplaced,
+)
+from control_plane.placement.evaluate import dropped_running, priority_problems, slot_size, violations
+from control_plane.placement.explain import add_note, explain_regions, explain_shortfall
+from control_plane.placement.preempt import preemption
+from control_plane.placement.quotas import GpuQuotas, class_caps, quota_reason, running_gpus
+
+
+def build_result(
+    by_demand,
+    pools,
+    cur_ok,
+    removed,
+    want,
+    shortfall,
+    region_short,
+    keep,
+    evicted,
+    id_factory,
+    quotas: GpuQuotas,
+) -> PlacementResult:
+    by_pool = {p.key: p for p in pools}
+    used_ids = {a.replica_id for a in cur_ok} | set(removed)
+    kept: list[Assignment] = []
+    removed = list(removed)
+    by_pair: dict[tuple, list[Assignment]] = defaultdict(list)
+    for a in cur_ok:
+        by_pair[((a.deployment, a.version), a.pool_key)].append(a)
+    # Replicas stay on the fullest nodes and leave from the emptiest, so the room they
+    # free comes in whole nodes (what a replica of several GPUs, or a preemptor, needs).
+    load: dict[tuple, int] = defaultdict(int)
+    for a in cur_ok:
+        load[(a.pool_key, a.node)] += a.gpus
+    preempted: list[Preemption] = []
+    for key, group in by_pair.items():
+        group.sort(key=lambda a: (a.node is None, -load[(a.pool_key, a.node)], a.node or 0, a.replica_id))
+        n = min(keep.get(key, want.get(key, 0)), want.get(key, 0))
+        kept += group[:n]
+        gone = group[n:]
+        removed += [a.replica_id for a in gone]
+        d = by_demand[key[0]]
+        by = _preemptor(d, key[1], want, keep, by_demand)
+        for a in gone[: evicted.get(key, 0)] if by is not None else ():
+            preempted.append(preemption(a, d, by))
+    new: list[tuple[ReplicaDemand, PoolCapacity]] = []
+    for (dk, pk), n in want.items():
+        extra = n - min(n, keep.get((dk, pk), len(by_pair.get((dk, pk), []))))
+        new += [(by_demand[dk], by_pool[pk])] * extra
+    kept, added, lost = pack(kept, new, by_pool, used_ids, id_factory)
+    current_ids = {a.replica_id for a in cur_ok}
+    removed += [a.replica_id for a in lost if a.replica_id in current_ids]
+    unplaced: dict[tuple, Unplaced] = {}
+    short = defaultdict(int, shortfall)
+    for a in lost:
+        short[(a.deployment, a.version)] += 1
+    stayable: dict[tuple, int] = defaultdict(int)
+    for (dk, _), group in by_pair.items():
+        stayable[dk] += len(group)
+    caps = class_caps(quotas, running_gpus(by_demand.values(), stayable))
+    held: dict[str, int] = defaultdict(int)
+    for a in kept + added:
+        held[by_demand[(a.deployment, a.version)].priority] += a.gpus
+    for dk, n in short.items():
+        if n > 0:
+            d = by_demand[dk]
+            cap = caps.get(d.priority)
+            if cap is not None and held[d.priority] + d.gpu_count > cap:
+                reason = quota_reason(d.priority, quotas, held[d.priority])
+            else:
+                reason = explain_shortfall(d, pools)
+            unplaced[dk] = Unplaced(deployment=d.deployment, version=d.version, missing=n, reason=reason)
+    placed_regions: dict[tuple, set[str]] = defaultdict(set)
+    for a in kept + added:
+        placed_regions[(a.deployment, a.version)].add(by_pool[a.pool_key].region)
+    for dk, d in by_demand.items():
+        k = min(d.min_regions, d.count - short.get(dk, 0))
+        if len(placed_regions[dk]) < k or dk in region_short:
+            add_note(unplaced, dk, d, explain_regions(d, pools, len(placed_regions[dk])))
+    for key, p in sorted({(p.deployment, p.version): p for p in preempted}.items()):
+        if key in unplaced:
+            add_note(unplaced, key, by_demand[key], f"preempted by {p.by_deployment} ({p.by_priority})")
+    return PlacementResult(
+        kept=tuple(kept),
+        added=tuple(added),
+        removed=tuple(dict.fromkeys(removed)),
+        unplaced=tuple(unplaced[k] for k in sorted(unplaced)),
+        preempted=tuple(preempted),
+    )
+
+
+def _preemptor(victim: ReplicaDemand, pk, want, keep, by_demand) -> ReplicaDemand | None:
+    """The demand of the highest class placing new replicas on the victim's pool."""
+    best: tuple | None = None
+    for (dk, p2), n in want.items():
+        d = by_demand[dk]
+        new = n - keep.get((dk, p2), 0)
+        if p2 == pk and new > 0 and d.rank > victim.rank:
+            score = (d.rank, new * d.gpu_count, d.deployment)
+            if best is None or score > best[0]:
+                best = (score, d)
+    return None if best is None else best[1]
+
+
+def plan_problems(demands, pools, current, result: PlacementResult, quotas: GpuQuotas) -> list[str]:
+    """Every rule the plan breaks, every running replica it drops (a preemption is not a
+    drop), and every preemption or quota rule it breaks."""
+    missing = {(u.deployment, u.version): u.missing for u in result.unplaced}
+    victims = {p.replica_id for p in result.preempted}
+    for p in result.preempted:  # short by its preemptions: those are not drops
+        missing[(p.deployment, p.version)] = missing.get((p.deployment, p.version), 0) - 1
+    removed = [r for r in result.removed if r not in victims]
+    return (
+        violations(demands, pools, result.assignments)
+        + dropped_running(demands, pools, current, removed, result.added, missing)
+        + priority_problems(demands, pools, current, result, quotas)
+    )
+
+
+def pack(kept, new, by_pool, used_ids, id_factory):
+    """Node indices: kept replicas stay on their node when it has room, then everything
+    else first-fit, biggest first. Returns (kept, added, lost) where lost are replicas
+    no node could take (fragmentation; rare, reported as a shortfall)."""
+    free: dict[tuple[str, str], list[float]] = {
+        k: [float(p.gpus_per_node)] * p.nodes for k, p in by_pool.items()
+    }
+    out_kept: list[Assignment] = []
+    loose: list[Assignment] = []
+    for a in kept:
+        size = slot_size(a.gpus, by_pool[a.pool_key].gpus_per_node)
+        nodes = free[a.pool_key]
+        if a.node is not None and 0 <= a.node < len(nodes) and nodes[a.node] >= size - 1e-9:
+            nodes[a.node] -= size
+            out_kept.append(a)
+        else:
+            loose.append(a)
+    work: list[tuple[float, int, Assignment | tuple[ReplicaDemand, PoolCapacity]]] = []
+    for a in loose:
+        work.append((slot_size(a.gpus, by_pool[a.pool_key].gpus_per_node), 0, a))
+    for d, p in new:
+        work.append((slot_size(d.gpu_count, p.gpus_per_node), 1, (d, p)))
+    work.sort(key=lambda w: -w[0])
+    added: list[Assignment] = []
+    lost: list[Assignment] = []
+    for size, is_new, item in work:
+        pk = item.pool_key if not is_new else item[1].key
+        nodes = free[pk]
+        node = next((i for i, f in enumerate(nodes) if f >= size - 1e-9), None)
+        if is_new:
+            d, p = item
+            rid = id_factory(d.deployment, d.version)
+            while rid in used_ids:
+                rid = id_factory(d.deployment, d.version)
+            used_ids.add(rid)
+            a = Assignment(
+                replica_id=rid,
+                deployment=d.deployment,
+                version=d.version,
+                cluster=p.cluster,
+                pool=p.name,
+                gpus=d.gpu_count,
+                node=node,
+            )
+        else:
+            a = item.model_copy(update={"node": node})
+        if node is None:
+            lost.append(a)
+            continue
+        nodes[node] -= size
+        (added if is_new else out_kept).append(a)
+    return out_kept, added, lost
