@@ -33,6 +33,9 @@ class Settings(BaseModel):
     # Placement algorithm by registry name (FLEET_PLACER): "milp" (HiGHS, falls back to
     # first-fit-decreasing on any solver error) or "ffd".
     placer: str = "milp"
+    # GPU quotas per priority class (FLEET_GPU_QUOTAS), e.g. "critical:max=16,batch:min=4":
+    # a class's bound and guaranteed floor, enforced by both placers (docs/placement.md).
+    gpu_quotas: str = ""
     # The control plane's NATS identity (FLEET_NATS_CA / FLEET_NATS_CERT / FLEET_NATS_KEY):
     # TLS with its certificate; unset: plaintext and anonymous (tests).
     nats_ca_file: Path | None = None
@@ -55,6 +58,8 @@ class Settings(BaseModel):
         }
         if os.environ.get("FLEET_PLACER"):
             values["placer"] = os.environ["FLEET_PLACER"]
+        if os.environ.get("FLEET_GPU_QUOTAS"):
+            values["gpu_quotas"] = os.environ["FLEET_GPU_QUOTAS"]
         for field, env in (
             ("nats_ca_file", "FLEET_NATS_CA"),
             ("nats_cert_file", "FLEET_NATS_CERT"),

@@ -41,6 +41,7 @@ from control_plane.loops.stats import ReconcileStats
 from control_plane.loops.usage import UsageLoop
 from control_plane.nats_loop import Handler, NatsLoop
 from control_plane.placement import Unplaced, get_placer
+from control_plane.placement.quotas import parse_quotas
 from control_plane.rollouts.loop import RolloutLoop, start_rollout_loop
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class Loops(NatsLoop):
     def __init__(self, ctx: ControlPlaneContext, placer: str = "ffd") -> None:
         super().__init__(ctx)
         self.placer = get_placer(placer)
+        self.placer.quotas = parse_quotas(getattr(ctx.settings, "gpu_quotas", "") or "")
         buckets = (protocol.BUCKET_DESIRED, protocol.BUCKET_ROUTES)  # keys: control_plane.loops.keys
         self.publisher = KvPublisher(ctx.nats, buckets) if ctx.nats is not None else None
         self.last: ReconcileOutcome | None = None
