@@ -23,8 +23,9 @@ def plan_command(
     output: OutputFormat = OUTPUT_OPTION,
 ) -> None:
     """Plan placement offline: nodes per pool, replicas per region, $/hour, the LP bound,
-    first-fit-decreasing's cost for the same input, solve time."""
-    from control_plane.placement.offline import DemandsFile, plan
+    first-fit-decreasing's cost for the same input, solve time; with `running` replicas
+    in demands.json, which of them the plan would preempt or replace, and why."""
+    from control_plane.placement.offline import DemandsFile, plan, running_assignment
 
     try:
         spec = DemandsFile.model_validate(json.loads(demands.read_text()))
@@ -47,7 +48,13 @@ def plan_command(
         pools += offers_to_pools(offers)
     if not pools:
         fail("the catalogs hold no GPU offers")
-    report = plan([d.demand() for d in spec.deployments], pools, time_limit_s=time_limit)
+    report = plan(
+        [d.demand() for d in spec.deployments],
+        pools,
+        time_limit_s=time_limit,
+        current=running_assignment(spec.deployments, pools),
+        quotas=spec.gpu_quotas(),
+    )
     if output == OutputFormat.json:
         emit_json(report.model_dump())
         return
@@ -63,6 +70,13 @@ def plan_command(
         f"  FFD $/hour {report.ffd_cost_per_hour:,.2f}  solve {report.solve_s:.2f}s ({report.method})",
         highlight=False,
     )
+    if report.removed:
+        emit(
+            [r.model_dump() for r in report.removed],
+            output,
+            ["replica", "deployment", "priority", "pool", "action", "by", "reason"],
+            title=f"running replicas preempted or replaced ({len(report.removed)} of {report.running})",
+        )
     for u in report.unplaced:
         console.print(f"[yellow]{u['deployment']}: {u['missing']} unplaced: {u['reason']}[/yellow]")
 

@@ -1,5 +1,9 @@
 """`fleetctl plan` without a server: demands.json + catalogs -> a plan and its figures
-(nodes per pool, replicas per region, $/hour, LP bound, FFD cost, solve time). Pure."""
+(nodes per pool, replicas per region, $/hour, LP bound, FFD cost, solve time). Pure.
+
+A deployment's `running` (replicas that run now) is placed first, by first-fit, as the
+current assignment; the plan then says which of those replicas it would preempt (a
+higher class takes their GPUs) or replace (scale-down, a move), and why."""
 
 from __future__ import annotations
 
@@ -9,10 +13,17 @@ from collections.abc import Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from agent.protocol import Tier
-from control_plane.placement.base import PoolCapacity, ReplicaDemand
+from control_plane.placement.base import (
+    Assignment,
+    PlacementResult,
+    PoolCapacity,
+    PriorityClass,
+    ReplicaDemand,
+)
 from control_plane.placement.evaluate import nodes_used, plan_cost, violations
 from control_plane.placement.ffd import FirstFitDecreasing
 from control_plane.placement.milp import MilpPlacer
+from control_plane.placement.quotas import ClassQuota, GpuQuotas
 
 
 class DemandSpec(BaseModel):
@@ -29,12 +40,14 @@ class DemandSpec(BaseModel):
     min_regions: int = Field(1, ge=1, le=100)
     max_spot_fraction: float = Field(1.0, ge=0, le=1)
     demand_regions: dict[str, float] = Field(default_factory=dict)
+    priority: PriorityClass = "standard"
+    running: int = Field(0, ge=0, le=1_000_000)  # replicas that run now (placed first)
 
-    def demand(self) -> ReplicaDemand:
+    def demand(self, running: bool = False) -> ReplicaDemand:
         return ReplicaDemand(
             deployment=self.name,
             version=1,
-            count=self.replicas,
+            count=self.running if running else self.replicas,
             gpu_count=self.gpus,
             gpu_models=tuple(self.gpu_models),
             gpu_memory_gb=self.gpu_memory_gb,
@@ -42,6 +55,7 @@ class DemandSpec(BaseModel):
             min_regions=self.min_regions,
             max_spot_fraction=self.max_spot_fraction,
             demand_regions=self.demand_regions,
+            priority=self.priority,
         )
 
 
@@ -49,6 +63,23 @@ class DemandsFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     deployments: list[DemandSpec] = Field(min_length=1)
+    quotas: dict[PriorityClass, ClassQuota] = Field(default_factory=dict)  # GPU quotas per class
+
+    def gpu_quotas(self) -> GpuQuotas:
+        return GpuQuotas(classes=self.quotas)
+
+
+class RemovalLine(BaseModel):
+    """A running replica the plan takes away: `action` preempt (a higher class takes its
+    GPUs) or replace (scaled down, moved, or its place no longer fits)."""
+
+    replica: str
+    deployment: str
+    priority: str
+    pool: str
+    action: str
+    by: str | None = None  # the deployment (and class) a preemption makes room for
+    reason: str
 
 
 class PoolLine(BaseModel):
@@ -77,6 +108,8 @@ class PlanReport(BaseModel):
     nodes: list[PoolLine]
     replicas_by_region: dict[str, dict[str, int]]  # deployment -> region -> replicas
     spot_share: dict[str, float]
+    running: int = 0  # replicas of the current assignment (demands' `running`)
+    removed: list[RemovalLine] = Field(default_factory=list)
 
 
 def plan(
@@ -84,10 +117,13 @@ def plan(
     pools: Sequence[PoolCapacity],
     time_limit_s: float = 10.0,
     gap: float = 0.005,
+    current: Sequence[Assignment] = (),
+    quotas: GpuQuotas | None = None,
 ) -> PlanReport:
-    placer = MilpPlacer(time_limit_s=time_limit_s, mip_gap=gap)
-    result, info = placer.solve(demands, pools, lp_bound=True)
-    ffd = FirstFitDecreasing().place(demands, pools)
+    quotas = quotas or GpuQuotas()
+    placer = MilpPlacer(time_limit_s=time_limit_s, mip_gap=gap, quotas=quotas)
+    result, info = placer.solve(demands, pools, current, lp_bound=True)
+    ffd = FirstFitDecreasing(quotas=quotas).place(demands, pools, current)
     by_pool = {p.key: p for p in pools}
     used = nodes_used(pools, result.assignments)
     per_pool = Counter(a.pool_key for a in result.assignments)
@@ -127,4 +163,48 @@ def plan(
         nodes=lines,
         replicas_by_region={d: dict(sorted(c.items())) for d, c in sorted(regions.items())},
         spot_share={d: round(spot[d] / sum(c.values()), 3) for d, c in regions.items()},
+        running=len(current),
+        removed=removals(demands, current, result),
     )
+
+
+def running_assignment(specs: Sequence[DemandSpec], pools: Sequence[PoolCapacity]) -> list[Assignment]:
+    """Where the `running` replicas run now: first-fit, the highest class first."""
+    now = [s.demand(running=True) for s in specs if s.running > 0]
+    return list(FirstFitDecreasing().place(now, pools).assignments) if now else []
+
+
+def removals(
+    demands: Sequence[ReplicaDemand], current: Sequence[Assignment], result: PlacementResult
+) -> list[RemovalLine]:
+    by_demand = {d.key: d for d in demands}
+    by_id = {a.replica_id: a for a in current}
+    preempted = {p.replica_id: p for p in result.preempted}
+    placed = Counter((a.deployment, a.version) for a in result.assignments)
+    out = []
+    for rid in result.removed:
+        a = by_id.get(rid)
+        if a is None:
+            continue
+        d = by_demand.get((a.deployment, a.version))
+        p = preempted.get(rid)
+        if p is not None:
+            action, by, why = "preempt", f"{p.by_deployment} ({p.by_priority})", p.reason.rsplit("): ", 1)[-1]
+        elif d is None or d.count < sum(1 for c in current if (c.deployment, c.version) == d.key):
+            action, by, why = "replace", None, "scaled down"
+        elif placed[d.key] >= min(d.count, sum(1 for c in current if (c.deployment, c.version) == d.key)):
+            action, by, why = "replace", None, "moved: the plan starts it elsewhere (cheaper or nearer)"
+        else:
+            action, by, why = "replace", None, "its pool no longer holds it"
+        out.append(
+            RemovalLine(
+                replica=rid,
+                deployment=a.deployment,
+                priority=d.priority if d else "-",
+                pool=f"{a.cluster}/{a.pool}",
+                action=action,
+                by=by,
+                reason=why,
+            )
+        )
+    return sorted(out, key=lambda r: (r.action, r.deployment, r.replica))
