@@ -233,3 +233,48 @@ def test_clear_errors_when_the_control_plane_is_unreachable_or_token_missing(ser
     # a FLEET_HOME without a token: the API's 401, with a hint
     err = one_line_error(fleetctl(tmp_path, "ls", env={"FLEET_API_URL": server.url}, ok=False))
     assert "401" in err and "token" in err.lower()
+
+
+def test_deploy_and_scale_priority_and_surge_flags(server):
+    """In-process (typer's runner against the live server): these are many small calls."""
+    from typer.testing import CliRunner
+
+    from control_plane.cli import app
+
+    env = {"FLEET_HOME": str(server.home), "FLEET_API_URL": None, "FLEET_TOKEN": None, "COLUMNS": "200"}
+
+    def run(*args: str, ok: bool = True):
+        res = CliRunner().invoke(app, list(args), env=env)
+        assert (res.exit_code == 0) == ok, (args, res.output)
+        return res
+
+    def as_json(*args: str) -> dict | list:
+        return json.loads(run(*args, "-o", "json").stdout)
+
+    made = as_json(
+        "deploy", "prio", "--model", "m", "--min-replicas", "1", "--max-replicas", "4", "--priority",
+        "batch", "--max-surge", "0", "--max-unavailable", "50%",
+    )  # fmt: skip
+    assert (made["priority"], made["max_surge"], made["max_unavailable"]) == ("batch", "0", "50%")
+    assert made["current_version"] == 1  # unversioned fields: no new version
+    scaled = as_json("scale", "prio", "2", "--priority", "critical", "--max-surge", "1")
+    assert (scaled["desired_replicas"], scaled["priority"], scaled["max_surge"]) == (2, "critical", "1")
+    assert scaled["max_unavailable"] == "50%" and scaled["current_version"] == 1  # untouched fields stay
+    again = as_json("deploy", "prio", "--max-unavailable", "1")
+    assert (again["priority"], again["max_surge"], again["max_unavailable"]) == ("critical", "1", "1")
+    row = next(d for d in as_json("ls") if d["name"] == "prio")
+    assert (row["priority"], row["max_surge"], row["max_unavailable"]) == ("critical", "1", "1")
+    table = run("ls").stdout
+    assert "priority" in table and "critical" in table and "surge" in table
+    for args, words in [
+        (["deploy", "prio", "--priority", "urgent"], ["priority", "422"]),
+        (["deploy", "prio", "--max-surge", "-1"], ["max_surge", "422"]),
+        (["scale", "prio", "2", "--max-unavailable", "150%"], ["max_unavailable", "100%"]),
+        (["scale", "prio", "2", "--max-surge", "0", "--max-unavailable", "0"], ["cannot both be 0", "422"]),
+        (["scale", "prio", "2", "--priority", "low"], ["priority", "422"]),
+    ]:
+        res = run(*args, ok=False)
+        assert res.exit_code == 1 and all(w in res.stderr for w in words), (args, res.stderr)
+        assert res.stderr.strip().startswith("error: ") and len(res.stderr.strip().splitlines()) == 1
+    assert as_json("status", "prio")["priority"] == "critical"  # nothing bad was applied
+    run("delete", "prio")
