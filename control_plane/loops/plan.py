@@ -27,6 +27,7 @@ from control_plane.rollouts.surge import (
     CapacityInputs,
     CapacityPlan,
     plan_capacity,
+    plan_drain,
     resolve_surge,
     resolve_unavailable,
 )
@@ -101,14 +102,71 @@ def _pools(snap: FleetSnapshot) -> list[PoolCapacity]:
 
 
 def version_counts(snap: FleetSnapshot, d: DeploymentRow) -> dict[int, int]:
-    """Replicas wanted per live version: the current version alone, or during a canary
-    rollout what the surge budget allows (`capacity_plan`)."""
+    """Replicas wanted per live version: during a canary rollout what the surge budget
+    allows (`capacity_plan`); after one ends or the version changes, while replicas of
+    another version are still ready, the same budget going the other way
+    (`replacement_plan`); else the current version alone."""
     total = max(0, d.replicas)
     rollout = snap.rollouts.get(d.name)
     plan = capacity_plan(snap, d)
-    if rollout is None or plan is None:
-        return {d.current_version: total}
-    return {d.current_version: plan.baseline, rollout.canary_version: plan.canary}
+    if rollout is not None and plan is not None:
+        return {d.current_version: plan.baseline, rollout.canary_version: plan.canary}
+    if rollout is None:
+        replacing = replacement_plan(snap, d)
+        if replacing is not None:
+            old, plan = replacing
+            return {d.current_version: plan.canary, old: plan.baseline}
+    return {d.current_version: total}
+
+
+def replacement_plan(snap: FleetSnapshot, d: DeploymentRow) -> tuple[int, CapacityPlan] | None:
+    """(old version, plan) when ready replicas of a version other than the current one
+    remain (a rolled-back or aborted canary, the baseline after a promotion, a spec
+    change without a rollout): the current version is brought to full size by the
+    budget (`plan_drain`): old replicas go as fast as the ready count of both versions
+    together allows, never below `replicas - max_unavailable`. Old replicas that are not
+    ready serve nothing and go at once."""
+    ready = ReplicaState.ready.value
+    mine = [a for a in snap.assignments if a.deployment == d.name]
+    old_ready: dict[int, int] = defaultdict(int)
+    for a in mine:
+        if a.version != d.current_version and a.state == ready and (d.name, a.version) in snap.specs:
+            old_ready[a.version] += 1
+    spec = snap.specs.get((d.name, d.current_version))
+    if not old_ready or spec is None:
+        return None
+    old = max(old_ready, key=lambda v: (old_ready[v], v))
+    total = max(0, d.replicas)
+    keep = {a.replica_id for a in mine if a.version == old and a.state == ready}
+    # Every other replica of an old version is on its way out: its GPUs count as free.
+    leaving = {a.replica_id for a in mine if a.version != d.current_version and a.replica_id not in keep}
+    plan = plan_drain(
+        CapacityInputs(
+            replicas=total,
+            canary_wanted=total,
+            canary_ready=sum(1 for a in mine if a.version == d.current_version and a.state == ready),
+            canary_assigned=sum(1 for a in mine if a.version == d.current_version),
+            baseline_assigned=len(keep),
+            baseline_ready=len(keep),
+            free_slots=_free_slots(snap, _demand(snap, d, spec, 1), leaving),
+            max_surge=resolve_surge(d.max_surge, total),
+            max_unavailable=resolve_unavailable(d.max_unavailable, total),
+        )
+    )
+    return old, plan
+
+
+def _free_slots(snap: FleetSnapshot, shape: ReplicaDemand, leaving: set[str] = frozenset()) -> int:
+    """Further replicas of `shape` the healthy pools it accepts could take."""
+    used: dict[tuple[str, str], int] = defaultdict(int)
+    for a in snap.assignments:
+        if a.replica_id not in leaving:
+            used[(a.cluster, a.pool)] += a.gpus
+    return sum(
+        int(max(0, p.total_gpus - used[p.key]) // slot_size(shape.gpu_count, p.gpus_per_node))
+        for p in _pools(snap)
+        if p.accepts_new and shape.acceptable(p)
+    )
 
 
 def capacity_plan(snap: FleetSnapshot, d: DeploymentRow) -> CapacityPlan | None:
@@ -121,15 +179,7 @@ def capacity_plan(snap: FleetSnapshot, d: DeploymentRow) -> CapacityPlan | None:
     total = max(0, d.replicas)
     mine = [a for a in snap.assignments if a.deployment == d.name]
     ready = ReplicaState.ready.value
-    shape = _demand(snap, d, spec, 1)
-    used: dict[tuple[str, str], int] = defaultdict(int)
-    for a in snap.assignments:
-        used[(a.cluster, a.pool)] += a.gpus
-    free = sum(
-        int(max(0, p.total_gpus - used[p.key]) // slot_size(shape.gpu_count, p.gpus_per_node))
-        for p in _pools(snap)
-        if p.accepts_new and shape.acceptable(p)
-    )
+    free = _free_slots(snap, _demand(snap, d, spec, 1))
     return plan_capacity(
         CapacityInputs(
             replicas=total,
@@ -149,12 +199,30 @@ def version_weights(snap: FleetSnapshot, d: DeploymentRow) -> list[VersionWeight
     """Routing weights: the current version alone, or canary first (so sticky users in
     the canary's share stay there as it grows) and the baseline with the rest."""
     rollout = snap.rollouts.get(d.name)
+    if rollout is None:
+        replacing = replacement_plan(snap, d)
+        if replacing is not None and replacing[1].baseline > 0:
+            return _ready_shares(snap, d, replacing[0])
     if rollout is None or rollout.canary_version == d.current_version:
         return [VersionWeight(version=d.current_version, weight=1.0)]
     share = min(100.0, max(0.0, rollout.canary_weight)) / 100
     return [
         VersionWeight(version=rollout.canary_version, weight=round(share, 6)),
         VersionWeight(version=d.current_version, weight=round(1 - share, 6)),
+    ]
+
+
+def _ready_shares(snap: FleetSnapshot, d: DeploymentRow, old: int) -> list[VersionWeight]:
+    """While old replicas are drained: each version's share of the ready replicas, the
+    current one first (a version with none ready gets no traffic)."""
+    ready = ReplicaState.ready.value
+    n = {
+        v: sum(1 for a in snap.assignments if a.deployment == d.name and a.version == v and a.state == ready)
+        for v in (d.current_version, old)
+    }
+    total = sum(n.values()) or 1
+    return [VersionWeight(version=v, weight=round(k / total, 6)) for v, k in n.items() if k > 0] or [
+        VersionWeight(version=d.current_version, weight=1.0)
     ]
 
 

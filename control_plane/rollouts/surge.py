@@ -118,3 +118,26 @@ def plan_capacity(x: CapacityInputs) -> CapacityPlan:
             f"is used up; waiting"
         )
     return CapacityPlan(baseline=baseline, canary=canary, mode=mode, min_ready=min_ready, reason=reason)
+
+
+def plan_drain(x: CapacityInputs) -> CapacityPlan:
+    """The other way round, once no rollout runs (a rolled-back or aborted canary, the
+    old baseline after a promotion, a spec change): `baseline_*` are the old version's
+    ready replicas, `canary_*` the current version's. Old replicas go as fast as the
+    bound allows (a rolled-back version should serve as little as it can): only as many
+    stay as are needed to hold `replicas - max_unavailable` ready while the current
+    version comes up on free capacity and on the slots the others leave."""
+    total = x.replicas
+    min_ready = max(0, total - x.max_unavailable)
+    ready = min(x.canary_ready, total)
+    keep = min(x.baseline_ready, max(0, min_ready - ready))
+    room = x.free_slots + x.baseline_assigned + x.canary_assigned
+    current = max(min(total, x.canary_assigned), min(total, room - keep))
+    if keep == 0:
+        reason = f"old replicas drained: {ready} of {total} current ready (>= {min_ready})"
+        return CapacityPlan(baseline=0, canary=total, mode="ready", min_ready=min_ready, reason=reason)
+    reason = (
+        f"{keep} old replica(s) kept until the current version's replacements are ready; "
+        f"ready stays >= {min_ready} (max_unavailable {x.max_unavailable})"
+    )
+    return CapacityPlan(baseline=keep, canary=current, mode="replace", min_ready=min_ready, reason=reason)

@@ -203,3 +203,59 @@ def test_free_capacity_surges_without_touching_the_baseline():
     demands, pools, current = placement_inputs(snap)
     result = FirstFitDecreasing().place(demands, pools, current)
     assert not result.removed and [a.version for a in result.added] == [2]
+
+
+@pytest.mark.parametrize(
+    ("inputs", "keep", "current", "mode"),
+    [
+        # rolled back at step 1: 3 baseline ready hold the bound, the canary goes at once
+        (_x(canary_ready=3, canary_assigned=3, baseline_assigned=1, baseline_ready=1), 0, 4, "ready"),
+        # rolled back at step 3 on a full pool: 2 old stay, 1 replacement starts in the slot freed
+        (_x(canary_ready=1, canary_assigned=1, baseline_assigned=3, baseline_ready=3), 2, 2, "replace"),
+        # everything was the old version: 3 stay (max_unavailable 1), 1 replacement starts
+        (_x(canary_ready=0, canary_assigned=0, baseline_assigned=4, baseline_ready=4), 3, 1, "replace"),
+        # free room changes nothing about how fast old replicas go, only where new ones start
+        (
+            _x(canary_ready=1, canary_assigned=1, baseline_assigned=3, baseline_ready=3, free_slots=4),
+            2,
+            4,
+            "replace",
+        ),
+    ],
+)
+def test_drain_table(inputs, keep, current, mode):
+    from control_plane.rollouts.surge import plan_drain
+
+    plan = plan_drain(inputs)
+    assert (plan.baseline, plan.canary, plan.mode) == (keep, current, mode), plan.reason
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n=st.integers(1, 12),
+    data=st.data(),
+)
+def test_a_drain_on_a_full_pool_keeps_the_bound_and_finishes(n, data):
+    """After a rollback at any point (some replicas current, the rest old, all ready) on a
+    pool with `free` spare slots: each pass removes what the plan lets go, then starts
+    what fits; started replicas are ready by the next pass."""
+    from control_plane.rollouts.surge import plan_drain
+
+    current = data.draw(st.integers(0, n))
+    free = data.draw(st.integers(0, 2))
+    unavailable = resolve_unavailable(data.draw(st.sampled_from(["1", "25%", "50%", "100%"])), n)
+    slots, old, ready = n + free, n - current, current
+    for _ in range(2 * n + 2):
+        plan = plan_drain(
+            CapacityInputs(
+                replicas=n, canary_wanted=n, canary_ready=ready, canary_assigned=ready,
+                baseline_assigned=old, baseline_ready=old, free_slots=slots - old - ready,
+                max_surge=1, max_unavailable=unavailable,
+            )
+        )  # fmt: skip
+        old = min(old, plan.baseline)
+        assert ready + old >= n - unavailable  # after the removals, before anything new is ready
+        ready = min(plan.canary, slots - old)  # what was started is ready next pass
+        if old == 0 and ready == n:
+            break
+    assert (old, ready) == (0, n)
