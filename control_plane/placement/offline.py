@@ -152,7 +152,9 @@ def plan(
     return PlanReport(
         method=info.method,
         cost_per_hour=round(info.cost, 4),
-        lp_bound=round(info.lp_bound, 4) if info.lp_bound is not None else None,
+        # a bound on plans that place every replica: none when this one cannot (it would be
+        # the shortfall penalties, not dollars)
+        lp_bound=round(info.lp_bound, 4) if info.lp_bound is not None and not result.unplaced else None,
         gap_pct=gap_pct,
         ffd_cost_per_hour=round(plan_cost(pools, ffd.assignments), 4),
         ffd_unplaced=sum(u.missing for u in ffd.unplaced),

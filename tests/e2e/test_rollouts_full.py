@@ -2,8 +2,8 @@
 their GPUs by replacing baseline replicas in place within max_unavailable, then a
 `critical` deployment takes slots from a `batch` one. Real nats-server, control plane,
 agent and gateway processes with simulated replicas under steady load; the placer is
-first-fit-decreasing (the one that models priorities, docs/placement.md). The ready
-count is sampled over time and printed (pytest -s)."""
+the default, the MILP (priorities and preemption are part of its model,
+docs/placement.md). The ready count is sampled over time and printed (pytest -s)."""
 
 from __future__ import annotations
 
@@ -26,8 +26,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    old = os.environ.get("FLEET_PLACER")
-    os.environ["FLEET_PLACER"] = "ffd"  # inherited by the control plane process
+    old = os.environ.pop("FLEET_PLACER", None)  # the default placer (milp) in the control plane process
     fleet = SimFleet(tmp_path_factory.mktemp("full-home"), [REGION], slots=REPLICAS)
     try:
         fleet.up()
