@@ -67,6 +67,10 @@ class GatewayConfig(BaseModel):
     first_byte_timeout_s: float = Field(60.0, gt=0)
     inter_chunk_timeout_s: float = Field(30.0, gt=0)
     token_timeout_s: float = Field(0.5, ge=0)
+    # A stream whose upstream fails mid-flight continues on the next target of the routing
+    # plan, with the tokens generated so far (agent.gateway.migration), at most this many
+    # times; 0: it ends with an in-band error event.
+    migration_limit: int = Field(3, ge=0, le=16)
     # The context window assumed for a deployment whose engine_args give no max_model_len:
     # a chat request without max_tokens reserves quota for the context it may fill.
     default_context_tokens: int = Field(8192, ge=1)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineArgs
+from engine.continuation import check_resume
 from engine.errors import EngineDeadError, PromptTooLongError, QueueFullError, StepFailedError
 from engine.llm_engine import LLMEngine, PromptInput, StepError
 from engine.outputs import EngineStats, RequestOutput
@@ -71,8 +72,10 @@ class AsyncLLM:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        resume_token_ids: list[int] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yields a RequestOutput per step with new tokens; the last one has finished=True."""
+        """Yields a RequestOutput per step with new tokens; the last one has finished=True.
+        `resume_token_ids`: continue a generation that produced these (engine.continuation)."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop died: {self._dead!r}")
         if self._stopping:
@@ -92,7 +95,9 @@ class AsyncLLM:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         self._pending += params.n
-        self._send("add", (ids, params, request_id, priority, cache_salt, prompt))
+        if resume_token_ids:
+            check_resume(params, resume_token_ids, self.model_config.vocab_size)
+        self._send("add", (ids, params, request_id, priority, cache_salt, prompt, resume_token_ids))
         finished = False
         try:
             while True:
@@ -158,7 +163,7 @@ class AsyncLLM:
             except queue.Empty:
                 return
             if kind == "add":
-                ids, params, rid, priority, salt, prompt = payload
+                ids, params, rid, priority, salt, prompt, resume = payload
                 self._pending -= params.n
                 stream = self._streams.get(rid)
                 if stream is None:  # the caller went away before we got to it
@@ -172,6 +177,7 @@ class AsyncLLM:
                         stream=True,
                         cache_salt=salt,
                         prompt_text=prompt if isinstance(prompt, str) else None,
+                        resume_token_ids=resume,
                     )
                 except Exception as err:  # validation raced with the queue filling up
                     stream.put(err)

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.config import EngineArgs
+from engine.continuation import check_resume, prime
 from engine.errors import PromptTooLongError, QueueFullError
 from engine.grammar import GrammarBackend
 from engine.kv_cache import KVCacheManager, KvEventLog
@@ -141,8 +142,10 @@ class LLMEngine:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         prompt_text: str | None = None,
+        resume_token_ids: list[int] | None = None,
     ) -> str:
-        """Queue a request; `prompt_text` labels outputs when the caller tokenized already."""
+        """Queue a request; `prompt_text` labels outputs when the caller tokenized already.
+        `resume_token_ids`: continue a generation that produced these (engine.continuation)."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in flight")
@@ -160,6 +163,8 @@ class LLMEngine:
             raise ValueError("an embedding request has exactly one sequence (n = 1)")
         if params.structured is not None:
             self.grammar.compile(params.structured)  # cached; raises GrammarError (a ValueError)
+        if resume_token_ids:
+            check_resume(params, resume_token_ids, self.model_config.vocab_size)
 
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         parent = ParentRequest(
@@ -198,6 +203,8 @@ class LLMEngine:
                 stop_ids=stop_ids,
                 logprobs=[] if params.logprobs is not None else None,
             )
+            if resume_token_ids:
+                prime(seq, resume_token_ids)
             parent.seqs.append(seq)
             self._seq_parent[req.request_id] = parent
             self.scheduler.add_request(req)

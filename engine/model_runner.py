@@ -11,6 +11,7 @@ import time
 import torch
 
 from engine.config import EngineArgs, ModelConfig
+from engine.continuation import step_seed
 from engine.grammar import GrammarBackend
 from engine.loader import load_checkpoint
 from engine.model.llama import AttentionMetadata, LlamaForCausalLM
@@ -207,7 +208,8 @@ class ModelRunner:
             return None
         if r.generator is None:
             r.generator = self.make_generator(seed)
-        return r.generator
+        # The noise of step k depends on (seed, k) only, so a continuation elsewhere resumes it.
+        return r.generator.manual_seed(step_seed(seed, r.num_output_tokens))
 
     @torch.inference_mode()
     def execute(

@@ -29,13 +29,24 @@ from agent.gateway.capacity_metrics import UnschedulableCollector
 from agent.gateway.coldstart import ColdStartCollector
 from agent.gateway.contract import accounting_usage
 from agent.gateway.demand import DemandSignal
-from agent.gateway.errors import GatewayError, error_response, sse_error_event
+from agent.gateway.errors import GatewayError, error_response
 from agent.gateway.freshness import KeyFreshness
 from agent.gateway.inputs import OFF_LOOP_BYTES, Endpoint, RequestInfo, parse_off_loop
 from agent.gateway.limits import QuotaGate
 from agent.gateway.liveness import SESSION_HEADER, PeerLiveness, sticky_draw
 from agent.gateway.load import LoadTracker
 from agent.gateway.metrics import UNKNOWN, GatewayMetrics
+from agent.gateway.migration import (
+    Leg,
+    MigrationMetrics,
+    RelayState,
+    StreamLedger,
+    first_leg_body,
+    migratable,
+    open_continuation,
+    refuse_client_resume,
+    relay,
+)
 from agent.gateway.peers import PeerAuth
 from agent.gateway.plan import (
     Attempt,
@@ -52,7 +63,7 @@ from agent.gateway.proxy import AttemptFailed, Deadlines, Opened, make_client, o
 from agent.gateway.queue import ReplicaQueue
 from agent.gateway.quota import Reservation
 from agent.gateway.routing import HOPS_HEADER, hops_of, peer_order
-from agent.gateway.sse import EventSplitter, StreamObserver
+from agent.gateway.sse import StreamObserver
 from agent.gateway.state import ClusterView
 from agent.gateway.tenancy import salted_body
 from agent.gateway.tokens import DesiredIndex, TokenCounters
@@ -61,6 +72,7 @@ from agent.local_state import GatewayStatus, LocalState
 from agent.nats_io import NatsLink
 from agent.protocol import MAX_USAGE_TOKENS, ApiKeyRecord, UsageRecord
 from agent.security.tls import nats_tls
+from engine.openai_contract.continuation import TOKEN_IDS_HEADER
 
 log = logging.getLogger("agent.gateway")
 
@@ -124,6 +136,7 @@ class Gateway:
         self.auth = Authenticator(lambda: self.view.keys, freshness=self.freshness)
         self.tracker = LoadTracker()
         self.metrics = GatewayMetrics(load=self._load_snapshot)
+        self.migration_metrics = MigrationMetrics(self.metrics.registry)
         self.queue = ReplicaQueue(
             self.view, config.gateway.queue_size, config.gateway.queue_timeout_s, self.metrics, retry_after_s
         )
@@ -206,6 +219,7 @@ class Gateway:
                 route = self.view.route(deployment)
                 peers = [c.cluster for c in route.clusters if c.cluster != self.cluster] if route else []
                 self.metrics.know(deployment, peers)
+                self.migration_metrics.know(deployment)
 
     def _route_clusters(self) -> set[str]:
         """This cluster and every cluster its routes name (whose KV events it indexes)."""
@@ -371,6 +385,7 @@ class Gateway:
     async def _serve(self, ex: Exchange, raw: bytes, request: Request) -> Response:
         """Walk the routing plan's stages (agent.gateway.plan) doing the I/O."""
         deployment = ex.deployment
+        refuse_client_resume(ex.info, ex.forwarded_from is not None)
         ex.draw = sticky_draw(ex.info.body, request.headers)
         if ex.draw is None:  # the canary split is drawn once per request, re-plans included
             ex.draw = self.rng.random()
@@ -500,19 +515,7 @@ class Gateway:
                 break
             if attempt:
                 self.metrics.retries.labels(deployment).inc()
-            headers = {"content-type": "application/json", REQUEST_ID_HEADER: ex.request_id}
-            if target.is_peer:
-                headers["authorization"] = request.headers.get("authorization", "")
-                headers[FORWARDED_HEADER] = self.cluster
-                if request.headers.get(SESSION_HEADER):  # the peer keeps the user's canary side
-                    headers[SESSION_HEADER] = request.headers[SESSION_HEADER]
-                headers[HOPS_HEADER] = str(hops_of(self.peers.hops(ex.forwarded_from, request.headers)) + 1)
-                headers.update(self.peers.to_peer(target.name, ex.request_id))
-                self.metrics.forwarded.labels(deployment, target.name).inc()
-            else:
-                headers.update(self.peers.replica_headers)
-                self.tracker.start(target.name, self._work(ex, target))
-                self.metrics.replica_choice.labels(deployment, target.name, str(target.version)).inc()
+            headers = self._upstream_headers(ex, target, request)
             self.prefix.count(ex, target)
             opened: Opened | None = None
             try:
@@ -551,7 +554,7 @@ class Gateway:
             if opened.status >= 300 or not ex.info.stream:
                 self._release(ex, target)
                 return self._whole(ex, opened, data)
-            return self._stream(ex, opened, target)
+            return self._stream(ex, opened, target, request)
         if failure is not None and failure.status is not None and pass_failure:
             self._finish(ex, failure.status)
             return Response(failure.body, status_code=failure.status, headers=failure.headers)
@@ -563,6 +566,26 @@ class Gateway:
                 headers={"Retry-After": str(self.queue.retry_after_s)},
             )
         raise self.queue.unavailable(deployment, "its replicas went away")
+
+    def _upstream_headers(self, ex: Exchange, target: Attempt, request: Request) -> dict[str, str]:
+        """Headers of one attempt (counted as started: load, forwarding metrics)."""
+        deployment = ex.deployment
+        headers = {"content-type": "application/json", REQUEST_ID_HEADER: ex.request_id}
+        if migratable(ex.info):  # the replica's chunks carry token ids for a migration
+            headers[TOKEN_IDS_HEADER] = "1"
+        if target.is_peer:
+            headers["authorization"] = request.headers.get("authorization", "")
+            headers[FORWARDED_HEADER] = self.cluster
+            if request.headers.get(SESSION_HEADER):  # the peer keeps the user's canary side
+                headers[SESSION_HEADER] = request.headers[SESSION_HEADER]
+            headers[HOPS_HEADER] = str(hops_of(self.peers.hops(ex.forwarded_from, request.headers)) + 1)
+            headers.update(self.peers.to_peer(target.name, ex.request_id))
+            self.metrics.forwarded.labels(deployment, target.name).inc()
+        else:
+            headers.update(self.peers.replica_headers)
+            self.tracker.start(target.name, self._work(ex, target))
+            self.metrics.replica_choice.labels(deployment, target.name, str(target.version)).inc()
+        return headers
 
     @staticmethod
     def _work(ex: Exchange, target: Attempt) -> int:
@@ -598,61 +621,68 @@ class Gateway:
         self._finish(ex, opened.status)
         return Response(data, status_code=opened.status, headers=opened.headers())
 
-    def _stream(self, ex: Exchange, opened: Opened, target: Attempt) -> Response:
+    def _stream(self, ex: Exchange, opened: Opened, target: Attempt, request: Request) -> Response:
         observer = StreamObserver(strip_usage=not target.is_peer and not ex.info.client_wants_usage)
+        keep_ids = ex.forwarded_from is not None and bool(request.headers.get(TOKEN_IDS_HEADER))
+        ledger = StreamLedger(keep_ids=keep_ids)
+        state = RelayState(Leg(opened, target.name, target.is_peer), opened.status)
+        targets = {target.name: target}
         closed = False
+
+        async def release(leg: Leg, failed: bool) -> None:
+            await leg.opened.close()
+            if failed:
+                self.metrics.upstream_errors.labels(ex.deployment, "midstream").inc()
+            if not leg.is_peer:
+                self._release(ex, targets[leg.name])
+                if failed:
+                    self.tracker.mark_failed(leg.name)
+
+        async def reopen(make_body: Callable[[bool], bytes], failed: list[str]) -> Leg | None:
+            return await open_continuation(self, ex, request, make_body, failed, targets)
 
         async def cleanup(status: int) -> None:
             nonlocal closed
             if closed:
                 return
             closed = True
-            await opened.close()
-            self._release(ex, target)
+            await release(state.leg, False)
             if observer.usage:
                 ex.usage = accounting_usage(ex.info.endpoint, observer.usage)
-            elif not target.is_peer and 200 <= opened.status < 300:
+            elif not state.leg.is_peer and 200 <= opened.status < 300:
                 # cut short (the client left, the upstream broke): charge what was streamed
                 ex.usage = {"prompt_tokens": ex.info.prompt_tokens, "completion_tokens": observer.tokens_seen}
             self._finish(ex, status)
 
+        def on_event() -> None:
+            if observer.first_token and ex.ttft_s is None:
+                ex.ttft_s = time.monotonic() - ex.started
+
+        def log_failure(name: str, err: Exception) -> None:
+            log.warning("request %s: stream from %s broke: %s", ex.request_id, name, err)
+
         async def body() -> AsyncIterator[bytes]:
-            status = opened.status
-            splitter = EventSplitter()
             try:
-                chunk = opened.first
-                while True:
-                    for event in splitter.feed(chunk):
-                        out = observer.observe(event)
-                        if observer.first_token and ex.ttft_s is None:
-                            ex.ttft_s = time.monotonic() - ex.started
-                        if out:
-                            yield out
-                    try:
-                        chunk = await opened.rest.__anext__()
-                    except StopAsyncIteration:
-                        break
-                rest = splitter.rest()
-                if rest:
-                    yield rest
-                if not observer.done and observer.error is None:
-                    status = 502
-                    self.metrics.upstream_errors.labels(ex.deployment, "midstream").inc()
-                    yield sse_error_event(
-                        502, "The upstream closed the stream before it finished", "upstream_failed"
-                    )
-            except httpx.HTTPError as err:
-                status = 502
-                self.metrics.upstream_errors.labels(ex.deployment, "midstream").inc()
-                log.warning("request %s: stream from %s broke: %s", ex.request_id, target.name, err)
-                yield sse_error_event(
-                    502, f"The upstream failed while streaming ({type(err).__name__})", "upstream_failed"
-                )
+                async for out in relay(
+                    state,
+                    ledger,
+                    observer,
+                    deployment=ex.deployment,
+                    limit=self.config.gateway.migration_limit if migratable(ex.info) else 0,
+                    prompt_tokens=ex.info.prompt_tokens,
+                    body_for=lambda is_peer: first_leg_body(ex.info, ex.key_id, is_peer),
+                    reopen=reopen,
+                    release=release,
+                    metrics=self.migration_metrics,
+                    on_event=on_event,
+                    log_failure=log_failure,
+                ):
+                    yield out
             except BaseException:
-                status = CLIENT_CLOSED
+                state.status = CLIENT_CLOSED
                 raise
             finally:
-                await cleanup(status)
+                await cleanup(state.status)
 
         return _ProxiedStream(
             body(),

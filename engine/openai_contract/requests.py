@@ -120,6 +120,9 @@ class _SamplingRequest(_Strict):
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Fleet's continuation extension (engine.openai_contract.continuation): tokens already
+    # generated for this request elsewhere; prefilled after the prompt, counted as output.
+    fleet_resume_token_ids: list[TokenId] | None = Field(None, max_length=MAX_TOKENS)
     logit_bias: dict[str, float] | None = None
 
     @field_validator("stop", mode="before")

@@ -19,6 +19,7 @@ from starlette.responses import Response
 
 from engine.openai_contract.requests import ChatCompletionRequest
 from engine.openai_contract.structured import NamedToolChoice
+from engine.server.continuation import TokenIdsOut
 from engine.server.formatting import SSE_DONE, TokenBytes, chat_logprobs, sse, sse_error, visible_logprobs
 from engine.server.generation import Generation, check_context
 from engine.server.inputs import chat_prompt_ids, check_model, parse_body, sampling_params
@@ -39,6 +40,7 @@ class ChatRun:
     head: dict[str, Any]
     token_bytes: TokenBytes
     template: str | None
+    token_ids: TokenIdsOut | None = None  # the gateway asked for each chunk's token ids
 
     def choice_output(self) -> ChoiceOutput:
         mode = self.body.tool_mode
@@ -65,11 +67,18 @@ async def run_chat(
     check_context(engine, len(ids), params.max_tokens, "messages")
     created = int(time.time())
     gen = Generation(
-        state, [ids], params, f"chatcmpl-{uuid.uuid4().hex}", "messages", cache_salt=body.cache_salt
+        state,
+        [ids],
+        params,
+        f"chatcmpl-{uuid.uuid4().hex}",
+        "messages",
+        cache_salt=body.cache_salt,
+        resume_token_ids=body.fleet_resume_token_ids,
     )
     await gen.run(request, stream=body.stream)
     head = {"id": gen.request_id, "created": created, "model": state.settings.served_model_name}
-    return ChatRun(gen, body, head, TokenBytes(engine.tokenizer), template)
+    wanted = TokenIdsOut.wanted(request, gen) if body.stream else None
+    return ChatRun(gen, body, head, TokenBytes(engine.tokenizer), template, wanted)
 
 
 async def create_chat_completion(request: Request, state: ServerState) -> Response:
@@ -106,7 +115,7 @@ async def chat_chunks(run: ChatRun) -> AsyncIterator[dict[str, Any]]:
             payload["usage"] = None
         return payload
 
-    for j in range(gen.params.n):
+    for j in range(0 if gen.resume_token_ids else gen.params.n):  # a continuation: sent already
         yield chunk(
             {
                 "index": j,
@@ -135,14 +144,15 @@ async def chat_chunks(run: ChatRun) -> AsyncIterator[dict[str, Any]]:
                 deltas = [{"content": ""} if not o.finished and shaper.mode == "none" else {}]
             for k, delta in enumerate(deltas):
                 final = k == len(deltas) - 1
-                yield chunk(
-                    {
-                        "index": o.index,
-                        "delta": delta,
-                        "logprobs": lps if k == 0 else None,
-                        "finish_reason": finish if final else None,
-                    }
-                )
+                choice = {
+                    "index": o.index,
+                    "delta": delta,
+                    "logprobs": lps if k == 0 else None,
+                    "finish_reason": finish if final else None,
+                }
+                if run.token_ids is not None and k == 0:
+                    run.token_ids.attach(choice, (i, o.index), o.token_ids)
+                yield chunk(choice)
     if include_usage:
         yield {**base, "choices": [], "usage": gen.usage()}
 

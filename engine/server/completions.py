@@ -13,6 +13,7 @@ from starlette.responses import Response
 
 from engine.openai_contract.requests import CompletionRequest
 from engine.server.chat import SSE_HEADERS
+from engine.server.continuation import TokenIdsOut
 from engine.server.formatting import SSE_DONE, completion_logprobs, sse, sse_error, visible_logprobs
 from engine.server.generation import Generation, check_context
 from engine.server.inputs import check_model, completion_prompt_ids, parse_body, sampling_params
@@ -31,12 +32,22 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         check_context(engine, len(ids), params.max_tokens, "prompt")
 
     created = int(time.time())
-    gen = Generation(state, prompts, params, f"cmpl-{uuid.uuid4().hex}", "prompt", cache_salt=body.cache_salt)
+    gen = Generation(
+        state,
+        prompts,
+        params,
+        f"cmpl-{uuid.uuid4().hex}",
+        "prompt",
+        cache_salt=body.cache_salt,
+        resume_token_ids=body.fleet_resume_token_ids,
+    )
     await gen.run(request, stream=body.stream)
     head = {"id": gen.request_id, "created": created, "model": state.settings.served_model_name}
     if body.stream:
         return StreamingResponse(
-            _stream(gen, body, head), media_type="text/event-stream", headers=SSE_HEADERS
+            _stream(gen, body, head, TokenIdsOut.wanted(request, gen)),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
         )
 
     choices = []
@@ -56,7 +67,9 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     return JSONResponse({**head, "object": "text_completion", "choices": choices, "usage": gen.usage()})
 
 
-async def _stream(gen: Generation, body: CompletionRequest, head: dict[str, Any]) -> AsyncIterator[str]:
+async def _stream(
+    gen: Generation, body: CompletionRequest, head: dict[str, Any], ids: TokenIdsOut | None
+) -> AsyncIterator[str]:
     base = {**head, "object": "text_completion"}
     offsets: dict[tuple[int, int], int] = {}
     try:
@@ -84,6 +97,8 @@ async def _stream(gen: Generation, body: CompletionRequest, head: dict[str, Any]
                         }
                     ],
                 }
+                if ids is not None:
+                    ids.attach(payload["choices"][0], key, o.token_ids)
                 if body.include_usage:
                     payload["usage"] = None
                 yield sse(payload)

@@ -17,7 +17,7 @@ from starlette.requests import Request
 
 from engine.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 from engine.sampling_params import SamplingParams
-from engine.server.errors import context_error, engine_error
+from engine.server.errors import APIError, context_error, engine_error
 from engine.server.state import EngineClient, ServerState
 
 _background: set[asyncio.Task[Any]] = set()
@@ -60,6 +60,7 @@ class Generation:
         request_id: str,
         param: str,
         cache_salt: str | None = None,
+        resume_token_ids: list[int] | None = None,
     ) -> None:
         assert state.engine is not None
         self.state = state
@@ -69,6 +70,10 @@ class Generation:
         self.param = param
         self.request_id = request_id
         self.cache_salt = cache_salt
+        # a continuation (engine.continuation): these tokens were generated and streamed already
+        self.resume_token_ids = resume_token_ids or None
+        if self.resume_token_ids is not None and len(prompts) != 1:
+            raise APIError(400, "a continuation (fleet_resume_token_ids) has exactly one prompt")
         self.ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         self.final: list[RequestOutput | None] = [None] * len(prompts)
         self.choices: dict[tuple[int, int], ChoiceState] = {}
@@ -95,7 +100,10 @@ class Generation:
         self._firsts = [r for r in results if isinstance(r, RequestOutput)]
 
     async def _first(self, i: int) -> RequestOutput:
-        it = self.engine.generate(self.prompts[i], self.params, self.ids[i], cache_salt=self.cache_salt)
+        extra = {"resume_token_ids": self.resume_token_ids} if self.resume_token_ids else {}
+        it = self.engine.generate(
+            self.prompts[i], self.params, self.ids[i], cache_salt=self.cache_salt, **extra
+        )
         self._iters[i] = it
         try:
             return await it.__anext__()

@@ -29,6 +29,7 @@ class EngineClient(Protocol):
         priority: int = 0,
         *,
         cache_salt: str | None = None,
+        resume_token_ids: list[int] | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...

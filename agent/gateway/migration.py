@@ -1,0 +1,310 @@
+"""Streams that survive their replica: a stream that breaks mid-flight goes on elsewhere.
+
+The gateway asks replicas to put the generated token ids on every streamed chunk
+(`engine.openai_contract.continuation`). `StreamLedger` keeps them per in-flight stream
+and strips them (and any other leg's identity) before the client sees a chunk. When the
+upstream fails after the first byte (connection reset, the replica died, an in-band
+error, the inter-chunk timeout, a stream that ends before it finished), `relay` asks the
+gateway for the next target of the routing plan and re-issues the request with the ids as
+a continuation: the new replica prefills prompt + ids and streams exactly the text not
+yet sent (it replays the detokenizer and the stop-string window itself, so a partial
+UTF-8 character or a held-back stop-string prefix is neither lost nor sent twice). Its
+usage chunk counts the whole request, once; the dead leg never sent one. At most
+`migration_limit` hand-overs per stream; after that, or with no target left, the client
+gets the in-band error event as before.
+
+Migrated: streamed chat and completions of one sequence (n = 1, one prompt) without
+tools (a tool-call parser's state is not carried). Everything else keeps the old
+behaviour.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from agent.gateway.errors import GatewayError, sse_error_event
+from agent.gateway.inputs import RequestInfo
+from agent.gateway.plan import plan_failover
+from agent.gateway.proxy import AttemptFailed, Opened, open_upstream
+from agent.gateway.sse import EventSplitter, StreamObserver
+from agent.gateway.tenancy import salted_body
+from engine.openai_contract.continuation import RESUME_FIELD, TOKEN_IDS_FIELD
+
+REASONS = ("reset", "timeout", "closed", "error_event")
+GAP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
+
+_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+def migratable(info: RequestInfo) -> bool:
+    """Whether a stream of this request can be continued on another replica."""
+    body = info.body
+    return (
+        info.stream
+        and info.endpoint in ("chat", "completions")
+        and info.sequences == 1
+        and not body.get("tools")
+    )
+
+
+def refuse_client_resume(info: RequestInfo, forwarded: bool) -> None:
+    """The continuation field is for gateways: a client's is a 400."""
+    if RESUME_FIELD in info.body and not forwarded:
+        raise GatewayError(400, f"'{RESUME_FIELD}' is set by Fleet gateways only", param=RESUME_FIELD)
+
+
+class MidstreamFailure(Exception):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class MigrationMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.migrations = Counter(
+            "fleet_gateway_stream_migrations",
+            "Streams continued on another target after a mid-stream failure, by reason "
+            "(reset, timeout, closed, error_event).",
+            ["deployment", "reason"], registry=registry,
+        )  # fmt: skip
+        self.reprefill = Counter(
+            "fleet_gateway_migration_reprefill_tokens",
+            "Tokens the continuation target prefilled again (prompt + tokens already generated).",
+            ["deployment"], registry=registry,
+        )  # fmt: skip
+        self.gap = Histogram(
+            "fleet_gateway_migration_gap_seconds",
+            "Client-visible gap of a migration: last chunk before the failure to the first after it.",
+            ["deployment"], buckets=GAP_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.failed = Counter(
+            "fleet_gateway_stream_migrations_failed",
+            "Mid-stream failures not migrated (limit reached, nothing to continue on): the client got an error.",
+            ["deployment"], registry=registry,
+        )  # fmt: skip
+
+    def know(self, deployment: str) -> None:
+        for reason in REASONS:
+            self.migrations.labels(deployment, reason)
+        self.reprefill.labels(deployment)
+        self.gap.labels(deployment)
+        self.failed.labels(deployment)
+
+
+@dataclass
+class StreamLedger:
+    """What one stream has delivered: token ids, its identity, whether it finished."""
+
+    keep_ids: bool = False  # forward the ids (the client is a peer gateway that may migrate)
+    token_ids: list[int] = field(default_factory=list)
+    stream_id: str | None = None
+    created: int | None = None
+    finished: bool = False
+    last_sent_at: float = field(default_factory=time.monotonic)
+
+    def take(self, event: bytes, migrating: bool) -> bytes:
+        """The event to forward: ids recorded and stripped, the first leg's id and created
+        kept. An in-band error raises `MidstreamFailure` when the stream can migrate."""
+        data = _data(event)
+        if data is None or data.strip() == b"[DONE]":
+            return event
+        try:
+            payload = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return event
+        if not isinstance(payload, dict):
+            return event
+        if isinstance(payload.get("error"), dict):
+            if migrating and not self.finished:
+                raise MidstreamFailure("error_event", str(payload["error"].get("message", ""))[:200])
+            return event
+        changed = False
+        for name in ("id", "created"):
+            mine = self.stream_id if name == "id" else self.created
+            if mine is None:
+                setattr(self, "stream_id" if name == "id" else "created", payload.get(name))
+            elif name in payload and payload[name] != mine:
+                payload[name] = mine
+                changed = True
+        for choice in payload.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
+            ids = choice.get(TOKEN_IDS_FIELD) if self.keep_ids else choice.pop(TOKEN_IDS_FIELD, None)
+            changed = changed or (ids is not None and not self.keep_ids)
+            if isinstance(ids, list):
+                self.token_ids.extend(i for i in ids if isinstance(i, int))
+            if choice.get("finish_reason") is not None:
+                self.finished = True
+        if not changed:
+            return event
+        return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+    def continuation(self, body: bytes) -> bytes:
+        """`body` (what the first leg was sent) continuing after the ids delivered so far."""
+        return json.dumps({**json.loads(body), RESUME_FIELD: self.token_ids}, ensure_ascii=False).encode()
+
+
+def _data(event: bytes) -> bytes | None:
+    lines = [line[5:].lstrip() for line in event.splitlines() if line.startswith(b"data:")]
+    return b"\n".join(lines) if lines else None
+
+
+@dataclass
+class Leg:
+    """One upstream a stream is read from; `name` is the replica or peer."""
+
+    opened: Opened
+    name: str
+    is_peer: bool
+
+
+# (body for a replica (False) or a peer (True), names that failed) -> the next leg, or
+# None when no target answered
+Reopen = Callable[[Callable[[bool], bytes], list[str]], Awaitable["Leg | None"]]
+# a leg is done with (failed or not): release its load, mark it failed
+Release = Callable[[Leg, bool], Awaitable[None]]
+
+
+@dataclass
+class RelayState:
+    """What `relay` leaves for the gateway's accounting: the final leg and the status."""
+
+    leg: Leg
+    status: int
+    migrations: int = 0
+
+
+async def relay(
+    state: RelayState,
+    ledger: StreamLedger,
+    observer: StreamObserver,
+    *,
+    deployment: str,
+    limit: int,
+    prompt_tokens: int,
+    body_for: Callable[[bool], bytes],
+    reopen: Reopen,
+    release: Release,
+    metrics: MigrationMetrics,
+    on_event: Callable[[], None],
+    log_failure: Callable[[str, Exception], None],
+) -> AsyncIterator[bytes]:
+    """The client's SSE bytes: the legs' events in order, a migration at each failure.
+    `body_for(is_peer)`: the first leg's body for a replica or a peer (continuation is
+    added here). `on_event` runs after each observed event (TTFT)."""
+    failed: list[str] = []
+    gap_open = False
+    while True:
+        leg = state.leg
+        splitter = EventSplitter()
+        try:
+            chunk = leg.opened.first
+            while True:
+                for event in splitter.feed(chunk):
+                    out = observer.observe(ledger.take(event, limit > 0))
+                    on_event()
+                    if out:
+                        if gap_open and ledger.token_ids:
+                            metrics.gap.labels(deployment).observe(time.monotonic() - ledger.last_sent_at)
+                            gap_open = False
+                        ledger.last_sent_at = time.monotonic()
+                        yield out
+                try:
+                    chunk = await leg.opened.rest.__anext__()
+                except StopAsyncIteration:
+                    break
+            rest = splitter.rest()
+            if rest:
+                yield rest
+            if observer.done or observer.error is not None:
+                return
+            raise MidstreamFailure("closed", "the upstream closed the stream before it finished")
+        except (httpx.HTTPError, MidstreamFailure) as err:
+            reason = err.reason if isinstance(err, MidstreamFailure) else _reason(err)
+            log_failure(leg.name, err)
+            await release(leg, True)
+            failed.append(leg.name)
+            if ledger.finished:  # everything was delivered but the end: end it here
+                yield b"data: [DONE]\n\n"
+                return
+            nxt = None
+            if state.migrations < limit:
+                nxt = await reopen(lambda is_peer: ledger.continuation(body_for(is_peer)), failed)
+            if nxt is None:
+                metrics.failed.labels(deployment).inc()
+                state.status = 502
+                yield sse_error_event(
+                    502,
+                    f"The upstream failed while streaming ({reason}); it could not be continued",
+                    "upstream_failed",
+                )
+                return
+            state.migrations += 1
+            metrics.migrations.labels(deployment, reason).inc()
+            metrics.reprefill.labels(deployment).inc(prompt_tokens + len(ledger.token_ids))
+            state.leg = nxt
+            gap_open = True
+
+
+def _reason(err: httpx.HTTPError) -> str:
+    return "timeout" if isinstance(err, httpx.TimeoutException) else "reset"
+
+
+def first_leg_body(info: RequestInfo, key_id: str, is_peer: bool) -> bytes:
+    """The body a stream's first leg was sent: the client's to a peer (which salts it
+    itself), salted with usage asked for to a replica."""
+    raw = json.dumps(info.body, ensure_ascii=False).encode()
+    return raw if is_peer else salted_body(info, raw, key_id)
+
+
+async def open_continuation(
+    gw: Any,
+    ex: Any,
+    request: Any,
+    make_body: Callable[[bool], bytes],
+    failed: list[str],
+    targets: dict[str, Any],
+) -> Leg | None:
+    """Open the continuation at the next target of the routing plan as it is now (local
+    replicas best first, then peers), skipping those this stream already failed on.
+    `gw`/`ex`: the gateway and its exchange (agent.gateway.gateway)."""
+    plan = gw._plan(ex)
+    later = plan_failover(gw._facts(ex), gw._live_peers(ex.deployment), gw.prefix.index)
+    seen = set(failed)
+    path = _PATHS[ex.info.endpoint]
+    for target in (*plan.attempts, *later):
+        if not target.name or target.name in seen:
+            continue
+        seen.add(target.name)
+        headers = gw._upstream_headers(ex, target, request)
+        try:
+            opened = await open_upstream(
+                gw.client, target.url + path, headers, make_body(target.is_peer), gw._deadlines(ex, target)
+            )
+        except AttemptFailed as err:
+            gw.metrics.upstream_errors.labels(ex.deployment, err.reason).inc()
+            if not target.is_peer:
+                gw._release(ex, target)
+                gw.tracker.mark_failed(target.name)
+            continue
+        if opened.status >= 300:  # refused the continuation (a 4xx): try the next one
+            await opened.close()
+            gw._release(ex, target)
+            continue
+        targets[target.name] = target
+        ex.version = target.version
+        if target.is_peer:  # the peer's gateway charges the whole request now
+            gw.quota.refund(ex.reservation)
+            ex.peer = target.name
+        else:
+            ex.ran = True
+        return Leg(opened, target.name, target.is_peer)
+    return None
