@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -74,10 +75,17 @@ class StreamResult:
 
 
 async def _one(
-    client: httpx.AsyncClient, url: str, key: str, prompt: str, max_tokens: int, out: StreamResult
+    client: httpx.AsyncClient,
+    url: str,
+    key: str,
+    prompt: str,
+    max_tokens: int,
+    out: StreamResult,
+    extra: dict[str, Any],
 ) -> StreamResult:
     body = {
-        "model": DEPLOYMENT,
+        **extra,
+        "model": extra.get("model", DEPLOYMENT),
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -117,6 +125,7 @@ async def run_streams(
     *,
     kill: Callable[[], None] | None = None,
     kill_after_chunks: int = 6,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[list[StreamResult], float | None]:
     """All streams at once; `kill` runs once every stream has `kill_after_chunks` content
     chunks (so it lands mid-stream everywhere). The results, and when `kill` ran."""
@@ -124,7 +133,7 @@ async def run_streams(
     results = [StreamResult() for _ in texts]
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=10.0)) as client:
         tasks = [
-            asyncio.create_task(_one(client, url, key, t, max_tokens, out))
+            asyncio.create_task(_one(client, url, key, t, max_tokens, out, extra or {}))
             for t, out in zip(texts, results, strict=True)
         ]
         while kill is not None and killed_at is None and not all(t.done() for t in tasks):

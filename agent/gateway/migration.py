@@ -37,7 +37,8 @@ from agent.gateway.sse import EventSplitter, StreamObserver
 from agent.gateway.tenancy import salted_body
 from engine.openai_contract.continuation import RESUME_FIELD, TOKEN_IDS_FIELD
 
-REASONS = ("reset", "timeout", "closed", "error_event")
+REASONS = ("reset", "timeout", "closed", "error_event", "drain")
+DRAINING_CODE = "replica_draining"  # the in-band error of a replica handing a stream over
 GAP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -72,7 +73,7 @@ class MigrationMetrics:
         self.migrations = Counter(
             "fleet_gateway_stream_migrations",
             "Streams continued on another target after a mid-stream failure, by reason "
-            "(reset, timeout, closed, error_event).",
+            "(reset, timeout, closed, error_event, drain).",
             ["deployment", "reason"], registry=registry,
         )  # fmt: skip
         self.reprefill = Counter(
@@ -124,7 +125,9 @@ class StreamLedger:
             return event
         if isinstance(payload.get("error"), dict):
             if migrating and not self.finished:
-                raise MidstreamFailure("error_event", str(payload["error"].get("message", ""))[:200])
+                error = payload["error"]
+                reason = "drain" if error.get("code") == DRAINING_CODE else "error_event"
+                raise MidstreamFailure(reason, str(error.get("message", ""))[:200])
             return event
         changed = False
         for name in ("id", "created"):

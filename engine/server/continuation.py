@@ -1,7 +1,8 @@
 """Token ids on streamed chunks, for the gateway that may continue the stream elsewhere.
 
 Only a request carrying `TOKEN_IDS_HEADER` gets them (the gateway strips them before the
-client). Each chunk carries every token generated since the previous chunk of its choice,
+client), and a draining replica may end such a stream early (`Generation.hand_over`):
+the gateway continues it elsewhere. Each chunk carries every token generated since the previous chunk of its choice,
 including tokens of steps that produced no chunk (text held back, partial UTF-8), so the
 ids a gateway holds always match the text it has forwarded.
 """
@@ -28,6 +29,8 @@ class TokenIdsOut:
     def wanted(cls, request: Request, gen: Generation) -> TokenIdsOut | None:
         if request.headers.get(TOKEN_IDS_HEADER, "") not in ("1", "true"):
             return None
+        if len(gen.prompts) == 1 and gen.params.n == 1:  # a drain may hand it over
+            gen.allow_hand_over()
         return cls(start=len(gen.resume_token_ids or ()))
 
     def attach(self, choice: dict[str, Any], key: Any, token_ids: list[int]) -> None:

@@ -23,6 +23,15 @@ from engine.server.state import EngineClient, ServerState
 _background: set[asyncio.Task[Any]] = set()
 
 
+class HandedOver(APIError):
+    """A draining replica ended this stream so the gateway continues it elsewhere."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            503, "This replica is draining; the stream continues on another one", code="replica_draining"
+        )
+
+
 def spawn(coro: Coroutine[Any, Any, Any]) -> None:
     """Runs `coro` to completion even if the caller is being cancelled right now."""
     task = asyncio.get_running_loop().create_task(coro)
@@ -82,6 +91,7 @@ class Generation:
         self._done = [False] * len(prompts)
         self._observers = [state.metrics.observer() for _ in prompts]
         self._watcher: asyncio.Task[None] | None = None
+        self.handed_over = False
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -142,8 +152,18 @@ class Generation:
             self._watcher.cancel()
             self._watcher = None
 
+    def hand_over(self) -> None:
+        """End the stream with `HandedOver` (its next output raises it) and free the engine."""
+        self.handed_over = True
+        self.close()
+
+    def allow_hand_over(self) -> None:
+        """A gateway that can continue this stream elsewhere asked for its token ids."""
+        self.state.handovers[self.request_id] = self.hand_over
+
     def close(self, count_aborts: bool = True) -> None:
         """Aborts every engine request that has not finished; safe to call more than once."""
+        self.state.handovers.pop(self.request_id, None)
         self.stop_watching()
         for i, rid in enumerate(self.ids):
             if not self._done[i]:
@@ -167,12 +187,16 @@ class Generation:
                 it = self._iters[i]
                 assert it is not None
                 async for out in it:
+                    if self.handed_over:
+                        raise HandedOver()
                     self._record(i, out)
                     yield i, out
                     if self._done[i]:
                         break
             elif pending:
                 async for i, out in self._merged(pending):
+                    if self.handed_over:
+                        raise HandedOver()
                     self._record(i, out)
                     yield i, out
         finally:

@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--drain-timeout", type=float, default=30.0, help="seconds to drain in-flight requests on SIGTERM"
     )
     p.add_argument(
+        "--drain-handover",
+        type=float,
+        default=5.0,
+        help="seconds into a drain after which streams a gateway can continue elsewhere are handed over",
+    )
+    p.add_argument(
         "--embedding-pooling",
         choices=["mean", "last"],
         default="mean",
@@ -175,7 +181,11 @@ class _Server(uvicorn.Server):
 
     async def _drain_then_exit(self) -> None:
         state = self.state
-        if not await state.wait_idle(state.settings.drain_timeout):
+        handover = min(state.settings.drain_handover_s, state.settings.drain_timeout)
+        if not await state.wait_idle(handover):  # short requests are done by now
+            n = state.hand_over_streams()
+            log.info("drain: handed %d stream(s) over to the gateway for migration", n)
+        if not await state.wait_idle(max(0.0, state.settings.drain_timeout - handover)):
             log.warning("drain timeout: aborting %d requests", len(state.active_requests))
             if state.engine is not None:
                 for rid in list(state.active_requests):
@@ -285,6 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             api_key=ns.api_key or None,
             max_request_bytes=ns.max_request_bytes,
             drain_timeout=ns.drain_timeout,
+            drain_handover_s=ns.drain_handover,
             embedding_pooling=ns.embedding_pooling,
             embedding_normalize=ns.embedding_normalize,
             stall_timeout_s=ns.stall_timeout,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -53,6 +53,9 @@ class ServerSettings(BaseModel):
     # Test hooks (POST /debug/freeze, /debug/thaw); never on in production.
     test_hooks: bool = False
     drain_timeout: float = Field(30.0, ge=0.0)
+    # A draining replica hands the streams a gateway can continue elsewhere over after this
+    # long (engine.server.continuation), instead of cutting them at drain_timeout.
+    drain_handover_s: float = Field(5.0, ge=0.0)
     retry_after_s: int = Field(1, ge=1)
     # /v1/embeddings: how the last hidden state becomes one vector per input
     embedding_pooling: Literal["mean", "last"] = "mean"
@@ -72,11 +75,21 @@ class ServerState:
     # engine request ids now generating, so a drain that times out can abort them
     active_requests: set[str] = field(default_factory=set)
     created: float = 0.0
+    # streams a gateway can continue elsewhere: request id -> what ends them with a hand-over
+    handovers: dict[str, Callable[[], None]] = field(default_factory=dict)
     idle: asyncio.Event | None = field(default=None, repr=False)
 
     @property
     def ready(self) -> bool:
         return self.engine is not None and not self.draining
+
+    def hand_over_streams(self) -> int:
+        """End every stream a gateway can continue elsewhere (a drain); how many."""
+        ends = list(self.handovers.values())
+        self.handovers.clear()
+        for end in ends:
+            end()
+        return len(ends)
 
     def enter(self) -> None:
         self.in_flight += 1

@@ -18,7 +18,7 @@ from tests.agent.gateway.harness import make_key, sample, scrape
 pytestmark = pytest.mark.slow
 
 STREAMS = 12
-MAX_TOKENS = 32
+MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +43,12 @@ def test_a_replica_killed_mid_stream_loses_no_stream(fleet: LiveFleet) -> None:
     for i, (h, k) in enumerate(zip(healthy, killed, strict=True)):
         assert k.error is None and k.done, (i, k.error)
         assert k.text == h.text, i
-        assert k.usage == h.usage, i  # the whole request, once
+        for field in ("prompt_tokens", "completion_tokens", "total_tokens"):  # the whole request, once
+            assert k.usage[field] == h.usage[field], (i, field)
     metrics = scrape(url)
     migrated = sum(
         sample(metrics, "fleet_gateway_stream_migrations_total", deployment="smollm2", reason=reason)
-        for reason in ("reset", "timeout", "closed", "error_event")
+        for reason in ("reset", "timeout", "closed", "error_event", "drain")
     )
     assert migrated >= 1  # the killed replica had streams (least-load spreads 12 over 2)
     assert sample(metrics, "fleet_gateway_migration_gap_seconds_count", deployment="smollm2") == migrated
