@@ -624,7 +624,7 @@ class Gateway:
     def _stream(self, ex: Exchange, opened: Opened, target: Attempt, request: Request) -> Response:
         observer = StreamObserver(strip_usage=not target.is_peer and not ex.info.client_wants_usage)
         keep_ids = ex.forwarded_from is not None and bool(request.headers.get(TOKEN_IDS_HEADER))
-        ledger = StreamLedger(keep_ids=keep_ids)
+        ledger = StreamLedger.of(ex.info, keep_ids)
         state = RelayState(Leg(opened, target.name, target.is_peer), opened.status)
         targets = {target.name: target}
         closed = False

@@ -111,6 +111,13 @@ class StreamLedger:
     finished: bool = False
     last_sent_at: float = field(default_factory=time.monotonic)
 
+    @classmethod
+    def of(cls, info: RequestInfo, keep_ids: bool) -> StreamLedger:
+        """A stream's ledger; a continuation a peer forwarded starts with its resumed ids."""
+        resumed = info.body.get(RESUME_FIELD)
+        ids = [i for i in resumed if isinstance(i, int)] if isinstance(resumed, list) else []
+        return cls(keep_ids=keep_ids, token_ids=ids)
+
     def take(self, event: bytes, migrating: bool) -> bytes:
         """The event to forward: ids recorded and stripped, the first leg's id and created
         kept. An in-band error raises `MidstreamFailure` when the stream can migrate."""

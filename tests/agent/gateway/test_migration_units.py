@@ -7,8 +7,9 @@ import json
 
 import pytest
 
+from agent.gateway.errors import GatewayError
 from agent.gateway.inputs import parse_request
-from agent.gateway.migration import MidstreamFailure, StreamLedger, migratable
+from agent.gateway.migration import MidstreamFailure, StreamLedger, migratable, refuse_client_resume
 from engine.openai_contract.continuation import RESUME_FIELD, TOKEN_IDS_FIELD
 
 
@@ -55,6 +56,13 @@ def test_the_continuation_body_carries_the_ids() -> None:
     assert body == {"model": "m", "prompt": "hi", "stream": True, RESUME_FIELD: [4, 5]}
 
 
+def test_a_forwarded_continuation_starts_from_its_resumed_ids() -> None:
+    body = {"model": "m", "prompt": "hi", "stream": True, RESUME_FIELD: [1, 2]}
+    ledger = StreamLedger.of(parse_request(json.dumps(body).encode(), "completions"), keep_ids=True)
+    ledger.take(_chunk("a", "x", [3]), migrating=True)
+    assert json.loads(ledger.continuation(json.dumps(body).encode()))[RESUME_FIELD] == [1, 2, 3]
+
+
 @pytest.mark.parametrize(
     ("body", "endpoint", "expected"),
     [
@@ -67,3 +75,12 @@ def test_the_continuation_body_carries_the_ids() -> None:
 )
 def test_what_can_migrate(body: dict, endpoint: str, expected: bool) -> None:
     assert migratable(parse_request(json.dumps(body).encode(), endpoint)) is expected
+
+
+def test_a_client_cannot_send_a_continuation() -> None:
+    body = {"model": "m", "prompt": "hi", RESUME_FIELD: [1]}
+    info = parse_request(json.dumps(body).encode(), "completions")
+    with pytest.raises(GatewayError) as err:
+        refuse_client_resume(info, forwarded=False)
+    assert err.value.status == 400
+    refuse_client_resume(info, forwarded=True)  # a peer gateway's is fine

@@ -1,7 +1,8 @@
 """Drains move streams instead of cutting them (real processes, tiny model replicas): a
 replica told to stop (SIGTERM) hands the streams a gateway can continue over after
 `--drain-handover`, and they go on elsewhere; a rollout that replaces every replica while
-streams run loses none. Each text is identical to the same request on a healthy fleet."""
+streams run loses none; a region whose replicas all die mid-stream hands them to the peer
+region. Each text is identical to the same request on a healthy fleet."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from tests.agent.gateway.conftest import EAST
 from tests.agent.gateway.harness import DEPLOYMENT, GatewayProcess, peer, replica, route, sample, scrape
 
 pytestmark = pytest.mark.slow
+
+WEST = (34.05, -118.24)  # Los Angeles
 
 STREAMS = 8
 BODY = {"model": DEPLOYMENT, "ignore_eos": True}
@@ -83,25 +86,54 @@ def test_a_draining_replica_hands_its_streams_over(fleet, gw_model: Path, tmp_pa
     assert procs[0].wait(30) == 0  # it drained and exited cleanly
     assert _drained(gw) > before  # its streams were handed over, not finished there
 
-    # a rollout: new replicas come up, every old one is told to stop while streams run
-    new = _replicas(gw_model, tmp_path, ["c", "d"])
-    procs.extend(new)
-    gw.write(
-        replicas=[
-            replica("b", procs[1].url),
-            replica("c", new[0].url, version=2),
-            replica("d", new[1].url, version=2),
-        ]
-    )
-
-    def roll() -> None:
-        procs[1].terminate()
-
+    # a rollout: the new version's replica comes up, the last old one is told to stop
+    # while streams run on both
+    new = _replicas(gw_model, tmp_path, ["c"])[0]
+    procs.append(new)
+    gw.write(replicas=[replica("b", procs[1].url), replica("c", new.url, version=2)])
     before = _drained(gw)
     rolled, at = asyncio.run(
-        run_streams(gw.url, key, TEXTS, MAX_TOKENS, extra=BODY, kill=roll, kill_after_chunks=3)
+        run_streams(gw.url, key, TEXTS, MAX_TOKENS, extra=BODY, kill=procs[1].terminate, kill_after_chunks=3)
     )
     assert at is not None
     _check(healthy, rolled)
     assert procs[1].wait(30) == 0
     assert _drained(gw) > before
+
+
+def test_a_region_lost_mid_stream_continues_in_the_peer_region(
+    gw_model: Path, tmp_path: Path, nats, keys
+) -> None:
+    """East's only replica is SIGKILLed: east's gateway continues the streams through the
+    west gateway, whose replica prefills the continuation."""
+    east_r, west_r = _replicas(gw_model, tmp_path, ["east-r", "west-r"])
+    east = GatewayProcess(tmp_path / "east", "east", nats_url=nats.url, lat=EAST[0], lon=EAST[1])
+    west = GatewayProcess(tmp_path / "west", "west", nats_url=nats.url, lat=WEST[0], lon=WEST[1])
+    try:
+        east.start()
+        west.start()
+        records = [record for _, record in keys.values()]
+        table = route(DEPLOYMENT, [peer("east", east.url, *EAST), peer("west", west.url, *WEST)])
+        east.write(replicas=[replica("e1", east_r.url)], keys=records, routes=[table])
+        west.write(replicas=[replica("w1", west_r.url)], keys=records, routes=[table])
+        key = keys["main"][0]
+        healthy, _ = asyncio.run(run_streams(east.url, key, TEXTS, MAX_TOKENS, extra=BODY))
+        assert east_r.proc is not None
+        moved, at = asyncio.run(
+            run_streams(
+                east.url, key, TEXTS, MAX_TOKENS, extra=BODY, kill=east_r.proc.kill, kill_after_chunks=3
+            )
+        )
+        assert at is not None
+        _check(healthy, moved)
+        metrics = scrape(east.url)
+        assert (
+            sample(metrics, "fleet_gateway_stream_migrations_total", deployment=DEPLOYMENT, reason="reset")
+            >= 1
+        )
+        assert sample(metrics, "fleet_gateway_forwarded_total", deployment=DEPLOYMENT, peer="west") >= 1
+    finally:
+        east.stop()
+        west.stop()
+        for p in (east_r, west_r):
+            p.stop(timeout=10)
