@@ -74,7 +74,7 @@ def test_greedy_continuation_equals_the_uninterrupted_run(http: httpx.Client, gr
 
 
 def test_seeded_continuation_samples_what_the_original_would_have(http: httpx.Client) -> None:
-    body = {**BASE, "temperature": 1.0, "top_p": 0.95, "seed": 1234}
+    body = {**BASE, "temperature": 0.9, "seed": 1234}
     whole = _check_continuations(http, body, cuts=[5])
     other, _, _ = _stream(http, {**body, "seed": 4321})
     assert [ids for _, ids in other] != [ids for _, ids in whole]  # the seed matters
