@@ -2,9 +2,9 @@
 of a deployment from the desired state (its model, its engine arguments).
 
 The model of a deployment comes from `desired.json` (`ReplicaSpec.model`), resolved to
-the same files the engine loads (`engine.registry`, torch-free): an alias names a weights
-package found with `importlib.util.find_spec` (never imported), a URI is looked up in the
-node's model cache (never pulled here), anything else is a path. Tokenizers load once
+the same files the engine loads (`engine.model_files.aliases`, torch-free: the one alias
+table and path rule): an alias names a weights package found without importing it, a URI
+is looked up in the node's model cache (never pulled here), anything else is a path. Tokenizers load once
 per model (a failure is retried after a minute) through `engine.tokenizer`, torch-free.
 When no tokenizer is available the count falls back to the ~4 characters/token estimate;
 `counter` says which one counted ("tokenizer" or "estimate").
@@ -24,8 +24,7 @@ from agent.gateway.inputs import CHAT_MESSAGE_OVERHEAD, CharEstimate, RequestInf
 from agent.gateway.state import ABSENT, Signature, file_signature
 from agent.local_state import LocalState
 from agent.protocol import ReplicaSpec
-from engine.models import ModelStoreError, is_remote
-from engine.registry import ALIASES, ModelNotFoundError, resolve_model_path
+from engine.model_files.aliases import local_model_path
 
 log = logging.getLogger(__name__)
 
@@ -34,17 +33,7 @@ RETRY_FAILED_S = 60.0
 
 def tokenizer_path(model: str) -> Path | None:
     """The .gguf file or Hugging Face directory the engine would load for `model`."""
-    if model.lower() in ALIASES or is_remote(model):
-        try:
-            return resolve_model_path(model, pull=False)
-        except (ModelNotFoundError, ModelStoreError):
-            return None
-    path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return path
-    if path.is_dir() and ((path / "tokenizer.json").is_file() or len(list(path.glob("*.gguf"))) == 1):
-        return path
-    return None
+    return local_model_path(model)
 
 
 class DesiredIndex:

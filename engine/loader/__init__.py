@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelConfig
-from engine.loader.errors import CheckpointError, CheckpointNotFoundError
+from engine.model_files.errors import CheckpointError, CheckpointNotFoundError
 from engine.loader.gguf import load_gguf, read_gguf_config
 from engine.loader.safetensors import load_hf, read_hf_config
 

@@ -1,11 +1,5 @@
-"""The error types checkpoint loading raises for bad or unsupported files."""
+"""The checkpoint error types; their home is `engine.model_files.errors` (torch-free)."""
 
-from __future__ import annotations
+from engine.model_files.errors import CheckpointError, CheckpointNotFoundError
 
-
-class CheckpointError(ValueError):
-    """A checkpoint is corrupt or unsupported; the message names the file and the cause."""
-
-
-class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """The checkpoint path does not exist or holds no loadable files."""
+__all__ = ["CheckpointError", "CheckpointNotFoundError"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.config import ModelConfig
-from engine.loader.errors import CheckpointError
+from engine.model_files.errors import CheckpointError
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

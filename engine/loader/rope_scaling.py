@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.loader.errors import CheckpointError
+from engine.model_files.errors import CheckpointError
 
 SUPPORTED_ROPE_TYPES = ("linear", "llama3")
 # llama.cpp's converter writes llama3 factors computed with this original context length

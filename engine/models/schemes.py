@@ -1,6 +1,6 @@
 """The one table of model URI schemes: scheme -> the `Source` that speaks it.
 
-Anything without `scheme://` is a local name (an alias or a path, `engine.registry`).
+Anything without `scheme://` is a local name (an alias or a path, `engine.model_files.aliases`).
 """
 
 from __future__ import annotations

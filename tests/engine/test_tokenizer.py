@@ -533,10 +533,17 @@ def test_sentencepiece_hf_dir(sp_gguf, tmp_path):
 
 
 def test_fast_gguf_metadata_reader_matches_gguf_package(sp_gguf, smollm2_gguf):
-    from engine.tokenizer import _read_gguf_metadata, _read_gguf_metadata_with_gguf
+    from gguf import GGUFReader
 
-    assert _read_gguf_metadata(sp_gguf) == _read_gguf_metadata_with_gguf(sp_gguf)
-    meta = _read_gguf_metadata(smollm2_gguf)
+    from engine.model_files.gguf import read_gguf_metadata
+
+    reader = GGUFReader(str(sp_gguf))
+    expected = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    got = read_gguf_metadata(sp_gguf)
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():  # float32 scalars read back as their shortest decimal
+        assert got[key] == pytest.approx(value, rel=1e-6) if isinstance(value, float) else got[key] == value
+    meta = read_gguf_metadata(smollm2_gguf)
     assert meta["tokenizer.ggml.pre"] == "smollm" and len(meta["tokenizer.ggml.merges"]) == 48900
 
 
@@ -550,7 +557,7 @@ def test_fast_gguf_metadata_reader_matches_gguf_package(sp_gguf, smollm2_gguf):
     ],
 )
 def test_gpt2_pre_tokenizers_by_name(pre, pieces):
-    from engine.tokenizer import _gpt2_pre_tokenizer
+    from engine.model_files.vocab import _gpt2_pre_tokenizer
 
     _, pre_tokenizer = _gpt2_pre_tokenizer(pre)
     assert [p for p, _ in pre_tokenizer.pre_tokenize_str("x 12345 hello\n\n")] == pieces
