@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from agent.named_registry import Registry
 from agent.protocol import ClusterRoute, Coordinates, RoutingTable, VersionWeight
 
 
@@ -58,18 +59,17 @@ class LeastOutstandingTokens:
         )
 
 
-POLICIES: dict[str, Callable[[], RoutingPolicy]] = {LeastOutstandingTokens.name: LeastOutstandingTokens}
+POLICIES: Registry[RoutingPolicy] = Registry(
+    "routing policy", {LeastOutstandingTokens.name: LeastOutstandingTokens}
+)
 
 
 def register_policy(name: str, factory: Callable[[], RoutingPolicy]) -> None:
-    POLICIES[name] = factory
+    POLICIES.register(name, factory)
 
 
 def make_policy(name: str) -> RoutingPolicy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
+    return POLICIES.make(name)
 
 
 def pick_version(ready: set[int], weights: Sequence[VersionWeight], draw: float) -> int | None:

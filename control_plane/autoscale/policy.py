@@ -33,6 +33,7 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from agent.named_registry import Registry
 from agent.sim.profile import PerfProfile
 from control_plane.autoscale.capacity import Variant
 
@@ -283,23 +284,21 @@ class Static:
         return Decision(settings.max_replicas, obs.current, f"static: {settings.max_replicas} replicas")
 
 
-POLICIES: dict[str, Callable[[], AutoscalePolicy]] = {
-    # `ours` (the default) and `slo` register from control_plane.autoscale.slo, `planner`
-    # from control_plane.autoscale.planner.
-    "concurrency": lambda: KnativeLike("concurrency", OURS_TUNING),
-    "kpa": lambda: KnativeLike("kpa", KPA_TUNING),
-    "static": Static,
-}
+POLICIES: Registry[AutoscalePolicy] = Registry(
+    "autoscaling policy",
+    {
+        # `ours` (the default) and `slo` register from control_plane.autoscale.slo, `planner`
+        # from control_plane.autoscale.planner.
+        "concurrency": lambda: KnativeLike("concurrency", OURS_TUNING),
+        "kpa": lambda: KnativeLike("kpa", KPA_TUNING),
+        "static": Static,
+    },
+)
 
 
 def register_policy(name: str, factory: Callable[[], AutoscalePolicy]) -> None:
-    POLICIES[name] = factory
+    POLICIES.register(name, factory)
 
 
 def make_policy(name: str) -> AutoscalePolicy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(
-            f"unknown autoscaling policy {name!r}; known: {', '.join(sorted(POLICIES))}"
-        ) from None
+    return POLICIES.make(name)

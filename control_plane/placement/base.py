@@ -16,6 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from agent.named_registry import Registry
 from agent.protocol import TIER_ORDER, ClusterStatus, Coordinates, Tier
 
 
@@ -206,20 +207,17 @@ class Placer(ABC):
 
 
 PlacerFactory = Callable[[], Placer]
-_REGISTRY: dict[str, PlacerFactory] = {}
+PLACERS: Registry[Placer] = Registry("placer")
 
 
 def register_placer(name: str, factory: PlacerFactory) -> None:
-    _REGISTRY[name] = factory
+    PLACERS.register(name, factory)
 
 
 def get_placer(name: str = "ffd") -> Placer:
     """A placer by name; ValueError lists the known ones."""
-    try:
-        return _REGISTRY[name]()
-    except KeyError:
-        raise ValueError(f"unknown placer {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+    return PLACERS.make(name)
 
 
 def placer_names() -> list[str]:
-    return sorted(_REGISTRY)
+    return PLACERS.names()
