@@ -24,7 +24,7 @@ class GatewayConfig(BaseModel):
     queue_size: int = Field(256, ge=0)
     queue_timeout_s: float = Field(10.0, ge=0)
     # ... or this long while the deployment has no ready replica here (scale from zero
-    # waits for a cold start instead of failing; issue 7).
+    # waits for a cold start instead of failing).
     cold_start_timeout_s: float = Field(300.0, ge=0)
     # Largest request body accepted (bytes).
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
@@ -40,7 +40,7 @@ class GatewayConfig(BaseModel):
     concurrency_target: int = Field(128, ge=1)
     concurrency_targets: dict[str, int] = Field(default_factory=dict)
     # Forward a new request to the nearest peer with replicas (RoutingTable.by_region)
-    # once this many per ready replica wait here; None: only when none is ready (issue 6).
+    # once this many per ready replica wait here; None: only when none is ready.
     spill_queue_per_replica: float | None = Field(None, gt=0)
     # Seconds in a quota "minute" (a day is 1440 of them): 60; tests shorten it.
     quota_minute_s: float = Field(60.0, gt=0)

@@ -680,7 +680,7 @@ class Agent:
         )
 
     def _gateway_queue_depth(self) -> int:
-        """Requests queued at this cluster's gateway (its gateway.json; issue 9)."""
+        """Requests queued at this cluster's gateway (its gateway.json)."""
         status = self.files.load_gateway()
         return status.queue_depth if status is not None else 0
 

@@ -197,7 +197,7 @@ class ClusterRoute(BaseModel):
     # cluster's share of the deployment's ready replicas (its capacity for spillover).
     rtt_ms: float | None = None
     weight: float = 0.0
-    # Active-passive (issue 8): a warm standby takes traffic only while no primary
+    # Active-passive: a warm standby takes traffic only while no primary
     # cluster of the deployment is alive.
     standby: bool = False
 
@@ -209,7 +209,7 @@ class RoutingTable(Message):
     # Client region -> clusters in order of expected latency (control_plane.geo.routes).
     by_region: dict[str, list[ClusterRoute]] = Field(default_factory=dict)
     # The deployment may have zero replicas (min_replicas 0): gateways hold its requests
-    # for a cold start (`gateway.cold_start_timeout_s`) and signal demand (issue 7).
+    # for a cold start (`gateway.cold_start_timeout_s`) and signal demand.
     scale_to_zero: bool = False
     generation: int = 0
     updated_at: float = Field(default_factory=time.time)
@@ -342,7 +342,7 @@ class ReplicaStatus(BaseModel):
     started_at: float | None = None
     last_error: str = ""
     load: ReplicaLoad = Field(default_factory=ReplicaLoad)
-    # Seconds from the agent starting this replica to its first ready /health (issue 7).
+    # Seconds from the agent starting this replica to its first ready /health.
     cold_start_s: float | None = None
     # The cluster cannot schedule it (runtime kubernetes: pod Pending, Unschedulable).
     unschedulable: bool = False
@@ -455,12 +455,12 @@ class UsageRecord(Message):
     record_id: str | None = Field(default_factory=lambda: secrets.token_hex(12), max_length=64)
     # A replica attempt that failed before the first byte and was retried elsewhere: not a
     # finished request (no tokens; accounting skips it), but the canary guards count it
-    # against the version that failed (issue 8).
+    # against the version that failed.
     attempt_failed: bool = False
 
 
 class Demand(Message):
-    """A gateway's requests waiting for replicas of one deployment (issue 7), on
+    """A gateway's requests waiting for replicas of one deployment, on
     `fleet.v1.demand.<cluster>`: sent when a request queues and at most every
     `DEMAND_EVERY_S` while any wait. `ready` = 0 asks the autoscaler to scale from zero."""
 

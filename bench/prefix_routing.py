@@ -40,6 +40,7 @@ from agent import protocol
 from agent.config import ClusterConfig
 from agent.local_state import LocalState
 from agent.nats_io import NatsLink, ensure_jetstream
+from agent.ports import free_port
 from agent.protocol import (
     ApiKeyRecord,
     ClusterRoute,
@@ -50,7 +51,7 @@ from agent.protocol import (
     new_secret,
 )
 from bench.common import console, load_sharegpt_prompts, print_table, require_data_file, run_main
-from control_plane.local.nats_server import NatsServer, free_port
+from control_plane.local.nats_server import NatsServer
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOYMENT = "chat"

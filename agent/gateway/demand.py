@@ -1,4 +1,4 @@
-"""Demand signals from the gateway to the control plane's autoscaler (issue 7).
+"""Demand signals from the gateway to the control plane's autoscaler.
 
 A request that has to wait for a replica is counted here while it waits; the gateway
 publishes `Demand(deployment, queued, ready)` on `fleet.v1.demand.<cluster>` when such a

@@ -103,14 +103,14 @@ class Exchange:
     ttft_s: float | None = None
     usage: dict[str, Any] = field(default_factory=dict)
     finished: bool = False
-    # quotas and priority (issue 9)
+    # quotas and priority
     reservation: Reservation | None = None
     limit_headers: dict[str, str] = field(default_factory=dict)
     klass: str = ""
     admitted: bool = False  # holds a slot of the queue's concurrency target
     queue_s: float = 0.0
     ran: bool = False  # a replica answered 2xx: it may have generated tokens
-    draw: float | None = None  # sticky canary draw of the end user (issue 8)
+    draw: float | None = None  # sticky canary draw of the end user
     block_keys: tuple[int, ...] | None = None  # the prompt's prefix-block keys, once computed
 
     @property
@@ -168,7 +168,7 @@ class Gateway:
             engine_arg=self.desired.engine_arg,
             clusters=self._route_clusters,
         )
-        # issue 7: demand for the autoscaler (scale from zero), cold starts on /metrics
+        # demand for the autoscaler (scale from zero), cold starts on /metrics
         self.demand = DemandSignal(link, config.cluster, ready=lambda d: len(self.view.ready(d)))
         self.queue.cold_start_timeout_s = gwc.cold_start_timeout_s
         self.metrics.registry.register(ColdStartCollector(lambda: self.view.replicas))
@@ -393,7 +393,7 @@ class Gateway:
         for stage in plan.stages:
             attempts = plan.stage(stage)
             if stage in ("primary", "peer-prefix"):
-                # A warm standby serves only while no primary is alive (issue 8); a peer
+                # A warm standby serves only while no primary is alive; a peer
                 # holding the prefix is worth a try. Either way, a failure serves here.
                 try:
                     response = await self._attempts(ex, raw, request, attempts, pass_failure=False)
@@ -428,7 +428,7 @@ class Gateway:
         raise self.queue.unavailable(deployment, "no replica or peer can serve it")
 
     def _waiting(self, deployment: str) -> contextlib.AbstractContextManager[None]:
-        """Counts the request as demand while it waits for a replica slot (issue 7)."""
+        """Counts the request as demand while it waits for a replica slot."""
         if not self.queue.would_wait(deployment):
             return contextlib.nullcontext()
         return self.demand.waiting(deployment, len(self.view.ready(deployment)))

@@ -117,7 +117,7 @@ class GatewayMetrics:
         self.state_reloads = Counter(
             "fleet_gateway_state_reloads", "Reloads of the agent's state files.", ["file"], registry=r
         )  # fmt: skip
-        # issue 9: priority queueing and quotas (docs/quotas.md)
+        # priority queueing and quotas (docs/quotas.md)
         self.queue_class_depth = Gauge(
             "fleet_gateway_queue_class_depth", "Requests queued at this gateway by priority class.", ["class"],
             registry=r,

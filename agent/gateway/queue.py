@@ -30,7 +30,7 @@ class ReplicaQueue:
         self.metrics = metrics
         self.retry_after_s = retry_after_s
         self.depth = 0
-        # issue 9: priority admission under a per-deployment concurrency target
+        # priority admission under a per-deployment concurrency target
         self.classes: tuple[str, ...] = DEFAULT_CLASSES
         self.max_age_s = 5.0
         self.capacity: Callable[[str], int | None] = lambda deployment: None
@@ -42,7 +42,7 @@ class ReplicaQueue:
 
     def wait_limit(self, deployment: str) -> float:
         """Seconds a request may wait here: longer while a deployment that scales to zero
-        has no ready replica (a cold start is coming; issue 7)."""
+        has no ready replica (a cold start is coming)."""
         route = self.view.route(deployment)
         if self.view.ready(deployment) or route is None or not route.scale_to_zero:
             return self.timeout_s
@@ -55,33 +55,6 @@ class ReplicaQueue:
             code="no_replica_available",
             headers={"Retry-After": str(self.retry_after_s)},
         )
-
-    async def wait_ready(self, deployment: str) -> None:
-        """Return once `deployment` has a ready replica; 503 on a full queue or timeout."""
-        if self.view.ready(deployment):
-            return
-        if self.depth >= self.size:
-            self.metrics.queue_rejected.labels(deployment, "full").inc()
-            raise self.unavailable(deployment, f"the gateway queue is full at {self.size} requests")
-        start = time.monotonic()
-        deadline = start + self.timeout_s
-        self.depth += 1
-        self.metrics.queue_depth.set(self.depth)
-        try:
-            while not self.view.ready(deployment):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    self.metrics.queue_rejected.labels(deployment, "timeout").inc()
-                    raise self.unavailable(deployment, f"waited {self.timeout_s:g} s")
-                changed = self.view.changed()
-                try:
-                    await asyncio.wait_for(changed.wait(), remaining)
-                except asyncio.TimeoutError:
-                    pass
-        finally:
-            self.depth -= 1
-            self.metrics.queue_depth.set(self.depth)
-            self.metrics.queue_wait.labels(deployment).observe(time.monotonic() - start)
 
     # ------------------------------------------------------------------ priority admission
 

@@ -23,7 +23,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ import psutil
 
 from agent.config import ClusterConfig
 from agent.local_state import LocalState
+from agent.ports import free_port
 from agent.protocol import ReplicaSpec, ReplicaState
 from agent.runtime.base import InvalidSpec, Probe, ReplicaHandle, Runtime
 from agent.security.replica_auth import replica_env
@@ -116,12 +116,6 @@ def engine_argv(
     if "--drain-timeout" not in argv:
         argv += ["--drain-timeout", repr(float(config.replica.drain_timeout_s))]
     return argv
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def log_tail(path: str | Path, lines: int = LOG_TAIL_LINES) -> str:

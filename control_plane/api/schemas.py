@@ -275,7 +275,7 @@ class QuotasIn(Strict):
     requests_per_minute: int | None = Field(None, ge=1, le=10**9)
     max_concurrent: int | None = Field(None, ge=1, le=10**6)
     priority: int = Field(0, ge=-10, le=10)
-    # issue 9 (docs/quotas.md)
+    # budgets (docs/quotas.md)
     tokens_per_day: int | None = Field(None, ge=1, le=10**15)
     deployments: dict[DeploymentName, DeploymentLimitsIn] = Field(default_factory=dict, max_length=1000)
     priority_class: PriorityClass | None = None

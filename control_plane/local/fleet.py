@@ -27,9 +27,10 @@ from pydantic import BaseModel, Field, ValidationError
 
 from agent.config import ClusterConfig, GatewayConfig, ReplicaConfig
 from agent.local_state import LocalState, atomic_write
+from agent.ports import free_port
 from agent.protocol import Coordinates
 from agent.security.tls import Credentials
-from control_plane.local.nats_server import NatsServer, free_port
+from control_plane.local.nats_server import NatsServer
 from control_plane.local.prometheus_sd import TARGETS_FILE, prometheus_targets, write_targets
 from control_plane.security.enroll import Enrolment
 
@@ -227,7 +228,7 @@ class LocalFleet:
                 port=_port_or_free(9000 + index + 1), peer_port=free_port() if state.secure else 0
             ),
             replica=ReplicaConfig(extra_args=replica_args),
-            runtime=runtime,  # "sim": simulated replicas (issue 7)
+            runtime=runtime,  # "sim": simulated replicas
             security=security,
         )
         cluster_dir.mkdir(parents=True, exist_ok=True)

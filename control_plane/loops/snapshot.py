@@ -32,7 +32,7 @@ class VersionSpec(_Row):
     regions: tuple[str, ...] = ()
     min_regions: int = 1
     standby_regions: tuple[str, ...] = ()  # active-passive (control_plane.loops.standby)
-    min_replicas: int = 1  # 0: the deployment may scale to zero (its route stays; issue 7)
+    min_replicas: int = 1  # 0: the deployment may scale to zero (its route stays)
 
 
 class DeploymentRow(_Row):

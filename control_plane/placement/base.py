@@ -3,7 +3,7 @@
 A placer turns replica demands, capacity pools and the current assignment into a new
 assignment. Placers are pure and synchronous (no database, no I/O), so the live
 reconcile loop, `fleetctl plan` and `fleetctl simulate` run the same code, and a
-better placer (issue #6) replaces first-fit-decreasing by registering under a name.
+better placer replaces first-fit-decreasing by registering under a name.
 """
 
 from __future__ import annotations

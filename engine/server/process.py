@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
+    """`agent.ports.free_port`, which the engine layer may not import."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

@@ -1,4 +1,4 @@
-"""Usage records from gateways and each key's per-cluster shares of its budget (issue 9).
+"""Usage records from gateways and each key's per-cluster shares of its budget.
 
 Revision ID: 0003
 Revises: 0002

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -213,13 +212,3 @@ def agent_factory(tmp_path: Path) -> Iterator[Callable[[ClusterConfig], AgentPro
             with contextlib.suppress(subprocess.TimeoutExpired):
                 agent.terminate(timeout=20)
         agent.kill()
-
-
-def wait_for(predicate: Callable[[], object], timeout: float, what: str, poll_s: float = 0.1) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")

@@ -1,5 +1,5 @@
-"""The gateway's queue depth reaches the agent's heartbeat through gateway.json (issue 9:
-the autoscaler sees requests queued at the gateway, not only those waiting in replicas)."""
+"""The gateway's queue depth reaches the agent's heartbeat through gateway.json:
+the autoscaler sees requests queued at the gateway, not only those waiting in replicas."""
 
 from __future__ import annotations
 

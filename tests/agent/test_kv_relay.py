@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from types import SimpleNamespace
 
 import uvicorn
@@ -19,20 +18,14 @@ from agent.gateway.metrics import GatewayMetrics
 from agent.gateway.prefix import PrefixRouting, prefix_keys
 from agent.kv_relay import Followed, KvRelay
 from agent.nats_io import NatsLink
-from control_plane.local.nats_server import free_port
+from agent.ports import free_port
 from engine.kv_cache import KVCacheManager, KvEventLog
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.server.kv_events import register
+from tests.polling import eventually
 
 BS = 4
-
-
-async def eventually(check, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.05)
 
 
 class FakeReplica:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 
 import httpx
 import uvicorn
@@ -17,6 +16,7 @@ from agent.gateway.app import build_app
 from agent.gateway.prefix import prefix_keys
 from agent.gateway.tenancy import cache_salt
 from agent.nats_io import NatsLink, ensure_jetstream
+from agent.ports import free_port
 from agent.protocol import (
     ApiKeyRecord,
     ClusterRoute,
@@ -26,15 +26,8 @@ from agent.protocol import (
     hash_secret,
     new_secret,
 )
-from control_plane.local.nats_server import free_port
 from tests.agent.conftest import cluster_config
-
-
-async def eventually(check, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not await check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.1)
+from tests.polling import eventually
 
 
 async def test_later_turns_follow_their_prefix(tmp_path, nats_server, model_dir, agent_factory) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from control_plane.local.nats_server import free_port
+from agent.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PG_ENV = "FLEET_TEST_POSTGRES_URL"

@@ -9,6 +9,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests import polling
 from tests.control_plane.cp_server import ControlPlaneServer, fresh_database
 
 P = "fleet_control_plane_"
@@ -43,12 +44,13 @@ def value(samples, name: str, **labels) -> float | None:
 
 
 def wait_for(url: str, check, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while True:
+    """The first scrape of `url` whose samples pass `check`."""
+
+    def passing():
         samples = scrape(url)
-        if check(samples) or time.monotonic() > deadline:
-            return samples
-        time.sleep(0.1)
+        return samples if check(samples) else None
+
+    return polling.wait_for(passing, timeout, "the metrics")
 
 
 def test_names_present_without_auth(server):

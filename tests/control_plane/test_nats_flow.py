@@ -1,4 +1,4 @@
-"""Must-show 3 of issue #4, end to end with real processes: a real nats-server, a real
+"""Deploy, failover and restart end to end with real processes: a real nats-server, a real
 control plane (`python -m control_plane`), deployments made with `fleetctl`, and three
 simulated agents (a test client of NATS) that heart-beat their pools and report the
 replicas they are told to run as ready.
@@ -18,7 +18,6 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
 
 import nats
 import pytest
@@ -39,6 +38,7 @@ from agent.protocol import (
 )
 from control_plane.local.nats_server import NatsServer
 from tests.control_plane.cp_server import ROOT, ControlPlaneServer
+from tests.polling import eventually
 
 BEAT_S = 0.25
 CLUSTERS = {
@@ -131,18 +131,6 @@ def fleetctl(home, *args: str) -> dict | list:
 
 async def cli(home, *args: str):
     return await asyncio.to_thread(fleetctl, home, *args)
-
-
-async def eventually(check: Callable, timeout: float = 15.0, what: str = "condition"):
-    """Poll an async `check` until it returns something truthy."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = await check()
-        if last:
-            return last
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
 
 @pytest.fixture

@@ -15,8 +15,9 @@ import pytest
 from nats.js.errors import KeyNotFoundError
 
 from agent import protocol
+from agent.ports import free_port
 from agent.security.tls import NatsTls, client_context, nats_tls
-from control_plane.local.nats_server import NatsServer, free_port
+from control_plane.local.nats_server import NatsServer
 from control_plane.security.enroll import Enrolment, NatsListen
 from control_plane.security.pki import FleetPki
 

@@ -1,4 +1,4 @@
-"""The control plane's side of issue 9: the share policy (hypothesis), usage records and
+"""The control plane's side of quotas: the share policy (hypothesis), usage records and
 shares in the database (SQLite and PostgreSQL), PATCH /v1/keys, GET /v1/usage with the
 estimated cost, and `fleetctl keys update` / `fleetctl usage` as a user runs them."""
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import yaml
 
-from control_plane.local.nats_server import free_port
+from agent.ports import free_port
 
 REQUIRE_ENV = "FLEET_REQUIRE_PROMETHEUS_CHROMIUM"
 INSTALL = "bash scripts/install-browser-prometheus.sh"

@@ -16,23 +16,16 @@ from pathlib import Path
 import httpx
 import psutil
 
+from agent.ports import free_port
 from agent.protocol import PoolInventory
 from control_plane.local.fleet import LocalFleet, pid_alive
-from control_plane.local.nats_server import free_port
+from tests import polling
 
 
 def wait_for(check, timeout: float, interval: float = 0.2, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-        except Exception as err:  # a component may be restarting
-            last = err
-        if last and not isinstance(last, Exception):
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+    """`tests.polling.wait_for` in the e2e argument order; a component may be restarting,
+    so an error from `check` means "not yet"."""
+    return polling.wait_for(check, timeout, what, interval, retry_errors=True)
 
 
 class SimFleet:
@@ -161,6 +154,14 @@ class SimFleet:
             if p["state"] == "ready":
                 out[p["version"]] = out.get(p["version"], 0) + 1
         return out
+
+    def served_by(self, region: str, model: str) -> str:
+        """The cluster that serves one chat request sent to `region`'s gateway ("" on an error):
+        an observable sync point for what the gateway's routes say."""
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        headers = {"authorization": f"Bearer {self.key}"}
+        r = httpx.post(f"{self.gateways[region]}/v1/chat/completions", json=body, headers=headers, timeout=30)
+        return r.headers.get("x-fleet-cluster", "") if r.status_code == 200 else ""
 
     def gateway_metric(self, region: str, name: str, **labels: str) -> float:
         text = httpx.get(f"{self.gateways[region]}/metrics", timeout=5).text

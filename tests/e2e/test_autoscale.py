@@ -1,4 +1,4 @@
-"""Autoscaling with real processes (issue 7): nats-server, the control plane (autoscale
+"""Autoscaling with real processes: nats-server, the control plane (autoscale
 loop every 0.5 s), one agent with the `sim` runtime (simulated replicas, 1.5 s cold
 start) and its gateway. A deployment with min 0 scales from zero on the first request
 (which succeeds), up under concurrent load, and back to zero after the delay."""
@@ -17,7 +17,7 @@ import pytest
 
 from agent.protocol import PoolInventory
 from control_plane.local.fleet import LocalFleet
-from tests.e2e import sim_fleet
+from tests import polling
 
 pytestmark = pytest.mark.slow
 
@@ -26,8 +26,8 @@ COLD_START_S = 1.5
 
 
 def wait_for(check, timeout: float, what: str, interval: float = 0.2):
-    """`sim_fleet.wait_for` with this file's argument order."""
-    return sim_fleet.wait_for(check, timeout, interval, what)
+    """`tests.polling.wait_for`, a component restarting meaning "not yet"."""
+    return polling.wait_for(check, timeout, what, interval, retry_errors=True)
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The whole fleet with real processes (issue #5's must-show): nats-server, the control
+"""The whole fleet with real processes: nats-server, the control
 plane, an agent and a gateway per region, and real SmolLM2 engine replicas, driven
 through `fleetctl` and called with the `openai` SDK.
 
@@ -178,6 +178,16 @@ def _burst(fleet: Fleet, n: int, stream_every: int | None = 3) -> list[str]:
         return [e for e in pool.map(one, range(n)) if e]
 
 
+def _in_flight(fleet: Fleet) -> float:
+    """Requests the gateways are handling now (their fleet_gateway_in_flight gauges)."""
+    total = 0.0
+    for url in fleet.gateway_urls():
+        for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+            if line.startswith("fleet_gateway_in_flight{"):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def _desired_replica_ids(fleet: Fleet) -> list[str]:
     return sorted(p["replica_id"] for p in fleet.status()["placements"])
 
@@ -245,7 +255,7 @@ def test_replica_killed_under_load_is_restarted_and_no_unstarted_request_fails(f
     victim = replicas[0]
     with cf.ThreadPoolExecutor(1) as pool:
         load = pool.submit(_burst, fleet, 24, None)  # non-streamed: none has started streaming
-        time.sleep(1.0)
+        wait_for(lambda: _in_flight(fleet) > 0, 60, 0.05, "requests in flight at the gateways")
         os.kill(victim["pid"], signal.SIGKILL)
         errors = load.result(timeout=600)
     assert errors == []

@@ -1,4 +1,4 @@
-"""Two regions share one key's token budget (issue 9, "must show" 3).
+"""Two regions share one key's token budget.
 
 Real processes: nats-server, the control plane with its loops, and per region an agent
 (runtime `sim`: simulated replicas, no torch) and its gateway. The "minute" of the
@@ -14,6 +14,7 @@ per share change while the regions apply it at different times.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import threading
 import time
@@ -26,7 +27,7 @@ import pytest
 
 from agent.protocol import PoolInventory
 from control_plane.local.fleet import LocalFleet
-from tests.e2e import sim_fleet
+from tests import polling
 
 pytestmark = pytest.mark.slow
 
@@ -38,9 +39,7 @@ MAX_TOKENS = 4
 RUN_S = 12.0
 
 
-def wait_for(check, timeout: float, what: str, interval: float = 0.1):
-    """`sim_fleet.wait_for` with this file's argument order."""
-    return sim_fleet.wait_for(check, timeout, interval, what)
+wait_for = functools.partial(polling.wait_for, retry_errors=True)
 
 
 class Fleet:

@@ -1,4 +1,4 @@
-"""Canary rollouts end to end (issue #8's must-show 1, 2 and 4): real nats-server,
+"""Canary rollouts end to end: real nats-server,
 control plane, agent and gateway processes with simulated replicas under steady load,
 driven through `fleetctl rollout`.
 
@@ -173,8 +173,14 @@ def test_good_canary_is_promoted_without_failed_requests(fleet: SimFleet):
 
 def test_control_plane_restarted_mid_rollout_resumes_it(fleet: SimFleet):
     r = fleet.api(
-        "POST", f"/v1/deployments/{NAME}/rollouts",
-        json={"spec": {"engine_args": {**SIM_ARGS, "seed": 4}}, "steps": [50, 100], "step_duration_s": 12, "min_requests": 5},
+        "POST",
+        f"/v1/deployments/{NAME}/rollouts",
+        json={
+            "spec": {"engine_args": {**SIM_ARGS, "seed": 4}},
+            "steps": [50, 100],
+            "step_duration_s": 12,
+            "min_requests": 5,
+        },
     )  # fmt: skip  (a step longer than a secured control plane's restart on a busy box, so it resumes mid-step)
     assert r.status_code == 201, r.text
     load = Load([fleet.gateways[REGION]], fleet.key, NAME, workers=2).start()

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent.config import ClusterConfig, GatewayConfig
 from agent.gateway.state import file_signature
 from agent.local_state import KeySet, LocalState, ReplicaSnapshot, RouteSet
+from agent.ports import free_port
 from agent.protocol import (
     ApiKeyRecord,
     ClusterRoute,
@@ -28,7 +29,6 @@ from agent.protocol import (
     hash_secret,
     new_secret,
 )
-from control_plane.local.nats_server import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 DEPLOYMENT = "tiny"

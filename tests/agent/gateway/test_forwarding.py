@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
+from agent.ports import free_port
 from agent.protocol import ApiKeyRecord
-from control_plane.local.nats_server import free_port
 from tests.agent.gateway.conftest import EAST
 from tests.agent.gateway.harness import DEPLOYMENT, GatewayProcess, peer, route, sample, scrape
 

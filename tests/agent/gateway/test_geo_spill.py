@@ -1,4 +1,4 @@
-"""Geo-aware spillover (issue 6): the gateway follows the control plane's latency
+"""Geo-aware spillover: the gateway follows the control plane's latency
 ranking for its region (RoutingTable.by_region), spills to a peer when its own queue
 is beyond a threshold, and counts hops so a request is never bounced on."""
 
@@ -14,10 +14,11 @@ import httpx
 import pytest
 
 from agent.gateway.routing import MAX_HOPS, forwarded_from, hops_of, peer_order, should_spill
+from agent.ports import free_port
 from agent.protocol import ApiKeyRecord, ClusterRoute, Coordinates, RoutingTable
-from control_plane.local.nats_server import free_port
 from tests.agent.gateway.conftest import EAST
 from tests.agent.gateway.harness import DEPLOYMENT, GatewayProcess, peer, replica, route, sample, scrape
+from tests.polling import wait_for
 
 WEST = (34.05, -118.24)
 DENVER = (39.74, -104.99)
@@ -52,13 +53,19 @@ def test_spill_threshold_and_hops():
     assert forwarded_from({"X-Fleet-Hops": "1"}, "X-Fleet-Forwarded") is not None
 
 
+_RECEIVED_LOCK = threading.Lock()
+
+
 class _Slow(BaseHTTPRequestHandler):
     """A 'replica' that takes its time and then answers like an engine."""
 
     delay_s = 2.0
+    received = 0  # requests that reached it: the tests' sync point
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("content-length", 0)))
+        with _RECEIVED_LOCK:
+            type(self).received += 1
         time.sleep(self.delay_s)
         body = (
             b'{"id":"x","object":"text_completion","created":0,"model":"m","choices":[{"index":0,'
@@ -131,12 +138,16 @@ def test_queue_beyond_threshold_spills_to_the_nearest_peer_by_region(
         body = {"model": DEPLOYMENT, "prompt": "hi", "max_tokens": 2}
         return httpx.post(f"{busy_west.url}/v1/completions", json=body, headers=headers, timeout=30)
 
+    def queued() -> float:
+        return sample(scrape(busy_west.url), "fleet_gateway_queue_depth")
+
     before = {p: _forwarded(busy_west, p) for p in ("east", "denver")}
     with ThreadPoolExecutor(3) as pool:
+        reached = _Slow.received
         first = pool.submit(call)  # takes the one slot of the slow replica
-        time.sleep(0.3)
+        wait_for(lambda: _Slow.received > reached, 30, "the first request at the slow replica")
         second = pool.submit(call)  # waits in the queue (nothing waited before it)
-        time.sleep(0.3)
+        wait_for(lambda: queued() >= 1, 30, "the second request in the queue")
         third = pool.submit(call)  # one waits per ready replica: spill to east (by_region), not denver
         spilled = third.result()
         assert spilled.status_code == 200, spilled.text
@@ -148,8 +159,9 @@ def test_queue_beyond_threshold_spills_to_the_nearest_peer_by_region(
 
     # a request that already made a hop is served here, queue or not
     with ThreadPoolExecutor(2) as pool:
+        reached = _Slow.received
         hold = pool.submit(call)
-        time.sleep(0.3)
+        wait_for(lambda: _Slow.received > reached, 30, "the held request at the slow replica")
         hopped = call(hops="1")
         assert hopped.headers["x-fleet-cluster"] == "west" and hold.result().status_code == 200
     assert _forwarded(busy_west, "east") == after["east"]

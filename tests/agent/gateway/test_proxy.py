@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 
+from agent.ports import free_port
 from agent.protocol import ReplicaState
-from control_plane.local.nats_server import free_port
 from engine.server.process import ServerProcess
 from tests.agent.gateway.harness import DEPLOYMENT, GatewayProcess, replica, sample, scrape, sse_events
 

@@ -1,5 +1,5 @@
 """Quotas and priority queueing through a real gateway process in front of two real engine
-replicas of a tiny random Llama (issue 9, "must show" 2 and 4).
+replicas of a tiny random Llama.
 
 - a key with 2,000 tokens/minute gets 429 once its budget is spent, within 5% of the
   budget in tokens the engine counted; x-ratelimit-* headers on every response; another

@@ -3,11 +3,9 @@ stands in for a real one), a cluster config pointing at it, strict schema valida
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import kubernetes_validate
@@ -82,19 +80,6 @@ def config_for(api: FakeApiServer, tmp_path: Path, **kube: object) -> ClusterCon
             server=api.url, namespace=NAMESPACE, node_provider="gke", unschedulable_after_s=0, **kube
         ),
     )
-
-
-async def eventually(check: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 @contextlib.asynccontextmanager

@@ -23,7 +23,8 @@ from agent.protocol import DesiredState, ReplicaState
 from agent.runtime.base import InvalidSpec
 from agent.runtime.kube_pod import termination_grace_s
 from agent.runtime.kubernetes import KubernetesRuntime
-from tests.agent.kube.conftest import NAMESPACE, config_for, eventually, spec, validate
+from tests.agent.kube.conftest import NAMESPACE, config_for, spec, validate
+from tests.polling import eventually
 
 
 def created_pods(api) -> list[dict]:

@@ -17,10 +17,10 @@ import openai
 import pytest
 
 from agent.config import ClusterConfig
+from agent.ports import free_port
 from agent.protocol import ReplicaSpec, ReplicaState
 from agent.replica_metrics import parse_metrics
 from agent.runtime import make_runtime
-from agent.runtime.process import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -11,11 +11,12 @@ from types import SimpleNamespace
 import pytest
 
 from agent.nats_io import NatsLink
-from agent.protocol import UsageRecord, usage_subject
+from agent.protocol import STREAM_USAGE, UsageRecord, usage_subject
 from control_plane.db import models as m
 from control_plane.db.session import make_sessions, upgrade_to_head
 from control_plane.local.nats_server import NatsServer
 from control_plane.rollouts.loop import RolloutLoop
+from tests.polling import eventually
 
 
 @pytest.fixture
@@ -64,7 +65,12 @@ async def test_open_windows_are_replayed_from_the_stream(sessions, nats_url):
     for i in range(6):
         assert await publisher.publish(usage_subject("c1"), record(2, 500 if i < 2 else 200, window + 1 + i))
     assert await publisher.publish(usage_subject("c1"), record(2, 500, window - 5))  # before the window
-    await asyncio.sleep(0.2)
+    js = publisher.nc.jetstream()
+
+    async def stored() -> bool:
+        return (await js.stream_info(STREAM_USAGE)).state.messages >= 7
+
+    await eventually(stored, 15, "the usage records stored in the stream")
 
     link = NatsLink(nats_url, "test-cp")
     loop = RolloutLoop(SimpleNamespace(sessions=sessions, nats=link, kick=lambda: None))
@@ -72,19 +78,13 @@ async def test_open_windows_are_replayed_from_the_stream(sessions, nats_url):
     link.start()
     try:
         assert await link.wait_connected(10)
-        for _ in range(50):
-            if loop.replayed is not None:
-                break
-            await asyncio.sleep(0.1)
+        await eventually(lambda: loop.replayed is not None, 15, "the replay")
         assert loop.replayed == 6
         stats = loop.windows.stats("web", 2, window)
         assert (stats.requests, stats.errors) == (6, 2)
         # a live record after the replay is counted once
         assert await publisher.publish(usage_subject("c1"), record(2, 200, time.time()))
-        for _ in range(50):
-            if loop.windows.stats("web", 2, window).requests == 7:
-                break
-            await asyncio.sleep(0.05)
+        await eventually(lambda: loop.windows.stats("web", 2, window).requests >= 7, 15, "the live record")
         assert loop.windows.stats("web", 2, window).requests == 7
         # the decision uses the whole window: 2 errors of 7 > 2% -> rolled back
         assert await asyncio.to_thread(loop.tick, time.time()) is True
