@@ -73,6 +73,7 @@ from agent.replica_metrics import MetricsScraper
 from agent.runtime import InvalidSpec, ReplicaHandle, Runtime, make_runtime
 from agent.security.replica_auth import replica_headers
 from agent.security.tls import nats_tls, replica_verify
+from agent.wire import Rejected, decode
 from engine.models import ModelCache
 
 log = logging.getLogger("agent")
@@ -355,15 +356,11 @@ class Agent:
 
     @staticmethod
     def _parse(model: type[protocol.Message], key: str, value: bytes):
-        try:
-            message = model.from_bytes(value)
-        except (ValidationError, ValueError) as err:
-            log.warning("ignoring malformed %s %r: %s", model.__name__, key, err)
+        try:  # a bucket entry: its key, not a subject, names what it is about
+            return decode(model, key, value, subject_for=None)
+        except Rejected as err:
+            log.warning("ignoring %s %r (%s): %s", model.__name__, key, err.reason, err.detail)
             return None
-        if message.schema_version > protocol.SCHEMA_VERSION:
-            log.warning("ignoring %s %r of newer schema %d", model.__name__, key, message.schema_version)
-            return None
-        return message
 
     async def _on_desired(self, key: str, value: bytes | None) -> None:
         if value is None:

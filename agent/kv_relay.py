@@ -28,10 +28,10 @@ from agent.protocol import (
     ALL_REPLICAS,
     KvCacheBatch,
     KvCacheOp,
-    KvResyncRequest,
     kvcache_subject,
     kvresync_subject,
 )
+from agent.wire import Rejected, decode_kv_resync
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +97,8 @@ class KvRelay:
 
     async def _on_resync(self, msg) -> None:
         try:
-            request = KvResyncRequest.from_bytes(msg.data)
-        except (ValidationError, ValueError):
+            request = decode_kv_resync(msg.subject, msg.data)
+        except Rejected:
             return
         if request.cluster != self.cluster:
             return

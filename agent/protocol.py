@@ -4,7 +4,8 @@ agents and gateways.
 JSON on the wire, one Pydantic model per message, each carrying `schema_version`.
 Readers ignore unknown fields so a newer writer does not break an older reader; a
 reader that sees a newer *major* schema logs and skips the message instead of guessing.
-Nothing here does I/O: `agent.nats_io` moves these models over NATS.
+Nothing here does I/O: `agent.nats_io` moves these models over NATS, and `agent.wire`
+has the one decode per message kind (bounds, schema version, subject/identity checks).
 """
 
 from __future__ import annotations

@@ -16,10 +16,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from pydantic import ValidationError
-
 from agent.nats_io import NatsLink
-from agent.protocol import HEARTBEAT_WILDCARD, Heartbeat
+from agent.protocol import HEARTBEAT_WILDCARD
+from agent.wire import Rejected, decode_heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -101,12 +100,11 @@ class PeerLiveness(LivenessBook):
         self.listening(True)
 
     async def _on_heartbeat(self, msg) -> None:
-        cluster = msg.subject.rsplit(".", 1)[-1]
         try:
-            Heartbeat.from_bytes(msg.data)
-        except (ValidationError, ValueError):
+            hb = decode_heartbeat(msg.subject, msg.data)
+        except Rejected:
             return
-        self.seen(cluster)
+        self.seen(hb.cluster)
 
     def _sync(self) -> None:
         """A dropped link stops judgement at once (reconnects restart it via on_connect)."""

@@ -19,7 +19,6 @@ from typing import Any
 from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from pydantic import ValidationError
 
 from agent.gateway.kv_index import KvUpdate, PrefixIndex, block_key
 from agent.gateway.metrics import GatewayMetrics
@@ -27,6 +26,7 @@ from agent.gateway.plan import Attempt, CostModel
 from agent.gateway.tenancy import cache_salt
 from agent.nats_io import NatsLink
 from agent.protocol import ALL_REPLICAS, KVCACHE_WILDCARD, KvCacheBatch, KvResyncRequest, kvresync_subject
+from agent.wire import Rejected, decode_kv_batch
 from engine.kv_cache.block_hash import hash_request_blocks
 
 log = logging.getLogger(__name__)
@@ -151,13 +151,9 @@ class PrefixRouting:
                 await link.publish(kvresync_subject(cluster), request)
 
     async def _on_message(self, msg: Any) -> None:
-        cluster = msg.subject.rsplit(".", 1)[-1]
-        try:
-            batch = KvCacheBatch.from_bytes(msg.data)
-        except (ValidationError, ValueError):
-            self.events.labels("invalid").inc()
-            return
-        if batch.cluster != cluster:  # a claim about another cluster's replicas
+        try:  # a claim about another cluster's replicas is refused too
+            batch = decode_kv_batch(msg.subject, msg.data)
+        except Rejected:
             self.events.labels("invalid").inc()
             return
         outcome = self.apply(batch)

@@ -22,15 +22,13 @@ import logging
 import time
 from datetime import datetime
 
-from pydantic import ValidationError
-
 from agent import protocol
 from control_plane.context import ControlPlaneContext
 from control_plane.db.models import utcnow
+from control_plane.inbox import Inbox
 from control_plane.loops.durable import DurableConsumer
 from control_plane.loops.ingest import (
     apply_heartbeats,
-    heartbeat_problem,
     mark_silent_unhealthy,
     store_event_batch,
 )
@@ -39,7 +37,7 @@ from control_plane.loops.reconcile import ReconcileOutcome, reconcile_once
 from control_plane.loops.rejects import Rejections
 from control_plane.loops.stats import ReconcileStats
 from control_plane.loops.usage import UsageLoop
-from control_plane.nats_loop import Handler, NatsLoop
+from control_plane.nats_loop import NatsLoop
 from control_plane.placement import Unplaced, get_placer
 from control_plane.placement.quotas import parse_quotas
 from control_plane.rollouts.loop import RolloutLoop, start_rollout_loop
@@ -63,6 +61,8 @@ class Loops(NatsLoop):
         self._reported: dict[tuple[str, int], Unplaced] = {}
         self._heartbeats: dict[str, protocol.Heartbeat] = {}
         self.rejections = Rejections()  # read by GET /metrics
+        self.inbox = Inbox(ctx, self.rejections)  # heartbeats, decoded once for every loop
+        self.inbox.receive("heartbeat", self._take_heartbeat)
         self._inbox = asyncio.Event()
         self._listening_since: datetime | None = None
         self._stopping = False
@@ -72,6 +72,7 @@ class Loops(NatsLoop):
     # ----------------------------------------------------------------- lifecycle
 
     async def start(self) -> Loops:
+        await self.inbox.start()
         self.usage = await UsageLoop(self.ctx, rejections=self.rejections).start()
         self._spawn(self._reconcile_loop(), name="cp-reconcile")
         self._spawn(self._ingest_loop(), name="cp-ingest")
@@ -96,10 +97,8 @@ class Loops(NatsLoop):
         for child in self.children:
             with contextlib.suppress(Exception):
                 await child.stop()
+        await self.inbox.stop()
         await self._close()
-
-    def _subscriptions(self) -> list[tuple[str, Handler]]:
-        return [(protocol.HEARTBEAT_WILDCARD, self._on_heartbeat)]
 
     async def _on_connected(self) -> None:
         """Every (re)connect (after subscribing on a new connection): start the silence
@@ -147,23 +146,10 @@ class Loops(NatsLoop):
     # ----------------------------------------------------------------- heartbeats and events
 
     async def _on_heartbeat(self, msg) -> None:
-        reject = self.rejections.reject
-        pattern = protocol.HEARTBEAT_WILDCARD
-        try:
-            hb = protocol.Heartbeat.from_bytes(msg.data)
-        except (ValidationError, ValueError) as err:
-            reject(pattern, "malformed", msg.subject, err)
-            return
-        if hb.schema_version > protocol.SCHEMA_VERSION:
-            reject(pattern, "schema", msg.subject, f"newer schema {hb.schema_version}")
-            return
-        if msg.subject != protocol.heartbeat_subject(hb.cluster):
-            reject(pattern, "subject", msg.subject, f"cluster {hb.cluster[:80]!r}")
-            return
-        problem = heartbeat_problem(hb)
-        if problem is not None:
-            reject(pattern, "invalid", msg.subject, problem)
-            return
+        """A raw heartbeat message, through the inbox (decoded and checked once)."""
+        await self.inbox.deliver("heartbeat", msg.subject, msg.data)
+
+    def _take_heartbeat(self, hb: protocol.Heartbeat) -> None:
         self._heartbeats[hb.cluster] = hb
         if self.publisher is not None:
             self.publisher.raise_floor(protocol.BUCKET_DESIRED, hb.cluster, hb.desired_generation)
@@ -225,7 +211,7 @@ async def start_loops(ctx: ControlPlaneContext) -> Loops:
     from control_plane.loops.autoscale import start_autoscale_loop
     from control_plane.loops.keys import start_key_loop
 
-    loops.children.append(await start_autoscale_loop(ctx))
+    loops.children.append(await start_autoscale_loop(ctx, inbox=loops.inbox))
     loops.children.append(await start_key_loop(ctx))
     return loops
 

@@ -19,7 +19,6 @@ import logging
 import os
 import time
 
-from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import selectinload
 
@@ -28,7 +27,8 @@ from control_plane.autoscale.observe import observe, settings_of
 from control_plane.autoscale.policy import Decision, ScalerState, make_policy
 from control_plane.context import ControlPlaneContext
 from control_plane.db.models import CapacityPool, Deployment, Event
-from control_plane.nats_loop import Handler, NatsLoop
+from control_plane.inbox import Inbox
+from control_plane.nats_loop import NatsLoop
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +45,17 @@ def interval_from_env() -> float:
 
 class AutoscaleLoop(NatsLoop):
     def __init__(
-        self, ctx: ControlPlaneContext, interval_s: float | None = None, policy: str | None = None
+        self,
+        ctx: ControlPlaneContext,
+        interval_s: float | None = None,
+        policy: str | None = None,
+        inbox: Inbox | None = None,
     ) -> None:
         super().__init__(ctx)
+        self._own_inbox = inbox is None  # alone (tests, tools): an inbox of its own
+        self.inbox = inbox if inbox is not None else Inbox(ctx)
+        self.inbox.receive("heartbeat", self._take_heartbeat)
+        self.inbox.receive("demand", self._take_demand)
         self.interval_s = (
             interval_s or getattr(ctx.settings, "autoscale_interval_s", None) or interval_from_env()
         )
@@ -61,34 +69,20 @@ class AutoscaleLoop(NatsLoop):
         self._wake = asyncio.Event()
 
     async def start(self) -> AutoscaleLoop:
-        await self._listen()
+        if self._own_inbox:
+            await self.inbox.start()
         self._spawn(self._run(), name="cp-autoscale")
         return self
 
     async def stop(self) -> None:
+        if self._own_inbox:
+            await self.inbox.stop()
         await self._close()
 
-    def _subscriptions(self) -> list[tuple[str, Handler]]:
-        return [
-            (protocol.HEARTBEAT_WILDCARD, self._on_heartbeat),
-            (protocol.DEMAND_WILDCARD, self._on_demand),
-        ]
+    def _take_heartbeat(self, hb: protocol.Heartbeat) -> None:
+        self.heartbeats[hb.cluster] = hb
 
-    async def _on_heartbeat(self, msg) -> None:
-        try:
-            hb = protocol.Heartbeat.from_bytes(msg.data)
-        except (ValidationError, ValueError):
-            return
-        if msg.subject == protocol.heartbeat_subject(hb.cluster):
-            self.heartbeats[hb.cluster] = hb
-
-    async def _on_demand(self, msg) -> None:
-        try:
-            d = protocol.Demand.from_bytes(msg.data)
-        except (ValidationError, ValueError):
-            return
-        if msg.subject != protocol.demand_subject(d.cluster):
-            return
+    def _take_demand(self, d: protocol.Demand) -> None:
         d = d.model_copy(update={"at": time.time()})  # our clock: agents' clocks may differ
         self.demands[(d.cluster, d.deployment)] = d
         if d.ready == 0:
@@ -147,5 +141,5 @@ class AutoscaleLoop(NatsLoop):
         return changed
 
 
-async def start_autoscale_loop(ctx: ControlPlaneContext) -> AutoscaleLoop:
-    return await AutoscaleLoop(ctx).start()
+async def start_autoscale_loop(ctx: ControlPlaneContext, inbox: Inbox | None = None) -> AutoscaleLoop:
+    return await AutoscaleLoop(ctx, inbox=inbox).start()

@@ -5,11 +5,9 @@ routes may have changed, so the caller knows to wake the reconcile loop."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from datetime import datetime, timedelta, timezone
 
-from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, selectinload
@@ -17,44 +15,20 @@ from sqlalchemy.orm import Session, selectinload
 from agent.protocol import (
     EVENTS_WILDCARD,
     HEARTBEAT_WILDCARD,
-    SCHEMA_VERSION,
     ClusterStatus,
     Event,
     Heartbeat,
     PoolInventory,
     ReplicaStatus,
-    events_subject,
     heartbeat_subject,
 )
+from agent.wire import Rejected, decode_event
 from control_plane.db.models import CapacityPool, Cluster, ReplicaAssignment
 from control_plane.db.models import Event as EventRow
 from control_plane.db.once import insert_once
 from control_plane.loops.durable import Received, Verdicts
 from control_plane.loops.preemption import apply_preemptions
 from control_plane.loops.rejects import Rejections
-
-CLUSTER_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # as in agent.config.ClusterConfig
-
-
-def heartbeat_problem(hb: Heartbeat) -> str | None:
-    """Why a heartbeat cannot be stored (column widths, the cluster id rule), or None.
-    Checked before the batch's transaction, so one bad agent cannot stall the others."""
-    if not CLUSTER_ID.match(hb.cluster):
-        return f"cluster id {hb.cluster[:80]!r} is not [a-z0-9-], 1-63 characters"
-    for name, value, width in (
-        ("provider", hb.provider, 63),
-        ("region", hb.region, 63),
-        ("gateway_url", hb.gateway_url, 512),
-    ):
-        if len(value) > width:
-            return f"{name} is longer than {width} characters"
-    names = [p.name for p in hb.pools]
-    if len(set(names)) != len(names):
-        return "pool names repeat"
-    for p in hb.pools:
-        if not p.name or len(p.name) > 63 or len(p.gpu_model) > 63:
-            return f"pool {p.name[:80]!r}: name and gpu_model must be 1-63 characters"
-    return None
 
 
 def _pool_values(p: PoolInventory) -> dict:
@@ -228,17 +202,9 @@ def store_event_batch(sessions, batch: list[Received], rejections: Rejections) -
     with sessions() as session:
         for i, m in enumerate(batch):
             try:
-                e = Event.from_bytes(m.data)
-            except (ValidationError, ValueError) as err:
-                rejections.reject(EVENTS_WILDCARD, "malformed", m.subject, err)
-                poison.add(i)
-                continue
-            if e.schema_version > SCHEMA_VERSION:
-                rejections.reject(EVENTS_WILDCARD, "schema", m.subject, f"schema {e.schema_version}")
-                poison.add(i)
-                continue
-            if m.subject != events_subject(e.cluster):
-                rejections.reject(EVENTS_WILDCARD, "subject", m.subject, f"cluster {e.cluster[:80]!r}")
+                e = decode_event(m.subject, m.data)
+            except Rejected as err:
+                rejections.reject(EVENTS_WILDCARD, err.reason, m.subject, err.detail)
                 poison.add(i)
                 continue
             try:

@@ -13,12 +13,13 @@ import threading
 import time
 from collections import Counter
 
+from agent.wire import REASONS
+
 log = logging.getLogger(__name__)
 
 LOG_EVERY_S = 60.0
 # Every (pattern, reason) is exported, 0 until it happens, so dashboards always have series.
 PATTERNS = ("fleet.v1.heartbeat.*", "fleet.v1.events.*", "fleet.v1.usage.*")
-REASONS = ("malformed", "invalid", "subject", "schema", "database")
 
 
 class Rejections:

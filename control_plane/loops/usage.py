@@ -26,10 +26,10 @@ import os
 import time
 from datetime import datetime, timedelta, timezone
 
-from pydantic import ValidationError
 from sqlalchemy import delete, func, select
 
 from agent import protocol
+from agent.wire import Rejected, decode_usage
 from control_plane.context import ControlPlaneContext
 from control_plane.db.models import ApiKey, Cluster, UsageRecord
 from control_plane.db.once import insert_once
@@ -41,7 +41,6 @@ from control_plane.nats_loop import NatsLoop
 log = logging.getLogger(__name__)
 
 PRUNE_EVERY_S = 600.0
-MAX_TOKENS = protocol.MAX_USAGE_TOKENS
 
 
 def share_settings_from_env() -> ShareSettings:
@@ -54,20 +53,6 @@ def share_settings_from_env() -> ShareSettings:
         if os.environ.get(env):
             values[name] = float(os.environ[env])
     return ShareSettings(**values)
-
-
-def record_problem(r: protocol.UsageRecord) -> str | None:
-    for name, value, width in (
-        ("cluster", r.cluster, 63),
-        ("key_id", r.key_id, 32),
-        ("deployment", r.deployment, 63),
-    ):
-        if not value or len(value) > width:
-            return f"{name} must be 1-{width} characters"
-    for name, value in (("prompt_tokens", r.prompt_tokens), ("completion_tokens", r.completion_tokens)):
-        if not 0 <= value <= MAX_TOKENS:
-            return f"{name} out of range"
-    return None
 
 
 def token_limited(quotas: dict) -> bool:
@@ -117,16 +102,9 @@ def store_usage_batch(sessions, batch: list[Received], rejections: Rejections, o
     with sessions() as session:
         for i, m in enumerate(batch):
             try:
-                record = protocol.UsageRecord.from_bytes(m.data)
-            except (ValidationError, ValueError) as err:
-                rejections.reject(pattern, "malformed", m.subject, err)
-                poison.add(i)
-                continue
-            problem = record_problem(record)
-            if problem is None and m.subject != protocol.usage_subject(record.cluster):
-                problem = "subject and cluster differ"
-            if problem is not None:
-                rejections.reject(pattern, "invalid", m.subject, problem)
+                record = decode_usage(m.subject, m.data)
+            except Rejected as err:
+                rejections.reject(pattern, err.reason, m.subject, err.detail)
                 poison.add(i)
                 continue
             if record.attempt_failed:  # a retried attempt, not a request

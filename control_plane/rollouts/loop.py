@@ -14,10 +14,10 @@ from datetime import datetime, timezone
 
 import nats.errors
 from nats.js.api import ConsumerConfig, DeliverPolicy
-from pydantic import ValidationError
 from sqlalchemy import func, select
 
 from agent import protocol
+from agent.wire import Rejected, decode_usage
 from control_plane.context import ControlPlaneContext
 from control_plane.db.models import Deployment, Event, ReplicaAssignment, Rollout
 from control_plane.nats_loop import Handler, NatsLoop
@@ -86,8 +86,8 @@ class RolloutLoop(NatsLoop):
                 except nats.errors.TimeoutError:
                     break
                 try:
-                    usage = protocol.UsageRecord.from_bytes(msg.data)
-                except (ValidationError, ValueError):
+                    usage = decode_usage(msg.subject, msg.data)
+                except Rejected:  # counted by the durable usage store, which reads it too
                     usage = None
                 if usage is not None and since <= usage.at < until:
                     self.windows.add(usage, at=usage.at)
@@ -111,11 +111,10 @@ class RolloutLoop(NatsLoop):
 
     async def _on_usage(self, msg) -> None:
         try:
-            usage = protocol.UsageRecord.from_bytes(msg.data)
-        except (ValidationError, ValueError):
+            usage = decode_usage(msg.subject, msg.data)
+        except Rejected:  # counted by the durable usage store, which reads it too
             return
-        if usage.schema_version <= protocol.SCHEMA_VERSION:
-            self.windows.add(usage)
+        self.windows.add(usage)
 
     async def _run(self) -> None:
         while True:

@@ -21,11 +21,11 @@ from agent.protocol import (
     ReplicaStatus,
     Tier,
 )
+from agent.wire import heartbeat_problem
 from control_plane.db import models as m
 from control_plane.db.session import make_sessions, upgrade_to_head
 from control_plane.loops.ingest import (
     apply_heartbeat,
-    heartbeat_problem,
     is_silent,
     mark_silent_unhealthy,
     record_events,
