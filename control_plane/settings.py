@@ -1,9 +1,11 @@
-"""Where the control plane keeps things and how it finds the rest, from the environment.
+"""The control plane process's one `Settings` (pydantic-settings): every knob it reads from
+the environment, read once at start and passed to the loops through the context.
 
-FLEET_HOME (default ~/.fleet) holds the SQLite database, the admin token the CLI uses,
-and local-fleet state. FLEET_DATABASE_URL switches to PostgreSQL
-(postgresql+psycopg://user:pass@host/db). FLEET_API_URL / FLEET_TOKEN point the CLI
-at another control plane.
+Each field is `FLEET_<FIELD>` (FLEET_PLACER, FLEET_MISSED_HEARTBEATS, ...; the NATS
+identity files are FLEET_NATS_CA / FLEET_NATS_CERT / FLEET_NATS_KEY). FLEET_HOME (default
+~/.fleet) holds the SQLite database, the admin token the CLI uses, and local-fleet state.
+FLEET_DATABASE_URL switches to PostgreSQL (postgresql+psycopg://user:pass@host/db).
+FLEET_API_URL / FLEET_TOKEN point the CLI at another control plane (`client_endpoint`).
 """
 
 from __future__ import annotations
@@ -11,16 +13,26 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_API_PORT = 7070
+# The placer by registry name (`control_plane.placement`) when FLEET_PLACER is unset.
+DEFAULT_PLACER = "milp"
 
 
 def fleet_home() -> Path:
     return Path(os.environ.get("FLEET_HOME", "~/.fleet")).expanduser()
 
 
-class Settings(BaseModel):
+def _env(name: str) -> AliasChoices:
+    """The field's own name (keyword arguments) or its environment variable."""
+    return AliasChoices(name.removeprefix("FLEET_").lower(), name)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FLEET_", extra="ignore", populate_by_name=True)
+
     home: Path = Field(default_factory=fleet_home)
     database_url: str = ""
     nats_url: str = "nats://127.0.0.1:4222"
@@ -32,51 +44,39 @@ class Settings(BaseModel):
     reconcile_interval_s: float = 2.0
     # Placement algorithm by registry name (FLEET_PLACER): "milp" (HiGHS, falls back to
     # first-fit-decreasing on any solver error) or "ffd".
-    placer: str = "milp"
+    placer: str = DEFAULT_PLACER
     # GPU quotas per priority class (FLEET_GPU_QUOTAS), e.g. "critical:max=16,batch:min=4":
     # a class's bound and guaranteed floor, enforced by both placers (docs/placement.md).
     gpu_quotas: str = ""
     # The control plane's NATS identity (FLEET_NATS_CA / FLEET_NATS_CERT / FLEET_NATS_KEY):
     # TLS with its certificate; unset: plaintext and anonymous (tests).
-    nats_ca_file: Path | None = None
-    nats_cert_file: Path | None = None
-    nats_key_file: Path | None = None
+    nats_ca_file: Path | None = Field(None, validation_alias=AliasChoices("nats_ca_file", "FLEET_NATS_CA"))
+    nats_cert_file: Path | None = Field(
+        None, validation_alias=AliasChoices("nats_cert_file", "FLEET_NATS_CERT")
+    )
+    nats_key_file: Path | None = Field(None, validation_alias=AliasChoices("nats_key_file", "FLEET_NATS_KEY"))
     # Publish the key set's lease (fleet_keys) this often; gateways judge staleness by it.
     key_lease_interval_s: float = 5.0
     # FLEET_PROTECT_DOCS=1: /docs and /openapi.json need a bearer token too (and /redoc
     # goes); FLEET_PROTECT_METRICS=1: so does /metrics.
     protect_docs: bool = False
     protect_metrics: bool = False
+    # The autoscaler: seconds between decisions, and its policy by registry name.
+    autoscale_interval_s: float = Field(2.0, ge=0.05)
+    autoscale_policy: str = "ours"
+    # Usage records older than this are deleted; quota shares: how often they are
+    # recomputed, the usage window they follow, the smallest share a cluster keeps.
+    usage_retention_days: float = Field(90.0, gt=0)
+    quota_share_interval_s: float = Field(5.0, gt=0)
+    quota_share_window_s: float = Field(60.0, gt=0)
+    quota_min_share: float = Field(0.1, ge=0, le=1)
+    # How long an unacknowledged batch of a durable consumer waits for redelivery.
+    ingest_ack_wait_s: float = Field(10.0, gt=0)
 
     @classmethod
     def from_env(cls, **overrides) -> Settings:
-        home = fleet_home()
-        values = {
-            "home": home,
-            "database_url": os.environ.get("FLEET_DATABASE_URL", ""),
-            "nats_url": os.environ.get("FLEET_NATS_URL", "nats://127.0.0.1:4222"),
-        }
-        if os.environ.get("FLEET_PLACER"):
-            values["placer"] = os.environ["FLEET_PLACER"]
-        if os.environ.get("FLEET_GPU_QUOTAS"):
-            values["gpu_quotas"] = os.environ["FLEET_GPU_QUOTAS"]
-        for field, env in (
-            ("nats_ca_file", "FLEET_NATS_CA"),
-            ("nats_cert_file", "FLEET_NATS_CERT"),
-            ("nats_key_file", "FLEET_NATS_KEY"),
-        ):
-            if os.environ.get(env):
-                values[field] = Path(os.environ[env])
-        for field, env in (
-            ("protect_docs", "FLEET_PROTECT_DOCS"),
-            ("protect_metrics", "FLEET_PROTECT_METRICS"),
-        ):
-            if os.environ.get(env):
-                values[field] = os.environ[env].lower() in ("1", "true", "yes")
-        if "FLEET_MISSED_HEARTBEATS" in os.environ:
-            values["missed_heartbeats"] = int(os.environ["FLEET_MISSED_HEARTBEATS"])
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+        """The environment's settings; `overrides` that are not None win over it."""
+        return cls(**{k: v for k, v in overrides.items() if v is not None})
 
     def nats_tls(self):
         """The control plane's `agent.security.tls.NatsTls`, or None without certificates."""

@@ -48,9 +48,9 @@ FLUSH_S = 0.1  # heartbeats and events are written at most this often
 
 
 class Loops(NatsLoop):
-    def __init__(self, ctx: ControlPlaneContext, placer: str = "ffd") -> None:
+    def __init__(self, ctx: ControlPlaneContext, placer: str | None = None) -> None:
         super().__init__(ctx)
-        self.placer = get_placer(placer)
+        self.placer = get_placer(placer or ctx.settings.placer)
         self.placer.quotas = parse_quotas(getattr(ctx.settings, "gpu_quotas", "") or "")
         buckets = (protocol.BUCKET_DESIRED, protocol.BUCKET_ROUTES)  # keys: control_plane.loops.keys
         self.publisher = KvPublisher(ctx.nats, buckets) if ctx.nats is not None else None
@@ -83,6 +83,7 @@ class Loops(NatsLoop):
                 protocol.EVENTS_WILDCARD,
                 "control-plane-events",
                 lambda batch: store_event_batch(self.ctx.sessions, batch, self.rejections),
+                ack_wait_s=self.ctx.settings.ingest_ack_wait_s,
             )
             self._spawn(self.events.run(), name="cp-events")
         self._spawn(self._failover_loop(), name="cp-failover")
@@ -205,7 +206,7 @@ class Loops(NatsLoop):
 
 async def start_loops(ctx: ControlPlaneContext) -> Loops:
     """Start the control loops; `await loops.stop()` ends them."""
-    loops = await Loops(ctx, placer=getattr(ctx.settings, "placer", "ffd")).start()
+    loops = await Loops(ctx).start()
     loops.rollouts = await start_rollout_loop(ctx)
     loops.children.append(loops.rollouts)
     from control_plane.loops.autoscale import start_autoscale_loop

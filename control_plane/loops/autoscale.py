@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import time
 
 from sqlalchemy import select
@@ -32,16 +31,6 @@ from control_plane.nats_loop import NatsLoop
 
 log = logging.getLogger(__name__)
 
-DEFAULT_INTERVAL_S = 2.0
-
-
-def interval_from_env() -> float:
-    """FLEET_AUTOSCALE_INTERVAL_S (seconds between decisions)."""
-    try:
-        return max(0.05, float(os.environ.get("FLEET_AUTOSCALE_INTERVAL_S", DEFAULT_INTERVAL_S)))
-    except ValueError:
-        return DEFAULT_INTERVAL_S
-
 
 class AutoscaleLoop(NatsLoop):
     def __init__(
@@ -56,10 +45,8 @@ class AutoscaleLoop(NatsLoop):
         self.inbox = inbox if inbox is not None else Inbox(ctx)
         self.inbox.receive("heartbeat", self._take_heartbeat)
         self.inbox.receive("demand", self._take_demand)
-        self.interval_s = (
-            interval_s or getattr(ctx.settings, "autoscale_interval_s", None) or interval_from_env()
-        )
-        self.policy_name = policy or os.environ.get("FLEET_AUTOSCALE_POLICY", "ours")
+        self.interval_s = interval_s or ctx.settings.autoscale_interval_s
+        self.policy_name = policy or ctx.settings.autoscale_policy
         self.policy = make_policy(self.policy_name)
         self.heartbeats: dict[str, protocol.Heartbeat] = {}
         self.demands: dict[tuple[str, str], protocol.Demand] = {}

@@ -65,8 +65,7 @@ class DurableConsumer:
         self.durable = durable
         self.store = store
         self.batch = batch
-        # FLEET_INGEST_ACK_WAIT_S: how long an unacknowledged batch waits for redelivery
-        self.ack_wait_s = float(os.environ.get("FLEET_INGEST_ACK_WAIT_S") or ack_wait_s)
+        self.ack_wait_s = ack_wait_s  # how long an unacknowledged batch waits (Settings.ingest_ack_wait_s)
         self.retry_s = retry_s
         self.stored = 0  # messages acknowledged after a commit
 

@@ -12,7 +12,7 @@
 - retention: records older than FLEET_USAGE_RETENTION_DAYS (default 90) are deleted
   every ten minutes.
 
-Settings come from the environment (FLEET_QUOTA_SHARE_INTERVAL_S, FLEET_QUOTA_SHARE_WINDOW_S,
+Settings come from the process's `Settings` (FLEET_QUOTA_SHARE_INTERVAL_S, FLEET_QUOTA_SHARE_WINDOW_S,
 FLEET_QUOTA_MIN_SHARE) so tests can shorten them. Database work runs in threads.
 """
 
@@ -22,7 +22,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import os
 import time
 from datetime import datetime, timedelta, timezone
 
@@ -37,22 +36,20 @@ from control_plane.loops.durable import DurableConsumer, Received, Verdicts
 from control_plane.loops.rejects import Rejections
 from control_plane.loops.shares import ShareSettings, compute_shares
 from control_plane.nats_loop import NatsLoop
+from control_plane.settings import Settings
 
 log = logging.getLogger(__name__)
 
 PRUNE_EVERY_S = 600.0
 
 
-def share_settings_from_env() -> ShareSettings:
-    values: dict[str, float] = {}
-    for name, env in (
-        ("interval_s", "FLEET_QUOTA_SHARE_INTERVAL_S"),
-        ("window_s", "FLEET_QUOTA_SHARE_WINDOW_S"),
-        ("min_share", "FLEET_QUOTA_MIN_SHARE"),
-    ):
-        if os.environ.get(env):
-            values[name] = float(os.environ[env])
-    return ShareSettings(**values)
+def share_settings(settings: Settings) -> ShareSettings:
+    """The quota-share policy's settings from the process's `Settings`."""
+    return ShareSettings(
+        interval_s=settings.quota_share_interval_s,
+        window_s=settings.quota_share_window_s,
+        min_share=settings.quota_min_share,
+    )
 
 
 def token_limited(quotas: dict) -> bool:
@@ -178,7 +175,7 @@ class UsageLoop(NatsLoop):
         rejections: Rejections | None = None,
     ) -> None:
         super().__init__(ctx)
-        self.settings = settings or share_settings_from_env()
+        self.settings = settings or share_settings(ctx.settings)
         self.rejections = rejections or Rejections()
         # (monotonic time, key, cluster, tokens) of refusals within the window
         self._refused: collections.deque[tuple[float, str, str, int]] = collections.deque()
@@ -192,6 +189,7 @@ class UsageLoop(NatsLoop):
                 protocol.USAGE_WILDCARD,
                 "control-plane-usage",
                 lambda batch: store_usage_batch(self.ctx.sessions, batch, self.rejections, self._on_refused),
+                ack_wait_s=self.ctx.settings.ingest_ack_wait_s,
             )
             self._spawn(self.consumer.run(), name="cp-usage-ingest")
         self._spawn(self._shares_loop(), name="cp-usage-shares")
@@ -223,7 +221,7 @@ class UsageLoop(NatsLoop):
         return out
 
     async def _shares_loop(self) -> None:
-        retention = timedelta(days=float(os.environ.get("FLEET_USAGE_RETENTION_DAYS") or 90))
+        retention = timedelta(days=self.ctx.settings.usage_retention_days)
         pruned_at = 0.0
         while True:
             await asyncio.sleep(self.settings.interval_s)

@@ -214,8 +214,8 @@ def register_placer(name: str, factory: PlacerFactory) -> None:
     PLACERS.register(name, factory)
 
 
-def get_placer(name: str = "ffd") -> Placer:
-    """A placer by name; ValueError lists the known ones."""
+def get_placer(name: str) -> Placer:
+    """A placer by name (the process's default: `Settings.placer`); ValueError lists the known ones."""
     return PLACERS.make(name)
 
 

@@ -359,7 +359,7 @@ def test_next_assignments_keeps_states_and_adds_pending(sessions):
     with sessions() as s:
         snap = read_snapshot(s)
     demands, pools, current = placement_inputs(snap)
-    result = get_placer().place(demands, pools, current)
+    result = get_placer("ffd").place(demands, pools, current)
     assert sorted(a.state for a in next_assignments(snap, result)) == ["pending", "ready"]
 
 

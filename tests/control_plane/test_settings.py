@@ -1,0 +1,25 @@
+"""The control plane's one Settings: every FLEET_* knob read once, keyword arguments first."""
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from control_plane.settings import DEFAULT_PLACER, Settings
+
+
+def test_environment_names_and_overrides(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("FLEET_HOME", str(tmp_path))
+    monkeypatch.setenv("FLEET_PLACER", "ffd")
+    monkeypatch.setenv("FLEET_NATS_CA", str(tmp_path / "ca.pem"))
+    monkeypatch.setenv("FLEET_PROTECT_DOCS", "yes")
+    monkeypatch.setenv("FLEET_AUTOSCALE_INTERVAL_S", "0.5")
+    monkeypatch.setenv("FLEET_QUOTA_MIN_SHARE", "0.25")
+    s = Settings.from_env(port=1234, host=None)
+    assert (s.home, s.placer, s.nats_ca_file, s.protect_docs) == (tmp_path, "ffd", tmp_path / "ca.pem", True)
+    assert (s.autoscale_interval_s, s.quota_min_share, s.port, s.host) == (0.5, 0.25, 1234, "127.0.0.1")
+    monkeypatch.delenv("FLEET_PLACER")
+    assert Settings().placer == DEFAULT_PLACER
+    monkeypatch.setenv("FLEET_AUTOSCALE_INTERVAL_S", "0")
+    with pytest.raises(ValidationError):
+        Settings()
