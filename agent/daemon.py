@@ -28,6 +28,10 @@ Absence is not deletion for the desired state: if NATS has no key for this clust
 connect, the copy on disk stays in force (the control plane may not have written yet); an
 explicit delete of the key means "run nothing". Routes and keys are made equal to NATS
 at every (re)connect, so a key revoked while the agent was away is dropped.
+
+Longer than ~400 lines: one process's lifecycle (bucket watches, reconcile, heartbeats,
+files, model commands) around shared state; its decisions live in `reconciler`,
+`runtime/`, `local_state` and `agent.wire`.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ Used by the agent, the gateway and the control plane alike. Everything above thi
 module deals in `agent.protocol` models and never sees a NATS error: while NATS is
 down, publishes are dropped (heartbeats are periodic, desired state is republished on
 reconnect) and callers keep acting on their last known state.
+
+Slightly over ~400 lines: the connection, the buckets and streams, and the KV watcher
+share one reconnect story and are read together.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ Readers ignore unknown fields so a newer writer does not break an older reader; 
 reader that sees a newer *major* schema logs and skips the message instead of guessing.
 Nothing here does I/O: `agent.nats_io` moves these models over NATS, and `agent.wire`
 has the one decode per message kind (bounds, schema version, subject/identity checks).
+
+Longer than ~400 lines on purpose: the contract is read as one page, every message beside
+the subjects and buckets it travels on.
 """
 
 from __future__ import annotations

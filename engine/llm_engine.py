@@ -3,6 +3,9 @@
 One step = schedule -> run the model on the flat batch -> append sampled tokens ->
 detokenize incrementally -> check stops -> free finished sequences. A request with
 `n > 1` becomes n sequences that share the prompt (and, through the prefix cache, its KV).
+
+Slightly over ~400 lines: the step loop and its per-sequence bookkeeping (n > 1, stops,
+detokenization) share state; scheduling, sampling and the model run are their own modules.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ block tables, one token row at a time, so a tile may span any number of cache bl
 Grouped-query attention is handled by giving one program all G query heads that share a KV
 head: each K/V element is loaded once per program, not G times.
 Softmax runs online in base 2 (scores pre-multiplied by scale * log2(e)), accumulating in float32.
+
+Over ~400 lines: the decode and prefill kernels share the paged-cache addressing helpers
+and launch checks.
 """
 
 from __future__ import annotations

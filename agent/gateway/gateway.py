@@ -4,6 +4,10 @@ Where a request goes is one pure plan (`agent.gateway.plan`: ready replicas here
 cached prefix and load, live peers, standby, spill); this module gathers its facts and
 walks its attempts doing the I/O. Failures before the client's first byte are retried
 elsewhere; afterwards a stream ends with an in-band error event.
+
+Longer than ~400 lines: the request path is one walk (admission, plan, attempts, stream,
+accounting); its policies already live in their own modules (plan, queue, quota, routing,
+proxy), and what is left shares the per-request `Exchange` state.
 """
 
 from __future__ import annotations
@@ -494,7 +498,7 @@ class Gateway:
         ]
         return [t for t in live if not t.standby] or live
 
-    async def _attempts(
+    async def _attempts(  # noqa: C901 - one pass over the plan with its retry outcomes in order
         self,
         ex: Exchange,
         body: bytes,

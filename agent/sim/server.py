@@ -12,6 +12,9 @@ engine's metric names) but runs no model: its timing follows a `PerfProfile` thr
 - `--error-rate X` fails that share of requests with a 500 (a "bad version" for canaries).
 - flags of the real engine it does not know (e.g. --threads) are accepted and ignored, so
   a host's `replica.extra_args` serve both runtimes.
+
+Over ~400 lines: the engine's OpenAI surface (shapes, SSE, /metrics names) mirrored in one
+place, so the simulated replica cannot drift from the real one piecemeal.
 """
 
 from __future__ import annotations
@@ -244,12 +247,8 @@ def build_app(state: SimState) -> Starlette:
     )
 
 
-async def _generate(request: Request, state: SimState, *, chat: bool) -> Response:
-    if state.draining:
-        return _error(503, "The server is shutting down")
-    if not state.ready:
-        return _error(503, "The model is still loading; retry shortly")
-    raw = await request.body()
+def _parse(raw: bytes, state: SimState, *, chat: bool) -> _Body | Response:
+    """The request body, or the error response an engine would give for it."""
     if len(raw) > MAX_BODY:
         return _error(413, "request body too large")
     try:
@@ -268,6 +267,31 @@ async def _generate(request: Request, state: SimState, *, chat: bool) -> Respons
         return _error(400, "messages: a non-empty list is required", "messages")
     if not chat and body.prompt is None:
         return _error(400, "prompt: required", "prompt")
+    return body
+
+
+def _record_done(state: SimState, req: Any) -> None:
+    """A finished request in the counters and the TTFT / queue-time histograms."""
+    state.in_flight -= 1
+    state.requests_ok += 1
+    if req.first_token_at is not None:
+        state.ttft_sum += req.first_token_at - req.arrival
+        state.ttft_count += 1
+        if state.first_ttft is None:
+            state.first_ttft = req.first_token_at - req.arrival
+        state.ttft.labels(state.served_model_name).observe(req.first_token_at - req.arrival)
+    if req.admitted_at is not None:
+        state.queue_time.labels(state.served_model_name).observe(req.admitted_at - req.arrival)
+
+
+async def _generate(request: Request, state: SimState, *, chat: bool) -> Response:
+    if state.draining:
+        return _error(503, "The server is shutting down")
+    if not state.ready:
+        return _error(503, "The model is still loading; retry shortly")
+    body = _parse(await request.body(), state, chat=chat)
+    if isinstance(body, Response):
+        return body
     if state.error_rate > 0 and state.rng.random() < state.error_rate:
         state.requests_failed += 1
         return _error(500, "simulated failure (error_rate)")
@@ -291,16 +315,7 @@ async def _generate(request: Request, state: SimState, *, chat: bool) -> Respons
     }
 
     def done() -> None:
-        state.in_flight -= 1
-        state.requests_ok += 1
-        if req.first_token_at is not None:
-            state.ttft_sum += req.first_token_at - req.arrival
-            state.ttft_count += 1
-            if state.first_ttft is None:
-                state.first_ttft = req.first_token_at - req.arrival
-            state.ttft.labels(state.served_model_name).observe(req.first_token_at - req.arrival)
-        if req.admitted_at is not None:
-            state.queue_time.labels(state.served_model_name).observe(req.admitted_at - req.arrival)
+        _record_done(state, req)
 
     if not body.stream:
         async with state.progress:

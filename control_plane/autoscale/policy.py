@@ -226,46 +226,14 @@ class KnativeLike:
                 desired = instant
                 reasons.append(f"saturated: {obs.queued:g} queued, {obs.demand:g} in flight now -> {desired}")
 
-        # Scale down only to the highest desired count of the delay window.
-        delay = k("scale_down_delay_s")
-        state.recent.append((t, desired))
-        while state.recent and state.recent[0][0] < t - delay:
-            state.recent.popleft()
-        held = max(d for _, d in state.recent)
-        if held > desired:
-            desired = held
-            reasons.append(f"held at {held} by the {delay:g}s scale-down delay")
-
-        if t - state.first_at < stable_w and desired < obs.current:
-            desired = obs.current
-            reasons.append(f"no scale-down before a full {stable_w:g}s window of demand")
-
+        desired = hold_scale_down(state, obs, desired, k("scale_down_delay_s"), stable_w, reasons)
         # Rates of change, relative to the ready replicas.
         up_limit = math.ceil(k("max_scale_up_rate") * base)
-        down_limit = math.floor(ready / k("max_scale_down_rate"))
         if desired > up_limit:
             desired = up_limit
             reasons.append(f"scale-up rate bounds it to {up_limit}")
-        if desired < down_limit and desired < obs.current:
-            desired = min(obs.current, down_limit)
-            reasons.append(f"scale-down rate bounds it to {desired}")
-
-        # Zero, and back from it.
-        if desired == 0:
-            grace = k("scale_to_zero_grace_s")
-            if settings.min_replicas > 0 or not settings.scale_to_zero:
-                desired = max(1, settings.min_replicas)
-            elif t - state.last_demand_at < grace:
-                desired = 1
-                reasons.append(
-                    f"idle for {max(0.0, t - state.last_demand_at):.0f}s of {grace:g}s before zero"
-                )
-            else:
-                reasons.append(f"scale to zero: no demand for {grace:g}s")
-        if obs.demand > 0 and desired == 0:
-            desired = 1
-        if obs.demand > 0 and obs.current == 0 and ready == 0:
-            reasons.append("scale from zero: demand with no replica")
+        desired = limit_scale_down(obs, desired, k("max_scale_down_rate"), reasons)
+        desired = guard_zero(settings, state, obs, desired, k("scale_to_zero_grace_s"), reasons)
 
         bounded = min(max(desired, settings.min_replicas), settings.max_replicas)
         if bounded != desired:
@@ -273,6 +241,59 @@ class KnativeLike:
                 f"bounded to {bounded} by min {settings.min_replicas} / max {settings.max_replicas}"
             )
         return Decision(bounded, obs.current, "; ".join(reasons), stable, panic_demand, panic)
+
+
+def hold_scale_down(
+    state: ScalerState, obs: Observation, desired: int, delay_s: float, window_s: float, reasons: list[str]
+) -> int:
+    """Scale down only to the highest desired count of the delay window, and not at all
+    before one full window of demand (a restart must not scale down on a blind spot)."""
+    t = obs.at
+    state.recent.append((t, desired))
+    while state.recent and state.recent[0][0] < t - delay_s:
+        state.recent.popleft()
+    held = max(d for _, d in state.recent)
+    if held > desired:
+        desired = held
+        reasons.append(f"held at {held} by the {delay_s:g}s scale-down delay")
+    if state.first_at is not None and t - state.first_at < window_s and desired < obs.current:
+        desired = obs.current
+        reasons.append(f"no scale-down before a full {window_s:g}s window of demand")
+    return desired
+
+
+def limit_scale_down(obs: Observation, desired: int, max_rate: float, reasons: list[str]) -> int:
+    """At most a `max_rate` factor down from the ready replicas in one decision."""
+    down_limit = math.floor(obs.ready / max_rate)
+    if desired < down_limit and desired < obs.current:
+        desired = min(obs.current, down_limit)
+        reasons.append(f"scale-down rate bounds it to {desired}")
+    return desired
+
+
+def guard_zero(
+    settings: AutoscaleSettings,
+    state: ScalerState,
+    obs: Observation,
+    desired: int,
+    grace_s: float,
+    reasons: list[str],
+) -> int:
+    """Zero only when allowed and idle for the grace period; never zero with demand."""
+    t = obs.at
+    if desired == 0:
+        if settings.min_replicas > 0 or not settings.scale_to_zero:
+            desired = max(1, settings.min_replicas)
+        elif t - state.last_demand_at < grace_s:
+            desired = 1
+            reasons.append(f"idle for {max(0.0, t - state.last_demand_at):.0f}s of {grace_s:g}s before zero")
+        else:
+            reasons.append(f"scale to zero: no demand for {grace_s:g}s")
+    if obs.demand > 0 and desired == 0:
+        desired = 1
+    if obs.demand > 0 and obs.current == 0 and obs.ready == 0:
+        reasons.append("scale from zero: demand with no replica")
+    return desired
 
 
 class Static:

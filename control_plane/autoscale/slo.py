@@ -38,6 +38,9 @@ from control_plane.autoscale.policy import (
     KnativeLike,
     Observation,
     ScalerState,
+    guard_zero,
+    hold_scale_down,
+    limit_scale_down,
     window_mean,
 )
 
@@ -311,40 +314,9 @@ class SloPolicy:
         reasons: list[str],
         k,
     ) -> int:
-        t = obs.at
-        delay = k("scale_down_delay_s")
-        state.recent.append((t, desired))
-        while state.recent and state.recent[0][0] < t - delay:
-            state.recent.popleft()
-        held = max(d for _, d in state.recent)
-        if held > desired:
-            desired = held
-            reasons.append(f"held at {held} by the {delay:g}s scale-down delay")
-        window = k("stable_window_s")
-        assert state.first_at is not None
-        if t - state.first_at < window and desired < obs.current:
-            desired = obs.current
-            reasons.append(f"no scale-down before a full {window:g}s window of demand")
-        down_limit = math.floor(obs.ready / k("max_scale_down_rate"))
-        if desired < down_limit and desired < obs.current:
-            desired = min(obs.current, down_limit)
-            reasons.append(f"scale-down rate bounds it to {desired}")
-        if desired == 0:
-            grace = k("scale_to_zero_grace_s")
-            if settings.min_replicas > 0 or not settings.scale_to_zero:
-                desired = max(1, settings.min_replicas)
-            elif t - state.last_demand_at < grace:
-                desired = 1
-                reasons.append(
-                    f"idle for {max(0.0, t - state.last_demand_at):.0f}s of {grace:g}s before zero"
-                )
-            else:
-                reasons.append(f"scale to zero: no demand for {grace:g}s")
-        if obs.demand > 0 and desired == 0:
-            desired = 1
-        if obs.demand > 0 and obs.current == 0 and obs.ready == 0:
-            reasons.append("scale from zero: demand with no replica")
-        return desired
+        desired = hold_scale_down(state, obs, desired, k("scale_down_delay_s"), k("stable_window_s"), reasons)
+        desired = limit_scale_down(obs, desired, k("max_scale_down_rate"), reasons)
+        return guard_zero(settings, state, obs, desired, k("scale_to_zero_grace_s"), reasons)
 
 
 def _rescale(mix: dict[str, int], total: int, order: list[str]) -> dict[str, int]:

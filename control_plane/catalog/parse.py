@@ -114,6 +114,87 @@ def _rows(text: str) -> tuple[list[str], list[dict[str, str]]]:
     return header, out
 
 
+_GpuKey = tuple[str, str, str, int]  # (region, zone, GPU model, GPUs per node)
+_Node = tuple[str, int, float, "float | None", "float | None"]  # (model, count, memory, price, spot)
+
+
+def _gpu_rows(rows: list[dict[str, str]]) -> dict[_GpuKey, tuple[float | None, float | None]]:
+    """GCP's per-GPU price rows (no instance type): (price, spot price) by zone and count."""
+    gpu_rows: dict[_GpuKey, tuple[float | None, float | None]] = {}
+    for r in rows:
+        if not r.get("InstanceType") and r.get("AcceleratorName"):
+            count = _float(r.get("AcceleratorCount", ""))
+            if count is None or count < 1 or count != int(count):
+                continue
+            key = (r["Region"], r.get("AvailabilityZone", ""), r["AcceleratorName"], int(count))
+            gpu_rows[key] = (_float(r.get("Price", "")), _float(r.get("SpotPrice", "")))
+    return gpu_rows
+
+
+def _node_of(
+    r: dict[str, str],
+    gpu_rows: dict[_GpuKey, tuple[float | None, float | None]],
+    used_gpu_rows: set[_GpuKey],
+    report: CatalogReport,
+) -> _Node | None:
+    """One instance row as a node (None, with the reason in `report`, when it is not one)."""
+    acc, itype = r.get("AcceleratorName", ""), r.get("InstanceType", "")
+    region, zone = r["Region"], r.get("AvailabilityZone", "")
+    price, spot = _float(r.get("Price", "")), _float(r.get("SpotPrice", ""))
+    if acc:
+        if acc.lower().startswith("tpu"):
+            report.skip("TPU")
+            return None
+        count = _float(r.get("AcceleratorCount", ""))
+        if count is None or count < 1 or count != int(count):
+            report.skip("fractional or missing GPU count")
+            return None
+        model, n, info = acc, int(count), r.get("GpuInfo", "")
+    else:
+        built_in = gcp_machine_gpus(itype)
+        if built_in is None:
+            report.skip("no accelerator")
+            return None
+        model, n = built_in
+        key = (region, zone, model, n)
+        if key not in gpu_rows:
+            report.skip("host without a GPU price row in its zone")
+            return None
+        used_gpu_rows.add(key)
+        gpu_price, gpu_spot = gpu_rows[key]
+        price = None if price is None or gpu_price is None else price + gpu_price
+        spot = None if spot is None or gpu_spot is None else spot + gpu_spot
+        info = ""
+    return model, n, memory_from_info(info, model), price, spot
+
+
+def _nodes(
+    rows: list[dict[str, str]], report: CatalogReport
+) -> tuple[dict[tuple[str, str], dict[str, _Node]], dict[str, str]]:
+    """(region, instance type) -> zone -> node, and GPU model -> its GpuInfo text."""
+    gpu_rows = _gpu_rows(rows)
+    used_gpu_rows: set[_GpuKey] = set()
+    nodes: dict[tuple[str, str], dict[str, _Node]] = defaultdict(dict)
+    gpu_info: dict[str, str] = {}
+    for r in rows:
+        acc, itype = r.get("AcceleratorName", ""), r.get("InstanceType", "")
+        if acc:
+            gpu_info.setdefault(acc, r.get("GpuInfo", ""))
+        if not itype:
+            continue
+        if not r["Region"]:
+            report.skip("no region")
+            continue
+        node = _node_of(r, gpu_rows, used_gpu_rows, report)
+        if node is not None:
+            nodes[(r["Region"], itype)][r.get("AvailabilityZone", "")] = node
+    for key in gpu_rows.keys() - used_gpu_rows:
+        report.skip(
+            "TPU" if key[2].lower().startswith("tpu") else "GPU row without a host machine (attachable GPU)"
+        )
+    return nodes, gpu_info
+
+
 def parse_catalog(
     text: str,
     provider: str,
@@ -129,62 +210,7 @@ def parse_catalog(
         raise CatalogError("capacity must be >= 0")
     _, rows = _rows(text)
     report = CatalogReport(rows=len(rows))
-    gpu_rows: dict[tuple[str, str, str, int], tuple[float | None, float | None]] = {}
-    used_gpu_rows: set[tuple[str, str, str, int]] = set()
-    for r in rows:
-        if not r.get("InstanceType") and r.get("AcceleratorName"):
-            count = _float(r.get("AcceleratorCount", ""))
-            if count is None or count < 1 or count != int(count):
-                continue
-            key = (r["Region"], r.get("AvailabilityZone", ""), r["AcceleratorName"], int(count))
-            gpu_rows[key] = (_float(r.get("Price", "")), _float(r.get("SpotPrice", "")))
-
-    # (region, instance type) -> zone -> (model, count, memory, price, spot price)
-    nodes: dict[tuple[str, str], dict[str, tuple[str, int, float, float | None, float | None]]] = defaultdict(
-        dict
-    )
-    gpu_info: dict[str, str] = {}
-    for r in rows:
-        acc, itype = r.get("AcceleratorName", ""), r.get("InstanceType", "")
-        if acc:
-            gpu_info.setdefault(acc, r.get("GpuInfo", ""))
-        if not itype:
-            continue
-        region, zone = r["Region"], r.get("AvailabilityZone", "")
-        if not region:
-            report.skip("no region")
-            continue
-        price, spot = _float(r.get("Price", "")), _float(r.get("SpotPrice", ""))
-        if acc:
-            if acc.lower().startswith("tpu"):
-                report.skip("TPU")
-                continue
-            count = _float(r.get("AcceleratorCount", ""))
-            if count is None or count < 1 or count != int(count):
-                report.skip("fractional or missing GPU count")
-                continue
-            model, n, info = acc, int(count), r.get("GpuInfo", "")
-        else:
-            built_in = gcp_machine_gpus(itype)
-            if built_in is None:
-                report.skip("no accelerator")
-                continue
-            model, n = built_in
-            key = (region, zone, model, n)
-            if key not in gpu_rows:
-                report.skip("host without a GPU price row in its zone")
-                continue
-            used_gpu_rows.add(key)
-            gpu_price, gpu_spot = gpu_rows[key]
-            price = None if price is None or gpu_price is None else price + gpu_price
-            spot = None if spot is None or gpu_spot is None else spot + gpu_spot
-            info = ""
-        nodes[(region, itype)][zone] = (model, n, memory_from_info(info, model), price, spot)
-    for key in gpu_rows.keys() - used_gpu_rows:
-        report.skip(
-            "TPU" if key[2].lower().startswith("tpu") else "GPU row without a host machine (attachable GPU)"
-        )
-
+    nodes, gpu_info = _nodes(rows, report)
     offers: list[PoolOffer] = []
     for (region, itype), zones in sorted(nodes.items()):
         model, n, memory, _, _ = next(iter(zones.values()))

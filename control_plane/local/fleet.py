@@ -6,6 +6,9 @@ The process table lives in `$FLEET_HOME/local/fleet.json` so `fleetctl ps` and
 process of a local fleet carries `FLEET_LOCAL_FLEET=<fleet id>` in its environment
 (replicas inherit it from their agent): `down` sweeps for that marker at the end, so
 nothing survives even when an agent was killed and left its replicas orphaned.
+
+Slightly over ~400 lines: the process table, start order and the marker sweep are one
+lifecycle that `fleetctl up/ps/down` share.
 """
 
 from __future__ import annotations

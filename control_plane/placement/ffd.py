@@ -78,7 +78,7 @@ class FirstFitDecreasing(Placer):
         self._id_factory = id_factory
         self.quotas = quotas
 
-    def place(
+    def place(  # noqa: C901 - the greedy passes share their state; the placement pipeline splits them
         self,
         demands: Sequence[ReplicaDemand],
         pools: Sequence[PoolCapacity],

@@ -22,6 +22,10 @@ thousands of replicas over thousands of pools), runs under a time limit and a re
 gap, and the LP relaxation of the cost-only problem gives a lower bound. Past
 `max_pairs` variables, or on any solver failure, the greedy FFD plan is used (made
 spot-share safe).
+
+Longer than ~400 lines: the model's build, warm start, solve and read-back share the
+variable maps; splitting them into a stateless pipeline (split -> solve -> complete ->
+verify -> explain) is the planned next step (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -296,7 +300,7 @@ class MilpPlacer(Placer):
 
     # ----------------------------------------------------------------- the model
 
-    def _solve(self, by_demand, pools, current, pairs, greedy, started, want_bound):
+    def _solve(self, by_demand, pools, current, pairs, greedy, started, want_bound):  # noqa: C901 - build, warm start, solve, read: the placement pipeline splits them
         by_pool = {p.key: p for p in pools}
         cur_ok, removed = _current_split(current, by_demand, by_pool)
         cur: dict[tuple, int] = defaultdict(int)

@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelConfig
-from engine.model_files.errors import CheckpointError, CheckpointNotFoundError
 from engine.loader.gguf import load_gguf, read_gguf_config
 from engine.loader.safetensors import load_hf, read_hf_config
+from engine.model_files.errors import CheckpointError, CheckpointNotFoundError
 
 __all__ = ["CheckpointError", "CheckpointNotFoundError", "load_checkpoint", "read_model_config"]
 

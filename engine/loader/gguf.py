@@ -22,14 +22,14 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from tqdm import tqdm
 
 from engine.config import ModelConfig
-from engine.model_files.errors import CheckpointError
-from engine.model_files.gguf import GGUFFile, GGUFTensorInfo
 from engine.loader.names import check_state_dict_shapes, expected_shapes
 from engine.loader.rope_scaling import (
     LLAMA_CPP_DEFAULT_ORIGINAL_CONTEXT,
     SUPPORTED_ROPE_TYPES,
     llama3_scaling_from_factors,
 )
+from engine.model_files.errors import CheckpointError
+from engine.model_files.gguf import GGUFFile, GGUFTensorInfo
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from engine.config import ModelConfig
-from engine.model_files.errors import CheckpointError, CheckpointNotFoundError
 from engine.loader.names import check_state_dict_shapes, expected_shapes
 from engine.loader.rope_scaling import normalize_hf_rope_scaling
+from engine.model_files.errors import CheckpointError, CheckpointNotFoundError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # Buffers some exporters save that the engine recomputes or never uses.

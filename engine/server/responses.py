@@ -144,7 +144,7 @@ def _event(kind: str, seq: int, **fields: Any) -> str:
     return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-async def _events(run: ChatRun, shape: _Shape) -> AsyncIterator[str]:
+async def _events(run: ChatRun, shape: _Shape) -> AsyncIterator[str]:  # noqa: C901 - the Responses event order is one state machine
     seq = 0
     output: list[dict[str, Any]] = []
     text_open: dict[str, Any] | None = None  # {"id", "index", "text"}

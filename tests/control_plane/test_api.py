@@ -1,7 +1,11 @@
 """The admin API over real HTTP against a real server process, on SQLite and on
 PostgreSQL: every resource's CRUD, pagination and filters, versions, keys and auth,
 events and the audit trail. Replica assignments (written by the control loops in a
-full fleet) are inserted straight into the server's database where a test needs them."""
+full fleet) are inserted straight into the server's database where a test needs them.
+
+Over ~400 lines: one server process per module (module-scoped) serves every resource's
+tests; splitting would start more servers.
+"""
 
 from __future__ import annotations
 

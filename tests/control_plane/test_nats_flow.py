@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -150,6 +151,25 @@ def control_plane(tmp_path, nats_server, monkeypatch):
     cp.stop()
 
 
+async def _desired_states(desired_kv) -> dict[str, DesiredState]:
+    out = {}
+    for key in CLUSTERS:
+        with contextlib.suppress(KeyNotFoundError):
+            out[key] = DesiredState.from_bytes((await desired_kv.get(key)).value)
+    return out
+
+
+async def _route(routes_kv, name: str) -> RoutingTable | None:
+    try:
+        return RoutingTable.from_bytes((await routes_kv.get(name)).value)
+    except KeyNotFoundError:
+        return None
+
+
+def placed(states: dict[str, DesiredState]) -> dict[str, Counter]:
+    return {c: Counter(r.deployment for r in d.replicas) for c, d in states.items()}
+
+
 async def test_deploy_failover_and_restart_over_real_nats(control_plane, nats_server):
     cp = control_plane
     await asyncio.to_thread(cp.start)
@@ -162,21 +182,8 @@ async def test_deploy_failover_and_restart_over_real_nats(control_plane, nats_se
         agents = {c: SimAgent(nc, desired_kv, c) for c in CLUSTERS}
         agents_tasks = [asyncio.create_task(a.run()) for a in agents.values()]
 
-        async def desired() -> dict[str, DesiredState]:
-            out = {}
-            for key in CLUSTERS:
-                with contextlib.suppress(KeyNotFoundError):
-                    out[key] = DesiredState.from_bytes((await desired_kv.get(key)).value)
-            return out
-
-        async def route(name: str) -> RoutingTable | None:
-            try:
-                return RoutingTable.from_bytes((await routes_kv.get(name)).value)
-            except KeyNotFoundError:
-                return None
-
-        def placed(states: dict[str, DesiredState]) -> dict[str, Counter]:
-            return {c: Counter(r.deployment for r in d.replicas) for c, d in states.items()}
+        desired = functools.partial(_desired_states, desired_kv)
+        route = functools.partial(_route, routes_kv)
 
         # Heartbeats register the clusters and their pools; each gets a (still empty) desired key.
         await eventually(lambda: _all_keys(desired), what="a desired key per cluster")

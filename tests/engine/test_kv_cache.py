@@ -4,6 +4,9 @@ The property test keeps a shadow of what the "model" wrote into every slot: for 
 the writer's cache_salt and the full token prefix up to and including that slot (the KV of
 a token depends on all earlier tokens). A cache hit is correct only if every slot of every
 hit block holds exactly this request's salt and prefix.
+
+Over ~400 lines: the unit tests and the stateful property test share the shadow model of
+slot contents.
 """
 
 from __future__ import annotations

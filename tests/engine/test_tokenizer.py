@@ -5,6 +5,9 @@ Reference note: transformers builds the GGUF tokenizer with the plain GPT-2 rege
 number character first. We follow the model (digits split), so the exact reference is HF's
 GGUF tokenizer with SmolLM2's original pre-tokenizer; against unmodified HF we assert
 equality wherever the digit split cannot matter, and that it differs only where it can.
+
+Over ~400 lines: the reference comparisons share the module-scoped real-model and HF
+fixtures (loading them once keeps the suite fast).
 """
 
 from __future__ import annotations

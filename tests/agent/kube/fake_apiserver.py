@@ -26,6 +26,9 @@ through `schedule`, `unschedulable`, `run`, `wait_container`, `terminate` and
 Only the resources the Fleet runtime touches are served: core/v1 pods (+ pods/log),
 apps/v1 deployments. Every request is recorded in `requests` (method, resource, verb)
 so tests can compare what the code does with what its Role allows.
+
+Over ~400 lines: the API semantics the runtime relies on (versions, watches, conflicts,
+status) have to be faithful together.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ every object the runtime creates validated against the official 1.30 schemas, st
 | preemption | spot node shut down / node deleted | failed + preempted; heartbeat `preempted` |
 | drain | stop | delete with the drain grace; waits for the kubelet to finish |
 | delete | kill / owner Deployment deleted | gone at once / garbage-collected, reported failed |
+
+Over ~400 lines: one behaviour table, a test per row, sharing the fake cluster fixtures.
 """
 
 from __future__ import annotations
