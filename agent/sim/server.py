@@ -46,6 +46,9 @@ from agent.sim.model import ReplicaModel, SimRequest
 from agent.sim.profile import PerfProfile, load_profile
 from engine.bounds import Seed
 
+# The engine's own buckets, so dashboards read both runtimes alike.
+from engine.server.metrics import QUEUE_BUCKETS, TTFT_BUCKETS
+
 log = logging.getLogger("agent.sim.server")
 
 FINGERPRINT = "simulated"
@@ -53,28 +56,6 @@ DEFAULT_PROFILE = "llama2-70b-h100-tp4"
 DEFAULT_MAX_TOKENS = 16
 WORDS = ("sim", "ulated", " text", " from", " a", " replica", " without", " a", " model", ".")
 MAX_BODY = 4 * 1024 * 1024
-# The engine's buckets (engine/server/metrics.py), so dashboards read both runtimes alike.
-TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-QUEUE_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class _Body(BaseModel):
