@@ -115,7 +115,12 @@ class Loops(NatsLoop):
         began = time.perf_counter()
         try:
             outcome = await asyncio.to_thread(
-                reconcile_once, self.ctx.sessions, self.placer, self._nodes, self._reported
+                reconcile_once,
+                self.ctx.sessions,
+                self.placer,
+                self._nodes,
+                self._reported,
+                self.last.solved if self.last is not None else None,
             )
         except Exception:
             self.stats.fail()

@@ -23,6 +23,8 @@ from control_plane.loops.snapshot import AssignmentRow, DeploymentRow, FleetSnap
 from control_plane.loops.standby import in_regions, primary_regions
 from control_plane.placement import Assignment, PlacementResult, PoolCapacity, ReplicaDemand
 from control_plane.placement.evaluate import slot_size
+from control_plane.placement.explain import RemovalContext
+from control_plane.placement.explain import removal_reasons as explain_removals
 from control_plane.rollouts.surge import (
     CapacityInputs,
     CapacityPlan,
@@ -246,37 +248,19 @@ def next_assignments(snap: FleetSnapshot, result: PlacementResult) -> list[Assig
     return sorted(rows, key=lambda a: a.replica_id)
 
 
+def removal_context(snap: FleetSnapshot) -> RemovalContext:
+    """What the placement pipeline's explain step needs from the snapshot."""
+    return RemovalContext(
+        current_versions={d.name: d.current_version for d in snap.deployments},
+        canary_versions={name: r.canary_version for name, r in snap.rollouts.items()},
+        cluster_status={c.id: c.status for c in snap.clusters},
+    )
+
+
 def removal_reasons(snap: FleetSnapshot, result: PlacementResult) -> dict[str, str]:
-    """Why each removed replica goes, for its event."""
-    status = {c.id: c.status for c in snap.clusters}
-    current = {d.name: d.current_version for d in snap.deployments}
-    pools = {(c.id, p.name) for c in snap.clusters for p in c.pools}
-    by_id = {a.replica_id: a for a in snap.assignments}
-    preempted = {p.replica_id: p.reason for p in result.preempted}
-    out: dict[str, str] = {}
-    for rid in result.removed:
-        a = by_id.get(rid)
-        if a is None:
-            continue
-        if rid in preempted:
-            why = preempted[rid]
-        elif a.deployment not in current:
-            why = "deployment deleted"
-        elif a.deployment in snap.rollouts and a.version in (
-            snap.rollouts[a.deployment].canary_version,
-            current[a.deployment],
-        ):
-            why = f"canary rollout of version {snap.rollouts[a.deployment].canary_version} moves capacity"
-        elif a.version != current[a.deployment]:
-            why = f"replaced by version {current[a.deployment]}"
-        elif status.get(a.cluster) == ClusterStatus.unhealthy:
-            why = f"cluster {a.cluster} is unhealthy"
-        elif (a.cluster, a.pool) not in pools:
-            why = f"pool {a.cluster}/{a.pool} is gone"
-        else:
-            why = "scaled down or moved"
-        out[rid] = why
-    return out
+    """Why each removed replica goes, for its event (`placement.explain`)."""
+    _, pools, current = placement_inputs(snap)
+    return explain_removals(current, pools, result, removal_context(snap))
 
 
 def build_desired(snap: FleetSnapshot, assignments: list[AssignmentRow]) -> dict[str, DesiredState]:

@@ -18,12 +18,11 @@ from control_plane.loops.plan import (
     build_routes,
     next_assignments,
     placement_inputs,
-    removal_reasons,
+    removal_context,
 )
 from control_plane.loops.snapshot import FleetSnapshot, read_snapshot
-from control_plane.loops.standby import complete as complete_standby
-from control_plane.loops.standby import split as split_standby
-from control_plane.placement import PlacementResult, Placer, Unplaced
+from control_plane.loops.standby import standby_demands
+from control_plane.placement import PlacementResult, Placer, SolvedPlan, SolveInfo, Unplaced, pipeline
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +32,8 @@ class ReconcileOutcome(BaseModel):
 
     result: PlacementResult
     wanted: dict[str, dict[str, Message]]  # bucket -> key -> message
+    info: SolveInfo | None = None  # how the placer found the plan
+    solved: SolvedPlan | None = None  # pass back as `previous` next time
 
     @property
     def changed(self) -> bool:
@@ -44,19 +45,26 @@ def reconcile_once(
     placer: Placer,
     nodes: dict[str, int],
     reported: dict[tuple[str, int], Unplaced],
+    previous: SolvedPlan | None = None,
 ) -> ReconcileOutcome:
     """Synchronous (run it in a thread). `nodes` (replica id -> node index) and
     `reported` (shortfalls already announced as events) are the loop's memory and are
-    updated in place."""
+    updated in place; `previous` is the last outcome's `solved` (the warm start)."""
     with sessions() as session:
         snap = read_snapshot(session)
         demands, pools, current = placement_inputs(snap, nodes)
         demands = with_demand_regions(demands, read_demand_regions(session, snap))  # nearer to clients
-        standby = split_standby(snap, pools, current)  # warm standby replicas stay out of the placer's way
-        result = complete_standby(snap, pools, placer.place(demands, standby.pools, standby.current), standby)
+        inputs = pipeline.PlacementInputs(
+            demands=tuple(demands),
+            pools=tuple(pools),
+            current=tuple(current),
+            standby=tuple(standby_demands(snap)),
+        )
+        outcome = pipeline.run(inputs, placer, previous=previous, context=removal_context(snap))
+        result = outcome.result
         shortfalls = {(u.deployment, u.version): u for u in result.unplaced}
         if result.changed or shortfalls != reported:
-            _write(session, snap, result, reported)
+            _write(session, snap, result, reported, outcome.reasons)
             session.commit()
             reported.clear()
             reported.update(shortfalls)
@@ -67,7 +75,7 @@ def reconcile_once(
             BUCKET_DESIRED: dict(build_desired(snap, assignments)),
             BUCKET_ROUTES: dict(build_routes(snap, assignments)),
         }
-        return ReconcileOutcome(result=result, wanted=wanted)
+        return ReconcileOutcome(result=result, wanted=wanted, info=outcome.info, solved=outcome.solved)
 
 
 def _write(
@@ -75,9 +83,9 @@ def _write(
     snap: FleetSnapshot,
     result: PlacementResult,
     reported: Mapping[tuple[str, int], Unplaced],
+    reasons: Mapping[str, str],
 ) -> None:
     if result.removed:
-        reasons = removal_reasons(snap, result)
         rows = {a.replica_id: a for a in snap.assignments}
         preempted = {p.replica_id for p in result.preempted}
         session.execute(delete(ReplicaAssignment).where(ReplicaAssignment.replica_id.in_(result.removed)))

@@ -191,9 +191,71 @@ class PlacementResult(_Frozen):
         return bool(self.added or self.removed)
 
 
+class SolveInfo(BaseModel):
+    """How a plan was found, for `fleetctl plan`, the loop and the benchmark."""
+
+    model_config = ConfigDict(frozen=True)
+
+    method: str  # "milp-optimal", "milp-time-limit", "milp-gap", "greedy-huge", "greedy-error", "unchanged"
+    cost: float  # $/hour of the plan (evaluate.plan_cost)
+    lp_bound: float | None = None  # $/hour: no plan placing every replica costs less
+    mip_bound: float | None = None  # the solver's own dual bound on the weighted objective
+    solve_s: float = 0.0  # placing, without the LP bound
+    lp_s: float = 0.0  # solving the LP relaxation for the bound
+    variables: int = 0
+    note: str = ""
+
+
+class SolvedPlan(_Frozen):
+    """The last plan a placer made, handed back to it on the next pass (the warm start,
+    passed in rather than kept on the placer): the fingerprint of its inputs and of the
+    assignment it produced, its shortfalls and how it was found."""
+
+    inputs: int
+    assignments: int
+    unplaced: tuple[Unplaced, ...] = ()
+    info: SolveInfo
+
+    def matches(self, inputs: int, current: Sequence[Assignment], lp_bound: bool = False) -> bool:
+        """Same inputs and the caller runs exactly this plan (and has its LP bound if asked)."""
+        return (
+            self.inputs == inputs
+            and self.assignments == fingerprint_assignments(current)
+            and (not lp_bound or self.info.lp_bound is not None)
+        )
+
+
+def fingerprint_inputs(
+    demands: Sequence[ReplicaDemand], pools: Sequence[PoolCapacity], extra: object = None
+) -> int:
+    d = tuple(
+        (x.deployment, x.version, x.count, x.gpu_models, x.gpu_count, x.gpu_memory_gb, x.regions,
+         x.min_regions, x.max_spot_fraction, tuple(sorted(x.demand_regions.items())), x.priority)
+        for x in demands
+    )  # fmt: skip
+    p = tuple(
+        (x.cluster, x.name, x.region, x.provider, x.gpu_model, x.gpu_memory_gb, x.gpus_per_node, x.nodes,
+         x.tier, x.hourly_price, x.cluster_status)
+        for x in pools
+    )  # fmt: skip
+    return hash((d, p, extra))
+
+
+def fingerprint_assignments(assignments: Sequence[Assignment]) -> int:
+    return hash(
+        tuple(
+            sorted(
+                (a.replica_id, a.deployment, a.version, a.cluster, a.pool, a.gpus, a.node)
+                for a in assignments
+            )
+        )
+    )
+
+
 class Placer(ABC):
-    """Places replica demands onto pools, given what runs now. Pure: same inputs, same
-    decisions (up to fresh replica ids)."""
+    """Places replica demands onto pools, given what runs now. Pure and stateless: same
+    inputs, same decisions (up to fresh replica ids); what it needs of the last plan
+    comes in as `previous`."""
 
     name: str = ""
 
@@ -204,6 +266,17 @@ class Placer(ABC):
         pools: Sequence[PoolCapacity],
         current: Sequence[Assignment] = (),
     ) -> PlacementResult: ...
+
+    def solve(
+        self,
+        demands: Sequence[ReplicaDemand],
+        pools: Sequence[PoolCapacity],
+        current: Sequence[Assignment] = (),
+        lp_bound: bool = False,
+        previous: SolvedPlan | None = None,
+    ) -> tuple[PlacementResult, SolveInfo | None]:
+        """The plan and how it was found (None: the placer does not say)."""
+        return self.place(demands, pools, current), None
 
 
 PlacerFactory = Callable[[], Placer]

@@ -203,3 +203,24 @@ def priority_problems(
             if preempted_gpus[c] > left:
                 problems.append(f"class {c}: {preempted_gpus[c]} GPUs preempted, {left} above its floor")
     return problems
+
+
+def plan_problems(
+    demands: Sequence[ReplicaDemand],
+    pools: Sequence[PoolCapacity],
+    current: Sequence[Assignment],
+    result: PlacementResult,
+    quotas: GpuQuotas | None = None,
+) -> list[str]:
+    """Every rule the plan breaks, every running replica it drops (a preemption is not a
+    drop), and every preemption or quota rule it breaks."""
+    missing = {(u.deployment, u.version): u.missing for u in result.unplaced}
+    victims = {p.replica_id for p in result.preempted}
+    for p in result.preempted:  # short by its preemptions: those are not drops
+        missing[(p.deployment, p.version)] = missing.get((p.deployment, p.version), 0) - 1
+    removed = [r for r in result.removed if r not in victims]
+    return (
+        violations(demands, pools, result.assignments)
+        + dropped_running(demands, pools, current, removed, result.added, missing)
+        + priority_problems(demands, pools, current, result, quotas)
+    )

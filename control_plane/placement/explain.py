@@ -1,12 +1,14 @@
-"""Say exactly which constraint a demand cannot meet, from the pools alone (pure); shared
-by the placers (ffd, milp)."""
+"""Say exactly which constraint a demand cannot meet, from the pools alone (pure; shared
+by the placers), and why each removed replica goes (the pipeline's explain step)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from agent.protocol import Tier
-from control_plane.placement.base import PoolCapacity, ReplicaDemand, Unplaced
+from pydantic import BaseModel, ConfigDict, Field
+
+from agent.protocol import ClusterStatus, Tier
+from control_plane.placement.base import Assignment, PlacementResult, PoolCapacity, ReplicaDemand, Unplaced
 
 
 def _slots(d: ReplicaDemand, pools: Sequence[PoolCapacity]) -> int:
@@ -74,3 +76,50 @@ def explain_regions(d: ReplicaDemand, pools: Sequence[PoolCapacity], covered: in
             f"min_regions: only {len(regions)} allowed region(s) have matching pools, {d.min_regions} wanted"
         )
     return f"min_regions: only {covered} of {d.min_regions} regions have room"
+
+
+class RemovalContext(BaseModel):
+    """What the explain step needs beyond the placement inputs to say why a running
+    replica goes: each deployment's current version, the canary version of those in a
+    rollout, every cluster's status (a cluster without pools too)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    current_versions: dict[str, int] = Field(default_factory=dict)
+    canary_versions: dict[str, int] = Field(default_factory=dict)
+    cluster_status: dict[str, ClusterStatus] = Field(default_factory=dict)
+
+
+def removal_reasons(
+    current: Sequence[Assignment],
+    pools: Sequence[PoolCapacity],
+    result: PlacementResult,
+    context: RemovalContext,
+) -> dict[str, str]:
+    """Why each removed replica goes, for its event."""
+    current_version = context.current_versions
+    keys = {p.key for p in pools}
+    by_id = {a.replica_id: a for a in current}
+    preempted = {p.replica_id: p.reason for p in result.preempted}
+    out: dict[str, str] = {}
+    for rid in result.removed:
+        a = by_id.get(rid)
+        if a is None:
+            continue
+        canary = context.canary_versions.get(a.deployment)
+        if rid in preempted:
+            why = preempted[rid]
+        elif a.deployment not in current_version:
+            why = "deployment deleted"
+        elif canary is not None and a.version in (canary, current_version[a.deployment]):
+            why = f"canary rollout of version {canary} moves capacity"
+        elif a.version != current_version[a.deployment]:
+            why = f"replaced by version {current_version[a.deployment]}"
+        elif context.cluster_status.get(a.cluster) == ClusterStatus.unhealthy:
+            why = f"cluster {a.cluster} is unhealthy"
+        elif a.pool_key not in keys:
+            why = f"pool {a.cluster}/{a.pool} is gone"
+        else:
+            why = "scaled down or moved"
+        out[rid] = why
+    return out

@@ -15,6 +15,7 @@ import secrets
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 
+from agent.protocol import Tier
 from control_plane.placement.base import (
     PRIORITY_RANK,
     Assignment,
@@ -26,7 +27,7 @@ from control_plane.placement.base import (
     Unplaced,
     register_placer,
 )
-from control_plane.placement.explain import add_note, rule_out
+from control_plane.placement.explain import add_note, explain_shortfall, rule_out
 from control_plane.placement.preempt import choose_victims, preemption
 from control_plane.placement.quotas import (
     NO_QUOTAS,
@@ -321,3 +322,48 @@ def _why(d: ReplicaDemand, pools: Sequence[PoolCapacity]) -> str:
 
 
 register_placer(FirstFitDecreasing.name, FirstFitDecreasing)
+
+
+def spot_safe_ffd(
+    demands: Sequence[ReplicaDemand],
+    pools: Sequence[PoolCapacity],
+    current: Sequence[Assignment] = (),
+    id_factory: IdFactory = new_replica_id,
+    quotas: GpuQuotas = NO_QUOTAS,
+) -> PlacementResult:
+    """First-fit-decreasing as the fallback of a placer that keeps every hard rule: FFD
+    does not know max_spot_fraction, so surplus spot replicas (newest first) are dropped
+    and reported as unplaced."""
+    result = FirstFitDecreasing(id_factory, quotas).place(demands, pools, current)
+    by_pool = {p.key: p for p in pools}
+    by_demand = {d.key: d for d in demands}
+    drop: set[str] = set()
+    notes: dict[tuple, int] = {}
+    for dk, d in by_demand.items():
+        spot = [
+            a
+            for a in result.added + result.kept
+            if (a.deployment, a.version) == dk and by_pool[a.pool_key].tier == Tier.spot
+        ]
+        extra = len(spot) - d.max_spot
+        if extra > 0:
+            drop |= {a.replica_id for a in spot[:extra]}
+            notes[dk] = extra
+    if not drop:
+        return result
+    unplaced = {(u.deployment, u.version): u for u in result.unplaced}
+    for dk, n in notes.items():
+        d = by_demand[dk]
+        prior = unplaced.get(dk)
+        unplaced[dk] = Unplaced(
+            deployment=d.deployment,
+            version=d.version,
+            missing=(prior.missing if prior else 0) + n,
+            reason=explain_shortfall(d, pools),
+        )
+    return PlacementResult(
+        kept=tuple(a for a in result.kept if a.replica_id not in drop),
+        added=tuple(a for a in result.added if a.replica_id not in drop),
+        removed=result.removed + tuple(a.replica_id for a in result.kept if a.replica_id in drop),
+        unplaced=tuple(unplaced[k] for k in sorted(unplaced)),
+    )

@@ -23,9 +23,13 @@ gap, and the LP relaxation of the cost-only problem gives a lower bound. Past
 `max_pairs` variables, or on any solver failure, the greedy FFD plan is used (made
 spot-share safe).
 
+Stateless: an unchanged fleet is not solved again only when the caller hands back the
+last plan (`previous`, a `SolvedPlan`). Checking the plan against every rule and falling
+back to FFD when it fails is the placement pipeline's verify step
+(`control_plane.placement.pipeline`).
+
 Longer than ~400 lines: the model's build, warm start, solve and read-back share the
-variable maps; splitting them into a stateless pipeline (split -> solve -> complete ->
-verify -> explain) is the planned next step (docs/architecture.md).
+variable maps.
 """
 
 from __future__ import annotations
@@ -40,7 +44,6 @@ from dataclasses import dataclass, field
 
 import highspy
 import numpy as np
-from pydantic import BaseModel, ConfigDict
 
 from agent.protocol import Tier
 from control_plane.placement.base import (
@@ -49,35 +52,21 @@ from control_plane.placement.base import (
     Placer,
     PoolCapacity,
     ReplicaDemand,
-    Unplaced,
+    SolvedPlan,
+    SolveInfo,
+    fingerprint_inputs,
     register_placer,
 )
 from control_plane.placement.evaluate import committed_cost, plan_cost, slot_size
-from control_plane.placement.explain import explain_shortfall
-from control_plane.placement.ffd import FirstFitDecreasing, IdFactory, new_replica_id
+from control_plane.placement.ffd import IdFactory, new_replica_id, spot_safe_ffd
 from control_plane.placement.milp_priority import add_priority_terms, shortfall_weights
 from control_plane.placement.milp_priority import read as read_priority
 from control_plane.placement.milp_priority import warm_start as priority_start
-from control_plane.placement.milp_result import build_result, plan_problems
+from control_plane.placement.milp_result import build_result
 from control_plane.placement.quotas import NO_QUOTAS, GpuQuotas
 
 # RTT in ms from a pool to a client region; None when unknown.
 Distance = Callable[[PoolCapacity, str], float | None]
-
-
-class SolveInfo(BaseModel):
-    """How a plan was found, for `fleetctl plan` and the benchmark."""
-
-    model_config = ConfigDict(frozen=True)
-
-    method: str  # "milp-optimal", "milp-time-limit", "milp-gap", "greedy-huge", "greedy-error"
-    cost: float  # $/hour of the plan (evaluate.plan_cost)
-    lp_bound: float | None = None  # $/hour: no plan placing every replica costs less
-    mip_bound: float | None = None  # the solver's own dual bound on the weighted objective
-    solve_s: float = 0.0  # placing, without the LP bound
-    lp_s: float = 0.0  # solving the LP relaxation for the bound
-    variables: int = 0
-    note: str = ""
 
 
 @dataclass
@@ -218,8 +207,6 @@ class MilpPlacer(Placer):
         self._distance = distance
         self._id_factory = id_factory
         self.threads = threads
-        self.last: SolveInfo | None = None
-        self._steady: tuple | None = None  # (inputs, plan, unplaced, info) of the last fresh solve
 
     def place(
         self,
@@ -235,23 +222,18 @@ class MilpPlacer(Placer):
         pools: Sequence[PoolCapacity],
         current: Sequence[Assignment] = (),
         lp_bound: bool = False,
+        previous: SolvedPlan | None = None,
     ) -> tuple[PlacementResult, SolveInfo]:
         started = time.perf_counter()
-        inputs = (_fingerprint_inputs(demands, pools), self.quotas.fingerprint())
-        steady = self._steady
-        if (
-            steady is not None
-            and steady[0] == inputs
-            and steady[1] == _fingerprint_assignments(current)
-            and (not lp_bound or steady[3].lp_bound is not None)
-        ):
+        if previous is not None and previous.matches(self.fingerprint(demands, pools), current, lp_bound):
             # Nothing changed since the last plan and the caller runs it: the same answer.
-            result = PlacementResult(kept=tuple(current), unplaced=steady[2])
-            self.last = steady[3].model_copy(update={"method": "unchanged", "solve_s": 0.0})
-            return result, self.last
-        result, info = self._solve_fresh(demands, pools, current, lp_bound, started)
-        self._steady = (inputs, _fingerprint_assignments(result.assignments), result.unplaced, info)
-        return result, info
+            result = PlacementResult(kept=tuple(current), unplaced=previous.unplaced)
+            return result, previous.info.model_copy(update={"method": "unchanged", "solve_s": 0.0})
+        return self._solve_fresh(demands, pools, current, lp_bound, started)
+
+    def fingerprint(self, demands: Sequence[ReplicaDemand], pools: Sequence[PoolCapacity]) -> int:
+        """What a `SolvedPlan` of this placer is keyed by: the inputs and the quotas."""
+        return fingerprint_inputs(demands, pools, self.quotas.fingerprint())
 
     def _solve_fresh(self, demands, pools, current, lp_bound, started) -> tuple[PlacementResult, SolveInfo]:
         by_demand: dict[tuple[str, int], ReplicaDemand] = {}
@@ -268,35 +250,21 @@ class MilpPlacer(Placer):
         ]
 
         def greedy() -> PlacementResult:
-            plan = FirstFitDecreasing(self._id_factory, self.quotas).place(
-                list(by_demand.values()), pools, current
-            )
-            return _cap_spot(plan, by_demand, pools)
+            return spot_safe_ffd(list(by_demand.values()), pools, current, self._id_factory, self.quotas)
 
         if len(pairs) > self.max_pairs:
             plan = greedy()
-            info = self._info(
-                "greedy-huge", pools, plan, started, note=f"{len(pairs)} pairs > {self.max_pairs}"
-            )
-            self.last = info
-            return plan, info
+            note = f"{len(pairs)} pairs > {self.max_pairs}"
+            return plan, solve_info("greedy-huge", pools, plan, started, note=note)
         # Warm start: FFD seeded with the current assignment while that is cheap (FFD is
         # Python, replicas x pools); past that, the current assignment itself.
         replicas = sum(d.count for d in by_demand.values())
         warm = greedy() if replicas * len(pools) <= self.ffd_warm_limit else None
         try:
-            result, info = self._solve(by_demand, pools, current, pairs, warm, started, lp_bound)
-            problems = plan_problems(list(by_demand.values()), pools, current, result, self.quotas)
-            if problems:  # never call a plan optimal that breaks a rule or drops a replica
-                raise RuntimeError(f"the solver's plan does not check out: {'; '.join(problems[:3])}")
+            return self._solve(by_demand, pools, current, pairs, warm, started, lp_bound)
         except Exception as e:
             plan = warm or greedy()
-            result, info = (
-                plan,
-                self._info("greedy-error", pools, plan, started, note=f"{type(e).__name__}: {e}"),
-            )
-        self.last = info
-        return result, info
+            return plan, solve_info("greedy-error", pools, plan, started, note=f"{type(e).__name__}: {e}")
 
     # ----------------------------------------------------------------- the model
 
@@ -462,7 +430,7 @@ class MilpPlacer(Placer):
             self._id_factory,
             self.quotas,
         )
-        info = self._info(
+        info = solve_info(
             method,
             pools,
             result,
@@ -501,39 +469,13 @@ class MilpPlacer(Placer):
             out += max(0.0, w) / total * (rtt if rtt is not None else 0.0)
         return out
 
-    # ----------------------------------------------------------------- the answer
 
-    def _info(self, method, pools, result, started, **kw) -> SolveInfo:
-        return SolveInfo(
-            method=method,
-            cost=round(plan_cost(pools, result.assignments), 6),
-            solve_s=round(time.perf_counter() - started, 4),
-            **kw,
-        )
-
-
-def _fingerprint_inputs(demands, pools) -> int:
-    d = tuple(
-        (x.deployment, x.version, x.count, x.gpu_models, x.gpu_count, x.gpu_memory_gb, x.regions,
-         x.min_regions, x.max_spot_fraction, tuple(sorted(x.demand_regions.items())), x.priority)
-        for x in demands
-    )  # fmt: skip
-    p = tuple(
-        (x.cluster, x.name, x.region, x.provider, x.gpu_model, x.gpu_memory_gb, x.gpus_per_node, x.nodes,
-         x.tier, x.hourly_price, x.cluster_status)
-        for x in pools
-    )  # fmt: skip
-    return hash((d, p))
-
-
-def _fingerprint_assignments(assignments) -> int:
-    return hash(
-        tuple(
-            sorted(
-                (a.replica_id, a.deployment, a.version, a.cluster, a.pool, a.gpus, a.node)
-                for a in assignments
-            )
-        )
+def solve_info(method: str, pools, result: PlacementResult, started: float, **kw) -> SolveInfo:
+    return SolveInfo(
+        method=method,
+        cost=round(plan_cost(pools, result.assignments), 6),
+        solve_s=round(time.perf_counter() - started, 4),
+        **kw,
     )
 
 
@@ -555,44 +497,6 @@ def _current_split(current, by_demand, by_pool) -> tuple[list[Assignment], list[
     return ok, gone
 
 
-def _cap_spot(result: PlacementResult, by_demand, pools) -> PlacementResult:
-    """FFD does not know max_spot_fraction: drop surplus spot replicas (newest first) and
-    report them, so the greedy plan keeps every hard rule too."""
-    by_pool = {p.key: p for p in pools}
-    drop: set[str] = set()
-    notes: dict[tuple, int] = {}
-    for dk, d in by_demand.items():
-        spot = [
-            a
-            for a in result.added + result.kept
-            if (a.deployment, a.version) == dk and by_pool[a.pool_key].tier == Tier.spot
-        ]
-        extra = len(spot) - d.max_spot
-        if extra > 0:
-            drop |= {a.replica_id for a in spot[:extra]}
-            notes[dk] = extra
-    if not drop:
-        return result
-    unplaced = {(u.deployment, u.version): u for u in result.unplaced}
-    for dk, n in notes.items():
-        d = by_demand[dk]
-        reason = explain_shortfall(d, pools)
-        prior = unplaced.get(dk)
-        unplaced[dk] = Unplaced(
-            deployment=d.deployment,
-            version=d.version,
-            missing=(prior.missing if prior else 0) + n,
-            reason=reason,
-        )
-    kept = tuple(a for a in result.kept if a.replica_id not in drop)
-    return PlacementResult(
-        kept=kept,
-        added=tuple(a for a in result.added if a.replica_id not in drop),
-        removed=result.removed + tuple(a.replica_id for a in result.kept if a.replica_id in drop),
-        unplaced=tuple(unplaced[k] for k in sorted(unplaced)),
-    )
-
-
 _DISTANCE: Distance | None = None
 
 
@@ -606,17 +510,4 @@ def _default_distance() -> Distance:
     return _DISTANCE
 
 
-class SafeMilpPlacer(MilpPlacer):
-    """The control plane's default: the MILP, and first-fit-decreasing on any error (the
-    MILP already falls back on solver failures; this also covers model-building bugs)."""
-
-    def place(self, demands, pools, current=()):
-        try:
-            return super().place(demands, pools, current)
-        except ValueError:
-            raise
-        except Exception:
-            return FirstFitDecreasing(self._id_factory, self.quotas).place(demands, pools, current)
-
-
-register_placer(MilpPlacer.name, lambda: SafeMilpPlacer(time_limit_s=2.0))
+register_placer(MilpPlacer.name, lambda: MilpPlacer(time_limit_s=2.0))

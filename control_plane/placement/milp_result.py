@@ -1,7 +1,6 @@
 """The MILP's solution -> a `PlacementResult`: which running replicas stay (on their
 node), which go (moved, scaled down or preempted, with the demand each preemption made
-room for), node indices for the new ones, and the reason of every shortfall. Also the
-check every MILP plan must pass before it is used (`plan_problems`)."""
+room for), node indices for the new ones, and the reason of every shortfall."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from control_plane.placement.base import (
     ReplicaDemand,
     Unplaced,
 )
-from control_plane.placement.evaluate import dropped_running, priority_problems, slot_size, violations
+from control_plane.placement.evaluate import slot_size
 from control_plane.placement.explain import add_note, explain_regions, explain_shortfall
 from control_plane.placement.preempt import preemption
 from control_plane.placement.quotas import GpuQuotas, class_caps, quota_reason, running_gpus
@@ -114,21 +113,6 @@ def _preemptor(victim: ReplicaDemand, pk, want, keep, by_demand) -> ReplicaDeman
             if best is None or score > best[0]:
                 best = (score, d)
     return None if best is None else best[1]
-
-
-def plan_problems(demands, pools, current, result: PlacementResult, quotas: GpuQuotas) -> list[str]:
-    """Every rule the plan breaks, every running replica it drops (a preemption is not a
-    drop), and every preemption or quota rule it breaks."""
-    missing = {(u.deployment, u.version): u.missing for u in result.unplaced}
-    victims = {p.replica_id for p in result.preempted}
-    for p in result.preempted:  # short by its preemptions: those are not drops
-        missing[(p.deployment, p.version)] = missing.get((p.deployment, p.version), 0) - 1
-    removed = [r for r in result.removed if r not in victims]
-    return (
-        violations(demands, pools, result.assignments)
-        + dropped_running(demands, pools, current, removed, result.added, missing)
-        + priority_problems(demands, pools, current, result, quotas)
-    )
 
 
 def pack(kept, new, by_pool, used_ids, id_factory):

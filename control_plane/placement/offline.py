@@ -23,6 +23,7 @@ from control_plane.placement.base import (
 from control_plane.placement.evaluate import nodes_used, plan_cost, violations
 from control_plane.placement.ffd import FirstFitDecreasing
 from control_plane.placement.milp import MilpPlacer
+from control_plane.placement.pipeline import PlacementInputs, run
 from control_plane.placement.quotas import ClassQuota, GpuQuotas
 
 
@@ -122,7 +123,10 @@ def plan(
 ) -> PlanReport:
     quotas = quotas or GpuQuotas()
     placer = MilpPlacer(time_limit_s=time_limit_s, mip_gap=gap, quotas=quotas)
-    result, info = placer.solve(demands, pools, current, lp_bound=True)
+    inputs = PlacementInputs(demands=tuple(demands), pools=tuple(pools), current=tuple(current))
+    outcome = run(inputs, placer, lp_bound=True)
+    result, info = outcome.result, outcome.info
+    assert info is not None  # the MILP always says how it solved
     ffd = FirstFitDecreasing(quotas=quotas).place(demands, pools, current)
     by_pool = {p.key: p for p in pools}
     used = nodes_used(pools, result.assignments)

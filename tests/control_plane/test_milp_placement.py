@@ -16,6 +16,7 @@ from agent.protocol import ClusterStatus, Tier
 from control_plane.placement import Assignment, FirstFitDecreasing, PoolCapacity, ReplicaDemand, get_placer
 from control_plane.placement.evaluate import committed_cost, plan_cost, regions_of, slot_size, violations
 from control_plane.placement.milp import MilpPlacer
+from control_plane.placement.pipeline import PlacementInputs, run
 
 REGIONS = ["r1", "r2", "r3"]
 MODELS = ["a100", "h100"]
@@ -289,13 +290,18 @@ def test_an_unchanged_fleet_is_not_solved_again():
     pools = [_pool("a", "r1", price=1.0), _pool("b", "r2", price=2.0)]
     d = ReplicaDemand(deployment="x", version=1, count=3, gpu_count=2)
     placer = MilpPlacer()
-    first, info = placer.solve([d], pools)
-    assert info.method == "milp-optimal"
-    same, info = placer.solve([d], pools, first.assignments)
-    assert info.method == "unchanged" and set(same.kept) == set(first.assignments) and not same.changed
-    cheaper = [pools[0], pools[1].model_copy(update={"hourly_price": 0.5})]
-    moved, info = placer.solve([d], cheaper, first.assignments)
-    assert info.method == "milp-optimal" and {a.cluster for a in moved.assignments} == {"b"}
+    first = run(PlacementInputs(demands=(d,), pools=tuple(pools)), placer)
+    assert first.info.method == "milp-optimal"
+    again = PlacementInputs(demands=(d,), pools=tuple(pools), current=first.result.assignments)
+    same = run(again, placer, previous=first.solved)
+    assert same.info.method == "unchanged" and set(same.result.kept) == set(first.result.assignments)
+    assert not same.result.changed
+    assert run(again, placer).info.method == "milp-optimal"  # the placer itself keeps nothing
+    cheaper = again.model_copy(
+        update={"pools": (pools[0], pools[1].model_copy(update={"hourly_price": 0.5}))}
+    )
+    moved = run(cheaper, placer, previous=same.solved)
+    assert moved.info.method == "milp-optimal" and {a.cluster for a in moved.result.assignments} == {"b"}
 
 
 def test_warm_started_replan_keeps_every_running_replica():

@@ -73,10 +73,10 @@ def test_autoscaled_critical_scale_up_preempts_batch_through_reconcile(sessions,
     with sessions() as s:
         assert s.scalar(select(m.Deployment.replicas).where(m.Deployment.name == "chat")) == 3
 
-    reconcile_once(sessions, p, *memory)
+    outcome = reconcile_once(sessions, p, *memory)
     assert _placed(sessions) == {"train": 1, "chat": 3}
     if placer == "milp":  # the model's own plan, not its greedy fallback
-        assert p.last is not None and p.last.method.startswith("milp"), p.last
+        assert outcome.info is not None and outcome.info.method.startswith("milp"), outcome.info
     with sessions() as s:
         events = s.scalars(select(m.Event).where(m.Event.kind == "preempted")).all()
         shorts = s.scalars(select(m.Event).where(m.Event.kind == "placement_short")).all()

@@ -1,0 +1,166 @@
+"""Active-passive placement around whichever placer runs: the standby replicas that stay
+are set aside before it (their GPUs reserved, `split`), the placer sees the primary
+demand only, and the missing standby replicas are added afterwards from what is left
+(`complete`). Pure; what a deployment's standby is comes in as `StandbyDemand`
+(built from the fleet snapshot by `control_plane.loops.standby`)."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from control_plane.placement.base import Assignment, PlacementResult, PoolCapacity, ReplicaDemand, Unplaced
+from control_plane.placement.ffd import new_replica_id
+
+
+class StandbyDemand(BaseModel):
+    """A warm minimum of `count` replicas of one deployment version in each of `regions`
+    (the known regions matching its standby patterns)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    deployment: str
+    version: int = Field(ge=0)
+    count: int = Field(1, ge=1)
+    gpu_models: tuple[str, ...] = ()
+    gpu_count: int = Field(1, ge=1)
+    gpu_memory_gb: float = Field(0.0, ge=0)
+    regions: tuple[str, ...] = ()
+
+    def demand(self) -> ReplicaDemand:
+        return ReplicaDemand(
+            deployment=self.deployment,
+            version=self.version,
+            count=self.count,
+            gpu_models=self.gpu_models,
+            gpu_count=self.gpu_count,
+            gpu_memory_gb=self.gpu_memory_gb,
+        )
+
+
+class StandbySplit(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    kept: tuple[Assignment, ...] = ()  # standby replicas that stay
+    current: tuple[Assignment, ...] = ()  # everything else, for the placer
+    pools: tuple[PoolCapacity, ...] = ()  # with the kept standby GPUs reserved
+
+
+def split(
+    standby: Sequence[StandbyDemand], pools: Sequence[PoolCapacity], current: Sequence[Assignment]
+) -> StandbySplit:
+    if not standby:
+        return StandbySplit(current=tuple(current), pools=tuple(pools))
+    by_pool = {p.key: p for p in pools}
+    kept: list[Assignment] = []
+    for s in standby:
+        demand = s.demand()
+        for region in s.regions:
+            group = sorted(
+                (
+                    a
+                    for a in current
+                    if a.deployment == s.deployment
+                    and a.version == s.version
+                    and (p := by_pool.get(a.pool_key)) is not None
+                    and p.region == region
+                    and p.keeps_existing
+                    and demand.acceptable(p)
+                ),
+                key=lambda a: (by_pool[a.pool_key].preference(), a.replica_id),
+            )
+            kept += group[: s.count]
+    ids = {a.replica_id for a in kept}
+    used: dict[tuple[str, str], int] = defaultdict(int)
+    for a in kept:
+        used[a.pool_key] += a.gpus
+    return StandbySplit(
+        kept=tuple(kept),
+        current=tuple(a for a in current if a.replica_id not in ids),
+        pools=tuple(_reserve(p, used.get(p.key, 0)) for p in pools),
+    )
+
+
+def _reserve(pool: PoolCapacity, gpus: int) -> PoolCapacity:
+    """The pool less `gpus` (a one-node pool shrinks its node, else whole nodes go)."""
+    if gpus <= 0:
+        return pool
+    if pool.nodes == 1:
+        left = pool.gpus_per_node - gpus
+        return pool.model_copy(update={"gpus_per_node": max(1, left), "nodes": 1 if left > 0 else 0})
+    return pool.model_copy(update={"nodes": max(0, pool.nodes - math.ceil(gpus / pool.gpus_per_node))})
+
+
+def complete(
+    standby: Sequence[StandbyDemand],
+    pools: Sequence[PoolCapacity],
+    result: PlacementResult,
+    kept: StandbySplit,
+) -> PlacementResult:
+    """The placer's result plus the standby replicas: kept ones, and new ones for each
+    standby region short of its count, on the most preferred pool with room left."""
+    if not standby:
+        return result
+    used: dict[tuple[str, str], int] = defaultdict(int)
+    for a in (*result.assignments, *kept.kept):
+        used[a.pool_key] += a.gpus
+    ids = {a.replica_id for a in (*result.assignments, *kept.kept)} | set(result.removed)
+    ordered = sorted(pools, key=PoolCapacity.preference)
+    added: list[Assignment] = []
+    unplaced: list[Unplaced] = []
+    for s in sorted(standby, key=lambda s: s.deployment):
+        demand = s.demand()
+        for region in s.regions:
+            have = sum(1 for a in kept.kept if a.deployment == s.deployment and by_region(pools, a) == region)
+            for _ in range(s.count - have):
+                pool = next(
+                    (
+                        p
+                        for p in ordered
+                        if p.region == region
+                        and p.accepts_new
+                        and demand.acceptable(p)
+                        and p.total_gpus - used[p.key] >= s.gpu_count
+                    ),
+                    None,
+                )
+                if pool is None:
+                    unplaced.append(
+                        Unplaced(
+                            deployment=s.deployment,
+                            version=s.version,
+                            missing=s.count - have,
+                            reason=f"standby region {region}: no healthy pool with room",
+                        )
+                    )
+                    break
+                rid = new_replica_id(s.deployment, s.version)
+                while rid in ids:
+                    rid = new_replica_id(s.deployment, s.version)
+                ids.add(rid)
+                used[pool.key] += s.gpu_count
+                have += 1
+                added.append(
+                    Assignment(
+                        replica_id=rid,
+                        deployment=s.deployment,
+                        version=s.version,
+                        cluster=pool.cluster,
+                        pool=pool.name,
+                        gpus=s.gpu_count,
+                    )
+                )
+    return PlacementResult(
+        kept=result.kept + kept.kept,
+        added=result.added + tuple(added),
+        removed=result.removed,
+        unplaced=result.unplaced + tuple(unplaced),
+        preempted=result.preempted,
+    )
+
+
+def by_region(pools: Sequence[PoolCapacity], a: Assignment) -> str:
+    return next((p.region for p in pools if p.key == a.pool_key), "")
