@@ -79,7 +79,7 @@ class FirstFitDecreasing(Placer):
         self._id_factory = id_factory
         self.quotas = quotas
 
-    def place(  # noqa: C901 - the greedy passes share their state; the placement pipeline splits them
+    def place(  # noqa: C901 - the greedy passes share their node and quota state
         self,
         demands: Sequence[ReplicaDemand],
         pools: Sequence[PoolCapacity],

@@ -268,7 +268,7 @@ class MilpPlacer(Placer):
 
     # ----------------------------------------------------------------- the model
 
-    def _solve(self, by_demand, pools, current, pairs, greedy, started, want_bound):  # noqa: C901 - build, warm start, solve, read: the placement pipeline splits them
+    def _solve(self, by_demand, pools, current, pairs, greedy, started, want_bound):  # noqa: C901 - build, warm start, solve and read share the variable maps
         by_pool = {p.key: p for p in pools}
         cur_ok, removed = _current_split(current, by_demand, by_pool)
         cur: dict[tuple, int] = defaultdict(int)

@@ -67,7 +67,7 @@ def shortfall_weights(
     return weights, penalty
 
 
-def add_priority_terms(  # noqa: C901 - one term per priority rule of the model; the placement pipeline splits them
+def add_priority_terms(  # noqa: C901 - one term per priority rule of the model, sharing its variable maps
     m,
     by_demand: Mapping[Key, ReplicaDemand],
     by_pool: Mapping[PoolKey, PoolCapacity],

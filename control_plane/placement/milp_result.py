@@ -20,7 +20,7 @@ from control_plane.placement.preempt import preemption
 from control_plane.placement.quotas import GpuQuotas, class_caps, quota_reason, running_gpus
 
 
-def build_result(  # noqa: C901 - reads every variable family back at once; the placement pipeline splits them
+def build_result(  # noqa: C901 - reads every variable family back at once (they share the kept/removed bookkeeping)
     by_demand,
     pools,
     cur_ok,
