@@ -28,8 +28,9 @@ last plan (`previous`, a `SolvedPlan`). Checking the plan against every rule and
 back to FFD when it fails is the placement pipeline's verify step
 (`control_plane.placement.pipeline`).
 
-Longer than ~400 lines: the model's build, warm start, solve and read-back share the
-variable maps.
+Longer than ~400 lines: the model (`_Model`, `MilpPlacer._build`), its warm start
+(`_warm_start`) and the solve and read-back (`MilpPlacer._solve`) share the variable maps
+(`_Built`), so they stay in one module.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from control_plane.placement.base import (
 )
 from control_plane.placement.evaluate import committed_cost, plan_cost, slot_size
 from control_plane.placement.ffd import IdFactory, new_replica_id, spot_safe_ffd
-from control_plane.placement.milp_priority import add_priority_terms, shortfall_weights
+from control_plane.placement.milp_priority import PriorityTerms, add_priority_terms, shortfall_weights
 from control_plane.placement.milp_priority import read as read_priority
 from control_plane.placement.milp_priority import warm_start as priority_start
 from control_plane.placement.milp_result import build_result
@@ -268,7 +269,8 @@ class MilpPlacer(Placer):
 
     # ----------------------------------------------------------------- the model
 
-    def _solve(self, by_demand, pools, current, pairs, greedy, started, want_bound):  # noqa: C901 - build, warm start, solve and read share the variable maps
+    def _build(self, by_demand, pools, current, pairs) -> _Built:
+        """The model: variables, rows and the maps from (demand, pool) to columns."""
         by_pool = {p.key: p for p in pools}
         cur_ok, removed = _current_split(current, by_demand, by_pool)
         cur: dict[tuple, int] = defaultdict(int)
@@ -321,22 +323,7 @@ class MilpPlacer(Placer):
             spot = [x[(dk, pk)] for (dk2, pk) in x if dk2 == dk and by_pool[pk].tier == Tier.spot]
             if spot and d.max_spot < d.count:
                 m.row([(j, 1.0) for j in spot], -math.inf, float(d.max_spot))
-        # active-active
-        v: dict[tuple, int] = {}
-        z: dict[tuple, int] = {}
-        for dk, d in by_demand.items():
-            k = min(d.min_regions, d.count)
-            if k <= 1:
-                continue
-            by_region: dict[str, list[int]] = defaultdict(list)
-            for (dk2, pk), j in x.items():
-                if dk2 == dk:
-                    by_region[by_pool[pk].region].append(j)
-            v[dk] = m.var(big_region, float(k), False)
-            for region, js in by_region.items():
-                z[(dk, region)] = m.var(0.0, 1.0, True)
-                m.row([(z[(dk, region)], 1.0)] + [(j, -1.0) for j in js], -math.inf, 0.0)
-            m.row([(z[(dk, r)], 1.0) for r in by_region] + [(v[dk], 1.0)], float(k), math.inf)
+        v, z = _add_regions(m, x, by_demand, by_pool, big_region)
         # priorities, preemption, class quotas (placement/milp_priority.py)
         prio = add_priority_terms(m, by_demand, by_pool, x, cur, self.quotas, weights, penalty)
         # moves: every running replica not kept (a preempted one too)
@@ -344,51 +331,28 @@ class MilpPlacer(Placer):
             kj = prio.keep.get((dk, pk), x.get((dk, pk)))
             terms = [(j, 1.0)] + ([(kj, 1.0)] if kj is not None else [])
             m.row(terms, float(cur[(dk, pk)]), math.inf)
+        return _Built(
+            m=m,
+            x=x,
+            y=y,
+            u=u,
+            moves=moves,
+            v=v,
+            z=z,
+            prio=prio,
+            per_pool=per_pool,
+            per_demand=per_demand,
+            cur=cur,
+            cur_ok=cur_ok,
+            removed=removed,
+            by_pool=by_pool,
+        )
 
-        # warm start: the greedy plan, else what runs now (capped at each demand's count)
-        counts: dict[tuple, int] = defaultdict(int)
-        kept0: dict[tuple, int] = defaultdict(int)
-        evicted0: dict[tuple, int] = defaultdict(int)
-        running_ids = {a.replica_id for a in cur_ok}
-        if greedy is not None:
-            for a in greedy.assignments:
-                counts[((a.deployment, a.version), a.pool_key)] += 1
-                if a.replica_id in running_ids:
-                    kept0[((a.deployment, a.version), a.pool_key)] += 1
-            by_id = {a.replica_id: a for a in cur_ok}
-            for pre in greedy.preempted:
-                if pre.replica_id in by_id:
-                    evicted0[((pre.deployment, pre.version), by_id[pre.replica_id].pool_key)] += 1
-        else:
-            left = {dk: d.count for dk, d in by_demand.items()}
-            for (dk, pk), n in sorted(cur.items()):
-                take = min(n, left.get(dk, 0))
-                if take and (dk, pk) in x:
-                    counts[(dk, pk)] = kept0[(dk, pk)] = take
-                    left[dk] -= take
-        start = np.zeros(len(m.cost))
-        for key, j in x.items():
-            start[j] = counts.get(key, 0)
-        for pk, j in y.items():
-            p = by_pool[pk]
-            used = sum(start[jx] * s for jx, s in per_pool.get(pk, []))
-            start[j] = min(p.nodes, math.ceil(used / p.gpus_per_node - 1e-9))
-        for dk, j in u.items():
-            start[j] = by_demand[dk].count - sum(start[jx] for jx in per_demand[dk])
-        priority_start(prio, start, by_demand, x, cur, kept0, evicted0)
-        for (dk, pk), j in moves.items():
-            kj = prio.keep.get((dk, pk), x.get((dk, pk)))
-            start[j] = max(0.0, cur[(dk, pk)] - (start[kj] if kj is not None else 0))
-        covered: dict[tuple, set[str]] = defaultdict(set)
-        for (dk, pk), jx in x.items():
-            if start[jx] > 0:
-                covered[dk].add(by_pool[pk].region)
-        for (dk, region), j in z.items():
-            start[j] = 1.0 if region in covered[dk] else 0.0
-        for dk, j in v.items():
-            k = min(by_demand[dk].min_regions, by_demand[dk].count)
-            start[j] = max(0.0, k - len(covered[dk]))
-
+    def _solve(self, by_demand, pools, current, pairs, greedy, started, want_bound):
+        b = self._build(by_demand, pools, current, pairs)
+        start = _warm_start(b, by_demand, greedy)
+        m, x, u, v, prio = b.m, b.x, b.u, b.v, b.prio
+        cur_ok, removed = b.cur_ok, b.removed
         remaining = self.time_limit_s - (time.perf_counter() - started)
         h, values = self._run(m, remaining, start)
         if m.problem(values, h.getInfo().objective_function_value) is not None:
@@ -477,6 +441,105 @@ def solve_info(method: str, pools, result: PlacementResult, started: float, **kw
         solve_s=round(time.perf_counter() - started, 4),
         **kw,
     )
+
+
+@dataclass
+class _Built:
+    """The model and its variable maps, shared by the warm start and the read-back."""
+
+    m: _Model
+    x: dict[tuple, int]  # (demand, pool) -> replicas
+    y: dict[tuple[str, str], int]  # pool -> nodes
+    u: dict[tuple, int]  # demand -> shortfall
+    moves: dict[tuple, int]  # (demand, pool) -> running replicas not kept
+    v: dict[tuple, int]  # demand -> regions short
+    z: dict[tuple, int]  # (demand, region) -> covered
+    prio: PriorityTerms
+    per_pool: dict
+    per_demand: dict
+    cur: dict[tuple, int]
+    cur_ok: list[Assignment]
+    removed: list[str]
+    by_pool: dict[tuple[str, str], PoolCapacity]
+
+
+def _add_regions(m: _Model, x, by_demand, by_pool, big_region: float) -> tuple[dict, dict]:
+    """Active-active: a binary per (demand, region) covered and a shortfall per demand
+    short of its min_regions."""
+    v: dict[tuple, int] = {}
+    z: dict[tuple, int] = {}
+    for dk, d in by_demand.items():
+        k = min(d.min_regions, d.count)
+        if k <= 1:
+            continue
+        by_region: dict[str, list[int]] = defaultdict(list)
+        for (dk2, pk), j in x.items():
+            if dk2 == dk:
+                by_region[by_pool[pk].region].append(j)
+        v[dk] = m.var(big_region, float(k), False)
+        for region, js in by_region.items():
+            z[(dk, region)] = m.var(0.0, 1.0, True)
+            m.row([(z[(dk, region)], 1.0)] + [(j, -1.0) for j in js], -math.inf, 0.0)
+        m.row([(z[(dk, r)], 1.0) for r in by_region] + [(v[dk], 1.0)], float(k), math.inf)
+    return v, z
+
+
+def _seed_counts(b: _Built, by_demand, greedy: PlacementResult | None) -> tuple[dict, dict, dict]:
+    """Replicas per (demand, pool) to start from, those of them already running, and the
+    running ones the greedy plan preempts."""
+    cur_ok, cur, x = b.cur_ok, b.cur, b.x
+    # warm start: the greedy plan, else what runs now (capped at each demand's count)
+    counts: dict[tuple, int] = defaultdict(int)
+    kept0: dict[tuple, int] = defaultdict(int)
+    evicted0: dict[tuple, int] = defaultdict(int)
+    running_ids = {a.replica_id for a in cur_ok}
+    if greedy is not None:
+        for a in greedy.assignments:
+            counts[((a.deployment, a.version), a.pool_key)] += 1
+            if a.replica_id in running_ids:
+                kept0[((a.deployment, a.version), a.pool_key)] += 1
+        by_id = {a.replica_id: a for a in cur_ok}
+        for pre in greedy.preempted:
+            if pre.replica_id in by_id:
+                evicted0[((pre.deployment, pre.version), by_id[pre.replica_id].pool_key)] += 1
+    else:
+        left = {dk: d.count for dk, d in by_demand.items()}
+        for (dk, pk), n in sorted(cur.items()):
+            take = min(n, left.get(dk, 0))
+            if take and (dk, pk) in x:
+                counts[(dk, pk)] = kept0[(dk, pk)] = take
+                left[dk] -= take
+    return counts, kept0, evicted0
+
+
+def _warm_start(b: _Built, by_demand, greedy: PlacementResult | None) -> np.ndarray:
+    """Start columns from the greedy plan, else what runs now (capped at each demand's count)."""
+    m, x, y, u, moves, v, z, prio = b.m, b.x, b.y, b.u, b.moves, b.v, b.z, b.prio
+    per_pool, per_demand, cur, by_pool = b.per_pool, b.per_demand, b.cur, b.by_pool
+    counts, kept0, evicted0 = _seed_counts(b, by_demand, greedy)
+    start = np.zeros(len(m.cost))
+    for key, j in x.items():
+        start[j] = counts.get(key, 0)
+    for pk, j in y.items():
+        p = by_pool[pk]
+        used = sum(start[jx] * s for jx, s in per_pool.get(pk, []))
+        start[j] = min(p.nodes, math.ceil(used / p.gpus_per_node - 1e-9))
+    for dk, j in u.items():
+        start[j] = by_demand[dk].count - sum(start[jx] for jx in per_demand[dk])
+    priority_start(prio, start, by_demand, x, cur, kept0, evicted0)
+    for (dk, pk), j in moves.items():
+        kj = prio.keep.get((dk, pk), x.get((dk, pk)))
+        start[j] = max(0.0, cur[(dk, pk)] - (start[kj] if kj is not None else 0))
+    covered: dict[tuple, set[str]] = defaultdict(set)
+    for (dk, pk), jx in x.items():
+        if start[jx] > 0:
+            covered[dk].add(by_pool[pk].region)
+    for (dk, region), j in z.items():
+        start[j] = 1.0 if region in covered[dk] else 0.0
+    for dk, j in v.items():
+        k = min(by_demand[dk].min_regions, by_demand[dk].count)
+        start[j] = max(0.0, k - len(covered[dk]))
+    return start
 
 
 def _current_split(current, by_demand, by_pool) -> tuple[list[Assignment], list[str]]:
