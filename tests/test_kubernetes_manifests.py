@@ -19,7 +19,8 @@ from agent.protocol import ReplicaSpec, Resources
 from agent.runtime import kubernetes as kube_runtime
 from agent.runtime.kube_pod import replica_pod
 from agent.runtime.kubernetes import KubernetesRuntime
-from tests.agent.kube.conftest import NAMESPACE, config_for, eventually, fake_cluster, spec, validate
+from tests.agent.kube.conftest import NAMESPACE, config_for, fake_cluster, spec, validate
+from tests.polling import eventually
 
 ROOT = Path(__file__).resolve().parents[1]
 KUSTOMIZE = ROOT / "deploy" / "kubernetes"
