@@ -167,3 +167,30 @@ def build_cos_sin_cache(
 ) -> torch.Tensor:
     """[max_position, rot_dim] = cat(cos, sin); HF rope_scaling None, "linear" or "llama3"."""
     return reference.build_cos_sin_cache(head_dim, max_position, theta, scaling, device, dtype, rotary_dim)
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    a_stack: torch.Tensor,
+    token_slots: torch.Tensor,
+    groups: list[tuple[int, torch.Tensor | None]] | None = None,
+) -> torch.Tensor:
+    """Multi-LoRA shrink: x [T, in], A [S, R, in], token_slots [T] int64 (-1 = base) -> [T, R]."""
+    return _impl(x.device, "triton_lora").lora_shrink(x, a_stack, token_slots, groups)
+
+
+def lora_expand(
+    h: torch.Tensor,
+    b_stack: torch.Tensor,
+    token_slots: torch.Tensor,
+    y: torch.Tensor,
+    offset: int = 0,
+    groups: list[tuple[int, torch.Tensor | None]] | None = None,
+) -> None:
+    """Multi-LoRA expand, in place: y[:, offset:offset+out] += h @ B[slot].T (B [S, out, R])."""
+    _impl(h.device, "triton_lora").lora_expand(h, b_stack, token_slots, y, offset, groups)
+
+
+def lora_groups(token_slots: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
+    """The reference's per-adapter row groups, built once per step (the Triton path ignores them)."""
+    return reference.lora_groups(token_slots)

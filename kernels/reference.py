@@ -217,3 +217,62 @@ def build_cos_sin_cache(
     positions = torch.arange(max_position, dtype=torch.float32, device=device)
     freqs = torch.outer(positions, inv_freq)
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+
+
+# -- LoRA (multi-adapter) ------------------------------------------------------------------
+# Adapters live in stacked slots: A [S, R, in], B [S, out, R] (scaling folded into B). Every
+# token names its slot (-1 = the base model, no delta). `groups` (slot, row indices) may be
+# precomputed once per step by the caller; the reference then does one matmul per adapter
+# present in the batch, never one per request.
+
+
+def lora_groups(token_slots: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
+    """(slot, rows) for each slot in use; rows is None when every token uses that slot."""
+    slots = token_slots.tolist()
+    distinct = sorted(set(slots))
+    if distinct == [-1]:
+        return []
+    if len(distinct) == 1:
+        return [(distinct[0], None)]
+    out = []
+    for s in distinct:
+        if s >= 0:
+            rows = torch.tensor([i for i, x in enumerate(slots) if x == s], device=token_slots.device)
+            out.append((s, rows))
+    return out
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    a_stack: torch.Tensor,
+    token_slots: torch.Tensor,
+    groups: list[tuple[int, torch.Tensor | None]] | None = None,
+) -> torch.Tensor:
+    """x [T, in] -> h [T, R] = x @ A[slot].T per token (zeros for slot -1)."""
+    groups = lora_groups(token_slots) if groups is None else groups
+    out = x.new_zeros(x.shape[0], a_stack.shape[1])
+    for slot, rows in groups:
+        if rows is None:
+            out = x @ a_stack[slot].t()
+        else:
+            out.index_copy_(0, rows, x.index_select(0, rows) @ a_stack[slot].t())
+    return out
+
+
+def lora_expand(
+    h: torch.Tensor,
+    b_stack: torch.Tensor,
+    token_slots: torch.Tensor,
+    y: torch.Tensor,
+    offset: int = 0,
+    groups: list[tuple[int, torch.Tensor | None]] | None = None,
+) -> None:
+    """In place: y[:, offset:offset+out] += h @ B[slot].T per token (nothing for slot -1)."""
+    groups = lora_groups(token_slots) if groups is None else groups
+    n = b_stack.shape[1]
+    view = y[:, offset : offset + n]
+    for slot, rows in groups:
+        if rows is None:
+            view.add_(h @ b_stack[slot].t())
+        else:
+            view.index_add_(0, rows, h.index_select(0, rows) @ b_stack[slot].t())

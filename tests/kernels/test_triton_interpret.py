@@ -68,6 +68,7 @@ def test_in_fresh_interpreter_process() -> None:
         "not fresh",
         __file__,
         str(ROOT / "tests/kernels/test_ops.py"),
+        str(ROOT / "tests/kernels/test_lora_kernels.py"),
     ]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
