@@ -21,6 +21,7 @@ from engine.config import EngineArgs
 from engine.continuation import check_resume
 from engine.errors import EngineDeadError, PromptTooLongError, QueueFullError, StepFailedError
 from engine.llm_engine import LLMEngine, PromptInput, StepError
+from engine.lora import LoRAAdapter, LoRAAdapterError, LoRAManager
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.timing import HistogramSnapshot
@@ -73,6 +74,7 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
         resume_token_ids: list[int] | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields a RequestOutput per step with new tokens; the last one has finished=True.
         `resume_token_ids`: continue a generation that produced these (engine.continuation)."""
@@ -84,6 +86,7 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
         ids = self.engine.tokenize_prompt(prompt)
+        self.engine.lora_adapter(lora_name)  # an unknown adapter fails here, before queueing
         max_tokens = params.max_tokens if params.max_tokens is not None else 1
         if len(ids) + max_tokens > self.max_model_len:
             raise PromptTooLongError(len(ids), max_tokens, self.max_model_len)
@@ -97,7 +100,9 @@ class AsyncLLM:
         self._pending += params.n
         if resume_token_ids:
             check_resume(params, resume_token_ids, self.model_config.vocab_size)
-        self._send("add", (ids, params, request_id, priority, cache_salt, prompt, resume_token_ids))
+        self._send(
+            "add", (ids, params, request_id, priority, cache_salt, prompt, resume_token_ids, lora_name)
+        )
         finished = False
         try:
             while True:
@@ -113,6 +118,23 @@ class AsyncLLM:
             if not finished:
                 self._send("abort", request_id)
             self._streams.pop(request_id, None)
+
+    # -- LoRA adapters (the manager is thread-safe; reading files stays off the loop) -----
+    @property
+    def lora(self) -> LoRAManager | None:
+        return self.engine.lora
+
+    async def add_lora(self, name: str, path: str) -> LoRAAdapter:
+        """Load and register an adapter; `LoRAAdapterError` (nothing changed) when it cannot be."""
+        if self.lora is None:
+            raise LoRAAdapterError("LoRA is not enabled on this engine (start it with --enable-lora)")
+        return await asyncio.to_thread(self.lora.add, name, path, (self.served_model_name,))
+
+    def remove_lora(self, name: str) -> LoRAAdapter | None:
+        return self.lora.remove(name) if self.lora is not None else None
+
+    def list_loras(self) -> list[LoRAAdapter]:
+        return self.lora.list() if self.lora is not None else []
 
     async def abort(self, request_id: str) -> None:
         self._send("abort", request_id)
@@ -163,7 +185,7 @@ class AsyncLLM:
             except queue.Empty:
                 return
             if kind == "add":
-                ids, params, rid, priority, salt, prompt, resume = payload
+                ids, params, rid, priority, salt, prompt, resume, lora_name = payload
                 self._pending -= params.n
                 stream = self._streams.get(rid)
                 if stream is None:  # the caller went away before we got to it
@@ -178,6 +200,7 @@ class AsyncLLM:
                         cache_salt=salt,
                         prompt_text=prompt if isinstance(prompt, str) else None,
                         resume_token_ids=resume,
+                        lora_name=lora_name,
                     )
                 except Exception as err:  # validation raced with the queue filling up
                     stream.put(err)

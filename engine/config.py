@@ -55,3 +55,9 @@ class EngineArgs(BaseModel):
     attention_backend: AttentionBackend = "auto"
     seed: int = 0
     show_progress: bool = True
+    # Multi-LoRA (vLLM's flags): adapters in device slots at once, their largest rank, and
+    # how many keep CPU weights (default: max_loras) before they are re-read from disk.
+    enable_lora: bool = False
+    max_loras: int = Field(4, ge=1)
+    max_lora_rank: int = Field(16, ge=1)
+    max_cpu_loras: int | None = Field(None, ge=1)

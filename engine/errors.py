@@ -33,3 +33,7 @@ class EngineDeadError(EngineError):
 class StepFailedError(EngineError):
     """An engine step this request was in failed; the request failed, the engine goes on
     (HTTP 500, marked so the gateway does not retry the same input on another replica)."""
+
+
+class UnknownAdapterError(EngineError, ValueError):
+    """The request names a LoRA adapter this engine does not have (HTTP 404 at the API)."""

@@ -31,8 +31,10 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """One output per prompt, in order. A list of ints is one tokenized prompt."""
+        """One output per prompt, in order. A list of ints is one tokenized prompt. `lora`
+        names an adapter (see `add_lora`) for all prompts, or one per prompt (None = base)."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
         ):
@@ -46,11 +48,13 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} adapters for {len(prompts)} prompts")
         ids = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
-            ids.append(
-                self.engine.add_request(prompt, p, priority=priority[i] if priority is not None else 0)
-            )
+            prio = priority[i] if priority is not None else 0
+            ids.append(self.engine.add_request(prompt, p, priority=prio, lora_name=loras[i]))
         return self._run(ids, use_tqdm)
 
     def chat(
@@ -86,6 +90,12 @@ class LLM:
         finally:
             bar.close()
         return [results[rid] for rid in request_ids]
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Load a PEFT adapter directory under `name` (needs enable_lora=True)."""
+        if self.engine.lora is None:
+            raise ValueError("LoRA is not enabled: create the LLM with enable_lora=True")
+        self.engine.lora.add(name, path)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

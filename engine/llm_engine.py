@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineArgs
 from engine.continuation import check_resume, prime
-from engine.errors import PromptTooLongError, QueueFullError
+from engine.errors import PromptTooLongError, QueueFullError, UnknownAdapterError
 from engine.grammar import GrammarBackend
 from engine.kv_cache import KVCacheManager, KvEventLog
+from engine.lora import LoRAAdapter, LoRAManager, lora_cache_salt
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, SampleLogprobs
 from engine.registry import resolve_model_path
@@ -98,6 +99,7 @@ class LLMEngine:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=max(args.max_num_batched_tokens, args.block_size),
             enable_chunked_prefill=args.enable_chunked_prefill,
+            max_loras=args.max_loras if args.enable_lora else None,
         )
         self._parents: dict[str, ParentRequest] = {}
         self._seq_parent: dict[str, ParentRequest] = {}
@@ -146,12 +148,16 @@ class LLMEngine:
         cache_salt: str | None = None,
         prompt_text: str | None = None,
         resume_token_ids: list[int] | None = None,
+        lora_name: str | None = None,
     ) -> str:
         """Queue a request; `prompt_text` labels outputs when the caller tokenized already.
-        `resume_token_ids`: continue a generation that produced these (engine.continuation)."""
+        `resume_token_ids`: continue a generation that produced these (engine.continuation);
+        `lora_name` runs it under that loaded adapter."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in flight")
+        adapter = self.lora_adapter(lora_name)
+        cache_salt = lora_cache_salt(cache_salt, adapter)
         ids = self.tokenize_prompt(prompt)
         max_tokens = params.max_tokens
         if max_tokens is None:
@@ -192,6 +198,7 @@ class LLMEngine:
                 priority=priority,
                 arrival_time=arrival,
                 cache_salt=cache_salt,
+                lora=adapter,
                 eos_token_id=self.tokenizer.eos_token_id,
                 max_model_len=self.max_model_len,
             )
@@ -214,6 +221,20 @@ class LLMEngine:
         self._parents[request_id] = parent
         self.prompt_tokens_total += len(ids)
         return request_id
+
+    # -- LoRA adapters -------------------------------------------------------------------
+    @property
+    def lora(self) -> LoRAManager | None:
+        return self.runner.lora
+
+    def lora_adapter(self, name: str | None) -> LoRAAdapter | None:
+        """The loaded adapter called `name` (None for None); unknown names raise."""
+        if name is None:
+            return None
+        adapter = self.lora.get(name) if self.lora is not None else None
+        if adapter is None:
+            raise UnknownAdapterError(f"no LoRA adapter named {name!r} is loaded")
+        return adapter
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output."""

@@ -14,6 +14,7 @@ from engine.config import EngineArgs, ModelConfig
 from engine.continuation import step_seed
 from engine.grammar import GrammarBackend
 from engine.loader import load_checkpoint
+from engine.lora import LoRAManager
 from engine.model.llama import AttentionMetadata, LlamaForCausalLM
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from engine.scheduler import ScheduledRequest
@@ -65,6 +66,16 @@ class ModelRunner:
         self.max_model_len = min(limit, self.num_blocks * self.block_size)
         self.model.init_rope(max(self.max_model_len, cfg.max_position_embeddings))
         self.sampler = Sampler()
+        self.lora: LoRAManager | None = None
+        if args.enable_lora:
+            self.lora = LoRAManager(
+                cfg,
+                max_loras=args.max_loras,
+                max_rank=args.max_lora_rank,
+                max_cpu_loras=args.max_cpu_loras,
+                dtype=self.dtype,
+                device=self.device,
+            )
         self.grammar: GrammarBackend | None = None  # set by the engine (it owns the tokenizer)
         log.info(
             "model loaded in %.1fs: %s on %s, %d KV blocks of %d tokens",
@@ -225,6 +236,8 @@ class ModelRunner:
         no chunk samples (only partial prefills ran).
         """
         input_ids, positions, meta, logits_idx, pool_rows = self._build_inputs(batch, block_ids)
+        if self.lora is not None:
+            meta.lora = self.lora.prepare([s.request.lora for s in batch], [s.num_new_tokens for s in batch])
         embeddings: dict[str, list[float]] = {}
         if pool_rows:
             hidden_idx = torch.cat([torch.arange(a, b) for a, b in pool_rows]).to(self.device)

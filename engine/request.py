@@ -44,6 +44,7 @@ class Request:
     cache_salt: str | None = None
     eos_token_id: int | None = None
     max_model_len: int = 2048
+    lora: Any = None  # engine.lora.LoRAAdapter this sequence runs under (None = the base model)
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

@@ -94,8 +94,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
+        max_loras: int | None = None,
     ) -> None:
         self.kv = kv_cache
+        self.max_loras = max_loras  # distinct adapters among running requests (None: no limit)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -172,9 +174,12 @@ class Scheduler:
 
         # 2) Waiting requests, unless this step already had to preempt (memory is tight).
         if not out.preempted:
+            loras = {r.lora for r in self.running if r.lora is not None}
             while budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting.peek()
                 if req is None:
+                    break
+                if self._lora_full(req, loras):
                     break
                 computed_blocks, num_computed = ([], 0)
                 # An embedding pools the hidden state of every prompt token: nothing is skipped.
@@ -196,11 +201,22 @@ class Scheduler:
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = time.monotonic()
                 req.status = RequestStatus.RUNNING
+                if req.lora is not None:
+                    loras.add(req.lora)
                 self.running.append(req)
                 out.scheduled.append(ScheduledRequest(req, num_new))
                 scheduled_ids.add(id(req))
                 budget -= num_new
         return out
+
+    def _lora_full(self, req: Request, loras: set) -> bool:
+        """Whether admitting `req` would need more adapter slots than a step has."""
+        return (
+            req.lora is not None
+            and self.max_loras is not None
+            and req.lora not in loras
+            and len(loras) >= self.max_loras
+        )
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance progress of every scheduled chunk once the model has computed it."""

@@ -8,6 +8,7 @@ Attention reads and writes the paged KV cache through `kernels.ops`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,11 +34,13 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor | None  # [Bp, max_blocks] int32
     prefill_query_start_loc: torch.Tensor | None  # [Bp+1] int32, relative to the prefill part
     prefill_context_lens: torch.Tensor | None  # [Bp] int32
+    lora: Any = None  # engine.lora.LoRABatch of a step with adapters; None = base model only
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -56,6 +59,8 @@ class LlamaAttention(nn.Module):
         cos_sin_cache: torch.Tensor,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
+        if meta.lora is not None:
+            meta.lora.apply(self.layer_idx, "qkv", hidden, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         n = hidden.shape[0]
         q = q.reshape(n, self.num_heads, self.head_dim)
@@ -82,19 +87,31 @@ class LlamaAttention(nn.Module):
                 )
             )
         attn = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        return self.o_proj(attn.reshape(n, self.q_size))
+        attn = attn.reshape(n, self.q_size)
+        out = self.o_proj(attn)
+        if meta.lora is not None:
+            meta.lora.apply(self.layer_idx, "o", attn, out)
+        return out
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, lora: Any = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            lora.apply(self.layer_idx, "gate_up", x, gate_up)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        act = F.silu(gate) * up
+        out = self.down_proj(act)
+        if lora is not None:
+            lora.apply(self.layer_idx, "down", act, out)
+        return out
 
 
 class RMSNormWeight(nn.Module):
@@ -110,10 +127,10 @@ class RMSNormWeight(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg, layer_idx)
+        self.mlp = LlamaMLP(cfg, layer_idx)
         self.input_layernorm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -125,7 +142,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, meta, cos_sin_cache)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, meta.lora), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -133,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.tie_word_embeddings:
             self.lm_head = None
