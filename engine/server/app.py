@@ -17,6 +17,8 @@ from engine.server.embeddings import create_embedding
 from engine.server.errors import APIError, install_error_handlers
 from engine.server.inputs import chat_prompt_ids, check_model, check_token_ids, parse_body
 from engine.server.kv_events import register as register_kv_events
+from engine.server.lora import adapter_cards
+from engine.server.lora import register as register_lora
 from engine.server.metrics import ServerMetrics
 from engine.server.middleware import GuardMiddleware
 from engine.server.openapi import openapi_document
@@ -97,7 +99,10 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 - one route table; e
             "owned_by": "fleet",
             "max_model_len": engine().max_model_len,
         }
-        return JSONResponse({"object": "list", "data": [card]})
+        cards = adapter_cards(state, card["created"], card["max_model_len"])
+        if cards:
+            card |= {"root": state.settings.served_model_name, "parent": None}
+        return JSONResponse({"object": "list", "data": [card, *cards]})
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -130,6 +135,7 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 - one route table; e
         return JSONResponse(out)
 
     register_kv_events(app, state)
+    register_lora(app, state)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:

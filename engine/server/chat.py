@@ -56,7 +56,7 @@ async def run_chat(
     request: Request, state: ServerState, body: ChatCompletionRequest, endpoint: str
 ) -> ChatRun:
     """Validate against the engine, render the prompt, submit (admission errors are 4xx here)."""
-    check_model(state, body.model)
+    lora = check_model(state, body.model)
     engine = state.engine
     assert engine is not None
     state.metrics.api_request(endpoint, body.feature)
@@ -74,9 +74,10 @@ async def run_chat(
         "messages",
         cache_salt=body.cache_salt,
         resume_token_ids=body.fleet_resume_token_ids,
+        lora_name=lora,
     )
     await gen.run(request, stream=body.stream)
-    head = {"id": gen.request_id, "created": created, "model": state.settings.served_model_name}
+    head = {"id": gen.request_id, "created": created, "model": lora or state.settings.served_model_name}
     wanted = TokenIdsOut.wanted(request, gen) if body.stream else None
     return ChatRun(gen, body, head, TokenBytes(engine.tokenizer), template, wanted)
 

@@ -22,7 +22,7 @@ from engine.server.state import ServerState
 
 async def create_completion(request: Request, state: ServerState) -> Response:
     body = await parse_body(request, CompletionRequest)
-    check_model(state, body.model)
+    lora = check_model(state, body.model)
     engine = state.engine
     assert engine is not None
     state.metrics.api_request("completions", "text")
@@ -40,9 +40,10 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         "prompt",
         cache_salt=body.cache_salt,
         resume_token_ids=body.fleet_resume_token_ids,
+        lora_name=lora,
     )
     await gen.run(request, stream=body.stream)
-    head = {"id": gen.request_id, "created": created, "model": state.settings.served_model_name}
+    head = {"id": gen.request_id, "created": created, "model": lora or state.settings.served_model_name}
     if body.stream:
         return StreamingResponse(
             _stream(gen, body, head, TokenIdsOut.wanted(request, gen)),

@@ -14,7 +14,14 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import EngineDeadError, EngineError, PromptTooLongError, QueueFullError, StepFailedError
+from engine.errors import (
+    EngineDeadError,
+    EngineError,
+    PromptTooLongError,
+    QueueFullError,
+    StepFailedError,
+    UnknownAdapterError,
+)
 from engine.openai_contract.errors import OpenAIError, error_body, validation_error
 
 __all__ = ["APIError", "context_error", "engine_error", "error_body", "error_response", "validation_error"]
@@ -67,6 +74,8 @@ def engine_error(err: BaseException, param: str | None = None, retry_after_s: in
         )
     if isinstance(err, EngineDeadError):
         return APIError(503, f"The engine has stopped and this replica must be restarted: {err}")
+    if isinstance(err, UnknownAdapterError):
+        return APIError(404, str(err), param="model", code="model_not_found")
     if isinstance(err, ValueError):
         return APIError(400, str(err), param=getattr(err, "param", None) or param)
     return None

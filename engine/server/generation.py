@@ -70,6 +70,7 @@ class Generation:
         param: str,
         cache_salt: str | None = None,
         resume_token_ids: list[int] | None = None,
+        lora_name: str | None = None,
     ) -> None:
         assert state.engine is not None
         self.state = state
@@ -83,6 +84,9 @@ class Generation:
         self.resume_token_ids = resume_token_ids or None
         if self.resume_token_ids is not None and len(prompts) != 1:
             raise APIError(400, "a continuation (fleet_resume_token_ids) has exactly one prompt")
+        self.lora_name = lora_name
+        if lora_name is not None:
+            state.metrics.lora_request(lora_name)
         self.ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         self.final: list[RequestOutput | None] = [None] * len(prompts)
         self.choices: dict[tuple[int, int], ChoiceState] = {}
@@ -111,6 +115,8 @@ class Generation:
 
     async def _first(self, i: int) -> RequestOutput:
         extra = {"resume_token_ids": self.resume_token_ids} if self.resume_token_ids else {}
+        if self.lora_name is not None:
+            extra["lora_name"] = self.lora_name
         it = self.engine.generate(
             self.prompts[i], self.params, self.ids[i], cache_salt=self.cache_salt, **extra
         )

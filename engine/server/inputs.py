@@ -24,15 +24,20 @@ async def parse_body(request: Request, model: type[M]) -> M:
         raise validation_error(list(err.errors(include_url=False))) from None
 
 
-def check_model(state: ServerState, name: str | None) -> None:
+def check_model(state: ServerState, name: str | None) -> str | None:
+    """None for the base model; the adapter's name when `name` is a loaded LoRA adapter."""
     served = state.settings.served_model_name
-    if name is not None and name != served:
-        raise APIError(
-            404,
-            f"The model '{name}' does not exist on this server; it serves '{served}' (see GET /v1/models)",
-            param="model",
-            code="model_not_found",
-        )
+    if name is None or name == served:
+        return None
+    manager = getattr(state.engine, "lora", None)
+    if manager is not None and manager.get(name) is not None:
+        return name
+    raise APIError(
+        404,
+        f"The model '{name}' does not exist on this server; it serves '{served}' (see GET /v1/models)",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def sampling_params(build: Any) -> SamplingParams:

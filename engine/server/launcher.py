@@ -119,7 +119,44 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
     e.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false", default=None)
     e.add_argument("--seed", type=int, default=None)
+    lo = p.add_argument_group("LoRA adapters (vLLM's flags)")
+    lo.add_argument("--enable-lora", action="store_true", default=None, help="serve LoRA adapters")
+    lo.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=lora_module,
+        default=None,
+        metavar="NAME=PATH",
+        help='adapters loaded at start: NAME=PATH (a directory or a model URI) or JSON {"name", "path"}; '
+        "implies --enable-lora",
+    )
+    lo.add_argument("--max-loras", type=int, default=None, help="adapters in one step (device slots)")
+    lo.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank accepted")
+    lo.add_argument(
+        "--max-cpu-loras", type=int, default=None, help="adapters whose weights stay in CPU memory"
+    )
     return p
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """'NAME=PATH' or vLLM's JSON form '{"name": ..., "path": ...}' -> (name, path)."""
+    import json
+
+    if text.lstrip().startswith("{"):
+        try:
+            obj = json.loads(text)
+            name, path = obj["name"], obj["path"]
+        except (ValueError, KeyError, TypeError):
+            raise argparse.ArgumentTypeError(
+                f'not a LoRA module {text!r}: want {{"name": ..., "path": ...}}'
+            ) from None
+    else:
+        name, sep, path = text.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"not a LoRA module {text!r}: want NAME=PATH")
+    if not name or not path:
+        raise argparse.ArgumentTypeError(f"not a LoRA module {text!r}: the name and path must be non-empty")
+    return str(name), str(path)
 
 
 # Set to 1 (tests only) to expose POST /debug/freeze and /debug/thaw.
@@ -139,11 +176,17 @@ _ENGINE_FLAGS = (
     "enable_prefix_caching",
     "enable_chunked_prefill",
     "seed",
+    "enable_lora",
+    "max_loras",
+    "max_lora_rank",
+    "max_cpu_loras",
 )
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
     kwargs = {k: getattr(ns, k) for k in _ENGINE_FLAGS if getattr(ns, k) is not None}
+    if getattr(ns, "lora_modules", None):
+        kwargs["enable_lora"] = True
     kwargs["show_progress"] = False
     return kwargs
 
@@ -201,6 +244,7 @@ def _load_engine(
     state: ServerState,
     loop: asyncio.AbstractEventLoop,
     server: _Server,
+    lora_modules: Sequence[tuple[str, str]] = (),
 ) -> None:
     """Runs on a thread so /health can answer 503 while the weights load (and, for a URI
     not in the node's cache yet, while it is pulled). Each part is timed into
@@ -221,6 +265,13 @@ def _load_engine(
         t1 = time.perf_counter()
         engine = AsyncLLM(model=path, served_model_name=served, **kwargs)
         phases["load"] = round(time.perf_counter() - t1, 4)
+        adapters = []
+        if lora_modules:
+            from engine.server.lora import adapter_dir
+
+            assert engine.lora is not None
+            for name, source in lora_modules:
+                adapters.append((engine.lora.add(name, str(adapter_dir(source)), (served,)), source))
         t2 = time.perf_counter()
         asyncio.run_coroutine_threadsafe(_warm_up(engine), loop).result(timeout=600)
         phases["warmup"] = round(time.perf_counter() - t2, 4)
@@ -240,6 +291,9 @@ def _load_engine(
             engine.shutdown()
             return
         state.engine = engine
+        for adapter, source in adapters:
+            state.lora_sources[adapter.name] = source
+            state.metrics.lora_loaded(adapter.load_seconds, len(adapters))
         log.info("ready: serving %r (max_model_len=%d)", served, engine.max_model_len)
 
     loop.call_soon_threadsafe(ready)
@@ -272,7 +326,15 @@ async def _serve(ns: argparse.Namespace, settings: ServerSettings) -> int:
     server = _Server(config, state)
     loader = threading.Thread(
         target=_load_engine,
-        args=(ns.model, served, engine_kwargs(ns), state, asyncio.get_running_loop(), server),
+        args=(
+            ns.model,
+            served,
+            engine_kwargs(ns),
+            state,
+            asyncio.get_running_loop(),
+            server,
+            ns.lora_modules or (),
+        ),
         name="engine-load",
         daemon=True,
     )

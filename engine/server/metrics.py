@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -220,6 +220,33 @@ class ServerMetrics:
         # Set once the engine exists: grammar compile / mask-fill durations (engine.timing).
         self.grammar_timings: Callable[[], dict[str, HistogramSnapshot]] = dict
         self.registry.register(_GrammarCollector(model, lambda: self.grammar_timings()))
+
+        self._lora_load = Histogram(
+            "fleet_engine_lora_load_seconds",
+            "Reading and checking one LoRA adapter (start-up or POST /v1/load_lora_adapter).",
+            ["model"],
+            registry=r,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+        ).labels(model)
+        self._lora_adapters = Gauge(
+            "fleet_engine_lora_adapters", "LoRA adapters loaded on this replica.", ["model"], registry=r
+        ).labels(model)
+        self._lora_requests = Counter(
+            "fleet_engine_lora_requests",
+            "API requests admitted per LoRA adapter (the base model is not counted).",
+            ["model", "adapter"],
+            registry=r,
+        )
+
+    def lora_loaded(self, seconds: float, num_loaded: int) -> None:
+        self._lora_load.observe(seconds)
+        self._lora_adapters.set(num_loaded)
+
+    def lora_unloaded(self, num_loaded: int) -> None:
+        self._lora_adapters.set(num_loaded)
+
+    def lora_request(self, adapter: str) -> None:
+        self._lora_requests.labels(self.model, adapter).inc()
 
     def api_request(self, endpoint: str, feature: str) -> None:
         self._api.labels(self.model, endpoint, feature).inc()

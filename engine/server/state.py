@@ -77,6 +77,7 @@ class ServerState:
     created: float = 0.0
     # streams a gateway can continue elsewhere: request id -> what ends them with a hand-over
     handovers: dict[str, Callable[[], None]] = field(default_factory=dict)
+    lora_sources: dict[str, str] = field(default_factory=dict)  # adapter name -> path or URI given
     idle: asyncio.Event | None = field(default=None, repr=False)
 
     @property

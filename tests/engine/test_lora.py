@@ -141,11 +141,13 @@ def test_one_slot_lru_and_cpu_eviction_stay_correct(files, reference):
     assert sum(a.weights is not None for a in manager.list()) == 1
 
 
-def test_adapters_that_do_not_fit_are_refused_and_change_nothing(files, tmp_path):
-    base, paths = files
-    engine = LLM(str(base), enable_lora=True, max_loras=1, max_lora_rank=4, show_progress=False)
-    manager = engine.engine.lora
-    assert manager is not None
+def test_adapters_that_do_not_fit_are_refused_and_change_nothing(files, llm, tmp_path):
+    from engine.lora import LoRAManager
+
+    _, paths = files
+    manager = LoRAManager(
+        llm.model_config, max_loras=1, max_rank=4, max_cpu_loras=None, dtype=torch.float32, device="cpu"
+    )
     with pytest.raises(LoRAAdapterError, match="exceeds"):
         manager.add("big", paths["attn8"])  # rank 8 > max_lora_rank 4
     with pytest.raises(LoRAAdapterError, match="not a directory"):
@@ -164,3 +166,83 @@ def test_adapters_that_do_not_fit_are_refused_and_change_nothing(files, tmp_path
     with pytest.raises(LoRAAdapterError, match="already loaded"):
         manager.add("mlp4", paths["mlp4"])
     assert [a.name for a in manager.list()] == ["mlp4"]
+
+
+# -- the server: vLLM's LoRA API on a real replica ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def replica(files, tmp_path_factory):
+    from engine.server.process import ServerProcess
+
+    base, paths = files
+    log = tmp_path_factory.mktemp("lora-server") / "server.log"
+    first = next(iter(ADAPTERS))
+    proc = ServerProcess(
+        "--served-model-name", "tiny", "--max-loras", "2", "--lora-modules", f"{first}={paths[first]}",
+        model=str(base), log_path=log,
+    )  # fmt: skip
+    with proc:
+        yield proc
+
+
+def test_server_lora_api_matches_peft_mixed_and_concurrent(replica, files, reference):
+    import asyncio
+
+    import httpx
+    import openai
+
+    from engine.tokenizer import Tokenizer
+
+    base, paths = files
+    first, second = list(ADAPTERS)
+    tok = Tokenizer.from_path(base)
+    with httpx.Client(base_url=replica.url, timeout=60) as http:
+        models = http.get("/v1/models").json()["data"]
+        assert [(m["id"], m.get("parent")) for m in models] == [("tiny", None), (first, "tiny")]
+        # Loaded at run time; refused loads (taken name, bad path, rank too large) change nothing.
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": second, "lora_path": str(paths[second])})
+        assert r.status_code == 200, r.text
+        for bad in (
+            {"lora_name": second, "lora_path": str(paths[second])},
+            {"lora_name": "tiny", "lora_path": str(paths[second])},
+            {"lora_name": "x", "lora_path": str(base / "nowhere")},
+            {"lora_name": "x", "lora_path": str(base)},
+            {"lora_name": "x"},
+        ):
+            r = http.post("/v1/load_lora_adapter", json=bad)
+            assert r.status_code == 400, (bad, r.text)
+            assert r.json()["error"]["message"]
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny", first, second]
+
+    async def complete(client, name, i):
+        r = await client.completions.create(
+            model=name or "tiny", prompt=PROMPTS[i], max_tokens=NEW_TOKENS, temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert r.model == (name or "tiny")
+        return r.choices[0].text
+
+    async def mixed():
+        async with openai.AsyncOpenAI(base_url=f"{replica.url}/v1", api_key="x") as client:
+            jobs = [(n, i) for n in (None, first, second) for i in range(len(PROMPTS))]
+            texts = await asyncio.gather(*(complete(client, n, i) for n, i in jobs))
+            return jobs, texts
+
+    jobs, texts = asyncio.run(mixed())
+    compared = 0
+    for (name, i), text in zip(jobs, texts):
+        tokens, margins = reference[name, i]
+        if min(margins) >= NEAR_TIE:  # no near-tie anywhere: the text must be PEFT's exactly
+            assert text == tok.decode(tokens, skip_special_tokens=True), (name, i)
+            compared += 1
+    assert compared >= len(jobs) - 2, f"only {compared} of {len(jobs)} completions were comparable"
+
+    with httpx.Client(base_url=replica.url, timeout=60) as http:
+        r = http.post("/v1/unload_lora_adapter", json={"lora_name": second})
+        assert r.status_code == 200, r.text
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny", first]
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": second}).status_code == 404
+        gone = http.post("/v1/completions", json={"model": second, "prompt": "Hi", "max_tokens": 1})
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+        assert "fleet_engine_lora_requests_total" in http.get("/metrics").text
