@@ -48,9 +48,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+import httpx
 from pydantic import BaseModel, Field, ValidationError
 
 from agent import protocol
+from agent.adapters import ReplicaAdapters, spread
 from agent.capacity import CapacitySignals, Placed
 from agent.config import ClusterConfig
 from agent.inventory import inventory
@@ -112,6 +114,8 @@ class Replica:
     last_error: str = ""
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
     unschedulable: bool = False  # the runtime cannot place it (kubernetes: pod Unschedulable)
+    adapters: list[str] = field(default_factory=list)  # LoRA adapters loaded on it (its /v1/models)
+    adapters_seeded: bool = False  # the agent preloaded its share of the catalog
 
     @property
     def replica_id(self) -> str:
@@ -146,6 +150,9 @@ class Replica:
             load_s=self.startup.get("load"),
             warmup_s=self.startup.get("warmup"),
             first_token_s=self.startup.get("first_token"),
+            adapters=list(self.adapters) if self.state == ReplicaState.ready else [],
+            max_adapters=self.spec.max_adapters,
+            adapter_uris={a.name: a.uri for a in self.spec.adapters},
         )
 
 
@@ -181,6 +188,10 @@ class Agent:
         self.pools: list[PoolInventory] = []
         self.capacity = CapacitySignals(hold_s=config.kubernetes.unschedulable_hold_s)
         self.scraper = MetricsScraper(verify=replica_verify(config.security))
+        self.adapter_api = ReplicaAdapters(
+            httpx.AsyncClient(timeout=10.0, verify=replica_verify(config.security)),
+            replica_headers(config.security),
+        )
         cache = ModelCache(config.model_cache_dir, config.model_cache_max_bytes)
         self.models = ModelPuller(cache, on_change=lambda: self._wake.set())
         # Pre-pull where replicas read the agent's cache: local processes, or a folder
@@ -258,6 +269,7 @@ class Agent:
             await self.link.close()
         finally:
             await self.scraper.close()
+            await self.adapter_api.http.aclose()
             await self.runtime.close()
             self._release_lock()
 
@@ -708,7 +720,43 @@ class Agent:
                 if load is not None and r.state == ReplicaState.ready:
                     r.load = load
                     r.startup.update(self.scraper.startup(r.replica_id))
+            try:
+                await self._sync_adapters(ready)
+            except Exception:  # never let the metrics loop die
+                log.exception("syncing LoRA adapters failed")
             await asyncio.sleep(min(1.0, self.config.heartbeat_interval_s))
+
+    async def _sync_adapters(self, ready: list[Replica]) -> None:
+        """Apply each deployment's adapter catalog to its ready replicas: a new replica
+        preloads its share (`agent.adapters.spread`), adapters the catalog dropped are
+        unloaded, and what each holds is reported (heartbeats, replicas.json)."""
+        wanted = {s.replica_id: s for s in self.desired.replicas} if self.desired else {}
+        groups: dict[str, list[Replica]] = {}
+        for r in ready:
+            spec = wanted.get(r.replica_id)
+            if spec is not None and spec.adapters != r.spec.adapters:  # applied live, no restart
+                r.spec = r.spec.model_copy(update={"adapters": spec.adapters})
+            if r.spec.max_adapters > 0 and r.handle is not None:
+                groups.setdefault(r.spec.deployment, []).append(r)
+        for reps in groups.values():
+            catalog = {a.name: a.uri for a in reps[0].spec.adapters}
+            room = reps[0].spec.max_adapters
+            share = spread(list(catalog), [r.replica_id for r in reps], room)
+            for r in reps:
+                assert r.handle is not None
+                loaded = await self.adapter_api.loaded(r.handle.url)
+                if loaded is None:
+                    continue
+                for name in [n for n in loaded if n not in catalog]:
+                    if await self.adapter_api.unload(r.handle.url, name):
+                        loaded.remove(name)
+                if not r.adapters_seeded:
+                    for name in share.get(r.replica_id, []):
+                        if name not in loaded and len(loaded) < room:
+                            if await self.adapter_api.load(r.handle.url, name, catalog[name]):
+                                loaded.append(name)
+                    r.adapters_seeded = True
+                r.adapters = loaded
 
     async def _event(self, kind: EventKind, r: Replica, message: str = "") -> None:
         if kind != "replica_failed":  # failures are logged with their backoff

@@ -157,9 +157,23 @@ class PoolInventory(BaseModel):
 # --------------------------------------------------------------------- desired state
 
 
+MAX_ADAPTERS = 256
+DEFAULT_MAX_ADAPTERS = 4  # adapters per replica of a deployment that names adapters but no room
+ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+
+
+class LoRAAdapterSpec(BaseModel):
+    """A LoRA adapter of a deployment: the name clients send as `model`, and where its
+    PEFT files are (a model URI, as for base models, or a local directory)."""
+
+    name: str = Field(pattern=ADAPTER_NAME)
+    uri: str = Field(min_length=1, max_length=512)
+
+
 class ReplicaSpec(BaseModel):
     """One replica the control plane wants on a cluster. A changed `version` (or spec)
-    under the same deployment means "replace", and a new replica_id is issued for it."""
+    under the same deployment means "replace", and a new replica_id is issued for it;
+    except `adapters`, which agents apply to running replicas (load/unload, no restart)."""
 
     replica_id: str
     deployment: str
@@ -168,6 +182,10 @@ class ReplicaSpec(BaseModel):
     engine_args: dict[str, Any] = Field(default_factory=dict)
     resources: Resources = Field(default_factory=Resources)
     pool: str = ""
+    # Multi-LoRA: the deployment's adapter catalog and how many one replica holds at once
+    # (0 = LoRA off). Agents preload a spread; gateways load on demand where there is room.
+    adapters: list[LoRAAdapterSpec] = Field(default_factory=list, max_length=MAX_ADAPTERS)
+    max_adapters: int = Field(0, ge=0, le=64)
 
 
 class DesiredState(Message):
@@ -356,6 +374,11 @@ class ReplicaStatus(BaseModel):
     load_s: float | None = None
     warmup_s: float | None = None
     first_token_s: float | None = None
+    # LoRA adapters loaded on the replica now (its /v1/models), its room for them, and the
+    # deployment's catalog (name -> uri) so the gateway can load one where there is room.
+    adapters: list[str] = Field(default_factory=list, max_length=MAX_ADAPTERS)
+    max_adapters: int = Field(0, ge=0, le=64)
+    adapter_uris: dict[str, str] = Field(default_factory=dict, max_length=MAX_ADAPTERS)
 
 
 class CachedModel(BaseModel):
@@ -461,6 +484,8 @@ class UsageRecord(Message):
     # finished request (no tokens; accounting skips it), but the canary guards count it
     # against the version that failed.
     attempt_failed: bool = False
+    # The LoRA adapter the request named (None: the base model).
+    adapter: str | None = Field(None, pattern=ADAPTER_NAME)
 
 
 class Demand(Message):

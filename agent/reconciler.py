@@ -101,7 +101,7 @@ def plan(desired: DesiredState | None, records: Sequence[ReplicaRecord], now: fl
         spec = wanted.get(r.replica_id)
         if spec is None or r.state not in ACTIVE:
             continue
-        if r.spec != spec:
+        if r.spec.model_copy(update={"adapters": spec.adapters}) != spec:  # adapters apply live
             actions.append(Stop(r.replica_id, "spec changed"))
         elif any(x.replica_id == r.replica_id for x in restarts):
             actions.append(Restart(r.replica_id, spec))

@@ -20,14 +20,16 @@ import random
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from agent.adapters import ReplicaAdapters
 from agent.config import ClusterConfig
+from agent.gateway.adapters import AdapterRouting
 from agent.gateway.auth import Authenticator
 from agent.gateway.capacity_metrics import UnschedulableCollector
 from agent.gateway.coldstart import ColdStartCollector
@@ -116,6 +118,7 @@ class Exchange:
     ran: bool = False  # a replica answered 2xx: it may have generated tokens
     draw: float | None = None  # sticky canary draw of the end user
     block_keys: tuple[int, ...] | None = None  # the prompt's prefix-block keys, once computed
+    adapter: str | None = None  # the LoRA adapter the request names ("model"), if any
 
     @property
     def deployment(self) -> str:
@@ -141,6 +144,7 @@ class Gateway:
         self.tracker = LoadTracker()
         self.metrics = GatewayMetrics(load=self._load_snapshot)
         self.migration_metrics = MigrationMetrics(self.metrics.registry)
+        self.adapters = AdapterRouting(self.metrics.registry)
         self.queue = ReplicaQueue(
             self.view, config.gateway.queue_size, config.gateway.queue_timeout_s, self.metrics, retry_after_s
         )
@@ -191,6 +195,7 @@ class Gateway:
 
     async def start(self) -> None:
         self.client = make_client(verify=self.peers.client_verify)
+        self.adapters.api = ReplicaAdapters(self.client, self.peers.replica_headers)
         self._watch = asyncio.create_task(self.view.watch(), name="state-watch")
         self._status = asyncio.create_task(self._status_loop(), name="gateway-status")
         self.usage.start()
@@ -292,6 +297,11 @@ class Gateway:
             for name in self.view.deployments()
             if record.allows(name)
         ]
+        data += [
+            {"id": name, "object": "model", "created": 0, "owned_by": "fleet", "parent": dep}
+            for name, dep in sorted(self.adapters.catalog(self.view.replicas).items())
+            if record.allows(dep)
+        ]
         return JSONResponse({"object": "list", "data": data})
 
     # ------------------------------------------------------------------ inference
@@ -307,6 +317,7 @@ class Gateway:
             self.auth.authorize(record)
             raw = await self._read_body(request)
             info = await parse_off_loop(raw, endpoint)
+            adapter, info = self._adapter_of(info)
             self.auth.authorize(record, info.deployment)
             if not self.view.known(info.deployment):
                 raise GatewayError(
@@ -340,7 +351,7 @@ class Gateway:
             )
             return error_response(err, reply_headers)
         origin = self.peers.origin(request.scope, request.headers, FORWARDED_HEADER)
-        ex = Exchange(request_id, record.key_id, info, started, origin)
+        ex = Exchange(request_id, record.key_id, info, started, origin, adapter=adapter)
         ex.reservation, ex.limit_headers = reservation, limit_headers
         ex.klass = record.quotas.priority_class or self.config.gateway.default_class
         reply_headers.update(limit_headers)
@@ -453,10 +464,49 @@ class Gateway:
             draw=ex.draw if ex.draw is not None else self.rng.random(),
             block_hashes=self.prefix.keys(ex),
             block_tokens=self.prefix.block_tokens(info.deployment),
+            adapter=ex.adapter,
         )
+
+    def _adapter_of(self, info: RequestInfo) -> tuple[str | None, RequestInfo]:
+        """A `model` that names a LoRA adapter here: (the adapter, the request as its
+        deployment's); anything else is left as it is."""
+        if self.view.known(info.deployment):
+            return None, info
+        owner = self.adapters.resolve(self.view.replicas, info.deployment)
+        if owner is None:
+            return None, info
+        return info.deployment, replace(info, deployment=owner)
+
+    async def _usable(self, ex: Exchange, targets: list[Attempt]) -> AsyncIterator[tuple[int, Attempt]]:
+        """The attempts in order, numbered, less replicas where the request's LoRA adapter
+        could not be loaded (nothing was sent there; the next one is tried)."""
+        n = 0
+        for target in targets:
+            if not target.name or not await self.adapter_ready(ex, target):
+                continue
+            yield n, target
+            n += 1
+
+    async def adapter_ready(self, ex: Exchange, target: Attempt) -> bool:
+        """True unless the request names an adapter that could not be loaded on `target`."""
+        if ex.adapter is None or target.is_peer:
+            return True
+        return await self._ensure_adapter(ex, target)
+
+    async def _ensure_adapter(self, ex: Exchange, target: Attempt) -> bool:
+        """Load the request's adapter on the chosen replica if it is not resident there."""
+        assert ex.adapter is not None
+        status = next((r for r in self.view.replicas if r.replica_id == target.name), None)
+        outcome = "failed" if status is None else await self.adapters.ensure(status, ex.adapter)
+        self.adapters.routed.labels(ex.deployment, outcome).inc()
+        if outcome != "failed":
+            self.adapters.touch(target.name, ex.adapter)
+        return outcome != "failed"
 
     def _cluster_facts(self, deployment: str) -> ClusterFacts:
         route = self.view.route(deployment)
+        ready = self.view.ready(deployment)
+        self.adapters.observe(ready)
         replicas = tuple(
             ReplicaFacts(
                 r.replica_id,
@@ -465,8 +515,10 @@ class Gateway:
                 self.tracker.outstanding(r.replica_id),
                 self.tracker.in_flight(r.replica_id),
                 self.tracker.recently_failed(r.replica_id),
+                adapters=self.adapters.resident(r),
+                max_adapters=r.max_adapters,
             )
-            for r in self.view.ready(deployment)
+            for r in ready
         )
         return ClusterFacts(
             self.cluster,
@@ -514,7 +566,7 @@ class Gateway:
         path = PATHS[ex.info.endpoint]
         failure: AttemptFailed | None = None
         unstarted = True  # every failure so far: nothing ran there
-        for attempt, target in enumerate(t for t in targets if t.name):
+        async for attempt, target in self._usable(ex, targets):
             if attempt == 2 and not unstarted:
                 break
             if attempt:
@@ -750,6 +802,7 @@ class Gateway:
                 status=status,
                 ttft_s=ex.ttft_s,
                 latency_s=latency,
+                adapter=ex.adapter,
             )
         )
 

@@ -294,6 +294,8 @@ async def open_continuation(
         if not target.name or target.name in seen:
             continue
         seen.add(target.name)
+        if not await gw.adapter_ready(ex, target):  # a LoRA request: its adapter must be there
+            continue
         headers = gw._upstream_headers(ex, target, request)
         try:
             opened = await open_upstream(

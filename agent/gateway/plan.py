@@ -17,6 +17,11 @@ Stages, in the order the executor walks them:
   first, and re-plans after waiting); an empty ``local`` stage means "wait for a replica".
 - ``failover``: peers to try when every local attempt failed before its first byte.
 
+A request for a LoRA adapter ranks replicas where the adapter is resident first
+("adapter-resident"), then those with room to load it ("adapter-load"), then the rest
+("adapter-evict": the least recently used adapter there makes room); cost decides within
+each tier. A non-resident attempt carries `load_adapter`, which the executor loads first.
+
 Cost model (``CostModel``), in prompt-token equivalents, lower is better:
 ``cost = new prefill tokens + queued work + rtt_s * tokens_per_s`` where new prefill
 tokens are the prompt less the cached prefix (prefix routing only), queued work is the
@@ -53,6 +58,7 @@ class RequestFacts:
     draw: float = 0.0  # uniform [0, 1): the canary split's draw (sticky per user, else random)
     block_hashes: tuple[int, ...] = ()  # chained prefix-block keys of the prompt
     block_tokens: int = 16  # tokens per block
+    adapter: str | None = None  # the LoRA adapter the request names (None: the base model)
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,8 @@ class ReplicaFacts:
     outstanding_tokens: int = 0
     in_flight: int = 0
     recently_failed: bool = False
+    adapters: frozenset[str] = frozenset()  # LoRA adapters loaded there
+    max_adapters: int = 0  # room for adapters (0: LoRA off)
 
 
 @dataclass(frozen=True)
@@ -111,6 +119,7 @@ class Attempt:
     standby: bool = False
     cached_tokens: int = 0  # prompt tokens the target holds already (prefix index)
     cost: float = 0.0
+    load_adapter: str = ""  # a LoRA adapter to load there before sending (not resident)
 
 
 @dataclass(frozen=True)
@@ -185,18 +194,46 @@ def rank_replicas(
         wanted = pick_version(versions, here.versions, request.draw)
     scored = []
     for r in here.replicas:
+        if request.adapter is not None and r.max_adapters == 0 and request.adapter not in r.adapters:
+            continue  # LoRA is off there: it can never serve the adapter
         blocks = 0
         if model.prefix and index is not None and request.block_hashes:
             blocks = index.match(here.cluster, r.replica_id, request.block_hashes)
         hit = cached_tokens(request, blocks)
         new = request.prompt_tokens - hit if model.prefix else 0
         cost = float(new + r.outstanding_tokens)
-        key = (wanted is not None and r.version != wanted, r.recently_failed, cost, r.in_flight, r.replica_id)
+        tier = adapter_tier(request.adapter, r)
+        key = (
+            wanted is not None and r.version != wanted,
+            r.recently_failed,
+            tier,
+            cost,
+            r.in_flight,
+            r.replica_id,
+        )
         scored.append((key, r, hit, cost))
+    if not scored:
+        return []
     scored.sort(key=lambda s: s[0])
-    best_hit = max(s[2] for s in scored if s[0][:2] == scored[0][0][:2])  # among the top's peers
+    best_hit = max(s[2] for s in scored if s[0][:3] == scored[0][0][:3])  # among the top's peers
     out = []
-    for _key, r, hit, cost in scored:
+    for key, r, hit, cost in scored:
+        if request.adapter is not None:
+            reason = ADAPTER_REASONS[key[2]]
+            load = "" if key[2] == 0 else request.adapter
+            out.append(
+                Attempt(
+                    "local",
+                    reason,
+                    r.replica_id,
+                    r.url,
+                    r.version,
+                    cached_tokens=hit,
+                    cost=cost,
+                    load_adapter=load,
+                )
+            )
+            continue
         if not model.prefix or best_hit == 0:
             reason = "least-load"
         elif hit == best_hit:
@@ -207,6 +244,16 @@ def rank_replicas(
             reason = "load-over-prefix"  # a replica with more of the prefix is too busy
         out.append(Attempt("local", reason, r.replica_id, r.url, r.version, cached_tokens=hit, cost=cost))
     return _cycle(out)
+
+
+ADAPTER_REASONS = ("adapter-resident", "adapter-load", "adapter-evict")
+
+
+def adapter_tier(adapter: str | None, r: ReplicaFacts) -> int:
+    """0: resident (or a base-model request), 1: room to load it, 2: an adapter must go."""
+    if adapter is None or adapter in r.adapters:
+        return 0
+    return 1 if len(r.adapters) < r.max_adapters else 2
 
 
 def plan_route(

@@ -51,7 +51,9 @@ LOG_TAIL_BYTES = 8192
 _KEY = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 _NUMBER = re.compile(r"^-?\d+(\.\d+)?([eE][-+]?\d+)?$")
 # Flags the runtime sets itself; a spec may not override them.
-RESERVED_KEYS = frozenset({"model", "served_model_name", "host", "port"})
+RESERVED_KEYS = frozenset(
+    {"model", "served_model_name", "host", "port", "enable_lora", "max_loras", "lora_modules"}
+)
 _ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -112,6 +114,8 @@ def engine_argv(
         str(port),
     ]
     argv += engine_flags(spec.engine_args)
+    if spec.max_adapters > 0:  # LoRA slots for the adapters the agent and gateway load
+        argv += ["--enable-lora", "--max-loras", str(spec.max_adapters)]
     argv += list(config.replica.extra_args)
     if "--drain-timeout" not in argv:
         argv += ["--drain-timeout", repr(float(config.replica.drain_timeout_s))]

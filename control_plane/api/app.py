@@ -16,7 +16,16 @@ from agent.protocol import InputError, load_json
 from control_plane.api import errors, metrics
 from control_plane.api.auth import TokenCache, authenticate
 from control_plane.api.protected import docs_urls, install_docs
-from control_plane.api.routers import clusters, deployments, history, keys, model_cache, rollouts, usage
+from control_plane.api.routers import (
+    adapters,
+    clusters,
+    deployments,
+    history,
+    keys,
+    model_cache,
+    rollouts,
+    usage,
+)
 from control_plane.console import install as install_console
 from control_plane.context import ControlPlaneContext
 
@@ -167,6 +176,7 @@ def build_app(ctx: ControlPlaneContext, *, run_loops: bool = True) -> FastAPI:
 
     routers = (
         deployments.router,
+        adapters.router,
         clusters.router,
         keys.router,
         history.router,

@@ -111,7 +111,32 @@ class PolicyFields(Strict):
         return check_budget(value.strip())
 
 
-class DeploymentCreate(SpecFields, PolicyFields):
+AdapterName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")]
+
+
+class AdapterIn(Strict):
+    """A LoRA adapter: the name clients send as `model`, and its PEFT files' model URI."""
+
+    name: AdapterName
+    uri: ModelRef
+
+
+class AdapterFields(Strict):
+    """Per-deployment, unversioned: LoRA adapters and how many one replica holds at once."""
+
+    adapters: list[AdapterIn] | None = Field(None, max_length=MAX_LIST)
+    max_adapters: int | None = Field(None, ge=0, le=64, description="adapters per replica (0: LoRA off)")
+
+    @field_validator("adapters")
+    @classmethod
+    def _unique_names(cls, value: list[AdapterIn] | None) -> list[AdapterIn] | None:
+        names = [a.name for a in value or []]
+        if len(set(names)) != len(names):
+            raise ValueError("duplicate adapter names")
+        return value
+
+
+class DeploymentCreate(SpecFields, PolicyFields, AdapterFields):
     """Create a deployment (version 1). With `replicas` alone the count is pinned
     (min = max = replicas); give min/max replicas for an autoscaled range."""
 
@@ -119,7 +144,7 @@ class DeploymentCreate(SpecFields, PolicyFields):
     model: ModelRef
 
 
-class DeploymentUpdate(SpecFields, PolicyFields):
+class DeploymentUpdate(SpecFields, PolicyFields, AdapterFields):
     """Change some fields. A changed spec makes a new version; `replicas` alone only scales."""
 
 
@@ -174,6 +199,8 @@ class DeploymentSummary(BaseModel):
     priority: str = "standard"
     max_surge: str = "25%"
     max_unavailable: str = "25%"
+    adapters: list[AdapterIn] = Field(default_factory=list)
+    max_adapters: int = 0
     created_at: datetime
     updated_at: datetime
 

@@ -86,6 +86,8 @@ def deployment_summaries(session: Session, rows: list[Deployment]) -> list[Deplo
                 priority=dep.priority,
                 max_surge=dep.max_surge,
                 max_unavailable=dep.max_unavailable,
+                adapters=list(dep.adapters or []),
+                max_adapters=dep.max_adapters or 0,
                 created_at=dep.created_at,
                 updated_at=dep.updated_at,
             )

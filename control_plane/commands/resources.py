@@ -226,12 +226,18 @@ def deploy(
     priority: str = typer.Option(None, "--priority", help=PRIORITY_HELP),
     max_surge: str = typer.Option(None, "--max-surge", help=SURGE_HELP),
     max_unavailable: str = typer.Option(None, "--max-unavailable", help=UNAVAILABLE_HELP),
+    lora: list[str] = typer.Option(
+        None, "--lora", help="LoRA adapter NAME=URI served on this deployment (repeatable; the whole set)"
+    ),
+    max_adapters: int = typer.Option(None, "--max-adapters", help="LoRA adapters one replica holds at once"),
     file: Path = typer.Option(
         None, "--file", "-f", help="deployment YAML (the API's fields); flags override it"
     ),
     output: OutputFormat = OUTPUT_OPTION,
 ) -> None:
     """Create a deployment, or update it when NAME exists (a changed spec makes a new version)."""
+    from control_plane.commands.lora import adapter_pairs
+
     body: dict[str, Any] = _load_file(file) if file else {}
     name = name or body.pop("name", None)
     body.pop("name", None)
@@ -258,6 +264,8 @@ def deploy(
         "priority": priority,
         "max_surge": max_surge,
         "max_unavailable": max_unavailable,
+        "adapters": adapter_pairs(lora) if lora else None,
+        "max_adapters": max_adapters,
     }
     body.update({k: v for k, v in flags.items() if v is not None})
 

@@ -82,6 +82,10 @@ class Deployment(Base):
     priority: Mapped[str] = mapped_column(String(16), default="standard", server_default="standard")
     max_surge: Mapped[str] = mapped_column(String(16), default="25%", server_default="25%")
     max_unavailable: Mapped[str] = mapped_column(String(16), default="25%", server_default="25%")
+    # Multi-LoRA, unversioned (adding an adapter never restarts replicas): [{name, uri}] and
+    # how many one replica holds at once (0 = LoRA off).
+    adapters: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list, server_default="[]")
+    max_adapters: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
@@ -232,6 +236,7 @@ class UsageRecord(Base):
     completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
     status: Mapped[int] = mapped_column(Integer, default=200)
     latency_s: Mapped[float] = mapped_column(Float, default=0.0)
+    adapter: Mapped[str | None] = mapped_column(String(63), nullable=True)  # LoRA adapter, if any
     # the gateway's id of the record (or the stream sequence): a redelivery is stored once
     record_id: Mapped[str | None] = mapped_column(String(64), nullable=True, unique=True)
 

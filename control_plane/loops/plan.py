@@ -8,10 +8,12 @@ from collections import defaultdict
 from collections.abc import Mapping
 
 from agent.protocol import (
+    DEFAULT_MAX_ADAPTERS,
     ApiKeyRecord,
     ClusterRoute,
     ClusterStatus,
     DesiredState,
+    LoRAAdapterSpec,
     ReplicaSpec,
     ReplicaState,
     Resources,
@@ -267,6 +269,7 @@ def build_desired(snap: FleetSnapshot, assignments: list[AssignmentRow]) -> dict
     """Every known cluster's whole desired state (an empty list when it runs nothing);
     generation is left 0 for the publisher to set."""
     by_cluster: dict[str, list[ReplicaSpec]] = {c.id: [] for c in snap.clusters}
+    deployments = {d.name: d for d in snap.deployments}
     for a in assignments:
         spec = snap.specs.get((a.deployment, a.version))
         if spec is None or a.cluster not in by_cluster:
@@ -284,6 +287,7 @@ def build_desired(snap: FleetSnapshot, assignments: list[AssignmentRow]) -> dict
                     gpu_memory_gb=spec.gpu_memory_gb,
                 ),
                 pool=a.pool,
+                **_lora(deployments.get(a.deployment)),
             )
         )
     return {
@@ -338,3 +342,11 @@ def build_routes(snap: FleetSnapshot, assignments: list[AssignmentRow]) -> dict[
 def build_keys(snap: FleetSnapshot) -> dict[str, ApiKeyRecord]:
     """Every key not revoked, as gateways verify it (salt and hash only)."""
     return {k.key_id: k for k in snap.keys}
+
+
+def _lora(dep: DeploymentRow | None) -> dict:
+    """A replica's LoRA fields from its deployment (none when it declares no adapters)."""
+    if dep is None or not (dep.adapters or dep.max_adapters):
+        return {}
+    adapters = [LoRAAdapterSpec(name=n, uri=u) for n, u in dep.adapters]
+    return {"adapters": adapters, "max_adapters": dep.max_adapters or DEFAULT_MAX_ADAPTERS}

@@ -43,6 +43,8 @@ class DeploymentRow(_Row):
     priority: PriorityClass = "standard"
     max_surge: str = DEFAULT_MAX_SURGE
     max_unavailable: str = DEFAULT_MAX_UNAVAILABLE
+    adapters: tuple[tuple[str, str], ...] = ()  # LoRA (name, uri), unversioned
+    max_adapters: int = 0
 
 
 class PoolRow(_Row):
@@ -121,6 +123,8 @@ def read_snapshot(session: Session) -> FleetSnapshot:
                 priority=d.priority if d.priority in PRIORITY_RANK else "standard",
                 max_surge=d.max_surge,
                 max_unavailable=d.max_unavailable,
+                adapters=tuple((a["name"], a["uri"]) for a in d.adapters or []),
+                max_adapters=d.max_adapters or 0,
             )
             for d in deployments
         ),

@@ -72,6 +72,7 @@ def _values(r: protocol.UsageRecord, seq: int | None = None) -> dict:
         "completion_tokens": r.completion_tokens,
         "status": r.status,
         "latency_s": r.latency_s,
+        "adapter": r.adapter,
         "record_id": r.record_id or (f"js-{seq}" if seq else None),
     }
 

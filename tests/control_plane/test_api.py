@@ -445,3 +445,28 @@ def test_events_and_audit_of_writes(admin):
     assert all(a["actor"].endswith(")") for a in audit)
     one = ok(admin.get("/v1/audit", params={"action": "deployment.scale", "resource_id": name}))
     assert one["total"] == 1
+
+
+def test_lora_adapters_are_per_deployment_and_unversioned(admin):
+    name = uniq("lora")
+    body = {"name": name, "model": "m", "adapters": [{"name": "sql", "uri": "/models/sql"}]}
+    created = ok(admin.post("/v1/deployments", json=body), 201)
+    assert created["adapters"] == [{"name": "sql", "uri": "/models/sql"}]
+    assert created["max_adapters"] == 4  # adapters without room get the default
+    added = ok(admin.post(f"/v1/deployments/{name}/adapters", json={"name": "chat", "uri": "/m/chat"}), 201)
+    assert [a["name"] for a in added["adapters"]] == ["sql", "chat"]
+    r = admin.post(f"/v1/deployments/{name}/adapters", json={"name": "chat", "uri": "/m/x"})
+    assert r.status_code == 409
+    for bad in ({"name": "bad name", "uri": "/x"}, {"name": "x"}, {"name": "x", "uri": "s3://"}):
+        r = admin.post(f"/v1/deployments/{name}/adapters", json=bad)
+        assert r.status_code == 422, (bad, r.text)
+    updated = ok(admin.patch(f"/v1/deployments/{name}", json={"max_adapters": 2}))
+    assert updated["max_adapters"] == 2 and updated["current_version"] == 1  # no rollout
+    removed = ok(admin.delete(f"/v1/deployments/{name}/adapters/sql"))
+    assert [a["name"] for a in removed["adapters"]] == ["chat"]
+    assert admin.delete(f"/v1/deployments/{name}/adapters/sql").status_code == 404
+    dup = {"adapters": [{"name": "a", "uri": "/a"}, {"name": "a", "uri": "/b"}]}
+    assert admin.patch(f"/v1/deployments/{name}", json=dup).status_code == 422
+    assert ok(admin.get(f"/v1/deployments/{name}/adapters"))["adapters"] == [
+        {"name": "chat", "uri": "/m/chat"}
+    ]

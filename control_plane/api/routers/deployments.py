@@ -12,6 +12,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload
 
 from control_plane.api import specs
+from control_plane.api.adapters import apply_adapters
 from control_plane.api.audit import audit, event
 from control_plane.api.deps import PagingDep, PrincipalDep, SessionDep, kick
 from control_plane.api.errors import conflict, invalid, not_found
@@ -51,6 +52,7 @@ def create_deployment(body: DeploymentCreate, request: Request, session: Session
         raise conflict(f"deployment {body.name!r} already exists (update it with PATCH)", "name")
     dep = Deployment(name=body.name, replicas=replicas, current_version=1)
     specs.apply_policy(dep, body)
+    apply_adapters(dep, body)
     dep.versions.append(DeploymentVersion(version=1, **spec))
     session.add(dep)
     try:
@@ -124,6 +126,7 @@ def update_deployment(
         changes.append(f"replicas {dep.replicas} -> {replicas}")
         dep.replicas = replicas
     changes += specs.apply_policy(dep, body)
+    changes += apply_adapters(dep, body)
     if not changes:
         return before
     dep.updated_at = utcnow()

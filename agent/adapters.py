@@ -1,0 +1,82 @@
+"""LoRA adapters on running replicas, through the engine's vLLM API (/v1/models,
+/v1/load_lora_adapter, /v1/unload_lora_adapter). The agent uses it to preload a spread of a
+deployment's adapters and to unload those the catalog dropped; the gateway to load one on
+demand where there is room. The choices are plain functions; only `ReplicaAdapters` does I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+
+def spread(adapters: Sequence[str], replica_ids: Sequence[str], max_adapters: int) -> dict[str, list[str]]:
+    """Which adapters each replica preloads: round-robin over the replicas (sorted), each up
+    to `max_adapters`, so every adapter is resident somewhere while there is room."""
+    ids = sorted(replica_ids)
+    out: dict[str, list[str]] = {rid: [] for rid in ids}
+    if not ids or max_adapters <= 0:
+        return out
+    for i, name in enumerate(adapters):
+        for k in range(len(ids)):
+            rid = ids[(i + k) % len(ids)]
+            if len(out[rid]) < max_adapters:
+                out[rid].append(name)
+                break
+    return out
+
+
+def eviction_victim(loaded: Sequence[str], last_used: Mapping[str, float], keep: str) -> str | None:
+    """The adapter to unload for `keep`: the least recently used of the others."""
+    others = [a for a in loaded if a != keep]
+    if not others:
+        return None
+    return min(others, key=lambda a: (last_used.get(a, float("-inf")), a))
+
+
+class ReplicaAdapters:
+    """The replica side: what is loaded, load and unload (a 400 'already loaded' is fine)."""
+
+    def __init__(self, http: httpx.AsyncClient, headers: Mapping[str, str] | None = None) -> None:
+        self.http = http
+        self.headers = dict(headers or {})
+
+    async def loaded(self, url: str) -> list[str] | None:
+        """Adapter names in the replica's /v1/models (cards with a parent); None: no answer."""
+        try:
+            r = await self.http.get(f"{url}/v1/models", headers=self.headers)
+            if r.status_code != 200:
+                return None
+            return [m["id"] for m in r.json().get("data", []) if m.get("parent")]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+
+    async def load(self, url: str, name: str, uri: str) -> bool:
+        try:
+            r = await self.http.post(
+                f"{url}/v1/load_lora_adapter",
+                json={"lora_name": name, "lora_path": uri},
+                headers=self.headers,
+                timeout=120.0,
+            )
+        except httpx.HTTPError as err:
+            log.warning("loading adapter %s on %s failed: %s", name, url, err)
+            return False
+        if r.status_code == 200 or (r.status_code == 400 and "already loaded" in r.text):
+            return True
+        log.warning("loading adapter %s on %s: %s %s", name, url, r.status_code, r.text[:300])
+        return False
+
+    async def unload(self, url: str, name: str) -> bool:
+        try:
+            r = await self.http.post(
+                f"{url}/v1/unload_lora_adapter", json={"lora_name": name}, headers=self.headers
+            )
+        except httpx.HTTPError as err:
+            log.warning("unloading adapter %s on %s failed: %s", name, url, err)
+            return False
+        return r.status_code in (200, 404)

@@ -1,0 +1,75 @@
+"""`/v1/deployments/{name}/adapters`: list, add and remove a deployment's LoRA adapters
+(`fleetctl lora ls|add|rm`). A change reaches agents with the next desired state."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Path, Request
+
+from agent.protocol import DEFAULT_MAX_ADAPTERS
+from control_plane.api.adapters import adapter_record
+from control_plane.api.audit import audit, event
+from control_plane.api.deps import PrincipalDep, SessionDep, kick
+from control_plane.api.errors import conflict, not_found
+from control_plane.api.routers.deployments import _load
+from control_plane.api.schemas import AdapterIn, AdapterName
+from control_plane.db.models import utcnow
+
+router = APIRouter(prefix="/v1/deployments", tags=["adapters"])
+
+
+def _view(dep) -> dict:
+    return {
+        "deployment": dep.name,
+        "max_adapters": dep.max_adapters or 0,
+        "adapters": list(dep.adapters or []),
+    }
+
+
+@router.get("/{name}/adapters")
+def list_adapters(name: str, session: SessionDep, who: PrincipalDep) -> dict:
+    return _view(_load(session, name))
+
+
+@router.post("/{name}/adapters", status_code=201)
+def add_adapter(name: str, body: AdapterIn, request: Request, session: SessionDep, who: PrincipalDep) -> dict:
+    dep = _load(session, name, lock=True)
+    before = _view(dep)
+    if any(a["name"] == body.name for a in dep.adapters or []):
+        raise conflict(f"deployment {name!r} already has an adapter named {body.name!r}", "name")
+    if body.name == name:
+        raise conflict(f"an adapter cannot take its deployment's name {name!r}", "name")
+    dep.adapters = [*(dep.adapters or []), adapter_record(body)]
+    if not dep.max_adapters:
+        dep.max_adapters = DEFAULT_MAX_ADAPTERS
+    dep.updated_at = utcnow()
+    session.flush()
+    after = _view(dep)
+    audit(session, who, "deployment.adapter_add", "deployment", dep.name, before, after)
+    event(session, "deployment_updated", f"{dep.name}: adapter {body.name} added", deployment=dep.name)
+    session.commit()
+    kick(request)
+    return after
+
+
+@router.delete("/{name}/adapters/{adapter}")
+def remove_adapter(
+    name: str,
+    request: Request,
+    session: SessionDep,
+    who: PrincipalDep,
+    adapter: AdapterName = Path(),
+) -> dict:
+    dep = _load(session, name, lock=True)
+    before = _view(dep)
+    kept = [a for a in dep.adapters or [] if a["name"] != adapter]
+    if len(kept) == len(dep.adapters or []):
+        raise not_found("adapter", adapter)
+    dep.adapters = kept
+    dep.updated_at = utcnow()
+    session.flush()
+    after = _view(dep)
+    audit(session, who, "deployment.adapter_remove", "deployment", dep.name, before, after)
+    event(session, "deployment_updated", f"{dep.name}: adapter {adapter} removed", deployment=dep.name)
+    session.commit()
+    kick(request)
+    return after
