@@ -738,10 +738,13 @@ class Agent:
                 r.spec = r.spec.model_copy(update={"adapters": spec.adapters})
             if r.spec.max_adapters > 0 and r.handle is not None:
                 groups.setdefault(r.spec.deployment, []).append(r)
-        for reps in groups.values():
+        for deployment, reps in groups.items():
             catalog = {a.name: a.uri for a in reps[0].spec.adapters}
             room = reps[0].spec.max_adapters
-            share = spread(list(catalog), [r.replica_id for r in reps], room)
+            # Over every replica wanted here, ready or not, so the first one up does not
+            # take the shares of those still starting.
+            ids = [s.replica_id for s in wanted.values() if s.deployment == deployment]
+            share = spread(list(catalog), ids or [r.replica_id for r in reps], room)
             for r in reps:
                 assert r.handle is not None
                 loaded = await self.adapter_api.loaded(r.handle.url)

@@ -1,0 +1,148 @@
+"""Multi-LoRA on a local fleet: a real agent (`python -m agent`) runs two engine replicas of
+a tiny checkpoint over a real nats-server, with four PEFT adapters and room for two on
+each replica. The agent preloads a spread and reports what each replica holds; the gateway
+(in this process, on a real socket) sends every adapter request where its adapter is
+resident, and loads one where there is room after it was unloaded."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import httpx
+import uvicorn
+
+from agent import protocol
+from agent.gateway.app import build_app
+from agent.nats_io import NatsLink, ensure_jetstream
+from agent.protocol import (
+    ApiKeyRecord,
+    ClusterRoute,
+    DesiredState,
+    LoRAAdapterSpec,
+    ReplicaSpec,
+    RoutingTable,
+    hash_secret,
+    new_secret,
+)
+from bench.lora import write_random_adapter
+from control_plane.local.nats_server import free_port
+from engine.loader import read_model_config
+from tests.agent.conftest import cluster_config
+
+ADAPTERS = [f"ad{i}" for i in range(4)]
+
+
+async def eventually(check, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.2)
+
+
+def _outcomes(gateway) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for family in gateway.metrics.registry.collect():
+        for s in family.samples:
+            if s.name == "fleet_gateway_adapter_requests_total":
+                out[s.labels["outcome"]] = s.value
+    return out
+
+
+async def test_adapter_requests_follow_residency(tmp_path, nats_server, model_dir, agent_factory) -> None:
+    cfg_model = read_model_config(model_dir)
+    catalog = [
+        LoRAAdapterSpec(name=n, uri=str(write_random_adapter(tmp_path / n, cfg_model, rank=4, seed=i)))
+        for i, n in enumerate(ADAPTERS)
+    ]
+    port = free_port()
+    cfg = cluster_config(tmp_path, nats_server.url, gateway={"port": port})
+    key_id, secret = new_secret()
+    salt, digest = hash_secret(secret)
+    record = ApiKeyRecord(key_id=key_id, name="t", salt=salt, hash=digest, scopes=["inference"])
+    link = NatsLink(nats_server.url, "test-control")
+    link.start()
+    assert await link.wait_connected(10) and link.nc is not None
+    await ensure_jetstream(link.nc.jetstream())
+    specs = [
+        ReplicaSpec(
+            replica_id=f"tiny-{i}",
+            deployment="tiny",
+            version=1,
+            model=str(model_dir),
+            adapters=catalog,
+            max_adapters=2,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    await link.kv_put(
+        protocol.BUCKET_DESIRED, cfg.cluster, DesiredState(cluster=cfg.cluster, generation=1, replicas=specs)
+    )
+    route = RoutingTable(deployment="tiny", clusters=[ClusterRoute(cluster=cfg.cluster)])
+    await link.kv_put(protocol.BUCKET_ROUTES, "tiny", route)
+    await link.kv_put(protocol.BUCKET_KEYS, key_id, record)
+    await link.close()
+    agent_factory(cfg).start()
+
+    app = build_app(cfg)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    serve = asyncio.create_task(server.serve())
+    headers = {"Authorization": f"Bearer {secret}"}
+    try:
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{port}", timeout=60, trust_env=False
+        ) as client:
+            gateway = app.state.gateway
+
+            def held() -> dict[str, list[str]]:
+                gateway.view.refresh(force=True)
+                return {r.replica_id: sorted(r.adapters) for r in gateway.view.ready("tiny")}
+
+            async def preloaded() -> bool:
+                h = held()
+                return len(h) == 2 and sorted(a for v in h.values() for a in v) == ADAPTERS
+
+            try:
+                await eventually(preloaded, 120, "two ready replicas holding two adapters each")
+            except AssertionError:
+                print(held(), (tmp_path / "agent-1.log").read_text()[-3000:])
+                raise
+            models = (await client.get("/v1/models", headers=headers)).json()["data"]
+            assert {m["id"]: m.get("parent") for m in models} == {
+                "tiny": None,
+                **dict.fromkeys(ADAPTERS, "tiny"),
+            }
+
+            async def complete(model: str) -> str:
+                body = {"model": model, "prompt": "Once upon a time", "max_tokens": 2, "temperature": 0}
+                r = await client.post("/v1/completions", json=body, headers=headers)
+                assert r.status_code == 200, r.text
+                assert r.json()["model"] == model
+                return r.headers.get("x-fleet-cluster", "")
+
+            # Every adapter (and the base) at once, three rounds: all served, all where resident.
+            await asyncio.gather(*(complete(m) for _ in range(3) for m in [*ADAPTERS, "tiny"]))
+            outcomes = _outcomes(gateway)
+            assert outcomes == {"resident": 12.0}, outcomes
+
+            # Unload one behind the gateway's back (as an operator would); once the agent has
+            # reported it, the next request for it loads it where there is room.
+            holder = next(rid for rid, names in held().items() if "ad0" in names)
+            url = next(r.url for r in gateway.view.ready("tiny") if r.replica_id == holder)
+            r = await client.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "ad0"})
+            assert r.status_code == 200, r.text
+
+            async def reported() -> bool:
+                return all("ad0" not in names for names in held().values())
+
+            await eventually(reported, 30, "the agent to report ad0 unloaded")
+            await complete("ad0")
+            outcomes = _outcomes(gateway)
+            assert outcomes.get("loaded") == 1.0 and "failed" not in outcomes, outcomes
+            hit_rate = outcomes["resident"] / sum(outcomes.values())
+            print(f"adapter hit rate {hit_rate:.2%} over {sum(outcomes.values()):.0f} adapter requests")
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(serve, 10)
