@@ -73,7 +73,7 @@ async def test_adapter_requests_follow_residency(tmp_path, nats_server, model_di
             model=str(model_dir),
             adapters=catalog,
             max_adapters=2,
-        )  # fmt: skip
+        )
         for i in range(2)
     ]
     await link.kv_put(
