@@ -87,6 +87,7 @@ def run(model: str, batch: int, max_tokens: int, counts: list[int], rank: int) -
             tps = tokens / wall
             base_tps = tps if n == 0 else base_tps
             label = "base alone" if n == 0 else f"{n} adapter{'s' if n > 1 else ''}"
+            console.print(f"{label}: {tokens} tokens in {wall:.1f} s", highlight=False)
             rows.append([label, batch, tokens, wall, tps, tps / base_tps if base_tps else None,
                          manager.slot_loads_total - slot_before])  # fmt: skip
     mean_load = sum(load_s) / len(load_s) if load_s else None

@@ -335,7 +335,7 @@ class Gateway:
             return error_response(err, reply_headers)
         try:
             reservation, limit_headers = self.quota.admit(
-                record, info, info.worst_case_tokens(self._context_tokens(info.deployment))
+                record, info, info.worst_case_tokens(self._context_tokens(info.deployment)), adapter
             )
         except GatewayError as err:  # over a quota: the refusal is demand the control plane sees
             self._count(info.deployment, err.status, started)
@@ -347,6 +347,7 @@ class Gateway:
                     status=err.status,
                     refused_tokens=min(info.cost_tokens, MAX_USAGE_TOKENS),
                     latency_s=time.monotonic() - started,
+                    adapter=adapter,
                 )
             )
             return error_response(err, reply_headers)

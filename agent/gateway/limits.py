@@ -33,7 +33,11 @@ class QuotaGate:
         self.book = QuotaBook(clock, minute_s)
 
     def admit(
-        self, key: ApiKeyRecord, info: RequestInfo, worst_tokens: int | None = None
+        self,
+        key: ApiKeyRecord,
+        info: RequestInfo,
+        worst_tokens: int | None = None,
+        adapter: str | None = None,
     ) -> tuple[Reservation | None, dict[str, str]]:
         """(reservation to settle, headers for the response); GatewayError 429 when over.
         `worst_tokens` (no max_tokens: the context left) is reserved up to the key's
@@ -43,10 +47,10 @@ class QuotaGate:
         share = share_of(key, self.cluster)
         tokens = info.cost_tokens
         if worst_tokens is not None and worst_tokens > tokens:
-            limits = limits_for(key.quotas, info.deployment, share, self.book.minute_s)
+            limits = limits_for(key.quotas, info.deployment, share, self.book.minute_s, adapter)
             caps = [int(lim.capacity) for lim in limits if lim.unit == "tokens"]
             tokens = max(tokens, min([worst_tokens, *caps]))
-        decision = self.book.admit(key, info.deployment, tokens, share)
+        decision = self.book.admit(key, info.deployment, tokens, share, adapter)
         headers = decision.status.headers()
         if decision.admitted:
             return decision.reservation, headers

@@ -106,9 +106,12 @@ class Limit:
     period_s: float
 
 
-def limits_for(quotas: Quotas, deployment: str, share: float, minute_s: float = MINUTE_S) -> list[Limit]:
+def limits_for(
+    quotas: Quotas, deployment: str, share: float, minute_s: float = MINUTE_S, adapter: str | None = None
+) -> list[Limit]:
     """The buckets a request of this key on `deployment` must pass, capacities scaled by
-    this cluster's share of the key's budget (at least 1 each)."""
+    this cluster's share of the key's budget (at least 1 each). A request for a LoRA
+    `adapter` also passes the limits `quotas.deployments` sets under the adapter's name."""
     day_s = minute_s * DAY_MINUTES
     out: list[Limit] = []
 
@@ -124,6 +127,9 @@ def limits_for(quotas: Quotas, deployment: str, share: float, minute_s: float = 
     per: DeploymentLimits | None = quotas.deployments.get(deployment)
     if per is not None:
         add(f"{deployment}:", per.tokens_per_minute, per.requests_per_minute, per.tokens_per_day)
+    own = quotas.deployments.get(adapter) if adapter is not None and adapter != deployment else None
+    if own is not None:
+        add(f"{adapter}:", own.tokens_per_minute, own.requests_per_minute, own.tokens_per_day)
     return out
 
 
@@ -211,10 +217,12 @@ class QuotaBook:
                 b.resize(lim.capacity, lim.period_s, now)
         return {lim.name: state.buckets[lim.name] for lim in limits}
 
-    def admit(self, key: ApiKeyRecord, deployment: str, tokens: int, share: float = 1.0) -> Decision:
+    def admit(
+        self, key: ApiKeyRecord, deployment: str, tokens: int, share: float = 1.0, adapter: str | None = None
+    ) -> Decision:
         """Admit a request that may cost `tokens` (prompt + max completion) or say why not."""
         now = self.clock()
-        limits = limits_for(key.quotas, deployment, share, self.minute_s)
+        limits = limits_for(key.quotas, deployment, share, self.minute_s, adapter)
         buckets = self._buckets(key.key_id, limits, now)
         cost = {lim.name: (tokens if lim.unit == "tokens" else 1) for lim in limits}
         blocked = [lim for lim in limits if not buckets[lim.name].fits(cost[lim.name], now)]

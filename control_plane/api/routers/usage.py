@@ -28,6 +28,7 @@ UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 class UsageRow(BaseModel):
     key_id: str
     deployment: str
+    adapter: str | None = None  # a LoRA adapter's own row (None: the base model)
     requests: int
     errors: int  # status >= 400
     prompt_tokens: int

@@ -68,3 +68,13 @@ def test_a_changed_adapter_catalog_restarts_nothing_but_max_adapters_does():
     assert plan(DesiredState(cluster="c", replicas=[more]), [record], 0.0) == []
     room = spec.model_copy(update={"max_adapters": 4})
     assert any(isinstance(a, Stop) for a in plan(DesiredState(cluster="c", replicas=[room]), [record], 0.0))
+
+
+def test_an_adapter_has_its_own_limits_on_top_of_the_deployments():
+    from agent.gateway.quota import limits_for
+    from agent.protocol import DeploymentLimits, Quotas
+
+    q = Quotas(tokens_per_minute=1000, deployments={"d": DeploymentLimits(requests_per_minute=10),
+                                                    "sql": DeploymentLimits(tokens_per_minute=50)})  # fmt: skip
+    assert [lim.name for lim in limits_for(q, "d", 1.0)] == ["tpm", "d:rpm"]
+    assert [lim.name for lim in limits_for(q, "d", 1.0, adapter="sql")] == ["tpm", "d:rpm", "sql:tpm"]
