@@ -24,7 +24,7 @@ from agent.config import ClusterConfig
 from agent.kube_config import PoolPlacement
 from agent.protocol import PoolInventory, ReplicaSpec, Tier
 from agent.runtime.base import InvalidSpec
-from agent.runtime.process import ENGINE_MODULE, _check_text, engine_flags
+from agent.runtime.process import ENGINE_MODULE, _check_text, engine_flags, lora_flags
 
 LABEL = "fleet.dev"
 SPEC_ANNOTATION = f"{LABEL}/spec"
@@ -169,7 +169,7 @@ def engine_command(spec: ReplicaSpec, config: ClusterConfig) -> list[str]:
         "--port",
         str(config.kubernetes.port),
     ]
-    argv += engine_flags(spec.engine_args)
+    argv += engine_flags(spec.engine_args) + lora_flags(spec)
     argv += list(config.replica.extra_args)
     if "--drain-timeout" not in argv:
         argv += ["--drain-timeout", repr(float(config.replica.drain_timeout_s))]

@@ -96,6 +96,11 @@ def engine_flags(engine_args: dict[str, Any]) -> list[str]:
     return argv
 
 
+def lora_flags(spec: ReplicaSpec) -> list[str]:
+    """LoRA slots for the adapters the agent and gateway load (none when LoRA is off)."""
+    return ["--enable-lora", "--max-loras", str(spec.max_adapters)] if spec.max_adapters > 0 else []
+
+
 def engine_argv(
     spec: ReplicaSpec, config: ClusterConfig, port: int, python: str = sys.executable
 ) -> list[str]:
@@ -113,9 +118,7 @@ def engine_argv(
         "--port",
         str(port),
     ]
-    argv += engine_flags(spec.engine_args)
-    if spec.max_adapters > 0:  # LoRA slots for the adapters the agent and gateway load
-        argv += ["--enable-lora", "--max-loras", str(spec.max_adapters)]
+    argv += engine_flags(spec.engine_args) + lora_flags(spec)
     argv += list(config.replica.extra_args)
     if "--drain-timeout" not in argv:
         argv += ["--drain-timeout", repr(float(config.replica.drain_timeout_s))]

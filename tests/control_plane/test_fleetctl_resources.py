@@ -278,3 +278,31 @@ def test_deploy_and_scale_priority_and_surge_flags(server):
         assert res.stderr.strip().startswith("error: ") and len(res.stderr.strip().splitlines()) == 1
     assert as_json("status", "prio")["priority"] == "critical"  # nothing bad was applied
     run("delete", "prio")
+
+
+def test_deploy_with_lora_and_lora_ls_add_rm(server):
+    """In-process, like the priority flags test: a few small calls."""
+    from typer.testing import CliRunner
+
+    from control_plane.cli import app
+
+    env = {"FLEET_HOME": str(server.home), "FLEET_API_URL": None, "FLEET_TOKEN": None, "COLUMNS": "200"}
+
+    def run(*args: str, ok: bool = True):
+        res = CliRunner().invoke(app, list(args), env=env)
+        assert (res.exit_code == 0) == ok, (args, res.output)
+        return res
+
+    def as_json(*args: str) -> dict:
+        return json.loads(run(*args, "-o", "json").stdout)
+
+    out = as_json("deploy", "lo", "--model", "m", "--lora", "sql=/a/sql", "--max-adapters", "2")
+    assert out["adapters"] == [{"name": "sql", "uri": "/a/sql"}] and out["max_adapters"] == 2
+    run("lora", "add", "lo", "chat=/a/chat")
+    table = run("lora", "ls", "lo").stdout
+    assert "sql" in table and "/a/chat" in table and "max 2" in table
+    assert [a["name"] for a in as_json("lora", "rm", "lo", "sql")["adapters"]] == ["chat"]
+    bad = run("lora", "add", "lo", "nouri", ok=False)
+    assert "NAME=URI" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    assert "not found" in run("lora", "rm", "lo", "sql", ok=False).stderr
+    run("delete", "lo")
