@@ -31,7 +31,8 @@ def encode_embedding(vec: list[float], encoding_format: str) -> list[float] | st
 
 async def create_embedding(request: Request, state: ServerState) -> Response:
     body = await parse_body(request, EmbeddingRequest)
-    check_model(state, body.model)
+    if check_model(state, body.model) is not None:
+        raise APIError(400, "Embeddings are served by the base model, not a LoRA adapter", param="model")
     engine = state.engine
     assert engine is not None
     width = int(engine.model_config.hidden_size)
