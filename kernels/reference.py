@@ -250,12 +250,12 @@ def lora_shrink(
 ) -> torch.Tensor:
     """x [T, in] -> h [T, R] = x @ A[slot].T per token (zeros for slot -1)."""
     groups = lora_groups(token_slots) if groups is None else groups
+    if len(groups) == 1 and groups[0][1] is None:  # one adapter for every token: one matmul
+        return x @ a_stack[groups[0][0]].t()
     out = x.new_zeros(x.shape[0], a_stack.shape[1])
     for slot, rows in groups:
-        if rows is None:
-            out = x @ a_stack[slot].t()
-        else:
-            out.index_copy_(0, rows, x.index_select(0, rows) @ a_stack[slot].t())
+        assert rows is not None
+        out.index_copy_(0, rows, x.index_select(0, rows) @ a_stack[slot].t())
     return out
 
 
@@ -273,6 +273,6 @@ def lora_expand(
     view = y[:, offset : offset + n]
     for slot, rows in groups:
         if rows is None:
-            view.add_(h @ b_stack[slot].t())
+            view.addmm_(h, b_stack[slot].t())
         else:
             view.index_add_(0, rows, h.index_select(0, rows) @ b_stack[slot].t())

@@ -28,7 +28,5 @@ class LoRABatch:
         """y (the base projection's output of x, fused sub-modules side by side) += the deltas."""
         if group not in self.active:
             return
-        r = self.slots.max_rank
         h = ops.lora_shrink(x, self.slots.a[layer][group], self.token_slots, self.groups)
-        for i, (b, offset) in enumerate(zip(self.slots.b[layer][group], self.slots.offsets[group])):
-            ops.lora_expand(h[:, i * r : (i + 1) * r], b, self.token_slots, y, offset, self.groups)
+        ops.lora_expand(h, self.slots.b[layer][group], self.token_slots, y, 0, self.groups)

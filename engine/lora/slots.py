@@ -2,8 +2,10 @@
 
 For each layer and fused projection group (qkv, o, gate_up, down) there is one A stack
 [S, n_sub * R, in] (the sub-modules' A side by side, so one shrink covers q, k and v) and
-one B stack per sub-module [S, out_sub, R]. R is the largest rank allowed; a smaller adapter
-is zero-padded, which adds exact zeros. Modules an adapter does not target stay zero.
+one B stack [S, out, n_sub * R] holding each sub-module's B block-diagonally at its column
+range of the fused output, so one expand adds every sub-module's delta. R is the largest
+rank allowed; a smaller adapter is zero-padded, which adds exact zeros, and modules an
+adapter does not target stay zero.
 """
 
 from __future__ import annotations
@@ -28,33 +30,31 @@ class LoRASlots:
         self.num_slots = num_slots
         self.max_rank = max_rank
         shapes = module_shapes(cfg)
-        self.a: list[dict[str, torch.Tensor]] = []
-        self.b: list[dict[str, list[torch.Tensor]]] = []
-        # Column offset of each sub-module inside its group's fused output.
+        # Row offset of each sub-module inside its group's fused output.
         self.offsets: dict[str, list[int]] = {}
+        width: dict[str, int] = {}
         for group, subs in GROUPS.items():
             offs, at = [], 0
             for m in subs:
                 offs.append(at)
                 at += shapes[m][1]
-            self.offsets[group] = offs
+            self.offsets[group], width[group] = offs, at
+        self.a: list[dict[str, torch.Tensor]] = []
+        self.b: list[dict[str, torch.Tensor]] = []
         for _ in range(cfg.num_hidden_layers):
             a_layer, b_layer = {}, {}
             for group, subs in GROUPS.items():
+                ranks = len(subs) * max_rank
                 fan_in = shapes[subs[0]][0]
-                a_layer[group] = torch.zeros(
-                    num_slots, len(subs) * max_rank, fan_in, dtype=dtype, device=device
-                )
-                b_layer[group] = [
-                    torch.zeros(num_slots, shapes[m][1], max_rank, dtype=dtype, device=device) for m in subs
-                ]
+                a_layer[group] = torch.zeros(num_slots, ranks, fan_in, dtype=dtype, device=device)
+                b_layer[group] = torch.zeros(num_slots, width[group], ranks, dtype=dtype, device=device)
             self.a.append(a_layer)
             self.b.append(b_layer)
 
     @property
     def bytes(self) -> int:
-        n = sum(t.numel() * t.element_size() for layer in self.a for t in layer.values())
-        return n + sum(t.numel() * t.element_size() for layer in self.b for ts in layer.values() for t in ts)
+        tensors = [t for stacks in (self.a, self.b) for layer in stacks for t in layer.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     @torch.no_grad()
     def write(self, slot: int, adapter: LoRAAdapter) -> None:
@@ -64,10 +64,10 @@ class LoRASlots:
         for a_layer, b_layer in zip(self.a, self.b):
             for group in GROUPS:
                 a_layer[group][slot].zero_()
-                for b in b_layer[group]:
-                    b[slot].zero_()
+                b_layer[group][slot].zero_()
         for (layer, module), (a, b) in adapter.weights.items():
             group, idx = MODULES[module]
-            rank = a.shape[0]
+            rank, out = a.shape[0], b.shape[0]
+            row = self.offsets[group][idx]
             self.a[layer][group][slot, idx * r : idx * r + rank].copy_(a)
-            self.b[layer][group][idx][slot, :, :rank].copy_(b)
+            self.b[layer][group][slot, row : row + out, idx * r : idx * r + rank].copy_(b)
