@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
@@ -110,20 +110,3 @@ def register(app: FastAPI, state: ServerState) -> None:
         state.lora_sources.pop(body.lora_name, None)
         state.metrics.lora_unloaded(len(engine.list_loras()))
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
-
-    @app.get("/v1/lora_adapters")
-    async def lora_adapters() -> Response:
-        """Fleet's view for the agent: every loaded adapter and which sit in device slots."""
-        engine = _lora(state)
-        resident = set(engine.lora.resident())
-        data = [
-            {
-                "name": a.name,
-                "source": state.lora_sources.get(a.name, a.path),
-                "rank": a.rank,
-                "uid": a.uid,
-                "in_slot": a.name in resident,
-            }
-            for a in engine.list_loras()
-        ]
-        return JSONResponse({"max_loras": engine.lora.max_loras, "data": data})
