@@ -174,12 +174,10 @@ class Scheduler:
 
         # 2) Waiting requests, unless this step already had to preempt (memory is tight).
         if not out.preempted:
-            loras = {r.lora for r in self.running if r.lora is not None}
+            loras = {r.lora for r in self.running}  # None (the base) among them takes no slot
             while budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting.peek()
-                if req is None:
-                    break
-                if self._lora_full(req, loras):
+                if req is None or self._lora_full(req, loras):  # nothing, or no adapter slot left
                     break
                 computed_blocks, num_computed = ([], 0)
                 # An embedding pools the hidden state of every prompt token: nothing is skipped.
@@ -201,8 +199,7 @@ class Scheduler:
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = time.monotonic()
                 req.status = RequestStatus.RUNNING
-                if req.lora is not None:
-                    loras.add(req.lora)
+                loras.add(req.lora)
                 self.running.append(req)
                 out.scheduled.append(ScheduledRequest(req, num_new))
                 scheduled_ids.add(id(req))
@@ -215,7 +212,7 @@ class Scheduler:
             req.lora is not None
             and self.max_loras is not None
             and req.lora not in loras
-            and len(loras) >= self.max_loras
+            and len(loras - {None}) >= self.max_loras
         )
 
     def update_after_step(self, out: SchedulerOutput) -> None:

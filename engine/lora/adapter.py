@@ -141,6 +141,26 @@ def load_peft_adapter(
     except (SafetensorError, OSError, ValueError) as err:
         raise LoRAAdapterError(f"cannot read {weights_file}: {err}") from None
 
+    weights = {
+        where: (ab["A"].to(dtype), (ab["B"].float() * scale).to(dtype))
+        for where, ab in _pairs(tensors, cfg, rank, weights_file).items()
+    }
+    return LoRAAdapter(
+        name=name,
+        path=str(root),
+        uid=_content_id(weights_file),
+        rank=rank,
+        scale=float(scale),
+        targets=frozenset(m for _, m in weights),
+        weights=weights,
+        load_seconds=time.perf_counter() - t0,
+    )
+
+
+def _pairs(
+    tensors: dict[str, torch.Tensor], cfg: ModelConfig, rank: int, weights_file: Path
+) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """(layer, module) -> {"A", "B"}, every name and shape checked against the base."""
     shapes = module_shapes(cfg)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
@@ -161,18 +181,7 @@ def load_peft_adapter(
         pairs.setdefault((layer, module), {})[which] = t
     if not pairs:
         raise LoRAAdapterError(f"{weights_file} holds no LoRA tensors")
-    weights = {}
     for (layer, module), ab in pairs.items():
         if set(ab) != {"A", "B"}:
             raise LoRAAdapterError(f"layer {layer} {module}: lora_A and lora_B must both be present")
-        weights[(layer, module)] = (ab["A"].to(dtype), (ab["B"].float() * scale).to(dtype))
-    return LoRAAdapter(
-        name=name,
-        path=str(root),
-        uid=_content_id(weights_file),
-        rank=rank,
-        scale=float(scale),
-        targets=frozenset(m for _, m in weights),
-        weights=weights,
-        load_seconds=time.perf_counter() - t0,
-    )
+    return pairs
