@@ -40,6 +40,7 @@ from bench.common import (
     set_threads,
     synchronize,
 )
+from engine.profiling import STAGES, StepProfiler
 
 GOAL_VS_HF_SINGLE = 8.0
 GOAL_VS_HF_STATIC = 1.5
@@ -288,6 +289,15 @@ def print_report(rep: Report) -> None:
         console.print(line)
 
 
+def print_step_split(prof: StepProfiler) -> None:
+    ms = prof.per_step_ms()
+    print_table(
+        f"Ours: time per step by stage ({prof.steps} steps, mixed prefill and decode)",
+        ["stage", "ms/step", "%"],
+        [[s, ms[s], 100 * ms[s] / ms["total"] if ms["total"] else 0.0] for s in (*STAGES, "total")],
+    )
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
@@ -309,6 +319,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-ours", action="store_true")
     p.add_argument("--roofline-size", type=int, default=2048)
     p.add_argument("--roofline-reps", type=int, default=3)
+    p.add_argument("--weights", default=None, help="ours: fp32 | bf16 | int8 | int4 | auto")
+    p.add_argument(
+        "--profile", action="store_true", help="ours: print the per-step time split (engine.profiling)"
+    )
     p.add_argument("--json", dest="json_path", default=None, help="also write the numbers here")
     return p.parse_args(argv)
 
@@ -340,10 +354,16 @@ def main(argv: list[str] | None = None) -> int:
             "kv_cache_memory": args.kv_cache_mib * 2**20 if args.kv_cache_mib else None,
             "dtype": args.dtype,
             "device": device,
+            "weights": args.weights,
+            "num_threads": args.threads,
         }
         with RSSMonitor() as mon:
             llm = load_ours(args.model, engine_args)
+            prof = StepProfiler(llm.engine).attach() if args.profile else None
             res = run_ours(llm, workload)
+            if prof is not None:
+                prof.detach()
+                print_step_split(prof)
         results.append(res.model_copy(update={"peak_rss_bytes": mon.peak_bytes}))
         cfg = llm.model_config
         del llm

@@ -32,6 +32,7 @@ class ModelConfig(BaseModel):
 
 AttentionBackend = Literal["auto", "torch", "triton"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
+Weights = Literal["fp32", "bf16", "int8", "int4", "auto"]
 
 
 class EngineArgs(BaseModel):
@@ -54,6 +55,11 @@ class EngineArgs(BaseModel):
     max_queue_len: int = Field(4096, ge=1)  # waiting requests beyond this are refused
     attention_backend: AttentionBackend = "auto"
     seed: int = 0
+    # Linear-layer weight format on CPU (see docs/engine.md "Weights"); fp32 keeps the dtype's.
+    weights: Weights = "fp32"
+    # torch intra-op threads: None = chosen per step by measurement among the cores this
+    # process may use (engine.threads); a number pins it.
+    num_threads: int | None = Field(None, ge=1)
     show_progress: bool = True
     # Multi-LoRA (vLLM's flags): adapters in device slots at once, their largest rank, and
     # how many keep CPU weights (default: max_loras) before they are re-read from disk.

@@ -16,8 +16,11 @@ from engine.grammar import GrammarBackend
 from engine.loader import load_checkpoint
 from engine.lora import LoRAManager
 from engine.model.llama import AttentionMetadata, LlamaForCausalLM
+from engine.model.weights import convert_linears
+from engine.model.weights_choice import choose_weights
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from engine.scheduler import ScheduledRequest
+from engine.threads import ThreadPolicy, ThreadTuner, available_cpus
 from kernels import ops
 
 log = logging.getLogger(__name__)
@@ -57,6 +60,7 @@ class ModelRunner:
             state[name] = state[name].to(self.device)
         model.load_hf_state_dict(state)  # so the weights never exist twice in memory
         del state
+        self.weights = self._convert_weights(model, args.weights)
         self.model = model.eval()
         self.block_size = args.block_size
         self.num_blocks = self._num_blocks()
@@ -76,6 +80,7 @@ class ModelRunner:
                 dtype=self.dtype,
                 device=self.device,
             )
+        self.threads = self._thread_tuner(args.num_threads)
         self.grammar: GrammarBackend | None = None  # set by the engine (it owns the tokenizer)
         log.info(
             "model loaded in %.1fs: %s on %s, %d KV blocks of %d tokens",
@@ -85,6 +90,24 @@ class ModelRunner:
             self.num_blocks,
             self.block_size,
         )
+
+    def _convert_weights(self, model: LlamaForCausalLM, fmt: str) -> str:
+        """Linear weights in `fmt` ("auto": the format measured fastest here, see weights_choice)."""
+        if fmt == "auto":
+            fmt = choose_weights(model) if self.device.type == "cpu" else "fp32"
+        if fmt in ("int8", "int4") and self.device.type != "cpu":
+            raise ValueError(f"weights {fmt!r} run on CPU only")
+        convert_linears(model, fmt)
+        return fmt
+
+    def _thread_tuner(self, pinned: int | None) -> ThreadTuner | None:
+        """On CPU: pin the given count, or tune per step among the cores we may use."""
+        if self.device.type != "cpu":
+            return None
+        if pinned is not None:
+            torch.set_num_threads(pinned)
+            return None
+        return ThreadTuner(ThreadPolicy(max_threads=available_cpus()), torch.set_num_threads)
 
     # -- KV cache ------------------------------------------------------------------------
     @property
@@ -235,6 +258,21 @@ class ModelRunner:
         context length (for grouping on the CPU path). Returns None when
         no chunk samples (only partial prefills ran).
         """
+        if self.threads is None:
+            return self._execute(batch, block_ids, stop_token_ids)
+        self.threads.before_step()
+        t0 = time.perf_counter()
+        try:
+            return self._execute(batch, block_ids, stop_token_ids)
+        finally:
+            self.threads.after_step(time.perf_counter() - t0, sum(s.num_new_tokens for s in batch))
+
+    def _execute(
+        self,
+        batch: list[ScheduledRequest],
+        block_ids: list[list[int]],
+        stop_token_ids: list[set[int]],
+    ) -> SamplerOutput | None:
         input_ids, positions, meta, logits_idx, pool_rows = self._build_inputs(batch, block_ids)
         if self.lora is not None:
             meta.lora = self.lora.prepare([s.request.lora for s in batch], [s.num_new_tokens for s in batch])

@@ -1,0 +1,77 @@
+"""Thread policy, weight formats and the step profiler: cheap, no real model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from engine.model.weights import FORMATS, convert_linears
+from engine.threads import ThreadPolicy, ThreadTuner, available_cpus
+
+
+def test_available_cpus_is_within_the_affinity_mask() -> None:
+    import os
+
+    assert 1 <= available_cpus() <= len(os.sched_getaffinity(0))
+
+
+def _drive(policy: ThreadPolicy, cost: dict[int, float], steps: int) -> list[int]:
+    used = []
+    for _ in range(steps):
+        n = policy.next_threads()
+        policy.record(n, cost[n] * 10, 10)
+        used.append(n)
+    return used
+
+
+def test_policy_probes_every_candidate_then_keeps_the_fastest() -> None:
+    policy = ThreadPolicy(max_threads=4, probe_every=20, probe_steps=2)
+    assert policy.candidates == [4, 2, 1]
+    used = _drive(policy, {4: 3.0, 2: 1.0, 1: 2.0}, 20)
+    assert set(used[:6]) == {4, 2, 1}
+    assert used[6:] == [2] * 14
+
+
+def test_policy_follows_a_change_of_load() -> None:
+    policy = ThreadPolicy(max_threads=2, probe_every=10, probe_steps=2)
+    _drive(policy, {2: 1.0, 1: 1.8}, 10)
+    assert policy.best == 2
+    used = _drive(policy, {2: 5.0, 1: 1.8}, 30)  # another process takes a core
+    assert policy.best == 1 and used[-5:] == [1] * 5
+
+
+def test_tuner_sets_threads_only_on_change() -> None:
+    calls: list[int] = []
+    tuner = ThreadTuner(ThreadPolicy(max_threads=1), calls.append)
+    for _ in range(3):
+        tuner.before_step()
+        tuner.after_step(0.01, 1)
+    assert calls == [1]
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(128, 64), nn.Linear(64, 128, bias=False))])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[0](x)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_weight_formats_match_fp32_within_their_precision(fmt: str) -> None:
+    torch.manual_seed(0)
+    model = _Tiny()
+    x = torch.randn(5, 128)
+    ref = model(x)
+    assert convert_linears(model, fmt) == (0 if fmt == "fp32" else 2)
+    out = model(x)
+    rel = ((out - ref).norm() / ref.norm()).item()
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert rel < {"fp32": 1e-7, "bf16": 2e-2, "int8": 2e-2, "int4": 0.2}[fmt]
+
+
+def test_unknown_weight_format_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown weight format"):
+        convert_linears(_Tiny(), "int3")
