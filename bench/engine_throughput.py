@@ -320,6 +320,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--roofline-size", type=int, default=2048)
     p.add_argument("--roofline-reps", type=int, default=3)
     p.add_argument("--weights", default=None, help="ours: fp32 | bf16 | int8 | int4 | auto")
+    p.add_argument("--cuda-graphs", action="store_true", help="ours: decode steps from CUDA graphs")
     p.add_argument(
         "--profile", action="store_true", help="ours: print the per-step time split (engine.profiling)"
     )
@@ -356,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
             "device": device,
             "weights": args.weights,
             "num_threads": args.threads,
+            "cuda_graphs": True if args.cuda_graphs else None,
         }
         with RSSMonitor() as mon:
             llm = load_ours(args.model, engine_args)

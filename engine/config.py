@@ -60,6 +60,8 @@ class EngineArgs(BaseModel):
     # torch intra-op threads: None = chosen per step by measurement among the cores this
     # process may use (engine.threads); a number pins it.
     num_threads: int | None = Field(None, ge=1)
+    # CUDA with the Triton kernels: replay decode-only steps from captured graphs (engine.cuda_graphs)
+    cuda_graphs: bool = False
     show_progress: bool = True
     # Multi-LoRA (vLLM's flags): adapters in device slots at once, their largest rank, and
     # how many keep CPU weights (default: max_loras) before they are re-read from disk.

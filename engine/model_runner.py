@@ -12,6 +12,7 @@ import torch
 
 from engine.config import EngineArgs, ModelConfig
 from engine.continuation import step_seed
+from engine.cuda_graphs import DecodeGraphs
 from engine.grammar import GrammarBackend
 from engine.loader import load_checkpoint
 from engine.lora import LoRAManager
@@ -81,6 +82,7 @@ class ModelRunner:
                 device=self.device,
             )
         self.threads = self._thread_tuner(args.num_threads)
+        self.graphs = self._decode_graphs() if args.cuda_graphs else None
         self.grammar: GrammarBackend | None = None  # set by the engine (it owns the tokenizer)
         log.info(
             "model loaded in %.1fs: %s on %s, %d KV blocks of %d tokens",
@@ -99,6 +101,13 @@ class ModelRunner:
             raise ValueError(f"weights {fmt!r} run on CPU only")
         convert_linears(model, fmt)
         return fmt
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        if self.device.type != "cuda" or ops.resolve_backend(self.device) != "triton":
+            log.warning("cuda_graphs needs CUDA and the Triton kernels; running eager")
+            return None
+        max_blocks = -(-self.max_model_len // self.block_size)
+        return DecodeGraphs(self.model, self.kv_caches, self.args.max_num_seqs, max_blocks, self.device)
 
     def _thread_tuner(self, pinned: int | None) -> ThreadTuner | None:
         """On CPU: pin the given count, or tune per step among the cores we may use."""
@@ -277,7 +286,13 @@ class ModelRunner:
         if self.lora is not None:
             meta.lora = self.lora.prepare([s.request.lora for s in batch], [s.num_new_tokens for s in batch])
         embeddings: dict[str, list[float]] = {}
-        if pool_rows:
+        if (
+            self.graphs is not None
+            and not pool_rows
+            and self.graphs.applies(meta, input_ids.shape[0], logits_idx.shape[0])
+        ):
+            logits = self.graphs.run(input_ids, positions, meta)
+        elif pool_rows:
             hidden_idx = torch.cat([torch.arange(a, b) for a, b in pool_rows]).to(self.device)
             logits, hidden = self.model(input_ids, positions, self.kv_caches, meta, logits_idx, hidden_idx)
             embeddings = self._pool([s for s in batch if s.request.pooling], pool_rows, hidden)
