@@ -372,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
 
     if not (args.skip_hf_single and args.skip_hf_static):
+        import torch
+
+        torch.set_num_threads(threads)  # ours may have tuned it; transformers gets the default
         with RSSMonitor() as mon:
             model = load_hf_model(model_path, args.hf_dtype, device)
         cfg = cfg or model.config

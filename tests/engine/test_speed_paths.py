@@ -75,3 +75,42 @@ def test_weight_formats_match_fp32_within_their_precision(fmt: str) -> None:
 def test_unknown_weight_format_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown weight format"):
         convert_linears(_Tiny(), "int3")
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
+    import json
+
+    from engine.registry import resolve_model_path
+    from engine.tokenizer import Tokenizer
+    from tests.engine.tiny_checkpoints import make_tiny_hf_checkpoint
+
+    out = tmp_path_factory.mktemp("tiny_speed")
+    tok = Tokenizer.from_path(resolve_model_path("smollm2-135m"))
+    make_tiny_hf_checkpoint(
+        out, vocab_size=tok.vocab_size, hidden_size=128, intermediate_size=256, num_layers=2, seed=5
+    )
+    tok.backend.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"bos_token": None, "eos_token": "<|im_end|>"}))
+    return out
+
+
+def test_profiler_splits_live_steps_and_weight_formats_serve(tiny_model_dir) -> None:
+    from engine import LLM, SamplingParams
+    from engine.profiling import STAGES, StepProfiler
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = ["Hello there, how are", "1 2 3 4 5 6 7 8 9"]
+    outs = {}
+    for fmt in ("fp32", "int8"):
+        llm = LLM(str(tiny_model_dir), weights=fmt, show_progress=False, max_model_len=128)
+        assert llm.engine.runner.weights == fmt
+        prof = StepProfiler(llm.engine).attach()
+        outs[fmt] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        prof.detach()
+        ms = prof.per_step_ms()
+        assert prof.steps >= 8 and ms["total"] > 0
+        assert sum(ms[s] for s in STAGES) == pytest.approx(ms["total"], rel=0.05)
+        assert ms["mlp"] > 0 and ms["attention"] > 0 and ms["sampling"] > 0
+        assert "step" not in llm.engine.__dict__  # detached: the engine's own method again
+    assert all(len(t) == 8 for t in outs["int8"])
