@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument(
-        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)"
+        "--threads", type=int, default=None, help="pin torch intra-op threads (default: tuned per step)"
     )
     e = p.add_argument_group("engine")
     e.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=None)
@@ -119,6 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
     e.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false", default=None)
     e.add_argument("--seed", type=int, default=None)
+    e.add_argument(
+        "--weights",
+        choices=["fp32", "bf16", "int8", "int4", "auto"],
+        default=None,
+        help="linear-layer weight format (auto: fastest measured here; see docs/engine.md)",
+    )
+    e.add_argument("--cuda-graphs", dest="cuda_graphs", action="store_true", default=None)
     lo = p.add_argument_group("LoRA adapters (vLLM's flags)")
     lo.add_argument("--enable-lora", action="store_true", default=None, help="serve LoRA adapters")
     lo.add_argument(
@@ -171,6 +178,8 @@ _ENGINE_FLAGS = (
     "max_queue_len",
     "kv_cache_memory",
     "num_gpu_blocks_override",
+    "weights",
+    "cuda_graphs",
     "block_size",
     "attention_backend",
     "enable_prefix_caching",
@@ -187,6 +196,8 @@ def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
     kwargs = {k: getattr(ns, k) for k in _ENGINE_FLAGS if getattr(ns, k) is not None}
     if getattr(ns, "lora_modules", None):
         kwargs["enable_lora"] = True
+    if ns.threads is not None:  # pinned; otherwise the engine tunes threads per step
+        kwargs["num_threads"] = max(1, ns.threads)
     kwargs["show_progress"] = False
     return kwargs
 

@@ -114,3 +114,13 @@ def test_profiler_splits_live_steps_and_weight_formats_serve(tiny_model_dir) -> 
         assert ms["mlp"] > 0 and ms["attention"] > 0 and ms["sampling"] > 0
         assert "step" not in llm.engine.__dict__  # detached: the engine's own method again
     assert all(len(t) == 8 for t in outs["int8"])
+
+
+def test_server_flags_reach_the_engine_args() -> None:
+    from engine.config import EngineArgs
+    from engine.server.launcher import build_parser, engine_kwargs
+
+    ns = build_parser().parse_args(["--model", "m", "--weights", "int8", "--threads", "1"])
+    args = EngineArgs(model="m", **engine_kwargs(ns))
+    assert (args.weights, args.num_threads, args.cuda_graphs) == ("int8", 1, False)
+    assert EngineArgs(model="m", **engine_kwargs(build_parser().parse_args(["--model", "m"]))).num_threads is None
