@@ -269,12 +269,13 @@ class ModelRunner:
         """
         if self.threads is None:
             return self._execute(batch, block_ids, stop_token_ids)
-        self.threads.before_step()
+        tokens = sum(s.num_new_tokens for s in batch)
+        self.threads.before_step(tokens)
         t0 = time.perf_counter()
         try:
             return self._execute(batch, block_ids, stop_token_ids)
         finally:
-            self.threads.after_step(time.perf_counter() - t0, sum(s.num_new_tokens for s in batch))
+            self.threads.after_step(time.perf_counter() - t0, tokens)
 
     def _execute(
         self,

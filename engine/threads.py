@@ -34,54 +34,61 @@ def available_cpus() -> int:
     return max(1, n)
 
 
+def size_class(tokens: int) -> int:
+    """Steps of similar size share estimates: a 2,000-token prefill and a 4-token decode do not."""
+    return min(4, (max(1, tokens).bit_length() + 1) // 3)
+
+
 @dataclass
 class ThreadPolicy:
     """Chooses the thread count for each step from measured seconds per token.
 
-    Steps alternate between exploiting the best known count and, every `probe_every` steps,
-    `probe_steps` steps on each other candidate. Estimates are exponential moving averages, so
-    a change in the machine's load shows within a few probes.
+    Per step-size class (`size_class`): the best known count, and every `probe_every` steps of
+    that class `probe_steps` steps on each candidate. Estimates are exponential moving
+    averages, so a change in the machine's load shows within a few probes.
     """
 
     max_threads: int
     probe_every: int = 64
     probe_steps: int = 3
     smoothing: float = 0.5
-    estimates: dict[int, float] = field(default_factory=dict)
-    _step: int = 0
-    _plan: list[int] = field(default_factory=list)
+    estimates: dict[int, dict[int, float]] = field(default_factory=dict)
+    _steps: dict[int, int] = field(default_factory=dict)
+    _plans: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def candidates(self) -> list[int]:
         if self.max_threads <= 1:
             return [1]
-        half = max(1, self.max_threads // 2)
-        return sorted({self.max_threads, half, 1}, reverse=True)
+        return sorted({self.max_threads, max(1, self.max_threads // 2), 1}, reverse=True)
 
-    @property
-    def best(self) -> int:
-        if not self.estimates:
+    def best(self, tokens: int = 1) -> int:
+        est = self.estimates.get(size_class(tokens))
+        if not est:
             return self.max_threads
-        return min(self.estimates, key=lambda t: (self.estimates[t], -t))
+        return min(est, key=lambda t: (est[t], -t))
 
-    def next_threads(self) -> int:
-        """Thread count for the next step."""
+    def next_threads(self, tokens: int = 1) -> int:
+        """Thread count for the next step, which computes `tokens` tokens."""
         if len(self.candidates) == 1:
             return 1
-        if not self._plan and (
-            self._step % self.probe_every == 0 or len(self.estimates) < len(self.candidates)
-        ):
-            self._plan = [t for t in self.candidates for _ in range(self.probe_steps)]
-        self._step += 1
-        return self._plan.pop(0) if self._plan else self.best
+        key = size_class(tokens)
+        plan = self._plans.setdefault(key, [])
+        seen = self._steps.get(key, 0)
+        self._steps[key] = seen + 1
+        known = self.estimates.get(key, {})
+        if not plan and (seen % self.probe_every == 0 or len(known) < len(self.candidates)):
+            plan.extend(t for t in self.candidates for _ in range(self.probe_steps))
+        return plan.pop(0) if plan else self.best(tokens)
 
     def record(self, threads: int, seconds: float, tokens: int) -> None:
         """One finished step: how long it took with `threads` for `tokens` tokens."""
         if tokens <= 0 or seconds <= 0:
             return
+        est = self.estimates.setdefault(size_class(tokens), {})
         per_token = seconds / tokens
-        old = self.estimates.get(threads)
-        self.estimates[threads] = per_token if old is None else old + self.smoothing * (per_token - old)
+        old = est.get(threads)
+        est[threads] = per_token if old is None else old + self.smoothing * (per_token - old)
 
 
 class ThreadTuner:
@@ -92,8 +99,8 @@ class ThreadTuner:
         self._set = set_threads
         self._current = 0
 
-    def before_step(self) -> int:
-        n = self.policy.next_threads()
+    def before_step(self, tokens: int) -> int:
+        n = self.policy.next_threads(tokens)
         if n != self._current:
             self._set(n)
             self._current = n

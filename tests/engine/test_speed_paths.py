@@ -19,7 +19,7 @@ def test_available_cpus_is_within_the_affinity_mask() -> None:
 def _drive(policy: ThreadPolicy, cost: dict[int, float], steps: int) -> list[int]:
     used = []
     for _ in range(steps):
-        n = policy.next_threads()
+        n = policy.next_threads(10)
         policy.record(n, cost[n] * 10, 10)
         used.append(n)
     return used
@@ -36,16 +36,25 @@ def test_policy_probes_every_candidate_then_keeps_the_fastest() -> None:
 def test_policy_follows_a_change_of_load() -> None:
     policy = ThreadPolicy(max_threads=2, probe_every=10, probe_steps=2)
     _drive(policy, {2: 1.0, 1: 1.8}, 10)
-    assert policy.best == 2
+    assert policy.best(10) == 2
     used = _drive(policy, {2: 5.0, 1: 1.8}, 30)  # another process takes a core
-    assert policy.best == 1 and used[-5:] == [1] * 5
+    assert policy.best(10) == 1 and used[-5:] == [1] * 5
+
+
+def test_policy_keeps_prefill_and_decode_estimates_apart() -> None:
+    policy = ThreadPolicy(max_threads=2, probe_every=100, probe_steps=1)
+    for _ in range(4):  # decodes: 1 thread wins; big prefills: 2 threads win
+        for tokens, cost in ((4, {2: 3.0, 1: 1.0}), (2048, {2: 0.01, 1: 0.02})):
+            n = policy.next_threads(tokens)
+            policy.record(n, cost[n] * tokens, tokens)
+    assert policy.best(4) == 1 and policy.best(2048) == 2
 
 
 def test_tuner_sets_threads_only_on_change() -> None:
     calls: list[int] = []
     tuner = ThreadTuner(ThreadPolicy(max_threads=1), calls.append)
     for _ in range(3):
-        tuner.before_step()
+        tuner.before_step(1)
         tuner.after_step(0.01, 1)
     assert calls == [1]
 
@@ -123,4 +132,7 @@ def test_server_flags_reach_the_engine_args() -> None:
     ns = build_parser().parse_args(["--model", "m", "--weights", "int8", "--threads", "1"])
     args = EngineArgs(model="m", **engine_kwargs(ns))
     assert (args.weights, args.num_threads, args.cuda_graphs) == ("int8", 1, False)
-    assert EngineArgs(model="m", **engine_kwargs(build_parser().parse_args(["--model", "m"]))).num_threads is None
+    assert (
+        EngineArgs(model="m", **engine_kwargs(build_parser().parse_args(["--model", "m"]))).num_threads
+        is None
+    )
