@@ -42,8 +42,8 @@ from bench.common import (
 )
 from engine.profiling import STAGES, StepProfiler
 
-GOAL_VS_HF_SINGLE = 8.0
-GOAL_VS_HF_STATIC = 1.5
+GOAL_VS_HF_SINGLE = 10.0
+GOAL_VS_HF_STATIC = 4.0
 SAMPLING = "greedy (temperature 0), ignore_eos: every request emits exactly its drawn length"
 
 
@@ -234,6 +234,12 @@ def report(
         ratios["ours/hf_single"] = ours.tokens_per_s / single.tokens_per_s
     if ours and static:
         ratios["ours/hf_static"] = ours.tokens_per_s / static.tokens_per_s
+    for r in results:
+        if r.kind.startswith("ours@"):
+            if single:
+                ratios[f"{r.kind}/hf_single"] = r.tokens_per_s / single.tokens_per_s
+            if static:
+                ratios[f"{r.kind}/hf_static"] = r.tokens_per_s / static.tokens_per_s
     return Report(
         workload={
             "num_requests": workload.size,
@@ -277,7 +283,11 @@ def print_report(rep: Report) -> None:
         print_table(
             "Speed-up (useful tokens/s)",
             ["ratio", "measured", "goal", "met"],
-            [[k, v, f">= {goals[k]}x", "yes" if v >= goals[k] else "no"] for k, v in rep.ratios.items()],
+            [
+                [k, v, f">= {goals[g]}x", "yes" if v >= goals[g] else "no"]
+                for k, v in rep.ratios.items()
+                for g in ["ours/" + k.split("/")[1]]
+            ],
         )
     print_table(
         "Matmul roofline (same run)",
@@ -320,6 +330,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--roofline-size", type=int, default=2048)
     p.add_argument("--roofline-reps", type=int, default=3)
     p.add_argument("--weights", default=None, help="ours: fp32 | bf16 | int8 | int4 | auto")
+    p.add_argument(
+        "--also-threads",
+        type=int,
+        nargs="*",
+        default=[],
+        help="ours: also run with torch threads pinned to each count (the tuner off), for comparison",
+    )
     p.add_argument("--cuda-graphs", action="store_true", help="ours: decode steps from CUDA graphs")
     p.add_argument(
         "--profile", action="store_true", help="ours: print the per-step time split (engine.profiling)"
@@ -359,17 +376,24 @@ def main(argv: list[str] | None = None) -> int:
             "num_threads": args.threads,
             "cuda_graphs": True if args.cuda_graphs else None,
         }
-        with RSSMonitor() as mon:
-            llm = load_ours(args.model, engine_args)
-            prof = StepProfiler(llm.engine).attach() if args.profile else None
-            res = run_ours(llm, workload)
-            if prof is not None:
-                prof.detach()
-                print_step_split(prof)
-        results.append(res.model_copy(update={"peak_rss_bytes": mon.peak_bytes}))
-        cfg = llm.model_config
-        del llm
-        gc.collect()
+        # Each pinned count in --also-threads runs as one more "ours" (the tuner off), same workload.
+        for pinned in [None, *args.also_threads]:
+            kw = engine_args if pinned is None else {**engine_args, "num_threads": pinned}
+            with RSSMonitor() as mon:
+                llm = load_ours(args.model, kw)
+                prof = StepProfiler(llm.engine).attach() if args.profile and pinned is None else None
+                res = run_ours(llm, workload)
+                if prof is not None:
+                    prof.detach()
+                    print_step_split(prof)
+            if pinned is not None:
+                res = res.model_copy(
+                    update={"kind": f"ours@{pinned}", "name": f"ours ({pinned} threads pinned)"}
+                )
+            results.append(res.model_copy(update={"peak_rss_bytes": mon.peak_bytes}))
+            cfg = llm.model_config
+            del llm
+            gc.collect()
 
     if not (args.skip_hf_single and args.skip_hf_static):
         import torch

@@ -73,12 +73,22 @@ def test_report_ratios_and_flops(tiny_llama: Any) -> None:
         kind=kind, name=kind, num_requests=4, prompt_tokens=14, output_tokens=tokens,
         computed_output_tokens=tokens, seconds=secs,
     )  # fmt: skip
-    results = [mk("ours", 15, 1.0), mk("hf_single", 15, 10.0), mk("hf_static", 15, 2.0)]
+    results = [
+        mk("ours", 15, 1.0),
+        mk("ours@2", 15, 2.0),
+        mk("hf_single", 15, 10.0),
+        mk("hf_static", 15, 2.0),
+    ]
     roof = [
         common.RooflineResult(dtype="float32", device="cpu", size=8, reps=1, seconds_per_matmul=1, gflops=1)
     ]
     rep = engine_throughput.report(tiny_llama.config, TINY_WORKLOAD, results, roof)
-    assert rep.ratios == {"ours/hf_single": pytest.approx(10.0), "ours/hf_static": pytest.approx(2.0)}
+    assert rep.ratios == {
+        "ours/hf_single": pytest.approx(10.0),
+        "ours/hf_static": pytest.approx(2.0),
+        "ours@2/hf_single": pytest.approx(5.0),
+        "ours@2/hf_static": pytest.approx(1.0),
+    }
     assert rep.gflops["ours"] == pytest.approx(10 * rep.gflops["hf_single"])
     engine_throughput.print_report(rep)
 
