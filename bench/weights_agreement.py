@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     for fmt in args.formats:
         exact, prefix = agreement(ref, generate(args.model, fmt, prompts, args.max_tokens))
         rows.append([fmt, 100 * exact, 100 * prefix])
+        console.print(f"{fmt}: {100 * exact:.0f}% identical, {100 * prefix:.0f}% before first divergence")
     print_table(
         f"Greedy agreement with fp32 ({len(prompts)} ShareGPT prompts, {args.max_tokens} tokens each)",
         ["weights", "% requests identical", "% tokens before first divergence"],
