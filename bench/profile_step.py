@@ -113,7 +113,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="decode steps timed per batch size")
     p.add_argument("--max-prompt-tokens", type=int, default=96)
     p.add_argument("--weights", default=None, help="ours: fp32 | bf16 | int8 | int4 | auto")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--threads", type=int, default=None, help="pin torch threads (default: tuned)")
     p.add_argument("--json", dest="json_path", default=None)
     return p.parse_args(argv)
 
@@ -127,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     tok = load_hf_tokenizer(model_path)
     prompts = [chat_token_ids(tok, t) for t in load_sharegpt_prompts()[:200]]
     prompts = [p for p in prompts if len(p) <= args.max_prompt_tokens]
-    extra = {"weights": args.weights} if args.weights else {}
+    extra: dict[str, Any] = {"weights": args.weights} if args.weights else {}
+    if args.threads is not None:
+        extra["num_threads"] = args.threads  # pinned: the engine's tuner is off
     llm = LLM(model=args.model, show_progress=False, **extra)
     console.print(machine_note("cpu", threads))
     profiles = run_profiles(llm, prompts, args.batch_sizes, args.steps)
