@@ -34,6 +34,11 @@ class AdapterRouting:
             registry=registry,
         )
 
+    def know(self, deployment: str) -> None:
+        """A deployment's outcome series at zero, so its hit-rate panel has series from the start."""
+        for outcome in OUTCOMES:
+            self.routed.labels(deployment, outcome)
+
     @staticmethod
     def resolve(replicas: Iterable[ReplicaStatus], name: str) -> str | None:
         """The deployment whose adapter catalog has `name` (None: not an adapter here)."""

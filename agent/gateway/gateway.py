@@ -229,6 +229,7 @@ class Gateway:
                 peers = [c.cluster for c in route.clusters if c.cluster != self.cluster] if route else []
                 self.metrics.know(deployment, peers)
                 self.migration_metrics.know(deployment)
+                self.adapters.know(deployment)
 
     def _route_clusters(self) -> set[str]:
         """This cluster and every cluster its routes name (whose KV events it indexes)."""

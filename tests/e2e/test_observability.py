@@ -67,6 +67,8 @@ SIM_CANNOT_EXPORT: dict[str, str] = {
     "fleet_engine_api_requests_total": "per-feature API counts come from the real engine server",
     "fleet_engine_grammar_compile_seconds": "sim replicas do no constrained decoding",
     "fleet_engine_grammar_mask_seconds": "sim replicas do no constrained decoding",
+    "fleet_engine_lora_load_seconds": "sim replicas load no LoRA adapters",
+    "fleet_engine_lora_adapters": "sim replicas load no LoRA adapters",
 }
 
 
