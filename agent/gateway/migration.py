@@ -33,7 +33,7 @@ from agent.gateway.errors import GatewayError, sse_error_event
 from agent.gateway.inputs import RequestInfo
 from agent.gateway.plan import plan_failover
 from agent.gateway.proxy import AttemptFailed, Opened, open_upstream
-from agent.gateway.sse import EventSplitter, StreamObserver
+from agent.gateway.sse import EventSplitter, StreamObserver, event_data
 from agent.gateway.tenancy import salted_body
 from engine.openai_contract.continuation import RESUME_FIELD, TOKEN_IDS_FIELD
 
@@ -121,7 +121,7 @@ class StreamLedger:
     def take(self, event: bytes, migrating: bool) -> bytes:
         """The event to forward: ids recorded and stripped, the first leg's id and created
         kept. An in-band error raises `MidstreamFailure` when the stream can migrate."""
-        data = _data(event)
+        data = event_data(event)
         if data is None or data.strip() == b"[DONE]":
             return event
         try:
@@ -160,11 +160,6 @@ class StreamLedger:
     def continuation(self, body: bytes) -> bytes:
         """`body` (what the first leg was sent) continuing after the ids delivered so far."""
         return json.dumps({**json.loads(body), RESUME_FIELD: self.token_ids}, ensure_ascii=False).encode()
-
-
-def _data(event: bytes) -> bytes | None:
-    lines = [line[5:].lstrip() for line in event.splitlines() if line.startswith(b"data:")]
-    return b"\n".join(lines) if lines else None
 
 
 @dataclass

@@ -39,7 +39,8 @@ class EventSplitter:
         return rest
 
 
-def _data(event: bytes) -> bytes | None:
+def event_data(event: bytes) -> bytes | None:
+    """The payload of an SSE event's `data:` lines (None: the event has none)."""
     lines = [line[5:].lstrip() for line in event.splitlines() if line.startswith(b"data:")]
     return b"\n".join(lines) if lines else None
 
@@ -58,7 +59,7 @@ class StreamObserver:
     tokens_seen: int = 0
 
     def observe(self, event: bytes) -> bytes | None:
-        data = _data(event)
+        data = event_data(event)
         if data is None:
             return event
         if data.strip() == b"[DONE]":
