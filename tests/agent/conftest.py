@@ -18,7 +18,10 @@ import numpy as np
 import psutil
 import pytest
 
+from agent import protocol
 from agent.config import ClusterConfig
+from agent.nats_io import NatsLink
+from agent.protocol import ClusterRoute, DesiredState, ReplicaSpec, RoutingTable
 from control_plane.local.nats_server import NatsServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -212,3 +215,17 @@ def agent_factory(tmp_path: Path) -> Iterator[Callable[[ClusterConfig], AgentPro
             with contextlib.suppress(subprocess.TimeoutExpired):
                 agent.terminate(timeout=20)
         agent.kill()
+
+
+async def publish_cluster_state(
+    link: NatsLink, cluster: str, specs: list[ReplicaSpec], key_id: str, key_record: object
+) -> None:
+    """What the control plane would publish for one cluster: its desired replicas, a route
+    per deployment to this cluster alone, and one API key."""
+    await link.kv_put(
+        protocol.BUCKET_DESIRED, cluster, DesiredState(cluster=cluster, generation=1, replicas=specs)
+    )
+    for deployment in sorted({s.deployment for s in specs}):
+        route = RoutingTable(deployment=deployment, clusters=[ClusterRoute(cluster=cluster)])
+        await link.kv_put(protocol.BUCKET_ROUTES, deployment, route)
+    await link.kv_put(protocol.BUCKET_KEYS, key_id, key_record)

@@ -11,7 +11,6 @@ import contextlib
 import httpx
 import uvicorn
 
-from agent import protocol
 from agent.gateway.app import build_app
 from agent.gateway.prefix import prefix_keys
 from agent.gateway.tenancy import cache_salt
@@ -19,14 +18,11 @@ from agent.nats_io import NatsLink, ensure_jetstream
 from agent.ports import free_port
 from agent.protocol import (
     ApiKeyRecord,
-    ClusterRoute,
-    DesiredState,
     ReplicaSpec,
-    RoutingTable,
     hash_secret,
     new_secret,
 )
-from tests.agent.conftest import cluster_config
+from tests.agent.conftest import cluster_config, publish_cluster_state
 from tests.polling import eventually
 
 
@@ -44,12 +40,7 @@ async def test_later_turns_follow_their_prefix(tmp_path, nats_server, model_dir,
         ReplicaSpec(replica_id=f"tiny-{i}", deployment="tiny", version=1, model=str(model_dir))
         for i in range(2)
     ]
-    await link.kv_put(
-        protocol.BUCKET_DESIRED, cfg.cluster, DesiredState(cluster=cfg.cluster, generation=1, replicas=specs)
-    )
-    route = RoutingTable(deployment="tiny", clusters=[ClusterRoute(cluster=cfg.cluster)])
-    await link.kv_put(protocol.BUCKET_ROUTES, "tiny", route)
-    await link.kv_put(protocol.BUCKET_KEYS, key_id, record)
+    await publish_cluster_state(link, cfg.cluster, specs, key_id, record)
     await link.close()
     agent_factory(cfg).start()
 
