@@ -15,6 +15,11 @@ from collections.abc import Callable, Sequence
 Ops = list[tuple[str, tuple[int, ...]]]
 
 
+def capacity_blocks(kv_capacity_tokens: int, block_tokens: int) -> int:
+    """Blocks of `block_tokens` a replica's KV capacity holds (0: no blocks, no cache)."""
+    return kv_capacity_tokens // block_tokens if block_tokens > 0 else 0
+
+
 class PrefixCacheModel:
     def __init__(self, capacity_blocks: int, on_change: Callable[[Ops], None] | None = None) -> None:
         if capacity_blocks < 1:

@@ -4,6 +4,8 @@ inter-token latency of a replica count at a given load (pure, no state).
 The model (docs/autoscaling.md has its assumptions):
 - load is work, not requests: requests/s, prompt tokens/s and output tokens/s, spread
   evenly over the replicas (the gateway routes by least outstanding tokens);
+- prefix reuse: the share of prompt tokens expected to be found in the replicas' prefix
+  caches is not prefilled (0: every prompt token is); cached tokens still hold KV;
 - prefill runs first and pauses decode (as the engine and the simulated replica do); a
   replica's prefill share is rho = lambda x S, S the prefill time per request of the mean
   prompt length in the batch it shares at that load;
@@ -54,10 +56,20 @@ class Load:
     requests_per_s: float = 0.0
     prompt_tokens_per_s: float = 0.0
     output_tokens_per_s: float = 0.0
+    prefix_reuse: float = 0.0  # share of prompt tokens served from prefix caches (not prefilled)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.prefix_reuse < 1.0:
+            raise ValueError(f"prefix_reuse must be in [0, 1), not {self.prefix_reuse}")
 
     @property
     def mean_prompt(self) -> float:
         return self.prompt_tokens_per_s / self.requests_per_s if self.requests_per_s > 0 else 0.0
+
+    @property
+    def mean_prefill(self) -> float:
+        """Prompt tokens a mean request prefills: the part not found cached."""
+        return self.mean_prompt * (1.0 - self.prefix_reuse)
 
     @property
     def mean_output(self) -> float:
@@ -65,7 +77,10 @@ class Load:
 
     def scaled(self, factor: float) -> Load:
         return Load(
-            self.requests_per_s * factor, self.prompt_tokens_per_s * factor, self.output_tokens_per_s * factor
+            self.requests_per_s * factor,
+            self.prompt_tokens_per_s * factor,
+            self.output_tokens_per_s * factor,
+            self.prefix_reuse,
         )
 
 
@@ -148,15 +163,17 @@ class ReplicaCapacity:
         prompts: Sequence[float] = (),
         ttft_target_s: float = math.inf,
     ) -> Prediction:
-        """TTFT and ITL at `replicas` replicas (>= 1) sharing `load`. `prompts`: recent
-        prompt lengths (the mix of the load; without them, exponential around the mean);
+        """TTFT and ITL at `replicas` replicas (>= 1) sharing `load`. `prompts`: the mix of
+        the load, scaled to its mean prefill (recent prompt lengths, or what each request
+        prefills where that is known; without them, exponential around the mean);
         `ttft_target_s`: for the share of requests predicted within it."""
         n = max(1, replicas)
         lam = load.requests_per_s / n
         prompt, output = load.mean_prompt, max(1.0, load.mean_output)
+        fresh = load.mean_prefill  # a request's KV holds its whole prompt; it prefills this
         kv_slots = self.profile.kv_capacity_tokens / max(1.0, prompt + output)
         slot_limit = SLOT_SHARE * min(self.batch_limit, kv_slots)
-        _, own_each, m2 = self._mix(prompts, prompt, correction)
+        _, own_each, m2 = self._mix(prompts, fresh, correction)
         own = sum(own_each) / len(own_each) if own_each else 0.0
         attainable = _share(own_each, ttft_target_s)
         step1 = self.profile.decode_time(1) * correction
@@ -164,7 +181,7 @@ class ReplicaCapacity:
             return Prediction(
                 n, True, own, 0.0, own, step1, 0.0, 0.0, 0.0, slot_limit, attainable, attainable
             )
-        s = self.prefill_cost(prompt, lam, correction)
+        s = self.prefill_cost(fresh, lam, correction)
         rho = lam * s
         if rho >= 1:
             return Prediction(n, False, math.inf, math.inf, own, math.inf, rho, 0, math.inf, slot_limit, 0.0,

@@ -97,7 +97,7 @@ def smallest(
     limit = max(1, limit)
     # Below `lo` no count can do: prefill at its best batching, or decode at its full batch,
     # would need more than all of the replicas' time. Gallop up from there, then bisect.
-    prompt = max(1.0, load.mean_prompt)
+    prompt = max(1.0, load.mean_prefill)
     best_prefill = cap.prefill_cost(prompt, load.requests_per_s, correction)
     best_decode = cap.decode_rate(cap.batch_limit, correction)
     decode = load.requests_per_s * max(0.0, load.mean_output - 1)

@@ -87,7 +87,9 @@ def simulate(
     ),
     policies: str = typer.Option(None, help="comma-separated policies (default: static,kpa,planner,ours)"),
     routing: str = typer.Option(
-        "least-load", "--routing", help="comma-separated replica choices to compare: least-load, prefix"
+        None,
+        "--routing",
+        help="comma-separated replica choices to compare: least-load, prefix (default: the gateway's, prefix)",
     ),
     limit: float = typer.Option(None, help="only the first SECONDS of (scaled) trace"),
     replicas: int = typer.Option(
@@ -102,7 +104,14 @@ def simulate(
     """Replay a trace through the routing and autoscaling policies on simulated replicas."""
     from agent.sim.profile import load_profile
     from control_plane.autoscale.policy import POLICIES, AutoscaleSettings
-    from control_plane.simulate import DEFAULT_POLICIES, TraceError, compare, default_settings, load_trace
+    from control_plane.simulate import (
+        DEFAULT_POLICIES,
+        DEFAULT_ROUTINGS,
+        TraceError,
+        compare,
+        default_settings,
+        load_trace,
+    )
 
     if slo_ttft is not None and slo_ttft <= 0:
         fail("--slo-ttft must be > 0")
@@ -129,6 +138,7 @@ def simulate(
         fail(f"unknown policy {unknown[0]!r}; known: {', '.join(sorted(POLICIES))}")
     from agent.gateway.plan import ROUTINGS
 
+    routing = ",".join(DEFAULT_ROUTINGS) if routing is None else routing
     routings = tuple(dict.fromkeys(r.strip() for r in routing.split(",") if r.strip()))
     bad = [r for r in routings if r not in ROUTINGS]
     if bad or not routings:

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from agent.config import GatewayConfig
 from agent.sim.profile import PerfProfile
 from control_plane.autoscale.policy import AutoscaleSettings
 from control_plane.simulate.des import RunResult, Simulation
@@ -16,7 +17,8 @@ from control_plane.simulate.sizing import peak_size
 from control_plane.simulate.trace import TraceError, TraceRequest, load_trace
 
 DEFAULT_POLICIES = ("static", "kpa", "planner", "ours")
-DEFAULT_ROUTINGS = ("least-load",)
+# The live gateway's replica choice unless configured otherwise: simulated as it runs.
+DEFAULT_ROUTINGS: tuple[str, ...] = (GatewayConfig.model_fields["routing"].default,)
 
 
 def default_settings(profile: PerfProfile) -> AutoscaleSettings:
@@ -46,7 +48,8 @@ def compare(
     """Runs every policy on the same trace, against the targets (`slo_ttft_s`, `slo_itl_s`;
     None: the settings' own, which the SLO-driven policies aim at). `static` gets the peak replica count the
     autoscaled runs reached (provisioning for the peak); run alone, the count the capacity
-    model needs at the trace's busiest minute (`sizing.peak_size`). Autoscaled runs start at
+    model needs at the trace's busiest minute (`sizing.peak_size`; at the prefix reuse the
+    trace's block ids give when prefix routing is among `routings`). Autoscaled runs start at
     `min_replicas` (at least one) and the first `warmup_s` of trace only warms them up:
     requests arriving then and GPU time spent then are not counted, for any policy.
     `on_run(policy)` is called as each policy's run starts (progress).
@@ -62,6 +65,7 @@ def compare(
     reports: list[PolicyReport] = []
     autoscaled = [p for p in policies if p != "static"]
     peak, sizing = settings.max_replicas, f"max_replicas {settings.max_replicas}"
+    reuse: float | None = None
     order = [*autoscaled, *(["static"] if "static" in policies else [])]
     initial = max(1, settings.min_replicas)
     if autoscaled:
@@ -81,10 +85,10 @@ def compare(
         sizing = f"the peak of {probe.policy}"
         runs[(probe.policy, routings[0])] = probe
     elif "static" in policies and static_replicas is None:
-        size = peak_size(trace, profile, settings)
-        peak, sizing = size.replicas, size.why
+        size = peak_size(trace, profile, settings, prefix_caching="prefix" in routings)
+        peak, sizing, reuse = size.replicas, size.why, size.prefix_reuse
     if static_replicas is not None:
-        peak, sizing = static_replicas, "--replicas"
+        peak, sizing, reuse = static_replicas, "--replicas", None
     for routing in routings:  # every routing at the same replicas: static gets the same peak
         for name in order:
             if (name, routing) in runs:
@@ -124,6 +128,7 @@ def compare(
         policies=reports,
         static_replicas=peak if "static" in policies else None,
         static_sizing=sizing if "static" in policies else "",
+        static_prefix_reuse=reuse,
     )
     if plot_path is not None:
         plot(report, {f"{p}/{r}" if len(routings) > 1 else p: run for (p, r), run in runs.items()}, plot_path)

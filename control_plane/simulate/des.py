@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from agent.gateway.kv_index import KvUpdate, PrefixIndex
 from agent.gateway.plan import ClusterFacts, CostModel, ReplicaFacts, RequestFacts, plan_route
 from agent.sim.model import ReplicaModel, SimRequest
-from agent.sim.prefix_cache import Ops, PrefixCacheModel
+from agent.sim.prefix_cache import Ops, PrefixCacheModel, capacity_blocks
 from agent.sim.profile import PerfProfile
 from control_plane.autoscale.policy import AutoscaleSettings, Observation, ScalerState, make_policy
 from control_plane.simulate.trace import TraceRequest
@@ -66,7 +66,7 @@ class RunResult:
     decisions: list[tuple[float, int, str]] = field(default_factory=list)
     end: float = 0.0
     warmup_s: float = 0.0  # requests before it, and GPU time before it, are not counted
-    routing: str = "least-load"
+    routing: str = "prefix"
 
     @property
     def measured(self) -> list[SimRequest]:
@@ -83,7 +83,7 @@ class Simulation:
         *,
         tick_s: float = 2.0,
         initial_replicas: int = 1,
-        routing: str = "least-load",
+        routing: str = "prefix",
         warmup_s: float = 0.0,
     ) -> None:
         self.warmup_s = warmup_s
@@ -122,7 +122,7 @@ class Simulation:
 
     def _cache_blocks(self) -> int:
         block = next((t.block_tokens for t in self.trace if t.hash_ids), 0)
-        return self.profile.kv_capacity_tokens // block if block else 0
+        return capacity_blocks(self.profile.kv_capacity_tokens, block)
 
     def _add_replica(self, now: float, cold: bool) -> None:
         self._n += 1

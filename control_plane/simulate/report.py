@@ -24,7 +24,7 @@ def percentile(values: list[float], q: float) -> float:
 
 class PolicyReport(BaseModel):
     policy: str
-    routing: str = "least-load"  # the gateway's replica choice (agent.gateway.plan)
+    routing: str = "prefix"  # the gateway's replica choice (agent.gateway.plan)
     requests: int
     completed: int
     gpu_hours: float
@@ -62,6 +62,7 @@ class SimulationReport(BaseModel):
     wall_s: float = 0.0
     static_replicas: int | None = None  # replicas of the static runs (every routing alike)
     static_sizing: str = ""  # why that many (simulate.sizing)
+    static_prefix_reuse: float | None = None  # the share of prompt tokens that sizing assumed cached
     policies: list[PolicyReport]
 
 

@@ -185,3 +185,17 @@ def test_without_a_profile_it_scales_by_concurrency_and_says_so() -> None:
 def test_registered_and_bounded(policy: str) -> None:
     r = run(policy, series((0, 400, Work(40.0, 3000, 300))), max_replicas=6)
     assert max(d for _, d, _ in r) == 6
+
+
+def test_prefix_reuse_shortens_prefill_but_not_the_kv_a_request_holds() -> None:
+    cap = ReplicaCapacity(H100)
+    cold, warm = Load(6.0, 6000 * 4, 1200), Load(6.0, 6000 * 4, 1200, prefix_reuse=0.75)
+    assert Load(6.0, 6000, 1200, 0.0) == Load(6.0, 6000, 1200)  # 0: as before
+    a, b = (cap.predict(x, 3, 1.0, [4000] * 4, 2.0) for x in (cold, warm))
+    assert b.prefill_s < a.prefill_s and b.prefill_share < a.prefill_share and b.ttft_s < a.ttft_s
+    assert b.slot_limit == a.slot_limit  # cached tokens still take KV room
+    assert warm.scaled(2).prefix_reuse == 0.75 and warm.mean_prefill == pytest.approx(1000)
+    n_cold = smallest(cap, cold, AutoscaleSettings(), 40, 1.0, [4000] * 4)[0]
+    assert smallest(cap, warm, AutoscaleSettings(), 40, 1.0, [4000] * 4)[0] < n_cold
+    with pytest.raises(ValueError, match="prefix_reuse"):
+        Load(1.0, 100, 10, prefix_reuse=1.0)

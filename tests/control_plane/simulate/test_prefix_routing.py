@@ -9,6 +9,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
+from agent.config import GatewayConfig
 from agent.sim.prefix_cache import PrefixCacheModel
 from agent.sim.profile import PerfProfile
 from control_plane.autoscale import AutoscaleSettings
@@ -97,5 +98,13 @@ def test_fleetctl_simulate_routing_rows_on_mooncake(shared_data: Path) -> None:
     ll, px = rows
     assert px["cache_hit_rate"] > ll["cache_hit_rate"] and px["ttft_p90_s"] < ll["ttft_p90_s"]
     assert all(r["replicas_max"] == 8 for r in rows)
+    # Without --routing: the live gateway's default (prefix), the same row.
+    default = runner.invoke(app, [*args, "--replicas", "8", "--limit", "400", "-o", "json"])
+    assert default.exit_code == 0, default.output
+    assert GatewayConfig().routing == "prefix"
+    keys = ("policy", "routing", "completed", "ttft_p50_s", "ttft_p90_s", "cache_hit_rate", "replicas_max")
+    assert [{k: r[k] for k in keys} for r in json.loads(default.stdout)["policies"]] == [
+        {k: px[k] for k in keys}
+    ]
     bad = runner.invoke(app, [*args, "--routing", "round-robin"])
     assert bad.exit_code != 0 and "unknown routing 'round-robin'" in bad.output
