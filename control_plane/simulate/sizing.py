@@ -94,11 +94,14 @@ def peak_size(
         else:
             lo = mid + 1
     size = at(hi)
-    why = (
-        f"{size.why}, with {100 * size.prefix_reuse:.1f}% of its prompt tokens from prefix caches "
-        f"(trace hash_ids through one LRU of {hi} replicas' KV, {per_replica * hi:,} blocks; "
-        f"{no_reuse.replicas} without reuse)"
-    )
+    cache = f"trace hash_ids through one LRU of {hi} replicas' KV, {per_replica * hi:,} blocks"
+    if size.why == f"min_replicas {size.replicas}":  # no window needs more than the floor
+        why = f"{size.why} (every window fits, with prefix reuse from {cache}; {no_reuse.replicas} without reuse)"
+    else:
+        why = (
+            f"{size.why}, with {100 * size.prefix_reuse:.1f}% of its prompt tokens from prefix caches "
+            f"({cache}; {no_reuse.replicas} without reuse)"
+        )
     if size.replicas < hi:
         why += f"; {size.replicas} would do at that reuse, but fewer replicas cache too little"
     return StaticSize(hi, size.window_start_s, why, size.prefix_reuse)

@@ -133,4 +133,4 @@ def test_prefix_reuse_sizing_stays_within_min_and_max_replicas() -> None:
     capped = peak_size(trace, PROFILE, SETTINGS.model_copy(update={"max_replicas": 2}))
     assert capped.replicas == 2 and "capped" in capped.why
     floor = peak_size(families(0.5, 120), PROFILE, SETTINGS.model_copy(update={"min_replicas": 4}))
-    assert floor.replicas == 4
+    assert floor.replicas == 4 and floor.why.startswith("min_replicas 4 (every window fits")
