@@ -1,16 +1,23 @@
-"""Stream migration under a replica kill: the client-visible gap, ours vs a healthy run.
+"""Stream migration under a replica kill, a drain and a rollout: the client-visible gap,
+ours vs a healthy run.
 
-Two real SmolLM2 replicas behind a real gateway (and nats-server); `--streams` concurrent
-greedy streams run once on the healthy fleet (the baseline: its largest inter-chunk delay
-per stream), then again while one replica is SIGKILLed mid-stream. Every stream must
-complete without an error event and with the healthy run's text; the table gives the
-largest inter-chunk delay per stream (p50 / p99 / max over streams and runs), which for a
-migrated stream is the gap of its hand-over. Run from a checkout:
+`--streams` concurrent greedy streams through a real gateway, once on the healthy fleet
+(the baseline: its largest inter-chunk delay per stream), then again while:
 
-    python -m bench.stream_migration --runs 3 --streams 12 --max-tokens 40
+- kill: one of two real SmolLM2 replicas is SIGKILLed mid-stream;
+- drain: it is told to stop (SIGTERM) and hands its streams over;
+- rollout: `fleetctl rollout start` replaces both replicas of a real fleet (control
+  plane, agent with the process runtime: bench.rollout_fleet) while the streams run.
 
-`LiveFleet` and `run_streams` are shared with the live test
-(tests/agent/gateway/test_stream_migration_live.py).
+Every stream must complete without an error event and with the healthy run's text; the
+table gives the largest inter-chunk delay per stream after the disruption (p50 / p99 /
+max over streams and runs), which for a migrated stream is the gap of its hand-over. Run
+from a checkout:
+
+    python -m bench.stream_migration --runs 2 --streams 12 --max-tokens 40
+
+`LiveFleet` and `run_streams` are shared with the live tests
+(tests/agent/gateway/test_stream_migration_live.py, tests/e2e/test_stream_migration_rollout.py).
 """
 
 from __future__ import annotations
@@ -155,6 +162,7 @@ class LiveFleet:
         self.workdir = workdir
         self.secret, self.record = key
         args = ["--served-model-name", DEPLOYMENT, "--max-model-len", str(max_model_len), "--threads", "1"]
+        args += ["--drain-handover", "0.3"]  # a SIGTERM hands the streams over at once
         self.replicas = [
             ServerProcess(*args, model="smollm2-135m", log_path=workdir / f"r{i}.log") for i in range(2)
         ]
@@ -217,51 +225,112 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+@dataclass
+class Tally:
+    """One scenario's figures over its runs: each stream's largest inter-chunk delay
+    (after the disruption, for a disrupted run) and the streams that failed or differed."""
+
+    gaps: list[float] = field(default_factory=list)
+    failures: int = 0
+    streams: int = 0
+
+    def add(self, healthy: list[StreamResult], run: list[StreamResult], after: float | None) -> None:
+        self.gaps += [r.max_gap(after=after) for r in run]
+        self.streams += len(run)
+        if healthy is not run:
+            self.failures += sum(
+                1 for h, r in zip(healthy, run, strict=True) if r.error or not r.done or r.text != h.text
+            )
+
+    def row(self, name: str) -> list[str]:
+        return [
+            name, f"{_pct(self.gaps, 0.5):.3f}", f"{_pct(self.gaps, 0.99):.3f}",
+            f"{max(self.gaps, default=0):.3f}", str(self.streams), str(self.failures),
+        ]  # fmt: skip
+
+
+def _replica_runs(args: argparse.Namespace, texts: list[str], scenarios: list[str]) -> dict[str, Tally]:
+    """kill (SIGKILL) and drain (SIGTERM: the replica hands its streams over) of replica 0
+    of two, once every stream has 6 chunks; the replica is restarted between runs."""
+    from tests.agent.gateway.harness import make_key
+
+    out = {name: Tally() for name in ("healthy", *scenarios)}
+    with tempfile.TemporaryDirectory() as tmp:
+        fleet = LiveFleet(Path(tmp), make_key("bench")).up()
+        try:
+            for run in range(args.runs):
+                for name in scenarios:
+                    url, key = fleet.gateway.url, fleet.secret
+                    healthy, _ = asyncio.run(run_streams(url, key, texts, args.max_tokens))
+                    out["healthy"].add(healthy, healthy, None)
+                    disrupt = (lambda: fleet.kill(0)) if name == "kill" else fleet.replicas[0].terminate
+                    moved, at = asyncio.run(run_streams(url, key, texts, args.max_tokens, kill=disrupt))
+                    out[name].add(healthy, moved, at)
+                    print(f"run {run + 1}/{args.runs} {name}: {out[name].failures} failed so far")
+                    fleet.restart(0)
+        finally:
+            fleet.down()
+    return out
+
+
+def _rollout_runs(args: argparse.Namespace, texts: list[str]) -> Tally:
+    """Each run a real rollout (`fleetctl rollout start`, bench.rollout_fleet) that
+    replaces both replicas while the streams run; the reference is the healthy run just
+    before it on the same fleet."""
+    from bench.rollout_fleet import RolloutFleet
+    from tests.e2e.sim_fleet import wait_for
+
+    tally = Tally()
+    with tempfile.TemporaryDirectory() as tmp:
+        fleet = RolloutFleet(Path(tmp)).up()
+        try:
+            for run in range(args.runs):
+                healthy, _ = asyncio.run(run_streams(fleet.gateway, fleet.key, texts, args.max_tokens))
+                old = fleet.pids(fleet.version)
+                moved, at, _ = fleet.streams_through_rollout(texts, args.max_tokens)
+                wait_for(lambda: fleet.replaced(old), 300, 0.2, "the old replicas replaced")  # noqa: B023
+                tally.add(healthy, moved, at)
+                print(f"run {run + 1}/{args.runs} rollout: {tally.failures} failed so far")
+        finally:
+            fleet.down()
+    return tally
+
+
 def main() -> None:
     from bench.common import print_table
-    from tests.agent.gateway.harness import make_key
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--streams", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=40)
+    ap.add_argument(
+        "--rollout-max-tokens",
+        type=int,
+        default=96,
+        help="rollout streams: long enough to outlast the new replicas' start",
+    )
+    ap.add_argument("--scenarios", default="kill,drain,rollout", help="any of kill, drain, rollout")
     args = ap.parse_args()
+    scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    unknown = set(scenarios) - {"kill", "drain", "rollout"}
+    if unknown:
+        ap.error(f"unknown scenario(s): {', '.join(sorted(unknown))}")
     texts = prompts(args.streams)
-    healthy_gaps: list[float] = []
-    migrated_gaps: list[float] = []
-    failures = 0
-    with tempfile.TemporaryDirectory() as tmp:
-        fleet = LiveFleet(Path(tmp), make_key("bench")).up()
-        try:
-            for run in range(args.runs):
-                healthy, _ = asyncio.run(run_streams(fleet.gateway.url, fleet.secret, texts, args.max_tokens))
-                healthy_gaps += [r.max_gap() for r in healthy]
-                killed, at = asyncio.run(
-                    run_streams(
-                        fleet.gateway.url, fleet.secret, texts, args.max_tokens, kill=lambda: fleet.kill(0)
-                    )
-                )
-                migrated_gaps += [r.max_gap(after=at) for r in killed]
-                failures += sum(
-                    1
-                    for h, k in zip(healthy, killed, strict=True)
-                    if k.error or not k.done or k.text != h.text
-                )
-                print(f"run {run + 1}/{args.runs}: {failures} failed so far")
-                if run + 1 < args.runs:
-                    fleet.restart(0)
-        finally:
-            fleet.down()
-    rows = [
-        ["healthy (baseline)", f"{_pct(healthy_gaps, 0.5):.3f}", f"{_pct(healthy_gaps, 0.99):.3f}",
-         f"{max(healthy_gaps, default=0):.3f}", "-"],
-        ["replica SIGKILLed", f"{_pct(migrated_gaps, 0.5):.3f}", f"{_pct(migrated_gaps, 0.99):.3f}",
-         f"{max(migrated_gaps, default=0):.3f}", f"{failures}"],
-    ]  # fmt: skip
+    tallies = _replica_runs(args, texts, [s for s in scenarios if s != "rollout"])
+    if "rollout" in scenarios:
+        rollout_args = argparse.Namespace(**{**vars(args), "max_tokens": args.rollout_max_tokens})
+        tallies["rollout"] = _rollout_runs(rollout_args, texts)
+    names = {
+        "healthy": "healthy (baseline)",
+        "kill": "replica SIGKILLed",
+        "drain": "replica drained (SIGTERM)",
+        "rollout": "rollout replaces both",
+    }
     print_table(
-        f"Largest inter-chunk delay per stream, s ({args.runs} runs x {args.streams} streams)",
-        ["run", "p50", "p99", "max", "streams failed or differing"],
-        rows,
+        f"Largest inter-chunk delay per stream, s ({args.runs} runs x {args.streams} streams; "
+        f"after the disruption for disrupted runs)",
+        ["run", "p50", "p99", "max", "streams", "failed or differing"],
+        [tally.row(names[name]) for name, tally in tallies.items()],
     )
 
 

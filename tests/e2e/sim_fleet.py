@@ -1,6 +1,7 @@
 """A local fleet of real processes (nats-server, control plane, one agent + gateway per
 region) whose agents run the `sim` runtime: simulated replicas start in a fraction of a
 second and fail on demand (`error_rate`), so traffic-shaped tests run without torch.
+`runtime="process"` runs real engine replicas instead (`replica_args` for every one).
 Plus a steady load generator that records every request."""
 
 from __future__ import annotations
@@ -30,12 +31,21 @@ def wait_for(check, timeout: float, interval: float = 0.2, what: str = "conditio
 
 class SimFleet:
     def __init__(
-        self, home: Path, regions: list[str], slots: int = 4, gateway: dict[str, dict] | None = None
+        self,
+        home: Path,
+        regions: list[str],
+        slots: int = 4,
+        gateway: dict[str, dict] | None = None,
+        *,
+        runtime: str = "sim",
+        replica_args: list[str] | None = None,
     ) -> None:
         self.home = home
         self.regions = regions
         self.slots = slots
         self.gateway_overrides = gateway or {}  # region -> GatewayConfig fields
+        self.runtime = runtime
+        self.replica_args = replica_args or []
         self.local = LocalFleet(home)
         self.state = self.local.new_state(regions)
         self.token = ""
@@ -49,15 +59,16 @@ class SimFleet:
         local.save(state)
         local.start_nats(state, port=free_port())  # never a shared default port: others run fleets too
         self.start_control_plane(port=free_port(), timeout=timeout)
+        pool = "sim" if self.runtime == "sim" else "cpu"
         for index, region in enumerate(self.regions):
-            config = local.write_cluster_config(state, region, index, self.slots, [])
+            config = local.write_cluster_config(state, region, index, self.slots, self.replica_args)
             config = config.model_copy(
                 update={
-                    "runtime": "sim",
+                    "runtime": self.runtime,
                     "gateway": config.gateway.model_copy(
                         update={"port": free_port(), **self.gateway_overrides.get(region, {})}
                     ),
-                    "pools": [PoolInventory(name="sim", gpu_model="cpu", gpus_per_node=self.slots, nodes=1)],
+                    "pools": [PoolInventory(name=pool, gpu_model="cpu", gpus_per_node=self.slots, nodes=1)],
                 }
             )
             config.dump(local.dir / "clusters" / region / "cluster.yaml")
