@@ -1,13 +1,15 @@
-"""A real Fleet whose rollouts replace real SmolLM2 replicas, for streams to ride through.
+"""A real Fleet whose rollouts replace real engine replicas, for streams to ride through.
 
 nats-server, the control plane, one agent running the `process` runtime and its gateway,
-as processes (`tests.e2e.sim_fleet.SimFleet` with `runtime="process"`), serving
-`DEPLOYMENT` on `replicas` SmolLM2 engine replicas. The cluster has room for twice that
-and the deployment a surge budget of as many (`max_unavailable` 0), so a one-step
-rollout (`fleetctl rollout start ... --steps 100`) starts every canary replica at once
-and the control plane gives up each old replica as a new one becomes ready: the agent
-stops it (SIGTERM), the engine stops admitting and hands its streams over after
-`--drain-handover`, and the gateway continues them on the new version.
+as processes (`tests.e2e.sim_fleet.SimFleet` with `runtime="process"`), serving one
+deployment on `replicas` engine replicas (SmolLM2 unless told otherwise). The cluster has
+room for twice that and the deployment a surge budget of as many (`max_unavailable` 0),
+so a one-step rollout (`fleetctl rollout start ... --steps 100`) starts every canary
+replica at once and the control plane gives up each old replica as a new one becomes
+ready: the agent stops it (SIGTERM), the engine stops admitting and hands its streams
+over after `--drain-handover`, and the gateway continues them on the new version. At
+its peak the fleet runs 2 x `replicas` engine processes (the default, 1, keeps a shared
+2-core box at two).
 
 Shared by `bench.stream_migration` (the rollout scenario) and
 tests/e2e/test_stream_migration_rollout.py.
@@ -68,7 +70,7 @@ class RolloutFleet:
         *,
         model: str = "smollm2-135m",
         name: str = DEPLOYMENT,
-        replicas: int = 2,
+        replicas: int = 1,
         max_model_len: int = 512,
     ) -> None:
         from tests.e2e.sim_fleet import SimFleet

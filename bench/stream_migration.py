@@ -6,8 +6,9 @@ ours vs a healthy run.
 
 - kill: one of two real SmolLM2 replicas is SIGKILLed mid-stream;
 - drain: it is told to stop (SIGTERM) and hands its streams over;
-- rollout: `fleetctl rollout start` replaces both replicas of a real fleet (control
-  plane, agent with the process runtime: bench.rollout_fleet) while the streams run.
+- rollout: `fleetctl rollout start` replaces every replica (`--rollout-replicas`) of a
+  real fleet (control plane, agent with the process runtime: bench.rollout_fleet) while
+  one worker per prompt keeps a stream of it in flight.
 
 Every stream must complete without an error event and with the healthy run's text; the
 table gives the largest inter-chunk delay per stream after the disruption (p50 / p99 /
@@ -275,22 +276,31 @@ def _replica_runs(args: argparse.Namespace, texts: list[str], scenarios: list[st
 
 def _rollout_runs(args: argparse.Namespace, texts: list[str]) -> Tally:
     """Each run a real rollout (`fleetctl rollout start`, bench.rollout_fleet) that
-    replaces both replicas while the streams run; the reference is the healthy run just
-    before it on the same fleet."""
+    replaces every replica while one worker per text keeps a stream of it in flight; the
+    gaps are those of the streams in flight when an old replica was given up, the
+    reference the healthy run just before on the same fleet."""
     from bench.rollout_fleet import RolloutFleet
-    from tests.e2e.sim_fleet import wait_for
 
     tally = Tally()
     with tempfile.TemporaryDirectory() as tmp:
-        fleet = RolloutFleet(Path(tmp)).up()
+        fleet = RolloutFleet(Path(tmp), replicas=args.rollout_replicas).up()
         try:
             for run in range(args.runs):
-                healthy, _ = asyncio.run(run_streams(fleet.gateway, fleet.key, texts, args.max_tokens))
-                old = fleet.pids(fleet.version)
-                moved, at, _ = fleet.streams_through_rollout(texts, args.max_tokens)
-                wait_for(lambda: fleet.replaced(old), 300, 0.2, "the old replicas replaced")  # noqa: B023
-                tally.add(healthy, moved, at)
-                print(f"run {run + 1}/{args.runs} rollout: {tally.failures} failed so far")
+                healthy, _ = fleet.streams(texts, args.max_tokens)
+                through = fleet.streams_through_rollout(texts, args.max_tokens)
+                moved = through.across_removal()
+                tally.gaps += [r.max_gap() for r in moved]
+                tally.streams += len(moved)
+                tally.failures += sum(
+                    1
+                    for i, runs in enumerate(through.runs)
+                    for r in runs
+                    if r.error or not r.done or r.text != healthy[i].text
+                )
+                print(
+                    f"run {run + 1}/{args.runs} rollout: {sum(map(len, through.runs))} streams, "
+                    f"{len(moved)} across a removal, {tally.failures} failed so far"
+                )
         finally:
             fleet.down()
     return tally
@@ -303,13 +313,13 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--streams", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=40)
-    ap.add_argument(
-        "--rollout-max-tokens",
-        type=int,
-        default=96,
-        help="rollout streams: long enough to outlast the new replicas' start",
-    )
     ap.add_argument("--scenarios", default="kill,drain,rollout", help="any of kill, drain, rollout")
+    ap.add_argument(
+        "--rollout-replicas",
+        type=int,
+        default=1,
+        help="replicas the rollout replaces (it runs twice as many SmolLM2 processes at its peak)",
+    )
     args = ap.parse_args()
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     unknown = set(scenarios) - {"kill", "drain", "rollout"}
@@ -318,13 +328,12 @@ def main() -> None:
     texts = prompts(args.streams)
     tallies = _replica_runs(args, texts, [s for s in scenarios if s != "rollout"])
     if "rollout" in scenarios:
-        rollout_args = argparse.Namespace(**{**vars(args), "max_tokens": args.rollout_max_tokens})
-        tallies["rollout"] = _rollout_runs(rollout_args, texts)
+        tallies["rollout"] = _rollout_runs(args, texts)
     names = {
         "healthy": "healthy (baseline)",
         "kill": "replica SIGKILLed",
         "drain": "replica drained (SIGTERM)",
-        "rollout": "rollout replaces both",
+        "rollout": f"rollout replaces all {args.rollout_replicas} (streams across a removal)",
     }
     print_table(
         f"Largest inter-chunk delay per stream, s ({args.runs} runs x {args.streams} streams; "

@@ -11,8 +11,10 @@ usage; the old replicas are gone (exited by themselves, code 0) and the migratio
 The replicas serve the tiny random Llama of the agent tests, not SmolLM2: a rollout's
 cost is the new replicas' cold start (torch import and load: ~25 s for the tiny model and
 ~45 s for SmolLM2 on the loaded 2-core box) and streams must outlast it; SmolLM2 decodes
-12 streams ~10x slower. The same rollout on SmolLM2: `python -m bench.stream_migration
---scenarios rollout` (docs/stream-migration.md)."""
+12 streams ~10x slower. One replica, replaced by one (two engine processes at the peak,
+the shared box's limit); `RolloutFleet(replicas=2)` runs the same with two. The same
+rollout on SmolLM2: `python -m bench.stream_migration --scenarios rollout`
+(docs/stream-migration.md)."""
 
 from __future__ import annotations
 
