@@ -159,25 +159,37 @@ class RolloutFleet:
         return asyncio.run(run_streams(self.gateway, self.key, texts, max_tokens, extra=extra, **kw))
 
     def streams_through_rollout(
-        self, texts: list[str], max_tokens: int, extra: dict | None = None, timeout: float = 300.0
+        self,
+        texts: list[str],
+        max_tokens: int,
+        extra: dict | None = None,
+        timeout: float = 300.0,
+        stagger_s: float = 0.3,
     ) -> Through:
         """One worker per text streams it again and again (so `len(texts)` streams are
         always in flight) while `fleetctl rollout start` replaces every replica; the
-        workers stop once the old replicas are gone (`replaced`)."""
-        return asyncio.run(self._through(texts, max_tokens, {"model": self.name, **(extra or {})}, timeout))
+        workers stop once the old replicas are gone (`replaced`). Worker i starts
+        `i * stagger_s` late, so the streams are not in lockstep (all between two
+        requests, or all in prefill, when a replica is given up)."""
+        extra = {"model": self.name, **(extra or {})}
+        return asyncio.run(self._through(texts, max_tokens, extra, timeout, stagger_s))
 
-    async def _through(self, texts: list[str], max_tokens: int, extra: dict, timeout: float) -> Through:
+    async def _through(
+        self, texts: list[str], max_tokens: int, extra: dict, timeout: float, stagger_s: float
+    ) -> Through:
         old = self.pids(self.version)
         out = Through(runs=[[] for _ in texts])
         stop = asyncio.Event()
 
         async def worker(i: int) -> None:
+            await asyncio.sleep(i * stagger_s)
             while not stop.is_set():
                 results, _ = await run_streams(self.gateway, self.key, [texts[i]], max_tokens, extra=extra)
                 out.runs[i] += results
 
         tasks = [asyncio.create_task(worker(i)) for i in range(len(texts))]
         try:
+            await asyncio.sleep(len(texts) * stagger_s)  # every worker has started
             out.started_at = time.monotonic()
             proc = await asyncio.to_thread(self._fleetctl_rollout)
             out.answer = json.loads(proc.stdout)
