@@ -326,7 +326,8 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown scenario(s): {', '.join(sorted(unknown))}")
     texts = prompts(args.streams)
-    tallies = _replica_runs(args, texts, [s for s in scenarios if s != "rollout"])
+    replica_scenarios = [s for s in scenarios if s != "rollout"]
+    tallies = _replica_runs(args, texts, replica_scenarios) if replica_scenarios else {}
     if "rollout" in scenarios:
         tallies["rollout"] = _rollout_runs(args, texts)
     names = {
