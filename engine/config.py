@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.spec_decode.config import SpeculativeConfig
+
 
 class ModelConfig(BaseModel):
     """Architecture of a Llama-family decoder, read from GGUF metadata or config.json."""
@@ -69,3 +71,6 @@ class EngineArgs(BaseModel):
     max_loras: int = Field(4, ge=1)
     max_lora_rank: int = Field(16, ge=1)
     max_cpu_loras: int | None = Field(None, ge=1)
+    # Speculative decoding (vLLM's name and fields): {"method": "ngram", "num_speculative_tokens": 5,
+    # "prompt_lookup_max": 4, "prompt_lookup_min": 2}; None = off (docs/engine.md has the measurement).
+    speculative_config: SpeculativeConfig | None = None

@@ -28,6 +28,7 @@ from engine.registry import resolve_model_path
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler
+from engine.spec_decode.decoder import SpeculativeDecoder
 from engine.timing import HistogramSnapshot
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -101,6 +102,8 @@ class LLMEngine:
             enable_chunked_prefill=args.enable_chunked_prefill,
             max_loras=args.max_loras if args.enable_lora else None,
         )
+        spec = args.speculative_config
+        self.spec = SpeculativeDecoder(spec, self.max_model_len) if spec is not None else None
         self._parents: dict[str, ParentRequest] = {}
         self._seq_parent: dict[str, ParentRequest] = {}
         self._ids = itertools.count()
@@ -265,6 +268,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One step. A failure raises `StepError` naming the requests that were in it, so
         the caller can fail those and go on."""
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -279,11 +284,13 @@ class LLMEngine:
             raise StepError(ids, err) from err
 
     def _step(self, sched) -> list[RequestOutput]:
-        # Decodes first, shortest context first: the runner lays flat tokens out that way.
-        batch = sorted(
-            (s for s in sched.scheduled if s.num_new_tokens == 1), key=lambda s: s.request.num_computed_tokens
-        )
-        batch += [s for s in sched.scheduled if s.num_new_tokens != 1]
+        # Decodes first, then verified speculative chunks, shortest context first, then
+        # prefill chunks: the runner lays flat tokens out that way.
+        def order(s: ScheduledRequest) -> tuple[int, int]:
+            kind = 0 if s.num_new_tokens == 1 else 1 if s.num_draft_tokens else 2
+            return kind, s.request.num_computed_tokens if kind < 2 else 0
+
+        batch = sorted(sched.scheduled, key=order)
         sampling: list[ScheduledRequest] = [s for s in batch if s.samples and not s.request.pooling]
         seqs = [self._seq_state(s.request) for s in batch]
         result = self.runner.execute(
@@ -305,22 +312,18 @@ class LLMEngine:
                 touched[parent.request_id] = parent
         if result.logprobs is not None:
             self._fill_logprob_texts([lp for lp in result.logprobs if lp is not None])
+        at = 0
         for j, s in enumerate(sampling):
             req = s.request
             seq = self._seq_state(req)
-            token = result.token_ids[j]
-            req.append_output_token(token)
-            self.generation_tokens_total += 1
-            if req.first_token_time is None:
-                req.first_token_time = now
-            req.last_token_time = now
-            if seq.logprobs is not None and result.logprobs is not None and result.logprobs[j] is not None:
-                seq.logprobs.append(result.logprobs[j])
-            status = self._append_text_and_check_stop(seq, token)
-            if req.grammar is not None and status is None:
-                status = self._advance_grammar(seq, token)
-            if status is not None:
-                self.scheduler.finish_request(req, status)
+            n = 1 if result.counts is None else result.counts[j]
+            for row in range(at, at + n):  # several with speculation: stop at the first stop
+                if self._append_token(seq, result, row, now) is not None:
+                    break
+            at += n
+            if self.spec is not None and s.num_draft_tokens:
+                accepted = result.accepted[j] if result.accepted is not None else 0
+                self.spec.after_verify(req, s.num_draft_tokens, accepted, self.kv)
             parent = self._seq_parent[req.request_id]
             touched[parent.request_id] = parent
 
@@ -331,6 +334,24 @@ class LLMEngine:
             elif parent.stream:
                 outputs.append(self._make_output(parent))
         return outputs
+
+    def _append_token(self, seq: SequenceState, result, row: int, now: float) -> RequestStatus | None:
+        """Append the sampled token of `row`; finish the sequence if it stops there."""
+        req = seq.request
+        token = result.token_ids[row]
+        req.append_output_token(token)
+        self.generation_tokens_total += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.last_token_time = now
+        if seq.logprobs is not None and result.logprobs is not None and result.logprobs[row] is not None:
+            seq.logprobs.append(result.logprobs[row])
+        status = self._append_text_and_check_stop(seq, token)
+        if req.grammar is not None and status is None:
+            status = self._advance_grammar(seq, token)
+        if status is not None:
+            self.scheduler.finish_request(req, status)
+        return status
 
     def _seq_state(self, req: Request) -> SequenceState:
         parent = self._seq_parent[req.request_id]
@@ -460,6 +481,9 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.prompt_tokens_total,
             generation_tokens=self.generation_tokens_total,
+            spec_decode_num_drafts=self.spec.num_drafts if self.spec is not None else 0,
+            spec_decode_num_draft_tokens=self.spec.num_draft_tokens if self.spec is not None else 0,
+            spec_decode_num_accepted_tokens=self.spec.num_accepted_tokens if self.spec is not None else 0,
         )
 
     def reset_prefix_cache(self) -> bool:

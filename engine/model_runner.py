@@ -21,6 +21,7 @@ from engine.model.weights import convert_linears
 from engine.model.weights_choice import choose_weights
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from engine.scheduler import ScheduledRequest
+from engine.spec_decode.rows import SamplingRows
 from engine.threads import ThreadPolicy, ThreadTuner, available_cpus
 from kernels import ops
 
@@ -31,6 +32,7 @@ DEFAULT_CPU_KV_BYTES = 2 << 30
 GPU_MEMORY_UTILIZATION = 0.85
 GROUP_RATIO = 1.3  # decode groups on the CPU path: longest / shortest context within a group
 MIN_GROUP = 4
+PREFILL_VERIFY_MAX = 2  # CPU path: up to this many verified chunks run as prefill chunks
 
 
 def resolve_device(device: str) -> torch.device:
@@ -169,24 +171,31 @@ class ModelRunner:
         pre_tables, pre_lens, pre_qsl = [], [], [0]
         num_decode = 0
         pool_rows: list[tuple[int, int]] = []
+        verify_as_decode = self._verify_as_decode(batch)
         for s, blocks in zip(batch, block_ids):
             r = s.request
             start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
             if r.pooling:
                 pool_rows.append((len(input_ids), len(input_ids) + s.num_new_tokens))
-            input_ids.extend(r.token_ids_slice(start, end))
+            if s.num_draft_tokens:  # the last real token, then the drafts to verify
+                input_ids.extend(r.token_ids_slice(start, end - s.num_draft_tokens))
+                input_ids.extend(r.spec_token_ids[: s.num_draft_tokens])
+            else:
+                input_ids.extend(r.token_ids_slice(start, end))
             positions.extend(range(start, end))
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            if s.num_new_tokens == 1:
-                num_decode += 1
-                dec_tables.append(blocks)
-                dec_lens.append(end)
+            if s.num_new_tokens == 1 or (s.num_draft_tokens and verify_as_decode):
+                # A verified chunk as decode rows: row p attends to positions <= p (the
+                # chunk's KV is written before attention), one batched call for all of them.
+                num_decode += s.num_new_tokens
+                dec_tables.extend([blocks] * s.num_new_tokens)
+                dec_lens.extend(range(start + 1, end + 1))
             else:
                 pre_tables.append(blocks)
                 pre_lens.append(end)
                 pre_qsl.append(pre_qsl[-1] + s.num_new_tokens)
-            if s.samples and not r.pooling:
-                logits_idx.append(len(input_ids) - 1)
+            if s.samples and not r.pooling:  # a verified chunk samples at every position
+                logits_idx.extend(range(len(input_ids) - 1 - s.num_draft_tokens, len(input_ids)))
         dev = self.device
 
         def table(rows: list[list[int]]) -> torch.Tensor | None:
@@ -218,6 +227,13 @@ class ModelRunner:
             pool_rows,
         )
 
+    def _verify_as_decode(self, batch: list[ScheduledRequest]) -> bool:
+        """Lay verified chunks out as decode rows (one batched attention) rather than as
+        prefill chunks (one attention call per sequence). On the CPU reference path each
+        decode row gathers its whole context, so one or two chunks go the prefill way."""
+        n = sum(1 for s in batch if s.num_draft_tokens)
+        return n > PREFILL_VERIFY_MAX or (n > 0 and ops.resolve_backend(self.device) != "torch")
+
     def _decode_groups(self, lens: list[int]) -> list[tuple[int, int]]:
         """Split decodes (sorted by context length) into runs whose lengths differ < GROUP_RATIO.
 
@@ -244,15 +260,19 @@ class ModelRunner:
         except (RuntimeError, ValueError, OverflowError) as err:
             raise ValueError(f"seed {seed} is not usable: {err}") from None
 
-    def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
+    def _generator(self, s: ScheduledRequest, ahead: int = 0) -> torch.Generator | None:
+        """The generator for output index num_output_tokens + `ahead` (verified draft rows)."""
         r = s.request
         seed = r.sampling_params.seed
         if seed is None:
             return None
+        # The noise of step k depends on (seed, k) only, so a continuation elsewhere resumes it.
+        k = step_seed(seed, r.num_output_tokens + ahead)
+        if ahead:
+            return self.make_generator(k)
         if r.generator is None:
             r.generator = self.make_generator(seed)
-        # The noise of step k depends on (seed, k) only, so a continuation elsewhere resumes it.
-        return r.generator.manual_seed(step_seed(seed, r.num_output_tokens))
+        return r.generator.manual_seed(k)
 
     @torch.inference_mode()
     def execute(
@@ -304,19 +324,19 @@ class ModelRunner:
         ]
         if not sampling:
             return SamplerOutput(token_ids=[], logprobs=None, embeddings=embeddings) if embeddings else None
-        reqs = [s.request for s, _ in sampling]
-        bitmask = self.grammar.bitmask([r.grammar for r in reqs]) if self.grammar is not None else None
+        rows = SamplingRows.of(sampling, self._generator)
+        bitmask = self.grammar.bitmask(rows.grammars) if self.grammar is not None else None
         sbatch = SamplingBatch.build(
-            params=[r.sampling_params for r in reqs],
-            prompt_token_ids=[r.prompt_token_ids for r in reqs],
-            output_token_ids=[r.output_token_ids for r in reqs],
-            generators=[self._generator(s) for s, _ in sampling],
-            stop_token_ids=[stops for _, stops in sampling],
+            params=rows.params,
+            prompt_token_ids=rows.prompt_token_ids,
+            output_token_ids=rows.output_token_ids,
+            generators=rows.generators,
+            stop_token_ids=rows.stop_token_ids,
             vocab_size=self.model_config.vocab_size,
             device=self.device,
             token_bitmask=bitmask,
         )
-        out = self.sampler(logits, sbatch)
+        out = rows.accept(self.sampler(logits, sbatch))
         out.embeddings = embeddings
         return out
 

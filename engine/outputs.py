@@ -99,3 +99,13 @@ class EngineStats:
     num_preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    # Speculative decoding: chunks verified, draft tokens in them, and drafts accepted.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        """Accepted / drafted tokens (0 before any draft)."""
+        n = self.spec_decode_num_draft_tokens
+        return self.spec_decode_num_accepted_tokens / n if n else 0.0

@@ -47,6 +47,9 @@ class Request:
     lora: Any = None  # engine.lora.LoRAAdapter this sequence runs under (None = the base model)
 
     output_token_ids: list[int] = field(default_factory=list)
+    # Speculative drafts to verify after the last token this step (engine.spec_decode); not
+    # part of the sequence's tokens until accepted.
+    spec_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache (first schedule)

@@ -263,6 +263,10 @@ class SamplerOutput:
     logprobs: list[SampleLogprobs | None] | None  # None when no row asked for logprobs
     # embedding requests whose last prompt chunk ran this step: request id -> vector
     embeddings: dict[str, list[float]] = field(default_factory=dict)
+    # Speculative steps (engine.spec_decode): tokens kept per sequence (token_ids and logprobs
+    # hold them back to back) and drafts accepted per sequence; None: one token each.
+    counts: list[int] | None = None
+    accepted: list[int] | None = None
 
 
 class Sampler:

@@ -24,12 +24,14 @@ from engine.request import Request, RequestStatus
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
+    # Speculative drafts at the end of this chunk (the first of request.spec_token_ids).
+    num_draft_tokens: int = 0
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the known tokens, i.e. yields a next token."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return r.num_computed_tokens + self.num_new_tokens - self.num_draft_tokens == r.num_tokens
 
 
 @dataclass
@@ -134,6 +136,7 @@ class Scheduler:
         self.running.remove(victim)
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
+        victim.spec_token_ids = []
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -155,22 +158,16 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new <= 0:  # nothing to compute (should not happen for a running request)
+            if req.num_tokens <= req.num_computed_tokens:  # nothing to compute (should not happen)
                 i += 1
                 continue
-            while not self.kv.allocate_slots(req, num_new):
-                victim = max((r for r in self.running if id(r) not in scheduled_ids), key=self._victim_key)
-                self._preempt(victim, out)
-                if victim is req:
-                    break
-            else:
-                out.scheduled.append(ScheduledRequest(req, num_new))
-                scheduled_ids.add(id(req))
-                budget -= num_new
-                i += 1
+            s = self._allocate_running(req, budget, scheduled_ids, out)
+            if s is None:  # `req` itself was preempted; the list shrank, so `i` now points past it
                 continue
-            # `req` itself was preempted; the list shrank, so `i` now points past it.
+            out.scheduled.append(s)
+            scheduled_ids.add(id(req))
+            budget -= s.num_new_tokens
+            i += 1
 
         # 2) Waiting requests, unless this step already had to preempt (memory is tight).
         if not out.preempted:
@@ -205,6 +202,26 @@ class Scheduler:
                 scheduled_ids.add(id(req))
                 budget -= num_new
         return out
+
+    def _allocate_running(
+        self, req: Request, budget: int, scheduled_ids: set[int], out: SchedulerOutput
+    ) -> ScheduledRequest | None:
+        """Blocks for a running request's next chunk (with its speculative drafts when they
+        fit), preempting the least important unscheduled others if needed; None when `req`
+        itself had to go."""
+        num_new = min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens, budget)
+        while not self.kv.allocate_slots(req, num_new):
+            if req.spec_token_ids:  # drafts are optional: drop them before preempting anyone
+                req.spec_token_ids = []
+                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                continue
+            victim = max((r for r in self.running if id(r) not in scheduled_ids), key=self._victim_key)
+            self._preempt(victim, out)
+            if victim is req:
+                return None
+        num_draft = max(0, req.num_computed_tokens + num_new - req.num_tokens)
+        del req.spec_token_ids[num_draft:]  # the budget may cut the drafts short
+        return ScheduledRequest(req, num_new, num_draft)
 
     def _lora_full(self, req: Request, loras: set) -> bool:
         """Whether admitting `req` would need more adapter slots than a step has."""

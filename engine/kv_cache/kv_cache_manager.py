@@ -135,6 +135,19 @@ class KVCacheManager:
             self._cache_full_blocks(request, table, min(total_tokens, request.num_tokens) // bs)
         return True
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Release the tail blocks past the first `num_tokens` slots (rejected speculative
+        drafts). Those blocks were never full of real tokens, so none of them is cached."""
+        table = self._tables.get(request.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if not table or len(table) <= keep:
+            return
+        tail = table[keep:]
+        del table[keep:]
+        rid = request.request_id
+        self._num_hashed_blocks[rid] = min(self._num_hashed_blocks[rid], keep)
+        self.block_pool.free_blocks(reversed(tail))
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its shared prefix is evicted last."""
         table = self._tables.pop(request.request_id, None)

@@ -18,6 +18,7 @@ from typing import Any
 import uvicorn
 
 from engine.server.app import build_app, new_state
+from engine.server.spec_flags import add_speculative_flags, speculative_config
 from engine.server.state import ServerSettings, ServerState
 
 log = logging.getLogger("engine.server")
@@ -142,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     lo.add_argument(
         "--max-cpu-loras", type=int, default=None, help="adapters whose weights stay in CPU memory"
     )
+    add_speculative_flags(p)
     return p
 
 
@@ -198,6 +200,9 @@ def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         kwargs["enable_lora"] = True
     if ns.threads is not None:  # pinned; otherwise the engine tunes threads per step
         kwargs["num_threads"] = max(1, ns.threads)
+    spec = speculative_config(ns)
+    if spec is not None:
+        kwargs["speculative_config"] = spec
     kwargs["show_progress"] = False
     return kwargs
 

@@ -101,6 +101,21 @@ class _EngineStatsCollector(Collector):
         yield counter(
             "fleet_engine_preemptions", "Sequences preempted for lack of KV blocks.", s.num_preemptions
         )
+        yield counter(
+            "fleet_engine_spec_decode_num_drafts",
+            "Speculative chunks verified (one per sequence per step that had drafts).",
+            s.spec_decode_num_drafts,
+        )
+        yield counter(
+            "fleet_engine_spec_decode_num_draft_tokens",
+            "Speculative draft tokens verified.",
+            s.spec_decode_num_draft_tokens,
+        )
+        yield counter(
+            "fleet_engine_spec_decode_num_accepted_tokens",
+            "Speculative draft tokens the target model accepted.",
+            s.spec_decode_num_accepted_tokens,
+        )
 
 
 _GRAMMAR_HISTOGRAMS = {

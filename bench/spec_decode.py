@@ -1,0 +1,244 @@
+"""n-gram speculative decoding: tokens/s with and without it, and its acceptance rate, same run.
+
+Two workloads, each at concurrency 1 (requests one after another) and as one batch:
+(a) "copy": outputs that copy spans of the prompt, where drafting should help: ShareGPT texts
+    to repeat or correct, and real Python functions (this repository's engine/ sources) to
+    edit and show in full; greedy, natural stops, capped at --copy-max-tokens.
+(b) "chat": ShareGPT first turns as `bench.engine_throughput` loads them (chat template,
+    Azure conversation output lengths, greedy, ignore_eos), where it should not.
+Both engines (off, on) are loaded once and run alternately, the same prompts each; the
+table also says how many outputs were identical (greedy: all should be).
+
+    PYTHONPATH=. .venv/bin/python -m bench.spec_decode --single-requests 3 --batch-size 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import time
+from typing import Any
+
+from pydantic import BaseModel
+
+from bench.common import (
+    ROOT,
+    chat_token_ids,
+    console,
+    load_azure_output_lengths,
+    load_sharegpt_prompts,
+    machine_note,
+    print_table,
+    resolve_model,
+    run_main,
+)
+
+COPY_INSTRUCTIONS = (
+    "Repeat the following text word for word:\n\n{}",
+    "Fix any spelling mistakes in the following text and output the full corrected text:\n\n{}",
+)
+CODE_INSTRUCTION = (
+    "Add a docstring to this Python function and output the full function:\n\n```python\n{}\n```"
+)
+
+
+class Case(BaseModel):
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    ignore_eos: bool
+
+
+class Run(BaseModel):
+    workload: str
+    concurrency: int
+    spec: bool
+    requests: int
+    tokens: int
+    seconds: float
+    drafted: int
+    accepted: int
+    verifies: int
+    outputs: list[list[int]]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def code_snippets(limit: int, min_lines: int = 8, max_lines: int = 30) -> list[str]:
+    """Top-level functions and methods of engine/*.py, in file order, of a moderate length."""
+    out: list[str] = []
+    for path in sorted((ROOT / "engine").glob("*.py")):
+        src = path.read_text(encoding="utf-8")
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.FunctionDef) and node.end_lineno is not None:
+                n = node.end_lineno - node.lineno + 1
+                if min_lines <= n <= max_lines:
+                    seg = ast.get_source_segment(src, node)
+                    if seg:
+                        out.append(seg)
+            if len(out) >= limit:
+                return out
+    return out
+
+
+def copy_case(tokenizer: Any, n: int, max_tokens: int, max_prompt_tokens: int) -> Case:
+    """Half texts to repeat or correct (ShareGPT turns of 300-1,200 characters), half code edits."""
+    texts = [t for t in load_sharegpt_prompts() if 300 <= len(t) <= 1200]
+    code = code_snippets(n)
+    prompts: list[list[int]] = []
+    ti = ci = 0
+    while len(prompts) < n and (ti < len(texts) or ci < len(code)):
+        if len(prompts) % 2 == 1 and ci < len(code):
+            text, ci = CODE_INSTRUCTION.format(code[ci]), ci + 1
+        elif ti < len(texts):
+            text = COPY_INSTRUCTIONS[ti % len(COPY_INSTRUCTIONS)].format(texts[ti].strip())
+            ti += 1
+        else:
+            text, ci = CODE_INSTRUCTION.format(code[ci]), ci + 1
+        ids = chat_token_ids(tokenizer, text)
+        if len(ids) <= max_prompt_tokens:
+            prompts.append(ids)
+    return Case(prompts=prompts, max_tokens=[max_tokens] * len(prompts), ignore_eos=False)
+
+
+def chat_case(tokenizer: Any, n: int, max_out: int, max_prompt_tokens: int, seed: int) -> Case:
+    lens = load_azure_output_lengths(n, seed, hi=max_out)
+    prompts: list[list[int]] = []
+    for text in load_sharegpt_prompts():
+        if len(prompts) == n:
+            break
+        ids = chat_token_ids(tokenizer, text)
+        if len(ids) <= max_prompt_tokens:
+            prompts.append(ids)
+    return Case(prompts=prompts, max_tokens=lens[: len(prompts)], ignore_eos=True)
+
+
+def run(llm: Any, case: Case, concurrency: int, workload: str, spec: bool) -> Run:
+    from engine import SamplingParams
+
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=case.ignore_eos) for m in case.max_tokens
+    ]
+    llm.reset_prefix_cache()  # each run prefills its prompts itself
+    s0 = llm.stats()
+    t0 = time.perf_counter()
+    if concurrency == 1:
+        outs = [llm.generate([p], q, use_tqdm=False)[0] for p, q in zip(case.prompts, params, strict=True)]
+    else:
+        outs = llm.generate(case.prompts, params, use_tqdm=True)
+    seconds = time.perf_counter() - t0
+    s1 = llm.stats()
+    return Run(
+        workload=workload,
+        concurrency=concurrency,
+        spec=spec,
+        requests=len(outs),
+        tokens=sum(len(o.token_ids) for o in outs),
+        seconds=seconds,
+        drafted=s1.spec_decode_num_draft_tokens - s0.spec_decode_num_draft_tokens,
+        accepted=s1.spec_decode_num_accepted_tokens - s0.spec_decode_num_accepted_tokens,
+        verifies=s1.spec_decode_num_drafts - s0.spec_decode_num_drafts,
+        outputs=[list(o.token_ids) for o in outs],
+    )
+
+
+def print_runs(runs: list[Run], title: str) -> None:
+    rows = []
+    base = {(r.workload, r.concurrency): r for r in runs if not r.spec}
+    for r in runs:
+        off = base.get((r.workload, r.concurrency))
+        same = sum(a == b for a, b in zip(r.outputs, off.outputs, strict=True)) if off else None
+        rows.append(
+            [
+                r.workload,
+                r.concurrency,
+                "ngram" if r.spec else "off",
+                r.requests,
+                r.tokens,
+                r.seconds,
+                r.tokens_per_s,
+                r.tokens_per_s / off.tokens_per_s if off and off.tokens_per_s else None,
+                r.accepted / r.drafted if r.drafted else None,
+                (r.accepted + r.verifies) / r.verifies if r.verifies else None,
+                f"{same}/{r.requests}" if r.spec and same is not None else "-",
+            ]
+        )
+    cols = [
+        "workload",
+        "concurrency",
+        "spec",
+        "requests",
+        "tokens",
+        "seconds",
+        "tok/s",
+        "vs off",
+        "acceptance",
+        "tokens/verify",
+        "identical",
+    ]
+    print_table(title, cols, rows)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--single-requests", type=int, default=4, help="requests at concurrency 1")
+    p.add_argument("--batch-size", type=int, default=16, help="requests submitted at once")
+    p.add_argument("--copy-max-tokens", type=int, default=128)
+    p.add_argument("--chat-max-tokens", type=int, default=128, help="clip of the Azure output lengths")
+    p.add_argument("--max-prompt-tokens", type=int, default=512)
+    p.add_argument("--workloads", nargs="+", choices=["copy", "chat"], default=["copy", "chat"])
+    p.add_argument("--num-speculative-tokens", type=int, default=None)
+    p.add_argument("--prompt-lookup-max", "--ngram-max", dest="prompt_lookup_max", type=int, default=None)
+    p.add_argument("--prompt-lookup-min", "--ngram-min", dest="prompt_lookup_min", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="pin torch threads (default: tuned per step)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the output-length draw")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engine import LLM, SamplingParams
+    from engine.spec_decode.config import SpeculativeConfig
+
+    args = parse_args(argv)
+    resolve_model(args.model)
+    fields = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+    spec = SpeculativeConfig(**{k: getattr(args, k) for k in fields if getattr(args, k) is not None})
+    n = max(args.single_requests, args.batch_size)
+    kw: dict[str, Any] = {"show_progress": False, "max_num_seqs": max(args.batch_size, 1)}
+    if args.threads is not None:
+        kw["num_threads"] = args.threads
+    off = LLM(args.model, **kw)
+    on = LLM(args.model, speculative_config=spec, **kw)
+    console.print(f"{machine_note('cpu', args.threads or 0)}; speculative {spec.model_dump()}")
+    cases = {}
+    if "copy" in args.workloads:
+        cases["copy"] = copy_case(off.tokenizer, n, args.copy_max_tokens, args.max_prompt_tokens)
+    if "chat" in args.workloads:
+        cases["chat"] = chat_case(off.tokenizer, n, args.chat_max_tokens, args.max_prompt_tokens, args.seed)
+    warm = SamplingParams(temperature=0.0, max_tokens=4)
+    for llm in (off, on):
+        llm.generate([next(iter(cases.values())).prompts[0]], warm, use_tqdm=False)
+    runs: list[Run] = []
+    flip = False
+    for name, case in cases.items():
+        for conc, size in ((1, args.single_requests), (args.batch_size, args.batch_size)):
+            if size <= 0:
+                continue
+            sub = Case(
+                prompts=case.prompts[:size], max_tokens=case.max_tokens[:size], ignore_eos=case.ignore_eos
+            )
+            order = [(on, True), (off, False)] if flip else [(off, False), (on, True)]
+            flip = not flip  # alternate which goes first, so drifting load favours neither
+            done = {s: run(llm, sub, conc, name, s) for llm, s in order}
+            runs.extend([done[False], done[True]])
+            print_runs(runs, "speculative decoding so far")
+    print_runs(
+        runs, f"n-gram speculative decoding vs off, same run ({machine_note('cpu', args.threads or 0)})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_main(main))
