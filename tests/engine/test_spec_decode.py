@@ -292,3 +292,32 @@ def test_flags_and_engine_args():
 def test_bad_settings_are_refused(argv):
     with pytest.raises(ValueError):
         _flags(argv)
+
+
+def test_server_flags_reach_the_engine_and_metrics():
+    from prometheus_client import generate_latest
+
+    from engine.outputs import EngineStats
+    from engine.server.launcher import build_parser, engine_kwargs
+    from engine.server.metrics import ServerMetrics
+
+    ns = build_parser().parse_args(
+        ["--model", "m", "--speculative", "ngram", "--num-speculative-tokens", "3"]
+    )
+    args = EngineArgs(model="m", **engine_kwargs(ns))
+    assert args.speculative_config == SpeculativeConfig(num_speculative_tokens=3)
+    assert (
+        EngineArgs(model="m", **engine_kwargs(build_parser().parse_args(["--model", "m"]))).speculative_config
+        is None
+    )
+
+    m = ServerMetrics("m")
+    stats = EngineStats(
+        spec_decode_num_drafts=4, spec_decode_num_draft_tokens=20, spec_decode_num_accepted_tokens=5
+    )
+    m.stats = lambda: stats
+    text = generate_latest(m.registry).decode()
+    assert 'fleet_engine_spec_decode_num_drafts_total{model="m"} 4.0' in text
+    assert 'fleet_engine_spec_decode_num_draft_tokens_total{model="m"} 20.0' in text
+    assert 'fleet_engine_spec_decode_num_accepted_tokens_total{model="m"} 5.0' in text
+    assert stats.spec_decode_acceptance_rate == 0.25
