@@ -198,6 +198,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import torch
+
     from engine import LLM, SamplingParams
     from engine.spec_decode.config import SpeculativeConfig
 
@@ -211,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         kw["num_threads"] = args.threads
     off = LLM(args.model, **kw)
     on = LLM(args.model, speculative_config=spec, **kw)
-    console.print(f"{machine_note('cpu', args.threads or 0)}; speculative {spec.model_dump()}")
+    note = lambda: machine_note("cpu", args.threads or torch.get_num_threads())  # noqa: E731
+    console.print(f"{note()} (threads tuned per step unless --threads); speculative {spec.model_dump()}")
     cases = {}
     if "copy" in args.workloads:
         cases["copy"] = copy_case(off.tokenizer, n, args.copy_max_tokens, args.max_prompt_tokens)
