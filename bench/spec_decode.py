@@ -58,11 +58,18 @@ class Run(BaseModel):
     drafted: int
     accepted: int
     verifies: int
+    decode_seconds: float  # per request, first to last token, summed
     outputs: list[list[int]]
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def itl_ms(self) -> float | None:
+        """Mean time per output token after each request's first (what a streaming user feels)."""
+        n = self.tokens - self.requests
+        return 1000 * self.decode_seconds / n if n > 0 else None
 
 
 def code_snippets(limit: int, min_lines: int = 8, max_lines: int = 30) -> list[str]:
@@ -139,6 +146,11 @@ def run(llm: Any, case: Case, concurrency: int, workload: str, spec: bool) -> Ru
         drafted=s1.spec_decode_num_draft_tokens - s0.spec_decode_num_draft_tokens,
         accepted=s1.spec_decode_num_accepted_tokens - s0.spec_decode_num_accepted_tokens,
         verifies=s1.spec_decode_num_drafts - s0.spec_decode_num_drafts,
+        decode_seconds=sum(
+            o.metrics.last_token_time - o.metrics.first_token_time
+            for o in outs
+            if o.metrics and o.metrics.first_token_time and o.metrics.last_token_time
+        ),
         outputs=[list(o.token_ids) for o in outs],
     )
 
@@ -159,6 +171,8 @@ def print_runs(runs: list[Run], title: str) -> None:
                 r.seconds,
                 r.tokens_per_s,
                 r.tokens_per_s / off.tokens_per_s if off and off.tokens_per_s else None,
+                r.itl_ms,
+                off.itl_ms / r.itl_ms if off and off.itl_ms and r.itl_ms else None,
                 r.accepted / r.drafted if r.drafted else None,
                 (r.accepted + r.verifies) / r.verifies if r.verifies else None,
                 f"{same}/{r.requests}" if r.spec and same is not None else "-",
@@ -173,6 +187,8 @@ def print_runs(runs: list[Run], title: str) -> None:
         "seconds",
         "tok/s",
         "vs off",
+        "ms/token after first",
+        "decode vs off",
         "acceptance",
         "tokens/verify",
         "identical",
