@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 import yaml
@@ -18,9 +19,10 @@ from rich.table import Table
 
 from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, console, emit_json, fail
 from control_plane.commands.resources import clusters_app
-from control_plane.security.enroll import Enrolment, NatsListen
-from control_plane.security.pki import write_private
 from control_plane.settings import fleet_home
+
+if TYPE_CHECKING:
+    from control_plane.security.enroll import NatsListen
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
 
@@ -40,6 +42,9 @@ def enroll(
 ) -> None:
     """Issue a cluster's credentials bundle and register it (how a second region joins)."""
     import re
+
+    from control_plane.security.enroll import Enrolment  # the crypto stack, only when enrolling
+    from control_plane.security.pki import write_private
 
     if not re.fullmatch(NAME_PATTERN, name):
         fail(f"cluster name {name!r}: use lowercase letters, digits and dashes")

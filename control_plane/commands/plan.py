@@ -10,7 +10,6 @@ import typer
 from pydantic import ValidationError
 
 from agent.protocol import Tier
-from control_plane.catalog import CatalogError, load_catalog, offers_to_pools
 from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, console, emit, emit_json, fail
 
 
@@ -25,6 +24,9 @@ def plan_command(
     """Plan placement offline: nodes per pool, replicas per region, $/hour, the LP bound,
     first-fit-decreasing's cost for the same input, solve time; with `running` replicas
     in demands.json, which of them the plan would preempt or replace, and why."""
+    # Imported here: the catalog pulls in the solver (highspy, numpy), which every other
+    # `fleetctl` command would otherwise pay for at start-up.
+    from control_plane.catalog import CatalogError, load_catalog, offers_to_pools
     from control_plane.placement.offline import DemandsFile, plan, running_assignment
 
     try:
