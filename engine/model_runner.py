@@ -17,7 +17,7 @@ from engine.grammar import GrammarBackend
 from engine.loader import load_checkpoint
 from engine.lora import LoRAManager
 from engine.model.llama import AttentionMetadata, LlamaForCausalLM
-from engine.model.weights import convert_linears
+from engine.model.weights import column_major, convert_linears
 from engine.model.weights_choice import choose_weights
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from engine.scheduler import ScheduledRequest
@@ -63,6 +63,8 @@ class ModelRunner:
             state[name] = state[name].to(self.device)
         model.load_hf_state_dict(state)  # so the weights never exist twice in memory
         del state
+        if self.device.type == "cpu":
+            column_major(model)
         self.weights = self._convert_weights(model, args.weights)
         self.model = model.eval()
         self.block_size = args.block_size

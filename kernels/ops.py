@@ -107,6 +107,14 @@ def write_kv_cache(
     _impl(key.device, "triton_cache").write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
+def plan_paged_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> Any:
+    """Per-step bookkeeping every layer's decode attention shares (the reference's gather
+    layout), built once per step; None where the backend needs none (Triton)."""
+    if resolve_backend(block_tables.device) != "torch":
+        return None
+    return reference.plan_decode(block_tables, context_lens, block_size)
+
+
 def paged_attention_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -114,8 +122,13 @@ def paged_attention_decode(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    plan: Any = None,
 ) -> torch.Tensor:
-    """q [B, Hq, D], block_tables [B, max_blocks] int32, context_lens [B] int32 -> [B, Hq, D]."""
+    """q [B, Hq, D], block_tables [B, max_blocks] int32, context_lens [B] int32 -> [B, Hq, D].
+
+    `plan`: this step's `plan_paged_decode` for these tables, or None."""
+    if plan is not None:
+        return reference.decode_attention(q, k_cache, v_cache, plan, scale)
     impl = _impl(q.device, "triton_attention")
     return impl.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
 
@@ -149,11 +162,26 @@ def rms_norm(
 def rotary_embedding(
     positions: torch.Tensor,
     q: torch.Tensor,
-    k: torch.Tensor,
+    k: torch.Tensor | None,
     cos_sin_cache: torch.Tensor,
+    angles: Any = None,
 ) -> None:
-    """In place on q [T, Hq, D] and k [T, Hkv, D]; cos_sin_cache [max_pos, rot_dim] = cat(cos, sin)."""
+    """In place on q [T, Hq, D] and k [T, Hkv, D]; cos_sin_cache [max_pos, rot_dim] = cat(cos, sin).
+
+    `angles`: this step's `prepare_rotary`, or None; with angles, k may be None when q is one
+    view over the query and key heads together."""
+    if angles is not None:
+        reference.rotary_embedding(positions, q, k, cos_sin_cache, angles)
+        return
     _impl(q.device, "triton_norm_rope").rotary_embedding(positions, q, k, cos_sin_cache)
+
+
+def prepare_rotary(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> Any:
+    """The step's rotary angles for the reference path, shared by every layer; None where the
+    backend reads the cache itself (Triton)."""
+    if resolve_backend(positions.device) != "torch":
+        return None
+    return reference.rotary_angles(positions, cos_sin_cache)
 
 
 def build_cos_sin_cache(

@@ -9,6 +9,7 @@ partially filled blocks are zeroed before attention, so stale or NaN garbage the
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,11 +52,73 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, name: str) -> t
     return out.view(batch, num_blocks * block_size, num_kv_heads, head_dim)
 
 
-def _zero_past_context(gathered: torch.Tensor, valid: torch.Tensor) -> None:
-    """Zero gathered positions past each context length (only the few tail slots are touched)."""
+@dataclass(frozen=True)
+class DecodeLayout:
+    """What every layer's decode attention reads in one step, worked out once per step.
+
+    The rows' KV blocks are gathered into one padded [B, num_blocks * block_size] span per
+    layer. When every row has the same context length the span is cut to it and needs no
+    mask; otherwise the positions past each row's length are zeroed (stale cache slots may
+    hold NaN) and masked.
+    """
+
+    block_ids: torch.Tensor  # [B * num_blocks] int64, >= 0
+    batch: int
+    num_blocks: int
+    length: int  # positions per row after the cut (the span when masked)
+    invalid: torch.Tensor | None  # flat positions past a row's context, [n] int64
+    mask: torch.Tensor | None  # [B, 1, 1, length] bool, True = attend
+
+
+def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> DecodeLayout:
+    """The layout of one decode group (block_tables [B, max_blocks], context_lens [B])."""
+    lens = context_lens.tolist()
+    batch, longest = len(lens), max(lens, default=0)
+    num_blocks = -(-longest // block_size)
+    block_ids = block_tables[:, :num_blocks].reshape(-1).long().clamp_min(0)
+    if min(lens, default=0) == longest:
+        return DecodeLayout(block_ids, batch, num_blocks, longest, None, None)
+    span = num_blocks * block_size
+    valid = (
+        torch.arange(span, device=block_tables.device)[None, :]
+        < context_lens.to(block_tables.device)[:, None]
+    )
     invalid = (~valid).reshape(-1).nonzero().squeeze(1)
-    if invalid.numel():
-        gathered.view(valid.numel(), -1).index_fill_(0, invalid, 0)
+    return DecodeLayout(block_ids, batch, num_blocks, span, invalid, valid[:, None, None, :])
+
+
+def _gather_span(cache: torch.Tensor, layout: DecodeLayout, name: str) -> torch.Tensor:
+    """A layout's blocks of `cache` -> [B, length, Hkv, D] (past-context tails zeroed)."""
+    block_size, num_kv_heads, head_dim = cache.shape[1:]
+    out = scratch(
+        name, (layout.block_ids.numel(), block_size, num_kv_heads, head_dim), cache.dtype, cache.device
+    )
+    torch.index_select(cache, 0, layout.block_ids, out=out)
+    span = out.view(layout.batch, layout.num_blocks * block_size, num_kv_heads, head_dim)
+    if layout.invalid is not None and layout.invalid.numel():
+        span.view(-1, num_kv_heads * head_dim).index_fill_(0, layout.invalid, 0)
+    return span[:, : layout.length]
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: DecodeLayout, scale: float
+) -> torch.Tensor:
+    """One query token per row over the KV a `plan_decode` layout names: q [B, Hq, D] -> [B, Hq, D]."""
+    batch, num_heads, head_dim = q.shape
+    if batch == 0:
+        return torch.empty_like(q)
+    num_kv_heads = k_cache.shape[2]
+    keys = _gather_span(k_cache, layout, "decode_k")
+    values = _gather_span(v_cache, layout, "decode_v")
+    # GQA without copies: the G query heads of one KV head become G "query positions".
+    out = F.scaled_dot_product_attention(
+        q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=layout.mask,
+        scale=scale,
+    )
+    return out.reshape(batch, num_heads, head_dim)
 
 
 def paged_attention_decode(
@@ -67,29 +130,10 @@ def paged_attention_decode(
     scale: float,
 ) -> torch.Tensor:
     """One query token per sequence over its paged KV: q [B, Hq, D] -> [B, Hq, D]."""
-    batch, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    if batch == 0:
+    if q.shape[0] == 0:
         return torch.empty_like(q)
-    group = num_heads // num_kv_heads
-    max_len = int(context_lens.max())
-    num_blocks = -(-max_len // block_size)
-    block_ids = block_tables[:, :num_blocks]
-    keys = _gather_blocks(k_cache, block_ids, "decode_k")
-    values = _gather_blocks(v_cache, block_ids, "decode_v")
-    length = num_blocks * block_size
-    valid = torch.arange(length, device=q.device)[None, :] < context_lens.to(q.device)[:, None]
-    _zero_past_context(keys, valid)
-    _zero_past_context(values, valid)
-    # GQA without copies: the G query heads of one KV head become G "query positions".
-    out = F.scaled_dot_product_attention(
-        q.reshape(batch, num_kv_heads, group, head_dim),
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
-        attn_mask=valid[:, None, None, :],
-        scale=scale,
-    )
-    return out.reshape(batch, num_heads, head_dim)
+    layout = plan_decode(block_tables, context_lens, k_cache.shape[1])
+    return decode_attention(q, k_cache, v_cache, layout, scale)
 
 
 def paged_attention_prefill(
@@ -158,20 +202,33 @@ def rms_norm(
 def rotary_embedding(
     positions: torch.Tensor,
     q: torch.Tensor,
-    k: torch.Tensor,
+    k: torch.Tensor | None,
     cos_sin_cache: torch.Tensor,
+    angles: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (rotate-half layout, first rot_dim dims)."""
-    rot_dim = cos_sin_cache.shape[1]
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (rotate-half layout, first rot_dim dims).
+
+    `angles`: `rotary_angles(positions, cos_sin_cache)`, when the caller reuses them across
+    layers; k may be None when q already holds the key heads (one view over both)."""
+    cos, sin = rotary_angles(positions, cos_sin_cache) if angles is None else angles
+    rot_dim = cos.shape[-1]
     half = rot_dim // 2
-    cos_sin = cos_sin_cache.index_select(0, positions.reshape(-1).long()).float()
-    cos = cos_sin[:, None, :half]
-    sin = cos_sin[:, None, half:]
     for x in (q, k):
-        x1 = x[..., :half].float()
-        x2 = x[..., half:rot_dim].float()
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        x[..., :rot_dim] = rotated.to(x.dtype)
+        if x is None:
+            continue
+        part = x[..., :rot_dim]
+        # (x1, x2) * (cos, cos) + (x2, x1) * (-sin, sin) = (x1 cos - x2 sin, x2 cos + x1 sin)
+        swapped = torch.cat((part[..., half:], part[..., :half]), dim=-1).float()
+        part.copy_(part.float() * cos + swapped * sin)
+
+
+def rotary_angles(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, cos) and (-sin, sin) of `positions`, [T, 1, rot_dim] float32 each: what
+    `rotary_embedding` multiplies by; the same for every layer of a step."""
+    half = cos_sin_cache.shape[1] // 2
+    cos_sin = cos_sin_cache.index_select(0, positions.reshape(-1).long()).float()
+    cos, sin = cos_sin[:, :half], cos_sin[:, half:]
+    return torch.cat((cos, cos), dim=-1)[:, None], torch.cat((-sin, sin), dim=-1)[:, None]
 
 
 def _scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any] | None) -> torch.Tensor:

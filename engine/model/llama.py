@@ -35,6 +35,9 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor | None  # [Bp+1] int32, relative to the prefill part
     prefill_context_lens: torch.Tensor | None  # [Bp] int32
     lora: Any = None  # engine.lora.LoRABatch of a step with adapters; None = base model only
+    # Filled by the model once per forward, shared by its layers (None where the backend needs none).
+    rotary: Any = None  # kernels.ops.prepare_rotary
+    decode_plans: list[Any] | None = None  # kernels.ops.plan_paged_decode, one per decode group
 
 
 class LlamaAttention(nn.Module):
@@ -63,17 +66,26 @@ class LlamaAttention(nn.Module):
             meta.lora.apply(self.layer_idx, "qkv", hidden, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         n = hidden.shape[0]
-        q = q.reshape(n, self.num_heads, self.head_dim)
-        k = k.reshape(n, self.num_kv_heads, self.head_dim)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        ops.rotary_embedding(positions, q, k, cos_sin_cache)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if meta.rotary is not None:  # query and key heads sit side by side in qkv: one rotation
+            qk = qkv[:, : self.q_size + self.kv_size].view(
+                n, self.num_heads + self.num_kv_heads, self.head_dim
+            )
+            ops.rotary_embedding(positions, qk, None, cos_sin_cache, meta.rotary)
+        else:
+            ops.rotary_embedding(positions, q, k, cos_sin_cache)
         k_cache, v_cache = kv_cache
         ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
 
         nd = meta.num_decode_tokens
         parts = []
-        for start, end, tables, lens in meta.decode_groups:
-            parts.append(ops.paged_attention_decode(q[start:end], k_cache, v_cache, tables, lens, self.scale))
+        plans = meta.decode_plans or [None] * len(meta.decode_groups)
+        for (start, end, tables, lens), plan in zip(meta.decode_groups, plans):
+            parts.append(
+                ops.paged_attention_decode(q[start:end], k_cache, v_cache, tables, lens, self.scale, plan)
+            )
         if nd < n:
             parts.append(
                 ops.paged_attention_prefill(
@@ -181,6 +193,7 @@ class LlamaForCausalLM(nn.Module):
         """Returns float32 logits for the tokens at `logits_indices` only; with
         `hidden_indices`, also the final (normed) hidden states of those tokens (embeddings)."""
         hidden = self.embed_tokens(input_ids)
+        self._plan_step(positions, kv_caches, meta)
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv, meta, self.cos_sin_cache)
@@ -196,6 +209,21 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(hidden, weight).float()
         return logits if pooled is None else (logits, pooled.float())
+
+    def _plan_step(
+        self,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> None:
+        """What every layer of this step would otherwise recompute: rotary angles, decode layouts."""
+        if meta.rotary is None:
+            meta.rotary = ops.prepare_rotary(positions, self.cos_sin_cache)
+        if meta.decode_plans is None and kv_caches:
+            block_size = kv_caches[0][0].shape[1]
+            meta.decode_plans = [
+                ops.plan_paged_decode(tables, lens, block_size) for _, _, tables, lens in meta.decode_groups
+            ]
 
     @torch.no_grad()
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:

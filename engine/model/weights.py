@@ -24,7 +24,7 @@ FORMATS = ("fp32", "bf16", "int8", "int4")
 class Bf16Linear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        self.register_buffer("weight", linear.weight.detach().to(torch.bfloat16))
+        self.register_buffer("weight", linear.weight.detach().to(torch.bfloat16).contiguous())
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -37,7 +37,7 @@ class Int8Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        w = linear.weight.detach().float()
+        w = linear.weight.detach().float().contiguous()
         scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
         self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("scale", scale)
@@ -56,7 +56,7 @@ class Int4Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear, group: int = INT4_GROUP) -> None:
         super().__init__()
-        w = linear.weight.detach().float()
+        w = linear.weight.detach().float().contiguous()
         n, k = w.shape
         if k % group:
             raise ValueError(f"int4 weights need in_features divisible by {group}, got {k}")
@@ -78,6 +78,29 @@ class Int4Linear(nn.Module):
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group, self.scales_zeros)
         out = out.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
+
+
+def column_major(model: nn.Module) -> int:
+    """Store every float `nn.Linear` weight, and a tied embedding, as the transpose of a
+    contiguous [in, out] matrix; returns how many were changed.
+
+    F.linear then hands MKL a plain [in, out] operand instead of a transposed one, which on
+    this CPU runs small-batch products markedly faster (the LM head at batch 1 most of all;
+    `bench.weights_speed --layouts`). Values are unchanged; only the summation order of a
+    product may differ, as between any two BLAS paths. Embedding lookups read strided rows,
+    a negligible cost next to the matmuls of the same tokens.
+    """
+    modules: list[nn.Module] = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    tied = getattr(model, "embed_tokens", None)
+    if tied is not None and getattr(model, "lm_head", False) is None:  # the embedding is the LM head
+        modules.append(tied)
+    count = 0
+    for module in modules:
+        weight = module.weight
+        if weight.dim() == 2 and weight.is_floating_point() and weight.is_contiguous():
+            module.weight = nn.Parameter(weight.detach().t().contiguous().t(), requires_grad=False)
+            count += 1
+    return count
 
 
 _MODULES: dict[str, type[nn.Module]] = {"bf16": Bf16Linear, "int8": Int8Linear, "int4": Int4Linear}

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.model.weights import FORMATS, convert_linears
+from engine.model.weights import FORMATS, column_major, convert_linears
 from engine.threads import ThreadPolicy, ThreadTuner, available_cpus
 
 
@@ -79,6 +79,38 @@ def test_weight_formats_match_fp32_within_their_precision(fmt: str) -> None:
     rel = ((out - ref).norm() / ref.norm()).item()
     assert out.dtype == torch.float32 and out.shape == ref.shape
     assert rel < {"fp32": 1e-7, "bf16": 2e-2, "int8": 2e-2, "int4": 0.2}[fmt]
+
+
+class _TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(50, 128)
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(128, 64), nn.Linear(64, 128, bias=False))])
+        self.lm_head = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(self.layers[0](self.embed_tokens(ids)), self.embed_tokens.weight)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_column_major_weights_keep_values_and_every_format_still_converts(fmt: str) -> None:
+    torch.manual_seed(1)
+    model = _TiedLM()
+    ids = torch.tensor([3, 0, 49, 7])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.inference_mode():
+        ref = model(ids)
+        assert column_major(model) == 3  # two linears and the tied embedding
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+        assert not model.layers[0][0].weight.is_contiguous()
+        assert model.layers[0][0].weight.t().is_contiguous()
+        assert torch.allclose(model(ids), ref, rtol=1e-5, atol=1e-6)
+        assert column_major(model) == 0  # already column-major: nothing to do
+        convert_linears(model, fmt)
+        out = model(ids)
+    assert ((out - ref).norm() / ref.norm()).item() < {"fp32": 1e-6, "bf16": 2e-2, "int8": 2e-2, "int4": 0.2}[
+        fmt
+    ]
 
 
 def test_unknown_weight_format_is_refused() -> None:

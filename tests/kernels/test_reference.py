@@ -43,6 +43,27 @@ def test_decode_matches_naive_attention(
         assert rel_err(out[seq], expected) < 1e-5, (seq, length)
 
 
+@pytest.mark.parametrize("lengths", [[37, 37, 37], [16, 16], [5], [40, 3, 17, 32]])
+def test_one_decode_plan_serves_every_layer(lengths: list[int]) -> None:
+    """The per-step layout (cut to a shared length, or masked) gives each layer naive attention."""
+    gen = torch.Generator().manual_seed(sum(lengths))
+    block_size, num_kv_heads, group, head_dim = 16, 2, 3, 32
+    kv = make_paged_kv(gen, lengths, block_size, num_kv_heads, head_dim, torch.float32)
+    plan = ref.plan_decode(kv.block_tables, kv.context_lens, block_size)
+    assert (plan.mask is None) == (len(set(lengths)) == 1)
+    for layer in range(2):
+        if layer:  # the next layer: same blocks, new contents (unowned slots stay NaN)
+            kv.k_cache = kv.k_cache + torch.randn(kv.k_cache.shape, generator=gen)
+            kv.v_cache = kv.v_cache + torch.randn(kv.v_cache.shape, generator=gen)
+        q = torch.randn(len(lengths), num_kv_heads * group, head_dim, generator=gen)
+        with poisoned_allocations():
+            out = ref.decode_attention(q, kv.k_cache, kv.v_cache, plan, 0.2)
+        for seq, length in enumerate(lengths):
+            k, v = contiguous_kv(kv, seq)
+            expected = naive_attention(q[seq : seq + 1], k, v, torch.tensor([length - 1]), 0.2)[0]
+            assert rel_err(out[seq], expected) < 1e-5, (layer, seq, length)
+
+
 @pytest.mark.parametrize(("block_size", "group"), [(16, 3), (32, 1), (16, 8)])
 def test_prefill_matches_naive_attention_over_cached_prefix(block_size: int, group: int) -> None:
     """Full prefills, chunks over a cached prefix and single-token chunks in one batch."""
@@ -176,6 +197,23 @@ def test_rotary_rotates_pairs_by_position_angle(rotary_dim: int) -> None:
         assert torch.allclose(after[..., :half].double(), z.real, atol=1e-4)
         assert torch.allclose(after[..., half:rotary_dim].double(), z.imag, atol=1e-4)
         assert torch.equal(after[..., rotary_dim:], before[..., rotary_dim:])
+
+
+def test_rotary_from_shared_angles_on_one_qk_view_is_bitwise_the_textbook_formula() -> None:
+    """Angles gathered once per step, q and k heads rotated through one view of the qkv rows."""
+    gen = torch.Generator().manual_seed(4)
+    head_dim, hq, hkv, n, half = 64, 6, 2, 5, 32
+    cache = ref.build_cos_sin_cache(head_dim, 128, 10000.0, None)
+    positions = torch.tensor([3, 0, 77, 127, 9])
+    qkv = torch.randn(n, (hq + 2 * hkv) * head_dim, generator=gen)
+    heads = qkv.clone().view(n, hq + 2 * hkv, head_dim)
+    cos, sin = cache[positions, None, :half], cache[positions, None, half:]
+    x1, x2 = heads[:, : hq + hkv, :half], heads[:, : hq + hkv, half:]
+    expected = heads.clone()
+    expected[:, : hq + hkv] = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    qk = qkv[:, : (hq + hkv) * head_dim].view(n, hq + hkv, head_dim)
+    ref.rotary_embedding(positions, qk, None, cache, ref.rotary_angles(positions, cache))
+    assert torch.equal(qkv.view(n, -1, head_dim), expected)
 
 
 @pytest.mark.parametrize(
