@@ -86,7 +86,7 @@ def column_major(model: nn.Module) -> int:
 
     F.linear then hands MKL a plain [in, out] operand instead of a transposed one, which on
     this CPU runs small-batch products markedly faster (the LM head at batch 1 most of all;
-    `bench.weights_speed --layouts`). Values are unchanged; only the summation order of a
+    docs/engine.md "Step profile"). Values are unchanged; only the summation order of a
     product may differ, as between any two BLAS paths. Embedding lookups read strided rows,
     a negligible cost next to the matmuls of the same tokens.
     """
