@@ -142,7 +142,11 @@ def cmake_configure_command(src: Path, build: Path, options: Mapping[str, str], 
     return cmd + [f"-D{k}={v}" for k, v in sorted(options.items())]
 
 
-def cmake_build_command(build: Path, jobs: int) -> list[str]:
+def build_command(build: Path, jobs: int, ninja: bool) -> list[str]:
+    """Ninja directly where it is the generator: `cmake --build` holds back its progress lines
+    when its output is a pipe, and the bar follows them."""
+    if ninja:
+        return ["ninja", "-C", str(build), "-j", str(jobs), TARGET]
     return ["cmake", "--build", str(build), "--target", TARGET, "-j", str(jobs)]
 
 
@@ -276,7 +280,7 @@ def ensure_llama_server(
     ninja = shutil.which("ninja") is not None
     if not (build / "CMakeCache.txt").exists():
         _run_logged(cmake_configure_command(src, build, used, ninja), log, "cmake configure")
-    _run_logged(cmake_build_command(build, jobs or available_cores()), log, f"build {TARGET}", True)
+    _run_logged(build_command(build, jobs or available_cores(), ninja), log, f"build {TARGET}", True)
     produced = next((p for p in (build / "bin" / TARGET, build / TARGET) if p.is_file()), None)
     if produced is None:
         raise BuildError(f"the build finished but no {TARGET} binary is in {build}; log {log}")

@@ -24,7 +24,9 @@ def slot_context(workload: Workload) -> int:
 def llama_server_command(
     binary: Path, model: Path, port: int, threads: int, parallel: int, ctx_per_slot: int
 ) -> list[str]:
-    """Continuous batching over `parallel` slots, each `ctx_per_slot` tokens, on loopback."""
+    """Continuous batching over `parallel` slots, each `ctx_per_slot` tokens, on loopback; no host
+    prompt cache (`--cache-ram 0`: it would copy slot states to RAM between requests, and the
+    benchmark turns prompt caching off on both sides)."""
     return [
         str(binary),
         "--model", str(model),
@@ -35,6 +37,7 @@ def llama_server_command(
         "--threads-batch", str(threads),
         "--parallel", str(parallel),
         "--ctx-size", str(parallel * ctx_per_slot),
+        "--cache-ram", "0",
         "--cont-batching",
     ]  # fmt: skip
 

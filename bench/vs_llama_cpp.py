@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         llama_server={
             "binary": str(binary) if binary else None,
-            "version": built.version if built else "given",
+            "version": built.version if built else ("(given binary)" if binary else "(not run)"),
             "isa": ", ".join(on) or "unknown",
             "parallel": args.parallel or args.concurrency,
             "threads": args.threads or llama_cpp_build.available_cores(),

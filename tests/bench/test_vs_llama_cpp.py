@@ -66,7 +66,8 @@ def test_commands() -> None:
         "-DA=1",
         "-DGGML_NATIVE=OFF",
     ]
-    assert lb.cmake_build_command(Path("/b"), 2) == [
+    assert lb.build_command(Path("/b"), 2, ninja=True) == ["ninja", "-C", "/b", "-j", "2", "llama-server"]
+    assert lb.build_command(Path("/b"), 2, ninja=False) == [
         "cmake",
         "--build",
         "/b",
@@ -129,7 +130,7 @@ def test_llama_server_command_and_slot_context() -> None:
     flags = dict(zip(cmd[1::2], cmd[2::2], strict=False))
     assert flags["--host"] == "127.0.0.1" and flags["--port"] == "5555"
     assert flags["--threads"] == "2" and flags["--parallel"] == "64" and flags["--ctx-size"] == str(64 * 512)
-    assert "--cont-batching" in cmd
+    assert "--cont-batching" in cmd and flags["--cache-ram"] == "0"
 
 
 def test_level_accounting_counts_useful_and_short() -> None:
