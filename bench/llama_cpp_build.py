@@ -183,13 +183,15 @@ def available_cores() -> int:
 
 def _run_logged(cmd: list[str], log_path: Path, what: str, show_progress: bool = False) -> None:
     """Runs `cmd`, appending its output to `log_path`; a rich bar follows build progress lines."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     tail: deque[str] = deque(maxlen=40)
-    with log_path.open("a", encoding="utf-8") as log, Progress(
-        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-        TimeElapsedColumn(), console=console, transient=False,
-    ) as bar:  # fmt: skip
+    columns = [TextColumn("{task.description}"), BarColumn()]
+    columns += [TextColumn("{task.percentage:>3.0f}%")] if show_progress else [SpinnerColumn()]
+    with (
+        log_path.open("a", encoding="utf-8") as log,
+        Progress(*columns, TimeElapsedColumn(), console=console, transient=False) as bar,
+    ):
         task = bar.add_task(what, total=1.0 if show_progress else None)
         log.write(f"$ {' '.join(cmd)}\n")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
