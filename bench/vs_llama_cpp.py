@@ -343,11 +343,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     log_dir = Path(tempfile.mkdtemp(prefix="bench-vs-llama-cpp-"))
     results: list[LevelResult] = []
-    if not args.skip_ours:
-        results += run_ours(model, workload, args, log_dir)
+    failed: list[str] = []
     binary = args.llama_server or (built.binary if built else None)
+    runs: list[tuple[str, Callable[[], list[LevelResult]]]] = []
+    if not args.skip_ours:
+        runs.append(("ours", lambda: run_ours(model, workload, args, log_dir)))
     if binary is not None:
-        results += run_llama(binary, model, workload, args, log_dir)
+        runs.append(("llama-server", lambda b=binary: run_llama(b, model, workload, args, log_dir)))
+    for name, run in runs:
+        try:
+            results += run()
+        except (RuntimeError, TimeoutError) as err:  # a server that would not start: keep the other
+            console.print(f"[red]{name} could not be measured:[/red] {err}")
+            failed.append(name)
     on = [
         k
         for k, v in (built.options if built else {}).items()
@@ -374,9 +382,11 @@ def main(argv: list[str] | None = None) -> int:
     print_report(rep)
     if args.json_path:
         Path(args.json_path).write_text(rep.model_dump_json(indent=2), encoding="utf-8")
-    bad = sum(r.errors + r.short_requests for r in results)
+    bad = sum(r.errors + r.short_requests for r in results) + len(failed)
     if bad:
-        console.print(f"[red]{bad} requests failed or came back short of their requested length[/red]")
+        console.print(
+            f"[red]{bad} failures: requests failed or came back short, or a server did not start[/red]"
+        )
     return 0 if bad == 0 else 1
 
 
