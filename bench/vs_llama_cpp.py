@@ -19,6 +19,8 @@ import argparse
 import asyncio
 import os
 import shlex
+import signal
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -315,6 +317,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM (a timeout, Ctrl-C's cousin) unwinds like an exception, so the server child is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     console.width = max(console.width, 140)
     model = resolve_model(args.model)
     built: llama_cpp_build.BuiltServer | None = None
