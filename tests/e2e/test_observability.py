@@ -69,6 +69,7 @@ SIM_CANNOT_EXPORT: dict[str, str] = {
     "fleet_engine_grammar_mask_seconds": "sim replicas do no constrained decoding",
     "fleet_engine_lora_load_seconds": "sim replicas load no LoRA adapters",
     "fleet_engine_lora_adapters": "sim replicas load no LoRA adapters",
+    "fleet_engine_spec_decode_": "sim replicas do no speculative decoding",
 }
 
 
