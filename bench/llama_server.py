@@ -10,6 +10,7 @@ from types import TracebackType
 import httpx
 
 from bench.engine_throughput import Workload
+from fleet_base.processes import stop_process
 
 SERVED_NAME = "smollm2-135m"
 
@@ -74,14 +75,8 @@ class LlamaServer:
         return "log tail:\n" + "\n".join(lines)
 
     def stop(self, timeout: float = 30.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, timeout)
 
     def __enter__(self) -> LlamaServer:
         return self.start()

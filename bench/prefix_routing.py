@@ -52,6 +52,7 @@ from agent.protocol import (
 )
 from bench.common import console, load_sharegpt_prompts, print_table, require_data_file, run_main
 from control_plane.local.nats_server import NatsServer
+from fleet_base.processes import stop_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOYMENT = "chat"
@@ -214,14 +215,7 @@ class Fleet:
         return [r.url for r in snap.replicas if r.deployment == DEPLOYMENT] if snap else []
 
     def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(self.procs, 60)
         self.nats.stop()
 
 

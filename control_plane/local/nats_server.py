@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from agent.ports import free_port, wait_port
+from fleet_base.processes import stop_process
 
 
 def nats_server_binary() -> str:
@@ -82,13 +83,7 @@ class NatsServer:
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout)
         self.proc = None
 
     def kill(self) -> None:

@@ -17,6 +17,8 @@ from typing import Any
 
 import httpx
 
+from fleet_base.processes import stop_process
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -85,12 +87,7 @@ class ServerProcess:
     def stop(self, timeout: float = 30.0) -> int | None:
         if self.proc is None:
             return None
-        self.terminate()
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
+        code = stop_process(self.proc, timeout)
         if self._log not in (None, subprocess.DEVNULL):
             self._log.close()
         return code

@@ -23,6 +23,7 @@ from agent.config import ClusterConfig
 from agent.nats_io import NatsLink
 from agent.protocol import ClusterRoute, DesiredState, ReplicaSpec, RoutingTable
 from control_plane.local.nats_server import NatsServer
+from fleet_base.processes import stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_VOCAB = 320
@@ -211,10 +212,8 @@ def agent_factory(tmp_path: Path) -> Iterator[Callable[[ClusterConfig], AgentPro
 
     yield make
     for agent in agents:
-        if agent.alive():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                agent.terminate(timeout=20)
-        agent.kill()
+        if agent.proc is not None:
+            stop_process(agent.proc, 20)
 
 
 async def publish_cluster_state(

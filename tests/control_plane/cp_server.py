@@ -4,7 +4,6 @@ and fresh databases (SQLite file or a new PostgreSQL database) to run it on."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import httpx
 import pytest
 
 from agent.ports import free_port
+from fleet_base.processes import stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
 PG_ENV = "FLEET_TEST_POSTGRES_URL"
@@ -162,14 +162,4 @@ class ControlPlaneServer:
         if self.proc is None:
             return None
         proc, self.proc = self.proc, None
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        return proc.returncode
+        return stop_process(proc, timeout, group=True)

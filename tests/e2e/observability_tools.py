@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from agent.ports import free_port
+from fleet_base.processes import stop_process
 
 REQUIRE_ENV = "FLEET_REQUIRE_PROMETHEUS_CHROMIUM"
 INSTALL = "bash scripts/install-browser-prometheus.sh"
@@ -140,13 +141,8 @@ class Prometheus:
 
     def stop(self) -> None:
         self.client.close()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, 15)
         self.proc = None
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from agent.protocol import (
     hash_secret,
     new_secret,
 )
+from fleet_base.processes import stop_process
 
 ROOT = Path(__file__).resolve().parents[3]
 DEPLOYMENT = "tiny"
@@ -211,14 +211,8 @@ class GatewayProcess:
         self.sync()
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, timeout, group=True)
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

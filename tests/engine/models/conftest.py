@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine.models import ModelCache
+from fleet_base.processes import stop_process
 from tests.engine.models.servers import free_port, wait_port, write_registry_config
 
 AWS_ENV = {
@@ -104,5 +105,4 @@ def oci_registry(tmp_path: Path) -> Iterator[str]:
         wait_port(port)
         yield f"127.0.0.1:{port}"
     finally:
-        proc.terminate()
-        proc.wait(10)
+        stop_process(proc, 10)
