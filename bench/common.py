@@ -6,6 +6,7 @@ Everything here measures and reports; nothing asserts a timing.
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import json
 import os
@@ -14,20 +15,25 @@ import resource
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import psutil
 from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
 
+if TYPE_CHECKING:
+    import openai
+
 ROOT = Path(__file__).resolve().parents[1]
 SHAREGPT_FILE = "sharegpt_v3_filtered_500.json"
 AZURE_CONV_FILE = "azure2023_conv.csv"
 EXIT_MISSING_INPUT = 2
+
+T = TypeVar("T")
 
 # Redirected output keeps whole table rows instead of wrapping at 80 columns.
 console = Console(width=None if sys.stdout.isatty() else 200)
@@ -330,6 +336,44 @@ def progress(total: int, desc: str, unit: str = "req") -> Iterator[Callable[[int
         yield bar.update
     finally:
         bar.close()
+
+
+def openai_client(
+    url: str, concurrency: int, timeout_s: float, api_key: str = "unused"
+) -> openai.AsyncOpenAI:
+    """An `openai.AsyncOpenAI` for `url` with a connection pool a little larger than
+    `concurrency` (no request waits on a socket) and no retries (a failure is a result)."""
+    import httpx
+    import openai
+
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s))
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, http_client=http)
+
+
+async def run_bounded(
+    requests: Iterable[Callable[[], Awaitable[T]]],
+    concurrency: int,
+    errors: tuple[type[BaseException], ...],
+    tick: Callable[[int], object] | None = None,
+) -> list[T | None]:
+    """Every request, at most `concurrency` in flight; results in order. One that raises
+    one of `errors` is printed and stands as None, so a refused or dropped request is
+    counted, not the end of the run (anything else propagates); `tick(1)` after each."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def guarded(request: Callable[[], Awaitable[T]]) -> T | None:
+        async with gate:
+            try:
+                return await request()
+            except errors as err:
+                console.print(f"[red]request failed:[/red] {err}")
+                return None
+            finally:
+                if tick is not None:
+                    tick(1)
+
+    return list(await asyncio.gather(*(guarded(r) for r in requests)))
 
 
 def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import json
 import os
@@ -32,9 +33,11 @@ from pydantic import BaseModel, computed_field
 from bench.common import (
     console,
     load_sharegpt_prompts,
+    openai_client,
     print_table,
     progress,
     resolve_model,
+    run_bounded,
     run_main,
     set_threads,
 )
@@ -139,34 +142,17 @@ async def run_level(
     tick: Callable[[int], object] | None = None,
 ) -> LevelResult:
     """All `prompts` through the server with at most `concurrency` in flight."""
-    import httpx
     import openai
 
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600.0))
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, http_client=http)
-    gate = asyncio.Semaphore(concurrency)
-    errors = 0
-
-    async def guarded(text: str) -> RequestTiming | None:
-        nonlocal errors
-        async with gate:
-            try:
-                return await one_request(client, model, text, max_tokens)
-            except openai.APIError as err:
-                errors += 1
-                console.print(f"[red]request failed:[/red] {err}")
-                return None
-            finally:
-                if tick is not None:
-                    tick(1)
-
+    client = openai_client(url, concurrency, 600.0, api_key)
     async with client:
         await one_request(client, model, prompts[0], 2)  # warm-up: connections, first-step costs
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(guarded(p) for p in prompts))
+        requests = [functools.partial(one_request, client, model, p, max_tokens) for p in prompts]
+        results = await run_bounded(requests, concurrency, (openai.APIError,), tick)
         seconds = time.perf_counter() - t0
-    return summarize(concurrency, [r for r in results if r is not None], seconds, errors)
+    done = [r for r in results if r is not None]
+    return summarize(concurrency, done, seconds, len(results) - len(done))
 
 
 class OfflineResult(BaseModel):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import shlex
 import signal
@@ -34,9 +35,11 @@ from bench.common import (
     console,
     load_azure_output_lengths,
     load_sharegpt_prompts,
+    openai_client,
     print_table,
     progress,
     resolve_model,
+    run_bounded,
     run_main,
 )
 from bench.engine_throughput import Workload, make_workload
@@ -114,10 +117,7 @@ async def run_level(
     """Every prompt through `url`'s /v1/completions with at most `concurrency` in flight."""
     import openai
 
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s))
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, http_client=http)
-    gate = asyncio.Semaphore(concurrency)
+    client = openai_client(url, concurrency, timeout_s)
 
     async def one(ids: list[int], n: int) -> RequestResult:
         t0 = time.perf_counter()
@@ -132,23 +132,13 @@ async def run_level(
             seconds=time.perf_counter() - t0,
         )
 
-    async def guarded(ids: list[int], n: int) -> RequestResult | None:
-        async with gate:
-            try:
-                return await one(ids, n)
-            except (openai.APIError, httpx.HTTPError) as err:
-                console.print(f"[red]request failed:[/red] {err}")
-                return None
-            finally:
-                if tick is not None:
-                    tick(1)
-
     async with client:
         await one(prompts[0][:16], 2)  # warm-up: connection, first-step costs
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(guarded(p, n) for p, n in zip(prompts, output_lens, strict=True)))
+        requests = [functools.partial(one, p, n) for p, n in zip(prompts, output_lens, strict=True)]
+        results = await run_bounded(requests, concurrency, (openai.APIError, httpx.HTTPError), tick)
         seconds = time.perf_counter() - t0
-    return list(results), seconds
+    return results, seconds
 
 
 # --------------------------------------------------------------------------- runs
