@@ -1,30 +1,6 @@
-"""Local TCP ports: a free one to bind, and waiting for one to accept connections.
+"""Local TCP ports for the agent, the local fleet and the tests: a re-export of
+`fleet_base.ports`, their one home (the engine imports them from there too)."""
 
-The one home for the agent (replica ports), the local fleet (nats-server, control plane,
-gateways) and the tests. The engine's own test/bench harness (`engine.server.process`)
-keeps a copy: the engine layer may not import the agent.
-"""
+from fleet_base.ports import free_port, wait_port
 
-from __future__ import annotations
-
-import socket
-import time
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on now (the OS's pick); bind it soon, another may take it."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def wait_port(host: str, port: int, timeout: float) -> bool:
-    """Whether `host:port` accepts a TCP connection within `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((host, port), timeout=0.5):
-                return True
-        except OSError:
-            time.sleep(0.05)
-    return False
+__all__ = ["free_port", "wait_port"]

@@ -179,7 +179,7 @@ def run_ours(model: Path, workload: Workload, args: argparse.Namespace, log_dir:
 def run_llama(
     binary: Path, model: Path, workload: Workload, args: argparse.Namespace, log_dir: Path
 ) -> list[LevelResult]:
-    from engine.server.process import free_port
+    from fleet_base.ports import free_port
 
     parallel = args.parallel or args.concurrency
     threads = args.threads or llama_cpp_build.available_cores()

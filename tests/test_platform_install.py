@@ -155,6 +155,7 @@ def test_dockerignore_keeps_the_context_small() -> None:
         "control_plane",
         "engine",
         "kernels",
+        "fleet_base",
         "migrations",
         "pyproject.toml",
         "README.md",

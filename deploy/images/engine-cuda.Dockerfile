@@ -25,6 +25,7 @@ COPY agent ./agent
 COPY control_plane ./control_plane
 COPY engine ./engine
 COPY kernels ./kernels
+COPY fleet_base ./fleet_base
 RUN pip install -e ".[engine]" && python -c "import torch, triton; print(torch.__version__, triton.__version__)"
 
 FROM ${CUDA_IMAGE} AS runtime

@@ -17,6 +17,7 @@ COPY agent ./agent
 COPY control_plane ./control_plane
 COPY engine ./engine
 COPY kernels ./kernels
+COPY fleet_base ./fleet_base
 COPY migrations ./migrations
 # Editable, so Alembic finds migrations/ next to the packages (control_plane/db/session.py).
 RUN pip install -e ".[cli]" \

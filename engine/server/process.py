@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,16 +16,10 @@ from typing import Any
 
 import httpx
 
+from fleet_base.ports import free_port
 from fleet_base.processes import stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    """`agent.ports.free_port`, which the engine layer may not import."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ServerProcess:
