@@ -17,11 +17,9 @@ prints; it asserts nothing.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +28,7 @@ import time
 from pathlib import Path
 
 from bench.common import ROOT, console, mib, print_table, resolve_model, run_main
+from fleet_base.ports import free_port, wait_port
 
 PROMPT = "Write one sentence about the sea."
 
@@ -66,21 +65,6 @@ class MemorySampler:
         self._stop.set()
         self._thread.join()
         self._sample()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_port(port: int, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"the S3 server did not listen on port {port}")
 
 
 def child(args: argparse.Namespace) -> int:
@@ -156,10 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     if not model.is_file():
         console.print("[red]--model must be a single file (a .gguf) to upload[/red]")
         return 2
-    port = _free_port()
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
-    _wait_port(port)
+    if not wait_port("127.0.0.1", port, 20.0):
+        raise RuntimeError(f"the S3 server did not listen on port {port}")
     creds = {
         "AWS_ACCESS_KEY_ID": "bench",
         "AWS_SECRET_ACCESS_KEY": "bench",

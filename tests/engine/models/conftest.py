@@ -14,7 +14,7 @@ import pytest
 
 from engine.models import ModelCache
 from fleet_base.processes import stop_process
-from tests.engine.models.servers import free_port, wait_port, write_registry_config
+from tests.engine.models.servers import free_port, wait_listening, write_registry_config
 
 AWS_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -33,7 +33,7 @@ class S3Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
         self._server.start()
-        wait_port(self.port)
+        wait_listening(self.port)
 
     def client(self):
         import boto3
@@ -102,7 +102,7 @@ def oci_registry(tmp_path: Path) -> Iterator[str]:
     cfg = write_registry_config(tmp_path / "registry", port)
     proc = subprocess.Popen([binary, "serve", str(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_port(port)
+        wait_listening(port)
         yield f"127.0.0.1:{port}"
     finally:
         stop_process(proc, 10)

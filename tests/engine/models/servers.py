@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -28,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from agent.ports import free_port
+from fleet_base.ports import free_port, wait_port
 
 
 @contextlib.contextmanager
@@ -209,13 +208,10 @@ class HubServer:
         )
 
 
-def wait_port(port: int, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on 127.0.0.1:{port}")
+def wait_listening(port: int, timeout: float = 20.0) -> None:
+    """`wait_port` on loopback that raises: a test server that never listens is a setup error."""
+    if not wait_port("127.0.0.1", port, timeout):
+        raise RuntimeError(f"nothing listens on 127.0.0.1:{port}")
 
 
 def write_registry_config(root: Path, port: int) -> Path:
