@@ -33,7 +33,7 @@ def stop_processes(
     for proc in procs:
         if proc.poll() is None:
             _signal(proc, signal.SIGTERM, group)
-    codes = []
+    codes: list[int] = []
     for proc in procs:
         try:
             codes.append(proc.wait(timeout))
