@@ -165,17 +165,24 @@ class RolloutFleet:
         extra: dict | None = None,
         timeout: float = 300.0,
         stagger_s: float = 0.3,
+        overlap: float = 0.5,
     ) -> Through:
-        """One worker per text streams it again and again (so `len(texts)` streams are
-        always in flight) while `fleetctl rollout start` replaces every replica; the
-        workers stop once the old replicas are gone (`replaced`). Worker i starts
-        `i * stagger_s` late, so the streams are not in lockstep (all between two
-        requests, or all in prefill, when a replica is given up)."""
+        """One worker per text streams it again and again while `fleetctl rollout start`
+        replaces every replica; the workers stop once the old replicas are gone
+        (`replaced`). A worker starts its next stream as soon as the current one has
+        `overlap` x `max_tokens` content chunks, not when it ends: one after the other,
+        a worker's streams leave gaps (the next one's time to first token) and the
+        engine's batching pulls all workers into step, so a removal could find every
+        stream between two requests. Overlapped, each worker always has a stream past
+        its first chunk with at least (1 - overlap) of it, less one time to first token,
+        still to run, so every worker has a stream on the old replica when it is given
+        up. Worker i starts `i * stagger_s` late."""
         extra = {"model": self.name, **(extra or {})}
-        return asyncio.run(self._through(texts, max_tokens, extra, timeout, stagger_s))
+        lead = max(1, round(max_tokens * overlap))
+        return asyncio.run(self._through(texts, max_tokens, extra, timeout, stagger_s, lead))
 
     async def _through(
-        self, texts: list[str], max_tokens: int, extra: dict, timeout: float, stagger_s: float
+        self, texts: list[str], max_tokens: int, extra: dict, timeout: float, stagger_s: float, lead: int
     ) -> Through:
         old = self.pids(self.version)
         out = Through(runs=[[] for _ in texts])
@@ -183,9 +190,29 @@ class RolloutFleet:
 
         async def worker(i: int) -> None:
             await asyncio.sleep(i * stagger_s)
-            while not stop.is_set():
-                results, _ = await run_streams(self.gateway, self.key, [texts[i]], max_tokens, extra=extra)
-                out.runs[i] += results
+            streams: list[asyncio.Task] = []
+            try:
+                while not stop.is_set():
+                    under_way = asyncio.Event()  # run_streams' mid-stream hook: `lead` chunks arrived
+                    one = run_streams(
+                        self.gateway,
+                        self.key,
+                        [texts[i]],
+                        max_tokens,
+                        extra=extra,
+                        kill=under_way.set,
+                        kill_after_chunks=lead,
+                    )
+                    streams.append(asyncio.create_task(one))
+                    waiting = asyncio.create_task(under_way.wait())
+                    await asyncio.wait({streams[-1], waiting}, return_when=asyncio.FIRST_COMPLETED)
+                    waiting.cancel()
+            finally:
+                for done in await asyncio.gather(*streams, return_exceptions=True):
+                    if isinstance(done, BaseException):  # the client saw it fail: an error, not lost
+                        out.runs[i].append(StreamResult(error={"exception": repr(done)}))
+                    else:
+                        out.runs[i] += done[0]
 
         tasks = [asyncio.create_task(worker(i)) for i in range(len(texts))]
         try:
