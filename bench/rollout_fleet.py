@@ -165,7 +165,7 @@ class RolloutFleet:
         extra: dict | None = None,
         timeout: float = 300.0,
         stagger_s: float = 0.3,
-        overlap: float = 0.5,
+        overlap: float = 1 / 3,
     ) -> Through:
         """One worker per text streams it again and again while `fleetctl rollout start`
         replaces every replica; the workers stop once the old replicas are gone
@@ -173,10 +173,12 @@ class RolloutFleet:
         `overlap` x `max_tokens` content chunks, not when it ends: one after the other,
         a worker's streams leave gaps (the next one's time to first token) and the
         engine's batching pulls all workers into step, so a removal could find every
-        stream between two requests. Overlapped, each worker always has a stream past
-        its first chunk with at least (1 - overlap) of it, less one time to first token,
-        still to run, so every worker has a stream on the old replica when it is given
-        up. Worker i starts `i * stagger_s` late."""
+        stream between two requests, and a wave that ends between the removal and the
+        hand-over leaves none to hand over. Overlapped, a worker's newest stream that
+        has begun has at least (1 - overlap) of it to run, less the next one's wait for
+        its first chunk (arrivals are admitted in bursts under load: a third, not a
+        half, holds there), so every worker has a stream on the old replica when it
+        is given up. Worker i starts `i * stagger_s` late."""
         extra = {"model": self.name, **(extra or {})}
         lead = max(1, round(max_tokens * overlap))
         return asyncio.run(self._through(texts, max_tokens, extra, timeout, stagger_s, lead))
