@@ -76,6 +76,12 @@ SSE_DONE = "data: [DONE]\n\n"
 
 def sse_error(err: BaseException) -> str:
     """An error after the stream started; OpenAI clients raise it from the `error` field."""
-    logger.error("error while streaming a response: %r", err)
-    api = engine_error(err) or APIError(500, f"Internal server error: {type(err).__name__}")
+    api = engine_error(err)
+    if api is None:
+        logger.error("error while streaming a response: %r", err)
+        api = APIError(500, f"Internal server error: {type(err).__name__}")
+    elif api.status >= 500 and api.code != "replica_draining":
+        logger.warning("stream ended with %s: %s", api.code or api.status, api.message)
+    else:  # a hand-over or a client-side cause: expected, not a fault of this server
+        logger.info("stream ended with %s: %s", api.code or api.status, api.message)
     return sse(error_body(api.status, api.message, api.param, api.code))
