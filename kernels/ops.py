@@ -102,9 +102,23 @@ def write_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    plan: Any = None,
 ) -> None:
-    """key/value [T, Hkv, D] -> caches [num_blocks, block_size, Hkv, D] at slot_mapping [T] (negative = skip)."""
+    """key/value [T, Hkv, D] -> caches [num_blocks, block_size, Hkv, D] at slot_mapping [T] (negative = skip).
+
+    `plan`: this step's `plan_kv_write(slot_mapping)`, or None."""
+    if plan is not None:
+        reference.write_kv_planned(key, value, k_cache, v_cache, plan)
+        return
     _impl(key.device, "triton_cache").write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def plan_kv_write(slot_mapping: torch.Tensor) -> Any:
+    """The step's KV write targets for the reference path, shared by every layer (the negative
+    slots dropped once); None where the backend needs none (Triton)."""
+    if resolve_backend(slot_mapping.device) != "torch":
+        return None
+    return reference.plan_kv_write(slot_mapping)
 
 
 def plan_paged_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> Any:

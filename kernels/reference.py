@@ -26,17 +26,38 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Scatter `key`/`value` [T, Hkv, D] into the paged caches at `slot_mapping` [T] (negative = skip)."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    write_kv_planned(key, value, k_cache, v_cache, plan_kv_write(slot_mapping))
+
+
+@dataclass(frozen=True)
+class KVWrite:
+    """Where one step's new K/V rows go, worked out once per step for every layer."""
+
+    slots: torch.Tensor  # [n] int64, all >= 0
+    rows: torch.Tensor | None  # [n] int64 rows of key/value to keep; None = every row
+
+
+def plan_kv_write(slot_mapping: torch.Tensor) -> KVWrite:
+    """Drop the skipped (negative) slots once, instead of testing them in every layer."""
     slots = slot_mapping.long()
-    if slots.numel() == 0:
-        return
     keep = slots >= 0
-    if not bool(keep.all()):
-        slots, key, value = slots[keep], key[keep], value[keep]
-    k_flat.index_copy_(0, slots, key.to(k_cache.dtype))
-    v_flat.index_copy_(0, slots, value.to(v_cache.dtype))
+    if bool(keep.all()):
+        return KVWrite(slots, None)
+    rows = keep.nonzero().squeeze(1)
+    return KVWrite(slots.index_select(0, rows), rows)
+
+
+def write_kv_planned(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: KVWrite
+) -> None:
+    """`write_kv_cache` with this step's `plan_kv_write`: two index copies per layer."""
+    if plan.slots.numel() == 0:
+        return
+    if plan.rows is not None:
+        key, value = key.index_select(0, plan.rows), value.index_select(0, plan.rows)
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slots, key.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slots, value.to(v_cache.dtype))
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, name: str) -> torch.Tensor:
@@ -68,6 +89,8 @@ class DecodeLayout:
     length: int  # positions per row after the cut (the span when masked)
     invalid: torch.Tensor | None  # flat positions past a row's context, [n] int64
     mask: torch.Tensor | None  # [B, 1, 1, length] bool, True = attend
+    # One row whose blocks are consecutive in the cache: its span is a view, no gather.
+    first_block: int | None = None
 
 
 def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> DecodeLayout:
@@ -77,7 +100,12 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
     num_blocks = -(-longest // block_size)
     block_ids = block_tables[:, :num_blocks].reshape(-1).long().clamp_min(0)
     if min(lens, default=0) == longest:
-        return DecodeLayout(block_ids, batch, num_blocks, longest, None, None)
+        first = None
+        if batch == 1 and num_blocks:
+            ids = block_ids.tolist()
+            if ids == list(range(ids[0], ids[0] + num_blocks)):
+                first = ids[0]
+        return DecodeLayout(block_ids, batch, num_blocks, longest, None, None, first)
     span = num_blocks * block_size
     valid = (
         torch.arange(span, device=block_tables.device)[None, :]
@@ -90,6 +118,11 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
 def _gather_span(cache: torch.Tensor, layout: DecodeLayout, name: str) -> torch.Tensor:
     """A layout's blocks of `cache` -> [B, length, Hkv, D] (past-context tails zeroed)."""
     block_size, num_kv_heads, head_dim = cache.shape[1:]
+    if layout.first_block is not None:
+        first, span_len = layout.first_block, layout.num_blocks * block_size
+        return cache[first : first + layout.num_blocks].view(1, span_len, num_kv_heads, head_dim)[
+            :, : layout.length
+        ]
     out = scratch(
         name, (layout.block_ids.numel(), block_size, num_kv_heads, head_dim), cache.dtype, cache.device
     )
@@ -194,8 +227,10 @@ def rms_norm(
     if residual is not None:
         x = x + residual
     xf = x.float()
-    inv_rms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    out = (xf * inv_rms * weight.float()).to(x.dtype)
+    # The same arithmetic as rsqrt(mean(x^2) + eps) * x * w (mean is sum then divide), in fewer
+    # ops: in place on the fresh tensors.
+    inv_rms = (xf * xf).sum(-1, keepdim=True).div_(xf.shape[-1]).add_(eps).rsqrt_()
+    out = torch.mul(xf, inv_rms).mul_(weight).to(x.dtype)
     return out if residual is None else (out, x)
 
 
@@ -218,8 +253,11 @@ def rotary_embedding(
             continue
         part = x[..., :rot_dim]
         # (x1, x2) * (cos, cos) + (x2, x1) * (-sin, sin) = (x1 cos - x2 sin, x2 cos + x1 sin)
-        swapped = torch.cat((part[..., half:], part[..., :half]), dim=-1).float()
-        part.copy_(part.float() * cos + swapped * sin)
+        swapped = torch.roll(part, half, dims=-1)
+        if part.dtype == torch.float32:  # in place, four ops (addcmul would round differently)
+            part.mul_(cos).add_(swapped.mul_(sin))
+        else:
+            part.copy_(part.float() * cos + swapped.float() * sin)
 
 
 def rotary_angles(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

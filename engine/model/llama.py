@@ -37,6 +37,7 @@ class AttentionMetadata:
     lora: Any = None  # engine.lora.LoRABatch of a step with adapters; None = base model only
     # Filled by the model once per forward, shared by its layers (None where the backend needs none).
     rotary: Any = None  # kernels.ops.prepare_rotary
+    kv_write: Any = None  # kernels.ops.plan_kv_write
     decode_plans: list[Any] | None = None  # kernels.ops.plan_paged_decode, one per decode group
 
 
@@ -77,7 +78,7 @@ class LlamaAttention(nn.Module):
         else:
             ops.rotary_embedding(positions, q, k, cos_sin_cache)
         k_cache, v_cache = kv_cache
-        ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, meta.kv_write)
 
         nd = meta.num_decode_tokens
         parts = []
@@ -119,7 +120,7 @@ class LlamaMLP(nn.Module):
         if lora is not None:
             lora.apply(self.layer_idx, "gate_up", x, gate_up)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        act = F.silu(gate) * up
+        act = F.silu(gate).mul_(up)
         out = self.down_proj(act)
         if lora is not None:
             lora.apply(self.layer_idx, "down", act, out)
@@ -219,6 +220,8 @@ class LlamaForCausalLM(nn.Module):
         """What every layer of this step would otherwise recompute: rotary angles, decode layouts."""
         if meta.rotary is None:
             meta.rotary = ops.prepare_rotary(positions, self.cos_sin_cache)
+        if meta.kv_write is None:
+            meta.kv_write = ops.plan_kv_write(meta.slot_mapping)
         if meta.decode_plans is None and kv_caches:
             block_size = kv_caches[0][0].shape[1]
             meta.decode_plans = [

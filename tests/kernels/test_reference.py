@@ -156,6 +156,45 @@ def test_write_kv_cache_skips_negative_slots() -> None:
     assert int((k_cache != 0).any(-1).any(-1).sum()) == 2  # exactly two slots written
 
 
+def test_one_row_on_consecutive_blocks_reads_a_view_and_matches_the_gathered_copy() -> None:
+    """B=1 on blocks next to each other in the cache: the span is a view (no gather), same result."""
+    gen = torch.Generator().manual_seed(5)
+    block_size, num_kv_heads, head_dim, length = 16, 2, 32, 37
+    kv = make_paged_kv(gen, [length], block_size, num_kv_heads, head_dim, torch.float32)
+    k, v = contiguous_kv(kv, 0)
+    q = torch.randn(1, num_kv_heads * 3, head_dim, generator=gen)
+    expected = naive_attention(q, k, v, torch.tensor([length - 1]), 0.2)
+    for first in (0, 2):  # blocks first..first+2 hold the sequence in order
+        k_cache, v_cache = (torch.full_like(kv.k_cache, float("nan")) for _ in range(2))
+        nb = -(-length // block_size)
+        for pos in range(length):
+            k_cache[first + pos // block_size, pos % block_size] = k[pos]
+            v_cache[first + pos // block_size, pos % block_size] = v[pos]
+        tables = torch.arange(first, first + nb, dtype=torch.int32)[None]
+        plan = ref.plan_decode(tables, kv.context_lens, block_size)
+        assert plan.first_block == first
+        out = ref.decode_attention(q, k_cache, v_cache, plan, 0.2)
+        assert rel_err(out, expected) < 1e-5
+    gapped = torch.tensor([[0, 2, 3]], dtype=torch.int32)  # not consecutive: gathered
+    assert ref.plan_decode(gapped, kv.context_lens, block_size).first_block is None
+
+
+def test_planned_kv_write_drops_negative_slots_once_and_writes_like_the_plain_one() -> None:
+    gen = torch.Generator().manual_seed(6)
+    key = torch.randn(4, 2, 8, generator=gen)
+    value = torch.randn(4, 2, 8, generator=gen)
+    for slots in ([3, 17, 40, 63], [17, -1, 63, -1]):
+        mapping = torch.tensor(slots)
+        plain = [torch.zeros(4, 16, 2, 8) for _ in range(2)]
+        planned = [torch.zeros(4, 16, 2, 8) for _ in range(2)]
+        ref.write_kv_cache(key, value, *plain, mapping)
+        plan = ref.plan_kv_write(mapping)
+        assert (plan.rows is None) == (min(slots) >= 0)
+        for _ in range(2):  # one plan serves every layer
+            ref.write_kv_planned(key, value, *planned, plan)
+        assert all(torch.equal(a, b) for a, b in zip(plain, planned))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_with_and_without_residual(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(1)
