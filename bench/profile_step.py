@@ -52,7 +52,20 @@ def count_allocations(engine: Any, steps: int) -> tuple[float, float]:
     return len(allocs) / steps, sum(e.cpu_memory_usage for e in allocs) / steps / 2**20
 
 
-def profile_batch(llm: Any, prompts: list[list[int]], batch_size: int, steps: int) -> StepProfile:
+def count_ops(engine: Any, steps: int) -> list[tuple[str, float, float]]:
+    """(op, calls per step, self CPU ms per step) over `steps` steps, most calls first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    rows = [(e.key, e.count / steps, e.self_cpu_time_total / 1000 / steps) for e in prof.key_averages()]
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def profile_batch(
+    llm: Any, prompts: list[list[int]], batch_size: int, steps: int, ops: int = 0
+) -> StepProfile:
     from engine import SamplingParams
 
     eng = llm.engine
@@ -73,6 +86,13 @@ def profile_batch(llm: Any, prompts: list[list[int]], batch_size: int, steps: in
     finally:
         prof.detach()
     allocs, alloc_mib = count_allocations(eng, min(2, steps))
+    if ops:
+        table = count_ops(eng, min(3, steps))
+        print_table(
+            f"B={batch_size}: ops per decode step (torch.profiler, {sum(r[1] for r in table):.0f} in all)",
+            ["op", "calls/step", "self CPU ms/step"],
+            [list(r) for r in table[:ops]],
+        )
     for rid in ids:
         eng.abort_request(rid)
     llm.reset_prefix_cache()
@@ -95,10 +115,12 @@ def print_profiles(profiles: list[StepProfile], title: str) -> None:
     print_table(title, cols, rows)
 
 
-def run_profiles(llm: Any, prompts: list[list[int]], batch_sizes: list[int], steps: int) -> list[StepProfile]:
+def run_profiles(
+    llm: Any, prompts: list[list[int]], batch_sizes: list[int], steps: int, ops: int = 0
+) -> list[StepProfile]:
     out = []
     for b in batch_sizes:
-        out.append(profile_batch(llm, prompts, b, steps))
+        out.append(profile_batch(llm, prompts, b, steps, ops))
         p = out[-1]
         console.print(
             f"B={b}: {p.ms['total']:.1f} ms/step " + ", ".join(f"{k} {v:.1f}" for k, v in p.ms.items())
@@ -114,6 +136,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-prompt-tokens", type=int, default=96)
     p.add_argument("--weights", default=None, help="ours: fp32 | bf16 | int8 | int4 | auto")
     p.add_argument("--threads", type=int, default=None, help="pin torch threads (default: tuned)")
+    p.add_argument("--ops", type=int, default=0, help="also list the N most called ops per step")
     p.add_argument("--json", dest="json_path", default=None)
     return p.parse_args(argv)
 
@@ -132,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         extra["num_threads"] = args.threads  # pinned: the engine's tuner is off
     llm = LLM(model=args.model, show_progress=False, **extra)
     console.print(machine_note("cpu", threads))
-    profiles = run_profiles(llm, prompts, args.batch_sizes, args.steps)
+    profiles = run_profiles(llm, prompts, args.batch_sizes, args.steps, args.ops)
     print_profiles(profiles, f"Decode step profile ({args.steps} steps each)")
     console.print(f"end: {machine_note('cpu', threads)}")
     if args.json_path:
