@@ -197,6 +197,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds per batch size")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--cpp-wrapper", action="store_true", help="inductor's C++ wrapper (no Python per kernel call)"
+    )
     return p.parse_args(argv)
 
 
@@ -206,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="fleet-inductor-"))
     from engine import LLM
 
+    if args.cpp_wrapper:
+        import torch._inductor.config
+
+        torch._inductor.config.cpp_wrapper = True
     resolve_model(args.model)
     threads = set_threads(args.threads)
     llm = LLM(model=args.model, show_progress=False, num_threads=threads)
