@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         torch._inductor.config.cpp_wrapper = True
     resolve_model(args.model)
     threads = set_threads(args.threads)
-    llm = LLM(model=args.model, show_progress=False, num_threads=threads)
+    # fp32 linears: the pieces read each nn.Linear weight (other formats are other modules)
+    llm = LLM(model=args.model, show_progress=False, num_threads=threads, weights="fp32")
     prompts = [list(range(200 + 7 * i, 260 + 7 * i)) for i in range(64)]
     rows = []
     for b in args.batch_sizes:

@@ -29,6 +29,7 @@ def test_pieces_eager_equal_the_model_forward_on_a_decode_step(tmp_path: Path, s
         str(out),
         show_progress=False,
         num_threads=1,
+        weights="fp32",
         block_size=16,
         max_model_len=256,
         kv_cache_memory=8 << 20,
