@@ -17,8 +17,9 @@ from engine.grammar import GrammarBackend
 from engine.loader import load_checkpoint
 from engine.lora import LoRAManager
 from engine.model.llama import AttentionMetadata, LlamaForCausalLM
-from engine.model.weights import column_major, convert_linears
-from engine.model.weights_choice import choose_weights
+from engine.model.weights import CPU_ONLY, column_major, convert_linears
+from engine.model.weights_choice import apply_auto
+from engine.model.weights_dispatch import convert_lm_head
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from engine.scheduler import ScheduledRequest
 from engine.spec_decode.rows import SamplingRows
@@ -65,6 +66,7 @@ class ModelRunner:
         del state
         if self.device.type == "cpu":
             column_major(model)
+        self.weights_plan = "fp32"  # which format serves which batch sizes (startup log, docs)
         self.weights = self._convert_weights(model, args.weights)
         self.model = model.eval()
         self.block_size = args.block_size
@@ -89,21 +91,29 @@ class ModelRunner:
         self.graphs = self._decode_graphs() if args.cuda_graphs else None
         self.grammar: GrammarBackend | None = None  # set by the engine (it owns the tokenizer)
         log.info(
-            "model loaded in %.1fs: %s on %s, %d KV blocks of %d tokens",
+            "model loaded in %.1fs: %s on %s, weights %s, %d KV blocks of %d tokens",
             time.perf_counter() - t0,
             self.dtype,
             self.device,
+            self.weights_plan,
             self.num_blocks,
             self.block_size,
         )
 
     def _convert_weights(self, model: LlamaForCausalLM, fmt: str) -> str:
-        """Linear weights in `fmt` ("auto": the format measured fastest here, see weights_choice)."""
+        """Linear weights in `fmt`; "auto" on CPU with float32: per batch size, the format
+        measured fastest here (weights_choice), elsewhere the model's own dtype."""
         if fmt == "auto":
-            fmt = choose_weights(model) if self.device.type == "cpu" else "fp32"
-        if fmt in ("int8", "int4") and self.device.type != "cpu":
+            if self.device.type != "cpu" or self.dtype != torch.float32:
+                return "fp32"
+            self.weights_plan = apply_auto(model).summary()
+            return "auto"
+        if fmt in CPU_ONLY and self.device.type != "cpu":
             raise ValueError(f"weights {fmt!r} run on CPU only")
         convert_linears(model, fmt)
+        if fmt == "fp16":
+            convert_lm_head(model, ((None, "fp16"),))
+        self.weights_plan = fmt
         return fmt
 
     def _decode_graphs(self) -> DecodeGraphs | None:

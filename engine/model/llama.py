@@ -169,6 +169,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.logits_head: nn.Module | None = None  # another weight format's LM head (model.weights_dispatch)
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
 
     def init_rope(self, max_position: int) -> None:
@@ -207,8 +208,11 @@ class LlamaForCausalLM(nn.Module):
         hidden = hidden.index_select(0, logits_indices)
         residual = residual.index_select(0, logits_indices)
         hidden, _ = self.norm(hidden, residual)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()
+        if self.logits_head is not None:
+            logits = self.logits_head(hidden).float()
+        else:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = F.linear(hidden, weight).float()
         return logits if pooled is None else (logits, pooled.float())
 
     def _plan_step(

@@ -2,23 +2,32 @@
 
 At batch 1 a decode step reads every weight once, so bytes per weight bound its time.
 `convert_linears(model, fmt)` swaps each decoder `nn.Linear` (q/k/v, o, gate/up, down) for a
-module holding the weight in `fmt`; embeddings, norms and the (tied) LM head stay as they
-are, so the logits keep their precision.
+module holding the weight in `fmt`; embeddings and norms stay as they are. Only `fp16` also
+converts the (tied) LM head (`engine.model.weights_dispatch.convert_lm_head`): it is the one
+format that is near-lossless, so the logits keep their precision.
 
+- `fp16`: fbgemm's packed fp16 weights with fp32 activations and fp32 accumulation
+  (`quantized::linear_dynamic_fp16`, F16C conversion in the kernel), CPU only.
 - `bf16`: weight in bfloat16, activations cast at the matmul, result back in the model dtype.
-- `int8`: per-output-channel symmetric int8 with `torch._weight_int8pack_mm` (weight-only).
+- `int8`: fbgemm dynamic int8 (`quantized::linear_dynamic`): per-output-channel int8 weights,
+  activations quantized per tensor at each call, i.e. over the whole batch, so a request's
+  result depends on what else is in its batch. Opt-in only (docs/engine.md "Weights").
 - `int4`: group-wise (`INT4_GROUP` columns) asymmetric 4-bit with
   `torch._weight_int4pack_mm_for_cpu` (bfloat16 activations).
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 INT4_GROUP = 64
-FORMATS = ("fp32", "bf16", "int8", "int4")
+FORMATS = ("fp32", "fp16", "bf16", "int8", "int4")
+CPU_ONLY = ("fp16", "int8", "int4")
 
 
 class Bf16Linear(nn.Module):
@@ -32,23 +41,53 @@ class Bf16Linear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """The activations as a contiguous float32 [M, K] matrix (what the fbgemm kernels take)."""
+    return x.reshape(-1, x.shape[-1]).float().contiguous()
+
+
+class Fp16Linear(nn.Module):
+    """fbgemm fp16: half the bytes of fp32 per weight, fp32 activations and accumulation.
+
+    The packed weight is an opaque fbgemm object (not a buffer): these modules are built at
+    load and never saved or moved.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        b = None if bias is None else bias.detach().float().contiguous()
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float().contiguous(), b)
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> Fp16Linear:
+        return cls(linear.weight, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.quantized.linear_dynamic_fp16(_rows(x), self.packed)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
 class Int8Linear(nn.Module):
-    """w ~= q * scale per output row; q int8 in [-127, 127]."""
+    """fbgemm dynamic int8: w ~= q * scale per output row (q int8); activations quantized
+    per tensor at each call, so results depend on the other rows of the batch."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         w = linear.weight.detach().float().contiguous()
-        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scale", scale)
-        self.bias = None if linear.bias is None else linear.bias.detach().clone()
+        self.out_features = w.shape[0]
+        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()
+        zeros = torch.zeros(w.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():  # quantized tensors are deprecated, fbgemm's packing is not
+            warnings.simplefilter("ignore", UserWarning)
+            qw = torch.quantize_per_channel(w, scale, zeros, 0, torch.qint8)
+        b = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        self.packed = torch.ops.quantized.linear_prepack(qw, b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).float().contiguous()
-        out = torch._weight_int8pack_mm(x2, self.qweight, self.scale).to(x.dtype)
-        out = out.reshape(*shape[:-1], out.shape[-1])
-        return out if self.bias is None else out + self.bias
+        # reduce_range: 7-bit activations, so the AVX2 int8 kernel's 16-bit sums cannot saturate
+        out = torch.ops.quantized.linear_dynamic(_rows(x), self.packed, True)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
 class Int4Linear(nn.Module):
@@ -103,7 +142,21 @@ def column_major(model: nn.Module) -> int:
     return count
 
 
-_MODULES: dict[str, type[nn.Module]] = {"bf16": Bf16Linear, "int8": Int8Linear, "int4": Int4Linear}
+_MODULES: dict[str, Callable[[nn.Linear], nn.Module]] = {
+    "fp16": Fp16Linear.of,
+    "bf16": Bf16Linear,
+    "int8": Int8Linear,
+    "int4": Int4Linear,
+}
+
+
+def linear_in(fmt: str, linear: nn.Linear) -> nn.Module:
+    """`linear` as a module holding its weight in `fmt` (fp32: itself)."""
+    if fmt == "fp32":
+        return linear
+    if fmt not in _MODULES:
+        raise ValueError(f"unknown weight format {fmt!r}; one of {', '.join(FORMATS)}")
+    return _MODULES[fmt](linear)
 
 
 def convert_linears(model: nn.Module, fmt: str) -> int:
@@ -112,15 +165,22 @@ def convert_linears(model: nn.Module, fmt: str) -> int:
         return 0
     if fmt not in _MODULES:
         raise ValueError(f"unknown weight format {fmt!r}; one of {', '.join(FORMATS)}")
-    cls = _MODULES[fmt]
+    count = 0
+    for parent, name, child in decoder_linears(model):
+        setattr(parent, name, linear_in(fmt, child))
+        count += 1
+    return count
+
+
+def decoder_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute, linear) for every `nn.Linear` inside the decoder layers."""
     layers = getattr(model, "layers", None)
     if layers is None:
         raise ValueError("the model has no decoder layers to convert")
-    count = 0
+    found = []
     for layer in layers:
         for parent in layer.modules():
-            for name, child in list(parent.named_children()):
+            for name, child in parent.named_children():
                 if isinstance(child, nn.Linear):
-                    setattr(parent, name, cls(child))
-                    count += 1
-    return count
+                    found.append((parent, name, child))
+    return found

@@ -1,80 +1,132 @@
-"""`--weights auto`: pick the linear-weight format by timing this machine's kernels at load.
+"""`--weights auto`: per batch size, the linear-weight format measured fastest here, at load.
 
-One decoder layer's linears are run in each candidate format at batch 1 (what an interactive
-stream pays) and at batch 64 (a full continuous batch), rounds interleaved so a load change
-on a shared CPU hits every format alike. The format with the lowest geometric mean of its
-time relative to fp32 over the two sizes wins. int4 is never chosen automatically: its
-agreement with fp32 is lower (docs/engine.md "Weights"); ask for it explicitly.
+The candidates are fp32 (MKL, column-major) and fbgemm fp16, the one other format that is
+near-lossless (docs/engine.md "Weights"). The decoder linears of the first `TIMED_LAYERS`
+layers (distinct weights, more than the last-level cache holds, so they stream from memory as
+in a real step) and the LM head are timed in both formats at several row counts M, rounds
+interleaved so a load change on a shared CPU hits every format alike; `plan_from_timings`
+then picks a format per M bucket. bf16, int8 (dynamic, batch-dependent) and int4 are never
+chosen automatically. A process measures a given shape and thread count once.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from engine.model.weights import convert_linears
+from engine.model.weights import Fp16Linear, decoder_linears, linear_in
+from engine.model.weights_dispatch import (
+    DISPATCH_FORMATS,
+    FloatHead,
+    Plan,
+    apply_linear_plan,
+    convert_lm_head,
+    describe,
+    lm_head_weight,
+    plan_from_timings,
+)
 
 log = logging.getLogger(__name__)
 
-AUTO_CANDIDATES = ("fp32", "bf16", "int8")
-BATCH_SIZES = (1, 64)
-ROUNDS = 5
+LINEAR_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+HEAD_SIZES = (1, 8, 64)
+TIMED_LAYERS = 2
+ROUNDS = 2
+
+Timings = dict[str, dict[int, float]]
 
 
-class _OneLayer(nn.Module):
-    def __init__(self, layer: nn.Module) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([layer])
+@dataclass(frozen=True)
+class AutoChoice:
+    linears: Plan
+    lm_head: Plan
+    linear_ms: Timings
+    head_ms: Timings
+
+    def summary(self) -> str:
+        return f"linears {describe(self.linears)}; LM head {describe(self.lm_head)}"
 
 
-def _linears(layer: nn.Module) -> list[nn.Module]:
-    return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+_MEASURED: dict[tuple, AutoChoice] = {}
 
 
 @torch.inference_mode()
-def time_formats(model: nn.Module, formats: tuple[str, ...] = AUTO_CANDIDATES) -> dict[str, list[float]]:
-    """Seconds per layer-linears pass, per format, at each of BATCH_SIZES."""
-    base = model.layers[0]
-    variants = {}
-    for fmt in formats:
-        holder = _OneLayer(copy.deepcopy(base))
-        convert_linears(holder, fmt)
-        variants[fmt] = _linears(holder.layers[0])
-    hidden = base.self_attn.qkv_proj.in_features
-    inter = base.mlp.down_proj.in_features
-    dtype = base.self_attn.qkv_proj.weight.dtype
-    q_size = base.self_attn.q_size
-    inputs = {
-        b: (
-            torch.randn(b, hidden, dtype=dtype),
-            torch.randn(b, q_size, dtype=dtype),
-            torch.randn(b, inter, dtype=dtype),
-        )
-        for b in BATCH_SIZES
-    }
-    best: dict[str, list[float]] = {f: [math.inf] * len(BATCH_SIZES) for f in formats}
-    for _ in range(ROUNDS):
-        for fmt, (qkv, o, gate_up, down) in variants.items():
-            for i, b in enumerate(BATCH_SIZES):
-                x, a, y = inputs[b]
+def time_kernels(
+    kernels: Mapping[str, Sequence[nn.Module]], sizes: Sequence[int], rounds: int = ROUNDS
+) -> Timings:
+    """Seconds for one pass over each format's kernels at each M, best of interleaved rounds.
+    Every format's kernel list is in the same order, with the same input widths."""
+    first = next(iter(kernels.values()))
+    widths = [k.in_features for k in first]
+    inputs = {m: {w: torch.randn(m, w) for w in set(widths)} for m in sizes}
+    best = {fmt: dict.fromkeys(sizes, math.inf) for fmt in kernels}
+    for r in range(rounds + 1):  # round 0 warms up (first-call allocations, packing caches)
+        for m in sizes:
+            for fmt, ks in kernels.items():
                 t0 = time.perf_counter()
-                qkv(x)
-                o(a)
-                gate_up(x)
-                down(y)
-                best[fmt][i] = min(best[fmt][i], time.perf_counter() - t0)
+                for k, w in zip(ks, widths):
+                    k(inputs[m][w])
+                if r:
+                    best[fmt][m] = min(best[fmt][m], time.perf_counter() - t0)
     return best
 
 
-def choose_weights(model: nn.Module) -> str:
-    times = time_formats(model)
-    ref = times["fp32"]
-    score = {f: math.prod(t / r for t, r in zip(ts, ref)) ** (1 / len(ref)) for f, ts in times.items()}
-    fmt = min(score, key=score.get)
-    log.info("weights auto: %s (time vs fp32 at batch %s: %s)", fmt, BATCH_SIZES, score)
-    return fmt
+def layer_kernels(model: nn.Module, formats: Sequence[str], layers: int | None = TIMED_LAYERS) -> dict:
+    """The first `layers` decoder layers' linears in each format (fp32: the model's own)."""
+    linears = [lin for _, _, lin in decoder_linears(model)]
+    per_layer = len(linears) // len(model.layers)
+    linears = linears if layers is None else linears[: layers * per_layer]
+    return {fmt: [linear_in(fmt, lin) for lin in linears] for fmt in formats}
+
+
+def head_kernels(model: nn.Module, fp16: Fp16Linear | None = None) -> dict:
+    weight = lm_head_weight(model)
+    return {"fp32": [_Sized(FloatHead(weight), weight.shape[1])], "fp16": [fp16 or Fp16Linear(weight)]}
+
+
+class _Sized(nn.Module):
+    def __init__(self, inner: nn.Module, in_features: int) -> None:
+        super().__init__()
+        self.inner, self.in_features = inner, in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def _key(model: nn.Module) -> tuple:
+    shapes = tuple(tuple(lin.weight.shape) for _, _, lin in decoder_linears(model)[:8])
+    return shapes, tuple(lm_head_weight(model).shape), len(model.layers), torch.get_num_threads()
+
+
+def measure(model: nn.Module, head_fp16: Fp16Linear | None = None) -> AutoChoice:
+    key = _key(model)
+    if key not in _MEASURED:
+        t0 = time.perf_counter()
+        lin = time_kernels(layer_kernels(model, DISPATCH_FORMATS), LINEAR_SIZES)
+        head = time_kernels(head_kernels(model, head_fp16), HEAD_SIZES)
+        _MEASURED[key] = AutoChoice(plan_from_timings(lin), plan_from_timings(head), lin, head)
+        log.debug("weights auto measured in %.2fs", time.perf_counter() - t0)
+    return _MEASURED[key]
+
+
+def apply_auto(model: nn.Module) -> AutoChoice:
+    """Measure (once per process and shape), then serve every linear and the LM head by plan."""
+    head_fp16 = Fp16Linear(lm_head_weight(model))
+    choice = measure(model, head_fp16)
+    apply_linear_plan(model, choice.linears)
+    convert_lm_head(model, choice.lm_head, head_fp16)
+    ms = {f: {m: round(1e3 * t, 2) for m, t in ts.items()} for f, ts in choice.linear_ms.items()}
+    log.info(
+        "weights auto: %s (threads %d; ms for %d layers' linears by M: %s)",
+        choice.summary(),
+        torch.get_num_threads(),
+        TIMED_LAYERS,
+        ms,
+    )
+    return choice

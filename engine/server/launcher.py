@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=None)
     e.add_argument(
         "--weights",
-        choices=["fp32", "bf16", "int8", "int4", "auto"],
+        choices=["fp32", "fp16", "bf16", "int8", "int4", "auto"],
         default=None,
         help="linear-layer weight format (auto: fastest measured here; see docs/engine.md)",
     )

@@ -78,7 +78,7 @@ def test_weight_formats_match_fp32_within_their_precision(fmt: str) -> None:
     out = model(x)
     rel = ((out - ref).norm() / ref.norm()).item()
     assert out.dtype == torch.float32 and out.shape == ref.shape
-    assert rel < {"fp32": 1e-7, "bf16": 2e-2, "int8": 2e-2, "int4": 0.2}[fmt]
+    assert rel < {"fp32": 1e-7, "fp16": 2e-3, "bf16": 2e-2, "int8": 4e-2, "int4": 0.2}[fmt]
 
 
 class _TiedLM(nn.Module):
@@ -108,7 +108,7 @@ def test_column_major_weights_keep_values_and_every_format_still_converts(fmt: s
         assert column_major(model) == 0  # already column-major: nothing to do
         convert_linears(model, fmt)
         out = model(ids)
-    assert ((out - ref).norm() / ref.norm()).item() < {"fp32": 1e-6, "bf16": 2e-2, "int8": 2e-2, "int4": 0.2}[
+    assert ((out - ref).norm() / ref.norm()).item() < {"fp32": 1e-6, "fp16": 2e-3, "bf16": 2e-2, "int8": 4e-2, "int4": 0.2}[
         fmt
     ]
 
@@ -146,7 +146,7 @@ def test_profiler_splits_live_steps_and_weight_formats_serve(tiny_model_dir) -> 
     for fmt in ("fp32", "int8", "auto"):
         llm = LLM(str(tiny_model_dir), weights=fmt, show_progress=False, max_model_len=128)
         chosen = llm.engine.runner.weights
-        assert chosen == fmt if fmt != "auto" else chosen in ("fp32", "bf16", "int8")
+        assert chosen == fmt
         prof = StepProfiler(llm.engine).attach()
         outs[fmt] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         prof.detach()

@@ -1,0 +1,111 @@
+"""Per-batch-size weight dispatch: the pure plan from timings, the fp16 kernels, auto's choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from engine.model import weights_choice
+from engine.model.weights import Fp16Linear
+from engine.model.weights_dispatch import (
+    DispatchLinear,
+    apply_linear_plan,
+    convert_lm_head,
+    describe,
+    pick,
+    plan_from_timings,
+)
+
+
+def test_plan_takes_the_faster_format_per_size_and_merges_neighbours() -> None:
+    timings = {
+        "fp32": {1: 10.0, 4: 20.0, 16: 30.0, 64: 40.0, 256: 100.0},
+        "fp16": {1: 5.0, 4: 6.0, 16: 20.0, 64: 39.0, 256: 130.0},
+    }
+    plan = plan_from_timings(timings)
+    # 64: fp16 is faster by less than the margin, so fp32 keeps it
+    assert plan == ((16, "fp16"), (None, "fp32"))
+    assert [pick(plan, m) for m in (1, 16, 17, 64, 5000)] == ["fp16", "fp16", "fp32", "fp32", "fp32"]
+    assert describe(plan) == "fp16 for M<=16, fp32 above"
+
+
+def test_plan_with_one_winner_is_one_bucket_and_a_late_win_still_counts() -> None:
+    fast = {"fp32": {1: 2.0, 8: 2.0}, "fp16": {1: 1.0, 8: 1.0}}
+    assert plan_from_timings(fast) == ((None, "fp16"),)
+    late = {"fp32": {1: 1.0, 8: 2.0, 64: 9.0}, "fp16": {1: 1.0, 8: 3.0, 64: 4.0}}
+    assert plan_from_timings(late) == ((8, "fp32"), (None, "fp16"))
+    assert describe(((None, "fp32"),)) == "fp32"
+
+
+def test_fp16_linear_matches_fp32_within_half_precision() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 40)
+    for rows in (1, 7, 33):
+        x = torch.randn(2, rows, 96)
+        ref = lin(x)
+        out = Fp16Linear.of(lin)(x)
+        assert out.shape == ref.shape and out.dtype == torch.float32
+        assert ((out - ref).norm() / ref.norm()).item() < 2e-3
+
+
+class _TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(300, 64)
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(64, 96, bias=False), nn.Linear(96, 64))])
+        self.lm_head = None
+        self.logits_head = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.layers[0](self.embed_tokens(ids))
+        head = self.logits_head
+        return head(h) if head is not None else nn.functional.linear(h, self.embed_tokens.weight)
+
+
+@torch.inference_mode()
+def test_a_mixed_plan_gives_the_same_values_whichever_kernel_a_batch_runs() -> None:
+    torch.manual_seed(1)
+    model = _TiedLM()
+    emb = model.embed_tokens.weight.detach().clone()
+    ids = torch.randint(0, 300, (6,))
+    ref = model(ids)
+    plan = ((2, "fp16"), (None, "fp32"))
+    assert apply_linear_plan(model, plan) == 2
+    convert_lm_head(model, plan)
+    assert isinstance(model.layers[0][0], DispatchLinear) and isinstance(model.logits_head, DispatchLinear)
+    assert torch.equal(model.embed_tokens.weight, emb)  # lookups keep the exact fp32 rows
+    big = model(ids)  # 6 rows: the (fp16-rounded) fp32 kernels
+    small = torch.cat([model(ids[i : i + 2]) for i in range(0, 6, 2)])  # 2 rows: fp16 kernels
+    assert torch.allclose(big, small, rtol=1e-5, atol=1e-5)
+    assert ((big - ref).norm() / ref.norm()).item() < 2e-3
+
+
+def test_single_format_plans_keep_one_copy() -> None:
+    model = _TiedLM()
+    apply_linear_plan(model, ((None, "fp16"),))
+    assert isinstance(model.layers[0][0], Fp16Linear)
+    convert_lm_head(model, ((None, "fp32"),))
+    assert model.logits_head is None
+    model = _TiedLM()
+    assert apply_linear_plan(model, ((None, "fp32"),)) == 0
+    assert isinstance(model.layers[0][0], nn.Linear)
+
+
+def test_auto_measures_once_then_applies_its_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(weights_choice, "_MEASURED", {})
+    monkeypatch.setattr(weights_choice, "LINEAR_SIZES", (1, 64))
+    monkeypatch.setattr(weights_choice, "HEAD_SIZES", (1, 64))
+    calls = []
+
+    def fake_time(kernels, sizes, rounds=1):  # fp16 wins small batches, fp32 large ones
+        calls.append(sizes)
+        return {"fp32": {1: 2.0, 64: 1.0}, "fp16": {1: 1.0, 64: 2.0}}
+
+    monkeypatch.setattr(weights_choice, "time_kernels", fake_time)
+    model = _TiedLM()
+    choice = weights_choice.apply_auto(model)
+    assert choice.summary() == "linears fp16 for M<=1, fp32 above; LM head fp16 for M<=1, fp32 above"
+    assert isinstance(model.layers[0][1], DispatchLinear) and model.layers[0][1].plan == choice.linears
+    weights_choice.apply_auto(_TiedLM())
+    assert len(calls) == 2  # the second model of the same shape reuses the measurement
