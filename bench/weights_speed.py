@@ -1,7 +1,9 @@
-"""One decoder layer's linears (q/k/v, o, gate/up, down) of the real model in each weight
-format, at batch 1 and 64, per thread count: the measurement `--weights auto` makes at load.
+"""The real model's decoder linears (q/k/v, o, gate/up, down of `--layers` layers, distinct
+weights, so they stream from memory as in a step) and its LM head in each weight format, at
+several row counts M, best of interleaved rounds: the measurement `--weights auto` makes at
+load (fp32 vs fp16 only), widened to every format, and the plan auto would pick from it.
 
-    PYTHONPATH=. .venv/bin/python -m bench.weights_speed
+    PYTHONPATH=. .venv/bin/python -m bench.weights_speed --layers 30
 """
 
 from __future__ import annotations
@@ -11,9 +13,28 @@ import argparse
 import torch
 
 from bench.common import console, machine_note, print_table, run_main
-from engine.model.weights import FORMATS
-from engine.model.weights_choice import BATCH_SIZES, time_formats
+from engine.model.weights import FORMATS, Int8Linear
+from engine.model.weights_choice import head_kernels, layer_kernels, time_kernels
+from engine.model.weights_dispatch import describe, lm_head_weight, plan_from_timings
 from engine.threads import available_cpus
+
+SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class _Int8Head(torch.nn.Module):
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.in_features = weight.shape[1]
+        self.inner = Int8Linear(_as_linear(weight))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def _as_linear(weight: torch.Tensor) -> torch.nn.Linear:
+    lin = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    lin.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
+    return lin
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,21 +42,37 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--layers", type=int, default=8, help="decoder layers timed (weights from memory)")
+    p.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="row counts M")
+    p.add_argument("--formats", nargs="+", default=[f for f in FORMATS if f != "int4"])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=available_cpus())
     args = p.parse_args(argv)
-    llm = LLM(model=args.model, show_progress=False, num_threads=1)
+    llm = LLM(model=args.model, weights="fp32", show_progress=False, num_threads=args.threads)
+    model = llm.engine.runner.model
+    torch.set_num_threads(args.threads)
+    formats = ["fp32", *(f for f in args.formats if f != "fp32")]
+    lin = time_kernels(layer_kernels(model, formats, args.layers), args.sizes, args.rounds)
+    head_k = head_kernels(model)
+    head_k["int8"] = [_Int8Head(lm_head_weight(model))]
+    head = time_kernels(head_k, args.sizes, args.rounds)
     rows = []
-    for threads in sorted({1, available_cpus()}):
-        torch.set_num_threads(threads)
-        times = time_formats(llm.engine.runner.model, FORMATS)
-        for fmt, ts in times.items():
-            rel = [t / r for t, r in zip(ts, times["fp32"])]
-            rows.append([threads, fmt, *(1e3 * t for t in ts), *rel])
+    for m in args.sizes:
+        rows.append(
+            [m, *(1e3 * lin[f][m] for f in formats), *(1e3 * head[f][m] for f in ("fp32", "fp16", "int8"))]
+        )
     print_table(
-        "One layer's linears by weight format (best of 5 interleaved rounds)",
-        ["threads", "weights", *(f"B={b} ms" for b in BATCH_SIZES), *(f"B={b} vs fp32" for b in BATCH_SIZES)],
+        f"ms per step: {args.layers} layers' linears by format, and the LM head ({args.threads} threads, "
+        f"best of {args.rounds} interleaved rounds)",
+        ["M", *formats, "LM fp32", "LM fp16", "LM int8"],
         rows,
     )
-    console.print(machine_note("cpu", torch.get_num_threads()))
+    pair = {f: lin[f] for f in ("fp32", "fp16")}
+    console.print(
+        f"auto's plan from these timings: linears {describe(plan_from_timings(pair))}; "
+        f"LM head {describe(plan_from_timings({f: head[f] for f in ('fp32', 'fp16')}))}"
+    )
+    console.print(machine_note("cpu", args.threads))
     return 0
 
 

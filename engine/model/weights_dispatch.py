@@ -13,6 +13,7 @@ paths do.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
@@ -24,25 +25,35 @@ from engine.model.weights import Fp16Linear, decoder_linears
 # (largest M served, format), M ascending; the last entry (None) serves every larger M.
 Plan = tuple[tuple[int | None, str], ...]
 DISPATCH_FORMATS = ("fp32", "fp16")
-MARGIN = 0.05  # a format replaces fp32 at an M only when at least this much faster there
+MARGIN = 0.05  # fp16 takes a bucket only if it saves at least this much (geometric mean over M)
 
 
-def plan_from_timings(timings: Mapping[str, Mapping[int, float]], margin: float = MARGIN) -> Plan:
-    """Per measured M, the fastest format (fp32 unless another beats it by `margin`);
-    M between two measured sizes takes the larger one's choice, adjacent equal choices merge."""
-    sizes = sorted(timings["fp32"])
-    winners = []
-    for m in sizes:
-        best = min(timings, key=lambda f: timings[f][m])
-        winners.append(best if timings[best][m] < (1 - margin) * timings["fp32"][m] else "fp32")
-    plan: list[tuple[int | None, str]] = []
-    for m, fmt in zip(sizes, winners):
-        if plan and plan[-1][1] == fmt:
-            plan[-1] = (m, fmt)
-        else:
-            plan.append((m, fmt))
-    plan[-1] = (None, plan[-1][1])
-    return tuple(plan)
+def plan_from_timings(
+    timings: Mapping[str, Mapping[int, float]],
+    small: str = "fp16",
+    large: str = "fp32",
+    margin: float = MARGIN,
+) -> Plan:
+    """`small` for M up to one crossover, `large` above: the crossover whose geometric mean
+    time vs `large` over the measured M is lowest (all `large` unless that gains `margin`).
+
+    One crossover, not a free choice per M: fewer bytes per weight win while a product is
+    memory-bound (few rows) and stop winning once it is compute-bound, and on a shared CPU a
+    single noisy sample must not carve out a bucket of its own. M between two measured sizes
+    goes with the larger one.
+    """
+    sizes = sorted(timings[large])
+    logs = [math.log(timings[small][m] / timings[large][m]) for m in sizes]
+    best_n, best = 0, 0.0
+    for n in range(1, len(sizes) + 1):  # the first n measured sizes take `small`
+        score = sum(logs[:n]) / len(sizes)
+        if score < best:
+            best_n, best = n, score
+    if best_n == 0 or best > math.log(1 - margin):
+        return ((None, large),)
+    if best_n == len(sizes):
+        return ((None, small),)
+    return ((sizes[best_n - 1], small), (None, large))
 
 
 def formats_of(plan: Plan) -> set[str]:
@@ -50,7 +61,7 @@ def formats_of(plan: Plan) -> set[str]:
 
 
 def describe(plan: Plan) -> str:
-    """"fp16" / "fp16 for M<=16, fp32 above" — for the startup log line and docs."""
+    """ "fp16" / "fp16 for M<=16, fp32 above" — for the startup log line and docs."""
     if len(plan) == 1:
         return plan[0][1]
     return ", ".join(f"{fmt} for M<={high}" if high is not None else f"{fmt} above" for high, fmt in plan)

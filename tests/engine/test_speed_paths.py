@@ -108,9 +108,13 @@ def test_column_major_weights_keep_values_and_every_format_still_converts(fmt: s
         assert column_major(model) == 0  # already column-major: nothing to do
         convert_linears(model, fmt)
         out = model(ids)
-    assert ((out - ref).norm() / ref.norm()).item() < {"fp32": 1e-6, "fp16": 2e-3, "bf16": 2e-2, "int8": 4e-2, "int4": 0.2}[
-        fmt
-    ]
+    assert ((out - ref).norm() / ref.norm()).item() < {
+        "fp32": 1e-6,
+        "fp16": 2e-3,
+        "bf16": 2e-2,
+        "int8": 4e-2,
+        "int4": 0.2,
+    }[fmt]
 
 
 def test_unknown_weight_format_is_refused() -> None:

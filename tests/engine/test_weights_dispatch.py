@@ -18,23 +18,26 @@ from engine.model.weights_dispatch import (
 )
 
 
-def test_plan_takes_the_faster_format_per_size_and_merges_neighbours() -> None:
+def test_plan_puts_one_crossover_where_the_small_batch_format_stops_winning() -> None:
     timings = {
         "fp32": {1: 10.0, 4: 20.0, 16: 30.0, 64: 40.0, 256: 100.0},
-        "fp16": {1: 5.0, 4: 6.0, 16: 20.0, 64: 39.0, 256: 130.0},
+        "fp16": {1: 5.0, 4: 6.0, 16: 20.0, 64: 41.0, 256: 130.0},
     }
     plan = plan_from_timings(timings)
-    # 64: fp16 is faster by less than the margin, so fp32 keeps it
     assert plan == ((16, "fp16"), (None, "fp32"))
     assert [pick(plan, m) for m in (1, 16, 17, 64, 5000)] == ["fp16", "fp16", "fp32", "fp32", "fp32"]
     assert describe(plan) == "fp16 for M<=16, fp32 above"
 
 
-def test_plan_with_one_winner_is_one_bucket_and_a_late_win_still_counts() -> None:
-    fast = {"fp32": {1: 2.0, 8: 2.0}, "fp16": {1: 1.0, 8: 1.0}}
-    assert plan_from_timings(fast) == ((None, "fp16"),)
-    late = {"fp32": {1: 1.0, 8: 2.0, 64: 9.0}, "fp16": {1: 1.0, 8: 3.0, 64: 4.0}}
-    assert plan_from_timings(late) == ((8, "fp32"), (None, "fp16"))
+def test_a_single_noisy_size_does_not_get_a_bucket_of_its_own() -> None:
+    noisy = {"fp32": {1: 2.0, 4: 2.0, 16: 8.0, 64: 9.0}, "fp16": {1: 1.0, 4: 2.2, 16: 4.0, 64: 12.0}}
+    assert plan_from_timings(noisy) == ((16, "fp16"), (None, "fp32"))
+
+
+def test_plan_with_one_winner_is_one_bucket_and_a_small_gain_keeps_fp32() -> None:
+    assert plan_from_timings({"fp32": {1: 2.0, 8: 2.0}, "fp16": {1: 1.0, 8: 1.0}}) == ((None, "fp16"),)
+    assert plan_from_timings({"fp32": {1: 1.0, 8: 1.0}, "fp16": {1: 0.98, 8: 0.99}}) == ((None, "fp32"),)
+    assert plan_from_timings({"fp32": {1: 1.0, 8: 1.0}, "fp16": {1: 1.5, 8: 2.0}}) == ((None, "fp32"),)
     assert describe(((None, "fp32"),)) == "fp32"
 
 
