@@ -2,8 +2,8 @@
 
 On a shared CPU the load changes from minute to minute, so variants are measured in rounds:
 each round runs `--steps` decode steps of every variant in turn, and a variant's figure is
-its total over all rounds. Variants are `weights@threads`: weights one of fp32 | bf16 | int8
-| int4, threads a number (pinned) or `auto` (engine.threads tunes per step).
+its total over all rounds. Variants are `weights@threads`: weights one of fp32 | fp16 | bf16 | int8
+| int4 | auto, threads a number (pinned) or `auto` (engine.threads tunes per step).
 
     PYTHONPATH=. .venv/bin/python -m bench.decode_ab --batch-sizes 1 64 \\
         --variants fp32@2 fp32@1 fp32@auto bf16@auto int8@auto int4@auto

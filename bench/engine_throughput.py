@@ -329,13 +329,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-ours", action="store_true")
     p.add_argument("--roofline-size", type=int, default=2048)
     p.add_argument("--roofline-reps", type=int, default=3)
-    p.add_argument("--weights", default=None, help="ours: fp32 | bf16 | int8 | int4 | auto")
+    p.add_argument("--weights", default=None, help="ours: fp32 | fp16 | bf16 | int8 | int4 | auto")
     p.add_argument(
         "--also-threads",
         type=int,
         nargs="*",
         default=[],
         help="ours: also run with torch threads pinned to each count (the tuner off), for comparison",
+    )
+    p.add_argument(
+        "--also-weights",
+        nargs="*",
+        default=[],
+        help="ours: also run with each of these weight formats (e.g. fp32), for comparison",
     )
     p.add_argument("--cuda-graphs", action="store_true", help="ours: decode steps from CUDA graphs")
     p.add_argument(
@@ -376,20 +382,21 @@ def main(argv: list[str] | None = None) -> int:
             "num_threads": args.threads,
             "cuda_graphs": True if args.cuda_graphs else None,
         }
-        # Each pinned count in --also-threads runs as one more "ours" (the tuner off), same workload.
-        for pinned in [None, *args.also_threads]:
-            kw = engine_args if pinned is None else {**engine_args, "num_threads": pinned}
+        # Each pinned count in --also-threads (the tuner off) and each format in --also-weights
+        # runs as one more "ours", same workload.
+        extra = [(f"ours@{n}", f"ours ({n} threads pinned)", {"num_threads": n}) for n in args.also_threads]
+        extra += [(f"ours@{w}", f"ours (weights {w})", {"weights": w}) for w in args.also_weights]
+        for kind, name, override in [("ours", "", {}), *extra]:
+            kw = {**engine_args, **override}
             with RSSMonitor() as mon:
                 llm = load_ours(args.model, kw)
-                prof = StepProfiler(llm.engine).attach() if args.profile and pinned is None else None
+                prof = StepProfiler(llm.engine).attach() if args.profile and kind == "ours" else None
                 res = run_ours(llm, workload)
                 if prof is not None:
                     prof.detach()
                     print_step_split(prof)
-            if pinned is not None:
-                res = res.model_copy(
-                    update={"kind": f"ours@{pinned}", "name": f"ours ({pinned} threads pinned)"}
-                )
+            if kind != "ours":
+                res = res.model_copy(update={"kind": kind, "name": name})
             results.append(res.model_copy(update={"peak_rss_bytes": mon.peak_bytes}))
             cfg = llm.model_config
             del llm

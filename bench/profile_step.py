@@ -134,7 +134,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--steps", type=int, default=10, help="decode steps timed per batch size")
     p.add_argument("--max-prompt-tokens", type=int, default=96)
-    p.add_argument("--weights", default=None, help="ours: fp32 | bf16 | int8 | int4 | auto")
+    p.add_argument("--weights", default=None, help="ours: fp32 | fp16 | bf16 | int8 | int4 | auto")
     p.add_argument("--threads", type=int, default=None, help="pin torch threads (default: tuned)")
     p.add_argument("--ops", type=int, default=0, help="also list the N most called ops per step")
     p.add_argument("--json", dest="json_path", default=None)

@@ -147,7 +147,7 @@ def test_profiler_splits_live_steps_and_weight_formats_serve(tiny_model_dir) -> 
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = ["Hello there, how are", "1 2 3 4 5 6 7 8 9"]
     outs = {}
-    for fmt in ("fp32", "int8", "auto"):
+    for fmt in ("fp32", "fp16", "int8", "auto"):
         llm = LLM(str(tiny_model_dir), weights=fmt, show_progress=False, max_model_len=128)
         chosen = llm.engine.runner.weights
         assert chosen == fmt
@@ -159,7 +159,7 @@ def test_profiler_splits_live_steps_and_weight_formats_serve(tiny_model_dir) -> 
         assert sum(ms[s] for s in STAGES) == pytest.approx(ms["total"], rel=0.05)
         assert ms["mlp"] > 0 and ms["attention"] > 0 and ms["sampling"] > 0
         assert "step" not in llm.engine.__dict__  # detached: the engine's own method again
-    assert all(len(t) == 8 for t in outs["int8"] + outs["auto"])
+    assert all(len(t) == 8 for t in outs["fp16"] + outs["int8"] + outs["auto"])
 
 
 def test_server_flags_reach_the_engine_args() -> None:
