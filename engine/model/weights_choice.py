@@ -6,7 +6,8 @@ layers (distinct weights, more than the last-level cache holds, so they stream f
 in a real step) and the LM head are timed in both formats at several row counts M, rounds
 interleaved so a load change on a shared CPU hits every format alike; `plan_from_timings`
 then picks a format per M bucket. bf16, int8 (dynamic, batch-dependent) and int4 are never
-chosen automatically. A process measures a given shape and thread count once.
+chosen automatically. Each format's time is its best over the thread counts the step tuner
+may use (engine.threads). A process measures a given shape and thread count once.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from engine.model.weights_dispatch import (
     lm_head_weight,
     plan_from_timings,
 )
+from engine.threads import available_cpus
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,22 @@ def time_kernels(
     return best
 
 
+def best_over_threads(kernels: Mapping[str, Sequence[nn.Module]], sizes: Sequence[int]) -> Timings:
+    """Each format's best time over the thread counts the step tuner may pick (all cores, one):
+    the tuner runs each step at its fastest count, and on a contended CPU fbgemm's kernels
+    lose several-fold with two threads where MKL's small products do not."""
+    previous = torch.get_num_threads()
+    counts = sorted({previous, available_cpus(), 1})
+    try:
+        per = []
+        for n in counts:
+            torch.set_num_threads(n)
+            per.append(time_kernels(kernels, sizes))
+    finally:
+        torch.set_num_threads(previous)
+    return {f: {m: min(t[f][m] for t in per) for m in sizes} for f in kernels}
+
+
 def layer_kernels(model: nn.Module, formats: Sequence[str], layers: int | None = TIMED_LAYERS) -> dict:
     """The first `layers` decoder layers' linears in each format (fp32: the model's own)."""
     linears = [lin for _, _, lin in decoder_linears(model)]
@@ -108,8 +126,8 @@ def measure(model: nn.Module, head_fp16: Fp16Linear | None = None) -> AutoChoice
     key = _key(model)
     if key not in _MEASURED:
         t0 = time.perf_counter()
-        lin = time_kernels(layer_kernels(model, DISPATCH_FORMATS), LINEAR_SIZES)
-        head = time_kernels(head_kernels(model, head_fp16), HEAD_SIZES)
+        lin = best_over_threads(layer_kernels(model, DISPATCH_FORMATS), LINEAR_SIZES)
+        head = best_over_threads(head_kernels(model, head_fp16), HEAD_SIZES)
         _MEASURED[key] = AutoChoice(plan_from_timings(lin), plan_from_timings(head), lin, head)
         log.debug("weights auto measured in %.2fs", time.perf_counter() - t0)
     return _MEASURED[key]
@@ -122,11 +140,5 @@ def apply_auto(model: nn.Module) -> AutoChoice:
     apply_linear_plan(model, choice.linears)
     convert_lm_head(model, choice.lm_head, head_fp16)
     ms = {f: {m: round(1e3 * t, 2) for m, t in ts.items()} for f, ts in choice.linear_ms.items()}
-    log.info(
-        "weights auto: %s (threads %d; ms for %d layers' linears by M: %s)",
-        choice.summary(),
-        torch.get_num_threads(),
-        TIMED_LAYERS,
-        ms,
-    )
+    log.info("weights auto: %s (ms for %d layers' linears by M: %s)", choice.summary(), TIMED_LAYERS, ms)
     return choice

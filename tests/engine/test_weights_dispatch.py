@@ -110,5 +110,7 @@ def test_auto_measures_once_then_applies_its_plan(monkeypatch: pytest.MonkeyPatc
     choice = weights_choice.apply_auto(model)
     assert choice.summary() == "linears fp16 for M<=1, fp32 above; LM head fp16 for M<=1, fp32 above"
     assert isinstance(model.layers[0][1], DispatchLinear) and model.layers[0][1].plan == choice.linears
+    measured = len(calls)
+    assert measured >= 2  # linears and LM head, at each thread count the tuner may pick
     weights_choice.apply_auto(_TiedLM())
-    assert len(calls) == 2  # the second model of the same shape reuses the measurement
+    assert len(calls) == measured  # the second model of the same shape reuses the measurement
