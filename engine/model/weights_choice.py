@@ -137,7 +137,7 @@ def apply_auto(model: nn.Module) -> AutoChoice:
     """Measure (once per process and shape), then serve every linear and the LM head by plan."""
     head_fp16 = Fp16Linear(lm_head_weight(model))
     choice = measure(model, head_fp16)
-    apply_linear_plan(model, choice.linears)
+    apply_linear_plan(model, choice.linears, workers=available_cpus())
     convert_lm_head(model, choice.lm_head, head_fp16)
     ms = {f: {m: round(1e3 * t, 2) for m, t in ts.items()} for f, ts in choice.linear_ms.items()}
     log.info("weights auto: %s (ms for %d layers' linears by M: %s)", choice.summary(), TIMED_LAYERS, ms)
