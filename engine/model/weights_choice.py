@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.model import weights_plan_cache
 from engine.model.weights import Fp16Linear, decoder_linears, linear_in
 from engine.model.weights_dispatch import (
     DISPATCH_FORMATS,
@@ -123,14 +124,49 @@ def _key(model: nn.Module) -> tuple:
 
 
 def measure(model: nn.Module, head_fp16: Fp16Linear | None = None) -> AutoChoice:
+    """Once per process and shape; across processes through the on-disk plan cache."""
     key = _key(model)
     if key not in _MEASURED:
-        t0 = time.perf_counter()
-        lin = best_over_threads(layer_kernels(model, DISPATCH_FORMATS), LINEAR_SIZES)
-        head = best_over_threads(head_kernels(model, head_fp16), HEAD_SIZES)
-        _MEASURED[key] = AutoChoice(plan_from_timings(lin), plan_from_timings(head), lin, head)
-        log.debug("weights auto measured in %.2fs", time.perf_counter() - t0)
+        disk_key = weights_plan_cache.machine_key((key, LINEAR_SIZES, HEAD_SIZES, TIMED_LAYERS))
+        choice = _from_record(weights_plan_cache.load(disk_key))
+        if choice is None:
+            t0 = time.perf_counter()
+            lin = best_over_threads(layer_kernels(model, DISPATCH_FORMATS), LINEAR_SIZES)
+            head = best_over_threads(head_kernels(model, head_fp16), HEAD_SIZES)
+            choice = AutoChoice(plan_from_timings(lin), plan_from_timings(head), lin, head)
+            log.debug("weights auto measured in %.2fs", time.perf_counter() - t0)
+            weights_plan_cache.store(disk_key, _to_record(choice))
+        _MEASURED[key] = choice
     return _MEASURED[key]
+
+
+def _to_record(choice: AutoChoice) -> dict:
+    return {
+        "linears": [list(step) for step in choice.linears],
+        "lm_head": [list(step) for step in choice.lm_head],
+        "linear_ms": {f: {str(m): t for m, t in ts.items()} for f, ts in choice.linear_ms.items()},
+        "head_ms": {f: {str(m): t for m, t in ts.items()} for f, ts in choice.head_ms.items()},
+    }
+
+
+def _from_record(record: dict | None) -> AutoChoice | None:
+    """None for a missing record or one this version cannot use (it is then measured again)."""
+    if not record:
+        return None
+    try:
+        plans = [
+            tuple((None if high is None else int(high), str(fmt)) for high, fmt in record[name])
+            for name in ("linears", "lm_head")
+        ]
+        if not all(plans) or any(fmt not in DISPATCH_FORMATS for plan in plans for _, fmt in plan):
+            return None
+        times = [
+            {f: {int(m): float(t) for m, t in ts.items()} for f, ts in record[name].items()}
+            for name in ("linear_ms", "head_ms")
+        ]
+    except (KeyError, TypeError, ValueError):
+        return None
+    return AutoChoice(plans[0], plans[1], times[0], times[1])
 
 
 def apply_auto(model: nn.Module) -> AutoChoice:

@@ -95,7 +95,8 @@ def test_single_format_plans_keep_one_copy() -> None:
     assert isinstance(model.layers[0][0], nn.Linear)
 
 
-def test_auto_measures_once_then_applies_its_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_measures_once_then_applies_its_plan(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("FLEET_WEIGHTS_PLAN_CACHE", str(tmp_path / "plans"))
     monkeypatch.setattr(weights_choice, "_MEASURED", {})
     monkeypatch.setattr(weights_choice, "LINEAR_SIZES", (1, 64))
     monkeypatch.setattr(weights_choice, "HEAD_SIZES", (1, 64))
@@ -114,3 +115,34 @@ def test_auto_measures_once_then_applies_its_plan(monkeypatch: pytest.MonkeyPatc
     assert measured >= 2  # linears and LM head, at each thread count the tuner may pick
     weights_choice.apply_auto(_TiedLM())
     assert len(calls) == measured  # the second model of the same shape reuses the measurement
+
+
+def test_auto_plan_is_kept_on_disk_for_the_next_process(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    root = tmp_path / "plans"
+    monkeypatch.setenv("FLEET_WEIGHTS_PLAN_CACHE", str(root))
+    monkeypatch.setattr(weights_choice, "LINEAR_SIZES", (1, 64))
+    monkeypatch.setattr(weights_choice, "HEAD_SIZES", (1, 64))
+    calls = []
+
+    def fake_time(kernels, sizes, rounds=1):
+        calls.append(sizes)
+        return {"fp32": {1: 2.0, 64: 1.0}, "fp16": {1: 1.0, 64: 2.0}}
+
+    monkeypatch.setattr(weights_choice, "time_kernels", fake_time)
+    monkeypatch.setattr(weights_choice, "_MEASURED", {})
+    first = weights_choice.apply_auto(_TiedLM())
+    assert calls and len(list(root.glob("*.json"))) == 1
+    measured = len(calls)
+    monkeypatch.setattr(weights_choice, "_MEASURED", {})  # a new process: only the disk remains
+    again = weights_choice.apply_auto(_TiedLM())
+    assert len(calls) == measured and again.linears == first.linears and again.lm_head == first.lm_head
+    for path in root.glob("*.json"):  # a torn file is measured again, not trusted
+        path.write_text("{not json")
+    monkeypatch.setattr(weights_choice, "_MEASURED", {})
+    weights_choice.apply_auto(_TiedLM())
+    assert len(calls) > measured
+    monkeypatch.setenv("FLEET_WEIGHTS_PLAN_CACHE", "off")
+    monkeypatch.setattr(weights_choice, "_MEASURED", {})
+    before = len(calls)
+    weights_choice.apply_auto(_TiedLM())
+    assert len(calls) > before
