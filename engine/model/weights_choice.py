@@ -49,8 +49,8 @@ Timings = dict[str, dict[int, float]]
 class AutoChoice:
     linears: Plan
     lm_head: Plan
-    linear_ms: Timings
-    head_ms: Timings
+    linear_s: Timings
+    head_s: Timings
 
     def summary(self) -> str:
         return f"linears {describe(self.linears)}; LM head {describe(self.lm_head)}"
@@ -144,8 +144,8 @@ def _to_record(choice: AutoChoice) -> dict:
     return {
         "linears": [list(step) for step in choice.linears],
         "lm_head": [list(step) for step in choice.lm_head],
-        "linear_ms": {f: {str(m): t for m, t in ts.items()} for f, ts in choice.linear_ms.items()},
-        "head_ms": {f: {str(m): t for m, t in ts.items()} for f, ts in choice.head_ms.items()},
+        "linear_s": {f: {str(m): t for m, t in ts.items()} for f, ts in choice.linear_s.items()},
+        "head_s": {f: {str(m): t for m, t in ts.items()} for f, ts in choice.head_s.items()},
     }
 
 
@@ -162,7 +162,7 @@ def _from_record(record: dict | None) -> AutoChoice | None:
             return None
         times = [
             {f: {int(m): float(t) for m, t in ts.items()} for f, ts in record[name].items()}
-            for name in ("linear_ms", "head_ms")
+            for name in ("linear_s", "head_s")
         ]
     except (KeyError, TypeError, ValueError):
         return None
@@ -175,6 +175,6 @@ def apply_auto(model: nn.Module) -> AutoChoice:
     choice = measure(model, head_fp16)
     apply_linear_plan(model, choice.linears, workers=available_cpus())
     convert_lm_head(model, choice.lm_head, head_fp16)
-    ms = {f: {m: round(1e3 * t, 2) for m, t in ts.items()} for f, ts in choice.linear_ms.items()}
+    ms = {f: {m: round(1e3 * t, 2) for m, t in ts.items()} for f, ts in choice.linear_s.items()}
     log.info("weights auto: %s (ms for %d layers' linears by M: %s)", choice.summary(), TIMED_LAYERS, ms)
     return choice
