@@ -376,6 +376,31 @@ async def run_bounded(
     return list(await asyncio.gather(*(guarded(r) for r in requests)))
 
 
+BUSY_LOOP = "while True:\n    pass\n"
+
+
+@contextmanager
+def cpu_contention(processes: int) -> Iterator[list[int]]:
+    """`processes` CPU-bound competitors (pure-Python busy loops, one core each) for the block.
+
+    What a benchmark's "under contention" means here: the systems compared in one run all
+    share the machine with the same steady competitors, so their ratio shows which degrades
+    more. Yields the competitors' pids; they are stopped (and reaped) on exit, however the
+    block ends."""
+    import subprocess
+
+    from fleet_base.processes import stop_processes
+
+    procs = [
+        subprocess.Popen([sys.executable, "-c", BUSY_LOOP], stdin=subprocess.DEVNULL)
+        for _ in range(max(0, processes))
+    ]
+    try:
+        yield [p.pid for p in procs]
+    finally:
+        stop_processes(procs, timeout=5.0)
+
+
 def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
     """Runs a benchmark's main, turning absent inputs into a clear message and exit code 2."""
     try:

@@ -23,6 +23,7 @@ from bench.common import (
     RSSMonitor,
     chat_token_ids,
     console,
+    cpu_contention,
     load_azure_output_lengths,
     load_hf_model,
     load_hf_tokenizer,
@@ -212,6 +213,7 @@ class Report(BaseModel):
     ratios: dict[str, float]
     process_peak_rss_bytes: int
     machine: list[str] = []  # at the start and at the end of the run
+    contention_processes: int = 0  # CPU-bound competitors running through every measurement
 
 
 def achieved_gflops(cfg: DecoderShape, workload: Workload, result: SystemResult) -> float:
@@ -347,13 +349,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--profile", action="store_true", help="ours: print the per-step time split (engine.profiling)"
     )
+    p.add_argument(
+        "--contention",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run every system alongside N CPU-bound busy-loop processes (one core each)",
+    )
     p.add_argument("--json", dest="json_path", default=None, help="also write the numbers here")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-
     args = parse_args(argv)
+    with cpu_contention(args.contention) as competitors:
+        if competitors:
+            console.print(f"contention: {len(competitors)} CPU-bound busy loops (pids {competitors})")
+        return measure(args)
+
+
+def measure(args: argparse.Namespace) -> int:
     texts = load_sharegpt_prompts()
     lens = load_azure_output_lengths(args.num_prompts, args.seed)
     model_path = resolve_model(args.model)
@@ -424,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     rep = report(cfg, workload, results, roofline)
     rep.machine = [f"start: {start_note}", f"end: {machine_note(device, threads)}"]
+    rep.contention_processes = args.contention
     print_report(rep)
     if args.json_path:
         with open(args.json_path, "w", encoding="utf-8") as f:
