@@ -1,7 +1,8 @@
 """The real model's decoder linears (q/k/v, o, gate/up, down of `--layers` layers, distinct
 weights, so they stream from memory as in a step) and its LM head in each weight format, at
 several row counts M, best of interleaved rounds: the measurement `--weights auto` makes at
-load (fp32 vs fp16 only), widened to every format, and the plan auto would pick from it.
+load, widened to every format, and the plans auto would pick from it: with its default
+candidates on this CPU, and with bf16 among them.
 
     PYTHONPATH=. .venv/bin/python -m bench.weights_speed --layers 30
 """
@@ -14,8 +15,8 @@ import torch
 
 from bench.common import console, machine_note, print_table, run_main
 from engine.model.weights import FORMATS, Int8Linear
-from engine.model.weights_choice import head_kernels, layer_kernels, time_kernels
-from engine.model.weights_dispatch import describe, lm_head_weight, plan_from_timings
+from engine.model.weights_choice import candidates, head_kernels, layer_kernels, time_kernels
+from engine.model.weights_dispatch import DISPATCH_FORMATS, describe, lm_head_weight, plan_from_timings
 from engine.threads import available_cpus
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -53,25 +54,31 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     formats = ["fp32", *(f for f in args.formats if f != "fp32")]
     lin = time_kernels(layer_kernels(model, formats, args.layers), args.sizes, args.rounds)
-    head_k = head_kernels(model)
+    head_formats = [f for f in ("fp32", "fp16", "bf16") if f in formats]
+    head_k = head_kernels(model, head_formats)
     head_k["int8"] = [_Int8Head(lm_head_weight(model))]
     head = time_kernels(head_k, args.sizes, args.rounds)
     rows = []
     for m in args.sizes:
         rows.append(
-            [m, *(1e3 * lin[f][m] for f in formats), *(1e3 * head[f][m] for f in ("fp32", "fp16", "int8"))]
+            [m, *(1e3 * lin[f][m] for f in formats), *(1e3 * head[f][m] for f in (*head_formats, "int8"))]
         )
     print_table(
         f"ms per step: {args.layers} layers' linears by format, and the LM head ({args.threads} threads, "
         f"best of {args.rounds} interleaved rounds)",
-        ["M", *formats, "LM fp32", "LM fp16", "LM int8"],
+        ["M", *formats, *(f"LM {f}" for f in (*head_formats, "int8"))],
         rows,
     )
-    pair = {f: lin[f] for f in ("fp32", "fp16")}
-    console.print(
-        f"auto's plan from these timings: linears {describe(plan_from_timings(pair))}; "
-        f"LM head {describe(plan_from_timings({f: head[f] for f in ('fp32', 'fp16')}))}"
-    )
+    default = candidates()
+    for name, cands in (
+        ("default candidates " + ",".join(default), default),
+        ("with bf16", DISPATCH_FORMATS),
+    ):
+        if all(f in lin for f in cands):
+            console.print(
+                f"auto's plan ({name}): linears {describe(plan_from_timings({f: lin[f] for f in cands}))}; "
+                f"LM head {describe(plan_from_timings({f: head[f] for f in cands}))}"
+            )
     console.print(machine_note("cpu", args.threads))
     return 0
 

@@ -8,7 +8,8 @@ format that is near-lossless, so the logits keep their precision.
 
 - `fp16`: fbgemm's packed fp16 weights with fp32 activations and fp32 accumulation
   (`quantized::linear_dynamic_fp16`, F16C conversion in the kernel), CPU only.
-- `bf16`: weight in bfloat16, activations cast at the matmul, result back in the model dtype.
+- `bf16`: weight in bfloat16 (oneDNN-prepacked where the CPU has a bf16 kernel), activations
+  cast once per call, result back in the model dtype.
 - `int8`: fbgemm dynamic int8 (`quantized::linear_dynamic`): per-output-channel int8 weights,
   activations quantized per tensor at each call, i.e. over the whole batch, so a request's
   result depends on what else is in its batch. Opt-in only (docs/engine.md "Weights").
@@ -31,14 +32,63 @@ CPU_ONLY = ("fp16", "int8", "int4")
 
 
 class Bf16Linear(nn.Module):
-    def __init__(self, linear: nn.Linear) -> None:
+    """bfloat16 weight, activations cast once per call, result back in the input's dtype.
+
+    Where oneDNN has a bf16 kernel for this CPU (AVX-512 BW/VL/DQ, native dot products with
+    AVX512_BF16 or AMX) the weight is prepacked once into oneDNN's blocked layout
+    (`mkldnn._reorder_linear_weight`) and each call is one `mkldnn._linear_pointwise`, with no
+    per-call weight reorder. Elsewhere (AVX2 only, as on the dev box) the prepack is refused
+    and the weight stays a dense [out, in] bf16 matrix for `F.linear`, whose bf16 GEMM is
+    emulated: correct, but far slower than fp32, so `auto` does not time it there.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.register_buffer("weight", linear.weight.detach().to(torch.bfloat16).contiguous())
-        self.bias = None if linear.bias is None else linear.bias.detach().clone()
+        self.out_features, self.in_features = weight.shape
+        dense = weight.detach().to(torch.bfloat16).contiguous()
+        self.packed = _onednn_prepack(dense)  # opaque, like Fp16Linear's: built at load, never moved
+        self.register_buffer("weight", None if self.packed is not None else dense)
+        self.bias = None if bias is None else bias.detach().clone()
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> Bf16Linear:
+        return cls(linear.weight, linear.bias)
+
+    @property
+    def path(self) -> str:
+        return "onednn-prepacked" if self.packed is not None else "dense"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if self.packed is not None:
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, None, "none", [], "")
+        else:
+            out = F.linear(rows, self.weight)
+        out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
+
+
+PACK_HINT_ROWS = 64  # the row count the prepacked layout is tuned for: bf16 wins compute-bound calls
+
+
+def _onednn_prepack(dense: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's prepacked bf16 weight, or None where this CPU/build has no such kernel. The
+    packed product is checked against the dense one once, so a kernel that runs but
+    disagrees is never used."""
+    if not torch.backends.mkldnn.is_available() or not torch.backends.mkldnn.enabled:
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(dense, PACK_HINT_ROWS)
+        probe = torch.linspace(-1, 1, 2 * dense.shape[1]).reshape(2, -1).to(torch.bfloat16)
+        got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "").float()
+    except (RuntimeError, NotImplementedError):
+        return None
+    want = F.linear(probe.float(), dense.float())
+    if got.shape != want.shape or not torch.allclose(
+        got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()
+    ):
+        return None
+    return packed
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -144,7 +194,7 @@ def column_major(model: nn.Module) -> int:
 
 _MODULES: dict[str, Callable[[nn.Linear], nn.Module]] = {
     "fp16": Fp16Linear.of,
-    "bf16": Bf16Linear,
+    "bf16": Bf16Linear.of,
     "int8": Int8Linear,
     "int4": Int4Linear,
 }

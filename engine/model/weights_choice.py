@@ -1,11 +1,13 @@
 """`--weights auto`: per batch size, the linear-weight format measured fastest here, at load.
 
-The candidates are fp32 (MKL, column-major) and fbgemm fp16, the one other format that is
-near-lossless (docs/engine.md "Weights"). The decoder linears of the first `TIMED_LAYERS`
+The candidates (`candidates()`) are fp32 (MKL, column-major), fbgemm fp16 (near-lossless,
+docs/engine.md "Weights") and, on a CPU with native bf16 dot products (AVX512_BF16 or AMX),
+oneDNN bf16: without them bf16 is emulated and cannot win, so it is not timed.
+`FLEET_WEIGHTS_AUTO_CANDIDATES` (e.g. `fp32,fp16,bf16`) forces the set. The decoder linears of the first `TIMED_LAYERS`
 layers (distinct weights, more than the last-level cache holds, so they stream from memory as
-in a real step) and the LM head are timed in both formats at several row counts M, rounds
+in a real step) and the LM head are timed in each candidate at several row counts M, rounds
 interleaved so a load change on a shared CPU hits every format alike; `plan_from_timings`
-then picks a format per M bucket. bf16, int8 (dynamic, batch-dependent) and int4 are never
+then picks a format per M bucket. int8 (dynamic, batch-dependent) and int4 are never
 chosen automatically. Each format's time is its best over the thread counts the step tuner
 may use (engine.threads). A process measures a given shape and thread count once.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -22,7 +25,7 @@ import torch
 from torch import nn
 
 from engine.model import weights_plan_cache
-from engine.model.weights import Fp16Linear, decoder_linears, linear_in
+from engine.model.weights import Bf16Linear, Fp16Linear, decoder_linears, linear_in
 from engine.model.weights_dispatch import (
     DISPATCH_FORMATS,
     FloatHead,
@@ -43,6 +46,30 @@ TIMED_LAYERS = 2
 ROUNDS = 2
 
 Timings = dict[str, dict[int, float]]
+CANDIDATES_ENV = "FLEET_WEIGHTS_AUTO_CANDIDATES"
+
+
+def native_bf16() -> bool:
+    """Whether this CPU has bf16 dot-product instructions (AVX512_BF16, AMX-BF16)."""
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+
+
+def candidates(env: str | None = None, bf16_native: bool | None = None) -> tuple[str, ...]:
+    """The formats auto times, in DISPATCH_FORMATS order: `FLEET_WEIGHTS_AUTO_CANDIDATES` if
+    set (comma-separated), else fp32 and fp16, plus bf16 where the CPU multiplies it natively."""
+    raw = os.environ.get(CANDIDATES_ENV) if env is None else env
+    if raw is None or not raw.strip():
+        native = native_bf16() if bf16_native is None else bf16_native
+        return tuple(f for f in DISPATCH_FORMATS if f != "bf16" or native)
+    asked = {f.strip().lower() for f in raw.split(",") if f.strip()}
+    unknown = sorted(asked - set(DISPATCH_FORMATS))
+    if unknown:
+        raise ValueError(
+            f"{CANDIDATES_ENV}: unknown format(s) {', '.join(unknown)}; auto chooses among "
+            f"{', '.join(DISPATCH_FORMATS)}"
+        )
+    return tuple(f for f in DISPATCH_FORMATS if f in asked)
 
 
 @dataclass(frozen=True)
@@ -104,9 +131,17 @@ def layer_kernels(model: nn.Module, formats: Sequence[str], layers: int | None =
     return {fmt: [linear_in(fmt, lin) for lin in linears] for fmt in formats}
 
 
-def head_kernels(model: nn.Module, fp16: Fp16Linear | None = None) -> dict:
+def head_kernels(
+    model: nn.Module, formats: Sequence[str] = ("fp32", "fp16"), fp16: Fp16Linear | None = None
+) -> dict:
+    """The LM head in each format, one kernel each (fp32: the tied weight itself)."""
     weight = lm_head_weight(model)
-    return {"fp32": [_Sized(FloatHead(weight), weight.shape[1])], "fp16": [fp16 or Fp16Linear(weight)]}
+    build = {
+        "fp32": lambda: _Sized(FloatHead(weight), weight.shape[1]),
+        "fp16": lambda: fp16 or Fp16Linear(weight),
+        "bf16": lambda: Bf16Linear(weight),
+    }
+    return {f: [build[f]()] for f in formats}
 
 
 class _Sized(nn.Module):
@@ -118,21 +153,25 @@ class _Sized(nn.Module):
         return self.inner(x)
 
 
-def _key(model: nn.Module) -> tuple:
+def _key(model: nn.Module, formats: tuple[str, ...]) -> tuple:
     shapes = tuple(tuple(lin.weight.shape) for _, _, lin in decoder_linears(model)[:8])
-    return shapes, tuple(lm_head_weight(model).shape), len(model.layers), torch.get_num_threads()
+    return shapes, tuple(lm_head_weight(model).shape), len(model.layers), torch.get_num_threads(), formats
 
 
 def measure(model: nn.Module, head_fp16: Fp16Linear | None = None) -> AutoChoice:
-    """Once per process and shape; across processes through the on-disk plan cache."""
-    key = _key(model)
+    """Once per process, shape and candidate set; across processes through the on-disk plan
+    cache. A single candidate is the plan, without timing."""
+    formats = candidates()
+    key = _key(model, formats)
+    if len(formats) == 1:
+        return AutoChoice(((None, formats[0]),), ((None, formats[0]),), {}, {})
     if key not in _MEASURED:
         disk_key = weights_plan_cache.machine_key((key, LINEAR_SIZES, HEAD_SIZES, TIMED_LAYERS))
         choice = _from_record(weights_plan_cache.load(disk_key))
         if choice is None:
             t0 = time.perf_counter()
-            lin = best_over_threads(layer_kernels(model, DISPATCH_FORMATS), LINEAR_SIZES)
-            head = best_over_threads(head_kernels(model, head_fp16), HEAD_SIZES)
+            lin = best_over_threads(layer_kernels(model, formats), LINEAR_SIZES)
+            head = best_over_threads(head_kernels(model, formats, head_fp16), HEAD_SIZES)
             choice = AutoChoice(plan_from_timings(lin), plan_from_timings(head), lin, head)
             log.debug("weights auto measured in %.2fs", time.perf_counter() - t0)
             weights_plan_cache.store(disk_key, _to_record(choice))
@@ -171,7 +210,7 @@ def _from_record(record: dict | None) -> AutoChoice | None:
 
 def apply_auto(model: nn.Module) -> AutoChoice:
     """Measure (once per process and shape), then serve every linear and the LM head by plan."""
-    head_fp16 = Fp16Linear(lm_head_weight(model))
+    head_fp16 = Fp16Linear(lm_head_weight(model)) if "fp16" in candidates() else None
     choice = measure(model, head_fp16)
     apply_linear_plan(model, choice.linears, workers=available_cpus())
     convert_lm_head(model, choice.lm_head, head_fp16)

@@ -1,18 +1,20 @@
 """Linears that hold more than one weight format and pick one by the number of rows M.
 
 A decode step multiplies a few rows by every weight (bytes per weight bound it: fp16 wins);
-a prefill chunk multiplies hundreds (MKL's fp32 sgemm wins on this CPU). A `Plan` maps M to a
-format; `plan_from_timings` is the pure choice from measured seconds (`weights_choice` times
+a prefill chunk multiplies hundreds (MKL's fp32 sgemm wins on this CPU; bf16 may, on a CPU
+that multiplies bf16 natively). A `Plan` maps M to a format; `plan_from_timings` is the pure choice from measured seconds (`weights_choice` times
 the kernels at load), so the same policy can be tested on given timings.
 
-The fp32 copy next to an fp16 one is rounded to fp16 values in place: both kernels then
-multiply by the same numbers and differ only in summation order, so which kernel a step ran
-(how many rows its batch had) does not change a request's result beyond what any two BLAS
-paths do.
+The copies of one weight are all built from its values rounded to the plan's coarsest format
+(the fp32 copy in place): fp32 and fp16 kernels then multiply by the same numbers and differ
+only in summation order, so which kernel a step ran (how many rows its batch had) does not
+change a request's result beyond what any two BLAS paths do. A bf16 kernel also rounds the
+activations to bf16, so a plan using it keeps that guarantee only within its bf16 range.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -21,40 +23,50 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.weights import Fp16Linear, decoder_linears
+from engine.model.weights import Bf16Linear, Fp16Linear, decoder_linears
 
 # (largest M served, format), M ascending; the last entry (None) serves every larger M.
 Plan = tuple[tuple[int | None, str], ...]
-DISPATCH_FORMATS = ("fp32", "fp16")
-MARGIN = 0.05  # fp16 takes a bucket only if it saves at least this much (geometric mean over M)
+DISPATCH_FORMATS = ("fp32", "fp16", "bf16")
+BASELINE = "fp32"
+MARGIN = 0.05  # each format beside the baseline must save this much (geometric mean over M)
 
 
-def plan_from_timings(
-    timings: Mapping[str, Mapping[int, float]],
-    small: str = "fp16",
-    large: str = "fp32",
-    margin: float = MARGIN,
-) -> Plan:
-    """`small` for M up to one crossover, `large` above: the crossover whose geometric mean
-    time vs `large` over the measured M is lowest (all `large` unless that gains `margin`).
+def plan_from_timings(timings: Mapping[str, Mapping[int, float]], margin: float = MARGIN) -> Plan:
+    """The plan with the lowest geometric mean time vs the baseline over the measured M, each
+    format serving one contiguous range of M (one crossover per pair of neighbours).
 
-    One crossover, not a free choice per M: fewer bytes per weight win while a product is
-    memory-bound (few rows) and stop winning once it is compute-bound, and on a shared CPU a
-    single noisy sample must not carve out a bucket of its own. M between two measured sizes
-    goes with the larger one.
+    Fewer bytes per weight (fp16) win while a product is memory-bound (few rows); fp32, or
+    bf16 where the CPU multiplies it natively, once it is compute-bound. One range per
+    format, not a free choice per M, so a single noisy sample on a shared CPU cannot carve
+    out a bucket of its own; and every format used beside the baseline (fp32 if timed, else
+    the first format given) must lower the geometric mean by `margin`, or the plan keeps
+    fewer formats. Ties go to fewer formats, then to the order `timings` lists them. M
+    between two measured sizes goes with the larger one.
     """
-    sizes = sorted(timings[large])
-    logs = [math.log(timings[small][m] / timings[large][m]) for m in sizes]
-    best_n, best = 0, 0.0
-    for n in range(1, len(sizes) + 1):  # the first n measured sizes take `small`
-        score = sum(logs[:n]) / len(sizes)
-        if score < best:
-            best_n, best = n, score
-    if best_n == 0 or best > math.log(1 - margin):
-        return ((None, large),)
-    if best_n == len(sizes):
-        return ((None, small),)
-    return ((sizes[best_n - 1], small), (None, large))
+    formats = list(timings)
+    base = BASELINE if BASELINE in timings else formats[0]
+    sizes = sorted(timings[base])
+    logs = {f: [math.log(timings[f][m] / timings[base][m]) for m in sizes] for f in formats}
+    penalty = -math.log(1 - margin)
+    best: tuple[float, int, tuple[int, ...]] | None = None
+    best_plan: Plan = ((None, base),)
+    for k in range(1, min(len(formats), len(sizes)) + 1):
+        for order in itertools.permutations(range(len(formats)), k):
+            for cuts in itertools.combinations(range(1, len(sizes)), k - 1):
+                bounds = (0, *cuts, len(sizes))
+                score = sum(
+                    sum(logs[formats[f]][bounds[i] : bounds[i + 1]]) for i, f in enumerate(order)
+                ) / len(sizes)
+                extra = sum(formats[f] != base for f in order)
+                key = (round(score + penalty * extra, 12), k, order)
+                if best is None or key < best:
+                    best = key
+                    best_plan = tuple(
+                        (None if i == k - 1 else sizes[bounds[i + 1] - 1], formats[f])
+                        for i, f in enumerate(order)
+                    )
+    return best_plan
 
 
 def formats_of(plan: Plan) -> set[str]:
@@ -99,24 +111,66 @@ class FloatHead(nn.Module):
 
 
 @torch.no_grad()
+def round_to_(weight: torch.Tensor, fmt: str) -> None:
+    """Round to the nearest `fmt` value, in place (strides kept: column-major stays so)."""
+    weight.copy_(weight.to(_DTYPES[fmt]).to(weight.dtype))
+
+
 def round_to_fp16_(weight: torch.Tensor) -> None:
-    """Round to the nearest fp16 value, in place (strides kept: column-major stays so)."""
-    weight.copy_(weight.to(torch.float16).to(weight.dtype))
+    round_to_(weight, "fp16")
+
+
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_LOW_PRECISION = {"fp16": Fp16Linear, "bf16": Bf16Linear}
+
+
+def coarsest(fmts: set[str]) -> str | None:
+    """The format whose values every kernel of a mixed plan is built from (bf16's 8-bit
+    mantissa holds in fp16's 10 bits, not the other way round), None for fp32 alone."""
+    return "bf16" if "bf16" in fmts else "fp16" if "fp16" in fmts else None
+
+
+def kernels_for(weight: torch.Tensor, plan: Plan, fp16: Fp16Linear | None = None) -> nn.Module:
+    """A bias-free product (the LM head) under a plan that uses a lower-precision format: one
+    kernel, or a DispatchLinear over several built from the same rounded values (`weight`
+    itself is left as it is), so which one a call runs changes summation order and, for bf16,
+    the activations' rounding, not the weights it multiplies by. `fp16` is reused where its
+    values are the plan's."""
+    fmts = formats_of(plan)
+    shared = coarsest(fmts)
+    w = weight.detach()
+    if len(fmts) > 1 and shared is not None:
+        w = w.to(_DTYPES[shared]).to(weight.dtype).t().contiguous().t()
+    kernels: dict[str, nn.Module] = {}
+    for f in fmts:
+        if f == "fp32":
+            kernels[f] = FloatHead(w)
+        elif f == "fp16" and fp16 is not None and shared == "fp16":
+            kernels[f] = fp16
+        else:
+            kernels[f] = _LOW_PRECISION[f](w)
+    return next(iter(kernels.values())) if len(kernels) == 1 else DispatchLinear(kernels, plan)
 
 
 def dispatched(linear: nn.Linear, plan: Plan) -> nn.Module:
-    """The module serving `linear` under `plan`: itself, its fp16 copy, or both."""
+    """The module serving `linear` under `plan`: itself, or its copies in the plan's formats
+    (the fp32 weight is rounded in place when kept beside a lower-precision one)."""
     fmts = formats_of(plan)
     if fmts == {"fp32"}:
         return linear
-    if fmts == {"fp16"}:
-        return Fp16Linear.of(linear)  # the fp32 weight is dropped with the old module
-    round_to_fp16_(linear.weight)
-    return DispatchLinear({"fp32": linear, "fp16": Fp16Linear.of(linear)}, plan)
+    if len(fmts) == 1:  # the fp32 weight is dropped with the old module
+        return _LOW_PRECISION[next(iter(fmts))].of(linear)
+    w = linear.weight
+    if "fp32" not in fmts:
+        w = w.detach().to(_DTYPES[coarsest(fmts)]).to(w.dtype)
+        return DispatchLinear({f: _LOW_PRECISION[f](w, linear.bias) for f in fmts}, plan)
+    round_to_(linear.weight, coarsest(fmts) or "fp16")
+    low = {f: _LOW_PRECISION[f].of(linear) for f in fmts if f != "fp32"}
+    return DispatchLinear({"fp32": linear, **low}, plan)
 
 
 def apply_linear_plan(model: nn.Module, plan: Plan, workers: int = 1) -> int:
-    """Every decoder linear served under `plan`; returns how many hold an fp16 copy.
+    """Every decoder linear served under `plan`; returns how many hold a lower-precision copy.
 
     fbgemm packs on one thread (seconds for a 135M model), and the packing releases the GIL
     for much of it, so `workers` threads pack linears side by side."""
@@ -131,7 +185,7 @@ def apply_linear_plan(model: nn.Module, plan: Plan, workers: int = 1) -> int:
         modules = list(pool.map(build, [linear for _, _, linear in found]))
     for (parent, name, _), module in zip(found, modules):
         setattr(parent, name, module)
-    return len(found) if "fp16" in formats_of(plan) else 0
+    return len(found) if formats_of(plan) - {"fp32"} else 0
 
 
 def lm_head_weight(model: nn.Module) -> torch.Tensor:
@@ -143,14 +197,9 @@ def lm_head_for(weight: torch.Tensor, plan: Plan, fp16: Fp16Linear | None = None
     """The logits head under `plan` (None: the model's own fp32 product), reusing `fp16` if
     given. The embedding lookup keeps its exact fp32 rows; a rounded fp32 copy is made only
     if the plan mixes formats."""
-    fmts = formats_of(plan)
-    if fmts == {"fp32"}:
+    if formats_of(plan) == {"fp32"}:
         return None
-    fp16 = fp16 or Fp16Linear(weight)
-    if fmts == {"fp16"}:
-        return fp16
-    rounded = weight.detach().to(torch.float16).to(weight.dtype).t().contiguous().t()
-    return DispatchLinear({"fp32": FloatHead(rounded), "fp16": fp16}, plan)
+    return kernels_for(weight, plan, fp16)
 
 
 def convert_lm_head(model: nn.Module, plan: Plan, fp16: Fp16Linear | None = None) -> None:

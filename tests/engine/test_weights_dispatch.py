@@ -97,6 +97,7 @@ def test_single_format_plans_keep_one_copy() -> None:
 
 def test_auto_measures_once_then_applies_its_plan(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("FLEET_WEIGHTS_PLAN_CACHE", str(tmp_path / "plans"))
+    monkeypatch.setenv("FLEET_WEIGHTS_AUTO_CANDIDATES", "fp32,fp16")
     monkeypatch.setattr(weights_choice, "_MEASURED", {})
     monkeypatch.setattr(weights_choice, "LINEAR_SIZES", (1, 64))
     monkeypatch.setattr(weights_choice, "HEAD_SIZES", (1, 64))
@@ -120,6 +121,7 @@ def test_auto_measures_once_then_applies_its_plan(monkeypatch: pytest.MonkeyPatc
 def test_auto_plan_is_kept_on_disk_for_the_next_process(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     root = tmp_path / "plans"
     monkeypatch.setenv("FLEET_WEIGHTS_PLAN_CACHE", str(root))
+    monkeypatch.setenv("FLEET_WEIGHTS_AUTO_CANDIDATES", "fp32,fp16")
     monkeypatch.setattr(weights_choice, "LINEAR_SIZES", (1, 64))
     monkeypatch.setattr(weights_choice, "HEAD_SIZES", (1, 64))
     calls = []
