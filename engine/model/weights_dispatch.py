@@ -5,11 +5,12 @@ a prefill chunk multiplies hundreds (MKL's fp32 sgemm wins on this CPU; bf16 may
 that multiplies bf16 natively). A `Plan` maps M to a format; `plan_from_timings` is the pure choice from measured seconds (`weights_choice` times
 the kernels at load), so the same policy can be tested on given timings.
 
-The copies of one weight are all built from its values rounded to the plan's coarsest format
-(the fp32 copy in place): fp32 and fp16 kernels then multiply by the same numbers and differ
-only in summation order, so which kernel a step ran (how many rows its batch had) does not
-change a request's result beyond what any two BLAS paths do. A bf16 kernel also rounds the
-activations to bf16, so a plan using it keeps that guarantee only within its bf16 range.
+The fp32 copy next to an fp16 one is rounded to fp16 values in place: both kernels then
+multiply by the same numbers and differ only in summation order, so which kernel a step ran
+(how many rows its batch had) does not change a request's result beyond what any two BLAS
+paths do. A bf16 kernel rounds weights and activations to bf16, which no rounding of the
+other copies could match, so the others keep their precision and the M range bf16 serves
+differs from them by bf16 rounding (docs/engine.md "Weights" has its agreement figure).
 """
 
 from __future__ import annotations
@@ -111,62 +112,42 @@ class FloatHead(nn.Module):
 
 
 @torch.no_grad()
-def round_to_(weight: torch.Tensor, fmt: str) -> None:
-    """Round to the nearest `fmt` value, in place (strides kept: column-major stays so)."""
-    weight.copy_(weight.to(_DTYPES[fmt]).to(weight.dtype))
-
-
 def round_to_fp16_(weight: torch.Tensor) -> None:
-    round_to_(weight, "fp16")
+    """Round to the nearest fp16 value, in place (strides kept: column-major stays so)."""
+    weight.copy_(weight.to(torch.float16).to(weight.dtype))
 
 
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _LOW_PRECISION = {"fp16": Fp16Linear, "bf16": Bf16Linear}
-
-
-def coarsest(fmts: set[str]) -> str | None:
-    """The format whose values every kernel of a mixed plan is built from (bf16's 8-bit
-    mantissa holds in fp16's 10 bits, not the other way round), None for fp32 alone."""
-    return "bf16" if "bf16" in fmts else "fp16" if "fp16" in fmts else None
 
 
 def kernels_for(weight: torch.Tensor, plan: Plan, fp16: Fp16Linear | None = None) -> nn.Module:
     """A bias-free product (the LM head) under a plan that uses a lower-precision format: one
-    kernel, or a DispatchLinear over several built from the same rounded values (`weight`
-    itself is left as it is), so which one a call runs changes summation order and, for bf16,
-    the activations' rounding, not the weights it multiplies by. `fp16` is reused where its
-    values are the plan's."""
+    kernel, or a DispatchLinear over several; beside fp16 the fp32 kernel gets its own copy
+    rounded to fp16 values (`weight` itself is left as it is). `fp16` is reused if given."""
     fmts = formats_of(plan)
-    shared = coarsest(fmts)
     w = weight.detach()
-    if len(fmts) > 1 and shared is not None:
-        w = w.to(_DTYPES[shared]).to(weight.dtype).t().contiguous().t()
+    if {"fp32", "fp16"} <= fmts:
+        w = w.to(torch.float16).to(weight.dtype).t().contiguous().t()
     kernels: dict[str, nn.Module] = {}
     for f in fmts:
         if f == "fp32":
             kernels[f] = FloatHead(w)
-        elif f == "fp16" and fp16 is not None and shared == "fp16":
-            kernels[f] = fp16
         else:
-            kernels[f] = _LOW_PRECISION[f](w)
+            kernels[f] = fp16 if f == "fp16" and fp16 is not None else _LOW_PRECISION[f](w)
     return next(iter(kernels.values())) if len(kernels) == 1 else DispatchLinear(kernels, plan)
 
 
 def dispatched(linear: nn.Linear, plan: Plan) -> nn.Module:
     """The module serving `linear` under `plan`: itself, or its copies in the plan's formats
-    (the fp32 weight is rounded in place when kept beside a lower-precision one)."""
+    (beside an fp16 copy the fp32 weight is rounded to fp16 values in place)."""
     fmts = formats_of(plan)
     if fmts == {"fp32"}:
         return linear
     if len(fmts) == 1:  # the fp32 weight is dropped with the old module
         return _LOW_PRECISION[next(iter(fmts))].of(linear)
-    w = linear.weight
-    if "fp32" not in fmts:
-        w = w.detach().to(_DTYPES[coarsest(fmts)]).to(w.dtype)
-        return DispatchLinear({f: _LOW_PRECISION[f](w, linear.bias) for f in fmts}, plan)
-    round_to_(linear.weight, coarsest(fmts) or "fp16")
-    low = {f: _LOW_PRECISION[f].of(linear) for f in fmts if f != "fp32"}
-    return DispatchLinear({"fp32": linear, **low}, plan)
+    if {"fp32", "fp16"} <= fmts:
+        round_to_fp16_(linear.weight)
+    return DispatchLinear({f: linear if f == "fp32" else _LOW_PRECISION[f].of(linear) for f in fmts}, plan)
 
 
 def apply_linear_plan(model: nn.Module, plan: Plan, workers: int = 1) -> int:
