@@ -1,9 +1,9 @@
 """`--weights auto`: per batch size, the linear-weight format measured fastest here, at load.
 
-The candidates (`candidates()`) are fp32 (MKL, column-major), fbgemm fp16 (near-lossless,
-docs/engine.md "Weights") and, on a CPU with native bf16 dot products (AVX512_BF16 or AMX),
-oneDNN bf16: without them bf16 is emulated and cannot win, so it is not timed.
-`FLEET_WEIGHTS_AUTO_CANDIDATES` (e.g. `fp32,fp16,bf16`) forces the set. The decoder linears of the first `TIMED_LAYERS`
+The candidates (`candidates()`) are fp32 (MKL, column-major) and fbgemm fp16, the formats
+that keep transformers' greedy tokens within the near-tie tolerance (docs/engine.md
+"Weights"). bf16 (oneDNN, fast only where the CPU has AVX512_BF16 or AMX) does not, so it is
+opt-in: `FLEET_WEIGHTS_AUTO_CANDIDATES=fp32,fp16,bf16` sets the set. The decoder linears of the first `TIMED_LAYERS`
 layers (distinct weights, more than the last-level cache holds, so they stream from memory as
 in a real step) and the LM head are timed in each candidate at several row counts M, rounds
 interleaved so a load change on a shared CPU hits every format alike; `plan_from_timings`
@@ -49,19 +49,23 @@ Timings = dict[str, dict[int, float]]
 CANDIDATES_ENV = "FLEET_WEIGHTS_AUTO_CANDIDATES"
 
 
+# bf16 is opt-in: on the correctness set it departs from transformers' greedy tokens beyond
+# the near-tie tolerance fp32 and fp16 keep (docs/engine.md "Weights").
+DEFAULT_CANDIDATES = ("fp32", "fp16")
+
+
 def native_bf16() -> bool:
     """Whether this CPU has bf16 dot-product instructions (AVX512_BF16, AMX-BF16)."""
     caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
     return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
 
 
-def candidates(env: str | None = None, bf16_native: bool | None = None) -> tuple[str, ...]:
-    """The formats auto times, in DISPATCH_FORMATS order: `FLEET_WEIGHTS_AUTO_CANDIDATES` if
-    set (comma-separated), else fp32 and fp16, plus bf16 where the CPU multiplies it natively."""
+def candidates(env: str | None = None) -> tuple[str, ...]:
+    """The formats auto times, in DISPATCH_FORMATS order: `FLEET_WEIGHTS_AUTO_CANDIDATES`
+    (comma-separated) if set, else DEFAULT_CANDIDATES."""
     raw = os.environ.get(CANDIDATES_ENV) if env is None else env
     if raw is None or not raw.strip():
-        native = native_bf16() if bf16_native is None else bf16_native
-        return tuple(f for f in DISPATCH_FORMATS if f != "bf16" or native)
+        return DEFAULT_CANDIDATES
     asked = {f.strip().lower() for f in raw.split(",") if f.strip()}
     unknown = sorted(asked - set(DISPATCH_FORMATS))
     if unknown:
@@ -163,6 +167,8 @@ def measure(model: nn.Module, head_fp16: Fp16Linear | None = None) -> AutoChoice
     cache. A single candidate is the plan, without timing."""
     formats = candidates()
     key = _key(model, formats)
+    if "bf16" in formats and not native_bf16():
+        log.warning("weights auto: bf16 is emulated on this CPU (no AVX512_BF16 or AMX); timing it anyway")
     if len(formats) == 1:
         return AutoChoice(((None, formats[0]),), ((None, formats[0]),), {}, {})
     if key not in _MEASURED:

@@ -82,11 +82,10 @@ def test_plan_without_fp32_measures_against_the_first_format() -> None:
     assert plan_from_timings({"bf16": {1: 1.0, 64: 1.0}}) == ((None, "bf16"),)
 
 
-def test_candidates_follow_the_cpu_unless_forced() -> None:
-    assert candidates("", bf16_native=False) == ("fp32", "fp16")
-    assert candidates("", bf16_native=True) == ("fp32", "fp16", "bf16")
-    assert candidates("bf16, FP32", bf16_native=False) == ("fp32", "bf16")
-    assert candidates("bf16", bf16_native=False) == ("bf16",)
+def test_bf16_is_a_candidate_only_when_asked_for() -> None:
+    assert candidates("") == ("fp32", "fp16")  # bf16 failed the near-tie gate: opt-in
+    assert candidates("bf16, FP32,fp16") == ("fp32", "fp16", "bf16")
+    assert candidates("bf16") == ("bf16",)
     with pytest.raises(ValueError, match=f"{CANDIDATES_ENV}: unknown format.*int8"):
         candidates("fp32,int8")
 
