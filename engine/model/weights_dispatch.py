@@ -30,22 +30,25 @@ from engine.model.weights import Bf16Linear, Fp16Linear, decoder_linears
 Plan = tuple[tuple[int | None, str], ...]
 DISPATCH_FORMATS = ("fp32", "fp16", "bf16")
 BASELINE = "fp32"
+# The order formats take ranges of M in: fewest bytes per weight while memory-bound, then
+# MKL's fp32, then bf16's compute-bound GEMM.
+M_ORDER = ("fp16", "fp32", "bf16")
 MARGIN = 0.05  # each format beside the baseline must save this much (geometric mean over M)
 
 
 def plan_from_timings(timings: Mapping[str, Mapping[int, float]], margin: float = MARGIN) -> Plan:
     """The plan with the lowest geometric mean time vs the baseline over the measured M, each
-    format serving one contiguous range of M (one crossover per pair of neighbours).
+    format serving one contiguous range of M, the ranges in M_ORDER.
 
     Fewer bytes per weight (fp16) win while a product is memory-bound (few rows); fp32, or
     bf16 where the CPU multiplies it natively, once it is compute-bound. One range per
-    format, not a free choice per M, so a single noisy sample on a shared CPU cannot carve
-    out a bucket of its own; and every format used beside the baseline (fp32 if timed, else
-    the first format given) must lower the geometric mean by `margin`, or the plan keeps
-    fewer formats. Ties go to fewer formats, then to the order `timings` lists them. M
-    between two measured sizes goes with the larger one.
+    format in a fixed order, not a free choice per M, so a single noisy sample on a shared
+    CPU cannot carve out a bucket of its own; and every format used beside the baseline (fp32
+    if timed, else the first in M_ORDER) must lower the geometric mean by `margin`, or the
+    plan keeps fewer formats. Ties go to fewer formats. M between two measured sizes goes
+    with the larger one.
     """
-    formats = list(timings)
+    formats = sorted(timings, key=lambda f: M_ORDER.index(f) if f in M_ORDER else len(M_ORDER))
     base = BASELINE if BASELINE in timings else formats[0]
     sizes = sorted(timings[base])
     logs = {f: [math.log(timings[f][m] / timings[base][m]) for m in sizes] for f in formats}
@@ -53,7 +56,7 @@ def plan_from_timings(timings: Mapping[str, Mapping[int, float]], margin: float 
     best: tuple[float, int, tuple[int, ...]] | None = None
     best_plan: Plan = ((None, base),)
     for k in range(1, min(len(formats), len(sizes)) + 1):
-        for order in itertools.permutations(range(len(formats)), k):
+        for order in itertools.combinations(range(len(formats)), k):  # ranges in M_ORDER
             for cuts in itertools.combinations(range(1, len(sizes)), k - 1):
                 bounds = (0, *cuts, len(sizes))
                 score = sum(
