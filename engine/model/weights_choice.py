@@ -3,13 +3,13 @@
 The candidates (`candidates()`) are fp32 (MKL, column-major) and fbgemm fp16, the formats
 that keep transformers' greedy tokens within the near-tie tolerance (docs/engine.md
 "Weights"). bf16 (oneDNN, fast only where the CPU has AVX512_BF16 or AMX) does not, so it is
-opt-in: `FLEET_WEIGHTS_AUTO_CANDIDATES=fp32,fp16,bf16` sets the set. The decoder linears of the first `TIMED_LAYERS`
-layers (distinct weights, more than the last-level cache holds, so they stream from memory as
-in a real step) and the LM head are timed in each candidate at several row counts M, rounds
+opt-in: `FLEET_WEIGHTS_AUTO_CANDIDATES=fp32,fp16,bf16` sets the set. The decoder linears of
+the first `TIMED_LAYERS` layers (distinct weights, more than the last-level cache holds, so
+they stream from memory as in a real step) and the LM head are timed in each candidate at several row counts M, rounds
 interleaved so a load change on a shared CPU hits every format alike; `plan_from_timings`
 then picks a format per M bucket. int8 (dynamic, batch-dependent) and int4 are never
 chosen automatically. Each format's time is its best over the thread counts the step tuner
-may use (engine.threads). A process measures a given shape and thread count once.
+may use (engine.threads). A process measures a given shape, thread count and candidate set once.
 """
 
 from __future__ import annotations
