@@ -6,10 +6,13 @@ Two workloads, each at concurrency 1 (requests one after another) and as one bat
     edit and show in full; greedy, natural stops, capped at --copy-max-tokens.
 (b) "chat": ShareGPT first turns as `bench.engine_throughput` loads them (chat template,
     Azure conversation output lengths, greedy, ignore_eos), where it should not.
-Both engines (off, on) are loaded once and run alternately, the same prompts each; the
-table also says how many outputs were identical (greedy: all should be).
+The engines ("off"; "ngram": the default setting, batch-size gate and backoff included;
+optionally "ungated": no batch-size gate) are loaded once and run in turn, the order rotated
+per case, the same prompts each; the table also says how many outputs were identical to off
+(greedy: all should be), and the steps the gate and the backoff left undrafted.
 
-    PYTHONPATH=. .venv/bin/python -m bench.spec_decode --single-requests 3 --batch-size 16
+    PYTHONPATH=. .venv/bin/python -m bench.spec_decode --single-requests 3 --batch-size 16 \
+        --arms off ngram ungated --threads 1
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ COPY_INSTRUCTIONS = (
     "Repeat the following text word for word:\n\n{}",
     "Fix any spelling mistakes in the following text and output the full corrected text:\n\n{}",
 )
+ARMS = ("off", "ngram", "ungated")
 CODE_INSTRUCTION = (
     "Add a docstring to this Python function and output the full function:\n\n```python\n{}\n```"
 )
@@ -51,13 +55,15 @@ class Case(BaseModel):
 class Run(BaseModel):
     workload: str
     concurrency: int
-    spec: bool
+    arm: str  # off | ngram | ungated
     requests: int
     tokens: int
     seconds: float
     drafted: int
     accepted: int
     verifies: int
+    gated_steps: int = 0
+    backoff_skips: int = 0
     decode_seconds: float  # per request, first to last token, summed
     outputs: list[list[int]]
 
@@ -121,7 +127,7 @@ def chat_case(tokenizer: Any, n: int, max_out: int, max_prompt_tokens: int, seed
     return Case(prompts=prompts, max_tokens=lens[: len(prompts)], ignore_eos=True)
 
 
-def run(llm: Any, case: Case, concurrency: int, workload: str, spec: bool) -> Run:
+def run(llm: Any, case: Case, concurrency: int, workload: str, arm: str) -> Run:
     from engine import SamplingParams
 
     params = [
@@ -139,13 +145,15 @@ def run(llm: Any, case: Case, concurrency: int, workload: str, spec: bool) -> Ru
     return Run(
         workload=workload,
         concurrency=concurrency,
-        spec=spec,
+        arm=arm,
         requests=len(outs),
         tokens=sum(len(o.token_ids) for o in outs),
         seconds=seconds,
         drafted=s1.spec_decode_num_draft_tokens - s0.spec_decode_num_draft_tokens,
         accepted=s1.spec_decode_num_accepted_tokens - s0.spec_decode_num_accepted_tokens,
         verifies=s1.spec_decode_num_drafts - s0.spec_decode_num_drafts,
+        gated_steps=s1.spec_decode_num_gated_steps - s0.spec_decode_num_gated_steps,
+        backoff_skips=s1.spec_decode_num_backoff_skips - s0.spec_decode_num_backoff_skips,
         decode_seconds=sum(
             o.metrics.last_token_time - o.metrics.first_token_time
             for o in outs
@@ -157,7 +165,7 @@ def run(llm: Any, case: Case, concurrency: int, workload: str, spec: bool) -> Ru
 
 def print_runs(runs: list[Run], title: str) -> None:
     rows = []
-    base = {(r.workload, r.concurrency): r for r in runs if not r.spec}
+    base = {(r.workload, r.concurrency): r for r in runs if r.arm == "off"}
     for r in runs:
         off = base.get((r.workload, r.concurrency))
         same = sum(a == b for a, b in zip(r.outputs, off.outputs, strict=True)) if off else None
@@ -165,7 +173,7 @@ def print_runs(runs: list[Run], title: str) -> None:
             [
                 r.workload,
                 r.concurrency,
-                "ngram" if r.spec else "off",
+                r.arm,
                 r.requests,
                 r.tokens,
                 r.seconds,
@@ -175,13 +183,15 @@ def print_runs(runs: list[Run], title: str) -> None:
                 off.itl_ms / r.itl_ms if off and off.itl_ms and r.itl_ms else None,
                 r.accepted / r.drafted if r.drafted else None,
                 (r.accepted + r.verifies) / r.verifies if r.verifies else None,
-                f"{same}/{r.requests}" if r.spec and same is not None else "-",
+                f"{same}/{r.requests}" if r.arm != "off" and same is not None else "-",
+                r.gated_steps if r.arm != "off" else None,
+                r.backoff_skips if r.arm != "off" else None,
             ]
         )
     cols = [
         "workload",
         "concurrency",
-        "spec",
+        "arm",
         "requests",
         "tokens",
         "seconds",
@@ -192,6 +202,8 @@ def print_runs(runs: list[Run], title: str) -> None:
         "acceptance",
         "tokens/verify",
         "identical",
+        "gated steps",
+        "backoff skips",
     ]
     print_table(title, cols, rows)
 
@@ -200,7 +212,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--single-requests", type=int, default=4, help="requests at concurrency 1")
-    p.add_argument("--batch-size", type=int, default=16, help="requests submitted at once")
+    p.add_argument(
+        "--batch-size", type=int, nargs="+", default=[16], help="requests submitted at once (one or more)"
+    )
+    p.add_argument(
+        "--arms",
+        nargs="+",
+        choices=ARMS,
+        default=["off", "ngram"],
+        help="off; ngram (gated); ungated (no batch-size gate)",
+    )
+    p.add_argument("--disable-by-batch-size", type=int, default=None, help="the gate of the ngram arm")
     p.add_argument("--copy-max-tokens", type=int, default=128)
     p.add_argument("--chat-max-tokens", type=int, default=128, help="clip of the Azure output lengths")
     p.add_argument("--max-prompt-tokens", type=int, default=512)
@@ -221,37 +243,44 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     resolve_model(args.model)
-    fields = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+    fields = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
     spec = SpeculativeConfig(**{k: getattr(args, k) for k in fields if getattr(args, k) is not None})
-    n = max(args.single_requests, args.batch_size)
-    kw: dict[str, Any] = {"show_progress": False, "max_num_seqs": max(args.batch_size, 1)}
+    settings = {
+        "off": None,
+        "ngram": spec,
+        "ungated": spec.model_copy(update={"disable_by_batch_size": None}),
+    }
+    sizes = [b for b in args.batch_size if b > 0]
+    n = max([args.single_requests, *sizes])
+    kw: dict[str, Any] = {"show_progress": False, "max_num_seqs": max([1, *sizes])}
     if args.threads is not None:
         kw["num_threads"] = args.threads
-    off = LLM(args.model, **kw)
-    on = LLM(args.model, speculative_config=spec, **kw)
+    engines = {arm: LLM(args.model, speculative_config=settings[arm], **kw) for arm in args.arms}
+    first = next(iter(engines.values()))
     note = lambda: machine_note("cpu", args.threads or torch.get_num_threads())  # noqa: E731
     console.print(f"{note()} (threads tuned per step unless --threads); speculative {spec.model_dump()}")
     cases = {}
     if "copy" in args.workloads:
-        cases["copy"] = copy_case(off.tokenizer, n, args.copy_max_tokens, args.max_prompt_tokens)
+        cases["copy"] = copy_case(first.tokenizer, n, args.copy_max_tokens, args.max_prompt_tokens)
     if "chat" in args.workloads:
-        cases["chat"] = chat_case(off.tokenizer, n, args.chat_max_tokens, args.max_prompt_tokens, args.seed)
+        cases["chat"] = chat_case(first.tokenizer, n, args.chat_max_tokens, args.max_prompt_tokens, args.seed)
     warm = SamplingParams(temperature=0.0, max_tokens=4)
-    for llm in (off, on):
+    for llm in engines.values():
         llm.generate([next(iter(cases.values())).prompts[0]], warm, use_tqdm=False)
     runs: list[Run] = []
-    flip = False
+    arms = list(engines)
+    turn = 0
     for name, case in cases.items():
-        for conc, size in ((1, args.single_requests), (args.batch_size, args.batch_size)):
+        for conc, size in ((1, args.single_requests), *((b, b) for b in sizes)):
             if size <= 0:
                 continue
             sub = Case(
                 prompts=case.prompts[:size], max_tokens=case.max_tokens[:size], ignore_eos=case.ignore_eos
             )
-            order = [(on, True), (off, False)] if flip else [(off, False), (on, True)]
-            flip = not flip  # alternate which goes first, so drifting load favours neither
-            done = {s: run(llm, sub, conc, name, s) for llm, s in order}
-            runs.extend([done[False], done[True]])
+            order = arms[turn % len(arms) :] + arms[: turn % len(arms)]
+            turn += 1  # rotate which goes first, so drifting load favours none
+            done = {arm: run(engines[arm], sub, conc, name, arm) for arm in order}
+            runs.extend(done[arm] for arm in arms)
             print_runs(runs, "speculative decoding so far")
     print_runs(
         runs, f"n-gram speculative decoding vs off, same run ({machine_note('cpu', args.threads or 0)})"

@@ -484,6 +484,8 @@ class LLMEngine:
             spec_decode_num_drafts=self.spec.num_drafts if self.spec is not None else 0,
             spec_decode_num_draft_tokens=self.spec.num_draft_tokens if self.spec is not None else 0,
             spec_decode_num_accepted_tokens=self.spec.num_accepted_tokens if self.spec is not None else 0,
+            spec_decode_num_gated_steps=self.spec.num_gated_steps if self.spec is not None else 0,
+            spec_decode_num_backoff_skips=self.spec.num_backoff_skips if self.spec is not None else 0,
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -103,6 +103,9 @@ class EngineStats:
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    # Steps the batch-size gate kept undrafted, and sequence-steps skipped by backoff.
+    spec_decode_num_gated_steps: int = 0
+    spec_decode_num_backoff_skips: int = 0
 
     @property
     def spec_decode_acceptance_rate(self) -> float:

@@ -200,9 +200,7 @@ def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         kwargs["enable_lora"] = True
     if ns.threads is not None:  # pinned; otherwise the engine tunes threads per step
         kwargs["num_threads"] = max(1, ns.threads)
-    spec = speculative_config(ns)
-    if spec is not None:
-        kwargs["speculative_config"] = spec
+    kwargs["speculative_config"] = speculative_config(ns)  # None: off
     kwargs["show_progress"] = False
     return kwargs
 

@@ -116,6 +116,16 @@ class _EngineStatsCollector(Collector):
             "Speculative draft tokens the target model accepted.",
             s.spec_decode_num_accepted_tokens,
         )
+        yield counter(
+            "fleet_engine_spec_decode_num_gated_steps",
+            "Steps not drafted because the decoding batch reached disable_by_batch_size.",
+            s.spec_decode_num_gated_steps,
+        )
+        yield counter(
+            "fleet_engine_spec_decode_num_backoff_skips",
+            "Sequence-steps not drafted because the sequence's recent drafts were all rejected.",
+            s.spec_decode_num_backoff_skips,
+        )
 
 
 _GRAMMAR_HISTOGRAMS = {

@@ -18,8 +18,13 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.server.spec_flags import add_speculative_flags, speculative_config
 from engine.spec_decode.acceptance import accept_rows, num_accepted
-from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.config import (
+    DEFAULT_DISABLE_BY_BATCH_SIZE,
+    DEFAULT_SPECULATIVE_CONFIG,
+    SpeculativeConfig,
+)
 from engine.spec_decode.decoder import SpeculativeDecoder
+from engine.spec_decode.gate import BACKOFF_MAX_SKIP, Backoff, backoff_skip, drafts_this_step
 from engine.spec_decode.ngram import NgramIndex, propose_ngram
 
 # -- the drafter ---------------------------------------------------------------------------
@@ -277,7 +282,21 @@ def test_flags_and_engine_args():
     assert (js.prompt_lookup_max, js.prompt_lookup_min) == (6, 1)
     args = EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert args.speculative_config == SpeculativeConfig(num_speculative_tokens=2)
-    assert EngineArgs().speculative_config is None
+    assert EngineArgs().speculative_config == DEFAULT_SPECULATIVE_CONFIG
+    assert _flags([]) == DEFAULT_SPECULATIVE_CONFIG
+
+
+def test_gate_flags_and_turning_it_off():
+    assert _flags(["--speculative", "none"]) is None
+    cfg = _flags(["--speculative", "ngram", "--speculative-disable-by-batch-size", "8"])
+    assert cfg.disable_by_batch_size == 8
+    js = _flags(["--speculative-config", '{"method": "ngram", "disable_by_batch_size": 2}'])
+    assert js.disable_by_batch_size == 2
+    assert _flags(["--speculative", "ngram"]).disable_by_batch_size == DEFAULT_DISABLE_BY_BATCH_SIZE
+    ungated = SpeculativeConfig(disable_by_batch_size=None)
+    assert EngineArgs(
+        speculative_config={"method": "ngram", "disable_by_batch_size": None}
+    ).speculative_config == (ungated)
 
 
 @pytest.mark.parametrize(
@@ -287,6 +306,8 @@ def test_flags_and_engine_args():
         ["--speculative", "ngram", "--prompt-lookup-min", "5", "--prompt-lookup-max", "2"],
         ["--speculative", "ngram", "--num-speculative-tokens", "0"],
         ["--speculative-config", '{"method": "eagle"}'],
+        ["--speculative", "ngram", "--speculative-disable-by-batch-size", "0"],
+        ["--speculative", "none", "--num-speculative-tokens", "3"],
     ],
 )
 def test_bad_settings_are_refused(argv):
@@ -306,18 +327,116 @@ def test_server_flags_reach_the_engine_and_metrics():
     )
     args = EngineArgs(model="m", **engine_kwargs(ns))
     assert args.speculative_config == SpeculativeConfig(num_speculative_tokens=3)
-    assert (
-        EngineArgs(model="m", **engine_kwargs(build_parser().parse_args(["--model", "m"]))).speculative_config
-        is None
-    )
+    default = EngineArgs(model="m", **engine_kwargs(build_parser().parse_args(["--model", "m"])))
+    assert default.speculative_config == DEFAULT_SPECULATIVE_CONFIG
+    off = build_parser().parse_args(["--model", "m", "--speculative", "none"])
+    assert EngineArgs(model="m", **engine_kwargs(off)).speculative_config is None
 
     m = ServerMetrics("m")
     stats = EngineStats(
-        spec_decode_num_drafts=4, spec_decode_num_draft_tokens=20, spec_decode_num_accepted_tokens=5
+        spec_decode_num_drafts=4,
+        spec_decode_num_draft_tokens=20,
+        spec_decode_num_accepted_tokens=5,
+        spec_decode_num_gated_steps=7,
+        spec_decode_num_backoff_skips=3,
     )
     m.stats = lambda: stats
     text = generate_latest(m.registry).decode()
     assert 'fleet_engine_spec_decode_num_drafts_total{model="m"} 4.0' in text
     assert 'fleet_engine_spec_decode_num_draft_tokens_total{model="m"} 20.0' in text
     assert 'fleet_engine_spec_decode_num_accepted_tokens_total{model="m"} 5.0' in text
+    assert 'fleet_engine_spec_decode_num_gated_steps_total{model="m"} 7.0' in text
+    assert 'fleet_engine_spec_decode_num_backoff_skips_total{model="m"} 3.0' in text
     assert stats.spec_decode_acceptance_rate == 0.25
+
+
+# -- the gate and the backoff ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("num_decoding", "limit", "want"),
+    [
+        (1, None, True),
+        (64, None, True),
+        (1, 4, True),
+        (3, 4, True),
+        (4, 4, False),
+        (16, 4, False),
+        (1, 1, False),
+    ],
+)
+def test_batch_size_gate_table(num_decoding, limit, want):
+    assert drafts_this_step(num_decoding, limit) is want
+
+
+@pytest.mark.parametrize(
+    ("streak", "want"), [(0, 0), (1, 0), (2, 1), (3, 2), (4, 4), (5, 8), (6, 16), (7, 16), (60, 16)]
+)
+def test_backoff_skip_table(streak, want):
+    assert backoff_skip(streak) == want
+
+
+def test_backoff_skips_grow_and_reset_on_an_accept():
+    b = Backoff()
+    drafted: list[bool] = []
+    for accepted in [0, 0, 0, 0, 2, 0]:  # verify outcomes, each after a step that drafted
+        while not b.should_draft():
+            drafted.append(False)
+        drafted.append(True)
+        b.observe(accepted)
+    # 2 zero verifies -> skip 1; one more -> skip 2; one more -> skip 4; an accept resets
+    f = False
+    assert drafted == [True, True, f, True, f, f, True, f, f, f, f, True, True]
+    assert (b.zero_streak, b.skip_left) == (1, 0)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=40))
+def test_backoff_never_skips_right_after_an_accept_and_never_past_the_cap(outcomes):
+    b = Backoff()
+    for accepted in outcomes:
+        b.observe(accepted)
+        assert b.skip_left <= BACKOFF_MAX_SKIP
+        if accepted:
+            assert b.should_draft()
+
+
+def _decoding(sched: Scheduler, n: int) -> list[Request]:
+    """`n` requests past their prefill (one step), each with its first token appended."""
+    reqs = [
+        Request(f"r{i}", [1, 2, 1, 2, 1, 2, 1], SamplingParams(temperature=0.0), max_model_len=256)
+        for i in range(n)
+    ]
+    for r in reqs:
+        sched.add_request(r)
+    sched.update_after_step(sched.schedule())
+    for r in reqs:
+        r.append_output_token(2)
+    return reqs
+
+
+def test_gate_keeps_a_large_batch_undrafted():
+    kv = KVCacheManager(num_blocks=32, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=256)
+    reqs = _decoding(sched, 3)
+    spec = SpeculativeDecoder(SpeculativeConfig(disable_by_batch_size=3), 256)
+    spec.propose(sched.running)
+    assert all(r.spec_token_ids == [] for r in reqs) and spec.num_gated_steps == 1
+    open_gate = SpeculativeDecoder(SpeculativeConfig(disable_by_batch_size=4), 256)
+    open_gate.propose(sched.running)
+    assert all(r.spec_token_ids for r in reqs) and open_gate.num_gated_steps == 0
+
+
+def test_rejected_sequences_back_off_in_the_decoder():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=256)
+    (req,) = _decoding(sched, 1)
+    spec = SpeculativeDecoder(SpeculativeConfig(prompt_lookup_min=1), 256)
+    drafted = []
+    for _ in range(5):
+        spec.propose(sched.running)
+        drafted.append(bool(req.spec_token_ids))
+        if req.spec_token_ids:
+            spec.after_verify(req, len(req.spec_token_ids), 0, kv)  # all rejected
+    assert drafted == [True, True, False, True, False]
+    assert spec.num_backoff_skips == 2

@@ -66,6 +66,6 @@ def test_bench_measures_both_engines(engines):
     case = spec_decode.Case(
         prompts=[_chat(off, "Repeat: a b c d e f a b c d e f")], max_tokens=[4], ignore_eos=True
     )
-    runs = [spec_decode.run(llm, case, 1, "copy", llm is on) for llm in (off, on)]
+    runs = [spec_decode.run(llm, case, 1, "copy", arm) for llm, arm in ((off, "off"), (on, "ngram"))]
     assert [r.tokens for r in runs] == [4, 4] and runs[0].outputs == runs[1].outputs
     assert runs[0].drafted == 0 and runs[1].drafted > 0
