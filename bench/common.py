@@ -159,6 +159,19 @@ def set_threads(n: int | None) -> int:
     return torch.get_num_threads()
 
 
+def speculation_note(config: Any) -> str:
+    """Whether ours ran with speculative decoding (a `SpeculativeConfig` or None), for the tables."""
+    if config is None:
+        return "speculative decoding off"
+    gate = config.disable_by_batch_size
+    return (
+        f"speculative decoding {config.method} (k = {config.num_speculative_tokens}, "
+        f"drafts only below batch {gate})"
+        if gate is not None
+        else f"speculative decoding {config.method} (k = {config.num_speculative_tokens}, any batch)"
+    )
+
+
 def machine_note(device: str, threads: int) -> str:
     """One line on what the numbers were measured on, load included (they are noisy under load)."""
     import torch

@@ -39,6 +39,7 @@ from bench.common import (
     resolve_model,
     run_main,
     set_threads,
+    speculation_note,
     synchronize,
 )
 from engine.profiling import STAGES, StepProfiler
@@ -194,7 +195,8 @@ def run_ours(llm: Any, workload: Workload) -> SystemResult:
         seconds=seconds,
         note=(
             f"preemptions {stats.num_preemptions}, prefix-cache hits "
-            f"{stats.prefix_cache_hits:,}/{stats.prefix_cache_queries:,} prompt tokens"
+            f"{stats.prefix_cache_hits:,}/{stats.prefix_cache_queries:,} prompt tokens, "
+            f"{speculation_note(llm.engine.args.speculative_config)}"
         ),
     )
 
@@ -405,6 +407,7 @@ def measure(args: argparse.Namespace) -> int:
             kw = {**engine_args, **override}
             with RSSMonitor() as mon:
                 llm = load_ours(args.model, kw)
+                console.print(f"{kind}: {speculation_note(llm.engine.args.speculative_config)}")
                 prof = StepProfiler(llm.engine).attach() if args.profile and kind == "ours" else None
                 res = run_ours(llm, workload)
                 if prof is not None:

@@ -41,6 +41,7 @@ from bench.common import (
     resolve_model,
     run_bounded,
     run_main,
+    speculation_note,
 )
 from bench.engine_throughput import Workload, make_workload
 from bench.llama_server import SERVED_NAME, LlamaServer, llama_server_command, slot_context
@@ -161,6 +162,14 @@ def measure(server: str, url: str, workload: Workload, args: argparse.Namespace)
     return out
 
 
+def ours_speculative_config(flags: list[str]) -> object:
+    """The speculative setting `python -m engine.server` gets from these flags (its default if none)."""
+    from engine.server.launcher import build_parser
+    from engine.server.spec_flags import speculative_config
+
+    return speculative_config(build_parser().parse_args(["--model", "m", *flags]))
+
+
 def run_ours(model: Path, workload: Workload, args: argparse.Namespace, log_dir: Path) -> list[LevelResult]:
     from engine.server.process import ServerProcess
 
@@ -169,6 +178,9 @@ def run_ours(model: Path, workload: Workload, args: argparse.Namespace, log_dir:
     extra += shlex.split(args.ours_args)
     log = log_dir / "ours.log"
     console.print(f"starting python -m engine.server {' '.join(extra)} (log: {log}) ...")
+    console.print(
+        f"ours: {speculation_note(ours_speculative_config(extra))} (the server's default unless flags say)"
+    )
     server = ServerProcess(*extra, model=str(model), log_path=log).start(timeout=args.start_timeout)
     try:
         return measure("ours", server.url, workload, args)
