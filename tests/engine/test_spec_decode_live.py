@@ -10,7 +10,13 @@ import pytest
 
 from engine import LLM, SamplingParams
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+    "disable_by_batch_size": None,  # both verification layouts, whatever the default gate
+}
 
 
 @pytest.fixture(scope="module")
