@@ -73,6 +73,6 @@ class EngineArgs(BaseModel):
     max_lora_rank: int = Field(16, ge=1)
     max_cpu_loras: int | None = Field(None, ge=1)
     # Speculative decoding (vLLM's name and fields): {"method": "ngram", "num_speculative_tokens": 5,
-    # "prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 4}; None = off
-    # (docs/engine.md has the measurement behind the default).
+    # "prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 4} (the default:
+    # on, gated); None = off (docs/engine.md has the measurement behind the default).
     speculative_config: SpeculativeConfig | None = DEFAULT_SPECULATIVE_CONFIG

@@ -270,7 +270,7 @@ def _flags(argv: list[str]) -> SpeculativeConfig | None:
 
 
 def test_flags_and_engine_args():
-    assert _flags([]) is None
+    assert _flags([]) == DEFAULT_SPECULATIVE_CONFIG
     assert _flags(["--speculative", "ngram"]) == SpeculativeConfig()
     cfg = _flags(
         ["--speculative", "ngram", "--num-speculative-tokens", "3", "--ngram-max", "5", "--ngram-min", "3"]
@@ -284,6 +284,15 @@ def test_flags_and_engine_args():
     assert args.speculative_config == SpeculativeConfig(num_speculative_tokens=2)
     assert EngineArgs().speculative_config == DEFAULT_SPECULATIVE_CONFIG
     assert _flags([]) == DEFAULT_SPECULATIVE_CONFIG
+
+
+def test_field_flags_alone_adjust_the_default():
+    if DEFAULT_SPECULATIVE_CONFIG is None:
+        with pytest.raises(ValueError, match="--speculative ngram"):
+            _flags(["--num-speculative-tokens", "3"])
+    else:
+        cfg = _flags(["--num-speculative-tokens", "3"])
+        assert cfg == DEFAULT_SPECULATIVE_CONFIG.model_copy(update={"num_speculative_tokens": 3})
 
 
 def test_gate_flags_and_turning_it_off():
@@ -302,7 +311,6 @@ def test_gate_flags_and_turning_it_off():
 @pytest.mark.parametrize(
     "argv",
     [
-        ["--num-speculative-tokens", "3"],  # no method
         ["--speculative", "ngram", "--prompt-lookup-min", "5", "--prompt-lookup-max", "2"],
         ["--speculative", "ngram", "--num-speculative-tokens", "0"],
         ["--speculative-config", '{"method": "eagle"}'],
