@@ -22,7 +22,8 @@ SPEC = {
 @pytest.fixture(scope="module")
 def engines(smollm2_gguf) -> tuple[LLM, LLM]:
     kw = {"show_progress": False, "max_num_seqs": 8, "max_model_len": 512, "kv_cache_memory": 64 << 20}
-    return LLM("smollm2-135m", **kw), LLM("smollm2-135m", speculative_config=SPEC, **kw)
+    off = LLM("smollm2-135m", speculative_config=None, **kw)
+    return off, LLM("smollm2-135m", speculative_config=SPEC, **kw)
 
 
 def _chat(llm: LLM, text: str) -> list[int]:
