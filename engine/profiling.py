@@ -1,8 +1,9 @@
 """Per-step time split of a live engine, attached from outside (no cost when not attached).
 
 `StepProfiler(engine).attach()` wraps the engine's own stages (scheduler, input building,
-sampler, detokenization) and puts forward hooks on the model's modules (embedding,
-attention, MLP, norms); the LM head ("logits") is the model's time minus its parts, and
+sampler, detokenization) and the `forward` methods of the model's modules (embedding,
+attention, MLP, norms; instance attributes, gone on detach, so an engine without a profiler
+runs its plain methods); the LM head ("logits") is the model's time minus its parts, and
 "output handling" is the step's time minus every named stage. Used by
 `bench/profile_step.py` and `bench/engine_throughput.py --profile`. "sampling" is the
 sampler plus the rest of the runner's `execute` (the per-step sampling batch).
@@ -39,7 +40,6 @@ class StepProfiler:
         self.seconds: dict[str, float] = defaultdict(float)
         self.steps = 0
         self._restore: list[Callable[[], None]] = []
-        self._open: dict[int, float] = {}
         self._cuda = engine.runner.device.type == "cuda"
 
     # -- timing helpers -----------------------------------------------------------------
@@ -62,14 +62,9 @@ class StepProfiler:
         self._restore.append(lambda o=owner, n=name: o.__dict__.pop(n, None))
 
     def _hook(self, module: torch.nn.Module, stage: str) -> None:
-        def pre(mod: torch.nn.Module, _args: Any) -> None:
-            self._open[id(mod)] = self._now()
-
-        def post(mod: torch.nn.Module, _args: Any, _out: Any) -> None:
-            self.seconds[stage] += self._now() - self._open.pop(id(mod))
-
-        handles = [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-        self._restore.extend(h.remove for h in handles)
+        """Time `module.forward`: the model calls its submodules' `forward` directly (no
+        `nn.Module.__call__`, so no forward hooks fire), and an instance attribute shadows it."""
+        self._wrap(module, "forward", stage)
 
     # -- attach / detach ----------------------------------------------------------------
     def attach(self) -> StepProfiler:

@@ -62,19 +62,16 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
         cos_sin_cache: torch.Tensor,
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
+        qkv = self.qkv_proj.forward(hidden)
         if meta.lora is not None:
             meta.lora.apply(self.layer_idx, "qkv", hidden, qkv)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         n = hidden.shape[0]
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        # One head-major view of the fused output; q, k, v (and q with k) are slices of it.
+        heads = qkv.view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q_end, k_end = self.num_heads, self.num_heads + self.num_kv_heads
+        q, k, v = heads[:, :q_end], heads[:, q_end:k_end], heads[:, k_end:]
         if meta.rotary is not None:  # query and key heads sit side by side in qkv: one rotation
-            qk = qkv[:, : self.q_size + self.kv_size].view(
-                n, self.num_heads + self.num_kv_heads, self.head_dim
-            )
-            ops.rotary_embedding(positions, qk, None, cos_sin_cache, meta.rotary)
+            ops.rotary_embedding(positions, heads[:, :k_end], None, cos_sin_cache, meta.rotary)
         else:
             ops.rotary_embedding(positions, q, k, cos_sin_cache)
         k_cache, v_cache = kv_cache
@@ -101,7 +98,7 @@ class LlamaAttention(nn.Module):
             )
         attn = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         attn = attn.reshape(n, self.q_size)
-        out = self.o_proj(attn)
+        out = self.o_proj.forward(attn)
         if meta.lora is not None:
             meta.lora.apply(self.layer_idx, "o", attn, out)
         return out
@@ -116,12 +113,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, lora: Any = None) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        gate_up = self.gate_up_proj.forward(x)
         if lora is not None:
             lora.apply(self.layer_idx, "gate_up", x, gate_up)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        act = F.silu(gate).mul_(up)
-        out = self.down_proj(act)
+        inter = self.intermediate_size
+        act = F.silu(gate_up.narrow(-1, 0, inter)).mul_(gate_up.narrow(-1, inter, inter))
+        out = self.down_proj.forward(act)
         if lora is not None:
             lora.apply(self.layer_idx, "down", act, out)
         return out
@@ -148,14 +145,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, hidden, residual, kv_cache, meta, cos_sin_cache):
+        # Submodules by `.forward`, not `__call__`: the hot path skips torch's hook machinery
+        # (StepProfiler times these methods by wrapping them, see engine.profiling).
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = self.input_layernorm.forward(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta, cos_sin_cache)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden, meta.lora), residual
+            hidden, residual = self.input_layernorm.forward(hidden, residual)
+        hidden = self.self_attn.forward(positions, hidden, kv_cache, meta, cos_sin_cache)
+        hidden, residual = self.post_attention_layernorm.forward(hidden, residual)
+        return self.mlp.forward(hidden, meta.lora), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -194,22 +193,22 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Returns float32 logits for the tokens at `logits_indices` only; with
         `hidden_indices`, also the final (normed) hidden states of those tokens (embeddings)."""
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed_tokens.forward(input_ids)
         self._plan_step(positions, kv_caches, meta)
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
-            hidden, residual = layer(positions, hidden, residual, kv, meta, self.cos_sin_cache)
+            hidden, residual = layer.forward(positions, hidden, residual, kv, meta, self.cos_sin_cache)
         pooled = None
         if hidden_indices is not None:
-            pooled, _ = self.norm(
+            pooled, _ = self.norm.forward(
                 hidden.index_select(0, hidden_indices), residual.index_select(0, hidden_indices)
             )
         # Only the rows that need a next token go through the final norm and the LM head.
         hidden = hidden.index_select(0, logits_indices)
         residual = residual.index_select(0, logits_indices)
-        hidden, _ = self.norm(hidden, residual)
+        hidden, _ = self.norm.forward(hidden, residual)
         if self.logits_head is not None:
-            logits = self.logits_head(hidden).float()
+            logits = self.logits_head.forward(hidden).float()
         else:
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             logits = F.linear(hidden, weight).float()

@@ -114,6 +114,8 @@ class Fp16Linear(nn.Module):
         return cls(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():  # the model's rows: as is
+            return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
         out = torch.ops.quantized.linear_dynamic_fp16(_rows(x), self.packed)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 

@@ -98,9 +98,16 @@ class DispatchLinear(nn.Module):
         super().__init__()
         self.kernels = nn.ModuleDict(dict(kernels))
         self.plan = plan
+        # The last row count's choice: every linear of a step sees the same M, so the plan is
+        # looked up once per step, not once per call.
+        self._last: tuple[int, nn.Module] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels[pick(self.plan, x.numel() // x.shape[-1])](x)
+        m = x.numel() // x.shape[-1]
+        last = self._last
+        if last is None or last[0] != m:
+            last = self._last = (m, self.kernels[pick(self.plan, m)])
+        return last[1].forward(x)
 
 
 class FloatHead(nn.Module):
