@@ -93,6 +93,8 @@ def _triton(module: str) -> ModuleType:
 
 
 def _impl(device: torch.device, module: str) -> Any:
+    if _backend == "torch" or (_backend == "auto" and device.type != "cuda"):  # the per-call fast path
+        return reference
     return reference if resolve_backend(device) == "torch" else _triton(module)
 
 

@@ -96,6 +96,9 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).float().contiguous()
 
 
+_FP16_MM = torch.ops.quantized.linear_dynamic_fp16.default  # the overload, bound once (hot path)
+
+
 class Fp16Linear(nn.Module):
     """fbgemm fp16: half the bytes of fp32 per weight, fp32 activations and accumulation.
 
@@ -115,8 +118,8 @@ class Fp16Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():  # the model's rows: as is
-            return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
-        out = torch.ops.quantized.linear_dynamic_fp16(_rows(x), self.packed)
+            return _FP16_MM(x, self.packed)
+        out = _FP16_MM(_rows(x), self.packed)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 

@@ -159,6 +159,8 @@ def test_profiler_splits_live_steps_and_weight_formats_serve(tiny_model_dir) -> 
         assert sum(ms[s] for s in STAGES) == pytest.approx(ms["total"], rel=0.05)
         assert ms["mlp"] > 0 and ms["attention"] > 0 and ms["sampling"] > 0
         assert "step" not in llm.engine.__dict__  # detached: the engine's own method again
+        model = llm.engine.runner.model
+        assert all("forward" not in m.__dict__ for m in model.modules())  # plain methods again
     assert all(len(t) == 8 for t in outs["fp16"] + outs["int8"] + outs["auto"])
 
 

@@ -148,3 +148,28 @@ def test_auto_plan_is_kept_on_disk_for_the_next_process(monkeypatch: pytest.Monk
     before = len(calls)
     weights_choice.apply_auto(_TiedLM())
     assert len(calls) > before
+
+
+@torch.inference_mode()
+def test_dispatch_follows_the_row_count_from_call_to_call() -> None:
+    """The kernel chosen for the last row count is reused only while M stays the same."""
+    torch.manual_seed(2)
+    linear = nn.Linear(64, 32, bias=False)
+    layer = DispatchLinear({"fp32": linear, "fp16": Fp16Linear.of(linear)}, ((2, "fp16"), (None, "fp32")))
+    calls: list[str] = []
+    for name, kernel in layer.kernels.items():
+        original = kernel.forward
+        kernel.forward = lambda x, n=name, f=original: (calls.append(n), f(x))[1]
+    for m in (1, 1, 5, 5, 2, 8):
+        layer(torch.randn(m, 64))
+    assert calls == ["fp16", "fp16", "fp32", "fp32", "fp16", "fp32"]
+
+
+@torch.inference_mode()
+def test_fp16_linear_rows_fast_path_equals_the_general_path() -> None:
+    torch.manual_seed(3)
+    fp16 = Fp16Linear(torch.randn(48, 64))
+    x = torch.randn(2, 3, 64)
+    flat = fp16(x.reshape(6, 64))  # contiguous 2-D float32: straight to the kernel
+    assert torch.equal(fp16(x), flat.reshape(2, 3, 48))
+    assert torch.equal(fp16(x.reshape(6, 64).t().contiguous().t()), flat)  # non-contiguous rows

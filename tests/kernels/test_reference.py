@@ -217,6 +217,17 @@ def test_rms_norm_with_and_without_residual(dtype: torch.dtype) -> None:
     )
 
 
+def test_float32_rms_norm_is_bit_identical_to_its_formula() -> None:
+    """The float32 path runs torch's own rms_norm; it must round exactly like the formula
+    rsqrt(sum(x^2) / n + eps) * x * w, so greedy outputs do not move with the kernel."""
+    gen = torch.Generator().manual_seed(4)
+    for rows in (1, 8, 33):
+        x = torch.randn(rows, 576, generator=gen) * 3
+        weight = torch.randn(576, generator=gen)
+        inv_rms = (x * x).sum(-1, keepdim=True).div_(576).add_(1e-5).rsqrt_()
+        assert torch.equal(ref.rms_norm(x, weight, 1e-5), torch.mul(x, inv_rms).mul_(weight))
+
+
 @pytest.mark.parametrize("rotary_dim", [64, 32])
 def test_rotary_rotates_pairs_by_position_angle(rotary_dim: int) -> None:
     """Each pair (i, i + rot/2) is the complex number x_i + j x_{i+half} multiplied by e^{j pos θ_i}."""
