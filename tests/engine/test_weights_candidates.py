@@ -18,6 +18,7 @@ from engine.model.weights_dispatch import (
     pick,
     plan_from_timings,
 )
+from tests.engine.tied_lm import TiedLM
 
 FP32 = {1: 10.0, 4: 20.0, 16: 30.0, 64: 40.0, 256: 100.0}
 
@@ -115,24 +116,10 @@ def test_bf16_linear_falls_back_to_dense_where_onednn_refuses(monkeypatch: pytes
     assert kernel(torch.randn(3, 16)).shape == (3, 8)
 
 
-class _TiedLM(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(300, 64)
-        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(64, 96, bias=False), nn.Linear(96, 64))])
-        self.lm_head = None
-        self.logits_head = None
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.layers[0](self.embed_tokens(ids))
-        head = self.logits_head
-        return head(h) if head is not None else nn.functional.linear(h, self.embed_tokens.weight)
-
-
 @torch.inference_mode()
 def test_a_plan_with_bf16_keeps_fp32_and_fp16_on_the_same_values() -> None:
     torch.manual_seed(2)
-    model = _TiedLM()
+    model = TiedLM()
     emb = model.embed_tokens.weight.detach().clone()
     ids = torch.randint(0, 300, (8,))
     ref = model(ids)
@@ -158,7 +145,7 @@ def test_a_bf16_only_plan_drops_the_fp32_weights(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(
         weights_choice, "time_kernels", lambda *a, **k: pytest.fail("one candidate: nothing to time")
     )
-    model = _TiedLM()
+    model = TiedLM()
     choice = weights_choice.apply_auto(model)
     assert choice.summary() == "linears bf16; LM head bf16"
     assert isinstance(model.layers[0][0], Bf16Linear) and isinstance(model.logits_head, Bf16Linear)
@@ -179,8 +166,8 @@ def test_the_candidate_set_is_part_of_the_measurement_key(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(weights_choice, "time_kernels", fake_time)
     monkeypatch.setenv(CANDIDATES_ENV, "fp32,fp16")
-    assert weights_choice.apply_auto(_TiedLM()).linears == ((1, "fp16"), (None, "fp32"))
+    assert weights_choice.apply_auto(TiedLM()).linears == ((1, "fp16"), (None, "fp32"))
     monkeypatch.setenv(CANDIDATES_ENV, "fp32,fp16,bf16")
-    choice = weights_choice.apply_auto(_TiedLM())  # a new set is measured, not read from the cache
+    choice = weights_choice.apply_auto(TiedLM())  # a new set is measured, not read from the cache
     assert choice.linears == ((1, "fp16"), (None, "bf16")) and seen[-1] == ("fp32", "fp16", "bf16")
     assert len(list((tmp_path / "plans").glob("*.json"))) == 2

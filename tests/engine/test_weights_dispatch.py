@@ -16,6 +16,7 @@ from engine.model.weights_dispatch import (
     pick,
     plan_from_timings,
 )
+from tests.engine.tied_lm import TiedLM
 
 
 def test_plan_puts_one_crossover_where_the_small_batch_format_stops_winning() -> None:
@@ -52,24 +53,10 @@ def test_fp16_linear_matches_fp32_within_half_precision() -> None:
         assert ((out - ref).norm() / ref.norm()).item() < 2e-3
 
 
-class _TiedLM(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(300, 64)
-        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(64, 96, bias=False), nn.Linear(96, 64))])
-        self.lm_head = None
-        self.logits_head = None
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.layers[0](self.embed_tokens(ids))
-        head = self.logits_head
-        return head(h) if head is not None else nn.functional.linear(h, self.embed_tokens.weight)
-
-
 @torch.inference_mode()
 def test_a_mixed_plan_gives_the_same_values_whichever_kernel_a_batch_runs() -> None:
     torch.manual_seed(1)
-    model = _TiedLM()
+    model = TiedLM()
     emb = model.embed_tokens.weight.detach().clone()
     ids = torch.randint(0, 300, (6,))
     ref = model(ids)
@@ -85,12 +72,12 @@ def test_a_mixed_plan_gives_the_same_values_whichever_kernel_a_batch_runs() -> N
 
 
 def test_single_format_plans_keep_one_copy() -> None:
-    model = _TiedLM()
+    model = TiedLM()
     apply_linear_plan(model, ((None, "fp16"),))
     assert isinstance(model.layers[0][0], Fp16Linear)
     convert_lm_head(model, ((None, "fp32"),))
     assert model.logits_head is None
-    model = _TiedLM()
+    model = TiedLM()
     assert apply_linear_plan(model, ((None, "fp32"),)) == 0
     assert isinstance(model.layers[0][0], nn.Linear)
 
@@ -108,13 +95,13 @@ def test_auto_measures_once_then_applies_its_plan(monkeypatch: pytest.MonkeyPatc
         return {"fp32": {1: 2.0, 64: 1.0}, "fp16": {1: 1.0, 64: 2.0}}
 
     monkeypatch.setattr(weights_choice, "time_kernels", fake_time)
-    model = _TiedLM()
+    model = TiedLM()
     choice = weights_choice.apply_auto(model)
     assert choice.summary() == "linears fp16 for M<=1, fp32 above; LM head fp16 for M<=1, fp32 above"
     assert isinstance(model.layers[0][1], DispatchLinear) and model.layers[0][1].plan == choice.linears
     measured = len(calls)
     assert measured >= 2  # linears and LM head, at each thread count the tuner may pick
-    weights_choice.apply_auto(_TiedLM())
+    weights_choice.apply_auto(TiedLM())
     assert len(calls) == measured  # the second model of the same shape reuses the measurement
 
 
@@ -132,21 +119,21 @@ def test_auto_plan_is_kept_on_disk_for_the_next_process(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(weights_choice, "time_kernels", fake_time)
     monkeypatch.setattr(weights_choice, "_MEASURED", {})
-    first = weights_choice.apply_auto(_TiedLM())
+    first = weights_choice.apply_auto(TiedLM())
     assert calls and len(list(root.glob("*.json"))) == 1
     measured = len(calls)
     monkeypatch.setattr(weights_choice, "_MEASURED", {})  # a new process: only the disk remains
-    again = weights_choice.apply_auto(_TiedLM())
+    again = weights_choice.apply_auto(TiedLM())
     assert len(calls) == measured and again.linears == first.linears and again.lm_head == first.lm_head
     for path in root.glob("*.json"):  # a torn file is measured again, not trusted
         path.write_text("{not json")
     monkeypatch.setattr(weights_choice, "_MEASURED", {})
-    weights_choice.apply_auto(_TiedLM())
+    weights_choice.apply_auto(TiedLM())
     assert len(calls) > measured
     monkeypatch.setenv("FLEET_WEIGHTS_PLAN_CACHE", "off")
     monkeypatch.setattr(weights_choice, "_MEASURED", {})
     before = len(calls)
-    weights_choice.apply_auto(_TiedLM())
+    weights_choice.apply_auto(TiedLM())
     assert len(calls) > before
 
 
