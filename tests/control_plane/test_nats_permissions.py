@@ -20,6 +20,7 @@ from agent.security.tls import NatsTls, client_context, nats_tls
 from control_plane.local.nats_server import NatsServer
 from control_plane.security.enroll import Enrolment, NatsListen
 from control_plane.security.pki import FleetPki
+from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -59,9 +60,18 @@ class Client:
         async def on_error(err):
             self.errors.append(str(err))
 
+        async def on_disconnect():
+            self.errors.append("disconnected")  # shows in a failed assertion, not a silent empty list
+
         opts = {"tls": tls.context(), "inbox_prefix": tls.inbox_prefix} if tls else {}
         self.nc = await nats.connect(
-            url, connect_timeout=3, allow_reconnect=False, error_cb=on_error, **opts, **kw
+            url,
+            connect_timeout=3,
+            allow_reconnect=False,
+            error_cb=on_error,
+            disconnected_cb=on_disconnect,
+            **opts,
+            **kw,
         )
         return self
 
@@ -77,6 +87,18 @@ class Client:
     async def close(self):
         if self.nc is not None:
             await self.nc.close()
+
+
+async def _after_sentinel(sender: Client, seen: list[str], allowed_subject: str) -> None:
+    """Wait until a fresh allowed message from `sender` reaches the listener. NATS keeps one
+    connection's messages in order, so anything forged before it would have arrived by then:
+    an absence is proven without guessing a delay."""
+    before = seen.count(allowed_subject)
+    await sender.nc.publish(allowed_subject, b'{"sentinel": true}')
+    await sender.nc.flush()
+    await eventually(
+        lambda: seen.count(allowed_subject) > before, what=f"the sentinel on {allowed_subject}", timeout=30
+    )
 
 
 async def _control_plane(url: str, cp: NatsTls) -> Client:
@@ -137,8 +159,9 @@ async def test_agent_a_is_confined_to_its_own_subjects_and_desired_key(secured):
         east_js = east.nc.jetstream()
         desired = await east_js.key_value(protocol.BUCKET_DESIRED)
         assert (await desired.get("east")).value
-        await asyncio.sleep(0.3)
-        assert protocol.heartbeat_subject("east") in seen
+        await eventually(
+            lambda: protocol.heartbeat_subject("east") in seen, what="east's heartbeat", timeout=30
+        )
 
         # denied: west's heartbeat (the forged registration / gateway_url attack)
         await east.nc.publish(protocol.heartbeat_subject("west"), b'{"cluster": "west"}')
@@ -167,7 +190,7 @@ async def test_agent_a_is_confined_to_its_own_subjects_and_desired_key(secured):
         await east.nc.subscribe("_INBOX.control-plane.>")
         assert await east.violation("_INBOX.control-plane.>")
 
-        await asyncio.sleep(0.3)
+        await _after_sentinel(east, seen, protocol.heartbeat_subject("east"))
         assert protocol.heartbeat_subject("west") not in seen
         assert not any(s.startswith("$KV.fleet_keys.") for s in seen)
         assert (await cp_kv[protocol.BUCKET_DESIRED].get("west")).value == west_state.to_bytes()
@@ -190,17 +213,26 @@ async def test_gateway_identity_publishes_only_usage_and_demand_of_its_cluster(s
 
         await cp.nc.subscribe("fleet.v1.>", cb=record)
         await cp.nc.flush()
-        await gw.nc.publish(protocol.usage_subject("west"), b"{}")
-        await gw.nc.publish(protocol.demand_subject("west"), b"{}")
+        allowed = [protocol.usage_subject("west"), protocol.demand_subject("west")]
+        for subject in allowed:
+            await gw.nc.publish(subject, b"{}")
+        try:
+            await eventually(
+                lambda: sorted(seen) == sorted(allowed), what="the allowed publishes", timeout=30
+            )
+        except AssertionError as err:
+            raise AssertionError(
+                f"{err}; seen {seen}; errors: gateway {gw.errors}, control plane {cp.errors}"
+            ) from err
         for forged in (
             protocol.usage_subject("east"),
             protocol.heartbeat_subject("west"),
             "$KV.fleet_routes.x",
         ):
             await gw.nc.publish(forged, b"{}")
-            assert await gw.violation(forged)
-        await asyncio.sleep(0.3)
-        assert sorted(seen) == sorted([protocol.usage_subject("west"), protocol.demand_subject("west")])
+            assert await gw.violation(forged), gw.errors
+        await _after_sentinel(gw, seen, protocol.usage_subject("west"))
+        assert sorted(seen) == sorted([*allowed, protocol.usage_subject("west")])
     finally:
         await gw.close()
         await cp.close()
