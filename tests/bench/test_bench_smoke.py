@@ -6,16 +6,19 @@ run on the real model and are marked slow.
 
 from __future__ import annotations
 
+import gc
 import json
-import time
+import mmap
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 
 from bench import common, engine_throughput, prefix_cache
 from bench.engine_throughput import SystemResult, Workload
+from tests.polling import wait_for
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -110,11 +113,20 @@ def test_matmul_roofline_reports_positive_throughput() -> None:
 
 
 def test_rss_monitor_sees_an_allocation() -> None:
+    # A fresh anonymous mapping, touched page by page: always new resident memory, whatever
+    # the allocator kept from earlier tests in this process (a freed torch tensor may not be).
+    # The process's RSS is not ours alone: an earlier test's engine, collected meanwhile, can
+    # shrink it by more than we add, so the peak is checked against the RSS seen with the
+    # block held, not against the start.
+    gc.collect()
+    size = 64 * 2**20
     with common.RSSMonitor() as mon:
-        block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
-        time.sleep(0.2)  # several sampling periods
-        del block
-    assert mon.peak_bytes >= mon.start_bytes + 48 * 2**20
+        block = mmap.mmap(-1, size)
+        for offset in range(0, size, mmap.PAGESIZE):
+            block[offset] = 1
+        held = psutil.Process().memory_info().rss
+        wait_for(lambda: mon.peak_bytes >= held - 8 * 2**20, timeout=10, what="a sample with the block held")
+        block.close()
     # The kernel's high-water mark and /proc's current RSS are counted a little differently.
     assert common.process_peak_rss_bytes() >= 0.95 * mon.peak_bytes
 
