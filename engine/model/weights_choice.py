@@ -135,14 +135,12 @@ def layer_kernels(model: nn.Module, formats: Sequence[str], layers: int | None =
     return {fmt: [linear_in(fmt, lin) for lin in linears] for fmt in formats}
 
 
-def head_kernels(
-    model: nn.Module, formats: Sequence[str] = ("fp32", "fp16"), fp16: Fp16Linear | None = None
-) -> dict:
+def head_kernels(model: nn.Module, formats: Sequence[str] = ("fp32", "fp16")) -> dict:
     """The LM head in each format, one kernel each (fp32: the tied weight itself)."""
     weight = lm_head_weight(model)
     build = {
         "fp32": lambda: _Sized(FloatHead(weight), weight.shape[1]),
-        "fp16": lambda: fp16 or Fp16Linear(weight),
+        "fp16": lambda: Fp16Linear(weight),
         "bf16": lambda: Bf16Linear(weight),
     }
     return {f: [build[f]()] for f in formats}
@@ -162,27 +160,32 @@ def _key(model: nn.Module, formats: tuple[str, ...]) -> tuple:
     return shapes, tuple(lm_head_weight(model).shape), len(model.layers), torch.get_num_threads(), formats
 
 
-def measure(model: nn.Module, head_fp16: Fp16Linear | None = None) -> AutoChoice:
+def measure(model: nn.Module) -> tuple[AutoChoice, Fp16Linear | None]:
     """Once per process, shape and candidate set; across processes through the on-disk plan
-    cache. A single candidate is the plan, without timing."""
+    cache. A single candidate is the plan, without timing. Also returns the fp16 LM head
+    packed for timing, if one was, so installing the plan does not pack it again (and a
+    remembered plan packs it only if it uses it)."""
     formats = candidates()
     key = _key(model, formats)
     if "bf16" in formats and not native_bf16():
         log.warning("weights auto: bf16 is emulated on this CPU (no AVX512_BF16 or AMX); timing it anyway")
     if len(formats) == 1:
-        return AutoChoice(((None, formats[0]),), ((None, formats[0]),), {}, {})
+        return AutoChoice(((None, formats[0]),), ((None, formats[0]),), {}, {}), None
+    head_fp16 = None
     if key not in _MEASURED:
         disk_key = weights_plan_cache.machine_key((key, LINEAR_SIZES, HEAD_SIZES, TIMED_LAYERS))
         choice = _from_record(weights_plan_cache.load(disk_key))
         if choice is None:
             t0 = time.perf_counter()
             lin = best_over_threads(layer_kernels(model, formats), LINEAR_SIZES)
-            head = best_over_threads(head_kernels(model, formats, head_fp16), HEAD_SIZES)
+            heads = head_kernels(model, formats)
+            head_fp16 = heads["fp16"][0] if "fp16" in heads else None
+            head = best_over_threads(heads, HEAD_SIZES)
             choice = AutoChoice(plan_from_timings(lin), plan_from_timings(head), lin, head)
             log.debug("weights auto measured in %.2fs", time.perf_counter() - t0)
             weights_plan_cache.store(disk_key, _to_record(choice))
         _MEASURED[key] = choice
-    return _MEASURED[key]
+    return _MEASURED[key], head_fp16
 
 
 def _to_record(choice: AutoChoice) -> dict:
@@ -216,8 +219,7 @@ def _from_record(record: dict | None) -> AutoChoice | None:
 
 def apply_auto(model: nn.Module) -> AutoChoice:
     """Measure (once per process and shape), then serve every linear and the LM head by plan."""
-    head_fp16 = Fp16Linear(lm_head_weight(model)) if "fp16" in candidates() else None
-    choice = measure(model, head_fp16)
+    choice, head_fp16 = measure(model)
     apply_linear_plan(model, choice.linears, workers=available_cpus())
     convert_lm_head(model, choice.lm_head, head_fp16)
     ms = {f: {m: round(1e3 * t, 2) for m, t in ts.items()} for f, ts in choice.linear_s.items()}

@@ -105,6 +105,42 @@ def test_auto_measures_once_then_applies_its_plan(monkeypatch: pytest.MonkeyPatc
     assert len(calls) == measured  # the second model of the same shape reuses the measurement
 
 
+def test_auto_packs_the_fp16_head_once_and_only_if_its_plan_uses_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    monkeypatch.setenv("FLEET_WEIGHTS_PLAN_CACHE", str(tmp_path / "plans"))
+    monkeypatch.setenv("FLEET_WEIGHTS_AUTO_CANDIDATES", "fp32,fp16")
+    monkeypatch.setattr(weights_choice, "_MEASURED", {})
+    monkeypatch.setattr(weights_choice, "LINEAR_SIZES", (1, 64))
+    monkeypatch.setattr(weights_choice, "HEAD_SIZES", (1, 64))
+    head_packs = []
+    real_fp16 = weights_choice.Fp16Linear
+
+    def counting_fp16(weight):
+        packed = real_fp16(weight)
+        if weight.shape[0] == TiedLM().embed_tokens.weight.shape[0]:  # the vocabulary: the head
+            head_packs.append(packed)
+        return packed
+
+    monkeypatch.setattr(weights_choice, "Fp16Linear", counting_fp16)
+    fp16_head_wins = {"fp32": {1: 2.0, 64: 2.0}, "fp16": {1: 1.0, 64: 1.0}}
+    monkeypatch.setattr(weights_choice, "time_kernels", lambda kernels, sizes, rounds=1: fp16_head_wins)
+    model = TiedLM()
+    assert weights_choice.apply_auto(model).lm_head == ((None, "fp16"),)
+    assert len(head_packs) == 1 and model.logits_head is head_packs[0]  # timed, then installed as it is
+
+    monkeypatch.setattr(weights_choice, "_MEASURED", {})
+    fp32_head = {"fp32": {1: 1.0, 64: 1.0}, "fp16": {1: 2.0, 64: 2.0}}
+    monkeypatch.setattr(weights_choice, "time_kernels", lambda kernels, sizes, rounds=1: fp32_head)
+    monkeypatch.setenv("FLEET_WEIGHTS_PLAN_CACHE", str(tmp_path / "other-plans"))
+    weights_choice.apply_auto(TiedLM())  # measured (packs one for timing) and remembered on disk
+    head_packs.clear()
+    monkeypatch.setattr(weights_choice, "_MEASURED", {})  # a new process
+    model = TiedLM()
+    assert weights_choice.apply_auto(model).lm_head == ((None, "fp32"),)
+    assert head_packs == [] and model.logits_head is None  # the remembered fp32 plan packs nothing
+
+
 def test_auto_plan_is_kept_on_disk_for_the_next_process(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     root = tmp_path / "plans"
     monkeypatch.setenv("FLEET_WEIGHTS_PLAN_CACHE", str(root))
