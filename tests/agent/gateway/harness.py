@@ -196,7 +196,7 @@ class GatewayProcess:
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
 
-    def sync(self, timeout: float = 5.0) -> None:
+    def sync(self, timeout: float = 30.0) -> None:
         """Wait until the gateway has loaded the state files as they are on disk now."""
         want = self.files.signatures()
         deadline = time.monotonic() + timeout
