@@ -21,6 +21,7 @@ from agent.ports import free_port
 from agent.protocol import ReplicaSpec, ReplicaState
 from agent.replica_metrics import parse_metrics
 from agent.runtime import make_runtime
+from tests.polling import eventually
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -120,8 +121,12 @@ def test_concurrency_shows_in_metrics_and_sigterm_drains(replica) -> None:
         async with httpx.AsyncClient(timeout=30) as c:
             body = {"model": "sim-d", "prompt": "y" * 400, "max_tokens": 40}
             tasks = [asyncio.create_task(c.post(f"{url}/v1/completions", json=body)) for _ in range(8)]
-            await asyncio.sleep(0.4)
-            running = parse_metrics((await c.get(f"{url}/metrics")).text).running
+
+            async def all_running() -> list[float] | None:  # or a request already done: fails below
+                running = parse_metrics((await c.get(f"{url}/metrics")).text).running
+                return [running] if running == 8 or any(t.done() for t in tasks) else None
+
+            (running,) = await eventually(all_running, 30, "8 requests running at once", 0.02)
             proc.send_signal(signal.SIGTERM)  # drains: in-flight requests still complete
             codes = [r.status_code for r in await asyncio.gather(*tasks)]
             return [int(running), *codes]
@@ -161,7 +166,8 @@ def test_sim_runtime_runs_a_replica(tmp_path: Path) -> None:
         try:
             assert "agent.sim.server" in h.argv and "--cold-start" in h.argv
             states = []
-            for _ in range(200):
+            deadline = time.monotonic() + 60  # a Python child's start-up on a loaded box, then 0.5 s
+            while time.monotonic() < deadline:
                 states.append((await rt.poll(h)).state)
                 if states[-1] == ReplicaState.ready:
                     break
