@@ -8,6 +8,7 @@ import pytest
 
 from engine import LLM, AsyncLLM, SamplingParams
 from engine.errors import PromptTooLongError
+from tests.polling import eventually
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
@@ -150,10 +151,12 @@ async def test_async_streams_and_abort_frees_blocks(smollm2_gguf):
                     break  # dropping the stream aborts the request
 
         await consume_two()
-        for _ in range(100):
-            if engine.stats().num_running == 0 and engine.stats().kv_cache_usage == 0.0:
-                break
-            await asyncio.sleep(0.02)
+        await eventually(
+            lambda: engine.stats().num_running == 0 and engine.stats().kv_cache_usage == 0.0,
+            30,
+            "the aborted request's blocks freed",
+            0.02,
+        )
         assert engine.stats().num_running == 0
         assert engine.stats().kv_cache_usage == 0.0
 

@@ -108,7 +108,9 @@ def test_full_queue_is_429_with_retry_after(small: ServerProcess) -> None:
 
 
 def test_sigterm_drains_in_flight_then_exits_0(small: ServerProcess) -> None:
-    body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 12, "ignore_eos": True, "stream": True}
+    # The server exits once this stream is done (~60 ms a token here): it must outlast signal
+    # delivery and the two round trips below even when this process is descheduled for a while.
+    body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 24, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=small.url, headers=AUTH, timeout=300) as c:
         with c.stream("POST", "/v1/completions", json=body) as inflight:
             lines = inflight.iter_lines()
