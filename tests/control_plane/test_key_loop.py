@@ -3,8 +3,6 @@ the key set's lease renewed on every pass, and a revoked key is deleted at once.
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from agent import protocol
@@ -16,6 +14,7 @@ from control_plane.loops.keys import KeyLoop
 from control_plane.loops.publish import bucket_items
 from control_plane.settings import Settings
 from tests.control_plane.test_loops_publish import connected, nats_server  # noqa: F401 (fixture)
+from tests.polling import eventually
 
 
 class BrokenPlacer:
@@ -48,31 +47,31 @@ async def test_keys_and_their_lease_publish_while_placement_fails(nats_server, s
     keys = await KeyLoop(ctx).start()  # ... and keys are published anyway
     try:
 
-        async def published() -> dict[str, bytes]:
-            for _ in range(100):
-                items, _ = await bucket_items(link, protocol.BUCKET_KEYS)
-                if "k1" in items and protocol.KEYS_LEASE in items:
-                    return items
-                await asyncio.sleep(0.05)
-            raise AssertionError("keys not published")
+        async def published() -> dict[str, bytes] | None:
+            items, _ = await bucket_items(link, protocol.BUCKET_KEYS)
+            return items if "k1" in items and protocol.KEYS_LEASE in items else None
 
-        items = await published()
-        lease = protocol.KeyLease.from_bytes(items[protocol.KEYS_LEASE])
+        def lease_of(items: dict[str, bytes]) -> protocol.KeyLease:
+            return protocol.KeyLease.from_bytes(items[protocol.KEYS_LEASE])
+
+        lease = lease_of(await eventually(published, 30, "the keys published"))
         assert lease.keys == 1 and lease.valid_s > settings.key_lease_interval_s
-        await asyncio.sleep(0.6)
-        renewed = protocol.KeyLease.from_bytes((await published())[protocol.KEYS_LEASE])
-        assert renewed.issued_at > lease.issued_at  # renewed without any key changing
+
+        async def renewed() -> bool:
+            items = await published()
+            return items is not None and lease_of(items).issued_at > lease.issued_at
+
+        await eventually(renewed, 30, "the lease renewed without any key changing")
 
         with sessions() as s:
             s.get(m.ApiKey, "k1").revoked_at = m.utcnow()
             s.commit()
         ctx.kick()
-        for _ in range(100):
-            if "k1" not in (await bucket_items(link, protocol.BUCKET_KEYS))[0]:
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError("the revoked key is still published")
+
+        async def revoked_gone() -> bool:
+            return "k1" not in (await bucket_items(link, protocol.BUCKET_KEYS))[0]
+
+        await eventually(revoked_gone, 30, "the revoked key deleted from fleet_keys")
     finally:
         await keys.stop()
         await link.close()

@@ -25,6 +25,7 @@ from agent.protocol import (
 )
 from control_plane.local.nats_server import NatsServer
 from control_plane.loops.publish import KvPublisher, bucket_items
+from tests.polling import eventually
 
 
 @pytest.fixture
@@ -128,10 +129,10 @@ async def test_a_nats_that_lost_its_store_is_refilled_without_lowering_generatio
         assert not await pub.publish(wanted(replicas=("x",)))  # down: nothing, no exception
         nats_server.start()
         assert await link.wait_connected(10)
-        for _ in range(50):  # the buckets are re-created by the reconnect
-            if await pub.publish(wanted(replicas=("x",))):
-                break
-            await asyncio.sleep(0.1)
+        # the buckets are re-created by the reconnect
+        await eventually(
+            lambda: pub.publish(wanted(replicas=("x",))), 30, "a publish after the reconnect", 0.1
+        )
         desired = await read(link, BUCKET_DESIRED, DesiredState)
         assert set(desired) == {"a", "b"}
         assert [r.replica_id for r in desired["a"].replicas] == ["x"]
@@ -185,43 +186,32 @@ async def test_loops_in_process_republish_after_nats_loses_its_store_and_keep_he
             d = DesiredState.from_bytes(raw) if raw else None
             return d if d and [r.deployment for r in d.replicas] == ["chat"] else None
 
-        first = await _eventually(chat_on_c1)
+        first = await eventually(chat_on_c1, 30, "chat desired on c1", 0.2)
 
         nats_server.kill()
         shutil.rmtree(nats_server.store_dir)
         nats_server.start()
-        again = await _eventually(chat_on_c1, timeout=20)
+        again = await eventually(chat_on_c1, 30, "chat desired on c1 again", 0.2)
         assert again.replicas == first.replicas and again.generation > first.generation
         assert (await read(probe, BUCKET_ROUTES, RoutingTable))["chat"].clusters[0].cluster == "c1"
 
         with sessions() as s:  # heartbeats after the reconnect still land
             seen = s.get(m.Cluster, "c1").last_heartbeat_at
         hb2 = Heartbeat(cluster="c1", pools=hb.pools, queue_depth=7)
-        for _ in range(50):
+
+        async def heard() -> bool:
             await probe.publish(heartbeat_subject("c1"), hb2)
             await asyncio.sleep(0.1)
             with sessions() as s:
                 c = s.get(m.Cluster, "c1")
-                if c.last_heartbeat_at > seen and c.load.get("queue_depth") == 7:
-                    break
-        else:
-            raise AssertionError("heartbeats not heard after the reconnect")
+                return c.last_heartbeat_at > seen and c.load.get("queue_depth") == 7
+
+        await eventually(heard, 30, "heartbeats heard after the reconnect", 0)
     finally:
         await loops.stop()
         await probe.close()
         await link.close()
         sessions.kw["bind"].dispose()
-
-
-async def _eventually(check, timeout: float = 10.0):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while loop.time() < deadline:
-        result = await check()
-        if result:
-            return result
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s")
 
 
 async def test_bucket_items_lists_live_keys_without_the_keys_watcher(nats_server):
