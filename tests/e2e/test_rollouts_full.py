@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.sim_fleet import Load, SimFleet, wait_for
 from tests.e2e.test_rollouts import fleetctl
@@ -129,6 +130,15 @@ def test_bad_canary_is_rolled_back_and_the_baseline_restored(fleet: SimFleet):
     assert fleet.ready_by_version(NAME) == {2: REPLICAS}  # version 2 was the promoted good canary
 
 
+def _reconcile_passes(fleet: SimFleet) -> float:
+    """Successful reconcile passes of the control plane so far."""
+    text = fleet.api("GET", "/metrics").text
+    for family in text_string_to_metric_families(text):
+        if family.name == "fleet_control_plane_reconcile_duration_seconds":
+            return next(s.value for s in family.samples if s.name.endswith("_count"))
+    raise AssertionError("no reconcile stats on /metrics")
+
+
 def test_critical_scale_up_takes_slots_from_batch(fleet: SimFleet):
     r = fleet.api("DELETE", f"/v1/deployments/{NAME}")  # free the slots the rollouts used
     assert r.status_code == 200, r.text
@@ -166,5 +176,10 @@ def test_critical_scale_up_takes_slots_from_batch(fleet: SimFleet):
         "PATCH", "/v1/deployments/train", json={"replicas": 4, "min_replicas": 4, "max_replicas": 4}
     )
     assert r.status_code == 200, r.text
-    time.sleep(2.0)
+    # Passes are serial: of two that end after the write, the second began after it and placed
+    # the new size. A preemption of chat would be written in that pass (no guessed delay).
+    passes = _reconcile_passes(fleet)
+    wait_for(lambda: _reconcile_passes(fleet) >= passes + 2, 30, 0.1, "a reconcile pass after the scale-up")
     assert fleet.ready_by_version("chat").get(1) == 2
+    chat_preempted = fleet.api("GET", "/v1/events", params={"deployment": "chat", "kind": "preempted"})
+    assert chat_preempted.json()["items"] == []
