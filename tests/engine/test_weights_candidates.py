@@ -18,6 +18,7 @@ from engine.model.weights_dispatch import (
     pick,
     plan_from_timings,
 )
+from tests.engine.auto_timer import AutoTimer
 from tests.engine.tied_lm import TiedLM
 
 FP32 = {1: 10.0, 4: 20.0, 16: 30.0, 64: 40.0, 256: 100.0}
@@ -152,22 +153,14 @@ def test_a_bf16_only_plan_drops_the_fp32_weights(monkeypatch: pytest.MonkeyPatch
     assert model(torch.tensor([1, 2, 3])).shape == (3, 300)
 
 
-def test_the_candidate_set_is_part_of_the_measurement_key(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    monkeypatch.setenv("FLEET_WEIGHTS_PLAN_CACHE", str(tmp_path / "plans"))
-    monkeypatch.setattr(weights_choice, "_MEASURED", {})
-    monkeypatch.setattr(weights_choice, "LINEAR_SIZES", (1, 64))
-    monkeypatch.setattr(weights_choice, "HEAD_SIZES", (1, 64))
-    seen: list[tuple[str, ...]] = []
-
-    def fake_time(kernels, sizes, rounds=1):  # bf16 wins large M, fp16 small
-        seen.append(tuple(kernels))
-        table = {"fp32": {1: 2.0, 64: 2.0}, "fp16": {1: 1.0, 64: 3.0}, "bf16": {1: 4.0, 64: 1.0}}
-        return {f: table[f] for f in kernels}
-
-    monkeypatch.setattr(weights_choice, "time_kernels", fake_time)
-    monkeypatch.setenv(CANDIDATES_ENV, "fp32,fp16")
+def test_the_candidate_set_is_part_of_the_measurement_key(
+    auto_timer: AutoTimer, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    # bf16 wins large M, fp16 small
+    auto_timer.result = {"fp32": {1: 2.0, 64: 2.0}, "fp16": {1: 1.0, 64: 3.0}, "bf16": {1: 4.0, 64: 1.0}}
     assert weights_choice.apply_auto(TiedLM()).linears == ((1, "fp16"), (None, "fp32"))
     monkeypatch.setenv(CANDIDATES_ENV, "fp32,fp16,bf16")
     choice = weights_choice.apply_auto(TiedLM())  # a new set is measured, not read from the cache
-    assert choice.linears == ((1, "fp16"), (None, "bf16")) and seen[-1] == ("fp32", "fp16", "bf16")
+    formats_timed = auto_timer.calls[-1][0]
+    assert choice.linears == ((1, "fp16"), (None, "bf16")) and formats_timed == ("fp32", "fp16", "bf16")
     assert len(list((tmp_path / "plans").glob("*.json"))) == 2

@@ -16,6 +16,7 @@ from engine.model.weights_dispatch import (
     pick,
     plan_from_timings,
 )
+from tests.engine.auto_timer import AutoTimer
 from tests.engine.tied_lm import TiedLM
 
 
@@ -82,19 +83,8 @@ def test_single_format_plans_keep_one_copy() -> None:
     assert isinstance(model.layers[0][0], nn.Linear)
 
 
-def test_auto_measures_once_then_applies_its_plan(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    monkeypatch.setenv("FLEET_WEIGHTS_PLAN_CACHE", str(tmp_path / "plans"))
-    monkeypatch.setenv("FLEET_WEIGHTS_AUTO_CANDIDATES", "fp32,fp16")
-    monkeypatch.setattr(weights_choice, "_MEASURED", {})
-    monkeypatch.setattr(weights_choice, "LINEAR_SIZES", (1, 64))
-    monkeypatch.setattr(weights_choice, "HEAD_SIZES", (1, 64))
-    calls = []
-
-    def fake_time(kernels, sizes, rounds=1):  # fp16 wins small batches, fp32 large ones
-        calls.append(sizes)
-        return {"fp32": {1: 2.0, 64: 1.0}, "fp16": {1: 1.0, 64: 2.0}}
-
-    monkeypatch.setattr(weights_choice, "time_kernels", fake_time)
+def test_auto_measures_once_then_applies_its_plan(auto_timer: AutoTimer) -> None:
+    calls = auto_timer.calls  # fp16 wins small batches, fp32 large ones
     model = TiedLM()
     choice = weights_choice.apply_auto(model)
     assert choice.summary() == "linears fp16 for M<=1, fp32 above; LM head fp16 for M<=1, fp32 above"
@@ -106,13 +96,8 @@ def test_auto_measures_once_then_applies_its_plan(monkeypatch: pytest.MonkeyPatc
 
 
 def test_auto_packs_the_fp16_head_once_and_only_if_its_plan_uses_it(
-    monkeypatch: pytest.MonkeyPatch, tmp_path
+    auto_timer: AutoTimer, monkeypatch: pytest.MonkeyPatch, tmp_path
 ) -> None:
-    monkeypatch.setenv("FLEET_WEIGHTS_PLAN_CACHE", str(tmp_path / "plans"))
-    monkeypatch.setenv("FLEET_WEIGHTS_AUTO_CANDIDATES", "fp32,fp16")
-    monkeypatch.setattr(weights_choice, "_MEASURED", {})
-    monkeypatch.setattr(weights_choice, "LINEAR_SIZES", (1, 64))
-    monkeypatch.setattr(weights_choice, "HEAD_SIZES", (1, 64))
     head_packs = []
     real_fp16 = weights_choice.Fp16Linear
 
@@ -123,15 +108,13 @@ def test_auto_packs_the_fp16_head_once_and_only_if_its_plan_uses_it(
         return packed
 
     monkeypatch.setattr(weights_choice, "Fp16Linear", counting_fp16)
-    fp16_head_wins = {"fp32": {1: 2.0, 64: 2.0}, "fp16": {1: 1.0, 64: 1.0}}
-    monkeypatch.setattr(weights_choice, "time_kernels", lambda kernels, sizes, rounds=1: fp16_head_wins)
+    auto_timer.result = {"fp32": {1: 2.0, 64: 2.0}, "fp16": {1: 1.0, 64: 1.0}}  # fp16 wins everywhere
     model = TiedLM()
     assert weights_choice.apply_auto(model).lm_head == ((None, "fp16"),)
     assert len(head_packs) == 1 and model.logits_head is head_packs[0]  # timed, then installed as it is
 
     monkeypatch.setattr(weights_choice, "_MEASURED", {})
-    fp32_head = {"fp32": {1: 1.0, 64: 1.0}, "fp16": {1: 2.0, 64: 2.0}}
-    monkeypatch.setattr(weights_choice, "time_kernels", lambda kernels, sizes, rounds=1: fp32_head)
+    auto_timer.result = {"fp32": {1: 1.0, 64: 1.0}, "fp16": {1: 2.0, 64: 2.0}}  # fp32 wins everywhere
     monkeypatch.setenv("FLEET_WEIGHTS_PLAN_CACHE", str(tmp_path / "other-plans"))
     weights_choice.apply_auto(TiedLM())  # measured (packs one for timing) and remembered on disk
     head_packs.clear()
@@ -141,20 +124,10 @@ def test_auto_packs_the_fp16_head_once_and_only_if_its_plan_uses_it(
     assert head_packs == [] and model.logits_head is None  # the remembered fp32 plan packs nothing
 
 
-def test_auto_plan_is_kept_on_disk_for_the_next_process(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    root = tmp_path / "plans"
-    monkeypatch.setenv("FLEET_WEIGHTS_PLAN_CACHE", str(root))
-    monkeypatch.setenv("FLEET_WEIGHTS_AUTO_CANDIDATES", "fp32,fp16")
-    monkeypatch.setattr(weights_choice, "LINEAR_SIZES", (1, 64))
-    monkeypatch.setattr(weights_choice, "HEAD_SIZES", (1, 64))
-    calls = []
-
-    def fake_time(kernels, sizes, rounds=1):
-        calls.append(sizes)
-        return {"fp32": {1: 2.0, 64: 1.0}, "fp16": {1: 1.0, 64: 2.0}}
-
-    monkeypatch.setattr(weights_choice, "time_kernels", fake_time)
-    monkeypatch.setattr(weights_choice, "_MEASURED", {})
+def test_auto_plan_is_kept_on_disk_for_the_next_process(
+    auto_timer: AutoTimer, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    root, calls = tmp_path / "plans", auto_timer.calls
     first = weights_choice.apply_auto(TiedLM())
     assert calls and len(list(root.glob("*.json"))) == 1
     measured = len(calls)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,6 +12,7 @@ import pytest
 
 from engine.server.process import ServerProcess
 from tests.engine.server.conftest import MODEL, metric, scrape
+from tests.polling import eventually, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -285,18 +285,22 @@ async def test_24_concurrent_requests_all_succeed(aclient: openai.AsyncOpenAI) -
     assert all(1 <= n <= 6 for _, n in results)
 
 
+ABORT_WAIT_S = 30.0  # the abort is prompt; the margin is for a loaded box
+
+
+def _engine_idle(http: httpx.Client) -> dict | None:
+    """The engine's metrics once nothing runs, else None (for the polling helpers)."""
+    samples = scrape(http)
+    return samples if metric(samples, "fleet_engine_requests_running") == 0 else None
+
+
 def test_dropped_non_streaming_request_is_aborted(server: ServerProcess, http: httpx.Client) -> None:
     before = metric(scrape(http), "fleet_engine_requests_total", finish_reason="abort")
     body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 1500, "ignore_eos": True}
     with httpx.Client(base_url=server.url, timeout=httpx.Timeout(60.0, read=1.5)) as impatient:
         with pytest.raises(httpx.ReadTimeout):
             impatient.post("/v1/completions", json=body)
-    deadline = time.monotonic() + 30  # the abort is prompt; the margin is for a loaded box
-    while time.monotonic() < deadline:
-        samples = scrape(http)
-        if metric(samples, "fleet_engine_requests_running") == 0:
-            break
-        time.sleep(0.05)
+    samples = wait_for(lambda: _engine_idle(http), ABORT_WAIT_S, "the dropped request aborted", 0.05)
     assert metric(samples, "fleet_engine_requests_running") == 0
     assert metric(samples, "fleet_engine_requests_total", finish_reason="abort") == before + 1
 
@@ -353,13 +357,7 @@ async def test_dropped_stream_frees_the_engine(aclient: openai.AsyncOpenAI, http
                 break
         assert metric(scrape(http), "fleet_engine_requests_running") == 1
         await stream.close()
-    deadline = time.monotonic() + 30  # the abort is prompt; the margin is for a loaded box
-    while time.monotonic() < deadline:
-        samples = scrape(http)
-        if metric(samples, "fleet_engine_requests_running") == 0:
-            break
-        await asyncio.sleep(0.05)
+    samples = await eventually(lambda: _engine_idle(http), ABORT_WAIT_S, "the dropped stream aborted", 0.05)
     assert metric(samples, "fleet_engine_requests_running") == 0
     assert metric(samples, "fleet_engine_kv_cache_usage_ratio") == 0.0
     assert metric(samples, "fleet_engine_requests_total", finish_reason="abort") == before + 1
-    assert time.monotonic() < deadline
