@@ -19,8 +19,8 @@ from typing import get_args
 import yaml
 from pydantic import ValidationError
 
-from agent.config import ClusterConfig, RuntimeName
 from agent.daemon import Agent, AgentLocked
+from fleet_base.cluster_config import ClusterConfig, RuntimeName
 
 log = logging.getLogger("agent")
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from agent.protocol import PoolInventory
+from fleet_base.protocol import PoolInventory
 
 PREEMPTED_REPORT_S = 30.0
 

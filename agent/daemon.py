@@ -1,7 +1,7 @@
 """The cluster agent: watch this cluster's desired state over NATS, reconcile replicas
 through a runtime, keep the gateway's files current, report heartbeats and events.
 
-Files under `state_dir` (atomic writes; see agent/local_state.py):
+Files under `state_dir` (atomic writes; see fleet_base/local_state.py):
 - desired.json, routes.json, keys.json: the last DesiredState / RouteSet / KeySet seen on
   NATS (deletions included). Loaded FIRST on start, so a restart while NATS or the
   control plane is down reconciles and serves from them.
@@ -31,7 +31,7 @@ at every (re)connect, so a key revoked while the agent was away is dropped.
 
 Longer than ~400 lines: one process's lifecycle (bucket watches, reconcile, heartbeats,
 files, model commands) around shared state; its decisions live in `reconciler`,
-`runtime/`, `local_state` and `agent.wire`.
+`runtime/`, `local_state` and `fleet_base.wire`.
 """
 
 from __future__ import annotations
@@ -51,16 +51,21 @@ from typing import IO
 import httpx
 from pydantic import BaseModel, Field, ValidationError
 
-from agent import protocol
 from agent.adapters import ReplicaAdapters, spread
 from agent.capacity import CapacitySignals, Placed
-from agent.config import ClusterConfig
 from agent.inventory import inventory
 from agent.kv_relay import Followed, KvRelay
-from agent.local_state import KeySet, LocalState, ReplicaSnapshot, RouteSet, atomic_write
 from agent.models import ModelPuller
-from agent.nats_io import KvWatch, NatsLink, redact_url
-from agent.protocol import (
+from agent.reconciler import Action, ReplicaRecord, Restart, Start, Stop, backoff_delay, plan
+from agent.replica_metrics import MetricsScraper
+from agent.runtime import InvalidSpec, ReplicaHandle, Runtime, make_runtime
+from agent.security.replica_auth import replica_headers
+from fleet_base import protocol
+from fleet_base.cluster_config import ClusterConfig
+from fleet_base.local_state import KeySet, LocalState, ReplicaSnapshot, RouteSet, atomic_write
+from fleet_base.models import ModelCache
+from fleet_base.nats_io import KvWatch, NatsLink, redact_url
+from fleet_base.protocol import (
     ApiKeyRecord,
     DesiredState,
     Event,
@@ -74,13 +79,8 @@ from agent.protocol import (
     ReplicaStatus,
     RoutingTable,
 )
-from agent.reconciler import Action, ReplicaRecord, Restart, Start, Stop, backoff_delay, plan
-from agent.replica_metrics import MetricsScraper
-from agent.runtime import InvalidSpec, ReplicaHandle, Runtime, make_runtime
-from agent.security.replica_auth import replica_headers
-from agent.security.tls import nats_tls, replica_verify
-from agent.wire import Rejected, decode
-from engine.models import ModelCache
+from fleet_base.security.tls import nats_tls, replica_verify
+from fleet_base.wire import Rejected, decode
 
 log = logging.getLogger("agent")
 

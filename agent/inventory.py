@@ -12,8 +12,8 @@ import shutil
 import subprocess
 from collections import defaultdict
 
-from agent.config import ClusterConfig
-from agent.protocol import PoolInventory, Tier
+from fleet_base.cluster_config import ClusterConfig
+from fleet_base.protocol import PoolInventory, Tier
 
 log = logging.getLogger(__name__)
 

@@ -23,15 +23,15 @@ from dataclasses import dataclass
 import httpx
 from pydantic import ValidationError
 
-from agent.nats_io import NatsLink
-from agent.protocol import (
+from fleet_base.nats_io import NatsLink
+from fleet_base.protocol import (
     ALL_REPLICAS,
     KvCacheBatch,
     KvCacheOp,
     kvcache_subject,
     kvresync_subject,
 )
-from agent.wire import Rejected, decode_kv_resync
+from fleet_base.wire import Rejected, decode_kv_resync
 
 log = logging.getLogger(__name__)
 

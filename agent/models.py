@@ -1,7 +1,7 @@
 """The agent's side of the node model cache: pull a deployment's model before its replica
 starts, once per model however many replicas wait for it, and report the cache.
 
-Pulls run in threads (`engine.models.ModelCache.pull`, itself single-flight across
+Pulls run in threads (`fleet_base.models.ModelCache.pull`, itself single-flight across
 processes), so the reconcile loop never blocks on the network. A replica whose model is
 not cached waits in `pending`; the daemon starts it when `status` says ready, and marks it
 failed with the pull's reason (and backs off) when the pull fails. Credentials are the
@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from agent.protocol import CachedModel, ModelCommand, ModelCommandReply
-from engine.models import ModelCache, ModelStoreError, is_remote, source_for
+from fleet_base.models import ModelCache, ModelStoreError, is_remote, source_for
+from fleet_base.protocol import CachedModel, ModelCommand, ModelCommandReply
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from agent.protocol import DesiredState, ReplicaSpec, ReplicaState
+from fleet_base.protocol import DesiredState, ReplicaSpec, ReplicaState
 
 # States in which a replica still counts as running (not being stopped, not gone).
 ACTIVE = (ReplicaState.pending, ReplicaState.starting, ReplicaState.ready, ReplicaState.failed)

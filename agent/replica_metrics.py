@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.protocol import ReplicaLoad
+from fleet_base.protocol import ReplicaLoad
 
 RUNNING = "fleet_engine_requests_running"
 WAITING = "fleet_engine_requests_waiting"

@@ -70,7 +70,7 @@ class MemorySampler:
 def child(args: argparse.Namespace) -> int:
     """One scenario in this process: pull (if a URI), load, warm up, first request; JSON out."""
     from engine import LLM, SamplingParams
-    from engine.models import ModelCache, is_remote
+    from fleet_base.models import ModelCache, is_remote
 
     if args.threads:
         import torch

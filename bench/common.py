@@ -91,7 +91,7 @@ def load_azure_output_lengths(
 
 def resolve_model(model: str) -> Path:
     """The model file, with a missing model reported as a missing benchmark input."""
-    from engine.registry import ModelNotFoundError, resolve_model_path
+    from engine.model_files.aliases import ModelNotFoundError, resolve_model_path
 
     try:
         return resolve_model_path(model)

@@ -1,4 +1,4 @@
-"""Fit a simulated-replica profile (`agent.sim.profile.PerfProfile`) to a running engine
+"""Fit a simulated-replica profile (`fleet_base.profile.PerfProfile`) to a running engine
 replica by measuring it over HTTP, so `runtime: sim` and `fleetctl simulate` can stand in
 for our own engine.
 
@@ -18,7 +18,7 @@ for our own engine.
   limits; defaults: max_model_len x the largest batch measured, and that batch).
 
 Prints what it measured as a table and writes the profile JSON (default
-agent/sim/profiles/<name>.json). It measures; it never asserts timings."""
+fleet_base/profiles/<name>.json). It measures; it never asserts timings."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 
-from agent.sim.profile import PROFILES_DIR, PerfProfile
+from fleet_base.profile import PROFILES_DIR, PerfProfile
 
 
 async def _completion(

@@ -22,11 +22,11 @@ from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
 
-from agent.protocol import Tier
 from control_plane.catalog import load_catalog, offers_to_pools
 from control_plane.placement import FirstFitDecreasing, PoolCapacity, ReplicaDemand
 from control_plane.placement.evaluate import plan_cost, violations
 from control_plane.placement.milp import MilpPlacer
+from fleet_base.protocol import Tier
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 CATALOGS = ("gcp_gpu_vms.csv", "azure_gpu_vms.csv")

@@ -36,12 +36,15 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent import protocol
-from agent.config import ClusterConfig
-from agent.local_state import LocalState
-from agent.nats_io import NatsLink, ensure_jetstream
-from agent.ports import free_port
-from agent.protocol import (
+from bench.common import console, load_sharegpt_prompts, print_table, require_data_file, run_main
+from control_plane.local.nats_server import NatsServer
+from fleet_base import protocol
+from fleet_base.cluster_config import ClusterConfig
+from fleet_base.local_state import LocalState
+from fleet_base.nats_io import NatsLink, ensure_jetstream
+from fleet_base.ports import free_port
+from fleet_base.processes import stop_processes
+from fleet_base.protocol import (
     ApiKeyRecord,
     ClusterRoute,
     DesiredState,
@@ -50,9 +53,6 @@ from agent.protocol import (
     hash_secret,
     new_secret,
 )
-from bench.common import console, load_sharegpt_prompts, print_table, require_data_file, run_main
-from control_plane.local.nats_server import NatsServer
-from fleet_base.processes import stop_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOYMENT = "chat"

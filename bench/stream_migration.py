@@ -37,9 +37,9 @@ from typing import Any
 
 import httpx
 
-from agent.protocol import ApiKeyRecord
 from control_plane.local.nats_server import NatsServer
 from engine.server.process import ServerProcess
+from fleet_base.protocol import ApiKeyRecord
 
 PROMPTS = [
     "Write one sentence about the history of {}.",

@@ -54,7 +54,7 @@ def compile_times(tokenizer: Any, vocab_size: int, schema: dict[str, Any]) -> li
     import xgrammar  # noqa: F401  (its import, transformers included, is not setup time)
 
     from engine.grammar import GrammarBackend
-    from engine.sampling_params import StructuredOutput
+    from fleet_base.sampling_params import StructuredOutput
 
     rows: list[list[object]] = []
     t0 = time.perf_counter()
@@ -92,7 +92,7 @@ def mask_costs(tokenizer: Any, vocab_size: int, schema: dict[str, Any], batch: i
     import xgrammar as xgr
 
     from engine.grammar import GrammarBackend, apply_bitmask_
-    from engine.sampling_params import StructuredOutput
+    from fleet_base.sampling_params import StructuredOutput
 
     doc = tokenizer.encode(json.dumps(instance(schema), separators=(", ", ": ")), add_special_tokens=False)
     backend = GrammarBackend(tokenizer, vocab_size)
@@ -151,7 +151,7 @@ def throughput(
     model: str, batches: Sequence[int], max_tokens: int, schema: dict[str, Any]
 ) -> list[list[object]]:
     from engine import LLM, SamplingParams
-    from engine.sampling_params import StructuredOutput
+    from fleet_base.sampling_params import StructuredOutput
 
     llm = LLM(model=model, show_progress=False, max_num_seqs=max(batches))
     spec = StructuredOutput(kind="json_schema", json_schema=json.dumps(schema))

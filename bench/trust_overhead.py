@@ -25,9 +25,9 @@ from pathlib import Path
 
 import httpx
 
-from agent.ports import free_port
 from bench.common import console, print_table, progress, run_main
 from control_plane.local.fleet import LocalFleet, wait_http
+from fleet_base.ports import free_port
 
 REGION = "local-east"
 NAME = "bench"

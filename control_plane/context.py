@@ -13,7 +13,7 @@ from control_plane.settings import Settings
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session, sessionmaker
 
-    from agent.nats_io import NatsLink
+    from fleet_base.nats_io import NatsLink
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The control plane's inbox: the core-NATS messages agents and gateways send it
-(heartbeats, demand), each decoded once (`agent.wire`) and handed, typed, to
+(heartbeats, demand), each decoded once (`fleet_base.wire`) and handed, typed, to
 every loop that asked for that kind.
 
 Before it, the reconcile loop and the autoscaler each subscribed to heartbeats and
@@ -15,9 +15,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from agent import protocol
-from agent.wire import Rejected, decode_demand, decode_heartbeat
 from control_plane.nats_loop import Handler, NatsLoop
+from fleet_base import protocol
+from fleet_base.wire import Rejected, decode_demand, decode_heartbeat
 
 if TYPE_CHECKING:  # control_plane.loops imports this module
     from control_plane.loops.rejects import Rejections

@@ -16,10 +16,10 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from agent.protocol import key_id_of, verify_secret
 from control_plane.db.models import ApiKey
 from control_plane.db.session import make_sessions, upgrade_to_head
 from control_plane.settings import Settings
+from fleet_base.protocol import key_id_of, verify_secret
 
 log = logging.getLogger("control_plane")
 
@@ -90,9 +90,9 @@ def run(settings: Settings, *, loops: bool = True) -> int:
     alone (nothing places or publishes: for API tests and debugging)."""
     import uvicorn
 
-    from agent.nats_io import NatsLink, redact_url
     from control_plane.api.app import build_app
     from control_plane.context import ControlPlaneContext
+    from fleet_base.nats_io import NatsLink, redact_url
 
     settings.home.mkdir(parents=True, exist_ok=True)
     log.info("database %s: upgrading to head", _redact(settings.db_url))

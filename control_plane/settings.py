@@ -79,9 +79,9 @@ class Settings(BaseSettings):
         return cls(**{k: v for k, v in overrides.items() if v is not None})
 
     def nats_tls(self):
-        """The control plane's `agent.security.tls.NatsTls`, or None without certificates."""
-        from agent.security.identity import inbox_prefix
-        from agent.security.tls import NatsTls
+        """The control plane's `fleet_base.security.tls.NatsTls`, or None without certificates."""
+        from fleet_base.security.identity import inbox_prefix
+        from fleet_base.security.tls import NatsTls
 
         if not (self.nats_ca_file and self.nats_cert_file and self.nats_key_file):
             return None

@@ -1,11 +1,11 @@
 """Fleet's inference engine. Heavy parts (torch) load lazily, so `engine.tokenizer` and
-`engine.sampling_params` stay cheap to import for the gateway."""
+`fleet_base.sampling_params` stay cheap to import for the gateway."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine.sampling_params import SamplingParams
+from fleet_base.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM

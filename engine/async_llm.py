@@ -23,8 +23,8 @@ from engine.errors import EngineDeadError, PromptTooLongError, QueueFullError, S
 from engine.llm_engine import LLMEngine, PromptInput, StepError
 from engine.lora import LoRAAdapter, LoRAAdapterError, LoRAManager
 from engine.outputs import EngineStats, RequestOutput
-from engine.sampling_params import SamplingParams
 from engine.timing import HistogramSnapshot
+from fleet_base.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

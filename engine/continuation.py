@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from engine.sampling_params import SamplingParams
+from fleet_base.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

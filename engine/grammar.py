@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.sampling_params import StructuredOutput
 from engine.timing import DurationHistogram
+from fleet_base.sampling_params import StructuredOutput
 
 if TYPE_CHECKING:
     import xgrammar as xgr

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine, PromptInput
 from engine.outputs import EngineStats, RequestOutput
-from engine.sampling_params import SamplingParams
+from fleet_base.sampling_params import SamplingParams
 
 Message = dict[str, Any]
 

@@ -22,15 +22,15 @@ from engine.errors import PromptTooLongError, QueueFullError, UnknownAdapterErro
 from engine.grammar import GrammarBackend
 from engine.kv_cache import KVCacheManager, KvEventLog
 from engine.lora import LoRAAdapter, LoRAManager, lora_cache_salt
+from engine.model_files.aliases import resolve_model_path
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, SampleLogprobs
-from engine.registry import resolve_model_path
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler
 from engine.spec_decode.decoder import SpeculativeDecoder
 from engine.timing import HistogramSnapshot
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from fleet_base.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

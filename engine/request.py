@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.sampling_params import SamplingParams
+from fleet_base.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

@@ -27,7 +27,7 @@ import torch
 
 from engine.grammar import apply_bitmask_
 from engine.outputs import SampleLogprobs, TokenLogprob
-from engine.sampling_params import SamplingParams
+from fleet_base.sampling_params import SamplingParams
 
 DEFAULT_NUM_CANDIDATES = 256
 _WIDEN = 16  # candidate growth factor per undecided round

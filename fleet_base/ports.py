@@ -1,6 +1,6 @@
 """Local TCP ports: a free one to bind, and waiting for one to accept connections.
 
-The one home for the agent (replica ports, through `agent.ports`), the local fleet
+The one home for the agent (replica ports, through `fleet_base.ports`), the local fleet
 (nats-server, control plane, gateways), the engine's test/bench harness
 (`engine.server.process`) and the tests.
 """

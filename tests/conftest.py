@@ -28,7 +28,7 @@ def shared_data() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    from engine.registry import ModelNotFoundError, resolve_model_path
+    from engine.model_files.aliases import ModelNotFoundError, resolve_model_path
 
     try:
         return resolve_model_path("smollm2-135m")

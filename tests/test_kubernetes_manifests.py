@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agent.config import ClusterConfig
-from agent.protocol import ReplicaSpec, Resources
 from agent.runtime import kubernetes as kube_runtime
 from agent.runtime.kube_pod import replica_pod
 from agent.runtime.kubernetes import KubernetesRuntime
+from fleet_base.cluster_config import ClusterConfig
+from fleet_base.protocol import ReplicaSpec, Resources
 from tests.agent.kube.conftest import NAMESPACE, config_for, fake_cluster, spec, validate
 from tests.polling import eventually
 

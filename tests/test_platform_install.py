@@ -89,6 +89,30 @@ def test_platform_modules_import_without_torch(blocked, modules) -> None:
     assert f"imported {len(modules)}" in out.stdout
 
 
+LOADED_HEAVY = """
+import importlib, sys
+for m in sys.argv[1:]:
+    importlib.import_module(m)
+print("heavy:", sorted(n for n in sys.modules if n.split(".")[0] in ("torch", "triton")))
+"""
+
+
+@pytest.mark.parametrize("module", ["agent.gateway.app", "control_plane.api.app", "control_plane.server"])
+def test_app_import_loads_neither_torch_nor_triton(module: str) -> None:
+    """With torch installed (nothing blocked), importing the app must not load it: the
+    layering rule checked on what actually runs, not on the import graph alone."""
+    out = subprocess.run(
+        [sys.executable, "-c", LOADED_HEAVY, module],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "heavy: []" in out.stdout, out.stdout
+
+
 def stages(path: Path) -> list[list[dockerfile.Command]]:
     out: list[list[dockerfile.Command]] = []
     for cmd in dockerfile.parse_file(str(path)):

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 import uvicorn
 from pydantic import ValidationError
 
-from agent.config import ClusterConfig
 from agent.gateway.app import build_app
 from agent.gateway.peers import mark_peer_listener
+from fleet_base.cluster_config import ClusterConfig
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter
 
 from agent.adapters import ReplicaAdapters, eviction_victim
-from agent.protocol import ReplicaStatus
+from fleet_base.protocol import ReplicaStatus
 
 OUTCOMES = ("resident", "loaded", "evicted", "failed")
 

@@ -12,9 +12,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agent.config import ClusterConfig
 from agent.gateway.errors import GatewayError, error_response
 from agent.gateway.gateway import Gateway
+from fleet_base.cluster_config import ClusterConfig
 
 log = logging.getLogger("agent.gateway")
 
@@ -64,7 +64,7 @@ def build_app(config: ClusterConfig, gateway: Gateway | None = None) -> Starlett
 
     async def openapi(request: Request) -> Response:
         """The OpenAI surface this gateway serves (the engine's request models)."""
-        from engine.server.openapi import openapi_document  # on first call: keeps startup light
+        from fleet_base.openai_contract.openapi import openapi_document  # on first call: keeps startup light
 
         return JSONResponse(openapi_document("Fleet gateway", tokenize=False, bearer=True))
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from agent.protocol import ReplicaStatus
+from fleet_base.protocol import ReplicaStatus
 
 NAME = "fleet_agent_unschedulable_replicas"
 HELP = "Replicas the cluster cannot schedule (capacity the pool claims is missing)."

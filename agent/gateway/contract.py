@@ -1,4 +1,4 @@
-"""The gateway's use of the OpenAI contract (`engine.openai_contract`, torch-free).
+"""The gateway's use of the OpenAI contract (`fleet_base.openai_contract`, torch-free).
 
 Every body is validated by the very models the replica validates with, so a bad request is
 refused here with the replica's own 400, before it takes a quota, a queue slot or a replica.
@@ -14,10 +14,10 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ValidationError
 
 from agent.gateway.errors import GatewayError
-from engine.openai_contract.embeddings import EmbeddingRequest
-from engine.openai_contract.errors import validation_error
-from engine.openai_contract.requests import ChatCompletionRequest, CompletionRequest
-from engine.openai_contract.responses import ResponsesRequest
+from fleet_base.openai_contract.embeddings import EmbeddingRequest
+from fleet_base.openai_contract.errors import validation_error
+from fleet_base.openai_contract.requests import ChatCompletionRequest, CompletionRequest
+from fleet_base.openai_contract.responses import ResponsesRequest
 
 MODELS: dict[str, type[BaseModel]] = {
     "chat": ChatCompletionRequest,

@@ -15,8 +15,8 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 
-from agent.nats_io import NatsLink
-from agent.protocol import Demand, demand_subject
+from fleet_base.nats_io import NatsLink
+from fleet_base.protocol import Demand, demand_subject
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """OpenAI's error shape for everything the gateway itself refuses.
 
 The shape and the exception come from the contract the engine server uses too
-(`engine.openai_contract.errors`), so a client cannot tell which of the two refused it.
+(`fleet_base.openai_contract.errors`), so a client cannot tell which of the two refused it.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 
 from starlette.responses import Response
 
-from engine.openai_contract.errors import OpenAIError, error_body
+from fleet_base.openai_contract.errors import OpenAIError, error_body
 
 __all__ = ["GatewayError", "error_body", "error_response", "sse_error_event"]
 

@@ -2,7 +2,7 @@
 
 The fields routing, accounting and the proxy act on are read here (model, stream,
 stream_options, the shape of messages/prompt/input, max_tokens, n); then the whole body is
-validated with the replica's own contract (`engine.openai_contract`, via `contract.py`), so a
+validated with the replica's own contract (`fleet_base.openai_contract`, via `contract.py`), so a
 client sees the same 400 whichever of the two refused it. What only the loaded model can
 judge (a schema its grammar compiler cannot express, the context window) is the replica's
 4xx, passed through unchanged.
@@ -17,7 +17,7 @@ from typing import Any, Literal, Protocol
 
 from agent.gateway.contract import check_body, embedding_prompts, responses_prompt_tokens
 from agent.gateway.errors import GatewayError
-from engine.bounds import MAX_N, MAX_TOKENS, InputError, bounded_int, load_json
+from fleet_base.bounds import MAX_N, MAX_TOKENS, InputError, bounded_int, load_json
 
 Endpoint = Literal["chat", "completions", "embeddings", "responses"]
 

@@ -2,7 +2,7 @@
 cache, fed by the engines' KV events (`fleet.v1.kvcache.<cluster>`).
 
 Keys are block keys: the first 8 bytes (big-endian) of the engine's chained sha256 block
-hash (`engine.kv_cache.block_hash`), or a trace's hash ids in the simulator. A collision
+hash (`fleet_base.block_hash`), or a trace's hash ids in the simulator. A collision
 (~n^2 / 2^64) can only misroute a request, never change an answer.
 
 Safety over recall: the index may forget blocks a replica still holds (bounded memory

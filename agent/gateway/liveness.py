@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from agent.nats_io import NatsLink
-from agent.protocol import HEARTBEAT_WILDCARD
-from agent.wire import Rejected, decode_heartbeat
+from fleet_base.nats_io import NatsLink
+from fleet_base.protocol import HEARTBEAT_WILDCARD
+from fleet_base.wire import Rejected, decode_heartbeat
 
 log = logging.getLogger(__name__)
 

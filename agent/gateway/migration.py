@@ -1,7 +1,7 @@
 """Streams that survive their replica: a stream that breaks mid-flight goes on elsewhere.
 
 The gateway asks replicas to put the generated token ids on every streamed chunk
-(`engine.openai_contract.continuation`). `StreamLedger` keeps them per in-flight stream
+(`fleet_base.openai_contract.continuation`). `StreamLedger` keeps them per in-flight stream
 and strips them (and any other leg's identity) before the client sees a chunk. When the
 upstream fails after the first byte (connection reset, the replica died, an in-band
 error, the inter-chunk timeout, a stream that ends before it finished), `relay` asks the
@@ -35,7 +35,7 @@ from agent.gateway.plan import plan_failover
 from agent.gateway.proxy import AttemptFailed, Opened, open_upstream
 from agent.gateway.sse import EventSplitter, StreamObserver, event_data
 from agent.gateway.tenancy import salted_body
-from engine.openai_contract.continuation import RESUME_FIELD, TOKEN_IDS_FIELD
+from fleet_base.openai_contract.continuation import RESUME_FIELD, TOKEN_IDS_FIELD
 
 REASONS = ("reset", "timeout", "closed", "error_event", "drain")
 DRAINING_CODE = "replica_draining"  # the in-band error of a replica handing a stream over

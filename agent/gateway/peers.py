@@ -20,11 +20,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
-from agent.config import ClusterConfig
 from agent.gateway.routing import HOPS_HEADER, forwarded_from
 from agent.security.peer_token import PeerSigner, PeerTokenError, PeerVerifier
 from agent.security.replica_auth import replica_headers
-from agent.security.tls import client_context
+from fleet_base.cluster_config import ClusterConfig
+from fleet_base.security.tls import client_context
 
 log = logging.getLogger("agent.gateway")
 

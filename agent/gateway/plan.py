@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
 from agent.gateway.routing import pick_version, should_spill
-from agent.protocol import VersionWeight
+from fleet_base.protocol import VersionWeight
 
 Stage = Literal["primary", "peer-prefix", "peer", "local", "failover"]
 ROUTINGS = ("least-load", "prefix")

@@ -3,7 +3,7 @@ by `fleet.v1.kvcache.*`, local cluster and peers alike), the request's own block
 (the engine's chained hashes over the prompt the gateway tokenized already), and the
 metrics of what prefix routing saved.
 
-The hashes are the engine's own function (`engine.kv_cache.block_hash`, torch-free), over
+The hashes are the engine's own function (`fleet_base.block_hash`, torch-free), over
 the same token ids and cache salt the engine will use, so a key the gateway computes is
 the key the engine published. A gap in a replica's sequence numbers asks its agent for
 the full set on `fleet.v1.kvresync.<cluster>` (at most once per `RESYNC_EVERY_S`).
@@ -24,10 +24,16 @@ from agent.gateway.kv_index import KvUpdate, PrefixIndex, block_key
 from agent.gateway.metrics import GatewayMetrics
 from agent.gateway.plan import Attempt, CostModel
 from agent.gateway.tenancy import cache_salt
-from agent.nats_io import NatsLink
-from agent.protocol import ALL_REPLICAS, KVCACHE_WILDCARD, KvCacheBatch, KvResyncRequest, kvresync_subject
-from agent.wire import Rejected, decode_kv_batch
-from engine.kv_cache.block_hash import hash_request_blocks
+from fleet_base.block_hash import hash_request_blocks
+from fleet_base.nats_io import NatsLink
+from fleet_base.protocol import (
+    ALL_REPLICAS,
+    KVCACHE_WILDCARD,
+    KvCacheBatch,
+    KvResyncRequest,
+    kvresync_subject,
+)
+from fleet_base.wire import Rejected, decode_kv_batch
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from agent.named_registry import Registry
-from agent.protocol import ClusterRoute, Coordinates, RoutingTable, VersionWeight
+from fleet_base.named_registry import Registry
+from fleet_base.protocol import ClusterRoute, Coordinates, RoutingTable, VersionWeight
 
 
 @dataclass(frozen=True)

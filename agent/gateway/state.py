@@ -17,8 +17,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
-from agent.local_state import KeySet, LocalState, ReplicaSnapshot, RouteSet
-from agent.protocol import ApiKeyRecord, ReplicaState, ReplicaStatus, RoutingTable
+from fleet_base.local_state import KeySet, LocalState, ReplicaSnapshot, RouteSet
+from fleet_base.protocol import ApiKeyRecord, ReplicaState, ReplicaStatus, RoutingTable
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ from typing import Any
 
 from agent.gateway.inputs import CHAT_MESSAGE_OVERHEAD, CharEstimate, RequestInfo
 from agent.gateway.state import ABSENT, Signature, file_signature
-from agent.local_state import LocalState
-from agent.protocol import ReplicaSpec
 from engine.model_files.aliases import local_model_path
+from fleet_base.local_state import LocalState
+from fleet_base.protocol import ReplicaSpec
 
 log = logging.getLogger(__name__)
 

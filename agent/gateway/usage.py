@@ -13,8 +13,8 @@ import contextlib
 import logging
 
 from agent.gateway.metrics import GatewayMetrics
-from agent.nats_io import NatsLink
-from agent.protocol import UsageRecord, usage_subject
+from fleet_base.nats_io import NatsLink
+from fleet_base.protocol import UsageRecord, usage_subject
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ replicas) implementations."""
 
 from __future__ import annotations
 
-from agent.config import ClusterConfig
 from agent.runtime.base import InvalidSpec, Probe, ReplicaHandle, Runtime
+from fleet_base.cluster_config import ClusterConfig
 
 
 def make_runtime(config: ClusterConfig) -> Runtime:

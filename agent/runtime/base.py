@@ -9,7 +9,7 @@ import time
 
 from pydantic import BaseModel, Field
 
-from agent.protocol import ReplicaSpec, ReplicaState
+from fleet_base.protocol import ReplicaSpec, ReplicaState
 
 
 class InvalidSpec(Exception):

@@ -20,11 +20,11 @@ import math
 import re
 import secrets
 
-from agent.config import ClusterConfig
-from agent.kube_config import PoolPlacement
-from agent.protocol import PoolInventory, ReplicaSpec, Tier
 from agent.runtime.base import InvalidSpec
 from agent.runtime.process import ENGINE_MODULE, _check_text, engine_flags, lora_flags
+from fleet_base.cluster_config import ClusterConfig
+from fleet_base.kube_config import PoolPlacement
+from fleet_base.protocol import PoolInventory, ReplicaSpec, Tier
 
 LABEL = "fleet.dev"
 SPEC_ANNOTATION = f"{LABEL}/spec"

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agent.protocol import ReplicaState
+from fleet_base.protocol import ReplicaState
 
 FAILED_WAITING = frozenset(
     {

@@ -37,8 +37,6 @@ from lightkube.core.exceptions import ConfigError
 from lightkube.resources.apps_v1 import Deployment
 from lightkube.resources.core_v1 import Pod
 
-from agent.config import ClusterConfig
-from agent.protocol import PoolInventory, ReplicaSpec, ReplicaState
 from agent.runtime.base import Probe, ReplicaHandle, Runtime
 from agent.runtime.kube_pod import (
     LABEL,
@@ -48,6 +46,8 @@ from agent.runtime.kube_pod import (
     termination_grace_s,
 )
 from agent.runtime.kube_status import PodView, classify, vanished
+from fleet_base.cluster_config import ClusterConfig
+from fleet_base.protocol import PoolInventory, ReplicaSpec, ReplicaState
 
 log = logging.getLogger(__name__)
 

@@ -32,13 +32,13 @@ from typing import Any
 import httpx
 import psutil
 
-from agent.config import ClusterConfig
-from agent.local_state import LocalState
-from agent.ports import free_port
-from agent.protocol import ReplicaSpec, ReplicaState
 from agent.runtime.base import InvalidSpec, Probe, ReplicaHandle, Runtime
 from agent.security.replica_auth import replica_env
-from agent.security.tls import replica_verify
+from fleet_base.cluster_config import ClusterConfig
+from fleet_base.local_state import LocalState
+from fleet_base.ports import free_port
+from fleet_base.protocol import ReplicaSpec, ReplicaState
+from fleet_base.security.tls import replica_verify
 
 log = logging.getLogger(__name__)
 

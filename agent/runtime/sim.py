@@ -3,7 +3,7 @@ whose timing follows a performance profile; see agent/sim/). Everything else (po
 process groups, health, draining, adoption) is the process runtime's.
 
 The spec's `engine_args` become the simulated replica's flags: `profile` (a name in
-agent/sim/profiles or a JSON path), `cold_start` (seconds), `error_rate` (0..1, a "bad
+fleet_base/profiles or a JSON path), `cold_start` (seconds), `error_rate` (0..1, a "bad
 version"), `max_num_seqs`, `seed`. Other engine flags are passed and ignored by the
 server, so one deployment spec serves both runtimes."""
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import sys
 
-from agent.protocol import ReplicaSpec
 from agent.runtime.process import ProcessRuntime, _check_text, engine_flags
+from fleet_base.protocol import ReplicaSpec
 
 SIM_MODULE = "agent.sim.server"
 

@@ -24,7 +24,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from agent.security.identity import parse_spiffe_id
+from fleet_base.security.identity import parse_spiffe_id
 
 TOKEN_TTL_S = 60.0
 LEEWAY_S = 5.0

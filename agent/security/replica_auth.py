@@ -13,7 +13,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from agent.security.tls import Credentials
+from fleet_base.security.tls import Credentials
 
 API_KEY_ENV = "FLEET_ENGINE_API_KEY"
 CERT_ENV = "FLEET_ENGINE_SSL_CERTFILE"

@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from agent.sim.prefix_cache import PrefixCacheModel
-from agent.sim.profile import PerfProfile
+from fleet_base.profile import PerfProfile
 
 EPS = 1e-9
 

@@ -43,11 +43,11 @@ from starlette.routing import Route
 
 from agent.security.replica_auth import API_KEY_ENV, CERT_ENV, KEY_ENV, require_bearer
 from agent.sim.model import ReplicaModel, SimRequest
-from agent.sim.profile import PerfProfile, load_profile
-from engine.bounds import Seed
+from fleet_base.bounds import Seed
 
 # The engine's own buckets, so dashboards read both runtimes alike.
-from engine.server.metrics import QUEUE_BUCKETS, TTFT_BUCKETS
+from fleet_base.metric_buckets import QUEUE_BUCKETS, TTFT_BUCKETS
+from fleet_base.profile import PerfProfile, load_profile
 
 log = logging.getLogger("agent.sim.server")
 
@@ -362,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--profile", default=DEFAULT_PROFILE, help="profile name (agent/sim/profiles) or JSON path"
+        "--profile", default=DEFAULT_PROFILE, help="profile name (fleet_base/profiles) or JSON path"
     )
     p.add_argument("--served-model-name", required=True)
     p.add_argument("--model", default="", help="ignored (what a real engine would load)")

@@ -18,7 +18,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from agent.sim.profile import PROFILES_DIR, PerfProfile
+from fleet_base.profile import PROFILES_DIR, PerfProfile
 
 GIB = 1 << 30
 MODELS = {

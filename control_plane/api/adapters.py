@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from agent.protocol import DEFAULT_MAX_ADAPTERS
 from control_plane.api.errors import invalid
 from control_plane.api.model_refs import model_ref
 from control_plane.api.schemas import AdapterFields, AdapterIn
+from fleet_base.protocol import DEFAULT_MAX_ADAPTERS
 
 
 def adapter_record(adapter: AdapterIn) -> dict[str, str]:

@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 from fastapi import Depends, FastAPI, HTTPException, Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from agent.protocol import InputError, load_json
 from control_plane.api import errors, metrics
 from control_plane.api.auth import TokenCache, authenticate
 from control_plane.api.protected import docs_urls, install_docs
@@ -28,6 +27,7 @@ from control_plane.api.routers import (
 )
 from control_plane.console import install as install_console
 from control_plane.context import ControlPlaneContext
+from fleet_base.bounds import InputError, load_json
 
 log = logging.getLogger(__name__)
 

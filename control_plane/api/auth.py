@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from agent.protocol import key_id_of, verify_secret
 from control_plane.api.errors import ApiError
 from control_plane.db.models import ApiKey
+from fleet_base.protocol import key_id_of, verify_secret
 
 CACHE_TTL_S = 1.0
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})

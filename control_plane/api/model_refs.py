@@ -10,8 +10,8 @@ bytes. Store credentials never enter the record: agents use their own.
 
 from __future__ import annotations
 
-from agent.model_uris import BadModelUri, ModelStoreError, check_model_uri, is_remote, pin_model_uri
 from control_plane.api.errors import invalid
+from fleet_base.models import BadModelUri, ModelStoreError, check_model_uri, is_remote, pin_model_uri
 
 
 def model_ref(model: str) -> str:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agent.sim.profile import PerfProfile
+from fleet_base.profile import PerfProfile
 
 SLOT_SHARE = 0.85  # of the batch limit and KV capacity a replica may plan to use
 PROMPT_CV2 = 1.0  # squared coefficient of variation of prompt lengths (exponential-like)

@@ -14,8 +14,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 
-from agent.protocol import Demand, Heartbeat, ReplicaState
-from agent.sim.profile import PerfProfile, load_profile
 from control_plane.autoscale.capacity import Variant
 from control_plane.autoscale.policy import (
     DEFAULT_SLO_ITL_S,
@@ -23,6 +21,8 @@ from control_plane.autoscale.policy import (
     AutoscaleSettings,
     Observation,
 )
+from fleet_base.profile import PerfProfile, load_profile
+from fleet_base.protocol import Demand, Heartbeat, ReplicaState
 
 STARTING = (ReplicaState.pending, ReplicaState.starting)
 

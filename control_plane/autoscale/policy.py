@@ -33,9 +33,9 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from agent.named_registry import Registry
-from agent.sim.profile import PerfProfile
 from control_plane.autoscale.capacity import Variant
+from fleet_base.named_registry import Registry
+from fleet_base.profile import PerfProfile
 
 DEFAULT_SLO_TTFT_S = 2.0
 DEFAULT_SLO_ITL_S = 0.1

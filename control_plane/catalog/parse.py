@@ -28,9 +28,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agent.protocol import Tier
 from control_plane.catalog.gpus import gcp_machine_gpus, memory_from_info
 from control_plane.placement.base import PoolCapacity
+from fleet_base.protocol import Tier
 
 REQUIRED = ("Region", "Price")
 

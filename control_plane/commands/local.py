@@ -19,10 +19,10 @@ import httpx
 import typer
 from rich.table import Table
 
-from agent.ports import wait_port
 from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, console, emit, emit_json, fail
 from control_plane.local.fleet import LocalFleet, pid_alive, wait_http
 from control_plane.settings import fleet_home
+from fleet_base.ports import wait_port
 
 
 def _fleet() -> LocalFleet:

@@ -9,8 +9,8 @@ from pathlib import Path
 import typer
 from pydantic import ValidationError
 
-from agent.protocol import Tier
 from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, console, emit, emit_json, fail
+from fleet_base.protocol import Tier
 
 
 def plan_command(

@@ -71,7 +71,7 @@ def simulate(
         help="Azure CSV (TIMESTAMP,ContextTokens,GeneratedTokens: conversation or code) or Mooncake JSONL",
     ),
     profile: str = typer.Option(
-        "llama2-70b-h100-tp4", help="performance profile name (agent/sim/profiles) or JSON path"
+        "llama2-70b-h100-tp4", help="performance profile name (fleet_base/profiles) or JSON path"
     ),
     deployment_config: Path = typer.Option(
         None, "--deployment-config", help="YAML/JSON: autoscaling settings"
@@ -102,7 +102,6 @@ def simulate(
     output: OutputFormat = OUTPUT_OPTION,
 ) -> None:
     """Replay a trace through the routing and autoscaling policies on simulated replicas."""
-    from agent.sim.profile import load_profile
     from control_plane.autoscale.policy import POLICIES, AutoscaleSettings
     from control_plane.simulate import (
         DEFAULT_POLICIES,
@@ -112,6 +111,7 @@ def simulate(
         default_settings,
         load_trace,
     )
+    from fleet_base.profile import load_profile
 
     if slo_ttft is not None and slo_ttft <= 0:
         fail("--slo-ttft must be > 0")

@@ -8,8 +8,8 @@ from collections.abc import Iterable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agent.protocol import ClusterRoute, Coordinates
 from control_plane.geo.latency import LatencyMatrix, estimate_rtt_ms, great_circle_km
+from fleet_base.protocol import ClusterRoute, Coordinates
 
 
 class ClientRegion(BaseModel):

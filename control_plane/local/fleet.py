@@ -28,14 +28,14 @@ import httpx
 import psutil
 from pydantic import BaseModel, Field, ValidationError
 
-from agent.config import ClusterConfig, GatewayConfig, ReplicaConfig
-from agent.local_state import LocalState, atomic_write
-from agent.ports import free_port
-from agent.protocol import Coordinates
-from agent.security.tls import Credentials
 from control_plane.local.nats_server import NatsServer
 from control_plane.local.prometheus_sd import TARGETS_FILE, prometheus_targets, write_targets
 from control_plane.security.enroll import Enrolment
+from fleet_base.cluster_config import ClusterConfig, GatewayConfig, ReplicaConfig
+from fleet_base.local_state import LocalState, atomic_write
+from fleet_base.ports import free_port
+from fleet_base.protocol import Coordinates
+from fleet_base.security.tls import Credentials
 
 ProcessKind = Literal["nats", "control-plane", "agent", "gateway", "replica"]
 MARKER_ENV = "FLEET_LOCAL_FLEET"

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from agent.ports import free_port, wait_port
+from fleet_base.ports import free_port, wait_port
 from fleet_base.processes import stop_process
 
 

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field
 
-from agent.local_state import LocalState, atomic_write
+from fleet_base.local_state import LocalState, atomic_write
 
 TARGETS_FILE = "prometheus-targets.json"
 

@@ -22,7 +22,6 @@ import logging
 import time
 from datetime import datetime
 
-from agent import protocol
 from control_plane.context import ControlPlaneContext
 from control_plane.db.models import utcnow
 from control_plane.inbox import Inbox
@@ -41,6 +40,7 @@ from control_plane.nats_loop import NatsLoop
 from control_plane.placement import Unplaced, get_placer
 from control_plane.placement.quotas import parse_quotas
 from control_plane.rollouts.loop import RolloutLoop, start_rollout_loop
+from fleet_base import protocol
 
 log = logging.getLogger(__name__)
 

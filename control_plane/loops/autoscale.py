@@ -21,13 +21,13 @@ import time
 from sqlalchemy import select
 from sqlalchemy.orm import selectinload
 
-from agent import protocol
 from control_plane.autoscale.observe import observe, settings_of
 from control_plane.autoscale.policy import Decision, ScalerState, make_policy
 from control_plane.context import ControlPlaneContext
 from control_plane.db.models import CapacityPool, Deployment, Event
 from control_plane.inbox import Inbox
 from control_plane.nats_loop import NatsLoop
+from fleet_base import protocol
 
 log = logging.getLogger(__name__)
 

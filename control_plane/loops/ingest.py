@@ -12,7 +12,13 @@ from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, selectinload
 
-from agent.protocol import (
+from control_plane.db.models import CapacityPool, Cluster, ReplicaAssignment
+from control_plane.db.models import Event as EventRow
+from control_plane.db.once import insert_once
+from control_plane.loops.durable import Received, Verdicts
+from control_plane.loops.preemption import apply_preemptions
+from control_plane.loops.rejects import Rejections
+from fleet_base.protocol import (
     EVENTS_WILDCARD,
     HEARTBEAT_WILDCARD,
     ClusterStatus,
@@ -22,13 +28,7 @@ from agent.protocol import (
     ReplicaStatus,
     heartbeat_subject,
 )
-from agent.wire import Rejected, decode_event
-from control_plane.db.models import CapacityPool, Cluster, ReplicaAssignment
-from control_plane.db.models import Event as EventRow
-from control_plane.db.once import insert_once
-from control_plane.loops.durable import Received, Verdicts
-from control_plane.loops.preemption import apply_preemptions
-from control_plane.loops.rejects import Rejections
+from fleet_base.wire import Rejected, decode_event
 
 
 def _pool_values(p: PoolInventory) -> dict:

@@ -10,10 +10,10 @@ import contextlib
 import logging
 import time
 
-from agent import protocol
 from control_plane.context import ControlPlaneContext
 from control_plane.loops.publish import KvPublisher
 from control_plane.loops.snapshot import live_keys
+from fleet_base import protocol
 
 log = logging.getLogger(__name__)
 

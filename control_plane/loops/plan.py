@@ -7,19 +7,6 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping
 
-from agent.protocol import (
-    DEFAULT_MAX_ADAPTERS,
-    ApiKeyRecord,
-    ClusterRoute,
-    ClusterStatus,
-    DesiredState,
-    LoRAAdapterSpec,
-    ReplicaSpec,
-    ReplicaState,
-    Resources,
-    RoutingTable,
-    VersionWeight,
-)
 from control_plane.geo.routes import by_region_for
 from control_plane.loops.snapshot import AssignmentRow, DeploymentRow, FleetSnapshot, VersionSpec
 from control_plane.loops.standby import in_regions, primary_regions
@@ -34,6 +21,19 @@ from control_plane.rollouts.surge import (
     plan_drain,
     resolve_surge,
     resolve_unavailable,
+)
+from fleet_base.protocol import (
+    DEFAULT_MAX_ADAPTERS,
+    ApiKeyRecord,
+    ClusterRoute,
+    ClusterStatus,
+    DesiredState,
+    LoRAAdapterSpec,
+    ReplicaSpec,
+    ReplicaState,
+    Resources,
+    RoutingTable,
+    VersionWeight,
 )
 
 

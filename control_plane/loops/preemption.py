@@ -9,8 +9,8 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from agent.protocol import Heartbeat
 from control_plane.db.models import Event, ReplicaAssignment
+from fleet_base.protocol import Heartbeat
 
 MAX_PER_HEARTBEAT = 1000
 

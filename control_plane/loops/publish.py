@@ -19,8 +19,8 @@ from collections.abc import Mapping
 
 from pydantic import BaseModel, ValidationError
 
-from agent import protocol
-from agent.nats_io import NatsLink
+from fleet_base import protocol
+from fleet_base.nats_io import NatsLink
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,6 @@ from pydantic import BaseModel, ConfigDict
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from agent.protocol import BUCKET_DESIRED, BUCKET_ROUTES, Message
 from control_plane.db.models import Deployment, Event, ReplicaAssignment
 from control_plane.loops.demand_regions import read_demand_regions, with_demand_regions
 from control_plane.loops.plan import (
@@ -23,6 +22,7 @@ from control_plane.loops.plan import (
 from control_plane.loops.snapshot import FleetSnapshot, read_snapshot
 from control_plane.loops.standby import standby_demands
 from control_plane.placement import PlacementResult, Placer, SolvedPlan, SolveInfo, Unplaced, pipeline
+from fleet_base.protocol import BUCKET_DESIRED, BUCKET_ROUTES, Message
 
 log = logging.getLogger(__name__)
 

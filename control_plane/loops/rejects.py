@@ -13,7 +13,7 @@ import threading
 import time
 from collections import Counter
 
-from agent.wire import REASONS
+from fleet_base.wire import REASONS
 
 log = logging.getLogger(__name__)
 

@@ -10,11 +10,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
-from agent.protocol import ApiKeyRecord, ClusterStatus, Coordinates, Quotas, Tier
 from control_plane.db.models import ApiKey, Cluster, Deployment, ReplicaAssignment
 from control_plane.placement.base import PRIORITY_RANK, PriorityClass
 from control_plane.rollouts.store import RolloutPlan, plans
 from control_plane.rollouts.surge import DEFAULT_MAX_SURGE, DEFAULT_MAX_UNAVAILABLE
+from fleet_base.protocol import ApiKeyRecord, ClusterStatus, Coordinates, Quotas, Tier
 
 
 class _Row(BaseModel):

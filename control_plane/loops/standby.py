@@ -15,9 +15,9 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Sequence
 
-from agent.protocol import ClusterStatus
 from control_plane.loops.snapshot import FleetSnapshot, VersionSpec
 from control_plane.placement.standby import StandbyDemand
+from fleet_base.protocol import ClusterStatus
 
 NO_REGION = "-no-primary-region-"  # matches no region: the primary demand is unplaceable
 

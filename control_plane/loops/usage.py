@@ -27,8 +27,6 @@ from datetime import datetime, timedelta, timezone
 
 from sqlalchemy import delete, func, select
 
-from agent import protocol
-from agent.wire import Rejected, decode_usage
 from control_plane.context import ControlPlaneContext
 from control_plane.db.models import ApiKey, Cluster, UsageRecord
 from control_plane.db.once import insert_once
@@ -37,6 +35,8 @@ from control_plane.loops.rejects import Rejections
 from control_plane.loops.shares import ShareSettings, compute_shares
 from control_plane.nats_loop import NatsLoop
 from control_plane.settings import Settings
+from fleet_base import protocol
+from fleet_base.wire import Rejected, decode_usage
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agent.named_registry import Registry
-from agent.protocol import TIER_ORDER, ClusterStatus, Coordinates, Tier
+from fleet_base.named_registry import Registry
+from fleet_base.protocol import TIER_ORDER, ClusterStatus, Coordinates, Tier
 
 
 class _Frozen(BaseModel):

@@ -10,9 +10,9 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
-from agent.protocol import Tier
 from control_plane.placement.base import Assignment, PlacementResult, PoolCapacity, ReplicaDemand
 from control_plane.placement.quotas import GpuQuotas, class_caps, preemptible, running_gpus
+from fleet_base.protocol import Tier
 
 
 def slot_size(gpus: int, gpus_per_node: int) -> float:

@@ -15,7 +15,6 @@ import secrets
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 
-from agent.protocol import Tier
 from control_plane.placement.base import (
     PRIORITY_RANK,
     Assignment,
@@ -37,6 +36,7 @@ from control_plane.placement.quotas import (
     quota_reason,
     running_gpus,
 )
+from fleet_base.protocol import Tier
 
 MAX_REPLICA_ID = 63  # ReplicaAssignment.replica_id column width
 

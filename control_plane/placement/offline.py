@@ -12,7 +12,6 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agent.protocol import Tier
 from control_plane.placement.base import (
     Assignment,
     PlacementResult,
@@ -25,6 +24,7 @@ from control_plane.placement.ffd import FirstFitDecreasing
 from control_plane.placement.milp import MilpPlacer
 from control_plane.placement.pipeline import PlacementInputs, run
 from control_plane.placement.quotas import ClassQuota, GpuQuotas
+from fleet_base.protocol import Tier
 
 
 class DemandSpec(BaseModel):

@@ -16,8 +16,6 @@ import nats.errors
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from sqlalchemy import func, select
 
-from agent import protocol
-from agent.wire import Rejected, decode_usage
 from control_plane.context import ControlPlaneContext
 from control_plane.db.models import Deployment, Event, ReplicaAssignment, Rollout
 from control_plane.nats_loop import Handler, NatsLoop
@@ -25,6 +23,8 @@ from control_plane.rollouts.capacity_status import with_capacity
 from control_plane.rollouts.policy import Decision, Observation, RolloutParams, decide
 from control_plane.rollouts.store import active_filter, numbers_text, params_of, record, state_of, write_state
 from control_plane.rollouts.telemetry import UsageWindows
+from fleet_base import protocol
+from fleet_base.wire import Rejected, decode_usage
 
 log = logging.getLogger(__name__)
 

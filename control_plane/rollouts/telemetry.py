@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from agent.protocol import UsageRecord
 from control_plane.rollouts.policy import VersionStats
+from fleet_base.protocol import UsageRecord
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from agent.security.tls import Credentials
 from control_plane.security import nats_config
 from control_plane.security.pki import FleetPki, write_private
+from fleet_base.security.tls import Credentials
 
 
 class NatsListen(BaseModel):

@@ -25,8 +25,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from agent import protocol
-from agent.security.identity import inbox_prefix, subject_dn
+from fleet_base import protocol
+from fleet_base.security.identity import inbox_prefix, subject_dn
 
 JS = "$JS.API"
 

@@ -25,8 +25,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from agent.security.identity import Role, common_name, spiffe_id
-from agent.security.tls import Credentials
+from fleet_base.security.identity import Role, common_name, spiffe_id
+from fleet_base.security.tls import Credentials
 
 CA_DAYS = 3650
 LEAF_DAYS = 365

@@ -8,13 +8,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from agent.config import GatewayConfig
-from agent.sim.profile import PerfProfile
 from control_plane.autoscale.policy import AutoscaleSettings
 from control_plane.simulate.des import RunResult, Simulation
 from control_plane.simulate.report import PolicyReport, SimulationReport, plot, summarize
 from control_plane.simulate.sizing import peak_size
 from control_plane.simulate.trace import TraceError, TraceRequest, load_trace
+from fleet_base.cluster_config import GatewayConfig
+from fleet_base.profile import PerfProfile
 
 DEFAULT_POLICIES = ("static", "kpa", "planner", "ours")
 # The live gateway's replica choice unless configured otherwise: simulated as it runs.

@@ -26,9 +26,9 @@ from agent.gateway.kv_index import KvUpdate, PrefixIndex
 from agent.gateway.plan import ClusterFacts, CostModel, ReplicaFacts, RequestFacts, plan_route
 from agent.sim.model import ReplicaModel, SimRequest
 from agent.sim.prefix_cache import Ops, PrefixCacheModel, capacity_blocks
-from agent.sim.profile import PerfProfile
 from control_plane.autoscale.policy import AutoscaleSettings, Observation, ScalerState, make_policy
 from control_plane.simulate.trace import TraceRequest
+from fleet_base.profile import PerfProfile
 
 SAMPLE_PER_TICK = 32  # prompt lengths a decision sees of the requests that arrived since the last
 

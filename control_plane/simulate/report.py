@@ -9,8 +9,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from agent.sim.profile import PerfProfile
 from control_plane.simulate.des import RunResult
+from fleet_base.profile import PerfProfile
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -23,11 +23,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from agent.sim.prefix_cache import PrefixCacheModel, capacity_blocks
-from agent.sim.profile import PerfProfile
 from control_plane.autoscale.capacity import Load, ReplicaCapacity
 from control_plane.autoscale.policy import AutoscaleSettings
 from control_plane.autoscale.slo import meets, smallest
 from control_plane.simulate.trace import TraceRequest
+from fleet_base.profile import PerfProfile
 
 PEAK_WINDOW_S = 60.0  # the autoscalers' stable window: load is judged per minute
 MIX_SAMPLE = 256  # prompt lengths of a window the prediction sees (evenly spaced)

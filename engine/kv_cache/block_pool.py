@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from engine.kv_cache.block_hash import BlockHash
 from engine.kv_cache.events import KvEventLog
+from fleet_base.block_hash import BlockHash
 
 
 class KVBlock:

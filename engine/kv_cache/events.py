@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-from engine.kv_cache.block_hash import BlockHash
+from fleet_base.block_hash import BlockHash
 
 Kind = Literal["stored", "removed", "cleared"]
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 
-from engine.kv_cache.block_hash import BlockHash, hash_block, root_hash
 from engine.kv_cache.block_pool import BlockPool, KVBlock
 from engine.kv_cache.events import KvEventLog
 from engine.request import Request
+from fleet_base.block_hash import BlockHash, hash_block, root_hash
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Model names -> local files: an alias (an installed weights package), a path, or a model
 URI (`s3://`, `hf://`, `oci://`, `https://`) served from the node's model cache, pulled
-into it first when `pull` is allowed (`engine.models`).
+into it first when `pull` is allowed (`fleet_base.models`).
 
 The one alias table and path rule: the engine (weights), the gateway (its tokenizer
 counts) and the benches all resolve a model here. Torch-free: weights packages are found
@@ -12,7 +12,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.models import ModelCache, ModelStoreError, is_remote
+from fleet_base.models import ModelCache, ModelStoreError, is_remote
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -46,7 +46,7 @@ def _package_dir(package: str) -> Path | None:
 def resolve_model_path(model: str, *, pull: bool = True, show_progress: bool = False) -> Path:
     """A GGUF file or a Hugging Face directory for `model` (an alias, a path or a URI).
 
-    A URI not in the cache is pulled when `pull` (raising `engine.models.ModelStoreError`
+    A URI not in the cache is pulled when `pull` (raising `fleet_base.models.ModelStoreError`
     with the reason when that fails), else it is a ModelNotFoundError."""
     if is_remote(model):
         return _cached_path(model, pull, show_progress)

@@ -9,7 +9,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
-from engine.openai_contract.requests import DetokenizeRequest, TokenizeRequest
 from engine.outputs import EngineStats
 from engine.server.chat import create_chat_completion
 from engine.server.completions import create_completion
@@ -21,10 +20,11 @@ from engine.server.lora import adapter_cards
 from engine.server.lora import register as register_lora
 from engine.server.metrics import ServerMetrics
 from engine.server.middleware import GuardMiddleware
-from engine.server.openapi import openapi_document
 from engine.server.responses import create_response
 from engine.server.state import EngineClient, ServerSettings, ServerState
 from engine.timing import HistogramSnapshot
+from fleet_base.openai_contract.openapi import openapi_document
+from fleet_base.openai_contract.requests import DetokenizeRequest, TokenizeRequest
 
 
 def new_state(settings: ServerSettings, engine: EngineClient | None = None) -> ServerState:

@@ -17,8 +17,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
-from engine.openai_contract.requests import ChatCompletionRequest
-from engine.openai_contract.structured import NamedToolChoice
 from engine.server.continuation import TokenIdsOut
 from engine.server.formatting import SSE_DONE, TokenBytes, chat_logprobs, sse, sse_error, visible_logprobs
 from engine.server.generation import Generation, check_context
@@ -27,6 +25,8 @@ from engine.server.state import ServerState
 from engine.tool_calls.output import ChoiceOutput
 from engine.tool_calls.parsers import parser_for_template
 from engine.tool_calls.render import prepare
+from fleet_base.openai_contract.requests import ChatCompletionRequest
+from fleet_base.openai_contract.structured import NamedToolChoice
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

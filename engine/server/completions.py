@@ -11,13 +11,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
-from engine.openai_contract.requests import CompletionRequest
 from engine.server.chat import SSE_HEADERS
 from engine.server.continuation import TokenIdsOut
 from engine.server.formatting import SSE_DONE, completion_logprobs, sse, sse_error, visible_logprobs
 from engine.server.generation import Generation, check_context
 from engine.server.inputs import check_model, completion_prompt_ids, parse_body, sampling_params
 from engine.server.state import ServerState
+from fleet_base.openai_contract.requests import CompletionRequest
 
 
 async def create_completion(request: Request, state: ServerState) -> Response:

@@ -14,8 +14,8 @@ from typing import Any
 
 from starlette.requests import Request
 
-from engine.openai_contract.continuation import TOKEN_IDS_FIELD, TOKEN_IDS_HEADER
 from engine.server.generation import Generation
+from fleet_base.openai_contract.continuation import TOKEN_IDS_FIELD, TOKEN_IDS_HEADER
 
 
 @dataclass

@@ -15,12 +15,12 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
-from engine.openai_contract.embeddings import EmbeddingRequest
-from engine.sampling_params import PoolingParams, SamplingParams
 from engine.server.errors import APIError
 from engine.server.generation import Generation, check_context
 from engine.server.inputs import check_model, completion_prompt_ids, parse_body
 from engine.server.state import ServerState
+from fleet_base.openai_contract.embeddings import EmbeddingRequest
+from fleet_base.sampling_params import PoolingParams, SamplingParams
 
 
 def encode_embedding(vec: list[float], encoding_format: str) -> list[float] | str:

@@ -22,7 +22,7 @@ from engine.errors import (
     StepFailedError,
     UnknownAdapterError,
 )
-from engine.openai_contract.errors import OpenAIError, error_body, validation_error
+from fleet_base.openai_contract.errors import OpenAIError, error_body, validation_error
 
 __all__ = ["APIError", "context_error", "engine_error", "error_body", "error_response", "validation_error"]
 

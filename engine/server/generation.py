@@ -16,9 +16,9 @@ from typing import Any
 from starlette.requests import Request
 
 from engine.outputs import CompletionOutput, RequestOutput, SampleLogprobs
-from engine.sampling_params import SamplingParams
 from engine.server.errors import APIError, context_error, engine_error
 from engine.server.state import EngineClient, ServerState
+from fleet_base.sampling_params import SamplingParams
 
 _background: set[asyncio.Task[Any]] = set()
 

@@ -8,10 +8,10 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from engine.openai_contract.requests import ChatMessage
-from engine.sampling_params import SamplingParams
 from engine.server.errors import APIError, validation_error
 from engine.server.state import EngineClient, ServerState
+from fleet_base.openai_contract.requests import ChatMessage
+from fleet_base.sampling_params import SamplingParams
 
 M = TypeVar("M", bound=BaseModel)
 

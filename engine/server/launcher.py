@@ -266,8 +266,8 @@ def _load_engine(
     phases = state.metrics.startup
     try:
         from engine.async_llm import AsyncLLM
-        from engine.models import ModelCache, is_remote
-        from engine.registry import resolve_model_path
+        from engine.model_files.aliases import resolve_model_path
+        from fleet_base.models import ModelCache, is_remote
 
         path = model
         if is_remote(model):
@@ -316,7 +316,7 @@ def _load_engine(
 async def _warm_up(engine: Any) -> None:
     """One greedy token through the whole stack (kernels compiled, caches touched), so the
     first real request does not pay for it."""
-    from engine.sampling_params import SamplingParams
+    from fleet_base.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0)
     async for _ in engine.generate("Hello", params, request_id="fleet-warmup"):

@@ -37,7 +37,7 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 def adapter_dir(path: str) -> Path:
     """A local adapter directory for a path or a model URI (pulled into the model cache)."""
-    from engine.models import ModelCache, ModelStoreError, is_remote
+    from fleet_base.models import ModelCache, ModelStoreError, is_remote
 
     if not is_remote(path):
         return Path(path).expanduser()

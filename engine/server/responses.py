@@ -21,12 +21,12 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from engine.openai_contract.errors import validation_error
-from engine.openai_contract.responses import ResponsesRequest
 from engine.server.chat import SSE_HEADERS, ChatRun, chat_chunks, chat_result, run_chat
 from engine.server.formatting import sse_error
 from engine.server.inputs import parse_body
 from engine.server.state import ServerState
+from fleet_base.openai_contract.errors import validation_error
+from fleet_base.openai_contract.responses import ResponsesRequest
 
 
 def _id(prefix: str) -> str:

@@ -10,8 +10,8 @@ from typing import Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.outputs import EngineStats, RequestOutput
-from engine.sampling_params import SamplingParams
 from engine.server.metrics import ServerMetrics
+from fleet_base.sampling_params import SamplingParams
 
 
 class EngineClient(Protocol):

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.sampler import SamplerOutput
-from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest
 from engine.spec_decode.acceptance import accept_rows
+from fleet_base.sampling_params import SamplingParams
 
 
 @dataclass

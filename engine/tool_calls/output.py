@@ -1,7 +1,7 @@
 """From a choice's generated text to an OpenAI assistant message: plain content, or
 `tool_calls`, whole (non-streaming) or as the deltas the SDK assembles (streaming).
 
-Modes (see `engine.openai_contract.structured.tool_mode`):
+Modes (see `fleet_base.openai_contract.structured.tool_mode`):
 - `none`: the text is the content.
 - `named`: generation was constrained to the named function's arguments object, so the text
   *is* the arguments; streamed as argument deltas of call 0 as they arrive.

@@ -18,12 +18,12 @@ import numpy as np
 import psutil
 import pytest
 
-from agent import protocol
-from agent.config import ClusterConfig
-from agent.nats_io import NatsLink
-from agent.protocol import ClusterRoute, DesiredState, ReplicaSpec, RoutingTable
 from control_plane.local.nats_server import NatsServer
+from fleet_base import protocol
+from fleet_base.cluster_config import ClusterConfig
+from fleet_base.nats_io import NatsLink
 from fleet_base.processes import stop_process
+from fleet_base.protocol import ClusterRoute, DesiredState, ReplicaSpec, RoutingTable
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_VOCAB = 320

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import ClusterConfig
 from agent.daemon import Agent, AgentLocked, RuntimeFile
-from agent.local_state import LocalState
-from agent.protocol import DesiredState, ReplicaSpec, ReplicaState
 from agent.runtime.base import InvalidSpec, Probe, ReplicaHandle, Runtime
+from fleet_base.cluster_config import ClusterConfig
+from fleet_base.local_state import LocalState
+from fleet_base.protocol import DesiredState, ReplicaSpec, ReplicaState
 from tests.agent.conftest import ROOT, cluster_config
 
 

@@ -19,11 +19,12 @@ import nats
 import psutil
 import pytest
 
-from agent import protocol
-from agent.config import ClusterConfig
-from agent.local_state import LocalState, ReplicaSnapshot
-from agent.nats_io import ensure_jetstream
-from agent.protocol import (
+from control_plane.local.nats_server import NatsServer
+from fleet_base import protocol
+from fleet_base.cluster_config import ClusterConfig
+from fleet_base.local_state import LocalState, ReplicaSnapshot
+from fleet_base.nats_io import ensure_jetstream
+from fleet_base.protocol import (
     ApiKeyRecord,
     DesiredState,
     Event,
@@ -34,7 +35,6 @@ from agent.protocol import (
     RoutingTable,
     VersionWeight,
 )
-from control_plane.local.nats_server import NatsServer
 from tests.agent.conftest import AgentProcess, cluster_config
 
 CLUSTER = "test-east"

@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from agent.config import ClusterConfig
 from agent.daemon import Agent
-from agent.local_state import GatewayStatus, LocalState
+from fleet_base.cluster_config import ClusterConfig
+from fleet_base.local_state import GatewayStatus, LocalState
 
 
 def test_gateway_queue_depth_is_in_the_heartbeat_while_fresh(tmp_path: Path) -> None:

@@ -17,12 +17,12 @@ from agent.gateway.kv_index import block_key
 from agent.gateway.metrics import GatewayMetrics
 from agent.gateway.prefix import PrefixRouting, prefix_keys
 from agent.kv_relay import Followed, KvRelay
-from agent.nats_io import NatsLink
-from agent.ports import free_port
 from engine.kv_cache import KVCacheManager, KvEventLog
 from engine.request import Request
-from engine.sampling_params import SamplingParams
 from engine.server.kv_events import register
+from fleet_base.nats_io import NatsLink
+from fleet_base.ports import free_port
+from fleet_base.sampling_params import SamplingParams
 from tests.polling import eventually
 
 BS = 4

@@ -9,9 +9,9 @@ import hashlib
 import os
 
 from agent.models import ModelPuller
-from agent.protocol import ModelCommand
-from engine.models import ModelCache
-from tests.engine.models.servers import FileServer, serve
+from fleet_base.models import ModelCache
+from fleet_base.protocol import ModelCommand
+from tests.fleet_base.models.servers import FileServer, serve
 
 
 async def _settle(puller: ModelPuller, uri: str) -> str:
@@ -65,13 +65,13 @@ def test_cold_start_parts_travel_from_engine_metrics_to_the_gateway() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
     from agent.gateway.coldstart import ColdStartCollector
-    from agent.protocol import ReplicaState, ReplicaStatus
     from agent.replica_metrics import parse_metrics
     from engine.server.metrics import ServerMetrics
+    from fleet_base.protocol import ReplicaState, ReplicaStatus
 
     engine = ServerMetrics("m")
     engine.startup.update(pull=1.5, load=2.5, warmup=0.25)
-    sample = parse_metrics(generate_latest(engine.registry).decode())
+    sample = parse_metrics(generate_latest(engine.model_files.aliases).decode())
     assert dict(sample.startup) == {"load": 2.5, "warmup": 0.25}  # the agent measures the pull itself
 
     status = ReplicaStatus(

@@ -14,9 +14,9 @@ import uvicorn
 from agent.gateway.app import build_app
 from agent.gateway.prefix import prefix_keys
 from agent.gateway.tenancy import cache_salt
-from agent.nats_io import NatsLink, ensure_jetstream
-from agent.ports import free_port
-from agent.protocol import (
+from fleet_base.nats_io import NatsLink, ensure_jetstream
+from fleet_base.ports import free_port
+from fleet_base.protocol import (
     ApiKeyRecord,
     ReplicaSpec,
     hash_secret,

@@ -12,10 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agent.config import ClusterConfig
-from agent.protocol import ReplicaSpec, ReplicaState
 from agent.runtime.base import InvalidSpec, Probe, ReplicaHandle
 from agent.runtime.process import ProcessRuntime
+from fleet_base.cluster_config import ClusterConfig
+from fleet_base.protocol import ReplicaSpec, ReplicaState
 from tests.agent.conftest import cluster_config
 
 

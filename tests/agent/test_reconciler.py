@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from agent.protocol import DesiredState, ReplicaSpec, ReplicaState
 from agent.reconciler import ReplicaRecord, Restart, Start, Stop, backoff_delay, plan
+from fleet_base.protocol import DesiredState, ReplicaSpec, ReplicaState
 
 S = ReplicaState
 

@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
-from agent.config import ClusterConfig, ReplicaConfig
 from agent.inventory import cpu_pool, gpu_pools, inventory, parse_nvidia_smi
-from agent.protocol import PoolInventory, ReplicaSpec, Tier
 from agent.replica_metrics import EngineSample, LoadTracker, parse_metrics
 from agent.runtime.base import InvalidSpec
 from agent.runtime.process import engine_argv, engine_flags
 from engine.outputs import EngineStats
 from engine.server.metrics import ServerMetrics
+from fleet_base.cluster_config import ClusterConfig, ReplicaConfig
+from fleet_base.protocol import PoolInventory, ReplicaSpec, Tier
 
 
 def config(tmp_path: Path, **replica: object) -> ClusterConfig:

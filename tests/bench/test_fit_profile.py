@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.sim.profile import load_profile
 from bench import fit_profile
+from fleet_base.profile import load_profile
 from tests.agent.conftest import make_tiny_model_dir
 
 

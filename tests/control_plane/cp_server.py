@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agent.ports import free_port
+from fleet_base.ports import free_port
 from fleet_base.processes import stop_process
 
 ROOT = Path(__file__).resolve().parents[2]

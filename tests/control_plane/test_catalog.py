@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.protocol import Tier
 from control_plane.catalog import CatalogError, load_catalog, offers_to_pools, parse_catalog
+from fleet_base.protocol import Tier
 
 DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 GCP, AZURE = DATA / "gcp_gpu_vms.csv", DATA / "azure_gpu_vms.csv"

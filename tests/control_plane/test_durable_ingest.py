@@ -15,10 +15,10 @@ import time
 import pytest
 import sqlalchemy as sa
 
-from agent import protocol
-from agent.nats_io import NatsLink
 from control_plane.db import session as dbs
 from control_plane.local.nats_server import NatsServer
+from fleet_base import protocol
+from fleet_base.nats_io import NatsLink
 from tests.control_plane.cp_server import PG_ENV, ControlPlaneServer, fresh_database
 
 pytestmark = pytest.mark.slow

@@ -12,11 +12,11 @@ from pathlib import Path
 
 from cryptography import x509
 
-from agent.nats_io import redact_url
-from agent.security.identity import spiffe_id
 from agent.security.peer_token import PeerSigner, PeerTokenError, PeerVerifier
 from control_plane.security.enroll import Enrolment, NatsListen
 from control_plane.security.pki import FleetPki
+from fleet_base.nats_io import redact_url
+from fleet_base.security.identity import spiffe_id
 
 ROOT = Path(__file__).resolve().parents[2]
 

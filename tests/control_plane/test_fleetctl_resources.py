@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from agent.ports import free_port
+from fleet_base.ports import free_port
 from tests.control_plane.cp_server import ROOT, ControlPlaneServer
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from agent import protocol
 from control_plane.context import ControlPlaneContext
 from control_plane.db import models as m
 from control_plane.db.session import make_sessions, upgrade_to_head
@@ -13,6 +12,7 @@ from control_plane.loops import Loops
 from control_plane.loops.keys import KeyLoop
 from control_plane.loops.publish import bucket_items
 from control_plane.settings import Settings
+from fleet_base import protocol
 from tests.control_plane.test_loops_publish import connected, nats_server  # noqa: F401 (fixture)
 from tests.polling import eventually
 

@@ -9,19 +9,6 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import select
 
-from agent.protocol import (
-    BUCKET_DESIRED,
-    BUCKET_KEYS,
-    BUCKET_ROUTES,
-    Coordinates,
-    Event,
-    Heartbeat,
-    PoolInventory,
-    ReplicaState,
-    ReplicaStatus,
-    Tier,
-)
-from agent.wire import heartbeat_problem
 from control_plane.db import models as m
 from control_plane.db.session import make_sessions, upgrade_to_head
 from control_plane.loops.ingest import (
@@ -34,6 +21,19 @@ from control_plane.loops.plan import build_routes, next_assignments, placement_i
 from control_plane.loops.reconcile import reconcile_once
 from control_plane.loops.snapshot import live_keys, read_snapshot
 from control_plane.placement import get_placer
+from fleet_base.protocol import (
+    BUCKET_DESIRED,
+    BUCKET_KEYS,
+    BUCKET_ROUTES,
+    Coordinates,
+    Event,
+    Heartbeat,
+    PoolInventory,
+    ReplicaState,
+    ReplicaStatus,
+    Tier,
+)
+from fleet_base.wire import heartbeat_problem
 
 
 @pytest.fixture

@@ -9,8 +9,10 @@ import shutil
 
 import pytest
 
-from agent.nats_io import NatsLink
-from agent.protocol import (
+from control_plane.local.nats_server import NatsServer
+from control_plane.loops.publish import KvPublisher, bucket_items
+from fleet_base.nats_io import NatsLink
+from fleet_base.protocol import (
     BUCKET_DESIRED,
     BUCKET_KEYS,
     BUCKET_ROUTES,
@@ -23,8 +25,6 @@ from agent.protocol import (
     RoutingTable,
     heartbeat_subject,
 )
-from control_plane.local.nats_server import NatsServer
-from control_plane.loops.publish import KvPublisher, bucket_items
 from tests.polling import eventually
 
 

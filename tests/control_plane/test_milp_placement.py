@@ -12,11 +12,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.protocol import ClusterStatus, Tier
 from control_plane.placement import Assignment, FirstFitDecreasing, PoolCapacity, ReplicaDemand, get_placer
 from control_plane.placement.evaluate import committed_cost, plan_cost, regions_of, slot_size, violations
 from control_plane.placement.milp import MilpPlacer
 from control_plane.placement.pipeline import PlacementInputs, run
+from fleet_base.protocol import ClusterStatus, Tier
 
 REGIONS = ["r1", "r2", "r3"]
 MODELS = ["a100", "h100"]

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.protocol import ClusterStatus
 from control_plane.placement import PRIORITY_RANK, FirstFitDecreasing, PoolCapacity, ReplicaDemand
 from control_plane.placement.evaluate import priority_problems, violations
 from control_plane.placement.milp import MilpPlacer
+from fleet_base.protocol import ClusterStatus
 
 CLASSES = list(PRIORITY_RANK)
 

@@ -1,6 +1,6 @@
 """Model URIs at deploy time: refused with a 422 naming the reason (against a real control
 plane process), stored canonical, and an hf:// revision pinned to its commit (the real
-huggingface_hub client against the local hub endpoint of tests/engine/models/servers.py)."""
+huggingface_hub client against the local hub endpoint of tests/fleet_base/models/servers.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from control_plane.api.errors import ApiError
 from control_plane.api.model_refs import model_ref
-from tests.engine.models.servers import HubServer, serve
+from tests.fleet_base.models.servers import HubServer, serve
 
 
 @pytest.mark.parametrize(

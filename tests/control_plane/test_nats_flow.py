@@ -24,7 +24,8 @@ import nats
 import pytest
 from nats.js.errors import KeyNotFoundError
 
-from agent.protocol import (
+from control_plane.local.nats_server import NatsServer
+from fleet_base.protocol import (
     BUCKET_DESIRED,
     BUCKET_ROUTES,
     Coordinates,
@@ -37,7 +38,6 @@ from agent.protocol import (
     Tier,
     heartbeat_subject,
 )
-from control_plane.local.nats_server import NatsServer
 from tests.control_plane.cp_server import ROOT, ControlPlaneServer
 from tests.polling import eventually
 

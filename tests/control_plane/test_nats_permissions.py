@@ -14,12 +14,12 @@ import nats
 import pytest
 from nats.js.errors import KeyNotFoundError
 
-from agent import protocol
-from agent.ports import free_port
-from agent.security.tls import NatsTls, client_context, nats_tls
 from control_plane.local.nats_server import NatsServer
 from control_plane.security.enroll import Enrolment, NatsListen
 from control_plane.security.pki import FleetPki
+from fleet_base import protocol
+from fleet_base.ports import free_port
+from fleet_base.security.tls import NatsTls, client_context, nats_tls
 from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(120)
@@ -104,7 +104,7 @@ async def _after_sentinel(sender: Client, seen: list[str], allowed_subject: str)
 async def _control_plane(url: str, cp: NatsTls) -> Client:
     client = await Client().connect(url, cp)
     js = client.nc.jetstream()
-    from agent.nats_io import ensure_jetstream
+    from fleet_base.nats_io import ensure_jetstream
 
     await ensure_jetstream(js)
     return client

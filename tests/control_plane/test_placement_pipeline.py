@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from agent.protocol import ClusterStatus, Tier
 from control_plane.placement import Assignment, PlacementResult, Placer, PoolCapacity, ReplicaDemand
 from control_plane.placement.evaluate import violations
 from control_plane.placement.explain import RemovalContext
 from control_plane.placement.milp import MilpPlacer
 from control_plane.placement.pipeline import PlacementInputs, run
 from control_plane.placement.standby import StandbyDemand
+from fleet_base.protocol import ClusterStatus, Tier
 
 
 def _pool(cluster: str, region: str, tier: Tier = Tier.on_demand, nodes: int = 2) -> PoolCapacity:

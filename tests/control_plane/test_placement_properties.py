@@ -7,8 +7,8 @@ from collections import Counter, defaultdict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.protocol import ClusterStatus, Tier
 from control_plane.placement import Assignment, FirstFitDecreasing, PoolCapacity, ReplicaDemand
+from fleet_base.protocol import ClusterStatus, Tier
 
 FFD = FirstFitDecreasing()
 REGIONS = ["r1", "r2", "r3"]

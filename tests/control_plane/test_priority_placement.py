@@ -6,9 +6,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.protocol import ClusterStatus
 from control_plane.placement import PRIORITY_RANK, FirstFitDecreasing, PoolCapacity, ReplicaDemand
 from control_plane.placement.evaluate import violations
+from fleet_base.protocol import ClusterStatus
 
 FFD = FirstFitDecreasing()
 CLASSES = list(PRIORITY_RANK)

@@ -11,7 +11,6 @@ import time
 import pytest
 from sqlalchemy import select
 
-from agent.protocol import Heartbeat, ReplicaLoad, ReplicaState, ReplicaStatus
 from control_plane.context import ControlPlaneContext
 from control_plane.db import models as m
 from control_plane.db.session import make_sessions, upgrade_to_head
@@ -19,6 +18,7 @@ from control_plane.loops.autoscale import AutoscaleLoop
 from control_plane.loops.reconcile import reconcile_once
 from control_plane.placement import get_placer
 from control_plane.settings import Settings
+from fleet_base.protocol import Heartbeat, ReplicaLoad, ReplicaState, ReplicaStatus
 
 
 @pytest.fixture

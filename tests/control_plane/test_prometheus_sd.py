@@ -6,10 +6,10 @@ import json
 import os
 import stat
 
-from agent.local_state import LocalState, ReplicaSnapshot
-from agent.protocol import ReplicaState, ReplicaStatus
 from control_plane.local.fleet import FleetState, LocalFleet, ProcessRecord
 from control_plane.local.prometheus_sd import host_port
+from fleet_base.local_state import LocalState, ReplicaSnapshot
+from fleet_base.protocol import ReplicaState, ReplicaStatus
 
 
 def _state(fleet: LocalFleet) -> FleetState:

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from agent import protocol
-from agent.config import ClusterConfig
 from agent.daemon import Agent
 from control_plane.context import ControlPlaneContext
 from control_plane.db.models import Event as EventRow
@@ -18,6 +16,8 @@ from control_plane.loops.durable import Received
 from control_plane.loops.ingest import store_event_batch
 from control_plane.loops.rejects import Rejections
 from control_plane.settings import Settings
+from fleet_base import protocol
+from fleet_base.cluster_config import ClusterConfig
 
 
 def msg(subject: str, message: protocol.Message) -> SimpleNamespace:

@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.protocol import UsageRecord as UsageMessage
-from agent.wire import usage_problem as record_problem
 from control_plane.db.models import ApiKey, CapacityPool, Cluster, Deployment, ReplicaAssignment
 from control_plane.db.session import make_sessions, upgrade_to_head
 from control_plane.loops.shares import ShareSettings, compute_shares
 from control_plane.loops.usage import prune_records, store_records, update_shares
+from fleet_base.protocol import UsageRecord as UsageMessage
+from fleet_base.wire import usage_problem as record_problem
 from tests.control_plane.cp_server import ControlPlaneServer
 from tests.control_plane.test_fleetctl_resources import as_json, fleetctl, one_line_error
 

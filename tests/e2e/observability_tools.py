@@ -17,7 +17,7 @@ import httpx
 import pytest
 import yaml
 
-from agent.ports import free_port
+from fleet_base.ports import free_port
 from fleet_base.processes import stop_process
 
 REQUIRE_ENV = "FLEET_REQUIRE_PROMETHEUS_CHROMIUM"

@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import psutil
 
-from agent.ports import free_port
-from agent.protocol import PoolInventory
 from control_plane.local.fleet import LocalFleet, pid_alive
+from fleet_base.ports import free_port
+from fleet_base.protocol import PoolInventory
 from tests import polling
 
 

@@ -15,8 +15,8 @@ import httpx
 import psutil
 import pytest
 
-from agent.protocol import PoolInventory
 from control_plane.local.fleet import LocalFleet
+from fleet_base.protocol import PoolInventory
 from tests import polling
 
 pytestmark = pytest.mark.slow

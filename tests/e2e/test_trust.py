@@ -16,11 +16,11 @@ import nats
 import psutil
 import pytest
 
-from agent import protocol
-from agent.local_state import LocalState
 from agent.security.peer_token import PeerSigner
-from agent.security.tls import client_context, nats_tls
 from control_plane.security.pki import FleetPki
+from fleet_base import protocol
+from fleet_base.local_state import LocalState
+from fleet_base.security.tls import client_context, nats_tls
 from tests.e2e.sim_fleet import SimFleet, wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -79,7 +79,7 @@ def new_key(fleet: SimFleet, name: str) -> str:
 
 
 def cluster_config(fleet: SimFleet, region: str):
-    from agent.config import ClusterConfig
+    from fleet_base.cluster_config import ClusterConfig
 
     return ClusterConfig.load(fleet.local.dir / "clusters" / region / "cluster.yaml")
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from agent.config import ClusterConfig
 from agent.gateway.tenancy import cache_salt
-from agent.local_state import LocalState
-from agent.protocol import key_id_of
-from agent.security.tls import client_context
+from fleet_base.cluster_config import ClusterConfig
+from fleet_base.local_state import LocalState
+from fleet_base.protocol import key_id_of
+from fleet_base.security.tls import client_context
 from tests.e2e.test_local_fleet import Fleet, fleetctl, fleetctl_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -22,7 +22,7 @@ ADAPTERS = {
 
 def make_tiny_base(out: Path, hidden_size: int = 128, seed: int = 3) -> Path:
     """A 2-layer random Llama with SmolLM2's tokenizer (the real model's files)."""
-    from engine.registry import resolve_model_path
+    from engine.model_files.aliases import resolve_model_path
     from engine.tokenizer import Tokenizer
 
     tok = Tokenizer.from_path(resolve_model_path("smollm2-135m"))

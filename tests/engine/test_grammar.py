@@ -12,8 +12,8 @@ import torch
 
 from engine.grammar import GrammarBackend, GrammarError
 from engine.sampler import Sampler, SamplingBatch
-from engine.sampling_params import SamplingParams, StructuredOutput
 from engine.tokenizer import Tokenizer
+from fleet_base.sampling_params import SamplingParams, StructuredOutput
 
 SCHEMA = {
     "type": "object",
@@ -118,7 +118,7 @@ def test_random_logits_still_give_conforming_json_batched(
 
 
 def test_tool_call_array_schema_with_const_names(backend: GrammarBackend, tokenizer: Tokenizer) -> None:
-    from engine.openai_contract.structured import Tool, tool_call_constraint
+    from fleet_base.openai_contract.structured import Tool, tool_call_constraint
 
     tools = [
         Tool.model_validate(

@@ -32,7 +32,7 @@ from engine.kv_cache import (
     root_hash,
 )
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from fleet_base.sampling_params import SamplingParams
 
 _PARAMS = SamplingParams()
 

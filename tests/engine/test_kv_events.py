@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from engine.kv_cache import KVCacheManager, KvEventLog
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from fleet_base.sampling_params import SamplingParams
 
 
 def _req(rid: str, tokens: list[int]) -> Request:

@@ -15,8 +15,8 @@ import torch
 
 from engine.config import ModelConfig
 from engine.loader import CheckpointError, CheckpointNotFoundError, load_checkpoint, read_model_config
-from engine.loader.gguf_file import GGUFFile
 from engine.loader.rope_scaling import llama3_factors, llama3_scaling_from_factors
+from engine.model_files.gguf import GGUFFile
 from tests.engine.tiny_checkpoints import make_tiny_gguf, make_tiny_hf_checkpoint, quantize_like_gguf
 
 LLAMA3_TINY = {

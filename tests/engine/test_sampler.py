@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.sampler import Sampler, SamplingBatch
-from engine.sampling_params import SamplingParams as SP
+from fleet_base.sampling_params import SamplingParams as SP
 
 
 def chi2_999(dof: int) -> float:

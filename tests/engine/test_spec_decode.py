@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from engine.config import EngineArgs
 from engine.kv_cache import KVCacheManager
 from engine.request import Request
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.server.spec_flags import add_speculative_flags, speculative_config
 from engine.spec_decode.acceptance import accept_rows, num_accepted
@@ -26,6 +25,7 @@ from engine.spec_decode.config import (
 from engine.spec_decode.decoder import SpeculativeDecoder
 from engine.spec_decode.gate import BACKOFF_MAX_SKIP, Backoff, backoff_skip, drafts_this_step
 from engine.spec_decode.ngram import NgramIndex, propose_ngram
+from fleet_base.sampling_params import SamplingParams
 
 # -- the drafter ---------------------------------------------------------------------------
 

@@ -126,7 +126,7 @@ def test_unknown_weight_format_is_refused() -> None:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
     import json
 
-    from engine.registry import resolve_model_path
+    from engine.model_files.aliases import resolve_model_path
     from engine.tokenizer import Tokenizer
     from tests.engine.tiny_checkpoints import make_tiny_hf_checkpoint
 

@@ -27,7 +27,7 @@ import json, sys
 from pathlib import Path
 from engine import LLM, SamplingParams
 from engine.tokenizer import Tokenizer
-from engine.registry import resolve_model_path
+from engine.model_files.aliases import resolve_model_path
 from tests.engine.tiny_checkpoints import make_tiny_hf_checkpoint
 
 out = Path(sys.argv[1])

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Path, Request
 
-from agent.protocol import DEFAULT_MAX_ADAPTERS
 from control_plane.api.adapters import adapter_record
 from control_plane.api.audit import audit, event
 from control_plane.api.deps import PrincipalDep, SessionDep, kick
@@ -13,6 +12,7 @@ from control_plane.api.errors import conflict, not_found
 from control_plane.api.routers.deployments import _load
 from control_plane.api.schemas import AdapterIn, AdapterName
 from control_plane.db.models import utcnow
+from fleet_base.protocol import DEFAULT_MAX_ADAPTERS
 
 router = APIRouter(prefix="/v1/deployments", tags=["adapters"])
 

@@ -8,7 +8,6 @@ from fastapi import APIRouter, Query, Request
 from pydantic import ValidationError
 from sqlalchemy import select
 
-from agent.protocol import hash_secret, new_secret
 from control_plane.api.audit import audit
 from control_plane.api.deps import PagingDep, PrincipalDep, SessionDep, kick
 from control_plane.api.errors import invalid, not_found
@@ -16,6 +15,7 @@ from control_plane.api.schemas import KeyCreate, KeyCreated, KeyOut, KeyUpdate, 
 from control_plane.api.views import key_out
 from control_plane.db.models import ApiKey, utcnow
 from control_plane.loops.usage import initial_shares
+from fleet_base.protocol import hash_secret, new_secret
 
 router = APIRouter(prefix="/v1/keys", tags=["keys"])
 

@@ -16,14 +16,14 @@ from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, Field
 from sqlalchemy import select
 
-from agent import protocol
-from agent.model_uris import is_remote
 from control_plane.api.audit import audit
 from control_plane.api.deps import PrincipalDep
 from control_plane.api.errors import ApiError, invalid, not_found
 from control_plane.api.model_refs import model_ref
 from control_plane.api.schemas import ClusterId, ModelRef, Strict
 from control_plane.db.models import Cluster
+from fleet_base import protocol
+from fleet_base.models import is_remote
 
 router = APIRouter(prefix="/v1/model-cache", tags=["models"])
 REQUEST_TIMEOUT_S = 5.0

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.protocol import ApiKeyRecord
 from control_plane.local.nats_server import NatsServer
 from engine.server.process import ServerProcess
+from fleet_base.protocol import ApiKeyRecord
 from tests.agent.conftest import make_tiny_model_dir
 from tests.agent.gateway.harness import DEPLOYMENT, GatewayProcess, make_key, peer, replica, route
 

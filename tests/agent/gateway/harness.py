@@ -13,11 +13,12 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.config import ClusterConfig, GatewayConfig
 from agent.gateway.state import file_signature
-from agent.local_state import KeySet, LocalState, ReplicaSnapshot, RouteSet
-from agent.ports import free_port
-from agent.protocol import (
+from fleet_base.cluster_config import ClusterConfig, GatewayConfig
+from fleet_base.local_state import KeySet, LocalState, ReplicaSnapshot, RouteSet
+from fleet_base.ports import free_port
+from fleet_base.processes import stop_process
+from fleet_base.protocol import (
     ApiKeyRecord,
     ClusterRoute,
     Coordinates,
@@ -28,7 +29,6 @@ from agent.protocol import (
     hash_secret,
     new_secret,
 )
-from fleet_base.processes import stop_process
 
 ROOT = Path(__file__).resolve().parents[3]
 DEPLOYMENT = "tiny"

@@ -8,8 +8,8 @@ import pytest
 
 from agent.adapters import eviction_victim, spread
 from agent.gateway.plan import ClusterFacts, CostModel, ReplicaFacts, RequestFacts, plan_route
-from agent.protocol import DesiredState, LoRAAdapterSpec, ReplicaSpec, ReplicaState
 from agent.reconciler import ReplicaRecord, Stop, plan
+from fleet_base.protocol import DesiredState, LoRAAdapterSpec, ReplicaSpec, ReplicaState
 
 LEAST = CostModel(routing="least-load")
 
@@ -72,7 +72,7 @@ def test_a_changed_adapter_catalog_restarts_nothing_but_max_adapters_does():
 
 def test_an_adapter_has_its_own_limits_on_top_of_the_deployments():
     from agent.gateway.quota import limits_for
-    from agent.protocol import DeploymentLimits, Quotas
+    from fleet_base.protocol import DeploymentLimits, Quotas
 
     q = Quotas(tokens_per_minute=1000, deployments={"d": DeploymentLimits(requests_per_minute=10),
                                                     "sql": DeploymentLimits(tokens_per_minute=50)})  # fmt: skip

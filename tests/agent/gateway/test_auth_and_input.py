@@ -9,8 +9,8 @@ import httpx
 import openai
 import pytest
 
-from agent.protocol import ApiKeyRecord
 from engine.server.process import ServerProcess
+from fleet_base.protocol import ApiKeyRecord
 from tests.agent.gateway.harness import DEPLOYMENT, GatewayProcess, sample, scrape
 
 BODY = {"model": DEPLOYMENT, "prompt": "hi", "max_tokens": 1}

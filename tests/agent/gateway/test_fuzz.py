@@ -7,8 +7,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from agent.protocol import ApiKeyRecord
 from engine.server.process import ServerProcess
+from fleet_base.protocol import ApiKeyRecord
 from tests.agent.gateway.harness import DEPLOYMENT, GatewayProcess
 from tests.fuzzing import fuzz
 

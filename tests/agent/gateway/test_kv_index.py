@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 
 from agent.gateway.kv_index import KvUpdate, PrefixIndex, block_key
 from agent.gateway.prefix import prefix_keys, to_update
-from agent.protocol import KvCacheBatch, KvCacheOp
 from engine.kv_cache import KVCacheManager
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from fleet_base.protocol import KvCacheBatch, KvCacheOp
+from fleet_base.sampling_params import SamplingParams
 
 KEYS = st.integers(min_value=0, max_value=40)
 OP = st.tuples(st.sampled_from(["stored", "removed", "cleared"]), st.lists(KEYS, max_size=8))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from agent.gateway.liveness import LivenessBook, sticky_draw
 from agent.gateway.routing import pick_version
-from agent.protocol import VersionWeight
+from fleet_base.protocol import VersionWeight
 
 
 class Clock:

@@ -10,7 +10,7 @@ import pytest
 from agent.gateway.errors import GatewayError
 from agent.gateway.inputs import parse_request
 from agent.gateway.migration import MidstreamFailure, StreamLedger, migratable, refuse_client_resume
-from engine.openai_contract.continuation import RESUME_FIELD, TOKEN_IDS_FIELD
+from fleet_base.openai_contract.continuation import RESUME_FIELD, TOKEN_IDS_FIELD
 
 
 def _event(payload: dict) -> bytes:

@@ -18,7 +18,7 @@ from agent.gateway.plan import (
     plan_failover,
     plan_route,
 )
-from agent.protocol import VersionWeight
+from fleet_base.protocol import VersionWeight
 
 HERE = "east"
 PROMPT = tuple(range(100, 164))  # 64 block keys of a 1,024-token prompt (16 a block)

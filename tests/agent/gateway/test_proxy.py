@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 
-from agent.ports import free_port
-from agent.protocol import ReplicaState
 from engine.server.process import ServerProcess
+from fleet_base.ports import free_port
+from fleet_base.protocol import ReplicaState
 from tests.agent.gateway.harness import DEPLOYMENT, GatewayProcess, replica, sample, scrape, sse_events
 from tests.polling import wait_for
 

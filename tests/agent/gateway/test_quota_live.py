@@ -20,10 +20,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agent.local_state import LocalState
-from agent.protocol import ApiKeyRecord, DesiredState, Quotas, ReplicaSpec
 from engine.server.process import ServerProcess
 from engine.tokenizer import Tokenizer
+from fleet_base.local_state import LocalState
+from fleet_base.protocol import ApiKeyRecord, DesiredState, Quotas, ReplicaSpec
 from tests.agent.gateway.harness import DEPLOYMENT, GatewayProcess, make_key, replica, route, sample, scrape
 
 pytestmark = pytest.mark.slow

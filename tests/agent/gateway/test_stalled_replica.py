@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agent.protocol import ReplicaSpec, ReplicaState
 from agent.runtime.process import ProcessRuntime
+from fleet_base.protocol import ReplicaSpec, ReplicaState
 from tests.agent.conftest import cluster_config
 from tests.agent.gateway.conftest import EAST
 from tests.agent.gateway.harness import DEPLOYMENT, GatewayProcess, peer, replica, route

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from agent.gateway.inputs import parse_request
 from agent.gateway.tokens import DesiredIndex, TokenCounters, tokenizer_path
-from agent.local_state import LocalState
-from agent.protocol import DesiredState, ReplicaSpec
 from engine.tokenizer import Tokenizer
+from fleet_base.local_state import LocalState
+from fleet_base.protocol import DesiredState, ReplicaSpec
 from tests.agent.conftest import make_tiny_model_dir
 
 

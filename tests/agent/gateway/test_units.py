@@ -26,7 +26,7 @@ from agent.gateway.routing import (
 )
 from agent.gateway.sse import EventSplitter, StreamObserver
 from agent.gateway.state import ClusterView
-from agent.protocol import Coordinates, VersionWeight
+from fleet_base.protocol import Coordinates, VersionWeight
 from tests.agent.gateway.harness import ClusterFiles, make_key, peer, replica, route
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -274,8 +274,8 @@ def test_gateway_never_imports_torch() -> None:
 
 
 def test_replica_choice_follows_canary_weights_and_avoids_the_failed_one(tmp_path: Path) -> None:
-    from agent.config import ClusterConfig
     from agent.gateway.gateway import Exchange, Gateway
+    from fleet_base.cluster_config import ClusterConfig
 
     config = ClusterConfig(cluster="c", state_dir=tmp_path)
     ClusterFiles(tmp_path, "c").write(

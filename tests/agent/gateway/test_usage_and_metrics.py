@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import nats as nats_py
 
-from agent.protocol import ApiKeyRecord, UsageRecord, usage_subject
 from control_plane.local.nats_server import NatsServer
+from fleet_base.protocol import ApiKeyRecord, UsageRecord, usage_subject
 from tests.agent.gateway.conftest import EAST
 from tests.agent.gateway.harness import DEPLOYMENT, GatewayProcess, peer, route, scrape
 

@@ -12,9 +12,9 @@ import kubernetes_validate
 import kubernetes_validate.utils
 import pytest
 
-from agent.config import ClusterConfig, ReplicaConfig
-from agent.kube_config import KubernetesConfig
-from agent.protocol import PoolInventory, ReplicaSpec, Resources, Tier
+from fleet_base.cluster_config import ClusterConfig, ReplicaConfig
+from fleet_base.kube_config import KubernetesConfig
+from fleet_base.protocol import PoolInventory, ReplicaSpec, Resources, Tier
 from tests.agent.kube.fake_apiserver import FakeApiServer
 
 K8S_VERSION = "1.30.0"

@@ -21,10 +21,10 @@ import pytest
 
 from agent.daemon import Agent
 from agent.gateway.capacity_metrics import UnschedulableCollector
-from agent.protocol import DesiredState, ReplicaState
 from agent.runtime.base import InvalidSpec
 from agent.runtime.kube_pod import termination_grace_s
 from agent.runtime.kubernetes import KubernetesRuntime
+from fleet_base.protocol import DesiredState, ReplicaState
 from tests.agent.kube.conftest import NAMESPACE, config_for, spec, validate
 from tests.polling import eventually
 
@@ -404,7 +404,7 @@ async def test_agent_stop_leaves_pods_serving_and_the_next_agent_adopts(api, tmp
     a new agent with an empty state_dir adopts them and starts nothing new."""
     import asyncio
 
-    from agent.local_state import LocalState
+    from fleet_base.local_state import LocalState
 
     async def run_agent(state_dir: str) -> tuple[Agent, asyncio.Event, asyncio.Task]:
         config = config_for(api, tmp_path).model_copy(

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from agent.capacity import CapacitySignals, Placed
-from agent.config import ClusterConfig
-from agent.kube_config import KubernetesConfig, PoolPlacement, Toleration
-from agent.protocol import PoolInventory, ReplicaState, Tier
 from agent.runtime.kube_pod import node_placement, replica_pod
 from agent.runtime.kube_status import classify
+from fleet_base.cluster_config import ClusterConfig
+from fleet_base.kube_config import KubernetesConfig, PoolPlacement, Toleration
+from fleet_base.protocol import PoolInventory, ReplicaState, Tier
 from tests.agent.kube.conftest import POOLS, spec, validate
 
 
@@ -256,7 +256,7 @@ def test_agent_cli_selects_kubernetes_and_refuses_what_cannot_work(tmp_path, cap
 
 def test_unschedulable_gauge_is_zero_where_all_schedule() -> None:
     from agent.gateway.capacity_metrics import UnschedulableCollector
-    from agent.protocol import ReplicaStatus
+    from fleet_base.protocol import ReplicaStatus
 
     def status(rid: str, pool: str, stuck: bool) -> ReplicaStatus:
         return ReplicaStatus(

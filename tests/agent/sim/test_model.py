@@ -7,8 +7,8 @@ import math
 import pytest
 
 from agent.sim.model import ReplicaModel, SimRequest
-from agent.sim.profile import PerfProfile, interpolate, list_profiles, load_profile
 from agent.sim.splitwise import profile_from_splitwise
+from fleet_base.profile import PerfProfile, interpolate, list_profiles, load_profile
 
 
 def flat(**kw: object) -> PerfProfile:

@@ -16,11 +16,11 @@ import httpx
 import openai
 import pytest
 
-from agent.config import ClusterConfig
-from agent.ports import free_port
-from agent.protocol import ReplicaSpec, ReplicaState
 from agent.replica_metrics import parse_metrics
 from agent.runtime import make_runtime
+from fleet_base.cluster_config import ClusterConfig
+from fleet_base.ports import free_port
+from fleet_base.protocol import ReplicaSpec, ReplicaState
 from tests.polling import eventually
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -7,7 +7,6 @@ import time
 
 from sqlalchemy import select
 
-from agent.protocol import Heartbeat, ReplicaLoad, ReplicaState, ReplicaStatus
 from control_plane.context import ControlPlaneContext
 from control_plane.db import models as m
 from control_plane.db.session import make_sessions, upgrade_to_head
@@ -15,6 +14,7 @@ from control_plane.loops.autoscale import AutoscaleLoop
 from control_plane.loops.plan import placement_inputs
 from control_plane.loops.snapshot import read_snapshot
 from control_plane.settings import Settings
+from fleet_base.protocol import Heartbeat, ReplicaLoad, ReplicaState, ReplicaStatus
 
 
 def test_tick_writes_the_count_and_the_cheapest_gpu_mix(tmp_path) -> None:

@@ -8,11 +8,11 @@ import asyncio
 import pytest
 
 from agent.gateway.demand import DemandSignal
-from agent.protocol import Demand, Heartbeat, ReplicaLoad, ReplicaState, ReplicaStatus
 from control_plane.autoscale.observe import observe, settings_of
 from control_plane.db.models import CapacityPool, DeploymentVersion
 from control_plane.loops.plan import build_routes
 from control_plane.loops.snapshot import DeploymentRow, FleetSnapshot, VersionSpec
+from fleet_base.protocol import Demand, Heartbeat, ReplicaLoad, ReplicaState, ReplicaStatus
 
 
 def rs(rid: str, dep: str, state: ReplicaState, running: int = 0, waiting: int = 0) -> ReplicaStatus:

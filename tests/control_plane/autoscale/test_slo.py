@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from agent.sim.profile import load_profile
 from control_plane.autoscale import AutoscaleSettings, Observation, ScalerState, make_policy
 from control_plane.autoscale.capacity import Load, ReplicaCapacity, Variant
 from control_plane.autoscale.slo import meets, smallest
+from fleet_base.profile import load_profile
 
 H100 = load_profile("llama2-70b-h100-tp4")
 A100 = load_profile("llama2-70b-a100-tp4")

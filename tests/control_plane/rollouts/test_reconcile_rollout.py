@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import pytest
 from sqlalchemy import select, update
 
-from agent.protocol import UsageRecord
 from control_plane.db import models as m
 from control_plane.db.session import make_sessions, upgrade_to_head
 from control_plane.loops.reconcile import reconcile_once
@@ -18,6 +17,7 @@ from control_plane.placement import get_placer
 from control_plane.rollouts.loop import RolloutLoop
 from control_plane.rollouts.policy import RolloutParams
 from control_plane.rollouts.telemetry import UsageWindows
+from fleet_base.protocol import UsageRecord
 
 STEPS = (25.0, 50.0, 100.0)
 

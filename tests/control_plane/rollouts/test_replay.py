@@ -10,12 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from agent.nats_io import NatsLink
-from agent.protocol import STREAM_USAGE, UsageRecord, usage_subject
 from control_plane.db import models as m
 from control_plane.db.session import make_sessions, upgrade_to_head
 from control_plane.local.nats_server import NatsServer
 from control_plane.rollouts.loop import RolloutLoop
+from fleet_base.nats_io import NatsLink
+from fleet_base.protocol import STREAM_USAGE, UsageRecord, usage_subject
 from tests.polling import eventually
 
 

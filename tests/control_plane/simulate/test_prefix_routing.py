@@ -9,13 +9,13 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from agent.config import GatewayConfig
 from agent.sim.prefix_cache import PrefixCacheModel
-from agent.sim.profile import PerfProfile
 from control_plane.autoscale import AutoscaleSettings
 from control_plane.cli import app
 from control_plane.simulate import compare
 from control_plane.simulate.trace import TraceRequest
+from fleet_base.cluster_config import GatewayConfig
+from fleet_base.profile import PerfProfile
 
 PROFILE = PerfProfile(
     name="t",

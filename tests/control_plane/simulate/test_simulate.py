@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from agent.sim.profile import PerfProfile
 from control_plane.autoscale import AutoscaleSettings
 from control_plane.cli import app
 from control_plane.simulate import compare, load_trace
 from control_plane.simulate.des import Simulation
 from control_plane.simulate.trace import TraceError, TraceRequest
+from fleet_base.profile import PerfProfile
 
 PROFILE = PerfProfile(
     name="t",
@@ -121,8 +121,8 @@ def code_like(seconds: float, seed: int = 7) -> list[TraceRequest]:
 
 
 def test_long_prompts_short_outputs_hold_where_concurrency_collapses() -> None:
-    from agent.sim.profile import load_profile
     from control_plane.simulate import default_settings
+    from fleet_base.profile import load_profile
 
     prof = load_profile("llama2-70b-h100-tp4")
     rep = compare(

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from agent.sim.profile import PerfProfile
 from control_plane.autoscale import AutoscaleSettings
 from control_plane.autoscale.capacity import Load, ReplicaCapacity
 from control_plane.autoscale.slo import meets
 from control_plane.simulate import compare
 from control_plane.simulate.sizing import cached_prefixes, peak_size
 from control_plane.simulate.trace import TraceRequest
+from fleet_base.profile import PerfProfile
 
 PROFILE = PerfProfile(
     name="t",

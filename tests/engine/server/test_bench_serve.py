@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_pick_prompts_respects_the_token_limit(shared_data: Path, server: ServerProcess) -> None:
-    from engine.registry import resolve_model_path
+    from engine.model_files.aliases import resolve_model_path
     from engine.tokenizer import Tokenizer
 
     tok = Tokenizer.from_path(resolve_model_path(MODEL))

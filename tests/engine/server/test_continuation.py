@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from engine.continuation import step_seed
-from engine.openai_contract.continuation import RESUME_FIELD, TOKEN_IDS_FIELD, TOKEN_IDS_HEADER
+from fleet_base.openai_contract.continuation import RESUME_FIELD, TOKEN_IDS_FIELD, TOKEN_IDS_HEADER
 
 PROMPT = "The three most useful things to know about the ocean are"
 BASE: dict[str, Any] = {

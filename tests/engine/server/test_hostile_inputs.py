@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from engine.bounds import INT64_MAX, INT64_MIN, MAX_TOKENS
+from fleet_base.bounds import INT64_MAX, INT64_MIN, MAX_TOKENS
 from tests.engine.server.conftest import MODEL
 from tests.engine.server.test_bad_input import assert_error
 

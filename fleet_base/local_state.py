@@ -1,0 +1,157 @@
+"""The cluster's state on local disk: what the agent last saw from the control plane
+(desired replicas, routes, keys) and what it runs now (replica endpoints).
+
+The agent writes, the gateway reads; both survive a restart while NATS or the control
+plane is unreachable. Writes are atomic (temp file, fsync, rename) so a reader never
+sees half a file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from pydantic import BaseModel, Field, ValidationError
+
+from fleet_base.protocol import ApiKeyRecord, DesiredState, Message, ReplicaStatus, RoutingTable
+
+
+class RouteSet(Message):
+    routes: dict[str, RoutingTable] = Field(default_factory=dict)
+
+
+class KeySet(Message):
+    keys: dict[str, ApiKeyRecord] = Field(default_factory=dict)
+
+
+class KeyLeaseSeen(Message):
+    """keys-lease.json: the agent's own clock when it last heard the key set's lease
+    renewed, i.e. how old keys.json may be (the gateway's staleness rule, docs/security.md).
+    A file of its own so a renewal every few seconds does not rewrite the whole key set."""
+
+    seen_at: float
+
+
+class ReplicaSnapshot(Message):
+    """The replicas this cluster runs now, as the agent last saw them."""
+
+    cluster: str
+    replicas: list[ReplicaStatus] = Field(default_factory=list)
+    updated_at: float = Field(default_factory=time.time)
+
+
+class GatewayStatus(Message):
+    """What the gateway tells its agent (for the heartbeat): requests queued here now."""
+
+    queue_depth: int = 0
+    by_class: dict[str, int] = Field(default_factory=dict)
+    updated_at: float = Field(default_factory=time.time)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class LocalState:
+    """Typed access to the files under a cluster's state_dir."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.dir = Path(state_dir)
+
+    @property
+    def desired_path(self) -> Path:
+        return self.dir / "desired.json"
+
+    @property
+    def routes_path(self) -> Path:
+        return self.dir / "routes.json"
+
+    @property
+    def keys_path(self) -> Path:
+        return self.dir / "keys.json"
+
+    @property
+    def replicas_path(self) -> Path:
+        return self.dir / "replicas.json"
+
+    @property
+    def gateway_path(self) -> Path:
+        return self.dir / "gateway.json"
+
+    def save_gateway(self, status: GatewayStatus) -> None:
+        self._write(self.gateway_path, status)
+
+    def load_gateway(self, max_age_s: float = 5.0) -> GatewayStatus | None:
+        """The gateway's last status, if it is fresh (a stopped gateway queues nothing)."""
+        status = self._read(self.gateway_path, GatewayStatus)
+        if status is None or time.time() - status.updated_at > max_age_s:
+            return None
+        return status
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.dir / "logs"
+
+    def _write(self, path: Path, message: BaseModel) -> None:
+        atomic_write(path, message.model_dump_json(indent=1).encode())
+
+    def _read(self, path: Path, model: type[BaseModel]):
+        try:
+            return model.model_validate_json(path.read_bytes())
+        except (FileNotFoundError, ValidationError, ValueError):
+            return None
+
+    def save_desired(self, desired: DesiredState) -> None:
+        self._write(self.desired_path, desired)
+
+    def load_desired(self) -> DesiredState | None:
+        return self._read(self.desired_path, DesiredState)
+
+    def save_routes(self, routes: RouteSet) -> None:
+        self._write(self.routes_path, routes)
+
+    def load_routes(self) -> RouteSet:
+        return self._read(self.routes_path, RouteSet) or RouteSet()
+
+    def save_keys(self, keys: KeySet) -> None:
+        self._write(self.keys_path, keys)
+
+    @property
+    def key_lease_path(self) -> Path:
+        return self.dir / "keys-lease.json"
+
+    def save_key_lease(self, seen_at: float) -> None:
+        self._write(self.key_lease_path, KeyLeaseSeen(seen_at=seen_at))
+
+    def load_key_lease(self) -> float | None:
+        seen = self._read(self.key_lease_path, KeyLeaseSeen)
+        return seen.seen_at if seen is not None else None
+
+    def load_keys(self) -> KeySet:
+        return self._read(self.keys_path, KeySet) or KeySet()
+
+    def save_replicas(self, snapshot: ReplicaSnapshot) -> None:
+        self._write(self.replicas_path, snapshot)
+
+    def load_replicas(self) -> ReplicaSnapshot | None:
+        return self._read(self.replicas_path, ReplicaSnapshot)
+
+    def mtime(self, path: Path) -> float:
+        try:
+            return path.stat().st_mtime_ns / 1e9
+        except FileNotFoundError:
+            return 0.0

@@ -1,0 +1,420 @@
+"""NATS at the edge: a connection that survives NATS restarts, the JetStream buckets and
+streams of the wire contract, and a KV watcher that re-subscribes after reconnects.
+
+Used by the agent, the gateway and the control plane alike. Everything above this
+module deals in `fleet_base.protocol` models and never sees a NATS error: while NATS is
+down, publishes are dropped (heartbeats are periodic, desired state is republished on
+reconnect) and callers keep acting on their last known state.
+
+Slightly over ~400 lines: the connection, the buckets and streams, and the KV watcher
+share one reconnect story and are read together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Awaitable, Callable
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StreamConfig
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
+
+from fleet_base import protocol
+from fleet_base.security.tls import NatsTls
+
+log = logging.getLogger(__name__)
+
+OnConnect = Callable[[], Awaitable[None]]
+Responder = Callable[[bytes], Awaitable[protocol.Message]]
+
+
+class NatsLink:
+    """One long-lived NATS connection with backoff on the first connect as well as on
+    reconnects (nats-py only retries after a first success). `on_connect` callbacks run
+    after every (re)connect: the place to republish state and re-create watchers."""
+
+    def __init__(
+        self,
+        url: str,
+        name: str,
+        *,
+        max_backoff_s: float = 5.0,
+        tls: NatsTls | None = None,
+        manage_jetstream: bool = True,
+    ) -> None:
+        self.url = url
+        self.name = name
+        self.max_backoff_s = max_backoff_s
+        # TLS with this identity's certificate; None: plaintext and anonymous (tests only).
+        self.tls = tls
+        # Create missing buckets and streams on connect: only the control plane may.
+        self.manage_jetstream = manage_jetstream
+        self.nc: NATS | None = None
+        self.js: JetStreamContext | None = None
+        self.connected = asyncio.Event()
+        self._on_connect: list[OnConnect] = []
+        self._task: asyncio.Task | None = None
+        self._closing = False
+        self._kv: dict[str, KeyValue] = {}
+        self._responders: dict[str, Responder] = {}
+        self._answering: set[tuple[int, str]] = set()  # (connection, subject) subscribed
+
+    def respond(self, subject: str, handler: Responder) -> None:
+        """Answer requests on `subject` with `handler(request bytes) -> reply`, from now on
+        and after every reconnect."""
+        self._responders[subject] = handler
+        if self.is_connected:
+            asyncio.get_running_loop().create_task(self._subscribe_responders())
+
+    async def _subscribe_responders(self) -> None:
+        nc = self.nc
+        if nc is None:
+            return
+        for subject, handler in self._responders.items():
+            if (id(nc), subject) in self._answering:
+                continue
+            self._answering.add((id(nc), subject))
+
+            async def answer(msg, handler=handler) -> None:
+                try:
+                    reply = await handler(msg.data)
+                except Exception:
+                    log.exception("answering %s failed", msg.subject)
+                    return
+                if msg.reply:
+                    with contextlib.suppress(Exception):
+                        await msg.respond(reply.to_bytes())
+
+            await nc.subscribe(subject, cb=answer)
+
+    async def request(self, subject: str, message: protocol.Message, timeout: float = 5.0) -> bytes | None:
+        """One request/reply; None when NATS is down or nobody answered in time."""
+        if not self.is_connected:
+            return None
+        try:
+            msg = await self.nc.request(subject, message.to_bytes(), timeout=timeout)
+        except Exception as err:
+            log.debug("request %s failed: %s", subject, err)
+            return None
+        return msg.data
+
+    def on_connect(self, callback: OnConnect) -> None:
+        self._on_connect.append(callback)
+
+    @property
+    def is_connected(self) -> bool:
+        return self.nc is not None and self.nc.is_connected
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._connect_loop(), name=f"nats-connect-{self.name}")
+
+    async def wait_connected(self, timeout: float | None = None) -> bool:
+        try:
+            await asyncio.wait_for(self.connected.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def _connect_loop(self) -> None:
+        delay = 0.2
+        secure: dict = {}
+        if self.tls is not None:
+            secure = {"tls": self.tls.context(), "inbox_prefix": self.tls.inbox_prefix}
+        while not self._closing:
+            try:
+                nc = await nats.connect(
+                    self.url,
+                    name=self.name,
+                    **secure,
+                    connect_timeout=2,
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=1,
+                    disconnected_cb=self._disconnected,
+                    reconnected_cb=self._reconnected,
+                    error_cb=self._error,
+                )
+            except Exception as err:  # nats raises several unrelated types on refusal
+                log.info(
+                    "nats %s unreachable (%s: %s); retrying in %.1fs",
+                    redact_url(self.url),
+                    type(err).__name__,
+                    str(err)[:200],
+                    delay,
+                )
+                await asyncio.sleep(delay * (0.8 + 0.4 * random.random()))
+                delay = min(self.max_backoff_s, delay * 2)
+                continue
+            self.nc = nc
+            self.js = nc.jetstream()
+            await self._after_connect()
+            return
+
+    async def _after_connect(self) -> None:
+        self._kv.clear()
+        if self.manage_jetstream:
+            try:
+                await ensure_jetstream(self.js)
+            except Exception as err:
+                log.warning("could not set up JetStream buckets: %s", err)
+        self.connected.set()
+        try:
+            await self._subscribe_responders()
+        except Exception as err:
+            log.warning("could not subscribe responders: %s", err)
+        for callback in list(self._on_connect):
+            try:
+                await callback()
+            except Exception:
+                log.exception("nats on_connect callback failed")
+
+    async def _disconnected(self) -> None:
+        if not self._closing:
+            log.warning("nats disconnected from %s", redact_url(self.url))
+        self.connected.clear()
+
+    async def _reconnected(self) -> None:
+        log.info("nats reconnected to %s", redact_url(self.url))
+        await self._after_connect()
+
+    async def _error(self, err: Exception) -> None:
+        log.debug("nats error: %s", err)
+
+    async def kv(self, bucket: str) -> KeyValue:
+        if bucket not in self._kv:
+            assert self.js is not None
+            self._kv[bucket] = await self.js.key_value(bucket)
+        return self._kv[bucket]
+
+    async def kv_put(self, bucket: str, key: str, message: protocol.Message) -> bool:
+        """Best effort: False (not an exception) while NATS is down."""
+        if not self.is_connected:
+            return False
+        try:
+            await (await self.kv(bucket)).put(key, message.to_bytes())
+            return True
+        except Exception as err:
+            log.warning("kv put %s/%s failed: %s", bucket, key, err)
+            return False
+
+    async def kv_delete(self, bucket: str, key: str) -> bool:
+        if not self.is_connected:
+            return False
+        try:
+            await (await self.kv(bucket)).delete(key)
+            return True
+        except Exception as err:
+            log.warning("kv delete %s/%s failed: %s", bucket, key, err)
+            return False
+
+    async def kv_get(self, bucket: str, key: str) -> bytes | None:
+        if not self.is_connected:
+            return None
+        try:
+            entry = await (await self.kv(bucket)).get(key)
+        except (KeyNotFoundError, NotFoundError):
+            return None
+        return entry.value
+
+    async def kv_items(self, bucket: str) -> dict[str, bytes]:
+        """Every live key of a bucket (used for resyncs)."""
+        return (await self.kv_snapshot(bucket))[0]
+
+    async def kv_snapshot(self, bucket: str) -> tuple[dict[str, bytes], int]:
+        """Every live key of a bucket and the bucket stream's last sequence.
+
+        Lists subjects from the bucket stream's info, not nats-py's `KeyValue.keys()`,
+        whose watcher can report "no keys" for a bucket that has some (its end-of-data
+        marker may arrive before the first entry): a resync would then "delete" them."""
+        assert self.js is not None
+        prefix = f"$KV.{bucket}."
+        info = await self.js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
+        kv = await self.kv(bucket)
+        out: dict[str, bytes] = {}
+        for subject in sorted(info.state.subjects or {}):
+            key = subject[len(prefix) :]
+            try:
+                entry = await kv.get(key)
+            except NotFoundError:  # deleted or purged (KeyDeletedError, KeyNotFoundError)
+                continue
+            if entry.value is not None:
+                out[key] = entry.value
+        return out, int(info.state.last_seq or 0)
+
+    async def publish(self, subject: str, message: protocol.Message) -> bool:
+        if not self.is_connected:
+            return False
+        try:
+            await self.nc.publish(subject, message.to_bytes())
+            return True
+        except Exception as err:
+            log.debug("publish %s failed: %s", subject, err)
+            return False
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        if self.nc is not None and not self.nc.is_closed:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.nc.close(), 2)
+        self.connected.clear()
+
+
+def redact_url(url: str) -> str:
+    """A NATS URL (or comma-separated list) without user:password or token."""
+    parsed = []
+    for part in url.split(","):
+        scheme, sep, rest = part.strip().partition("://")
+        if not sep:
+            scheme, rest = "", scheme
+        host = rest.rsplit("@", 1)[-1]
+        masked = "***@" if "@" in rest else ""
+        parsed.append(f"{scheme}{sep}{masked}{host}")
+    return ",".join(parsed)
+
+
+async def ensure_jetstream(js: JetStreamContext) -> None:
+    """Create the contract's KV buckets and streams if missing (idempotent). Buckets allow
+    direct get, so a single key's read is one subject a NATS user can be permitted."""
+    for bucket in protocol.BUCKETS:
+        try:
+            await js.key_value(bucket)
+        except BucketNotFoundError:
+            await js.create_key_value(KeyValueConfig(bucket=bucket, history=1, direct=True))
+            continue
+        info = await js.stream_info(f"KV_{bucket}")
+        if not info.config.allow_direct:
+            info.config.allow_direct = True
+            await js.update_stream(info.config)
+    for name, subjects in (
+        (protocol.STREAM_EVENTS, [protocol.EVENTS_WILDCARD]),
+        (protocol.STREAM_USAGE, [protocol.USAGE_WILDCARD]),
+    ):
+        try:
+            await js.stream_info(name)
+        except NotFoundError:
+            await js.add_stream(StreamConfig(name=name, subjects=subjects, max_age=7 * 24 * 3600))
+
+
+KvCallback = Callable[[str, bytes | None], Awaitable[None]]
+
+
+class KvWatch:
+    """Follow keys of a bucket across NATS restarts: a watcher per connection, plus a
+    full resync on every (re)connect and every `resync_s`, so a missed update is
+    repaired within that time. The callback gets (key, value) and (key, None) on delete."""
+
+    def __init__(self, link: NatsLink, bucket: str, keys: str = ">", resync_s: float = 10.0) -> None:
+        self.link = link
+        self.bucket = bucket
+        self.keys = keys
+        self.resync_s = resync_s
+        self._callbacks: list[KvCallback] = []
+        self._task: asyncio.Task | None = None
+        self._seen: dict[str, bytes] = {}
+        link.on_connect(self._restart)
+
+    def subscribe(self, callback: KvCallback) -> None:
+        self._callbacks.append(callback)
+
+    async def _restart(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self._task = asyncio.create_task(self._run(), name=f"kv-watch-{self.bucket}")
+
+    async def _emit(self, key: str, value: bytes | None) -> None:
+        if value is None:
+            if self._seen.pop(key, None) is None:
+                return
+        else:
+            if self._seen.get(key) == value:
+                return
+            self._seen[key] = value
+        for callback in self._callbacks:
+            try:
+                await callback(key, value)
+            except Exception:
+                log.exception("kv watch callback failed for %s/%s", self.bucket, key)
+
+    async def resync(self) -> None:
+        if not self.link.is_connected:  # "no answer" is not "no key": never emit deletes for it
+            raise ConnectionError(f"resync of {self.bucket} while NATS is down")
+        if _is_single_key(self.keys):  # one key: a direct get, never a listing of the bucket
+            value = await self.link.kv_get(self.bucket, self.keys)
+            if value is None and not self.link.is_connected:
+                raise ConnectionError(f"NATS went down during the resync of {self.bucket}")
+            items = {} if value is None else {self.keys: value}
+        else:
+            items = await self.link.kv_items(self.bucket)
+            if self.keys != ">":
+                items = {k: v for k, v in items.items() if _matches(self.keys, k)}
+        for key in list(self._seen):
+            if key not in items:
+                await self._emit(key, None)
+        for key, value in items.items():
+            await self._emit(key, value)
+
+    async def _run(self) -> None:
+        """Updates arrive on a core subscription to the bucket's subjects (`$KV.<bucket>.<keys>`):
+        a KV put is a publish there, and a NATS user can be allowed exactly those subjects,
+        unlike a consumer, whose filter travels in the request payload."""
+        prefix = f"$KV.{self.bucket}."
+        while True:
+            sub = None
+            try:
+                assert self.link.nc is not None
+                updates: asyncio.Queue = asyncio.Queue()
+                sub = await self.link.nc.subscribe(prefix + self.keys, cb=updates.put)
+                await self.link.nc.flush(timeout=5)
+                loop = asyncio.get_running_loop()
+                while True:
+                    await self.resync()
+                    deadline = loop.time() + self.resync_s
+                    while (timeout := deadline - loop.time()) > 0:
+                        try:
+                            msg = await asyncio.wait_for(updates.get(), timeout)
+                        except asyncio.TimeoutError:
+                            break
+                        key = msg.subject[len(prefix) :]
+                        operation = (msg.headers or {}).get("KV-Operation", "")
+                        deleted = operation in ("DEL", "PURGE") or not msg.data
+                        await self._emit(key, None if deleted else msg.data)
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:
+                log.debug("kv watch %s interrupted: %s", self.bucket, err)
+                await asyncio.sleep(1.0)
+            finally:
+                if sub is not None:
+                    with contextlib.suppress(Exception):
+                        await sub.unsubscribe()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+
+def _is_single_key(pattern: str) -> bool:
+    return not any(token in ("*", ">") for token in pattern.split("."))
+
+
+def _matches(pattern: str, key: str) -> bool:
+    p, k = pattern.split("."), key.split(".")
+    for i, part in enumerate(p):
+        if part == ">":
+            return True
+        if i >= len(k) or (part != "*" and part != k[i]):
+            return False
+    return len(p) == len(k)

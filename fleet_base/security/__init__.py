@@ -1,0 +1,1 @@
+"""Identities and TLS contexts every component shares."""
