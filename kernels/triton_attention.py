@@ -5,9 +5,7 @@ block tables, one token row at a time, so a tile may span any number of cache bl
 Grouped-query attention is handled by giving one program all G query heads that share a KV
 head: each K/V element is loaded once per program, not G times.
 Softmax runs online in base 2 (scores pre-multiplied by scale * log2(e)), accumulating in float32.
-
-Over ~400 lines: the decode and prefill kernels share the paged-cache addressing helpers
-and launch checks.
+The decode and prefill kernels share one tile loop (`_attend`) and the launch checks.
 """
 
 from __future__ import annotations
@@ -16,9 +14,74 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.split_k import choose_partition
+from kernels.triton_cache import cache_strides
 from kernels.triton_mode import interpreter_active
 
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend(
+    q,
+    k_base,
+    v_base,
+    table_row,
+    kv_start,
+    kv_end,
+    position,
+    scale_log2,
+    stride_kb,
+    stride_kt,
+    stride_vb,
+    stride_vt,
+    ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Rows of q (ROWS of them) over cache tokens [kv_start, kv_end) of one sequence and KV head,
+    whose rows start at `k_base`/`v_base`: (out, m, l), the normalized output and the row max and
+    sum of the base-2 softmax. CAUSAL masks token n out of row r past `position[r]`."""
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = d < HEAD_DIM
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32)
+    for tile in range(kv_start, kv_end, BLOCK_N):
+        n = tile + tl.arange(0, BLOCK_N)
+        n_mask = n < kv_end
+        block = tl.load(table_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        offset = n % BLOCK_SIZE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_base + (block * stride_kb + offset * stride_kt)[:, None] + d[None, :], mask=kv_mask, other=0.0
+        )
+        if FP32_DOT:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if CAUSAL:
+            s = tl.where(n_mask[None, :] & (n[None, :] <= position[:, None]), s, float("-inf"))
+        else:
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_base + (block * stride_vb + offset * stride_vt)[:, None] + d[None, :], mask=kv_mask, other=0.0
+        )
+        p = p.to(v_base.dtype.element_ty)
+        if FP32_DOT:
+            p = p.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc / l_i[:, None], m_i, l_i
 
 
 @triton.jit
@@ -76,45 +139,28 @@ def _decode_kernel(
         )
         if FP32_DOT:
             q = q.to(tl.float32)
-        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-        table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        for tile in range(start, end, BLOCK_N):
-            n = tile + tl.arange(0, BLOCK_N)
-            n_mask = n < end
-            block = tl.load(table_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-            offset = n % BLOCK_SIZE
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(
-                k_cache_ptr
-                + (block * stride_kb + offset * stride_kt + kv_head * stride_kh)[:, None]
-                + d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            if FP32_DOT:
-                k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-            s = tl.where(n_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_cache_ptr
-                + (block * stride_vb + offset * stride_vt + kv_head * stride_vh)[:, None]
-                + d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            p = p.to(v_cache_ptr.dtype.element_ty)
-            if FP32_DOT:
-                p = p.to(tl.float32)
-                v = v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-            m_i = m_new
-        acc = acc / l_i[:, None]
+        acc, m_i, l_i = _attend(
+            q,
+            k_cache_ptr + kv_head * stride_kh,
+            v_cache_ptr + kv_head * stride_vh,
+            block_tables_ptr + seq.to(tl.int64) * stride_bt,
+            start,
+            end,
+            g,
+            scale_log2,
+            stride_kb,
+            stride_kt,
+            stride_vb,
+            stride_vt,
+            GROUP_PAD,
+            HEAD_DIM,
+            HEAD_DIM_PAD,
+            BLOCK_SIZE,
+            BLOCK_N,
+            False,
+            FP32_DOT,
+            DOT_PRECISION,
+        )
         if SINGLE_SPLIT:
             tl.store(
                 out_ptr + seq.to(tl.int64) * stride_ob + head[:, None] * stride_oh + d[None, :],
@@ -237,47 +283,28 @@ def _prefill_kernel(
         )
         if FP32_DOT:
             q = q.to(tl.float32)
-        position = prefix_len + qi
-        m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
-        acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-        table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        kv_end = tl.minimum(context_len, prefix_len + q_off + BLOCK_Q)
-        for tile in range(0, kv_end, BLOCK_N):
-            n = tile + tl.arange(0, BLOCK_N)
-            n_mask = n < kv_end
-            block = tl.load(table_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-            offset = n % BLOCK_SIZE
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(
-                k_cache_ptr
-                + (block * stride_kb + offset * stride_kt + kv_head * stride_kh)[:, None]
-                + d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            if FP32_DOT:
-                k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-            s = tl.where(n_mask[None, :] & (n[None, :] <= position[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_cache_ptr
-                + (block * stride_vb + offset * stride_vt + kv_head * stride_vh)[:, None]
-                + d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            p = p.to(v_cache_ptr.dtype.element_ty)
-            if FP32_DOT:
-                p = p.to(tl.float32)
-                v = v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-            m_i = m_new
-        acc = acc / l_i[:, None]
+        acc, _, _ = _attend(
+            q,
+            k_cache_ptr + kv_head * stride_kh,
+            v_cache_ptr + kv_head * stride_vh,
+            block_tables_ptr + seq.to(tl.int64) * stride_bt,
+            0,
+            tl.minimum(context_len, prefix_len + q_off + BLOCK_Q),
+            prefix_len + qi,
+            scale_log2,
+            stride_kb,
+            stride_kt,
+            stride_vb,
+            stride_vt,
+            BLOCK_Q * GROUP_PAD,
+            HEAD_DIM,
+            HEAD_DIM_PAD,
+            BLOCK_SIZE,
+            BLOCK_N,
+            True,
+            FP32_DOT,
+            DOT_PRECISION,
+        )
         tl.store(
             out_ptr + (token * stride_ot + head * stride_oh)[:, None] + d[None, :],
             acc.to(out_ptr.dtype.element_ty),
@@ -295,34 +322,6 @@ def _dot_options(dtype: torch.dtype) -> dict[str, object]:
     bf16 is exact there: products of bf16 values fit float32, as in the GPU's bf16 MMA."""
     fp32 = dtype == torch.float32 or interpreter_active()
     return {"FP32_DOT": fp32, "DOT_PRECISION": "ieee" if fp32 else "tf32"}
-
-
-_SM_COUNT: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
-
-
-# Split-K decode: aim for this many programs per SM (several waves, so the last, partial wave
-# costs little) without making a partition shorter than MIN_PARTITION tokens. Untuned guesses:
-# `python -m bench.kernels_gpu --sweep` measures alternatives on a real GPU.
-PROGRAMS_PER_SM = 16
-MIN_PARTITION = 256
-
-
-def _choose_partition(max_len: int, programs: int, block_n: int, device: torch.device) -> int:
-    """Tokens per split for `programs` (sequence, KV head) pairs over contexts up to `max_len`."""
-    if device.type != "cuda":
-        return max(block_n, -(-max_len // block_n) * block_n)  # one split: the interpreter is slow
-    wanted = max(1, min(-(-PROGRAMS_PER_SM * _num_sms(device) // programs), -(-max_len // MIN_PARTITION)))
-    per_split = -(-max_len // wanted)
-    return -(-per_split // block_n) * block_n
 
 
 def paged_attention_decode(
@@ -355,7 +354,7 @@ def paged_attention_decode(
             block_n = 32 if q.dtype == torch.float32 else 64 if head_dim_pad <= 128 else 32
     max_len = max(1, block_tables.shape[1] * block_size)
     if partition_size is None:
-        partition_size = _choose_partition(max_len, batch * num_kv_heads, block_n, q.device)
+        partition_size = choose_partition(max_len, batch * num_kv_heads, block_n, q.device)
     if partition_size % block_n:
         raise ValueError(f"partition_size {partition_size} must be a multiple of block_n {block_n}")
     num_splits = -(-max_len // partition_size)
@@ -382,17 +381,7 @@ def paged_attention_decode(
         scale_log2,
         partition_size,
         num_splits,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        *_strides(q, k_cache, v_cache, block_tables, out),
         GROUP=group,
         GROUP_PAD=_pow2(group, 16),
         HEAD_DIM=head_dim,
@@ -465,17 +454,7 @@ def paged_attention_prefill(
         out,
         float(scale) * LOG2E,
         num_seqs,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        *_strides(q, k_cache, v_cache, block_tables, out),
         GROUP=group,
         GROUP_PAD=group_pad,
         HEAD_DIM=head_dim,
@@ -489,6 +468,11 @@ def paged_attention_prefill(
         num_stages=num_stages,
     )
     return out
+
+
+def _strides(q, k_cache, v_cache, block_tables, out) -> tuple[int, ...]:
+    """Every stride the decode and prefill kernels take, in their argument order."""
+    return (*q.stride()[:2], *cache_strides(k_cache, v_cache), block_tables.stride(0), *out.stride()[:2])
 
 
 def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

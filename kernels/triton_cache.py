@@ -52,6 +52,12 @@ def _write_kv_kernel(
     tl.store(v_cache_ptr + dst_v + d[None, None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+def cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, ...]:
+    """The block, token and head strides of the K cache, then of the V cache: the order every
+    paged-cache kernel takes them in."""
+    return (*k_cache.stride()[:3], *v_cache.stride()[:3])
+
+
 def write_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -79,12 +85,7 @@ def write_kv_cache(
         key.stride(1),
         value.stride(0),
         value.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
+        *cache_strides(k_cache, v_cache),
         num_kv_heads,
         BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim,
