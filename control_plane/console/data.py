@@ -7,6 +7,7 @@ import json
 import re
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -70,33 +71,34 @@ def overview(session: Session) -> dict[str, Any]:
     }
 
 
+EVENT_FILTERS = ("deployment", "cluster", "kind", "since")
+AUDIT_FILTERS = ("resource_type", "resource_id", "action", "since")
+
+
+def _page(
+    listing: Callable[..., Any],
+    names: tuple[str, ...],
+    session: Session,
+    who: Principal,
+    limit: int,
+    offset: int,
+    filters: dict[str, Any],
+) -> Any:
+    """One page of an API listing called as a function: every filter is passed (None where
+    unset), as the route's own defaults are FastAPI `Query` markers, not None."""
+    return listing(session=session, who=who, page=Paging(limit, offset), **{n: filters.get(n) for n in names})
+
+
 def events(
     session: Session, who: Principal, limit: int = 50, offset: int = 0, **filters: Any
 ) -> dict[str, Any]:
-    page = history.list_events(
-        session=session,
-        who=who,
-        page=Paging(limit, offset),
-        deployment=filters.get("deployment"),
-        cluster=filters.get("cluster"),
-        kind=filters.get("kind"),
-        since=filters.get("since"),
-    )
-    return page.model_dump()
+    return _page(history.list_events, EVENT_FILTERS, session, who, limit, offset, filters).model_dump()
 
 
 def audit(
     session: Session, who: Principal, limit: int = 50, offset: int = 0, **filters: Any
 ) -> dict[str, Any]:
-    page = history.list_audit(
-        session=session,
-        who=who,
-        page=Paging(limit, offset),
-        resource_type=filters.get("resource_type"),
-        resource_id=filters.get("resource_id"),
-        action=filters.get("action"),
-        since=filters.get("since"),
-    )
+    page = _page(history.list_audit, AUDIT_FILTERS, session, who, limit, offset, filters)
     items = []
     for item in page.items:
         row = item.model_dump()

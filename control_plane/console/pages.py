@@ -4,6 +4,7 @@ template that htmx re-fetches every few seconds (`.../panel`), and its charts re
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -54,22 +55,29 @@ def overview_panel(request: Request):
         return render(request, "_overview.html", o=data.overview(db))
 
 
-@router.get("/deployments/{name}")
-def deployment(name: str, request: Request, who: ConsoleSession = Depends(require)):
-    with _db(request) as db:
-        d = data.deployment(db, who.principal, name)
-    if d is None:
-        return _missing(request, f"Deployment {name!r}")
-    return render(request, "deployment.html", page="deployments", name=name, d=d)
+def _deployment_view(path: str, stem: str, load: Callable[..., dict[str, Any] | None], key: str) -> None:
+    """Route a deployment's page `path` ("{stem}.html") and its live fragment `path/panel`
+    ("_{stem}.html") over the view `load` builds; an unknown deployment is a 404 page."""
+
+    def view(deployment: str, request: Request, who: ConsoleSession, fragment: bool):
+        with _db(request) as db:
+            found = load(db, who.principal, deployment)
+        if found is None:
+            return _missing(request, f"Deployment {deployment!r}")
+        if fragment:
+            return render(request, f"_{stem}.html", name=deployment, **{key: found})
+        return render(request, f"{stem}.html", page="deployments", name=deployment, **{key: found})
+
+    @router.get(path, name=stem)
+    def page(name: str, request: Request, who: ConsoleSession = Depends(require)):
+        return view(name, request, who, fragment=False)
+
+    @router.get(f"{path}/panel", name=f"{stem}_panel")
+    def panel(name: str, request: Request, who: ConsoleSession = Depends(require)):
+        return view(name, request, who, fragment=True)
 
 
-@router.get("/deployments/{name}/panel")
-def deployment_panel(name: str, request: Request, who: ConsoleSession = Depends(require)):
-    with _db(request) as db:
-        d = data.deployment(db, who.principal, name)
-    if d is None:
-        return _missing(request, f"Deployment {name!r}")
-    return render(request, "_deployment.html", name=name, d=d)
+_deployment_view("/deployments/{name}", "deployment", data.deployment, "d")
 
 
 @router.get("/deployments/{name}/series.json")
@@ -83,22 +91,7 @@ def deployment_series(
     return secure(JSONResponse(series.deployment_series(rows, since, until)))
 
 
-@router.get("/deployments/{name}/rollout")
-def rollout(name: str, request: Request, who: ConsoleSession = Depends(require)):
-    with _db(request) as db:
-        r = data.rollout(db, who.principal, name)
-    if r is None:
-        return _missing(request, f"Deployment {name!r}")
-    return render(request, "rollout.html", page="deployments", name=name, r=r)
-
-
-@router.get("/deployments/{name}/rollout/panel")
-def rollout_panel(name: str, request: Request, who: ConsoleSession = Depends(require)):
-    with _db(request) as db:
-        r = data.rollout(db, who.principal, name)
-    if r is None:
-        return _missing(request, f"Deployment {name!r}")
-    return render(request, "_rollout.html", name=name, r=r)
+_deployment_view("/deployments/{name}/rollout", "rollout", data.rollout, "r")
 
 
 @router.get("/deployments/{name}/rollout/series.json")
