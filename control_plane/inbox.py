@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
+from control_plane.counters import Rejections
 from control_plane.nats_loop import Handler, NatsLoop
 from fleet_base import protocol
 from fleet_base.wire import Rejected, decode_demand, decode_heartbeat
-
-if TYPE_CHECKING:  # control_plane.loops imports this module
-    from control_plane.loops.rejects import Rejections
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +38,7 @@ class Inbox(NatsLoop):
 
     def __init__(self, ctx: Any, rejections: Rejections | None = None) -> None:
         super().__init__(ctx)
-        if rejections is None:
-            from control_plane.loops.rejects import Rejections
-
-            rejections = Rejections()
-        self.rejections = rejections
+        self.rejections = rejections if rejections is not None else Rejections()
         self._receivers: dict[str, list[Receiver]] = {kind: [] for kind in _KINDS}
         self.subscribed: set[str] = set()
 

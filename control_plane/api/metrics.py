@@ -22,9 +22,8 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.api.views import used_gpus
+from control_plane.counters import ReconcileStats, Rejections
 from control_plane.db.models import CapacityPool, Cluster, Deployment, ReplicaAssignment, Rollout
-from control_plane.loops.rejects import Rejections
-from control_plane.loops.stats import ReconcileStats
 from control_plane.rollouts.policy import Phase
 from fleet_base.protocol import ClusterStatus, ReplicaState
 

@@ -6,7 +6,7 @@
 - heartbeats: `fleet.v1.heartbeat.*` (core NATS) into the database, batched (the latest
   heartbeat per cluster, every `FLUSH_S`), each in its own savepoint;
 - events: the `FLEET_EVENTS` stream through a durable consumer (`durable`), acknowledged
-  after the commit, stored once by event id; a bad message is counted (`rejects`) and skipped;
+  after the commit, stored once by event id; a bad message is counted (`control_plane.counters`) and skipped;
 - failover: a cluster silent for `missed_heartbeats * heartbeat_interval_s` becomes
   unhealthy, which the next reconcile turns into re-placement and dropped routes.
 
@@ -23,18 +23,19 @@ import time
 from datetime import datetime
 
 from control_plane.context import ControlPlaneContext
+from control_plane.counters import ReconcileStats, Rejections
 from control_plane.db.models import utcnow
 from control_plane.inbox import Inbox
+from control_plane.loops.autoscale import start_autoscale_loop
 from control_plane.loops.durable import DurableConsumer
 from control_plane.loops.ingest import (
     apply_heartbeats,
     mark_silent_unhealthy,
     store_event_batch,
 )
+from control_plane.loops.keys import start_key_loop
 from control_plane.loops.publish import KvPublisher
 from control_plane.loops.reconcile import ReconcileOutcome, reconcile_once
-from control_plane.loops.rejects import Rejections
-from control_plane.loops.stats import ReconcileStats
 from control_plane.loops.usage import UsageLoop
 from control_plane.nats_loop import NatsLoop
 from control_plane.placement import Unplaced, get_placer
@@ -214,9 +215,6 @@ async def start_loops(ctx: ControlPlaneContext) -> Loops:
     loops = await Loops(ctx).start()
     loops.rollouts = await start_rollout_loop(ctx)
     loops.children.append(loops.rollouts)
-    from control_plane.loops.autoscale import start_autoscale_loop
-    from control_plane.loops.keys import start_key_loop
-
     loops.children.append(await start_autoscale_loop(ctx, inbox=loops.inbox))
     loops.children.append(await start_key_loop(ctx))
     return loops

@@ -12,12 +12,12 @@ from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, selectinload
 
+from control_plane.counters import Rejections
 from control_plane.db.models import CapacityPool, Cluster, ReplicaAssignment
 from control_plane.db.models import Event as EventRow
 from control_plane.db.once import insert_once
 from control_plane.loops.durable import Received, Verdicts
 from control_plane.loops.preemption import apply_preemptions
-from control_plane.loops.rejects import Rejections
 from fleet_base.protocol import (
     EVENTS_WILDCARD,
     HEARTBEAT_WILDCARD,

@@ -11,8 +11,8 @@ import logging
 import time
 
 from control_plane.context import ControlPlaneContext
+from control_plane.fleet_model.snapshot import live_keys
 from control_plane.loops.publish import KvPublisher
-from control_plane.loops.snapshot import live_keys
 from fleet_base import protocol
 
 log = logging.getLogger(__name__)

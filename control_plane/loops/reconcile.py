@@ -11,16 +11,16 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.db.models import Deployment, Event, ReplicaAssignment
-from control_plane.loops.demand_regions import read_demand_regions, with_demand_regions
-from control_plane.loops.plan import (
+from control_plane.fleet_model.demand_regions import read_demand_regions, with_demand_regions
+from control_plane.fleet_model.plan import (
     build_desired,
     build_routes,
     next_assignments,
     placement_inputs,
     removal_context,
 )
-from control_plane.loops.snapshot import FleetSnapshot, read_snapshot
-from control_plane.loops.standby import standby_demands
+from control_plane.fleet_model.snapshot import FleetSnapshot, read_snapshot
+from control_plane.fleet_model.standby import standby_demands
 from control_plane.placement import PlacementResult, Placer, SolvedPlan, SolveInfo, Unplaced, pipeline
 from fleet_base.protocol import BUCKET_DESIRED, BUCKET_ROUTES, Message
 

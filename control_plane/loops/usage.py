@@ -28,11 +28,11 @@ from datetime import datetime, timedelta, timezone
 from sqlalchemy import delete, func, select
 
 from control_plane.context import ControlPlaneContext
+from control_plane.counters import Rejections
 from control_plane.db.models import ApiKey, Cluster, UsageRecord
 from control_plane.db.once import insert_once
+from control_plane.fleet_model.shares import ShareSettings, compute_shares
 from control_plane.loops.durable import DurableConsumer, Received, Verdicts
-from control_plane.loops.rejects import Rejections
-from control_plane.loops.shares import ShareSettings, compute_shares
 from control_plane.nats_loop import NatsLoop
 from control_plane.settings import Settings
 from fleet_base import protocol

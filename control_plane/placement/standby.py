@@ -2,7 +2,7 @@
 are set aside before it (their GPUs reserved, `split`), the placer sees the primary
 demand only, and the missing standby replicas are added afterwards from what is left
 (`complete`). Pure; what a deployment's standby is comes in as `StandbyDemand`
-(built from the fleet snapshot by `control_plane.loops.standby`)."""
+(built from the fleet snapshot by `control_plane.fleet_model.standby`)."""
 
 from __future__ import annotations
 

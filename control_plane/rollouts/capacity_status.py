@@ -4,20 +4,15 @@ Computed by the same `capacity_plan` that reconcile places with, from the same s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from control_plane.fleet_model.plan import capacity_plan
+from control_plane.fleet_model.snapshot import FleetSnapshot
 from control_plane.rollouts.policy import Decision
-
-if TYPE_CHECKING:
-    from control_plane.loops.snapshot import FleetSnapshot
 
 Numbers = dict[str, int | str]
 
 
 def capacity_numbers(snap: FleetSnapshot) -> dict[str, Numbers]:
     """By deployment in a canary rollout: mode, reason, ready replicas and the floor."""
-    from control_plane.loops.plan import capacity_plan  # control_plane.loops imports the rollout loop
-
     out: dict[str, Numbers] = {}
     for d in snap.deployments:
         plan = capacity_plan(snap, d)

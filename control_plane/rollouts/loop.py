@@ -18,8 +18,9 @@ from sqlalchemy import func, select
 
 from control_plane.context import ControlPlaneContext
 from control_plane.db.models import Deployment, Event, ReplicaAssignment, Rollout
+from control_plane.fleet_model.snapshot import read_snapshot
 from control_plane.nats_loop import Handler, NatsLoop
-from control_plane.rollouts.capacity_status import with_capacity
+from control_plane.rollouts.capacity_status import capacity_numbers, with_capacity
 from control_plane.rollouts.policy import Decision, Observation, RolloutParams, decide
 from control_plane.rollouts.store import active_filter, numbers_text, params_of, record, state_of, write_state
 from control_plane.rollouts.telemetry import UsageWindows
@@ -190,10 +191,7 @@ class RolloutLoop(NatsLoop):
 
 
 def _capacity(session) -> dict:
-    """Surge/replace numbers by deployment (imported here: control_plane.loops imports this module)."""
-    from control_plane.loops.snapshot import read_snapshot
-    from control_plane.rollouts.capacity_status import capacity_numbers
-
+    """Surge/replace numbers by deployment."""
     return capacity_numbers(read_snapshot(session))
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 from datetime import timedelta
 
 from control_plane.db import models as m
-from control_plane.loops.demand_regions import _coarse, read_demand_regions
+from control_plane.fleet_model.demand_regions import _coarse, read_demand_regions
+from control_plane.fleet_model.snapshot import read_snapshot
 from control_plane.loops.ingest import apply_heartbeat
 from control_plane.loops.reconcile import reconcile_once
-from control_plane.loops.snapshot import read_snapshot
 from control_plane.placement import get_placer
 from fleet_base.protocol import Heartbeat, PoolInventory
 from tests.control_plane.test_loops import add_deployment, sessions, set_deployment  # noqa: F401

@@ -11,15 +11,15 @@ from sqlalchemy import select
 
 from control_plane.db import models as m
 from control_plane.db.session import make_sessions, upgrade_to_head
+from control_plane.fleet_model.plan import build_routes, next_assignments, placement_inputs
+from control_plane.fleet_model.snapshot import live_keys, read_snapshot
 from control_plane.loops.ingest import (
     apply_heartbeat,
     is_silent,
     mark_silent_unhealthy,
     record_events,
 )
-from control_plane.loops.plan import build_routes, next_assignments, placement_inputs
 from control_plane.loops.reconcile import reconcile_once
-from control_plane.loops.snapshot import live_keys, read_snapshot
 from control_plane.placement import get_placer
 from fleet_base.protocol import (
     BUCKET_DESIRED,

@@ -151,7 +151,7 @@ def test_any_rollout_keeps_the_bound(replicas, spare, surge, unavailable, steps)
 
 
 def _snapshot(free_nodes: int = 0):
-    from control_plane.loops.snapshot import (
+    from control_plane.fleet_model.snapshot import (
         AssignmentRow,
         ClusterRow,
         DeploymentRow,
@@ -180,7 +180,7 @@ def _snapshot(free_nodes: int = 0):
 
 
 def test_full_pool_canary_replaces_a_baseline_replica_in_the_placer():
-    from control_plane.loops.plan import placement_inputs, removal_reasons
+    from control_plane.fleet_model.plan import placement_inputs, removal_reasons
     from control_plane.placement import FirstFitDecreasing
     from control_plane.rollouts.capacity_status import capacity_numbers
 
@@ -196,7 +196,7 @@ def test_full_pool_canary_replaces_a_baseline_replica_in_the_placer():
 
 
 def test_free_capacity_surges_without_touching_the_baseline():
-    from control_plane.loops.plan import placement_inputs
+    from control_plane.fleet_model.plan import placement_inputs
     from control_plane.placement import FirstFitDecreasing
 
     snap = _snapshot(free_nodes=2)

@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 from agent.daemon import Agent
 from control_plane.context import ControlPlaneContext
+from control_plane.counters import Rejections
 from control_plane.db.models import Event as EventRow
 from control_plane.db.session import make_sessions, upgrade_to_head
 from control_plane.loops import Loops
 from control_plane.loops.durable import Received
 from control_plane.loops.ingest import store_event_batch
-from control_plane.loops.rejects import Rejections
 from control_plane.settings import Settings
 from fleet_base import protocol
 from fleet_base.cluster_config import ClusterConfig

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from control_plane.db.models import ApiKey, CapacityPool, Cluster, Deployment, ReplicaAssignment
 from control_plane.db.session import make_sessions, upgrade_to_head
-from control_plane.loops.shares import ShareSettings, compute_shares
+from control_plane.fleet_model.shares import ShareSettings, compute_shares
 from control_plane.loops.usage import prune_records, store_records, update_shares
 from fleet_base.protocol import UsageRecord as UsageMessage
 from fleet_base.wire import usage_problem as record_problem

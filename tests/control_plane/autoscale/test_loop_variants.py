@@ -10,9 +10,9 @@ from sqlalchemy import select
 from control_plane.context import ControlPlaneContext
 from control_plane.db import models as m
 from control_plane.db.session import make_sessions, upgrade_to_head
+from control_plane.fleet_model.plan import placement_inputs
+from control_plane.fleet_model.snapshot import read_snapshot
 from control_plane.loops.autoscale import AutoscaleLoop
-from control_plane.loops.plan import placement_inputs
-from control_plane.loops.snapshot import read_snapshot
 from control_plane.settings import Settings
 from fleet_base.protocol import Heartbeat, ReplicaLoad, ReplicaState, ReplicaStatus
 

@@ -10,8 +10,8 @@ import pytest
 from agent.gateway.demand import DemandSignal
 from control_plane.autoscale.observe import observe, settings_of
 from control_plane.db.models import CapacityPool, DeploymentVersion
-from control_plane.loops.plan import build_routes
-from control_plane.loops.snapshot import DeploymentRow, FleetSnapshot, VersionSpec
+from control_plane.fleet_model.plan import build_routes
+from control_plane.fleet_model.snapshot import DeploymentRow, FleetSnapshot, VersionSpec
 from fleet_base.protocol import Demand, Heartbeat, ReplicaLoad, ReplicaState, ReplicaStatus
 
 
@@ -127,8 +127,8 @@ def test_settings_carry_the_profile_targets_and_variants_over_pools() -> None:
 
 
 def test_the_placer_receives_the_autoscalers_gpu_mix() -> None:
-    from control_plane.loops.plan import placement_inputs
-    from control_plane.loops.snapshot import ClusterRow, PoolRow
+    from control_plane.fleet_model.plan import placement_inputs
+    from control_plane.fleet_model.snapshot import ClusterRow, PoolRow
     from control_plane.placement.ffd import FirstFitDecreasing
 
     spec = VersionSpec(deployment="chat", version=1, model="m", gpu_models=("H100", "A100"), gpu_count=4)

@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping
 
+from control_plane.fleet_model.snapshot import AssignmentRow, DeploymentRow, FleetSnapshot, VersionSpec
+from control_plane.fleet_model.standby import in_regions, primary_regions
 from control_plane.geo.routes import by_region_for
-from control_plane.loops.snapshot import AssignmentRow, DeploymentRow, FleetSnapshot, VersionSpec
-from control_plane.loops.standby import in_regions, primary_regions
 from control_plane.placement import Assignment, PlacementResult, PoolCapacity, ReplicaDemand
 from control_plane.placement.evaluate import slot_size
 from control_plane.placement.explain import RemovalContext

@@ -15,7 +15,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from control_plane.db.models import UsageRecord, utcnow
-from control_plane.loops.snapshot import FleetSnapshot
+from control_plane.fleet_model.snapshot import FleetSnapshot
 from control_plane.placement import ReplicaDemand
 
 WINDOW_S = 600.0

@@ -31,7 +31,7 @@ class VersionSpec(_Row):
     gpu_memory_gb: float = 0.0
     regions: tuple[str, ...] = ()
     min_regions: int = 1
-    standby_regions: tuple[str, ...] = ()  # active-passive (control_plane.loops.standby)
+    standby_regions: tuple[str, ...] = ()  # active-passive (control_plane.fleet_model.standby)
     min_replicas: int = 1  # 0: the deployment may scale to zero (its route stays)
 
 

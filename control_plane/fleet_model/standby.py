@@ -15,7 +15,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Sequence
 
-from control_plane.loops.snapshot import FleetSnapshot, VersionSpec
+from control_plane.fleet_model.snapshot import FleetSnapshot, VersionSpec
 from control_plane.placement.standby import StandbyDemand
 from fleet_base.protocol import ClusterStatus
 
