@@ -14,6 +14,7 @@ from __future__ import annotations
 import secrets
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 
 from control_plane.placement.base import (
     PRIORITY_RANK,
@@ -72,6 +73,228 @@ class _Nodes:
         self.free[pool_key][node] += gpus
 
 
+@dataclass
+class _Plan:
+    """The state the greedy passes share: the inputs by key, free GPUs per node, the
+    replicas kept, added and removed so far, and the GPUs each class holds against its quota."""
+
+    by_demand: dict[tuple[str, int], ReplicaDemand]
+    pools: list[PoolCapacity]  # preference order
+    quotas: GpuQuotas
+    id_factory: IdFactory
+    used_ids: set[str]
+    by_pool: dict[tuple[str, str], PoolCapacity] = field(init=False)
+    nodes: _Nodes = field(init=False)
+    candidates: dict[tuple[str, int], list[Assignment]] = field(default_factory=lambda: defaultdict(list))
+    kept: list[Assignment] = field(default_factory=list)
+    added: list[Assignment] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    placed: dict[tuple[str, int], list[Assignment]] = field(default_factory=lambda: defaultdict(list))
+    unplaced: dict[tuple[str, int], Unplaced] = field(default_factory=dict)
+    preempted: list[Preemption] = field(default_factory=list)
+    caps: dict[str, int] = field(default_factory=dict)
+    budget: dict[int, int] = field(default_factory=dict)
+    held: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def __post_init__(self) -> None:
+        self.by_pool = {p.key: p for p in self.pools}
+        self.nodes = _Nodes(self.pools)
+
+    def demand_of(self, a: Assignment) -> ReplicaDemand:
+        return self.by_demand[(a.deployment, a.version)]
+
+    def rank_of(self, a: Assignment) -> int:
+        return self.demand_of(a).rank
+
+    def screen(self, current: Sequence[Assignment]) -> None:
+        """Which current replicas may stay: right version, allowed pool, cluster not lost."""
+        seen: set[str] = set()
+        for a in current:
+            if a.replica_id in seen:
+                continue
+            seen.add(a.replica_id)
+            d = self.by_demand.get((a.deployment, a.version))
+            p = self.by_pool.get(a.pool_key)
+            if d is None or p is None or not p.keeps_existing or not d.acceptable(p) or a.gpus != d.gpu_count:
+                self.removed.append(a.replica_id)
+                continue
+            self.candidates[d.key].append(a)
+
+    def scale_down(self) -> list[Assignment]:
+        """Keep the best replica per region up to min_regions, then the most preferred."""
+        keep: list[Assignment] = []
+        for key, group in self.candidates.items():
+            count = self.by_demand[key].count
+            chosen = _keep_order(group, self.by_demand[key], self.by_pool)
+            keep += chosen[:count]
+            self.removed += [a.replica_id for a in chosen[count:]]
+        return keep
+
+    def fit_survivors(self, keep: list[Assignment]) -> None:
+        """Fit the survivors onto nodes: their recorded node first, then first-fit, largest first."""
+        unfitted: list[Assignment] = []
+        for a in sorted(keep, key=lambda a: (self.by_pool[a.pool_key].preference(), a.replica_id)):
+            if a.node is not None and self.nodes.fits(a.pool_key, a.node, a.gpus):
+                self.nodes.take(a.pool_key, a.node, a.gpus)
+                self.kept.append(a)
+            else:
+                unfitted.append(a)
+        for a in sorted(
+            unfitted, key=lambda a: (-a.gpus, self.by_pool[a.pool_key].preference(), a.replica_id)
+        ):
+            node = self.nodes.first_fit(self.by_pool[a.pool_key], a.gpus)
+            if node is None:
+                self.removed.append(a.replica_id)
+                continue
+            self.nodes.take(a.pool_key, node, a.gpus)
+            self.kept.append(a if a.node == node else a.model_copy(update={"node": node}))
+
+    def open_quotas(self) -> None:
+        """What each class holds after the survivors, its caps and its preemptible budget."""
+        for a in self.kept:
+            self.placed[(a.deployment, a.version)].append(a)
+        running = running_gpus(self.by_demand.values(), {k: len(g) for k, g in self.candidates.items()})
+        self.caps = class_caps(self.quotas, running)
+        self.budget = {PRIORITY_RANK[c]: n for c, n in preemptible(self.quotas, running).items()}
+        for a in self.kept:
+            self.held[self.demand_of(a).priority] += a.gpus
+
+    def place_missing(self) -> None:
+        """Place what is missing, the highest class first, then biggest replicas first.
+        Class floors (quotas) are placed first; class bounds stop a class's growth."""
+        order = sorted(
+            self.by_demand.values(),
+            key=lambda d: (
+                -d.rank,
+                -d.gpu_count,
+                -d.gpu_memory_gb,
+                -(d.count - len(self.placed[d.key])),
+                d.deployment,
+                d.version,
+            ),
+        )
+        for d in order:  # floors first: each floored class up to its guaranteed GPUs
+            floor = self.quotas.floor(d.priority)
+            while len(self.placed[d.key]) < d.count and self.held[d.priority] < floor:
+                if self.place_one(d) is not None:
+                    break
+        for d in order:
+            while len(self.placed[d.key]) < d.count:
+                why = self.place_one(d)
+                if why is not None:
+                    self.unplaced[d.key] = Unplaced(
+                        deployment=d.deployment,
+                        version=d.version,
+                        missing=d.count - len(self.placed[d.key]),
+                        reason=why,
+                    )
+                    break
+
+    def place_one(self, d: ReplicaDemand) -> str | None:
+        """Place one replica of `d`; None, or why not. A replica that finds no free node
+        may preempt replicas of strictly lower classes."""
+        cap = self.caps.get(d.priority)
+        if cap is not None and self.held[d.priority] + d.gpu_count > cap:
+            return quota_reason(d.priority, self.quotas, self.held[d.priority])
+        covered = {self.by_pool[a.pool_key].region for a in self.placed[d.key]}
+        spot = _choose(d, self.pools, self.nodes, covered)
+        if spot is None and d.rank > 0:
+            spot = self.preempt_for(d)
+        if spot is None:
+            return _why(d, self.pools)
+        new = self.assign(d, *spot)
+        self.placed[d.key].append(new)
+        self.added.append(new)
+        self.held[d.priority] += d.gpu_count
+        return None
+
+    def preempt_for(self, d: ReplicaDemand) -> tuple[PoolCapacity, int] | None:
+        """Free a node for `d` by preempting lower classes within their budget; the spot, or None."""
+        choice = choose_victims(
+            d, self.pools, self.nodes.free, self.kept + self.added, self.rank_of, self.budget
+        )
+        if choice is None:
+            return None
+        pool, node, victims = choice
+        for v in victims:
+            self.placed[(v.deployment, v.version)].remove(v)
+            self.nodes.give_back(v.pool_key, v.node, v.gpus)
+            self.held[self.demand_of(v).priority] -= v.gpus
+            if self.rank_of(v) in self.budget:
+                self.budget[self.rank_of(v)] -= v.gpus
+            if v in self.added:  # placed earlier in this plan: never ran
+                self.added.remove(v)
+                continue
+            self.kept.remove(v)
+            self.removed.append(v.replica_id)
+            self.preempted.append(preemption(v, self.demand_of(v), d))
+        return pool, node
+
+    def spread(self, d: ReplicaDemand) -> None:
+        """Move surplus replicas of `d` into new regions until min_regions (when capacity allows)."""
+        group = self.placed[d.key]
+        for _ in range(len(group)):  # each move covers one more region
+            regions = defaultdict(list)
+            for a in group:
+                regions[self.by_pool[a.pool_key].region].append(a)
+            if len(regions) >= min(d.min_regions, len(group)):
+                break
+            spot = _choose(d, self.pools, self.nodes, set(regions), new_region_only=True)
+            crowded = [a for r in regions.values() if len(r) > 1 for a in r]
+            if spot is None or not crowded:
+                break
+            victim = max(crowded, key=lambda a: (self.by_pool[a.pool_key].preference(), a.replica_id))
+            group.remove(victim)
+            self.nodes.give_back(victim.pool_key, victim.node, victim.gpus)
+            if victim in self.added:
+                self.added.remove(victim)
+            else:
+                self.kept.remove(victim)
+                self.removed.append(victim.replica_id)
+            new = self.assign(d, *spot)
+            group.append(new)
+            self.added.append(new)
+        n_regions = len({self.by_pool[a.pool_key].region for a in group})
+        if n_regions < min(d.min_regions, d.count):
+            add_note(
+                self.unplaced, d.key, d, f"only {n_regions} of min_regions {d.min_regions} regions have room"
+            )
+
+    def result(self) -> PlacementResult:
+        """The plan, an unplaced demand that was preempted saying by whom."""
+        for key, by in sorted({(p.deployment, p.version): p for p in self.preempted}.items()):
+            if key in self.unplaced:
+                add_note(
+                    self.unplaced,
+                    key,
+                    self.by_demand[key],
+                    f"preempted by {by.by_deployment} ({by.by_priority})",
+                )
+        return PlacementResult(
+            kept=tuple(self.kept),
+            added=tuple(self.added),
+            removed=tuple(self.removed),
+            unplaced=tuple(self.unplaced[k] for k in sorted(self.unplaced)),
+            preempted=tuple(self.preempted),
+        )
+
+    def assign(self, d: ReplicaDemand, pool: PoolCapacity, node: int) -> Assignment:
+        self.nodes.take(pool.key, node, d.gpu_count)
+        replica_id = self.id_factory(d.deployment, d.version)
+        while replica_id in self.used_ids:
+            replica_id = self.id_factory(d.deployment, d.version)
+        self.used_ids.add(replica_id)
+        return Assignment(
+            replica_id=replica_id,
+            deployment=d.deployment,
+            version=d.version,
+            cluster=pool.cluster,
+            pool=pool.name,
+            gpus=d.gpu_count,
+            node=node,
+        )
+
+
 class FirstFitDecreasing(Placer):
     name = "ffd"
 
@@ -79,7 +302,7 @@ class FirstFitDecreasing(Placer):
         self._id_factory = id_factory
         self.quotas = quotas
 
-    def place(  # noqa: C901 - the greedy passes share their node and quota state
+    def place(
         self,
         demands: Sequence[ReplicaDemand],
         pools: Sequence[PoolCapacity],
@@ -90,211 +313,44 @@ class FirstFitDecreasing(Placer):
             if d.key in by_demand:
                 raise ValueError(f"duplicate demand for {d.deployment} v{d.version}")
             by_demand[d.key] = d
-        ordered_pools = sorted({p.key: p for p in pools}.values(), key=PoolCapacity.preference)
-        by_pool = {p.key: p for p in ordered_pools}
-        nodes = _Nodes(ordered_pools)
-        used_ids = {a.replica_id for a in current}
-        removed: list[str] = []
-
-        # 1. Which current replicas may stay: right version, allowed pool, cluster not lost.
-        candidates: dict[tuple[str, int], list[Assignment]] = defaultdict(list)
-        seen: set[str] = set()
-        for a in current:
-            if a.replica_id in seen:
-                continue
-            seen.add(a.replica_id)
-            d = by_demand.get((a.deployment, a.version))
-            p = by_pool.get(a.pool_key)
-            if d is None or p is None or not p.keeps_existing or not d.acceptable(p) or a.gpus != d.gpu_count:
-                removed.append(a.replica_id)
-                continue
-            candidates[d.key].append(a)
-
-        # 2. Scale down: keep the best replica per region up to min_regions, then the most preferred.
-        keep: list[Assignment] = []
-        for key, group in candidates.items():
-            chosen = _keep_order(group, by_demand[key], by_pool)
-            keep += chosen[: by_demand[key].count]
-            removed += [a.replica_id for a in chosen[by_demand[key].count :]]
-
-        # 3. Fit the survivors onto nodes: their recorded node first, then first-fit, largest first.
-        kept: list[Assignment] = []
-        unfitted: list[Assignment] = []
-        for a in sorted(keep, key=lambda a: (by_pool[a.pool_key].preference(), a.replica_id)):
-            if a.node is not None and nodes.fits(a.pool_key, a.node, a.gpus):
-                nodes.take(a.pool_key, a.node, a.gpus)
-                kept.append(a)
-            else:
-                unfitted.append(a)
-        for a in sorted(unfitted, key=lambda a: (-a.gpus, by_pool[a.pool_key].preference(), a.replica_id)):
-            node = nodes.first_fit(by_pool[a.pool_key], a.gpus)
-            if node is None:
-                removed.append(a.replica_id)
-                continue
-            nodes.take(a.pool_key, node, a.gpus)
-            kept.append(a if a.node == node else a.model_copy(update={"node": node}))
-
-        # 4. Place what is missing, the highest class first, then biggest replicas first; a
-        #    replica that finds no free node may preempt replicas of strictly lower classes.
-        #    Class floors (quotas) are placed first; class bounds stop a class's growth.
-        placed: dict[tuple[str, int], list[Assignment]] = defaultdict(list)
-        for a in kept:
-            placed[(a.deployment, a.version)].append(a)
-        added: list[Assignment] = []
-        unplaced: dict[tuple[str, int], Unplaced] = {}
-        preempted: list[Preemption] = []
-        running = running_gpus(by_demand.values(), {k: len(g) for k, g in candidates.items()})
-        caps = class_caps(self.quotas, running)
-        budget = {PRIORITY_RANK[c]: n for c, n in preemptible(self.quotas, running).items()}
-        held: dict[str, int] = defaultdict(int)
-        for a in kept:
-            held[by_demand[(a.deployment, a.version)].priority] += a.gpus
-
-        def rank_of(a: Assignment) -> int:
-            return by_demand[(a.deployment, a.version)].rank
-
-        def place_one(d: ReplicaDemand) -> str | None:
-            """Place one replica of `d`; None, or why not."""
-            cap = caps.get(d.priority)
-            if cap is not None and held[d.priority] + d.gpu_count > cap:
-                return quota_reason(d.priority, self.quotas, held[d.priority])
-            covered = {by_pool[a.pool_key].region for a in placed[d.key]}
-            spot = self._choose(d, ordered_pools, nodes, covered)
-            if spot is None and d.rank > 0:
-                choice = choose_victims(d, ordered_pools, nodes.free, kept + added, rank_of, budget)
-                if choice is not None:
-                    pool, node, victims = choice
-                    for v in victims:
-                        placed[(v.deployment, v.version)].remove(v)
-                        nodes.give_back(v.pool_key, v.node, v.gpus)
-                        held[by_demand[(v.deployment, v.version)].priority] -= v.gpus
-                        if rank_of(v) in budget:
-                            budget[rank_of(v)] -= v.gpus
-                        if v in added:  # placed earlier in this plan: never ran
-                            added.remove(v)
-                            continue
-                        kept.remove(v)
-                        removed.append(v.replica_id)
-                        preempted.append(preemption(v, by_demand[(v.deployment, v.version)], d))
-                    spot = (pool, node)
-            if spot is None:
-                return _why(d, ordered_pools)
-            new = self._assign(d, spot[0], spot[1], nodes, used_ids)
-            placed[d.key].append(new)
-            added.append(new)
-            held[d.priority] += d.gpu_count
-            return None
-
-        order = sorted(
-            by_demand.values(),
-            key=lambda d: (
-                -d.rank,
-                -d.gpu_count,
-                -d.gpu_memory_gb,
-                -(d.count - len(placed[d.key])),
-                d.deployment,
-                d.version,
-            ),
+        plan = _Plan(
+            by_demand=by_demand,
+            pools=sorted({p.key: p for p in pools}.values(), key=PoolCapacity.preference),
+            quotas=self.quotas,
+            id_factory=self._id_factory,
+            used_ids={a.replica_id for a in current},
         )
-        for d in order:  # floors first: each floored class up to its guaranteed GPUs
-            floor = self.quotas.floor(d.priority)
-            while len(placed[d.key]) < d.count and held[d.priority] < floor:
-                if place_one(d) is not None:
-                    break
-        for d in order:
-            while len(placed[d.key]) < d.count:
-                why = place_one(d)
-                if why is not None:
-                    unplaced[d.key] = Unplaced(
-                        deployment=d.deployment,
-                        version=d.version,
-                        missing=d.count - len(placed[d.key]),
-                        reason=why,
-                    )
-                    break
-
-        # 5. Spread: move surplus replicas into new regions until min_regions (when capacity allows).
+        plan.screen(current)
+        plan.fit_survivors(plan.scale_down())
+        plan.open_quotas()
+        plan.place_missing()
         for d in by_demand.values():
-            group = placed[d.key]
-            for _ in range(len(group)):  # each move covers one more region
-                regions = defaultdict(list)
-                for a in group:
-                    regions[by_pool[a.pool_key].region].append(a)
-                if len(regions) >= min(d.min_regions, len(group)):
-                    break
-                spot = self._choose(d, ordered_pools, nodes, set(regions), new_region_only=True)
-                crowded = [a for r in regions.values() if len(r) > 1 for a in r]
-                if spot is None or not crowded:
-                    break
-                victim = max(crowded, key=lambda a: (by_pool[a.pool_key].preference(), a.replica_id))
-                group.remove(victim)
-                nodes.give_back(victim.pool_key, victim.node, victim.gpus)
-                if victim in added:
-                    added.remove(victim)
-                else:
-                    kept.remove(victim)
-                    removed.append(victim.replica_id)
-                new = self._assign(d, spot[0], spot[1], nodes, used_ids)
-                group.append(new)
-                added.append(new)
-            n_regions = len({by_pool[a.pool_key].region for a in group})
-            if n_regions < min(d.min_regions, d.count):
-                add_note(
-                    unplaced, d.key, d, f"only {n_regions} of min_regions {d.min_regions} regions have room"
-                )
+            plan.spread(d)
+        return plan.result()
 
-        for key, by in sorted({(p.deployment, p.version): p for p in preempted}.items()):
-            if key in unplaced:
-                add_note(unplaced, key, by_demand[key], f"preempted by {by.by_deployment} ({by.by_priority})")
-        return PlacementResult(
-            kept=tuple(kept),
-            added=tuple(added),
-            removed=tuple(removed),
-            unplaced=tuple(unplaced[k] for k in sorted(unplaced)),
-            preempted=tuple(preempted),
-        )
 
-    def _choose(
-        self,
-        d: ReplicaDemand,
-        pools: Sequence[PoolCapacity],
-        nodes: _Nodes,
-        covered: set[str],
-        new_region_only: bool = False,
-    ) -> tuple[PoolCapacity, int] | None:
-        """The most preferred pool with a node that fits, in a new region first while
-        the demand spans fewer than min_regions. `pools` is in preference order."""
-        spread = len(covered) < d.min_regions
-        fallback: tuple[PoolCapacity, int] | None = None
-        for pool in pools:
-            if not pool.accepts_new or not d.acceptable(pool):
-                continue
-            node = nodes.first_fit(pool, d.gpu_count)
-            if node is None:
-                continue
-            if pool.region not in covered or not spread:
-                return pool, node
-            if fallback is None and not new_region_only:
-                fallback = (pool, node)
-        return fallback
-
-    def _assign(
-        self, d: ReplicaDemand, pool: PoolCapacity, node: int, nodes: _Nodes, used_ids: set[str]
-    ) -> Assignment:
-        nodes.take(pool.key, node, d.gpu_count)
-        replica_id = self._id_factory(d.deployment, d.version)
-        while replica_id in used_ids:
-            replica_id = self._id_factory(d.deployment, d.version)
-        used_ids.add(replica_id)
-        return Assignment(
-            replica_id=replica_id,
-            deployment=d.deployment,
-            version=d.version,
-            cluster=pool.cluster,
-            pool=pool.name,
-            gpus=d.gpu_count,
-            node=node,
-        )
+def _choose(
+    d: ReplicaDemand,
+    pools: Sequence[PoolCapacity],
+    nodes: _Nodes,
+    covered: set[str],
+    new_region_only: bool = False,
+) -> tuple[PoolCapacity, int] | None:
+    """The most preferred pool with a node that fits, in a new region first while
+    the demand spans fewer than min_regions. `pools` is in preference order."""
+    spread = len(covered) < d.min_regions
+    fallback: tuple[PoolCapacity, int] | None = None
+    for pool in pools:
+        if not pool.accepts_new or not d.acceptable(pool):
+            continue
+        node = nodes.first_fit(pool, d.gpu_count)
+        if node is None:
+            continue
+        if pool.region not in covered or not spread:
+            return pool, node
+        if fallback is None and not new_region_only:
+            fallback = (pool, node)
+    return fallback
 
 
 def _keep_order(
