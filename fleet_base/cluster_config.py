@@ -8,6 +8,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from fleet_base.domain import ClusterId
 from fleet_base.kube_config import KubernetesConfig
 from fleet_base.protocol import Coordinates, PoolInventory
 from fleet_base.security.tls import Credentials
@@ -103,7 +104,7 @@ class ReplicaConfig(BaseModel):
 class ClusterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    cluster: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+    cluster: ClusterId
     provider: str = "local"
     region: str = ""
     coordinates: Coordinates = Field(default_factory=Coordinates)

@@ -11,13 +11,13 @@ drop it, never guess.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import TypeVar
 
 from pydantic import ValidationError
 
 from fleet_base import protocol
+from fleet_base.domain import is_cluster_id
 from fleet_base.protocol import (
     MAX_USAGE_TOKENS,
     SCHEMA_VERSION,
@@ -33,10 +33,8 @@ from fleet_base.protocol import (
 M = TypeVar("M", bound=Message)
 
 REASONS = ("malformed", "invalid", "subject", "schema", "database")
-CLUSTER_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # as in fleet_base.cluster_config.ClusterConfig
 
 __all__ = [
-    "CLUSTER_ID",
     "REASONS",
     "Rejected",
     "decode",
@@ -68,7 +66,7 @@ def subject_cluster(subject: str) -> str:
 
 def heartbeat_problem(hb: Heartbeat) -> str | None:
     """Why a heartbeat cannot be stored (column widths, the cluster id rule), or None."""
-    if not CLUSTER_ID.match(hb.cluster):
+    if not is_cluster_id(hb.cluster):
         return f"cluster id {hb.cluster[:80]!r} is not [a-z0-9-], 1-63 characters"
     for name, value, width in (
         ("provider", hb.provider, 63),

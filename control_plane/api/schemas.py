@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 
 from control_plane.placement.base import PriorityClass as DeploymentPriority
 from control_plane.rollouts.surge import check_budget
+from fleet_base.domain import ClusterId
 
 MAX_REPLICAS = 1000
 MAX_LIST = 64
@@ -22,7 +23,6 @@ MAX_LIST = 64
 DeploymentName = Annotated[
     str, StringConstraints(pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$", min_length=1, max_length=63)
 ]
-ClusterId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?$")]
 PoolName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?$")]
 Label = Annotated[
     str, StringConstraints(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.*:/-]*$")

@@ -20,11 +20,10 @@ from rich.table import Table
 from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, console, emit_json, fail
 from control_plane.commands.resources import clusters_app
 from control_plane.settings import fleet_home
+from fleet_base.domain import is_cluster_id
 
 if TYPE_CHECKING:
     from control_plane.security.enroll import NatsListen
-
-NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
 
 
 def enroll(
@@ -41,12 +40,10 @@ def enroll(
     output: OutputFormat = OUTPUT_OPTION,
 ) -> None:
     """Issue a cluster's credentials bundle and register it (how a second region joins)."""
-    import re
-
     from control_plane.security.enroll import Enrolment  # the crypto stack, only when enrolling
     from control_plane.security.pki import write_private
 
-    if not re.fullmatch(NAME_PATTERN, name):
+    if not is_cluster_id(name):
         fail(f"cluster name {name!r}: use lowercase letters, digits and dashes")
     if gateway_url and not gateway_url.startswith("https://"):
         fail("--gateway-url must be https:// (peers require TLS)")

@@ -115,6 +115,9 @@ CASES = [
     ("pool-tier-filter", "GET", "/v1/pools?tier=cheap", None, 422, "tier"),
     # clusters and pools
     ("cluster-id-dot", "POST", "/v1/clusters", {"id": "a.b"}, 422, "id"),
+    # the wire's cluster id rule: an id its agent could never heart-beat under is refused
+    ("cluster-id-upper", "POST", "/v1/clusters", {"id": "Edge1"}, 422, "id"),
+    ("cluster-id-underscore", "POST", "/v1/clusters", {"id": "edge_1"}, 422, "id"),
     ("cluster-id-missing", "POST", "/v1/clusters", {"region": "eu"}, 422, "id"),
     ("cluster-lat", "POST", "/v1/clusters", {"id": "c1", "lat": 91}, 422, "lat"),
     ("cluster-lon", "POST", "/v1/clusters", {"id": "c1", "lon": -181}, 422, "lon"),

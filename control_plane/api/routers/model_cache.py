@@ -20,9 +20,10 @@ from control_plane.api.audit import audit
 from control_plane.api.deps import PrincipalDep
 from control_plane.api.errors import ApiError, invalid, not_found
 from control_plane.api.model_refs import model_ref
-from control_plane.api.schemas import ClusterId, ModelRef, Strict
+from control_plane.api.schemas import ModelRef, Strict
 from control_plane.db.models import Cluster
 from fleet_base import protocol
+from fleet_base.domain import ClusterId
 from fleet_base.models import is_remote
 
 router = APIRouter(prefix="/v1/model-cache", tags=["models"])
