@@ -60,13 +60,13 @@ from agent.reconciler import Action, ReplicaRecord, Restart, Start, Stop, backof
 from agent.replica_metrics import MetricsScraper
 from agent.runtime import InvalidSpec, ReplicaHandle, Runtime, make_runtime
 from agent.security.replica_auth import replica_headers
-from fleet_base import protocol
+from fleet_base import api_keys, protocol
+from fleet_base.api_keys import ApiKeyRecord
 from fleet_base.cluster_config import ClusterConfig
 from fleet_base.local_state import KeySet, LocalState, ReplicaSnapshot, RouteSet, atomic_write
 from fleet_base.models import ModelCache
 from fleet_base.nats_io import KvWatch, NatsLink, redact_url
 from fleet_base.protocol import (
-    ApiKeyRecord,
     DesiredState,
     Event,
     EventKind,
@@ -423,8 +423,8 @@ class Agent:
         self.files.save_routes(self.routes)
 
     async def _on_key(self, key: str, value: bytes | None) -> None:
-        if key == protocol.KEYS_LEASE:
-            if value is not None and self._parse(protocol.KeyLease, key, value) is not None:
+        if key == api_keys.KEYS_LEASE:
+            if value is not None and self._parse(api_keys.KeyLease, key, value) is not None:
                 self.files.save_key_lease(time.time())
             return
         if value is None:

@@ -13,7 +13,8 @@ import subprocess
 from collections import defaultdict
 
 from fleet_base.cluster_config import ClusterConfig
-from fleet_base.protocol import PoolInventory, Tier
+from fleet_base.domain import Tier
+from fleet_base.protocol import PoolInventory
 
 log = logging.getLogger(__name__)
 

@@ -23,14 +23,8 @@ from dataclasses import dataclass
 import httpx
 from pydantic import ValidationError
 
+from fleet_base.kv_events import ALL_REPLICAS, KvCacheBatch, KvCacheOp, kvcache_subject, kvresync_subject
 from fleet_base.nats_io import NatsLink
-from fleet_base.protocol import (
-    ALL_REPLICAS,
-    KvCacheBatch,
-    KvCacheOp,
-    kvcache_subject,
-    kvresync_subject,
-)
 from fleet_base.wire import Rejected, decode_kv_resync
 
 log = logging.getLogger(__name__)

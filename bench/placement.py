@@ -26,7 +26,7 @@ from control_plane.catalog import load_catalog, offers_to_pools
 from control_plane.placement import FirstFitDecreasing, PoolCapacity, ReplicaDemand
 from control_plane.placement.evaluate import plan_cost, violations
 from control_plane.placement.milp import MilpPlacer
-from fleet_base.protocol import Tier
+from fleet_base.domain import Tier
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 CATALOGS = ("gcp_gpu_vms.csv", "azure_gpu_vms.csv")

@@ -39,20 +39,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.common import console, load_sharegpt_prompts, print_table, require_data_file, run_main
 from control_plane.local.nats_server import NatsServer
 from fleet_base import protocol
+from fleet_base.api_keys import ApiKeyRecord, hash_secret, new_secret
 from fleet_base.cluster_config import ClusterConfig
 from fleet_base.local_state import LocalState
 from fleet_base.nats_io import NatsLink, ensure_jetstream
 from fleet_base.ports import free_port
 from fleet_base.processes import stop_processes
-from fleet_base.protocol import (
-    ApiKeyRecord,
-    ClusterRoute,
-    DesiredState,
-    ReplicaSpec,
-    RoutingTable,
-    hash_secret,
-    new_secret,
-)
+from fleet_base.protocol import ClusterRoute, DesiredState, ReplicaSpec, RoutingTable
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOYMENT = "chat"

@@ -39,7 +39,7 @@ import httpx
 
 from control_plane.local.nats_server import NatsServer
 from engine.server.process import ServerProcess
-from fleet_base.protocol import ApiKeyRecord
+from fleet_base.api_keys import ApiKeyRecord
 
 PROMPTS = [
     "Write one sentence about the history of {}.",

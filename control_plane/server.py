@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from control_plane.db.models import ApiKey
 from control_plane.db.session import make_sessions, upgrade_to_head
 from control_plane.settings import Settings
-from fleet_base.protocol import key_id_of, verify_secret
+from fleet_base.api_keys import key_id_of, verify_secret
 
 log = logging.getLogger("control_plane")
 

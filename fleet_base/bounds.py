@@ -26,8 +26,8 @@ MAX_TOKEN_ID = 1 << 31
 MAX_STOP_TOKEN_IDS = 256
 MAX_JSON_DEPTH = 64
 MAX_BODY_BYTES = 4 * 1024 * 1024
-# Counts of things in a heartbeat (nodes per pool, GPUs per node, replicas, queue depth).
-MAX_COUNT = 1 << 20
+# Counts a replica or gateway reports (requests running or waiting, queue depth).
+MAX_COUNT = 1 << 30
 
 Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 TokenLimit = Annotated[int, Field(ge=1, le=MAX_TOKENS)]

@@ -8,9 +8,9 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from fleet_base.domain import ClusterId
+from fleet_base.domain import ClusterId, Coordinates
 from fleet_base.kube_config import KubernetesConfig
-from fleet_base.protocol import Coordinates, PoolInventory
+from fleet_base.protocol import PoolInventory
 from fleet_base.security.tls import Credentials
 
 RuntimeName = Literal["process", "sim", "kubernetes"]

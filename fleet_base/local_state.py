@@ -16,7 +16,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError
 
-from fleet_base.protocol import ApiKeyRecord, DesiredState, Message, ReplicaStatus, RoutingTable
+from fleet_base.api_keys import ApiKeyRecord
+from fleet_base.protocol import DesiredState, Message, ReplicaStatus, RoutingTable
 
 
 class RouteSet(Message):

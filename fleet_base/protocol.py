@@ -6,31 +6,25 @@ Readers ignore unknown fields so a newer writer does not break an older reader; 
 reader that sees a newer *major* schema logs and skips the message instead of guessing.
 Nothing here does I/O: `fleet_base.nats_io` moves these models over NATS, and `fleet_base.wire`
 has the one decode per message kind (bounds, schema version, subject/identity checks).
-
-Longer than ~400 lines on purpose: the contract is read as one page, every message beside
-the subjects and buckets it travels on.
+API key records live in `fleet_base.api_keys`, prefix-cache events in `fleet_base.kv_events`,
+and the names and pool shape the messages carry in `fleet_base.domain`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import secrets
 import time
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from fleet_base.bounds import FiniteFloat, Timestamp
+from fleet_base.bounds import Count, FiniteFloat, Timestamp
+from fleet_base.domain import AdapterName, Coordinates, PoolShape
 
-# Bounds of what an agent or gateway may report (the admin API's pool limits, for one):
-# a heartbeat cannot make the control plane allocate per node beyond these.
-MAX_POOL_NODES = 100_000
-MAX_GPUS_PER_NODE = 64
+# Bounds of what an agent or gateway may report (fleet_base.domain bounds each pool).
 MAX_POOLS = 256
 MAX_REPLICAS = 10_000
-MAX_COUNT = 1 << 30
 MAX_USAGE_TOKENS = 2**31 - 1
 MAX_TEXT = 4096
 
@@ -65,10 +59,6 @@ def models_subject(cluster: str) -> str:
     return f"{SUBJECT_PREFIX}.models.{cluster}"
 
 
-def kvcache_subject(cluster: str) -> str:
-    return f"{SUBJECT_PREFIX}.kvcache.{cluster}"
-
-
 def demand_subject(cluster: str) -> str:
     return f"{SUBJECT_PREFIX}.demand.{cluster}"
 
@@ -77,12 +67,6 @@ HEARTBEAT_WILDCARD = f"{SUBJECT_PREFIX}.heartbeat.*"
 DEMAND_WILDCARD = f"{SUBJECT_PREFIX}.demand.*"
 EVENTS_WILDCARD = f"{SUBJECT_PREFIX}.events.*"
 USAGE_WILDCARD = f"{SUBJECT_PREFIX}.usage.*"
-KVCACHE_WILDCARD = f"{SUBJECT_PREFIX}.kvcache.*"
-
-
-def kvresync_subject(cluster: str) -> str:
-    """Where a gateway asks a cluster's agent for a replica's full prefix-cache set."""
-    return f"{SUBJECT_PREFIX}.kvresync.{cluster}"
 
 
 class Message(BaseModel):
@@ -100,23 +84,6 @@ class Message(BaseModel):
         return cls.model_validate_json(data)
 
 
-class Tier(str, Enum):
-    """Procurement tier of a capacity pool, cheapest-to-lose last."""
-
-    reserved = "reserved"
-    on_demand = "on-demand"
-    spot = "spot"
-
-
-TIER_ORDER = {Tier.reserved: 0, Tier.on_demand: 1, Tier.spot: 2}
-
-
-class ClusterStatus(str, Enum):
-    healthy = "healthy"
-    unhealthy = "unhealthy"
-    draining = "draining"  # operator cordon: keep serving, place nothing new
-
-
 class ReplicaState(str, Enum):
     pending = "pending"  # wanted, not started yet
     starting = "starting"
@@ -124,11 +91,6 @@ class ReplicaState(str, Enum):
     draining = "draining"
     failed = "failed"
     stopped = "stopped"
-
-
-class Coordinates(BaseModel):
-    lat: float = Field(0.0, ge=-90, le=90)
-    lon: float = Field(0.0, ge=-180, le=180)
 
 
 class Resources(BaseModel):
@@ -139,17 +101,10 @@ class Resources(BaseModel):
     gpu_memory_gb: float = Field(0.0, ge=0)
 
 
-class PoolInventory(BaseModel):
-    """A capacity pool a cluster offers. On a CPU machine `gpu_model` is "cpu" and the
-    "GPUs" are replica slots, so the same placement flow runs without accelerators."""
+class PoolInventory(PoolShape):
+    """A capacity pool a cluster offers, as its agent reports it."""
 
     name: str  # widths are checked by the control plane's ingest (a reason, not a parse error)
-    gpu_model: str
-    gpu_memory_gb: float = Field(0.0, ge=0, le=100_000, allow_inf_nan=False)
-    gpus_per_node: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE)
-    nodes: int = Field(1, ge=0, le=MAX_POOL_NODES)
-    tier: Tier = Tier.on_demand
-    hourly_price: float = Field(0.0, ge=0, le=1_000_000, allow_inf_nan=False)
 
 
 # --------------------------------------------------------------------- desired state
@@ -157,14 +112,13 @@ class PoolInventory(BaseModel):
 
 MAX_ADAPTERS = 256
 DEFAULT_MAX_ADAPTERS = 4  # adapters per replica of a deployment that names adapters but no room
-ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 
 
 class LoRAAdapterSpec(BaseModel):
     """A LoRA adapter of a deployment: the name clients send as `model`, and where its
     PEFT files are (a model URI, as for base models, or a local directory)."""
 
-    name: str = Field(pattern=ADAPTER_NAME)
+    name: AdapterName
     uri: str = Field(min_length=1, max_length=512)
 
 
@@ -235,112 +189,12 @@ class RoutingTable(Message):
     updated_at: float = Field(default_factory=time.time)
 
 
-# --------------------------------------------------------------------- API keys
-
-
-class DeploymentLimits(BaseModel):
-    """A key's limits on one deployment, on top of its overall limits (None: unlimited)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    tokens_per_minute: int | None = Field(None, ge=1)
-    requests_per_minute: int | None = Field(None, ge=1)
-    tokens_per_day: int | None = Field(None, ge=1)
-
-
-class Quotas(BaseModel):
-    """Per-key limits; None means unlimited. Enforced by gateways (docs/quotas.md)."""
-
-    tokens_per_minute: int | None = Field(None, ge=1)
-    requests_per_minute: int | None = Field(None, ge=1)
-    max_concurrent: int | None = Field(None, ge=1)
-    priority: int = Field(0, ge=-10, le=10)
-    tokens_per_day: int | None = Field(None, ge=1)
-    # deployment name -> limits on that deployment alone
-    deployments: dict[str, DeploymentLimits] = Field(default_factory=dict)
-    # the gateway's queueing class (e.g. "interactive" over "batch"); None: its default class
-    priority_class: str | None = Field(None, pattern=r"^[a-z][a-z0-9_-]{0,31}$")
-
-    def limited(self) -> bool:
-        """Whether any token or request rate applies (gateways then send x-ratelimit-* headers)."""
-        own = (self.tokens_per_minute, self.requests_per_minute, self.tokens_per_day)
-        per = [
-            v
-            for d in self.deployments.values()
-            for v in (d.tokens_per_minute, d.requests_per_minute, d.tokens_per_day)
-        ]
-        return any(v is not None for v in (*own, *per))
-
-
-class ApiKeyRecord(Message):
-    """An inference or admin key as gateways see it: the salted hash, never the secret."""
-
-    key_id: str
-    name: str
-    salt: str
-    hash: str
-    scopes: list[str] = Field(default_factory=lambda: ["inference"])
-    deployments: list[str] | None = None  # None: every deployment
-    quotas: Quotas = Field(default_factory=Quotas)
-    # cluster id -> this cluster's fraction of the key's token budgets, set by the control
-    # plane from recent usage; empty: every gateway enforces the whole budget (docs/quotas.md)
-    shares: dict[str, float] = Field(default_factory=dict)
-    revoked: bool = False
-    created_at: float = Field(default_factory=time.time)
-
-    def allows(self, deployment: str) -> bool:
-        return self.deployments is None or deployment in self.deployments
-
-
-# A reserved entry of `fleet_keys` (key ids are hex, so it never collides): the control
-# plane renews it every few seconds whether or not a key changed, so an agent and its
-# gateway can tell a current key set from one that stopped being updated.
-KEYS_LEASE = "_lease"
-
-
-class KeyLease(Message):
-    """The key set's lease: valid for `valid_s` from `issued_at` (the issuer's clock)."""
-
-    issued_at: float = Field(default_factory=time.time)
-    valid_s: float = Field(15.0, gt=0)
-    keys: int = Field(0, ge=0)  # live keys in the set when issued
-
-
-KEY_PREFIX = "fleet"
-
-
-def new_secret(key_id: str | None = None) -> tuple[str, str]:
-    """A new (key_id, secret). The secret embeds the id ("fleet-<id>-<random>") so a
-    verifier finds the record in O(1) before checking the salted hash."""
-    key_id = key_id or secrets.token_hex(6)
-    return key_id, f"{KEY_PREFIX}-{key_id}-{secrets.token_urlsafe(24)}"
-
-
-def key_id_of(secret: str) -> str | None:
-    parts = secret.split("-", 2)
-    if len(parts) != 3 or parts[0] != KEY_PREFIX or not parts[1]:
-        return None
-    return parts[1]
-
-
-def hash_secret(secret: str, salt: str | None = None) -> tuple[str, str]:
-    """(salt, hex digest). Keys are 192-bit random, so a keyed SHA-256 suffices; a slow
-    KDF would only cost every gateway request."""
-    salt = salt or secrets.token_hex(16)
-    digest = hashlib.sha256(f"{salt}:{secret}".encode()).hexdigest()
-    return salt, digest
-
-
-def verify_secret(secret: str, salt: str, digest: str) -> bool:
-    return hmac.compare_digest(hash_secret(secret, salt)[1], digest)
-
-
 # --------------------------------------------------------------------- heartbeats
 
 
 class ReplicaLoad(BaseModel):
-    running: int = Field(0, ge=0, le=MAX_COUNT)
-    waiting: int = Field(0, ge=0, le=MAX_COUNT)
+    running: Count = 0
+    waiting: Count = 0
     kv_cache_usage: FiniteFloat = 0.0
     tokens_per_s: FiniteFloat = 0.0  # generated
     # Work for the SLO-driven autoscaler: admitted prompt tokens/s, first tokens/s (requests
@@ -418,7 +272,7 @@ class Heartbeat(Message):
     pools: list[PoolInventory] = Field(default_factory=list, max_length=MAX_POOLS)
     replicas: list[ReplicaStatus] = Field(default_factory=list, max_length=MAX_REPLICAS)
     desired_generation: int = Field(-1, ge=-1, le=2**62)  # last DesiredState generation applied
-    queue_depth: int = Field(0, ge=0, le=MAX_COUNT)
+    queue_depth: Count = 0
     tokens_per_s: FiniteFloat = 0.0
     # Replicas whose spot node the provider reclaimed: re-placed at once (elsewhere).
     preempted: list[str] = Field(default_factory=list, max_length=MAX_REPLICAS)
@@ -483,7 +337,7 @@ class UsageRecord(Message):
     # against the version that failed.
     attempt_failed: bool = False
     # The LoRA adapter the request named (None: the base model).
-    adapter: str | None = Field(None, pattern=ADAPTER_NAME)
+    adapter: AdapterName | None = None
 
 
 class Demand(Message):
@@ -496,56 +350,3 @@ class Demand(Message):
     queued: int = Field(0, ge=0)
     ready: int = Field(0, ge=0)
     at: float = Field(default_factory=time.time)
-
-
-# --------------------------------------------------------------------- prefix caches
-
-
-class KvCacheOp(BaseModel):
-    """Blocks that became cached (full and hashed), were evicted, or the whole cache was
-    dropped, in the engine's chained sha256 scheme (hex)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    kind: Literal["stored", "removed", "cleared"]
-    block_hashes: list[str] = Field(default_factory=list, max_length=65536)
-
-    @field_validator("block_hashes")
-    @classmethod
-    def _hex(cls, v: list[str]) -> list[str]:
-        for h in v:
-            if len(h) != 64 or any(c not in "0123456789abcdef" for c in h):
-                raise ValueError("a block hash is 64 lower-case hex digits")
-        return v
-
-
-class KvCacheBatch(Message):
-    """One batch of a replica's prefix-cache changes, on `fleet.v1.kvcache.<cluster>`.
-
-    `seq` is consecutive within `epoch` (a new epoch when the replica or the agent's relay
-    restarts); `snapshot` batches carry the replica's full set and replace what a reader
-    knew. A reader that sees a gap asks for a snapshot on `fleet.v1.kvresync.<cluster>`.
-    Hashes are rooted in the request's cache salt, so a salted (per-tenant) block only
-    matches requests under the same salt; the salt itself never travels."""
-
-    cluster: str
-    deployment: str
-    replica_id: str
-    epoch: str = Field(min_length=1, max_length=128)
-    seq: int = Field(ge=0)
-    snapshot: bool = False
-    block_size: int = Field(16, ge=1)
-    ops: list[KvCacheOp] = Field(default_factory=list, max_length=1024)
-    at: float = Field(default_factory=time.time)
-
-
-ALL_REPLICAS = "*"
-
-
-class KvResyncRequest(Message):
-    """A gateway lost track of a replica's prefix cache (or, `replica_id` "*", of every
-    replica of the cluster: it just connected): send the full set again."""
-
-    cluster: str
-    replica_id: str
-    requester: str = ""

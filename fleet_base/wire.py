@@ -16,16 +16,15 @@ from typing import TypeVar
 
 from pydantic import ValidationError
 
-from fleet_base import protocol
+from fleet_base import kv_events, protocol
 from fleet_base.domain import is_cluster_id
+from fleet_base.kv_events import KvCacheBatch, KvResyncRequest
 from fleet_base.protocol import (
     MAX_USAGE_TOKENS,
     SCHEMA_VERSION,
     Demand,
     Event,
     Heartbeat,
-    KvCacheBatch,
-    KvResyncRequest,
     Message,
     UsageRecord,
 )
@@ -140,8 +139,8 @@ def decode_event(subject: str, data: bytes | str) -> Event:
 
 
 def decode_kv_batch(subject: str, data: bytes | str) -> KvCacheBatch:
-    return decode(KvCacheBatch, subject, data, protocol.kvcache_subject)
+    return decode(KvCacheBatch, subject, data, kv_events.kvcache_subject)
 
 
 def decode_kv_resync(subject: str, data: bytes | str) -> KvResyncRequest:
-    return decode(KvResyncRequest, subject, data, protocol.kvresync_subject)
+    return decode(KvResyncRequest, subject, data, kv_events.kvresync_subject)

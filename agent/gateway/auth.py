@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from agent.gateway.errors import GatewayError
 from agent.gateway.freshness import KeyFreshness
-from fleet_base.protocol import ApiKeyRecord, key_id_of, verify_secret
+from fleet_base.api_keys import ApiKeyRecord, key_id_of, verify_secret
 
 # An admin key (the bootstrap token above all) manages the fleet; it never runs inference.
 INFERENCE_SCOPES = frozenset({"inference"})

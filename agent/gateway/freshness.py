@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from agent.gateway.errors import GatewayError
-from fleet_base.protocol import ApiKeyRecord
+from fleet_base.api_keys import ApiKeyRecord
 
 StaleMode = Literal["verified", "refuse"]
 

@@ -73,11 +73,12 @@ from agent.gateway.state import ClusterView
 from agent.gateway.tenancy import salted_body
 from agent.gateway.tokens import DesiredIndex, TokenCounters
 from agent.gateway.usage import UsagePublisher
+from fleet_base.api_keys import ApiKeyRecord
 from fleet_base.cluster_config import ClusterConfig
 from fleet_base.local_state import GatewayStatus, LocalState
 from fleet_base.nats_io import NatsLink
 from fleet_base.openai_contract.continuation import TOKEN_IDS_HEADER
-from fleet_base.protocol import MAX_USAGE_TOKENS, ApiKeyRecord, UsageRecord
+from fleet_base.protocol import MAX_USAGE_TOKENS, UsageRecord
 from fleet_base.security.tls import nats_tls
 
 log = logging.getLogger("agent.gateway")

@@ -16,7 +16,7 @@ from agent.gateway.errors import GatewayError
 from agent.gateway.inputs import RequestInfo
 from agent.gateway.metrics import GatewayMetrics
 from agent.gateway.quota import MINUTE_S, QuotaBook, Reservation, limits_for, share_of
-from fleet_base.protocol import ApiKeyRecord
+from fleet_base.api_keys import ApiKeyRecord
 
 
 class QuotaGate:

@@ -25,14 +25,14 @@ from agent.gateway.metrics import GatewayMetrics
 from agent.gateway.plan import Attempt, CostModel
 from agent.gateway.tenancy import cache_salt
 from fleet_base.block_hash import hash_request_blocks
-from fleet_base.nats_io import NatsLink
-from fleet_base.protocol import (
+from fleet_base.kv_events import (
     ALL_REPLICAS,
     KVCACHE_WILDCARD,
     KvCacheBatch,
     KvResyncRequest,
     kvresync_subject,
 )
+from fleet_base.nats_io import NatsLink
 from fleet_base.wire import Rejected, decode_kv_batch
 
 log = logging.getLogger(__name__)

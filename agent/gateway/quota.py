@@ -23,7 +23,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fleet_base.protocol import ApiKeyRecord, DeploymentLimits, Quotas
+from fleet_base.api_keys import ApiKeyRecord, DeploymentLimits, Quotas
 
 MINUTE_S = 60.0
 DAY_MINUTES = 1440.0

@@ -13,8 +13,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from fleet_base.domain import Coordinates
 from fleet_base.named_registry import Registry
-from fleet_base.protocol import ClusterRoute, Coordinates, RoutingTable, VersionWeight
+from fleet_base.protocol import ClusterRoute, RoutingTable, VersionWeight
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
+from fleet_base.api_keys import ApiKeyRecord
 from fleet_base.local_state import KeySet, LocalState, ReplicaSnapshot, RouteSet
-from fleet_base.protocol import ApiKeyRecord, ReplicaState, ReplicaStatus, RoutingTable
+from fleet_base.protocol import ReplicaState, ReplicaStatus, RoutingTable
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,9 @@ import secrets
 from agent.runtime.base import InvalidSpec
 from agent.runtime.process import ENGINE_MODULE, _check_text, engine_flags, lora_flags
 from fleet_base.cluster_config import ClusterConfig
+from fleet_base.domain import Tier
 from fleet_base.kube_config import PoolPlacement
-from fleet_base.protocol import PoolInventory, ReplicaSpec, Tier
+from fleet_base.protocol import PoolInventory, ReplicaSpec
 
 LABEL = "fleet.dev"
 SPEC_ANNOTATION = f"{LABEL}/spec"

@@ -18,7 +18,7 @@ from fastapi import Request
 
 from control_plane.api.errors import ApiError
 from control_plane.db.models import ApiKey
-from fleet_base.protocol import key_id_of, verify_secret
+from fleet_base.api_keys import key_id_of, verify_secret
 
 CACHE_TTL_S = 1.0
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})

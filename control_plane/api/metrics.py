@@ -25,7 +25,8 @@ from control_plane.api.views import used_gpus
 from control_plane.counters import ReconcileStats, Rejections
 from control_plane.db.models import CapacityPool, Cluster, Deployment, ReplicaAssignment, Rollout
 from control_plane.rollouts.policy import Phase
-from fleet_base.protocol import ClusterStatus, ReplicaState
+from fleet_base.domain import ClusterStatus
+from fleet_base.protocol import ReplicaState
 
 PREFIX = "fleet_control_plane_"
 READY = ReplicaState.ready.value

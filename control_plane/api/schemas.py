@@ -15,15 +15,19 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 
 from control_plane.placement.base import PriorityClass as DeploymentPriority
 from control_plane.rollouts.surge import check_budget
-from fleet_base.domain import ClusterId
+from fleet_base.domain import (
+    MAX_GPU_MEMORY_GB,
+    AdapterName,
+    ClusterId,
+    DeploymentName,
+    PoolName,
+    PoolShape,
+    PriorityClassName,
+)
 
 MAX_REPLICAS = 1000
 MAX_LIST = 64
 
-DeploymentName = Annotated[
-    str, StringConstraints(pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$", min_length=1, max_length=63)
-]
-PoolName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?$")]
 Label = Annotated[
     str, StringConstraints(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.*:/-]*$")
 ]
@@ -63,7 +67,7 @@ class SpecFields(ScalingSpec):
     engine_args: dict[EngineArgName, Any] | None = Field(None, max_length=MAX_LIST)
     gpu_models: list[Label] | None = Field(None, max_length=MAX_LIST)
     gpu_count: int | None = Field(None, ge=1, le=64)
-    gpu_memory_gb: float | None = Field(None, ge=0, le=100_000)
+    gpu_memory_gb: float | None = Field(None, ge=0, le=MAX_GPU_MEMORY_GB)
     regions: list[Label] | None = Field(None, max_length=MAX_LIST)
     min_regions: int | None = Field(None, ge=1, le=MAX_LIST)
     standby_regions: list[Label] | None = Field(
@@ -109,9 +113,6 @@ class PolicyFields(Strict):
                 raise ValueError(f"a replica count must be within 0..{MAX_REPLICAS}")
             return str(value)
         return check_budget(value.strip())
-
-
-AdapterName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")]
 
 
 class AdapterIn(Strict):
@@ -217,26 +218,19 @@ class DeploymentStatus(DeploymentSummary):
 # --------------------------------------------------------------------- clusters and pools
 
 
-class PoolIn(Strict):
+class PoolIn(PoolShape, Strict):
+    """A pool registered by hand: the pool shape, strictly typed, under a pool name."""
+
     name: PoolName
     gpu_model: Label
-    gpu_memory_gb: float = Field(0.0, ge=0, le=100_000)
-    gpus_per_node: int = Field(1, ge=1, le=64)
-    nodes: int = Field(1, ge=0, le=100_000)
     tier: TierName = "on-demand"
-    hourly_price: float = Field(0.0, ge=0, le=1_000_000)
 
 
-class PoolOut(BaseModel):
+class PoolOut(PoolShape):
     cluster: str
     region: str
     name: str
-    gpu_model: str
-    gpu_memory_gb: float
-    gpus_per_node: int
-    nodes: int
     tier: str
-    hourly_price: float
     total_gpus: int
     used_gpus: int
     free_gpus: int
@@ -294,9 +288,6 @@ class DeploymentLimitsIn(Strict):
     tokens_per_day: int | None = Field(None, ge=1, le=10**15)
 
 
-PriorityClass = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]
-
-
 class QuotasIn(Strict):
     tokens_per_minute: int | None = Field(None, ge=1, le=10**12)
     requests_per_minute: int | None = Field(None, ge=1, le=10**9)
@@ -305,7 +296,7 @@ class QuotasIn(Strict):
     # budgets (docs/quotas.md)
     tokens_per_day: int | None = Field(None, ge=1, le=10**15)
     deployments: dict[DeploymentName, DeploymentLimitsIn] = Field(default_factory=dict, max_length=1000)
-    priority_class: PriorityClass | None = None
+    priority_class: PriorityClassName | None = None
 
 
 class KeyUpdate(Strict):

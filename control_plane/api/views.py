@@ -29,6 +29,7 @@ from control_plane.db.models import (
     Event,
     ReplicaAssignment,
 )
+from fleet_base.domain import pool_shape
 
 READY = "ready"
 
@@ -152,12 +153,7 @@ def pool_out(pool: CapacityPool, region: str, used: dict[tuple[str, str], int]) 
         cluster=pool.cluster_id,
         region=region,
         name=pool.name,
-        gpu_model=pool.gpu_model,
-        gpu_memory_gb=pool.gpu_memory_gb,
-        gpus_per_node=pool.gpus_per_node,
-        nodes=pool.nodes,
-        tier=pool.tier,
-        hourly_price=pool.hourly_price,
+        **pool_shape(pool),
         total_gpus=total,
         used_gpus=in_use,
         free_gpus=max(0, total - in_use),

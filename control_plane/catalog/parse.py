@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from control_plane.catalog.gpus import gcp_machine_gpus, memory_from_info
 from control_plane.placement.base import PoolCapacity
-from fleet_base.protocol import Tier
+from fleet_base.domain import PoolShape, Tier, pool_shape
 
 REQUIRED = ("Region", "Price")
 
@@ -39,20 +39,15 @@ class CatalogError(ValueError):
     """The file cannot be read as a catalog (the message says why)."""
 
 
-class PoolOffer(BaseModel):
-    """What a provider sells in one region: nodes of `gpus_per_node` x `gpu_model`."""
+class PoolOffer(PoolShape):
+    """What a provider sells in one region: `nodes` is how many may be acquired (reserved:
+    how many are committed), `hourly_price` for reserved the committed price."""
 
     model_config = ConfigDict(frozen=True)
 
     provider: str
     region: str
     instance_type: str
-    gpu_model: str
-    gpus_per_node: int = Field(ge=1)
-    gpu_memory_gb: float = Field(ge=0)
-    tier: Tier
-    hourly_price: float = Field(ge=0)  # per node; for reserved: the committed price
-    nodes: int = Field(ge=0)  # how many nodes may be acquired (reserved: how many are committed)
     zones: tuple[str, ...] = ()
 
     @property
@@ -263,16 +258,7 @@ def offers_to_pools(offers: Iterable[PoolOffer]) -> list[PoolCapacity]:
     """The placer's view of catalog offers (one cluster per provider and region)."""
     return [
         PoolCapacity(
-            cluster=o.cluster_id,
-            name=o.pool_name,
-            region=o.region,
-            provider=o.provider,
-            gpu_model=o.gpu_model,
-            gpu_memory_gb=o.gpu_memory_gb,
-            gpus_per_node=o.gpus_per_node,
-            nodes=o.nodes,
-            tier=o.tier,
-            hourly_price=o.hourly_price,
+            cluster=o.cluster_id, name=o.pool_name, region=o.region, provider=o.provider, **pool_shape(o)
         )
         for o in offers
     ]

@@ -10,7 +10,7 @@ import typer
 
 from control_plane.commands import resources
 from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, console, emit_json, fail
-from fleet_base.protocol import Tier
+from fleet_base.domain import Tier
 
 BATCH = 2000  # pools per request (the API takes at most 10,000 and 1 MiB)
 

@@ -10,7 +10,7 @@ import typer
 from pydantic import ValidationError
 
 from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, console, emit, emit_json, fail
-from fleet_base.protocol import Tier
+from fleet_base.domain import Tier
 
 
 def plan_command(

@@ -145,7 +145,7 @@ class Cluster(Base):
     region: Mapped[str] = mapped_column(String(63), default="", index=True)
     lat: Mapped[float] = mapped_column(Float, default=0.0)
     lon: Mapped[float] = mapped_column(Float, default=0.0)
-    status: Mapped[str] = mapped_column(String(16), default="healthy")  # fleet_base.protocol.ClusterStatus
+    status: Mapped[str] = mapped_column(String(16), default="healthy")  # fleet_base.domain.ClusterStatus
     gateway_url: Mapped[str] = mapped_column(String(512), default="")
     last_heartbeat_at: Mapped[datetime | None] = mapped_column(nullable=True)
     load: Mapped[dict[str, Any]] = mapped_column(default=dict)  # last heartbeat summary
@@ -172,7 +172,7 @@ class CapacityPool(Base):
     gpu_memory_gb: Mapped[float] = mapped_column(Float, default=0.0)
     gpus_per_node: Mapped[int] = mapped_column(Integer, default=1)
     nodes: Mapped[int] = mapped_column(Integer, default=1)
-    tier: Mapped[str] = mapped_column(String(16), default="on-demand")  # fleet_base.protocol.Tier
+    tier: Mapped[str] = mapped_column(String(16), default="on-demand")  # fleet_base.domain.Tier
     hourly_price: Mapped[float] = mapped_column(Float, default=0.0)
 
     cluster: Mapped[Cluster] = relationship(back_populates="pools")
@@ -214,7 +214,7 @@ class ApiKey(Base):
     hash: Mapped[str] = mapped_column(String(128))
     scopes: Mapped[list[str]] = mapped_column(default=lambda: ["inference"])
     deployments: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)  # None: all
-    quotas: Mapped[dict[str, Any]] = mapped_column(default=dict)  # fleet_base.protocol.Quotas
+    quotas: Mapped[dict[str, Any]] = mapped_column(default=dict)  # fleet_base.api_keys.Quotas
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(nullable=True)
     # cluster id -> fraction of the key's token budgets (ApiKeyRecord.shares; docs/quotas.md)

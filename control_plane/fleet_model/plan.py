@@ -22,11 +22,11 @@ from control_plane.rollouts.surge import (
     resolve_surge,
     resolve_unavailable,
 )
+from fleet_base.api_keys import ApiKeyRecord
+from fleet_base.domain import ClusterStatus
 from fleet_base.protocol import (
     DEFAULT_MAX_ADAPTERS,
-    ApiKeyRecord,
     ClusterRoute,
-    ClusterStatus,
     DesiredState,
     LoRAAdapterSpec,
     ReplicaSpec,

@@ -14,7 +14,8 @@ from control_plane.db.models import ApiKey, Cluster, Deployment, ReplicaAssignme
 from control_plane.placement.base import PRIORITY_RANK, PriorityClass
 from control_plane.rollouts.store import RolloutPlan, plans
 from control_plane.rollouts.surge import DEFAULT_MAX_SURGE, DEFAULT_MAX_UNAVAILABLE
-from fleet_base.protocol import ApiKeyRecord, ClusterStatus, Coordinates, Quotas, Tier
+from fleet_base.api_keys import ApiKeyRecord, Quotas
+from fleet_base.domain import ClusterStatus, Coordinates, Tier
 
 
 class _Row(BaseModel):

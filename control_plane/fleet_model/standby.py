@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from control_plane.fleet_model.snapshot import FleetSnapshot, VersionSpec
 from control_plane.placement.standby import StandbyDemand
-from fleet_base.protocol import ClusterStatus
+from fleet_base.domain import ClusterStatus
 
 NO_REGION = "-no-primary-region-"  # matches no region: the primary demand is unplaceable
 

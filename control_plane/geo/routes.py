@@ -9,7 +9,8 @@ from collections.abc import Iterable, Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from control_plane.geo.latency import LatencyMatrix, estimate_rtt_ms, great_circle_km
-from fleet_base.protocol import ClusterRoute, Coordinates
+from fleet_base.domain import Coordinates
+from fleet_base.protocol import ClusterRoute
 
 
 class ClientRegion(BaseModel):

@@ -32,9 +32,9 @@ from control_plane.local.nats_server import NatsServer
 from control_plane.local.prometheus_sd import TARGETS_FILE, prometheus_targets, write_targets
 from control_plane.security.enroll import Enrolment
 from fleet_base.cluster_config import ClusterConfig, GatewayConfig, ReplicaConfig
+from fleet_base.domain import Coordinates
 from fleet_base.local_state import LocalState, atomic_write
 from fleet_base.ports import free_port
-from fleet_base.protocol import Coordinates
 from fleet_base.security.tls import Credentials
 
 ProcessKind = Literal["nats", "control-plane", "agent", "gateway", "replica"]

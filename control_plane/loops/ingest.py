@@ -18,10 +18,10 @@ from control_plane.db.models import Event as EventRow
 from control_plane.db.once import insert_once
 from control_plane.loops.durable import Received, Verdicts
 from control_plane.loops.preemption import apply_preemptions
+from fleet_base.domain import ClusterStatus
 from fleet_base.protocol import (
     EVENTS_WILDCARD,
     HEARTBEAT_WILDCARD,
-    ClusterStatus,
     Event,
     Heartbeat,
     PoolInventory,

@@ -1,6 +1,6 @@
 """Publishing `fleet_keys` on its own loop, apart from placement: a key created or
 revoked reaches the gateways at once even while placement fails or is slow, and the key
-set's lease (`protocol.KEYS_LEASE`) is renewed every `key_lease_interval_s`, so agents
+set's lease (`api_keys.KEYS_LEASE`) is renewed every `key_lease_interval_s`, so agents
 and gateways can tell a current key set from one nobody updates any more."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 from control_plane.context import ControlPlaneContext
 from control_plane.fleet_model.snapshot import live_keys
 from control_plane.loops.publish import KvPublisher
-from fleet_base import protocol
+from fleet_base import api_keys, protocol
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class KeyLoop:
             keys = live_keys(session)
         interval = self.ctx.settings.key_lease_interval_s
         wanted: dict[str, protocol.Message] = {k.key_id: k for k in keys}
-        wanted[protocol.KEYS_LEASE] = protocol.KeyLease(
+        wanted[api_keys.KEYS_LEASE] = api_keys.KeyLease(
             issued_at=time.time(), valid_s=interval * LEASE_PERIODS, keys=len(keys)
         )
         return wanted

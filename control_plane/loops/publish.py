@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 from pydantic import BaseModel, ValidationError
 
-from fleet_base import protocol
+from fleet_base import api_keys, protocol
 from fleet_base.nats_io import NatsLink
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 BUCKET_MODELS: dict[str, type[protocol.Message]] = {
     protocol.BUCKET_DESIRED: protocol.DesiredState,
     protocol.BUCKET_ROUTES: protocol.RoutingTable,
-    protocol.BUCKET_KEYS: protocol.ApiKeyRecord,
+    protocol.BUCKET_KEYS: api_keys.ApiKeyRecord,
 }
 VOLATILE = {"generation", "updated_at"}
 

@@ -16,8 +16,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fleet_base.domain import TIER_ORDER, ClusterStatus, Coordinates, PoolShape
 from fleet_base.named_registry import Registry
-from fleet_base.protocol import TIER_ORDER, ClusterStatus, Coordinates, Tier
 
 
 class _Frozen(BaseModel):
@@ -30,19 +30,13 @@ PriorityClass = Literal["critical", "standard", "batch"]
 PRIORITY_RANK: dict[str, int] = {"batch": 0, "standard": 1, "critical": 2}
 
 
-class PoolCapacity(_Frozen):
+class PoolCapacity(PoolShape, _Frozen):
     """A cluster's pool as the placer sees it. `hourly_price` is per node (what a
     provider sells), so the price of one GPU is `hourly_price / gpus_per_node`."""
 
     cluster: str
     name: str
     region: str = ""
-    gpu_model: str
-    gpu_memory_gb: float = Field(0.0, ge=0)
-    gpus_per_node: int = Field(1, ge=1)
-    nodes: int = Field(1, ge=0)
-    tier: Tier = Tier.on_demand
-    hourly_price: float = Field(0.0, ge=0)
     cluster_status: ClusterStatus = ClusterStatus.healthy
     coordinates: Coordinates = Field(default_factory=Coordinates)
     provider: str = ""  # with `region`, finds measured latencies (control_plane.geo)

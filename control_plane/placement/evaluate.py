@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 
 from control_plane.placement.base import Assignment, PlacementResult, PoolCapacity, ReplicaDemand
 from control_plane.placement.quotas import GpuQuotas, class_caps, preemptible, running_gpus
-from fleet_base.protocol import Tier
+from fleet_base.domain import Tier
 
 
 def slot_size(gpus: int, gpus_per_node: int) -> float:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from control_plane.placement.base import Assignment, PlacementResult, PoolCapacity, ReplicaDemand, Unplaced
-from fleet_base.protocol import ClusterStatus, Tier
+from fleet_base.domain import ClusterStatus, Tier
 
 
 def _slots(d: ReplicaDemand, pools: Sequence[PoolCapacity]) -> int:

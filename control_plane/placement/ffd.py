@@ -37,7 +37,7 @@ from control_plane.placement.quotas import (
     quota_reason,
     running_gpus,
 )
-from fleet_base.protocol import Tier
+from fleet_base.domain import Tier
 
 MAX_REPLICA_ID = 63  # ReplicaAssignment.replica_id column width
 

@@ -64,7 +64,7 @@ from control_plane.placement.milp_priority import read as read_priority
 from control_plane.placement.milp_priority import warm_start as priority_start
 from control_plane.placement.milp_result import build_result
 from control_plane.placement.quotas import NO_QUOTAS, GpuQuotas
-from fleet_base.protocol import Tier
+from fleet_base.domain import Tier
 
 # RTT in ms from a pool to a client region; None when unknown.
 Distance = Callable[[PoolCapacity, str], float | None]

@@ -24,7 +24,7 @@ from control_plane.placement.ffd import FirstFitDecreasing
 from control_plane.placement.milp import MilpPlacer
 from control_plane.placement.pipeline import PlacementInputs, run
 from control_plane.placement.quotas import ClassQuota, GpuQuotas
-from fleet_base.protocol import Tier
+from fleet_base.domain import Tier
 
 
 class DemandSpec(BaseModel):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fleet_base import protocol
+from fleet_base import kv_events, protocol
 from fleet_base.security.identity import inbox_prefix, subject_dn
 
 JS = "$JS.API"
@@ -46,7 +46,7 @@ def agent_permissions(cluster: str) -> dict:
         protocol.events_subject(cluster),
         protocol.usage_subject(cluster),
         protocol.demand_subject(cluster),
-        protocol.kvcache_subject(cluster),
+        kv_events.kvcache_subject(cluster),
     ]
     # `fleetctl models pull|rm` arrive as requests on its own subject; it answers them
     # (allow_responses: only to the reply subject of a request it received)
@@ -68,7 +68,7 @@ def gateway_permissions(cluster: str) -> dict:
             "allow": [
                 protocol.usage_subject(cluster),
                 protocol.demand_subject(cluster),
-                protocol.kvcache_subject(cluster),
+                kv_events.kvcache_subject(cluster),
             ]
         },
         "subscribe": {

@@ -20,12 +20,12 @@ import psutil
 import pytest
 
 from control_plane.local.nats_server import NatsServer
-from fleet_base import protocol
+from fleet_base import api_keys, protocol
+from fleet_base.api_keys import ApiKeyRecord
 from fleet_base.cluster_config import ClusterConfig
 from fleet_base.local_state import LocalState, ReplicaSnapshot
 from fleet_base.nats_io import ensure_jetstream
 from fleet_base.protocol import (
-    ApiKeyRecord,
     DesiredState,
     Event,
     Heartbeat,
@@ -139,7 +139,7 @@ async def complete(url: str, prompt: str = "hello", max_tokens: int = 4) -> dict
 
 
 def key_record(key_id: str) -> ApiKeyRecord:
-    salt, digest = protocol.hash_secret(f"fleet-{key_id}-secret")
+    salt, digest = api_keys.hash_secret(f"fleet-{key_id}-secret")
     return ApiKeyRecord(key_id=key_id, name=key_id, salt=salt, hash=digest)
 
 

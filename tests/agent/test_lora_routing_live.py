@@ -15,15 +15,10 @@ import uvicorn
 from agent.gateway.app import build_app
 from bench.lora import write_random_adapter
 from engine.loader import read_model_config
+from fleet_base.api_keys import ApiKeyRecord, hash_secret, new_secret
 from fleet_base.nats_io import NatsLink, ensure_jetstream
 from fleet_base.ports import free_port
-from fleet_base.protocol import (
-    ApiKeyRecord,
-    LoRAAdapterSpec,
-    ReplicaSpec,
-    hash_secret,
-    new_secret,
-)
+from fleet_base.protocol import LoRAAdapterSpec, ReplicaSpec
 from tests.agent.conftest import cluster_config, publish_cluster_state
 from tests.polling import eventually
 

@@ -14,14 +14,10 @@ import uvicorn
 from agent.gateway.app import build_app
 from agent.gateway.prefix import prefix_keys
 from agent.gateway.tenancy import cache_salt
+from fleet_base.api_keys import ApiKeyRecord, hash_secret, new_secret
 from fleet_base.nats_io import NatsLink, ensure_jetstream
 from fleet_base.ports import free_port
-from fleet_base.protocol import (
-    ApiKeyRecord,
-    ReplicaSpec,
-    hash_secret,
-    new_secret,
-)
+from fleet_base.protocol import ReplicaSpec
 from tests.agent.conftest import cluster_config, publish_cluster_state
 from tests.polling import eventually
 

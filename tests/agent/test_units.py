@@ -15,7 +15,8 @@ from agent.runtime.process import engine_argv, engine_flags
 from engine.outputs import EngineStats
 from engine.server.metrics import ServerMetrics
 from fleet_base.cluster_config import ClusterConfig, ReplicaConfig
-from fleet_base.protocol import PoolInventory, ReplicaSpec, Tier
+from fleet_base.domain import Tier
+from fleet_base.protocol import PoolInventory, ReplicaSpec
 
 
 def config(tmp_path: Path, **replica: object) -> ClusterConfig:

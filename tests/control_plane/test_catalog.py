@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from control_plane.catalog import CatalogError, load_catalog, offers_to_pools, parse_catalog
-from fleet_base.protocol import Tier
+from fleet_base.domain import Tier
 
 DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 GCP, AZURE = DATA / "gcp_gpu_vms.csv", DATA / "azure_gpu_vms.csv"

@@ -9,7 +9,8 @@ import pytest
 from control_plane.geo import REGION_COORDS, LatencyMatrix, estimate_rtt_ms, great_circle_km
 from control_plane.geo.latency import DEFAULT_CSV, canonical
 from control_plane.geo.routes import ClientRegion, by_region_for, rank_clusters, routes_by_region
-from fleet_base.protocol import ClusterRoute, Coordinates
+from fleet_base.domain import Coordinates
+from fleet_base.protocol import ClusterRoute
 
 needs_data = pytest.mark.skipif(not DEFAULT_CSV.exists(), reason=f"{DEFAULT_CSV} is absent (shared data)")
 

@@ -12,7 +12,7 @@ from control_plane.loops import Loops
 from control_plane.loops.keys import KeyLoop
 from control_plane.loops.publish import bucket_items
 from control_plane.settings import Settings
-from fleet_base import protocol
+from fleet_base import api_keys, protocol
 from tests.control_plane.test_loops_publish import connected, nats_server  # noqa: F401 (fixture)
 from tests.polling import eventually
 
@@ -49,10 +49,10 @@ async def test_keys_and_their_lease_publish_while_placement_fails(nats_server, s
 
         async def published() -> dict[str, bytes] | None:
             items, _ = await bucket_items(link, protocol.BUCKET_KEYS)
-            return items if "k1" in items and protocol.KEYS_LEASE in items else None
+            return items if "k1" in items and api_keys.KEYS_LEASE in items else None
 
-        def lease_of(items: dict[str, bytes]) -> protocol.KeyLease:
-            return protocol.KeyLease.from_bytes(items[protocol.KEYS_LEASE])
+        def lease_of(items: dict[str, bytes]) -> api_keys.KeyLease:
+            return api_keys.KeyLease.from_bytes(items[api_keys.KEYS_LEASE])
 
         lease = lease_of(await eventually(published, 30, "the keys published"))
         assert lease.keys == 1 and lease.valid_s > settings.key_lease_interval_s

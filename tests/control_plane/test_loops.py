@@ -21,17 +21,16 @@ from control_plane.loops.ingest import (
 )
 from control_plane.loops.reconcile import reconcile_once
 from control_plane.placement import get_placer
+from fleet_base.domain import Coordinates, Tier
 from fleet_base.protocol import (
     BUCKET_DESIRED,
     BUCKET_KEYS,
     BUCKET_ROUTES,
-    Coordinates,
     Event,
     Heartbeat,
     PoolInventory,
     ReplicaState,
     ReplicaStatus,
-    Tier,
 )
 from fleet_base.wire import heartbeat_problem
 

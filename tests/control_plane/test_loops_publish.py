@@ -11,12 +11,12 @@ import pytest
 
 from control_plane.local.nats_server import NatsServer
 from control_plane.loops.publish import KvPublisher, bucket_items
+from fleet_base.api_keys import ApiKeyRecord
 from fleet_base.nats_io import NatsLink
 from fleet_base.protocol import (
     BUCKET_DESIRED,
     BUCKET_KEYS,
     BUCKET_ROUTES,
-    ApiKeyRecord,
     ClusterRoute,
     DesiredState,
     Heartbeat,

@@ -16,7 +16,7 @@ from control_plane.placement import Assignment, FirstFitDecreasing, PoolCapacity
 from control_plane.placement.evaluate import committed_cost, plan_cost, regions_of, slot_size, violations
 from control_plane.placement.milp import MilpPlacer
 from control_plane.placement.pipeline import PlacementInputs, run
-from fleet_base.protocol import ClusterStatus, Tier
+from fleet_base.domain import ClusterStatus, Tier
 
 REGIONS = ["r1", "r2", "r3"]
 MODELS = ["a100", "h100"]

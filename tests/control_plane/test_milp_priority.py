@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from control_plane.placement import PRIORITY_RANK, FirstFitDecreasing, PoolCapacity, ReplicaDemand
 from control_plane.placement.evaluate import priority_problems, violations
 from control_plane.placement.milp import MilpPlacer
-from fleet_base.protocol import ClusterStatus
+from fleet_base.domain import ClusterStatus
 
 CLASSES = list(PRIORITY_RANK)
 

@@ -25,17 +25,16 @@ import pytest
 from nats.js.errors import KeyNotFoundError
 
 from control_plane.local.nats_server import NatsServer
+from fleet_base.domain import Coordinates, Tier
 from fleet_base.protocol import (
     BUCKET_DESIRED,
     BUCKET_ROUTES,
-    Coordinates,
     DesiredState,
     Heartbeat,
     PoolInventory,
     ReplicaState,
     ReplicaStatus,
     RoutingTable,
-    Tier,
     heartbeat_subject,
 )
 from tests.control_plane.cp_server import ROOT, ControlPlaneServer

@@ -17,7 +17,7 @@ from nats.js.errors import KeyNotFoundError
 from control_plane.local.nats_server import NatsServer
 from control_plane.security.enroll import Enrolment, NatsListen
 from control_plane.security.pki import FleetPki
-from fleet_base import protocol
+from fleet_base import api_keys, protocol
 from fleet_base.ports import free_port
 from fleet_base.security.tls import NatsTls, client_context, nats_tls
 from tests.polling import eventually
@@ -167,7 +167,7 @@ async def test_agent_a_is_confined_to_its_own_subjects_and_desired_key(secured):
         await east.nc.publish(protocol.heartbeat_subject("west"), b'{"cluster": "west"}')
         assert await east.violation(protocol.heartbeat_subject("west"))
         # denied: writing keys (a key of its own making) or any desired state
-        record_bytes = protocol.ApiKeyRecord(key_id="evil", name="evil", salt="s", hash="h").to_bytes()
+        record_bytes = api_keys.ApiKeyRecord(key_id="evil", name="evil", salt="s", hash="h").to_bytes()
         for subject in ("$KV.fleet_keys.evil", "$KV.fleet_desired.east", "$KV.fleet_desired.west"):
             await east.nc.publish(subject, record_bytes)
             assert await east.violation(subject), east.errors

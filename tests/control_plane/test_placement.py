@@ -14,7 +14,7 @@ from control_plane.placement import (
     get_placer,
     placer_names,
 )
-from fleet_base.protocol import ClusterStatus, Tier
+from fleet_base.domain import ClusterStatus, Tier
 
 
 def pool(cluster="c1", name="p", region="r1", gpu="a100", mem=80.0, per_node=8, nodes=1, tier=Tier.on_demand,

@@ -11,7 +11,7 @@ from control_plane.placement.explain import RemovalContext
 from control_plane.placement.milp import MilpPlacer
 from control_plane.placement.pipeline import PlacementInputs, run
 from control_plane.placement.standby import StandbyDemand
-from fleet_base.protocol import ClusterStatus, Tier
+from fleet_base.domain import ClusterStatus, Tier
 
 
 def _pool(cluster: str, region: str, tier: Tier = Tier.on_demand, nodes: int = 2) -> PoolCapacity:

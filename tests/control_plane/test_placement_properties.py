@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from control_plane.placement import Assignment, FirstFitDecreasing, PoolCapacity, ReplicaDemand
-from fleet_base.protocol import ClusterStatus, Tier
+from fleet_base.domain import ClusterStatus, Tier
 
 FFD = FirstFitDecreasing()
 REGIONS = ["r1", "r2", "r3"]

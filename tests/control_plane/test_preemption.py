@@ -7,7 +7,8 @@ from control_plane.db import models as m
 from control_plane.loops.ingest import apply_heartbeat
 from control_plane.loops.reconcile import reconcile_once
 from control_plane.placement import get_placer
-from fleet_base.protocol import Heartbeat, PoolInventory, Tier
+from fleet_base.domain import Tier
+from fleet_base.protocol import Heartbeat, PoolInventory
 from tests.control_plane.test_loops import add_deployment, assignments, events, sessions  # noqa: F401
 
 SPOT = PoolInventory(name="spot", gpu_model="L4", gpus_per_node=1, nodes=4, tier=Tier.spot, hourly_price=0.3)

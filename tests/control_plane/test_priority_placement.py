@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from control_plane.placement import PRIORITY_RANK, FirstFitDecreasing, PoolCapacity, ReplicaDemand
 from control_plane.placement.evaluate import violations
-from fleet_base.protocol import ClusterStatus
+from fleet_base.domain import ClusterStatus
 
 FFD = FirstFitDecreasing()
 CLASSES = list(PRIORITY_RANK)

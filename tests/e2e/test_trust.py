@@ -18,7 +18,7 @@ import pytest
 
 from agent.security.peer_token import PeerSigner
 from control_plane.security.pki import FleetPki
-from fleet_base import protocol
+from fleet_base import api_keys, protocol
 from fleet_base.local_state import LocalState
 from fleet_base.security.tls import client_context, nats_tls
 from tests.e2e.sim_fleet import SimFleet, wait_for
@@ -206,7 +206,7 @@ def test_replica_serves_only_its_gateway(fleet: SimFleet):
 def test_revoked_key_stops_within_2s_on_a_connected_gateway(fleet: SimFleet):
     key = new_key(fleet, "to-revoke")
     wait_for(lambda: chat(fleet.gateways[EAST], key).status_code == 200, 10, 0.1, "the new key at east")
-    key_id = protocol.key_id_of(key)
+    key_id = api_keys.key_id_of(key)
     revoked_at = time.monotonic()
     assert fleet.api("DELETE", f"/v1/keys/{key_id}").status_code in (200, 204)
     wait_for(lambda: chat(fleet.gateways[EAST], key).status_code == 401, 5, 0.05, "the revocation at east")
@@ -251,7 +251,7 @@ def test_revocation_with_a_dead_agent_follows_the_staleness_setting(fleet: SimFl
         wait_for(lambda region=region: ask(region, used).status_code == 404, 10, 0.1, "the used key admitted")
     wait_for(
         lambda: (
-            protocol.key_id_of(unused) in LocalState(cluster_config(fleet, EAST).state_dir).load_keys().keys
+            api_keys.key_id_of(unused) in LocalState(cluster_config(fleet, EAST).state_dir).load_keys().keys
         ),
         10,
         0.1,
@@ -259,7 +259,7 @@ def test_revocation_with_a_dead_agent_follows_the_staleness_setting(fleet: SimFl
     )
     for region in (EAST, WEST):
         psutil.Process(fleet.process("agent", region).pid).kill()
-    fleet.api("DELETE", f"/v1/keys/{protocol.key_id_of(used)}")
+    fleet.api("DELETE", f"/v1/keys/{api_keys.key_id_of(used)}")
     died = time.monotonic()
     time.sleep(MAX_AGE_S + 1.5)
 

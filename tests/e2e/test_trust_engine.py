@@ -8,9 +8,9 @@ import httpx
 import pytest
 
 from agent.gateway.tenancy import cache_salt
+from fleet_base.api_keys import key_id_of
 from fleet_base.cluster_config import ClusterConfig
 from fleet_base.local_state import LocalState
-from fleet_base.protocol import key_id_of
 from fleet_base.security.tls import client_context
 from tests.e2e.test_local_fleet import Fleet, fleetctl, fleetctl_json
 

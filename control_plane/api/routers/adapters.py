@@ -10,8 +10,9 @@ from control_plane.api.audit import audit, event
 from control_plane.api.deps import PrincipalDep, SessionDep, kick
 from control_plane.api.errors import conflict, not_found
 from control_plane.api.routers.deployments import _load
-from control_plane.api.schemas import AdapterIn, AdapterName
+from control_plane.api.schemas import AdapterIn
 from control_plane.db.models import utcnow
+from fleet_base.domain import AdapterName
 from fleet_base.protocol import DEFAULT_MAX_ADAPTERS
 
 router = APIRouter(prefix="/v1/deployments", tags=["adapters"])

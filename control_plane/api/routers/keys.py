@@ -15,7 +15,7 @@ from control_plane.api.schemas import KeyCreate, KeyCreated, KeyOut, KeyUpdate, 
 from control_plane.api.views import key_out
 from control_plane.db.models import ApiKey, utcnow
 from control_plane.loops.usage import initial_shares
-from fleet_base.protocol import hash_secret, new_secret
+from fleet_base.api_keys import hash_secret, new_secret
 
 router = APIRouter(prefix="/v1/keys", tags=["keys"])
 

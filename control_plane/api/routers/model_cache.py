@@ -22,7 +22,7 @@ from control_plane.api.errors import ApiError, invalid, not_found
 from control_plane.api.model_refs import model_ref
 from control_plane.api.schemas import ModelRef, Strict
 from control_plane.db.models import Cluster
-from fleet_base import protocol
+from fleet_base import domain, protocol
 from fleet_base.domain import ClusterId
 from fleet_base.models import is_remote
 
@@ -110,7 +110,7 @@ def _targets(request: Request, wanted: list[str] | None) -> list[str]:
         if missing:
             raise not_found("cluster", ", ".join(missing))
         return list(dict.fromkeys(wanted))
-    return [r.id for r in rows if r.status != protocol.ClusterStatus.unhealthy.value]
+    return [r.id for r in rows if r.status != domain.ClusterStatus.unhealthy.value]
 
 
 def _uri(model: str) -> str:

@@ -13,7 +13,7 @@ import pytest
 
 from control_plane.local.nats_server import NatsServer
 from engine.server.process import ServerProcess
-from fleet_base.protocol import ApiKeyRecord
+from fleet_base.api_keys import ApiKeyRecord
 from tests.agent.conftest import make_tiny_model_dir
 from tests.agent.gateway.harness import DEPLOYMENT, GatewayProcess, make_key, peer, replica, route
 

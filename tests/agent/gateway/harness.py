@@ -14,21 +14,13 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.gateway.state import file_signature
+from fleet_base.api_keys import ApiKeyRecord, hash_secret, new_secret
 from fleet_base.cluster_config import ClusterConfig, GatewayConfig
+from fleet_base.domain import Coordinates
 from fleet_base.local_state import KeySet, LocalState, ReplicaSnapshot, RouteSet
 from fleet_base.ports import free_port
 from fleet_base.processes import stop_process
-from fleet_base.protocol import (
-    ApiKeyRecord,
-    ClusterRoute,
-    Coordinates,
-    ReplicaState,
-    ReplicaStatus,
-    RoutingTable,
-    VersionWeight,
-    hash_secret,
-    new_secret,
-)
+from fleet_base.protocol import ClusterRoute, ReplicaState, ReplicaStatus, RoutingTable, VersionWeight
 
 ROOT = Path(__file__).resolve().parents[3]
 DEPLOYMENT = "tiny"

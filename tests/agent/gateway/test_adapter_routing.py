@@ -72,7 +72,7 @@ def test_a_changed_adapter_catalog_restarts_nothing_but_max_adapters_does():
 
 def test_an_adapter_has_its_own_limits_on_top_of_the_deployments():
     from agent.gateway.quota import limits_for
-    from fleet_base.protocol import DeploymentLimits, Quotas
+    from fleet_base.api_keys import DeploymentLimits, Quotas
 
     q = Quotas(tokens_per_minute=1000, deployments={"d": DeploymentLimits(requests_per_minute=10),
                                                     "sql": DeploymentLimits(tokens_per_minute=50)})  # fmt: skip

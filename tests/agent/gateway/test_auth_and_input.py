@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from engine.server.process import ServerProcess
-from fleet_base.protocol import ApiKeyRecord
+from fleet_base.api_keys import ApiKeyRecord
 from tests.agent.gateway.harness import DEPLOYMENT, GatewayProcess, sample, scrape
 
 BODY = {"model": DEPLOYMENT, "prompt": "hi", "max_tokens": 1}

@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
+from fleet_base.api_keys import ApiKeyRecord
 from fleet_base.ports import free_port
-from fleet_base.protocol import ApiKeyRecord
 from tests.agent.gateway.conftest import EAST
 from tests.agent.gateway.harness import DEPLOYMENT, GatewayProcess, peer, route, sample, scrape
 

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from engine.server.process import ServerProcess
-from fleet_base.protocol import ApiKeyRecord
+from fleet_base.api_keys import ApiKeyRecord
 from tests.agent.gateway.harness import DEPLOYMENT, GatewayProcess
 from tests.fuzzing import fuzz
 

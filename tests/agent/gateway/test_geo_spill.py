@@ -14,8 +14,10 @@ import httpx
 import pytest
 
 from agent.gateway.routing import MAX_HOPS, forwarded_from, hops_of, peer_order, should_spill
+from fleet_base.api_keys import ApiKeyRecord
+from fleet_base.domain import Coordinates
 from fleet_base.ports import free_port
-from fleet_base.protocol import ApiKeyRecord, ClusterRoute, Coordinates, RoutingTable
+from fleet_base.protocol import ClusterRoute, RoutingTable
 from tests.agent.gateway.conftest import EAST
 from tests.agent.gateway.harness import DEPLOYMENT, GatewayProcess, peer, replica, route, sample, scrape
 from tests.polling import wait_for

@@ -11,7 +11,7 @@ from agent.gateway.kv_index import KvUpdate, PrefixIndex, block_key
 from agent.gateway.prefix import prefix_keys, to_update
 from engine.kv_cache import KVCacheManager
 from engine.request import Request
-from fleet_base.protocol import KvCacheBatch, KvCacheOp
+from fleet_base.kv_events import KvCacheBatch, KvCacheOp
 from fleet_base.sampling_params import SamplingParams
 
 KEYS = st.integers(min_value=0, max_value=40)

@@ -22,8 +22,9 @@ import pytest
 
 from engine.server.process import ServerProcess
 from engine.tokenizer import Tokenizer
+from fleet_base.api_keys import ApiKeyRecord, Quotas
 from fleet_base.local_state import LocalState
-from fleet_base.protocol import ApiKeyRecord, DesiredState, Quotas, ReplicaSpec
+from fleet_base.protocol import DesiredState, ReplicaSpec
 from tests.agent.gateway.harness import DEPLOYMENT, GatewayProcess, make_key, replica, route, sample, scrape
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from agent.gateway.priority import PriorityWaitlist
 from agent.gateway.quota import QuotaBook, TokenBucket, format_duration, limits_for, share_of
-from fleet_base.protocol import ApiKeyRecord, DeploymentLimits, Quotas
+from fleet_base.api_keys import ApiKeyRecord, DeploymentLimits, Quotas
 
 EPS = 1e-6
 

@@ -11,7 +11,7 @@ from agent.gateway.inputs import parse_request
 from agent.gateway.limits import QuotaGate
 from agent.gateway.metrics import GatewayMetrics
 from agent.gateway.sse import StreamObserver
-from fleet_base.protocol import Quotas
+from fleet_base.api_keys import Quotas
 from tests.agent.gateway.harness import make_key
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "x" * 40}]}

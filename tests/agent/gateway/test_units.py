@@ -26,7 +26,8 @@ from agent.gateway.routing import (
 )
 from agent.gateway.sse import EventSplitter, StreamObserver
 from agent.gateway.state import ClusterView
-from fleet_base.protocol import Coordinates, VersionWeight
+from fleet_base.domain import Coordinates
+from fleet_base.protocol import VersionWeight
 from tests.agent.gateway.harness import ClusterFiles, make_key, peer, replica, route
 
 ROOT = Path(__file__).resolve().parents[3]

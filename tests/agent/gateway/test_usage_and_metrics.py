@@ -12,7 +12,8 @@ import httpx
 import nats as nats_py
 
 from control_plane.local.nats_server import NatsServer
-from fleet_base.protocol import ApiKeyRecord, UsageRecord, usage_subject
+from fleet_base.api_keys import ApiKeyRecord
+from fleet_base.protocol import UsageRecord, usage_subject
 from tests.agent.gateway.conftest import EAST
 from tests.agent.gateway.harness import DEPLOYMENT, GatewayProcess, peer, route, scrape
 

@@ -13,8 +13,9 @@ import kubernetes_validate.utils
 import pytest
 
 from fleet_base.cluster_config import ClusterConfig, ReplicaConfig
+from fleet_base.domain import Tier
 from fleet_base.kube_config import KubernetesConfig
-from fleet_base.protocol import PoolInventory, ReplicaSpec, Resources, Tier
+from fleet_base.protocol import PoolInventory, ReplicaSpec, Resources
 from tests.agent.kube.fake_apiserver import FakeApiServer
 
 K8S_VERSION = "1.30.0"

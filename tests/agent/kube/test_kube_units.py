@@ -9,8 +9,9 @@ from agent.capacity import CapacitySignals, Placed
 from agent.runtime.kube_pod import node_placement, replica_pod
 from agent.runtime.kube_status import classify
 from fleet_base.cluster_config import ClusterConfig
+from fleet_base.domain import Tier
 from fleet_base.kube_config import KubernetesConfig, PoolPlacement, Toleration
-from fleet_base.protocol import PoolInventory, ReplicaState, Tier
+from fleet_base.protocol import PoolInventory, ReplicaState
 from tests.agent.kube.conftest import POOLS, spec, validate
 
 

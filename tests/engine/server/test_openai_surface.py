@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 
 from control_plane.local.nats_server import NatsServer
 from engine.server.process import ServerProcess
-from fleet_base.protocol import Quotas
+from fleet_base.api_keys import Quotas
 from tests.agent.gateway.harness import GatewayProcess, make_key, peer, replica, route, sample, scrape
 from tests.engine.server.conftest import MODEL, metric
 from tests.engine.server.conftest import scrape as scrape_engine
