@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 
 from fleet_base.ports import free_port
 from fleet_base.processes import stop_process
+from tests.polling import wait_for_process
 
 ROOT = Path(__file__).resolve().parents[2]
 PG_ENV = "FLEET_TEST_POSTGRES_URL"
@@ -132,21 +132,21 @@ class ControlPlaneServer:
             start_new_session=True,
         )
         log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"control plane exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if api_file.exists() and api_file.read_text().strip():
-                self.url = api_file.read_text().strip()
-                try:
-                    if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                        self.token = (self.home / "admin-token").read_text().strip()
-                        return self
-                except httpx.HTTPError:
-                    pass
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"control plane did not start in {timeout}s:\n{self.log_tail()}")
+        try:
+            self.url = wait_for_process(
+                self.proc, lambda: self._healthy(api_file), timeout, "the control plane", self.log_tail,
+                retry_errors=(OSError, httpx.HTTPError),
+            )  # fmt: skip
+        except RuntimeError:
+            self.stop()
+            raise
+        self.token = (self.home / "admin-token").read_text().strip()
+        return self
+
+    def _healthy(self, api_file: Path) -> str:
+        """The URL once the process wrote it and answers /healthz there; "" until then."""
+        url = api_file.read_text().strip() if api_file.exists() else ""
+        return url if url and httpx.get(f"{url}/healthz", timeout=1).status_code == 200 else ""
 
     def log_tail(self, lines: int = 40) -> str:
         path = self.home / "control-plane.log"

@@ -76,13 +76,18 @@ class Client:
         return self
 
     async def violation(self, what: str, timeout: float = 5.0) -> bool:
-        deadline = asyncio.get_running_loop().time() + timeout
-        while asyncio.get_running_loop().time() < deadline:
-            # nats-py lower-cases the server's message
-            if any("permissions violation" in e.lower() and what.lower() in e.lower() for e in self.errors):
-                return True
-            await asyncio.sleep(0.05)
-        return False
+        """Whether the server reports a permissions violation on `what` within `timeout`
+        (nats-py lower-cases the server's message)."""
+
+        def reported() -> bool:
+            return any(
+                "permissions violation" in e.lower() and what.lower() in e.lower() for e in self.errors
+            )
+
+        try:
+            return await eventually(reported, timeout, f"a permissions violation on {what}")
+        except AssertionError:
+            return False
 
     async def close(self):
         if self.nc is not None:

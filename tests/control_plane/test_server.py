@@ -5,21 +5,18 @@ exits cleanly; it connects to a real nats-server when there is one and serves wi
 from __future__ import annotations
 
 import stat
-import time
 
 import httpx
 
 from control_plane.local.nats_server import NatsServer
 from tests.control_plane.cp_server import ControlPlaneServer
+from tests.polling import wait_for
 
 
 def _nats_connected(url: str, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if httpx.get(f"{url}/healthz").json()["nats"]:
-            return True
-        time.sleep(0.1)
-    return False
+    return wait_for(
+        lambda: httpx.get(f"{url}/healthz").json()["nats"], timeout, "the control plane's NATS link"
+    )
 
 
 def test_first_start_restart_and_sigterm(tmp_path):

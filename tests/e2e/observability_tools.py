@@ -19,6 +19,7 @@ import yaml
 
 from fleet_base.ports import free_port
 from fleet_base.processes import stop_process
+from tests.polling import wait_for, wait_for_process
 
 REQUIRE_ENV = "FLEET_REQUIRE_PROMETHEUS_CHROMIUM"
 INSTALL = "bash scripts/install-browser-prometheus.sh"
@@ -114,17 +115,13 @@ class Prometheus:
             start_new_session=True,
         )
         log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if self.client.get(f"{self.url}/-/ready", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"prometheus not ready in {timeout}s:\n{self.log_tail()}")
+        wait_for_process(
+            self.proc, self.ready, timeout, "prometheus", self.log_tail, 0.2, retry_errors=httpx.HTTPError
+        )
+        return self
+
+    def ready(self) -> bool:
+        return self.client.get(f"{self.url}/-/ready", timeout=1).status_code == 200
 
     def log_tail(self, lines: int = 30) -> str:
         path = self.workdir / "prometheus.log"
@@ -200,14 +197,17 @@ def watched(context):
 def watch(page, until, timeout: float, what: str) -> list[tuple[str, str]]:
     """(phase, step) as the page shows them, polled until `until(phase)`."""
     seen: list[tuple[str, str]] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def shown() -> bool:
         phase = page.locator("#phase").inner_text()
         step = page.locator(".steps li.now").all_inner_texts()
         now = (phase, step[0] if step else "")
         if not seen or seen[-1] != now:
             seen.append(now)
-        if until(phase):
-            return seen
-        time.sleep(0.25)
-    raise AssertionError(f"timed out waiting for {what}; saw {seen}")
+        return until(phase)
+
+    try:
+        wait_for(shown, timeout, what, 0.25)
+    except AssertionError as err:
+        raise AssertionError(f"{err}; saw {seen}") from None
+    return seen
