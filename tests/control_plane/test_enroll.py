@@ -4,10 +4,8 @@
 from __future__ import annotations
 
 import json
-import os
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 from cryptography import x509
@@ -17,19 +15,13 @@ from control_plane.security.enroll import Enrolment, NatsListen
 from control_plane.security.pki import FleetPki
 from fleet_base.nats_io import redact_url
 from fleet_base.security.identity import spiffe_id
+from tests.fleetctl import fleetctl as run_fleetctl
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def fleetctl(home: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "FLEET_HOME": str(home), "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, "-m", "control_plane.cli", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_fleetctl(home, *args, timeout=120, check=False)
 
 
 def mode(path: Path) -> int:

@@ -5,15 +5,14 @@ assertions, tables for people, one line on stderr and a non-zero exit on errors.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from fleet_base.ports import free_port
-from tests.control_plane.cp_server import ROOT, ControlPlaneServer
+from tests.control_plane.cp_server import ControlPlaneServer
+from tests.fleetctl import fleetctl as run_fleetctl
 
 
 @pytest.fixture(scope="module")
@@ -25,21 +24,7 @@ def server(tmp_path_factory):
 
 
 def fleetctl(home, *args: str, env: dict | None = None, ok: bool = True) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "FLEET_HOME": str(home), "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
-    for name in ("FLEET_API_URL", "FLEET_TOKEN"):
-        full_env.pop(name, None)
-    full_env.update(env or {})
-    res = subprocess.run(
-        [sys.executable, "-m", "control_plane.cli", *args],
-        env=full_env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    if ok:
-        assert res.returncode == 0, f"fleetctl {' '.join(args)}: {res.stderr}"
-    return res
+    return run_fleetctl(home, *args, env={"COLUMNS": "200", **(env or {})}, timeout=60, check=ok)
 
 
 def fleetctl_many(home, *commands: list[str], env: dict | None = None) -> list[subprocess.CompletedProcess]:

@@ -13,10 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
-import os
-import subprocess
-import sys
 import time
 from collections import Counter
 
@@ -37,7 +33,8 @@ from fleet_base.protocol import (
     RoutingTable,
     heartbeat_subject,
 )
-from tests.control_plane.cp_server import ROOT, ControlPlaneServer
+from tests.control_plane.cp_server import ControlPlaneServer
+from tests.fleetctl import fleetctl_json
 from tests.polling import eventually
 
 BEAT_S = 0.25
@@ -113,24 +110,8 @@ class SimAgent:
             await asyncio.sleep(BEAT_S)
 
 
-def fleetctl(home, *args: str) -> dict | list:
-    env = {**os.environ, "FLEET_HOME": str(home), "PYTHONPATH": str(ROOT)}
-    env.pop("FLEET_API_URL", None)
-    env.pop("FLEET_TOKEN", None)
-    res = subprocess.run(
-        [sys.executable, "-m", "control_plane.cli", *args, "-o", "json"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert res.returncode == 0, f"fleetctl {' '.join(args)}: {res.stderr}"
-    return json.loads(res.stdout)
-
-
 async def cli(home, *args: str):
-    return await asyncio.to_thread(fleetctl, home, *args)
+    return await asyncio.to_thread(fleetctl_json, home, *args)
 
 
 @pytest.fixture

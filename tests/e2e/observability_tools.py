@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -159,18 +158,6 @@ def streams(gateways: list[str], key: str, model: str, stop: threading.Event) ->
                 pass
             n += 1
             time.sleep(0.1)
-
-
-def fleetctl(home: Path, *args: str) -> str:
-    env = {**os.environ, "FLEET_HOME": str(home), "PYTHONPATH": str(ROOT)}
-    env.pop("FLEET_API_URL", None)
-    env.pop("FLEET_TOKEN", None)
-    out = subprocess.run(
-        [sys.executable, "-m", "control_plane.cli", *args], env=env, cwd=ROOT, capture_output=True,
-        text=True, timeout=60,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
-    return out.stdout
 
 
 class Shots:

@@ -17,9 +17,9 @@ import pytest
 
 from control_plane.client import FleetClient
 from tests.e2e.sim_fleet import wait_for
-from tests.e2e.test_local_fleet import fleetctl, fleetctl_json
 from tests.fleet_base.models.conftest import AWS_ENV, S3Server
 from tests.fleet_base.models.servers import FileServer, serve
+from tests.fleetctl import fleetctl, fleetctl_json
 
 pytestmark = pytest.mark.slow
 URI = "s3://models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -38,7 +38,6 @@ from tests.e2e.observability_tools import (
     CHROMIUM,
     Prometheus,
     Shots,
-    fleetctl,
     require_playwright,
     require_tool,
     streams,
@@ -46,6 +45,7 @@ from tests.e2e.observability_tools import (
     watched,
 )
 from tests.e2e.sim_fleet import Load, SimFleet, wait_for
+from tests.fleetctl import fleetctl
 from tests.test_deploy_assets import expressions
 
 ROOT = Path(__file__).resolve().parents[2]

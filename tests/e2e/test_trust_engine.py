@@ -12,7 +12,8 @@ from fleet_base.api_keys import key_id_of
 from fleet_base.cluster_config import ClusterConfig
 from fleet_base.local_state import LocalState
 from fleet_base.security.tls import client_context
-from tests.e2e.test_local_fleet import Fleet, fleetctl, fleetctl_json
+from tests.e2e.test_local_fleet import Fleet
+from tests.fleetctl import fleetctl, fleetctl_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
