@@ -71,20 +71,25 @@ def test_base_and_cli_install_need_no_torch() -> None:
     assert "fleet[engine,cli]" in extras["dev"]  # `pip install -e ".[dev]"` installs everything
 
 
-@pytest.mark.parametrize(
-    ("blocked", "modules"),
-    [(ENGINE_ONLY, PLATFORM_MODULES), (ENGINE_ONLY + CLI_ONLY, SERVICE_MODULES)],
-    ids=["cli-install", "base-install"],
-)
-def test_platform_modules_import_without_torch(blocked, modules) -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", BLOCKING, ",".join(blocked), *modules],
+def _fresh_python(code: str, *args: str) -> subprocess.CompletedProcess:
+    """`python -c code args` with only the repository on the path (no inherited environment)."""
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=ROOT,
         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
     )
+
+
+@pytest.mark.parametrize(
+    ("blocked", "modules"),
+    [(ENGINE_ONLY, PLATFORM_MODULES), (ENGINE_ONLY + CLI_ONLY, SERVICE_MODULES)],
+    ids=["cli-install", "base-install"],
+)
+def test_platform_modules_import_without_torch(blocked, modules) -> None:
+    out = _fresh_python(BLOCKING, ",".join(blocked), *modules)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"imported {len(modules)}" in out.stdout
 
@@ -101,14 +106,7 @@ print("heavy:", sorted(n for n in sys.modules if n.split(".")[0] in ("torch", "t
 def test_app_import_loads_neither_torch_nor_triton(module: str) -> None:
     """With torch installed (nothing blocked), importing the app must not load it: the
     layering rule checked on what actually runs, not on the import graph alone."""
-    out = subprocess.run(
-        [sys.executable, "-c", LOADED_HEAVY, module],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-    )
+    out = _fresh_python(LOADED_HEAVY, module)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "heavy: []" in out.stdout, out.stdout
 

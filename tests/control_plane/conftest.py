@@ -34,6 +34,15 @@ def cp_server(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def sqlite_server(tmp_path_factory):
+    """One control plane process per module on a SQLite file (the CLI tests' server)."""
+    tmp = tmp_path_factory.mktemp("cp-sqlite")
+    server = ControlPlaneServer(tmp / "home", f"sqlite:///{tmp / 'fleet.db'}").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
 def admin(cp_server):
     """An httpx client with the server's admin token (shared: creating clients is not free)."""
     with cp_server.client() as client:

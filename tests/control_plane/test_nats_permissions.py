@@ -89,6 +89,18 @@ class Client:
         except AssertionError:
             return False
 
+    async def listen(self, *subjects: str) -> list[str]:
+        """The subjects of the messages this client receives on `subjects` from now on."""
+        seen: list[str] = []
+
+        async def record(msg) -> None:
+            seen.append(msg.subject)
+
+        for subject in subjects:
+            await self.nc.subscribe(subject, cb=record)
+        await self.nc.flush()
+        return seen
+
     async def close(self):
         if self.nc is not None:
             await self.nc.close()
@@ -146,14 +158,7 @@ async def test_agent_a_is_confined_to_its_own_subjects_and_desired_key(secured):
     cp = await _control_plane(server.url, cp_tls)
     east = await Client().connect(server.url, nats_tls(enrolment.enroll("east"), "agent", "east"))
     try:
-        seen: list[str] = []
-
-        async def record(msg):
-            seen.append(msg.subject)
-
-        await cp.nc.subscribe("fleet.v1.>", cb=record)
-        await cp.nc.subscribe("$KV.>", cb=record)
-        await cp.nc.flush()
+        seen = await cp.listen("fleet.v1.>", "$KV.>")
         cp_kv = {b: await cp.nc.jetstream().key_value(b) for b in protocol.BUCKETS}
         west_state = protocol.DesiredState(cluster="west", generation=7)
         await cp_kv[protocol.BUCKET_DESIRED].put("west", west_state.to_bytes())
@@ -211,13 +216,7 @@ async def test_gateway_identity_publishes_only_usage_and_demand_of_its_cluster(s
     cp = await _control_plane(server.url, cp_tls)
     gw = await Client().connect(server.url, nats_tls(enrolment.enroll("west"), "gateway", "west"))
     try:
-        seen: list[str] = []
-
-        async def record(msg):
-            seen.append(msg.subject)
-
-        await cp.nc.subscribe("fleet.v1.>", cb=record)
-        await cp.nc.flush()
+        seen = await cp.listen("fleet.v1.>")
         allowed = [protocol.usage_subject("west"), protocol.demand_subject("west")]
         for subject in allowed:
             await gw.nc.publish(subject, b"{}")

@@ -105,17 +105,9 @@ def test_usage_moves_the_shares_in_the_database(db_url: str) -> None:
     assert prune_records(sessions, now - timedelta(minutes=1)) == 1  # the 5-minute-old one
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("usage")
-    cp = ControlPlaneServer(tmp / "home", f"sqlite:///{tmp / 'fleet.db'}").start()
-    yield cp
-    cp.stop()
-
-
 @pytest.mark.slow  # a server process and three fleetctl subprocesses
-def test_patch_keys_and_usage_report(server: ControlPlaneServer) -> None:
-    with server.client() as api:
+def test_patch_keys_and_usage_report(sqlite_server: ControlPlaneServer) -> None:
+    with sqlite_server.client() as api:
         r = api.post(
             "/v1/keys",
             json={
@@ -146,7 +138,7 @@ def test_patch_keys_and_usage_report(server: ControlPlaneServer) -> None:
         audit = api.get("/v1/audit", params={"resource_id": key_id, "action": "key.update"}).json()["items"]
         assert audit and audit[0]["after"]["quotas"]["tokens_per_minute"] == 3000
 
-    sessions = make_sessions(server.database_url)
+    sessions = make_sessions(sqlite_server.database_url)
     with sessions() as session:
         dep = Deployment(name="chat", replicas=1)
         session.add_all([dep, Cluster(id="east", region="east")])
@@ -177,7 +169,7 @@ def test_patch_keys_and_usage_report(server: ControlPlaneServer) -> None:
             ),
         ],
     )
-    with server.client() as api:
+    with sqlite_server.client() as api:
         report = api.get("/v1/usage", params={"since": "1h"}).json()
         rows = {(i["key_id"], i["deployment"]): i for i in report["items"]}
         assert set(rows) == {(key_id, "chat"), ("other", "chat"), (key_id, "embed")}
@@ -198,7 +190,7 @@ def test_patch_keys_and_usage_report(server: ControlPlaneServer) -> None:
         bad = api.get("/v1/usage", params={"since": "yesterday"})
         assert bad.status_code == 422 and bad.json()["error"]["field"] == "since"
 
-    home = server.home
+    home = sqlite_server.home
     updated = as_json(
         home, "keys", "update", key_id, "--requests-per-minute", "60", "--priority-class", "interactive"
     )
