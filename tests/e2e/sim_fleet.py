@@ -11,6 +11,7 @@ import re
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,45 @@ def wait_for(check, timeout: float, interval: float = 0.2, what: str = "conditio
     return polling.wait_for(check, timeout, what, interval, retry_errors=True)
 
 
+def start_threads(run: Callable[[int], None], count: int) -> list[threading.Thread]:
+    """`count` daemon threads running `run(index)`, started."""
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(count)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+class Sampler:
+    """Calls `sample()` every `interval` s on a thread, from `start()` (or `with`) to `stop()`;
+    a failed sample is skipped (a component may be restarting)."""
+
+    interval = 0.1
+
+    def sample(self) -> None:
+        raise NotImplementedError
+
+    def _run(self, _: int) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(Exception):
+                self.sample()
+            time.sleep(self.interval)
+
+    def start(self) -> Sampler:
+        self._stop = threading.Event()
+        self._threads = start_threads(self._run, 1)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._threads[0].join(5)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
 class SimFleet:
     def __init__(
         self,
@@ -37,6 +77,7 @@ class SimFleet:
         slots: int = 4,
         gateway: dict[str, dict] | None = None,
         *,
+        cluster: dict | None = None,
         runtime: str = "sim",
         replica_args: list[str] | None = None,
     ) -> None:
@@ -44,6 +85,7 @@ class SimFleet:
         self.regions = regions
         self.slots = slots
         self.gateway_overrides = gateway or {}  # region -> GatewayConfig fields
+        self.cluster_overrides = cluster or {}  # ClusterConfig fields of every region
         self.runtime = runtime
         self.replica_args = replica_args or []
         self.local = LocalFleet(home)
@@ -64,6 +106,7 @@ class SimFleet:
             config = local.write_cluster_config(state, region, index, self.slots, self.replica_args)
             config = config.model_copy(
                 update={
+                    **self.cluster_overrides,
                     "runtime": self.runtime,
                     "gateway": config.gateway.model_copy(
                         update={"port": free_port(), **self.gateway_overrides.get(region, {})}
@@ -241,11 +284,7 @@ class Load:
                     time.sleep(self.pause_s)
 
     def start(self) -> Load:
-        self._threads = [
-            threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(self.workers)
-        ]
-        for t in self._threads:
-            t.start()
+        self._threads = start_threads(self._run, self.workers)
         return self
 
     def stop(self) -> list[Result]:
@@ -256,3 +295,8 @@ class Load:
 
     def failed(self) -> list[Result]:
         return [r for r in self.results if r.status != 200]
+
+    def served(self, count: int, since: float = 0.0, timeout: float = 30, what: str = "requests") -> None:
+        """Wait until `count` requests that began at or after `since` (time.time()) have ended:
+        the load is flowing, or kept flowing past an event."""
+        wait_for(lambda: sum(r.started >= since for r in self.results) >= count, timeout, 0.05, what)

@@ -13,7 +13,6 @@ per share change while the regions apply it at different times.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import threading
@@ -22,12 +21,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
-from control_plane.local.fleet import LocalFleet
-from fleet_base.protocol import PoolInventory
 from tests import polling
+from tests.e2e.sim_fleet import SimFleet
 
 pytestmark = pytest.mark.slow
 
@@ -42,58 +39,13 @@ RUN_S = 12.0
 wait_for = functools.partial(polling.wait_for, retry_errors=True)
 
 
-class Fleet:
+class Fleet(SimFleet):
     def __init__(self, home: Path) -> None:
-        self.home = home
-        self.local = LocalFleet(home)
-        self.state = self.local.new_state(REGIONS)
-        self.gateways: dict[str, str] = {}
-        self.api_url = ""
-        self.token = ""
-
-    def up(self) -> Fleet:
-        local, state = self.local, self.state
-        local.save(state)
-        local.start_nats(state)
-        record = local.start_control_plane(state)
-        self.api_url = record.url
-        token_file = self.home / "admin-token"
-        wait_for(
-            lambda: httpx.get(f"{record.url}/healthz", timeout=1).status_code == 200 and token_file.exists(),
-            60,
-            "the control plane",
-        )
-        self.token = token_file.read_text().strip()
-        for index, region in enumerate(REGIONS):
-            config = local.write_cluster_config(state, region, index, 2, [])
-            config = config.model_copy(
-                update={
-                    "runtime": "sim",
-                    "heartbeat_interval_s": 0.5,
-                    "pools": [PoolInventory(name="sim", gpu_model="cpu", gpus_per_node=2, nodes=1)],
-                    "gateway": config.gateway.model_copy(update={"quota_minute_s": WINDOW}),
-                }
-            )
-            config.dump(local.dir / "clusters" / region / "cluster.yaml")
-            local.start_cluster(state, config)
-            self.gateways[region] = config.gateway.url
-        return self
-
-    def api(self, method: str, path: str, **kw) -> httpx.Response:
-        headers = {"authorization": f"Bearer {self.token}"}
-        return httpx.request(method, f"{self.api_url}{path}", headers=headers, timeout=10, **kw)
+        gateways = {region: {"quota_minute_s": WINDOW} for region in REGIONS}
+        super().__init__(home, REGIONS, slots=2, gateway=gateways, cluster={"heartbeat_interval_s": 0.5})
 
     def keys_file(self, region: str) -> dict:
         return json.loads((self.local.dir / "clusters" / region / "state" / "keys.json").read_text())
-
-    def down(self) -> None:
-        state = self.local.load()
-        with contextlib.suppress(Exception):
-            self.local.down(timeout=5)
-        if state is not None:
-            for proc in self.local.marked_processes(state.fleet_id):
-                with contextlib.suppress(psutil.Error):
-                    proc.kill()
 
 
 @pytest.fixture
