@@ -2,27 +2,20 @@
 
 from __future__ import annotations
 
-import time
-
 import psutil
 import pytest
 
 from bench.common import cpu_contention
-
-
-def _eventually(check, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.05)
+from tests.polling import wait_for
 
 
 def test_competitors_burn_cpu_in_the_block_and_are_reaped_after() -> None:
     with cpu_contention(2) as pids:
         assert len(pids) == 2
         procs = [psutil.Process(pid) for pid in pids]
-        _eventually(lambda: all(p.cpu_times().user > 0.05 for p in procs))
+        wait_for(
+            lambda: all(p.cpu_times().user > 0.05 for p in procs), 10, "the competitors burning CPU", 0.05
+        )
     for pid in pids:
         assert not psutil.pid_exists(pid)
 
