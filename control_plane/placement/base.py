@@ -11,7 +11,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -244,6 +244,38 @@ def fingerprint_assignments(assignments: Sequence[Assignment]) -> int:
             )
         )
     )
+
+
+def demands_by_key(demands: Sequence[ReplicaDemand]) -> dict[tuple[str, int], ReplicaDemand]:
+    """Demands by (deployment, version); ValueError on a second demand for one version."""
+    out: dict[tuple[str, int], ReplicaDemand] = {}
+    for d in demands:
+        if d.key in out:
+            raise ValueError(f"duplicate demand for {d.deployment} v{d.version}")
+        out[d.key] = d
+    return out
+
+
+def current_split(
+    current: Sequence[Assignment],
+    by_demand: Mapping[tuple[str, int], ReplicaDemand],
+    by_pool: Mapping[tuple[str, str], PoolCapacity],
+) -> tuple[list[Assignment], list[str]]:
+    """Current replicas that may stay (right version and shape, allowed pool, cluster not
+    lost), in order, and the ids of those that must go; a repeated id counts once."""
+    ok: list[Assignment] = []
+    gone: list[str] = []
+    seen: set[str] = set()
+    for a in current:
+        if a.replica_id in seen:
+            continue
+        seen.add(a.replica_id)
+        d, p = by_demand.get((a.deployment, a.version)), by_pool.get(a.pool_key)
+        if d is None or p is None or not p.keeps_existing or not d.acceptable(p) or a.gpus != d.gpu_count:
+            gone.append(a.replica_id)
+        else:
+            ok.append(a)
+    return ok, gone
 
 
 class Placer(ABC):

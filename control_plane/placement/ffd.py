@@ -15,6 +15,7 @@ import secrets
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from control_plane.placement.base import (
     PRIORITY_RANK,
@@ -25,6 +26,8 @@ from control_plane.placement.base import (
     Preemption,
     ReplicaDemand,
     Unplaced,
+    current_split,
+    demands_by_key,
     register_placer,
 )
 from control_plane.placement.explain import add_note, explain_shortfall, rule_out
@@ -48,6 +51,36 @@ def new_replica_id(deployment: str, version: int) -> str:
     """`<deployment>-v<version>-<6 hex>`, trimmed to fit the database column."""
     suffix = f"-v{version}-{secrets.token_hex(3)}"
     return deployment[: MAX_REPLICA_ID - len(suffix)] + suffix
+
+
+class Shaped(Protocol):
+    """What a new replica is made from: a replica or standby demand."""
+
+    @property
+    def deployment(self) -> str: ...
+    @property
+    def version(self) -> int: ...
+    @property
+    def gpu_count(self) -> int: ...
+
+
+def fresh_assignment(
+    d: Shaped, pool: PoolCapacity, node: int | None, used_ids: set[str], id_factory: IdFactory
+) -> Assignment:
+    """A new replica of `d` on `pool` (node `node`), under an id not in `used_ids` (added to it)."""
+    replica_id = id_factory(d.deployment, d.version)
+    while replica_id in used_ids:
+        replica_id = id_factory(d.deployment, d.version)
+    used_ids.add(replica_id)
+    return Assignment(
+        replica_id=replica_id,
+        deployment=d.deployment,
+        version=d.version,
+        cluster=pool.cluster,
+        pool=pool.name,
+        gpus=d.gpu_count,
+        node=node,
+    )
 
 
 class _Nodes:
@@ -108,17 +141,9 @@ class _Plan:
 
     def screen(self, current: Sequence[Assignment]) -> None:
         """Which current replicas may stay: right version, allowed pool, cluster not lost."""
-        seen: set[str] = set()
-        for a in current:
-            if a.replica_id in seen:
-                continue
-            seen.add(a.replica_id)
-            d = self.by_demand.get((a.deployment, a.version))
-            p = self.by_pool.get(a.pool_key)
-            if d is None or p is None or not p.keeps_existing or not d.acceptable(p) or a.gpus != d.gpu_count:
-                self.removed.append(a.replica_id)
-                continue
-            self.candidates[d.key].append(a)
+        ok, self.removed = current_split(current, self.by_demand, self.by_pool)
+        for a in ok:
+            self.candidates[(a.deployment, a.version)].append(a)
 
     def scale_down(self) -> list[Assignment]:
         """Keep the best replica per region up to min_regions, then the most preferred."""
@@ -280,19 +305,7 @@ class _Plan:
 
     def assign(self, d: ReplicaDemand, pool: PoolCapacity, node: int) -> Assignment:
         self.nodes.take(pool.key, node, d.gpu_count)
-        replica_id = self.id_factory(d.deployment, d.version)
-        while replica_id in self.used_ids:
-            replica_id = self.id_factory(d.deployment, d.version)
-        self.used_ids.add(replica_id)
-        return Assignment(
-            replica_id=replica_id,
-            deployment=d.deployment,
-            version=d.version,
-            cluster=pool.cluster,
-            pool=pool.name,
-            gpus=d.gpu_count,
-            node=node,
-        )
+        return fresh_assignment(d, pool, node, self.used_ids, self.id_factory)
 
 
 class FirstFitDecreasing(Placer):
@@ -308,11 +321,7 @@ class FirstFitDecreasing(Placer):
         pools: Sequence[PoolCapacity],
         current: Sequence[Assignment] = (),
     ) -> PlacementResult:
-        by_demand: dict[tuple[str, int], ReplicaDemand] = {}
-        for d in demands:
-            if d.key in by_demand:
-                raise ValueError(f"duplicate demand for {d.deployment} v{d.version}")
-            by_demand[d.key] = d
+        by_demand = demands_by_key(demands)
         plan = _Plan(
             by_demand=by_demand,
             pools=sorted({p.key: p for p in pools}.values(), key=PoolCapacity.preference),

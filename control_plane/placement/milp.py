@@ -28,24 +28,21 @@ last plan (`previous`, a `SolvedPlan`). Checking the plan against every rule and
 back to FFD when it fails is the placement pipeline's verify step
 (`control_plane.placement.pipeline`).
 
-Longer than ~400 lines: the model (`_Model`, `MilpPlacer._build`), its warm start
-(`_warm_start`) and the solve and read-back (`MilpPlacer._solve`) share the variable maps
-(`_Built`), so they stay in one module.
+The model and its columns are one `MilpVars` (`milp_model.py`); the priority terms
+(`milp_priority.py`) and the read-back (`milp_result.py`) take and fill that structure.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import highspy
 import numpy as np
 
+from control_plane.geo import default_latency
 from control_plane.placement.base import (
     Assignment,
     PlacementResult,
@@ -54,13 +51,15 @@ from control_plane.placement.base import (
     ReplicaDemand,
     SolvedPlan,
     SolveInfo,
+    current_split,
+    demands_by_key,
     fingerprint_inputs,
     register_placer,
 )
 from control_plane.placement.evaluate import committed_cost, plan_cost, slot_size
 from control_plane.placement.ffd import IdFactory, new_replica_id, spot_safe_ffd
-from control_plane.placement.milp_priority import PriorityTerms, add_priority_terms, shortfall_weights
-from control_plane.placement.milp_priority import read as read_priority
+from control_plane.placement.milp_model import Key, MilpSolution, MilpVars, Pair, SparseModel
+from control_plane.placement.milp_priority import add_priority_terms, shortfall_weights
 from control_plane.placement.milp_priority import warm_start as priority_start
 from control_plane.placement.milp_result import build_result
 from control_plane.placement.quotas import NO_QUOTAS, GpuQuotas
@@ -70,116 +69,7 @@ from fleet_base.domain import Tier
 Distance = Callable[[PoolCapacity, str], float | None]
 
 
-@dataclass
-class _Model:
-    """A sparse model in row-wise form, built once and solved as MIP and as LP."""
-
-    cost: list[float] = field(default_factory=list)
-    cost_only: list[float] = field(default_factory=list)  # objective of the LP bound
-    lower: list[float] = field(default_factory=list)
-    upper: list[float] = field(default_factory=list)
-    integer: list[bool] = field(default_factory=list)
-    row_lower: list[float] = field(default_factory=list)
-    row_upper: list[float] = field(default_factory=list)
-    starts: list[int] = field(default_factory=lambda: [0])
-    index: list[int] = field(default_factory=list)
-    value: list[float] = field(default_factory=list)
-
-    def var(self, cost: float, upper: float, integer: bool, cost_only: float | None = None) -> int:
-        self.cost.append(cost)
-        self.cost_only.append(cost if cost_only is None else cost_only)
-        self.lower.append(0.0)
-        self.upper.append(upper)
-        self.integer.append(integer)
-        return len(self.cost) - 1
-
-    def row(self, terms: dict[int, float] | list[tuple[int, float]], lo: float, hi: float) -> None:
-        items = terms.items() if isinstance(terms, dict) else terms
-        for i, v in items:
-            if v:
-                self.index.append(i)
-                self.value.append(v)
-        self.starts.append(len(self.index))
-        self.row_lower.append(lo)
-        self.row_upper.append(hi)
-
-    def problem(self, values: np.ndarray, objective: float, tol: float = 1e-6) -> str | None:
-        """Why `values` is not the solution the solver claims (bounds, integrality, rows,
-        or an objective other than the one it reported), or None. Vectorized: it runs on
-        every solve, and large models have hundreds of thousands of entries."""
-        lower, upper = np.array(self.lower, dtype=float), np.array(self.upper, dtype=float)
-        bad = np.flatnonzero((values < lower - tol) | (values > upper + tol))
-        if bad.size:
-            j = int(bad[0])
-            return f"column {j} = {values[j]} outside [{lower[j]}, {upper[j]}]"
-        integer = np.array(self.integer, dtype=bool)
-        frac = np.flatnonzero(integer & (np.abs(values - np.round(values)) > tol))
-        if frac.size:
-            return f"column {int(frac[0])} = {values[int(frac[0])]} is not integral"
-        starts = np.array(self.starts, dtype=np.int64)
-        rows = len(self.row_lower)
-        owner = np.repeat(np.arange(rows), np.diff(starts))
-        prod = np.array(self.value, dtype=float) * values[np.array(self.index, dtype=np.int64)]
-        totals = np.bincount(owner, weights=prod, minlength=rows) if rows else np.zeros(0)
-        row_lower, row_upper = np.array(self.row_lower, dtype=float), np.array(self.row_upper, dtype=float)
-        broken = np.flatnonzero((totals < row_lower - tol) | (totals > row_upper + tol))
-        if broken.size:
-            r = int(broken[0])
-            return f"row {r} = {totals[r]} outside [{row_lower[r]}, {row_upper[r]}]"
-        own = float(np.dot(self.cost, values))
-        if abs(own - objective) > tol * max(1.0, abs(objective)):
-            return f"the columns cost {own:.6g}, the solver reported {objective:.6g}"
-        return None
-
-    def highs(self, relax: bool, time_limit_s: float, gap: float, threads: int) -> highspy.Highs:
-        inf = highspy.kHighsInf
-        lp = highspy.HighsLp()
-        lp.num_col_ = len(self.cost)
-        lp.num_row_ = len(self.row_lower)
-        lp.col_cost_ = np.array(self.cost_only if relax else self.cost, dtype=float)
-        lp.col_lower_ = np.array(self.lower, dtype=float)
-        lp.col_upper_ = np.array([inf if math.isinf(u) else u for u in self.upper], dtype=float)
-        lp.row_lower_ = np.array([-inf if math.isinf(v) else v for v in self.row_lower], dtype=float)
-        lp.row_upper_ = np.array([inf if math.isinf(v) else v for v in self.row_upper], dtype=float)
-        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-        lp.a_matrix_.start_ = np.array(self.starts, dtype=np.int32)
-        lp.a_matrix_.index_ = np.array(self.index, dtype=np.int32)
-        lp.a_matrix_.value_ = np.array(self.value, dtype=float)
-        if not relax:
-            lp.integrality_ = [
-                highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in self.integer
-            ]
-        h = _new_highs()
-        h.setOptionValue("output_flag", False)
-        h.setOptionValue("time_limit", max(0.05, time_limit_s))
-        h.setOptionValue("mip_rel_gap", gap)
-        h.setOptionValue("threads", threads)
-        h.setOptionValue("random_seed", 0)
-        h.passModel(lp)
-        return h
-
-
 TIE_WEIGHT = 1e-7  # $/hour per preference rank per GPU
-_BANNER_SILENCED = False
-
-
-def _new_highs() -> highspy.Highs:
-    """A Highs instance; the first one of a process prints a banner on stdout from C++
-    (which would corrupt `fleetctl plan -o json`), so fd 1 is muted around it."""
-    global _BANNER_SILENCED
-    if _BANNER_SILENCED:
-        return highspy.Highs()
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 1)
-            h = highspy.Highs()
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-    _BANNER_SILENCED = True
-    return h
 
 
 class MilpPlacer(Placer):
@@ -237,11 +127,7 @@ class MilpPlacer(Placer):
         return fingerprint_inputs(demands, pools, self.quotas.fingerprint())
 
     def _solve_fresh(self, demands, pools, current, lp_bound, started) -> tuple[PlacementResult, SolveInfo]:
-        by_demand: dict[tuple[str, int], ReplicaDemand] = {}
-        for d in demands:
-            if d.key in by_demand:
-                raise ValueError(f"duplicate demand for {d.deployment} v{d.version}")
-            by_demand[d.key] = d
+        by_demand = demands_by_key(demands)
         pools = list({p.key: p for p in pools}.values())
         pairs = [
             (d, p)
@@ -269,24 +155,22 @@ class MilpPlacer(Placer):
 
     # ----------------------------------------------------------------- the model
 
-    def _build(self, by_demand, pools, current, pairs) -> _Built:
+    def _build(self, by_demand, pools, current, pairs) -> MilpVars:
         """The model: variables, rows and the maps from (demand, pool) to columns."""
         by_pool = {p.key: p for p in pools}
-        cur_ok, removed = _current_split(current, by_demand, by_pool)
-        cur: dict[tuple, int] = defaultdict(int)
+        cur_ok, removed = current_split(current, by_demand, by_pool)
+        cur: dict[Pair, int] = defaultdict(int)
         for a in cur_ok:
             cur[((a.deployment, a.version), a.pool_key)] += 1
+        v = MilpVars(by_demand=by_demand, by_pool=by_pool, cur=cur, cur_ok=cur_ok, removed=removed)
+        m = v.m
         pairs = [(d, p) for d, p in pairs if p.accepts_new or cur[(d.key, p.key)] > 0]
         top_price = max([p.hourly_price for p in pools] + [1.0])
         big = 100.0 * (top_price + 1.0)
-        big_region = big / 2
-        m = _Model()
-        x: dict[tuple, int] = {}
-        y: dict[tuple[str, str], int] = {}
         for _, p in pairs:
-            if p.key not in y:
+            if p.key not in v.y:
                 price = 0.0 if p.tier == Tier.reserved else p.hourly_price
-                y[p.key] = m.var(price, float(p.nodes), True)
+                v.y[p.key] = m.var(price, float(p.nodes), True)
         # Ties go as first-fit-decreasing would break them (tier, price per GPU, names),
         # so equal-cost plans are deterministic and familiar.
         rank = {p.key: i for i, p in enumerate(sorted(pools, key=PoolCapacity.preference))}
@@ -294,65 +178,28 @@ class MilpPlacer(Placer):
             dist = self._demand_distance(d, p)
             upper = d.count if p.accepts_new else min(d.count, cur[(d.key, p.key)])
             tie = TIE_WEIGHT * rank[p.key] * d.gpu_count
-            x[(d.key, p.key)] = m.var(
+            v.x[(d.key, p.key)] = m.var(
                 self.distance_weight * dist * d.gpu_count + tie, float(upper), True, cost_only=0.0
             )
         weights, penalty = shortfall_weights(by_demand, pools, big)
-        u = {k: m.var(weights[d.rank], float(d.count), False) for k, d in by_demand.items() if d.count > 0}
-        moves: dict[tuple, int] = {}
+        v.u = {k: m.var(weights[d.rank], float(d.count), False) for k, d in by_demand.items() if d.count > 0}
         for (dk, pk), n in cur.items():
-            p = by_pool[pk]
-            w = self.move_fraction * p.price_per_gpu * by_demand[dk].gpu_count + 1e-3
-            moves[(dk, pk)] = m.var(w, float(n), False, cost_only=0.0)
-        # demand rows
-        per_demand: dict[tuple, list[int]] = defaultdict(list)
-        for (dk, _), j in x.items():
-            per_demand[dk].append(j)
-        for dk, j_u in u.items():
-            d = by_demand[dk]
-            m.row([(j, 1.0) for j in per_demand[dk]] + [(j_u, 1.0)], d.count, d.count)
-        # packing rows
-        per_pool: dict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
-        for (dk, pk), j in x.items():
-            p = by_pool[pk]
-            per_pool[pk].append((j, slot_size(by_demand[dk].gpu_count, p.gpus_per_node)))
-        for pk, terms in per_pool.items():
-            m.row([*terms, (y[pk], -float(by_pool[pk].gpus_per_node))], -math.inf, 0.0)
-        # spot share
-        for dk, d in by_demand.items():
-            spot = [x[(dk, pk)] for (dk2, pk) in x if dk2 == dk and by_pool[pk].tier == Tier.spot]
-            if spot and d.max_spot < d.count:
-                m.row([(j, 1.0) for j in spot], -math.inf, float(d.max_spot))
-        v, z = _add_regions(m, x, by_demand, by_pool, big_region)
-        # priorities, preemption, class quotas (placement/milp_priority.py)
-        prio = add_priority_terms(m, by_demand, by_pool, x, cur, self.quotas, weights, penalty)
+            w = self.move_fraction * by_pool[pk].price_per_gpu * by_demand[dk].gpu_count + 1e-3
+            v.moves[(dk, pk)] = m.var(w, float(n), False, cost_only=0.0)
+        _add_capacity_rows(v)
+        _add_regions(v, big / 2)
+        add_priority_terms(v, self.quotas, weights, penalty)
         # moves: every running replica not kept (a preempted one too)
-        for (dk, pk), j in moves.items():
-            kj = prio.keep.get((dk, pk), x.get((dk, pk)))
+        for (dk, pk), j in v.moves.items():
+            kj = v.keep.get((dk, pk), v.x.get((dk, pk)))
             terms = [(j, 1.0)] + ([(kj, 1.0)] if kj is not None else [])
             m.row(terms, float(cur[(dk, pk)]), math.inf)
-        return _Built(
-            m=m,
-            x=x,
-            y=y,
-            u=u,
-            moves=moves,
-            v=v,
-            z=z,
-            prio=prio,
-            per_pool=per_pool,
-            per_demand=per_demand,
-            cur=cur,
-            cur_ok=cur_ok,
-            removed=removed,
-            by_pool=by_pool,
-        )
+        return v
 
     def _solve(self, by_demand, pools, current, pairs, greedy, started, want_bound):
-        b = self._build(by_demand, pools, current, pairs)
-        start = _warm_start(b, by_demand, greedy)
-        m, x, u, v, prio = b.m, b.x, b.u, b.v, b.prio
-        cur_ok, removed = b.cur_ok, b.removed
+        v = self._build(by_demand, pools, current, pairs)
+        start = _warm_start(v, greedy)
+        m = v.m
         remaining = self.time_limit_s - (time.perf_counter() - started)
         h, values = self._run(m, remaining, start)
         if m.problem(values, h.getInfo().objective_function_value) is not None:
@@ -377,23 +224,7 @@ class MilpPlacer(Placer):
                 bound = lp.getInfo().objective_function_value + committed_cost(pools)
             lp_s = time.perf_counter() - lp_started
             started += lp_s  # solve_s is the placement's own time, not the bound's
-        want = {key: round(values[j]) for key, j in x.items() if values[j] > 0.5}
-        shortfall = {dk: round(values[j]) for dk, j in u.items() if values[j] > 0.5}
-        region_short = {dk for dk, j in v.items() if values[j] > 0.5}
-        keep, evicted = read_priority(prio, values)
-        result = build_result(
-            by_demand,
-            pools,
-            cur_ok,
-            removed,
-            want,
-            shortfall,
-            region_short,
-            keep,
-            evicted,
-            self._id_factory,
-            self.quotas,
-        )
+        result = build_result(v, MilpSolution.read(v, values), pools, self._id_factory, self.quotas)
         info = solve_info(
             method,
             pools,
@@ -407,7 +238,7 @@ class MilpPlacer(Placer):
         return result, info
 
     def _run(
-        self, m: _Model, time_limit_s: float, start: np.ndarray | None
+        self, m: SparseModel, time_limit_s: float, start: np.ndarray | None
     ) -> tuple[highspy.Highs, np.ndarray]:
         h = m.highs(False, time_limit_s, self.mip_gap, self.threads)
         if start is not None:
@@ -443,121 +274,99 @@ def solve_info(method: str, pools, result: PlacementResult, started: float, **kw
     )
 
 
-@dataclass
-class _Built:
-    """The model and its variable maps, shared by the warm start and the read-back."""
-
-    m: _Model
-    x: dict[tuple, int]  # (demand, pool) -> replicas
-    y: dict[tuple[str, str], int]  # pool -> nodes
-    u: dict[tuple, int]  # demand -> shortfall
-    moves: dict[tuple, int]  # (demand, pool) -> running replicas not kept
-    v: dict[tuple, int]  # demand -> regions short
-    z: dict[tuple, int]  # (demand, region) -> covered
-    prio: PriorityTerms
-    per_pool: dict
-    per_demand: dict
-    cur: dict[tuple, int]
-    cur_ok: list[Assignment]
-    removed: list[str]
-    by_pool: dict[tuple[str, str], PoolCapacity]
+def _add_capacity_rows(v: MilpVars) -> None:
+    """Every replica placed or short, node packing, and the spot share."""
+    m, x, by_demand, by_pool = v.m, v.x, v.by_demand, v.by_pool
+    for (dk, _), j in x.items():
+        v.per_demand[dk].append(j)
+    for dk, j_u in v.u.items():
+        d = by_demand[dk]
+        m.row([(j, 1.0) for j in v.per_demand[dk]] + [(j_u, 1.0)], d.count, d.count)
+    for (dk, pk), j in x.items():
+        v.per_pool[pk].append((j, slot_size(by_demand[dk].gpu_count, by_pool[pk].gpus_per_node)))
+    for pk, terms in v.per_pool.items():
+        m.row([*terms, (v.y[pk], -float(by_pool[pk].gpus_per_node))], -math.inf, 0.0)
+    for dk, d in by_demand.items():
+        spot = [x[(dk, pk)] for (dk2, pk) in x if dk2 == dk and by_pool[pk].tier == Tier.spot]
+        if spot and d.max_spot < d.count:
+            m.row([(j, 1.0) for j in spot], -math.inf, float(d.max_spot))
 
 
-def _add_regions(m: _Model, x, by_demand, by_pool, big_region: float) -> tuple[dict, dict]:
+def _add_regions(v: MilpVars, big_region: float) -> None:
     """Active-active: a binary per (demand, region) covered and a shortfall per demand
     short of its min_regions."""
-    v: dict[tuple, int] = {}
-    z: dict[tuple, int] = {}
-    for dk, d in by_demand.items():
+    m = v.m
+    for dk, d in v.by_demand.items():
         k = min(d.min_regions, d.count)
         if k <= 1:
             continue
         by_region: dict[str, list[int]] = defaultdict(list)
-        for (dk2, pk), j in x.items():
+        for (dk2, pk), j in v.x.items():
             if dk2 == dk:
-                by_region[by_pool[pk].region].append(j)
-        v[dk] = m.var(big_region, float(k), False)
+                by_region[v.by_pool[pk].region].append(j)
+        v.region_short[dk] = m.var(big_region, float(k), False)
         for region, js in by_region.items():
-            z[(dk, region)] = m.var(0.0, 1.0, True)
-            m.row([(z[(dk, region)], 1.0)] + [(j, -1.0) for j in js], -math.inf, 0.0)
-        m.row([(z[(dk, r)], 1.0) for r in by_region] + [(v[dk], 1.0)], float(k), math.inf)
-    return v, z
+            v.covered[(dk, region)] = m.var(0.0, 1.0, True)
+            m.row([(v.covered[(dk, region)], 1.0)] + [(j, -1.0) for j in js], -math.inf, 0.0)
+        m.row(
+            [(v.covered[(dk, r)], 1.0) for r in by_region] + [(v.region_short[dk], 1.0)], float(k), math.inf
+        )
 
 
-def _seed_counts(b: _Built, by_demand, greedy: PlacementResult | None) -> tuple[dict, dict, dict]:
+def _seed_counts(v: MilpVars, greedy: PlacementResult | None) -> tuple[dict, dict, dict]:
     """Replicas per (demand, pool) to start from, those of them already running, and the
-    running ones the greedy plan preempts."""
-    cur_ok, cur, x = b.cur_ok, b.cur, b.x
-    # warm start: the greedy plan, else what runs now (capped at each demand's count)
-    counts: dict[tuple, int] = defaultdict(int)
-    kept0: dict[tuple, int] = defaultdict(int)
-    evicted0: dict[tuple, int] = defaultdict(int)
-    running_ids = {a.replica_id for a in cur_ok}
+    running ones the greedy plan preempts: the greedy plan's, else what runs now (capped
+    at each demand's count)."""
+    counts: dict[Pair, int] = defaultdict(int)
+    kept0: dict[Pair, int] = defaultdict(int)
+    evicted0: dict[Pair, int] = defaultdict(int)
+    running_ids = {a.replica_id for a in v.cur_ok}
     if greedy is not None:
         for a in greedy.assignments:
             counts[((a.deployment, a.version), a.pool_key)] += 1
             if a.replica_id in running_ids:
                 kept0[((a.deployment, a.version), a.pool_key)] += 1
-        by_id = {a.replica_id: a for a in cur_ok}
+        by_id = {a.replica_id: a for a in v.cur_ok}
         for pre in greedy.preempted:
             if pre.replica_id in by_id:
                 evicted0[((pre.deployment, pre.version), by_id[pre.replica_id].pool_key)] += 1
     else:
-        left = {dk: d.count for dk, d in by_demand.items()}
-        for (dk, pk), n in sorted(cur.items()):
+        left = {dk: d.count for dk, d in v.by_demand.items()}
+        for (dk, pk), n in sorted(v.cur.items()):
             take = min(n, left.get(dk, 0))
-            if take and (dk, pk) in x:
+            if take and (dk, pk) in v.x:
                 counts[(dk, pk)] = kept0[(dk, pk)] = take
                 left[dk] -= take
     return counts, kept0, evicted0
 
 
-def _warm_start(b: _Built, by_demand, greedy: PlacementResult | None) -> np.ndarray:
+def _warm_start(v: MilpVars, greedy: PlacementResult | None) -> np.ndarray:
     """Start columns from the greedy plan, else what runs now (capped at each demand's count)."""
-    m, x, y, u, moves, v, z, prio = b.m, b.x, b.y, b.u, b.moves, b.v, b.z, b.prio
-    per_pool, per_demand, cur, by_pool = b.per_pool, b.per_demand, b.cur, b.by_pool
-    counts, kept0, evicted0 = _seed_counts(b, by_demand, greedy)
-    start = np.zeros(len(m.cost))
-    for key, j in x.items():
+    by_demand, by_pool, cur = v.by_demand, v.by_pool, v.cur
+    counts, kept0, evicted0 = _seed_counts(v, greedy)
+    start = np.zeros(len(v.m.cost))
+    for key, j in v.x.items():
         start[j] = counts.get(key, 0)
-    for pk, j in y.items():
+    for pk, j in v.y.items():
         p = by_pool[pk]
-        used = sum(start[jx] * s for jx, s in per_pool.get(pk, []))
+        used = sum(start[jx] * s for jx, s in v.per_pool.get(pk, []))
         start[j] = min(p.nodes, math.ceil(used / p.gpus_per_node - 1e-9))
-    for dk, j in u.items():
-        start[j] = by_demand[dk].count - sum(start[jx] for jx in per_demand[dk])
-    priority_start(prio, start, by_demand, x, cur, kept0, evicted0)
-    for (dk, pk), j in moves.items():
-        kj = prio.keep.get((dk, pk), x.get((dk, pk)))
+    for dk, j in v.u.items():
+        start[j] = by_demand[dk].count - sum(start[jx] for jx in v.per_demand[dk])
+    priority_start(v, start, kept0, evicted0)
+    for (dk, pk), j in v.moves.items():
+        kj = v.keep.get((dk, pk), v.x.get((dk, pk)))
         start[j] = max(0.0, cur[(dk, pk)] - (start[kj] if kj is not None else 0))
-    covered: dict[tuple, set[str]] = defaultdict(set)
-    for (dk, pk), jx in x.items():
+    covered: dict[Key, set[str]] = defaultdict(set)
+    for (dk, pk), jx in v.x.items():
         if start[jx] > 0:
             covered[dk].add(by_pool[pk].region)
-    for (dk, region), j in z.items():
+    for (dk, region), j in v.covered.items():
         start[j] = 1.0 if region in covered[dk] else 0.0
-    for dk, j in v.items():
+    for dk, j in v.region_short.items():
         k = min(by_demand[dk].min_regions, by_demand[dk].count)
         start[j] = max(0.0, k - len(covered[dk]))
     return start
-
-
-def _current_split(current, by_demand, by_pool) -> tuple[list[Assignment], list[str]]:
-    """Current replicas that may stay (right version and shape, allowed pool, cluster not
-    lost) and the ids of those that must go."""
-    ok: list[Assignment] = []
-    gone: list[str] = []
-    seen: set[str] = set()
-    for a in current:
-        if a.replica_id in seen:
-            continue
-        seen.add(a.replica_id)
-        d, p = by_demand.get((a.deployment, a.version)), by_pool.get(a.pool_key)
-        if d is None or p is None or not p.keeps_existing or not d.acceptable(p) or a.gpus != d.gpu_count:
-            gone.append(a.replica_id)
-        else:
-            ok.append(a)
-    return ok, gone
 
 
 _DISTANCE: Distance | None = None
@@ -566,8 +375,6 @@ _DISTANCE: Distance | None = None
 def _default_distance() -> Distance:
     global _DISTANCE
     if _DISTANCE is None:
-        from control_plane.geo import default_latency
-
         lat = default_latency()
         _DISTANCE = lambda pool, region: lat.rtt_ms(pool.region, region, provider=pool.provider)  # noqa: E731
     return _DISTANCE

@@ -31,25 +31,13 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from control_plane.placement.base import PoolCapacity, ReplicaDemand
 from control_plane.placement.evaluate import slot_size
+from control_plane.placement.milp_model import Key, MilpVars, Pair, PoolKey
 from control_plane.placement.quotas import GpuQuotas, class_caps, preemptible, running_gpus
-
-Key = tuple[str, int]
-PoolKey = tuple[str, str]
-
-
-@dataclass
-class PriorityTerms:
-    keep: dict[tuple[Key, PoolKey], int] = field(default_factory=dict)
-    evict: dict[tuple[Key, PoolKey], int] = field(default_factory=dict)
-    allow: dict[tuple[PoolKey, int], int] = field(default_factory=dict)
-    forced: dict[Key, int] = field(default_factory=dict)
-    floor_short: dict[str, tuple[int, float]] = field(default_factory=dict)  # class -> (column, rhs)
 
 
 def shortfall_weights(
@@ -67,152 +55,137 @@ def shortfall_weights(
     return weights, penalty
 
 
-def add_priority_terms(  # noqa: C901 - one term per priority rule of the model, sharing its variable maps
-    m,
-    by_demand: Mapping[Key, ReplicaDemand],
-    by_pool: Mapping[PoolKey, PoolCapacity],
-    x: Mapping[tuple[Key, PoolKey], int],
-    cur: Mapping[tuple[Key, PoolKey], int],
-    quotas: GpuQuotas,
-    weights: Mapping[int, float],
-    penalty: float,
-) -> PriorityTerms:
-    t = PriorityTerms()
-    x_by_pool: dict[PoolKey, list[tuple[Key, int]]] = defaultdict(list)
-    x_by_demand: dict[Key, list[int]] = defaultdict(list)
-    for (dk, pk), j in x.items():
-        x_by_pool[pk].append((dk, j))
-        x_by_demand[dk].append(j)
-    for key, n in cur.items():
-        if n > 0 and key in x:
-            t.keep[key] = m.var(0.0, float(n), True, cost_only=0.0)
-            m.row([(t.keep[key], 1.0), (x[key], -1.0)], -math.inf, 0.0)
-    # Where a strictly higher class could land new replicas, lower running ones may go.
+def add_priority_terms(v: MilpVars, quotas: GpuQuotas, weights: Mapping[int, float], penalty: float) -> None:
+    """Add the keep, evict, allow, forced and floor columns to `v` with their rows."""
+    _keep_columns(v)
+    _evict_columns(v, penalty)
+    _allow_rows(v)
+    top = max(weights.values()) if weights else penalty
+    huge = (1 + max(p.gpus_per_node for p in v.by_pool.values())) * (top + penalty)
+    stayable = v.stayable()
+    _stay_rows(v, stayable, huge)
+    if quotas:
+        _quota_rows(v, quotas, stayable, huge)
+
+
+def _keep_columns(v: MilpVars) -> None:
+    """k[d,p] <= min(cur[d,p], x[d,p]) per running pair."""
+    for key, n in v.cur.items():
+        if n > 0 and key in v.x:
+            v.keep[key] = v.m.var(0.0, float(n), True, cost_only=0.0)
+            v.m.row([(v.keep[key], 1.0), (v.x[key], -1.0)], -math.inf, 0.0)
+
+
+def _evict_columns(v: MilpVars, penalty: float) -> None:
+    """Where a strictly higher class could land new replicas, lower running ones may go."""
     higher_on: dict[PoolKey, set[int]] = defaultdict(set)
-    for dk, pk in x:
-        if by_pool[pk].accepts_new:
-            higher_on[pk].add(by_demand[dk].rank)
-    for (dk, pk), j_k in t.keep.items():
-        r = by_demand[dk].rank
+    for dk, pk in v.x:
+        if v.by_pool[pk].accepts_new:
+            higher_on[pk].add(v.by_demand[dk].rank)
+    for (dk, pk), j_k in v.keep.items():
+        r = v.by_demand[dk].rank
         if any(h > r for h in higher_on[pk]):
-            t.evict[(dk, pk)] = j = m.var(penalty, float(cur[(dk, pk)]), True, cost_only=0.0)
-            m.row([(j, 1.0), (j_k, 1.0)], -math.inf, float(cur[(dk, pk)]))
-    by_pool_rank: dict[tuple[PoolKey, int], list[tuple[Key, PoolKey]]] = defaultdict(list)
-    for dk, pk in t.evict:
-        by_pool_rank[(pk, by_demand[dk].rank)].append((dk, pk))
+            v.evict[(dk, pk)] = j = v.m.var(penalty, float(v.cur[(dk, pk)]), True, cost_only=0.0)
+            v.m.row([(j, 1.0), (j_k, 1.0)], -math.inf, float(v.cur[(dk, pk)]))
+
+
+def _allow_rows(v: MilpVars) -> None:
+    """Class r is preempted on a pool only where a strictly higher class places new replicas."""
+    x_by_pool: dict[PoolKey, list[tuple[Key, int]]] = defaultdict(list)
+    for (dk, pk), j in v.x.items():
+        x_by_pool[pk].append((dk, j))
+    by_pool_rank: dict[tuple[PoolKey, int], list[Pair]] = defaultdict(list)
+    for dk, pk in v.evict:
+        by_pool_rank[(pk, v.by_demand[dk].rank)].append((dk, pk))
     for (pk, r), keys in by_pool_rank.items():
-        t.allow[(pk, r)] = b = m.var(0.0, 1.0, True, cost_only=0.0)
-        big_m = float(sum(cur[k] for k in keys))
-        m.row([(t.evict[k], 1.0) for k in keys] + [(b, -big_m)], -math.inf, 0.0)
+        v.allow[(pk, r)] = b = v.m.var(0.0, 1.0, True, cost_only=0.0)
+        big_m = float(sum(v.cur[k] for k in keys))
+        v.m.row([(v.evict[k], 1.0) for k in keys] + [(b, -big_m)], -math.inf, 0.0)
         new: list[tuple[int, float]] = []
         for dk, j in x_by_pool[pk]:
-            if by_demand[dk].rank > r:
+            if v.by_demand[dk].rank > r:
                 new.append((j, -1.0))
-                if (dk, pk) in t.keep:
-                    new.append((t.keep[(dk, pk)], 1.0))
-        m.row([(b, 1.0), *new], -math.inf, 0.0)
-    # A running replica leaves only by scale-down, a move or a preemption (or: it no longer fits).
-    stayable: dict[Key, int] = defaultdict(int)
-    for (dk, pk), n in cur.items():
-        if (dk, pk) in x:
-            stayable[dk] += n
+                if (dk, pk) in v.keep:
+                    new.append((v.keep[(dk, pk)], 1.0))
+        v.m.row([(b, 1.0), *new], -math.inf, 0.0)
+
+
+def _stay_rows(v: MilpVars, stayable: Mapping[Key, int], huge: float) -> None:
+    """A running replica leaves only by scale-down, a move or a preemption (or: it no longer fits)."""
     evict_by_demand: dict[Key, list[int]] = defaultdict(list)
-    for (dk, _), j in t.evict.items():
+    for (dk, _), j in v.evict.items():
         evict_by_demand[dk].append(j)
-    overfull = _overfull_pools(by_demand, by_pool, cur)
-    overfull_demands = {dk for (dk, pk) in cur if pk in overfull}
-    top = max(weights.values()) if weights else penalty
-    huge = (1 + max(p.gpus_per_node for p in by_pool.values())) * (top + penalty)
+    overfull = _overfull_pools(v)
+    overfull_demands = {dk for (dk, pk) in v.cur if pk in overfull}
     for dk, c in stayable.items():
-        want = min(by_demand[dk].count, c)
+        want = min(v.by_demand[dk].count, c)
         if want <= 0:
             continue
-        terms = [(j, 1.0) for j in x_by_demand[dk]] + [(j, 1.0) for j in evict_by_demand[dk]]
+        terms = [(j, 1.0) for j in v.per_demand[dk]] + [(j, 1.0) for j in evict_by_demand[dk]]
         if dk in overfull_demands:
-            t.forced[dk] = m.var(huge * 4, float(want), False, cost_only=0.0)
-            terms.append((t.forced[dk], 1.0))
-        m.row(terms, float(want), math.inf)
-    if quotas:
-        _quota_rows(m, t, by_demand, x, quotas, stayable, huge)
-    return t
+            v.forced[dk] = v.m.var(huge * 4, float(want), False, cost_only=0.0)
+            terms.append((v.forced[dk], 1.0))
+        v.m.row(terms, float(want), math.inf)
 
 
-def _quota_rows(m, t: PriorityTerms, by_demand, x, quotas: GpuQuotas, stayable, huge: float) -> None:
+def _quota_rows(v: MilpVars, quotas: GpuQuotas, stayable: Mapping[Key, int], huge: float) -> None:
+    by_demand = v.by_demand
     running = running_gpus(by_demand.values(), stayable)
     by_class: dict[str, list[tuple[int, float]]] = defaultdict(list)
-    for (dk, _), j in x.items():
+    for (dk, _), j in v.x.items():
         d = by_demand[dk]
         by_class[d.priority].append((j, float(d.gpu_count)))
     for c, cap in class_caps(quotas, running).items():
         if by_class[c]:
-            m.row(by_class[c], -math.inf, float(cap))
+            v.m.row(by_class[c], -math.inf, float(cap))
     for c, left in preemptible(quotas, running).items():
         terms = [
             (j, float(by_demand[dk].gpu_count))
-            for (dk, _), j in t.evict.items()
+            for (dk, _), j in v.evict.items()
             if by_demand[dk].priority == c
         ]
         if terms:
-            m.row(terms, -math.inf, float(left))
+            v.m.row(terms, -math.inf, float(left))
     for c, q in quotas.classes.items():
         wanted = sum(d.gpu_count * d.count for d in by_demand.values() if d.priority == c)
         rhs = float(min(q.min_gpus, wanted))
         if rhs > 0 and by_class[c]:
-            j = m.var(huge, rhs, False, cost_only=0.0)
-            t.floor_short[c] = (j, rhs)
-            m.row([*by_class[c], (j, 1.0)], rhs, math.inf)
+            j = v.m.var(huge, rhs, False, cost_only=0.0)
+            v.floor_short[c] = (j, rhs)
+            v.m.row([*by_class[c], (j, 1.0)], rhs, math.inf)
 
 
-def _overfull_pools(by_demand, by_pool, cur) -> set[PoolKey]:
+def _overfull_pools(v: MilpVars) -> set[PoolKey]:
     load: dict[PoolKey, float] = defaultdict(float)
-    for (dk, pk), n in cur.items():
-        load[pk] += n * slot_size(by_demand[dk].gpu_count, by_pool[pk].gpus_per_node)
-    return {pk for pk, gpus in load.items() if gpus > by_pool[pk].total_gpus + 1e-9}
+    for (dk, pk), n in v.cur.items():
+        load[pk] += n * slot_size(v.by_demand[dk].gpu_count, v.by_pool[pk].gpus_per_node)
+    return {pk for pk, gpus in load.items() if gpus > v.by_pool[pk].total_gpus + 1e-9}
 
 
-def warm_start(
-    t: PriorityTerms,
-    start: np.ndarray,
-    by_demand: Mapping[Key, ReplicaDemand],
-    x: Mapping[tuple[Key, PoolKey], int],
-    cur: Mapping[tuple[Key, PoolKey], int],
-    kept: Mapping[tuple[Key, PoolKey], int],
-    evicted: Mapping[tuple[Key, PoolKey], int],
-) -> None:
+def warm_start(v: MilpVars, start: np.ndarray, kept: Mapping[Pair, int], evicted: Mapping[Pair, int]) -> None:
     """Fill this module's columns of a start whose x columns are set (`kept`/`evicted`:
     running replicas the start keeps / preempts per pair)."""
-    for key, j in t.keep.items():
+    by_demand, x, cur = v.by_demand, v.x, v.cur
+    for key, j in v.keep.items():
         start[j] = min(kept.get(key, 0), start[x[key]], cur[key])
-    for key, j in t.evict.items():
-        start[j] = min(evicted.get(key, 0), cur[key] - start[t.keep[key]])
+    for key, j in v.evict.items():
+        start[j] = min(evicted.get(key, 0), cur[key] - start[v.keep[key]])
     new_by_pool: dict[PoolKey, dict[int, float]] = defaultdict(lambda: defaultdict(float))
     placed: dict[Key, float] = defaultdict(float)
     for (dk, pk), jx in x.items():
-        jk = t.keep.get((dk, pk))
+        jk = v.keep.get((dk, pk))
         new_by_pool[pk][by_demand[dk].rank] += start[jx] - (start[jk] if jk is not None else 0.0)
         placed[dk] += start[jx]
-    for (dk, _), je in t.evict.items():
+    for (dk, _), je in v.evict.items():
         placed[dk] += start[je]
-    for (pk, r), j in t.allow.items():
+    for (pk, r), j in v.allow.items():
         new = sum(n for rank, n in new_by_pool[pk].items() if rank > r)
         start[j] = 1.0 if new >= 1 else 0.0
-    stay: dict[Key, int] = defaultdict(int)
-    for (dk, pk), n in cur.items():
-        if (dk, pk) in x:
-            stay[dk] += n
-    for dk, j in t.forced.items():
+    stay = v.stayable()
+    for dk, j in v.forced.items():
         start[j] = max(0.0, min(by_demand[dk].count, stay[dk]) - placed[dk])
-    for c, (j, rhs) in t.floor_short.items():
+    for c, (j, rhs) in v.floor_short.items():
         held = sum(
             start[jx] * by_demand[dk].gpu_count for (dk, _), jx in x.items() if by_demand[dk].priority == c
         )
         start[j] = max(0.0, rhs - held)
-
-
-def read(
-    t: PriorityTerms, values: np.ndarray
-) -> tuple[dict[tuple[Key, PoolKey], int], dict[tuple[Key, PoolKey], int]]:
-    """(kept, preempted) replicas per running pair in a solution."""
-    kept = {key: round(values[j]) for key, j in t.keep.items()}
-    evicted = {key: round(values[j]) for key, j in t.evict.items() if values[j] > 0.5}
-    return kept, evicted

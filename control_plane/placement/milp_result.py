@@ -16,83 +16,42 @@ from control_plane.placement.base import (
 )
 from control_plane.placement.evaluate import slot_size
 from control_plane.placement.explain import add_note, explain_regions, explain_shortfall
+from control_plane.placement.ffd import IdFactory, fresh_assignment
+from control_plane.placement.milp_model import Key, MilpSolution, MilpVars, Pair
 from control_plane.placement.preempt import preemption
 from control_plane.placement.quotas import GpuQuotas, class_caps, quota_reason, running_gpus
 
 
-def build_result(  # noqa: C901 - reads every variable family back at once (they share the kept/removed bookkeeping)
-    by_demand,
-    pools,
-    cur_ok,
-    removed,
-    want,
-    shortfall,
-    region_short,
-    keep,
-    evicted,
-    id_factory,
+def build_result(
+    v: MilpVars,
+    sol: MilpSolution,
+    pools: list[PoolCapacity],
+    id_factory: IdFactory,
     quotas: GpuQuotas,
 ) -> PlacementResult:
-    by_pool = {p.key: p for p in pools}
-    used_ids = {a.replica_id for a in cur_ok} | set(removed)
-    kept: list[Assignment] = []
-    removed = list(removed)
-    by_pair: dict[tuple, list[Assignment]] = defaultdict(list)
-    for a in cur_ok:
+    by_pair: dict[Pair, list[Assignment]] = defaultdict(list)
+    for a in v.cur_ok:
         by_pair[((a.deployment, a.version), a.pool_key)].append(a)
-    # Replicas stay on the fullest nodes and leave from the emptiest, so the room they
-    # free comes in whole nodes (what a replica of several GPUs, or a preemptor, needs).
-    load: dict[tuple, int] = defaultdict(int)
-    for a in cur_ok:
-        load[(a.pool_key, a.node)] += a.gpus
-    preempted: list[Preemption] = []
-    for key, group in by_pair.items():
-        group.sort(key=lambda a: (a.node is None, -load[(a.pool_key, a.node)], a.node or 0, a.replica_id))
-        n = min(keep.get(key, want.get(key, 0)), want.get(key, 0))
-        kept += group[:n]
-        gone = group[n:]
-        removed += [a.replica_id for a in gone]
-        d = by_demand[key[0]]
-        by = _preemptor(d, key[1], want, keep, by_demand)
-        for a in gone[: evicted.get(key, 0)] if by is not None else ():
-            preempted.append(preemption(a, d, by))
+    kept, removed, preempted = _running(v, sol, by_pair)
     new: list[tuple[ReplicaDemand, PoolCapacity]] = []
-    for (dk, pk), n in want.items():
-        extra = n - min(n, keep.get((dk, pk), len(by_pair.get((dk, pk), []))))
-        new += [(by_demand[dk], by_pool[pk])] * extra
-    kept, added, lost = pack(kept, new, by_pool, used_ids, id_factory)
-    current_ids = {a.replica_id for a in cur_ok}
+    for (dk, pk), n in sol.want.items():
+        extra = n - min(n, sol.keep.get((dk, pk), len(by_pair.get((dk, pk), []))))
+        new += [(v.by_demand[dk], v.by_pool[pk])] * extra
+    used_ids = {a.replica_id for a in v.cur_ok} | set(v.removed)
+    kept, added, lost = pack(kept, new, v.by_pool, used_ids, id_factory)
+    current_ids = {a.replica_id for a in v.cur_ok}
     removed += [a.replica_id for a in lost if a.replica_id in current_ids]
-    unplaced: dict[tuple, Unplaced] = {}
-    short = defaultdict(int, shortfall)
+    short = defaultdict(int, sol.shortfall)
     for a in lost:
         short[(a.deployment, a.version)] += 1
-    stayable: dict[tuple, int] = defaultdict(int)
+    stayable: dict[Key, int] = defaultdict(int)
     for (dk, _), group in by_pair.items():
         stayable[dk] += len(group)
-    caps = class_caps(quotas, running_gpus(by_demand.values(), stayable))
-    held: dict[str, int] = defaultdict(int)
-    for a in kept + added:
-        held[by_demand[(a.deployment, a.version)].priority] += a.gpus
-    for dk, n in short.items():
-        if n > 0:
-            d = by_demand[dk]
-            cap = caps.get(d.priority)
-            if cap is not None and held[d.priority] + d.gpu_count > cap:
-                reason = quota_reason(d.priority, quotas, held[d.priority])
-            else:
-                reason = explain_shortfall(d, pools)
-            unplaced[dk] = Unplaced(deployment=d.deployment, version=d.version, missing=n, reason=reason)
-    placed_regions: dict[tuple, set[str]] = defaultdict(set)
-    for a in kept + added:
-        placed_regions[(a.deployment, a.version)].add(by_pool[a.pool_key].region)
-    for dk, d in by_demand.items():
-        k = min(d.min_regions, d.count - short.get(dk, 0))
-        if len(placed_regions[dk]) < k or dk in region_short:
-            add_note(unplaced, dk, d, explain_regions(d, pools, len(placed_regions[dk])))
-    for key, p in sorted({(p.deployment, p.version): p for p in preempted}.items()):
-        if key in unplaced:
-            add_note(unplaced, key, by_demand[key], f"preempted by {p.by_deployment} ({p.by_priority})")
+    placed = kept + added
+    unplaced = _shortfalls(
+        v, pools, short, placed, class_caps(quotas, running_gpus(v.by_demand.values(), stayable)), quotas
+    )
+    _notes(v, sol, pools, short, placed, preempted, unplaced)
     return PlacementResult(
         kept=tuple(kept),
         added=tuple(added),
@@ -102,12 +61,86 @@ def build_result(  # noqa: C901 - reads every variable family back at once (they
     )
 
 
-def _preemptor(victim: ReplicaDemand, pk, want, keep, by_demand) -> ReplicaDemand | None:
+def _running(
+    v: MilpVars, sol: MilpSolution, by_pair: dict[Pair, list[Assignment]]
+) -> tuple[list[Assignment], list[str], list[Preemption]]:
+    """Which running replicas stay, which go, and which of those were preempted (by whom).
+    Replicas stay on the fullest nodes and leave from the emptiest, so the room they free
+    comes in whole nodes (what a replica of several GPUs, or a preemptor, needs)."""
+    kept: list[Assignment] = []
+    removed = list(v.removed)
+    load: dict[tuple, int] = defaultdict(int)
+    for a in v.cur_ok:
+        load[(a.pool_key, a.node)] += a.gpus
+    preempted: list[Preemption] = []
+    for key, group in by_pair.items():
+        group.sort(key=lambda a: (a.node is None, -load[(a.pool_key, a.node)], a.node or 0, a.replica_id))
+        n = min(sol.keep.get(key, sol.want.get(key, 0)), sol.want.get(key, 0))
+        kept += group[:n]
+        gone = group[n:]
+        removed += [a.replica_id for a in gone]
+        d = v.by_demand[key[0]]
+        by = _preemptor(d, key[1], sol, v.by_demand)
+        for a in gone[: sol.evicted.get(key, 0)] if by is not None else ():
+            preempted.append(preemption(a, d, by))
+    return kept, removed, preempted
+
+
+def _shortfalls(
+    v: MilpVars,
+    pools: list[PoolCapacity],
+    short: dict[Key, int],
+    placed: list[Assignment],
+    caps: dict[str, int],
+    quotas: GpuQuotas,
+) -> dict[Key, Unplaced]:
+    """Every demand short of replicas, with why: its class bound, else the first rule that fails."""
+    held: dict[str, int] = defaultdict(int)
+    for a in placed:
+        held[v.by_demand[(a.deployment, a.version)].priority] += a.gpus
+    unplaced: dict[Key, Unplaced] = {}
+    for dk, n in short.items():
+        if n > 0:
+            d = v.by_demand[dk]
+            cap = caps.get(d.priority)
+            if cap is not None and held[d.priority] + d.gpu_count > cap:
+                reason = quota_reason(d.priority, quotas, held[d.priority])
+            else:
+                reason = explain_shortfall(d, pools)
+            unplaced[dk] = Unplaced(deployment=d.deployment, version=d.version, missing=n, reason=reason)
+    return unplaced
+
+
+def _notes(
+    v: MilpVars,
+    sol: MilpSolution,
+    pools: list[PoolCapacity],
+    short: dict[Key, int],
+    placed: list[Assignment],
+    preempted: list[Preemption],
+    unplaced: dict[Key, Unplaced],
+) -> None:
+    """Note the demands short of regions, and who preempted an unplaced demand."""
+    placed_regions: dict[Key, set[str]] = defaultdict(set)
+    for a in placed:
+        placed_regions[(a.deployment, a.version)].add(v.by_pool[a.pool_key].region)
+    for dk, d in v.by_demand.items():
+        k = min(d.min_regions, d.count - short.get(dk, 0))
+        if len(placed_regions[dk]) < k or dk in sol.region_short:
+            add_note(unplaced, dk, d, explain_regions(d, pools, len(placed_regions[dk])))
+    for key, p in sorted({(p.deployment, p.version): p for p in preempted}.items()):
+        if key in unplaced:
+            add_note(unplaced, key, v.by_demand[key], f"preempted by {p.by_deployment} ({p.by_priority})")
+
+
+def _preemptor(
+    victim: ReplicaDemand, pk: tuple[str, str], sol: MilpSolution, by_demand: dict[Key, ReplicaDemand]
+) -> ReplicaDemand | None:
     """The demand of the highest class placing new replicas on the victim's pool."""
     best: tuple | None = None
-    for (dk, p2), n in want.items():
+    for (dk, p2), n in sol.want.items():
         d = by_demand[dk]
-        new = n - keep.get((dk, p2), 0)
+        new = n - sol.keep.get((dk, p2), 0)
         if p2 == pk and new > 0 and d.rank > victim.rank:
             score = (d.rank, new * d.gpu_count, d.deployment)
             if best is None or score > best[0]:
@@ -115,7 +148,13 @@ def _preemptor(victim: ReplicaDemand, pk, want, keep, by_demand) -> ReplicaDeman
     return None if best is None else best[1]
 
 
-def pack(kept, new, by_pool, used_ids, id_factory):
+def pack(
+    kept: list[Assignment],
+    new: list[tuple[ReplicaDemand, PoolCapacity]],
+    by_pool: dict[tuple[str, str], PoolCapacity],
+    used_ids: set[str],
+    id_factory: IdFactory,
+) -> tuple[list[Assignment], list[Assignment], list[Assignment]]:
     """Node indices: kept replicas stay on their node when it has room, then everything
     else first-fit, biggest first. Returns (kept, added, lost) where lost are replicas
     no node could take (fragmentation; rare, reported as a shortfall)."""
@@ -145,20 +184,7 @@ def pack(kept, new, by_pool, used_ids, id_factory):
         nodes = free[pk]
         node = next((i for i, f in enumerate(nodes) if f >= size - 1e-9), None)
         if is_new:
-            d, p = item
-            rid = id_factory(d.deployment, d.version)
-            while rid in used_ids:
-                rid = id_factory(d.deployment, d.version)
-            used_ids.add(rid)
-            a = Assignment(
-                replica_id=rid,
-                deployment=d.deployment,
-                version=d.version,
-                cluster=p.cluster,
-                pool=p.name,
-                gpus=d.gpu_count,
-                node=node,
-            )
+            a = fresh_assignment(item[0], item[1], node, used_ids, id_factory)
         else:
             a = item.model_copy(update={"node": node})
         if node is None:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from control_plane.placement.base import Assignment, PlacementResult, PoolCapacity, ReplicaDemand, Unplaced
-from control_plane.placement.ffd import new_replica_id
+from control_plane.placement.ffd import fresh_assignment, new_replica_id
 
 
 class StandbyDemand(BaseModel):
@@ -137,22 +137,9 @@ def complete(
                         )
                     )
                     break
-                rid = new_replica_id(s.deployment, s.version)
-                while rid in ids:
-                    rid = new_replica_id(s.deployment, s.version)
-                ids.add(rid)
+                added.append(fresh_assignment(s, pool, None, ids, new_replica_id))
                 used[pool.key] += s.gpu_count
                 have += 1
-                added.append(
-                    Assignment(
-                        replica_id=rid,
-                        deployment=s.deployment,
-                        version=s.version,
-                        cluster=pool.cluster,
-                        pool=pool.name,
-                        gpus=s.gpu_count,
-                    )
-                )
     return PlacementResult(
         kept=result.kept + kept.kept,
         added=result.added + tuple(added),
