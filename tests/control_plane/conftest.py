@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from control_plane.db.session import make_sessions, upgrade_to_head
 from tests.control_plane.cp_server import ControlPlaneServer, fresh_database
 
 DB_KINDS = ["sqlite", "postgresql"]
@@ -47,3 +48,14 @@ def admin(cp_server):
     """An httpx client with the server's admin token (shared: creating clients is not free)."""
     with cp_server.client() as client:
         yield client
+
+
+@pytest.fixture
+def sessions(tmp_path):
+    """A session factory on a fresh SQLite database migrated to head; a module's own
+    `sessions` fixture may take this one and add its fleet."""
+    url = f"sqlite:///{tmp_path / 'fleet.db'}"
+    upgrade_to_head(url)
+    factory = make_sessions(url)
+    yield factory
+    factory.kw["bind"].dispose()

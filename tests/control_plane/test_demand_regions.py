@@ -12,7 +12,7 @@ from control_plane.loops.ingest import apply_heartbeat
 from control_plane.loops.reconcile import reconcile_once
 from control_plane.placement import get_placer
 from fleet_base.protocol import Heartbeat, PoolInventory
-from tests.control_plane.test_loops import add_deployment, sessions, set_deployment  # noqa: F401
+from tests.control_plane.test_loops import add_deployment, set_deployment
 
 POOL = PoolInventory(name="h100", gpu_model="H100", gpus_per_node=8, nodes=4, hourly_price=20.0)
 
@@ -44,7 +44,7 @@ def _placed(sf):
         return sorted(a.cluster_id for a in s.query(m.ReplicaAssignment))
 
 
-def test_shares_are_coarse_and_windowed(sessions):  # noqa: F811
+def test_shares_are_coarse_and_windowed(sessions):
     assert _coarse({"a": 3, "b": 1}) == {"a": 0.75, "b": 0.25}
     assert _coarse({"a": 99, "b": 1}) == {"a": 1.0}
     _clusters(sessions)
@@ -56,7 +56,7 @@ def test_shares_are_coarse_and_windowed(sessions):  # noqa: F811
     assert got == {"chat": {"gcp:asia-northeast1": 0.75, "gcp:us-east4": 0.25}}
 
 
-def test_new_replicas_go_where_requests_come_from(sessions):  # noqa: F811
+def test_new_replicas_go_where_requests_come_from(sessions):
     _clusters(sessions)
     placer = get_placer("milp")
     memory = ({}, {})

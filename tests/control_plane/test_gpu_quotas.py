@@ -12,6 +12,7 @@ from control_plane.placement.evaluate import priority_problems, violations
 from control_plane.placement.milp import MilpPlacer
 from control_plane.placement.quotas import ClassQuota, GpuQuotas, parse_quotas
 from control_plane.settings import Settings
+from tests.control_plane.priority_fleet import small_pools
 
 PLACERS = {
     "ffd": lambda q: FirstFitDecreasing(quotas=q),
@@ -91,17 +92,7 @@ def test_a_floor_is_placed_before_higher_classes(name):
 
 @st.composite
 def case(draw):
-    pools = [
-        PoolCapacity(
-            cluster=f"c{i}",
-            name="p",
-            gpu_model="a100",
-            gpus_per_node=draw(st.sampled_from([1, 2])),
-            nodes=draw(st.integers(0, 3)),
-            hourly_price=1.0,
-        )
-        for i in range(draw(st.integers(1, 2)))
-    ]
+    pools = draw(small_pools(node_sizes=(1, 2), max_clusters=2, prices=(1.0,), draining=False))
     names = draw(st.lists(st.sampled_from(["d0", "d1", "d2"]), unique=True, min_size=1, max_size=3))
     classes = {n: draw(st.sampled_from(["critical", "standard", "batch"])) for n in names}
     before = [_d(n, draw(st.integers(0, 4)), classes[n]) for n in names]

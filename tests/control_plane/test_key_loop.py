@@ -7,7 +7,6 @@ import pytest
 
 from control_plane.context import ControlPlaneContext
 from control_plane.db import models as m
-from control_plane.db.session import make_sessions, upgrade_to_head
 from control_plane.loops import Loops
 from control_plane.loops.keys import KeyLoop
 from control_plane.loops.publish import bucket_items
@@ -24,13 +23,6 @@ class BrokenPlacer:
         # a ValueError (bad input) is what the placement pipeline lets through; any other
         # placer error falls back to FFD
         raise ValueError("placement input is broken")
-
-
-@pytest.fixture
-def sessions(tmp_path):
-    url = f"sqlite:///{tmp_path / 'fleet.db'}"
-    upgrade_to_head(url)
-    return make_sessions(url)
 
 
 async def test_keys_and_their_lease_publish_while_placement_fails(nats_server, sessions, tmp_path):  # noqa: F811

@@ -10,7 +10,6 @@ import pytest
 from sqlalchemy import select
 
 from control_plane.db import models as m
-from control_plane.db.session import make_sessions, upgrade_to_head
 from control_plane.fleet_model.plan import build_routes, next_assignments, placement_inputs
 from control_plane.fleet_model.snapshot import live_keys, read_snapshot
 from control_plane.loops.ingest import (
@@ -33,15 +32,6 @@ from fleet_base.protocol import (
     ReplicaStatus,
 )
 from fleet_base.wire import heartbeat_problem
-
-
-@pytest.fixture
-def sessions(tmp_path):
-    url = f"sqlite:///{tmp_path / 'fleet.db'}"
-    upgrade_to_head(url)
-    factory = make_sessions(url)
-    yield factory
-    factory.kw["bind"].dispose()
 
 
 def add_cluster(sessions, cid, region="r1", status="healthy", slots=2, gpu="cpu", price=0.0, heartbeat=True):

@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-from control_plane.placement import PRIORITY_RANK, FirstFitDecreasing, PoolCapacity, ReplicaDemand
+from control_plane.placement import PRIORITY_RANK, FirstFitDecreasing, PoolCapacity
 from control_plane.placement.evaluate import priority_problems, violations
 from control_plane.placement.milp import MilpPlacer
-from fleet_base.domain import ClusterStatus
-
-CLASSES = list(PRIORITY_RANK)
+from tests.control_plane.priority_fleet import demand, pool, priority_fleet
 
 
 def _milp() -> MilpPlacer:
@@ -21,18 +18,7 @@ def _milp() -> MilpPlacer:
 
 
 def _pool(nodes: int = 4, gpus_per_node: int = 1, cluster: str = "c1", price: float = 1.0) -> PoolCapacity:
-    return PoolCapacity(
-        cluster=cluster,
-        name="p",
-        gpu_model="a100",
-        gpus_per_node=gpus_per_node,
-        nodes=nodes,
-        hourly_price=price,
-    )
-
-
-def _d(name: str, count: int, priority: str = "standard", gpus: int = 1) -> ReplicaDemand:
-    return ReplicaDemand(deployment=name, version=1, count=count, priority=priority, gpu_count=gpus)
+    return pool(nodes, gpus_per_node, cluster, price)
 
 
 def _replan(before, after, pools):
@@ -47,7 +33,7 @@ def _replan(before, after, pools):
 def test_critical_scale_up_takes_slots_from_batch():
     pools = [_pool(nodes=4)]
     _, result = _replan(
-        [_d("train", 4, "batch")], [_d("train", 4, "batch"), _d("chat", 2, "critical")], pools
+        [demand("train", 4, "batch")], [demand("train", 4, "batch"), demand("chat", 2, "critical")], pools
     )
     assert sum(1 for a in result.added if a.deployment == "chat") == 2
     assert [p.deployment for p in result.preempted] == ["train", "train"]
@@ -62,7 +48,7 @@ def test_critical_scale_up_takes_slots_from_batch():
 )
 def test_equal_or_lower_class_never_preempts(running, new):
     pools = [_pool(nodes=2)]
-    _, result = _replan([_d("a", 2, running)], [_d("a", 2, running), _d("b", 1, new)], pools)
+    _, result = _replan([demand("a", 2, running)], [demand("a", 2, running), demand("b", 1, new)], pools)
     assert not result.preempted and not result.removed
     assert [u.deployment for u in result.unplaced] == ["b"]
 
@@ -71,7 +57,7 @@ def test_free_capacity_first_even_when_dear():
     """A preemption costs more than any node: an expensive free pool is used first."""
     pools = [_pool(nodes=2, price=1.0), _pool(nodes=1, cluster="dear", price=90.0)]
     _, result = _replan(
-        [_d("train", 2, "batch")], [_d("train", 2, "batch"), _d("chat", 2, "critical")], pools
+        [demand("train", 2, "batch")], [demand("train", 2, "batch"), demand("chat", 2, "critical")], pools
     )
     assert len(result.preempted) == 1
     assert {a.cluster for a in result.added} == {"c1", "dear"}
@@ -79,12 +65,12 @@ def test_free_capacity_first_even_when_dear():
 
 def test_the_lowest_class_and_fewest_replicas_go_first():
     pools = [_pool(nodes=3)]
-    before = [_d("web", 1, "standard"), _d("train", 2, "batch")]
-    _, result = _replan(before, [*before, _d("chat", 1, "critical")], pools)
+    before = [demand("web", 1, "standard"), demand("train", 2, "batch")]
+    _, result = _replan(before, [*before, demand("chat", 1, "critical")], pools)
     assert [p.deployment for p in result.preempted] == ["train"]
     pools = [_pool(nodes=2, gpus_per_node=4)]
-    before = [_d("small", 4, "batch"), _d("big", 1, "batch", gpus=4)]
-    _, result = _replan(before, [*before, _d("chat", 1, "standard", gpus=4)], pools)
+    before = [demand("small", 4, "batch"), demand("big", 1, "batch", gpus=4)]
+    _, result = _replan(before, [*before, demand("chat", 1, "standard", gpus=4)], pools)
     assert [p.deployment for p in result.preempted] == ["big"]  # one replica, not four
 
 
@@ -92,45 +78,16 @@ def test_a_scale_down_of_the_preemptor_gives_nothing_back_by_itself():
     """Preempted replicas are re-placed when room returns, without preempting anything."""
     pools = [_pool(nodes=4)]
     _running, result = _replan(
-        [_d("train", 4, "batch")], [_d("train", 4, "batch"), _d("chat", 2, "critical")], pools
+        [demand("train", 4, "batch")], [demand("train", 4, "batch"), demand("chat", 2, "critical")], pools
     )
-    after = [_d("train", 4, "batch"), _d("chat", 0, "critical")]
+    after = [demand("train", 4, "batch"), demand("chat", 0, "critical")]
     result2, _info = _milp().solve(after, pools, result.assignments)
     assert not result2.preempted and not result2.unplaced
     assert sum(1 for a in result2.added if a.deployment == "train") == 2
 
 
-@st.composite
-def fleet(draw):
-    pools = [
-        PoolCapacity(
-            cluster=f"c{i}",
-            name="p",
-            gpu_model="a100",
-            gpus_per_node=draw(st.sampled_from([1, 2, 4])),
-            nodes=draw(st.integers(0, 3)),
-            hourly_price=draw(st.sampled_from([1.0, 2.0, 5.0])),
-            cluster_status=draw(st.sampled_from([ClusterStatus.healthy] * 3 + [ClusterStatus.draining])),
-        )
-        for i in range(draw(st.integers(1, 3)))
-    ]
-    names = draw(st.lists(st.sampled_from(["d0", "d1", "d2", "d3"]), unique=True, min_size=1, max_size=4))
-    before = [
-        ReplicaDemand(
-            deployment=n,
-            version=1,
-            count=draw(st.integers(0, 5)),
-            gpu_count=draw(st.sampled_from([1, 2])),
-            priority=draw(st.sampled_from(CLASSES)),
-        )
-        for n in names
-    ]
-    after = [d.model_copy(update={"count": draw(st.integers(0, 8))}) for d in before]
-    return pools, before, after
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(fleet())
+@given(priority_fleet(prices=(1.0, 2.0, 5.0)))
 def test_no_milp_plan_preempts_an_equal_or_higher_class_and_ffd_agrees(case):
     pools, before, after = case
     running = FirstFitDecreasing().place(before, pools).assignments

@@ -9,22 +9,28 @@ from control_plane.loops.reconcile import reconcile_once
 from control_plane.placement import get_placer
 from fleet_base.domain import Tier
 from fleet_base.protocol import Heartbeat, PoolInventory
-from tests.control_plane.test_loops import add_deployment, assignments, events, sessions  # noqa: F401
+from tests.control_plane.test_loops import add_deployment, assignments, events
 
 SPOT = PoolInventory(name="spot", gpu_model="L4", gpus_per_node=1, nodes=4, tier=Tier.spot, hourly_price=0.3)
 ON_DEMAND = PoolInventory(name="od", gpu_model="L4", gpus_per_node=1, nodes=4, hourly_price=0.9)
 
 
-def test_preempted_spot_replicas_are_replaced_on_demand_at_once(sessions):  # noqa: F811
+def _placed(sessions, replicas: int):
+    """c1 with a spot and an on-demand pool, and `replicas` of chat placed on it."""
     now = m.utcnow()
     hb = Heartbeat(cluster="c1", region="us-east4", provider="gcp", pools=[SPOT, ON_DEMAND])
     with sessions() as s:
         apply_heartbeat(s, hb, now)
         s.commit()
-    add_deployment(sessions, "chat", replicas=3, gpu_models=["L4"])
+    add_deployment(sessions, "chat", replicas=replicas, gpu_models=["L4"])
     placer = get_placer("milp")
     memory = ({}, {})
     reconcile_once(sessions, placer, *memory)
+    return now, hb, placer, memory
+
+
+def test_preempted_spot_replicas_are_replaced_on_demand_at_once(sessions):
+    now, hb, placer, memory = _placed(sessions, 3)
     with sessions() as s:
         rows = {a.replica_id: a.pool_name for a in s.query(m.ReplicaAssignment)}
     assert sorted(rows.values()) == ["spot"] * 3  # cheapest first
@@ -55,18 +61,10 @@ def test_preempted_spot_replicas_are_replaced_on_demand_at_once(sessions):  # no
     assert other  # c2 registered, but nothing of c1's was dropped
 
 
-def test_unschedulable_replicas_are_replaced_where_capacity_is(sessions):  # noqa: F811
+def test_unschedulable_replicas_are_replaced_where_capacity_is(sessions):
     """The agent reports a replica its cluster cannot schedule and the pool shrunk to what
     the cluster holds (agent/capacity.py): it moves to capacity that exists."""
-    now = m.utcnow()
-    hb = Heartbeat(cluster="c1", region="us-east4", provider="gcp", pools=[SPOT, ON_DEMAND])
-    with sessions() as s:
-        apply_heartbeat(s, hb, now)
-        s.commit()
-    add_deployment(sessions, "chat", replicas=2, gpu_models=["L4"])
-    placer = get_placer("milp")
-    memory = ({}, {})
-    reconcile_once(sessions, placer, *memory)
+    now, hb, placer, memory = _placed(sessions, 2)
     rows = assignments(sessions)
     stuck = sorted(rows)[0]
     held = SPOT.model_copy(update={"nodes": 1})  # one replica scheduled, one pending

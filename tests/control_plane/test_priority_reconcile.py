@@ -13,7 +13,6 @@ from sqlalchemy import select
 
 from control_plane.context import ControlPlaneContext
 from control_plane.db import models as m
-from control_plane.db.session import make_sessions, upgrade_to_head
 from control_plane.loops.autoscale import AutoscaleLoop
 from control_plane.loops.reconcile import reconcile_once
 from control_plane.placement import get_placer
@@ -22,11 +21,8 @@ from fleet_base.protocol import Heartbeat, ReplicaLoad, ReplicaState, ReplicaSta
 
 
 @pytest.fixture
-def sessions(tmp_path):
-    url = f"sqlite:///{tmp_path / 'fleet.db'}"
-    upgrade_to_head(url)
-    factory = make_sessions(url)
-    with factory() as s:
+def sessions(sessions):
+    with sessions() as s:
         c = m.Cluster(id="c1", region="r1", status="healthy", load={}, last_heartbeat_at=m.utcnow())
         c.pools = [m.CapacityPool(name="sim", gpu_model="sim", gpus_per_node=1, nodes=4, hourly_price=1.0)]
         train = m.Deployment(name="train", replicas=3, current_version=1, priority="batch")
@@ -37,8 +33,7 @@ def sessions(tmp_path):
         ]
         s.add_all([c, train, chat])
         s.commit()
-    yield factory
-    factory.kw["bind"].dispose()
+    return sessions
 
 
 def _placed(sessions) -> dict[str, int]:

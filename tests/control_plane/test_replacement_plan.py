@@ -10,7 +10,6 @@ import pytest
 from sqlalchemy import select
 
 from control_plane.db import models as m
-from control_plane.db.session import make_sessions, upgrade_to_head
 from control_plane.loops.reconcile import reconcile_once
 from control_plane.placement import get_placer
 
@@ -18,11 +17,8 @@ N = 4
 
 
 @pytest.fixture
-def sessions(tmp_path):
-    url = f"sqlite:///{tmp_path / 'fleet.db'}"
-    upgrade_to_head(url)
-    factory = make_sessions(url)
-    with factory() as s:
+def sessions(sessions):
+    with sessions() as s:
         c = m.Cluster(id="c1", region="r1", status="healthy", load={}, last_heartbeat_at=m.utcnow())
         c.pools = [m.CapacityPool(name="sim", gpu_model="sim", gpus_per_node=1, nodes=N, hourly_price=1.0)]
         d = m.Deployment(name="web", replicas=N, current_version=1)
@@ -31,8 +27,7 @@ def sessions(tmp_path):
         ]
         s.add_all([c, d])
         s.commit()
-    yield factory
-    factory.kw["bind"].dispose()
+    return sessions
 
 
 def _seed(sessions, versions: list[int], current: int) -> None:

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import pytest
 
 from control_plane.db import models as m
-from control_plane.db.session import make_sessions, upgrade_to_head
 from control_plane.local.nats_server import NatsServer
 from control_plane.rollouts.loop import RolloutLoop
 from fleet_base.nats_io import NatsLink
@@ -26,15 +25,6 @@ def nats_url(tmp_path):
         yield server.url
     finally:
         server.stop()
-
-
-@pytest.fixture
-def sessions(tmp_path):
-    url = f"sqlite:///{tmp_path / 'fleet.db'}"
-    upgrade_to_head(url)
-    factory = make_sessions(url)
-    yield factory
-    factory.kw["bind"].dispose()
 
 
 def record(version: int, status: int, at: float) -> UsageRecord:
