@@ -36,6 +36,9 @@ from fleet_base.protocol import (
     VersionWeight,
 )
 
+# What a placer's `Assignment` and the snapshot's `AssignmentRow` both say of a replica.
+PLACED = {"replica_id", "deployment", "version", "cluster", "pool", "gpus"}
+
 
 def placement_inputs(
     snap: FleetSnapshot, nodes: Mapping[str, int] | None = None
@@ -52,16 +55,7 @@ def placement_inputs(
                 continue
             demands.append(_demand(snap, d, spec, count))
     current = [
-        Assignment(
-            replica_id=a.replica_id,
-            deployment=a.deployment,
-            version=a.version,
-            cluster=a.cluster,
-            pool=a.pool,
-            gpus=a.gpus,
-            node=nodes.get(a.replica_id),
-        )
-        for a in snap.assignments
+        Assignment(**a.model_dump(include=PLACED), node=nodes.get(a.replica_id)) for a in snap.assignments
     ]
     return demands, _pools(snap), current
 
@@ -236,16 +230,7 @@ def next_assignments(snap: FleetSnapshot, result: PlacementResult) -> list[Assig
     removed = set(result.removed)
     rows = [a for a in snap.assignments if a.replica_id not in removed]
     rows += [
-        AssignmentRow(
-            replica_id=a.replica_id,
-            deployment=a.deployment,
-            version=a.version,
-            cluster=a.cluster,
-            pool=a.pool,
-            gpus=a.gpus,
-            state=ReplicaState.pending.value,
-        )
-        for a in result.added
+        AssignmentRow(**a.model_dump(include=PLACED), state=ReplicaState.pending.value) for a in result.added
     ]
     return sorted(rows, key=lambda a: a.replica_id)
 

@@ -18,6 +18,7 @@ from control_plane.db.models import Event as EventRow
 from control_plane.db.once import insert_once
 from control_plane.loops.durable import Received, Verdicts
 from control_plane.loops.preemption import apply_preemptions
+from control_plane.loops.store import store_batch
 from fleet_base.domain import ClusterStatus
 from fleet_base.protocol import (
     EVENTS_WILDCARD,
@@ -28,7 +29,7 @@ from fleet_base.protocol import (
     ReplicaStatus,
     heartbeat_subject,
 )
-from fleet_base.wire import Rejected, decode_event
+from fleet_base.wire import decode_event
 
 
 def _pool_values(p: PoolInventory) -> dict:
@@ -196,25 +197,18 @@ def record_events(session: Session, events: Iterable[Event]) -> int:
 
 
 def store_event_batch(sessions, batch: list[Received], rejections: Rejections) -> Verdicts:
-    """A batch from the events stream, in one transaction with a savepoint per event:
-    a malformed or refused event is counted and marked poison, never rolls back the rest."""
-    poison: set[int] = set()
-    with sessions() as session:
-        for i, m in enumerate(batch):
-            try:
-                e = decode_event(m.subject, m.data)
-            except Rejected as err:
-                rejections.reject(EVENTS_WILDCARD, err.reason, m.subject, err.detail)
-                poison.add(i)
-                continue
-            try:
-                with session.begin_nested():
-                    insert_once(session, EventRow, _event_values(e, m.seq), "event_id")
-            except SQLAlchemyError as err:
-                rejections.reject(EVENTS_WILDCARD, "database", m.subject, err)
-                poison.add(i)
-        session.commit()
-    return Verdicts(poison)
+    """A batch from the events stream (`store_batch`), stored once by event id."""
+    return store_batch(
+        sessions,
+        batch,
+        rejections,
+        pattern=EVENTS_WILDCARD,
+        decode=decode_event,
+        table=EventRow,
+        key="event_id",
+        values=_event_values,
+        refused=(SQLAlchemyError,),
+    )
 
 
 def is_silent(

@@ -33,10 +33,11 @@ from control_plane.db.models import ApiKey, Cluster, UsageRecord
 from control_plane.db.once import insert_once
 from control_plane.fleet_model.shares import ShareSettings, compute_shares
 from control_plane.loops.durable import DurableConsumer, Received, Verdicts
+from control_plane.loops.store import store_batch
 from control_plane.nats_loop import NatsLoop
 from control_plane.settings import Settings
 from fleet_base import protocol
-from fleet_base.wire import Rejected, decode_usage
+from fleet_base.wire import decode_usage
 
 log = logging.getLogger(__name__)
 
@@ -93,32 +94,31 @@ def store_records(sessions, records: list[protocol.UsageRecord]) -> int:
 
 
 def store_usage_batch(sessions, batch: list[Received], rejections: Rejections, on_refused=None) -> Verdicts:
-    """A batch from the usage stream in one transaction, a savepoint per record: a bad
-    record is counted and marked poison, the others are committed (then acknowledged)."""
-    pattern = protocol.USAGE_WILDCARD
-    poison: set[int] = set()
-    with sessions() as session:
-        for i, m in enumerate(batch):
-            try:
-                record = decode_usage(m.subject, m.data)
-            except Rejected as err:
-                rejections.reject(pattern, err.reason, m.subject, err.detail)
-                poison.add(i)
-                continue
-            if record.attempt_failed:  # a retried attempt, not a request
-                continue
-            if record.refused_tokens > 0:  # demand, not usage: never stored
-                if on_refused is not None:
-                    on_refused(record)
-                continue
-            try:
-                with session.begin_nested():
-                    insert_once(session, UsageRecord, _values(record, m.seq), "record_id")
-            except Exception as err:
-                rejections.reject(pattern, "database", m.subject, err)
-                poison.add(i)
-        session.commit()
-    return Verdicts(poison)
+    """A batch from the usage stream (`store_batch`), stored once by record id; a retried
+    attempt is no request and a refusal is demand, not usage (handed to `on_refused`):
+    neither is stored."""
+
+    def keep(record: protocol.UsageRecord) -> bool:
+        if record.attempt_failed:
+            return False
+        if record.refused_tokens > 0:
+            if on_refused is not None:
+                on_refused(record)
+            return False
+        return True
+
+    return store_batch(
+        sessions,
+        batch,
+        rejections,
+        pattern=protocol.USAGE_WILDCARD,
+        decode=decode_usage,
+        table=UsageRecord,
+        key="record_id",
+        values=_values,
+        refused=(Exception,),
+        keep=keep,
+    )
 
 
 def prune_records(sessions, before: datetime) -> int:
