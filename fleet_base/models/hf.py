@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from fleet_base.models.errors import (
-    BadModelUri,
     MissingObject,
     ModelStoreError,
     NoCredentials,
     StoreUnreachable,
 )
-from fleet_base.models.source import Listing, Progress, RemoteFile, Source, safe_name
+from fleet_base.models.source import Listing, Progress, RemoteFile, Source, match_uri, safe_name
+from fleet_base.models.transfer import store_errors
 
 _URI = re.compile(
     r"^hf://(?P<repo>[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95})"
@@ -66,13 +66,13 @@ def _error(err: Exception, what: str) -> ModelStoreError:
 
 
 class HfSource(Source):
+    """A Hugging Face hub repository (or one file of it), pinned to a commit once listed."""
+
     scheme = "hf"
 
     def __init__(self, uri: str) -> None:
         super().__init__(uri)
-        m = _URI.match(uri)
-        if m is None:
-            raise BadModelUri(f"{uri!r}: expected hf://org/repo[@revision][/file]")
+        m = match_uri(_URI, uri, "hf://org/repo[@revision][/file]")
         self.repo, self.revision, self.path = m["repo"], m["rev"] or "main", (m["path"] or "").strip("/")
         self.commit = self.revision if COMMIT.match(self.revision) else ""
         if self.path:
@@ -145,7 +145,7 @@ class HfSource(Source):
 
         staging = part.parent / ".hf"
         revision = self.commit or self.revision  # the files of the listed commit, even if a branch moved
-        try:
+        with store_errors(_error, f"{self.canonical}/{file.ref}"):
             got = hf_hub_download(
                 self.repo,
                 file.ref,
@@ -154,11 +154,5 @@ class HfSource(Source):
                 endpoint=endpoint(),
                 token=token(),
             )
-        except OSError as err:
-            if err.errno == 28:
-                raise
-            raise _error(err, f"{self.canonical}/{file.ref}") from err
-        except Exception as err:
-            raise _error(err, f"{self.canonical}/{file.ref}") from err
         shutil.move(str(got), part)
         progress(file.size)

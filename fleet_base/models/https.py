@@ -17,7 +17,8 @@ from fleet_base.models.errors import (
     NoCredentials,
     StoreUnreachable,
 )
-from fleet_base.models.source import Listing, Progress, RemoteFile, Source, resume_offset, safe_name
+from fleet_base.models.source import Listing, Progress, RemoteFile, Source, safe_name
+from fleet_base.models.transfer import resume_offset, store_errors, write_chunks
 
 _FRAGMENT = re.compile(r"^sha256=(?P<hex>[0-9a-fA-F]{64})$")
 TIMEOUT = httpx.Timeout(30.0, connect=10.0)
@@ -38,6 +39,8 @@ def _error(err: Exception, what: str) -> ModelStoreError:
 
 
 class HttpsSource(Source):
+    """One file at a URL whose sha256 the URI carries: the server is not trusted to say it."""
+
     scheme = "https"
 
     def __init__(self, uri: str) -> None:
@@ -85,18 +88,9 @@ class HttpsSource(Source):
         if offset == file.size:
             return
         headers = {"Range": f"bytes={offset}-"} if offset else {}
-        try:
+        with store_errors(_error, self.url, catch=httpx.HTTPError):
             with httpx.Client(timeout=TIMEOUT, follow_redirects=True) as http:
                 with http.stream("GET", file.ref, headers=headers) as r:
                     r.raise_for_status()
                     mode = "ab" if offset and r.status_code == 206 else "wb"  # 200: no ranges, start over
-                    with open(part, mode) as out:
-                        for chunk in r.iter_bytes():  # as received: a cut-off keeps every byte that came
-                            out.write(chunk)
-                            progress(len(chunk))
-        except OSError as err:
-            if err.errno == 28:  # ENOSPC: the cache reports a full disk
-                raise
-            raise _error(err, self.url) from err
-        except httpx.HTTPError as err:
-            raise _error(err, self.url) from err
+                    write_chunks(part, mode, r.iter_bytes(), progress)

@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from fleet_base.models.errors import (
-    BadModelUri,
     MissingObject,
     ModelStoreError,
     NoCredentials,
     StoreUnreachable,
 )
-from fleet_base.models.source import Listing, Progress, RemoteFile, Source, resume_offset, safe_name
+from fleet_base.models.source import Listing, Progress, RemoteFile, Source, match_uri, safe_name
+from fleet_base.models.transfer import resume_offset, store_errors, write_chunks
 
 _URI = re.compile(
     r"^oci://(?P<registry>[A-Za-z0-9.-]+(?::\d{1,5})?)/(?P<repo>[a-z0-9]+(?:[._/-][a-z0-9]+)*)"
@@ -58,13 +58,13 @@ def _error(err: Exception, what: str) -> ModelStoreError:
 
 
 class OciSource(Source):
+    """An ORAS / ModelPack artifact: each titled layer of the manifest is one model file."""
+
     scheme = "oci"
 
     def __init__(self, uri: str) -> None:
         super().__init__(uri)
-        m = _URI.match(uri)
-        if m is None:
-            raise BadModelUri(f"{uri!r}: expected oci://registry/repository:tag or @sha256:<digest>")
+        m = match_uri(_URI, uri, "oci://registry/repository:tag or @sha256:<digest>")
         self.registry, self.repo = m["registry"], m["repo"]
         self.tag, self.digest = m["tag"], m["digest"]
         if not self.tag and not self.digest:
@@ -117,20 +117,11 @@ class OciSource(Source):
         if offset == file.size:
             return
         client = self.client
-        try:
+        with store_errors(_error, f"{self.canonical} {file.ref}"):
             container = client.get_container(self.target)
             url = f"{client.prefix}://{container.get_blob_url(file.ref)}"
             headers = {**client.headers, **({"Range": f"bytes={offset}-"} if offset else {})}
             with client.do_request(url, "GET", headers=headers, stream=True) as r:
                 r.raise_for_status()
                 mode = "ab" if offset and r.status_code == 206 else "wb"
-                with open(part, mode) as out:
-                    for chunk in r.iter_content(chunk_size=CHUNK):
-                        out.write(chunk)
-                        progress(len(chunk))
-        except OSError as err:
-            if err.errno == 28:
-                raise
-            raise _error(err, f"{self.canonical} {file.ref}") from err
-        except Exception as err:
-            raise _error(err, f"{self.canonical} {file.ref}") from err
+                write_chunks(part, mode, r.iter_content(chunk_size=CHUNK), progress)

@@ -20,7 +20,8 @@ from fleet_base.models.errors import (
     NoCredentials,
     StoreUnreachable,
 )
-from fleet_base.models.source import Listing, Progress, RemoteFile, Source, resume_offset, safe_name
+from fleet_base.models.source import Listing, Progress, RemoteFile, Source, match_uri, safe_name
+from fleet_base.models.transfer import resume_offset, store_errors, write_chunks
 
 _URI = re.compile(r"^s3://(?P<bucket>[a-z0-9][a-z0-9.-]{1,61}[a-z0-9])/(?P<key>[^\x00-\x1f\x7f]*)$")
 _ETAG = re.compile(r'^"?(?P<md5>[0-9a-f]{32})(?:-(?P<parts>\d+))?"?$')
@@ -70,13 +71,13 @@ def _digest(etag: str) -> str:
 
 
 class S3Source(Source):
+    """One S3 object, or every object under a prefix, checked against their ETags."""
+
     scheme = "s3"
 
     def __init__(self, uri: str) -> None:
         super().__init__(uri)
-        m = _URI.match(uri)
-        if m is None:
-            raise BadModelUri(f"{uri!r}: expected s3://bucket/key or s3://bucket/prefix/")
+        m = match_uri(_URI, uri, "s3://bucket/key or s3://bucket/prefix/")
         self.bucket, self.key = m["bucket"], m["key"]
         self._s3: Any = None
 
@@ -143,17 +144,8 @@ class S3Source(Source):
         etag = (
             f'"{etag}-{file.digest.rsplit("-", 1)[1]}"' if file.digest.startswith("s3etag:") else f'"{etag}"'
         )
-        try:
+        with store_errors(_error, f"s3://{self.bucket}/{file.ref}"):
             body = self.s3.get_object(
                 Bucket=self.bucket, Key=file.ref, Range=f"bytes={offset}-", IfMatch=etag
             )["Body"]
-            with open(part, "ab") as out:
-                for chunk in body.iter_chunks(CHUNK):
-                    out.write(chunk)
-                    progress(len(chunk))
-        except OSError as err:
-            if err.errno == 28:
-                raise
-            raise _error(err, f"s3://{self.bucket}/{file.ref}") from err
-        except Exception as err:
-            raise _error(err, f"s3://{self.bucket}/{file.ref}") from err
+            write_chunks(part, "ab", body.iter_chunks(CHUNK), progress)

@@ -80,13 +80,9 @@ class Source(ABC):
         return self.canonical
 
 
-def resume_offset(part: Path, file: RemoteFile) -> int:
-    """Bytes already in `part`; a part longer than the file is corrupt and starts over."""
-    try:
-        have = part.stat().st_size
-    except FileNotFoundError:
-        return 0
-    if have > file.size:
-        part.unlink()
-        return 0
-    return have
+def match_uri(pattern: re.Pattern[str], uri: str, form: str) -> re.Match[str]:
+    """`uri` parsed by its scheme's pattern, or BadModelUri saying the form it should take."""
+    m = pattern.match(uri)
+    if m is None:
+        raise BadModelUri(f"{uri!r}: expected {form}")
+    return m
