@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -44,43 +45,56 @@ def new_state(settings: ServerSettings, engine: EngineClient | None = None) -> S
     return state
 
 
-def build_app(state: ServerState) -> FastAPI:  # noqa: C901 - one route table; each branch is a route
+OPENAI_ROUTES = (
+    ("/v1/chat/completions", create_chat_completion),
+    ("/v1/completions", create_completion),
+    ("/v1/embeddings", create_embedding),
+    ("/v1/responses", create_response),
+)
+
+
+def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="Fleet engine", version="1", openapi_url=None, docs_url=None, redoc_url=None)
     app.state.fleet = state
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, state=state)
+    _register_probes(app, state)
+    if state.settings.test_hooks:
+        _register_debug(app, state)
+    _register_openai(app, state)
+    _register_tokens(app, state)
+    register_kv_events(app, state)
+    register_lora(app, state)
+    return app
 
-    def engine() -> EngineClient:
-        if state.engine is None:  # the guard refuses earlier; this is for type checkers
-            raise APIError(503, "The model is still loading; retry shortly")
-        return state.engine
+
+def _engine(state: ServerState) -> EngineClient:
+    if state.engine is None:  # the guard refuses earlier; this is for type checkers
+        raise APIError(503, "The model is still loading; retry shortly")
+    return state.engine
+
+
+def _health(state: ServerState) -> Response:
+    if state.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
+    if state.engine is None:
+        status = "failed" if state.load_error else "loading"
+        return JSONResponse({"status": status, "error": state.load_error}, status_code=503)
+    if not getattr(state.engine, "is_running", True):
+        return JSONResponse({"status": "dead", "error": "the engine loop has stopped"}, status_code=503)
+    stalled = getattr(state.engine, "stalled_for", lambda: 0.0)()
+    if stalled > state.settings.stall_timeout_s:
+        error = f"the engine loop has had work and made no step for {stalled:.0f} s"
+        return JSONResponse({"status": "stalled", "error": error}, status_code=503)
+    return JSONResponse({"status": "ok", "model": state.settings.served_model_name})
+
+
+def _register_probes(app: FastAPI, state: ServerState) -> None:
+    """Health, metrics and the OpenAPI document: what orchestrators and scrapers read."""
 
     @app.get("/health")
     async def health() -> Response:
-        if state.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
-        if state.engine is None:
-            status = "failed" if state.load_error else "loading"
-            return JSONResponse({"status": status, "error": state.load_error}, status_code=503)
-        if not getattr(state.engine, "is_running", True):
-            return JSONResponse({"status": "dead", "error": "the engine loop has stopped"}, status_code=503)
-        stalled = getattr(state.engine, "stalled_for", lambda: 0.0)()
-        if stalled > state.settings.stall_timeout_s:
-            error = f"the engine loop has had work and made no step for {stalled:.0f} s"
-            return JSONResponse({"status": "stalled", "error": error}, status_code=503)
-        return JSONResponse({"status": "ok", "model": state.settings.served_model_name})
-
-    if state.settings.test_hooks:
-
-        @app.post("/debug/freeze")
-        async def freeze() -> Response:
-            engine().freeze(True)  # type: ignore[attr-defined]
-            return JSONResponse({"frozen": True})
-
-        @app.post("/debug/thaw")
-        async def thaw() -> Response:
-            engine().freeze(False)  # type: ignore[attr-defined]
-            return JSONResponse({"frozen": False})
+        return _health(state)
 
     @app.get("/openapi.json")
     async def openapi() -> Response:
@@ -90,6 +104,24 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 - one route table; e
     async def metrics() -> Response:
         return PlainTextResponse(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+
+def _register_debug(app: FastAPI, state: ServerState) -> None:
+    """Test hooks: freeze and thaw the engine loop (only with `test_hooks`)."""
+
+    @app.post("/debug/freeze")
+    async def freeze() -> Response:
+        _engine(state).freeze(True)  # type: ignore[attr-defined]
+        return JSONResponse({"frozen": True})
+
+    @app.post("/debug/thaw")
+    async def thaw() -> Response:
+        _engine(state).freeze(False)  # type: ignore[attr-defined]
+        return JSONResponse({"frozen": False})
+
+
+def _register_openai(app: FastAPI, state: ServerState) -> None:
+    """The model list and the OpenAI generation and embedding endpoints."""
+
     @app.get("/v1/models")
     async def models() -> Response:
         card = {
@@ -97,34 +129,34 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 - one route table; e
             "object": "model",
             "created": int(state.created),
             "owned_by": "fleet",
-            "max_model_len": engine().max_model_len,
+            "max_model_len": _engine(state).max_model_len,
         }
         cards = adapter_cards(state, card["created"], card["max_model_len"])
         if cards:
             card |= {"root": state.settings.served_model_name, "parent": None}
         return JSONResponse({"object": "list", "data": [card, *cards]})
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await create_chat_completion(request, state)
+    for path, create in OPENAI_ROUTES:
+        app.add_api_route(path, _bound(create, state), methods=["POST"], name=create.__name__)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await create_completion(request, state)
 
-    @app.post("/v1/embeddings")
-    async def embeddings(request: Request) -> Response:
-        return await create_embedding(request, state)
+def _bound(
+    create: Callable[[Request, ServerState], Awaitable[Response]], state: ServerState
+) -> Callable[[Request], Awaitable[Response]]:
+    async def route(request: Request) -> Response:
+        return await create(request, state)
 
-    @app.post("/v1/responses")
-    async def responses(request: Request) -> Response:
-        return await create_response(request, state)
+    return route
+
+
+def _register_tokens(app: FastAPI, state: ServerState) -> None:
+    """Tokenize and detokenize with the served model's tokenizer (and chat template)."""
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         body = await parse_body(request, TokenizeRequest)
         check_model(state, body.model)
-        eng = engine()
+        eng = _engine(state)
         if body.messages is not None:
             ids = chat_prompt_ids(eng, body.messages, None, body.add_generation_prompt)
         else:
@@ -134,15 +166,10 @@ def build_app(state: ServerState) -> FastAPI:  # noqa: C901 - one route table; e
             out["token_strs"] = eng.tokenizer.token_texts(ids)
         return JSONResponse(out)
 
-    register_kv_events(app, state)
-    register_lora(app, state)
-
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         body = await parse_body(request, DetokenizeRequest)
         check_model(state, body.model)
-        eng = engine()
+        eng = _engine(state)
         check_token_ids(eng, body.tokens, "tokens")
         return JSONResponse({"prompt": eng.tokenizer.decode(body.tokens, skip_special_tokens=False)})
-
-    return app
