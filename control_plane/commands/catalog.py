@@ -8,8 +8,8 @@ from pathlib import Path
 
 import typer
 
-from control_plane.commands import resources
-from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, console, emit_json, fail
+from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, call, console, emit_json, fail
+from control_plane.commands.resources import pools_app
 from fleet_base.domain import Tier
 
 BATCH = 2000  # pools per request (the API takes at most 10,000 and 1 MiB)
@@ -79,7 +79,7 @@ def import_pools(
     totals: dict = {}
     for start in range(0, len(pools), BATCH):
         body = {"provider": name, "pools": pools[start : start + BATCH], "replace": replace}
-        got = resources.call(lambda c, body=body: c.post("/v1/pools/import", body))
+        got = call(lambda c, body=body: c.post("/v1/pools/import", body))
         for k, v in got.items():
             totals[k] = (
                 sorted(set(totals.get(k, [])) | set(v))
@@ -99,8 +99,5 @@ def import_pools(
 
 
 def register(app: typer.Typer) -> None:
-    group = getattr(resources, "pools_app", None)
-    if group is not None:
-        group.command("import")(import_pools)
-    else:  # an older resources module with a plain `pools` command
-        app.command("pools-import")(import_pools)
+    """`fleetctl pools import` (the pools group lives with the other resource commands)."""
+    pools_app.command("import")(import_pools)

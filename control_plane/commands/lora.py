@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import typer
 
-from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, emit, fail
-from control_plane.commands.resources import call
+from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, call, emit, fail
 
 lora_app = typer.Typer(help="A deployment's LoRA adapters.", no_args_is_help=True)
 COLUMNS = ("name", "uri")

@@ -16,8 +16,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, console, fail
-from control_plane.commands.resources import call, show
+from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, call, console, fail, show
 
 models_app = typer.Typer(
     help="The model cache of each cluster's nodes (s3://, hf://, oci://, https:// models)."

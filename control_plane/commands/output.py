@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from enum import Enum
 from typing import Any, NoReturn
 
@@ -63,3 +63,39 @@ def _cell(value: Any) -> str:
     if isinstance(value, dict):
         return ", ".join(f"{k}={_cell(v)}" for k, v in value.items())
     return str(value)
+
+
+def show(data: Any, output: OutputFormat, columns: dict[str, str], title: str | None = None) -> None:
+    """JSON as the API returned it; a table of `columns` (header -> field) otherwise,
+    with timestamps shortened to what a person reads."""
+    if output == OutputFormat.json:
+        emit_json(data)
+        return
+    rows = data if isinstance(data, list) else [data]
+    table = [{header: _short(row.get(key)) for header, key in columns.items()} for row in rows]
+    emit(table, output, list(columns), title=title)
+
+
+def done(data: Any, output: OutputFormat, line: str) -> None:
+    """What a command did: JSON as the API returned it, or one line for a person."""
+    if output == OutputFormat.json:
+        emit_json(data)
+    else:
+        console.print(line)
+
+
+def _short(value: Any) -> Any:
+    if isinstance(value, str) and len(value) >= 19 and value[4] == "-" and value[10] == "T":
+        return value[:19].replace("T", " ")
+    return value
+
+
+def call(fn: Callable[[Any], Any]) -> Any:
+    """Run `fn(client)`, turning any API failure into one line and exit code 1."""
+    from control_plane.client import ApiError, FleetClient
+
+    try:
+        with FleetClient() as client:
+            return fn(client)
+    except ApiError as err:
+        fail(str(err))

@@ -1,22 +1,25 @@
 """fleetctl's resource commands, each one call (or a few) of the admin API:
-deploy, ls, status, scale, delete, clusters, cordon/uncordon, pools, keys, events, audit.
-
-Over ~400 lines: one thin command per admin-API resource, each a few lines; splitting by
-resource would scatter the shared table and error helpers.
+deploy, ls, status, scale, delete, clusters, cordon/uncordon, pools, events, audit
+(`fleetctl keys` is in `control_plane.commands.keys`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import typer
 
-from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, console, emit, emit_json, fail
-
-keys_app = typer.Typer(
-    help="API keys: create (the secret is shown once), ls, update, revoke.", no_args_is_help=True
+from control_plane.commands.keys import keys_app
+from control_plane.commands.output import (
+    OUTPUT_OPTION,
+    OutputFormat,
+    call,
+    console,
+    done,
+    emit_json,
+    fail,
+    show,
 )
 
 DEPLOYMENT_COLUMNS = {
@@ -78,15 +81,6 @@ POOL_COLUMNS = {
     "used": "used_gpus",
     "free": "free_gpus",
 }
-KEY_COLUMNS = {
-    "key_id": "key_id",
-    "name": "name",
-    "scopes": "scopes",
-    "deployments": "deployments",
-    "quotas": "quotas",
-    "created": "created_at",
-    "revoked": "revoked",
-}
 EVENT_COLUMNS = {
     "at": "at",
     "kind": "kind",
@@ -95,34 +89,6 @@ EVENT_COLUMNS = {
     "message": "message",
 }
 AUDIT_COLUMNS = {"at": "at", "actor": "actor", "action": "action", "resource": "resource_id"}
-
-
-def show(data: Any, output: OutputFormat, columns: dict[str, str], title: str | None = None) -> None:
-    """JSON as the API returned it; a table of `columns` (header -> field) otherwise,
-    with timestamps shortened to what a person reads."""
-    if output == OutputFormat.json:
-        emit_json(data)
-        return
-    rows = data if isinstance(data, list) else [data]
-    table = [{header: _short(row.get(key)) for header, key in columns.items()} for row in rows]
-    emit(table, output, list(columns), title=title)
-
-
-def _short(value: Any) -> Any:
-    if isinstance(value, str) and len(value) >= 19 and value[4] == "-" and value[10] == "T":
-        return value[:19].replace("T", " ")
-    return value
-
-
-def call(fn: Callable[[Any], Any]) -> Any:
-    """Run `fn(client)`, turning any API failure into one line and exit code 1."""
-    from control_plane.client import ApiError, FleetClient
-
-    try:
-        with FleetClient() as client:
-            return fn(client)
-    except ApiError as err:
-        fail(str(err))
 
 
 # --------------------------------------------------------------------- deployments
@@ -325,10 +291,7 @@ def delete(
 ) -> None:
     """Delete a deployment (its replicas are stopped)."""
     gone = call(lambda c: c.delete(f"/v1/deployments/{name}"))
-    if output == OutputFormat.json:
-        emit_json(gone)
-    else:
-        console.print(f"deleted {name} ({len(gone['placements'])} replica(s) to stop)")
+    done(gone, output, f"deleted {name} ({len(gone['placements'])} replica(s) to stop)")
 
 
 # --------------------------------------------------------------------- clusters and pools
@@ -391,136 +354,6 @@ def pools(
         return
     rows = call(lambda c: c.items("/v1/pools", cluster=cluster, gpu_model=gpu_model, tier=tier))
     show(rows, output, POOL_COLUMNS, title="capacity pools")
-
-
-# --------------------------------------------------------------------- keys
-
-
-DEPLOYMENT_LIMIT_HELP = "DEPLOYMENT:FIELD=N[,FIELD=N] with FIELD tpm, rpm or tpd (repeatable)"
-LIMIT_FIELDS = {"tpm": "tokens_per_minute", "rpm": "requests_per_minute", "tpd": "tokens_per_day"}
-
-
-@keys_app.command("create")
-def keys_create(
-    name: str = typer.Argument(..., help="a label for the key"),
-    scope: list[str] = typer.Option(None, "--scope", help="inference (default), read or admin (repeatable)"),
-    deployment: list[str] = typer.Option(
-        None, "--deployment", help="allowed deployment (repeatable; none: all)"
-    ),
-    tokens_per_minute: int = typer.Option(None, "--tokens-per-minute"),
-    requests_per_minute: int = typer.Option(None, "--requests-per-minute"),
-    max_concurrent: int = typer.Option(None, "--max-concurrent"),
-    priority: int = typer.Option(None, "--priority", help="-10..10; higher is served first"),
-    tokens_per_day: int = typer.Option(None, "--tokens-per-day"),
-    priority_class: str = typer.Option(None, "--priority-class", help="e.g. interactive, standard, batch"),
-    deployment_limit: list[str] = typer.Option(None, "--deployment-limit", help=DEPLOYMENT_LIMIT_HELP),
-    output: OutputFormat = OUTPUT_OPTION,
-) -> None:
-    """Create an API key; the secret (`key`) is printed once and never again."""
-    quotas = {
-        "tokens_per_minute": tokens_per_minute,
-        "requests_per_minute": requests_per_minute,
-        "max_concurrent": max_concurrent,
-        "priority": priority,
-        "tokens_per_day": tokens_per_day,
-        "priority_class": priority_class,
-    }
-    body: dict[str, Any] = {"name": name, "quotas": {k: v for k, v in quotas.items() if v is not None}}
-    if deployment_limit:
-        body["quotas"]["deployments"] = parse_deployment_limits(deployment_limit)
-    if scope:
-        body["scopes"] = list(scope)
-    if deployment:
-        body["deployments"] = list(deployment)
-    row = call(lambda c: c.post("/v1/keys", body))
-    if output == OutputFormat.json:
-        emit_json(row)
-        return
-    show(row, output, KEY_COLUMNS)
-    console.print(f"key (shown once): [bold]{row['key']}[/bold]", highlight=False, soft_wrap=True)
-
-
-@keys_app.command("ls")
-def keys_ls(
-    all_keys: bool = typer.Option(True, "--all/--active", help="include revoked keys"),
-    output: OutputFormat = OUTPUT_OPTION,
-) -> None:
-    """List API keys (never their secrets)."""
-    rows = call(lambda c: c.items("/v1/keys", include_revoked=str(all_keys).lower()))
-    show(rows, output, KEY_COLUMNS, title="API keys")
-
-
-def parse_deployment_limits(specs: list[str]) -> dict[str, dict[str, int]]:
-    """["tiny:tpm=1000,rpm=10"] -> {"tiny": {"tokens_per_minute": 1000, "requests_per_minute": 10}}."""
-    out: dict[str, dict[str, int]] = {}
-    for spec in specs:
-        name, _, rest = spec.partition(":")
-        limits: dict[str, int] = {}
-        for part in filter(None, rest.split(",")):
-            field, _, value = part.partition("=")
-            if field not in LIMIT_FIELDS or not value.isdigit():
-                fail(f"--deployment-limit {spec!r}: expected {DEPLOYMENT_LIMIT_HELP}")
-            limits[LIMIT_FIELDS[field]] = int(value)
-        if not name or not limits:
-            fail(f"--deployment-limit {spec!r}: expected {DEPLOYMENT_LIMIT_HELP}")
-        out[name] = limits
-    return out
-
-
-@keys_app.command("update")
-def keys_update(
-    key_id: str = typer.Argument(..., help="the key's id"),
-    name: str = typer.Option(None, "--name"),
-    tokens_per_minute: int = typer.Option(None, "--tokens-per-minute"),
-    requests_per_minute: int = typer.Option(None, "--requests-per-minute"),
-    tokens_per_day: int = typer.Option(None, "--tokens-per-day"),
-    max_concurrent: int = typer.Option(None, "--max-concurrent"),
-    priority: int = typer.Option(None, "--priority", help="-10..10"),
-    priority_class: str = typer.Option(None, "--priority-class", help="e.g. interactive, standard, batch"),
-    deployment_limit: list[str] = typer.Option(None, "--deployment-limit", help=DEPLOYMENT_LIMIT_HELP),
-    clear: list[str] = typer.Option(
-        None, "--clear", help="remove a limit: tokens_per_minute, requests_per_minute, tokens_per_day, ..."
-    ),
-    output: OutputFormat = OUTPUT_OPTION,
-) -> None:
-    """Change a key's name or quotas (PATCH /v1/keys/{id}); gateways apply it within seconds."""
-    quotas: dict[str, Any] = {
-        k: v
-        for k, v in {
-            "tokens_per_minute": tokens_per_minute,
-            "requests_per_minute": requests_per_minute,
-            "tokens_per_day": tokens_per_day,
-            "max_concurrent": max_concurrent,
-            "priority": priority,
-            "priority_class": priority_class,
-        }.items()
-        if v is not None
-    }
-    if deployment_limit:
-        quotas["deployments"] = parse_deployment_limits(deployment_limit)
-    for field in clear or []:
-        quotas[field] = {} if field == "deployments" else None
-    body: dict[str, Any] = {}
-    if name is not None:
-        body["name"] = name
-    if quotas:
-        body["quotas"] = quotas
-    if not body:
-        fail("nothing to change: give --name, a limit, or --clear")
-    row = call(lambda c: c.patch(f"/v1/keys/{key_id}", body))
-    show(row, output, KEY_COLUMNS)
-
-
-@keys_app.command("revoke")
-def keys_revoke(
-    key_id: str = typer.Argument(..., help="the key's id"), output: OutputFormat = OUTPUT_OPTION
-) -> None:
-    """Revoke an API key."""
-    row = call(lambda c: c.delete(f"/v1/keys/{key_id}"))
-    if output == OutputFormat.json:
-        emit_json(row)
-    else:
-        console.print(f"revoked {row['key_id']} ({row['name']})")
 
 
 # --------------------------------------------------------------------- history

@@ -8,8 +8,8 @@ from typing import Any
 
 import typer
 
-from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, console, emit, emit_json, fail
-from control_plane.commands.resources import _engine_args, _load_file, call
+from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, call, console, emit, emit_json, fail
+from control_plane.commands.resources import _engine_args, _load_file
 
 rollout_app = typer.Typer(help="Canary rollouts: start, status, promote, abort.", no_args_is_help=True)
 

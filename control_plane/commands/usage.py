@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, console, emit_json
-from control_plane.commands.resources import call, show
+from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, call, console, emit_json, show
 
 USAGE_COLUMNS = {
     "key": "key_id",
