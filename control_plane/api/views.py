@@ -160,6 +160,20 @@ def pool_out(pool: CapacityPool, region: str, used: dict[tuple[str, str], int]) 
     )
 
 
+# What a cluster's API view copies from its row as it is.
+_CLUSTER_COLUMNS = (
+    "id",
+    "provider",
+    "region",
+    "lat",
+    "lon",
+    "status",
+    "gateway_url",
+    "last_heartbeat_at",
+    "created_at",
+)
+
+
 def clusters_out(session: Session, rows: list[Cluster]) -> list[ClusterOut]:
     ids = [c.id for c in rows]
     used = used_gpus(session, ids)
@@ -172,16 +186,8 @@ def clusters_out(session: Session, rows: list[Cluster]) -> list[ClusterOut]:
     )
     return [
         ClusterOut(
-            id=c.id,
-            provider=c.provider,
-            region=c.region,
-            lat=c.lat,
-            lon=c.lon,
-            status=c.status,
-            gateway_url=c.gateway_url,
-            last_heartbeat_at=c.last_heartbeat_at,
+            **{column: getattr(c, column) for column in _CLUSTER_COLUMNS},
             load=dict(c.load or {}),
-            created_at=c.created_at,
             replicas=replicas.get(c.id, 0),
             pools=[pool_out(p, c.region, used) for p in c.pools],
         )

@@ -23,7 +23,7 @@ from control_plane.rollouts.surge import (
     resolve_unavailable,
 )
 from fleet_base.api_keys import ApiKeyRecord
-from fleet_base.domain import ClusterStatus
+from fleet_base.domain import ClusterStatus, pool_shape
 from fleet_base.protocol import (
     DEFAULT_MAX_ADAPTERS,
     ClusterRoute,
@@ -84,15 +84,10 @@ def _pools(snap: FleetSnapshot) -> list[PoolCapacity]:
             cluster=c.id,
             name=p.name,
             region=c.region,
-            gpu_model=p.gpu_model,
-            gpu_memory_gb=p.gpu_memory_gb,
-            gpus_per_node=p.gpus_per_node,
-            nodes=p.nodes,
-            tier=p.tier,
-            hourly_price=p.hourly_price,
             cluster_status=c.status,
             coordinates=c.coordinates,
             provider=c.provider,
+            **pool_shape(p),
         )
         for c in snap.clusters
         for p in c.pools

@@ -15,7 +15,7 @@ from control_plane.placement.base import PRIORITY_RANK, PriorityClass
 from control_plane.rollouts.store import RolloutPlan, plans
 from control_plane.rollouts.surge import DEFAULT_MAX_SURGE, DEFAULT_MAX_UNAVAILABLE
 from fleet_base.api_keys import ApiKeyRecord, Quotas
-from fleet_base.domain import ClusterStatus, Coordinates, Tier
+from fleet_base.domain import ClusterStatus, Coordinates, PoolShape, Tier, pool_shape
 
 
 class _Row(BaseModel):
@@ -48,14 +48,8 @@ class DeploymentRow(_Row):
     max_adapters: int = 0
 
 
-class PoolRow(_Row):
+class PoolRow(PoolShape, _Row):
     name: str
-    gpu_model: str
-    gpu_memory_gb: float = 0.0
-    gpus_per_node: int = 1
-    nodes: int = 1
-    tier: Tier = Tier.on_demand
-    hourly_price: float = 0.0
 
 
 class ClusterRow(_Row):
@@ -156,16 +150,7 @@ def read_snapshot(session: Session) -> FleetSnapshot:
                 gateway_url=c.gateway_url,
                 last_heartbeat_at=c.last_heartbeat_at,
                 pools=tuple(
-                    PoolRow(
-                        name=p.name,
-                        gpu_model=p.gpu_model,
-                        gpu_memory_gb=p.gpu_memory_gb,
-                        gpus_per_node=p.gpus_per_node,
-                        nodes=p.nodes,
-                        tier=_tier(p.tier),
-                        hourly_price=p.hourly_price,
-                    )
-                    for p in c.pools
+                    PoolRow(name=p.name, **{**pool_shape(p), "tier": _tier(p.tier)}) for p in c.pools
                 ),
             )
             for c in clusters

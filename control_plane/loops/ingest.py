@@ -25,22 +25,10 @@ from fleet_base.protocol import (
     HEARTBEAT_WILDCARD,
     Event,
     Heartbeat,
-    PoolInventory,
     ReplicaStatus,
     heartbeat_subject,
 )
 from fleet_base.wire import decode_event
-
-
-def _pool_values(p: PoolInventory) -> dict:
-    return {
-        "gpu_model": p.gpu_model,
-        "gpu_memory_gb": p.gpu_memory_gb,
-        "gpus_per_node": p.gpus_per_node,
-        "nodes": p.nodes,
-        "tier": p.tier.value,
-        "hourly_price": p.hourly_price,
-    }
 
 
 def load_summary(hb: Heartbeat) -> dict:
@@ -121,7 +109,7 @@ def apply_heartbeat(session: Session, hb: Heartbeat, now: datetime) -> bool:
     if hb.pools:  # an agent that reports pools owns its inventory
         existing = {p.name: p for p in cluster.pools}
         for inv in hb.pools:
-            values = _pool_values(inv)
+            values = inv.model_dump(mode="json", exclude={"name"})
             row = existing.pop(inv.name, None)
             if row is None:
                 cluster.pools.append(CapacityPool(name=inv.name, **values))
