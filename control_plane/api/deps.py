@@ -6,10 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Query, Request
 from sqlalchemy import Select, func, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from control_plane.api.auth import Principal, authenticate
@@ -47,6 +48,26 @@ class Paging:
         total = session.scalar(select(func.count()).select_from(query.order_by(None).subquery())) or 0
         rows = list(session.scalars(query.limit(self.limit).offset(self.offset)))
         return rows, total
+
+
+def insert(session: Session, row: object, taken: Exception) -> None:
+    """Add `row` and flush it; a unique key a concurrent writer took first raises `taken`
+    (a 409) instead of a database error."""
+    session.add(row)
+    try:
+        session.flush()
+    except IntegrityError:
+        session.rollback()
+        raise taken from None
+
+
+def where_equal(query: Select, *conditions: tuple[Any, object | None]) -> Select:
+    """`query` narrowed to rows whose column equals each (column, value) given; a None
+    value is a filter the caller left out."""
+    for column, value in conditions:
+        if value is not None:
+            query = query.where(column == value)
+    return query
 
 
 def paging(

@@ -8,11 +8,10 @@ from typing import Literal
 
 from fastapi import APIRouter, Query, Request
 from sqlalchemy import select
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload
 
 from control_plane.api.audit import audit, event
-from control_plane.api.deps import PagingDep, PrincipalDep, SessionDep, kick
+from control_plane.api.deps import PagingDep, PrincipalDep, SessionDep, insert, kick, where_equal
 from control_plane.api.errors import conflict, not_found
 from control_plane.api.schemas import ClusterCreate, ClusterOut, ClusterUpdate, Page, PoolIn, PoolOut
 from control_plane.api.views import clusters_out, pool_out, used_gpus
@@ -42,12 +41,9 @@ def list_clusters(
     provider: str | None = Query(None, max_length=63),
 ):
     query = select(Cluster).options(selectinload(Cluster.pools)).order_by(Cluster.id)
-    if status is not None:
-        query = query.where(Cluster.status == status)
-    if region is not None:
-        query = query.where(Cluster.region == region)
-    if provider is not None:
-        query = query.where(Cluster.provider == provider)
+    query = where_equal(
+        query, (Cluster.status, status), (Cluster.region, region), (Cluster.provider, provider)
+    )
     rows, total = page.apply(session, query)
     return Page(items=clusters_out(session, rows), total=total, limit=page.limit, offset=page.offset)
 
@@ -72,12 +68,7 @@ def create_cluster(body: ClusterCreate, request: Request, session: SessionDep, w
         load={},
     )
     row.pools = [CapacityPool(**pool.model_dump()) for pool in body.pools]
-    session.add(row)
-    try:
-        session.flush()
-    except IntegrityError:
-        session.rollback()
-        raise conflict(f"cluster {body.id!r} already exists", "id") from None
+    insert(session, row, conflict(f"cluster {body.id!r} already exists", "id"))
     after = _view(session, row)
     audit(session, who, "cluster.create", "cluster", row.id, None, after)
     event(session, "cluster_registered", f"{row.id} registered by {who.actor}", cluster=row.id)
@@ -159,14 +150,13 @@ def list_pools(
         .options(selectinload(CapacityPool.cluster))
         .order_by(CapacityPool.cluster_id, CapacityPool.name)
     )
-    if cluster is not None:
-        query = query.where(CapacityPool.cluster_id == cluster)
-    if gpu_model is not None:
-        query = query.where(CapacityPool.gpu_model == gpu_model)
-    if tier is not None:
-        query = query.where(CapacityPool.tier == tier)
-    if region is not None:
-        query = query.where(Cluster.region == region)
+    query = where_equal(
+        query,
+        (CapacityPool.cluster_id, cluster),
+        (CapacityPool.gpu_model, gpu_model),
+        (CapacityPool.tier, tier),
+        (Cluster.region, region),
+    )
     rows, total = page.apply(session, query)
     used = used_gpus(session, sorted({p.cluster_id for p in rows}))
     items = [pool_out(p, p.cluster.region, used) for p in rows]
@@ -179,12 +169,7 @@ def create_pool(cluster_id: str, body: PoolIn, request: Request, session: Sessio
     if any(p.name == body.name for p in cluster.pools):
         raise conflict(f"cluster {cluster_id!r} already has a pool {body.name!r}", "name")
     pool = CapacityPool(cluster_id=cluster_id, **body.model_dump())
-    session.add(pool)
-    try:
-        session.flush()
-    except IntegrityError:
-        session.rollback()
-        raise conflict(f"cluster {cluster_id!r} already has a pool {body.name!r}", "name") from None
+    insert(session, pool, conflict(f"cluster {cluster_id!r} already has a pool {body.name!r}", "name"))
     after = pool_out(pool, cluster.region, used_gpus(session, [cluster_id]))
     audit(session, who, "pool.create", "pool", f"{cluster_id}/{body.name}", None, after)
     session.commit()

@@ -8,13 +8,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Request
 from sqlalchemy import select
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload
 
 from control_plane.api import specs
 from control_plane.api.adapters import apply_adapters
 from control_plane.api.audit import audit, event
-from control_plane.api.deps import PagingDep, PrincipalDep, SessionDep, kick
+from control_plane.api.deps import PagingDep, PrincipalDep, SessionDep, insert, kick
 from control_plane.api.errors import conflict, invalid, not_found
 from control_plane.api.schemas import (
     DeploymentCreate,
@@ -54,12 +53,7 @@ def create_deployment(body: DeploymentCreate, request: Request, session: Session
     specs.apply_policy(dep, body)
     apply_adapters(dep, body)
     dep.versions.append(DeploymentVersion(version=1, **spec))
-    session.add(dep)
-    try:
-        session.flush()
-    except IntegrityError:
-        session.rollback()
-        raise conflict(f"deployment {body.name!r} already exists", "name") from None
+    insert(session, dep, conflict(f"deployment {body.name!r} already exists", "name"))
     status = deployment_status(session, dep)
     audit(session, who, "deployment.create", "deployment", dep.name, None, status)
     event(

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from control_plane.api.deps import Paging, PagingDep, PrincipalDep, SessionDep, as_utc
+from control_plane.api.deps import Paging, PagingDep, PrincipalDep, SessionDep, as_utc, where_equal
 from control_plane.api.errors import invalid
 from control_plane.api.schemas import AuditOut, EventOut, Page
 from control_plane.api.views import audit_out, event_out
@@ -43,10 +43,9 @@ def _newest_first(
 ) -> Page:
     """One page of `model` rows, newest first: those whose columns equal the given filters
     (None: any) and newer than `since`."""
-    query = select(model).order_by(model.id.desc())
-    for column, value in equal.items():
-        if value is not None:
-            query = query.where(getattr(model, column) == value)
+    query = where_equal(
+        select(model).order_by(model.id.desc()), *((getattr(model, c), v) for c, v in equal.items())
+    )
     if (after := _since(since)) is not None:
         query = query.where(model.at > after)
     rows, total = page.apply(session, query)
