@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Path, Request
+from sqlalchemy.orm import Session
 
 from control_plane.api.adapters import adapter_record
 from control_plane.api.audit import audit, event
+from control_plane.api.auth import Principal
 from control_plane.api.deps import PrincipalDep, SessionDep, kick
 from control_plane.api.errors import conflict, not_found
 from control_plane.api.routers.deployments import _load
@@ -26,6 +28,20 @@ def _view(dep) -> dict:
     }
 
 
+def _commit(
+    request: Request, session: Session, who: Principal, dep, before: dict, verb: str, note: str
+) -> dict:
+    """Store a changed adapter set with its audit record and event, and wake the loops."""
+    dep.updated_at = utcnow()
+    session.flush()
+    after = _view(dep)
+    audit(session, who, f"deployment.adapter_{verb}", "deployment", dep.name, before, after)
+    event(session, "deployment_updated", f"{dep.name}: {note}", deployment=dep.name)
+    session.commit()
+    kick(request)
+    return after
+
+
 @router.get("/{name}/adapters")
 def list_adapters(name: str, session: SessionDep, who: PrincipalDep) -> dict:
     return _view(_load(session, name))
@@ -40,16 +56,8 @@ def add_adapter(name: str, body: AdapterIn, request: Request, session: SessionDe
     if body.name == name:
         raise conflict(f"an adapter cannot take its deployment's name {name!r}", "name")
     dep.adapters = [*(dep.adapters or []), adapter_record(body)]
-    if not dep.max_adapters:
-        dep.max_adapters = DEFAULT_MAX_ADAPTERS
-    dep.updated_at = utcnow()
-    session.flush()
-    after = _view(dep)
-    audit(session, who, "deployment.adapter_add", "deployment", dep.name, before, after)
-    event(session, "deployment_updated", f"{dep.name}: adapter {body.name} added", deployment=dep.name)
-    session.commit()
-    kick(request)
-    return after
+    dep.max_adapters = dep.max_adapters or DEFAULT_MAX_ADAPTERS
+    return _commit(request, session, who, dep, before, "add", f"adapter {body.name} added")
 
 
 @router.delete("/{name}/adapters/{adapter}")
@@ -66,11 +74,4 @@ def remove_adapter(
     if len(kept) == len(dep.adapters or []):
         raise not_found("adapter", adapter)
     dep.adapters = kept
-    dep.updated_at = utcnow()
-    session.flush()
-    after = _view(dep)
-    audit(session, who, "deployment.adapter_remove", "deployment", dep.name, before, after)
-    event(session, "deployment_updated", f"{dep.name}: adapter {adapter} removed", deployment=dep.name)
-    session.commit()
-    kick(request)
-    return after
+    return _commit(request, session, who, dep, before, "remove", f"adapter {adapter} removed")
