@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -14,6 +14,11 @@ from fleet_base.protocol import PoolInventory
 from fleet_base.security.tls import Credentials
 
 RuntimeName = Literal["process", "sim", "kubernetes"]
+
+# The gateway's replica choices (agent.gateway.plan): the one list config, plan and
+# `fleetctl simulate` accept.
+Routing = Literal["least-load", "prefix"]
+ROUTINGS: tuple[str, ...] = get_args(Routing)
 
 
 class GatewayConfig(BaseModel):
@@ -59,7 +64,7 @@ class GatewayConfig(BaseModel):
     # Replica choice (agent.gateway.plan): "prefix" weighs cached prefix blocks (from the
     # replicas' KV events) against queued work; "least-load" only queued work. An RTT
     # second to a peer costs prefix_tokens_per_s prompt tokens of prefill.
-    routing: Literal["least-load", "prefix"] = "prefix"
+    routing: Routing = "prefix"
     prefix_tokens_per_s: float = Field(4000.0, gt=0)
     prefix_index_blocks: int = Field(65536, ge=1)  # block hashes remembered per replica
     # Per-attempt limits at a replica or peer, so a hung one costs seconds, not a long

@@ -1,76 +1,18 @@
 """Where a request goes: replica choice, canary version split, and peer order by distance.
 
-Plain synchronous policies without I/O: they take a snapshot and return a decision, so
-the same objects run in the live gateway and in `fleetctl simulate`. New policies
-(prefix-cache aware, LoRA aware, priority aware) register under a name and receive the
-same `Candidate`s and `RouteRequest`, which grow fields as those policies need them.
+Plain synchronous functions without I/O: they take a snapshot and return a decision, so
+the same code runs in the live gateway and in `fleetctl simulate`. Which replica a request
+goes to is the routing plan's (`agent.gateway.plan`); the routings it knows are listed
+once, in `fleet_base.cluster_config.ROUTINGS`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Sequence
 
 from fleet_base.domain import Coordinates
-from fleet_base.named_registry import Registry
 from fleet_base.protocol import ClusterRoute, RoutingTable, VersionWeight
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A ready replica as the gateway sees it right now."""
-
-    replica_id: str
-    url: str
-    version: int
-    outstanding_tokens: int = 0  # estimated prompt + max_tokens of requests in flight there
-    in_flight: int = 0
-    recently_failed: bool = False  # refused a connection or 5xx'd a moment ago
-
-
-@dataclass(frozen=True)
-class RouteRequest:
-    deployment: str
-    prompt_tokens: int
-    cost_tokens: int  # prompt + reserved completion tokens
-
-
-class RoutingPolicy(Protocol):
-    name: str
-
-    def choose(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
-        """One of `candidates` (never empty)."""
-        ...
-
-
-class LeastOutstandingTokens:
-    """The replica with the fewest tokens still to process from this gateway's requests;
-    ties go to fewer requests in flight, then to the replica id (stable, so an idle
-    deployment keeps hitting one warm prefix cache). Recently failed replicas come last."""
-
-    name = "least-outstanding-tokens"
-
-    def choose(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
-        if not candidates:
-            raise ValueError("choose() needs at least one candidate")
-        return min(
-            candidates, key=lambda c: (c.recently_failed, c.outstanding_tokens, c.in_flight, c.replica_id)
-        )
-
-
-POLICIES: Registry[RoutingPolicy] = Registry(
-    "routing policy", {LeastOutstandingTokens.name: LeastOutstandingTokens}
-)
-
-
-def register_policy(name: str, factory: Callable[[], RoutingPolicy]) -> None:
-    POLICIES.register(name, factory)
-
-
-def make_policy(name: str) -> RoutingPolicy:
-    return POLICIES.make(name)
 
 
 def pick_version(ready: set[int], weights: Sequence[VersionWeight], draw: float) -> int | None:

@@ -136,7 +136,7 @@ def simulate(
     unknown = [n for n in names if n not in POLICIES]
     if unknown:
         fail(f"unknown policy {unknown[0]!r}; known: {', '.join(sorted(POLICIES))}")
-    from agent.gateway.plan import ROUTINGS
+    from fleet_base.cluster_config import ROUTINGS
 
     routing = ",".join(DEFAULT_ROUTINGS) if routing is None else routing
     routings = tuple(dict.fromkeys(r.strip() for r in routing.split(",") if r.strip()))

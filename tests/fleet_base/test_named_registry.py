@@ -2,7 +2,6 @@
 
 import pytest
 
-from agent.gateway.routing import make_policy as make_routing
 from control_plane.autoscale import make_policy as make_autoscale
 from control_plane.placement import get_placer, placer_names
 from fleet_base.named_registry import Registry
@@ -23,6 +22,4 @@ def test_placers_and_policies_share_it() -> None:
         get_placer("x")
     with pytest.raises(ValueError, match="unknown autoscaling policy 'x'"):
         make_autoscale("x")
-    with pytest.raises(ValueError, match="unknown routing policy 'x'"):
-        make_routing("x")
-    assert make_autoscale("static") is not None and make_routing("least-outstanding-tokens") is not None
+    assert make_autoscale("static") is not None
