@@ -18,18 +18,6 @@ __all__ = ["GatewayError", "error_body", "error_response", "sse_error_event"]
 class GatewayError(OpenAIError):
     """A refusal the client sees in OpenAI's shape; raise it anywhere in a request."""
 
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(status, message, param=param, code=code, headers=headers or {})
-        self.headers: dict[str, str] = headers or {}
-
 
 def error_response(err: GatewayError, headers: dict[str, str] | None = None) -> Response:
     body = json.dumps(error_body(err.status, err.message, err.param, err.code)).encode()
@@ -37,7 +25,7 @@ def error_response(err: GatewayError, headers: dict[str, str] | None = None) -> 
         body,
         status_code=err.status,
         media_type="application/json",
-        headers={**err.headers, **(headers or {})},
+        headers={**(err.headers or {}), **(headers or {})},
     )
 
 

@@ -15,9 +15,13 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from pydantic import BaseModel
+from starlette.requests import Request
+
 from agent.gateway.contract import check_body, embedding_prompts, responses_prompt_tokens
 from agent.gateway.errors import GatewayError
 from fleet_base.bounds import MAX_N, MAX_TOKENS, InputError, bounded_int, load_json
+from fleet_base.openai_contract.continuation import RESUME_FIELD
 
 Endpoint = Literal["chat", "completions", "embeddings", "responses"]
 
@@ -57,6 +61,11 @@ class RequestInfo:
     sequences: int  # prompts x n
     prompt_ids: tuple[int, ...] | None = None  # the prompt's token ids, when tokenized (one prompt)
     max_tokens_given: bool = True  # False: a chat request may run to the end of the context
+    raw: bytes = b""  # the body as the client sent it (forwarded to a peer as it is)
+    contract: BaseModel | None = None  # the body as the replica's own model validated it
+    tools: bool = False  # the request offers tools (a tool-call parser's state is not migrated)
+    user: str | None = None  # the end user the client names (sticky canary side)
+    resume_ids: tuple[int, ...] | None = None  # a peer gateway's continuation (RESUME_FIELD)
 
     @property
     def cost_tokens(self) -> int:
@@ -157,8 +166,7 @@ def parse_request(raw: bytes, endpoint: Endpoint, counter: TokenCounter | None =
         wants_usage = bool(include)
     n = _optional_int(body, "n", 1, MAX_N) or 1
     given = True  # max_tokens (or its default) bounds the output; False below: the context does
-    if endpoint in ("embeddings", "responses"):
-        check_body(raw, endpoint)
+    contract = check_body(raw, endpoint) if endpoint in ("embeddings", "responses") else None
     if endpoint == "embeddings":
         prompt_tokens, prompts = embedding_prompts(body, counter)
         max_tokens = 0
@@ -180,7 +188,7 @@ def parse_request(raw: bytes, endpoint: Endpoint, counter: TokenCounter | None =
         max_tokens = requested if requested is not None else DEFAULT_COMPLETION_MAX_TOKENS
         given = True  # the engine's default (16) is the real bound
     if endpoint in ("chat", "completions"):
-        check_body(raw, endpoint)  # then everything else the replica checks, with its own 400s
+        contract = check_body(raw, endpoint)  # then everything else the replica checks, with its own 400s
     return RequestInfo(
         endpoint=endpoint,
         deployment=model,
@@ -191,7 +199,20 @@ def parse_request(raw: bytes, endpoint: Endpoint, counter: TokenCounter | None =
         max_tokens=max_tokens,
         sequences=prompts * n,
         max_tokens_given=given,
+        raw=raw,
+        contract=contract,
+        tools=bool(body.get("tools")),
+        user=body.get("user") if isinstance(body.get("user"), str) else None,
+        resume_ids=_resume_ids(body),
     )
+
+
+def _resume_ids(body: dict[str, Any]) -> tuple[int, ...] | None:
+    """The token ids a continuation resumes after; None: the body is no continuation."""
+    if RESUME_FIELD not in body:
+        return None
+    resumed = body[RESUME_FIELD]
+    return tuple(i for i in resumed if isinstance(i, int)) if isinstance(resumed, list) else ()
 
 
 async def parse_off_loop(raw: bytes, endpoint: Endpoint) -> RequestInfo:
@@ -209,3 +230,23 @@ def upstream_body(info: RequestInfo, raw: bytes) -> bytes:
     options = dict(info.body.get("stream_options") or {})
     options["include_usage"] = True
     return json.dumps({**info.body, "stream_options": options}, ensure_ascii=False).encode()
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused with a 413 past `limit` bytes (declared or streamed)."""
+    too_large = GatewayError(
+        413,
+        f"Request body is larger than this gateway's limit of {limit} bytes",
+        code="request_too_large",
+    )
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        parts.append(chunk)
+    return b"".join(parts)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from fleet_base.nats_io import NatsLink
@@ -120,12 +120,11 @@ class PeerLiveness(LivenessBook):
         return super().silent(cluster)
 
 
-def sticky_draw(body: Mapping[str, Any], headers: Mapping[str, str]) -> float | None:
+def sticky_draw(user: str | None, session: str | None) -> float | None:
     """A draw in [0, 1) fixed per end user (the request's `user` field, else the
     X-Fleet-Session header), so one conversation stays on one version while the canary
     weight holds; None when the request names neither."""
-    key = body.get("user") if isinstance(body.get("user"), str) else None
-    key = key or headers.get(SESSION_HEADER)
+    key = user or session
     if not key:
         return None
     digest = hashlib.sha256(key.encode("utf-8", "replace")).digest()

@@ -24,16 +24,17 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from agent.gateway.errors import GatewayError, sse_error_event
+from agent.gateway.exchange import Call
 from agent.gateway.inputs import RequestInfo
-from agent.gateway.plan import plan_failover
-from agent.gateway.proxy import AttemptFailed, Opened, open_upstream
-from agent.gateway.sse import EventSplitter, StreamObserver, event_data
+from agent.gateway.plan import Attempt, Plan
+from agent.gateway.proxy import AttemptFailed, Opened
+from agent.gateway.sse import EventSplitter, SseEvent, StreamObserver, encode_event
 from agent.gateway.tenancy import salted_body
 from fleet_base.openai_contract.continuation import RESUME_FIELD, TOKEN_IDS_FIELD
 
@@ -41,23 +42,15 @@ REASONS = ("reset", "timeout", "closed", "error_event", "drain")
 DRAINING_CODE = "replica_draining"  # the in-band error of a replica handing a stream over
 GAP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 
-_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
-
 
 def migratable(info: RequestInfo) -> bool:
     """Whether a stream of this request can be continued on another replica."""
-    body = info.body
-    return (
-        info.stream
-        and info.endpoint in ("chat", "completions")
-        and info.sequences == 1
-        and not body.get("tools")
-    )
+    return info.stream and info.endpoint in ("chat", "completions") and info.sequences == 1 and not info.tools
 
 
 def refuse_client_resume(info: RequestInfo, forwarded: bool) -> None:
     """The continuation field is for gateways: a client's is a 400."""
-    if RESUME_FIELD in info.body and not forwarded:
+    if info.resume_ids is not None and not forwarded:
         raise GatewayError(400, f"'{RESUME_FIELD}' is set by Fleet gateways only", param=RESUME_FIELD)
 
 
@@ -114,25 +107,18 @@ class StreamLedger:
     @classmethod
     def of(cls, info: RequestInfo, keep_ids: bool) -> StreamLedger:
         """A stream's ledger; a continuation a peer forwarded starts with its resumed ids."""
-        resumed = info.body.get(RESUME_FIELD)
-        ids = [i for i in resumed if isinstance(i, int)] if isinstance(resumed, list) else []
-        return cls(keep_ids=keep_ids, token_ids=ids)
+        return cls(keep_ids=keep_ids, token_ids=list(info.resume_ids or ()))
 
     def take(self, event: bytes, migrating: bool) -> bytes:
         """The event to forward: ids recorded and stripped, the first leg's id and created
         kept. An in-band error raises `MidstreamFailure` when the stream can migrate."""
-        data = event_data(event)
-        if data is None or data.strip() == b"[DONE]":
+        parsed = SseEvent.parse(event)
+        payload = parsed.payload
+        if payload is None:
             return event
-        try:
-            payload = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            return event
-        if not isinstance(payload, dict):
-            return event
-        if isinstance(payload.get("error"), dict):
+        error = parsed.error
+        if error is not None:
             if migrating and not self.finished:
-                error = payload["error"]
                 reason = "drain" if error.get("code") == DRAINING_CODE else "error_event"
                 raise MidstreamFailure(reason, str(error.get("message", ""))[:200])
             return event
@@ -153,9 +139,7 @@ class StreamLedger:
                 self.token_ids.extend(i for i in ids if isinstance(i, int))
             if choice.get("finish_reason") is not None:
                 self.finished = True
-        if not changed:
-            return event
-        return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+        return encode_event(payload) if changed else event
 
     def continuation(self, body: bytes) -> bytes:
         """`body` (what the first leg was sent) continuing after the ids delivered so far."""
@@ -266,52 +250,50 @@ def _reason(err: httpx.HTTPError) -> str:
 def first_leg_body(info: RequestInfo, key_id: str, is_peer: bool) -> bytes:
     """The body a stream's first leg was sent: the client's to a peer (which salts it
     itself), salted with usage asked for to a replica."""
-    raw = json.dumps(info.body, ensure_ascii=False).encode()
-    return raw if is_peer else salted_body(info, raw, key_id)
+    return info.raw if is_peer else salted_body(info, info.raw, key_id)
+
+
+class Targets(Protocol):
+    """The routing plan as it is now, and whether a target can take the request's adapter
+    (`agent.gateway.router.Router`)."""
+
+    def plan(self, call: Call) -> Plan: ...
+
+    async def adapter_ready(self, call: Call, target: Attempt) -> bool: ...
+
+
+class Opener(Protocol):
+    """The one upstream opener (`agent.gateway.upstream.Upstreams`): a failure is booked
+    there; `release` gives back the load of an answer not taken."""
+
+    async def open(self, call: Call, target: Attempt, body: bytes) -> Opened: ...
+
+    def release(self, call: Call, target: Attempt) -> None: ...
 
 
 async def open_continuation(
-    gw: Any,
-    ex: Any,
-    request: Any,
+    targets: Targets,
+    opener: Opener,
+    call: Call,
     make_body: Callable[[bool], bytes],
     failed: list[str],
-    targets: dict[str, Any],
-) -> Leg | None:
+) -> tuple[Attempt, Opened] | None:
     """Open the continuation at the next target of the routing plan as it is now (local
-    replicas best first, then peers), skipping those this stream already failed on.
-    `gw`/`ex`: the gateway and its exchange (agent.gateway.gateway)."""
-    plan = gw._plan(ex)
-    later = plan_failover(gw._facts(ex), gw._live_peers(ex.deployment), gw.prefix.index)
+    replicas best first, then peers), skipping those this stream already failed on."""
     seen = set(failed)
-    path = _PATHS[ex.info.endpoint]
-    for target in (*plan.attempts, *later):
+    for target in targets.plan(call).attempts:
         if not target.name or target.name in seen:
             continue
         seen.add(target.name)
-        if not await gw.adapter_ready(ex, target):  # a LoRA request: its adapter must be there
+        if not await targets.adapter_ready(call, target):  # a LoRA request: its adapter must be there
             continue
-        headers = gw._upstream_headers(ex, target, request)
         try:
-            opened = await open_upstream(
-                gw.client, target.url + path, headers, make_body(target.is_peer), gw._deadlines(ex, target)
-            )
-        except AttemptFailed as err:
-            gw.metrics.upstream_errors.labels(ex.deployment, err.reason).inc()
-            if not target.is_peer:
-                gw._release(ex, target)
-                gw.tracker.mark_failed(target.name)
+            opened = await opener.open(call, target, make_body(target.is_peer))
+        except AttemptFailed:
             continue
         if opened.status >= 300:  # refused the continuation (a 4xx): try the next one
             await opened.close()
-            gw._release(ex, target)
+            opener.release(call, target)
             continue
-        targets[target.name] = target
-        ex.version = target.version
-        if target.is_peer:  # the peer's gateway charges the whole request now
-            gw.quota.refund(ex.reservation)
-            ex.peer = target.name
-        else:
-            ex.ran = True
-        return Leg(opened, target.name, target.is_peer)
+        return target, opened
     return None

@@ -17,6 +17,11 @@ Stages, in the order the executor walks them:
   first, and re-plans after waiting); an empty ``local`` stage means "wait for a replica".
 - ``failover``: peers to try when every local attempt failed before its first byte.
 
+What a failure means in each stage, and who charges the request, is data too
+(`STAGE_RULES`, `Attempt.charge`): the executor reads it instead of knowing it. A stream
+that breaks after its first byte migrates in every stage (when the request can be
+continued: `agent.gateway.migration`), to the plan's next target.
+
 A request for a LoRA adapter ranks replicas where the adapter is resident first
 ("adapter-resident"), then those with room to load it ("adapter-load"), then the rest
 ("adapter-evict": the least recently used adapter there makes room); cost decides within
@@ -36,10 +41,35 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
 from agent.gateway.routing import pick_version, should_spill
+from fleet_base.cluster_config import ROUTINGS
 from fleet_base.protocol import VersionWeight
 
 Stage = Literal["primary", "peer-prefix", "peer", "local", "failover"]
-ROUTINGS = ("least-load", "prefix")
+# What it means when every attempt of a stage failed before the client's first byte:
+# "next-stage" falls through (served here after all); "failover" goes on to the failover
+# stage when nothing answered at all (no status to pass on); "give-up" passes the last
+# upstream's answer (or a 502) to the client.
+OnFailure = Literal["next-stage", "failover", "give-up"]
+# Who charges the key for an attempt's answer: this gateway, or the peer gateway it
+# was forwarded to (this one settles its reservation to nothing).
+Charge = Literal["here", "elsewhere"]
+
+
+@dataclass(frozen=True)
+class StageRule:
+    on_failure: OnFailure
+    queue: bool = False  # take a slot of this cluster's queue first, re-plan after waiting
+    mark_down: bool = False  # the stage's peers all failed: skip them for a while
+    after_failure: bool = False  # entered only when an earlier stage asked for failover
+
+
+STAGE_RULES: dict[Stage, StageRule] = {
+    "primary": StageRule("next-stage", mark_down=True),
+    "peer-prefix": StageRule("next-stage"),
+    "peer": StageRule("give-up"),
+    "local": StageRule("failover", queue=True),
+    "failover": StageRule("give-up", after_failure=True),
+}
 MAX_ATTEMPTS = 3  # per stage; the executor allows the third only after unstarted failures
 
 
@@ -120,6 +150,14 @@ class Attempt:
     cached_tokens: int = 0  # prompt tokens the target holds already (prefix index)
     cost: float = 0.0
     load_adapter: str = ""  # a LoRA adapter to load there before sending (not resident)
+
+    @property
+    def rule(self) -> StageRule:
+        return STAGE_RULES[self.stage]
+
+    @property
+    def charge(self) -> Charge:
+        return "elsewhere" if self.is_peer else "here"
 
 
 @dataclass(frozen=True)

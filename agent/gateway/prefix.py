@@ -20,6 +20,7 @@ from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from agent.gateway.inputs import RequestInfo
 from agent.gateway.kv_index import KvUpdate, PrefixIndex, block_key
 from agent.gateway.metrics import GatewayMetrics
 from agent.gateway.plan import Attempt, CostModel
@@ -125,23 +126,21 @@ class PrefixRouting:
         size = self.index.block_size(deployment) or self.engine_arg(deployment, "block_size")
         return size if isinstance(size, int) and size > 0 else DEFAULT_BLOCK_SIZE
 
-    def keys(self, ex: Any) -> tuple[int, ...]:
-        """The request's block keys (memoized on the exchange); () when routing ignores
-        prefixes or the prompt was not tokenized (estimated counts have no ids)."""
-        if ex.block_keys is not None:
-            return ex.block_keys
-        ids = ex.info.prompt_ids
-        keys: tuple[int, ...] = ()
-        if self.model.prefix and ids:  # the salt the replica gets (agent.gateway.tenancy)
-            keys = prefix_keys(ids, self.block_tokens(ex.deployment), cache_salt(ex.key_id))
-        ex.block_keys = keys
-        return keys
+    def keys(self, info: RequestInfo, key_id: str) -> tuple[int, ...]:
+        """The request's block keys; () when routing ignores prefixes or the prompt was
+        not tokenized (estimated counts have no ids)."""
+        ids = info.prompt_ids
+        if not self.model.prefix or not ids:
+            return ()
+        # the salt the replica gets (agent.gateway.tenancy)
+        return prefix_keys(ids, self.block_tokens(info.deployment), cache_salt(key_id))
 
-    def count(self, ex: Any, target: Attempt) -> None:
-        deployment = ex.deployment
+    def count(self, info: RequestInfo, target: Attempt) -> None:
+        """An attempt's routing decision and the prefix it found, on /metrics."""
+        deployment = info.deployment
         self.decisions.labels(deployment, target.reason).inc()
         if not target.is_peer:
-            self.prompt_tokens.labels(deployment, target.name).inc(ex.info.prompt_tokens)
+            self.prompt_tokens.labels(deployment, target.name).inc(info.prompt_tokens)
             self.cached_tokens.labels(deployment, target.name).inc(target.cached_tokens)
 
     # ------------------------------------------------------------------ the feed

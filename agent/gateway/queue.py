@@ -11,6 +11,7 @@ class, the overdue first (`agent.gateway.priority`); `release` frees an admitted
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 
@@ -18,6 +19,9 @@ from agent.gateway.errors import GatewayError
 from agent.gateway.metrics import GatewayMetrics
 from agent.gateway.priority import DEFAULT_CLASSES, PriorityWaitlist
 from agent.gateway.state import ClusterView
+from fleet_base.local_state import GatewayStatus, LocalState
+
+log = logging.getLogger("agent.gateway")
 
 
 class ReplicaQueue:
@@ -99,6 +103,17 @@ class ReplicaQueue:
         """An admitted request finished: free its slot and let the next waiter in."""
         self.active[deployment] = max(0, self.active.get(deployment, 0) - 1)
         self.dispatch(deployment)
+
+    async def report(self, local: LocalState, interval_s: float = 0.5) -> None:
+        """Tell the agent the queue depth (gateway.json, for its heartbeat), each interval."""
+        while True:
+            by_class = {c: self.class_depth(c) for c in self.classes}
+            status = GatewayStatus(queue_depth=self.depth, by_class=by_class)
+            try:
+                await asyncio.to_thread(local.save_gateway, status)
+            except OSError as err:
+                log.warning("cannot write %s: %s", local.gateway_path, err)
+            await asyncio.sleep(interval_s)
 
     def _set_depth_metrics(self, klass: str) -> None:
         self.metrics.queue_depth.set(self.depth)

@@ -45,6 +45,39 @@ def event_data(event: bytes) -> bytes | None:
     return b"\n".join(lines) if lines else None
 
 
+@dataclass(frozen=True)
+class SseEvent:
+    """One event as the stream's readers see it: the end marker, or its JSON object
+    (None for anything else, which is passed on untouched)."""
+
+    raw: bytes
+    done: bool = False
+    payload: dict[str, Any] | None = None
+
+    @classmethod
+    def parse(cls, raw: bytes) -> SseEvent:
+        data = event_data(raw)
+        if data is None:
+            return cls(raw)
+        if data.strip() == b"[DONE]":
+            return cls(raw, done=True)
+        try:
+            payload = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return cls(raw)
+        return cls(raw, payload=payload if isinstance(payload, dict) else None)
+
+    @property
+    def error(self) -> dict[str, Any] | None:
+        error = self.payload.get("error") if self.payload is not None else None
+        return error if isinstance(error, dict) else None
+
+
+def encode_event(payload: dict[str, Any]) -> bytes:
+    """A JSON object as one `data:` event."""
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
 @dataclass
 class StreamObserver:
     """Watches an OpenAI SSE stream; `observe` returns the bytes to forward (maybe none)."""
@@ -59,20 +92,15 @@ class StreamObserver:
     tokens_seen: int = 0
 
     def observe(self, event: bytes) -> bytes | None:
-        data = event_data(event)
-        if data is None:
-            return event
-        if data.strip() == b"[DONE]":
+        parsed = SseEvent.parse(event)
+        if parsed.done:
             self.done = True
             return event
-        try:
-            payload = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        payload = parsed.payload
+        if payload is None:
             return event
-        if not isinstance(payload, dict):
-            return event
-        if isinstance(payload.get("error"), dict):
-            self.error = payload["error"]
+        if parsed.error is not None:
+            self.error = parsed.error
             return event
         kind = payload.get("type")
         if isinstance(kind, str) and kind.startswith("response."):
@@ -91,7 +119,7 @@ class StreamObserver:
         if usage is not None and not choices:
             return None  # the usage chunk the client did not ask for
         del payload["usage"]
-        return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+        return encode_event(payload)
 
     def _responses_event(self, kind: str, payload: dict[str, Any], event: bytes) -> bytes:
         """A Responses API event: tokens on deltas, usage and the end on the final event."""

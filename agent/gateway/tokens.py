@@ -63,6 +63,13 @@ class DesiredIndex:
         args = spec.engine_args
         return args.get(name, args.get(name.replace("_", "-")))
 
+    def context_tokens(self, deployment: str, default: int) -> int:
+        """The deployment's context window: its engine_args max_model_len, else `default`."""
+        value = self.engine_arg(deployment, "max_model_len")
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+        return default
+
 
 class TokenCounters:
     """Counts a request's prompt with its deployment's tokenizer (cached per model)."""

@@ -3,6 +3,12 @@ with a fake clock."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
+from agent.gateway.errors import GatewayError
+from agent.gateway.inputs import parse_request
 from agent.gateway.liveness import LivenessBook, sticky_draw
 from agent.gateway.routing import pick_version
 from fleet_base.protocol import VersionWeight
@@ -51,12 +57,20 @@ def test_a_failed_forward_marks_a_peer_down_for_a_while_even_if_heard():
     assert book.alive("west")
 
 
+def _user(body: dict) -> str | None:
+    """The end user as the gateway's typed request reads it."""
+    return parse_request(json.dumps({"model": "m", "prompt": "p", **body}).encode(), "completions").user
+
+
 def test_sticky_draw_is_fixed_per_user_and_spread_across_users():
-    a = sticky_draw({"user": "alice"}, {})
-    assert a == sticky_draw({"user": "alice", "model": "x"}, {"x-fleet-session": "other"})
-    assert sticky_draw({}, {"x-fleet-session": "s-1"}) == sticky_draw({}, {"x-fleet-session": "s-1"})
-    assert sticky_draw({}, {}) is None and sticky_draw({"user": 7}, {}) is None
-    draws = [sticky_draw({"user": f"u{i}"}, {}) for i in range(2000)]
+    a = sticky_draw("alice", None)
+    assert a == sticky_draw("alice", "other")
+    assert sticky_draw(None, "s-1") == sticky_draw(None, "s-1")
+    assert sticky_draw(None, None) is None
+    assert _user({"user": "u"}) == "u"
+    with pytest.raises(GatewayError):  # a user that is no string never reaches the draw
+        _user({"user": 7})
+    draws = [sticky_draw(f"u{i}", None) for i in range(2000)]
     assert all(0 <= d < 1 for d in draws)
     weights = [VersionWeight(version=2, weight=0.1), VersionWeight(version=1, weight=0.9)]
     canary = sum(pick_version({1, 2}, weights, d) == 2 for d in draws)

@@ -15,15 +15,8 @@ from agent.gateway.auth import Authenticator
 from agent.gateway.errors import GatewayError
 from agent.gateway.inputs import DEFAULT_CHAT_MAX_TOKENS, parse_request, upstream_body
 from agent.gateway.load import LoadTracker
-from agent.gateway.routing import (
-    Candidate,
-    LeastOutstandingTokens,
-    RouteRequest,
-    great_circle_km,
-    make_policy,
-    peer_order,
-    pick_version,
-)
+from agent.gateway.plan import ClusterFacts, CostModel, ReplicaFacts, RequestFacts, rank_replicas
+from agent.gateway.routing import great_circle_km, peer_order, pick_version
 from agent.gateway.sse import EventSplitter, StreamObserver
 from agent.gateway.state import ClusterView
 from fleet_base.domain import Coordinates
@@ -31,7 +24,14 @@ from fleet_base.protocol import VersionWeight
 from tests.agent.gateway.harness import ClusterFiles, make_key, peer, replica, route
 
 ROOT = Path(__file__).resolve().parents[3]
-REQ = RouteRequest("d", prompt_tokens=10, cost_tokens=100)
+REQ = RequestFacts("d", prompt_tokens=10, cost_tokens=100)
+LEAST_LOAD = CostModel(routing="least-load")
+
+
+def choose(candidates: list[ReplicaFacts]) -> ReplicaFacts:
+    """The replica the least-load plan tries first."""
+    first = rank_replicas(REQ, ClusterFacts("c", tuple(candidates)), None, LEAST_LOAD)[0]
+    return next(c for c in candidates if c.replica_id == first.name)
 
 
 class Clock:
@@ -46,26 +46,25 @@ class Clock:
 
 
 def test_least_outstanding_tokens_prefers_less_work_then_fewer_requests() -> None:
-    policy = make_policy("least-outstanding-tokens")
-    a = Candidate("a", "http://a", 1, outstanding_tokens=500, in_flight=1)
-    b = Candidate("b", "http://b", 1, outstanding_tokens=200, in_flight=3)
-    c = Candidate("c", "http://c", 1, outstanding_tokens=200, in_flight=2)
-    assert policy.choose([a, b, c], REQ) is c
-    failed = Candidate("c", "http://c", 1, outstanding_tokens=0, recently_failed=True)
-    assert policy.choose([a, failed], REQ) is a  # a replica that just failed comes last
-    assert policy.choose([failed], REQ) is failed  # but is still used when it is the only one
+    a = ReplicaFacts("a", "http://a", 1, outstanding_tokens=500, in_flight=1)
+    b = ReplicaFacts("b", "http://b", 1, outstanding_tokens=200, in_flight=3)
+    c = ReplicaFacts("c", "http://c", 1, outstanding_tokens=200, in_flight=2)
+    assert choose([a, b, c]) is c
+    failed = ReplicaFacts("c", "http://c", 1, outstanding_tokens=0, recently_failed=True)
+    assert choose([a, failed]) is a  # a replica that just failed comes last
+    assert choose([failed]) is failed  # but is still used when it is the only one
     with pytest.raises(ValueError):
-        make_policy("random")
+        CostModel(routing="random")
 
 
 def test_policy_with_tracker_spreads_concurrent_requests() -> None:
-    tracker, policy = LoadTracker(), LeastOutstandingTokens()
+    tracker = LoadTracker()
     picks = []
     for _ in range(6):  # six requests in flight at once
         cands = [
-            Candidate(r, "", 1, tracker.outstanding(r), tracker.in_flight(r)) for r in ("r1", "r2", "r3")
+            ReplicaFacts(r, "", 1, tracker.outstanding(r), tracker.in_flight(r)) for r in ("r1", "r2", "r3")
         ]
-        chosen = policy.choose(cands, REQ)
+        chosen = choose(cands)
         tracker.start(chosen.replica_id, REQ.cost_tokens)
         picks.append(chosen.replica_id)
     assert sorted(picks) == ["r1", "r1", "r2", "r2", "r3", "r3"]
@@ -275,7 +274,8 @@ def test_gateway_never_imports_torch() -> None:
 
 
 def test_replica_choice_follows_canary_weights_and_avoids_the_failed_one(tmp_path: Path) -> None:
-    from agent.gateway.gateway import Exchange, Gateway
+    from agent.gateway.exchange import Call
+    from agent.gateway.gateway import Gateway
     from fleet_base.cluster_config import ClusterConfig
 
     config = ClusterConfig(cluster="c", state_dir=tmp_path)
@@ -290,15 +290,15 @@ def test_replica_choice_follows_canary_weights_and_avoids_the_failed_one(tmp_pat
         ],
     )
     gw = Gateway(config, nats=False)
-    gw.rng.seed(7)
+    gw.router.rng.seed(7)
     info = parse_request(b'{"model": "d", "prompt": "hi"}', "completions")
     versions = []
     for _ in range(400):
-        first = gw._plan(Exchange("id", "k", info, 0.0, None)).stage("local")[0]
+        first = gw.router.plan(Call("id", "k", info, 0.0)).stage("local")[0]
         versions.append(first.version)
     assert 0.18 < versions.count(2) / 400 < 0.32
     # A retry goes to another replica, staying in the request's version while it can.
-    local = gw._plan(Exchange("id", "k", info, 0.0, None)).stage("local")
+    local = gw.router.plan(Call("id", "k", info, 0.0)).stage("local")
     first, second = local[0], local[1]
     assert second.name != first.name
     if first.version == 1:

@@ -1,0 +1,105 @@
+"""What a request leaves behind when it ends, booked exactly once: its queue slot back,
+its quota settled (`Settlement`), request metrics, and a usage record when it was served
+here (a peer that served it records it there)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from agent.gateway.exchange import Call, Exchange
+from agent.gateway.metrics import GatewayMetrics
+from agent.gateway.plan import Attempt
+from agent.gateway.queue import ReplicaQueue
+from agent.gateway.usage import UsagePublisher
+from fleet_base.protocol import MAX_USAGE_TOKENS, UsageRecord
+
+CLIENT_CLOSED = 499  # status recorded when the client went away (nginx's convention)
+
+
+class Accounting:
+    def __init__(
+        self, cluster: str, metrics: GatewayMetrics, usage: UsagePublisher, queue: ReplicaQueue
+    ) -> None:
+        self.cluster = cluster
+        self.metrics = metrics
+        self.usage = usage
+        self.queue = queue
+
+    def count(self, deployment: str, status: int, started: float) -> None:
+        self.metrics.requests.labels(deployment, str(status)).inc()
+        self.metrics.duration.labels(deployment).observe(time.monotonic() - started)
+
+    def refused(self, call: Call, status: int) -> None:
+        """Over a quota: the refusal is demand the control plane sees."""
+        self.count(call.deployment, status, call.started)
+        self.usage.submit(
+            UsageRecord(
+                cluster=self.cluster,
+                key_id=call.key_id,
+                deployment=call.deployment,
+                status=status,
+                refused_tokens=min(call.info.cost_tokens, MAX_USAGE_TOKENS),
+                latency_s=time.monotonic() - call.started,
+                adapter=call.adapter,
+            )
+        )
+
+    def attempt_failed(self, call: Call, target: Attempt, status: int) -> None:
+        """Telemetry of a replica attempt that failed and was retried: rollouts judge the
+        version that failed, not the one that answered in the end."""
+        self.usage.submit(
+            UsageRecord(
+                cluster=self.cluster,
+                key_id=call.key_id,
+                deployment=call.deployment,
+                version=target.version,
+                status=status,
+                latency_s=time.monotonic() - call.started,
+                attempt_failed=True,
+            )
+        )
+
+    def finish(self, ex: Exchange, status: int) -> None:
+        """Account one request exactly once: metrics always; a usage record when it was
+        served (or refused) here, not when a peer served it (the peer records it)."""
+        p, call = ex.progress, ex.call
+        if p.finished:
+            return
+        p.finished = True
+        deployment = call.deployment
+        if p.admitted:
+            self.queue.release(deployment)
+        ex.settlement.settle(p.usage, p.ran)
+        latency = time.monotonic() - call.started
+        self.metrics.in_flight.labels(deployment).dec()
+        self.count(deployment, status, call.started)
+        if p.ttft_s is not None:
+            self.metrics.ttft.labels(deployment).observe(p.ttft_s)
+        if p.peer is not None:
+            return
+        prompt = _int(p.usage.get("prompt_tokens"))
+        completion = _int(p.usage.get("completion_tokens"))
+        if prompt:
+            self.metrics.tokens.labels(deployment, "prompt").inc(prompt)
+        if completion:
+            self.metrics.tokens.labels(deployment, "completion").inc(completion)
+        self.usage.submit(
+            UsageRecord(
+                cluster=self.cluster,
+                key_id=call.key_id,
+                deployment=deployment,
+                version=p.version,
+                prompt_tokens=prompt,
+                completion_tokens=completion,
+                status=status,
+                ttft_s=p.ttft_s,
+                latency_s=latency,
+                adapter=call.adapter,
+            )
+        )
+
+
+def _int(value: Any) -> int:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return min(value, MAX_USAGE_TOKENS) if ok else 0

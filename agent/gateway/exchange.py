@@ -1,0 +1,101 @@
+"""One client request as the request path carries it: what is fixed once it is admitted
+(`Call`, read by every later step), the little that changes while it is served
+(`Progress`), and the quota it settles exactly once (`Settlement`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.gateway.inputs import RequestInfo
+from agent.gateway.limits import QuotaGate
+from agent.gateway.plan import Attempt
+from agent.gateway.quota import Reservation
+
+
+@dataclass(frozen=True)
+class ClientHeaders:
+    """What of the client's headers travels on: to a peer gateway, and back to a peer."""
+
+    authorization: str = ""
+    session: str | None = None  # the user's canary side (X-Fleet-Session)
+    hops: int = 0  # gateways the request passed before this one
+    keep_ids: bool = False  # a peer gateway asked for the token ids (it may migrate)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One admitted request: who sent it, what it asks, how it routes. Never changes."""
+
+    request_id: str
+    key_id: str
+    info: RequestInfo
+    started: float
+    forwarded_from: str | None = None
+    adapter: str | None = None  # the LoRA adapter the request names ("model"), if any
+    klass: str = ""  # priority class
+    draw: float | None = None  # the canary draw (sticky per end user), fixed per request
+    block_keys: tuple[int, ...] = ()  # the prompt's prefix-block keys (prefix routing)
+    limit_headers: Mapping[str, str] = field(default_factory=dict)
+    client: ClientHeaders = ClientHeaders()
+
+    @property
+    def deployment(self) -> str:
+        return self.info.deployment
+
+
+@dataclass
+class Progress:
+    """What serving the request changes: who answered, when, and what it reported."""
+
+    version: int | None = None
+    peer: str | None = None  # the peer gateway that answered (it records the usage)
+    ran: bool = False  # a replica answered 2xx: it may have generated tokens
+    ttft_s: float | None = None
+    usage: dict[str, Any] = field(default_factory=dict)
+    admitted: bool = False  # holds a slot of the queue's concurrency target
+    queue_s: float = 0.0
+    finished: bool = False
+
+
+class Settlement:
+    """A request's quota reservation, settled exactly once whatever path it took: to
+    nothing when a peer gateway's answer is taken (that gateway charges the key), else
+    to the engine's usage when the request is finished."""
+
+    def __init__(self, gate: QuotaGate, reservation: Reservation | None) -> None:
+        self.gate = gate
+        self.reservation = reservation
+        self.settled = False
+
+    def elsewhere(self) -> None:
+        if not self.settled:
+            self.settled = True
+            self.gate.refund(self.reservation)
+
+    def settle(self, usage: dict[str, Any], ran: bool) -> None:
+        if not self.settled:
+            self.settled = True
+            self.gate.settle(self.reservation, usage, ran)
+
+
+@dataclass
+class Exchange:
+    """A request in flight: the fixed call, its progress, its settlement."""
+
+    call: Call
+    settlement: Settlement
+    progress: Progress = field(default_factory=Progress)
+
+    def took(self, target: Attempt, status: int, *, continuation: bool = False) -> None:
+        """`target`'s answer is the client's now (a first leg or a stream's continuation)."""
+        p = self.progress
+        p.version = target.version
+        if target.charge == "elsewhere":
+            self.settlement.elsewhere()
+            p.peer = target.name
+        elif continuation:
+            p.ran = True
+        else:
+            p.peer, p.ran = None, 200 <= status < 300

@@ -1,0 +1,130 @@
+"""The facts a routing plan is made of, gathered now: this cluster's ready replicas and
+their load, live peers, the prefix index; and the plan made of them (`agent.gateway.plan`).
+Also whether a target can take the request's LoRA adapter (loaded first if it must be)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, replace
+
+from agent.gateway.adapters import AdapterRouting
+from agent.gateway.exchange import Call
+from agent.gateway.inputs import RequestInfo
+from agent.gateway.liveness import PeerLiveness
+from agent.gateway.load import LoadTracker
+from agent.gateway.peers import PeerAuth
+from agent.gateway.plan import Attempt, ClusterFacts, PeerFacts, Plan, ReplicaFacts, RequestFacts, plan_route
+from agent.gateway.prefix import PrefixRouting
+from agent.gateway.queue import ReplicaQueue
+from agent.gateway.routing import peer_order
+from agent.gateway.state import ClusterView
+from fleet_base.cluster_config import ClusterConfig
+
+
+@dataclass
+class Router:
+    config: ClusterConfig
+    view: ClusterView
+    tracker: LoadTracker
+    adapters: AdapterRouting
+    liveness: PeerLiveness
+    peers: PeerAuth
+    prefix: PrefixRouting
+    queue: ReplicaQueue
+    rng: random.Random = field(default_factory=random.Random)
+
+    @property
+    def cluster(self) -> str:
+        return self.config.cluster
+
+    def plan(self, call: Call) -> Plan:
+        """The routing plan on the facts as they are now."""
+        here = self.cluster_facts(call.deployment)
+        peers = self.live_peers(call.deployment)
+        return plan_route(self.request_facts(call), here, peers, self.prefix.index, self.prefix.model)
+
+    def request_facts(self, call: Call) -> RequestFacts:
+        info = call.info
+        return RequestFacts(
+            info.deployment,
+            info.prompt_tokens,
+            info.cost_tokens,
+            forwarded=call.forwarded_from is not None,
+            draw=call.draw if call.draw is not None else self.rng.random(),
+            block_hashes=call.block_keys,
+            block_tokens=self.prefix.block_tokens(info.deployment),
+            adapter=call.adapter,
+        )
+
+    def alive(self, target: Attempt) -> bool:
+        """A peer target not heard dead since the plan was made (a replica: always)."""
+        return not target.is_peer or self.liveness.alive(target.name)
+
+    def adapter_of(self, info: RequestInfo) -> tuple[str | None, RequestInfo]:
+        """A `model` that names a LoRA adapter here: (the adapter, the request as its
+        deployment's); anything else is left as it is."""
+        if self.view.known(info.deployment):
+            return None, info
+        owner = self.adapters.resolve(self.view.replicas, info.deployment)
+        if owner is None:
+            return None, info
+        return info.deployment, replace(info, deployment=owner)
+
+    async def adapter_ready(self, call: Call, target: Attempt) -> bool:
+        """True unless the request names an adapter that could not be loaded on `target`
+        (nothing was sent there; the next target is tried)."""
+        if call.adapter is None or target.is_peer:
+            return True
+        status = next((r for r in self.view.replicas if r.replica_id == target.name), None)
+        outcome = "failed" if status is None else await self.adapters.ensure(status, call.adapter)
+        self.adapters.routed.labels(call.deployment, outcome).inc()
+        if outcome != "failed":
+            self.adapters.touch(target.name, call.adapter)
+        return outcome != "failed"
+
+    def cluster_facts(self, deployment: str) -> ClusterFacts:
+        route = self.view.route(deployment)
+        ready = self.view.ready(deployment)
+        self.adapters.observe(ready)
+        replicas = tuple(
+            ReplicaFacts(
+                r.replica_id,
+                r.url.rstrip("/"),
+                r.version,
+                self.tracker.outstanding(r.replica_id),
+                self.tracker.in_flight(r.replica_id),
+                self.tracker.recently_failed(r.replica_id),
+                adapters=self.adapters.resident(r),
+                max_adapters=r.max_adapters,
+            )
+            for r in ready
+        )
+        return ClusterFacts(
+            self.cluster,
+            replicas,
+            versions=tuple(route.versions) if route else (),
+            standby_here=route is not None
+            and any(c.cluster == self.cluster and c.standby for c in route.clusters),
+            agent_silent=self.liveness.silent(self.cluster),
+            waiting=self.queue.waiting(deployment),
+            spill_per_replica=getattr(self.config.gateway, "spill_queue_per_replica", None),
+        )
+
+    def live_peers(self, deployment: str) -> list[PeerFacts]:
+        """Peers from the route, nearest first, less those heard dead or just failed;
+        standby peers only while no primary peer is alive."""
+        peers = peer_order(
+            self.view.route(deployment), self.cluster, self.config.coordinates, region=self.config.region
+        )
+        live = [
+            PeerFacts(
+                p.cluster,
+                p.gateway_url.rstrip("/"),
+                standby=p.standby,
+                rtt_s=p.rtt_ms / 1000 if p.rtt_ms is not None else None,
+                replica_ids=self.prefix.index.replicas(p.cluster, deployment),
+            )
+            for p in peers
+            if self.liveness.alive(p.cluster) and self.peers.usable(p.gateway_url)
+        ]
+        return [t for t in live if not t.standby] or live

@@ -1,0 +1,196 @@
+"""A streamed answer on its way to the client: relayed event by event, continued on
+another target when its upstream breaks (`agent.gateway.migration`), and accounted once
+however it ends (finished, cut by the client, never started)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from agent.gateway.accounting import CLIENT_CLOSED, Accounting
+from agent.gateway.contract import accounting_usage
+from agent.gateway.exchange import Exchange
+from agent.gateway.migration import (
+    Leg,
+    MigrationMetrics,
+    RelayState,
+    StreamLedger,
+    first_leg_body,
+    migratable,
+    open_continuation,
+    relay,
+)
+from agent.gateway.plan import Attempt
+from agent.gateway.proxy import Opened
+from agent.gateway.router import Router
+from agent.gateway.sse import StreamObserver
+from agent.gateway.upstream import Upstreams
+
+log = logging.getLogger("agent.gateway")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class StreamSession:
+    """One stream: its legs, what it delivered, and its single cleanup."""
+
+    def __init__(
+        self,
+        ex: Exchange,
+        opened: Opened,
+        target: Attempt,
+        *,
+        router: Router,
+        upstreams: Upstreams,
+        accounting: Accounting,
+        metrics: MigrationMetrics,
+        migration_limit: int,
+    ) -> None:
+        call = ex.call
+        self.ex = ex
+        self.router = router
+        self.upstreams = upstreams
+        self.accounting = accounting
+        self.metrics = metrics
+        self.limit = migration_limit if migratable(call.info) else 0
+        self.first_ok = 200 <= opened.status < 300
+        self.observer = StreamObserver(strip_usage=not target.is_peer and not call.info.client_wants_usage)
+        self.ledger = StreamLedger.of(call.info, call.forwarded_from is not None and call.client.keep_ids)
+        self.state = RelayState(Leg(opened, target.name, target.is_peer), opened.status)
+        self.targets = {target.name: target}
+        self.closed = False
+
+    def response(self) -> StreamingResponse:
+        opened = self.state.leg.opened
+        return ProxiedStream(
+            self.body(), self.cleanup, status_code=opened.status, headers={**opened.headers(), **SSE_HEADERS}
+        )
+
+    async def body(self) -> AsyncIterator[bytes]:
+        call = self.ex.call
+        try:
+            async for out in relay(
+                self.state,
+                self.ledger,
+                self.observer,
+                deployment=call.deployment,
+                limit=self.limit,
+                prompt_tokens=call.info.prompt_tokens,
+                body_for=lambda is_peer: first_leg_body(call.info, call.key_id, is_peer),
+                reopen=self.reopen,
+                release=self.release,
+                metrics=self.metrics,
+                on_event=self.on_event,
+                log_failure=self.log_failure,
+            ):
+                yield out
+        except BaseException:
+            self.state.status = CLIENT_CLOSED
+            raise
+        finally:
+            await self.cleanup(self.state.status)
+
+    async def reopen(self, make_body: Callable[[bool], bytes], failed: list[str]) -> Leg | None:
+        opened = await open_continuation(self.router, self.upstreams, self.ex.call, make_body, failed)
+        if opened is None:
+            return None
+        target, upstream = opened
+        self.targets[target.name] = target
+        self.ex.took(target, upstream.status, continuation=True)
+        return Leg(upstream, target.name, target.is_peer)
+
+    async def release(self, leg: Leg, failed: bool) -> None:
+        await leg.opened.close()
+        call = self.ex.call
+        if failed:
+            self.accounting.metrics.upstream_errors.labels(call.deployment, "midstream").inc()
+        if not leg.is_peer:
+            self.upstreams.release(call, self.targets[leg.name])
+            if failed:
+                self.upstreams.tracker.mark_failed(leg.name)
+
+    async def cleanup(self, status: int) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        await self.release(self.state.leg, False)
+        p, info = self.ex.progress, self.ex.call.info
+        if self.observer.usage:
+            p.usage = accounting_usage(info.endpoint, self.observer.usage)
+        elif not self.state.leg.is_peer and self.first_ok:
+            # cut short (the client left, the upstream broke): charge what was streamed
+            p.usage = {"prompt_tokens": info.prompt_tokens, "completion_tokens": self.observer.tokens_seen}
+        self.accounting.finish(self.ex, status)
+
+    def on_event(self) -> None:
+        p = self.ex.progress
+        if self.observer.first_token and p.ttft_s is None:
+            p.ttft_s = time.monotonic() - self.ex.call.started
+
+    def log_failure(self, name: str, err: Exception) -> None:
+        log.warning("request %s: stream from %s broke: %s", self.ex.call.request_id, name, err)
+
+
+class ProxiedStream(StreamingResponse):
+    """A streamed upstream response that is cleaned up however it ends: fully sent, cut
+    by the client, or never started (a disconnect before the first send)."""
+
+    def __init__(
+        self, content: AsyncIterator[bytes], cleanup: Callable[[int], Awaitable[None]], **kw: Any
+    ) -> None:
+        super().__init__(content, **kw)
+        self._cleanup = cleanup
+
+    async def abandon(self) -> None:
+        close = getattr(self.body_iterator, "aclose", None)
+        if close is not None:
+            await close()
+        await self._cleanup(CLIENT_CLOSED)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.abandon()
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[Response]) -> Response:
+    """Run `work` (queueing, first attempt) but give up when the client disconnects, so a
+    caller that went away neither holds a queue slot nor keeps a replica generating."""
+
+    async def disconnected() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        watch.cancel()
+        raise
+    if task in done:
+        watch.cancel()
+        return task.result()
+    task.cancel()
+    try:
+        response = await task
+    except (asyncio.CancelledError, Exception):
+        raise ClientGone() from None
+    # finished in the same instant: drop it (its stream, if any, is never sent)
+    if isinstance(response, ProxiedStream):
+        await response.abandon()
+    raise ClientGone()

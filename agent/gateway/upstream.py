@@ -1,0 +1,121 @@
+"""The one way a request reaches an upstream (a replica here or a peer gateway): first
+attempts, retries, failover and a stream's continuations all open through `Upstreams`.
+It builds the attempt's headers, counts the load it adds at a replica, opens up to the
+first byte, and on a failure books it (error metric, the replica's load released and
+marked failed) before the caller decides what the failure means (the plan's rule)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import httpx
+
+from agent.gateway.exchange import Call
+from agent.gateway.liveness import SESSION_HEADER
+from agent.gateway.load import LoadTracker
+from agent.gateway.metrics import GatewayMetrics
+from agent.gateway.migration import migratable
+from agent.gateway.peers import PeerAuth
+from agent.gateway.plan import Attempt
+from agent.gateway.proxy import AttemptFailed, Deadlines, Opened, open_upstream
+from agent.gateway.routing import HOPS_HEADER
+from fleet_base.cluster_config import GatewayConfig
+from fleet_base.openai_contract.continuation import TOKEN_IDS_HEADER
+
+log = logging.getLogger("agent.gateway")
+
+FORWARDED_HEADER = "X-Fleet-Forwarded"
+REQUEST_ID_HEADER = "X-Request-Id"
+PATHS = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "embeddings": "/v1/embeddings",
+    "responses": "/v1/responses",
+}
+
+
+@dataclass
+class Upstreams:
+    cluster: str
+    settings: GatewayConfig
+    peers: PeerAuth
+    tracker: LoadTracker
+    metrics: GatewayMetrics
+    client: httpx.AsyncClient | None = None  # set when the gateway starts
+
+    async def open(self, call: Call, target: Attempt, body: bytes) -> Opened:
+        """`target`'s response up to its first byte; `AttemptFailed` (booked) otherwise."""
+        assert self.client is not None
+        headers = self.headers(call, target)
+        url = target.url + PATHS[call.info.endpoint]
+        try:
+            return await open_upstream(self.client, url, headers, body, self.deadlines(call, target))
+        except AttemptFailed as err:
+            self.failed(call, target, err)
+            raise
+        except BaseException:  # cancelled (the client left) or a bug: release the load
+            self.release(call, target)
+            raise
+
+    async def read(self, call: Call, target: Attempt, opened: Opened) -> bytes:
+        """The rest of an answer that is not streamed to the client (still retriable)."""
+        try:
+            return await opened.read_rest()
+        except AttemptFailed as err:
+            self.failed(call, target, err)
+            raise
+        except BaseException:
+            await opened.close()
+            self.release(call, target)
+            raise
+
+    def failed(self, call: Call, target: Attempt, err: AttemptFailed) -> None:
+        log.warning(
+            "request %s: %s %s failed: %s",
+            call.request_id,
+            "peer" if target.is_peer else "replica",
+            target.name,
+            err,
+        )
+        self.metrics.upstream_errors.labels(call.deployment, err.reason).inc()
+        if not target.is_peer:
+            self.release(call, target)
+            self.tracker.mark_failed(target.name)
+
+    def release(self, call: Call, target: Attempt) -> None:
+        """The attempt's work left the replica (answered, failed or abandoned)."""
+        if not target.is_peer:
+            self.tracker.finish(target.name, work(call, target))
+
+    def headers(self, call: Call, target: Attempt) -> dict[str, str]:
+        """Headers of one attempt (counted as started: load, forwarding metrics)."""
+        deployment = call.deployment
+        headers = {"content-type": "application/json", REQUEST_ID_HEADER: call.request_id}
+        if migratable(call.info):  # the replica's chunks carry token ids for a migration
+            headers[TOKEN_IDS_HEADER] = "1"
+        if target.is_peer:
+            headers["authorization"] = call.client.authorization
+            headers[FORWARDED_HEADER] = self.cluster
+            if call.client.session:  # the peer keeps the user's canary side
+                headers[SESSION_HEADER] = call.client.session
+            headers[HOPS_HEADER] = str(call.client.hops + 1)
+            headers.update(self.peers.to_peer(target.name, call.request_id))
+            self.metrics.forwarded.labels(deployment, target.name).inc()
+        else:
+            headers.update(self.peers.replica_headers)
+            self.tracker.start(target.name, work(call, target))
+            self.metrics.replica_choice.labels(deployment, target.name, str(target.version)).inc()
+        return headers
+
+    def deadlines(self, call: Call, target: Attempt) -> Deadlines:
+        gwc = self.settings
+        first = gwc.first_byte_timeout_s + (gwc.queue_timeout_s if target.is_peer else 0.0)
+        if not call.info.stream:  # the first byte comes with the whole answer
+            first += gwc.token_timeout_s * call.info.max_tokens * call.info.sequences
+        return Deadlines(first_byte_s=first, gap_s=gwc.inter_chunk_timeout_s)
+
+
+def work(call: Call, target: Attempt) -> int:
+    """Queued work a request adds at a replica: its new prefill and reserved completion."""
+    return max(0, call.info.cost_tokens - target.cached_tokens)
