@@ -30,18 +30,11 @@ router = APIRouter(prefix="/v1/model-cache", tags=["models"])
 REQUEST_TIMEOUT_S = 5.0
 
 
-class CachedModelOut(BaseModel):
+class CachedModelOut(protocol.CachedModel):
+    """A cached model as its agent reported it, with its cluster and a readable time."""
+
     cluster: str
-    uri: str
-    state: str
-    pinned_uri: str = ""
-    size_bytes: int = 0
-    bytes_done: int = 0
-    files: int = 0
-    in_use: bool = False
-    last_used: datetime | None = None
-    pull_s: float | None = None
-    error: str = ""
+    last_used: datetime | None = None  # type: ignore[assignment]
 
 
 class ModelCacheRequest(Strict):
