@@ -31,14 +31,8 @@ class StandbyDemand(BaseModel):
     regions: tuple[str, ...] = ()
 
     def demand(self) -> ReplicaDemand:
-        return ReplicaDemand(
-            deployment=self.deployment,
-            version=self.version,
-            count=self.count,
-            gpu_models=self.gpu_models,
-            gpu_count=self.gpu_count,
-            gpu_memory_gb=self.gpu_memory_gb,
-        )
+        """The replica demand of one region's standby (regions are the standby's own)."""
+        return ReplicaDemand(**self.model_dump(exclude={"regions"}))
 
 
 class StandbySplit(BaseModel):
