@@ -1,21 +1,13 @@
-"""Rollouts: the persisted state of canary rollouts (one row per rollout).
-
-Revision ID: 0002
-Revises: 0001
-Create Date: 2026-11-29 18:45:00
-"""
+"""Rollouts: the persisted state of canary rollouts (one row per rollout)."""
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0002"
-down_revision: str | None = "0001"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
+from migrations.batch import create_indexes, drop_table
+
+revision, down_revision = "0002", "0001"
 
 
 def upgrade() -> None:
@@ -44,13 +36,8 @@ def upgrade() -> None:
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_rollouts")),
     )
-    with op.batch_alter_table("rollouts", schema=None) as batch_op:
-        batch_op.create_index(batch_op.f("ix_rollouts_deployment_id"), ["deployment_id"], unique=False)
-        batch_op.create_index(batch_op.f("ix_rollouts_phase"), ["phase"], unique=False)
+    create_indexes("rollouts", "deployment_id", "phase")
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("rollouts", schema=None) as batch_op:
-        batch_op.drop_index(batch_op.f("ix_rollouts_phase"))
-        batch_op.drop_index(batch_op.f("ix_rollouts_deployment_id"))
-    op.drop_table("rollouts")
+    drop_table("rollouts", "phase", "deployment_id")

@@ -1,21 +1,11 @@
-"""Usage records from gateways and each key's per-cluster shares of its budget.
-
-Revision ID: 0003
-Revises: 0002
-Create Date: 2026-11-29 18:40:00
-"""
+"""Usage records from gateways and each key's per-cluster shares of its budget."""
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0003"
-down_revision: str | None = "0002"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
+revision, down_revision = "0003", "0002"
 
 
 def upgrade() -> None:

@@ -1,22 +1,13 @@
 """usage_records.record_id and events.event_id: unique message ids, so a JetStream
 redelivery of a usage record or an agent event is stored once.
-
-Revision ID: 0007
-Revises: 0006
-Create Date: 2026-12-01 10:30:00
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0007"
-down_revision: str | None = "0006"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
+revision, down_revision = "0007", "0006"
 
 
 def upgrade() -> None:
