@@ -7,8 +7,6 @@ params (the engine masks every token outside it); tool calls are assembled per c
 
 from __future__ import annotations
 
-import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +17,7 @@ from starlette.responses import Response
 
 from engine.server.continuation import TokenIdsOut
 from engine.server.formatting import SSE_DONE, TokenBytes, chat_logprobs, sse, sse_error, visible_logprobs
-from engine.server.generation import Generation, check_context
+from engine.server.generation import Generation, check_context, generate
 from engine.server.inputs import chat_prompt_ids, check_model, parse_body, sampling_params
 from engine.server.state import ServerState
 from engine.tool_calls.output import ChoiceOutput
@@ -65,19 +63,7 @@ async def run_chat(
     messages, tools = prepare([m.to_template() for m in body.messages], body.template_tools(), template)
     ids = chat_prompt_ids(engine, messages, tools, body.add_generation_prompt)
     check_context(engine, len(ids), params.max_tokens, "messages")
-    created = int(time.time())
-    gen = Generation(
-        state,
-        [ids],
-        params,
-        f"chatcmpl-{uuid.uuid4().hex}",
-        "messages",
-        cache_salt=body.cache_salt,
-        resume_token_ids=body.fleet_resume_token_ids,
-        lora_name=lora,
-    )
-    await gen.run(request, stream=body.stream)
-    head = {"id": gen.request_id, "created": created, "model": lora or state.settings.served_model_name}
+    gen, head = await generate(request, state, body, [ids], params, lora, "chatcmpl", "messages")
     wanted = TokenIdsOut.wanted(request, gen) if body.stream else None
     return ChatRun(gen, body, head, TokenBytes(engine.tokenizer), template, wanted)
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,7 +12,7 @@ from starlette.responses import Response
 from engine.server.chat import SSE_HEADERS
 from engine.server.continuation import TokenIdsOut
 from engine.server.formatting import SSE_DONE, completion_logprobs, sse, sse_error, visible_logprobs
-from engine.server.generation import Generation, check_context
+from engine.server.generation import Generation, check_context, generate
 from engine.server.inputs import check_model, completion_prompt_ids, parse_body, sampling_params
 from engine.server.state import ServerState
 from fleet_base.openai_contract.requests import CompletionRequest
@@ -31,19 +29,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     for ids in prompts:
         check_context(engine, len(ids), params.max_tokens, "prompt")
 
-    created = int(time.time())
-    gen = Generation(
-        state,
-        prompts,
-        params,
-        f"cmpl-{uuid.uuid4().hex}",
-        "prompt",
-        cache_salt=body.cache_salt,
-        resume_token_ids=body.fleet_resume_token_ids,
-        lora_name=lora,
-    )
-    await gen.run(request, stream=body.stream)
-    head = {"id": gen.request_id, "created": created, "model": lora or state.settings.served_model_name}
+    gen, head = await generate(request, state, body, prompts, params, lora, "cmpl", "prompt")
     if body.stream:
         return StreamingResponse(
             _stream(gen, body, head, TokenIdsOut.wanted(request, gen)),

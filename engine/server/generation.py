@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+import uuid
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +20,7 @@ from starlette.requests import Request
 from engine.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 from engine.server.errors import APIError, context_error, engine_error
 from engine.server.state import EngineClient, ServerState
+from fleet_base.openai_contract.requests import ChatCompletionRequest, CompletionRequest
 from fleet_base.sampling_params import SamplingParams
 
 _background: set[asyncio.Task[Any]] = set()
@@ -273,3 +276,30 @@ class Generation:
 
     def choice_index(self, prompt_index: int, seq_index: int) -> int:
         return prompt_index * self.params.n + seq_index
+
+
+async def generate(
+    request: Request,
+    state: ServerState,
+    body: ChatCompletionRequest | CompletionRequest,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    lora: str | None,
+    prefix: str,
+    param: str,
+) -> tuple[Generation, dict[str, Any]]:
+    """Run a chat or text completion's prompts (from the body's field `param`, under an id
+    `prefix`-<hex>), with the head every chunk and response repeats: id, created, model."""
+    created = int(time.time())
+    gen = Generation(
+        state,
+        prompts,
+        params,
+        f"{prefix}-{uuid.uuid4().hex}",
+        param,
+        cache_salt=body.cache_salt,
+        resume_token_ids=body.fleet_resume_token_ids,
+        lora_name=lora,
+    )
+    await gen.run(request, stream=body.stream)
+    return gen, {"id": gen.request_id, "created": created, "model": lora or state.settings.served_model_name}

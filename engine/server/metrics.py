@@ -8,7 +8,8 @@ from the outputs the server streams.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -158,34 +159,26 @@ class ServerMetrics:
         self.registry.register(_EngineStatsCollector(model, lambda: self.stats()))
         self.registry.register(_StartupCollector(model, self.startup))
         r = self.registry
-        self.ttft = Histogram(
-            "fleet_engine_time_to_first_token_seconds",
-            "Arrival to first generated token.",
-            ["model"],
-            registry=r,
-            buckets=TTFT_BUCKETS,
-        ).labels(model)
-        self.itl = Histogram(
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Any:
+            return Histogram(name, doc, ["model"], registry=r, buckets=buckets).labels(model)
+
+        self.ttft = histogram(
+            "fleet_engine_time_to_first_token_seconds", "Arrival to first generated token.", TTFT_BUCKETS
+        )
+        self.itl = histogram(
             "fleet_engine_inter_token_latency_seconds",
             "Time between successive tokens of a sequence.",
-            ["model"],
-            registry=r,
-            buckets=ITL_BUCKETS,
-        ).labels(model)
-        self.e2e = Histogram(
-            "fleet_engine_e2e_request_latency_seconds",
-            "Arrival to the last token of a request.",
-            ["model"],
-            registry=r,
-            buckets=E2E_BUCKETS,
-        ).labels(model)
-        self.queue = Histogram(
+            ITL_BUCKETS,
+        )
+        self.e2e = histogram(
+            "fleet_engine_e2e_request_latency_seconds", "Arrival to the last token of a request.", E2E_BUCKETS
+        )
+        self.queue = histogram(
             "fleet_engine_request_queue_time_seconds",
             "Arrival to first scheduled (time waiting in the queue).",
-            ["model"],
-            registry=r,
-            buckets=QUEUE_BUCKETS,
-        ).labels(model)
+            QUEUE_BUCKETS,
+        )
         self._finished = Counter(
             "fleet_engine_requests",
             "Finished sequences by finish reason (stop, length, abort).",
@@ -205,13 +198,11 @@ class ServerMetrics:
         self.grammar_timings: Callable[[], dict[str, HistogramSnapshot]] = dict
         self.registry.register(_GrammarCollector(model, lambda: self.grammar_timings()))
 
-        self._lora_load = Histogram(
+        self._lora_load = histogram(
             "fleet_engine_lora_load_seconds",
             "Reading and checking one LoRA adapter (start-up or POST /v1/load_lora_adapter).",
-            ["model"],
-            registry=r,
-            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
-        ).labels(model)
+            (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+        )
         self._lora_adapters = Gauge(
             "fleet_engine_lora_adapters", "LoRA adapters loaded on this replica.", ["model"], registry=r
         ).labels(model)
