@@ -27,7 +27,8 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import ROOT, console, mib, print_table, resolve_model, run_main
+from bench.common import console, mib, print_table, run_main
+from bench.inputs import ROOT, resolve_model
 from fleet_base.ports import free_port, wait_port
 
 PROMPT = "Write one sentence about the sea."

@@ -25,7 +25,8 @@ import tempfile
 import time
 from typing import Any
 
-from bench.common import console, print_table, resolve_model, run_main, set_threads
+from bench.common import console, print_table, run_main, set_threads
+from bench.inputs import resolve_model
 
 
 def _pieces() -> tuple[Any, Any, Any]:

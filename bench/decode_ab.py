@@ -17,16 +17,8 @@ from typing import Any
 
 import torch
 
-from bench.common import (
-    chat_token_ids,
-    console,
-    load_hf_tokenizer,
-    load_sharegpt_prompts,
-    machine_note,
-    print_table,
-    resolve_model,
-    run_main,
-)
+from bench.common import console, machine_note, print_table, run_main
+from bench.inputs import chat_token_ids, load_hf_tokenizer, load_sharegpt_prompts, resolve_model
 
 
 def start_batch(llm: Any, prompts: list[list[int]], batch_size: int, max_tokens: int) -> list[str]:

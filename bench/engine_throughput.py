@@ -21,13 +21,8 @@ from bench.common import (
     DecoderShape,
     RooflineResult,
     RSSMonitor,
-    chat_token_ids,
     console,
     cpu_contention,
-    load_azure_output_lengths,
-    load_hf_model,
-    load_hf_tokenizer,
-    load_sharegpt_prompts,
     machine_note,
     matmul_roofline,
     mib,
@@ -36,11 +31,19 @@ from bench.common import (
     progress,
     request_flops,
     resolve_device,
-    resolve_model,
     run_main,
     set_threads,
     speculation_note,
     synchronize,
+    write_json,
+)
+from bench.inputs import (
+    chat_token_ids,
+    load_azure_output_lengths,
+    load_hf_model,
+    load_hf_tokenizer,
+    load_sharegpt_prompts,
+    resolve_model,
 )
 from engine.profiling import STAGES, StepProfiler
 
@@ -444,9 +447,7 @@ def measure(args: argparse.Namespace) -> int:
     rep.machine = [f"start: {start_note}", f"end: {machine_note(device, threads)}"]
     rep.contention_processes = args.contention
     print_report(rep)
-    if args.json_path:
-        with open(args.json_path, "w", encoding="utf-8") as f:
-            f.write(rep.model_dump_json(indent=2))
+    write_json(args.json_path, rep)
     return 0
 
 

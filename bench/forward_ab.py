@@ -29,8 +29,8 @@ def worker(model: str, batch_sizes: list[int], threads: int, forwards: int) -> N
     """Child: answer each line `B` on stdin with the seconds of `forwards` forwards at B."""
     import torch
 
-    from bench.common import chat_token_ids, load_hf_tokenizer, load_sharegpt_prompts, resolve_model
     from bench.compile_decode import capture_decode_inputs
+    from bench.inputs import chat_token_ids, load_hf_tokenizer, load_sharegpt_prompts, resolve_model
     from engine import LLM
 
     tok = load_hf_tokenizer(resolve_model(model))

@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from bench.common import console, load_sharegpt_prompts, machine_note, print_table, resolve_model, run_main
+from bench.common import console, machine_note, print_table, run_main
 from bench.common import set_threads as _set_threads
+from bench.inputs import load_sharegpt_prompts, resolve_model
 from engine.config import ModelConfig
 from engine.lora.adapter import module_shapes
 

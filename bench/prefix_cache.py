@@ -20,19 +20,16 @@ from typing import Any
 from pydantic import BaseModel
 
 from bench.common import (
-    chat_token_ids,
     console,
-    encode,
-    load_hf_tokenizer,
-    load_sharegpt_prompts,
     machine_note,
     print_table,
     progress,
     resolve_device,
-    resolve_model,
     run_main,
     set_threads,
+    write_json,
 )
+from bench.inputs import chat_token_ids, encode, load_hf_tokenizer, load_sharegpt_prompts, resolve_model
 
 GOAL_CACHED_OVER_COLD = 0.25
 
@@ -268,9 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     res = run_prefix_bench(llm, workload)
     print_result(res)
-    if args.json_path:
-        with open(args.json_path, "w", encoding="utf-8") as f:
-            f.write(res.model_dump_json(indent=2))
+    write_json(args.json_path, res)
     return 0
 
 

@@ -36,7 +36,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.common import console, load_sharegpt_prompts, print_table, require_data_file, run_main
+from bench.common import console, print_table, run_main
+from bench.inputs import load_sharegpt_prompts, require_data_file
 from control_plane.local.nats_server import NatsServer
 from fleet_base import protocol
 from fleet_base.api_keys import ApiKeyRecord, hash_secret, new_secret

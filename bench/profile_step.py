@@ -15,17 +15,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from bench.common import (
-    chat_token_ids,
-    console,
-    load_hf_tokenizer,
-    load_sharegpt_prompts,
-    machine_note,
-    print_table,
-    resolve_model,
-    run_main,
-    set_threads,
-)
+from bench.common import console, machine_note, print_table, run_main, set_threads
+from bench.inputs import chat_token_ids, load_hf_tokenizer, load_sharegpt_prompts, resolve_model
 from engine.profiling import STAGES, StepProfiler
 
 

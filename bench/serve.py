@@ -30,17 +30,8 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, computed_field
 
-from bench.common import (
-    console,
-    load_sharegpt_prompts,
-    openai_client,
-    print_table,
-    progress,
-    resolve_model,
-    run_bounded,
-    run_main,
-    set_threads,
-)
+from bench.common import console, openai_client, print_table, progress, run_bounded, run_main, set_threads
+from bench.inputs import load_sharegpt_prompts, resolve_model
 
 GOAL_FRACTION_AT_32 = 0.85
 

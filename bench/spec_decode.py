@@ -24,17 +24,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from bench.common import (
-    ROOT,
-    chat_token_ids,
-    console,
-    load_azure_output_lengths,
-    load_sharegpt_prompts,
-    machine_note,
-    print_table,
-    resolve_model,
-    run_main,
-)
+from bench.common import console, machine_note, print_table, run_main
+from bench.inputs import ROOT, chat_token_ids, load_azure_output_lengths, load_sharegpt_prompts, resolve_model
 
 COPY_INSTRUCTIONS = (
     "Repeat the following text word for word:\n\n{}",

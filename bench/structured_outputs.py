@@ -22,15 +22,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from bench.common import (
-    console,
-    machine_note,
-    print_table,
-    resolve_device,
-    resolve_model,
-    run_main,
-    set_threads,
-)
+from bench.common import console, machine_note, print_table, resolve_device, run_main, set_threads
+from bench.inputs import resolve_model
 
 
 def wide_schema(fields: int) -> dict[str, Any]:

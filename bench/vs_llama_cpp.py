@@ -33,17 +33,16 @@ from pydantic import BaseModel, computed_field
 from bench import llama_cpp_build
 from bench.common import (
     console,
-    load_azure_output_lengths,
-    load_sharegpt_prompts,
     openai_client,
     print_table,
     progress,
-    resolve_model,
     run_bounded,
     run_main,
     speculation_note,
+    write_json,
 )
 from bench.engine_throughput import Workload, make_workload
+from bench.inputs import load_azure_output_lengths, load_sharegpt_prompts, resolve_model
 from bench.llama_server import SERVED_NAME, LlamaServer, llama_server_command, slot_context
 
 GOALS = {"single": 1.0, "batched": 2.0}  # ours / llama-server, useful tokens/s
@@ -386,8 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         ratios=ratios(results),
     )
     print_report(rep)
-    if args.json_path:
-        Path(args.json_path).write_text(rep.model_dump_json(indent=2), encoding="utf-8")
+    write_json(args.json_path, rep)
     bad = sum(r.errors + r.short_requests for r in results) + len(failed)
     if bad:
         console.print(

@@ -21,16 +21,13 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from bench.common import (
+from bench.common import console, machine_note, print_table, run_main
+from bench.inputs import (
     chat_token_ids,
-    console,
     load_hf_model,
     load_hf_tokenizer,
     load_sharegpt_prompts,
-    machine_note,
-    print_table,
     resolve_model,
-    run_main,
 )
 
 NEAR_TIE = 0.02  # tests/engine/test_correctness_hf.py's tolerance

@@ -16,7 +16,7 @@ import psutil
 import pytest
 import torch
 
-from bench import common, engine_throughput, prefix_cache
+from bench import common, engine_throughput, inputs, prefix_cache
 from bench.engine_throughput import SystemResult, Workload
 from tests.polling import wait_for
 
@@ -132,11 +132,11 @@ def test_rss_monitor_sees_an_allocation() -> None:
 
 
 def test_data_loaders(shared_data: Path) -> None:
-    prompts = common.load_sharegpt_prompts()
+    prompts = inputs.load_sharegpt_prompts()
     assert len(prompts) > 400 and all(p.strip() for p in prompts)
-    a = common.load_azure_output_lengths(200, seed=1)
-    assert a == common.load_azure_output_lengths(200, seed=1)
-    assert a != common.load_azure_output_lengths(200, seed=2)
+    a = inputs.load_azure_output_lengths(200, seed=1)
+    assert a == inputs.load_azure_output_lengths(200, seed=1)
+    assert a != inputs.load_azure_output_lengths(200, seed=2)
     assert all(16 <= n <= 256 for n in a) and len(set(a)) > 20
 
 
@@ -164,7 +164,7 @@ def llm(smollm2_gguf: Path) -> Any:
 
 @pytest.mark.slow
 def test_ours_throughput_smoke(llm: Any, shared_data: Path) -> None:
-    texts = common.load_sharegpt_prompts()
+    texts = inputs.load_sharegpt_prompts()
     workload = engine_throughput.make_workload(llm.tokenizer, texts, [4, 3], max_prompt_tokens=64)
     assert all(len(p) <= 64 for p in workload.prompts)
     res = engine_throughput.run_ours(llm, workload)
@@ -174,7 +174,7 @@ def test_ours_throughput_smoke(llm: Any, shared_data: Path) -> None:
 
 @pytest.mark.slow
 def test_prefix_cache_smoke(llm: Any, shared_data: Path) -> None:
-    texts = common.load_sharegpt_prompts()
+    texts = inputs.load_sharegpt_prompts()
     workload = prefix_cache.build_prefix_workload(llm.tokenizer, texts, num_requests=2, system_tokens=64)
     assert 60 <= workload.system_tokens <= 68
     assert workload.shared_prefix_tokens >= workload.system_tokens

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench import serve
-from bench.common import load_sharegpt_prompts
+from bench.inputs import load_sharegpt_prompts
 from engine.server.process import ServerProcess
 from tests.engine.server.conftest import MODEL
 
