@@ -10,6 +10,7 @@ import itertools
 import pytest
 
 from control_plane.autoscale import AutoscaleSettings, Observation, ScalerState, make_policy
+from tests.control_plane.autoscale.helpers import series
 
 
 def run(
@@ -30,17 +31,6 @@ def run(
         dec = p.decide(s, state, obs)
         out.append((t, dec.desired, dec.reason))
         current = dec.desired
-    return out
-
-
-def series(*parts: tuple[float, float, float], step: float = 2.0) -> list[tuple[float, float]]:
-    """(from_s, to_s, demand) segments sampled every `step` seconds."""
-    out = []
-    for a, b, d in parts:
-        t = a
-        while t < b:
-            out.append((t, d))
-            t += step
     return out
 
 

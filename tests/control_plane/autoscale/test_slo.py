@@ -14,6 +14,7 @@ from control_plane.autoscale import AutoscaleSettings, Observation, ScalerState,
 from control_plane.autoscale.capacity import Load, ReplicaCapacity, Variant
 from control_plane.autoscale.slo import meets, smallest
 from fleet_base.profile import load_profile
+from tests.control_plane.autoscale.helpers import series
 
 H100 = load_profile("llama2-70b-h100-tp4")
 A100 = load_profile("llama2-70b-a100-tp4")
@@ -26,16 +27,6 @@ class Work:
     output: int
     in_flight: float | None = None  # None: what the load would hold (Little's law, roughly)
     queued: float = 0.0
-
-
-def series(*parts: tuple[float, float, Work], step: float = 2.0) -> list[tuple[float, Work]]:
-    out = []
-    for a, b, w in parts:
-        t = a
-        while t < b:
-            out.append((t, w))
-            t += step
-    return out
 
 
 def run(policy: str, work: list[tuple[float, Work]], start: int = 1, **settings: object):

@@ -11,7 +11,6 @@ import pytest
 from sqlalchemy import select, update
 
 from control_plane.db import models as m
-from control_plane.db.session import make_sessions, upgrade_to_head
 from control_plane.loops.reconcile import reconcile_once
 from control_plane.placement import get_placer
 from control_plane.rollouts.loop import RolloutLoop
@@ -23,11 +22,8 @@ STEPS = (25.0, 50.0, 100.0)
 
 
 @pytest.fixture
-def sessions(tmp_path):
-    url = f"sqlite:///{tmp_path / 'fleet.db'}"
-    upgrade_to_head(url)
-    factory = make_sessions(url)
-    with factory() as s:
+def sessions(sessions):
+    with sessions() as s:
         c = m.Cluster(id="c1", region="r1", status="healthy", gateway_url="http://c1:9000", load={})
         c.pools = [m.CapacityPool(name="main", gpu_model="cpu", gpus_per_node=6, nodes=1)]
         d = m.Deployment(name="web", replicas=4, current_version=1)
@@ -42,8 +38,7 @@ def sessions(tmp_path):
             )
         )  # fmt: skip
         s.commit()
-    yield factory
-    factory.kw["bind"].dispose()
+    return sessions
 
 
 class Clock:

@@ -9,17 +9,13 @@ import pytest
 from sqlalchemy import select, update
 
 from control_plane.db import models as m
-from control_plane.db.session import make_sessions, upgrade_to_head
 from control_plane.loops.reconcile import reconcile_once
 from control_plane.placement import get_placer
 
 
 @pytest.fixture
-def sessions(tmp_path):
-    url = f"sqlite:///{tmp_path / 'fleet.db'}"
-    upgrade_to_head(url)
-    factory = make_sessions(url)
-    with factory() as s:
+def sessions(sessions):
+    with sessions() as s:
         for cid, region, price in (("e1", "east", 1.0), ("w1", "west", 0.5), ("s1", "south", 0.1)):
             c = m.Cluster(id=cid, region=region, status="healthy", gateway_url=f"http://{cid}:9000", load={})
             c.pools = [
@@ -32,8 +28,7 @@ def sessions(tmp_path):
         ]  # fmt: skip
         s.add(d)
         s.commit()
-    yield factory
-    factory.kw["bind"].dispose()
+    return sessions
 
 
 def by_cluster(sessions) -> dict[str, int]:
