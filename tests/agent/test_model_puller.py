@@ -71,7 +71,7 @@ def test_cold_start_parts_travel_from_engine_metrics_to_the_gateway() -> None:
 
     engine = ServerMetrics("m")
     engine.startup.update(pull=1.5, load=2.5, warmup=0.25)
-    sample = parse_metrics(generate_latest(engine.model_files.aliases).decode())
+    sample = parse_metrics(generate_latest(engine.registry).decode())
     assert dict(sample.startup) == {"load": 2.5, "warmup": 0.25}  # the agent measures the pull itself
 
     status = ReplicaStatus(
