@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.daemon import Agent, AgentLocked, RuntimeFile
+from agent.daemon import Agent, AgentLocked
+from agent.replica import RuntimeFile
 from agent.runtime.base import InvalidSpec, Probe, ReplicaHandle, Runtime
 from fleet_base.cluster_config import ClusterConfig
 from fleet_base.local_state import LocalState
@@ -124,8 +125,8 @@ async def test_adopts_live_replicas_from_runtime_json_and_starts_the_rest(config
     rt.adoptable = {11}
     rt.states["a"] = ReplicaState.ready
     agent = Agent(config, rt)
-    agent._load_from_disk()
-    await agent._adopt()
+    agent.load_from_disk()
+    await agent.replica_controller.adopt()
     await agent.reconcile_once()
     assert rt.started == ["b"]  # a adopted, not duplicated
     a = agent.replicas["a"]

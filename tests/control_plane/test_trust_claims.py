@@ -52,11 +52,11 @@ async def test_agent_ignores_a_desired_state_whose_generation_goes_down(tmp_path
     agent = Agent(config)
     spec = protocol.ReplicaSpec(replica_id="r1", deployment="d", version=1, model="m")
     newer = protocol.DesiredState(cluster="east", generation=5, replicas=[spec])
-    await agent._on_desired("east", newer.to_bytes())
+    await agent.desired_mirror.on_entry("east", newer.to_bytes())
     older = protocol.DesiredState(cluster="east", generation=3, replicas=[])
-    await agent._on_desired("east", older.to_bytes())
+    await agent.desired_mirror.on_entry("east", older.to_bytes())
     assert agent.desired is not None and agent.desired.generation == 5 and agent.desired.replicas == [spec]
     assert agent.files.load_desired().generation == 5  # and the copy on disk did not go back either
     for other in (protocol.DesiredState(cluster="west", generation=9),):  # another cluster's state
-        await agent._on_desired("east", other.to_bytes())
+        await agent.desired_mirror.on_entry("east", other.to_bytes())
     assert agent.desired.generation == 5

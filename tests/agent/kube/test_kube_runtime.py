@@ -148,7 +148,7 @@ async def test_adopt_after_agent_restart_without_runtime_json(api, tmp_path) -> 
     config2 = config.model_copy(update={"state_dir": tmp_path / "fresh"})  # runtime.json is gone
     second = Agent(config2, KubernetesRuntime(config2))
     try:
-        await second._adopt()
+        await second.replica_controller.adopt()
         assert set(second.replicas) == {"chat-v1-abc123"}
         assert second.replicas["chat-v1-abc123"].spec == spec()
         second.desired = desired
@@ -216,7 +216,7 @@ async def test_failed_pod_restarts_after_backoff(api, tmp_path, fail, words) -> 
 async def test_unschedulable_reported_in_heartbeat_and_pool_shrinks(api, tmp_path) -> None:
     config = config_for(api, tmp_path)
     agent = Agent(config, KubernetesRuntime(config))
-    agent.pools = list(config.pools)
+    agent.reporter.pools = list(config.pools)
     events = Events(agent)
     try:
         agent.desired = DesiredState(

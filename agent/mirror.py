@@ -1,0 +1,214 @@
+"""A NATS KV bucket mirrored into memory and the state folder: the agent's desired state,
+routes and API keys all arrive this way.
+
+Each entry is decoded with `fleet_base.wire` (a bucket entry's key, not a subject, names
+what it is about); a malformed or refused entry is logged and ignored, an entry whose
+generation went back is never acted on. Every accepted change is written to the state
+folder at once, and the copy on disk is loaded first on start, so a restart while NATS or
+the control plane is down serves from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+from fleet_base import api_keys, protocol
+from fleet_base.api_keys import ApiKeyRecord
+from fleet_base.local_state import KeySet, LocalState, RouteSet
+from fleet_base.nats_io import KvWatch, NatsLink
+from fleet_base.protocol import DesiredState, RoutingTable
+from fleet_base.wire import Rejected, decode
+
+log = logging.getLogger("agent")
+
+M = TypeVar("M", bound=protocol.Message)
+
+
+def decode_entry(model: type[M], key: str, value: bytes) -> M | None:
+    """`value` as a `model`, or None (logged) where the wire contract refuses it."""
+    try:
+        return decode(model, key, value, subject_for=None)
+    except Rejected as err:
+        log.warning("ignoring %s %r (%s): %s", model.__name__, key, err.reason, err.detail)
+        return None
+
+
+class BucketMirror(Generic[M]):
+    """Follow `keys` of `bucket` into `entries` and onto disk (`save`), across reconnects.
+
+    - `refuse(key, entry)`: why an entry is not for us (None: accepted).
+    - `generation(entry)`: set where an entry must never go back in generation.
+    - `tombstone(key, old)`: what a deletion leaves (None: the entry is removed).
+    - `side_keys`: keys that are not entries but signals, handed to their callback.
+    - `prune_on_connect`: at every (re)connect, drop entries NATS no longer holds (deleted
+      while we were away); off where absence is not deletion.
+    """
+
+    def __init__(
+        self,
+        link: NatsLink,
+        bucket: str,
+        model: type[M],
+        *,
+        load: Callable[[], dict[str, M]],
+        save: Callable[[dict[str, M]], None],
+        keys: str = ">",
+        refuse: Callable[[str, M], str | None] | None = None,
+        generation: Callable[[M], int] | None = None,
+        tombstone: Callable[[str, M | None], M] | None = None,
+        side_keys: dict[str, Callable[[str, bytes | None], None]] | None = None,
+        prune_on_connect: bool = True,
+        on_change: Callable[[str, M | None], None] | None = None,
+    ) -> None:
+        self.link = link
+        self.bucket = bucket
+        self.model = model
+        self.entries: dict[str, M] = {}
+        self._load = load
+        self._save = save
+        self._refuse = refuse
+        self._generation = generation
+        self._tombstone = tombstone
+        self._side_keys = side_keys or {}
+        self._on_change = on_change
+        self.watch = KvWatch(link, bucket, keys=keys)
+        self.watch.subscribe(self.on_entry)
+        if prune_on_connect:
+            link.on_connect(self.prune)
+
+    def load(self) -> None:
+        """Start from the copy on disk."""
+        self.entries = dict(self._load())
+
+    async def on_entry(self, key: str, value: bytes | None) -> None:
+        """One update from the bucket: `value` None is a deletion."""
+        if key in self._side_keys:
+            self._side_keys[key](key, value)
+            return
+        entry: M | None
+        if value is None:
+            if self._tombstone is not None:
+                entry = self._tombstone(key, self.entries.get(key))
+                self.entries[key] = entry
+            elif self.entries.pop(key, None) is None:
+                return
+            else:
+                entry = None
+        else:
+            entry = decode_entry(self.model, key, value)
+            if entry is None or not self._accepts(key, entry):
+                return
+            self.entries[key] = entry
+        self._save(self.entries)
+        if self._on_change is not None:
+            self._on_change(key, entry)
+
+    def _accepts(self, key: str, entry: M) -> bool:
+        reason = self._refuse(key, entry) if self._refuse is not None else None
+        if reason is not None:
+            log.warning("ignoring %s under key %r: %s", self.model.__name__, key, reason)
+            return False
+        old = self.entries.get(key)
+        if self._generation is not None and old is not None:
+            before, after = self._generation(old), self._generation(entry)
+            if after < before:
+                # A replayed or forged older entry: never act on it (a control plane that
+                # lost its store still writes higher generations: control_plane.loops.publish).
+                log.warning(
+                    "ignoring %s %r whose generation went back (%d -> %d)",
+                    self.model.__name__,
+                    key,
+                    before,
+                    after,
+                )
+                return False
+        return True
+
+    async def prune(self) -> None:
+        """Drop what disk holds and NATS no longer does (deleted while we were away)."""
+        try:
+            live = set(await self.link.kv_items(self.bucket))
+        except Exception as err:
+            log.warning("could not list %s: %s", self.bucket, err)
+            return
+        gone = [key for key in self.entries if key not in live]
+        for key in gone:
+            del self.entries[key]
+        if gone:
+            self._save(self.entries)
+            log.info("%s: dropped %d entries deleted while disconnected", self.bucket, len(gone))
+
+    async def close(self) -> None:
+        await self.watch.close()
+
+
+def desired_mirror(
+    link: NatsLink, files: LocalState, cluster: str, on_change: Callable[[], None]
+) -> BucketMirror[DesiredState]:
+    """This cluster's desired state (desired.json). Absence is not deletion: with no key at
+    connect the copy on disk stays in force; an explicit delete means "run nothing"."""
+
+    def load() -> dict[str, DesiredState]:
+        desired = files.load_desired()
+        if desired is None or desired.cluster != cluster:
+            return {}
+        log.info(
+            "desired state from disk: generation %d, %d replicas",
+            desired.generation,
+            len(desired.replicas),
+        )
+        return {cluster: desired}
+
+    def tombstone(key: str, old: DesiredState | None) -> DesiredState:
+        log.info("desired state deleted: running nothing")
+        return DesiredState(cluster=cluster, generation=old.generation if old else 0, replicas=[])
+
+    def changed(key: str, desired: DesiredState | None) -> None:
+        if desired is not None:
+            log.info("desired state: generation %d, %d replicas", desired.generation, len(desired.replicas))
+        on_change()
+
+    return BucketMirror(
+        link,
+        protocol.BUCKET_DESIRED,
+        DesiredState,
+        keys=cluster,
+        load=load,
+        save=lambda entries: files.save_desired(entries[cluster]) if cluster in entries else None,
+        refuse=lambda key, d: None if d.cluster == cluster else f"it is for cluster {d.cluster!r}",
+        generation=lambda d: d.generation,
+        tombstone=tombstone,
+        prune_on_connect=False,
+        on_change=changed,
+    )
+
+
+def route_mirror(link: NatsLink, files: LocalState) -> BucketMirror[RoutingTable]:
+    """Every deployment's routing table (routes.json), for the gateway."""
+    return BucketMirror(
+        link,
+        protocol.BUCKET_ROUTES,
+        RoutingTable,
+        load=lambda: dict(files.load_routes().routes),
+        save=lambda entries: files.save_routes(RouteSet(routes=entries)),
+    )
+
+
+def key_mirror(link: NatsLink, files: LocalState) -> BucketMirror[ApiKeyRecord]:
+    """The API keys (keys.json) and when their lease was last renewed (keys-lease.json)."""
+
+    def lease(key: str, value: bytes | None) -> None:
+        if value is not None and decode_entry(api_keys.KeyLease, key, value) is not None:
+            files.save_key_lease(time.time())
+
+    return BucketMirror(
+        link,
+        protocol.BUCKET_KEYS,
+        ApiKeyRecord,
+        load=lambda: dict(files.load_keys().keys),
+        save=lambda entries: files.save_keys(KeySet(keys=entries)),
+        side_keys={api_keys.KEYS_LEASE: lease},
+    )

@@ -1,0 +1,112 @@
+"""The reporter: what this cluster tells the control plane and the gateway. Heartbeats
+(pools and their capacity, replicas, model pulls, queue depth) on NATS; replica load
+scraped from each ready replica's /metrics; each ready replica's KV events relayed to
+fleet.v1.kvcache."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from agent.capacity import CapacitySignals, Placed
+from agent.kv_relay import Followed, KvRelay
+from agent.models import ModelPuller
+from agent.replica import Replica, ready_replicas
+from agent.replica_metrics import MetricsScraper
+from fleet_base import protocol
+from fleet_base.cluster_config import ClusterConfig
+from fleet_base.local_state import LocalState
+from fleet_base.nats_io import NatsLink
+from fleet_base.protocol import DesiredState, Heartbeat, PoolInventory, ReplicaState
+
+
+class Reporter:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        link: NatsLink,
+        files: LocalState,
+        *,
+        replicas: Callable[[], dict[str, Replica]],
+        desired: Callable[[], DesiredState | None],
+        capacity: CapacitySignals,
+        models: ModelPuller,
+        scraper: MetricsScraper,
+        kv_relay: KvRelay,
+        clock: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self.link = link
+        self.files = files
+        self.replicas = replicas
+        self.desired = desired
+        self.capacity = capacity
+        self.models = models
+        self.scraper = scraper
+        self.kv_relay = kv_relay
+        self.clock = clock
+        self.pools: list[PoolInventory] = []
+
+    def heartbeat(self) -> Heartbeat:
+        replicas = self.replicas()
+        statuses = [r.status() for r in sorted(replicas.values(), key=lambda r: r.replica_id)]
+        now = self.clock()
+        self.capacity.observe(
+            [
+                Placed(
+                    r.replica_id,
+                    r.spec.pool,
+                    r.spec.resources.gpu_count,
+                    r.unschedulable and r.state == ReplicaState.starting,
+                )
+                for r in replicas.values()
+                if r.state in (ReplicaState.starting, ReplicaState.ready, ReplicaState.draining)
+            ],
+            now,
+        )
+        desired = self.desired()
+        return Heartbeat(
+            cluster=self.config.cluster,
+            provider=self.config.provider,
+            region=self.config.region,
+            coordinates=self.config.coordinates,
+            gateway_url=self.config.gateway.url,
+            pools=self.capacity.pools(self.pools, now),
+            replicas=statuses,
+            preempted=self.capacity.preempted(now),
+            unschedulable=self.capacity.unschedulable,
+            models=self.models.report(),
+            desired_generation=desired.generation if desired is not None else -1,
+            queue_depth=sum(s.load.waiting for s in statuses) + self._gateway_queue_depth(),
+            tokens_per_s=sum(s.load.tokens_per_s for s in statuses),
+        )
+
+    def _gateway_queue_depth(self) -> int:
+        """Requests queued at this cluster's gateway (its gateway.json)."""
+        status = self.files.load_gateway()
+        return status.queue_depth if status is not None else 0
+
+    async def publish_heartbeat(self) -> None:
+        await self.link.publish(protocol.heartbeat_subject(self.config.cluster), self.heartbeat())
+
+    async def heartbeats(self) -> None:
+        while True:
+            await self.publish_heartbeat()
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+
+    async def metrics(self) -> None:
+        """Follow the ready replicas: their load (for heartbeats and replicas.json) and
+        their KV events."""
+        while True:
+            ready = ready_replicas(self.replicas())
+            self.kv_relay.sync(
+                [Followed(r.replica_id, r.spec.deployment, r.handle.url) for r in ready if r.handle]
+            )
+            loads = await asyncio.gather(
+                *(self.scraper.scrape(r.replica_id, r.handle.url) for r in ready if r.handle)
+            )
+            for r, load in zip(ready, loads):
+                if load is not None and r.state == ReplicaState.ready:
+                    r.load = load
+                    r.startup.update(self.scraper.startup(r.replica_id))
+            await asyncio.sleep(min(1.0, self.config.heartbeat_interval_s))
