@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from agent.adapters import ReplicaAdapters, spread
 from agent.replica import Replica, ready_replicas
@@ -16,19 +17,14 @@ from fleet_base.protocol import DesiredState
 log = logging.getLogger("agent")
 
 
+@dataclass(eq=False)
 class AdapterController:
-    def __init__(
-        self,
-        api: ReplicaAdapters,
-        *,
-        replicas: Callable[[], dict[str, Replica]],
-        desired: Callable[[], DesiredState | None],
-        interval_s: float,
-    ) -> None:
-        self.api = api
-        self.replicas = replicas
-        self.desired = desired
-        self.interval_s = interval_s
+    """Every interval, `sync` the ready replicas with their deployments' catalogs."""
+
+    api: ReplicaAdapters
+    replicas: Callable[[], dict[str, Replica]]
+    desired: Callable[[], DesiredState | None]
+    interval_s: float
 
     async def run(self) -> None:
         while True:

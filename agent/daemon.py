@@ -108,8 +108,8 @@ class Agent:
         self.route_mirror = route_mirror(self.link, self.files)
         self.key_mirror = key_mirror(self.link, self.files)
         self.replica_controller = ReplicaController(
-            self.runtime,
-            config.replica,
+            runtime=self.runtime,
+            config=config.replica,
             desired=lambda: self.desired,
             files=ReplicaFiles(self.files, self.cluster, self.runtime.name),
             events=ReplicaEvents(self.link, self.cluster),
@@ -121,15 +121,17 @@ class Agent:
             interval_s=reconcile_interval_s,
         )
         self.adapter_controller = AdapterController(
-            ReplicaAdapters(httpx.AsyncClient(timeout=10.0, verify=verify), replica_headers(config.security)),
+            api=ReplicaAdapters(
+                httpx.AsyncClient(timeout=10.0, verify=verify), replica_headers(config.security)
+            ),
             replicas=lambda: self.replicas,
             desired=lambda: self.desired,
             interval_s=min(1.0, config.heartbeat_interval_s),
         )
         self.reporter = Reporter(
-            config,
-            self.link,
-            self.files,
+            config=config,
+            link=self.link,
+            files=self.files,
             replicas=lambda: self.replicas,
             desired=lambda: self.desired,
             capacity=capacity,

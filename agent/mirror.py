@@ -188,12 +188,13 @@ def desired_mirror(
 
 def route_mirror(link: NatsLink, files: LocalState) -> BucketMirror[RoutingTable]:
     """Every deployment's routing table (routes.json), for the gateway."""
+
+    def save(routes: dict[str, RoutingTable]) -> None:
+        files.save_routes(RouteSet(routes=routes))
+
+    load = files.load_routes
     return BucketMirror(
-        link,
-        protocol.BUCKET_ROUTES,
-        RoutingTable,
-        load=lambda: dict(files.load_routes().routes),
-        save=lambda entries: files.save_routes(RouteSet(routes=entries)),
+        link, protocol.BUCKET_ROUTES, RoutingTable, load=lambda: dict(load().routes), save=save
     )
 
 

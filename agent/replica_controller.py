@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from agent.capacity import CapacitySignals
 from agent.models import ModelPuller
@@ -28,41 +29,27 @@ from fleet_base.protocol import DesiredState, EventKind, ReplicaLoad, ReplicaSta
 log = logging.getLogger("agent")
 
 
+@dataclass(eq=False)
 class ReplicaController:
     """The replicas this agent runs (`replicas`), reconciled towards `desired()`."""
 
-    def __init__(
-        self,
-        runtime: Runtime,
-        config: ReplicaConfig,
-        *,
-        desired: Callable[[], DesiredState | None],
-        files: ReplicaFiles,
-        events: ReplicaEvents,
-        models: ModelPuller,
-        prepull: bool,
-        scraper: MetricsScraper,
-        capacity: CapacitySignals,
-        clock: Callable[[], float],
-        interval_s: float,
-    ) -> None:
-        self.runtime = runtime
-        self.config = config
-        self.desired = desired
-        self.files = files
-        self.events = events
-        self.models = models
-        # Pre-pull where replicas read the agent's cache: local processes, or a folder
-        # configured as shared with them (a Kubernetes model volume the agent mounts too).
-        self.prepull = prepull
-        self.scraper = scraper
-        self.capacity = capacity
-        self.clock = clock  # wall clock of replica timestamps and restart backoff
-        self.interval_s = interval_s
-        self.replicas: dict[str, Replica] = {}
-        self.lock = asyncio.Lock()
-        self._stopping: dict[str, asyncio.Task[None]] = {}
-        self._wake = asyncio.Event()
+    runtime: Runtime
+    config: ReplicaConfig
+    desired: Callable[[], DesiredState | None]
+    files: ReplicaFiles
+    events: ReplicaEvents
+    models: ModelPuller
+    # Pre-pull where replicas read the agent's cache: local processes, or a folder
+    # configured as shared with them (a Kubernetes model volume the agent mounts too).
+    prepull: bool
+    scraper: MetricsScraper
+    capacity: CapacitySignals
+    clock: Callable[[], float]  # wall clock of replica timestamps and restart backoff
+    interval_s: float
+    replicas: dict[str, Replica] = field(default_factory=dict)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _stopping: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     def wake(self) -> None:
         """Reconcile now rather than at the next interval."""

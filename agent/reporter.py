@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from agent.capacity import CapacitySignals, Placed
 from agent.kv_relay import Followed, KvRelay
@@ -20,32 +21,21 @@ from fleet_base.nats_io import NatsLink
 from fleet_base.protocol import DesiredState, Heartbeat, PoolInventory, ReplicaState
 
 
+@dataclass(eq=False)
 class Reporter:
-    def __init__(
-        self,
-        config: ClusterConfig,
-        link: NatsLink,
-        files: LocalState,
-        *,
-        replicas: Callable[[], dict[str, Replica]],
-        desired: Callable[[], DesiredState | None],
-        capacity: CapacitySignals,
-        models: ModelPuller,
-        scraper: MetricsScraper,
-        kv_relay: KvRelay,
-        clock: Callable[[], float],
-    ) -> None:
-        self.config = config
-        self.link = link
-        self.files = files
-        self.replicas = replicas
-        self.desired = desired
-        self.capacity = capacity
-        self.models = models
-        self.scraper = scraper
-        self.kv_relay = kv_relay
-        self.clock = clock
-        self.pools: list[PoolInventory] = []
+    """Heartbeats and replica load for this cluster (`replicas()` as they are now)."""
+
+    config: ClusterConfig
+    link: NatsLink
+    files: LocalState
+    replicas: Callable[[], dict[str, Replica]]
+    desired: Callable[[], DesiredState | None]
+    capacity: CapacitySignals
+    models: ModelPuller
+    scraper: MetricsScraper
+    kv_relay: KvRelay
+    clock: Callable[[], float]
+    pools: list[PoolInventory] = field(default_factory=list)
 
     def heartbeat(self) -> Heartbeat:
         replicas = self.replicas()

@@ -21,7 +21,7 @@ import re
 import secrets
 
 from agent.runtime.base import InvalidSpec
-from agent.runtime.process import ENGINE_MODULE, _check_text, engine_flags, lora_flags
+from agent.runtime.command import replica_argv
 from fleet_base.cluster_config import ClusterConfig
 from fleet_base.domain import Tier
 from fleet_base.kube_config import PoolPlacement
@@ -156,25 +156,8 @@ def termination_grace_s(drain_timeout_s: float) -> int:
 
 
 def engine_command(spec: ReplicaSpec, config: ClusterConfig) -> list[str]:
-    """The container's command line (argv, never a shell), checked like the process runtime's."""
-    argv = [
-        "python",
-        "-m",
-        ENGINE_MODULE,
-        "--model",
-        _check_text("model", spec.model),
-        "--served-model-name",
-        _check_text("deployment", spec.deployment),
-        "--host",
-        "0.0.0.0",
-        "--port",
-        str(config.kubernetes.port),
-    ]
-    argv += engine_flags(spec.engine_args) + lora_flags(spec)
-    argv += list(config.replica.extra_args)
-    if "--drain-timeout" not in argv:
-        argv += ["--drain-timeout", repr(float(config.replica.drain_timeout_s))]
-    return argv
+    """The container's command line: the process runtime's, on the pod's port."""
+    return replica_argv(spec, config, host="0.0.0.0", port=config.kubernetes.port, python="python")
 
 
 def _volumes(config: ClusterConfig) -> tuple[list[dict], list[dict]]:

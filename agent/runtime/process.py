@@ -1,8 +1,7 @@
 """Runtime `process`: each replica is a `python -m engine.server` child on a free port.
 
-- argv is a list (never a shell); the spec's `engine_args` become flags after checking
-  keys and values against safe patterns, then `config.replica.extra_args` (the host's own
-  flags win over the spec's, argparse taking the last).
+- argv from `agent.runtime.command.replica_argv` (a list, never a shell; the spec's
+  flags checked, the host's own flags winning).
 - each replica runs in its own session/process group (start_new_session) with stdout and
   stderr appended to `state_dir/logs/<replica_id>.log`, so it outlives an agent killed
   with SIGKILL and a restarted agent can adopt it (see `adopt`).
@@ -19,20 +18,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
-import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import psutil
 
-from agent.runtime.base import InvalidSpec, Probe, ReplicaHandle, Runtime
+from agent.runtime.base import Probe, ReplicaHandle, Runtime
+from agent.runtime.command import ENGINE_MODULE, replica_argv
 from agent.security.replica_auth import replica_env
 from fleet_base.cluster_config import ClusterConfig
 from fleet_base.local_state import LocalState
@@ -42,87 +38,12 @@ from fleet_base.security.tls import replica_verify
 
 log = logging.getLogger(__name__)
 
-ENGINE_MODULE = "engine.server"
 UNHEALTHY_AFTER_S = 10.0
 KILL_GRACE_S = 5.0
 LOG_TAIL_LINES = 20
 LOG_TAIL_BYTES = 8192
 
-_KEY = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
-_NUMBER = re.compile(r"^-?\d+(\.\d+)?([eE][-+]?\d+)?$")
-# Flags the runtime sets itself; a spec may not override them.
-RESERVED_KEYS = frozenset(
-    {"model", "served_model_name", "host", "port", "enable_lora", "max_loras", "lora_modules"}
-)
 _ROOT = Path(__file__).resolve().parents[2]
-
-
-def _check_text(what: str, value: str) -> str:
-    if not value or len(value) > 4096:
-        raise InvalidSpec(f"{what}: must be 1..4096 characters")
-    if any(ord(c) < 32 or ord(c) == 127 for c in value):
-        raise InvalidSpec(f"{what}: control characters are not allowed")
-    if value.startswith("-") and not _NUMBER.match(value):
-        raise InvalidSpec(f"{what}: {value!r} would read as a flag")
-    return value
-
-
-def engine_flags(engine_args: dict[str, Any]) -> list[str]:
-    """{"max_num_seqs": 8, "enforce_x": True, "seed": None} -> ["--max-num-seqs", "8", "--enforce-x"].
-
-    True gives the flag alone; False and None omit it; numbers and strings follow the
-    flag; anything else (lists, dicts) is refused with InvalidSpec."""
-    argv: list[str] = []
-    for key, value in engine_args.items():
-        if not isinstance(key, str) or not _KEY.match(key):
-            raise InvalidSpec(f"engine_args: key {key!r} must match {_KEY.pattern}")
-        if key in RESERVED_KEYS:
-            raise InvalidSpec(f"engine_args: {key!r} is set by the agent")
-        flag = "--" + key.replace("_", "-")
-        if value is None or value is False:
-            continue
-        if value is True:
-            argv.append(flag)
-        elif isinstance(value, int | float):
-            if isinstance(value, float) and not math.isfinite(value):
-                raise InvalidSpec(f"engine_args: {key} must be finite")
-            argv += [flag, repr(value) if isinstance(value, float) else str(value)]
-        elif isinstance(value, str):
-            argv += [flag, _check_text(f"engine_args.{key}", value)]
-        else:
-            raise InvalidSpec(
-                f"engine_args: {key} must be a string, number or boolean, not {type(value).__name__}"
-            )
-    return argv
-
-
-def lora_flags(spec: ReplicaSpec) -> list[str]:
-    """LoRA slots for the adapters the agent and gateway load (none when LoRA is off)."""
-    return ["--enable-lora", "--max-loras", str(spec.max_adapters)] if spec.max_adapters > 0 else []
-
-
-def engine_argv(
-    spec: ReplicaSpec, config: ClusterConfig, port: int, python: str = sys.executable
-) -> list[str]:
-    """The full command line of one replica."""
-    argv = [
-        python,
-        "-m",
-        ENGINE_MODULE,
-        "--model",
-        _check_text("model", spec.model),
-        "--served-model-name",
-        _check_text("deployment", spec.deployment),
-        "--host",
-        config.replica.host,
-        "--port",
-        str(port),
-    ]
-    argv += engine_flags(spec.engine_args) + lora_flags(spec)
-    argv += list(config.replica.extra_args)
-    if "--drain-timeout" not in argv:
-        argv += ["--drain-timeout", repr(float(config.replica.drain_timeout_s))]
-    return argv
 
 
 def log_tail(path: str | Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -178,7 +99,7 @@ class ProcessRuntime(Runtime):
 
     def replica_argv(self, spec: ReplicaSpec, port: int) -> list[str]:
         """The command line of one replica (subclasses launch something else)."""
-        return engine_argv(spec, self.config, port)
+        return replica_argv(spec, self.config, port=port)
 
     async def start(self, spec: ReplicaSpec) -> ReplicaHandle:
         host = self.config.replica.host

@@ -9,9 +9,8 @@ server, so one deployment spec serves both runtimes."""
 
 from __future__ import annotations
 
-import sys
-
-from agent.runtime.process import ProcessRuntime, _check_text, engine_flags
+from agent.runtime.command import replica_argv
+from agent.runtime.process import ProcessRuntime
 from fleet_base.protocol import ReplicaSpec
 
 SIM_MODULE = "agent.sim.server"
@@ -22,21 +21,4 @@ class SimRuntime(ProcessRuntime):
     module = SIM_MODULE
 
     def replica_argv(self, spec: ReplicaSpec, port: int) -> list[str]:
-        argv = [
-            sys.executable,
-            "-m",
-            SIM_MODULE,
-            "--model",
-            _check_text("model", spec.model),
-            "--served-model-name",
-            _check_text("deployment", spec.deployment),
-            "--host",
-            self.config.replica.host,
-            "--port",
-            str(port),
-        ]
-        argv += engine_flags(spec.engine_args)
-        argv += list(self.config.replica.extra_args)
-        if "--drain-timeout" not in argv:
-            argv += ["--drain-timeout", repr(float(self.config.replica.drain_timeout_s))]
-        return argv
+        return replica_argv(spec, self.config, port=port, module=SIM_MODULE, lora=False)

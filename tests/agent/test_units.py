@@ -11,7 +11,7 @@ from prometheus_client import generate_latest
 from agent.inventory import cpu_pool, gpu_pools, inventory, parse_nvidia_smi
 from agent.replica_metrics import EngineSample, LoadTracker, parse_metrics
 from agent.runtime.base import InvalidSpec
-from agent.runtime.process import engine_argv, engine_flags
+from agent.runtime.command import engine_flags, replica_argv
 from engine.outputs import EngineStats
 from engine.server.metrics import ServerMetrics
 from fleet_base.cluster_config import ClusterConfig, ReplicaConfig
@@ -66,21 +66,21 @@ def test_engine_flags_refuses_unsafe_input(args: dict, reason: str) -> None:
         engine_flags(args)
 
 
-def test_engine_argv(tmp_path: Path) -> None:
+def test_replica_argv(tmp_path: Path) -> None:
     spec = ReplicaSpec(
         replica_id="r1", deployment="chat", version=2, model="smollm2-135m", engine_args={"max_num_seqs": 4}
     )
     cfg = config(tmp_path, extra_args=["--threads", "1"], drain_timeout_s=7)
-    argv = engine_argv(spec, cfg, 8123, python="py")
+    argv = replica_argv(spec, cfg, port=8123, python="py")
     assert argv == [
         "py", "-m", "engine.server", "--model", "smollm2-135m", "--served-model-name", "chat",
         "--host", "127.0.0.1", "--port", "8123", "--max-num-seqs", "4", "--threads", "1",
         "--drain-timeout", "7.0",
     ]  # fmt: skip
     cfg = config(tmp_path, extra_args=["--drain-timeout", "3"])
-    assert engine_argv(spec, cfg, 1, python="py")[-2:] == ["--drain-timeout", "3"]
+    assert replica_argv(spec, cfg, port=1, python="py")[-2:] == ["--drain-timeout", "3"]
     with pytest.raises(InvalidSpec, match="model"):
-        engine_argv(spec.model_copy(update={"model": "-x"}), cfg, 1)
+        replica_argv(spec.model_copy(update={"model": "-x"}), cfg, port=1)
 
 
 # ----------------------------------------------------------------- /metrics

@@ -1,0 +1,102 @@
+"""The command line of one replica, the one home for every runtime (local process,
+simulated replica, Kubernetes container): argv as a list (never a shell), the spec's
+`engine_args` as flags after checking keys and values against safe patterns, then
+`config.replica.extra_args` (the host's own flags win over the spec's, argparse taking
+the last), then the drain timeout unless the host set one."""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from typing import Any
+
+from agent.runtime.base import InvalidSpec
+from fleet_base.cluster_config import ClusterConfig
+from fleet_base.protocol import ReplicaSpec
+
+ENGINE_MODULE = "engine.server"
+
+_KEY = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+_NUMBER = re.compile(r"^-?\d+(\.\d+)?([eE][-+]?\d+)?$")
+# Flags the runtime sets itself; a spec may not override them.
+RESERVED_KEYS = frozenset(
+    {"model", "served_model_name", "host", "port", "enable_lora", "max_loras", "lora_modules"}
+)
+
+
+def check_text(what: str, value: str) -> str:
+    """`value` as one argv item: bounded, no control characters, never read as a flag."""
+    if not value or len(value) > 4096:
+        raise InvalidSpec(f"{what}: must be 1..4096 characters")
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise InvalidSpec(f"{what}: control characters are not allowed")
+    if value.startswith("-") and not _NUMBER.match(value):
+        raise InvalidSpec(f"{what}: {value!r} would read as a flag")
+    return value
+
+
+def engine_flags(engine_args: dict[str, Any]) -> list[str]:
+    """{"max_num_seqs": 8, "enforce_x": True, "seed": None} -> ["--max-num-seqs", "8", "--enforce-x"].
+
+    True gives the flag alone; False and None omit it; numbers and strings follow the
+    flag; anything else (lists, dicts) is refused with InvalidSpec."""
+    argv: list[str] = []
+    for key, value in engine_args.items():
+        if not isinstance(key, str) or not _KEY.match(key):
+            raise InvalidSpec(f"engine_args: key {key!r} must match {_KEY.pattern}")
+        if key in RESERVED_KEYS:
+            raise InvalidSpec(f"engine_args: {key!r} is set by the agent")
+        flag = "--" + key.replace("_", "-")
+        if value is None or value is False:
+            continue
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, int | float):
+            if isinstance(value, float) and not math.isfinite(value):
+                raise InvalidSpec(f"engine_args: {key} must be finite")
+            argv += [flag, repr(value) if isinstance(value, float) else str(value)]
+        elif isinstance(value, str):
+            argv += [flag, check_text(f"engine_args.{key}", value)]
+        else:
+            raise InvalidSpec(
+                f"engine_args: {key} must be a string, number or boolean, not {type(value).__name__}"
+            )
+    return argv
+
+
+def lora_flags(spec: ReplicaSpec) -> list[str]:
+    """LoRA slots for the adapters the agent and gateway load (none when LoRA is off)."""
+    return ["--enable-lora", "--max-loras", str(spec.max_adapters)] if spec.max_adapters > 0 else []
+
+
+def replica_argv(
+    spec: ReplicaSpec,
+    config: ClusterConfig,
+    *,
+    port: int,
+    host: str | None = None,
+    python: str = sys.executable,
+    module: str = ENGINE_MODULE,
+    lora: bool = True,
+) -> list[str]:
+    """The full command line of one replica, listening on `host` (default
+    `config.replica.host`) and `port`; `lora`: with its LoRA slots."""
+    argv = [
+        python,
+        "-m",
+        module,
+        "--model",
+        check_text("model", spec.model),
+        "--served-model-name",
+        check_text("deployment", spec.deployment),
+        "--host",
+        host if host is not None else config.replica.host,
+        "--port",
+        str(port),
+    ]
+    argv += engine_flags(spec.engine_args) + (lora_flags(spec) if lora else [])
+    argv += list(config.replica.extra_args)
+    if "--drain-timeout" not in argv:
+        argv += ["--drain-timeout", repr(float(config.replica.drain_timeout_s))]
+    return argv
