@@ -19,7 +19,7 @@ from agent.runtime.kube_pod import replica_pod
 from agent.runtime.kubernetes import KubernetesRuntime
 from fleet_base.cluster_config import ClusterConfig
 from fleet_base.protocol import ReplicaSpec, Resources
-from tests.agent.kube.conftest import NAMESPACE, config_for, fake_cluster, spec, validate
+from tests.agent.kube.conftest import NAMESPACE, config_for, fake_cluster, spec, start_running, validate
 from tests.polling import eventually
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -232,10 +232,7 @@ async def _exercise_runtime(api, tmp_path) -> None:
     """Every runtime method once: start, adopt, discover, poll a failure, kill."""
     rt = KubernetesRuntime(config_for(api, tmp_path))
     try:
-        handle = await rt.start(spec())
-        name = handle.pod.split("/")[1]
-        api.schedule(name, namespace=NAMESPACE)
-        api.run(name, ready=True, namespace=NAMESPACE)
+        handle, name = await start_running(api, rt, spec())
         await eventually(lambda: name in rt.pods)
         assert await rt.adopt(handle)
         assert await rt.discover()

@@ -11,6 +11,7 @@ import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -150,17 +151,27 @@ async def control_plane(nats_server: NatsServer):
     await cp.close()
 
 
-async def test_agent_runs_restarts_replaces_and_stops_replicas(
-    tmp_path: Path,
-    model_dir: Path,
-    nats_server: NatsServer,
-    control_plane: ControlPlane,
-    agent_factory: Callable[[ClusterConfig], AgentProcess],
-) -> None:
-    cp = control_plane
+@dataclass
+class Started:
+    """A running agent on a fresh state_dir, and its files."""
+
+    cfg: ClusterConfig
+    agent: AgentProcess
+    files: LocalState
+
+
+@pytest.fixture
+def started(
+    tmp_path: Path, nats_server: NatsServer, agent_factory: Callable[[ClusterConfig], AgentProcess]
+) -> Started:
     cfg = cluster_config(tmp_path, nats_server.url)
-    agent = agent_factory(cfg).start()
-    files = LocalState(cfg.state_dir)
+    return Started(cfg, agent_factory(cfg).start(), LocalState(cfg.state_dir))
+
+
+async def test_agent_runs_restarts_replaces_and_stops_replicas(
+    model_dir: Path, nats_server: NatsServer, control_plane: ControlPlane, started: Started
+) -> None:
+    cp, cfg, agent, files = control_plane, started.cfg, started.agent, started.files
 
     # The agent announces itself (inventory, gateway, region) before anything is desired.
     hb = await until(lambda: cp.heartbeats and cp.heartbeats[-1], 20, "a first heartbeat")
@@ -257,16 +268,9 @@ def _alive(pid: int) -> bool:
 
 
 async def test_agent_serves_from_disk_without_nats_and_resumes(
-    tmp_path: Path,
-    model_dir: Path,
-    nats_server: NatsServer,
-    control_plane: ControlPlane,
-    agent_factory: Callable[[ClusterConfig], AgentProcess],
+    model_dir: Path, nats_server: NatsServer, control_plane: ControlPlane, started: Started
 ) -> None:
-    cp = control_plane
-    cfg = cluster_config(tmp_path, nats_server.url)
-    agent = agent_factory(cfg).start()
-    files = LocalState(cfg.state_dir)
+    cp, cfg, agent, files = control_plane, started.cfg, started.agent, started.files
     await cp.put(protocol.BUCKET_KEYS, "k1", key_record("k1"))
     await cp.desire(1, spec(model_dir, "chat-1-a"))
     first = await until(lambda: replica(cfg, "chat-1-a", ReplicaState.ready), 30, "chat-1-a ready")

@@ -12,6 +12,8 @@ import kubernetes_validate
 import kubernetes_validate.utils
 import pytest
 
+from agent.runtime.base import ReplicaHandle
+from agent.runtime.kubernetes import KubernetesRuntime
 from fleet_base.cluster_config import ClusterConfig, ReplicaConfig
 from fleet_base.domain import Tier
 from fleet_base.kube_config import KubernetesConfig
@@ -95,3 +97,19 @@ async def fake_cluster() -> AsyncIterator[FakeApiServer]:
 async def api() -> AsyncIterator[FakeApiServer]:
     async with fake_cluster() as server:
         yield server
+
+
+def run_ready(api: FakeApiServer, name: str) -> None:
+    """Schedule the pod `name` and run it, ready."""
+    api.schedule(name, namespace=NAMESPACE)
+    api.run(name, ready=True, namespace=NAMESPACE)
+
+
+async def start_running(
+    api: FakeApiServer, rt: KubernetesRuntime, replica: ReplicaSpec
+) -> tuple[ReplicaHandle, str]:
+    """Start `replica` through the runtime and run its pod, ready: its handle and pod name."""
+    handle = await rt.start(replica)
+    name = handle.pod.split("/")[1]
+    run_ready(api, name)
+    return handle, name

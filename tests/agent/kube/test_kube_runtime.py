@@ -25,7 +25,7 @@ from agent.runtime.base import InvalidSpec
 from agent.runtime.kube_pod import termination_grace_s
 from agent.runtime.kubernetes import KubernetesRuntime
 from fleet_base.protocol import DesiredState, ReplicaState
-from tests.agent.kube.conftest import NAMESPACE, config_for, spec, validate
+from tests.agent.kube.conftest import NAMESPACE, config_for, run_ready, spec, start_running, validate
 from tests.polling import eventually
 
 
@@ -46,6 +46,18 @@ def validate_created(api) -> None:
         }
         validate({**body, "metadata": meta})
         validate(pod)  # as stored, with server fields
+
+
+async def serve_desired(api, agent: Agent) -> str:
+    """Reconcile the agent's one desired replica into a pod, run it ready and reconcile
+    again once the runtime saw it running: the pod's name."""
+    await agent.reconcile_once()
+    (pod,) = api.pods(NAMESPACE)
+    name = pod["metadata"]["name"]
+    run_ready(api, name)
+    await eventually(lambda: agent.runtime.pods.get(name, {}).get("status", {}).get("phase") == "Running")
+    await agent.reconcile_once()
+    return name
 
 
 class Events:
@@ -135,13 +147,7 @@ async def test_adopt_after_agent_restart_without_runtime_json(api, tmp_path) -> 
     desired = DesiredState(cluster=config.cluster, generation=1, replicas=[spec()])
     first = Agent(config, KubernetesRuntime(config))
     first.desired = desired
-    await first.reconcile_once()
-    (pod,) = api.pods(NAMESPACE)
-    name = pod["metadata"]["name"]
-    api.schedule(name, namespace=NAMESPACE)
-    api.run(name, ready=True, namespace=NAMESPACE)
-    await eventually(lambda: first.runtime.pods.get(name, {}).get("status", {}).get("phase") == "Running")
-    await first.reconcile_once()
+    name = await serve_desired(api, first)
     assert first.replicas["chat-v1-abc123"].state == ReplicaState.ready
     await first.runtime.close()  # the agent dies; its replicas keep running
 
@@ -226,8 +232,7 @@ async def test_unschedulable_reported_in_heartbeat_and_pool_shrinks(api, tmp_pat
         )
         await agent.reconcile_once()
         a, b = sorted(api.pods(NAMESPACE), key=lambda p: p["metadata"]["labels"]["fleet.dev/replica"])
-        api.schedule(a["metadata"]["name"], namespace=NAMESPACE)
-        api.run(a["metadata"]["name"], ready=True, namespace=NAMESPACE)
+        run_ready(api, a["metadata"]["name"])
         api.unschedulable(
             b["metadata"]["name"], "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.", NAMESPACE
         )
@@ -278,13 +283,7 @@ async def test_spot_node_loss_is_preemption(api, tmp_path, pool, how, preempted)
     events = Events(agent)
     try:
         agent.desired = DesiredState(cluster=config.cluster, generation=1, replicas=[spec(pool=pool)])
-        await agent.reconcile_once()
-        (pod,) = api.pods(NAMESPACE)
-        name = pod["metadata"]["name"]
-        api.schedule(name, namespace=NAMESPACE)
-        api.run(name, ready=True, namespace=NAMESPACE)
-        await eventually(lambda: agent.runtime.pods.get(name, {}).get("status", {}).get("phase") == "Running")
-        await agent.reconcile_once()
+        name = await serve_desired(api, agent)
         if how == "shutdown":
             api.node_shutdown(name, namespace=NAMESPACE)
         else:  # the node object is deleted; pod GC removes its pods
@@ -313,10 +312,7 @@ async def test_drain_deletes_with_grace_and_waits_for_kubelet(api, tmp_path) -> 
 
     rt = KubernetesRuntime(config_for(api, tmp_path))
     try:
-        handle = await rt.start(spec())
-        name = handle.pod.split("/")[1]
-        api.schedule(name, namespace=NAMESPACE)
-        api.run(name, ready=True, namespace=NAMESPACE)
+        handle, name = await start_running(api, rt, spec())
         stop = asyncio.create_task(rt.stop(handle, drain_timeout_s=2.0))
         await eventually(
             lambda: api.pod(name, NAMESPACE)["metadata"].get("deletionTimestamp"), what="terminating"
@@ -420,8 +416,7 @@ async def test_agent_stop_leaves_pods_serving_and_the_next_agent_adopts(api, tmp
     first, stop, task = await run_agent("one")
     (pod,) = await eventually(lambda: api.pods(NAMESPACE), what="pod created")
     name = pod["metadata"]["name"]
-    api.schedule(name, namespace=NAMESPACE)
-    api.run(name, ready=True, namespace=NAMESPACE)
+    run_ready(api, name)
     await eventually(lambda: first.replicas["chat-v1-abc123"].state == ReplicaState.ready, what="ready")
     stop.set()
     await asyncio.wait_for(task, 30)

@@ -25,109 +25,33 @@ def pod(phase="Pending", tier="spot", conditions=(), container=None, deleting=Fa
     return {"metadata": meta, "status": st}
 
 
+def disruption(reason: str) -> dict:
+    """The condition Kubernetes sets on a pod it is about to evict, for `reason`."""
+    return {"type": "DisruptionTarget", "status": "True", "reason": reason}
+
+
+UNSCHEDULABLE = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/2 nodes"}
+S, R, D, F = ReplicaState.starting, ReplicaState.ready, ReplicaState.draining, ReplicaState.failed
+
+
 @pytest.mark.parametrize(
     ("obj", "state", "preempted", "unschedulable", "word"),
     [
-        (pod(), ReplicaState.starting, False, False, ""),
-        (
-            pod(
-                conditions=[
-                    {
-                        "type": "PodScheduled",
-                        "status": "False",
-                        "reason": "Unschedulable",
-                        "message": "0/2 nodes",
-                    }
-                ]
-            ),
-            ReplicaState.starting,
-            False,
-            True,
-            "0/2 nodes",
-        ),
-        (
-            pod(container={"waiting": {"reason": "ErrImagePull", "message": "no such tag"}}),
-            ReplicaState.failed,
-            False,
-            False,
-            "ErrImagePull",
-        ),
-        (
-            pod(container={"waiting": {"reason": "CreateContainerConfigError", "message": "secret x"}}),
-            ReplicaState.failed,
-            False,
-            False,
-            "secret x",
-        ),
-        (
-            pod(container={"waiting": {"reason": "ContainerCreating"}}),
-            ReplicaState.starting,
-            False,
-            False,
-            "",
-        ),
-        (
-            pod("Running", conditions=[{"type": "Ready", "status": "False"}]),
-            ReplicaState.starting,
-            False,
-            False,
-            "",
-        ),
-        (
-            pod("Running", conditions=[{"type": "Ready", "status": "True"}]),
-            ReplicaState.ready,
-            False,
-            False,
-            "",
-        ),
-        (pod("Running", deleting=True), ReplicaState.draining, False, False, ""),
-        (
-            pod("Failed", container={"terminated": {"exitCode": 137, "reason": "OOMKilled"}}),
-            ReplicaState.failed,
-            False,
-            False,
-            "OOMKilled",
-        ),
-        (
-            pod("Failed", reason="Evicted", message="low on ephemeral-storage"),
-            ReplicaState.failed,
-            False,
-            False,
-            "Evicted",
-        ),
-        (
-            pod(
-                "Failed",
-                conditions=[
-                    {"type": "DisruptionTarget", "status": "True", "reason": "DeletionByTaintManager"}
-                ],
-            ),
-            ReplicaState.failed,
-            True,
-            False,
-            "node lost",
-        ),
-        (
-            pod("Failed", tier="on-demand", reason="NodeShutdown"),
-            ReplicaState.failed,
-            False,
-            False,
-            "node lost",
-        ),
-        (
-            pod(
-                "Failed",
-                conditions=[
-                    {"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}
-                ],
-            ),
-            ReplicaState.failed,
-            False,
-            False,
-            "",
-        ),
+        (pod(), S, False, False, ""),
+        (pod(conditions=[UNSCHEDULABLE]), S, False, True, "0/2 nodes"),
+        (pod(container={"waiting": {"reason": "ErrImagePull", "message": "no such tag"}}), F, False, False, "ErrImagePull"),
+        (pod(container={"waiting": {"reason": "CreateContainerConfigError", "message": "secret x"}}), F, False, False, "secret x"),
+        (pod(container={"waiting": {"reason": "ContainerCreating"}}), S, False, False, ""),
+        (pod("Running", conditions=[{"type": "Ready", "status": "False"}]), S, False, False, ""),
+        (pod("Running", conditions=[{"type": "Ready", "status": "True"}]), R, False, False, ""),
+        (pod("Running", deleting=True), D, False, False, ""),
+        (pod("Failed", container={"terminated": {"exitCode": 137, "reason": "OOMKilled"}}), F, False, False, "OOMKilled"),
+        (pod("Failed", reason="Evicted", message="low on ephemeral-storage"), F, False, False, "Evicted"),
+        (pod("Failed", conditions=[disruption("DeletionByTaintManager")]), F, True, False, "node lost"),
+        (pod("Failed", tier="on-demand", reason="NodeShutdown"), F, False, False, "node lost"),
+        (pod("Failed", conditions=[disruption("PreemptionByScheduler")]), F, False, False, ""),
     ],
-)
+)  # fmt: skip
 def test_pod_status_table(obj, state, preempted, unschedulable, word) -> None:
     view = classify(obj, "32Gi")
     assert (view.state, view.preempted, view.unschedulable) == (state, preempted, unschedulable)
@@ -144,46 +68,29 @@ L4 = PoolInventory(name="l4", gpu_model="L4", gpu_memory_gb=24, tier=Tier.on_dem
 A100_80 = PoolInventory(name="a100", gpu_model="NVIDIA A100", gpu_memory_gb=80, tier=Tier.reserved)
 
 
+GPU = "nvidia.com/gpu"
+MINE = PoolPlacement(
+    node_selector={"pool": "mine"}, tolerations=[Toleration(key="dedicated", operator="Equal", value="llm")]
+)
+
+
 @pytest.mark.parametrize(
     ("pool", "placement", "provider", "selector", "tolerations"),
     [
-        (L4, None, "gke", {"cloud.google.com/gke-accelerator": "nvidia-l4"}, {"nvidia.com/gpu"}),
-        (A100_80, None, "gke", {"cloud.google.com/gke-accelerator": "nvidia-a100-80gb"}, {"nvidia.com/gpu"}),
-        (
-            H100_SPOT,
-            PoolPlacement(node_pool="a3-spot"),
-            "gke",
-            {"cloud.google.com/gke-nodepool": "a3-spot", "cloud.google.com/gke-spot": "true"},
-            {"nvidia.com/gpu", "cloud.google.com/gke-spot"},
-        ),
-        (
-            H100_SPOT,
-            PoolPlacement(node_pool="p5-spot"),
-            "eks",
-            {"eks.amazonaws.com/nodegroup": "p5-spot", "eks.amazonaws.com/capacityType": "SPOT"},
-            {"nvidia.com/gpu"},
-        ),
-        (L4, None, "eks", {"eks.amazonaws.com/capacityType": "ON_DEMAND"}, {"nvidia.com/gpu"}),
-        (
-            H100_SPOT,
-            PoolPlacement(node_pool="gpuspot"),
-            "aks",
-            {"kubernetes.azure.com/agentpool": "gpuspot", "kubernetes.azure.com/scalesetpriority": "spot"},
-            {"nvidia.com/gpu", "kubernetes.azure.com/scalesetpriority"},
-        ),
-        (
-            L4,
-            PoolPlacement(
-                node_selector={"pool": "mine"},
-                tolerations=[Toleration(key="dedicated", operator="Equal", value="llm")],
-            ),
-            "generic",
-            {"pool": "mine"},
-            {"nvidia.com/gpu", "dedicated"},
-        ),
+        (L4, None, "gke", {"cloud.google.com/gke-accelerator": "nvidia-l4"}, {GPU}),
+        (A100_80, None, "gke", {"cloud.google.com/gke-accelerator": "nvidia-a100-80gb"}, {GPU}),
+        (H100_SPOT, PoolPlacement(node_pool="a3-spot"), "gke",
+         {"cloud.google.com/gke-nodepool": "a3-spot", "cloud.google.com/gke-spot": "true"}, {GPU, "cloud.google.com/gke-spot"}),
+        (H100_SPOT, PoolPlacement(node_pool="p5-spot"), "eks",
+         {"eks.amazonaws.com/nodegroup": "p5-spot", "eks.amazonaws.com/capacityType": "SPOT"}, {GPU}),
+        (L4, None, "eks", {"eks.amazonaws.com/capacityType": "ON_DEMAND"}, {GPU}),
+        (H100_SPOT, PoolPlacement(node_pool="gpuspot"), "aks",
+         {"kubernetes.azure.com/agentpool": "gpuspot", "kubernetes.azure.com/scalesetpriority": "spot"},
+         {GPU, "kubernetes.azure.com/scalesetpriority"}),
+        (L4, MINE, "generic", {"pool": "mine"}, {GPU, "dedicated"}),
         (PoolInventory(name="cpu", gpu_model="cpu"), None, "gke", {}, set()),
     ],
-)
+)  # fmt: skip
 def test_node_placement_per_provider(pool, placement, provider, selector, tolerations) -> None:
     sel, tol = node_placement(pool, placement, provider)
     assert sel == selector
