@@ -5,6 +5,7 @@ deploy, ls, status, scale, delete, clusters, cordon/uncordon, pools, events, aud
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -387,17 +388,25 @@ def audit(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("deploy")(deploy)
-    app.command("ls")(list_deployments)
-    app.command("status")(status)
-    app.command("scale")(scale)
-    app.command("delete")(delete)
+    """The resource commands and groups, in the order `fleetctl --help` lists them."""
     clusters_app.callback(invoke_without_command=True)(clusters)
-    app.add_typer(clusters_app, name="clusters")
-    app.command("cordon")(cordon)
-    app.command("uncordon")(uncordon)
     pools_app.callback()(pools)
-    app.add_typer(pools_app, name="pools")
-    app.add_typer(keys_app, name="keys")
-    app.command("events")(events)
-    app.command("audit")(audit)
+    entries: tuple[tuple[str, Callable[..., None] | typer.Typer], ...] = (
+        ("deploy", deploy),
+        ("ls", list_deployments),
+        ("status", status),
+        ("scale", scale),
+        ("delete", delete),
+        ("clusters", clusters_app),
+        ("cordon", cordon),
+        ("uncordon", uncordon),
+        ("pools", pools_app),
+        ("keys", keys_app),
+        ("events", events),
+        ("audit", audit),
+    )
+    for name, entry in entries:
+        if isinstance(entry, typer.Typer):
+            app.add_typer(entry, name=name)
+        else:
+            app.command(name)(entry)
