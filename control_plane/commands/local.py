@@ -22,6 +22,7 @@ from rich.table import Table
 from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, console, emit, emit_json, fail
 from control_plane.local.fleet import LocalFleet, pid_alive, wait_http
 from control_plane.settings import fleet_home
+from fleet_base.domain import is_cluster_id
 from fleet_base.ports import wait_port
 
 
@@ -119,7 +120,7 @@ def up(
     if not region_list:
         fail("--regions is empty")
     for region in region_list:
-        if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", region):
+        if not is_cluster_id(region):  # each region's cluster takes its name
             fail(f"region {region!r}: use lowercase letters, digits and dashes")
     if len(set(region_list)) != len(region_list):
         fail("--regions lists a region twice")
