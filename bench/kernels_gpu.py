@@ -96,6 +96,21 @@ class Paged:
     block_tables: torch.Tensor
     context_lens: torch.Tensor
 
+    def decode(self, q: torch.Tensor, scale: float, **options: object) -> Callable[[], torch.Tensor]:
+        """The Triton decode over these caches, ready to time."""
+        from kernels import triton_attention
+
+        return functools.partial(
+            triton_attention.paged_attention_decode,
+            q,
+            self.k_cache,
+            self.v_cache,
+            self.block_tables,
+            self.context_lens,
+            scale,
+            **options,
+        )
+
 
 def paged_inputs(
     lengths: Sequence[int], block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device
@@ -258,7 +273,6 @@ def time_decode(
     block_size: int,
     dtype: torch.dtype,
 ) -> None:
-    from kernels import triton_attention
 
     group = num_heads // num_kv_heads
     elt = torch.tensor([], dtype=dtype).element_size()
@@ -292,15 +306,7 @@ def time_decode(
             paged = paged_inputs([context] * batch, block_size, num_kv_heads, head_dim, dtype, device)
             q = torch.randn(batch, num_heads, head_dim, dtype=dtype, device=device)
             scale = head_dim**-0.5
-            decode = functools.partial(
-                triton_attention.paged_attention_decode,
-                q,
-                paged.k_cache,
-                paged.v_cache,
-                paged.block_tables,
-                paged.context_lens,
-                scale,
-            )
+            decode = paged.decode(q, scale)
             ms = timer(decode)
             row += [
                 f"{ms * 1e3:,.1f}",
@@ -350,7 +356,6 @@ def sweep(
     shapes: Sequence[tuple[int, int]] = ((32, 4096), (64, 8192), (256, 4096), (8, 32768)),
 ) -> None:
     """Decode kernel tile / warp / stage settings and split-K partition sizes at a few shapes."""
-    from kernels import triton_attention
 
     elt = torch.tensor([], dtype=dtype).element_size()
     settings: list[tuple[str, dict[str, int]]] = [("defaults", {})]
@@ -376,16 +381,7 @@ def sweep(
             if kwargs.get("partition_size", 0) > context:
                 cells[label].append("")
                 continue
-            decode = functools.partial(
-                triton_attention.paged_attention_decode,
-                q,
-                paged.k_cache,
-                paged.v_cache,
-                paged.block_tables,
-                paged.context_lens,
-                0.1,
-                **kwargs,
-            )
+            decode = paged.decode(q, 0.1, **kwargs)
             try:
                 ms = timer(decode)
                 cells[label].append(f"{100 * kv_bytes / (ms * 1e-3) / copy_bw:.0f}%")

@@ -17,12 +17,20 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from sqlalchemy import func, select
 
 from control_plane.context import ControlPlaneContext
-from control_plane.db.models import Deployment, Event, ReplicaAssignment, Rollout
+from control_plane.db.models import Event, ReplicaAssignment, Rollout
 from control_plane.fleet_model.snapshot import read_snapshot
 from control_plane.nats_loop import Handler, NatsLoop
 from control_plane.rollouts.capacity_status import capacity_numbers, with_capacity
 from control_plane.rollouts.policy import Decision, Observation, RolloutParams, decide
-from control_plane.rollouts.store import active_filter, numbers_text, params_of, record, state_of, write_state
+from control_plane.rollouts.store import (
+    active_filter,
+    active_rows,
+    numbers_text,
+    params_of,
+    record,
+    state_of,
+    write_state,
+)
 from control_plane.rollouts.telemetry import UsageWindows
 from fleet_base import protocol
 from fleet_base.wire import Rejected, decode_usage
@@ -128,12 +136,7 @@ class RolloutLoop(NatsLoop):
         """Decide every active rollout once; True when any state changed."""
         changed = False
         with self.ctx.sessions() as session:
-            rows = session.execute(
-                select(Rollout, Deployment.name, Deployment.replicas)
-                .join(Deployment, Deployment.id == Rollout.deployment_id)
-                .where(active_filter())
-                .order_by(Rollout.id)
-            ).all()
+            rows = active_rows(session)
             capacity = _capacity(session) if rows else {}
             for row, name, replicas in rows:
                 if row.id not in self._seen:

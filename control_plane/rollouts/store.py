@@ -55,16 +55,21 @@ def active_for(session: Session, deployment_id: int) -> Rollout | None:
     )
 
 
-def plans(session: Session) -> dict[str, RolloutPlan]:
-    """Active rollouts by deployment name."""
+def active_rows(session: Session) -> list[tuple[Rollout, str, int]]:
+    """Every active rollout with its deployment's name and replica count, oldest first."""
     rows = session.execute(
         select(Rollout, Deployment.name, Deployment.replicas)
         .join(Deployment, Deployment.id == Rollout.deployment_id)
         .where(active_filter())
         .order_by(Rollout.id)
     ).all()
+    return [(row, name, replicas) for row, name, replicas in rows]
+
+
+def plans(session: Session) -> dict[str, RolloutPlan]:
+    """Active rollouts by deployment name."""
     out: dict[str, RolloutPlan] = {}
-    for row, name, replicas in rows:
+    for row, name, replicas in active_rows(session):
         params, state = params_of(row), state_of(row)
         out[name] = RolloutPlan(
             deployment=name,
