@@ -8,14 +8,7 @@ import pytest
 import torch
 
 from kernels import reference as ref
-from tests.kernels.helpers import (
-    boundary_lengths,
-    contiguous_kv,
-    make_paged_kv,
-    naive_attention,
-    poisoned_allocations,
-    rel_err,
-)
+from tests.kernels import helpers
 
 
 @pytest.mark.parametrize(
@@ -31,16 +24,16 @@ def test_decode_matches_naive_attention(
     block_size: int, head_dim: int, group: int, num_kv_heads: int
 ) -> None:
     gen = torch.Generator().manual_seed(block_size * head_dim + group)
-    lengths = boundary_lengths(gen, block_size, count=6)
-    kv = make_paged_kv(gen, lengths, block_size, num_kv_heads, head_dim, torch.float32)
+    lengths = helpers.boundary_lengths(gen, block_size, count=6)
+    kv = helpers.make_paged_kv(gen, lengths, block_size, num_kv_heads, head_dim, torch.float32)
     q = torch.randn(len(lengths), num_kv_heads * group, head_dim, generator=gen)
     scale = head_dim**-0.5
-    with poisoned_allocations():
+    with helpers.poisoned_allocations():
         out = ref.paged_attention_decode(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, scale)
     for seq, length in enumerate(lengths):
-        k, v = contiguous_kv(kv, seq)
-        expected = naive_attention(q[seq : seq + 1], k, v, torch.tensor([length - 1]), scale)[0]
-        assert rel_err(out[seq], expected) < 1e-5, (seq, length)
+        k, v = helpers.contiguous_kv(kv, seq)
+        expected = helpers.naive_attention(q[seq : seq + 1], k, v, torch.tensor([length - 1]), scale)[0]
+        assert helpers.rel_err(out[seq], expected) < 1e-5, (seq, length)
 
 
 @pytest.mark.parametrize("lengths", [[37, 37, 37], [16, 16], [5], [40, 3, 17, 32]])
@@ -48,7 +41,7 @@ def test_one_decode_plan_serves_every_layer(lengths: list[int]) -> None:
     """The per-step layout (cut to a shared length, or masked) gives each layer naive attention."""
     gen = torch.Generator().manual_seed(sum(lengths))
     block_size, num_kv_heads, group, head_dim = 16, 2, 3, 32
-    kv = make_paged_kv(gen, lengths, block_size, num_kv_heads, head_dim, torch.float32)
+    kv = helpers.make_paged_kv(gen, lengths, block_size, num_kv_heads, head_dim, torch.float32)
     plan = ref.plan_decode(kv.block_tables, kv.context_lens, block_size)
     assert (plan.mask is None) == (len(set(lengths)) == 1)
     for layer in range(2):
@@ -56,12 +49,12 @@ def test_one_decode_plan_serves_every_layer(lengths: list[int]) -> None:
             kv.k_cache = kv.k_cache + torch.randn(kv.k_cache.shape, generator=gen)
             kv.v_cache = kv.v_cache + torch.randn(kv.v_cache.shape, generator=gen)
         q = torch.randn(len(lengths), num_kv_heads * group, head_dim, generator=gen)
-        with poisoned_allocations():
+        with helpers.poisoned_allocations():
             out = ref.decode_attention(q, kv.k_cache, kv.v_cache, plan, 0.2)
         for seq, length in enumerate(lengths):
-            k, v = contiguous_kv(kv, seq)
-            expected = naive_attention(q[seq : seq + 1], k, v, torch.tensor([length - 1]), 0.2)[0]
-            assert rel_err(out[seq], expected) < 1e-5, (layer, seq, length)
+            k, v = helpers.contiguous_kv(kv, seq)
+            expected = helpers.naive_attention(q[seq : seq + 1], k, v, torch.tensor([length - 1]), 0.2)[0]
+            assert helpers.rel_err(out[seq], expected) < 1e-5, (layer, seq, length)
 
 
 @pytest.mark.parametrize(("block_size", "group"), [(16, 3), (32, 1), (16, 8)])
@@ -76,21 +69,23 @@ def test_prefill_matches_naive_attention_over_cached_prefix(block_size: int, gro
         (3 * block_size, 1),
         (7, 2 * block_size),
     ]
-    kv = make_paged_kv(gen, [p + n for p, n in shapes], block_size, num_kv_heads, head_dim, torch.float32)
+    kv = helpers.make_paged_kv(
+        gen, [p + n for p, n in shapes], block_size, num_kv_heads, head_dim, torch.float32
+    )
     q_lens = [n for _, n in shapes]
     query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     q = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, generator=gen)
     scale = 0.125
-    with poisoned_allocations():
+    with helpers.poisoned_allocations():
         out = ref.paged_attention_prefill(
             q, kv.k_cache, kv.v_cache, kv.block_tables, query_start_loc, kv.context_lens, scale
         )
     for seq, (prefix, q_len) in enumerate(shapes):
         begin = int(query_start_loc[seq])
-        k, v = contiguous_kv(kv, seq)
+        k, v = helpers.contiguous_kv(kv, seq)
         positions = torch.arange(prefix, prefix + q_len)
-        expected = naive_attention(q[begin : begin + q_len], k, v, positions, scale)
-        assert rel_err(out[begin : begin + q_len], expected) < 1e-5, seq
+        expected = helpers.naive_attention(q[begin : begin + q_len], k, v, positions, scale)
+        assert helpers.rel_err(out[begin : begin + q_len], expected) < 1e-5, seq
 
 
 def test_chunked_prefill_then_decode_equals_one_full_prefill() -> None:
@@ -142,7 +137,7 @@ def test_chunked_prefill_then_decode_equals_one_full_prefill() -> None:
                 q[pos : pos + 1], k_cache, v_cache, blocks, torch.tensor([pos + 1], dtype=torch.int32), 0.1
             )
         )
-    assert rel_err(torch.cat(pieces), whole) < 1e-5
+    assert helpers.rel_err(torch.cat(pieces), whole) < 1e-5
 
 
 def test_write_kv_cache_skips_negative_slots() -> None:
@@ -160,10 +155,10 @@ def test_one_row_on_consecutive_blocks_reads_a_view_and_matches_the_gathered_cop
     """B=1 on blocks next to each other in the cache: the span is a view (no gather), same result."""
     gen = torch.Generator().manual_seed(5)
     block_size, num_kv_heads, head_dim, length = 16, 2, 32, 37
-    kv = make_paged_kv(gen, [length], block_size, num_kv_heads, head_dim, torch.float32)
-    k, v = contiguous_kv(kv, 0)
+    kv = helpers.make_paged_kv(gen, [length], block_size, num_kv_heads, head_dim, torch.float32)
+    k, v = helpers.contiguous_kv(kv, 0)
     q = torch.randn(1, num_kv_heads * 3, head_dim, generator=gen)
-    expected = naive_attention(q, k, v, torch.tensor([length - 1]), 0.2)
+    expected = helpers.naive_attention(q, k, v, torch.tensor([length - 1]), 0.2)
     for first in (0, 2):  # blocks first..first+2 hold the sequence in order
         k_cache, v_cache = (torch.full_like(kv.k_cache, float("nan")) for _ in range(2))
         nb = -(-length // block_size)
@@ -174,7 +169,7 @@ def test_one_row_on_consecutive_blocks_reads_a_view_and_matches_the_gathered_cop
         plan = ref.plan_decode(tables, kv.context_lens, block_size)
         assert plan.first_block == first
         out = ref.decode_attention(q, k_cache, v_cache, plan, 0.2)
-        assert rel_err(out, expected) < 1e-5
+        assert helpers.rel_err(out, expected) < 1e-5
     gapped = torch.tensor([[0, 2, 3]], dtype=torch.int32)  # not consecutive: gathered
     assert ref.plan_decode(gapped, kv.context_lens, block_size).first_block is None
 
@@ -207,9 +202,9 @@ def test_rms_norm_with_and_without_residual(dtype: torch.dtype) -> None:
     s = summed.double()
     expected = s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
     tol = 1e-6 if dtype == torch.float32 else 1e-2
-    assert rel_err(out, expected) < tol
+    assert helpers.rel_err(out, expected) < tol
     assert (
-        rel_err(
+        helpers.rel_err(
             ref.rms_norm(x, weight, 1e-6),
             x.double() / x.double().pow(2).mean(-1, True).add(1e-6).sqrt() * weight.double(),
         )
