@@ -6,6 +6,7 @@ Everything here measures and reports; nothing asserts a timing.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import resource
@@ -308,6 +309,14 @@ def cpu_contention(processes: int) -> Iterator[list[int]]:
         yield [p.pid for p in procs]
     finally:
         stop_processes(procs, timeout=5.0)
+
+
+def batch_sweep_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The arguments of a bench that times decode steps over batch sizes: model and sizes."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
+    return p
 
 
 def write_json(path: str | None, report: BaseModel) -> None:

@@ -25,7 +25,7 @@ import tempfile
 import time
 from typing import Any
 
-from bench.common import console, print_table, run_main, set_threads
+from bench.common import batch_sweep_parser, console, print_table, run_main, set_threads
 from bench.inputs import resolve_model
 
 
@@ -193,9 +193,7 @@ def measure(llm: Any, batch_size: int, prompts: list[list[int]], rounds: int) ->
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
+    p = batch_sweep_parser(__doc__)
     p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds per batch size")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument(

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from bench.common import console, machine_note, print_table, run_main, set_threads
+from bench.common import batch_sweep_parser, console, machine_note, print_table, run_main, set_threads
 from bench.inputs import chat_token_ids, load_hf_tokenizer, load_sharegpt_prompts, resolve_model
 from engine.profiling import STAGES, StepProfiler
 
@@ -120,9 +120,7 @@ def run_profiles(
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
+    p = batch_sweep_parser(__doc__)
     p.add_argument("--steps", type=int, default=10, help="decode steps timed per batch size")
     p.add_argument("--max-prompt-tokens", type=int, default=96)
     p.add_argument("--weights", default=None, help="ours: fp32 | fp16 | bf16 | int8 | int4 | auto")

@@ -17,6 +17,7 @@ from control_plane.rollouts.loop import RolloutLoop
 from control_plane.rollouts.policy import RolloutParams
 from control_plane.rollouts.telemetry import UsageWindows
 from fleet_base.protocol import UsageRecord
+from tests.control_plane.rollouts.helpers import assignments_by
 
 STEPS = (25.0, 50.0, 100.0)
 
@@ -54,11 +55,7 @@ def reconcile(sessions):
 
 
 def per_version(sessions) -> dict[int, int]:
-    with sessions() as s:
-        out: dict[int, int] = {}
-        for a in s.scalars(select(m.ReplicaAssignment)):
-            out[a.version] = out.get(a.version, 0) + 1
-        return out
+    return assignments_by(sessions, "version")
 
 
 def make_ready(sessions) -> None:

@@ -6,11 +6,12 @@ and gives it back when a primary returns."""
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import update
 
 from control_plane.db import models as m
 from control_plane.loops.reconcile import reconcile_once
 from control_plane.placement import get_placer
+from tests.control_plane.rollouts.helpers import assignments_by
 
 
 @pytest.fixture
@@ -32,11 +33,7 @@ def sessions(sessions):
 
 
 def by_cluster(sessions) -> dict[str, int]:
-    with sessions() as s:
-        out: dict[str, int] = {}
-        for a in s.scalars(select(m.ReplicaAssignment)):
-            out[a.cluster_id] = out.get(a.cluster_id, 0) + 1
-        return out
+    return assignments_by(sessions, "cluster_id")
 
 
 def run(sessions):
