@@ -17,6 +17,7 @@ from types import ModuleType
 from typing import Any, Literal, cast
 
 import torch
+from torch import Tensor
 
 from kernels import reference
 from kernels.triton_mode import interpret_requested, interpreter_active
@@ -99,12 +100,7 @@ def _impl(device: torch.device, module: str) -> Any:
 
 
 def write_kv_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    plan: Any = None,
+    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, plan: Any = None
 ) -> None:
     """key/value [T, Hkv, D] -> caches [num_blocks, block_size, Hkv, D] at slot_mapping [T] (negative = skip).
 
@@ -115,7 +111,7 @@ def write_kv_cache(
     _impl(key.device, "triton_cache").write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
-def plan_kv_write(slot_mapping: torch.Tensor) -> Any:
+def plan_kv_write(slot_mapping: Tensor) -> Any:
     """The step's KV write targets for the reference path, shared by every layer (the negative
     slots dropped once); None where the backend needs none (Triton)."""
     if resolve_backend(slot_mapping.device) != "torch":
@@ -123,7 +119,7 @@ def plan_kv_write(slot_mapping: torch.Tensor) -> Any:
     return reference.plan_kv_write(slot_mapping)
 
 
-def plan_paged_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> Any:
+def plan_paged_decode(block_tables: Tensor, context_lens: Tensor, block_size: int) -> Any:
     """Per-step bookkeeping every layer's decode attention shares (the reference's gather
     layout), built once per step; None where the backend needs none (Triton)."""
     if resolve_backend(block_tables.device) != "torch":
@@ -132,14 +128,14 @@ def plan_paged_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, bl
 
 
 def paged_attention_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
     scale: float,
     plan: Any = None,
-) -> torch.Tensor:
+) -> Tensor:
     """q [B, Hq, D], block_tables [B, max_blocks] int32, context_lens [B] int32 -> [B, Hq, D].
 
     `plan`: this step's `plan_paged_decode` for these tables, or None."""
@@ -150,14 +146,14 @@ def paged_attention_decode(
 
 
 def paged_attention_prefill(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    query_start_loc: Tensor,
+    context_lens: Tensor,
     scale: float,
-) -> torch.Tensor:
+) -> Tensor:
     """q [T, Hq, D] of S chunks (query_start_loc [S+1]), context_lens [S] incl. the chunk -> [T, Hq, D]."""
     impl = _impl(q.device, "triton_attention")
     return impl.paged_attention_prefill(
@@ -166,21 +162,14 @@ def paged_attention_prefill(
 
 
 def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
+) -> Tensor | tuple[Tensor, Tensor]:
     """rmsnorm(x) or, with residual, (rmsnorm(x + residual), x + residual)."""
     return _impl(x.device, "triton_norm_rope").rms_norm(x, weight, eps, residual)
 
 
 def rotary_embedding(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor | None,
-    cos_sin_cache: torch.Tensor,
-    angles: Any = None,
+    positions: Tensor, q: Tensor, k: Tensor | None, cos_sin_cache: Tensor, angles: Any = None
 ) -> None:
     """In place on q [T, Hq, D] and k [T, Hkv, D]; cos_sin_cache [max_pos, rot_dim] = cat(cos, sin).
 
@@ -192,7 +181,7 @@ def rotary_embedding(
     _impl(q.device, "triton_norm_rope").rotary_embedding(positions, q, k, cos_sin_cache)
 
 
-def prepare_rotary(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> Any:
+def prepare_rotary(positions: Tensor, cos_sin_cache: Tensor) -> Any:
     """The step's rotary angles for the reference path, shared by every layer; None where the
     backend reads the cache itself (Triton)."""
     if resolve_backend(positions.device) != "torch":
@@ -208,33 +197,30 @@ def build_cos_sin_cache(
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
     rotary_dim: int | None = None,
-) -> torch.Tensor:
+) -> Tensor:
     """[max_position, rot_dim] = cat(cos, sin); HF rope_scaling None, "linear" or "llama3"."""
     return reference.build_cos_sin_cache(head_dim, max_position, theta, scaling, device, dtype, rotary_dim)
 
 
 def lora_shrink(
-    x: torch.Tensor,
-    a_stack: torch.Tensor,
-    token_slots: torch.Tensor,
-    groups: list[tuple[int, torch.Tensor | None]] | None = None,
-) -> torch.Tensor:
+    x: Tensor, a_stack: Tensor, token_slots: Tensor, groups: list[tuple[int, Tensor | None]] | None = None
+) -> Tensor:
     """Multi-LoRA shrink: x [T, in], A [S, R, in], token_slots [T] int64 (-1 = base) -> [T, R]."""
     return _impl(x.device, "triton_lora").lora_shrink(x, a_stack, token_slots, groups)
 
 
 def lora_expand(
-    h: torch.Tensor,
-    b_stack: torch.Tensor,
-    token_slots: torch.Tensor,
-    y: torch.Tensor,
+    h: Tensor,
+    b_stack: Tensor,
+    token_slots: Tensor,
+    y: Tensor,
     offset: int = 0,
-    groups: list[tuple[int, torch.Tensor | None]] | None = None,
+    groups: list[tuple[int, Tensor | None]] | None = None,
 ) -> None:
     """Multi-LoRA expand, in place: y[:, offset:offset+out] += h @ B[slot].T (B [S, out, R])."""
     _impl(h.device, "triton_lora").lora_expand(h, b_stack, token_slots, y, offset, groups)
 
 
-def lora_groups(token_slots: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
+def lora_groups(token_slots: Tensor) -> list[tuple[int, Tensor | None]]:
     """The reference's per-adapter row groups, built once per step (the Triton path ignores them)."""
     return reference.lora_groups(token_slots)

@@ -14,16 +14,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from kernels.workspace import scratch
 
 
 def write_kv_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
 ) -> None:
     """Scatter `key`/`value` [T, Hkv, D] into the paged caches at `slot_mapping` [T] (negative = skip)."""
     write_kv_planned(key, value, k_cache, v_cache, plan_kv_write(slot_mapping))
@@ -33,11 +30,11 @@ def write_kv_cache(
 class KVWrite:
     """Where one step's new K/V rows go, worked out once per step for every layer."""
 
-    slots: torch.Tensor  # [n] int64, all >= 0
-    rows: torch.Tensor | None  # [n] int64 rows of key/value to keep; None = every row
+    slots: Tensor  # [n] int64, all >= 0
+    rows: Tensor | None  # [n] int64 rows of key/value to keep; None = every row
 
 
-def plan_kv_write(slot_mapping: torch.Tensor) -> KVWrite:
+def plan_kv_write(slot_mapping: Tensor) -> KVWrite:
     """Drop the skipped (negative) slots once, instead of testing them in every layer."""
     slots = slot_mapping.long()
     keep = slots >= 0
@@ -47,9 +44,7 @@ def plan_kv_write(slot_mapping: torch.Tensor) -> KVWrite:
     return KVWrite(slots.index_select(0, rows), rows)
 
 
-def write_kv_planned(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: KVWrite
-) -> None:
+def write_kv_planned(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, plan: KVWrite) -> None:
     """`write_kv_cache` with this step's `plan_kv_write`: two index copies per layer."""
     if plan.slots.numel() == 0:
         return
@@ -62,7 +57,7 @@ def write_kv_planned(
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slots, value)
 
 
-def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, name: str) -> torch.Tensor:
+def _gather_blocks(cache: Tensor, block_ids: Tensor, name: str) -> Tensor:
     """Copy the blocks `block_ids` [B, nb] into a reused scratch buffer -> [B, nb*block_size, Hkv, D].
 
     Reusing the buffer matters on CPU: a fresh multi-megabyte allocation per layer costs
@@ -85,17 +80,17 @@ class DecodeLayout:
     hold NaN) and masked.
     """
 
-    block_ids: torch.Tensor  # [B * num_blocks] int64, >= 0
+    block_ids: Tensor  # [B * num_blocks] int64, >= 0
     batch: int
     num_blocks: int
     length: int  # positions per row after the cut (the span when masked)
-    invalid: torch.Tensor | None  # flat positions past a row's context, [n] int64
-    mask: torch.Tensor | None  # [B, 1, 1, length] bool, True = attend
+    invalid: Tensor | None  # flat positions past a row's context, [n] int64
+    mask: Tensor | None  # [B, 1, 1, length] bool, True = attend
     # One row whose blocks are consecutive in the cache: its span is a view, no gather.
     first_block: int | None = None
 
 
-def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> DecodeLayout:
+def plan_decode(block_tables: Tensor, context_lens: Tensor, block_size: int) -> DecodeLayout:
     """The layout of one decode group (block_tables [B, max_blocks], context_lens [B])."""
     lens = context_lens.tolist()
     batch, longest = len(lens), max(lens, default=0)
@@ -117,7 +112,7 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
     return DecodeLayout(block_ids, batch, num_blocks, span, invalid, valid[:, None, None, :])
 
 
-def _gather_span(cache: torch.Tensor, layout: DecodeLayout, name: str) -> torch.Tensor:
+def _gather_span(cache: Tensor, layout: DecodeLayout, name: str) -> Tensor:
     """A layout's blocks of `cache` -> [B, length, Hkv, D] (past-context tails zeroed)."""
     block_size, num_kv_heads, head_dim = cache.shape[1:]
     if layout.first_block is not None:
@@ -136,8 +131,8 @@ def _gather_span(cache: torch.Tensor, layout: DecodeLayout, name: str) -> torch.
 
 
 def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: DecodeLayout, scale: float
-) -> torch.Tensor:
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, layout: DecodeLayout, scale: float
+) -> Tensor:
     """One query token per row over the KV a `plan_decode` layout names: q [B, Hq, D] -> [B, Hq, D]."""
     batch, num_heads, head_dim = q.shape
     if batch == 0:
@@ -157,13 +152,8 @@ def decode_attention(
 
 
 def paged_attention_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor, scale: float
+) -> Tensor:
     """One query token per sequence over its paged KV: q [B, Hq, D] -> [B, Hq, D]."""
     if q.shape[0] == 0:
         return torch.empty_like(q)
@@ -172,14 +162,14 @@ def paged_attention_decode(
 
 
 def paged_attention_prefill(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    query_start_loc: Tensor,
+    context_lens: Tensor,
     scale: float,
-) -> torch.Tensor:
+) -> Tensor:
     """Variable-length query chunks attending causally to their cached prefix and themselves.
 
     q [T, Hq, D] holds S sequences back to back (`query_start_loc` [S+1]); chunk i covers
@@ -223,11 +213,8 @@ _NORM_ONE_CALL_MAX = 64 * 1024  # elements (64 rows of a 1k hidden size): measur
 
 
 def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
+) -> Tensor | tuple[Tensor, Tensor]:
     """RMSNorm in float32, result in x's dtype; with `residual`, normalizes x + residual and returns it too."""
     if residual is not None:
         x = x + residual
@@ -245,11 +232,11 @@ def rms_norm(
 
 
 def rotary_embedding(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor | None,
-    cos_sin_cache: torch.Tensor,
-    angles: tuple[torch.Tensor, torch.Tensor] | None = None,
+    positions: Tensor,
+    q: Tensor,
+    k: Tensor | None,
+    cos_sin_cache: Tensor,
+    angles: tuple[Tensor, Tensor] | None = None,
 ) -> None:
     """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (rotate-half layout, first rot_dim dims).
 
@@ -270,7 +257,7 @@ def rotary_embedding(
             part.copy_(part.float() * cos + swapped.float() * sin)
 
 
-def rotary_angles(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_angles(positions: Tensor, cos_sin_cache: Tensor) -> tuple[Tensor, Tensor]:
     """(cos, cos) and (-sin, sin) of `positions`, [T, 1, rot_dim] float32 each: what
     `rotary_embedding` multiplies by; the same for every layer of a step."""
     half = cos_sin_cache.shape[1] // 2
@@ -279,7 +266,7 @@ def rotary_angles(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple
     return torch.cat((cos, cos), dim=-1)[:, None], torch.cat((-sin, sin), dim=-1)[:, None]
 
 
-def _scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any] | None) -> torch.Tensor:
+def _scaled_inv_freq(inv_freq: Tensor, scaling: dict[str, Any] | None) -> Tensor:
     """Apply Hugging Face `rope_scaling` to the inverse frequencies."""
     if not scaling:
         return inv_freq
@@ -312,7 +299,7 @@ def build_cos_sin_cache(
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
     rotary_dim: int | None = None,
-) -> torch.Tensor:
+) -> Tensor:
     """[max_position, rot_dim] = cat(cos, sin), computed in float32 like Hugging Face, stored as `dtype`."""
     rot_dim = head_dim if rotary_dim is None else rotary_dim
     if rot_dim % 2 or rot_dim > head_dim:
@@ -331,7 +318,7 @@ def build_cos_sin_cache(
 # present in the batch, never one per request.
 
 
-def lora_groups(token_slots: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
+def lora_groups(token_slots: Tensor) -> list[tuple[int, Tensor | None]]:
     """(slot, rows) for each slot in use; rows is None when every token uses that slot."""
     slots = token_slots.tolist()
     distinct = sorted(set(slots))
@@ -348,11 +335,8 @@ def lora_groups(token_slots: torch.Tensor) -> list[tuple[int, torch.Tensor | Non
 
 
 def lora_shrink(
-    x: torch.Tensor,
-    a_stack: torch.Tensor,
-    token_slots: torch.Tensor,
-    groups: list[tuple[int, torch.Tensor | None]] | None = None,
-) -> torch.Tensor:
+    x: Tensor, a_stack: Tensor, token_slots: Tensor, groups: list[tuple[int, Tensor | None]] | None = None
+) -> Tensor:
     """x [T, in] -> h [T, R] = x @ A[slot].T per token (zeros for slot -1)."""
     groups = lora_groups(token_slots) if groups is None else groups
     if len(groups) == 1 and groups[0][1] is None:  # one adapter for every token: one matmul
@@ -365,12 +349,12 @@ def lora_shrink(
 
 
 def lora_expand(
-    h: torch.Tensor,
-    b_stack: torch.Tensor,
-    token_slots: torch.Tensor,
-    y: torch.Tensor,
+    h: Tensor,
+    b_stack: Tensor,
+    token_slots: Tensor,
+    y: Tensor,
     offset: int = 0,
-    groups: list[tuple[int, torch.Tensor | None]] | None = None,
+    groups: list[tuple[int, Tensor | None]] | None = None,
 ) -> None:
     """In place: y[:, offset:offset+out] += h @ B[slot].T per token (nothing for slot -1)."""
     groups = lora_groups(token_slots) if groups is None else groups

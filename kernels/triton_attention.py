@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from kernels.split_k import choose_partition
 from kernels.triton_cache import cache_strides
@@ -325,18 +326,18 @@ def _dot_options(dtype: torch.dtype) -> dict[str, object]:
 
 
 def paged_attention_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
     scale: float,
     *,
     partition_size: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
-) -> torch.Tensor:
+) -> Tensor:
     """q [B, Hq, D] -> [B, Hq, D]. The split count comes from the table width, so trim
     `block_tables` to the batch's longest sequence for best parallelism."""
     batch, num_heads, head_dim = q.shape
@@ -412,19 +413,19 @@ def paged_attention_decode(
 
 
 def paged_attention_prefill(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    query_start_loc: Tensor,
+    context_lens: Tensor,
     scale: float,
     *,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
-) -> torch.Tensor:
+) -> Tensor:
     """q [T, Hq, D] of S variable-length chunks -> [T, Hq, D]; causal over prefix + chunk."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -475,7 +476,7 @@ def _strides(q, k_cache, v_cache, block_tables, out) -> tuple[int, ...]:
     return (*q.stride()[:2], *cache_strides(k_cache, v_cache), block_tables.stride(0), *out.stride()[:2])
 
 
-def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def _check_cache(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("q and the caches need a contiguous last (head_dim) dimension")
     if k_cache.shape != v_cache.shape or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from kernels.triton_norm_rope import rows_per_program
 
@@ -52,18 +52,14 @@ def _write_kv_kernel(
     tl.store(v_cache_ptr + dst_v + d[None, None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, ...]:
+def cache_strides(k_cache: Tensor, v_cache: Tensor) -> tuple[int, ...]:
     """The block, token and head strides of the K cache, then of the V cache: the order every
     paged-cache kernel takes them in."""
     return (*k_cache.stride()[:3], *v_cache.stride()[:3])
 
 
 def write_kv_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
 ) -> None:
     """Same contract as `kernels.reference.write_kv_cache`; key/value may be strided views."""
     num_tokens, num_kv_heads, head_dim = key.shape

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from kernels.triton_mode import interpreter_active
 
@@ -89,13 +90,11 @@ def _expand_kernel(
     tl.store(ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=nmask)
 
 
-def _contiguous_rows(t: torch.Tensor) -> torch.Tensor:
+def _contiguous_rows(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def lora_shrink(
-    x: torch.Tensor, a_stack: torch.Tensor, token_slots: torch.Tensor, groups=None
-) -> torch.Tensor:
+def lora_shrink(x: Tensor, a_stack: Tensor, token_slots: Tensor, groups=None) -> Tensor:
     """x [T, in] -> h [T, R] = x @ A[slot].T per token (zeros for slot -1). `groups` is the
     reference's hint and unused here."""
     x, a_stack = _contiguous_rows(x), _contiguous_rows(a_stack)
@@ -126,12 +125,7 @@ def lora_shrink(
 
 
 def lora_expand(
-    h: torch.Tensor,
-    b_stack: torch.Tensor,
-    token_slots: torch.Tensor,
-    y: torch.Tensor,
-    offset: int = 0,
-    groups=None,
+    h: Tensor, b_stack: Tensor, token_slots: Tensor, y: Tensor, offset: int = 0, groups=None
 ) -> None:
     """In place: y[:, offset:offset+out] += h @ B[slot].T per token (nothing for slot -1)."""
     b_stack = _contiguous_rows(b_stack)

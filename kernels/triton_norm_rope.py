@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from kernels.triton_mode import interpreter_active
 
@@ -106,11 +107,8 @@ def rows_per_program(rows: int, row_elements: int, gpu_budget: int = 2048) -> in
 
 
 def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
+) -> Tensor | tuple[Tensor, Tensor]:
     """Same contract as `kernels.reference.rms_norm`; any leading dims, contiguous last dim."""
     hidden = x.shape[-1]
     x2d = x.reshape(-1, hidden)
@@ -150,12 +148,7 @@ def rms_norm(
     return out, new_residual.view(x.shape)
 
 
-def rotary_embedding(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-) -> None:
+def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor) -> None:
     """Same contract as `kernels.reference.rotary_embedding`: q [T, Hq, D], k [T, Hkv, D] in place."""
     num_tokens = q.shape[0]
     if num_tokens == 0:
