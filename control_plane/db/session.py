@@ -71,6 +71,8 @@ def alembic_config(url: str):
     ini = root / "alembic.ini"
     cfg = Config(str(ini)) if ini.exists() else Config()
     cfg.set_main_option("script_location", str(migrations_dir()))
+    # The revisions import their shared helpers as `migrations.batch`, with or without the ini.
+    cfg.set_main_option("prepend_sys_path", str(root))
     # ConfigParser interpolation: a literal % in a password must be doubled.
     cfg.set_main_option("sqlalchemy.url", normalize_url(url).replace("%", "%%"))
     cfg.attributes["configure_logger"] = False
