@@ -158,6 +158,20 @@ class Cluster(Base):
         order_by="CapacityPool.name",
     )
 
+    def set_pool(self, existing: dict[str, CapacityPool], name: str, shape: dict[str, Any]) -> str:
+        """Make pool `name` (taken out of `existing`, the pools not set yet, by name) have
+        `shape`: "created", "updated" or "unchanged". Heartbeats and catalog imports both
+        keep a cluster's pools this way."""
+        row = existing.pop(name, None)
+        if row is None:
+            self.pools.append(CapacityPool(name=name, **shape))
+            return "created"
+        if all(getattr(row, k) == v for k, v in shape.items()):
+            return "unchanged"
+        for k, v in shape.items():
+            setattr(row, k, v)
+        return "updated"
+
 
 class CapacityPool(Base):
     """GPUs of one kind a cluster offers: `nodes * gpus_per_node` GPUs of `gpu_model`."""

@@ -13,7 +13,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, selectinload
 
 from control_plane.counters import Rejections
-from control_plane.db.models import CapacityPool, Cluster, ReplicaAssignment
+from control_plane.db.models import Cluster, ReplicaAssignment
 from control_plane.db.models import Event as EventRow
 from control_plane.db.once import insert_once
 from control_plane.loops.durable import Received, Verdicts
@@ -109,15 +109,8 @@ def apply_heartbeat(session: Session, hb: Heartbeat, now: datetime) -> bool:
     if hb.pools:  # an agent that reports pools owns its inventory
         existing = {p.name: p for p in cluster.pools}
         for inv in hb.pools:
-            values = inv.model_dump(mode="json", exclude={"name"})
-            row = existing.pop(inv.name, None)
-            if row is None:
-                cluster.pools.append(CapacityPool(name=inv.name, **values))
-                changed = True
-            elif any(getattr(row, k) != v for k, v in values.items()):
-                for k, v in values.items():
-                    setattr(row, k, v)
-                changed = True
+            shape = inv.model_dump(mode="json", exclude={"name"})
+            changed = cluster.set_pool(existing, inv.name, shape) != "unchanged" or changed
         for row in existing.values():
             cluster.pools.remove(row)
             changed = True

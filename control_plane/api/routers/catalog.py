@@ -21,7 +21,7 @@ from control_plane.api.deps import PrincipalDep, SessionDep, kick
 from control_plane.api.errors import conflict
 from control_plane.api.schemas import PoolIn, Strict
 from control_plane.catalog.parse import cluster_id as catalog_cluster_id
-from control_plane.db.models import CapacityPool, Cluster, ReplicaAssignment
+from control_plane.db.models import Cluster, ReplicaAssignment
 from control_plane.geo.regions import REGION_COORDS
 
 router = APIRouter(tags=["clusters"])
@@ -113,17 +113,8 @@ def import_pools(body: PoolImport, request: Request, session: SessionDep, who: P
             )
         have = {p.name: p for p in cluster.pools}
         for p in pools:
-            values = p.model_dump(exclude={"region"})
-            row = have.pop(p.name, None)
-            if row is None:
-                cluster.pools.append(CapacityPool(**values))
-                out.pools_created += 1
-            elif any(getattr(row, k) != v for k, v in values.items()):
-                for k, v in values.items():
-                    setattr(row, k, v)
-                out.pools_updated += 1
-            else:
-                out.pools_unchanged += 1
+            done = cluster.set_pool(have, p.name, p.model_dump(exclude={"region", "name"}))
+            setattr(out, f"pools_{done}", getattr(out, f"pools_{done}") + 1)
         if body.replace and have:
             busy = set(
                 session.scalars(
