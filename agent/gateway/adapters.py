@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 
 from prometheus_client import CollectorRegistry, Counter
 
 from agent.adapters import ReplicaAdapters, eviction_victim
+from agent.gateway.inputs import RequestInfo
 from fleet_base.protocol import ReplicaStatus
 
 OUTCOMES = ("resident", "loaded", "evicted", "failed")
@@ -43,6 +45,17 @@ class AdapterRouting:
     def resolve(replicas: Iterable[ReplicaStatus], name: str) -> str | None:
         """The deployment whose adapter catalog has `name` (None: not an adapter here)."""
         return next((r.deployment for r in replicas if name in r.adapter_uris), None)
+
+    @classmethod
+    def split(
+        cls, replicas: Iterable[ReplicaStatus], known: bool, info: RequestInfo
+    ) -> tuple[str | None, RequestInfo]:
+        """A `model` that names a LoRA adapter here (not a `known` deployment): (the adapter,
+        the request as its deployment's); anything else is left as it is."""
+        owner = None if known else cls.resolve(replicas, info.deployment)
+        if owner is None:
+            return None, info
+        return info.deployment, replace(info, deployment=owner)
 
     @staticmethod
     def catalog(replicas: Iterable[ReplicaStatus]) -> dict[str, str]:

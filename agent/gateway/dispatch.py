@@ -18,12 +18,13 @@ from agent.gateway.contract import accounting_usage
 from agent.gateway.demand import DemandSignal
 from agent.gateway.errors import GatewayError
 from agent.gateway.exchange import Exchange
-from agent.gateway.migration import MigrationMetrics, first_leg_body
+from agent.gateway.migration import MigrationMetrics
 from agent.gateway.plan import STAGE_RULES, Attempt, Plan
 from agent.gateway.proxy import AttemptFailed, Opened
 from agent.gateway.queue import ReplicaQueue
 from agent.gateway.router import Router
 from agent.gateway.stream import StreamSession
+from agent.gateway.tenancy import body_for
 from agent.gateway.upstream import Upstreams
 from fleet_base.cluster_config import GatewayConfig
 
@@ -140,9 +141,7 @@ class Dispatcher:
     async def _open(self, ex: Exchange, target: Attempt) -> tuple[Opened, bytes | None]:
         """The attempt opened; with its whole body unless it is a stream for the client."""
         call = ex.call
-        opened = await self.upstreams.open(
-            call, target, first_leg_body(call.info, call.key_id, target.is_peer)
-        )
+        opened = await self.upstreams.open(call, target, body_for(call.info, call.key_id, target.is_peer))
         if opened.status >= 300 or not call.info.stream:
             return opened, await self.upstreams.read(call, target, opened)
         return opened, None

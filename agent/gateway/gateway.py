@@ -26,6 +26,7 @@ from agent.gateway.auth import Authenticator
 from agent.gateway.capacity_metrics import UnschedulableCollector
 from agent.gateway.coldstart import ColdStartCollector
 from agent.gateway.demand import DemandSignal
+from agent.gateway.disconnect import ClientGone, unless_disconnected
 from agent.gateway.dispatch import Dispatcher
 from agent.gateway.errors import GatewayError, error_response
 from agent.gateway.exchange import Call, ClientHeaders, Exchange, Settlement
@@ -35,7 +36,7 @@ from agent.gateway.limits import QuotaGate
 from agent.gateway.liveness import SESSION_HEADER, PeerLiveness, sticky_draw
 from agent.gateway.load import LoadTracker
 from agent.gateway.metrics import UNKNOWN, GatewayMetrics
-from agent.gateway.migration import MigrationMetrics, refuse_client_resume
+from agent.gateway.migration import MigrationMetrics
 from agent.gateway.peers import PeerAuth
 from agent.gateway.prefix import PrefixRouting
 from agent.gateway.proxy import make_client
@@ -43,7 +44,6 @@ from agent.gateway.queue import ReplicaQueue
 from agent.gateway.router import Router
 from agent.gateway.routing import hops_of
 from agent.gateway.state import ClusterView
-from agent.gateway.stream import ClientGone, unless_disconnected
 from agent.gateway.tokens import DesiredIndex, TokenCounters
 from agent.gateway.upstream import FORWARDED_HEADER, REQUEST_ID_HEADER, Upstreams
 from agent.gateway.usage import UsagePublisher
@@ -271,7 +271,7 @@ class Gateway:
         reply_headers.update(limit_headers)
         self.metrics.in_flight.labels(call.deployment).inc()
         try:
-            refuse_client_resume(call.info, call.forwarded_from is not None)
+            call.info.refuse_client_resume(call.forwarded_from is not None)
             response = await unless_disconnected(request, self.dispatch.serve(ex))
         except GatewayError as err:
             self.accounting.finish(ex, err.status)
@@ -290,7 +290,7 @@ class Gateway:
         """The request parsed once, its deployment known and allowed, its prompt counted."""
         raw = await read_body(request, self.config.gateway.max_body_bytes)
         info = await parse_off_loop(raw, endpoint)
-        adapter, info = self.router.adapter_of(info)
+        adapter, info = self.adapters.split(self.view.replicas, self.view.known(info.deployment), info)
         self.auth.authorize(record, info.deployment)
         if not self.view.known(info.deployment):
             raise GatewayError(

@@ -72,6 +72,22 @@ class RequestInfo:
         """Tokens this request adds to a replica's outstanding work."""
         return self.prompt_tokens + self.max_tokens * self.sequences
 
+    @property
+    def migratable(self) -> bool:
+        """Whether a stream of this request can be continued on another replica: streamed
+        chat and completions of one sequence without tools (`agent.gateway.migration`)."""
+        return (
+            self.stream
+            and self.endpoint in ("chat", "completions")
+            and self.sequences == 1
+            and not self.tools
+        )
+
+    def refuse_client_resume(self, forwarded: bool) -> None:
+        """The continuation field is for gateways: a client's is a 400."""
+        if self.resume_ids is not None and not forwarded:
+            raise GatewayError(400, f"'{RESUME_FIELD}' is set by Fleet gateways only", param=RESUME_FIELD)
+
     def worst_case_tokens(self, context_tokens: int) -> int:
         """What the request may cost at most: max_tokens, else the context left."""
         if self.max_tokens_given:

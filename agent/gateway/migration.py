@@ -29,29 +29,17 @@ from typing import Protocol
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from agent.gateway.errors import GatewayError, sse_error_event
+from agent.gateway.errors import sse_error_event
 from agent.gateway.exchange import Call
 from agent.gateway.inputs import RequestInfo
 from agent.gateway.plan import Attempt, Plan
 from agent.gateway.proxy import AttemptFailed, Opened
 from agent.gateway.sse import EventSplitter, SseEvent, StreamObserver, encode_event
-from agent.gateway.tenancy import salted_body
 from fleet_base.openai_contract.continuation import RESUME_FIELD, TOKEN_IDS_FIELD
 
 REASONS = ("reset", "timeout", "closed", "error_event", "drain")
 DRAINING_CODE = "replica_draining"  # the in-band error of a replica handing a stream over
 GAP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
-
-
-def migratable(info: RequestInfo) -> bool:
-    """Whether a stream of this request can be continued on another replica."""
-    return info.stream and info.endpoint in ("chat", "completions") and info.sequences == 1 and not info.tools
-
-
-def refuse_client_resume(info: RequestInfo, forwarded: bool) -> None:
-    """The continuation field is for gateways: a client's is a 400."""
-    if info.resume_ids is not None and not forwarded:
-        raise GatewayError(400, f"'{RESUME_FIELD}' is set by Fleet gateways only", param=RESUME_FIELD)
 
 
 class MidstreamFailure(Exception):
@@ -245,12 +233,6 @@ async def relay(
 
 def _reason(err: httpx.HTTPError) -> str:
     return "timeout" if isinstance(err, httpx.TimeoutException) else "reset"
-
-
-def first_leg_body(info: RequestInfo, key_id: str, is_peer: bool) -> bytes:
-    """The body a stream's first leg was sent: the client's to a peer (which salts it
-    itself), salted with usage asked for to a replica."""
-    return info.raw if is_peer else salted_body(info, info.raw, key_id)
 
 
 class Targets(Protocol):

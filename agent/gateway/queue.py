@@ -104,6 +104,18 @@ class ReplicaQueue:
         self.active[deployment] = max(0, self.active.get(deployment, 0) - 1)
         self.dispatch(deployment)
 
+    def _refused(self, deployment: str, reason: str, why: str, busy: str, code: str) -> GatewayError:
+        """The queue's 503 (reason: full, timeout): unavailable while nothing is ready, else busy."""
+        self.metrics.queue_rejected.labels(deployment, reason).inc()
+        if not self.view.ready(deployment):
+            return self.unavailable(deployment, why)
+        return GatewayError(
+            503,
+            f"'{deployment}' is busy: {busy}; retry shortly",
+            code=code,
+            headers={"Retry-After": str(self.retry_after_s)},
+        )
+
     async def report(self, local: LocalState, interval_s: float = 0.5) -> None:
         """Tell the agent the queue depth (gateway.json, for its heartbeat), each interval."""
         while True:
@@ -130,15 +142,8 @@ class ReplicaQueue:
             self.metrics.queue_time.labels(klass).observe(0.0)
             return 0.0
         if self.depth >= self.size:
-            self.metrics.queue_rejected.labels(deployment, "full").inc()
-            if not self.view.ready(deployment):
-                raise self.unavailable(deployment, f"the gateway queue is full at {self.size} requests")
-            raise GatewayError(
-                503,
-                f"'{deployment}' is busy: the gateway queue is full at {self.size} requests; retry shortly",
-                code="queue_full",
-                headers={"Retry-After": str(self.retry_after_s)},
-            )
+            full = f"the gateway queue is full at {self.size} requests"
+            raise self._refused(deployment, "full", full, full, "queue_full")
         loop = asyncio.get_running_loop()
         waiter = wl.add(klass, start)
         grant: asyncio.Future[None] = loop.create_future()
@@ -155,14 +160,9 @@ class ReplicaQueue:
                     return self.clock() - start
                 remaining = deadline - self.clock()
                 if remaining <= 0:
-                    self.metrics.queue_rejected.labels(deployment, "timeout").inc()
-                    if not self.view.ready(deployment):
-                        raise self.unavailable(deployment, f"waited {self.timeout_s:g} s")
-                    raise GatewayError(
-                        503,
-                        f"'{deployment}' is busy: waited {self.timeout_s:g} s in the gateway queue; retry shortly",
-                        code="queue_timeout",
-                        headers={"Retry-After": str(self.retry_after_s)},
+                    waited = f"waited {self.timeout_s:g} s"
+                    raise self._refused(
+                        deployment, "timeout", waited, f"{waited} in the gateway queue", "queue_timeout"
                     )
                 changed = asyncio.ensure_future(self.view.changed().wait())
                 try:

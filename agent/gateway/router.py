@@ -5,11 +5,10 @@ Also whether a target can take the request's LoRA adapter (loaded first if it mu
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from agent.gateway.adapters import AdapterRouting
 from agent.gateway.exchange import Call
-from agent.gateway.inputs import RequestInfo
 from agent.gateway.liveness import PeerLiveness
 from agent.gateway.load import LoadTracker
 from agent.gateway.peers import PeerAuth
@@ -59,16 +58,6 @@ class Router:
     def alive(self, target: Attempt) -> bool:
         """A peer target not heard dead since the plan was made (a replica: always)."""
         return not target.is_peer or self.liveness.alive(target.name)
-
-    def adapter_of(self, info: RequestInfo) -> tuple[str | None, RequestInfo]:
-        """A `model` that names a LoRA adapter here: (the adapter, the request as its
-        deployment's); anything else is left as it is."""
-        if self.view.known(info.deployment):
-            return None, info
-        owner = self.adapters.resolve(self.view.replicas, info.deployment)
-        if owner is None:
-            return None, info
-        return info.deployment, replace(info, deployment=owner)
 
     async def adapter_ready(self, call: Call, target: Attempt) -> bool:
         """True unless the request names an adapter that could not be loaded on `target`

@@ -4,14 +4,12 @@ however it ends (finished, cut by the client, never started)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import StreamingResponse
 
 from agent.gateway.accounting import CLIENT_CLOSED, Accounting
 from agent.gateway.contract import accounting_usage
@@ -21,8 +19,6 @@ from agent.gateway.migration import (
     MigrationMetrics,
     RelayState,
     StreamLedger,
-    first_leg_body,
-    migratable,
     open_continuation,
     relay,
 )
@@ -30,6 +26,7 @@ from agent.gateway.plan import Attempt
 from agent.gateway.proxy import Opened
 from agent.gateway.router import Router
 from agent.gateway.sse import StreamObserver
+from agent.gateway.tenancy import body_for
 from agent.gateway.upstream import Upstreams
 
 log = logging.getLogger("agent.gateway")
@@ -58,7 +55,7 @@ class StreamSession:
         self.upstreams = upstreams
         self.accounting = accounting
         self.metrics = metrics
-        self.limit = migration_limit if migratable(call.info) else 0
+        self.limit = migration_limit if call.info.migratable else 0
         self.first_ok = 200 <= opened.status < 300
         self.observer = StreamObserver(strip_usage=not target.is_peer and not call.info.client_wants_usage)
         self.ledger = StreamLedger.of(call.info, call.forwarded_from is not None and call.client.keep_ids)
@@ -82,7 +79,7 @@ class StreamSession:
                 deployment=call.deployment,
                 limit=self.limit,
                 prompt_tokens=call.info.prompt_tokens,
-                body_for=lambda is_peer: first_leg_body(call.info, call.key_id, is_peer),
+                body_for=lambda is_peer: body_for(call.info, call.key_id, is_peer),
                 reopen=self.reopen,
                 release=self.release,
                 metrics=self.metrics,
@@ -158,39 +155,3 @@ class ProxiedStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.abandon()
-
-
-class ClientGone(Exception):
-    pass
-
-
-async def unless_disconnected(request: Request, work: Awaitable[Response]) -> Response:
-    """Run `work` (queueing, first attempt) but give up when the client disconnects, so a
-    caller that went away neither holds a queue slot nor keeps a replica generating."""
-
-    async def disconnected() -> None:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(disconnected())
-    try:
-        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        task.cancel()
-        watch.cancel()
-        raise
-    if task in done:
-        watch.cancel()
-        return task.result()
-    task.cancel()
-    try:
-        response = await task
-    except (asyncio.CancelledError, Exception):
-        raise ClientGone() from None
-    # finished in the same instant: drop it (its stream, if any, is never sent)
-    if isinstance(response, ProxiedStream):
-        await response.abandon()
-    raise ClientGone()

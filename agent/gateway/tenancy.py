@@ -27,3 +27,9 @@ def salted_body(info: RequestInfo, raw: bytes, key_id: str) -> bytes:
     body = dict(info.body) if out is raw else json.loads(out)
     body[SALT_FIELD] = cache_salt(key_id)
     return json.dumps(body, ensure_ascii=False).encode()
+
+
+def body_for(info: RequestInfo, key_id: str, is_peer: bool) -> bytes:
+    """The body an attempt sends: the client's to a peer (whose gateway salts it itself),
+    salted with the usage chunk asked for to a replica."""
+    return info.raw if is_peer else salted_body(info, info.raw, key_id)

@@ -15,7 +15,6 @@ from agent.gateway.exchange import Call
 from agent.gateway.liveness import SESSION_HEADER
 from agent.gateway.load import LoadTracker
 from agent.gateway.metrics import GatewayMetrics
-from agent.gateway.migration import migratable
 from agent.gateway.peers import PeerAuth
 from agent.gateway.plan import Attempt
 from agent.gateway.proxy import AttemptFailed, Deadlines, Opened, open_upstream
@@ -92,7 +91,7 @@ class Upstreams:
         """Headers of one attempt (counted as started: load, forwarding metrics)."""
         deployment = call.deployment
         headers = {"content-type": "application/json", REQUEST_ID_HEADER: call.request_id}
-        if migratable(call.info):  # the replica's chunks carry token ids for a migration
+        if call.info.migratable:  # the replica's chunks carry token ids for a migration
             headers[TOKEN_IDS_HEADER] = "1"
         if target.is_peer:
             headers["authorization"] = call.client.authorization

@@ -9,7 +9,7 @@ import pytest
 
 from agent.gateway.errors import GatewayError
 from agent.gateway.inputs import parse_request
-from agent.gateway.migration import MidstreamFailure, StreamLedger, migratable, refuse_client_resume
+from agent.gateway.migration import MidstreamFailure, StreamLedger
 from fleet_base.openai_contract.continuation import RESUME_FIELD, TOKEN_IDS_FIELD
 
 
@@ -74,13 +74,13 @@ def test_a_forwarded_continuation_starts_from_its_resumed_ids() -> None:
     ],
 )
 def test_what_can_migrate(body: dict, endpoint: str, expected: bool) -> None:
-    assert migratable(parse_request(json.dumps(body).encode(), endpoint)) is expected
+    assert parse_request(json.dumps(body).encode(), endpoint).migratable is expected
 
 
 def test_a_client_cannot_send_a_continuation() -> None:
     body = {"model": "m", "prompt": "hi", RESUME_FIELD: [1]}
     info = parse_request(json.dumps(body).encode(), "completions")
     with pytest.raises(GatewayError) as err:
-        refuse_client_resume(info, forwarded=False)
+        info.refuse_client_resume(forwarded=False)
     assert err.value.status == 400
-    refuse_client_resume(info, forwarded=True)  # a peer gateway's is fine
+    info.refuse_client_resume(forwarded=True)  # a peer gateway's is fine
