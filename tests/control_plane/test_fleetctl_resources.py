@@ -16,11 +16,8 @@ from tests.fleetctl import fleetctl as run_fleetctl
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("fleetctl")
-    cp = ControlPlaneServer(tmp / "home", f"sqlite:///{tmp / 'fleet.db'}").start()
-    yield cp
-    cp.stop()
+def server(sqlite_server: ControlPlaneServer) -> ControlPlaneServer:
+    return sqlite_server
 
 
 def fleetctl(home, *args: str, env: dict | None = None, ok: bool = True) -> subprocess.CompletedProcess:

@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import hashlib
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from fleet_base.ports import free_port, wait_port
+from tests.polling import wait_for
 
 
 @contextlib.contextmanager
@@ -38,11 +38,7 @@ def serve(app) -> Iterator[str]:
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if time.monotonic() > deadline:
-            raise RuntimeError("test server did not start")
-        time.sleep(0.02)
+    wait_for(lambda: server.started, 10, "the test server", 0.02)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
