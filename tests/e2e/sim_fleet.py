@@ -11,9 +11,10 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -38,11 +39,47 @@ def start_threads(run: Callable[[int], None], count: int) -> list[threading.Thre
     return threads
 
 
-class Sampler:
+@contextlib.contextmanager
+def serving_fleet(
+    home: Path, region: str, name: str, replicas: int, slots: int, **fields: Any
+) -> Iterator[SimFleet]:
+    """A one-region SimFleet serving `name` (`fields`: more of its body) with `replicas` ready."""
+    fleet = SimFleet(home, [region], slots=slots)
+    try:
+        fleet.up()
+        fleet.deploy(name, replicas, **fields)
+        fleet.wait_ready(name, replicas)
+        yield fleet
+    finally:
+        fleet.down()
+
+
+class Workers:
+    """`workers` threads, each running `_run(index)` until `stop()` (which waits for them)."""
+
+    workers = 1
+    join_s = 35.0
+    _stop: threading.Event
+
+    def _run(self, index: int) -> None:
+        raise NotImplementedError
+
+    def start(self):
+        self._threads = start_threads(self._run, self.workers)
+        return self
+
+    def stop(self):
+        self._stop.set()
+        for t in self._threads:
+            t.join(self.join_s)
+
+
+class Sampler(Workers):
     """Calls `sample()` every `interval` s on a thread, from `start()` (or `with`) to `stop()`;
     a failed sample is skipped (a component may be restarting)."""
 
     interval = 0.1
+    join_s = 5.0
 
     def sample(self) -> None:
         raise NotImplementedError
@@ -55,12 +92,7 @@ class Sampler:
 
     def start(self) -> Sampler:
         self._stop = threading.Event()
-        self._threads = start_threads(self._run, 1)
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._threads[0].join(5)
+        return super().start()
 
     def __enter__(self):
         return self.start()
@@ -199,6 +231,19 @@ class SimFleet:
             **kw,
         )
 
+    def deploy(self, name: str, replicas: int, **fields: Any) -> None:
+        """Create a deployment of the sim model (`fields`: any other field of the API's body)."""
+        r = self.api(
+            "POST", "/v1/deployments", json={"name": name, "model": "sim", "replicas": replicas, **fields}
+        )
+        assert r.status_code == 201, r.text
+
+    def wait_ready(self, name: str, replicas: int, timeout: float = 60, version: int = 1) -> None:
+        """Wait until `replicas` of the deployment's `version` are ready."""
+        wait_for(
+            lambda: self.ready_by_version(name).get(version) == replicas, timeout, 0.2, f"{name}'s replicas"
+        )
+
     def deployment(self, name: str) -> dict:
         return self.api("GET", f"/v1/deployments/{name}").json()
 
@@ -241,7 +286,7 @@ class Result:
 
 
 @dataclass
-class Load:
+class Load(Workers):
     """Steady non-streaming chat load: `workers` threads, each a request at a time,
     round-robin over `gateways`, a fresh end user per request (so the canary split is
     drawn afresh), optionally paced."""
@@ -283,14 +328,8 @@ class Load:
                 if self.pause_s:
                     time.sleep(self.pause_s)
 
-    def start(self) -> Load:
-        self._threads = start_threads(self._run, self.workers)
-        return self
-
     def stop(self) -> list[Result]:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=35)
+        super().stop()
         return self.results
 
     def failed(self) -> list[Result]:

@@ -7,13 +7,12 @@ a partitioned fleet keeps serving from cached state. Figures are printed (pytest
 
 from __future__ import annotations
 
-import threading
 import time
 
 import psutil
 import pytest
 
-from tests.e2e.sim_fleet import Load, SimFleet, wait_for
+from tests.e2e.sim_fleet import Load, Sampler, SimFleet, wait_for
 
 EAST, WEST = "local-east", "local-west"
 NAME = "web"
@@ -30,8 +29,10 @@ def fleet(tmp_path):
         fleet.down()
 
 
-class CounterWatch:
+class CounterWatch(Sampler):
     """Polls one gateway counter; remembers when it last grew."""
+
+    interval = 0.05
 
     def __init__(self, fleet: SimFleet, region: str, metric: str, **labels: str) -> None:
         self.args = (region, metric)
@@ -39,36 +40,21 @@ class CounterWatch:
         self.fleet = fleet
         self.last_growth: float | None = None
         self.value = fleet.gateway_metric(region, metric, **labels)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        self.start()
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                value = self.fleet.gateway_metric(*self.args, **self.labels)
-            except Exception:
-                value = self.value
-            if value > self.value:
-                self.value, self.last_growth = value, time.time()
-            time.sleep(0.05)
+    def sample(self) -> None:
+        value = self.fleet.gateway_metric(*self.args, **self.labels)
+        if value > self.value:
+            self.value, self.last_growth = value, time.time()
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
+
+def ready_clusters(fleet: SimFleet) -> list[str]:
+    return sorted(p["cluster"] for p in fleet.deployment(NAME)["placements"] if p["state"] == "ready")
 
 
 def test_losing_a_region_fails_no_request_and_traffic_moves_within_3s(fleet: SimFleet):
-    r = fleet.api(
-        "POST", "/v1/deployments",
-        json={"name": NAME, "model": "sim", "replicas": 2, "min_regions": 2, "engine_args": {"cold_start": 0.2}},
-    )  # fmt: skip
-    assert r.status_code == 201, r.text
-    wait_for(
-        lambda: sorted(p["cluster"] for p in fleet.deployment(NAME)["placements"] if p["state"] == "ready")
-        == [EAST, WEST],
-        60, 0.2, "one ready replica per region",
-    )  # fmt: skip
+    fleet.deploy(NAME, 2, min_regions=2, engine_args={"cold_start": 0.2})
+    wait_for(lambda: ready_clusters(fleet) == [EAST, WEST], 60, 0.2, "one ready replica per region")
     # both gateways know the whole route (each region serves, each can forward to the other)
     wait_for(lambda: fleet.gateway_metric(EAST, "fleet_gateway_requests_total") >= 0, 5)
     load = Load([fleet.gateways[EAST], fleet.gateways[WEST]], fleet.key, NAME, workers=4).start()
@@ -86,8 +72,7 @@ def test_losing_a_region_fails_no_request_and_traffic_moves_within_3s(fleet: Sim
             40, 0.2, "east's replica re-placed in west",
         )  # fmt: skip
         replaced_at = time.time()
-        wait_for(lambda: sum(x.started >= replaced_at for x in load.results) >= 4, 30, 0.05,
-                 "requests served after the re-placement")  # fmt: skip
+        load.served(4, since=replaced_at, what="requests served after the re-placement")
     finally:
         results = load.stop()
         errors.stop()
@@ -114,24 +99,15 @@ def test_losing_a_region_fails_no_request_and_traffic_moves_within_3s(fleet: Sim
     psutil.Process(nats.pid).kill()
     partitioned_at = time.time()
     load = Load([fleet.gateways[EAST], fleet.gateways[WEST]], fleet.key, NAME, workers=2).start()
-    wait_for(lambda: sum(x.started >= partitioned_at for x in load.results) >= 20, 30, 0.05,
-             "requests through both gateways without NATS")  # fmt: skip
+    load.served(20, since=partitioned_at, what="requests through both gateways without NATS")
     results = load.stop()
     print(f"[partition] NATS killed: {len(results)} requests, {len(load.failed())} failed")
     assert results and load.failed() == []
 
 
 def test_standby_region_serves_only_while_the_primary_is_down(fleet: SimFleet):
-    r = fleet.api(
-        "POST", "/v1/deployments",
-        json={"name": NAME, "model": "sim", "replicas": 1, "standby_regions": [WEST], "engine_args": {"cold_start": 0.2}},
-    )  # fmt: skip
-    assert r.status_code == 201, r.text
-    wait_for(
-        lambda: sorted(p["cluster"] for p in fleet.deployment(NAME)["placements"] if p["state"] == "ready")
-        == [EAST, WEST],
-        60, 0.2, "the primary and the warm standby",
-    )  # fmt: skip
+    fleet.deploy(NAME, 1, standby_regions=[WEST], engine_args={"cold_start": 0.2})
+    wait_for(lambda: ready_clusters(fleet) == [EAST, WEST], 60, 0.2, "the primary and the warm standby")
     # routes (with the standby flag) reached both gateways: west's forwards to the primary
     wait_for(lambda: fleet.served_by(WEST, NAME) == EAST, 30, 0.2, "west's gateway forwarding to the primary")
     load = Load([fleet.gateways[EAST], fleet.gateways[WEST]], fleet.key, NAME, workers=4).start()

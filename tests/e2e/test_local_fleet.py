@@ -9,12 +9,10 @@ state the next one starts from.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -24,35 +22,13 @@ import pytest
 
 from control_plane.local.fleet import MARKER_ENV, LocalFleet, pid_alive
 from tests.e2e.sim_fleet import wait_for
+from tests.fleetctl import fleetctl, fleetctl_json
 
 ROOT = Path(__file__).resolve().parents[2]
 REGIONS = ["local-east", "local-west"]
 DEPLOYMENT = "smollm2"
 
 pytestmark = pytest.mark.slow
-
-
-def fleetctl(home: Path, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "FLEET_HOME": str(home), "PYTHONPATH": str(ROOT)}
-    env.pop("FLEET_API_URL", None)
-    env.pop("FLEET_TOKEN", None)
-    result = subprocess.run(
-        [sys.executable, "-m", "control_plane.cli", *args],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    if check and result.returncode != 0:
-        raise AssertionError(
-            f"fleetctl {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
-        )
-    return result
-
-
-def fleetctl_json(home: Path, *args: str, **kwargs):
-    return json.loads(fleetctl(home, *args, "-o", "json", **kwargs).stdout)
 
 
 class Fleet:
@@ -314,7 +290,11 @@ def test_foreground_up_stops_everything_on_ctrl_c(tmp_path):
         # The key is written just before the summary: then `up` enters its foreground loop.
         wait_for(lambda: (tmp_path / "local" / "inference-key").exists(), 120, 0.2, "up to finish")
         state = local.load()
-        time.sleep(2)
+        # Its loop rewrites the Prometheus targets file (a new inode each time) after it set its
+        # signal handlers: a rewrite after `up`'s own write means the loop runs.
+        wait_for(local.targets_path.exists, 60, 0.1, "up's Prometheus targets")
+        first = local.targets_path.stat().st_ino
+        wait_for(lambda: local.targets_path.stat().st_ino != first, 60, 0.1, "up's foreground loop")
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, out

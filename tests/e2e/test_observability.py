@@ -77,22 +77,17 @@ def sim_cannot_export(expr: str) -> bool:
     return any(metric in expr for metric in SIM_CANNOT_EXPORT)
 
 
-def deploy(fleet: SimFleet, **body) -> None:
-    r = fleet.api("POST", "/v1/deployments", json={"model": "sim", **body})
-    assert r.status_code == 201, r.text
-
-
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     home = tmp_path_factory.mktemp("observed-home")
     fleet = SimFleet(home, REGIONS, slots=6, gateway={r: {"queue_timeout_s": 2} for r in REGIONS})
     try:
         fleet.up()
-        deploy(fleet, name=NAME, replicas=2, min_regions=2, engine_args=SIM)
-        deploy(fleet, name="api", replicas=2, regions=["local-east"], engine_args={**SIM, "error_rate": 0.2})
-        deploy(fleet, name="stuck", replicas=1, regions=["local-west"], engine_args={"cold_start": 3600})
-        wait_for(lambda: fleet.ready_by_version(NAME).get(1) == 2, 60, 0.2, "web's replicas")
-        wait_for(lambda: fleet.ready_by_version("api").get(1) == 2, 60, 0.2, "api's replicas")
+        fleet.deploy(NAME, 2, min_regions=2, engine_args=SIM)
+        fleet.deploy("api", 2, regions=["local-east"], engine_args={**SIM, "error_rate": 0.2})
+        fleet.deploy("stuck", 1, regions=["local-west"], engine_args={"cold_start": 3600})
+        fleet.wait_ready(NAME, 2)
+        fleet.wait_ready("api", 2)
         wait_for(lambda: fleet.deployment("stuck")["placements"], 60, 0.2, "stuck's replica placed")
         yield fleet
     finally:

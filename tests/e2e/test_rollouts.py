@@ -11,18 +11,13 @@ The tests share one fleet and run in file order. Figures are printed (pytest -s)
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.e2e.sim_fleet import Load, SimFleet, wait_for
+from tests.e2e.sim_fleet import Load, Sampler, SimFleet, serving_fleet, wait_for
+from tests.fleetctl import fleetctl
 
-ROOT = Path(__file__).resolve().parents[2]
 REGION = "local-east"
 NAME = "web"
 REPLICAS = 4
@@ -31,67 +26,26 @@ SIM_ARGS = {"cold_start": 0.2, "max_num_seqs": 16}
 pytestmark = pytest.mark.slow
 
 
-def fleetctl(home: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "FLEET_HOME": str(home), "PYTHONPATH": str(ROOT)}
-    env.pop("FLEET_API_URL", None)
-    env.pop("FLEET_TOKEN", None)
-    result = subprocess.run(
-        [sys.executable, "-m", "control_plane.cli", *args],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, f"fleetctl {' '.join(args)}:\n{result.stdout}\n{result.stderr}"
-    return result
-
-
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    fleet = SimFleet(tmp_path_factory.mktemp("rollout-home"), [REGION], slots=REPLICAS + 2)
-    try:
-        fleet.up()
-        r = fleet.api(
-            "POST",
-            "/v1/deployments",
-            json={"name": NAME, "model": "sim", "replicas": REPLICAS, "engine_args": SIM_ARGS},
-        )
-        assert r.status_code == 201, r.text
-        wait_for(lambda: fleet.ready_by_version(NAME).get(1) == REPLICAS, 60, 0.2, "the baseline's replicas")
+    home = tmp_path_factory.mktemp("rollout-home")
+    with serving_fleet(home, REGION, NAME, REPLICAS, REPLICAS + 2, engine_args=SIM_ARGS) as fleet:
         yield fleet
-    finally:
-        fleet.down()
 
 
 def rollout(fleet: SimFleet) -> dict:
     return fleet.api("GET", f"/v1/deployments/{NAME}/rollouts/current").json()
 
 
-class GpuWatch:
+class GpuWatch(Sampler):
     """Samples the GPUs assigned to the deployment (every placement, any state)."""
 
     def __init__(self, fleet: SimFleet) -> None:
         self.fleet = fleet
         self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.peak = max(self.peak, sum(p["gpus"] for p in self.fleet.deployment(NAME)["placements"]))
-            except Exception:
-                pass
-            time.sleep(0.1)
-
-    def __enter__(self) -> GpuWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(5)
+    def sample(self) -> None:
+        self.peak = max(self.peak, sum(p["gpus"] for p in self.fleet.deployment(NAME)["placements"]))
 
 
 def choices(fleet: SimFleet) -> dict[str, float]:

@@ -8,19 +8,16 @@ docs/placement.md). The ready count is sampled over time and printed (pytest -s)
 from __future__ import annotations
 
 import os
-import threading
 import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.sim_fleet import Load, SimFleet, wait_for
-from tests.e2e.test_rollouts import fleetctl
+from tests.e2e.sim_fleet import Load, Sampler, SimFleet, serving_fleet, wait_for
+from tests.e2e.test_rollouts import REGION, REPLICAS, SIM_ARGS
+from tests.fleetctl import fleetctl
 
-REGION = "local-east"
 NAME = "full"
-REPLICAS = 4
-SIM_ARGS = {"cold_start": 0.2, "max_num_seqs": 16}
 
 pytestmark = pytest.mark.slow
 
@@ -28,50 +25,31 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     old = os.environ.pop("FLEET_PLACER", None)  # the default placer (milp) in the control plane process
-    fleet = SimFleet(tmp_path_factory.mktemp("full-home"), [REGION], slots=REPLICAS)
     try:
-        fleet.up()
-        body = {"name": NAME, "model": "sim", "replicas": REPLICAS, "engine_args": SIM_ARGS}
-        r = fleet.api("POST", "/v1/deployments", json=body)
-        assert r.status_code == 201, r.text
-        wait_for(lambda: fleet.ready_by_version(NAME).get(1) == REPLICAS, 60, 0.2, "the baseline's replicas")
-        yield fleet
+        with serving_fleet(
+            tmp_path_factory.mktemp("full-home"), REGION, NAME, REPLICAS, REPLICAS, engine_args=SIM_ARGS
+        ) as fleet:
+            yield fleet
     finally:
-        fleet.down()
         if old is None:
             os.environ.pop("FLEET_PLACER", None)
         else:
             os.environ["FLEET_PLACER"] = old
 
 
-class ReadyWatch:
+class ReadyWatch(Sampler):
     """Samples (time, ready replicas of any version) every 0.1 s."""
 
     def __init__(self, fleet: SimFleet) -> None:
         self.fleet = fleet
         self.samples: list[tuple[float, int]] = []
         self.modes: set[str] = set()  # capacity_mode values the rollout status showed
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.samples.append((time.time(), sum(self.fleet.ready_by_version(NAME).values())))
-                last = rollout(self.fleet).get("last") or {}
-                if last.get("capacity_mode"):
-                    self.modes.add(f"{last['capacity_mode']}: {last.get('capacity_reason', '')}")
-            except Exception:
-                pass
-            time.sleep(0.1)
-
-    def __enter__(self) -> ReadyWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(5)
+    def sample(self) -> None:
+        self.samples.append((time.time(), sum(self.fleet.ready_by_version(NAME).values())))
+        last = rollout(self.fleet).get("last") or {}
+        if last.get("capacity_mode"):
+            self.modes.add(f"{last['capacity_mode']}: {last.get('capacity_reason', '')}")
 
     def log(self) -> str:
         t0 = self.samples[0][0] if self.samples else 0.0
@@ -87,7 +65,7 @@ def _run_rollout(fleet: SimFleet, *args: str) -> tuple[dict, ReadyWatch, Load]:
     load = Load([fleet.gateways[REGION]], fleet.key, NAME, workers=3).start()
     try:
         with ReadyWatch(fleet) as watch:
-            time.sleep(0.5)
+            load.served(4, what="the load under way")
             fleetctl(fleet.home, "rollout", "start", NAME, *args)
             ro = wait_for(
                 lambda: (r := rollout(fleet))["phase"] in ("promoted", "rolled_back") and r,
@@ -143,22 +121,14 @@ def test_critical_scale_up_takes_slots_from_batch(fleet: SimFleet):
     r = fleet.api("DELETE", f"/v1/deployments/{NAME}")  # free the slots the rollouts used
     assert r.status_code == 200, r.text
     wait_for(lambda: fleet.api("GET", f"/v1/deployments/{NAME}").status_code == 404, 30, 0.2, "the deletion")
-    body = {"name": "train", "model": "sim", "replicas": 4, "engine_args": SIM_ARGS, "priority": "batch"}
-    assert fleet.api("POST", "/v1/deployments", json=body).status_code == 201
-    wait_for(lambda: fleet.ready_by_version("train").get(1) == 4, 60, 0.2, "batch replicas")
+    fleet.deploy("train", 4, engine_args=SIM_ARGS, priority="batch")
+    fleet.wait_ready("train", 4)
     load = Load([fleet.gateways[REGION]], fleet.key, "train", workers=3).start()
     try:
-        time.sleep(1.0)
-        body = {
-            "name": "chat",
-            "model": "sim",
-            "replicas": 2,
-            "engine_args": SIM_ARGS,
-            "priority": "critical",
-        }
-        assert fleet.api("POST", "/v1/deployments", json=body).status_code == 201
-        wait_for(lambda: fleet.ready_by_version("chat").get(1) == 2, 60, 0.2, "critical replicas")
-        time.sleep(1.0)
+        load.served(4, what="the batch load under way")
+        fleet.deploy("chat", 2, engine_args=SIM_ARGS, priority="critical")
+        fleet.wait_ready("chat", 2)
+        load.served(4, since=time.time(), what="batch requests after the preemption")
     finally:
         results = load.stop()
     events = fleet.api("GET", "/v1/events", params={"deployment": "train", "kind": "preempted"}).json()[
