@@ -47,7 +47,8 @@ def compute_shares(
         return {c: _floor(1 / n) for c in names}
     floor = min(settings.min_share, 1 / n)
     free = 1 - floor * n
-    shares = {c: _floor(floor + free * max(0.0, usage.get(c, 0.0)) / total) for c in names}
+    # the ratio first: free * usage underflows for subnormal usage, and the shares stop summing to 1
+    shares = {c: _floor(floor + free * (max(0.0, usage.get(c, 0.0)) / total)) for c in names}
     if same_clusters and max(abs(shares[c] - previous[c]) for c in names) < settings.min_change:
         return dict(previous)
     return shares
