@@ -17,10 +17,10 @@ Stages, in the order the executor walks them:
   first, and re-plans after waiting); an empty ``local`` stage means "wait for a replica".
 - ``failover``: peers to try when every local attempt failed before its first byte.
 
-What a failure means in each stage, and who charges the request, is data too
-(`STAGE_RULES`, `Attempt.charge`): the executor reads it instead of knowing it. A stream
-that breaks after its first byte migrates in every stage (when the request can be
-continued: `agent.gateway.migration`), to the plan's next target.
+What a failure means in each stage (before the first byte: fall through, fail over, give
+up; after it: migrate), and who charges the request, is data too (`STAGE_RULES`,
+`Attempt.charge`): the executor reads it instead of knowing it. Today a broken stream
+migrates in every stage (when the request can be continued: `agent.gateway.migration`).
 
 A request for a LoRA adapter ranks replicas where the adapter is resident first
 ("adapter-resident"), then those with room to load it ("adapter-load"), then the rest
@@ -55,9 +55,16 @@ OnFailure = Literal["next-stage", "failover", "give-up"]
 Charge = Literal["here", "elsewhere"]
 
 
+# What it means when a stream from the stage's target breaks after its first byte:
+# "migrate" continues it at the plan's next target (when the request can be continued);
+# "give-up" ends it with an in-band error event.
+Midstream = Literal["migrate", "give-up"]
+
+
 @dataclass(frozen=True)
 class StageRule:
     on_failure: OnFailure
+    midstream: Midstream = "migrate"
     queue: bool = False  # take a slot of this cluster's queue first, re-plan after waiting
     mark_down: bool = False  # the stage's peers all failed: skip them for a while
     after_failure: bool = False  # entered only when an earlier stage asked for failover

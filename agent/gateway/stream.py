@@ -55,7 +55,8 @@ class StreamSession:
         self.upstreams = upstreams
         self.accounting = accounting
         self.metrics = metrics
-        self.limit = migration_limit if call.info.migratable else 0
+        migrates = call.info.migratable and target.rule.midstream == "migrate"
+        self.limit = migration_limit if migrates else 0
         self.first_ok = 200 <= opened.status < 300
         self.observer = StreamObserver(strip_usage=not target.is_peer and not call.info.client_wants_usage)
         self.ledger = StreamLedger.of(call.info, call.forwarded_from is not None and call.client.keep_ids)

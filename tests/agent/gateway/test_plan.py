@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import get_args
 
 import pytest
 
 from agent.gateway.kv_index import KvUpdate, PrefixIndex
 from agent.gateway.plan import (
     MAX_ATTEMPTS,
+    STAGE_RULES,
+    Attempt,
     ClusterFacts,
     CostModel,
     PeerFacts,
     Plan,
     ReplicaFacts,
     RequestFacts,
+    Stage,
     plan_failover,
     plan_route,
 )
@@ -219,3 +223,12 @@ def test_failover_is_planned_fresh_and_never_for_a_forwarded_request() -> None:
     assert [a.name for a in plan_failover(REQ, (PEER_S,))] == ["south"] * MAX_ATTEMPTS
     assert plan_failover(RequestFacts("d", 10, 20, forwarded=True), (PEER_S,)) == []
     assert plan_failover(REQ, ()) == []
+
+
+def test_every_stage_says_what_its_failure_means() -> None:
+    assert set(STAGE_RULES) == set(get_args(Stage))
+    assert STAGE_RULES["local"].on_failure == "failover" and STAGE_RULES["failover"].after_failure
+    assert {s for s, r in STAGE_RULES.items() if r.on_failure == "next-stage"} == {"primary", "peer-prefix"}
+    assert all(rule.midstream == "migrate" for rule in STAGE_RULES.values())
+    assert Attempt("peer", "spill", "west", is_peer=True).charge == "elsewhere"
+    assert Attempt("local", "prefix", "r1").charge == "here"
