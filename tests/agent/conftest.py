@@ -5,23 +5,29 @@ leaves behind (replicas live in their own sessions)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import psutil
 import pytest
+import uvicorn
 
+from agent.gateway.app import build_app
+from agent.gateway.gateway import Gateway
 from control_plane.local.nats_server import NatsServer
 from fleet_base import protocol
+from fleet_base.api_keys import ApiKeyRecord, hash_secret, new_secret
 from fleet_base.cluster_config import ClusterConfig
-from fleet_base.nats_io import NatsLink
+from fleet_base.nats_io import NatsLink, ensure_jetstream
 from fleet_base.processes import stop_process
 from fleet_base.protocol import ClusterRoute, DesiredState, ReplicaSpec, RoutingTable
 
@@ -228,3 +234,34 @@ async def publish_cluster_state(
         route = RoutingTable(deployment=deployment, clusters=[ClusterRoute(cluster=cluster)])
         await link.kv_put(protocol.BUCKET_ROUTES, deployment, route)
     await link.kv_put(protocol.BUCKET_KEYS, key_id, key_record)
+
+
+async def seed_cluster(nats_url: str, cluster: str, specs: list[ReplicaSpec]) -> tuple[str, str]:
+    """`publish_cluster_state` with a fresh inference key, through a connection of its own:
+    the key's id and secret."""
+    key_id, secret = new_secret()
+    salt, digest = hash_secret(secret)
+    record = ApiKeyRecord(key_id=key_id, name="t", salt=salt, hash=digest, scopes=["inference"])
+    link = NatsLink(nats_url, "test-control")
+    link.start()
+    assert await link.wait_connected(10) and link.nc is not None
+    await ensure_jetstream(link.nc.jetstream())
+    await publish_cluster_state(link, cluster, specs, key_id, record)
+    await link.close()
+    return key_id, secret
+
+
+@contextlib.asynccontextmanager
+async def live_gateway(cfg: ClusterConfig) -> AsyncIterator[tuple[Gateway, httpx.AsyncClient]]:
+    """The cluster's gateway in this process on a real socket, and a client of it."""
+    app = build_app(cfg)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=cfg.gateway.port, log_level="warning"))
+    serve = asyncio.create_task(server.serve())
+    try:
+        base_url = f"http://127.0.0.1:{cfg.gateway.port}"
+        async with httpx.AsyncClient(base_url=base_url, timeout=60, trust_env=False) as client:
+            yield app.state.gateway, client
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(serve, 10)

@@ -7,19 +7,12 @@ resident, and loads one where there is room after it was unloaded."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
-import httpx
-import uvicorn
-
-from agent.gateway.app import build_app
 from bench.lora import write_random_adapter
 from engine.loader import read_model_config
-from fleet_base.api_keys import ApiKeyRecord, hash_secret, new_secret
-from fleet_base.nats_io import NatsLink, ensure_jetstream
 from fleet_base.ports import free_port
 from fleet_base.protocol import LoRAAdapterSpec, ReplicaSpec
-from tests.agent.conftest import cluster_config, publish_cluster_state
+from tests.agent.conftest import cluster_config, live_gateway, seed_cluster
 from tests.polling import eventually
 
 ADAPTERS = [f"ad{i}" for i in range(4)]
@@ -43,13 +36,6 @@ async def test_adapter_requests_follow_residency(tmp_path, nats_server, model_di
     ]
     port = free_port()
     cfg = cluster_config(tmp_path, nats_server.url, gateway={"port": port})
-    key_id, secret = new_secret()
-    salt, digest = hash_secret(secret)
-    record = ApiKeyRecord(key_id=key_id, name="t", salt=salt, hash=digest, scopes=["inference"])
-    link = NatsLink(nats_server.url, "test-control")
-    link.start()
-    assert await link.wait_connected(10) and link.nc is not None
-    await ensure_jetstream(link.nc.jetstream())
     specs = [
         ReplicaSpec(
             replica_id=f"tiny-{i}",
@@ -61,68 +47,55 @@ async def test_adapter_requests_follow_residency(tmp_path, nats_server, model_di
         )
         for i in range(2)
     ]
-    await publish_cluster_state(link, cfg.cluster, specs, key_id, record)
-    await link.close()
+    _, secret = await seed_cluster(nats_server.url, cfg.cluster, specs)
     agent_factory(cfg).start()
-
-    app = build_app(cfg)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    serve = asyncio.create_task(server.serve())
     headers = {"Authorization": f"Bearer {secret}"}
-    try:
-        async with httpx.AsyncClient(
-            base_url=f"http://127.0.0.1:{port}", timeout=60, trust_env=False
-        ) as client:
-            gateway = app.state.gateway
+    async with live_gateway(cfg) as (gateway, client):
 
-            def held() -> dict[str, list[str]]:
-                gateway.view.refresh(force=True)
-                return {r.replica_id: sorted(r.adapters) for r in gateway.view.ready("tiny")}
+        def held() -> dict[str, list[str]]:
+            gateway.view.refresh(force=True)
+            return {r.replica_id: sorted(r.adapters) for r in gateway.view.ready("tiny")}
 
-            async def preloaded() -> bool:
-                h = held()
-                return len(h) == 2 and sorted(a for v in h.values() for a in v) == ADAPTERS
+        async def preloaded() -> bool:
+            h = held()
+            return len(h) == 2 and sorted(a for v in h.values() for a in v) == ADAPTERS
 
-            try:
-                await eventually(preloaded, 120, "two ready replicas holding two adapters each", 0.2)
-            except AssertionError:
-                print(held(), (tmp_path / "agent-1.log").read_text()[-3000:])
-                raise
-            models = (await client.get("/v1/models", headers=headers)).json()["data"]
-            assert {m["id"]: m.get("parent") for m in models} == {
-                "tiny": None,
-                **dict.fromkeys(ADAPTERS, "tiny"),
-            }
+        try:
+            await eventually(preloaded, 120, "two ready replicas holding two adapters each", 0.2)
+        except AssertionError:
+            print(held(), (tmp_path / "agent-1.log").read_text()[-3000:])
+            raise
+        models = (await client.get("/v1/models", headers=headers)).json()["data"]
+        assert {m["id"]: m.get("parent") for m in models} == {
+            "tiny": None,
+            **dict.fromkeys(ADAPTERS, "tiny"),
+        }
 
-            async def complete(model: str) -> str:
-                body = {"model": model, "prompt": "Once upon a time", "max_tokens": 2, "temperature": 0}
-                r = await client.post("/v1/completions", json=body, headers=headers)
-                assert r.status_code == 200, r.text
-                assert r.json()["model"] == model
-                return r.headers.get("x-fleet-cluster", "")
-
-            # Every adapter (and the base) at once, three rounds: all served, all where resident.
-            await asyncio.gather(*(complete(m) for _ in range(3) for m in [*ADAPTERS, "tiny"]))
-            outcomes = _outcomes(gateway)
-            assert outcomes == {"resident": 12.0}, outcomes
-
-            # Unload one behind the gateway's back (as an operator would); once the agent has
-            # reported it, the next request for it loads it where there is room.
-            holder = next(rid for rid, names in held().items() if "ad0" in names)
-            url = next(r.url for r in gateway.view.ready("tiny") if r.replica_id == holder)
-            r = await client.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "ad0"})
+        async def complete(model: str) -> str:
+            body = {"model": model, "prompt": "Once upon a time", "max_tokens": 2, "temperature": 0}
+            r = await client.post("/v1/completions", json=body, headers=headers)
             assert r.status_code == 200, r.text
+            assert r.json()["model"] == model
+            return r.headers.get("x-fleet-cluster", "")
 
-            async def reported() -> bool:
-                return all("ad0" not in names for names in held().values())
+        # Every adapter (and the base) at once, three rounds: all served, all where resident.
+        await asyncio.gather(*(complete(m) for _ in range(3) for m in [*ADAPTERS, "tiny"]))
+        outcomes = _outcomes(gateway)
+        assert outcomes == {"resident": 12.0}, outcomes
 
-            await eventually(reported, 30, "the agent to report ad0 unloaded", 0.2)
-            await complete("ad0")
-            outcomes = _outcomes(gateway)
-            assert outcomes.get("loaded") == 1.0 and "failed" not in outcomes, outcomes
-            hit_rate = outcomes["resident"] / sum(outcomes.values())
-            print(f"adapter hit rate {hit_rate:.2%} over {sum(outcomes.values()):.0f} adapter requests")
-    finally:
-        server.should_exit = True
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(serve, 10)
+        # Unload one behind the gateway's back (as an operator would); once the agent has
+        # reported it, the next request for it loads it where there is room.
+        holder = next(rid for rid, names in held().items() if "ad0" in names)
+        url = next(r.url for r in gateway.view.ready("tiny") if r.replica_id == holder)
+        r = await client.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "ad0"})
+        assert r.status_code == 200, r.text
+
+        async def reported() -> bool:
+            return all("ad0" not in names for names in held().values())
+
+        await eventually(reported, 30, "the agent to report ad0 unloaded", 0.2)
+        await complete("ad0")
+        outcomes = _outcomes(gateway)
+        assert outcomes.get("loaded") == 1.0 and "failed" not in outcomes, outcomes
+        hit_rate = outcomes["resident"] / sum(outcomes.values())
+        print(f"adapter hit rate {hit_rate:.2%} over {sum(outcomes.values()):.0f} adapter requests")

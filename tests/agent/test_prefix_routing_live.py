@@ -9,106 +9,82 @@ import asyncio
 import contextlib
 
 import httpx
-import uvicorn
 
-from agent.gateway.app import build_app
 from agent.gateway.prefix import prefix_keys
 from agent.gateway.tenancy import cache_salt
-from fleet_base.api_keys import ApiKeyRecord, hash_secret, new_secret
-from fleet_base.nats_io import NatsLink, ensure_jetstream
 from fleet_base.ports import free_port
 from fleet_base.protocol import ReplicaSpec
-from tests.agent.conftest import cluster_config, publish_cluster_state
+from tests.agent.conftest import cluster_config, live_gateway, seed_cluster
 from tests.polling import eventually
 
 
 async def test_later_turns_follow_their_prefix(tmp_path, nats_server, model_dir, agent_factory) -> None:
     port = free_port()
     cfg = cluster_config(tmp_path, nats_server.url, gateway={"port": port, "routing": "prefix"})
-    key_id, secret = new_secret()
-    salt, digest = hash_secret(secret)
-    record = ApiKeyRecord(key_id=key_id, name="t", salt=salt, hash=digest, scopes=["inference"])
-    link = NatsLink(nats_server.url, "test-control")
-    link.start()
-    assert await link.wait_connected(10) and link.nc is not None
-    await ensure_jetstream(link.nc.jetstream())
     specs = [
         ReplicaSpec(replica_id=f"tiny-{i}", deployment="tiny", version=1, model=str(model_dir))
         for i in range(2)
     ]
-    await publish_cluster_state(link, cfg.cluster, specs, key_id, record)
-    await link.close()
+    key_id, secret = await seed_cluster(nats_server.url, cfg.cluster, specs)
     agent_factory(cfg).start()
-
-    app = build_app(cfg)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    serve = asyncio.create_task(server.serve())
-    url = f"http://127.0.0.1:{port}"
     headers = {"Authorization": f"Bearer {secret}"}
-    try:
-        async with httpx.AsyncClient(base_url=url, timeout=60, trust_env=False) as client:
+    async with live_gateway(cfg) as (gateway, client):
 
-            async def ready() -> bool:
-                with contextlib.suppress(httpx.HTTPError):
-                    return (await client.get("/health")).json()["ready_replicas"].get("tiny", 0) == 2
-                return False
+        async def ready() -> bool:
+            with contextlib.suppress(httpx.HTTPError):
+                return (await client.get("/health")).json()["ready_replicas"].get("tiny", 0) == 2
+            return False
 
-            await eventually(ready, 90, "two ready replicas")
-            gateway = app.state.gateway
-            index = gateway.prefix.index
-            tok = gateway.tokens.tokenizer("tiny")
-            assert tok is not None
+        await eventually(ready, 90, "two ready replicas")
+        index = gateway.prefix.index
+        tok = gateway.tokens.tokenizer("tiny")
+        assert tok is not None
 
-            def prompt(conv: int, turn: int) -> str:
-                return f"conversation {conv} is about topic {conv * 7}. " * 3 + " and then more" * (3 * turn)
+        def prompt(conv: int, turn: int) -> str:
+            return f"conversation {conv} is about topic {conv * 7}. " * 3 + " and then more" * (3 * turn)
 
-            def keys(text: str) -> tuple[int, ...]:
-                # the key's salt, as the gateway gives the replica: unsalted blocks never match
-                return prefix_keys(
-                    tok.encode(text, True), gateway.prefix.block_tokens("tiny"), cache_salt(key_id)
-                )
+        def keys(text: str) -> tuple[int, ...]:
+            # the key's salt, as the gateway gives the replica: unsalted blocks never match
+            return prefix_keys(
+                tok.encode(text, True), gateway.prefix.block_tokens("tiny"), cache_salt(key_id)
+            )
 
-            async def complete(text: str) -> None:
-                body = {"model": "tiny", "prompt": text, "max_tokens": 2, "temperature": 0}
-                r = await client.post("/v1/completions", json=body, headers=headers)
-                assert r.status_code == 200, r.text
+        async def complete(text: str) -> None:
+            body = {"model": "tiny", "prompt": text, "max_tokens": 2, "temperature": 0}
+            r = await client.post("/v1/completions", json=body, headers=headers)
+            assert r.status_code == 200, r.text
 
-            def holder(text: str) -> str | None:
-                k = keys(text)
-                held = [rid for rid in ("tiny-0", "tiny-1") if index.match(cfg.cluster, rid, k) == len(k)]
-                return held[0] if len(held) == 1 else None
+        def holder(text: str) -> str | None:
+            k = keys(text)
+            held = [rid for rid in ("tiny-0", "tiny-1") if index.match(cfg.cluster, rid, k) == len(k)]
+            return held[0] if len(held) == 1 else None
 
-            # First turns at once: least outstanding work spreads them over both replicas.
-            await asyncio.gather(*(complete(prompt(c, 0)) for c in range(4)))
+        # First turns at once: least outstanding work spreads them over both replicas.
+        await asyncio.gather(*(complete(prompt(c, 0)) for c in range(4)))
 
-            async def all_indexed() -> bool:
-                return all(holder(prompt(c, 0)) for c in range(4))
+        async def all_indexed() -> bool:
+            return all(holder(prompt(c, 0)) for c in range(4))
 
-            await eventually(all_indexed, 30, "first turns in the gateway's index")
-            home = {c: holder(prompt(c, 0)) for c in range(4)}
-            assert set(home.values()) == {"tiny-0", "tiny-1"}
-            # Later turns one at a time (idle replicas: least-load would pick tiny-0 every time).
-            for turn in (1, 2):
-                for c in range(4):
-                    before = _choices(gateway)
-                    await complete(prompt(c, turn))
-                    after = _choices(gateway)
-                    assert [rid for rid, n in after.items() if n > before.get(rid, 0)] == [home[c]]
+        await eventually(all_indexed, 30, "first turns in the gateway's index")
+        home = {c: holder(prompt(c, 0)) for c in range(4)}
+        assert set(home.values()) == {"tiny-0", "tiny-1"}
+        # Later turns one at a time (idle replicas: least-load would pick tiny-0 every time).
+        for turn in (1, 2):
+            for c in range(4):
+                before = _choices(gateway)
+                await complete(prompt(c, turn))
+                after = _choices(gateway)
+                assert [rid for rid, n in after.items() if n > before.get(rid, 0)] == [home[c]]
 
-                    async def indexed(text: str = prompt(c, turn), rid: str = home[c]) -> bool:
-                        k = keys(text)
-                        return index.match(cfg.cluster, rid, k) == len(k)
+                async def indexed(text: str = prompt(c, turn), rid: str = home[c]) -> bool:
+                    k = keys(text)
+                    return index.match(cfg.cluster, rid, k) == len(k)
 
-                    await eventually(indexed, 20, "the new turn's blocks in the index")
-            reasons = {
-                s.labels["reason"]: s.value
-                for s in _samples(gateway, "fleet_gateway_routing_decisions_total")
-            }
-            assert reasons.get("prefix", 0) >= 8
-    finally:
-        server.should_exit = True
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(serve, 10)
+                await eventually(indexed, 20, "the new turn's blocks in the index")
+        reasons = {
+            s.labels["reason"]: s.value for s in _samples(gateway, "fleet_gateway_routing_decisions_total")
+        }
+        assert reasons.get("prefix", 0) >= 8
 
 
 def _samples(gateway, name: str):
