@@ -67,31 +67,29 @@ def atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
+class _InStateDir:
+    """A path under the state_dir, as a read-only attribute."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, state: LocalState, owner: type | None = None) -> Path:
+        return state.dir / self.name
+
+
 class LocalState:
     """Typed access to the files under a cluster's state_dir."""
 
+    desired_path = _InStateDir("desired.json")
+    routes_path = _InStateDir("routes.json")
+    keys_path = _InStateDir("keys.json")
+    key_lease_path = _InStateDir("keys-lease.json")
+    replicas_path = _InStateDir("replicas.json")
+    gateway_path = _InStateDir("gateway.json")
+    logs_dir = _InStateDir("logs")
+
     def __init__(self, state_dir: Path) -> None:
         self.dir = Path(state_dir)
-
-    @property
-    def desired_path(self) -> Path:
-        return self.dir / "desired.json"
-
-    @property
-    def routes_path(self) -> Path:
-        return self.dir / "routes.json"
-
-    @property
-    def keys_path(self) -> Path:
-        return self.dir / "keys.json"
-
-    @property
-    def replicas_path(self) -> Path:
-        return self.dir / "replicas.json"
-
-    @property
-    def gateway_path(self) -> Path:
-        return self.dir / "gateway.json"
 
     def save_gateway(self, status: GatewayStatus) -> None:
         self._write(self.gateway_path, status)
@@ -102,10 +100,6 @@ class LocalState:
         if status is None or time.time() - status.updated_at > max_age_s:
             return None
         return status
-
-    @property
-    def logs_dir(self) -> Path:
-        return self.dir / "logs"
 
     def _write(self, path: Path, message: BaseModel) -> None:
         atomic_write(path, message.model_dump_json(indent=1).encode())
@@ -130,10 +124,6 @@ class LocalState:
 
     def save_keys(self, keys: KeySet) -> None:
         self._write(self.keys_path, keys)
-
-    @property
-    def key_lease_path(self) -> Path:
-        return self.dir / "keys-lease.json"
 
     def save_key_lease(self, seen_at: float) -> None:
         self._write(self.key_lease_path, KeyLeaseSeen(seen_at=seen_at))
