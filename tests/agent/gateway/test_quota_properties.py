@@ -9,7 +9,7 @@ import itertools
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from agent.gateway.priority import PriorityWaitlist
@@ -185,14 +185,18 @@ def test_a_share_change_never_adds_tokens_at_once() -> None:
         max_size=80,
     ),
 )
+# both regions spend their halves, then east applies a smaller share at the same clock time
+@example(tpm=100, ops=[("req", 0.0, 50, "east"), ("req", 0.0, 50, "west"), ("share", 0.0, 0.05, "east")])
 def test_regions_applying_share_moves_at_different_times(tpm: int, ops) -> None:
     """Each region applies a new split when it hears of it (not at the same time). Tokens
     admitted in any interval stay within what the applied capacities at its start plus the
-    applied refill rates over it allow; with shares summing to 1 that is L(1 + T/W)."""
+    applied refill rates over it allow; with shares summing to 1 that is L(1 + T/W). An
+    interval starts at an admission, so its capacities are the split applied when that
+    admission was made: a share applied later at the same clock time does not count."""
     clock = Clock()
     books = {"east": QuotaBook(clock), "west": QuotaBook(clock)}
     applied = {"east": 0.5, "west": 0.5}
-    events: list[tuple[float, float]] = []  # admissions
+    events: list[tuple[float, float, dict[str, float]]] = []  # admissions, with the split applied then
     timeline: list[tuple[float, dict[str, float]]] = [(clock.t, dict(applied))]
     k = key(Quotas(tokens_per_minute=tpm))
     for cluster, book in books.items():  # the gateway primes a key's buckets when it loads the key
@@ -206,7 +210,7 @@ def test_regions_applying_share_moves_at_different_times(tpm: int, ops) -> None:
         else:
             d = books[cluster].admit(k, "m", value, applied[cluster])
             if d.admitted:
-                events.append((clock.t, value))
+                events.append((clock.t, value, dict(applied)))
 
     def shares_at(t: float) -> dict[str, float]:
         return [s for at, s in timeline if at <= t][-1]
@@ -217,10 +221,10 @@ def test_regions_applying_share_moves_at_different_times(tpm: int, ops) -> None:
             total += sum(shares_at(a).values()) * tpm / 60 * (b - a)
         return total
 
-    for i, (t0, _) in enumerate(events):
+    for i, (t0, _, split) in enumerate(events):
         net = 0.0
-        capacity = sum(max(1.0, s * tpm) for s in shares_at(t0).values())
-        for t1, amount in events[i:]:
+        capacity = sum(max(1.0, s * tpm) for s in split.values())
+        for t1, amount, _ in events[i:]:
             net += amount
             assert net <= capacity + refill(t0, t1) + 2 + EPS
 
