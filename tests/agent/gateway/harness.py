@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -21,6 +20,7 @@ from fleet_base.local_state import KeySet, LocalState, ReplicaSnapshot, RouteSet
 from fleet_base.ports import free_port
 from fleet_base.processes import stop_process
 from fleet_base.protocol import ClusterRoute, ReplicaState, ReplicaStatus, RoutingTable, VersionWeight
+from tests.polling import wait_for, wait_for_process
 
 ROOT = Path(__file__).resolve().parents[3]
 DEPLOYMENT = "tiny"
@@ -170,18 +170,22 @@ class GatewayProcess:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited with {self.proc.returncode}: {self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        self.stop()
-        raise TimeoutError(f"gateway not up after {timeout} s: {self.log_tail()}")
+        try:
+            wait_for_process(
+                self.proc,
+                self._healthy,
+                timeout,
+                "the gateway",
+                self.log_tail,
+                retry_errors=httpx.TransportError,
+            )
+        except RuntimeError:
+            self.stop()
+            raise
+        return self
+
+    def _healthy(self) -> bool:
+        return httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200
 
     def log_tail(self) -> str:
         if not self.log_path.exists():
@@ -191,12 +195,12 @@ class GatewayProcess:
     def sync(self, timeout: float = 30.0) -> None:
         """Wait until the gateway has loaded the state files as they are on disk now."""
         want = self.files.signatures()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if httpx.get(f"{self.url}/health", timeout=2.0).json()["state"] == want:
-                return
-            time.sleep(0.02)
-        raise AssertionError(f"gateway did not reload its state within {timeout} s")
+        wait_for(
+            lambda: httpx.get(f"{self.url}/health", timeout=2.0).json()["state"] == want,
+            timeout,
+            f"the gateway to load the state files {want}",
+            0.02,
+        )
 
     def write(self, **kw: object) -> None:
         self.files.write(**kw)  # type: ignore[arg-type]

@@ -12,11 +12,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from agent.runtime.base import Probe
 from agent.runtime.process import ProcessRuntime
 from fleet_base.protocol import ReplicaSpec, ReplicaState
 from tests.agent.conftest import cluster_config
 from tests.agent.gateway.conftest import EAST
 from tests.agent.gateway.harness import DEPLOYMENT, GatewayProcess, peer, replica, route
+from tests.polling import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -29,11 +31,20 @@ def _spec(model: Path, rid: str) -> ReplicaSpec:
 
 
 async def _ready(rt: ProcessRuntime, handle, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while (probe := await rt.poll(handle)).state != ReplicaState.ready:
+    async def ready() -> bool:
+        probe = await rt.poll(handle)
         assert probe.state != ReplicaState.failed, probe.error
-        assert time.monotonic() < deadline, "replica not ready"
-        await asyncio.sleep(0.1)
+        return probe.state == ReplicaState.ready
+
+    await eventually(ready, timeout, f"replica {handle.replica_id} to be ready", 0.1)
+
+
+async def _failed(rt: ProcessRuntime, handle, timeout: float) -> Probe:
+    async def failed() -> Probe | None:
+        probe = await rt.poll(handle)
+        return probe if probe.state == ReplicaState.failed else None
+
+    return await eventually(failed, timeout, f"replica {handle.replica_id} to be reported failed", 0.2)
 
 
 async def test_frozen_replica_is_unhealthy_killed_and_its_requests_go_elsewhere(
@@ -77,10 +88,7 @@ async def test_frozen_replica_is_unhealthy_killed_and_its_requests_go_elsewhere(
             assert max(s for _, s in results) < 30, results  # seconds, not a 600 s read timeout
 
             # The frozen replica says so on /health, and the runtime kills it.
-            deadline = time.monotonic() + 30
-            while (probe := await rt.poll(frozen)).state != ReplicaState.failed:
-                assert time.monotonic() < deadline, "a stalled replica was never reported"
-                await asyncio.sleep(0.2)
+            probe = await _failed(rt, frozen, 30)
             assert "stalled" in (probe.error or "")
             assert (await rt.poll(healthy)).state == ReplicaState.ready
     finally:

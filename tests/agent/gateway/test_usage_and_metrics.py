@@ -3,9 +3,7 @@ Prometheus names."""
 
 from __future__ import annotations
 
-import asyncio
 import re
-import time
 from pathlib import Path
 
 import httpx
@@ -16,6 +14,7 @@ from fleet_base.api_keys import ApiKeyRecord
 from fleet_base.protocol import UsageRecord, usage_subject
 from tests.agent.gateway.conftest import EAST
 from tests.agent.gateway.harness import DEPLOYMENT, GatewayProcess, peer, route, scrape
+from tests.polling import eventually
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -23,11 +22,12 @@ ROOT = Path(__file__).resolve().parents[3]
 async def test_usage_records_arrive_on_nats(
     east: GatewayProcess, nats: NatsServer, keys: dict[str, tuple[str, ApiKeyRecord]]
 ) -> None:
-    deadline = time.monotonic() + 10
     async with httpx.AsyncClient(base_url=east.url, timeout=60) as h:
-        while not (await h.get("/health")).json()["nats_connected"]:
-            assert time.monotonic() < deadline, "the gateway never connected to NATS"
-            await asyncio.sleep(0.05)
+
+        async def nats_connected() -> bool:
+            return (await h.get("/health")).json()["nats_connected"]
+
+        await eventually(nats_connected, 10, "the gateway to connect to NATS")
         nc = await nats_py.connect(nats.url)
         try:
             sub = await nc.subscribe(usage_subject("east"))
