@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 
 from engine.server.process import ServerProcess
 from tests.engine.server.conftest import metric, scrape
+from tests.polling import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -59,12 +59,7 @@ def test_api_key_is_required_on_the_api_only(small: ServerProcess) -> None:
 
 
 def _wait_for(c: httpx.Client, name: str, value: float, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if metric(scrape(c), name, model=MODEL) == value:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{name} never reached {value}")
+    wait_for(lambda: metric(scrape(c), name, model=MODEL) == value, timeout, f"{name} to reach {value}", 0.05)
 
 
 def test_full_queue_is_429_with_retry_after(small: ServerProcess) -> None:
@@ -117,9 +112,12 @@ def test_sigterm_drains_in_flight_then_exits_0(small: ServerProcess) -> None:
             first = next(ln for ln in lines if ln)
             small.terminate()
             # still listening, but refusing new work
-            deadline = time.monotonic() + 10
-            while (health := c.get("/health")).status_code == 200 and time.monotonic() < deadline:
-                time.sleep(0.02)
+
+            def not_ok() -> httpx.Response | None:
+                r = c.get("/health")
+                return r if r.status_code != 200 else None
+
+            health = wait_for(not_ok, 10, "/health to stop answering 200", 0.02)
             assert health.status_code == 503 and health.json()["status"] == "draining"
             refused = c.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1})
             assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
