@@ -5,12 +5,10 @@ and listens to heartbeats and events."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
-import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +35,7 @@ from fleet_base.protocol import (
     VersionWeight,
 )
 from tests.agent.conftest import AgentProcess, cluster_config
+from tests.polling import eventually
 
 CLUSTER = "test-east"
 
@@ -81,19 +80,6 @@ class ControlPlane:
     async def close(self) -> None:
         if self.nc is not None:
             await self.nc.close()
-
-
-async def until(predicate: Callable[[], Any], timeout: float, what: str, poll_s: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if isinstance(value, Awaitable):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        await asyncio.sleep(poll_s)
 
 
 def spec(model: Path, rid: str, version: int = 1) -> ReplicaSpec:
@@ -174,7 +160,7 @@ async def test_agent_runs_restarts_replaces_and_stops_replicas(
     cp, cfg, agent, files = control_plane, started.cfg, started.agent, started.files
 
     # The agent announces itself (inventory, gateway, region) before anything is desired.
-    hb = await until(lambda: cp.heartbeats and cp.heartbeats[-1], 20, "a first heartbeat")
+    hb = await eventually(lambda: cp.heartbeats and cp.heartbeats[-1], 20, "a first heartbeat")
     assert (hb.cluster, hb.region, hb.gateway_url) == (CLUSTER, "local-east", "http://127.0.0.1:9999")
     assert (hb.coordinates.lat, hb.coordinates.lon) == (40.7, -74.0)
     assert [(p.name, p.gpu_model, p.gpus_per_node) for p in hb.pools] == [("cpu", "cpu", 2)]
@@ -182,9 +168,11 @@ async def test_agent_runs_restarts_replaces_and_stops_replicas(
 
     # Desired: one replica -> started, ready, serving; reported on disk and in heartbeats.
     await cp.desire(1, spec(model_dir, "chat-1-a"))
-    ready = await until(lambda: replica(cfg, "chat-1-a", ReplicaState.ready), 30, "chat-1-a ready")
+    ready = await eventually(lambda: replica(cfg, "chat-1-a", ReplicaState.ready), 30, "chat-1-a ready")
     assert (await complete(ready.url))["usage"]["completion_tokens"] >= 1
-    hb = await until(lambda: heartbeat_with(cp, "chat-1-a", state=ReplicaState.ready), 10, "heartbeat: ready")
+    hb = await eventually(
+        lambda: heartbeat_with(cp, "chat-1-a", state=ReplicaState.ready), 10, "heartbeat: ready"
+    )
     assert hb.desired_generation == 1
     assert files.load_desired() == DesiredState.model_validate_json(files.desired_path.read_bytes())
     assert [r.replica_id for r in files.load_desired().replicas] == ["chat-1-a"]
@@ -194,7 +182,7 @@ async def test_agent_runs_restarts_replaces_and_stops_replicas(
 
     # Load is read from the replica's /metrics: generated tokens show up as tokens/s.
     await complete(ready.url, max_tokens=40)
-    hb = await until(
+    hb = await eventually(
         lambda: next((h for h in reversed(cp.heartbeats) if h.tokens_per_s > 0), None), 10, "tokens/s > 0"
     )
     assert hb.replicas[0].load.tokens_per_s == hb.tokens_per_s > 0
@@ -204,22 +192,22 @@ async def test_agent_runs_restarts_replaces_and_stops_replicas(
     await cp.put(protocol.BUCKET_ROUTES, "chat", table)
     await cp.put(protocol.BUCKET_KEYS, "k1", key_record("k1"))
     await cp.put(protocol.BUCKET_KEYS, "k2", key_record("k2"))
-    await until(lambda: set(files.load_keys().keys) == {"k1", "k2"}, 10, "keys.json with k1, k2")
-    await until(lambda: "chat" in files.load_routes().routes, 10, "routes.json with chat")
+    await eventually(lambda: set(files.load_keys().keys) == {"k1", "k2"}, 10, "keys.json with k1, k2")
+    await eventually(lambda: "chat" in files.load_routes().routes, 10, "routes.json with chat")
     assert files.load_routes().routes["chat"].generation == 3
     await cp.delete(protocol.BUCKET_KEYS, "k1")
-    await until(lambda: set(files.load_keys().keys) == {"k2"}, 10, "k1 dropped from keys.json")
+    await eventually(lambda: set(files.load_keys().keys) == {"k2"}, 10, "k1 dropped from keys.json")
 
     # kill -9 of the replica: detected, restarted (restarts=1), ready again on a new pid.
     pid = runtime_pid(cfg, "chat-1-a")
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
-    again = await until(
+    again = await eventually(
         lambda: (r := replica(cfg, "chat-1-a", ReplicaState.ready)) and r.restarts == 1 and r, 30, "restart"
     )
     assert runtime_pid(cfg, "chat-1-a") != pid
     await complete(again.url)
-    await until(
+    await eventually(
         lambda: heartbeat_with(cp, "chat-1-a", state=ReplicaState.ready, restarts=1), 10, "hb restarts=1"
     )
     kinds = cp.event_kinds("chat-1-a")
@@ -236,23 +224,25 @@ async def test_agent_runs_restarts_replaces_and_stops_replicas(
         seen.append([(r.replica_id, r.state) for r in snap.replicas])
         return [(r.replica_id, r.state) for r in snap.replicas] == [("chat-2-a", ReplicaState.ready)]
 
-    await until(replaced, 30, "chat-2-a ready and chat-1-a gone")
+    await eventually(replaced, 30, "chat-2-a ready and chat-1-a gone")
     assert all(any(state == ReplicaState.ready for _, state in snap) for snap in seen), seen
     assert any(("chat-2-a", ReplicaState.starting) in snap for snap in seen)
-    await until(
+    await eventually(
         lambda: psutil.pid_exists(pid) is False or not runtime_pid(cfg, "chat-1-a"), 5, "old pid gone"
     )
-    await until(lambda: "replica_stopped" in cp.event_kinds("chat-1-a"), 5, "chat-1-a stopped event")
+    await eventually(lambda: "replica_stopped" in cp.event_kinds("chat-1-a"), 5, "chat-1-a stopped event")
 
     # Removed from the desired state: drained and stopped, its process gone.
     pid2 = runtime_pid(cfg, "chat-2-a")
     await cp.desire(3)
-    await until(lambda: snapshot(cfg).replicas == [], 20, "no replicas")
+    await eventually(lambda: snapshot(cfg).replicas == [], 20, "no replicas")
 
     def latest() -> Heartbeat:
         return cp.heartbeats[-1]
 
-    await until(lambda: not latest().replicas and latest().desired_generation == 3, 5, "hb: nothing runs")
+    await eventually(
+        lambda: not latest().replicas and latest().desired_generation == 3, 5, "hb: nothing runs"
+    )
     assert pid2 is not None and not _alive(pid2)
     assert "replica_stopped" in cp.event_kinds("chat-2-a")
 
@@ -273,8 +263,8 @@ async def test_agent_serves_from_disk_without_nats_and_resumes(
     cp, cfg, agent, files = control_plane, started.cfg, started.agent, started.files
     await cp.put(protocol.BUCKET_KEYS, "k1", key_record("k1"))
     await cp.desire(1, spec(model_dir, "chat-1-a"))
-    first = await until(lambda: replica(cfg, "chat-1-a", ReplicaState.ready), 30, "chat-1-a ready")
-    await until(lambda: "k1" in files.load_keys().keys, 10, "k1 on disk")
+    first = await eventually(lambda: replica(cfg, "chat-1-a", ReplicaState.ready), 30, "chat-1-a ready")
+    await eventually(lambda: "k1" in files.load_keys().keys, 10, "k1 on disk")
     pid = runtime_pid(cfg, "chat-1-a")
 
     # The agent dies hard; the key is deleted meanwhile; then NATS goes away too.
@@ -285,8 +275,10 @@ async def test_agent_serves_from_disk_without_nats_and_resumes(
 
     # Restarted without NATS: resumes from disk and adopts the live replica (no duplicate).
     agent.start()
-    await until(lambda: "adopted replica chat-1-a" in agent.log(), 20, "adoption")
-    adopted = await until(lambda: replica(cfg, "chat-1-a", ReplicaState.ready), 10, "adopted replica ready")
+    await eventually(lambda: "adopted replica chat-1-a" in agent.log(), 20, "adoption")
+    adopted = await eventually(
+        lambda: replica(cfg, "chat-1-a", ReplicaState.ready), 10, "adopted replica ready"
+    )
     assert adopted.url == first.url and runtime_pid(cfg, "chat-1-a") == pid
     await complete(adopted.url)
     assert "k1" in files.load_keys().keys  # cannot know about the deletion yet
@@ -295,7 +287,7 @@ async def test_agent_serves_from_disk_without_nats_and_resumes(
     agent.kill()
     os.kill(pid, signal.SIGKILL)
     agent.start()
-    fresh = await until(
+    fresh = await eventually(
         lambda: (r := replica(cfg, "chat-1-a", ReplicaState.ready)) and r.url != adopted.url and r,
         30,
         "a fresh chat-1-a",
@@ -307,16 +299,16 @@ async def test_agent_serves_from_disk_without_nats_and_resumes(
     nats_server.start()
     cp2 = await ControlPlane(nats_server.url).connect()
     try:
-        hb = await until(
+        hb = await eventually(
             lambda: heartbeat_with(cp2, "chat-1-a", state=ReplicaState.ready), 20, "heartbeats resume"
         )
         assert hb.desired_generation == 1
-        await until(lambda: "k1" not in files.load_keys().keys, 10, "k1 pruned after reconnect")
+        await eventually(lambda: "k1" not in files.load_keys().keys, 10, "k1 pruned after reconnect")
         # and the desired state still flows: removing the replica stops it
         await cp2.desire(2)
-        await until(lambda: snapshot(cfg).replicas == [], 20, "no replicas")
+        await eventually(lambda: snapshot(cfg).replicas == [], 20, "no replicas")
         await cp2.desire(3, spec(model_dir, "chat-3-a", version=3))
-        await until(lambda: replica(cfg, "chat-3-a", ReplicaState.ready), 30, "chat-3-a ready")
+        await eventually(lambda: replica(cfg, "chat-3-a", ReplicaState.ready), 30, "chat-3-a ready")
         pid3 = runtime_pid(cfg, "chat-3-a")
     finally:
         await cp2.close()

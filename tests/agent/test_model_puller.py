@@ -4,7 +4,6 @@ as heartbeats report it, and `models rm` refused while a deployment uses the mod
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import os
 
@@ -12,15 +11,15 @@ from agent.models import ModelPuller
 from fleet_base.models import ModelCache
 from fleet_base.protocol import ModelCommand
 from tests.fleet_base.models.servers import FileServer, serve
+from tests.polling import eventually
 
 
 async def _settle(puller: ModelPuller, uri: str) -> str:
-    for _ in range(400):
+    def settled() -> str | None:
         pull = puller.status(uri)
-        if pull is not None and pull.state != "pulling":
-            return pull.state
-        await asyncio.sleep(0.05)
-    raise AssertionError("the pull did not finish")
+        return pull.state if pull is not None and pull.state != "pulling" else None
+
+    return await eventually(settled, 20, "the pull to finish")
 
 
 async def test_pull_once_report_and_refuse_rm_in_use(tmp_path) -> None:

@@ -4,9 +4,7 @@ crash reporting with exit code and log tail, and refusal to adopt a reused pid."
 
 from __future__ import annotations
 
-import asyncio
 import os
-import time
 from pathlib import Path
 
 import httpx
@@ -17,6 +15,7 @@ from agent.runtime.process import ProcessRuntime
 from fleet_base.cluster_config import ClusterConfig
 from fleet_base.protocol import ReplicaSpec, ReplicaState
 from tests.agent.conftest import cluster_config
+from tests.polling import eventually
 
 
 def spec(model: Path | str, rid: str = "r1", **engine_args: object) -> ReplicaSpec:
@@ -28,14 +27,16 @@ def spec(model: Path | str, rid: str = "r1", **engine_args: object) -> ReplicaSp
 async def wait_state(
     rt: ProcessRuntime, handle: ReplicaHandle, state: ReplicaState, timeout: float = 60
 ) -> Probe:
-    deadline = time.monotonic() + timeout
-    probe = await rt.poll(handle)
-    while probe.state != state:
-        assert time.monotonic() < deadline, f"replica still {probe.state} ({probe.error}); wanted {state}"
-        assert probe.state != ReplicaState.failed, probe.error
-        await asyncio.sleep(0.1)
+    """The first probe in `state`; a replica that fails on the way fails the test at once."""
+
+    async def reached() -> Probe | None:
         probe = await rt.poll(handle)
-    return probe
+        if probe.state == state:
+            return probe
+        assert probe.state != ReplicaState.failed, probe.error
+        return None
+
+    return await eventually(reached, timeout, f"replica {state}", 0.1)
 
 
 @pytest.fixture
@@ -71,12 +72,7 @@ async def test_start_ready_adopt_and_drain(config: ClusterConfig, model_dir: Pat
 async def test_crash_is_reported_with_exit_code_and_log_tail(config: ClusterConfig, tmp_path: Path) -> None:
     rt = ProcessRuntime(config)
     handle = await rt.start(spec(tmp_path / "no-such-model"))
-    deadline = time.monotonic() + 60
-    probe = await rt.poll(handle)
-    while probe.state != ReplicaState.failed:
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.1)
-        probe = await rt.poll(handle)
+    probe = await wait_state(rt, handle, ReplicaState.failed)
     assert probe.exit_code == 1  # the engine listened, then failed to load
     assert "exited with code 1" in probe.error and "no-such-model" in probe.error
     await rt.close()
