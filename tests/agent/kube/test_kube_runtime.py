@@ -318,7 +318,15 @@ async def test_drain_deletes_with_grace_and_waits_for_kubelet(api, tmp_path) -> 
             lambda: api.pod(name, NAMESPACE)["metadata"].get("deletionTimestamp"), what="terminating"
         )
         assert api.pod(name, NAMESPACE)["metadata"]["deletionGracePeriodSeconds"] == termination_grace_s(2.0)
-        await asyncio.sleep(0.3)
+
+        def waiting_on_the_terminating_pod() -> bool:
+            # the cache saw the terminating pod (that sets _changed) and stop's wait for it to
+            # go has looked since (it clears _changed, then waits for the next change)
+            assert not stop.done(), "stop returned while the pod was still there"
+            cached = rt.pods.get(name, {}).get("metadata", {})
+            return bool(cached.get("deletionTimestamp")) and not rt._changed.is_set()
+
+        await eventually(waiting_on_the_terminating_pod, what="stop waiting on the terminating pod")
         assert not stop.done()  # still draining: the pod is there
         api.terminate(name, 0, "Completed", namespace=NAMESPACE)
         api.finish_termination(name, namespace=NAMESPACE)

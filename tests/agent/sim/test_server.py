@@ -21,7 +21,7 @@ from agent.runtime import make_runtime
 from fleet_base.cluster_config import ClusterConfig
 from fleet_base.ports import free_port
 from fleet_base.protocol import ReplicaSpec, ReplicaState
-from tests.polling import eventually
+from tests.polling import eventually, wait_for
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -51,17 +51,14 @@ def start(*args: str) -> tuple[subprocess.Popen[bytes], str]:
 
 
 def wait_status(url: str, code: int, timeout: float = 20.0) -> list[int]:
+    """Every status /health answered until it answered `code` (a refused connection is "not yet")."""
     seen: list[int] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            seen.append(httpx.get(f"{url}/health", timeout=1).status_code)
-            if seen[-1] == code:
-                return seen
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"/health never answered {code}: {seen[-5:]}")
+
+    def answered() -> list[int] | None:
+        seen.append(httpx.get(f"{url}/health", timeout=1).status_code)
+        return seen if seen[-1] == code else None
+
+    return wait_for(answered, timeout, f"/health to answer {code}", 0.05, retry_errors=httpx.HTTPError)
 
 
 @pytest.fixture
@@ -165,13 +162,14 @@ def test_sim_runtime_runs_a_replica(tmp_path: Path) -> None:
         h = await rt.start(spec)
         try:
             assert "agent.sim.server" in h.argv and "--cold-start" in h.argv
-            states = []
-            deadline = time.monotonic() + 60  # a Python child's start-up on a loaded box, then 0.5 s
-            while time.monotonic() < deadline:
+            states: list[ReplicaState] = []
+
+            async def ready() -> bool:
                 states.append((await rt.poll(h)).state)
-                if states[-1] == ReplicaState.ready:
-                    break
-                await asyncio.sleep(0.05)
+                return states[-1] == ReplicaState.ready
+
+            # a Python child's start-up on a loaded box, then 0.5 s
+            await eventually(ready, 60, "the simulated replica ready")
             assert states[0] == ReplicaState.starting and states[-1] == ReplicaState.ready
             assert await rt.adopt(h)  # the same live simulated replica
             assert await rt.stop(h, drain_timeout_s=5) == 0
