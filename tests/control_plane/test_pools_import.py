@@ -3,13 +3,13 @@ live placer (MILP by default) placing onto the imported pools."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.control_plane.cp_server import ControlPlaneServer
 from tests.control_plane.test_fleetctl_resources import as_json, fleetctl, one_line_error
+from tests.polling import wait_for
 
 GCP = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "gcp_gpu_vms.csv"
 pytestmark = pytest.mark.skipif(not GCP.exists(), reason=f"{GCP} is absent (shared data)")
@@ -58,12 +58,12 @@ def test_import_catalog_then_place_onto_it(server):
         "--max-replicas",
         "2",
     )
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+
+    def two_placed() -> list[dict] | None:
         placed = as_json(home, "status", "big")["placements"]
-        if len(placed) == 2:
-            break
-        time.sleep(0.3)
+        return placed if len(placed) == 2 else None
+
+    placed = wait_for(two_placed, 30, "two placements of big", 0.3)
     assert len(placed) == 2 and {p["cluster"] for p in placed} == {"gcp-europe-west4"}
     europe = {p["name"]: p for p in as_json(home, "pools", "--cluster", "gcp-europe-west4")}
     cheapest = min(
