@@ -9,7 +9,9 @@ runs the whole fleet (SQLite, the default) through a control plane outage."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import subprocess
 import time
 
 import pytest
@@ -20,6 +22,7 @@ from control_plane.local.nats_server import NatsServer
 from fleet_base import protocol
 from fleet_base.nats_io import NatsLink
 from tests.control_plane.cp_server import PG_ENV, ControlPlaneServer, fresh_database
+from tests.polling import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -75,12 +78,14 @@ class Traffic:
 
 
 def _wait_rows(url: str, traffic: Traffic, timeout: float = 60.0) -> tuple[int, int, int, int]:
-    deadline = time.monotonic() + timeout
-    while True:
+    """The row counts once every usage record and event sent so far is in (callers check them exactly)."""
+
+    def arrived() -> tuple[int, int, int, int] | None:
         got = _rows(url)
-        if (got[0] >= traffic.records and got[3] >= traffic.events) or time.monotonic() > deadline:
-            return got
-        time.sleep(0.2)
+        return got if got[0] >= traffic.records and got[3] >= traffic.events else None
+
+    what = f"{traffic.records} usage rows and {traffic.events} events"
+    return wait_for(arrived, timeout, what, 0.2)
 
 
 @pytest.fixture
@@ -152,10 +157,10 @@ def _start_until_exit(server: ControlPlaneServer, extra_env: dict[str, str], tim
         except RuntimeError as err:  # it may die before it answered /healthz
             assert "exited with 137" in str(err), err
             return
-        deadline = time.monotonic() + timeout
-        while server.proc is not None and server.proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert server.proc is not None and server.proc.returncode == 137, server.log_tail()
+        assert server.proc is not None
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.proc.wait(timeout)  # a process that outlives it fails the assertion below, with its log
+        assert server.proc.returncode == 137, server.log_tail()
         server.proc = None
     finally:
         for k in extra_env:
