@@ -183,3 +183,15 @@ def test_dockerignore_keeps_the_context_small() -> None:
         "README.md",
     ):
         assert needed not in ignored
+
+
+def test_our_kernels_layer_is_the_only_kernels_package() -> None:
+    """Hugging Face ships a `kernels` distribution (transformers >= 5.25 requires it) under
+    the same import name as our layer; installed beside us, transformers imports ours."""
+    import importlib.metadata
+
+    owners = set(importlib.metadata.packages_distributions().get("kernels", []))
+    assert owners <= {"fleet"}, f"another distribution installs a top-level 'kernels': {owners}"
+    extras = pyproject()["project"]["optional-dependencies"]
+    bounded = [r for r in extras["engine"] if r.startswith("transformers")]
+    assert bounded and "<5.25" in bounded[0]
