@@ -1,15 +1,23 @@
 """Soak: a local fleet (nats-server, control plane, one agent + gateway, `sim` replicas)
 saturated through its gateway, first with valid requests only (the baseline), then with a
 mix of valid and hostile ones (seed 2**64, 310-digit max_tokens, deeply nested JSON, lone
-surrogates, NaN, broken JSON, bodies over the limit). It prints, per time window, the
-request counts by outcome and the valid requests' p50/p99 latency; the RSS of every
-component before and after; and the error counts that must stay zero (a 5xx for any
-request, a hostile request not refused with a 4xx, a valid request refused).
+surrogates, NaN, broken JSON, bodies over the limit) while attackers press on the
+per-participant bounds (bench/soak_abuse.py: streams nobody reads, request heads that never
+end, one key flooding every slot, /v1/responses with no output cap). It prints, per time
+window, the request counts by outcome and the valid requests' p50/p99 latency; what each
+attack met; every process's RSS, sampled through the run, with its growth per hour after
+the warm-up; and the error counts that must stay zero (a 5xx for any request, a hostile
+request not refused with a 4xx, a valid request refused).
 
-Not part of CI. The issue's run is 30 minutes:
+Not part of CI. The long run (two hours, growth read after the first 15 minutes), and a
+short look:
 
-    PYTHONPATH=. .venv/bin/python -m bench.soak --duration-s 1800
-    PYTHONPATH=. .venv/bin/python -m bench.soak --duration-s 120 --baseline-s 30   # a short look
+    PYTHONPATH=. .venv/bin/python -m bench.soak --duration-s 7200 --heap-profile
+    PYTHONPATH=. .venv/bin/python -m bench.soak --duration-s 300 --baseline-s 30 --warmup-s 60
+
+`--heap-profile` starts every Python process of the fleet under tracemalloc
+(bench/heap_profile) and prints, for each process that still grows, the allocation sites
+whose live memory grew most between the end of the warm-up and the end of the run.
 
 Replicas are simulated (agent/sim: calibrated timing, no model), so the soak exercises
 the fleet's own processes; the hostile inputs that only an engine judges (seed) are
@@ -19,7 +27,9 @@ refused by the sim replica's request validation as well.
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import signal
 import tempfile
 import threading
 import time
@@ -32,6 +42,7 @@ import numpy as np
 import psutil
 
 from bench.common import console, print_table, run_main
+from bench.soak_abuse import Attackers, key_flood, responses_uncapped, slow_reader, slowloris
 from tests.e2e.sim_fleet import SimFleet, wait_for
 
 NAME = "soak"
@@ -130,6 +141,73 @@ def rss_of_components(fleet: SimFleet) -> dict[str, float]:
     return out
 
 
+class RssSampler:
+    """Every process's RSS every `every_s` seconds, on a thread, for growth over the run."""
+
+    def __init__(self, fleet: SimFleet, t0: float, every_s: float) -> None:
+        self.fleet, self.t0, self.every_s = fleet, t0, every_s
+        self.series: list[tuple[float, dict[str, float]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            self.series.append((time.monotonic() - self.t0, rss_of_components(self.fleet)))
+            if self._stop.wait(self.every_s):
+                return
+
+    def start(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def growth(self, warmup_s: float) -> list[list[object]]:
+        """process, RSS at the end of the warm-up, at the end, growth %/h (least-squares
+        slope over the samples after the warm-up, over the RSS at its end)."""
+        rows = []
+        names = sorted({k for _, rss in self.series for k in rss})
+        for name in names:
+            pts = [(t, rss[name]) for t, rss in self.series if t >= warmup_s and name in rss]
+            if len(pts) < 3:
+                rows.append([name, "-", "-", "-", "too few samples"])
+                continue
+            ts, ms = np.array([p[0] for p in pts]), np.array([p[1] for p in pts])
+            slope_mib_h = float(np.polyfit(ts / 3600, ms, 1)[0])
+            pct_h = 100 * slope_mib_h / ms[0]
+            verdict = "ok" if pct_h < 2.0 else "GROWS"
+            rows.append([name, f"{ms[0]:.1f}", f"{ms[-1]:.1f}", f"{pct_h:+.2f}", verdict])
+        return rows
+
+
+def python_pids(fleet: SimFleet) -> list[int]:
+    """The fleet's Python processes (never nats-server: SIGUSR2 puts it in lame-duck mode)."""
+    state = fleet.local.load()
+    pids = []
+    for rec in list(state.processes) + fleet.local.replicas(state):
+        try:
+            procs = [psutil.Process(rec.pid), *psutil.Process(rec.pid).children(recursive=True)]
+        except psutil.Error:
+            continue
+        for proc in procs:
+            try:
+                if "python" in proc.name():
+                    pids.append(proc.pid)
+            except psutil.Error:
+                continue
+    return pids
+
+
+def heap_snapshot(fleet: SimFleet) -> None:
+    for pid in python_pids(fleet):
+        try:
+            os.kill(pid, signal.SIGUSR2)
+        except OSError:
+            continue
+
+
 def windows(samples: list[Sample], width_s: float) -> list[list[object]]:
     rows = []
     end = max((s.t for s in samples), default=0.0)
@@ -155,8 +233,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hostile-share", type=float, default=0.3)
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--window-s", type=float, default=0.0, help="report window (default: duration / 10)")
+    p.add_argument("--warmup-s", type=float, default=900.0, help="RSS growth is read after this")
+    p.add_argument("--rss-every-s", type=float, default=30.0)
+    p.add_argument("--slow-readers", type=int, default=2, help="threads opening streams they do not read")
+    p.add_argument("--slow-hold-s", type=float, default=60.0, help="how long a slow reader reads nothing")
+    p.add_argument("--slowloris", type=int, default=2, help="threads sending never-ending request heads")
+    p.add_argument("--flood-burst", type=int, default=16, help="requests at once from the flooding key")
+    p.add_argument("--flood-max-concurrent", type=int, default=2, help="the flooding key's max_concurrent")
+    p.add_argument("--heap-profile", action="store_true", help="tracemalloc in every Python process")
     args = p.parse_args(argv)
     window = args.window_s or max(5.0, (args.baseline_s + args.duration_s) / 10)
+    profile_dir = Path(tempfile.mkdtemp(prefix="fleet-soak-heap-")) if args.heap_profile else None
+    if profile_dir is not None:  # inherited by every process the fleet starts
+        os.environ["FLEET_HEAP_PROFILE_DIR"] = str(profile_dir)
+        here = str(Path(__file__).resolve().parent / "heap_profile")
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
 
     with tempfile.TemporaryDirectory(prefix="fleet-soak-") as tmp:
         fleet = SimFleet(Path(tmp) / "home", [REGION], slots=max(2, args.replicas))
@@ -167,16 +258,40 @@ def main(argv: list[str] | None = None) -> int:
             r.raise_for_status()
             wait_for(lambda: sum(p["state"] == "ready" for p in fleet.deployment(NAME)["placements"])
                      == args.replicas, 120, 0.2, "replicas ready")  # fmt: skip
+            flood_key = fleet.api("POST", "/v1/keys", json={
+                "name": "flood", "scopes": ["inference"], "quotas": {"max_concurrent": args.flood_max_concurrent},
+            }).json()["key"]  # fmt: skip
+            url = fleet.gateways[REGION]
             before = rss_of_components(fleet)
-            load = Load(fleet.gateways[REGION], fleet.key, args.workers, 0.0).start()
+            load = Load(url, fleet.key, args.workers, 0.0).start()
+            rss = RssSampler(fleet, load.t0, args.rss_every_s).start()
+            attackers = Attackers(load.t0)
+            attackers.add(
+                "slow reader", slow_reader(url, fleet.key, NAME, args.slow_hold_s), args.slow_readers
+            )
+            attackers.add("slowloris", slowloris(url, give_up_s=120), args.slowloris)
+            attackers.add("key flood", key_flood(url, flood_key, NAME, args.flood_burst), 1)
+            attackers.add("responses uncapped", responses_uncapped(url, fleet.key, NAME), 1)
             console.print(f"baseline: {args.workers} workers, valid requests only, {args.baseline_s:.0f} s")
             time.sleep(args.baseline_s)
             load.hostile_share = args.hostile_share
-            console.print(f"mixed: {args.hostile_share:.0%} hostile requests, {args.duration_s:.0f} s")
-            time.sleep(args.duration_s)
+            attackers.start()
+            console.print(
+                f"mixed: {args.hostile_share:.0%} hostile requests and the attackers, {args.duration_s:.0f} s"
+            )
+            warm_at = load.t0 + args.warmup_s
+            if profile_dir is not None:
+                time.sleep(max(0.0, warm_at - time.monotonic()))
+                heap_snapshot(fleet)  # tracing starts: what is still alive at the end is growth
+            time.sleep(max(0.0, load.t0 + args.baseline_s + args.duration_s - time.monotonic()))
+            if profile_dir is not None:
+                heap_snapshot(fleet)
+                time.sleep(5)  # each process writes its own file
             load.stop()
+            attackers.stop()
+            rss.stop()
             after = rss_of_components(fleet)
-            healthy = httpx.get(f"{fleet.gateways[REGION]}/health", timeout=5).status_code == 200
+            healthy = httpx.get(f"{url}/health", timeout=5).status_code == 200
         finally:
             fleet.down()
 
@@ -201,10 +316,30 @@ def main(argv: list[str] | None = None) -> int:
         [[k, f"{before[k]:.1f}", f"{after.get(k, float('nan')):.1f}", f"{after.get(k, 0) - before[k]:+.1f}"]
          for k in sorted(before)],
     )  # fmt: skip
+    growth = rss.growth(args.warmup_s)
+    print_table(
+        f"RSS growth after the first {args.warmup_s:.0f} s (sampled every {args.rss_every_s:.0f} s)",
+        ["process", "MiB at warm-up", "MiB at end", "growth %/h", "under 2%/h"],
+        growth,
+    )
+    print_table("attacks: what each met", ["attack", "outcome", "count", "median s"], attackers.table())
+    if profile_dir is not None:
+        growing = [row[0] for row in growth if row[-1] == "GROWS"]
+        for path in sorted(profile_dir.glob("*.txt")):
+            text = path.read_text()
+            if growing and not any(str(name).split()[0] in text for name in growing):
+                continue
+            console.print(f"[bold]heap growth, pid {path.stem}[/bold] (allocation sites, end vs warm-up)")
+            console.print(text[-4000:])
     hostile = [s for s in samples if s.kind == "hostile"]
     valid = [s for s in samples if s.kind == "valid"]
     errors = {
         "any 5xx or transport error": sum(s.status >= 500 or s.status == 0 for s in samples),
+        "attack met a 5xx or transport error": attackers.errors(),
+        "slowloris connection held open past 120 s": sum(
+            s.outcome == "held open" for s in attackers.samples if s.attack == "slowloris"
+        ),
+        "process growing >= 2%/h after the warm-up": sum(row[-1] == "GROWS" for row in growth),
         "hostile not refused with a 4xx": sum(not 400 <= s.status < 500 for s in hostile),
         "valid refused other than 429/503 (load shedding)": sum(
             s.status not in (200, 429, 503) for s in valid

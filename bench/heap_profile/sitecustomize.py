@@ -1,0 +1,37 @@
+"""Heap profiling for the soak, loaded by every Python process it starts (the soak puts this
+directory first on PYTHONPATH) and inert unless FLEET_HEAP_PROFILE_DIR is set. The first
+SIGUSR2 starts tracemalloc (at the end of the warm-up: tracing from the start would make
+every import several times slower); each later SIGUSR2 appends to <dir>/<pid>.txt the
+allocation sites holding the most memory allocated since then and still alive — what the
+process grew by. Not part of the product: tracing slows a process and grows its memory."""
+
+from __future__ import annotations
+
+import os
+
+if os.environ.get("FLEET_HEAP_PROFILE_DIR"):
+    import signal
+    import sys
+    import time
+    import tracemalloc
+    from pathlib import Path
+
+    def _dump(_signum: int, _frame: object) -> None:
+        out = Path(os.environ["FLEET_HEAP_PROFILE_DIR"]) / f"{os.getpid()}.txt"
+        with out.open("a") as f:
+            f.write(f"== {time.strftime('%H:%M:%S')} {' '.join(sys.argv)[:160]}\n")
+            if not tracemalloc.is_tracing():
+                tracemalloc.start(int(os.environ.get("FLEET_HEAP_PROFILE_FRAMES", "6")))
+                f.write("tracing from here\n")
+                return
+            snap = tracemalloc.take_snapshot().filter_traces(
+                [tracemalloc.Filter(False, tracemalloc.__file__)]
+            )
+            total = sum(s.size for s in snap.statistics("filename"))
+            f.write(f"{total / 2**20:.2f} MiB allocated since tracing began and still alive\n")
+            for stat in snap.statistics("traceback")[:12]:
+                f.write(f"{stat.size / 2**10:.1f} KiB in {stat.count} blocks\n")
+                for line in stat.traceback.format(limit=4):
+                    f.write(f"    {line}\n")
+
+    signal.signal(signal.SIGUSR2, _dump)
