@@ -92,7 +92,14 @@ def run(settings: Settings, *, loops: bool = True) -> int:
 
     from control_plane.api.app import build_app
     from control_plane.context import ControlPlaneContext
+    from fleet_base.listener import uvicorn_options
     from fleet_base.nats_io import NatsLink, redact_url
+
+    try:
+        listener = uvicorn_options()
+    except ValueError as err:
+        log.error("%s", err)
+        return 2
 
     settings.home.mkdir(parents=True, exist_ok=True)
     log.info("database %s: upgrading to head", _redact(settings.db_url))
@@ -134,7 +141,12 @@ def run(settings: Settings, *, loops: bool = True) -> int:
 
         app.state.on_ready = on_ready
         config = uvicorn.Config(
-            app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=5
+            app,
+            log_level="warning",
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=5,
+            **listener,
         )
         await uvicorn.Server(config).serve(sockets=[sock])
 

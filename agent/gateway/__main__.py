@@ -8,6 +8,7 @@ import logging
 import ssl
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import uvicorn
 from pydantic import ValidationError
@@ -15,6 +16,7 @@ from pydantic import ValidationError
 from agent.gateway.app import build_app
 from agent.gateway.peers import mark_peer_listener
 from fleet_base.cluster_config import ClusterConfig
+from fleet_base.listener import uvicorn_options
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -35,6 +37,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         config.gateway.port = ns.port
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("nats").setLevel(logging.WARNING)
+    try:
+        listener = uvicorn_options()
+    except ValueError as err:
+        print(f"gateway: {err}", file=sys.stderr)
+        return 2
     app = build_app(config)
     server = uvicorn.Server(
         uvicorn.Config(
@@ -45,9 +52,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             access_log=False,
             timeout_graceful_shutdown=5,
             lifespan="on",
+            **listener,
         )
     )
-    peer = peer_server(config, app, ns.log_level)
+    peer = peer_server(config, app, ns.log_level, listener)
     logging.getLogger("agent.gateway").info(
         "gateway of cluster %s on %s%s (state %s)",
         config.cluster,
@@ -62,7 +70,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def peer_server(config: ClusterConfig, app, log_level: str) -> uvicorn.Server | None:
+def peer_server(
+    config: ClusterConfig, app, log_level: str, listener: dict[str, Any] | None = None
+) -> uvicorn.Server | None:
     """The HTTPS listener for peer gateways: the fleet CA must have issued the client's
     certificate (mutual TLS); which gateway it is comes from its peer token."""
     creds, gwc = config.security, config.gateway
@@ -81,6 +91,7 @@ def peer_server(config: ClusterConfig, app, log_level: str) -> uvicorn.Server | 
             ssl_keyfile=str(creds.gateway_key),
             ssl_ca_certs=str(creds.ca_file),
             ssl_cert_reqs=ssl.CERT_REQUIRED,
+            **(listener if listener is not None else uvicorn_options()),
         )
     )
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from agent.gateway.contract import check_body, embedding_prompts, responses_prompt_tokens
 from agent.gateway.errors import GatewayError
@@ -260,9 +260,12 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise too_large
     parts: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        parts.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            parts.append(chunk)
+    except ClientDisconnect:  # gone, or cut off by the listener's body deadline
+        raise GatewayError(408, "The request body was not received in time", code="request_timeout") from None
     return b"".join(parts)

@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from fleet_base.listener import RefusalCollector
+
 UNKNOWN = "_unknown"
 
 LATENCY_BUCKETS = (
@@ -140,6 +142,7 @@ class GatewayMetrics:
             self.usage_records.labels(result)
         for name in ("replicas", "keys", "routes"):
             self.state_reloads.labels(name)
+        r.register(RefusalCollector())
         if load is not None:
             r.register(_LoadCollector(load))
 

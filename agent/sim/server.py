@@ -44,6 +44,7 @@ from starlette.routing import Route
 from agent.security.replica_auth import API_KEY_ENV, CERT_ENV, KEY_ENV, require_bearer
 from agent.sim.model import ReplicaModel, SimRequest
 from fleet_base.bounds import Seed
+from fleet_base.listener import uvicorn_options
 
 # The engine's own buckets, so dashboards read both runtimes alike.
 from fleet_base.metric_buckets import QUEUE_BUCKETS, TTFT_BUCKETS
@@ -420,6 +421,7 @@ async def _serve(args: argparse.Namespace, profile: PerfProfile, cold: float, er
             access_log=False,
             ssl_certfile=args.ssl_certfile,
             ssl_keyfile=args.ssl_keyfile,
+            **uvicorn_options(),
         )
     )
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]

@@ -26,6 +26,7 @@ from control_plane.counters import ReconcileStats, Rejections
 from control_plane.db.models import CapacityPool, Cluster, Deployment, ReplicaAssignment, Rollout
 from control_plane.rollouts.policy import Phase
 from fleet_base.domain import ClusterStatus
+from fleet_base.listener import RefusalCollector
 from fleet_base.protocol import ReplicaState
 
 PREFIX = "fleet_control_plane_"
@@ -186,5 +187,6 @@ def metrics(request: Request) -> Response:
                 lambda: getattr(getattr(app_state, "loops", None), "rejections", None),
             )
         )
+        registry.register(RefusalCollector())
         app_state.metrics_registry = registry
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

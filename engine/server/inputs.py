@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from engine.server.errors import APIError, validation_error
 from engine.server.state import EngineClient, ServerState
@@ -17,7 +17,10 @@ M = TypeVar("M", bound=BaseModel)
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
-    body = await request.body()
+    try:
+        body = await request.body()
+    except ClientDisconnect:  # gone, or cut off by the listener's body deadline
+        raise APIError(408, "The request body was not received in time", code="request_timeout") from None
     try:
         return model.model_validate_json(body)
     except ValidationError as err:

@@ -20,6 +20,7 @@ import uvicorn
 from engine.server.app import build_app, new_state
 from engine.server.spec_flags import add_speculative_flags, speculative_config
 from engine.server.state import ServerSettings, ServerState
+from fleet_base.listener import ListenerLimits, uvicorn_options
 
 log = logging.getLogger("engine.server")
 
@@ -336,6 +337,7 @@ async def _serve(ns: argparse.Namespace, settings: ServerSettings) -> int:
         lifespan="off",
         ssl_certfile=ns.ssl_certfile,
         ssl_keyfile=ns.ssl_keyfile,
+        **uvicorn_options(),
     )
     server = _Server(config, state)
     loader = threading.Thread(
@@ -377,6 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             stall_timeout_s=ns.stall_timeout,
             test_hooks=os.environ.get(TEST_HOOKS_ENV) == "1",
         )
+        ListenerLimits.from_env()
     except Exception as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from engine.outputs import EngineStats, RequestOutput
 from engine.timing import HistogramSnapshot
+from fleet_base.listener import RefusalCollector
 from fleet_base.metric_buckets import E2E_BUCKETS, ITL_BUCKETS, QUEUE_BUCKETS, TTFT_BUCKETS
 
 
@@ -158,6 +159,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineStatsCollector(model, lambda: self.stats()))
         self.registry.register(_StartupCollector(model, self.startup))
+        self.registry.register(RefusalCollector())
         r = self.registry
 
         def histogram(name: str, doc: str, buckets: Sequence[float]) -> Any:
