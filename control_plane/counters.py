@@ -6,7 +6,10 @@ plane refused, per (subject pattern, reason), for `fleet_control_plane_rejected_
 each logged with its reason and skipped. The label is the subject *pattern*
 (`fleet.v1.heartbeat.*`), not the subject: a sender must not be able to mint label values.
 Logging is at warning for the first of each (pattern, reason) per minute and at debug after,
-so a flood of one bad message cannot flood the log."""
+so a flood of one bad message cannot flood the log. The same object counts reports that
+decode but speak beyond their sender (`refuse`, `fleet_control_plane_reports_refused_total`,
+by kind and reason, `control_plane.report_scope`) and the per-deployment failures a loop
+caught and went on from (`fail`, `fleet_control_plane_loop_failures_total`)."""
 
 from __future__ import annotations
 
@@ -62,32 +65,63 @@ class ReconcileStats:
 LOG_EVERY_S = 60.0
 # Every (pattern, reason) is exported, 0 until it happens, so dashboards always have series.
 PATTERNS = ("fleet.v1.heartbeat.*", "fleet.v1.events.*", "fleet.v1.usage.*")
+# Report kind -> the reasons it can be refused for (all exported, 0 until they happen).
+REFUSALS: dict[str, tuple[str, ...]] = {
+    "usage": ("future", "expired", "unknown_key", "not_served"),
+    "heartbeat": ("not_placed",),
+    "demand": ("budget", "unknown_deployment"),
+    "rollout_sample": ("not_hosted",),
+}
+LOOPS = ("autoscale",)
 
 
 class Rejections:
     def __init__(self) -> None:
         self.counts: Counter[tuple[str, str]] = Counter()
+        self.refusals: Counter[tuple[str, str]] = Counter()
+        self.failures: Counter[str] = Counter()
         self._logged: dict[tuple[str, str], float] = {}
         self._lock = threading.Lock()  # stores run in threads
 
     def reject(self, pattern: str, reason: str, subject: str, detail: object) -> None:
-        key = (pattern, reason)
-        now = time.monotonic()
         with self._lock:
-            self.counts[key] += 1
-            loud = now - self._logged.get(key, -LOG_EVERY_S) >= LOG_EVERY_S
-            if loud:
-                self._logged[key] = now
-        text = str(detail)
-        text = text if len(text) <= 300 else text[:297] + "..."
-        log.log(
-            logging.WARNING if loud else logging.DEBUG,
-            "rejected a message on %s (%s): %s",
-            subject[:120],
-            reason,
-            text,
-        )
+            self.counts[(pattern, reason)] += 1
+        self._log((pattern, reason), "rejected a message on %s (%s): %s", subject[:120], reason, detail)
 
     def snapshot(self) -> dict[tuple[str, str], int]:
         with self._lock:
             return {**{(p, r): 0 for p in PATTERNS for r in REASONS}, **self.counts}
+
+    def refuse(self, kind: str, reason: str, detail: object, n: int = 1) -> None:
+        """`n` reports of `kind` that speak beyond their sender (a key, deployment, replica
+        or time it has no say in): counted and logged like a rejected message."""
+        with self._lock:
+            self.refusals[(kind, reason)] += n
+        self._log((f"report:{kind}", reason), "refused %d %s report(s) (%s): %s", n, kind, reason, detail)
+
+    def fail(self, loop: str, detail: object) -> None:
+        """One unit of a loop's work (one deployment's decision) failed and was skipped."""
+        with self._lock:
+            self.failures[loop] += 1
+        self._log((f"loop:{loop}", "failed"), "%s: skipped after a failure: %s", loop, detail)
+
+    def _log(self, key: tuple[str, str], fmt: str, *args: object) -> None:
+        """Warning for the first of `key` per minute, debug after; the last arg (the detail)
+        is cut to 300 characters."""
+        now = time.monotonic()
+        with self._lock:
+            loud = now - self._logged.get(key, -LOG_EVERY_S) >= LOG_EVERY_S
+            if loud:
+                self._logged[key] = now
+        text = str(args[-1])
+        text = text if len(text) <= 300 else text[:297] + "..."
+        log.log(logging.WARNING if loud else logging.DEBUG, fmt, *args[:-1], text)
+
+    def refusal_snapshot(self) -> dict[tuple[str, str], int]:
+        with self._lock:
+            zeros = {(k, r): 0 for k, reasons in REFUSALS.items() for r in reasons}
+            return {**zeros, **self.refusals}
+
+    def failure_snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {**dict.fromkeys(LOOPS, 0), **self.failures}

@@ -70,6 +70,9 @@ class Settings(BaseSettings):
     quota_share_interval_s: float = Field(5.0, gt=0)
     quota_share_window_s: float = Field(60.0, gt=0)
     quota_min_share: float = Field(0.1, ge=0, le=1)
+    # A usage record dated more than this ahead of the control plane's clock is refused
+    # (as is one older than the retention): a report's date must be plausible.
+    report_clock_skew_s: float = Field(300.0, ge=0)
     # How long an unacknowledged batch of a durable consumer waits for redelivery.
     ingest_ack_wait_s: float = Field(10.0, gt=0)
 

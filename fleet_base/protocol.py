@@ -19,13 +19,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fleet_base.bounds import Count, FiniteFloat, Timestamp
+from fleet_base.bounds import MAX_TOKENS, Count, FiniteFloat, Timestamp
 from fleet_base.domain import AdapterName, Coordinates, PoolShape
 
 # Bounds of what an agent or gateway may report (fleet_base.domain bounds each pool).
 MAX_POOLS = 256
 MAX_REPLICAS = 10_000
-MAX_USAGE_TOKENS = 2**31 - 1
+# Tokens of one request's usage record: a context window's worth (fleet_base.bounds), so a
+# forged record cannot bill a key for more than one request could use.
+MAX_USAGE_TOKENS = MAX_TOKENS
 MAX_TEXT = 4096
 
 SCHEMA_VERSION = 1
@@ -347,6 +349,6 @@ class Demand(Message):
 
     cluster: str
     deployment: str
-    queued: int = Field(0, ge=0)
-    ready: int = Field(0, ge=0)
-    at: float = Field(default_factory=time.time)
+    queued: Count = 0
+    ready: Count = 0
+    at: Timestamp = Field(default_factory=time.time)

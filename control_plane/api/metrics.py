@@ -62,6 +62,23 @@ class ControlPlaneCollector(Collector):
         for (subject, reason), n in sorted(snapshot.items()):
             c.add_metric([subject, reason], n)
         yield c
+        refused = CounterMetricFamily(
+            PREFIX + "reports_refused",
+            "Reports that decode but speak beyond their sender (a key, deployment, replica or "
+            "time window it has no say in), dropped.",
+            labels=["kind", "reason"],
+        )
+        for (kind, reason), n in sorted((rejections.refusal_snapshot() if rejections else {}).items()):
+            refused.add_metric([kind, reason], n)
+        yield refused
+        failures = CounterMetricFamily(
+            PREFIX + "loop_failures",
+            "Units of a control loop's work (one deployment's decision) that failed and were skipped.",
+            labels=["loop"],
+        )
+        for loop, n in sorted((rejections.failure_snapshot() if rejections else {}).items()):
+            failures.add_metric([loop], n)
+        yield failures
 
 
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:

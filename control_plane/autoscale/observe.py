@@ -5,6 +5,8 @@
   and their work: admitted prompt tokens/s, generated tokens/s, requests starting per
   second, KV usage and the mean TTFT of the requests that started;
 - gateway queues: the latest `Demand` per (cluster, deployment) younger than `demand_ttl_s`;
+- every reported figure is clamped (counts to `MAX_COUNT`, rates to `MAX_RATE`, KV usage to
+  0..1), so sums over clusters stay finite whatever a cluster claims;
 - settings: a deployment version's scaling columns as `AutoscaleSettings`, with the
   performance profile its `engine_args` name and, when its pools offer several GPU types
   with a profile each, one `Variant` per type."""
@@ -21,10 +23,21 @@ from control_plane.autoscale.policy import (
     AutoscaleSettings,
     Observation,
 )
+from fleet_base.bounds import MAX_COUNT
 from fleet_base.profile import PerfProfile, load_profile
 from fleet_base.protocol import Demand, Heartbeat, ReplicaState
 
 STARTING = (ReplicaState.pending, ReplicaState.starting)
+# Tokens or requests per second one replica may claim; sums of reported figures stay finite.
+MAX_RATE = 1e9
+
+
+def _rate(value: float) -> float:
+    return min(max(value, 0.0), MAX_RATE)
+
+
+def _count(value: int) -> int:
+    return min(max(int(value), 0), MAX_COUNT)
 
 
 def observe(
@@ -48,18 +61,20 @@ def observe(
                 continue
             if r.state == ReplicaState.ready:
                 ready += 1
-                running += r.load.running
-                waiting += r.load.waiting
-                prompt += r.load.prompt_tokens_per_s
-                output += r.load.tokens_per_s
-                started += r.load.requests_per_s
-                kv += r.load.kv_cache_usage
+                running += _count(r.load.running)
+                waiting += _count(r.load.waiting)
+                prompt += _rate(r.load.prompt_tokens_per_s)
+                output += _rate(r.load.tokens_per_s)
+                started += _rate(r.load.requests_per_s)
+                kv += min(max(r.load.kv_cache_usage, 0.0), 1.0)
                 if r.load.ttft_s is not None:
-                    ttft_weighted += r.load.ttft_s * r.load.requests_per_s
+                    ttft_weighted += _rate(r.load.ttft_s) * _rate(r.load.requests_per_s)
             elif r.state in STARTING:
                 starting += 1
     queued = sum(
-        d.queued for (_, dep), d in demands.items() if dep == deployment and now - d.at <= demand_ttl_s
+        _count(d.queued)
+        for (_, dep), d in list(demands.items())
+        if dep == deployment and now - d.at <= demand_ttl_s
     )
     return Observation(
         at=now,

@@ -213,7 +213,7 @@ class Loops(NatsLoop):
 async def start_loops(ctx: ControlPlaneContext) -> Loops:
     """Start the control loops; `await loops.stop()` ends them."""
     loops = await Loops(ctx).start()
-    loops.rollouts = await start_rollout_loop(ctx)
+    loops.rollouts = await start_rollout_loop(ctx, rejections=loops.rejections)
     loops.children.append(loops.rollouts)
     loops.children.append(await start_autoscale_loop(ctx, inbox=loops.inbox))
     loops.children.append(await start_key_loop(ctx))

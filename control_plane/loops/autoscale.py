@@ -8,7 +8,13 @@ is kicked so placement, desired state and routes follow.
 
 Autoscaled: a current version with min_replicas < max_replicas. The policy's windows live
 in memory; after a restart it does not scale down before one full window (the policy's
-own rule), so a restart never drops replicas on a blind spot."""
+own rule), so a restart never drops replicas on a blind spot.
+
+What clusters report is scoped first (`control_plane.report_scope`): a heartbeat counts
+only for the replicas placed on its sender, demand only for deployments that exist (any
+gateway may queue requests for any deployment: spillover and scale from zero), at most
+`MAX_DEMANDS_PER_CLUSTER` entries per cluster. Each deployment is decided on its own: one
+that fails is counted (`fleet_control_plane_loop_failures_total`) and the tick goes on."""
 
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import Counter
 
 from sqlalchemy import select
 from sqlalchemy.orm import selectinload
@@ -24,12 +31,17 @@ from sqlalchemy.orm import selectinload
 from control_plane.autoscale.observe import observe, settings_of
 from control_plane.autoscale.policy import Decision, ScalerState, make_policy
 from control_plane.context import ControlPlaneContext
+from control_plane.counters import Rejections
 from control_plane.db.models import CapacityPool, Deployment, Event
 from control_plane.inbox import Inbox
 from control_plane.nats_loop import NatsLoop
+from control_plane.report_scope import placed_replicas, scope_heartbeat
 from fleet_base import protocol
 
 log = logging.getLogger(__name__)
+
+# Deployments one cluster's gateway may have demand for at once (far above a fleet's count).
+MAX_DEMANDS_PER_CLUSTER = 1024
 
 
 class AutoscaleLoop(NatsLoop):
@@ -50,6 +62,8 @@ class AutoscaleLoop(NatsLoop):
         self.policy = make_policy(self.policy_name)
         self.heartbeats: dict[str, protocol.Heartbeat] = {}
         self.demands: dict[tuple[str, str], protocol.Demand] = {}
+        self._demand_count: Counter[str] = Counter()  # entries in `demands` per cluster
+        self._scoped_at: dict[str, float] = {}  # cluster -> the heartbeat whose drops were counted
         self.states: dict[str, ScalerState] = {}
         self.decisions = 0
         self.last: dict[str, Decision] = {}
@@ -69,9 +83,21 @@ class AutoscaleLoop(NatsLoop):
     def _take_heartbeat(self, hb: protocol.Heartbeat) -> None:
         self.heartbeats[hb.cluster] = hb
 
+    @property
+    def rejections(self) -> Rejections:
+        return self.inbox.rejections
+
     def _take_demand(self, d: protocol.Demand) -> None:
         d = d.model_copy(update={"at": time.time()})  # our clock: agents' clocks may differ
-        self.demands[(d.cluster, d.deployment)] = d
+        key = (d.cluster, d.deployment)
+        if key not in self.demands:
+            if self._demand_count[d.cluster] >= MAX_DEMANDS_PER_CLUSTER:
+                self.rejections.refuse(
+                    "demand", "budget", f"{d.cluster}: {MAX_DEMANDS_PER_CLUSTER} deployments"
+                )
+                return
+            self._demand_count[d.cluster] += 1
+        self.demands[key] = d
         if d.ready == 0:
             self._wake.set()  # scale from zero now, not at the next tick
 
@@ -85,46 +111,72 @@ class AutoscaleLoop(NatsLoop):
     def tick(self, now: float) -> bool:
         """One decision per autoscaled deployment; True when a count changed."""
         changed = False
-        heartbeats = list(self.heartbeats.values())
         with self.ctx.sessions() as session:
             rows = session.scalars(select(Deployment).options(selectinload(Deployment.versions))).all()
             pools = session.scalars(select(CapacityPool)).all()
+            heartbeats = self._scoped_heartbeats(placed_replicas(session))
             names = {d.name for d in rows}
             for name in list(self.states):
                 if name not in names:
                     del self.states[name]
             for d in rows:
-                version = d.version_row()
-                if version is None or version.min_replicas >= version.max_replicas:
-                    self.states.pop(d.name, None)
-                    continue
-                settings = settings_of(version, self.policy_name, pools)
-                obs = observe(d.name, heartbeats, self.demands, now=now, current=d.replicas)
-                state = self.states.setdefault(d.name, ScalerState())
-                decision = self.policy.decide(settings, state, obs)
-                self.last[d.name] = decision
-                self.decisions += 1
-                if decision.mix != dict(d.variant_mix or {}):
-                    d.variant_mix = dict(decision.mix)  # the placer follows (reconcile kicked below)
-                    changed = True
-                if decision.desired != d.replicas:
-                    log.info(
-                        "autoscale %s: %d -> %d (%s)", d.name, d.replicas, decision.desired, decision.reason
-                    )
-                    d.replicas = decision.desired
-                    session.add(
-                        Event(
-                            kind="scaled",
-                            deployment=d.name,
-                            message=f"{decision.current} -> {decision.desired}: {decision.reason} "
-                            f"{json.dumps(decision.as_dict(), sort_keys=True)}",
-                        )
-                    )
-                    changed = True
+                try:
+                    changed = self._decide(session, d, heartbeats, pools, now) or changed
+                except Exception as err:  # one deployment's bad numbers never stop the others
+                    self.rejections.fail("autoscale", f"{d.name}: {type(err).__name__}: {err}")
             session.commit()
         cutoff = now - 60
-        for key in [k for k, v in self.demands.items() if v.at < cutoff]:
-            del self.demands[key]
+        entries = list(self.demands.items())  # one copy: the event loop adds to it meanwhile
+        unknown = [k for k, _ in entries if k[1] not in names]
+        if unknown:
+            self.rejections.refuse("demand", "unknown_deployment", f"{len(unknown)} entries", len(unknown))
+        for key in unknown + [k for k, v in entries if v.at < cutoff and k[1] in names]:
+            self.demands.pop(key, None)
+        self._demand_count = Counter(cluster for cluster, _ in list(self.demands))
+        return changed
+
+    def _scoped_heartbeats(self, placed) -> list[protocol.Heartbeat]:
+        """The latest heartbeats, each about its sender's placed replicas only; drops are
+        counted once per heartbeat received."""
+        out = []
+        for hb in list(self.heartbeats.values()):
+            scoped, dropped = scope_heartbeat(hb, placed)
+            if dropped and self._scoped_at.get(hb.cluster) != hb.sent_at:
+                self.rejections.refuse(
+                    "heartbeat", "not_placed", f"{hb.cluster}: {dropped} replica(s)", dropped
+                )
+            self._scoped_at[hb.cluster] = hb.sent_at
+            out.append(scoped)
+        return out
+
+    def _decide(self, session, d: Deployment, heartbeats, pools, now: float) -> bool:
+        """One deployment's decision, written to its row; True when it changed."""
+        version = d.version_row()
+        if version is None or version.min_replicas >= version.max_replicas:
+            self.states.pop(d.name, None)
+            return False
+        settings = settings_of(version, self.policy_name, pools)
+        obs = observe(d.name, heartbeats, self.demands, now=now, current=d.replicas)
+        state = self.states.setdefault(d.name, ScalerState())
+        decision = self.policy.decide(settings, state, obs)
+        self.last[d.name] = decision
+        self.decisions += 1
+        changed = False
+        if decision.mix != dict(d.variant_mix or {}):
+            d.variant_mix = dict(decision.mix)  # the placer follows (reconcile kicked below)
+            changed = True
+        if decision.desired != d.replicas:
+            log.info("autoscale %s: %d -> %d (%s)", d.name, d.replicas, decision.desired, decision.reason)
+            d.replicas = decision.desired
+            session.add(
+                Event(
+                    kind="scaled",
+                    deployment=d.name,
+                    message=f"{decision.current} -> {decision.desired}: {decision.reason} "
+                    f"{json.dumps(decision.as_dict(), sort_keys=True)}",
+                )
+            )
+            changed = True
         return changed
 
 

@@ -9,8 +9,13 @@
   with 429, kept in memory only) -> `compute_shares` -> `api_keys.shares`; a change wakes
   the reconcile loop, which republishes `fleet_keys` and so the gateways' shares.
 
+- scope: a record is counted only for a key that exists and, when it carries tokens or a
+  version, a deployment placed on its sender, dated no further ahead than
+  FLEET_REPORT_CLOCK_SKEW_S (default 300) and no older than the retention
+  (`control_plane.report_scope`); others are counted as refused and dropped;
 - retention: records older than FLEET_USAGE_RETENTION_DAYS (default 90) are deleted
-  every ten minutes.
+  every ten minutes (a record dated in the future, which pruning would never reach, is
+  refused on the way in).
 
 Settings come from the process's `Settings` (FLEET_QUOTA_SHARE_INTERVAL_S, FLEET_QUOTA_SHARE_WINDOW_S,
 FLEET_QUOTA_MIN_SHARE) so tests can shorten them. Database work runs in threads.
@@ -35,6 +40,7 @@ from control_plane.fleet_model.shares import ShareSettings, compute_shares
 from control_plane.loops.durable import DurableConsumer, Received, Verdicts
 from control_plane.loops.store import store_batch
 from control_plane.nats_loop import NatsLoop
+from control_plane.report_scope import TimeWindow, usage_refusal, usage_scope
 from control_plane.settings import Settings
 from fleet_base import protocol
 from fleet_base.wire import decode_usage
@@ -93,13 +99,36 @@ def store_records(sessions, records: list[protocol.UsageRecord]) -> int:
     return n
 
 
-def store_usage_batch(sessions, batch: list[Received], rejections: Rejections, on_refused=None) -> Verdicts:
+def report_window(settings: Settings | None = None) -> TimeWindow:
+    """The dates a usage record may carry: up to the clock skew ahead, back to the retention."""
+    fields = Settings.model_fields
+    skew = settings.report_clock_skew_s if settings else fields["report_clock_skew_s"].default
+    days = settings.usage_retention_days if settings else fields["usage_retention_days"].default
+    return TimeWindow(skew_s=skew, max_age_s=days * 86400.0)
+
+
+def store_usage_batch(
+    sessions,
+    batch: list[Received],
+    rejections: Rejections,
+    on_refused=None,
+    window: TimeWindow | None = None,
+) -> Verdicts:
     """A batch from the usage stream (`store_batch`), stored once by record id; a retried
     attempt is no request and a refusal is demand, not usage (handed to `on_refused`):
-    neither is stored."""
+    neither is stored. A record beyond its sender's scope (`report_scope.usage_refusal`)
+    is counted and dropped."""
+    window = window or report_window()
+    now = time.time()
+    with sessions() as session:
+        scope = usage_scope(session, datetime.fromtimestamp(now - window.max_age_s, timezone.utc))
 
     def keep(record: protocol.UsageRecord) -> bool:
         if record.attempt_failed:
+            return False
+        verdict = usage_refusal(record, scope, window, now)
+        if verdict is not None:
+            rejections.refuse("usage", verdict.reason, f"from {record.cluster}: {verdict.detail}")
             return False
         if record.refused_tokens > 0:
             if on_refused is not None:
@@ -189,7 +218,13 @@ class UsageLoop(NatsLoop):
                 protocol.STREAM_USAGE,
                 protocol.USAGE_WILDCARD,
                 "control-plane-usage",
-                lambda batch: store_usage_batch(self.ctx.sessions, batch, self.rejections, self._on_refused),
+                lambda batch: store_usage_batch(
+                    self.ctx.sessions,
+                    batch,
+                    self.rejections,
+                    self._on_refused,
+                    report_window(self.ctx.settings),
+                ),
                 ack_wait_s=self.ctx.settings.ingest_ack_wait_s,
             )
             self._spawn(self.consumer.run(), name="cp-usage-ingest")

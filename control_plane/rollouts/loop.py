@@ -3,7 +3,9 @@ replicas and the gateway telemetry of its window go through `policy.decide`; a c
 state is stored (conditionally on the row's revision) with an event, and reconcile is
 kicked so placement and routes follow. Usage records arrive on `fleet.v1.usage.*`
 (core NATS); after a restart, the open windows are first replayed from the FLEET_USAGE
-stream, so a resumed step is judged on its whole window."""
+stream, so a resumed step is judged on its whole window. A record counts only from a
+cluster that hosts a replica of the version it names (`control_plane.report_scope`): a
+cluster without the canary can neither force nor block its rollback."""
 
 from __future__ import annotations
 
@@ -17,9 +19,11 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from sqlalchemy import func, select
 
 from control_plane.context import ControlPlaneContext
+from control_plane.counters import Rejections
 from control_plane.db.models import Event, ReplicaAssignment, Rollout
 from control_plane.fleet_model.snapshot import read_snapshot
 from control_plane.nats_loop import Handler, NatsLoop
+from control_plane.report_scope import hosting, placed_replicas
 from control_plane.rollouts.capacity_status import capacity_numbers, with_capacity
 from control_plane.rollouts.policy import Decision, Observation, RolloutParams, decide
 from control_plane.rollouts.store import (
@@ -43,10 +47,17 @@ LAST_EVERY_S = 1.0  # how often a waiting rollout's live numbers are stored for 
 
 class RolloutLoop(NatsLoop):
     def __init__(
-        self, ctx: ControlPlaneContext, windows: UsageWindows | None = None, tick_s: float = TICK_S
+        self,
+        ctx: ControlPlaneContext,
+        windows: UsageWindows | None = None,
+        tick_s: float = TICK_S,
+        rejections: Rejections | None = None,
     ) -> None:
         super().__init__(ctx)
         self.windows = windows or UsageWindows()
+        self.rejections = rejections if rejections is not None else Rejections()
+        # (cluster, deployment, version) of every placed replica, re-read every tick
+        self.hosting: frozenset[tuple[str, str, int]] = frozenset()
         self.tick_s = tick_s
         self.started_at = time.time()
         self.decisions = 0
@@ -67,6 +78,7 @@ class RolloutLoop(NatsLoop):
         return [(protocol.USAGE_WILDCARD, self._on_usage)]
 
     async def _on_subscribed(self) -> None:
+        self.hosting = await asyncio.to_thread(self._read_hosting)
         if self.replayed is None:
             try:
                 self.replayed = await self._replay(until=time.time())
@@ -98,7 +110,7 @@ class RolloutLoop(NatsLoop):
                     usage = decode_usage(msg.subject, msg.data)
                 except Rejected:  # counted by the durable usage store, which reads it too
                     usage = None
-                if usage is not None and since <= usage.at < until:
+                if usage is not None and since <= usage.at < until and self._hosted(usage):
                     self.windows.add(usage, at=usage.at)
                     count += 1
                 if msg.metadata.num_pending == 0:
@@ -123,7 +135,26 @@ class RolloutLoop(NatsLoop):
             usage = decode_usage(msg.subject, msg.data)
         except Rejected:  # counted by the durable usage store, which reads it too
             return
-        self.windows.add(usage)
+        if self._hosted(usage):
+            self.windows.add(usage)
+
+    def _hosted(self, usage: protocol.UsageRecord) -> bool:
+        """Whether the record's cluster hosts a replica of the version it names (a record
+        naming no version says nothing about one and is left out)."""
+        if usage.version is None:
+            return False
+        if (usage.cluster, usage.deployment, usage.version) in self.hosting:
+            return True
+        self.rejections.refuse(
+            "rollout_sample",
+            "not_hosted",
+            f"{usage.cluster} hosts no {usage.deployment[:63]} v{usage.version}",
+        )
+        return False
+
+    def _read_hosting(self) -> frozenset[tuple[str, str, int]]:
+        with self.ctx.sessions() as session:
+            return hosting(placed_replicas(session))
 
     async def _run(self) -> None:
         while True:
@@ -136,6 +167,7 @@ class RolloutLoop(NatsLoop):
         """Decide every active rollout once; True when any state changed."""
         changed = False
         with self.ctx.sessions() as session:
+            self.hosting = hosting(placed_replicas(session))
             rows = active_rows(session)
             capacity = _capacity(session) if rows else {}
             for row, name, replicas in rows:
@@ -198,5 +230,5 @@ def _capacity(session) -> dict:
     return capacity_numbers(read_snapshot(session))
 
 
-async def start_rollout_loop(ctx: ControlPlaneContext) -> RolloutLoop:
-    return await RolloutLoop(ctx).start()
+async def start_rollout_loop(ctx: ControlPlaneContext, rejections: Rejections | None = None) -> RolloutLoop:
+    return await RolloutLoop(ctx, rejections=rejections).start()

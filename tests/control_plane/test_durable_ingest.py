@@ -17,6 +17,7 @@ import time
 import pytest
 import sqlalchemy as sa
 
+from control_plane.db import models as m
 from control_plane.db import session as dbs
 from control_plane.local.nats_server import NatsServer
 from fleet_base import protocol
@@ -74,6 +75,12 @@ class Traffic:
         await self.link.nc.publish(
             protocol.events_subject("east"), b'{"cluster": "east", "kind": "info", "at": 1e300}'
         )
+        # well-formed, but beyond the sender: a key that does not exist, a date never pruned
+        for record in (
+            protocol.UsageRecord(cluster="west", key_id="nokey", deployment="d", prompt_tokens=999),
+            protocol.UsageRecord(cluster="east", key_id="k1", deployment="d", prompt_tokens=999, at=2.5e11),
+        ):
+            assert await self.link.publish(protocol.usage_subject(record.cluster), record)
         await self.link.nc.flush()
 
 
@@ -88,9 +95,28 @@ def _wait_rows(url: str, traffic: Traffic, timeout: float = 60.0) -> tuple[int, 
     return wait_for(arrived, timeout, what, 0.2)
 
 
+def _seed(url: str) -> None:
+    """The key and deployment the records name, placed on both clusters (a `placed` event
+    the control plane wrote: usage is counted only where its deployment was placed)."""
+    dbs.upgrade_to_head(url)
+    sessions = dbs.make_sessions(url)
+    try:
+        with sessions() as s:
+            s.add_all([m.Cluster(id=c, region=c, load={}) for c in CLUSTERS])
+            s.add(m.ApiKey(key_id="k1", name="k1", salt="s", hash="h"))
+            d = m.Deployment(name="d", replicas=0, current_version=1)
+            d.versions = [m.DeploymentVersion(version=1, model="m", min_replicas=0, max_replicas=0)]
+            s.add(d)
+            s.add_all([m.Event(kind="placed", cluster=c, deployment="d", message="seed") for c in CLUSTERS])
+            s.commit()
+    finally:
+        sessions.kw["bind"].dispose()
+
+
 @pytest.fixture
 def db_url(tmp_path):
     url, cleanup = fresh_database("postgresql" if os.environ.get(PG_ENV) else "sqlite", tmp_path)
+    _seed(url)
     yield url
     cleanup()
 
@@ -141,6 +167,9 @@ async def test_nothing_lost_nothing_counted_twice(db_url: str, tmp_path, monkeyp
                 'fleet_control_plane_rejected_messages_total{reason="malformed",subject="fleet.v1.events.*"}'
                 in text
             )
+            for reason in ("unknown_key", "future"):
+                line = f'fleet_control_plane_reports_refused_total{{kind="usage",reason="{reason}"}}'
+                assert any(row.startswith(line) and float(row.split()[-1]) > 0 for row in text.splitlines())
         finally:
             cp.stop()
     finally:

@@ -35,6 +35,12 @@ def test_tick_writes_the_count_and_the_cheapest_gpu_mix(tmp_path) -> None:
             )
         ]  # fmt: skip
         s.add_all([c, d])
+        s.flush()  # the replica the heartbeats report is one placed on c1 (others are not counted)
+        s.add(
+            m.ReplicaAssignment(
+                replica_id="r1", deployment_id=d.id, version=1, cluster_id="c1", state="ready"
+            )
+        )
         s.commit()
     loop = AutoscaleLoop(ControlPlaneContext(settings=Settings(home=tmp_path), sessions=sessions))
     now = time.time()
