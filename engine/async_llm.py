@@ -215,14 +215,17 @@ class AsyncLLM:
             time.sleep(0.05)
 
     def _step(self) -> list[RequestOutput]:
-        """One engine step. A failed step fails the requests that were in it (their
-        clients get an error) and the loop goes on; `MAX_FAILED_STEPS` failures in a row
-        mean the engine itself is broken, and the loop dies (the replica is restarted)."""
+        """One engine step. A step whose failure the engine pins on some requests fails
+        those alone (their clients get an error) and the rest go on. A failure it cannot
+        pin fails every request of the step; `MAX_FAILED_STEPS` of those in a row mean the
+        engine itself is broken, and the loop dies (the replica is restarted)."""
         try:
             outs = self.engine.step()
         except StepError as err:
             self._failed_steps += 1
-            log.error("engine step failed (%d in a row): %r", self._failed_steps, err.cause)
+            log.error(
+                "engine step failed, no request to blame (%d in a row): %r", self._failed_steps, err.cause
+            )
             if self._failed_steps >= MAX_FAILED_STEPS:
                 raise err.cause from err
             failure = StepFailedError(f"this request's engine step failed: {err.cause!r}")
@@ -233,6 +236,10 @@ class AsyncLLM:
             self.engine.fail_requests(err.request_ids)
             return []
         self._failed_steps = 0
+        for rid, failure in self.engine.take_failures():
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.put(failure)
         return outs
 
     def _run(self) -> None:

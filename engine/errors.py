@@ -37,3 +37,12 @@ class StepFailedError(EngineError):
 
 class UnknownAdapterError(EngineError, ValueError):
     """The request names a LoRA adapter this engine does not have (HTTP 404 at the API)."""
+
+
+class AdapterUnavailableError(EngineError):
+    """This request's LoRA adapter could not be read again (its files went away); the
+    request failed, the others go on (HTTP 503: another replica may serve it)."""
+
+
+class StepInputError(EngineError, ValueError):
+    """A step failed because of this request's input, and only this request failed (HTTP 400)."""

@@ -83,6 +83,9 @@ class LLM:
                     if out.finished:
                         results[out.request_id] = out
                         bar.update(1)
+                failed = self.engine.take_failures()
+                if failed:
+                    raise failed[0][1]
         except BaseException:
             for rid in request_ids:
                 self.engine.abort_request(rid)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineArgs
 from engine.continuation import check_resume, prime
-from engine.errors import PromptTooLongError, QueueFullError, UnknownAdapterError
+from engine.errors import EngineError, PromptTooLongError, QueueFullError, UnknownAdapterError
 from engine.grammar import GrammarBackend
 from engine.kv_cache import KVCacheManager, KvEventLog
 from engine.lora import LoRAAdapter, LoRAManager, lora_cache_salt
@@ -26,8 +26,9 @@ from engine.model_files.aliases import resolve_model_path
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, SampleLogprobs
 from engine.request import Request, RequestStatus
-from engine.scheduler import ScheduledRequest, Scheduler
+from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.spec_decode.decoder import SpeculativeDecoder
+from engine.step_isolation import GlobalStepError, bisect, is_global, request_error, units
 from engine.timing import HistogramSnapshot
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from fleet_base.sampling_params import SamplingParams
@@ -35,6 +36,19 @@ from fleet_base.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 PromptInput = str | list[int]
+
+
+def _batch_order(s: ScheduledRequest) -> tuple[int, int]:
+    kind = 0 if s.num_new_tokens == 1 else 1 if s.num_draft_tokens else 2
+    return kind, s.request.num_computed_tokens if kind < 2 else 0
+
+
+class _CommitError(Exception):
+    """Committing a step's results failed after the model ran (it cannot be run again)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(repr(cause))
+        self.cause = cause
 
 
 class StepError(Exception):
@@ -109,6 +123,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self._failures: list[tuple[str, EngineError]] = []
+        self.step_failures = {"isolated": 0, "recovered": 0, "escalated": 0}
 
     @property
     def grammar(self) -> GrammarBackend:
@@ -249,9 +265,12 @@ class LLMEngine:
         return self._finish_parent(parent)
 
     def fail_requests(self, request_ids: list[str]) -> list[RequestOutput]:
-        """Abort these requests (a step they were in failed); their final outputs."""
+        """Abort these requests (a step they were in failed); their final outputs. The blocks
+        the step was to fill leave the prefix cache: no later request may read them."""
         outs = []
         for rid in dict.fromkeys(request_ids):
+            for seq in self._parents[rid].seqs if rid in self._parents else ():
+                self.kv.forget_uncomputed(seq.request)
             out = self.abort_request(rid)
             if out is not None:
                 outs.append(out)
@@ -266,37 +285,104 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One step. A failure raises `StepError` naming the requests that were in it, so
-        the caller can fail those and go on."""
+        """One step. When the model run fails, the requests that made it fail are found
+        (`engine.step_isolation`), failed alone (`take_failures`) and the rest run; a
+        failure no request explains raises `StepError` naming every request of the step."""
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        try:
-            return self._step(sched)
-        except Exception as err:
-            ids = [
-                self._seq_parent[s.request.request_id].request_id
-                for s in sched.scheduled
-                if s.request.request_id in self._seq_parent
-            ]
-            raise StepError(ids, err) from err
-
-    def _step(self, sched) -> list[RequestOutput]:
         # Decodes first, then verified speculative chunks, shortest context first, then
         # prefill chunks: the runner lays flat tokens out that way.
-        def order(s: ScheduledRequest) -> tuple[int, int]:
-            kind = 0 if s.num_new_tokens == 1 else 1 if s.num_draft_tokens else 2
-            return kind, s.request.num_computed_tokens if kind < 2 else 0
+        batch = sorted(sched.scheduled, key=_batch_order)
+        try:
+            return self._run(batch)
+        except _CommitError as err:  # the model ran: nothing can be run again
+            raise self._escalate(batch, err.cause) from err.cause
+        except Exception as err:
+            return self._isolate(batch, err)
 
-        batch = sorted(sched.scheduled, key=order)
-        sampling: list[ScheduledRequest] = [s for s in batch if s.samples and not s.request.pooling]
+    def take_failures(self) -> list[tuple[str, EngineError]]:
+        """Requests the last step failed alone (request id, the error for its client)."""
+        failed, self._failures = self._failures, []
+        return failed
+
+    def _run(self, batch: list[ScheduledRequest]) -> list[RequestOutput]:
+        """Run the model on `batch`; on success commit its results (`_CommitError` if that fails)."""
         seqs = [self._seq_state(s.request) for s in batch]
         result = self.runner.execute(
             batch, [self.kv.get_block_ids(s.request.request_id) for s in batch], [q.stop_ids for q in seqs]
         )
-        self.scheduler.update_after_step(sched)
+        try:
+            return self._commit(batch, result)
+        except Exception as err:
+            raise _CommitError(err) from err
+
+    def _escalate(self, batch: list[ScheduledRequest], cause: BaseException) -> StepError:
+        self.step_failures["escalated"] += 1
+        ids = [
+            self._seq_parent[s.request.request_id].request_id
+            for s in batch
+            if s.request.request_id in self._seq_parent
+        ]
+        return StepError(ids, cause)
+
+    def _isolate(self, batch: list[ScheduledRequest], err: BaseException) -> list[RequestOutput]:
+        """The failed run again in parts, to fail only the requests it cannot run with."""
+        if is_global(err):
+            raise self._escalate(batch, err) from err
+        bs = self.kv.block_size
+        tables = [self.kv.get_block_ids(s.request.request_id) for s in batch]
+        written = [
+            range(
+                s.request.num_computed_tokens // bs,
+                -(-(s.request.num_computed_tokens + s.num_new_tokens) // bs),
+            )
+            for s in batch
+        ]
+        try:
+            found = bisect(batch, units(tables, written), err, self._run)
+        except GlobalStepError as g:
+            raise self._escalate(batch, g.cause) from g.cause
+        except _CommitError as c:
+            raise self._escalate(batch, c.cause) from c.cause
+        if not found.ran and not self._probe():
+            raise self._escalate(batch, err) from err
+        failed: dict[str, EngineError] = {}
+        for unit, cause in found.culprits:
+            log.warning(
+                "a step failed for request(s) %s alone: %r", [s.request.request_id for s in unit], cause
+            )
+            for s in unit:
+                failed.setdefault(self._seq_parent[s.request.request_id].request_id, request_error(cause))
+        self.step_failures["isolated" if failed else "recovered"] += 1
+        self.fail_requests(list(failed))
+        self._failures.extend(failed.items())
+        return [o for o in found.outputs if o.request_id not in failed]
+
+    def _probe(self) -> bool:
+        """Whether the model runs at all: one token of the base model, in a block of its own."""
+        probe = Request(
+            request_id="\x00probe", prompt_token_ids=[0], sampling_params=SamplingParams(max_tokens=1)
+        )
+        if not self.kv.allocate_slots(probe, 1):
+            return False
+        try:
+            self.runner.execute(
+                [ScheduledRequest(probe, 1)], [self.kv.get_block_ids(probe.request_id)], [set()]
+            )
+        except Exception as err:
+            log.error("the engine cannot run a one-token probe: %r", err)
+            return False
+        finally:
+            self.kv.free(probe)
+        return True
+
+    def _commit(self, batch: list[ScheduledRequest], result) -> list[RequestOutput]:
+        """Advance the batch past this step and turn its sampled tokens into outputs."""
+        sampling: list[ScheduledRequest] = [s for s in batch if s.samples and not s.request.pooling]
+        self.scheduler.update_after_step(SchedulerOutput(batch))
         if result is None:
             return []
 
@@ -486,6 +572,7 @@ class LLMEngine:
             spec_decode_num_accepted_tokens=self.spec.num_accepted_tokens if self.spec is not None else 0,
             spec_decode_num_gated_steps=self.spec.num_gated_steps if self.spec is not None else 0,
             spec_decode_num_backoff_skips=self.spec.num_backoff_skips if self.spec is not None else 0,
+            step_failures=dict(self.step_failures),
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -106,6 +106,10 @@ class EngineStats:
     # Steps the batch-size gate kept undrafted, and sequence-steps skipped by backoff.
     spec_decode_num_gated_steps: int = 0
     spec_decode_num_backoff_skips: int = 0
+    # Steps whose model run failed, by outcome: isolated (only the requests that made it
+    # fail failed), recovered (run again in parts, nothing failed), escalated (no request
+    # to blame: every request of the step failed).
+    step_failures: dict[str, int] = field(default_factory=dict)
 
     @property
     def spec_decode_acceptance_rate(self) -> float:

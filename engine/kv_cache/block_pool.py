@@ -160,6 +160,10 @@ class BlockPool:
             self.events.stored(block_hash)
         return True
 
+    def uncache(self, block: KVBlock) -> None:
+        """Forget `block`'s hash (its KV is not what the hash says); it stays allocated."""
+        self._evict(block)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is referenced."""
         if len(self.free_queue) != self.num_blocks:

@@ -148,6 +148,18 @@ class KVCacheManager:
         self._num_hashed_blocks[rid] = min(self._num_hashed_blocks[rid], keep)
         self.block_pool.free_blocks(reversed(tail))
 
+    def forget_uncomputed(self, request: Request) -> None:
+        """Uncache the request's blocks past its computed tokens: they were hashed when
+        allocated, for a step that failed before it wrote them."""
+        table = self._tables.get(request.request_id)
+        first = request.num_computed_tokens // self.block_size
+        if not table or len(table) <= first:
+            return
+        for block in table[first:]:
+            self.block_pool.uncache(block)
+        rid = request.request_id
+        self._num_hashed_blocks[rid] = min(self._num_hashed_blocks[rid], first)
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its shared prefix is evicted last."""
         table = self._tables.pop(request.request_id, None)

@@ -55,6 +55,7 @@ class LoRAManager:
         self._device: OrderedDict[LoRAAdapter, int] = OrderedDict()  # adapter -> slot, LRU first
         self.loads_total = 0
         self.slot_loads_total = 0
+        self.reread_failures_total = 0
 
     # -- registry (any thread) -------------------------------------------------------------
     def add(self, name: str, path: str | Path, reserved: Sequence[str] = ()) -> LoRAAdapter:
@@ -114,15 +115,27 @@ class LoRAManager:
                 raise RuntimeError(f"a step needs more than --max-loras {self.max_loras} adapters")
             free = self._device.pop(victim)
         if adapter.weights is None:
-            fresh = load_peft_adapter(adapter.name, adapter.path, self.cfg, self.max_rank, self.dtype)
-            if fresh.uid != adapter.uid:
-                raise LoRAAdapterError(f"adapter {adapter.name!r} changed on disk since it was loaded")
-            adapter.weights = fresh.weights
+            adapter.weights = self._reread(adapter)
         self._keep_cpu(adapter)
         self.slots.write(free, adapter)
         self.slot_loads_total += 1
         self._device[adapter] = free
         return free
+
+    def _reread(self, adapter: LoRAAdapter) -> dict:
+        """The weights the CPU tier dropped, from the adapter's files. When they are gone or
+        changed the adapter is unregistered (its requests fail alone, later ones are told it
+        is not loaded, and whoever placed it can load it again)."""
+        try:
+            fresh = load_peft_adapter(adapter.name, adapter.path, self.cfg, self.max_rank, self.dtype)
+            if fresh.uid != adapter.uid:
+                raise LoRAAdapterError("its files changed on disk since it was loaded")
+        except LoRAAdapterError as err:
+            if self._registry.get(adapter.name) is adapter:
+                del self._registry[adapter.name]
+            self.reread_failures_total += 1
+            raise LoRAAdapterError(f"adapter {adapter.name!r} cannot be read again: {err}") from None
+        return fresh.weights
 
     def prepare(self, adapters: Sequence[LoRAAdapter | None], num_tokens: Sequence[int]) -> LoRABatch | None:
         """The step's LoRA batch (None when no request uses an adapter): every adapter in a

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import (
+    AdapterUnavailableError,
     EngineDeadError,
     EngineError,
     PromptTooLongError,
@@ -72,6 +73,8 @@ def engine_error(err: BaseException, param: str | None = None, retry_after_s: in
         return APIError(
             500, f"This request failed inside the engine: {err}", code="request_failed", headers=NO_RETRY
         )
+    if isinstance(err, AdapterUnavailableError):
+        return APIError(503, str(err), param="model", code="adapter_unavailable")
     if isinstance(err, EngineDeadError):
         return APIError(503, f"The engine has stopped and this replica must be restarted: {err}")
     if isinstance(err, UnknownAdapterError):

@@ -87,6 +87,15 @@ class _EngineStatsCollector(Collector):
             "Sequence-steps not drafted because the sequence's recent drafts were all rejected.",
             s.spec_decode_num_backoff_skips,
         )
+        failures = CounterMetricFamily(
+            "fleet_engine_step_failures",
+            "Steps whose model run failed: isolated (only the requests that made it fail failed), "
+            "recovered (run again in parts, nothing failed), escalated (no request to blame).",
+            labels=["model", "outcome"],
+        )
+        for outcome in ("isolated", "recovered", "escalated"):
+            failures.add_metric([self.model, outcome], s.step_failures.get(outcome, 0))
+        yield failures
 
 
 _GRAMMAR_HISTOGRAMS = {
