@@ -53,7 +53,7 @@ from agent.adapters import ReplicaAdapters
 from agent.capacity import CapacitySignals
 from agent.inventory import inventory
 from agent.kv_relay import KvRelay
-from agent.mirror import decode_entry, desired_mirror, key_mirror, route_mirror
+from agent.mirror import BucketMirror, decode_entry, desired_mirror, key_mirror, retry_unsaved, route_mirror
 from agent.models import ModelPuller
 from agent.replica import Replica, ReplicaEvents, ReplicaFiles
 from agent.replica_controller import ReplicaController
@@ -156,6 +156,10 @@ class Agent:
         self.desired_mirror.entries[self.cluster] = desired
 
     @property
+    def mirrors(self) -> tuple[BucketMirror, ...]:
+        return (self.desired_mirror, self.route_mirror, self.key_mirror)
+
+    @property
     def replicas(self) -> dict[str, Replica]:
         return self.replica_controller.replicas
 
@@ -189,6 +193,7 @@ class Agent:
                 asyncio.create_task(self.reporter.heartbeats(), name="heartbeat"),
                 asyncio.create_task(self.reporter.metrics(), name="metrics"),
                 asyncio.create_task(self.adapter_controller.run(), name="adapters"),
+                asyncio.create_task(retry_unsaved(self.mirrors), name="state-retry"),
             ]
             await stop.wait()
             log.info("stopping: draining %d replicas", len(self.replicas))
@@ -198,7 +203,7 @@ class Agent:
             for task in loops:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-            for mirror in (self.desired_mirror, self.route_mirror, self.key_mirror):
+            for mirror in self.mirrors:
                 await mirror.close()
             await self.reporter.kv_relay.close()
             if self.runtime.drain_on_exit:
@@ -216,7 +221,7 @@ class Agent:
 
     def load_from_disk(self) -> None:
         """The desired state, routes and keys last seen on NATS."""
-        for mirror in (self.desired_mirror, self.route_mirror, self.key_mirror):
+        for mirror in self.mirrors:
             mirror.load()
 
     def _acquire_lock(self) -> None:

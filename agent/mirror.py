@@ -3,16 +3,24 @@ routes and API keys all arrive this way.
 
 Each entry is decoded with `fleet_base.wire` (a bucket entry's key, not a subject, names
 what it is about); a malformed or refused entry is logged and ignored, an entry whose
-generation went back is never acted on. Every accepted change is written to the state
-folder at once, and the copy on disk is loaded first on start, so a restart while NATS or
-the control plane is down serves from it.
+generation went back is never acted on. Every accepted change takes effect in memory at
+once and is written to the state folder; the copy on disk is loaded first on start, so a
+restart while NATS or the control plane is down serves from it.
+
+A write that fails (a full disk) never loses the change: the mirror stays `unsaved`, the
+watch does not count the entry as seen (it is delivered again at the next resync) and
+`retry_unsaved` writes it as soon as the disk allows. The key set's lease is not
+recorded while keys.json is behind memory, so the gateway, which reads keys.json, sees
+its key set grow stale (its `stale_keys` rule) instead of trusting a set without a
+revocation that could not be written.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Generic, TypeVar
 
 from fleet_base import api_keys, protocol
@@ -25,6 +33,10 @@ from fleet_base.wire import Rejected, decode
 log = logging.getLogger("agent")
 
 M = TypeVar("M", bound=protocol.Message)
+
+
+class NotSaved(Exception):
+    """An accepted entry took effect in memory but could not be written to disk."""
 
 
 def decode_entry(model: type[M], key: str, value: bytes) -> M | None:
@@ -67,6 +79,7 @@ class BucketMirror(Generic[M]):
         self.bucket = bucket
         self.model = model
         self.entries: dict[str, M] = {}
+        self.unsaved = False  # memory holds changes the copy on disk lacks
         self._load = load
         self._save = save
         self._refuse = refuse
@@ -84,14 +97,16 @@ class BucketMirror(Generic[M]):
         self.entries = dict(self._load())
 
     async def on_entry(self, key: str, value: bytes | None) -> None:
-        """One update from the bucket: `value` None is a deletion."""
+        """One update from the bucket: `value` None is a deletion. It takes effect in
+        memory first; NotSaved when it could not be written (delivered again later)."""
         if key in self._side_keys:
             self._side_keys[key](key, value)
             return
         entry: M | None
+        old = self.entries.get(key)
         if value is None:
             if self._tombstone is not None:
-                entry = self._tombstone(key, self.entries.get(key))
+                entry = self._tombstone(key, old)
                 self.entries[key] = entry
             elif self.entries.pop(key, None) is None:
                 return
@@ -102,9 +117,26 @@ class BucketMirror(Generic[M]):
             if entry is None or not self._accepts(key, entry):
                 return
             self.entries[key] = entry
-        self._save(self.entries)
-        if self._on_change is not None:
+        self.unsaved = True
+        saved = self.persist()
+        if self._on_change is not None and (entry is None or entry != old):
             self._on_change(key, entry)
+        if not saved:
+            raise NotSaved(f"{self.bucket}/{key} applied in memory, not yet on disk")
+
+    def persist(self) -> bool:
+        """Write the entries to disk; False (reported by LocalState.writes) when it failed."""
+        try:
+            self._save(self.entries)
+        except OSError:
+            self.unsaved = True
+            return False
+        self.unsaved = False
+        return True
+
+    def persist_if_unsaved(self) -> bool:
+        """True when the copy on disk is (now) equal to memory."""
+        return not self.unsaved or self.persist()
 
     def _accepts(self, key: str, entry: M) -> bool:
         reason = self._refuse(key, entry) if self._refuse is not None else None
@@ -138,11 +170,22 @@ class BucketMirror(Generic[M]):
         for key in gone:
             del self.entries[key]
         if gone:
-            self._save(self.entries)
+            self.unsaved = True
+            self.persist()
             log.info("%s: dropped %d entries deleted while disconnected", self.bucket, len(gone))
 
     async def close(self) -> None:
         await self.watch.close()
+
+
+async def retry_unsaved(mirrors: Iterable[BucketMirror], interval_s: float = 1.0) -> None:
+    """Write each mirror that memory holds ahead of disk, every `interval_s`, so a change
+    reaches disk soon after space comes back (NATS up or not)."""
+    mirrors = list(mirrors)
+    while True:
+        await asyncio.sleep(interval_s)
+        for mirror in mirrors:
+            mirror.persist_if_unsaved()
 
 
 def desired_mirror(
@@ -202,10 +245,14 @@ def key_mirror(link: NatsLink, files: LocalState) -> BucketMirror[ApiKeyRecord]:
     """The API keys (keys.json) and when their lease was last renewed (keys-lease.json)."""
 
     def lease(key: str, value: bytes | None) -> None:
-        if value is not None and decode_entry(api_keys.KeyLease, key, value) is not None:
-            files.save_key_lease(time.time())
+        if value is None or decode_entry(api_keys.KeyLease, key, value) is None:
+            return
+        # A renewal confirms the key set on disk: never while keys.json lacks a change.
+        if not mirror.persist_if_unsaved():
+            raise NotSaved("keys.json is behind memory: the lease renewal is not recorded")
+        files.save_key_lease(time.time())
 
-    return BucketMirror(
+    mirror = BucketMirror(
         link,
         protocol.BUCKET_KEYS,
         ApiKeyRecord,
@@ -213,3 +260,4 @@ def key_mirror(link: NatsLink, files: LocalState) -> BucketMirror[ApiKeyRecord]:
         save=lambda entries: files.save_keys(KeySet(keys=entries)),
         side_keys={api_keys.KEYS_LEASE: lease},
     )
+    return mirror

@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field, ValidationError
 from agent.reconciler import ReplicaRecord
 from agent.runtime import ReplicaHandle
 from fleet_base import protocol
-from fleet_base.local_state import LocalState, ReplicaSnapshot, atomic_write
+from fleet_base.local_state import LocalState, ReplicaSnapshot
 from fleet_base.nats_io import NatsLink
 from fleet_base.protocol import Event, EventKind, ReplicaLoad, ReplicaSpec, ReplicaState, ReplicaStatus
 
@@ -144,7 +144,7 @@ class ReplicaFiles:
                 handles[rid] = r.handle
         body = RuntimeFile(runtime=self.runtime, replicas=handles).model_dump_json(indent=1)
         if body != self._last_runtime:
-            atomic_write(self.runtime_path, body.encode())
+            self.files.write_bytes(self.runtime_path, body.encode())
             self._last_runtime = body
 
 

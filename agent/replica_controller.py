@@ -59,9 +59,13 @@ class ReplicaController:
         return self.files.snapshot(self.replicas)
 
     def persist(self, force: bool = False) -> None:
-        """Write replicas.json and runtime.json (replicas.json when changed, or `force`)."""
-        self.files.write_runtime(self.replicas)
-        self.files.write_snapshot(self.replicas, force=force)
+        """Write replicas.json and runtime.json (replicas.json when changed, or `force`).
+        A failed write (full disk) is reported by `LocalState.writes` and retried at the
+        next pass: the replicas keep being reconciled meanwhile."""
+        with contextlib.suppress(OSError):
+            self.files.write_runtime(self.replicas)
+        with contextlib.suppress(OSError):
+            self.files.write_snapshot(self.replicas, force=force)
 
     async def adopt(self) -> None:
         """Take over the live replicas a previous agent left (runtime.json, or the runtime's
@@ -87,7 +91,8 @@ class ReplicaController:
                 )
             else:
                 log.info("replica %s (pid %s) is gone; not adopted (%s)", handle.replica_id, handle.pid, ok)
-        self.files.write_runtime(self.replicas)
+        with contextlib.suppress(OSError):  # reported by LocalState.writes; the next pass retries
+            self.files.write_runtime(self.replicas)
 
     async def drain(self) -> None:
         """Stop every replica (bounded by the drain timeout) and record them stopped."""

@@ -69,6 +69,8 @@ class Reporter:
             desired_generation=desired.generation if desired is not None else -1,
             queue_depth=sum(s.load.waiting for s in statuses) + self._gateway_queue_depth(),
             tokens_per_s=sum(s.load.tokens_per_s for s in statuses),
+            state_writes_failing={n: why[:64] for n, why in sorted(self.files.writes.failing.items())[:16]},
+            state_write_failures=self.files.writes.total,
         )
 
     def _gateway_queue_depth(self) -> int:

@@ -104,6 +104,10 @@ class ReplicaConfig(BaseModel):
     # Crash restarts back off exponentially from this, up to restart_backoff_max_s.
     restart_backoff_s: float = Field(1.0, ge=0)
     restart_backoff_max_s: float = Field(60.0, ge=0)
+    # Each replica's log (state_dir/logs/<replica_id>.log) is rotated above this size,
+    # keeping log_backups older copies: at most (log_backups + 1) x log_max_bytes a replica.
+    log_max_bytes: int = Field(64 * 1024 * 1024, ge=4096)
+    log_backups: int = Field(3, ge=0, le=100)
 
 
 class ClusterConfig(BaseModel):

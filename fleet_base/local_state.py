@@ -3,12 +3,15 @@
 
 The agent writes, the gateway reads; both survive a restart while NATS or the control
 plane is unreachable. Writes are atomic (temp file, fsync, rename) so a reader never
-sees half a file.
+sees half a file, and a write that fails (a full disk) raises after it is counted in
+`LocalState.writes`: the caller keeps the newer state in memory and writes it again later.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import os
 import tempfile
 import time
@@ -18,6 +21,8 @@ from pydantic import BaseModel, Field, ValidationError
 
 from fleet_base.api_keys import ApiKeyRecord
 from fleet_base.protocol import DesiredState, Message, ReplicaStatus, RoutingTable
+
+log = logging.getLogger(__name__)
 
 
 class RouteSet(Message):
@@ -53,18 +58,49 @@ class GatewayStatus(Message):
 
 
 def atomic_write(path: Path, data: bytes) -> None:
+    """`data` as the whole of `path`, or OSError (ENOSPC on a full disk) with `path` unchanged."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+class WriteFailures:
+    """State files whose last write failed, and how many writes failed in all.
+
+    Loud once per episode: the first failure of a file logs an error, later ones of the
+    same episode only count, and the first success after them logs that it recovered.
+    The agent reports `failing` in its heartbeat, so a full disk shows in `fleetctl`."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.failing: dict[str, str] = {}  # file name -> why its last write failed
+
+    def failed(self, path: Path, err: OSError) -> None:
+        self.total += 1
+        if path.name not in self.failing:
+            log.error(
+                "cannot write %s (%s): what is on disk stays behind what this process "
+                "acts on until a write succeeds; retrying",
+                path,
+                err.strerror or err,
+            )
+        self.failing[path.name] = errno.errorcode.get(err.errno or 0, "") or type(err).__name__
+
+    def succeeded(self, path: Path) -> None:
+        if self.failing.pop(path.name, None) is not None:
+            log.warning("writing %s works again", path)
 
 
 class _InStateDir:
@@ -90,6 +126,7 @@ class LocalState:
 
     def __init__(self, state_dir: Path) -> None:
         self.dir = Path(state_dir)
+        self.writes = WriteFailures()
 
     def save_gateway(self, status: GatewayStatus) -> None:
         self._write(self.gateway_path, status)
@@ -102,7 +139,16 @@ class LocalState:
         return status
 
     def _write(self, path: Path, message: BaseModel) -> None:
-        atomic_write(path, message.model_dump_json(indent=1).encode())
+        self.write_bytes(path, message.model_dump_json(indent=1).encode())
+
+    def write_bytes(self, path: Path, data: bytes) -> None:
+        """`atomic_write`, counted in `writes` (raises its OSError)."""
+        try:
+            atomic_write(path, data)
+        except OSError as err:
+            self.writes.failed(path, err)
+            raise
+        self.writes.succeeded(path)
 
     def _read(self, path: Path, model: type[BaseModel]):
         try:

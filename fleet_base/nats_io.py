@@ -312,7 +312,11 @@ KvCallback = Callable[[str, bytes | None], Awaitable[None]]
 class KvWatch:
     """Follow keys of a bucket across NATS restarts: a watcher per connection, plus a
     full resync on every (re)connect and every `resync_s`, so a missed update is
-    repaired within that time. The callback gets (key, value) and (key, None) on delete."""
+    repaired within that time. The callback gets (key, value) and (key, None) on delete.
+
+    A value counts as seen only once every callback took it without raising: a callback
+    that could not act on it (its write to a full disk failed) gets it again at the next
+    resync, so nothing is lost to a failure. Callbacks must therefore be idempotent."""
 
     def __init__(self, link: NatsLink, bucket: str, keys: str = ">", resync_s: float = 10.0) -> None:
         self.link = link
@@ -322,6 +326,7 @@ class KvWatch:
         self._callbacks: list[KvCallback] = []
         self._task: asyncio.Task | None = None
         self._seen: dict[str, bytes] = {}
+        self._failing: set[str] = set()  # keys whose last delivery a callback refused
         link.on_connect(self._restart)
 
     def subscribe(self, callback: KvCallback) -> None:
@@ -333,18 +338,26 @@ class KvWatch:
         self._task = asyncio.create_task(self._run(), name=f"kv-watch-{self.bucket}")
 
     async def _emit(self, key: str, value: bytes | None) -> None:
-        if value is None:
-            if self._seen.pop(key, None) is None:
-                return
-        else:
-            if self._seen.get(key) == value:
-                return
-            self._seen[key] = value
+        if (key not in self._seen) if value is None else (self._seen.get(key) == value):
+            return
+        failed = False
         for callback in self._callbacks:
             try:
                 await callback(key, value)
             except Exception:
-                log.exception("kv watch callback failed for %s/%s", self.bucket, key)
+                failed = True
+                if key in self._failing:  # the same failure again: already logged
+                    log.debug("kv watch callback failed again for %s/%s", self.bucket, key, exc_info=True)
+                else:
+                    log.exception("kv watch callback failed for %s/%s; retrying", self.bucket, key)
+        if failed:  # not seen: the next resync delivers it again
+            self._failing.add(key)
+            return
+        self._failing.discard(key)
+        if value is None:
+            self._seen.pop(key, None)
+        else:
+            self._seen[key] = value
 
     async def resync(self) -> None:
         if not self.link.is_connected:  # "no answer" is not "no key": never emit deletes for it

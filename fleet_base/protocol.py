@@ -15,7 +15,7 @@ from __future__ import annotations
 import secrets
 import time
 from enum import Enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -31,6 +31,8 @@ MAX_USAGE_TOKENS = MAX_TOKENS
 MAX_TEXT = 4096
 
 SCHEMA_VERSION = 1
+
+ShortText = Annotated[str, Field(max_length=64)]
 
 # JetStream key-value buckets.
 BUCKET_DESIRED = "fleet_desired"  # key = cluster id -> DesiredState
@@ -283,6 +285,10 @@ class Heartbeat(Message):
     unschedulable: list[str] = Field(default_factory=list, max_length=MAX_REPLICAS)
     # The node's model cache: what is cached or being pulled (`fleetctl models ls`).
     models: list[CachedModel] = Field(default_factory=list, max_length=MAX_REPLICAS)
+    # State files the agent cannot write now (a full disk), with why, and the failed
+    # writes since it started: its gateway may be serving from stale keys and routes.
+    state_writes_failing: dict[ShortText, ShortText] = Field(default_factory=dict, max_length=16)
+    state_write_failures: Count = 0
     sent_at: Timestamp = Field(default_factory=time.time)
 
 

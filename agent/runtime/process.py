@@ -4,7 +4,8 @@
   flags checked, the host's own flags winning).
 - each replica runs in its own session/process group (start_new_session) with stdout and
   stderr appended to `state_dir/logs/<replica_id>.log`, so it outlives an agent killed
-  with SIGKILL and a restarted agent can adopt it (see `adopt`).
+  with SIGKILL and a restarted agent can adopt it (see `adopt`); every poll rotates that
+  log once it is over `replica.log_max_bytes` (`agent.runtime.replica_logs`).
 - ready when GET /health answers 200 (the engine listens at once and says 503 while it
   loads); failed when the process exits (exit code and log tail reported), when it is
   not ready within `startup_timeout_s`, or when a ready replica stops answering /health
@@ -29,6 +30,7 @@ import psutil
 
 from agent.runtime.base import Probe, ReplicaHandle, Runtime
 from agent.runtime.command import ENGINE_MODULE, replica_argv
+from agent.runtime.replica_logs import rotate_if_large
 from agent.security.replica_auth import replica_env
 from fleet_base.cluster_config import ClusterConfig
 from fleet_base.local_state import LocalState
@@ -175,6 +177,10 @@ class ProcessRuntime(Runtime):
         return r.status_code, word
 
     async def poll(self, handle: ReplicaHandle) -> Probe:
+        if handle.log_path:
+            rotate_if_large(
+                handle.log_path, self.config.replica.log_max_bytes, self.config.replica.log_backups
+            )
         exited, code = self._exited(handle)
         if exited:
             self._forget(handle)

@@ -93,6 +93,8 @@ def _database_metrics(session: Session) -> Iterator[Metric]:
         g.add_metric([status], by_status.get(status, 0))
     yield g
 
+    yield from _state_write_metrics(session)
+
     deployments = list(session.execute(select(Deployment.id, Deployment.name, Deployment.replicas)))
     yield GaugeMetricFamily(PREFIX + "deployments", "Deployments.", value=len(deployments))
 
@@ -167,6 +169,25 @@ def _database_metrics(session: Session) -> Iterator[Metric]:
     for phase in sorted(set(get_args(Phase)) | set(phases)):
         g.add_metric([phase], phases[phase])
     yield g
+
+
+def _state_write_metrics(session: Session) -> Iterator[Metric]:
+    """What each agent's last heartbeat said about its state files (a full disk)."""
+    failing = _gauge(
+        "cluster_state_writes_failing",
+        "State files a cluster's agent cannot write now (keys, routes, desired state: a full disk).",
+        ["cluster"],
+    )
+    failures = CounterMetricFamily(
+        PREFIX + "cluster_state_write_failures",
+        "Failed state-file writes each cluster's agent reported since it started.",
+        labels=["cluster"],
+    )
+    for cluster_id, load in session.execute(select(Cluster.id, Cluster.load).order_by(Cluster.id)):
+        load = load if isinstance(load, dict) else {}
+        failing.add_metric([cluster_id], len(load.get("state_writes_failing") or {}))
+        failures.add_metric([cluster_id], int(load.get("state_write_failures") or 0))
+    yield from (failing, failures)
 
 
 def _reconcile_metrics(stats: ReconcileStats) -> Iterator[Metric]:

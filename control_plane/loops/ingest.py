@@ -41,6 +41,9 @@ def load_summary(hb: Heartbeat) -> dict:
         "replicas": len(hb.replicas),
         "states": states,
         "desired_generation": hb.desired_generation,
+        # state files the agent cannot write (a full disk): `fleetctl status` shows them
+        "state_writes_failing": dict(hb.state_writes_failing),
+        "state_write_failures": hb.state_write_failures,
         "sent_at": hb.sent_at,
         # the node model cache and each replica's cold start in parts (fleetctl models ls, status)
         "models": [m.model_dump(mode="json") for m in hb.models],

@@ -5,6 +5,7 @@ crash reporting with exit code and log tail, and refusal to adopt a reused pid."
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import httpx
@@ -92,4 +93,54 @@ async def test_adopt_refuses_a_reused_or_dead_pid(config: ClusterConfig) -> None
     assert not await rt.adopt(ReplicaHandle(pid=os.getpid(), **base))
     assert not await rt.adopt(ReplicaHandle(pid=2**22 + 12345, **base))
     assert not await rt.adopt(ReplicaHandle(pid=None, **base))
+    await rt.close()
+
+
+class ChattyRuntime(ProcessRuntime):
+    """Replicas that only write: 4 KiB numbered lines, 2 MB/s, to their stdout."""
+
+    def replica_argv(self, spec: ReplicaSpec, port: int) -> list[str]:
+        code = (
+            "import sys, time\n"
+            "i = 0\n"
+            "while True:\n"
+            "    sys.stdout.write(f'line {i:08d} ' + 'x' * 4080 + '\\n'); sys.stdout.flush()\n"
+            "    i += 1; time.sleep(0.002)\n"
+        )
+        return [sys.executable, "-c", code, "engine.server", str(port)]
+
+
+async def test_a_chatty_replica_log_is_rotated_and_stays_bounded(tmp_path: Path) -> None:
+    """A replica writing 4+ MB keeps its log under log_max_bytes with log_backups copies,
+    keeps running, and its latest output lands in the current file (appends after the
+    truncation, no hole of zeros)."""
+    max_bytes, slack = 256 * 1024, 128 * 1024
+    config = cluster_config(
+        tmp_path, "nats://127.0.0.1:1", replica={"log_max_bytes": max_bytes, "log_backups": 2}
+    )
+    rt = ChattyRuntime(config)
+    handle = await rt.start(spec("m"))
+    log = Path(handle.log_path)
+
+    def lines_written() -> int:
+        text = log.read_bytes()[-8192:].decode(errors="replace")
+        numbers = [int(line[5:13]) for line in text.splitlines() if line.startswith("line ")]
+        return max(numbers, default=0)
+
+    async def wrote_4mb() -> bool:
+        probe = await rt.poll(handle)
+        assert probe.state != ReplicaState.failed, probe.error
+        assert log.stat().st_size <= max_bytes + slack
+        return lines_written() >= 1024  # 4 MiB of lines
+
+    await eventually(wrote_4mb, 60, "4 MiB written", 0.02)
+    backups = sorted(p.name for p in log.parent.iterdir() if p.name.startswith(log.name + "."))
+    assert backups == [log.name + ".1", log.name + ".2"]
+    sizes = [log.stat().st_size] + [(log.parent / b).stat().st_size for b in backups]
+    assert all(size <= max_bytes + slack for size in sizes), sizes
+    assert sum(sizes) < 1024 * 4096 // 2  # well under what it wrote
+    assert b"\0" not in log.read_bytes()  # O_APPEND: writes go on at the new end
+    first = int((log.parent / backups[0]).read_text().splitlines()[-1][5:13])
+    assert lines_written() > first  # the replica kept writing into the rotated file
+    await rt.kill(handle)
     await rt.close()
