@@ -25,6 +25,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from fleet_base.security.ca_bundle import load_bundle
 from fleet_base.security.identity import Role, common_name, spiffe_id
 from fleet_base.security.tls import Credentials
 
@@ -89,10 +90,30 @@ class FleetCA:
         self.dir = Path(dir)
         self.cert_path = self.dir / "ca.pem"
         self.key_path = self.dir / "ca.key"
-        pair = _load_pair(self.cert_path, self.key_path)
+        pair = self._load()
         if pair is None or not _fresh(pair[0]):
             pair = self._create()
         self.cert, self.key = pair
+
+    def _load(self) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None:
+        """The CA certificate that `ca.key` signs for. `ca.pem` is the trust file and may
+        hold other CAs too (the old one during a rotation); they stay in it, trusted."""
+        try:
+            certs = load_bundle(self.cert_path)
+            key = serialization.load_pem_private_key(self.key_path.read_bytes(), password=None)
+        except (FileNotFoundError, ValueError):
+            return None
+        if not isinstance(key, ec.EllipticCurvePrivateKey):
+            return None
+        mine = key.public_key().public_numbers()
+        for cert in certs:
+            public = cert.public_key()
+            if isinstance(public, ec.EllipticCurvePublicKey) and public.public_numbers() == mine:
+                return cert, key
+        raise ValueError(
+            f"{self.cert_path} holds no certificate for the key in {self.key_path}; "
+            "put the CA that key belongs to into the trust file (docs/security.md, rotating the CA)"
+        )
 
     def _create(self) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
         key = ec.generate_private_key(ec.SECP256R1())
