@@ -9,10 +9,15 @@ fact of the request.
 Stages, in the order the executor walks them:
 - ``primary``: this cluster is a warm standby and a primary peer is alive; on failure
   the request falls through to the stages below (served here).
-- ``peer-prefix``: a peer holds the request's prefix and no local replica does, and the
-  cost model says the peer is cheaper even with its RTT; falls through on failure.
 - ``peer``: nothing usable here (no ready replica, all just failed, our agent silent)
-  or the queue here is past the spill threshold; final.
+  or the queue here is past the spill threshold; final. Nearest first, except that a
+  peer whose prefix-cache hit saves more than its extra RTT costs goes first
+  ("peer-prefix").
+
+A peer's prefix hits are its own claims (its KV events), which nothing here can check:
+they may choose among peers a request goes to anyway, never draw a request away from
+local replicas that can serve it. So no stage before ``local`` follows them; a cluster
+that advertises blocks it does not hold gains only traffic that was leaving anyway.
 - ``local``: this cluster's replicas, best first (the executor takes a queue slot
   first, and re-plans after waiting); an empty ``local`` stage means "wait for a replica".
 - ``failover``: peers to try when every local attempt failed before its first byte.
@@ -44,7 +49,7 @@ from agent.gateway.routing import pick_version, should_spill
 from fleet_base.cluster_config import ROUTINGS
 from fleet_base.protocol import VersionWeight
 
-Stage = Literal["primary", "peer-prefix", "peer", "local", "failover"]
+Stage = Literal["primary", "peer", "local", "failover"]
 # What it means when every attempt of a stage failed before the client's first byte:
 # "next-stage" falls through (served here after all); "failover" goes on to the failover
 # stage when nothing answered at all (no status to pass on); "give-up" passes the last
@@ -72,7 +77,6 @@ class StageRule:
 
 STAGE_RULES: dict[Stage, StageRule] = {
     "primary": StageRule("next-stage", mark_down=True),
-    "peer-prefix": StageRule("next-stage"),
     "peer": StageRule("give-up"),
     "local": StageRule("failover", queue=True),
     "failover": StageRule("give-up", after_failure=True),
@@ -326,9 +330,7 @@ def plan_route(
         spill = should_spill(here.waiting, len(here.replicas), here.spill_per_replica)
         if peers and (not usable or spill):
             reason = "no-local-replica" if not here.replicas else ("spill" if usable else "local-unusable")
-            return Plan(tuple(_peer_attempts("peer", reason, peers, request, index)))
-        prefer = _prefix_peers(request, local, peers, index, model)
-        attempts += prefer
+            return Plan(tuple(_leaving(reason, peers, request, index, model)))
     attempts += local or [Attempt("local", "wait-for-replica")]
     attempts += plan_failover(request, peers, index)
     return Plan(tuple(attempts))
@@ -341,36 +343,29 @@ def plan_failover(
     return [] if request.forwarded else _peer_attempts("failover", "failover", peers, request, index)
 
 
-def _prefix_peers(
-    request: RequestFacts,
-    local: list[Attempt],
+def _leaving(
+    reason: str,
     peers: Sequence[PeerFacts],
+    request: RequestFacts,
     index: PrefixLookup | None,
     model: CostModel,
 ) -> list[Attempt]:
-    """Peers worth trying first: no local replica holds any of the prefix, a peer holds
-    at least `min_prefix_blocks`, and its new prefill + RTT costs less than the best
-    local replica's."""
-    if not model.prefix or index is None or not request.block_hashes or not local:
-        return []
-    if local[0].cached_tokens > 0:
-        return []
-    best_local = local[0].cost
-    out = []
-    for p in peers:
-        if p.standby:
-            continue
-        blocks = _peer_blocks(p, request, index)
-        if blocks < model.min_prefix_blocks:
-            continue
-        hit = cached_tokens(request, blocks)
-        rtt = p.rtt_s if p.rtt_s is not None else 0.1
-        cost = (request.prompt_tokens - hit) + rtt * model.tokens_per_s
-        if cost < best_local:
-            out.append(
-                Attempt(
-                    "peer-prefix", "peer-prefix", p.cluster, p.url, is_peer=True, cached_tokens=hit, cost=cost
-                )
-            )
-    out.sort(key=lambda a: a.cost)
-    return out[:1]
+    """The ``peer`` stage of a request that leaves this cluster: nearest first, unless a
+    peer holding at least `min_prefix_blocks` of the prompt costs less, its new prefill
+    plus RTT against the nearest's, in which case it goes first ("peer-prefix")."""
+    order = list(peers)
+    if model.prefix and index is not None and request.block_hashes:
+
+        def cost(p: PeerFacts) -> float:
+            hit = cached_tokens(request, _peer_blocks(p, request, index))
+            return (request.prompt_tokens - hit) + (
+                p.rtt_s if p.rtt_s is not None else 0.1
+            ) * model.tokens_per_s
+
+        holders = [p for p in order if _peer_blocks(p, request, index) >= model.min_prefix_blocks]
+        best = min(holders, key=cost, default=None)
+        if best is not None and best is not order[0] and cost(best) < cost(order[0]):
+            order.remove(best)
+            attempts = _peer_attempts("peer", reason, [best, *order], request, index)
+            return [replace(attempts[0], reason="peer-prefix"), *attempts[1:]]
+    return _peer_attempts("peer", reason, order, request, index)

@@ -87,12 +87,20 @@ ROWS = [
         expect=(("local", "r1", "load-over-prefix"), ("local", "r2", "retry")),
     ),
     Row(
-        "a peer with the prefix wins when no local replica has it",
+        "a peer's claimed prefix never draws a request a local replica can serve",
         REQ,
         ClusterFacts(HERE, (rep("r1", 2000),)),
         peers=(PEER_S, PEER_W),
         held={("west", "w1"): 64},
-        expect=(("peer-prefix", "west", "peer-prefix"), ("local", "r1", "least-load")),
+        expect=(("local", "r1", "least-load"), ("local", "r1", "retry")),
+    ),
+    Row(
+        "leaving anyway (no replica here): the peer holding the prefix before the nearest",
+        REQ,
+        ClusterFacts(HERE, ()),
+        peers=(PEER_S, PEER_W),
+        held={("west", "w1"): 64},
+        expect=(("peer", "west", "peer-prefix"), ("peer", "south", "retry")),
     ),
     Row(
         "a peer's prefix does not beat a local one",
@@ -187,6 +195,21 @@ def test_plan_table(row: Row) -> None:
     assert _first(plan, len(row.expect)) == row.expect
 
 
+def test_a_peer_claiming_every_prefix_gets_nothing_local_replicas_can_serve() -> None:
+    """A compromised cluster publishes KV events claiming every block of every prompt and
+    no RTT. Its claims cannot be checked here, so they may only choose among peers a
+    request goes to anyway: with a local replica that can serve (idle or busy, any prompt
+    length), the liar is never tried before it; it appears only among the failover peers."""
+    liar = PeerFacts("liar", "http://liar", rtt_s=0.0, replica_ids=("x1",))
+    index = index_with({("liar", "x1"): 64})
+    for load in (0, 2000, 50_000):
+        plan = plan_route(REQ, ClusterFacts(HERE, (rep("r1", load),)), (PEER_S, liar), index)
+        assert plan.stages == ["local", "failover"], (load, plan.stages)
+        assert {a.name for a in plan.stage("local")} == {"r1"}
+    spill = ClusterFacts(HERE, (rep("r1"),), waiting=4, spill_per_replica=2.0)
+    assert plan_route(REQ, spill, (PEER_S, liar), index).attempts[0].name == "liar"  # leaving anyway
+
+
 def test_standby_plan_falls_back_to_local_then_failover_and_failover_follows_local() -> None:
     plan = plan_route(REQ, ClusterFacts(HERE, (rep("r1"),), standby_here=True), (PEER_W,))
     assert plan.stages == ["primary", "local", "failover"]
@@ -228,7 +251,7 @@ def test_failover_is_planned_fresh_and_never_for_a_forwarded_request() -> None:
 def test_every_stage_says_what_its_failure_means() -> None:
     assert set(STAGE_RULES) == set(get_args(Stage))
     assert STAGE_RULES["local"].on_failure == "failover" and STAGE_RULES["failover"].after_failure
-    assert {s for s, r in STAGE_RULES.items() if r.on_failure == "next-stage"} == {"primary", "peer-prefix"}
+    assert {s for s, r in STAGE_RULES.items() if r.on_failure == "next-stage"} == {"primary"}
     assert all(rule.midstream == "migrate" for rule in STAGE_RULES.values())
     assert Attempt("peer", "spill", "west", is_peer=True).charge == "elsewhere"
     assert Attempt("local", "prefix", "r1").charge == "here"
