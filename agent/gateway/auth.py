@@ -94,6 +94,20 @@ class Authenticator:
         self._cache[digest] = _Verified(key_id, record.salt, record.hash, now + self.cache_ttl_s)
         return self._fresh_enough(record)
 
+    def vouched(self, key_id: str, peer: str) -> ApiKeyRecord:
+        """The record of a key an authenticated peer gateway verified and vouches for (it
+        sends the key's id, never the secret): trusted only for a key this cluster knows and
+        has not revoked, and under the same freshness rule as a key checked here."""
+        record = self.keys().get(key_id)
+        if record is None or record.key_id != key_id or record.revoked:
+            raise GatewayError(
+                401,
+                f"The peer gateway of cluster '{peer}' vouched for API key '{key_id}', which this "
+                "cluster does not know or has revoked",
+                code="vouched_key_unknown",
+            )
+        return self._fresh_enough(record)
+
     def _fresh_enough(self, record: ApiKeyRecord) -> ApiKeyRecord:
         if self.freshness is not None:
             self.freshness.admit(record)

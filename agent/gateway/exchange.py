@@ -18,7 +18,7 @@ from agent.gateway.quota import Reservation
 class ClientHeaders:
     """What of the client's headers travels on: to a peer gateway, and back to a peer."""
 
-    authorization: str = ""
+    authorization: str = ""  # the client's key: carried only without credentials (a token vouches)
     session: str | None = None  # the user's canary side (X-Fleet-Session)
     hops: int = 0  # gateways the request passed before this one
     keep_ids: bool = False  # a peer gateway asked for the token ids (it may migrate)

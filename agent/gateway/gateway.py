@@ -37,15 +37,14 @@ from agent.gateway.liveness import SESSION_HEADER, PeerLiveness, sticky_draw
 from agent.gateway.load import LoadTracker
 from agent.gateway.metrics import UNKNOWN, GatewayMetrics
 from agent.gateway.migration import MigrationMetrics
-from agent.gateway.peers import PeerAuth
+from agent.gateway.peers import PeerAuth, PeerForward
 from agent.gateway.prefix import PrefixRouting
 from agent.gateway.proxy import make_client
 from agent.gateway.queue import ReplicaQueue
 from agent.gateway.router import Router
-from agent.gateway.routing import hops_of
 from agent.gateway.state import ClusterView
 from agent.gateway.tokens import DesiredIndex, TokenCounters
-from agent.gateway.upstream import FORWARDED_HEADER, REQUEST_ID_HEADER, Upstreams
+from agent.gateway.upstream import REQUEST_ID_HEADER, Upstreams
 from agent.gateway.usage import UsagePublisher
 from fleet_base.api_keys import ApiKeyRecord
 from fleet_base.cluster_config import ClusterConfig
@@ -250,9 +249,10 @@ class Gateway:
         self.refresh()
         record: ApiKeyRecord | None = None
         try:
-            record = self.auth.authenticate(request.headers.get("authorization"))
+            forward = self.peers.forward(request.scope, request.headers)
+            record = self.peers.key(self.auth, forward, request.headers.get("authorization"))
             self.auth.authorize(record)
-            call = await self._call(request, request_id, record, endpoint, started)
+            call = await self._call(request, request_id, record, endpoint, started, forward)
         except GatewayError as err:
             self.accounting.count(UNKNOWN, err.status, started)
             if record is not None:  # a key with limits sees them on every answer
@@ -285,7 +285,13 @@ class Gateway:
         return self._stamp(response, ex)
 
     async def _call(
-        self, request: Request, request_id: str, record: ApiKeyRecord, endpoint: Endpoint, started: float
+        self,
+        request: Request,
+        request_id: str,
+        record: ApiKeyRecord,
+        endpoint: Endpoint,
+        started: float,
+        forward: PeerForward | None,
     ) -> Call:
         """The request parsed once, its deployment known and allowed, its prompt counted."""
         raw = await read_body(request, self.config.gateway.max_body_bytes)
@@ -301,22 +307,21 @@ class Gateway:
             )
         info, counter = await self.tokens.recount_async(info, off_loop=len(raw) > OFF_LOOP_BYTES)
         self.metrics.prompt_tokens_counted.labels(info.deployment, counter).inc(info.prompt_tokens)
-        origin = self.peers.origin(request.scope, request.headers, FORWARDED_HEADER)
         headers = request.headers
         return Call(
             request_id,
             record.key_id,
             info,
             started,
-            origin,
+            forward.cluster if forward else None,
             adapter=adapter,
             klass=record.quotas.priority_class or self.config.gateway.default_class,
             draw=self._draw(info, headers.get(SESSION_HEADER)),
             block_keys=self.prefix.keys(info, record.key_id),
             client=ClientHeaders(
-                authorization=headers.get("authorization", ""),
+                authorization=self.peers.carried_authorization(headers),
                 session=headers.get(SESSION_HEADER) or None,
-                hops=hops_of(self.peers.hops(origin, headers)),
+                hops=forward.hops if forward else 0,
                 keep_ids=bool(headers.get(TOKEN_IDS_HEADER)),
             ),
         )

@@ -63,7 +63,9 @@ def peer_order(
 
 
 # Hops a request has made between gateways. A forwarded request (X-Fleet-Forwarded or a
-# hop count >= MAX_HOPS) is served where it lands, never bounced back or on.
+# hop count >= MAX_HOPS) is served where it lands, never bounced back or on; with the
+# cluster's credentials only the signed peer token says either (`agent.gateway.peers`).
+FORWARDED_HEADER = "X-Fleet-Forwarded"
 HOPS_HEADER = "X-Fleet-Hops"
 MAX_HOPS = 1
 

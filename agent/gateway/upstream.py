@@ -18,13 +18,11 @@ from agent.gateway.metrics import GatewayMetrics
 from agent.gateway.peers import PeerAuth
 from agent.gateway.plan import Attempt
 from agent.gateway.proxy import AttemptFailed, Deadlines, Opened, open_upstream
-from agent.gateway.routing import HOPS_HEADER
 from fleet_base.cluster_config import GatewayConfig
 from fleet_base.openai_contract.continuation import TOKEN_IDS_HEADER
 
 log = logging.getLogger("agent.gateway")
 
-FORWARDED_HEADER = "X-Fleet-Forwarded"
 REQUEST_ID_HEADER = "X-Request-Id"
 PATHS = {
     "chat": "/v1/chat/completions",
@@ -94,12 +92,9 @@ class Upstreams:
         if call.info.migratable:  # the replica's chunks carry token ids for a migration
             headers[TOKEN_IDS_HEADER] = "1"
         if target.is_peer:
-            headers["authorization"] = call.client.authorization
-            headers[FORWARDED_HEADER] = self.cluster
             if call.client.session:  # the peer keeps the user's canary side
                 headers[SESSION_HEADER] = call.client.session
-            headers[HOPS_HEADER] = str(call.client.hops + 1)
-            headers.update(self.peers.to_peer(target.name, call.request_id))
+            headers.update(self.peers.to_peer(target.name, call))
             self.metrics.forwarded.labels(deployment, target.name).inc()
         else:
             headers.update(self.peers.replica_headers)

@@ -1,12 +1,15 @@
 """Signed, short-lived peer tokens: how one gateway proves to another that a forwarded
-request comes from it.
+request comes from it, and vouches for the API key it verified.
 
 A token is a JWT (ES256, PyJWT) signed with the forwarding gateway's private key; its
 header carries that gateway's certificate (`x5c`). The receiver accepts it only when
-the certificate was issued by the fleet CA, is valid now, names the gateway role and a
-cluster (URI SAN `spiffe://fleet/gateway/<cluster>`), the signature checks out, the
-audience is the receiving cluster, the request id matches the request it came with,
-and it is at most `TOKEN_TTL_S` old. Why tokens on top of mutual TLS: the TLS layer
+the certificate was issued by a CA of the fleet's trust file (every CA of the bundle:
+old and new during a rotation), is valid now, names the gateway role and a cluster (URI
+SAN `spiffe://fleet/gateway/<cluster>`), the signature checks out, the audience is the
+receiving cluster, the request id matches the request it came with, and it is at most
+`TOKEN_TTL_S` old. Its claims `key` (the id of the API key the forwarding gateway
+verified; never the secret, so a peer never holds a credential valid elsewhere) and
+`hops` (gateways the request has passed, this one included) are signed with the rest. Why tokens on top of mutual TLS: the TLS layer
 proves a fleet certificate, but uvicorn does not hand the application the client
 certificate, so only the token tells the request path *which* gateway forwarded (and
 that it is a gateway, not an agent); it also survives a TLS-terminating proxy.
@@ -17,6 +20,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import jwt
@@ -24,14 +28,25 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from fleet_base.security.ca_bundle import issuer_in, load_bundle
 from fleet_base.security.identity import parse_spiffe_id
 
 TOKEN_TTL_S = 60.0
 LEEWAY_S = 5.0
+MAX_KEY_ID = 128  # characters of a vouched key id (ids are short hex; anything longer is not one)
 
 
 class PeerTokenError(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class PeerClaim:
+    """What a verified token says: who forwarded, for which key, after how many hops."""
+
+    cluster: str  # the forwarding gateway's cluster (from its certificate)
+    key_id: str  # the API key it verified and vouches for
+    hops: int  # gateways passed, the forwarding one included
 
 
 def _cluster_of(cert: x509.Certificate, role: str = "gateway") -> str:
@@ -56,7 +71,9 @@ class PeerSigner:
         self._key = key
         self._x5c = base64.b64encode(cert.public_bytes(serialization.Encoding.DER)).decode()
 
-    def sign(self, audience: str, request_id: str, now: float | None = None) -> str:
+    def sign(
+        self, audience: str, request_id: str, *, key_id: str, hops: int, now: float | None = None
+    ) -> str:
         now = time.time() if now is None else now
         claims = {
             "iss": self.cluster,
@@ -64,13 +81,15 @@ class PeerSigner:
             "iat": int(now),
             "exp": int(now + TOKEN_TTL_S),
             "rid": request_id,
+            "key": key_id,
+            "hops": hops,
         }
         return jwt.encode(claims, self._key, algorithm="ES256", headers={"x5c": [self._x5c]})
 
 
 class PeerVerifier:
     def __init__(self, ca_file: Path, cluster: str, max_cached: int = 256) -> None:
-        self.ca = x509.load_pem_x509_certificate(Path(ca_file).read_bytes())
+        self.cas = load_bundle(ca_file)
         self.cluster = cluster
         self.max_cached = max_cached
         self._certs: dict[str, tuple[x509.Certificate, str]] = {}  # DER sha256 -> (cert, cluster)
@@ -85,11 +104,10 @@ class PeerVerifier:
         if hit is None:
             try:
                 cert = x509.load_der_x509_certificate(der)
-                cert.verify_directly_issued_by(self.ca)
-            except Exception as err:  # bad DER, wrong issuer, bad signature: all "not ours"
-                raise PeerTokenError(
-                    f"certificate not issued by the fleet CA ({type(err).__name__})"
-                ) from None
+            except ValueError:
+                raise PeerTokenError("x5c is not a DER certificate") from None
+            if issuer_in(cert, self.cas) is None:
+                raise PeerTokenError("certificate not issued by a CA of the fleet's trust file")
             hit = (cert, _cluster_of(cert))
             if len(self._certs) >= self.max_cached:
                 self._certs.clear()
@@ -100,8 +118,8 @@ class PeerVerifier:
             raise PeerTokenError("certificate expired or not yet valid")
         return cert, cluster
 
-    def verify(self, token: str, request_id: str | None) -> str:
-        """The forwarding gateway's cluster; PeerTokenError for anything else."""
+    def verify(self, token: str, request_id: str | None) -> PeerClaim:
+        """Who forwarded, for which key, after how many hops; PeerTokenError for anything else."""
         try:
             header = jwt.get_unverified_header(token)
         except jwt.PyJWTError as err:
@@ -123,7 +141,7 @@ class PeerVerifier:
                 audience=self.cluster,
                 issuer=cluster,
                 leeway=LEEWAY_S,
-                options={"require": ["exp", "iat", "iss", "aud", "rid"]},
+                options={"require": ["exp", "iat", "iss", "aud", "rid", "key", "hops"]},
             )
         except jwt.PyJWTError as err:
             raise PeerTokenError(f"token rejected ({err})") from None
@@ -131,4 +149,9 @@ class PeerVerifier:
             raise PeerTokenError("token lifetime out of bounds")
         if request_id is None or claims["rid"] != request_id:
             raise PeerTokenError("token is for another request")
-        return cluster
+        key_id, hops = claims["key"], claims["hops"]
+        if not isinstance(key_id, str) or not 0 < len(key_id) <= MAX_KEY_ID:
+            raise PeerTokenError("token vouches for no valid key id")
+        if not isinstance(hops, int) or isinstance(hops, bool) or hops < 0:
+            raise PeerTokenError("token's hop count is not a count")
+        return PeerClaim(cluster, key_id, hops)

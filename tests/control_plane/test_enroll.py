@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
 from agent.security.peer_token import PeerSigner, PeerTokenError, PeerVerifier
 from control_plane.security.enroll import Enrolment, NatsListen
@@ -67,12 +68,14 @@ def test_peer_tokens_name_the_gateway_and_only_from_the_fleet_ca(tmp_path):
     pki = FleetPki(tmp_path / "a")
     east, west = pki.cluster("east"), pki.cluster("west")
     verifier = PeerVerifier(west.ca_file, "west")
-    token = PeerSigner(east.gateway_cert, east.gateway_key).sign("west", "req-1")
-    assert verifier.verify(token, "req-1") == "east"
+    signer = PeerSigner(east.gateway_cert, east.gateway_key)
+    token = signer.sign("west", "req-1", key_id="k1", hops=1)
+    claim = verifier.verify(token, "req-1")
+    assert (claim.cluster, claim.key_id, claim.hops) == ("east", "k1", 1)
     for bad, rid in (
         (token, "req-2"),  # another request's token
-        (PeerSigner(east.gateway_cert, east.gateway_key).sign("north", "req-1"), "req-1"),  # for another peer
-        (PeerSigner(east.gateway_cert, east.gateway_key).sign("west", "req-1", now=0), "req-1"),  # expired
+        (signer.sign("north", "req-1", key_id="k1", hops=1), "req-1"),  # for another peer
+        (signer.sign("west", "req-1", key_id="k1", hops=1, now=0), "req-1"),  # expired
         (token[:-4] + "AAAA", "req-1"),  # tampered signature
     ):
         try:
@@ -82,7 +85,9 @@ def test_peer_tokens_name_the_gateway_and_only_from_the_fleet_ca(tmp_path):
         raise AssertionError(f"accepted {bad[:20]}... for {rid}")
     other = FleetPki(tmp_path / "b").cluster("east")  # same names, another CA
     try:
-        verifier.verify(PeerSigner(other.gateway_cert, other.gateway_key).sign("west", "r"), "r")
+        verifier.verify(
+            PeerSigner(other.gateway_cert, other.gateway_key).sign("west", "r", key_id="k1", hops=1), "r"
+        )
         raise AssertionError("a foreign CA's gateway was accepted")
     except PeerTokenError:
         pass
@@ -91,6 +96,49 @@ def test_peer_tokens_name_the_gateway_and_only_from_the_fleet_ca(tmp_path):
         raise AssertionError("an agent certificate signed a peer token")
     except PeerTokenError:
         pass
+
+
+def test_peer_tokens_from_every_ca_of_a_rotation_bundle_verify(tmp_path):
+    """The documented CA rotation: old and new CA in one trust file. A gateway issued by
+    either verifies; a third CA's does not."""
+    old, new, other = (FleetPki(tmp_path / n) for n in ("old", "new", "other"))
+    bundle = tmp_path / "ca.pem"
+    bundle.write_bytes(old.ca_file.read_bytes() + new.ca_file.read_bytes())
+    verifier = PeerVerifier(bundle, "west")
+    for pki in (old, new):
+        east = pki.cluster("east")
+        token = PeerSigner(east.gateway_cert, east.gateway_key).sign("west", "r", key_id="k1", hops=1)
+        assert verifier.verify(token, "r").cluster == "east"
+    foreign = other.cluster("east")
+    token = PeerSigner(foreign.gateway_cert, foreign.gateway_key).sign("west", "r", key_id="k1", hops=1)
+    try:
+        verifier.verify(token, "r")
+        raise AssertionError("a CA outside the bundle was trusted")
+    except PeerTokenError:
+        pass
+
+
+def test_a_rotation_trust_file_keeps_both_cas_and_issues_from_the_key_it_holds(tmp_path):
+    """`pki/ca.pem` holding the old CA first and the new one (whose key `ca.key` is):
+    enrolment signs with the new CA, hands out both, and never rewrites the CA."""
+    old = FleetPki(tmp_path / "old")
+    home = tmp_path / "new"
+    new = FleetPki(home)
+    new_ca = new.ca_file.read_bytes()
+    new.ca_file.write_bytes(old.ca_file.read_bytes() + new_ca)
+    rotated = FleetPki(home)
+    assert rotated.ca.cert.public_bytes(serialization.Encoding.PEM) == new_ca
+    creds = rotated.cluster("east")
+    assert creds.ca_file.read_bytes() == old.ca_file.read_bytes() + new_ca
+    assert rotated.ca_file.read_bytes() == old.ca_file.read_bytes() + new_ca
+    cert = x509.load_pem_x509_certificate(creds.gateway_cert.read_bytes())
+    cert.verify_directly_issued_by(x509.load_pem_x509_certificate(new_ca))
+    assert (
+        PeerVerifier(creds.ca_file, "west")
+        .verify(PeerSigner(creds.gateway_cert, creds.gateway_key).sign("west", "r", key_id="k", hops=1), "r")
+        .cluster
+        == "east"
+    )
 
 
 def test_nats_urls_are_redacted():

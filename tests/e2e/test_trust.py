@@ -93,7 +93,8 @@ def test_spill_goes_to_the_authenticated_peer(fleet: SimFleet):
 
 def test_forged_forwarding_headers_are_a_clients(fleet: SimFleet):
     """Believed, these headers would make east serve the request itself (no replica:
-    queue, then 503). Treated as a client's, the request is forwarded to west."""
+    queue, then 503). Treated as a client's, the request is forwarded to west. On the
+    peer listener a forward whose token fails is refused."""
     forged = {"x-fleet-forwarded": WEST, "x-fleet-hops": "5"}
     r = httpx.post(
         f"{fleet.gateways[EAST]}/v1/chat/completions",
@@ -110,9 +111,12 @@ def test_forged_forwarding_headers_are_a_clients(fleet: SimFleet):
     with pytest.raises(httpx.HTTPError):
         httpx.post(f"{peer_url}/v1/chat/completions", json=BODY, verify=client_context(ca), timeout=10)
     # a fleet identity that is not a gateway (the agent's), with a token signed by a key the
-    # fleet CA never certified: let in by TLS, treated as a client, so forwarded on
+    # fleet CA never certified: let in by TLS, refused by the token (never served as a
+    # client's request, the user's valid key notwithstanding)
     rogue = FleetPki(fleet.home / "rogue").cluster(WEST)
-    token = PeerSigner(rogue.gateway_cert, rogue.gateway_key).sign(EAST, "req-forged")
+    key_id = api_keys.key_id_of(fleet.key)
+    assert key_id is not None
+    token = PeerSigner(rogue.gateway_cert, rogue.gateway_key).sign(EAST, "req-forged", key_id=key_id, hops=1)
     agent_ctx = client_context(ca, config.security.agent_cert, config.security.agent_key)
     r = httpx.post(
         f"{peer_url}/v1/chat/completions",
@@ -126,7 +130,7 @@ def test_forged_forwarding_headers_are_a_clients(fleet: SimFleet):
         verify=agent_ctx,
         timeout=30,
     )
-    assert r.status_code == 200 and r.headers["x-fleet-cluster"] == WEST, r.text
+    assert r.status_code == 401 and r.json()["error"]["code"] == "peer_token_invalid", r.text
     metrics = httpx.get(f"{fleet.gateways[EAST]}/metrics", timeout=10).text
     failures = [
         line for line in metrics.splitlines() if line.startswith("fleet_gateway_peer_auth_failures_total ")

@@ -20,6 +20,7 @@ from fleet_base.local_state import KeySet, LocalState, ReplicaSnapshot, RouteSet
 from fleet_base.ports import free_port
 from fleet_base.processes import stop_process
 from fleet_base.protocol import ClusterRoute, ReplicaState, ReplicaStatus, RoutingTable, VersionWeight
+from fleet_base.security.tls import Credentials
 from tests.polling import wait_for, wait_for_process
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -122,6 +123,7 @@ class GatewayProcess:
         queue_size: int = 8,
         queue_timeout_s: float = 2.0,
         max_body_bytes: int = 64 * 1024,
+        security: Credentials | None = None,
         **gateway: object,
     ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
@@ -134,6 +136,7 @@ class GatewayProcess:
             coordinates=Coordinates(lat=lat, lon=lon),
             nats_url=nats_url,
             state_dir=workdir / "state",
+            security=security or Credentials(),
             gateway=GatewayConfig(
                 host="127.0.0.1",
                 port=self.port,
