@@ -68,6 +68,7 @@ from fleet_base.models import ModelCache
 from fleet_base.nats_io import NatsLink, redact_url
 from fleet_base.protocol import DesiredState, Heartbeat, ModelCommand
 from fleet_base.security.tls import nats_tls, replica_verify
+from fleet_base.subjects import permits
 
 log = logging.getLogger("agent")
 
@@ -96,6 +97,7 @@ class Agent:
             name=f"fleet-agent-{config.cluster}",
             tls=nats_tls(config.security, "agent", config.cluster),
             manage_jetstream=not config.security.enabled,  # with identities, the control plane's job
+            permits=permits("agent", config.cluster),
         )
         verify = replica_verify(config.security)
         capacity = CapacitySignals(hold_s=config.kubernetes.unschedulable_hold_s)

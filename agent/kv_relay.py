@@ -87,7 +87,7 @@ class KvRelay:
         nc = self.link.nc
         if nc is not None and self._nc is not nc:
             self._nc = nc
-            await nc.subscribe(kvresync_subject(self.cluster), cb=self._on_resync)
+            await self.link.subscribe(kvresync_subject(self.cluster), self._on_resync)
 
     async def _on_resync(self, msg) -> None:
         try:

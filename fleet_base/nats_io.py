@@ -13,20 +13,24 @@ share one reconnect story and are read together.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import random
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, StreamConfig
+from nats.js.api import DiscardPolicy, KeyValueConfig, StreamConfig
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from fleet_base import protocol
+from fleet_base.jetstream_budget import JetStreamBudget
 from fleet_base.security.tls import NatsTls
+from fleet_base.subjects import Permits
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +41,11 @@ Responder = Callable[[bytes], Awaitable[protocol.Message]]
 class NatsLink:
     """One long-lived NATS connection with backoff on the first connect as well as on
     reconnects (nats-py only retries after a first success). `on_connect` callbacks run
-    after every (re)connect: the place to republish state and re-create watchers."""
+    after every (re)connect: the place to republish state and re-create watchers.
+
+    With `permits` (`fleet_base.subjects.permits(role, cluster)`), a publish, request or
+    subscription outside the identity's table is refused here, before the server would;
+    either refusal is logged at warning and counted in `refused` (by "publish"/"subscribe")."""
 
     def __init__(
         self,
@@ -47,6 +55,7 @@ class NatsLink:
         max_backoff_s: float = 5.0,
         tls: NatsTls | None = None,
         manage_jetstream: bool = True,
+        permits: Permits | None = None,
     ) -> None:
         self.url = url
         self.name = name
@@ -55,6 +64,8 @@ class NatsLink:
         self.tls = tls
         # Create missing buckets and streams on connect: only the control plane may.
         self.manage_jetstream = manage_jetstream
+        self.permits = permits
+        self.refused: collections.Counter[str] = collections.Counter()
         self.nc: NATS | None = None
         self.js: JetStreamContext | None = None
         self.connected = asyncio.Event()
@@ -91,11 +102,27 @@ class NatsLink:
                     with contextlib.suppress(Exception):
                         await msg.respond(reply.to_bytes())
 
-            await nc.subscribe(subject, cb=answer)
+            await self.subscribe(subject, answer)
+
+    def allows(self, op: str, subject: str) -> bool:
+        """Whether this identity's table admits `op` ("publish"/"subscribe") on `subject`;
+        a refusal is logged at warning and counted."""
+        if self.permits is None or self.permits.may(op, subject):  # type: ignore[arg-type]
+            return True
+        self.refused[op] += 1
+        log.warning("%s on %s refused: not in this identity's subject table", op, subject)
+        return False
+
+    async def subscribe(self, subject: str, cb: Callable[[Any], Awaitable[None]]) -> Any:
+        """A core subscription on the current connection, or None when not permitted."""
+        if not self.allows("subscribe", subject):
+            return None
+        assert self.nc is not None
+        return await self.nc.subscribe(subject, cb=cb)
 
     async def request(self, subject: str, message: protocol.Message, timeout: float = 5.0) -> bytes | None:
         """One request/reply; None when NATS is down or nobody answered in time."""
-        if not self.is_connected:
+        if not self.is_connected or not self.allows("publish", subject):
             return None
         try:
             msg = await self.nc.request(subject, message.to_bytes(), timeout=timeout)
@@ -185,6 +212,12 @@ class NatsLink:
         await self._after_connect()
 
     async def _error(self, err: Exception) -> None:
+        text = str(err)
+        if "permissions violation" in text.lower():  # the server refused a subject: never silent
+            op = "subscribe" if "subscription" in text.lower() else "publish"
+            self.refused[op] += 1
+            log.warning("nats refused a %s (%s): the server's permissions and the code disagree", op, text)
+            return
         log.debug("nats error: %s", err)
 
     async def kv(self, bucket: str) -> KeyValue:
@@ -249,7 +282,7 @@ class NatsLink:
         return out, int(info.state.last_seq or 0)
 
     async def publish(self, subject: str, message: protocol.Message) -> bool:
-        if not self.is_connected:
+        if not self.is_connected or not self.allows("publish", subject):
             return False
         try:
             await self.nc.publish(subject, message.to_bytes())
@@ -283,27 +316,48 @@ def redact_url(url: str) -> str:
     return ",".join(parsed)
 
 
-async def ensure_jetstream(js: JetStreamContext) -> None:
-    """Create the contract's KV buckets and streams if missing (idempotent). Buckets allow
-    direct get, so a single key's read is one subject a NATS user can be permitted."""
+async def ensure_jetstream(js: JetStreamContext, budget: JetStreamBudget | None = None) -> None:
+    """Create the contract's KV buckets and streams if missing, and bring the limits of
+    existing ones to the budget (idempotent). Buckets allow direct get, so a single key's
+    read is one subject a NATS user can be permitted. Every stream gets `max_bytes`, which
+    nats-server reserves: see `fleet_base.jetstream_budget`."""
+    budget = budget or JetStreamBudget.from_env()
     for bucket in protocol.BUCKETS:
+        limits = budget.limits(f"KV_{bucket}")
         try:
             await js.key_value(bucket)
         except BucketNotFoundError:
-            await js.create_key_value(KeyValueConfig(bucket=bucket, history=1, direct=True))
+            await js.create_key_value(
+                KeyValueConfig(bucket=bucket, history=1, direct=True, max_bytes=limits.max_bytes)
+            )
             continue
         info = await js.stream_info(f"KV_{bucket}")
-        if not info.config.allow_direct:
+        if not info.config.allow_direct or info.config.max_bytes != limits.max_bytes:
             info.config.allow_direct = True
+            info.config.max_bytes = limits.max_bytes
             await js.update_stream(info.config)
     for name, subjects in (
         (protocol.STREAM_EVENTS, [protocol.EVENTS_WILDCARD]),
         (protocol.STREAM_USAGE, [protocol.USAGE_WILDCARD]),
     ):
+        limits = budget.limits(name)
+        wanted = {
+            "max_bytes": limits.max_bytes,
+            "max_msg_size": limits.max_msg_size,
+            "max_msgs_per_subject": limits.max_msgs_per_subject,
+            "max_age": limits.max_age_s,
+            "discard": DiscardPolicy.OLD,
+        }
         try:
-            await js.stream_info(name)
+            info = await js.stream_info(name)
         except NotFoundError:
-            await js.add_stream(StreamConfig(name=name, subjects=subjects, max_age=7 * 24 * 3600))
+            await js.add_stream(StreamConfig(name=name, subjects=subjects, **wanted))
+            continue
+        config = info.config
+        if any(getattr(config, k) != v for k, v in wanted.items()):
+            for k, v in wanted.items():
+                setattr(config, k, v)
+            await js.update_stream(config)
 
 
 KvCallback = Callable[[str, bytes | None], Awaitable[None]]
@@ -387,7 +441,7 @@ class KvWatch:
             try:
                 assert self.link.nc is not None
                 updates: asyncio.Queue = asyncio.Queue()
-                sub = await self.link.nc.subscribe(prefix + self.keys, cb=updates.put)
+                sub = await self.link.subscribe(prefix + self.keys, updates.put)
                 await self.link.nc.flush(timeout=5)
                 loop = asyncio.get_running_loop()
                 while True:

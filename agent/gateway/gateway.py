@@ -52,6 +52,7 @@ from fleet_base.local_state import LocalState
 from fleet_base.nats_io import NatsLink
 from fleet_base.openai_contract.continuation import TOKEN_IDS_HEADER
 from fleet_base.security.tls import nats_tls
+from fleet_base.subjects import permits
 
 log = logging.getLogger("agent.gateway")
 
@@ -94,6 +95,7 @@ class Gateway:
                 f"gateway-{config.cluster}",
                 tls=nats_tls(config.security, "gateway", config.cluster),
                 manage_jetstream=not config.security.enabled,
+                permits=permits("gateway", config.cluster),
             )
             if nats and config.nats_url
             else None

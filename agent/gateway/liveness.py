@@ -96,7 +96,7 @@ class PeerLiveness(LivenessBook):
         link = self.link
         if link is not None and link.nc is not None and self._nc is not link.nc:
             self._nc = link.nc
-            await link.nc.subscribe(HEARTBEAT_WILDCARD, cb=self._on_heartbeat)
+            await link.subscribe(HEARTBEAT_WILDCARD, self._on_heartbeat)
         self.listening(True)
 
     async def _on_heartbeat(self, msg) -> None:

@@ -149,7 +149,7 @@ class PrefixRouting:
         link = self.link
         if link is not None and link.nc is not None and self._nc is not link.nc:
             self._nc = link.nc
-            await link.nc.subscribe(KVCACHE_WILDCARD, cb=self._on_message)
+            await link.subscribe(KVCACHE_WILDCARD, self._on_message)
             # Whatever was missed while away: every known cluster's replicas, in full.
             for cluster in sorted(set(self.clusters())):
                 request = KvResyncRequest(cluster=cluster, replica_id=ALL_REPLICAS, requester=self.cluster)

@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field
 
 from control_plane.security import nats_config
 from control_plane.security.pki import FleetPki, write_private
+from fleet_base.jetstream_budget import JetStreamBudget
 from fleet_base.security.tls import Credentials
 
 
@@ -47,7 +48,7 @@ class Enrolment:
     def save(self, listen: NatsListen) -> None:
         write_private(self.state_path, listen.model_dump_json(indent=1).encode())
 
-    def write_nats_config(self, listen: NatsListen) -> Path:
+    def write_nats_config(self, listen: NatsListen, budget: JetStreamBudget | None = None) -> Path:
         cert, key = self.pki.nats_server(hosts=_hosts(listen.host))
         text = nats_config.render(
             host=listen.host,
@@ -58,6 +59,7 @@ class Enrolment:
             cert_file=cert,
             key_file=key,
             clusters=listen.clusters,
+            budget=budget,
         )
         write_private(self.config_path, text.encode())
         self.save(listen)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
 import uvicorn
@@ -50,8 +51,10 @@ class FakeReplica:
         self.kv.free(req)
 
 
-async def test_relay_feeds_the_gateway_index_and_resyncs(nats_server) -> None:
-    replica = FakeReplica()
+@contextlib.asynccontextmanager
+async def served(replica: FakeReplica) -> AsyncIterator[SimpleNamespace]:
+    """The replica's `/kv/events` on its port; yields the app state (swap `engine.kv_events`
+    to restart the replica)."""
     app = FastAPI()
     state = SimpleNamespace(engine=SimpleNamespace(kv_events=replica.log))
     register(app, state)
@@ -59,55 +62,68 @@ async def test_relay_feeds_the_gateway_index_and_resyncs(nats_server) -> None:
         uvicorn.Config(app, host="127.0.0.1", port=replica.port, log_level="warning", lifespan="off")
     )
     serve = asyncio.create_task(server.serve())
+    try:
+        await eventually(lambda: server.started)
+        yield state
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(serve, 10)
+
+
+async def test_relay_feeds_the_gateway_index_and_resyncs(nats_server) -> None:
+    replica = FakeReplica()
     agent_link = NatsLink(nats_server.url, "agent")
     gw_link = NatsLink(nats_server.url, "gateway")
     relay = KvRelay(agent_link, "east")
     prefix = PrefixRouting(gw_link, "west", GatewayMetrics(load=dict))
-    try:
-        agent_link.start()
-        gw_link.start()
-        assert await agent_link.wait_connected(10) and await gw_link.wait_connected(10)
-        await eventually(lambda: server.started)
-        relay.sync([Followed("r1", "d", replica.url)])
-        a = [1, 2, 3, 4, 5, 6, 7, 8, 9]  # two full blocks + one token
-        keys = prefix_keys(a, BS)
-        replica.run(a)
-        await eventually(lambda: prefix.index.match("east", "r1", keys) == 2)
-        assert prefix.index.replicas("east", "d") == ("r1",)
-
-        # Fill the 8-block pool with other prompts: a's blocks are evicted, and the index follows.
-        for i in range(4):
-            replica.run([100 * (i + 1) + t for t in range(9)])
-        await eventually(lambda: prefix.index.match("east", "r1", keys) == 0)
-        held = {block_key(h) for h, _ in replica.kv.block_pool.cached_items()}
-        await eventually(lambda: all(prefix.index.holds("east", "r1", k) for k in held))
-
-        # A gateway that missed batches drops the replica and asks for its full set.
-        prefix.index.forget("east", "r1")
-        replica.run([7, 7, 7, 7, 7])
-        held = {block_key(h) for h, _ in replica.kv.block_pool.cached_items()}
-        await eventually(lambda: all(prefix.index.holds("east", "r1", k) for k in held), timeout=20)
-
-        # The replica restarts (new engine, empty cache, new epoch): a snapshot replaces all.
-        state.engine.kv_events = replica.log = KvEventLog(BS)
-        replica.kv = KVCacheManager(num_blocks=8, block_size=BS, events=replica.log)
-        await eventually(lambda: not any(prefix.index.holds("east", "r1", k) for k in held))
-        replica.run(a)
-        await eventually(lambda: prefix.index.match("east", "r1", keys) == 2)
-        assert prefix.events.labels("resync")._value.get() >= 1
-
-        # A gateway that connects later asks for every replica's full set at once.
-        late_link = NatsLink(nats_server.url, "late-gateway")
-        late = PrefixRouting(late_link, "south", GatewayMetrics(load=dict), clusters=lambda: ["east"])
-        late_link.start()
+    async with served(replica) as state:
         try:
-            await eventually(lambda: late.index.match("east", "r1", keys) == 2)
+            await _feed(replica, state, agent_link, gw_link, relay, prefix, nats_server.url)
         finally:
-            await late_link.close()
+            await relay.close()
+            await agent_link.close()
+            await gw_link.close()
+
+
+async def _feed(replica, state, agent_link, gw_link, relay, prefix, url) -> None:
+    """Index, evictions, a gateway's forgetting, a replica restart, a late gateway."""
+    agent_link.start()
+    gw_link.start()
+    assert await agent_link.wait_connected(10) and await gw_link.wait_connected(10)
+    relay.sync([Followed("r1", "d", replica.url)])
+    a = [1, 2, 3, 4, 5, 6, 7, 8, 9]  # two full blocks + one token
+    keys = prefix_keys(a, BS)
+    replica.run(a)
+    await eventually(lambda: prefix.index.match("east", "r1", keys) == 2)
+    assert prefix.index.replicas("east", "d") == ("r1",)
+
+    # Fill the 8-block pool with other prompts: a's blocks are evicted, and the index follows.
+    for i in range(4):
+        replica.run([100 * (i + 1) + t for t in range(9)])
+    await eventually(lambda: prefix.index.match("east", "r1", keys) == 0)
+    held = {block_key(h) for h, _ in replica.kv.block_pool.cached_items()}
+    await eventually(lambda: all(prefix.index.holds("east", "r1", k) for k in held))
+
+    # A gateway that missed batches drops the replica and asks for its full set.
+    prefix.index.forget("east", "r1")
+    replica.run([7, 7, 7, 7, 7])
+    held = {block_key(h) for h, _ in replica.kv.block_pool.cached_items()}
+    await eventually(lambda: all(prefix.index.holds("east", "r1", k) for k in held), timeout=20)
+
+    # The replica restarts (new engine, empty cache, new epoch): a snapshot replaces all.
+    state.engine.kv_events = replica.log = KvEventLog(BS)
+    replica.kv = KVCacheManager(num_blocks=8, block_size=BS, events=replica.log)
+    await eventually(lambda: not any(prefix.index.holds("east", "r1", k) for k in held))
+    replica.run(a)
+    await eventually(lambda: prefix.index.match("east", "r1", keys) == 2)
+    assert prefix.events.labels("resync")._value.get() >= 1
+
+    # A gateway that connects later asks for every replica's full set at once.
+    late_link = NatsLink(url, "late-gateway")
+    late = PrefixRouting(late_link, "south", GatewayMetrics(load=dict), clusters=lambda: ["east"])
+    late_link.start()
+    try:
+        await eventually(lambda: late.index.match("east", "r1", keys) == 2)
     finally:
-        await relay.close()
-        await agent_link.close()
-        await gw_link.close()
-        server.should_exit = True
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(serve, 10)
+        await late_link.close()

@@ -14,15 +14,25 @@ import nats
 import pytest
 from nats.js.errors import KeyNotFoundError
 
+from agent.gateway.metrics import GatewayMetrics
+from agent.gateway.prefix import PrefixRouting, prefix_keys
+from agent.kv_relay import Followed, KvRelay
 from control_plane.local.nats_server import NatsServer
 from control_plane.security.enroll import Enrolment, NatsListen
 from control_plane.security.pki import FleetPki
 from fleet_base import api_keys, protocol
+from fleet_base.jetstream_budget import JetStreamBudget
+from fleet_base.nats_io import NatsLink
 from fleet_base.ports import free_port
 from fleet_base.security.tls import NatsTls, client_context, nats_tls
+from fleet_base.subjects import permits
+from tests.agent.test_kv_relay import BS, FakeReplica, served
 from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(120)
+
+# a small JetStream store, so a flood reaches every stream limit in seconds
+BUDGET = JetStreamBudget(store_bytes=64 << 20)
 
 # what nats-py raises when a server turns it away: TLS alerts (ssl.SSLError is an OSError),
 # a reset, its own errors (no servers, authorization), or a timeout
@@ -35,7 +45,8 @@ def secured(tmp_path_factory):
     enrolment = Enrolment(home)
     port = free_port()
     listen = NatsListen(port=port, store_dir=str(home / "nats"), clusters=["east", "west"])
-    server = NatsServer(home / "nats", port=port, config_file=enrolment.write_nats_config(listen)).start()
+    config = enrolment.write_nats_config(listen, budget=BUDGET)
+    server = NatsServer(home / "nats", port=port, config_file=config).start()
     env = enrolment.control_plane_env()
     cp = NatsTls(
         ca_file=Path(env["FLEET_NATS_CA"]),
@@ -123,7 +134,7 @@ async def _control_plane(url: str, cp: NatsTls) -> Client:
     js = client.nc.jetstream()
     from fleet_base.nats_io import ensure_jetstream
 
-    await ensure_jetstream(js)
+    await ensure_jetstream(js, BUDGET)
     return client
 
 
@@ -240,3 +251,86 @@ async def test_gateway_identity_publishes_only_usage_and_demand_of_its_cluster(s
     finally:
         await gw.close()
         await cp.close()
+
+
+def _link(server, enrolment: Enrolment, role: str, cluster: str) -> NatsLink:
+    """A link as the agent's or gateway's own: its certificate and its subject table."""
+    creds = enrolment.enroll(cluster)
+    tls = nats_tls(creds, role, cluster)
+    return NatsLink(
+        server.url, f"{role}-{cluster}", tls=tls, manage_jetstream=False, permits=permits(role, cluster)
+    )
+
+
+async def test_prefix_resync_is_allowed_after_a_gateway_restart(secured):
+    """A gateway that (re)starts after a replica cached its prefixes asks the replica's
+    agent for the full set (`fleet.v1.kvresync.<cluster>`): the generated permissions let
+    the gateway ask and the agent hear it, and neither side is refused anything."""
+    server, enrolment, _ = secured
+    replica = FakeReplica()
+    agent = _link(server, enrolment, "agent", "east")
+    relay = KvRelay(agent, "east")
+    gateways: list[NatsLink] = []
+    async with served(replica):
+        try:
+            agent.start()
+            assert await agent.wait_connected(10)
+            await eventually(lambda: relay._nc is agent.nc, what="the relay's resync subscription")
+            await agent.nc.flush()
+            relay.sync([Followed("r1", "d", replica.url)])
+            a = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+            keys = prefix_keys(a, BS)
+            replica.run(a)  # published before any gateway listens: only a resync tells it
+            for _restart in range(2):
+                link = _link(server, enrolment, "gateway", "west")
+                gateways.append(link)
+                prefix = PrefixRouting(link, "west", GatewayMetrics(load=dict), clusters=lambda: ["east"])
+                link.start()
+                await eventually(lambda: prefix.index.match("east", "r1", keys) == 2, 20, "the resynced set")
+                await link.close()
+            assert not agent.refused and not any(g.refused for g in gateways), (agent.refused, gateways)
+        finally:
+            await relay.close()
+            await agent.close()
+            for g in gateways:
+                await g.close()
+
+
+async def test_a_flooding_cluster_leaves_room_for_revocations(secured):
+    """A cluster's agent and gateway fill the events and usage streams with the largest
+    messages they may send; each stream stays within its budget, the flooder evicts its
+    own records before another cluster's, and the control plane's KV writes (a
+    revocation, desired state) still succeed."""
+    server, enrolment, cp_tls = secured
+    cp = await _control_plane(server.url, cp_tls)
+    js = cp.nc.jetstream()
+    east = await Client().connect(server.url, nats_tls(enrolment.enroll("east"), "gateway", "east"))
+    gw = await Client().connect(server.url, nats_tls(enrolment.enroll("west"), "gateway", "west"))
+    agent = await Client().connect(server.url, nats_tls(enrolment.enroll("west"), "agent", "west"))
+    try:
+        record = protocol.UsageRecord(cluster="east", key_id="k1", deployment="d", prompt_tokens=3)
+        await east.nc.publish(protocol.usage_subject("east"), record.to_bytes())
+        await east.nc.flush()
+        for client, name, subject in (
+            (gw, protocol.STREAM_USAGE, protocol.usage_subject("west")),
+            (agent, protocol.STREAM_EVENTS, protocol.events_subject("west")),
+        ):
+            limits = BUDGET.limits(name)
+            big = b"x" * (limits.max_msg_size - 64)
+            for _ in range(limits.max_msgs_per_subject * 2):
+                await client.nc.publish(subject, big)
+            await client.nc.publish(subject, b"y" * (limits.max_msg_size * 4))  # over the size cap
+            await client.nc.flush()
+            info = await js.stream_info(name, subjects_filter=subject)
+            assert 0 < info.state.bytes <= limits.max_bytes, info.state
+            assert (info.state.subjects or {}).get(subject, 0) <= limits.max_msgs_per_subject
+        usage = await js.stream_info(protocol.STREAM_USAGE, subjects_filter=protocol.usage_subject("east"))
+        assert (usage.state.subjects or {}).get(protocol.usage_subject("east")) == 1  # not evicted
+        keys = await js.key_value(protocol.BUCKET_KEYS)
+        revoked = api_keys.ApiKeyRecord(key_id="k1", name="k1", salt="s", hash="h", revoked=True)
+        assert await keys.put("k1", revoked.to_bytes())
+        desired = await js.key_value(protocol.BUCKET_DESIRED)
+        assert await desired.put("west", protocol.DesiredState(cluster="west").to_bytes())
+    finally:
+        for c in (east, gw, agent, cp):
+            await c.close()
