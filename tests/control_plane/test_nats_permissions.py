@@ -286,7 +286,9 @@ async def test_prefix_resync_is_allowed_after_a_gateway_restart(secured):
                 gateways.append(link)
                 prefix = PrefixRouting(link, "west", GatewayMetrics(load=dict), clusters=lambda: ["east"])
                 link.start()
-                await eventually(lambda: prefix.index.match("east", "r1", keys) == 2, 20, "the resynced set")
+                await eventually(
+                    lambda p=prefix: p.index.match("east", "r1", keys) == 2, 20, "the resynced set"
+                )
                 await link.close()
             assert not agent.refused and not any(g.refused for g in gateways), (agent.refused, gateways)
         finally:
