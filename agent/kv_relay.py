@@ -23,14 +23,23 @@ from dataclasses import dataclass
 import httpx
 from pydantic import ValidationError
 
-from fleet_base.kv_events import ALL_REPLICAS, KvCacheBatch, KvCacheOp, kvcache_subject, kvresync_subject
+from fleet_base.kv_events import (
+    ALL_REPLICAS,
+    MAX_BATCH_HASHES,
+    MAX_BATCH_OPS,
+    KvCacheBatch,
+    KvCacheOp,
+    kvcache_subject,
+    kvresync_subject,
+)
 from fleet_base.nats_io import NatsLink
 from fleet_base.wire import Rejected, decode_kv_resync
 
 log = logging.getLogger(__name__)
 
 WAIT_S = 2.0  # long-poll wait: also how soon a resync request is served
-CHUNK = 4096  # block hashes per message (~270 KB of JSON)
+RESYNC_MIN_S = 2.0  # at most one full set per replica this often, however many gateways ask
+CHUNK = MAX_BATCH_HASHES  # block hashes per message (~70 KB of JSON; readers refuse more)
 RETRY_S = 2.0
 
 
@@ -116,10 +125,13 @@ class KvRelay:
         after: int | None = None
         seq = -1  # last published
         url = r.url.rstrip("/") + "/kv/events"
+        loop = asyncio.get_running_loop()
+        last_full = -RESYNC_MIN_S
         while True:
-            if r.replica_id in self._resync:
+            if r.replica_id in self._resync and loop.time() - last_full >= RESYNC_MIN_S:
                 self._resync.discard(r.replica_id)
                 after = None  # a snapshot on the next read
+                last_full = loop.time()
             params: dict[str, str | float | int] = {"wait": WAIT_S}
             if epoch is not None and after is not None:
                 params.update(epoch=epoch, after=after)
@@ -130,7 +142,7 @@ class KvRelay:
                     return
                 resp.raise_for_status()
                 data = resp.json()
-                ops = [KvCacheOp.model_validate(op) for op in data["ops"]]
+                chunks = _chunks([(op["kind"], op["block_hashes"]) for op in data["ops"]])
                 new_epoch, snapshot = str(data["epoch"]), bool(data["snapshot"])
                 block_size, read_seq = int(data["block_size"]), int(data["seq"])
             except (httpx.HTTPError, ValueError, KeyError, TypeError, ValidationError) as err:
@@ -140,9 +152,9 @@ class KvRelay:
             if new_epoch != epoch:
                 seq = -1  # a restarted engine: a new relay epoch, numbered afresh
             epoch, after = new_epoch, read_seq
-            if not snapshot and not ops:
+            if not snapshot and not any(chunks):
                 continue
-            for i, chunk in enumerate(_chunks(ops)):
+            for i, chunk in enumerate(chunks):
                 seq += 1
                 batch = KvCacheBatch(
                     cluster=self.cluster,
@@ -160,20 +172,18 @@ class KvRelay:
                     break
 
 
-def _chunks(ops: list[KvCacheOp]) -> list[list[KvCacheOp]]:
-    """Ops split so that no message holds more than CHUNK hashes, order kept."""
+def _chunks(ops: list[tuple[str, list[str]]]) -> list[list[KvCacheOp]]:
+    """The engine's ops (kind, hex hashes; a snapshot's one op may hold every cached block)
+    as wire ops split so that no message holds more than CHUNK hashes or MAX_BATCH_OPS
+    ops, order kept. Raises ValidationError for an op the wire would refuse."""
     out: list[list[KvCacheOp]] = [[]]
     size = 0
-    for op in ops:
-        hashes = op.block_hashes
-        if not hashes:
-            out[-1].append(op)
-            continue
-        for start in range(0, len(hashes), CHUNK):
+    for kind, hashes in ops:
+        for start in range(0, max(1, len(hashes)), CHUNK):
             part = hashes[start : start + CHUNK]
-            if size + len(part) > CHUNK and out[-1]:
+            if out[-1] and (size + len(part) > CHUNK or len(out[-1]) >= MAX_BATCH_OPS):
                 out.append([])
                 size = 0
-            out[-1].append(KvCacheOp(kind=op.kind, block_hashes=part))
+            out[-1].append(KvCacheOp(kind=kind, block_hashes=part))  # type: ignore[arg-type]
             size += len(part)
     return out

@@ -67,6 +67,13 @@ class GatewayConfig(BaseModel):
     routing: Routing = "prefix"
     prefix_tokens_per_s: float = Field(4000.0, gt=0)
     prefix_index_blocks: int = Field(65536, ge=1)  # block hashes remembered per replica
+    # ...and per cluster (its replicas, and their blocks together), so one cluster's
+    # events cannot crowd out another's; and each cluster's budget of KV-event messages
+    # (and their bytes) per second, past which its batches are dropped before parsing.
+    prefix_index_cluster_replicas: int = Field(256, ge=1)
+    prefix_index_cluster_blocks: int = Field(262144, ge=1)
+    kv_events_per_s: float = Field(1000.0, gt=0)
+    kv_events_bytes_per_s: float = Field(2 * 1024 * 1024, gt=0)
     # Per-attempt limits at a replica or peer, so a hung one costs seconds, not a long
     # read timeout: until the first byte of a stream; between chunks after it; and for a
     # non-streamed answer (whole generation) first_byte + token_timeout_s per token asked.

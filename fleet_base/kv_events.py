@@ -5,10 +5,11 @@ cached its prefix; a gateway that lost track asks on `fleet.v1.kvresync.<cluster
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from fleet_base.protocol import SUBJECT_PREFIX, Message
 
@@ -24,6 +25,13 @@ def kvresync_subject(cluster: str) -> str:
 
 KVCACHE_WILDCARD = f"{SUBJECT_PREFIX}.kvcache.*"
 
+# What one batch may carry. A reader refuses a bigger message by its length alone, before
+# parsing it (the relay's largest batch is ~80 KB: MAX_BATCH_HASHES hashes in MAX_BATCH_OPS ops).
+MAX_BATCH_HASHES = 1024
+MAX_BATCH_OPS = 256
+MAX_BATCH_BYTES = 128 * 1024
+_HASH = re.compile(r"[0-9a-f]{64}")
+
 
 class KvCacheOp(BaseModel):
     """Blocks that became cached (full and hashed), were evicted, or the whole cache was
@@ -32,14 +40,14 @@ class KvCacheOp(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal["stored", "removed", "cleared"]
-    block_hashes: list[str] = Field(default_factory=list, max_length=65536)
+    block_hashes: list[str] = Field(default_factory=list, max_length=MAX_BATCH_HASHES)
 
     @field_validator("block_hashes")
     @classmethod
     def _hex(cls, v: list[str]) -> list[str]:
-        for h in v:
-            if len(h) != 64 or any(c not in "0123456789abcdef" for c in h):
-                raise ValueError("a block hash is 64 lower-case hex digits")
+        full = _HASH.fullmatch
+        if not all(full(h) for h in v):
+            raise ValueError("a block hash is 64 lower-case hex digits")
         return v
 
 
@@ -52,15 +60,21 @@ class KvCacheBatch(Message):
     Hashes are rooted in the request's cache salt, so a salted (per-tenant) block only
     matches requests under the same salt; the salt itself never travels."""
 
-    cluster: str
-    deployment: str
-    replica_id: str
+    cluster: str = Field(max_length=63)
+    deployment: str = Field(max_length=128)
+    replica_id: str = Field(max_length=128)
     epoch: str = Field(min_length=1, max_length=128)
-    seq: int = Field(ge=0)
+    seq: int = Field(ge=0, le=2**62)
     snapshot: bool = False
-    block_size: int = Field(16, ge=1)
-    ops: list[KvCacheOp] = Field(default_factory=list, max_length=1024)
+    block_size: int = Field(16, ge=1, le=1 << 20)
+    ops: list[KvCacheOp] = Field(default_factory=list, max_length=MAX_BATCH_OPS)
     at: float = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _bounded(self) -> KvCacheBatch:
+        if sum(len(op.block_hashes) for op in self.ops) > MAX_BATCH_HASHES:
+            raise ValueError(f"a batch carries at most {MAX_BATCH_HASHES} block hashes")
+        return self
 
 
 ALL_REPLICAS = "*"

@@ -108,6 +108,10 @@ class Gateway:
             routing=gwc.routing,
             tokens_per_s=gwc.prefix_tokens_per_s,
             max_blocks=gwc.prefix_index_blocks,
+            max_cluster_replicas=gwc.prefix_index_cluster_replicas,
+            max_cluster_blocks=gwc.prefix_index_cluster_blocks,
+            events_per_s=gwc.kv_events_per_s,
+            event_bytes_per_s=gwc.kv_events_bytes_per_s,
             engine_arg=self.desired.engine_arg,
             clusters=self._route_clusters,
         )

@@ -50,14 +50,34 @@ class KvUpdate:
 
 
 class PrefixIndex:
-    """(cluster, replica) -> the block keys it holds, bounded per replica and in replicas."""
+    """(cluster, replica) -> the block keys it holds. Bounded per replica, per cluster (its
+    replicas and their blocks together) and in clusters and replicas overall, so one
+    cluster publishing without end evicts only its own entries: a new replica past its
+    cluster's bound drops that cluster's least recently updated one, blocks past the
+    cluster's bound drop the storing replica's oldest, and only a cluster past
+    `max_clusters` drops another cluster (the least recently updated)."""
 
-    def __init__(self, max_blocks_per_replica: int = 65536, max_replicas: int = 4096) -> None:
-        if max_blocks_per_replica < 1 or max_replicas < 1:
-            raise ValueError("index bounds must be positive")
+    def __init__(
+        self,
+        max_blocks_per_replica: int = 65536,
+        max_replicas: int = 4096,
+        *,
+        max_replicas_per_cluster: int | None = None,
+        max_blocks_per_cluster: int | None = None,
+        max_clusters: int = 1024,
+    ) -> None:
         self.max_blocks = max_blocks_per_replica
         self.max_replicas = max_replicas
+        self.max_cluster_replicas = max_replicas_per_cluster or max_replicas
+        self.max_cluster_blocks = max_blocks_per_cluster or max_blocks_per_replica * self.max_cluster_replicas
+        self.max_clusters = max_clusters
+        if min(self.max_blocks, self.max_replicas, self.max_cluster_replicas, self.max_cluster_blocks) < 1:
+            raise ValueError("index bounds must be positive")
+        if max_clusters < 1:
+            raise ValueError("index bounds must be positive")
         self._replicas: OrderedDict[tuple[str, str], _Replica] = OrderedDict()
+        # cluster -> its replicas, least recently updated first; clusters likewise
+        self._clusters: OrderedDict[str, OrderedDict[str, _Replica]] = OrderedDict()
 
     # ------------------------------------------------------------------ reads
 
@@ -74,9 +94,7 @@ class PrefixIndex:
         return n
 
     def replicas(self, cluster: str, deployment: str) -> tuple[str, ...]:
-        return tuple(
-            rid for (c, rid), r in self._replicas.items() if c == cluster and r.deployment == deployment
-        )
+        return tuple(rid for rid, r in self._clusters.get(cluster, {}).items() if r.deployment == deployment)
 
     def block_size(self, deployment: str) -> int | None:
         for r in self._replicas.values():
@@ -109,7 +127,7 @@ class PrefixIndex:
             r.blocks.clear()
             r.epoch, r.seq = update.epoch, update.seq
             r.block_size = update.block_size or r.block_size
-            self._run(r, update.ops)
+            self._run(r, update.ops, update.cluster)
             return "applied"
         if r is None or r.seq < 0 or r.epoch != update.epoch or update.seq > r.seq + 1:
             r = self._entry(key, update.deployment)
@@ -118,22 +136,33 @@ class PrefixIndex:
             return "resync"
         if update.seq <= r.seq:
             return "stale"
-        self._replicas.move_to_end(key)
+        self._entry(key, update.deployment)
         r.seq = update.seq
         r.block_size = update.block_size or r.block_size
-        self._run(r, update.ops)
+        self._run(r, update.ops, update.cluster)
         return "applied"
 
     def forget(self, cluster: str, replica_id: str) -> None:
-        self._replicas.pop((cluster, replica_id), None)
+        self._drop((cluster, replica_id))
 
     def keep_only(self, cluster: str, replica_ids: Iterable[str]) -> None:
         """Drop a cluster's replicas that are gone (the caller knows which still run)."""
         keep = set(replica_ids)
-        for key in [k for k in self._replicas if k[0] == cluster and k[1] not in keep]:
-            del self._replicas[key]
+        for rid in [rid for rid in self._clusters.get(cluster, {}) if rid not in keep]:
+            self._drop((cluster, rid))
 
-    def _run(self, r: _Replica, ops: Iterable[tuple[str, Sequence[int]]]) -> None:
+    def cluster_blocks(self, cluster: str) -> int:
+        return sum(len(r.blocks) for r in self._clusters.get(cluster, {}).values())
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        self._replicas.pop(key, None)
+        members = self._clusters.get(key[0])
+        if members is not None:
+            members.pop(key[1], None)
+            if not members:
+                del self._clusters[key[0]]
+
+    def _run(self, r: _Replica, ops: Iterable[tuple[str, Sequence[int]]], cluster: str) -> None:
         for kind, keys in ops:
             if kind == "cleared":
                 r.blocks.clear()
@@ -142,15 +171,31 @@ class PrefixIndex:
             else:
                 for k in keys:
                     r.blocks.pop(k, None)
+        excess = self.cluster_blocks(cluster) - self.max_cluster_blocks
+        for _ in range(min(max(0, excess), len(r.blocks))):  # the storing replica pays
+            r.blocks.popitem(last=False)
 
     def _entry(self, key: tuple[str, str], deployment: str) -> _Replica:
+        cluster, rid = key
         r = self._replicas.get(key)
         if r is None:
-            r = self._replicas[key] = _Replica(deployment)
-            while len(self._replicas) > self.max_replicas:
-                self._replicas.popitem(last=False)
+            members = self._clusters.get(cluster)
+            if members is None:
+                members = self._clusters[cluster] = OrderedDict()
+                while len(self._clusters) > self.max_clusters:
+                    gone, old = self._clusters.popitem(last=False)
+                    for old_rid in old:
+                        self._replicas.pop((gone, old_rid), None)
+            while len(members) >= self.max_cluster_replicas:
+                self._drop((cluster, next(iter(members))))
+            while len(self._replicas) >= self.max_replicas:
+                self._drop(next(iter(self._replicas)))
+            members = self._clusters.setdefault(cluster, OrderedDict())
+            r = self._replicas[key] = members[rid] = _Replica(deployment)
         r.deployment = deployment
         self._replicas.move_to_end(key)
+        self._clusters[cluster].move_to_end(rid)
+        self._clusters.move_to_end(cluster)
         return r
 
     def _store(self, r: _Replica, keys: Iterable[int]) -> None:

@@ -7,6 +7,11 @@ The hashes are the engine's own function (`fleet_base.block_hash`, torch-free), 
 the same token ids and cache salt the engine will use, so a key the gateway computes is
 the key the engine published. A gap in a replica's sequence numbers asks its agent for
 the full set on `fleet.v1.kvresync.<cluster>` (at most once per `RESYNC_EVERY_S`).
+
+What a cluster publishes is judged cheaply before it is parsed: a message longer than
+`MAX_BATCH_BYTES`, on a subject that names no cluster, or past its cluster's budget
+(`kv_budget.SenderBudget`) is dropped and counted in `fleet_gateway_kv_events_dropped_total`
+by reason; the index bounds each cluster's replicas and blocks (`kv_index.PrefixIndex`).
 """
 
 from __future__ import annotations
@@ -21,25 +26,29 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from agent.gateway.inputs import RequestInfo
+from agent.gateway.kv_budget import SenderBudget
 from agent.gateway.kv_index import KvUpdate, PrefixIndex, block_key
 from agent.gateway.metrics import GatewayMetrics
 from agent.gateway.plan import Attempt, CostModel
 from agent.gateway.tenancy import cache_salt
 from fleet_base.block_hash import hash_request_blocks
+from fleet_base.domain import is_cluster_id
 from fleet_base.kv_events import (
     ALL_REPLICAS,
     KVCACHE_WILDCARD,
+    MAX_BATCH_BYTES,
     KvCacheBatch,
     KvResyncRequest,
     kvresync_subject,
 )
 from fleet_base.nats_io import NatsLink
-from fleet_base.wire import Rejected, decode_kv_batch
+from fleet_base.wire import Rejected, decode_kv_batch, subject_cluster
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16  # the engine's default (engine.config.EngineArgs.block_size)
 RESYNC_EVERY_S = 2.0
+MAX_ASKED = 4096  # resync requests remembered (for their pacing)
 
 
 def prefix_keys(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None) -> tuple[int, ...]:
@@ -85,13 +94,22 @@ class PrefixRouting:
         routing: str = "prefix",
         tokens_per_s: float = 4000.0,
         max_blocks: int = 65536,
+        max_cluster_replicas: int = 256,
+        max_cluster_blocks: int = 262144,
+        events_per_s: float = 1000.0,
+        event_bytes_per_s: float = 2 * 1024 * 1024,
         engine_arg: Callable[[str, str], Any] = lambda deployment, name: None,
         clusters: Callable[[], Iterable[str]] = tuple,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.link = link
         self.cluster = cluster
-        self.index = PrefixIndex(max_blocks_per_replica=max_blocks)
+        self.index = PrefixIndex(
+            max_blocks_per_replica=max_blocks,
+            max_replicas_per_cluster=max_cluster_replicas,
+            max_blocks_per_cluster=max(max_blocks, max_cluster_blocks),
+        )
+        self.budget = SenderBudget(events_per_s, event_bytes_per_s, clock=clock)
         self.model = CostModel(routing=routing, tokens_per_s=tokens_per_s)
         self.engine_arg = engine_arg
         self.clusters = clusters  # whose replicas' full sets to ask for on (re)connect
@@ -115,6 +133,12 @@ class PrefixRouting:
         self.events = Counter(
             "fleet_gateway_kv_events", "KV-event batches received, by outcome (applied, stale, resync, invalid).",
             ["outcome"], registry=r,
+        )  # fmt: skip
+        self.dropped = Counter(
+            "fleet_gateway_kv_events_dropped",
+            "KV-event messages dropped before indexing, by reason (size, sender, rate, or the "
+            "decoder's: malformed, subject, schema, invalid).",
+            ["reason"], registry=r,
         )  # fmt: skip
         r.register(_IndexCollector(self.index))
         if link is not None:
@@ -155,11 +179,29 @@ class PrefixRouting:
                 request = KvResyncRequest(cluster=cluster, replica_id=ALL_REPLICAS, requester=self.cluster)
                 await link.publish(kvresync_subject(cluster), request)
 
+    def admit(self, subject: str, data: bytes) -> KvCacheBatch | None:
+        """The batch, or None (counted) when it is dropped: cheap checks on the length and
+        the sender's budget first, the parse and the subject/identity match after."""
+        sender = subject_cluster(subject)
+        reason = None
+        if len(data) > MAX_BATCH_BYTES:
+            reason = "size"
+        elif not is_cluster_id(sender):
+            reason = "sender"
+        elif not self.budget.admit(sender, len(data)):
+            reason = "rate"
+        if reason is None:
+            try:  # a claim about another cluster's replicas is refused too
+                return decode_kv_batch(subject, data)
+            except Rejected as err:
+                self.events.labels("invalid").inc()
+                reason = err.reason
+        self.dropped.labels(reason).inc()
+        return None
+
     async def _on_message(self, msg: Any) -> None:
-        try:  # a claim about another cluster's replicas is refused too
-            batch = decode_kv_batch(msg.subject, msg.data)
-        except Rejected:
-            self.events.labels("invalid").inc()
+        batch = self.admit(msg.subject, msg.data)
+        if batch is None:
             return
         outcome = self.apply(batch)
         if outcome == "resync":
@@ -175,6 +217,11 @@ class PrefixRouting:
         key = (cluster, replica_id)
         if now - self._asked.get(key, -RESYNC_EVERY_S) < RESYNC_EVERY_S or self.link is None:
             return
+        if len(self._asked) >= MAX_ASKED:  # forget the paced-out ones, then the oldest
+            self._asked = {k: t for k, t in self._asked.items() if now - t < RESYNC_EVERY_S}
+            while len(self._asked) >= MAX_ASKED:
+                del self._asked[next(iter(self._asked))]
+        self._asked.pop(key, None)
         self._asked[key] = now
         request = KvResyncRequest(cluster=cluster, replica_id=replica_id, requester=self.cluster)
         await self.link.publish(kvresync_subject(cluster), request)

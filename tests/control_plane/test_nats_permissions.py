@@ -14,14 +14,16 @@ import nats
 import pytest
 from nats.js.errors import KeyNotFoundError
 
+from agent.gateway.kv_index import block_key
 from agent.gateway.metrics import GatewayMetrics
 from agent.gateway.prefix import PrefixRouting, prefix_keys
 from agent.kv_relay import Followed, KvRelay
 from control_plane.local.nats_server import NatsServer
 from control_plane.security.enroll import Enrolment, NatsListen
 from control_plane.security.pki import FleetPki
-from fleet_base import api_keys, protocol
+from fleet_base import api_keys, kv_events, protocol
 from fleet_base.jetstream_budget import JetStreamBudget
+from fleet_base.kv_events import KvCacheBatch, KvCacheOp
 from fleet_base.nats_io import NatsLink
 from fleet_base.ports import free_port
 from fleet_base.security.tls import NatsTls, client_context, nats_tls
@@ -336,3 +338,57 @@ async def test_a_flooding_cluster_leaves_room_for_revocations(secured):
     finally:
         for c in (east, gw, agent, cp):
             await c.close()
+
+
+def _kv_batch(cluster: str, replica: str, hashes: list[str]) -> bytes:
+    op = KvCacheOp(kind="stored", block_hashes=[])
+    op.block_hashes = hashes  # built past the wire's bounds, as a hostile sender would
+    batch = KvCacheBatch(cluster=cluster, deployment="d", replica_id=replica, epoch="e", seq=0, snapshot=True)
+    batch.ops = [op]
+    return batch.to_bytes()
+
+
+def _kv_seen(prefix: PrefixRouting) -> float:
+    """KV-event messages this gateway has dealt with, whatever became of them."""
+    counters = (prefix.events, getattr(prefix, "dropped", None))
+    return sum(child._value.get() for c in counters if c is not None for child in c._metrics.values())
+
+
+async def test_a_cluster_flooding_kv_events_harms_only_itself(secured):
+    """A compromised cluster (west's agent identity) publishes 4 MB KV-event batches and
+    thousands of batches for made-up replicas; the gateway of east drops the big ones
+    unparsed and west's flood past its budget, keeps west's share of the index bounded,
+    and keeps knowing east's own replica."""
+    server, enrolment, _ = secured
+    gateway = _link(server, enrolment, "gateway", "east")
+    prefix = PrefixRouting(gateway, "east", GatewayMetrics(load=dict), events_per_s=100.0)
+    west = await Client().connect(server.url, nats_tls(enrolment.enroll("west"), "agent", "west"))
+    east = await Client().connect(server.url, nats_tls(enrolment.enroll("east"), "agent", "east"))
+    try:
+        gateway.start()
+        assert await gateway.wait_connected(10)
+        await eventually(lambda: prefix._nc is gateway.nc, what="the gateway's KV-event subscription")
+        await gateway.nc.flush()
+        mine = [f"{i:064x}" for i in range(8)]
+        await east.nc.publish(kv_events.kvcache_subject("east"), _kv_batch("east", "e1", mine))
+        await east.nc.flush()
+        await eventually(lambda: prefix.index.holds("east", "e1", block_key(bytes.fromhex(mine[0]))))
+        big = _kv_batch("west", "w-big", [f"{i:064x}" for i in range(60_000)])  # ~4 MB
+        sent = 1
+        for _ in range(3):
+            await west.nc.publish(kv_events.kvcache_subject("west"), big)
+            sent += 1
+        for i in range(5000):
+            await west.nc.publish(kv_events.kvcache_subject("west"), _kv_batch("west", f"w{i}", mine[:1]))
+            sent += 1
+        await west.nc.flush()
+        await eventually(lambda: _kv_seen(prefix) >= sent, 60, "the flood through the gateway")
+        assert prefix.index.holds("east", "e1", block_key(bytes.fromhex(mine[0])))  # not crowded out
+        assert len(prefix.index.replicas("west", "d")) <= 256
+        assert prefix.index.cluster_blocks("west") <= 262144
+        assert prefix.dropped.labels("size")._value.get() == 3  # never parsed
+        assert prefix.dropped.labels("rate")._value.get() > 0
+    finally:
+        await west.close()
+        await east.close()
+        await gateway.close()

@@ -84,6 +84,30 @@ def test_memory_is_bounded_in_blocks_and_replicas(snapshots, cap, max_replicas) 
         assert index.size <= cap * max_replicas
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from("abc"), st.integers(0, 30), st.lists(st.integers(0, 10_000), max_size=50)),
+        max_size=60,
+    ),
+    st.integers(1, 8),
+    st.integers(1, 80),
+)
+def test_each_cluster_is_bounded_and_evicts_only_its_own(snapshots, per_cluster, cluster_blocks) -> None:
+    """Whatever cluster "a" sends, it holds at most its replicas and blocks, and the other
+    clusters' entries are never evicted for it (the overall bounds are not reached)."""
+    index = PrefixIndex(
+        max_blocks_per_replica=64, max_replicas_per_cluster=per_cluster, max_blocks_per_cluster=cluster_blocks
+    )
+    index.apply(KvUpdate("victim", "v", "d", "e", 0, (("stored", (7,)),), snapshot=True))
+    for cluster, rid, keys in snapshots:
+        index.apply(KvUpdate(cluster, f"r{rid}", "d", "e", 0, (("stored", tuple(keys)),), snapshot=True))
+        for c in "abc":
+            assert len(index.replicas(c, "d")) <= per_cluster
+            assert index.cluster_blocks(c) <= max(cluster_blocks, 1)
+        assert index.holds("victim", "v", 7)
+
+
 def test_gap_restart_and_duplicates() -> None:
     index = PrefixIndex()
     assert index.apply(_update(3, [("stored", [1, 2])])) == "resync"  # first heard: a delta

@@ -1,0 +1,61 @@
+"""Each cluster's budget of KV-event messages and bytes at a gateway (`kv_budget`)."""
+
+from __future__ import annotations
+
+from agent.gateway.kv_budget import SenderBudget
+from agent.gateway.metrics import GatewayMetrics
+from agent.gateway.prefix import PrefixRouting
+from agent.kv_relay import CHUNK, _chunks
+from fleet_base.kv_events import MAX_BATCH_BYTES, MAX_BATCH_OPS, KvCacheBatch, kvcache_subject
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_sender_over_its_budget_is_refused_and_others_are_not() -> None:
+    clock = Clock()
+    budget = SenderBudget(messages_per_s=10, bytes_per_s=1000, burst_s=1.0, clock=clock)
+    assert all(budget.admit("west", 10) for _ in range(10))
+    assert not budget.admit("west", 10)  # 10 messages a second, spent
+    assert budget.admit("east", 10)
+    assert not budget.admit("east", 1001)  # more bytes than a second's worth
+    clock.t = 0.5
+    assert budget.admit("west", 10)  # half a second refilled half
+    for i in range(2000):
+        budget.admit(f"c{i}", 1)
+    assert len(budget) == budget.max_senders
+
+
+def test_intake_drops_before_parsing_and_counts_why() -> None:
+    clock = Clock()
+    prefix = PrefixRouting(None, "east", GatewayMetrics(load=dict), events_per_s=1, clock=clock)
+    prefix.budget.burst_s = 1.0
+    good = KvCacheBatch(cluster="west", deployment="d", replica_id="r", epoch="e", seq=0).to_bytes()
+    subject = kvcache_subject("west")
+    assert prefix.admit(subject, b"{" * (MAX_BATCH_BYTES + 1)) is None  # not JSON: never parsed
+    assert prefix.admit("fleet.v1.kvcache.Not_A_Cluster", good) is None
+    assert prefix.admit(kvcache_subject("south"), good) is None  # west's batch on south's subject
+    assert prefix.admit(subject, good) is not None
+    assert prefix.admit(subject, good) is None  # one a second
+    assert prefix.admit(subject, b"{}") is None
+    dropped = {labels[0]: c._value.get() for labels, c in prefix.dropped._metrics.items()}
+    assert dropped == {"size": 1, "sender": 1, "subject": 1, "rate": 2}
+    clock.t = 5.0
+    assert prefix.admit(subject, b"{}") is None
+    assert prefix.dropped.labels("malformed")._value.get() == 1
+
+
+def test_the_relay_splits_a_big_snapshot_into_batches_readers_accept() -> None:
+    hashes = [f"{i:064x}" for i in range(3 * CHUNK + 5)]
+    chunks = _chunks([("stored", hashes)] + [("removed", [h]) for h in hashes[:600]] + [("cleared", [])])
+    assert [h for c in chunks for op in c for h in op.block_hashes if op.kind == "stored"] == hashes
+    for i, chunk in enumerate(chunks):
+        batch = KvCacheBatch(cluster="c", deployment="d", replica_id="r", epoch="e", seq=i, ops=chunk)
+        assert len(chunk) <= MAX_BATCH_OPS and len(batch.to_bytes()) <= MAX_BATCH_BYTES
+        KvCacheBatch.model_validate_json(batch.to_bytes())
+    assert chunks[-1][-1].kind == "cleared"
