@@ -37,6 +37,7 @@ from agent.gateway.liveness import SESSION_HEADER, PeerLiveness, sticky_draw
 from agent.gateway.load import LoadTracker
 from agent.gateway.metrics import UNKNOWN, GatewayMetrics
 from agent.gateway.migration import MigrationMetrics
+from agent.gateway.nats_metrics import NatsRefusals
 from agent.gateway.peers import PeerAuth, PeerForward
 from agent.gateway.prefix import PrefixRouting
 from agent.gateway.proxy import make_client
@@ -101,6 +102,8 @@ class Gateway:
             else None
         )
         self.usage = UsagePublisher(link, config.cluster, self.metrics)
+        if link is not None:
+            self.metrics.registry.register(NatsRefusals(link))
         self.prefix = PrefixRouting(
             link,
             config.cluster,
