@@ -7,14 +7,7 @@ from agent.gateway.metrics import GatewayMetrics
 from agent.gateway.prefix import PrefixRouting
 from agent.kv_relay import CHUNK, _chunks
 from fleet_base.kv_events import MAX_BATCH_BYTES, MAX_BATCH_OPS, KvCacheBatch, kvcache_subject
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.agent.gateway.test_units import Clock
 
 
 def test_a_sender_over_its_budget_is_refused_and_others_are_not() -> None:
