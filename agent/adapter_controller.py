@@ -25,6 +25,9 @@ class AdapterController:
     replicas: Callable[[], dict[str, Replica]]
     desired: Callable[[], DesiredState | None]
     interval_s: float
+    # Told, after every sync, the URIs of the adapters replicas here hold (the node cache
+    # pins them: agent.models.ModelPuller.use_adapters).
+    on_in_use: Callable[[set[str]], None] = lambda uris: None
 
     async def run(self) -> None:
         while True:
@@ -67,6 +70,9 @@ class AdapterController:
                                 loaded.append(name)
                     r.adapters_seeded = True
                 r.adapters = loaded
+        self.on_in_use(
+            {a.uri for r in self.replicas().values() for a in r.spec.adapters if a.name in r.adapters}
+        )
 
     async def close(self) -> None:
         await self.api.http.aclose()

@@ -129,6 +129,7 @@ class Agent:
             replicas=lambda: self.replicas,
             desired=lambda: self.desired,
             interval_s=min(1.0, config.heartbeat_interval_s),
+            on_in_use=self.models.use_adapters,
         )
         self.reporter = Reporter(
             config=config,

@@ -43,7 +43,9 @@ class ModelPuller:
     def __init__(self, cache: ModelCache, on_change: Callable[[], None] = lambda: None) -> None:
         self.cache = cache
         self.on_change = on_change
-        self.in_use: set[str] = set()
+        self.in_use: set[str] = set()  # models the desired state and this node's replicas name
+        self.adapters_in_use: set[str] = set()  # LoRA adapters this node's replicas hold
+        self._pinned: set[str] | None = None
         self._pulls: dict[str, Pull] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._listed: list[CachedModel] = []
@@ -96,7 +98,7 @@ class ModelPuller:
 
         try:
             result = await asyncio.to_thread(
-                self.cache.pull, pull.uri, progress, sorted(self.in_use | {pull.uri})
+                self.cache.pull, pull.uri, progress, sorted(self._all_in_use() | {pull.uri})
             )
         except ModelStoreError as err:
             pull.state, pull.error, pull.retryable = "failed", str(err), err.retryable
@@ -117,10 +119,26 @@ class ModelPuller:
         """Pre-pull every remote model the desired state names (first placement on this node)."""
         wanted = {m for m in models if is_remote(m)}
         self.in_use = wanted
+        self._pin()
         for uri in sorted(wanted):
             pull = self._pulls.get(uri)
             if pull is None or pull.state == "ready":
                 self.ensure(uri)
+
+    def use_adapters(self, uris: Iterable[str]) -> None:
+        """The adapters this node's replicas hold now (the adapter controller says)."""
+        self.adapters_in_use = {u for u in uris if is_remote(u)}
+        self._pin()
+
+    def _all_in_use(self) -> set[str]:
+        return self.in_use | self.adapters_in_use
+
+    def _pin(self) -> None:
+        """Pin what replicas here use in the node cache, so no process on the node (a
+        replica pulling an adapter, the agent pulling a model) evicts it under them."""
+        uris = {self._canonical(u) for u in self._all_in_use()}
+        if uris != self._pinned and self.cache.pin("agent", uris):
+            self._pinned = uris
 
     def report(self) -> list[CachedModel]:
         """The cache as heartbeats carry it (the disk is listed at most every few seconds)."""
@@ -139,7 +157,7 @@ class ModelPuller:
                 for e in self.cache.entries()
             ]
             self._listed_at = now
-        in_use = {self._canonical(u) for u in self.in_use}
+        in_use = {self._canonical(u) for u in self._all_in_use()}
         out = [
             m.model_copy(update={"in_use": m.uri in in_use or m.pinned_uri in in_use}) for m in self._listed
         ]
@@ -152,7 +170,7 @@ class ModelPuller:
                         state=pull.state,
                         size_bytes=pull.bytes_total,  # type: ignore[arg-type]
                         bytes_done=pull.bytes_done,
-                        in_use=pull.uri in self.in_use,
+                        in_use=pull.uri in self._all_in_use(),
                         error=pull.error[-500:],
                     )
                 )
@@ -175,7 +193,8 @@ class ModelPuller:
             self.retry(cmd.uri)
             pull = self.ensure(cmd.uri)
             return ModelCommandReply(ok=True, message=f"{canonical}: {pull.state}")
-        if cmd.uri in self.in_use or canonical in {self._canonical(u) for u in self.in_use}:
+        in_use = self._all_in_use()
+        if cmd.uri in in_use or canonical in {self._canonical(u) for u in in_use}:
             return ModelCommandReply(
                 ok=False, message=f"{canonical} is in use by a deployment here; not removed"
             )

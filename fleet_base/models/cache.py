@@ -7,19 +7,24 @@ Layout under the root (`FLEET_MODEL_CACHE`, default `$FLEET_HOME/models`):
 - `refs/<key>`: a mutable name (hf `@main`, an OCI tag) -> the key of the pinned entry;
 - `partial/<key>/`: downloads in progress, kept on failure so the next pull resumes;
 - `locks/<key>.lock`: held while a model is pulled, so two replicas (or processes) on one
-  node pull it once: the second waits, then finds it cached.
+  node pull it once: the second waits, then finds it cached;
+- `pins/<holder>.json`: the URIs a holder (the agent, for its replicas' models and LoRA
+  adapters) uses now; eviction in every process keeps them.
 
 A cached entry is used without asking the store again (offline starts); pulling again
 after `remove` refreshes it. The size bound evicts least recently used models that no
-caller names as in use, and a pull that cannot fit fails with `DiskFull` before it starts.
+caller names as in use and no pin holds, and a pull that cannot fit fails with `DiskFull`
+before it starts.
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -42,6 +47,8 @@ ENV_DIR = "FLEET_MODEL_CACHE"
 ENV_MAX_BYTES = "FLEET_MODEL_CACHE_MAX_BYTES"
 MANIFEST = ".fleet-manifest.json"
 LAST_USED = ".fleet-last-used"
+PINS = "pins"
+_HOLDER = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 PullProgress = Callable[[int, int], None]  # (bytes done, bytes in all)
 
 
@@ -306,6 +313,41 @@ class ModelCache:
         tmp.write_text(pkey)
         os.replace(tmp, self.root / "refs" / key)
 
+    # ----------------------------------------------------------------- pins
+
+    def pin(self, holder: str, uris: Iterable[str]) -> bool:
+        """Record the URIs `holder` uses now (replacing what it said before): no process
+        evicts them while the pin stands. False when the cache cannot be written (a
+        read-only mount: nothing there is evicted anyway)."""
+        if not _HOLDER.match(holder):
+            raise ValueError(f"pin holder {holder!r} is not a plain name")
+        d = self.root / PINS
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            tmp = d / f".{holder}.{os.getpid()}.{threading.get_ident()}"
+            tmp.write_text(json.dumps(sorted(set(uris))))
+            os.replace(tmp, d / f"{holder}.json")
+        except OSError as err:
+            log.warning("cannot pin the models %s uses in %s: %s", holder, d, err)
+            return False
+        return True
+
+    def pinned(self) -> set[str]:
+        """Every URI some holder pins."""
+        out: set[str] = set()
+        try:
+            pins = list((self.root / PINS).glob("*.json"))
+        except OSError:
+            return out
+        for path in pins:
+            try:
+                uris = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(uris, list):
+                out.update(u for u in uris if isinstance(u, str))
+        return out
+
     # ----------------------------------------------------------------- eviction
 
     def _keep_keys(self, keep: Iterable[str]) -> set[str]:
@@ -341,7 +383,7 @@ class ModelCache:
         return self._evict_until(lambda: self.size_bytes() <= self.max_bytes, in_use)  # type: ignore[operator]
 
     def _evict_until(self, enough: Callable[[], bool], keep: Iterable[str]) -> list[str]:
-        kept = self._keep_keys(keep)
+        kept = self._keep_keys([*keep, *self.pinned()])
         evicted = []
         for entry in sorted(self.entries(), key=lambda e: e.last_used):
             if enough():

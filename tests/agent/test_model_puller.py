@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import os
 
+import pytest
+
 from agent.models import ModelPuller
 from fleet_base.models import ModelCache
 from fleet_base.protocol import ModelCommand
@@ -90,3 +92,70 @@ def test_cold_start_parts_travel_from_engine_metrics_to_the_gateway() -> None:
     assert 'fleet_agent_model_load_seconds{deployment="d",replica="r1"} 2.5' in text
     assert 'fleet_agent_model_warmup_seconds{deployment="d",replica="r1"} 0.25' in text
     assert "fleet_agent_model_first_token_seconds{" not in text  # no request served yet
+
+
+class _LoadedAdapters:
+    """A replica's LoRA API that says which adapters it holds (agent.adapters.ReplicaAdapters)."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+
+    async def loaded(self, url: str) -> list[str]:
+        return list(self.names)
+
+
+async def test_an_adapter_a_running_replica_uses_is_never_evicted(tmp_path) -> None:
+    """A replica pulled an adapter and serves it; another model then needs room in the
+    bounded node cache. Eviction (in whichever process pulls) keeps what replicas use: the
+    new pull is refused rather than the adapter's files deleted under the replica."""
+    from agent.adapter_controller import AdapterController
+    from agent.replica import Replica
+    from agent.runtime.base import ReplicaHandle
+    from fleet_base.models import DiskFull
+    from fleet_base.protocol import LoRAAdapterSpec, ReplicaSpec, ReplicaState
+
+    adapter, other = os.urandom(300_000), os.urandom(300_000)
+    with serve(FileServer({"adapter.safetensors": adapter, "other.gguf": other}).app()) as base:
+        adapter_uri = f"{base}/adapter.safetensors#sha256={hashlib.sha256(adapter).hexdigest()}"
+        other_uri = f"{base}/other.gguf#sha256={hashlib.sha256(other).hexdigest()}"
+        root, bound = tmp_path / "cache", 500_000
+        # The replica process pulls its adapter (engine.server.lora.adapter_dir does this).
+        ModelCache(root, bound).pull(adapter_uri, in_use=[adapter_uri])
+
+        puller = ModelPuller(ModelCache(root, bound))
+        spec = ReplicaSpec(
+            replica_id="r1", deployment="d", version=1, model="smollm2-135m", max_adapters=2,
+            adapters=[LoRAAdapterSpec(name="tenant-a", uri=adapter_uri)],
+        )  # fmt: skip
+        replica = Replica(
+            spec=spec,
+            state=ReplicaState.ready,
+            handle=ReplicaHandle(replica_id="r1", spec=spec, url="http://r1"),
+        )
+        controller = AdapterController(
+            api=_LoadedAdapters(["tenant-a"]),  # type: ignore[arg-type]
+            replicas=lambda: {"r1": replica},
+            desired=lambda: None,
+            interval_s=1.0,
+            on_in_use=puller.use_adapters,
+        )
+        await controller.sync([replica])
+        assert replica.adapters == ["tenant-a"]
+
+        # Another replica process pulls a model that only fits if something is evicted.
+        with pytest.raises(DiskFull, match="replicas use"):
+            ModelCache(root, bound).pull(other_uri, in_use=[other_uri])
+        entry = ModelCache(root).lookup(adapter_uri)
+        assert entry is not None and all(
+            (ModelCache(root).model_dir(entry) / f.name).is_file() for f in entry.files
+        )
+        assert [m.in_use for m in puller.report() if m.uri == entry.uri] == [True]
+        refused = await puller.command(ModelCommand(action="rm", uri=adapter_uri))
+        assert not refused.ok and "in use" in refused.message
+
+        # Once no replica holds it, it may go.
+        replica.adapters = []
+        controller.api = _LoadedAdapters([])  # type: ignore[assignment]
+        await controller.sync([replica])
+        ModelCache(root, bound).pull(other_uri, in_use=[other_uri])
+        assert ModelCache(root).lookup(adapter_uri) is None
