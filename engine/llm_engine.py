@@ -31,7 +31,7 @@ from engine.spec_decode.decoder import SpeculativeDecoder
 from engine.step_isolation import GlobalStepError, bisect, is_global, request_error, units
 from engine.timing import HistogramSnapshot
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from fleet_base.sampling_params import SamplingParams
+from fleet_base.sampling_params import SamplingParams, generation_limit
 
 log = logging.getLogger(__name__)
 
@@ -178,12 +178,10 @@ class LLMEngine:
         adapter = self.lora_adapter(lora_name)
         cache_salt = lora_cache_salt(cache_salt, adapter)
         ids = self.tokenize_prompt(prompt)
-        max_tokens = params.max_tokens
-        if max_tokens is None:
-            max_tokens = self.max_model_len - len(ids)
-            if max_tokens < 1:
-                raise PromptTooLongError(len(ids), 1, self.max_model_len)
-        elif len(ids) + max_tokens > self.max_model_len:
+        max_tokens = generation_limit(params.max_tokens, len(ids), self.max_model_len)
+        if params.max_tokens is None and max_tokens < 1:
+            raise PromptTooLongError(len(ids), 1, self.max_model_len)
+        if len(ids) + max_tokens > self.max_model_len:
             raise PromptTooLongError(len(ids), max_tokens, self.max_model_len)
         if len(self.scheduler.waiting) + params.n > self.args.max_queue_len:
             raise QueueFullError(f"the waiting queue is full ({self.args.max_queue_len} requests)")

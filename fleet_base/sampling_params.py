@@ -99,3 +99,10 @@ class SamplingParams(BaseModel):
     @property
     def max_stop_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
+
+
+def generation_limit(max_tokens: int | None, prompt_tokens: int, context_tokens: int) -> int:
+    """The most tokens the engine generates for one sequence: `max_tokens`, or, when the
+    request sets none (None), whatever the context window leaves after the prompt. The
+    engine stops there and the gateway reserves quota for it, from this one rule."""
+    return max_tokens if max_tokens is not None else context_tokens - prompt_tokens

@@ -84,6 +84,7 @@ class Accounting:
             self.metrics.tokens.labels(deployment, "prompt").inc(prompt)
         if completion:
             self.metrics.tokens.labels(deployment, "completion").inc(completion)
+        prompt = min(prompt + ex.settlement.abandoned_tokens, MAX_USAGE_TOKENS)  # the key paid for those too
         self.usage.submit(
             UsageRecord(
                 cluster=self.cluster,

@@ -6,6 +6,7 @@ the client's first byte are retried elsewhere; afterwards a stream migrates
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -102,7 +103,8 @@ class Dispatcher:
     async def attempts(self, ex: Exchange, targets: list[Attempt], pass_failure: bool = True) -> Response:
         """Try a target; on a failure before the first byte, once more on another one (twice
         more when every failure so far was work never started: a refused connection or a
-        503 from a replica shutting down, as when a rollout or failover moves replicas)."""
+        503 from a replica shutting down, as when a rollout or failover moves replicas; not
+        a timeout, whose work may have run and is charged)."""
         call = ex.call
         failure: AttemptFailed | None = None
         unstarted = True  # every failure so far: nothing ran there
@@ -114,8 +116,8 @@ class Dispatcher:
             self.router.prefix.count(call.info, target)
             try:
                 opened, data = await self._open(ex, target)
-            except AttemptFailed as err:
-                unstarted = unstarted and err.status in (None, 503) and err.reason != "read"
+            except AttemptFailed as err:  # a timeout may have run its work: it counts as started
+                unstarted = unstarted and err.status in (None, 503) and err.reason not in ("read", "timeout")
                 if target.is_peer and err.status is None:
                     self.router.liveness.mark_down(target.name)
                 if not target.is_peer and err.status is not None and err.status != 503:
@@ -139,12 +141,27 @@ class Dispatcher:
         return self._failed(ex, failure, pass_failure)
 
     async def _open(self, ex: Exchange, target: Attempt) -> tuple[Opened, bytes | None]:
-        """The attempt opened; with its whole body unless it is a stream for the client."""
+        """The attempt opened; with its whole body unless it is a stream for the client.
+        Given up after it was sent (its deadline, or the client left), it is charged: the
+        replica may have worked on it, and closing the connection stopped it there."""
         call = ex.call
-        opened = await self.upstreams.open(call, target, body_for(call.info, call.key_id, target.is_peer))
-        if opened.status >= 300 or not call.info.stream:
-            return opened, await self.upstreams.read(call, target, opened)
-        return opened, None
+        try:
+            opened = await self.upstreams.open(call, target, body_for(call.info, call.key_id, target.is_peer))
+            if opened.status >= 300 or not call.info.stream:
+                return opened, await self.upstreams.read(call, target, opened)
+            return opened, None
+        except AttemptFailed as err:
+            if err.reason == "timeout":
+                self._abandoned(ex, target, "timeout")
+            raise
+        except asyncio.CancelledError:
+            self._abandoned(ex, target, "client_gone")
+            raise
+
+    def _abandoned(self, ex: Exchange, target: Attempt, reason: str) -> None:
+        tokens = ex.abandoned(target)
+        if tokens:
+            self.accounting.metrics.abandoned_tokens.labels(ex.call.deployment, reason).inc(tokens)
 
     def _failed(self, ex: Exchange, failure: AttemptFailed | None, pass_failure: bool) -> Response:
         deployment = ex.call.deployment

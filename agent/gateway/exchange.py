@@ -62,22 +62,30 @@ class Progress:
 class Settlement:
     """A request's quota reservation, settled exactly once whatever path it took: to
     nothing when a peer gateway's answer is taken (that gateway charges the key), else
-    to the engine's usage when the request is finished."""
+    to the engine's usage when the request is finished; either way plus what the
+    attempts this gateway abandoned cost (`abandoned`)."""
 
     def __init__(self, gate: QuotaGate, reservation: Reservation | None) -> None:
         self.gate = gate
         self.reservation = reservation
         self.settled = False
+        self.abandoned_tokens = 0  # charged on top of the answer's usage
+
+    def abandoned(self, tokens: int) -> None:
+        """An attempt sent to a replica here was given up (its deadline passed, or the
+        client left) before it reported usage: it may have run, so the key pays for it."""
+        if not self.settled:
+            self.abandoned_tokens += tokens
 
     def elsewhere(self) -> None:
         if not self.settled:
             self.settled = True
-            self.gate.refund(self.reservation)
+            self.gate.settle(self.reservation, {}, False, self.abandoned_tokens)
 
     def settle(self, usage: dict[str, Any], ran: bool) -> None:
         if not self.settled:
             self.settled = True
-            self.gate.settle(self.reservation, usage, ran)
+            self.gate.settle(self.reservation, usage, ran, self.abandoned_tokens)
 
 
 @dataclass
@@ -87,6 +95,15 @@ class Exchange:
     call: Call
     settlement: Settlement
     progress: Progress = field(default_factory=Progress)
+
+    def abandoned(self, target: Attempt) -> int:
+        """`target` was given up after the request was sent: what the key pays for it here
+        (its prompt; nothing for a peer gateway, which charges its own attempts)."""
+        if target.charge != "here":
+            return 0
+        tokens = self.call.info.prompt_tokens
+        self.settlement.abandoned(tokens)
+        return tokens
 
     def took(self, target: Attempt, status: int, *, continuation: bool = False) -> None:
         """`target`'s answer is the client's now (a first leg or a stream's continuation)."""

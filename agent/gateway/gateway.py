@@ -267,10 +267,9 @@ class Gateway:
             if record is not None:  # a key with limits sees them on every answer
                 reply_headers.update(self.quota.headers(record, ""))
             return error_response(err, reply_headers)
-        context = self.desired.context_tokens(call.deployment, self.config.gateway.default_context_tokens)
         try:
             reservation, limit_headers = self.quota.admit(
-                record, call.info, call.info.worst_case_tokens(context), call.adapter
+                record, call.info, call.info.worst_case_tokens(), call.adapter
             )
         except GatewayError as err:  # over a quota: the refusal is demand the control plane sees
             self.accounting.refused(call, err.status)
@@ -315,6 +314,8 @@ class Gateway:
                 code="model_not_found",
             )
         info, counter = await self.tokens.recount_async(info, off_loop=len(raw) > OFF_LOOP_BYTES)
+        context = self.desired.context_tokens(info.deployment, self.config.gateway.default_context_tokens)
+        info = replace(info, context_tokens=context)  # bounds what an open-ended request may generate
         self.metrics.prompt_tokens_counted.labels(info.deployment, counter).inc(info.prompt_tokens)
         headers = request.headers
         return Call(

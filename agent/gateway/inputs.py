@@ -22,13 +22,13 @@ from agent.gateway.contract import check_body, embedding_prompts, responses_prom
 from agent.gateway.errors import GatewayError
 from fleet_base.bounds import MAX_N, MAX_TOKENS, InputError, bounded_int, load_json
 from fleet_base.openai_contract.continuation import RESUME_FIELD
+from fleet_base.sampling_params import generation_limit
 
 Endpoint = Literal["chat", "completions", "embeddings", "responses"]
 
-# Without max_tokens a chat request may run to the end of the context; reserve this much
-# for it when estimating load (the engine's default for completions is 16).
+# Without a max_tokens a request may run to the end of the context (its quota reservation
+# covers that, `RequestInfo.worst_case_tokens`); for balancing load it counts this much.
 DEFAULT_CHAT_MAX_TOKENS = 256
-DEFAULT_COMPLETION_MAX_TOKENS = 16
 # Bodies above this are parsed and tokenized in a thread, off the gateway's event loop.
 OFF_LOOP_BYTES = 64 * 1024
 # Per-message overhead of a chat template (role markers, separators), in tokens.
@@ -57,10 +57,12 @@ class RequestInfo:
     stream: bool
     client_wants_usage: bool
     prompt_tokens: int  # estimated, over every prompt of the request
-    max_tokens: int  # per sequence, as requested or the default reserved for it
+    max_tokens: int  # per sequence, as requested or the load estimate for an open-ended one
     sequences: int  # prompts x n
     prompt_ids: tuple[int, ...] | None = None  # the prompt's token ids, when tokenized (one prompt)
-    max_tokens_given: bool = True  # False: a chat request may run to the end of the context
+    max_tokens_given: bool = True  # False: the request may run to the end of the context
+    prompts: int = 1  # separate prompts (a completions batch); sequences = prompts x n
+    context_tokens: int | None = None  # the deployment's context window, once the gateway knows it
     raw: bytes = b""  # the body as the client sent it (forwarded to a peer as it is)
     contract: BaseModel | None = None  # the body as the replica's own model validated it
     tools: bool = False  # the request offers tools (a tool-call parser's state is not migrated)
@@ -88,11 +90,19 @@ class RequestInfo:
         if self.resume_ids is not None and not forwarded:
             raise GatewayError(400, f"'{RESUME_FIELD}' is set by Fleet gateways only", param=RESUME_FIELD)
 
-    def worst_case_tokens(self, context_tokens: int) -> int:
-        """What the request may cost at most: max_tokens, else the context left."""
-        if self.max_tokens_given:
-            return self.cost_tokens
-        return self.prompt_tokens + max(1, context_tokens - self.prompt_tokens) * self.sequences
+    def generated_tokens(self, context_tokens: int | None = None) -> int:
+        """The most tokens the engine may generate for this request, over all its
+        sequences: the engine's own rule (`generation_limit`) per prompt, times n. Without a
+        context window known yet, an open-ended request counts its load estimate."""
+        context = context_tokens if context_tokens is not None else self.context_tokens
+        if self.max_tokens_given or context is None:
+            return self.max_tokens * self.sequences
+        per_prompt = self.prompt_tokens // max(1, self.prompts)  # the shorter prompts have more room
+        return max(1, generation_limit(None, per_prompt, context)) * self.sequences
+
+    def worst_case_tokens(self, context_tokens: int | None = None) -> int:
+        """What the request may cost at most: its prompt and everything it may generate."""
+        return self.prompt_tokens + self.generated_tokens(context_tokens)
 
 
 def _bad(message: str, param: str | None = None) -> GatewayError:
@@ -181,30 +191,24 @@ def parse_request(raw: bytes, endpoint: Endpoint, counter: TokenCounter | None =
             raise _bad("stream_options.include_usage must be a boolean", "stream_options")
         wants_usage = bool(include)
     n = _optional_int(body, "n", 1, MAX_N) or 1
-    given = True  # max_tokens (or its default) bounds the output; False below: the context does
     contract = check_body(raw, endpoint) if endpoint in ("embeddings", "responses") else None
     if endpoint == "embeddings":
         prompt_tokens, prompts = embedding_prompts(body, counter)
-        max_tokens = 0
     elif endpoint == "responses":
         prompt_tokens, prompts = responses_prompt_tokens(body, counter), 1
-        requested = _optional_int(body, "max_output_tokens", 1)
-        max_tokens = requested if requested is not None else DEFAULT_CHAT_MAX_TOKENS
     elif endpoint == "chat":
         prompt_tokens = _chat_prompt_tokens(body.get("messages"), counter)
         prompts = 1
-        max_tokens = _optional_int(body, "max_tokens", 1)
-        max_completion = _optional_int(body, "max_completion_tokens", 1)
-        requested = max_completion if max_completion is not None else max_tokens
-        max_tokens = requested if requested is not None else DEFAULT_CHAT_MAX_TOKENS
-        given = requested is not None
+        for name in ("max_tokens", "max_completion_tokens"):
+            _optional_int(body, name, 1)
     else:
         prompt_tokens, prompts = _completion_prompts(body.get("prompt"), counter)
-        requested = _optional_int(body, "max_tokens", 1)
-        max_tokens = requested if requested is not None else DEFAULT_COMPLETION_MAX_TOKENS
-        given = True  # the engine's default (16) is the real bound
+        _optional_int(body, "max_tokens", 1)
     if endpoint in ("chat", "completions"):
         contract = check_body(raw, endpoint)  # then everything else the replica checks, with its own 400s
+    # the bound the engine will apply, read from the body as the replica's contract reads it
+    requested: int | None = getattr(contract, "requested_max_tokens", 0)  # embeddings generate nothing
+    max_tokens = requested if requested is not None else DEFAULT_CHAT_MAX_TOKENS
     return RequestInfo(
         endpoint=endpoint,
         deployment=model,
@@ -214,7 +218,8 @@ def parse_request(raw: bytes, endpoint: Endpoint, counter: TokenCounter | None =
         prompt_tokens=prompt_tokens,
         max_tokens=max_tokens,
         sequences=prompts * n,
-        max_tokens_given=given,
+        max_tokens_given=requested is not None,
+        prompts=prompts,
         raw=raw,
         contract=contract,
         tools=bool(body.get("tools")),

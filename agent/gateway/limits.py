@@ -72,21 +72,20 @@ class QuotaGate:
             headers={**headers, "Retry-After": str(retry)},
         )
 
-    def settle(self, reservation: Reservation | None, usage: dict[str, Any], ran: bool) -> None:
-        """Charge the engine's count. Without usage: the whole reservation when a replica
-        answered 2xx and may have generated (a cut stream), nothing otherwise."""
+    def settle(
+        self, reservation: Reservation | None, usage: dict[str, Any], ran: bool, abandoned: int = 0
+    ) -> None:
+        """Charge the engine's count, plus the `abandoned` attempts' cost. Without usage: the
+        whole reservation when a replica answered 2xx and may have generated (a cut
+        stream), nothing otherwise (a peer's answer: that gateway charges the key)."""
         if reservation is None or reservation.settled:
             return
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
         if isinstance(prompt, int) and isinstance(completion, int):
-            self.book.settle(reservation, prompt + completion)
+            answer = prompt + completion
         else:
-            self.book.settle(reservation, reservation.tokens if ran else 0)
-
-    def refund(self, reservation: Reservation | None) -> None:
-        """Served elsewhere (a peer gateway charges the key there)."""
-        if reservation is not None:
-            self.book.settle(reservation, 0)
+            answer = reservation.tokens if ran else 0
+        self.book.settle(reservation, answer + abandoned)
 
     def prime(self, keys: list[ApiKeyRecord]) -> None:
         """The keys file was reloaded: create new keys' buckets, drop deleted keys'."""

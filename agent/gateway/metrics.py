@@ -138,6 +138,12 @@ class GatewayMetrics:
             "Prompt tokens counted at admission, by deployment and counter (tokenizer, estimate).",
             ["deployment", "counter"], registry=r,
         )  # fmt: skip
+        self.abandoned_tokens = Counter(
+            "fleet_gateway_abandoned_tokens_charged",
+            "Prompt tokens charged for attempts given up after they were sent to a replica here "
+            "(reason: timeout, client_gone), on top of the answer's usage.",
+            ["deployment", "reason"], registry=r,
+        )  # fmt: skip
         for result in ("published", "dropped"):
             self.usage_records.labels(result)
         for name in ("replicas", "keys", "routes"):

@@ -105,8 +105,8 @@ class Upstreams:
     def deadlines(self, call: Call, target: Attempt) -> Deadlines:
         gwc = self.settings
         first = gwc.first_byte_timeout_s + (gwc.queue_timeout_s if target.is_peer else 0.0)
-        if not call.info.stream:  # the first byte comes with the whole answer
-            first += gwc.token_timeout_s * call.info.max_tokens * call.info.sequences
+        if not call.info.stream:  # the first byte comes with the whole answer: all it may generate
+            first += gwc.token_timeout_s * call.info.generated_tokens()
         return Deadlines(first_byte_s=first, gap_s=gwc.inter_chunk_timeout_s)
 
 

@@ -144,6 +144,12 @@ class _SamplingRequest(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """The output bound per sequence; None: up to the context window
+        (`fleet_base.sampling_params.generation_limit`)."""
+        return self.max_tokens
+
     def _params(
         self, max_tokens: int | None, logprobs: int | None, structured: StructuredOutput | None = None
     ) -> SamplingParams:
@@ -285,7 +291,7 @@ class CompletionRequest(_SamplingRequest):
         return list(p)
 
     def sampling_params(self) -> SamplingParams:
-        return self._params(self.max_tokens, self.logprobs)
+        return self._params(self.requested_max_tokens, self.logprobs)
 
 
 class TokenizeRequest(_Strict):

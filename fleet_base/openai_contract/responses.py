@@ -125,6 +125,11 @@ class ResponsesRequest(Strict):
             )
         return self
 
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """The output bound; None: up to the context window, as for chat."""
+        return self.max_output_tokens
+
     def chat_body(self) -> dict[str, Any]:
         """The equivalent /v1/chat/completions body (as JSON-ready data)."""
         messages: list[dict[str, Any]] = []

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+from agent.gateway.errors import GatewayError
 from agent.gateway.inputs import parse_request
 from agent.gateway.limits import QuotaGate
 from agent.gateway.metrics import GatewayMetrics
@@ -69,3 +70,32 @@ def test_a_cut_stream_counts_the_tokens_it_carried() -> None:
     two = {"choices": [{"index": 0, "text": "a"}, {"index": 1, "text": "b"}]}
     observer.observe(b"data: " + json.dumps(two).encode() + b"\n\n")
     assert observer.tokens_seen == 4 and observer.usage is None and observer.first_token
+
+
+def test_every_endpoint_without_a_limit_reserves_what_the_engine_may_generate() -> None:
+    """Responses without max_output_tokens runs to the end of the context on the engine, as
+    chat without max_tokens does; n multiplies; completions' bound is the contract's
+    default (16, also for an explicit null), as the replica applies it."""
+    responses = parse_request(json.dumps({"model": "m", "input": "x" * 40}).encode(), "responses")
+    assert not responses.max_tokens_given
+    assert responses.worst_case_tokens(4096) == 4096
+    chat = parse_request(json.dumps({**CHAT, "n": 3}).encode(), "chat")
+    assert chat.worst_case_tokens(4096) == chat.prompt_tokens + (4096 - chat.prompt_tokens) * 3
+    nulled = {"model": "m", "prompt": ["x" * 40, "y"], "max_tokens": None, "n": 3}
+    completion = parse_request(json.dumps(nulled).encode(), "completions")
+    assert completion.worst_case_tokens(4096) == completion.prompt_tokens + 16 * 2 * 3
+
+
+def test_an_open_ended_responses_request_that_would_overdraw_is_refused() -> None:
+    quota, _ = gate()
+    key = keyed(10_000)
+    info = parse_request(json.dumps({"model": "m", "input": "hi"}).encode(), "responses")
+    reservation, _ = quota.admit(key, info, info.worst_case_tokens(4096))
+    assert reservation is not None and reservation.tokens == 4096  # not prompt + 256
+    quota.admit(key, info, info.worst_case_tokens(4096))
+    try:  # 10,000 - 2 x 4096 left: a third open-ended request would overdraw
+        quota.admit(key, info, info.worst_case_tokens(4096))
+    except GatewayError as err:
+        assert err.status == 429
+    else:
+        raise AssertionError("a third open-ended request was admitted past the budget")
