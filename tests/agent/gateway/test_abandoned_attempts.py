@@ -42,11 +42,19 @@ def test_a_generation_abandoned_at_its_deadline_is_charged_and_stopped(
         quota_minute_s=86400.0,  # no refill to speak of while the test runs
     )
 
-    def aborted() -> float:
-        return sum(
-            sample(scrape(r.url), "fleet_engine_requests_total", model=DEPLOYMENT, finish_reason="abort")
-            for r in replicas
-        )
+    def engine_counts() -> dict[str, float]:
+        """Over both replicas: API requests that reached an engine, and finishes by reason."""
+        out = dict.fromkeys(("admitted", "abort", "length", "stop"), 0.0)
+        for r in replicas:
+            samples = scrape(r.url)
+            out["admitted"] += sum(
+                v for (name, _), v in samples.items() if name == "fleet_engine_api_requests_total"
+            )
+            for reason in ("abort", "length", "stop"):
+                out[reason] += sample(
+                    samples, "fleet_engine_requests_total", model=DEPLOYMENT, finish_reason=reason
+                )
+        return out
 
     gw.start()
     try:
@@ -56,7 +64,7 @@ def test_a_generation_abandoned_at_its_deadline_is_charged_and_stopped(
             routes=[route(DEPLOYMENT, [peer("east", gw.url, *EAST)])],
         )
         headers = {"Authorization": f"Bearer {secret}"}
-        before = aborted()
+        before = engine_counts()
         body = {"model": DEPLOYMENT, "prompt": PROMPT, "max_tokens": 240, "ignore_eos": True}
         r = httpx.post(f"{gw.url}/v1/completions", json=body, headers=headers, timeout=30)
         assert r.status_code == 502, r.text  # both replicas timed out: no third try
@@ -69,14 +77,23 @@ def test_a_generation_abandoned_at_its_deadline_is_charged_and_stopped(
         assert int(probe.headers["x-ratelimit-remaining-tokens"]) == BUDGET - 2 * len(PROMPT)
 
         # A timed-out attempt may have run: one retry after it, not two.
+        metrics = scrape(gw.url)
         timeouts = sample(
-            scrape(gw.url), "fleet_gateway_upstream_errors_total", deployment=DEPLOYMENT, reason="timeout"
+            metrics, "fleet_gateway_upstream_errors_total", deployment=DEPLOYMENT, reason="timeout"
         )
         assert timeouts == 2
+        charged = sample(
+            metrics, "fleet_gateway_abandoned_tokens_charged_total", deployment=DEPLOYMENT, reason="timeout"
+        )
+        assert charged == 2 * len(PROMPT)
 
-        # Each abandoned attempt stopped generating on its replica.
-        # Each abandoned attempt stopped generating on its replica (none ran to its end).
-        wait_for(lambda: aborted() >= before + 2, 20, "both abandoned attempts aborted on the replicas", 0.1)
-        assert aborted() == before + 2
+        # Every attempt that reached an engine ended there, aborted: none ran to its end.
+        def ended() -> dict[str, float] | None:
+            now = {k: v - before[k] for k, v in engine_counts().items()}
+            return now if now["abort"] + now["length"] + now["stop"] >= now["admitted"] else None
+
+        spent = wait_for(ended, 30, "the abandoned attempts to end on the replicas", 0.1)
+        assert spent["admitted"] >= 1 and spent["abort"] == spent["admitted"], spent
+        assert spent["length"] == spent["stop"] == 0, spent
     finally:
         gw.stop()
