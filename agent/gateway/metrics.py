@@ -140,8 +140,7 @@ class GatewayMetrics:
         )  # fmt: skip
         self.abandoned_tokens = Counter(
             "fleet_gateway_abandoned_tokens_charged",
-            "Prompt tokens charged for attempts given up after they were sent to a replica here "
-            "(reason: timeout, client_gone), on top of the answer's usage.",
+            "Prompt tokens charged for attempts given up after being sent here (timeout, client_gone).",
             ["deployment", "reason"], registry=r,
         )  # fmt: skip
         for result in ("published", "dropped"):
