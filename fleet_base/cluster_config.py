@@ -41,6 +41,9 @@ class GatewayConfig(BaseModel):
     )
     default_class: str = "standard"
     max_queue_age_s: float = Field(5.0, gt=0)
+    # The fraction of queue_size one key's waiting requests may hold (past it: 429), so
+    # a key flooding the queue leaves room for the others; keys take turns for slots.
+    queue_share_per_key: float = Field(0.75, gt=0, le=1)
     # Requests in flight per ready replica before new ones queue here: per deployment
     # `concurrency_targets`, else the replica's engine_args max_num_seqs, else this.
     concurrency_target: int = Field(128, ge=1)

@@ -69,7 +69,7 @@ class Accounting:
         p.finished = True
         deployment = call.deployment
         if p.admitted:
-            self.queue.release(deployment)
+            self.queue.release(deployment, call.key_id)
         ex.settlement.settle(p.usage, p.ran)
         latency = time.monotonic() - call.started
         self.metrics.in_flight.labels(deployment).dec()

@@ -77,7 +77,10 @@ class Dispatcher:
         """A slot of this cluster's queue; after a wait, the plan on fresh load."""
         deployment = ex.call.deployment
         with self._waiting(deployment):
-            ex.progress.queue_s = await self.queue.admit(deployment, ex.call.klass)
+            call = ex.call
+            ex.progress.queue_s = await self.queue.admit(
+                deployment, call.klass, call.key_id, call.max_concurrent
+            )
         ex.progress.admitted = True
         local = plan.stage("local")
         if ex.progress.queue_s > 0 or not local or not local[0].name:

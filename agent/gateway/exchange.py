@@ -35,6 +35,7 @@ class Call:
     forwarded_from: str | None = None
     adapter: str | None = None  # the LoRA adapter the request names ("model"), if any
     klass: str = ""  # priority class
+    max_concurrent: int | None = None  # the key's: its requests holding a slot here at once
     draw: float | None = None  # the canary draw (sticky per end user), fixed per request
     block_keys: tuple[int, ...] = ()  # the prompt's prefix-block keys (prefix routing)
     limit_headers: Mapping[str, str] = field(default_factory=dict)

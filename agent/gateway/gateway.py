@@ -89,6 +89,7 @@ class Gateway:
         self.quota = QuotaGate(config.cluster, self.metrics, minute_s=gwc.quota_minute_s)
         self.queue.classes = tuple(gwc.priority_classes)
         self.queue.max_age_s = gwc.max_queue_age_s
+        self.queue.key_share = gwc.queue_share_per_key
         self.queue.capacity = self._concurrency_target
         link = (
             NatsLink(
@@ -326,6 +327,7 @@ class Gateway:
             forward.cluster if forward else None,
             adapter=adapter,
             klass=record.quotas.priority_class or self.config.gateway.default_class,
+            max_concurrent=record.quotas.max_concurrent,
             draw=self._draw(info, headers.get(SESSION_HEADER)),
             block_keys=self.prefix.keys(info, record.key_id),
             client=ClientHeaders(

@@ -4,14 +4,21 @@ Bounded in size and in time: a full queue or a wait past the timeout is answered
 with Retry-After. Waiters wake on every reload of the cluster state.
 
 `admit` also holds requests while every ready replica of the deployment is at its
-concurrency target (`capacity`), and lets waiters go in priority order, FIFO within a
-class, the overdue first (`agent.gateway.priority`); `release` frees an admitted slot.
+concurrency target (`capacity`), and lets waiters go in priority order, keys taking turns
+within a class, the overdue first (`agent.gateway.priority`); `release` frees an admitted
+slot.
+
+Per key: at most its `max_concurrent` requests hold slots here at once (the others wait
+their turn), and at most `key_share` of the queue waits for one key; past that share the
+key is answered 429, so one key can neither take every slot nor fill the queue.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -41,6 +48,9 @@ class ReplicaQueue:
         self.clock: Callable[[], float] = time.monotonic
         self.active: dict[str, int] = {}
         self.cold_start_timeout_s = 0.0  # see wait_limit
+        self.key_share = 1.0  # the fraction of `size` one key's waiters may hold
+        self.key_active: collections.Counter[str] = collections.Counter()  # slots held, per key
+        self._key_limits: dict[str, int | None] = {}  # max_concurrent of the keys seen lately
         self._waitlists: dict[str, PriorityWaitlist] = {}
         self._grants: dict[int, asyncio.Future[None]] = {}
 
@@ -72,6 +82,19 @@ class ReplicaQueue:
         """Requests of `deployment` waiting for a slot now."""
         return len(self._waitlists.get(deployment) or ())
 
+    def key_waiting(self, key: str) -> int:
+        """Requests of `key` waiting here, every deployment."""
+        return sum(wl.of_key(key) for wl in self._waitlists.values())
+
+    def key_queue_cap(self) -> int:
+        """How many of one key's requests may wait here at once."""
+        return max(1, math.ceil(self.size * self.key_share))
+
+    def eligible(self, key: str) -> bool:
+        """The key may take another slot (it is below its max_concurrent)."""
+        limit = self._key_limits.get(key)
+        return limit is None or self.key_active[key] < limit
+
     def would_wait(self, deployment: str) -> bool:
         """A request arriving now would queue (no slot free, or others wait already)."""
         return not self._room(deployment) or bool(self._waitlists.get(deployment))
@@ -89,20 +112,31 @@ class ReplicaQueue:
         """Grant free slots to waiters, best first."""
         wl = self._waitlists.get(deployment)
         while wl and self._room(deployment):
-            waiter = wl.pop(self.clock())
+            waiter = wl.pop(self.clock(), self.eligible)
             if waiter is None:
                 break
-            self.active[deployment] = self.active.get(deployment, 0) + 1
             grant = self._grants.pop(waiter.seq, None)
             if grant is not None and not grant.done():
+                self._take(deployment, waiter.key)
                 grant.set_result(None)
-            else:  # its owner left already
-                self.active[deployment] -= 1
 
-    def release(self, deployment: str) -> None:
-        """An admitted request finished: free its slot and let the next waiter in."""
+    def _take(self, deployment: str, key: str) -> None:
+        self.active[deployment] = self.active.get(deployment, 0) + 1
+        self.key_active[key] += 1
+
+    def release(self, deployment: str, key: str = "") -> None:
+        """An admitted request finished: free its slots (the deployment's and the key's) and
+        let the next waiters in: here, and where the key's own requests wait."""
         self.active[deployment] = max(0, self.active.get(deployment, 0) - 1)
+        self.key_active[key] -= 1
+        if self.key_active[key] <= 0:
+            del self.key_active[key]
+            if not self.key_waiting(key):
+                self._key_limits.pop(key, None)
         self.dispatch(deployment)
+        for other, wl in list(self._waitlists.items()):
+            if other != deployment and wl.of_key(key):
+                self.dispatch(other)
 
     def _refused(self, deployment: str, reason: str, why: str, busy: str, code: str) -> GatewayError:
         """The queue's 503 (reason: full, timeout): unavailable while nothing is ready, else busy."""
@@ -131,21 +165,51 @@ class ReplicaQueue:
         self.metrics.queue_depth.set(self.depth)
         self.metrics.queue_class_depth.labels(klass).set(self.class_depth(klass))
 
-    async def admit(self, deployment: str, klass: str) -> float:
-        """Take a slot of `deployment` (call `release` when done); the seconds queued.
-        503 on a full queue or after the timeout."""
+    def _over_share(self, deployment: str, key: str) -> GatewayError:
+        """429: the key holds its whole share of the queue (and, with a max_concurrent, its slots)."""
+        waiting, cap = self.key_waiting(key), self.key_queue_cap()
+        limit = self._key_limits.get(key)
+        if limit is not None and self.key_active[key] >= limit:
+            reason = "max_concurrent"
+            message = (
+                f"This key already has {self.key_active[key]} requests running here (its max_concurrent is "
+                f"{limit}) and {waiting} waiting, its share of this gateway's queue; retry when one finishes"
+            )
+        else:
+            reason = "queue_share"
+            message = (
+                f"This key already has {waiting} requests waiting here, its share of this gateway's queue "
+                f"({cap} of {self.size}); retry when one finishes"
+            )
+        self.metrics.rate_limited.labels(deployment, reason).inc()
+        return GatewayError(
+            429, message, code="rate_limit_exceeded", headers={"Retry-After": str(self.retry_after_s)}
+        )
+
+    async def admit(
+        self, deployment: str, klass: str, key: str = "", max_concurrent: int | None = None
+    ) -> float:
+        """Take a slot of `deployment` for `key` (call `release` with both when done); the
+        seconds queued. 429 past the key's share of the queue; 503 on a full queue or after
+        the timeout."""
         start = self.clock()
+        if max_concurrent is None:
+            self._key_limits.pop(key, None)
+        else:
+            self._key_limits[key] = max_concurrent
         wl = self.waitlist(deployment)
         klass = wl.klass(klass)
-        if not wl and self._room(deployment):
-            self.active[deployment] = self.active.get(deployment, 0) + 1
+        if self._room(deployment) and self.eligible(key) and wl.peek(start, self.eligible) is None:
+            self._take(deployment, key)
             self.metrics.queue_time.labels(klass).observe(0.0)
             return 0.0
         if self.depth >= self.size:
             full = f"the gateway queue is full at {self.size} requests"
             raise self._refused(deployment, "full", full, full, "queue_full")
+        if self.key_waiting(key) >= self.key_queue_cap():  # room, but not for this key
+            raise self._over_share(deployment, key)
         loop = asyncio.get_running_loop()
-        waiter = wl.add(klass, start)
+        waiter = wl.add(klass, start, key)
         grant: asyncio.Future[None] = loop.create_future()
         self._grants[waiter.seq] = grant
         deadline = start + self.wait_limit(deployment)
@@ -175,7 +239,7 @@ class ReplicaQueue:
             wl.remove(waiter)
             self._grants.pop(waiter.seq, None)
             if not admitted and grant.done() and not grant.cancelled():
-                self.release(deployment)  # granted, but its owner left (cancelled)
+                self.release(deployment, key)  # granted, but its owner left (cancelled)
             grant.cancel()
             self.depth -= 1
             self._set_depth_metrics(klass)
