@@ -85,16 +85,8 @@ async def test_a_flooding_key_is_held_to_its_share_and_others_are_served(
     flood_secret, flooder = make_key("flooder")
     flooder = flooder.model_copy(update={"quotas": Quotas(max_concurrent=MAX_CONCURRENT)})
     fair_secret, fair = make_key("fair")
-    gw = GatewayProcess(
-        tmp_path / "gw",
-        "east",
-        nats_url=nats.url,
-        lat=EAST[0],
-        lon=EAST[1],
-        queue_size=QUEUE,
-        queue_timeout_s=20.0,
-        concurrency_targets={DEPLOYMENT: SLOTS},
-    )
+    queue = {"queue_size": QUEUE, "queue_timeout_s": 20.0, "concurrency_targets": {DEPLOYMENT: SLOTS}}
+    gw = GatewayProcess(tmp_path / "gw", "east", nats_url=nats.url, **queue)  # type: ignore[arg-type]
     await asyncio.to_thread(gw.start)
     try:
         await asyncio.to_thread(
