@@ -77,10 +77,15 @@ class KubernetesConfig(BaseModel):
     node_provider: NodeProvider = "generic"
     pools: dict[str, PoolPlacement] = Field(default_factory=dict)
     model_volume: ModelVolume = Field(default_factory=ModelVolume)
-    # A Secret mounted read-only into every replica at /etc/fleet/credentials (e.g. the
-    # replica certificate and token of the cluster's enrolment bundle; engine flags that
-    # use them go in replica.extra_args). "" = none.
+    # The Secret holding the replicas' certificate, key and token (replica.pem, replica.key,
+    # replica-token of the cluster's enrolment bundle). Required with `security`: every
+    # replica then serves HTTPS with that certificate and requires that token, like a
+    # process replica. Without `security`, mounted whole at /etc/fleet/credentials. "" = none.
     replica_secret: str = Field("", pattern=r"^$|" + _DNS_LABEL[1:])
+    # The headless Service (in `namespace`) whose name is every replica pod's subdomain:
+    # with `security`, gateways reach a replica at https://<pod hostname>.<this>.<namespace>.svc,
+    # a name the replica certificate covers with `*.<this>.<namespace>.svc`.
+    replica_service: str = Field("fleet-replicas", pattern=_DNS_LABEL)
     port: int = Field(8000, ge=1, le=65535)
     cpu_request: str = "4"
     memory_request: str = "16Gi"

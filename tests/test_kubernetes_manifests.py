@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from agent.runtime import kubernetes as kube_runtime
-from agent.runtime.kube_pod import replica_pod
+from agent.runtime.kube_pod import replica_pod, selector_labels
 from agent.runtime.kubernetes import KubernetesRuntime
 from fleet_base.cluster_config import ClusterConfig
 from fleet_base.protocol import ReplicaSpec, Resources
@@ -155,6 +155,22 @@ def test_agent_config_and_the_pods_it_would_create(rendered, overlay) -> None:
             assert pod["spec"]["nodeSelector"]["eks.amazonaws.com/capacityType"] == "SPOT"
         if pool.tier.value == "spot" and config.kubernetes.node_provider == "gke":
             assert pod["spec"]["nodeSelector"]["cloud.google.com/gke-spot"] == "true"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_replica_service_gives_replica_pods_their_tls_name(rendered, overlay) -> None:
+    """The headless Service a secure replica pod names as its subdomain exists and selects
+    exactly the agent's replica pods (their DNS names are what the gateway verifies)."""
+    docs = rendered[overlay]
+    (cm,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].startswith("fleet-agent-config")]
+    config = ClusterConfig.model_validate(yaml.safe_load(cm["data"]["cluster.yaml"]))
+    (svc,) = [
+        d for d in by_kind(docs, "Service") if d["metadata"]["name"] == config.kubernetes.replica_service
+    ]
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    pod_labels = selector_labels(config.cluster)
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
+    assert [p["port"] for p in svc["spec"]["ports"]] == [config.kubernetes.port]
 
 
 # ----------------------------------------------------------------------- RBAC

@@ -11,17 +11,26 @@ against the official schemas and the runtime only sends it.
   on /health, a preStop pause so endpoints and gateways stop sending before SIGTERM
   starts the engine's own drain, termination grace = pause + drain timeout + margin;
 - hardening: non-root, read-only root filesystem, no privilege escalation, all
-  capabilities dropped, RuntimeDefault seccomp, no service-account token.
+  capabilities dropped, RuntimeDefault seccomp, no service-account token;
+- identity (with `security`, as for a process replica): the engine serves HTTPS with the
+  replica certificate and requires the replica token, both from `kubernetes.replica_secret`
+  (certificate and key as a secret volume holding only those two files, the token by
+  secretKeyRef: the pod object holds no secret value); probes use HTTPS; the pod is named
+  `<hostname>.<replica_service>.<namespace>.svc`, the name gateways verify the certificate
+  against (`replica_url`). Binding every address of the pod is then safe: nothing is
+  served without TLS, and nothing but /health and /metrics without the token.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import secrets
 
 from agent.runtime.base import InvalidSpec
 from agent.runtime.command import replica_argv
+from agent.security.replica_auth import SECRET_CERT, SECRET_KEY, replica_pod_env
 from fleet_base.cluster_config import ClusterConfig
 from fleet_base.domain import Tier
 from fleet_base.kube_config import PoolPlacement
@@ -151,6 +160,36 @@ def node_placement(
     return selector, tolerations
 
 
+def pod_hostname(name: str) -> str:
+    """The pod's hostname, a DNS label (63 characters at most): its name, or a prefix of it
+    and a hash of the whole when longer."""
+    if len(name) <= 63:
+        return name
+    return f"{name[:52].rstrip('-')}-{hashlib.sha256(name.encode()).hexdigest()[:10]}"
+
+
+def secure(config: ClusterConfig) -> bool:
+    """Replicas of this cluster serve HTTPS and require the replica token."""
+    return config.security.enabled
+
+
+def replica_url(pod: dict, pod_ip: str, config: ClusterConfig) -> str:
+    """Where the agent and the gateway reach a replica pod: with `security`, its DNS name
+    under the replica Service (which the replica certificate covers), else its IP."""
+    port = config.kubernetes.port
+    spec = pod.get("spec") or {}
+    if secure(config):
+        namespace = (pod.get("metadata") or {}).get("namespace") or config.kubernetes.namespace
+        return f"https://{spec['hostname']}.{spec['subdomain']}.{namespace}.svc:{port}"
+    return f"http://[{pod_ip}]:{port}" if ":" in pod_ip else f"http://{pod_ip}:{port}"
+
+
+def serves_tls(pod: dict, config: ClusterConfig) -> bool:
+    """A pod made for this config's security (a pod started before it was enabled is not)."""
+    spec = pod.get("spec") or {}
+    return not secure(config) or bool(spec.get("hostname") and spec.get("subdomain"))
+
+
 def termination_grace_s(drain_timeout_s: float) -> int:
     return PRESTOP_PAUSE_S + math.ceil(drain_timeout_s) + KILL_MARGIN_S
 
@@ -176,11 +215,23 @@ def _volumes(config: ClusterConfig) -> tuple[list[dict], list[dict]]:
     if mv.kind != "none":
         mounts.append({"name": "models", "mountPath": mv.mount_path, "readOnly": True})
     if kc.replica_secret:
-        volumes.append(
-            {"name": "credentials", "secret": {"secretName": kc.replica_secret, "defaultMode": 0o440}}
-        )
+        source: dict = {"secretName": kc.replica_secret, "defaultMode": 0o440}
+        if secure(config):  # only the replica's own files, never the rest of a shared bundle
+            source["items"] = [{"key": name, "path": name} for name in (SECRET_CERT, SECRET_KEY)]
+        volumes.append({"name": "credentials", "secret": source})
         mounts.append({"name": "credentials", "mountPath": CREDENTIALS_DIR, "readOnly": True})
     return volumes, mounts
+
+
+def _identity_env(config: ClusterConfig) -> list[dict]:
+    """The replica's certificate, key and token (none without `security`)."""
+    if not secure(config):
+        return []
+    if not config.kubernetes.replica_secret:
+        raise InvalidSpec(
+            "security is on: replicas need kubernetes.replica_secret (their certificate, key and token)"
+        )
+    return replica_pod_env(config.kubernetes.replica_secret, CREDENTIALS_DIR)
 
 
 def replica_pod(
@@ -210,8 +261,13 @@ def replica_pod(
     if pool is not None and pool.gpu_model.lower() != "cpu" and gpu_resource:
         requests[gpu_resource] = limits[gpu_resource] = str(spec.resources.gpu_count)
     volumes, mounts = _volumes(config)
-    health = {"path": "/health", "port": "http"}
-    env = [{"name": k, "value": v} for k, v in sorted(config.replica.env.items())]
+    identity = _identity_env(config)
+    port_name = "https" if identity else "http"
+    # /health is open on a replica (OPEN_PATHS): its status word and nothing else
+    health = {"path": "/health", "port": port_name, "scheme": "HTTPS" if identity else "HTTP"}
+    ours = {e["name"] for e in identity}
+    env = [{"name": k, "value": v} for k, v in sorted(config.replica.env.items()) if k not in ours]
+    env += identity
     env.append({"name": "HOME", "value": "/tmp"})
     if config.kubernetes.model_volume.kind != "none" and "FLEET_MODEL_CACHE" not in config.replica.env:
         # a model URI resolves from the volume (the node cache layout, docs/models.md)
@@ -221,7 +277,7 @@ def replica_pod(
         "image": kc.image,
         "imagePullPolicy": kc.image_pull_policy,
         "command": engine_command(spec, config),
-        "ports": [{"name": "http", "containerPort": kc.port, "protocol": "TCP"}],
+        "ports": [{"name": port_name, "containerPort": kc.port, "protocol": "TCP"}],
         "env": env,
         "resources": {"requests": requests, "limits": limits},
         "startupProbe": {
@@ -273,8 +329,12 @@ def replica_pod(
         pod_spec["priorityClassName"] = kc.priority_class
     if kc.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": s} for s in kc.image_pull_secrets]
+    name = name or pod_name(spec.replica_id)
+    if identity:  # <hostname>.<replica_service>.<namespace>.svc: the name its certificate covers
+        pod_spec["hostname"] = pod_hostname(name)
+        pod_spec["subdomain"] = kc.replica_service
     metadata: dict = {
-        "name": name or pod_name(spec.replica_id),
+        "name": name,
         "namespace": kc.namespace,
         "labels": labels,
         "annotations": {SPEC_ANNOTATION: spec.model_dump_json()},

@@ -10,7 +10,10 @@ where a ReplicaSet would pick its own victims on scale-down.
 - a list + watch of this cluster's replica pods (by labels) keeps a local cache, as an
   informer does: resourceVersion from the list, relist after a 410 or a broken stream;
   `poll` reads the cache (a GET until the first list is in);
-- the gateway reaches a replica by pod IP (`handle.url` is set once the pod has one);
+- the gateway reaches a replica once the pod has an IP (`handle.url`): with `security`
+  over HTTPS at its DNS name under the replica Service, verifying the replica
+  certificate and sending the replica token, as for a process replica; without it
+  (tests only) over plain HTTP at the pod IP, which is logged as a warning;
 - `stop` deletes with the pod's grace (preStop pause + drain timeout + margin) and waits
   until the pod is gone; `kill` deletes with grace 0;
 - a failed pod (restartPolicy Never) is deleted after its log tail is read; the
@@ -42,7 +45,10 @@ from agent.runtime.kube_pod import (
     LABEL,
     SPEC_ANNOTATION,
     replica_pod,
+    replica_url,
+    secure,
     selector_labels,
+    serves_tls,
     termination_grace_s,
 )
 from agent.runtime.kube_status import PodView, classify, vanished
@@ -74,10 +80,6 @@ def kube_config(config: ClusterConfig) -> KubeConfig:
         ) from err
 
 
-def _pod_url(ip: str, port: int) -> str:
-    return f"http://[{ip}]:{port}" if ":" in ip else f"http://{ip}:{port}"
-
-
 def _status_code(err: ApiError) -> int:
     return int(getattr(err.status, "code", 0) or 0)
 
@@ -89,6 +91,13 @@ class KubernetesRuntime(Runtime):
     def __init__(self, config: ClusterConfig, client: AsyncClient | None = None) -> None:
         if not config.pools:
             raise ValueError("runtime kubernetes: declare the cluster's pools in cluster.yaml (`pools:`)")
+        if secure(config) and not config.kubernetes.replica_secret:
+            raise ValueError(
+                "runtime kubernetes: security is on, so replicas need kubernetes.replica_secret "
+                "(a Secret with replica.pem, replica.key and replica-token from the enrolment bundle)"
+            )
+        if not secure(config):
+            log.warning("no security: replica pods serve plain HTTP on their pod IP without a token")
         self.config = config
         self.kc = config.kubernetes
         self.namespace = self.kc.namespace
@@ -229,8 +238,8 @@ class KubernetesRuntime(Runtime):
             view = vanished(self.gone.get(name))
         else:
             view = classify(pod, self.kc.memory_limit)
-        if view.pod_ip and not handle.url:
-            handle.url = _pod_url(view.pod_ip, handle.port)
+        if view.pod_ip and not handle.url and pod is not None:
+            handle.url = replica_url(pod, view.pod_ip, self.config)
         if view.state == ReplicaState.starting and not view.unschedulable:
             # the startup probe bounds a running container; this bounds the rest (a volume
             # that never attaches, an image that never arrives)
@@ -309,8 +318,12 @@ class KubernetesRuntime(Runtime):
         if view.state in (ReplicaState.failed, ReplicaState.draining):
             await self._delete(name, 0)
             return False
+        if not serves_tls(pod, self.config):  # started before security was on: replaced
+            log.warning("replica %s: pod %s serves without TLS; replacing it", handle.replica_id, name)
+            await self._delete(name, termination_grace_s(self.config.replica.drain_timeout_s))
+            return False
         if view.pod_ip:
-            handle.url = _pod_url(view.pod_ip, handle.port)
+            handle.url = replica_url(pod, view.pod_ip, self.config)
         log.info("adopted replica %s (pod %s)", handle.replica_id, handle.pod)
         return True
 

@@ -3,7 +3,10 @@ and the cluster's replica token as a bearer (only its gateway and agent hold it)
 
 The engine (`python -m engine.server`) and the simulated replica read the same
 environment, which the process runtime sets (never argv: `ps` shows argv to everyone):
-`FLEET_ENGINE_API_KEY`, `FLEET_ENGINE_SSL_CERTFILE`, `FLEET_ENGINE_SSL_KEYFILE`.
+`FLEET_ENGINE_API_KEY`, `FLEET_ENGINE_SSL_CERTFILE`, `FLEET_ENGINE_SSL_KEYFILE`. A
+Kubernetes replica gets the same variables from the cluster's replica Secret
+(`replica_pod_env`): the certificate and key as files of a secret volume, the token
+through a secretKeyRef, so no secret value is ever written into the pod object.
 """
 
 from __future__ import annotations
@@ -19,6 +22,10 @@ API_KEY_ENV = "FLEET_ENGINE_API_KEY"
 CERT_ENV = "FLEET_ENGINE_SSL_CERTFILE"
 KEY_ENV = "FLEET_ENGINE_SSL_KEYFILE"
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # the agent's probes and scrapes; no user data
+# The replica Secret's keys: the file names of the enrolment bundle (`fleetctl clusters enroll`).
+SECRET_CERT = "replica.pem"
+SECRET_KEY = "replica.key"
+SECRET_TOKEN = "replica-token"
 
 Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Any, Any], Awaitable[None]]
@@ -32,6 +39,16 @@ def replica_env(creds: Credentials) -> dict[str, str]:
     if creds.replica_token:
         env[API_KEY_ENV] = creds.replica_token
     return env
+
+
+def replica_pod_env(secret: str, mount_dir: str) -> list[dict]:
+    """The container env of a replica pod: `replica_env`'s variables, the files from the
+    `secret` volume mounted at `mount_dir`, the token by reference to `secret`."""
+    return [
+        {"name": CERT_ENV, "value": f"{mount_dir}/{SECRET_CERT}"},
+        {"name": KEY_ENV, "value": f"{mount_dir}/{SECRET_KEY}"},
+        {"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": secret, "key": SECRET_TOKEN}}},
+    ]
 
 
 def replica_headers(creds: Credentials) -> dict[str, str]:

@@ -377,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
     # As the engine: the replica token and HTTPS certificate from the environment.
-    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV))
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV, "").strip() or None)
     p.add_argument("--ssl-certfile", default=os.environ.get(CERT_ENV))
     p.add_argument("--ssl-keyfile", default=os.environ.get(KEY_ENV))
     return p

@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
         "--api-key",
-        default=os.environ.get("FLEET_ENGINE_API_KEY"),
+        # stripped: a token from a Kubernetes Secret keeps its file's trailing newline
+        default=os.environ.get("FLEET_ENGINE_API_KEY", "").strip() or None,
         help="require 'Authorization: Bearer KEY' on the API (default: $FLEET_ENGINE_API_KEY)",
     )
     p.add_argument(
