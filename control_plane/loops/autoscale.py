@@ -81,7 +81,8 @@ class AutoscaleLoop(NatsLoop):
         await self._close()
 
     def _take_heartbeat(self, hb: protocol.Heartbeat) -> None:
-        self.heartbeats[hb.cluster] = hb
+        # our clock: a heartbeat dated ahead would never go stale after its cluster fell silent
+        self.heartbeats[hb.cluster] = hb.model_copy(update={"sent_at": time.time()})
 
     @property
     def rejections(self) -> Rejections:

@@ -23,7 +23,7 @@ from control_plane.rollouts.loop import RolloutLoop
 from control_plane.settings import Settings
 from fleet_base import protocol
 from fleet_base.protocol import Demand, Heartbeat, ReplicaLoad, ReplicaState, ReplicaStatus
-from fleet_base.wire import Rejected, decode_demand
+from fleet_base.wire import Rejected, decode_demand, decode_usage
 
 NOW = time.time()
 
@@ -143,6 +143,12 @@ def test_heartbeats_about_replicas_not_placed_on_the_sender_do_not_steer_the_aut
     assert loop.inbox.rejections.refusals[("heartbeat", "not_placed")] >= 4
 
 
+def test_a_heartbeat_dated_ahead_goes_stale_on_the_control_planes_clock(sessions, tmp_path) -> None:
+    loop = _loop(sessions, tmp_path)
+    loop._take_heartbeat(Heartbeat(cluster="east", sent_at=253_402_300_000.0))
+    assert abs(loop.heartbeats["east"].sent_at - time.time()) < 60
+
+
 # --------------------------------------------------------------------- usage
 
 
@@ -178,12 +184,10 @@ def test_usage_dated_in_the_future_or_beyond_retention_is_refused(sessions) -> N
 
 
 def test_usage_tokens_per_record_are_bounded() -> None:
+    """A record may claim one context window's worth of tokens, not 2^31."""
+    record = _usage("east", prompt_tokens=1)
     with pytest.raises(Rejected):
-        protocol_usage = _usage("east", prompt_tokens=1)
-        data = protocol_usage.data.replace(b'"prompt_tokens":1', b'"prompt_tokens":2000000000')
-        from fleet_base.wire import decode_usage
-
-        decode_usage(protocol_usage.subject, data)
+        decode_usage(record.subject, record.data.replace(b'"prompt_tokens":1', b'"prompt_tokens":2000000000'))
 
 
 def test_pruning_leaves_no_row_older_than_retention(sessions) -> None:
