@@ -117,6 +117,12 @@ async def test_a_flooding_key_is_held_to_its_share_and_others_are_served(
     finally:
         await asyncio.to_thread(gw.stop)
 
+    statuses = collections.Counter(r.status_code for r, _ in flood_results)
+    waits = [float(r.headers.get("x-fleet-queue-seconds", "nan")) for r, _ in fair_results]
+    print(
+        f"\nflood of {FLOOD} (max_concurrent {MAX_CONCURRENT}, {SLOTS} slots, queue {QUEUE}): {dict(statuses)}; "
+        f"flooder peak in flight {stand_in.peak[cache_salt('flooder')]}; other key queued {waits} s"
+    )
     for r, _ in fair_results:
         assert r.status_code == 200, r.text
         # a turn or two of the flooder's, not the ~6 holds its queue takes to drain
@@ -126,7 +132,6 @@ async def test_a_flooding_key_is_held_to_its_share_and_others_are_served(
     fair_at = [i for i, salt in enumerate(stand_in.order) if salt == cache_salt("fair")]
     assert len(fair_at) == SLOTS
     assert stand_in.order[fair_at[-1] :].count(cache_salt("flooder")) >= 4, stand_in.order
-    statuses = collections.Counter(r.status_code for r, _ in flood_results)
     assert set(statuses) <= {200, 429}, statuses
     assert statuses[429] >= FLOOD - MAX_CONCURRENT - QUEUE, statuses
     refused = next(r for r, _ in flood_results if r.status_code == 429).json()["error"]

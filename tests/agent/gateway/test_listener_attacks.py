@@ -96,6 +96,8 @@ def test_slowloris_is_cut_off_and_over_cap_connections_are_refused(
         assert over.status_code == 503, over.text
         assert over.headers.get("retry-after") and time.monotonic() - t0 < 1.0
         took = _dribble_until_closed(heads, HEADER_TIMEOUT_S + 5)
+        print(f"\nslowloris: over-cap connection refused in {time.monotonic() - t0 - took:.3f} s; ", end="")
+        print(f"{len(heads.socks)} slow heads closed within {took:.2f} s (deadline {HEADER_TIMEOUT_S} s)")
         assert all(t is not None for t in heads.closed_at), f"slow heads still open after {took:.1f} s"
         assert took < HEADER_TIMEOUT_S + 2.0
         assert all(r.startswith(b"HTTP/1.1 408") or not r for r in heads.replies), heads.replies
@@ -108,6 +110,9 @@ def test_slowloris_is_cut_off_and_over_cap_connections_are_refused(
     bodies = Dribbler(guarded.port, 2, b"{" + b" " * 9_999, burst=head)
     try:
         took = _dribble_until_closed(bodies, HEADER_TIMEOUT_S + BODY_TIMEOUT_S + 5)
+        print(
+            f"slow bodies: {len(bodies.socks)} answered 408 and closed within {took:.2f} s (deadline {BODY_TIMEOUT_S} s)"
+        )
         assert all(t is not None for t in bodies.closed_at), f"slow bodies still open after {took:.1f} s"
         assert took < HEADER_TIMEOUT_S + BODY_TIMEOUT_S + 2.0
         for reply in bodies.replies:
