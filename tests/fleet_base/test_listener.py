@@ -140,3 +140,11 @@ async def test_connections_past_the_cap_are_refused_at_once(server: int) -> None
     assert b'fleet_listener_refused_total{reason="connection_cap"}' in generate_latest(registry)
     for _, w in held:
         w.close()
+
+
+async def test_a_head_past_the_header_size_is_refused(server: int) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", server)
+    writer.write(b"GET /echo HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * (LIMITS.max_header_bytes + 1024))
+    reply = await _closed(reader, 2.0)
+    assert reply.startswith(b"HTTP/1.1 400")
+    writer.close()
