@@ -26,7 +26,7 @@ from typing import Generic, TypeVar
 from fleet_base import api_keys, protocol
 from fleet_base.api_keys import ApiKeyRecord
 from fleet_base.local_state import KeySet, LocalState, RouteSet
-from fleet_base.nats_io import KvWatch, NatsLink
+from fleet_base.nats_io import KvWatch, NatsLink, RetryLater
 from fleet_base.protocol import DesiredState, RoutingTable
 from fleet_base.wire import Rejected, decode
 
@@ -35,7 +35,7 @@ log = logging.getLogger("agent")
 M = TypeVar("M", bound=protocol.Message)
 
 
-class NotSaved(Exception):
+class NotSaved(RetryLater):
     """An accepted entry took effect in memory but could not be written to disk."""
 
 

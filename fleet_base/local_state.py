@@ -76,6 +76,35 @@ def atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
+def overwrite_in_place(path: Path, data: bytes) -> bool:
+    """The fallback of a full disk: `data` written over `path`'s own blocks (no larger than
+    it, so no new space is needed where blocks are overwritten in place), then the file cut
+    to its length. A reader may see the new text followed by old bytes for a moment, which
+    does not parse: readers keep their last good copy then (the gateway does). False when
+    it could not (a larger `data`, a copy-on-write filesystem that is full as well)."""
+    try:
+        if path.stat().st_size < len(data):
+            return False
+        fd = os.open(path, os.O_WRONLY)
+    except OSError:
+        return False
+    try:
+        view = memoryview(data)
+        done = 0
+        while done < len(data):
+            done += os.pwrite(fd, view[done:], done)
+        os.ftruncate(fd, len(data))
+        os.fsync(fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
 class WriteFailures:
     """State files whose last write failed, and how many writes failed in all.
 
@@ -86,9 +115,17 @@ class WriteFailures:
     def __init__(self) -> None:
         self.total = 0
         self.failing: dict[str, str] = {}  # file name -> why its last write failed
+        self.in_place: set[str] = set()  # files last written in place (out of space)
 
-    def failed(self, path: Path, err: OSError) -> None:
+    def failed(self, path: Path, err: OSError, *, in_place: bool = False) -> None:
+        """A failed atomic write of `path`; `in_place`: its data reached the file all the
+        same, written over the old one (counted and logged, but the file is current)."""
         self.total += 1
+        if in_place:
+            if self.failing.pop(path.name, None) is None and path.name not in self.in_place:
+                log.error("cannot write %s (%s): written over the old file in place", path, err.strerror)
+            self.in_place.add(path.name)
+            return
         if path.name not in self.failing:
             log.error(
                 "cannot write %s (%s): what is on disk stays behind what this process "
@@ -99,6 +136,7 @@ class WriteFailures:
         self.failing[path.name] = errno.errorcode.get(err.errno or 0, "") or type(err).__name__
 
     def succeeded(self, path: Path) -> None:
+        self.in_place.discard(path.name)
         if self.failing.pop(path.name, None) is not None:
             log.warning("writing %s works again", path)
 
@@ -142,12 +180,17 @@ class LocalState:
         self.write_bytes(path, message.model_dump_json(indent=1).encode())
 
     def write_bytes(self, path: Path, data: bytes) -> None:
-        """`atomic_write`, counted in `writes` (raises its OSError)."""
+        """`atomic_write`, counted in `writes` (raises its OSError). Out of space, new text no
+        longer than the old is written over the old file instead: a revocation, which only
+        shrinks keys.json, then reaches the gateway even on a full disk."""
         try:
             atomic_write(path, data)
         except OSError as err:
-            self.writes.failed(path, err)
-            raise
+            in_place = err.errno in NO_SPACE and overwrite_in_place(path, data)
+            self.writes.failed(path, err, in_place=in_place)
+            if not in_place:
+                raise
+            return
         self.writes.succeeded(path)
 
     def _read(self, path: Path, model: type[BaseModel]):

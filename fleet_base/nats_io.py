@@ -363,6 +363,12 @@ async def ensure_jetstream(js: JetStreamContext, budget: JetStreamBudget | None 
 KvCallback = Callable[[str, bytes | None], Awaitable[None]]
 
 
+class RetryLater(Exception):
+    """Raised by a KvWatch callback that took note of a value but could not finish acting
+    on it (its write to a full disk failed): delivered again at the next resync, and
+    logged without a traceback (the callback reported why)."""
+
+
 class KvWatch:
     """Follow keys of a bucket across NATS restarts: a watcher per connection, plus a
     full resync on every (re)connect and every `resync_s`, so a missed update is
@@ -398,6 +404,10 @@ class KvWatch:
         for callback in self._callbacks:
             try:
                 await callback(key, value)
+            except RetryLater as err:
+                failed = True
+                if key not in self._failing:
+                    log.warning("kv watch %s/%s: %s; delivering it again", self.bucket, key, err)
             except Exception:
                 failed = True
                 if key in self._failing:  # the same failure again: already logged

@@ -1,10 +1,13 @@
 """A full disk on an agent: a revocation and a desired-state update pushed through a real
-nats-server take effect in memory, the failed writes are reported (error log once per
-episode, the heartbeat), the key set's lease is not confirmed while keys.json is behind,
-and once the disk has room again everything reaches disk (nothing was lost as "seen").
+nats-server take effect in memory, the revocation reaches keys.json all the same (written
+over the old file, which it only shrinks), what could not be written is reported (error
+log once per episode, the heartbeat) and reaches disk once there is room again (nothing
+is lost as "seen"); where keys.json cannot be written at all, the key set's lease is not
+confirmed, so the gateway's key set goes stale instead of trusting the revoked key.
 
-The full disk is ENOSPC from `os.fsync` of the state folder's files, as a filesystem with
-delayed allocation answers when the data is flushed, injected under the atomic writes."""
+The full disk is ENOSPC from `os.fsync` of every new file in the state folder (the atomic
+writes' temporary files), as a filesystem with delayed allocation answers when the data
+is flushed; overwriting a file's own blocks needs no space and goes through."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from agent.daemon import Agent
-from fleet_base import api_keys, protocol
+from fleet_base import api_keys, local_state, protocol
 from fleet_base.api_keys import ApiKeyRecord, hash_secret, new_secret
 from fleet_base.local_state import LocalState
 from fleet_base.nats_io import NatsLink, ensure_jetstream
@@ -32,8 +35,8 @@ CLUSTER = "test-east"
 
 
 class FullDisk:
-    """`os.fsync` answers ENOSPC for files under `folder` whose name is in `names` (all
-    files when None) while `full` is set; every other file goes through."""
+    """`os.fsync` answers ENOSPC for new files under `folder` (the temporary copies of the
+    files named in `names`, all when None) while `full` is set; every other goes through."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
         self.folder = str(folder.resolve())
@@ -55,7 +58,7 @@ class FullDisk:
             path = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             return False
-        if not path.startswith(self.folder + os.sep):
+        if not path.startswith(self.folder + os.sep) or not os.path.basename(path).startswith("."):
             return False
         return self.names is None or any(f".{name}." in path for name in self.names)
 
@@ -135,38 +138,40 @@ async def test_revocation_on_a_full_disk_applies_in_memory_is_reported_and_reach
             # In memory at once, the disk notwithstanding: the replica starts, the key is gone.
             await eventually(lambda: "r1" in runtime.started, timeout=10)
             await eventually(lambda: "k-bad" not in agent.key_mirror.entries, timeout=10)
-            lease_before = files.load_key_lease()
             await renew_lease(cp)
             await asyncio.sleep(1.5)  # renewals, retries and reconcile passes meet the full disk
             assert disk.refused > 0
-            assert on_disk(files)() == ({"k-keep", "k-bad"}, 1)  # disk is behind ...
-            assert files.load_key_lease() == lease_before  # ... so the key set is not confirmed
+            # the revocation is on disk (in place: it shrinks keys.json); the larger desired
+            # state is not, yet
+            assert on_disk(files)() == ({"k-keep"}, 1)
             heartbeat = agent.heartbeat()
         errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
         disk.full = False  # space again: the retry writes what memory holds
         await eventually(lambda: on_disk(files)() == ({"k-keep"}, 2), timeout=10)
-        await renew_lease(cp)
-        await eventually(lambda: (files.load_key_lease() or 0) > (lease_before or 0), timeout=10)
         await eventually(lambda: not files.writes.failing, timeout=10)
 
-        # Loud, once per file and episode: the heartbeat names the files and counts the failures.
-        assert {"keys.json", "desired.json"} <= set(heartbeat.state_writes_failing)
-        assert heartbeat.state_writes_failing["keys.json"] == "ENOSPC"
+        # Loud, once per file and episode: the heartbeat names what is behind and counts
+        # every failed write.
+        assert heartbeat.state_writes_failing["desired.json"] == "ENOSPC"
+        assert "keys.json" not in heartbeat.state_writes_failing  # current, if written in place
         assert heartbeat.state_write_failures >= 2
         assert agent.heartbeat().state_writes_failing == {}
-        once = [m for m in errors if m.startswith("cannot write") and "keys.json" in m]
-        assert len(once) == 1, errors
+        for name in ("keys.json", "desired.json"):
+            once = [m for m in errors if m.startswith("cannot write") and name in m]
+            assert len(once) == 1, errors
 
 
 async def test_a_lease_renewal_is_not_recorded_while_only_keys_json_cannot_be_written(
     tmp_path: Path, nats_server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The space left fits the small lease file but not the key set: confirming the lease
-    would make the gateway trust a keys.json that still holds the revoked key."""
+    """keys.json cannot be written at all (the space left fits the small lease file, and
+    a copy-on-write filesystem cannot overwrite in place): confirming the lease would make
+    the gateway trust a keys.json that still holds the revoked key."""
     config = cluster_config(tmp_path, nats_server.url)
     disk = FullDisk(monkeypatch, config.state_dir)
     disk.names = {"keys.json"}
+    monkeypatch.setattr(local_state, "overwrite_in_place", lambda path, data: False, raising=False)
     agent = Agent(config, ScriptedRuntime())
     files = agent.files
     async with control(nats_server.url) as cp, running(agent):
