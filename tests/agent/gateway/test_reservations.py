@@ -1,16 +1,19 @@
-"""Quota reservations for the real worst case: a chat request without max_tokens reserves
-the context it may fill (up to the key's budget here, so it is never refused outright), a
-settlement charges what the engine reports, and a stream cut short is charged for the
-tokens it carried."""
+"""Quota reservations for the real worst case: a chat request without max_tokens, or a
+Responses request without max_output_tokens, reserves the context it may fill (up to the
+key's budget here, so it is never refused outright), a settlement charges what the engine
+reports plus the prompt of every attempt abandoned after it was sent, and a stream cut
+short is charged for the tokens it carried."""
 
 from __future__ import annotations
 
 import json
 
 from agent.gateway.errors import GatewayError
+from agent.gateway.exchange import Call, Exchange, Settlement
 from agent.gateway.inputs import parse_request
 from agent.gateway.limits import QuotaGate
 from agent.gateway.metrics import GatewayMetrics
+from agent.gateway.plan import Attempt
 from agent.gateway.sse import StreamObserver
 from fleet_base.api_keys import Quotas
 from tests.agent.gateway.harness import make_key
@@ -99,3 +102,30 @@ def test_an_open_ended_responses_request_that_would_overdraw_is_refused() -> Non
         assert err.status == 429
     else:
         raise AssertionError("a third open-ended request was admitted past the budget")
+
+
+def test_abandoned_attempts_are_charged_on_top_of_the_answer_once() -> None:
+    """An attempt given up after it was sent costs its prompt, whatever answered in the end;
+    a peer's attempt is charged by the peer; the settlement still happens once."""
+    quota, _ = gate()
+    key = keyed(10_000)
+    info = parse_request(json.dumps({**CHAT, "max_tokens": 10}).encode(), "chat")
+    here = Attempt("local", "least-load", "r1", "http://r1")
+    peer = Attempt("failover", "failover", "west", "http://west", is_peer=True)
+
+    def exchange() -> Exchange:
+        reservation, _ = quota.admit(key, info)
+        return Exchange(Call("req", "k", info, 0.0), Settlement(quota, reservation))
+
+    answered = exchange()
+    assert answered.abandoned(here) == info.prompt_tokens and answered.abandoned(peer) == 0
+    answered.settlement.settle({"prompt_tokens": 14, "completion_tokens": 3}, ran=True)
+    answered.settlement.settle({"prompt_tokens": 14, "completion_tokens": 3}, ran=True)
+    spent = 14 + 3 + info.prompt_tokens
+    assert int(quota.headers(key, "m")["x-ratelimit-remaining-tokens"]) == 10_000 - spent
+
+    failed_over = exchange()  # timed out here, then a peer's answer was taken
+    failed_over.abandoned(here)
+    failed_over.took(peer, 200)
+    spent += info.prompt_tokens
+    assert int(quota.headers(key, "m")["x-ratelimit-remaining-tokens"]) == 10_000 - spent
