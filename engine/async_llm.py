@@ -13,16 +13,22 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 from engine.config import EngineArgs
 from engine.continuation import check_resume
-from engine.errors import EngineDeadError, PromptTooLongError, QueueFullError, StepFailedError
+from engine.errors import (
+    EngineDeadError,
+    PromptTooLongError,
+    QueueFullError,
+    SlowReaderError,
+    StepFailedError,
+)
 from engine.llm_engine import LLMEngine, PromptInput, StepError
 from engine.lora import LoRAAdapter, LoRAAdapterError, LoRAManager
-from engine.outputs import EngineStats, RequestOutput
+from engine.outputs import EngineStats, RequestOutput, approx_bytes
 from engine.timing import HistogramSnapshot
 from fleet_base.sampling_params import SamplingParams
 
@@ -31,13 +37,51 @@ log = logging.getLogger(__name__)
 MAX_FAILED_STEPS = 3
 
 
-@dataclass
 class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    """One request's outputs on their way from the engine thread to its consumer.
+
+    `unread` (touched on the event loop only) estimates what sits queued. A consumer that
+    stops reading (its HTTP client does not read, so the server's send blocks) would let
+    the queue grow for as long as the request runs; past `limit` the queue is dropped,
+    the consumer finds `SlowReaderError` instead, and `on_overflow` aborts the request."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, limit: int, on_overflow: Callable[[], None]) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[tuple[RequestOutput | BaseException, int]] = asyncio.Queue()
+        self.limit = limit
+        self.on_overflow = on_overflow
+        self.unread = 0
+        self.cut = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        """From the engine thread."""
+        self.loop.call_soon_threadsafe(self._deliver, item)
+
+    def _deliver(self, item: RequestOutput | BaseException) -> None:
+        if self.cut:
+            return
+        if self.unread > self.limit:  # what arrives for a reader that keeps up always fits
+            self._cut()
+            return
+        size = approx_bytes(item) if isinstance(item, RequestOutput) else 0
+        self.unread += size
+        self.queue.put_nowait((item, size))
+
+    def _cut(self) -> None:
+        self.cut = True
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        error = SlowReaderError(
+            f"the client left more than {self.limit} bytes of output unread; the request was aborted"
+        )
+        self.unread = 0
+        self.queue.put_nowait((error, 0))
+        self.on_overflow()
+
+    async def get(self) -> RequestOutput | BaseException:
+        item, size = await self.queue.get()
+        self.unread -= size
+        return item
 
 
 class AsyncLLM:
@@ -57,6 +101,7 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._pending = 0  # adds handed over but not yet applied (counted against the queue limit)
         self._failed_steps = 0  # consecutive
+        self.num_aborted_slow_reader = 0
         # Liveness: when the loop last made progress (a step, or found nothing to do), and
         # a test hook that makes it hang the way a stuck kernel would.
         self._progress_at = time.monotonic()
@@ -95,7 +140,9 @@ class AsyncLLM:
 
         if params.structured is not None:  # compile (or hit the cache) off the engine thread
             await asyncio.to_thread(self.engine.grammar.compile, params.structured)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(
+            asyncio.get_running_loop(), self.args.max_unread_bytes, lambda: self._slow_reader(request_id)
+        )
         self._streams[request_id] = stream
         self._pending += params.n
         if resume_token_ids:
@@ -106,7 +153,7 @@ class AsyncLLM:
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -139,8 +186,13 @@ class AsyncLLM:
     async def abort(self, request_id: str) -> None:
         self._send("abort", request_id)
 
+    def _slow_reader(self, request_id: str) -> None:
+        self.num_aborted_slow_reader += 1
+        log.info("request %s: aborted, its client left too much output unread", request_id)
+        self._send("abort", request_id)
+
     def stats(self) -> EngineStats:
-        return self.engine.stats()
+        return replace(self.engine.stats(), num_aborted_slow_reader=self.num_aborted_slow_reader)
 
     def grammar_timings(self) -> dict[str, HistogramSnapshot]:
         """Grammar compile and per-step mask-fill durations (for the server's /metrics)."""

@@ -55,6 +55,10 @@ class EngineArgs(BaseModel):
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     max_queue_len: int = Field(4096, ge=1)  # waiting requests beyond this are refused
+    # AsyncLLM: output a request's consumer has not read yet (estimated bytes) beyond which
+    # the request is aborted and its KV blocks freed: a client that stops reading costs
+    # the replica at most this, not everything the request could still generate.
+    max_unread_bytes: int = Field(4 << 20, ge=1024)
     attention_backend: AttentionBackend = "auto"
     seed: int = 0
     # Linear-layer weight format (docs/engine.md "Weights"): auto = per batch size, the format

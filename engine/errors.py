@@ -46,3 +46,9 @@ class AdapterUnavailableError(EngineError):
 
 class StepInputError(EngineError, ValueError):
     """A step failed because of this request's input, and only this request failed (HTTP 400)."""
+
+
+class SlowReaderError(EngineError):
+    """The request's consumer left more output unread than the engine holds per request
+    (`EngineArgs.max_unread_bytes`): the request was aborted and its resources freed. At the
+    API this is the client's doing (it stopped reading), never retried elsewhere."""

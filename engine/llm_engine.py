@@ -501,32 +501,35 @@ class LLMEngine:
         return out
 
     def _make_output(self, parent: ParentRequest) -> RequestOutput:
+        """What is new for each sequence since the last output; the cumulative fields only
+        on the final one (a streamed request's outputs queue up when its reader is slow)."""
+        full = parent.finished
         completions = []
         for seq in parent.seqs:
             req = seq.request
             p = req.sampling_params
-            finished = req.status.finished
             # While streaming, hold back a tail that could still become a stop string.
-            hold = 0 if finished or not p.stop else p.max_stop_len - 1
-            visible = seq.text[: max(seq.emitted_chars, len(seq.text) - hold)]
+            hold = 0 if req.status.finished or not p.stop else p.max_stop_len - 1
+            end = max(seq.emitted_chars, len(seq.text) - hold)
             tokens = req.output_token_ids
+            lps = seq.logprobs
             completions.append(
                 CompletionOutput(
                     index=seq.index,
-                    text=visible,
-                    token_ids=list(tokens),
-                    logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                    text=seq.text[:end] if full else "",
+                    token_ids=list(tokens) if full else [],
+                    logprobs=list(lps) if full and lps is not None else None,
                     finish_reason=req.status.finish_reason,
                     stop_reason=req.stop_reason,
-                    delta_text=visible[seq.emitted_chars :],
+                    delta_text=seq.text[seq.emitted_chars : end],
                     delta_token_ids=tokens[seq.emitted_tokens :],
-                    delta_logprobs=seq.logprobs[seq.emitted_logprobs :] if seq.logprobs is not None else None,
+                    delta_logprobs=lps[seq.emitted_logprobs :] if lps is not None else None,
                 )
             )
-            seq.emitted_chars = len(visible)
+            seq.emitted_chars = end
             seq.emitted_tokens = len(tokens)
-            if seq.logprobs is not None:
-                seq.emitted_logprobs = len(seq.logprobs)
+            if lps is not None:
+                seq.emitted_logprobs = len(lps)
         first = parent.seqs[0].request
         metrics = RequestMetrics(
             arrival_time=parent.arrival_time,

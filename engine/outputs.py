@@ -43,8 +43,10 @@ class RequestMetrics:
 
 @dataclass
 class CompletionOutput:
-    """One generated sequence. `text`/`token_ids` are cumulative; `delta_*` is what is new
-    since the previous output of the same request (streaming)."""
+    """One generated sequence. `delta_*` is what is new since the previous output of the
+    same request. The cumulative `text`/`token_ids`/`logprobs` are filled on a request's
+    final output only (`RequestOutput.finished`); a streamed request's earlier outputs
+    leave them empty, so each output costs what it adds, not everything generated so far."""
 
     index: int
     text: str = ""
@@ -86,6 +88,26 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
+# Rough Python memory of one queued output, for the bound on what a replica holds for a
+# client that does not read (`AsyncLLM`): the objects themselves, then per character,
+# token id and logprob entry (calibrated with tracemalloc on streamed SmolLM2 outputs).
+_OUTPUT_BYTES = 900
+_COMPLETION_BYTES = 500
+_TOKEN_BYTES = 40
+_LOGPROB_ENTRY_BYTES = 250
+
+
+def approx_bytes(out: RequestOutput) -> int:
+    """An estimate of the memory `out` holds (cumulative fields included)."""
+    size = _OUTPUT_BYTES
+    for o in out.outputs:
+        size += _COMPLETION_BYTES + len(o.text) + len(o.delta_text)
+        size += _TOKEN_BYTES * (len(o.token_ids) + len(o.delta_token_ids))
+        for lps in (o.logprobs, o.delta_logprobs):
+            size += sum(_LOGPROB_ENTRY_BYTES * (1 + len(lp.top)) for lp in lps or ())
+    return size
+
+
 @dataclass
 class EngineStats:
     """A snapshot for /metrics and heartbeats; counters are cumulative since start."""
@@ -110,6 +132,8 @@ class EngineStats:
     # fail failed), recovered (run again in parts, nothing failed), escalated (no request
     # to blame: every request of the step failed).
     step_failures: dict[str, int] = field(default_factory=dict)
+    # Requests aborted because their consumer left too much output unread (AsyncLLM).
+    num_aborted_slow_reader: int = 0
 
     @property
     def spec_decode_acceptance_rate(self) -> float:

@@ -35,7 +35,7 @@ from agent.gateway.inputs import RequestInfo
 from agent.gateway.plan import Attempt, Plan
 from agent.gateway.proxy import AttemptFailed, Opened
 from agent.gateway.sse import EventSplitter, SseEvent, StreamObserver, encode_event
-from fleet_base.openai_contract.continuation import RESUME_FIELD, TOKEN_IDS_FIELD
+from fleet_base.openai_contract.continuation import RESUME_FIELD, SLOW_READER_CODE, TOKEN_IDS_FIELD
 
 REASONS = ("reset", "timeout", "closed", "error_event", "drain")
 DRAINING_CODE = "replica_draining"  # the in-band error of a replica handing a stream over
@@ -99,14 +99,15 @@ class StreamLedger:
 
     def take(self, event: bytes, migrating: bool) -> bytes:
         """The event to forward: ids recorded and stripped, the first leg's id and created
-        kept. An in-band error raises `MidstreamFailure` when the stream can migrate."""
+        kept. An in-band error raises `MidstreamFailure` when the stream can migrate (not
+        the one a replica ends a stream with when its client stopped reading)."""
         parsed = SseEvent.parse(event)
         payload = parsed.payload
         if payload is None:
             return event
         error = parsed.error
         if error is not None:
-            if migrating and not self.finished:
+            if migrating and not self.finished and error.get("code") != SLOW_READER_CODE:
                 reason = "drain" if error.get("code") == DRAINING_CODE else "error_event"
                 raise MidstreamFailure(reason, str(error.get("message", ""))[:200])
             return event

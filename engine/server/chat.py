@@ -138,7 +138,7 @@ async def chat_chunks(run: ChatRun) -> AsyncIterator[dict[str, Any]]:
                     "finish_reason": finish if final else None,
                 }
                 if run.token_ids is not None and k == 0:
-                    run.token_ids.attach(choice, (i, o.index), o.token_ids)
+                    run.token_ids.attach(choice, (i, o.index))
                 yield chunk(choice)
     if include_usage:
         yield {**base, "choices": [], "usage": gen.usage()}

@@ -85,7 +85,7 @@ async def _stream(
                     ],
                 }
                 if ids is not None:
-                    ids.attach(payload["choices"][0], key, o.token_ids)
+                    ids.attach(payload["choices"][0], key)
                 if body.include_usage:
                     payload["usage"] = None
                 yield sse(payload)

@@ -9,7 +9,7 @@ ids a gateway holds always match the text it has forwarded.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -20,10 +20,9 @@ from fleet_base.openai_contract.continuation import TOKEN_IDS_FIELD, TOKEN_IDS_H
 
 @dataclass
 class TokenIdsOut:
-    """Per choice, how many of its output token ids the stream has carried so far."""
+    """Puts on a chunk the token ids its choice generated since its previous chunk."""
 
-    start: int = 0  # a continuation's resumed tokens were carried by the original stream
-    sent: dict[Any, int] = field(default_factory=dict)
+    gen: Generation
 
     @classmethod
     def wanted(cls, request: Request, gen: Generation) -> TokenIdsOut | None:
@@ -31,9 +30,8 @@ class TokenIdsOut:
             return None
         if len(gen.prompts) == 1 and gen.params.n == 1:  # a drain may hand it over
             gen.allow_hand_over()
-        return cls(start=len(gen.resume_token_ids or ()))
+        gen.keep_token_ids = True  # a continuation's resumed ids are not output again
+        return cls(gen)
 
-    def attach(self, choice: dict[str, Any], key: Any, token_ids: list[int]) -> None:
-        at = self.sent.get(key, self.start)
-        choice[TOKEN_IDS_FIELD] = token_ids[at:]
-        self.sent[key] = len(token_ids)
+    def attach(self, choice: dict[str, Any], key: tuple[int, int]) -> None:
+        choice[TOKEN_IDS_FIELD] = self.gen.choices[key].take_ids()

@@ -20,9 +20,11 @@ from engine.errors import (
     EngineError,
     PromptTooLongError,
     QueueFullError,
+    SlowReaderError,
     StepFailedError,
     UnknownAdapterError,
 )
+from fleet_base.openai_contract.continuation import SLOW_READER_CODE
 from fleet_base.openai_contract.errors import OpenAIError, error_body, validation_error
 
 __all__ = ["APIError", "context_error", "engine_error", "error_body", "error_response", "validation_error"]
@@ -75,6 +77,10 @@ def engine_error(err: BaseException, param: str | None = None, retry_after_s: in
         )
     if isinstance(err, AdapterUnavailableError):
         return APIError(503, str(err), param="model", code="adapter_unavailable")
+    if isinstance(err, SlowReaderError):
+        return APIError(
+            408, f"This stream was ended because its client stopped reading: {err}", code=SLOW_READER_CODE
+        )
     if isinstance(err, EngineDeadError):
         return APIError(503, f"The engine has stopped and this replica must be restarted: {err}")
     if isinstance(err, UnknownAdapterError):

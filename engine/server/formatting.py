@@ -62,7 +62,8 @@ def visible_logprobs(out: CompletionOutput, steps: list[SampleLogprobs] | None) 
     so the remaining tokens concatenate to the content."""
     steps = list(steps or [])
     if steps and out.finish_reason == "stop" and not isinstance(out.stop_reason, str):
-        if out.token_ids and steps[-1].sampled.token_id == out.token_ids[-1]:
+        last = out.delta_token_ids or out.token_ids  # the stop token is the last one generated
+        if last and steps[-1].sampled.token_id == last[-1]:
             steps.pop()
     return steps
 

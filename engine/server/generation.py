@@ -51,14 +51,20 @@ def check_context(engine: EngineClient, num_prompt_tokens: int, max_tokens: int 
 
 @dataclass
 class ChoiceState:
-    """What one output sequence (choice) has produced so far."""
+    """One output sequence (choice): its latest output (a request's final one carries the
+    whole text, token ids and logprobs) and, when the stream forwards them, the token ids
+    generated since the last chunk that carried ids."""
 
     latest: CompletionOutput
-    logprobs: list[SampleLogprobs] = field(default_factory=list)
     finish_sent: bool = False
+    unsent_ids: list[int] = field(default_factory=list)
 
     def all_logprobs(self) -> list[SampleLogprobs]:
-        return self.latest.logprobs if self.latest.logprobs is not None else self.logprobs
+        return self.latest.logprobs or []
+
+    def take_ids(self) -> list[int]:
+        ids, self.unsent_ids = self.unsent_ids, []
+        return ids
 
 
 class Generation:
@@ -99,6 +105,7 @@ class Generation:
         self._observers = [state.metrics.observer() for _ in prompts]
         self._watcher: asyncio.Task[None] | None = None
         self.handed_over = False
+        self.keep_token_ids = False  # the stream forwards each chunk's token ids (continuation)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -249,8 +256,8 @@ class Generation:
             if st is None:
                 self.choices[key] = st = ChoiceState(latest=o)
             st.latest = o
-            if o.delta_logprobs:
-                st.logprobs.extend(o.delta_logprobs)
+            if self.keep_token_ids:
+                st.unsent_ids.extend(o.delta_token_ids)
         if self._done[i]:
             return
         self._observers[i].on_output(out)

@@ -114,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
     e.add_argument("--max-queue-len", type=int, default=None, help="waiting requests beyond this get 429")
     e.add_argument(
+        "--max-unread-bytes",
+        type=byte_size,
+        default=os.environ.get("FLEET_ENGINE_MAX_UNREAD_BYTES"),
+        help="output a streaming client may leave unread before its request is aborted and its KV "
+        "freed, e.g. 4MiB (default: $FLEET_ENGINE_MAX_UNREAD_BYTES, else 4MiB)",
+    )
+    e.add_argument(
         "--kv-cache-memory", type=byte_size, default=None, help="bytes for the KV cache, e.g. 2GiB"
     )
     e.add_argument("--num-gpu-blocks-override", type=int, default=None)
@@ -180,6 +187,7 @@ _ENGINE_FLAGS = (
     "max_num_seqs",
     "max_num_batched_tokens",
     "max_queue_len",
+    "max_unread_bytes",
     "kv_cache_memory",
     "num_gpu_blocks_override",
     "weights",

@@ -62,6 +62,14 @@ class _EngineStatsCollector(Collector):
         yield counter(
             "fleet_engine_preemptions", "Sequences preempted for lack of KV blocks.", s.num_preemptions
         )
+        aborted = CounterMetricFamily(
+            "fleet_engine_requests_aborted",
+            "Requests the engine aborted by reason (slow_reader: the client left more output "
+            "unread than --max-unread-bytes).",
+            labels=["model", "reason"],
+        )
+        aborted.add_metric([self.model, "slow_reader"], s.num_aborted_slow_reader)
+        yield aborted
         yield counter(
             "fleet_engine_spec_decode_num_drafts",
             "Speculative chunks verified (one per sequence per step that had drafts).",

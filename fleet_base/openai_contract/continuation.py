@@ -14,3 +14,6 @@ from __future__ import annotations
 RESUME_FIELD = "fleet_resume_token_ids"
 TOKEN_IDS_FIELD = "fleet_token_ids"
 TOKEN_IDS_HEADER = "x-fleet-token-ids"
+# The in-band error code of a stream the replica cut because its client stopped reading:
+# the client's doing, so a gateway ends the stream instead of continuing it elsewhere.
+SLOW_READER_CODE = "slow_reader"
