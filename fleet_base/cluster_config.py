@@ -82,6 +82,9 @@ class GatewayConfig(BaseModel):
     # non-streamed answer (whole generation) first_byte + token_timeout_s per token asked.
     first_byte_timeout_s: float = Field(60.0, gt=0)
     inter_chunk_timeout_s: float = Field(30.0, gt=0)
+    # A stream whose client accepts no bytes for this long (it stopped reading) is ended:
+    # its upstream is closed (the replica aborts the generation) and its slot released.
+    client_write_timeout_s: float = Field(30.0, gt=0)
     token_timeout_s: float = Field(0.5, ge=0)
     # A stream whose upstream fails mid-flight continues on the next target of the routing
     # plan, with the tokens generated so far (agent.gateway.migration), at most this many

@@ -140,6 +140,7 @@ class Dispatcher:
                 accounting=self.accounting,
                 metrics=self.migration_metrics,
                 migration_limit=self.settings.migration_limit,
+                write_timeout_s=self.settings.client_write_timeout_s,
             ).response()
         return self._failed(ex, failure, pass_failure)
 

@@ -143,6 +143,12 @@ class GatewayMetrics:
             "Prompt tokens charged for attempts given up after being sent here (timeout, client_gone).",
             ["deployment", "reason"], registry=r,
         )  # fmt: skip
+        self.streams_aborted = Counter(
+            "fleet_gateway_streams_aborted",
+            "Streams the gateway ended, by reason (slow_reader: the client accepted no bytes for "
+            "gateway.client_write_timeout_s); the upstream was closed and the slot released.",
+            ["deployment", "reason"], registry=r,
+        )  # fmt: skip
         for result in ("published", "dropped"):
             self.usage_records.labels(result)
         for name in ("replicas", "keys", "routes"):
@@ -161,6 +167,7 @@ class GatewayMetrics:
             self.queue_rejected.labels(deployment, reason)
         for reason in ("connect", "status_5xx", "read", "midstream"):
             self.upstream_errors.labels(deployment, reason)
+        self.streams_aborted.labels(deployment, "slow_reader")
         for peer in peers:
             self.forwarded.labels(deployment, peer)
 

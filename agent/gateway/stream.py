@@ -1,9 +1,11 @@
 """A streamed answer on its way to the client: relayed event by event, continued on
-another target when its upstream breaks (`agent.gateway.migration`), and accounted once
-however it ends (finished, cut by the client, never started)."""
+another target when its upstream breaks (`agent.gateway.migration`), ended when the client
+stops reading (a write deadline), and accounted once however it ends (finished, cut by the
+client, never started)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -48,6 +50,7 @@ class StreamSession:
         accounting: Accounting,
         metrics: MigrationMetrics,
         migration_limit: int,
+        write_timeout_s: float,
     ) -> None:
         call = ex.call
         self.ex = ex
@@ -62,12 +65,27 @@ class StreamSession:
         self.ledger = StreamLedger.of(call.info, call.forwarded_from is not None and call.client.keep_ids)
         self.state = RelayState(Leg(opened, target.name, target.is_peer), opened.status)
         self.targets = {target.name: target}
+        self.write_timeout_s = write_timeout_s
         self.closed = False
 
     def response(self) -> StreamingResponse:
         opened = self.state.leg.opened
         return ProxiedStream(
-            self.body(), self.cleanup, status_code=opened.status, headers={**opened.headers(), **SSE_HEADERS}
+            self.body(),
+            self.cleanup,
+            write_timeout_s=self.write_timeout_s,
+            on_stalled=self.stalled,
+            status_code=opened.status,
+            headers={**opened.headers(), **SSE_HEADERS},
+        )
+
+    def stalled(self) -> None:
+        call = self.ex.call
+        self.accounting.metrics.streams_aborted.labels(call.deployment, "slow_reader").inc()
+        log.info(
+            "request %s: the client read nothing for %.0f s; stream ended, upstream closed",
+            call.request_id,
+            self.write_timeout_s,
         )
 
     async def body(self) -> AsyncIterator[bytes]:
@@ -135,15 +153,31 @@ class StreamSession:
         log.warning("request %s: stream from %s broke: %s", self.ex.call.request_id, name, err)
 
 
+class ClientStalled(Exception):
+    """The client accepted none of a chunk's bytes within the write deadline."""
+
+
 class ProxiedStream(StreamingResponse):
     """A streamed upstream response that is cleaned up however it ends: fully sent, cut
-    by the client, or never started (a disconnect before the first send)."""
+    by the client, never started (a disconnect before the first send), or stalled.
+
+    A client that stops reading blocks `send` (the server's transport stays paused), so
+    the upstream is no longer read and the replica's own queue fills: without a deadline
+    the stream would hold its slot for as long as the client keeps the socket open."""
 
     def __init__(
-        self, content: AsyncIterator[bytes], cleanup: Callable[[int], Awaitable[None]], **kw: Any
+        self,
+        content: AsyncIterator[bytes],
+        cleanup: Callable[[int], Awaitable[None]],
+        *,
+        write_timeout_s: float,
+        on_stalled: Callable[[], None],
+        **kw: Any,
     ) -> None:
         super().__init__(content, **kw)
         self._cleanup = cleanup
+        self.write_timeout_s = write_timeout_s
+        self._on_stalled = on_stalled
 
     async def abandon(self) -> None:
         close = getattr(self.body_iterator, "aclose", None)
@@ -152,7 +186,19 @@ class ProxiedStream(StreamingResponse):
         await self._cleanup(CLIENT_CLOSED)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def send_by_deadline(message: Any) -> None:
+            if message["type"] != "http.response.body":
+                await send(message)
+                return
+            try:
+                async with asyncio.timeout(self.write_timeout_s):
+                    await send(message)
+            except TimeoutError:
+                raise ClientStalled() from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_by_deadline)
+        except ClientStalled:  # returning unfinished makes the server close the connection
+            self._on_stalled()
         finally:
             await self.abandon()

@@ -17,7 +17,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def engine(smollm2_gguf) -> AsyncLLM:
-    engine = AsyncLLM("smollm2-135m", show_progress=False, max_model_len=1024, max_unread_bytes=32 << 10, weights="fp32")
+    engine = AsyncLLM(
+        "smollm2-135m", show_progress=False, max_model_len=1024, max_unread_bytes=32 << 10, weights="fp32"
+    )
     yield engine
     engine.shutdown()
 
@@ -51,7 +53,12 @@ async def test_a_reader_that_stops_is_aborted_and_its_blocks_freed(engine: Async
 
     watcher = asyncio.create_task(watch())
     # a well-behaved request meanwhile is served in full
-    good = [out async for out in engine.generate("The capital of France is", SamplingParams(max_tokens=8, ignore_eos=True))]
+    good = [
+        out
+        async for out in engine.generate(
+            "The capital of France is", SamplingParams(max_tokens=8, ignore_eos=True)
+        )
+    ]
     assert good[-1].finished and len(good[-1].outputs[0].token_ids) == 8
 
     await eventually(lambda: stream.cut, 120, "the stalled request to be cut", 0.02)

@@ -35,10 +35,12 @@ def gw_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def replicas(gw_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ServerProcess]]:
-    """Two real replicas serving the deployment, started in parallel."""
+    """Two real replicas serving the deployment, started in parallel. A small unread-output
+    bound (test_slow_reader) costs the other tests nothing: their whole answers fit the
+    socket buffers, so a replica's queue never holds more than a step or two."""
     logs = tmp_path_factory.mktemp("gw-replicas")
     args = ["--served-model-name", DEPLOYMENT, "--threads", "1", "--kv-cache-memory", "2MiB"]
-    args += ["--max-model-len", "256", "--access-log"]
+    args += ["--max-model-len", "256", "--access-log", "--max-unread-bytes", "64KiB"]
     procs = [ServerProcess(*args, model=str(gw_model), log_path=logs / f"r{i}.log") for i in (1, 2)]
     errors: list[BaseException] = []
 
