@@ -90,11 +90,11 @@ class RequestOutput:
 
 # Rough Python memory of one queued output, for the bound on what a replica holds for a
 # client that does not read (`AsyncLLM`): the objects themselves, then per character,
-# token id and logprob entry (calibrated with tracemalloc on streamed SmolLM2 outputs).
-_OUTPUT_BYTES = 900
-_COMPLETION_BYTES = 500
+# token id and logprob entry (measured with tracemalloc on outputs as the engine builds them).
+_OUTPUT_BYTES = 500
+_COMPLETION_BYTES = 350
 _TOKEN_BYTES = 40
-_LOGPROB_ENTRY_BYTES = 250
+_LOGPROB_ENTRY_BYTES = 200
 
 
 def approx_bytes(out: RequestOutput) -> int:
