@@ -25,7 +25,10 @@ ROOT = Path(__file__).resolve().parents[2]
 class ServerProcess:
     """A replica on 127.0.0.1 at a free port; `health_codes` records what /health said while loading."""
 
-    def __init__(self, *args: str, model: str = "smollm2-135m", log_path: Path | None = None) -> None:
+    def __init__(
+        self, *args: str, model: str = "smollm2-135m", log_path: Path | None = None, root: Path = ROOT
+    ) -> None:
+        self.root = root  # the checkout whose code runs (a benchmark's "before" is another one)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = ["--model", model, "--host", "127.0.0.1", "--port", str(self.port), *args]
@@ -37,12 +40,12 @@ class ServerProcess:
     def start(self, timeout: float = 300.0) -> ServerProcess:
         env = {
             **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(self.root), os.environ.get("PYTHONPATH")])),
         }
         self._log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "engine.server", *self.args],
-            cwd=ROOT,
+            cwd=self.root,
             env=env,
             stdout=self._log,
             stderr=subprocess.STDOUT,

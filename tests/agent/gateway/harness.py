@@ -124,9 +124,11 @@ class GatewayProcess:
         queue_timeout_s: float = 2.0,
         max_body_bytes: int = 64 * 1024,
         security: Credentials | None = None,
+        root: Path = ROOT,
         **gateway: object,
     ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
+        self.root = root  # the checkout whose code runs (a benchmark's "before" is another one)
         self.workdir = workdir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -154,7 +156,7 @@ class GatewayProcess:
     def start(self, timeout: float = 30.0) -> GatewayProcess:
         config_path = self.workdir / "cluster.yaml"
         self.config.dump(config_path)
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": str(self.root)}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [
@@ -166,7 +168,7 @@ class GatewayProcess:
                     "--log-level",
                     "warning",
                 ],
-                cwd=ROOT,
+                cwd=self.root,
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
