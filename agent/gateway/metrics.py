@@ -145,8 +145,7 @@ class GatewayMetrics:
         )  # fmt: skip
         self.streams_aborted = Counter(
             "fleet_gateway_streams_aborted",
-            "Streams the gateway ended, by reason (slow_reader: the client accepted no bytes for "
-            "gateway.client_write_timeout_s); the upstream was closed and the slot released.",
+            "Streams ended here (upstream closed, slot released) by reason: slow_reader (client_write_timeout_s).",
             ["deployment", "reason"], registry=r,
         )  # fmt: skip
         for result in ("published", "dropped"):
