@@ -3,7 +3,9 @@
 every loop that asked for that kind.
 
 Before it, the reconcile loop and the autoscaler each subscribed to heartbeats and
-decoded them with their own rules. A refused message is counted once, in the shared
+decoded them with their own rules. A message longer than its kind allows, or past its
+cluster's budget of messages and bytes per second (`INTAKE`, `fleet_base.intake`), is
+refused before it is parsed (reasons "size" and "rate"). A refused message is counted once, in the shared
 `Rejections` (`fleet_control_plane_rejected_messages_total`). Durable streams (events,
 stored usage) are read by their consumers (`loops.durable`), and live usage by the
 rollout loop (its only reader, which replays the stream before it), with the same decoders.
@@ -18,6 +20,7 @@ from typing import Any, TypeVar
 from control_plane.counters import Rejections
 from control_plane.nats_loop import Handler, NatsLoop
 from fleet_base import protocol
+from fleet_base.intake import Intake
 from fleet_base.wire import Rejected, decode_demand, decode_heartbeat
 
 log = logging.getLogger(__name__)
@@ -30,6 +33,13 @@ _KINDS: dict[str, tuple[str, Callable[[str, bytes], Any], bool]] = {
     "heartbeat": (protocol.HEARTBEAT_WILDCARD, decode_heartbeat, True),
     "demand": (protocol.DEMAND_WILDCARD, decode_demand, False),
 }
+# kind -> (largest message, messages/s, bytes/s) one cluster may send before parsing is
+# refused: heartbeats come every second (tests: every 0.5 s), demand at most every 0.5 s
+# per deployment plus one per queued request.
+INTAKE: dict[str, tuple[int, float, float]] = {
+    "heartbeat": (1 << 20, 20.0, 4 * (1 << 20)),
+    "demand": (64 << 10, 200.0, 1 << 20),
+}
 
 
 class Inbox(NatsLoop):
@@ -40,6 +50,7 @@ class Inbox(NatsLoop):
         super().__init__(ctx)
         self.rejections = rejections if rejections is not None else Rejections()
         self._receivers: dict[str, list[Receiver]] = {kind: [] for kind in _KINDS}
+        self.intake = {kind: Intake(*INTAKE[kind]) for kind in _KINDS}
         self.subscribed: set[str] = set()
 
     def receive(self, kind: str, receiver: Receiver) -> None:
@@ -75,6 +86,10 @@ class Inbox(NatsLoop):
     async def deliver(self, kind: str, subject: str, data: bytes) -> bool:
         """Decode one message of `kind` and hand it on; False when it was refused."""
         pattern, decoder, counted = _KINDS[kind]
+        refusal = self.intake[kind].refusal(subject, data)  # cheap, before the parse
+        if refusal is not None:
+            self.rejections.reject(pattern, refusal, subject, f"{len(data)} bytes")
+            return False
         try:
             message = decoder(subject, data)
         except Rejected as err:

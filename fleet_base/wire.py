@@ -31,7 +31,7 @@ from fleet_base.protocol import (
 
 M = TypeVar("M", bound=Message)
 
-REASONS = ("malformed", "invalid", "subject", "schema", "database")
+REASONS = ("malformed", "invalid", "subject", "schema", "database", "size", "rate")
 
 __all__ = [
     "REASONS",

@@ -10,7 +10,7 @@ the full set on `fleet.v1.kvresync.<cluster>` (at most once per `RESYNC_EVERY_S`
 
 What a cluster publishes is judged cheaply before it is parsed: a message longer than
 `MAX_BATCH_BYTES`, on a subject that names no cluster, or past its cluster's budget
-(`kv_budget.SenderBudget`) is dropped and counted in `fleet_gateway_kv_events_dropped_total`
+(`fleet_base.intake`) is dropped and counted in `fleet_gateway_kv_events_dropped_total`
 by reason; the index bounds each cluster's replicas and blocks (`kv_index.PrefixIndex`).
 """
 
@@ -26,13 +26,13 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from agent.gateway.inputs import RequestInfo
-from agent.gateway.kv_budget import SenderBudget
 from agent.gateway.kv_index import KvUpdate, PrefixIndex, block_key
 from agent.gateway.metrics import GatewayMetrics
 from agent.gateway.plan import Attempt, CostModel
 from agent.gateway.tenancy import cache_salt
 from fleet_base.block_hash import hash_request_blocks
 from fleet_base.domain import is_cluster_id
+from fleet_base.intake import Intake
 from fleet_base.kv_events import (
     ALL_REPLICAS,
     KVCACHE_WILDCARD,
@@ -109,7 +109,7 @@ class PrefixRouting:
             max_replicas_per_cluster=max_cluster_replicas,
             max_blocks_per_cluster=max(max_blocks, max_cluster_blocks),
         )
-        self.budget = SenderBudget(events_per_s, event_bytes_per_s, clock=clock)
+        self.intake = Intake(MAX_BATCH_BYTES, events_per_s, event_bytes_per_s, clock=clock)
         self.model = CostModel(routing=routing, tokens_per_s=tokens_per_s)
         self.engine_arg = engine_arg
         self.clusters = clusters  # whose replicas' full sets to ask for on (re)connect
@@ -182,14 +182,9 @@ class PrefixRouting:
     def admit(self, subject: str, data: bytes) -> KvCacheBatch | None:
         """The batch, or None (counted) when it is dropped: cheap checks on the length and
         the sender's budget first, the parse and the subject/identity match after."""
-        sender = subject_cluster(subject)
-        reason = None
-        if len(data) > MAX_BATCH_BYTES:
-            reason = "size"
-        elif not is_cluster_id(sender):
-            reason = "sender"
-        elif not self.budget.admit(sender, len(data)):
-            reason = "rate"
+        reason = (
+            "sender" if not is_cluster_id(subject_cluster(subject)) else self.intake.refusal(subject, data)
+        )
         if reason is None:
             try:  # a claim about another cluster's replicas is refused too
                 return decode_kv_batch(subject, data)

@@ -60,3 +60,19 @@ async def test_agent_ignores_a_desired_state_whose_generation_goes_down(tmp_path
     for other in (protocol.DesiredState(cluster="west", generation=9),):  # another cluster's state
         await agent.desired_mirror.on_entry("east", other.to_bytes())
     assert agent.desired.generation == 5
+
+
+async def test_a_cluster_flooding_heartbeats_is_dropped_unparsed_and_others_are_heard(tmp_path):
+    """A compromised cluster's oversize heartbeats and its flood past its budget are dropped
+    before they are parsed (counted "size" and "rate"); another cluster's still arrive."""
+    loops = Loops(ControlPlaneContext(settings=Settings(home=tmp_path), sessions=None))  # type: ignore[arg-type]
+    west = protocol.heartbeat_subject("west")
+    huge = SimpleNamespace(subject=west, data=b"{" + b" " * (2 << 20) + b"}")
+    await loops._on_heartbeat(huge)
+    for _ in range(1000):
+        await loops._on_heartbeat(msg(west, protocol.Heartbeat(cluster="west")))
+    await loops._on_heartbeat(msg(protocol.heartbeat_subject("east"), protocol.Heartbeat(cluster="east")))
+    counts = loops.inbox.rejections.snapshot()
+    assert counts[("fleet.v1.heartbeat.*", "size")] == 1
+    assert counts[("fleet.v1.heartbeat.*", "rate")] >= 1000 - 20 * 8 - 1
+    assert "east" in loops._heartbeats

@@ -13,8 +13,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from agent.gateway.priority import PriorityWaitlist
-from agent.gateway.quota import QuotaBook, TokenBucket, format_duration, limits_for, share_of
+from agent.gateway.quota import QuotaBook, format_duration, limits_for, share_of
 from fleet_base.api_keys import ApiKeyRecord, DeploymentLimits, Quotas
+from fleet_base.token_bucket import TokenBucket
 
 EPS = 1e-6
 

@@ -1,9 +1,12 @@
-"""What each cluster may spend of a gateway's attention on its prefix-cache events: a
-token bucket of messages and one of bytes per sender (the cluster a `fleet.v1.kvcache.<c>`
-subject names: NATS lets only that cluster's agent publish there), judged on the
-message's length alone, before it is parsed. A cluster over its budget loses its own
-batches (its replicas drop out of this gateway's index until a resync), nobody else's.
-Pure and clock-injected; bounded in senders."""
+"""What a cluster may cost a reader of what it publishes, judged before the message is
+parsed: its length, and a budget of messages and bytes per second per sender (the cluster
+the subject `fleet.v1.<kind>.<cluster>` names: NATS lets only that cluster's identity
+publish there). A cluster past its budget loses its own messages, nobody else's; parsing,
+the expensive step (pure-Python validation on an event loop), is paid only for what fits.
+
+Used by the gateway for KV events (`agent.gateway.prefix`) and by the control plane for
+heartbeats and demand (`control_plane.inbox`). Pure and clock-injected; bounded in senders.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +15,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from agent.gateway.quota import TokenBucket
+from fleet_base.token_bucket import TokenBucket
 
 MAX_SENDERS = 1024
+BURST_S = 8.0  # a budget's burst: this many seconds' worth
 
 
 @dataclass
@@ -32,7 +36,7 @@ class SenderBudget:
         messages_per_s: float,
         bytes_per_s: float,
         *,
-        burst_s: float = 8.0,
+        burst_s: float = BURST_S,
         max_senders: int = MAX_SENDERS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -62,3 +66,27 @@ class SenderBudget:
 
     def __len__(self) -> int:
         return len(self._senders)
+
+
+class Intake:
+    """The cheap checks of one kind of message: `refusal(subject, data)` is None, or the
+    reason to drop it unparsed: "size" (longer than `max_bytes`) or "rate" (its sender is
+    past its budget)."""
+
+    def __init__(
+        self,
+        max_bytes: int,
+        messages_per_s: float,
+        bytes_per_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_bytes = max_bytes
+        self.budget = SenderBudget(messages_per_s, bytes_per_s, clock=clock)
+
+    def refusal(self, subject: str, data: bytes) -> str | None:
+        if len(data) > self.max_bytes:
+            return "size"
+        if not self.budget.admit(subject.rsplit(".", 1)[-1], len(data)):
+            return "rate"
+        return None
