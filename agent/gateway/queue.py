@@ -158,7 +158,7 @@ class ReplicaQueue:
             try:
                 await asyncio.to_thread(local.save_gateway, status)
             except OSError as err:
-                log.warning("cannot write %s: %s", local.gateway_path, err)
+                log.debug("cannot write %s: %s", local.gateway_path, err)  # logged once by local.writes
             await asyncio.sleep(interval_s)
 
     def _set_depth_metrics(self, klass: str) -> None:
