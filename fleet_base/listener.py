@@ -75,11 +75,15 @@ REFUSED: collections.Counter[str] = collections.Counter({r: 0 for r in REASONS})
 
 
 class RefusalCollector(Collector):
-    """`fleet_listener_refused_total{reason}` for a server's own registry."""
+    """`<prefix>listener_refused_total{reason}` for a server's own registry: `fleet_` by
+    default, the server's own prefix where its registry keeps one (the control plane's)."""
+
+    def __init__(self, prefix: str = "fleet_") -> None:
+        self.prefix = prefix
 
     def collect(self) -> Iterable[Metric]:
         family = CounterMetricFamily(
-            "fleet_listener_refused",
+            f"{self.prefix}listener_refused",
             "Connections this process's HTTP listeners closed: past the connection cap, or too slow "
             "to send a request head or body.",
             labels=["reason"],

@@ -225,6 +225,6 @@ def metrics(request: Request) -> Response:
                 lambda: getattr(getattr(app_state, "loops", None), "rejections", None),
             )
         )
-        registry.register(RefusalCollector())
+        registry.register(RefusalCollector(PREFIX))
         app_state.metrics_registry = registry
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
