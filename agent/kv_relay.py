@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import httpx
 from pydantic import ValidationError
 
+from fleet_base.intake import Intake
 from fleet_base.kv_events import (
     ALL_REPLICAS,
     MAX_BATCH_HASHES,
@@ -39,6 +40,10 @@ log = logging.getLogger(__name__)
 
 WAIT_S = 2.0  # long-poll wait: also how soon a resync request is served
 RESYNC_MIN_S = 2.0  # at most one full set per replica this often, however many gateways ask
+# Resync requests heard (from every gateway together: they share this cluster's subject):
+# the largest one, and how many a second before the rest go unparsed.
+RESYNC_MAX_BYTES = 1024
+RESYNC_PER_S = 100.0
 CHUNK = MAX_BATCH_HASHES  # block hashes per message (~70 KB of JSON; readers refuse more)
 RETRY_S = 2.0
 
@@ -66,6 +71,8 @@ class KvRelay:
         self.relay_id = secrets.token_hex(4)
         self._tasks: dict[str, tuple[Followed, asyncio.Task[None]]] = {}
         self._resync: set[str] = set()
+        self._resync_intake = Intake(RESYNC_MAX_BYTES, RESYNC_PER_S, RESYNC_PER_S * RESYNC_MAX_BYTES)
+        self.resync_dropped = 0
         self._client: httpx.AsyncClient | None = None
         self._nc: object | None = None
         link.on_connect(self._on_connect)
@@ -99,6 +106,10 @@ class KvRelay:
             await self.link.subscribe(kvresync_subject(self.cluster), self._on_resync)
 
     async def _on_resync(self, msg) -> None:
+        if self._resync_intake.refusal(msg.subject, msg.data) is not None:
+            self.resync_dropped += 1
+            log.debug("resync request dropped unparsed (size or rate)")
+            return
         try:
             request = decode_kv_resync(msg.subject, msg.data)
         except Rejected:

@@ -3,10 +3,21 @@ cap, counted by reason; and the relay's batches fit what readers accept."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from agent.gateway.metrics import GatewayMetrics
 from agent.gateway.prefix import PrefixRouting
-from agent.kv_relay import CHUNK, _chunks
-from fleet_base.kv_events import MAX_BATCH_BYTES, MAX_BATCH_OPS, KvCacheBatch, kvcache_subject
+from agent.kv_relay import CHUNK, Followed, KvRelay, _chunks
+from fleet_base.kv_events import (
+    ALL_REPLICAS,
+    MAX_BATCH_BYTES,
+    MAX_BATCH_OPS,
+    KvCacheBatch,
+    KvResyncRequest,
+    kvcache_subject,
+    kvresync_subject,
+)
+from fleet_base.nats_io import NatsLink
 from tests.agent.gateway.test_units import Clock
 
 
@@ -38,3 +49,20 @@ def test_the_relay_splits_a_big_snapshot_into_batches_readers_accept() -> None:
         assert len(chunk) <= MAX_BATCH_OPS and len(batch.to_bytes()) <= MAX_BATCH_BYTES
         KvCacheBatch.model_validate_json(batch.to_bytes())
     assert chunks[-1][-1].kind == "cleared"
+
+
+async def test_the_relay_drops_a_flood_of_resync_requests_unparsed() -> None:
+    relay = KvRelay(NatsLink("nats://127.0.0.1:1", "agent"), "east")
+    relay.sync([Followed("r1", "d", "http://127.0.0.1:1")])
+    subject = kvresync_subject("east")
+    ask = KvResyncRequest(cluster="east", replica_id=ALL_REPLICAS, requester="west").to_bytes()
+    try:
+        await relay._on_resync(SimpleNamespace(subject=subject, data=b" " * 2048))
+        assert relay.resync_dropped == 1 and not relay._resync
+        await relay._on_resync(SimpleNamespace(subject=subject, data=ask))
+        assert relay._resync == {"r1"}
+        for _ in range(1000):
+            await relay._on_resync(SimpleNamespace(subject=subject, data=ask))
+        assert relay.resync_dropped >= 1000 - 8 * 100
+    finally:
+        await relay.close()
