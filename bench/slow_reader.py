@@ -70,6 +70,7 @@ class Outcome:
     good_latency: list[float] = field(default_factory=list)
     engine_aborted: float = 0.0
     gateway_ended: float = 0.0
+    tokens: float = 0.0
 
 
 def before_rev() -> str:
@@ -78,7 +79,10 @@ def before_rev() -> str:
         ["git", "log", "--reverse", "-S", "max_unread_bytes", "--format=%H", "--", "engine/config.py"],
         cwd=ROOT, capture_output=True, text=True, check=True,
     ).stdout.split()  # fmt: skip
-    return f"{out[0]}^" if out else "HEAD"
+    rev = f"{out[0]}^" if out else "HEAD"
+    return subprocess.run(
+        ["git", "rev-parse", rev], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def checkout(rev: str, into: Path) -> Path:
@@ -106,6 +110,7 @@ def stalled_stream(url: str, body: dict, headers: dict[str, str]) -> socket.sock
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_WINDOW_CLAMP, 1024)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)  # else the sender's buffer grows to MBs
     sock.connect((u.hostname, u.port))
     data = json.dumps(body).encode()
     head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
@@ -197,6 +202,7 @@ def run_scenario(sc: Scenario, args: argparse.Namespace, workdir: Path) -> Outco
         out.engine_aborted = value(
             r, "fleet_engine_requests_aborted_total", model=DEPLOYMENT, reason="slow_reader"
         )
+        out.tokens = value(r, "fleet_engine_generation_tokens_total", model=DEPLOYMENT)
         out.gateway_ended = value(
             g, "fleet_gateway_streams_aborted_total", deployment=DEPLOYMENT, reason="slow_reader"
         )
@@ -223,12 +229,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scenarios", default="before,after", help="of before, off, after")
     p.add_argument("--before-rev", default=None, help="the code of `before` (default: before the bounds)")
     p.add_argument("--threads", type=int, default=1, help="the replica's torch threads")
+    p.add_argument(
+        "--after-max-unread-bytes", default=None, help="`after` with this bound (default: the engine's)"
+    )
+    p.add_argument(
+        "--after-write-timeout-s",
+        type=float,
+        default=None,
+        help="`after` with this deadline (default: the gateway's)",
+    )
     args = p.parse_args(argv)
 
     common = ["--served-model-name", DEPLOYMENT, "--max-model-len", str(args.max_tokens + 256)]
     common += ["--threads", str(args.threads)]
     with tempfile.TemporaryDirectory(prefix="slow-reader-") as tmp:
         rev = args.before_rev or before_rev()
+        after_note = ", ".join(
+            f"{k} {v}"
+            for k, v in (
+                ("unread", args.after_max_unread_bytes),
+                ("write timeout s", args.after_write_timeout_s),
+            )
+            if v
+        )
         scenarios = {
             "before": lambda: Scenario(
                 f"before ({rev[:12]})", checkout(rev, Path(tmp) / "before"), common, {}
@@ -239,7 +262,15 @@ def main(argv: list[str] | None = None) -> int:
                 [*common, "--max-unread-bytes", "1TiB"],
                 {"client_write_timeout_s": HUGE_S},
             ),
-            "after": lambda: Scenario("after (defaults)", ROOT, common, {}),
+            "after": lambda: Scenario(
+                "after" + (f" ({after_note})" if after_note else " (defaults)"),
+                ROOT,
+                common
+                + (
+                    ["--max-unread-bytes", args.after_max_unread_bytes] if args.after_max_unread_bytes else []
+                ),
+                {"client_write_timeout_s": args.after_write_timeout_s} if args.after_write_timeout_s else {},
+            ),
         }
         results: list[tuple[Scenario, Outcome]] = []
         for name in args.scenarios.split(","):
@@ -267,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                 max(s.slots for s in o.samples),
                 s1.slots,
                 s1.running,
+                int(o.tokens),
                 int(o.engine_aborted),
                 int(o.gateway_ended),
                 f"{o.good_ok}/{o.good_ok + o.good_failed}",
@@ -278,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.max_tokens} tokens, n={args.n}, top_logprobs={args.top_logprobs}, nothing read, "
         f"{args.window:.0f} s",
         ["scenario", "replica RSS start", "end", "peak growth", "gateway RSS growth", "slots held max",
-         "slots at end", "engine running at end", "engine aborted", "gateway ended", "good ok", "good p50 s"],
+         "slots at end", "engine running at end", "tokens generated", "engine aborted", "gateway ended", "good ok", "good p50 s"],
         rows,
         caption="MiB; slots: fleet_gateway_in_flight; aborted/ended: the slow_reader counters (absent before)",
     )  # fmt: skip
