@@ -70,7 +70,7 @@ async def test_a_reader_that_stops_is_aborted_and_its_blocks_freed(engine: Async
     )
     watcher.cancel()
     # what the engine held for it stayed near the bound, then was dropped
-    assert max(queued) <= engine.args.max_unread_bytes + 8192, max(queued)
+    assert max(queued) <= engine.args.max_unread_bytes + 16384, max(queued)  # + one step's output
     assert stream.unread == 0 and stream.queue.qsize() == 1
     assert engine.stats().num_aborted_slow_reader == 1
     with pytest.raises(SlowReaderError):
