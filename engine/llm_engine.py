@@ -4,8 +4,9 @@ One step = schedule -> run the model on the flat batch -> append sampled tokens 
 detokenize incrementally -> check stops -> free finished sequences. A request with
 `n > 1` becomes n sequences that share the prompt (and, through the prefix cache, its KV).
 
-Slightly over ~400 lines: the step loop and its per-sequence bookkeeping (n > 1, stops,
-detokenization) share state; scheduling, sampling and the model run are their own modules.
+The step loop and its per-sequence bookkeeping (stops, detokenization, grammar) share
+state; scheduling, sampling, the model run, failure isolation and output building
+(`engine.sequences`) are their own modules.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 
 from engine.config import EngineArgs
 from engine.continuation import check_resume, prime
@@ -24,9 +24,10 @@ from engine.kv_cache import KVCacheManager, KvEventLog
 from engine.lora import LoRAAdapter, LoRAManager, lora_cache_salt
 from engine.model_files.aliases import resolve_model_path
 from engine.model_runner import ModelRunner
-from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, SampleLogprobs
+from engine.outputs import EngineStats, RequestOutput, SampleLogprobs
 from engine.request import Request, RequestStatus
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from engine.sequences import ParentRequest, SequenceState, make_output
 from engine.spec_decode.decoder import SpeculativeDecoder
 from engine.step_isolation import GlobalStepError, bisect, is_global, request_error, units
 from engine.timing import HistogramSnapshot
@@ -58,40 +59,6 @@ class StepError(Exception):
         super().__init__(f"a step of {len(request_ids)} request(s) failed: {cause!r}")
         self.request_ids = request_ids
         self.cause = cause
-
-
-@dataclass(eq=False)
-class SequenceState:
-    """Text-side state of one sequence: detokenizer, stop handling, what was streamed."""
-
-    request: Request
-    index: int
-    detok: IncrementalDetokenizer
-    stop_ids: set[int]
-    text: str = ""
-    emitted_chars: int = 0
-    emitted_tokens: int = 0
-    logprobs: list[SampleLogprobs] | None = None
-    emitted_logprobs: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.request.status.finished
-
-
-@dataclass(eq=False)
-class ParentRequest:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    stream: bool
-    arrival_time: float
-    seqs: list[SequenceState] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)
 
 
 class LLMEngine:
@@ -416,7 +383,7 @@ class LLMEngine:
             if parent.finished:
                 outputs.append(self._finish_parent(parent))
             elif parent.stream:
-                outputs.append(self._make_output(parent))
+                outputs.append(make_output(parent))
         return outputs
 
     def _append_token(self, seq: SequenceState, result, row: int, now: float) -> RequestStatus | None:
@@ -494,67 +461,11 @@ class LLMEngine:
         return best
 
     def _finish_parent(self, parent: ParentRequest) -> RequestOutput:
-        out = self._make_output(parent)
+        out = make_output(parent)
         del self._parents[parent.request_id]
         for seq in parent.seqs:
             self._seq_parent.pop(seq.request.request_id, None)
         return out
-
-    def _make_output(self, parent: ParentRequest) -> RequestOutput:
-        """What is new for each sequence since the last output; the cumulative fields only
-        on the final one (a streamed request's outputs queue up when its reader is slow)."""
-        full = parent.finished
-        completions = []
-        for seq in parent.seqs:
-            req = seq.request
-            p = req.sampling_params
-            # While streaming, hold back a tail that could still become a stop string.
-            hold = 0 if req.status.finished or not p.stop else p.max_stop_len - 1
-            end = max(seq.emitted_chars, len(seq.text) - hold)
-            tokens = req.output_token_ids
-            lps = seq.logprobs
-            completions.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=seq.text[:end] if full else "",
-                    token_ids=list(tokens) if full else [],
-                    logprobs=list(lps) if full and lps is not None else None,
-                    finish_reason=req.status.finish_reason,
-                    stop_reason=req.stop_reason,
-                    delta_text=seq.text[seq.emitted_chars : end],
-                    delta_token_ids=tokens[seq.emitted_tokens :],
-                    delta_logprobs=lps[seq.emitted_logprobs :] if lps is not None else None,
-                )
-            )
-            seq.emitted_chars = end
-            seq.emitted_tokens = len(tokens)
-            if lps is not None:
-                seq.emitted_logprobs = len(lps)
-        first = parent.seqs[0].request
-        metrics = RequestMetrics(
-            arrival_time=parent.arrival_time,
-            first_scheduled_time=min(
-                (q.request.first_scheduled_time for q in parent.seqs if q.request.first_scheduled_time),
-                default=None,
-            ),
-            first_token_time=min(
-                (q.request.first_token_time for q in parent.seqs if q.request.first_token_time), default=None
-            ),
-            last_token_time=max(
-                (q.request.last_token_time for q in parent.seqs if q.request.last_token_time), default=None
-            ),
-            finished_time=time.monotonic() if parent.finished else None,
-        )
-        return RequestOutput(
-            request_id=parent.request_id,
-            prompt=parent.prompt,
-            prompt_token_ids=parent.prompt_token_ids,
-            outputs=completions,
-            finished=parent.finished,
-            num_cached_tokens=max(first.num_cached_tokens, 0),
-            metrics=metrics,
-            embedding=first.embedding,
-        )
 
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> EngineStats:
