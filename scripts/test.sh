@@ -8,4 +8,4 @@ bash scripts/oci-registry.sh
 export FLEET_REQUIRE_OCI_REGISTRY=1
 export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"  # derandomized property tests
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@"
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=40 "$@"
