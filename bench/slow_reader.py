@@ -21,7 +21,6 @@ this code with its defaults. Measures, never asserts. From a checkout:
 from __future__ import annotations
 
 import argparse
-import json
 import socket
 import subprocess
 import tempfile
@@ -29,13 +28,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import mib, print_table, run_main
+from bench.soak_abuse import stalled_stream
 from control_plane.local.nats_server import NatsServer
 from engine.server.process import ROOT, ServerProcess
 from tests.agent.gateway.harness import GatewayProcess, make_key, peer, replica, route
@@ -102,21 +101,6 @@ def metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 def value(samples: dict, name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
-def stalled_stream(url: str, body: dict, headers: dict[str, str]) -> socket.socket:
-    """A streamed POST whose answer is never read, over a socket with a tiny window."""
-    u = urlsplit(url)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_WINDOW_CLAMP, 1024)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)  # else the sender's buffer grows to MBs
-    sock.connect((u.hostname, u.port))
-    data = json.dumps(body).encode()
-    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
-    head += "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-    sock.sendall(f"{head}Content-Length: {len(data)}\r\n\r\n".encode() + data)
-    return sock
 
 
 def rss_mib(pid: int) -> float:

@@ -1,8 +1,8 @@
 """The soak's attackers: clients that each press on one per-participant bound while the
 request mix runs, and record what the fleet did to them.
 
-- `slow reader`: opens a long stream and reads nothing for a while (the engine must stop
-  queueing for it, the gateway must give its slot back);
+- `slow reader`: opens a long stream over a socket with a tiny receive window and reads
+  nothing for a while (the gateway must cut it at its write deadline and give its slot back);
 - `slowloris`: sends a request head one byte at a time and never finishes it (the listener
   must close it at its header deadline);
 - `key flood`: a second key with a small `max_concurrent` fires far more requests at once
@@ -16,6 +16,7 @@ is `5xx` or `error`, which the soak counts against zero.
 
 from __future__ import annotations
 
+import json
 import random
 import socket
 import threading
@@ -43,31 +44,54 @@ def _status_outcome(status: int) -> str:
     return "5xx" if status >= 500 else str(status)
 
 
+def stalled_stream(url: str, body: dict, headers: dict[str, str]) -> socket.socket:
+    """A streamed POST whose answer is never read, over a socket with a tiny window."""
+    u = urlsplit(url)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_WINDOW_CLAMP, 1024)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)  # else the sender's buffer grows to MBs
+    sock.connect((u.hostname, u.port))
+    data = json.dumps(body).encode()
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
+    head += "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    sock.sendall(f"{head}Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
 def slow_reader(url: str, key: str, model: str, hold_s: float) -> Attack:
-    """One stream of up to 2,000 tokens, headers read, body left unread for `hold_s`."""
+    """One stream of up to 2,000 tokens over a socket with a tiny window, left unread for
+    `hold_s`, then read to its end: "cut by server" if the fleet gave up on it."""
 
     def run(rng: random.Random) -> tuple[str, float]:
         began = time.monotonic()
         body = {"model": model, "stream": True, "max_tokens": 2000, "user": uuid.uuid4().hex,
                 "messages": [{"role": "user", "content": "tell me a long story " * rng.randint(1, 8)}]}  # fmt: skip
-        headers = {"authorization": f"Bearer {key}"}
+        head, tail = b"", b""
         try:
-            with httpx.Client(timeout=httpx.Timeout(30, read=hold_s + 30)) as client:
-                with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as r:
-                    if r.status_code != 200:
-                        return _status_outcome(r.status_code), time.monotonic() - began
-                    time.sleep(hold_s)  # the attack: nothing is read
-                    tail = b""
-                    for chunk in r.iter_bytes():
-                        tail = (tail + chunk)[-64:]
-                    done = b"[DONE]" in tail
-                    return ("completed" if done else "cut by server"), time.monotonic() - began
-        except httpx.RemoteProtocolError:
+            with stalled_stream(url, body, {"authorization": f"Bearer {key}"}) as sock:
+                time.sleep(hold_s)  # the attack: nothing is read
+                sock.settimeout(30)
+                while chunk := sock.recv(65536):
+                    head = head or chunk[:64]
+                    tail = (tail + chunk)[-64:]
+                    if tail.endswith(b"\r\n0\r\n\r\n"):  # the last chunk: the response ended
+                        break
+        except TimeoutError:
+            return "held open", time.monotonic() - began
+        except OSError:
             return "cut by server", time.monotonic() - began
-        except httpx.HTTPError:
-            return "error", time.monotonic() - began
+        status = _status_line(head)
+        if status != 200:
+            return ("cut by server" if status is None else _status_outcome(status)), time.monotonic() - began
+        return ("completed" if b"[DONE]" in tail else "cut by server"), time.monotonic() - began
 
     return run
+
+
+def _status_line(head: bytes) -> int | None:
+    parts = head.split(b"\r\n", 1)[0].split()
+    return int(parts[1]) if len(parts) >= 2 and parts[0].startswith(b"HTTP/") and parts[1].isdigit() else None
 
 
 def slowloris(url: str, give_up_s: float) -> Attack:

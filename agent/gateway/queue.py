@@ -186,12 +186,25 @@ class ReplicaQueue:
             429, message, code="rate_limit_exceeded", headers={"Retry-After": str(self.retry_after_s)}
         )
 
+    def _held_by_own_limit(self, deployment: str, key: str, waited_s: float) -> GatewayError:
+        """429, not 503, for a wait that ends while the key's own max_concurrent still
+        holds it: the limit is the client's, the server is not overloaded on its account."""
+        limit = self._key_limits.get(key)
+        self.metrics.rate_limited.labels(deployment, "max_concurrent").inc()
+        return GatewayError(
+            429,
+            f"This key's max_concurrent ({limit}) requests were all running for the {waited_s:.0f} s "
+            "this one waited in the gateway queue; retry when one finishes",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": str(self.retry_after_s)},
+        )
+
     async def admit(
         self, deployment: str, klass: str, key: str = "", max_concurrent: int | None = None
     ) -> float:
         """Take a slot of `deployment` for `key` (call `release` with both when done); the
-        seconds queued. 429 past the key's share of the queue; 503 on a full queue or after
-        the timeout."""
+        seconds queued. 429 past the key's share of the queue, or at the timeout while the
+        key's own max_concurrent still holds it; 503 on a full queue or after the timeout."""
         start = self.clock()
         if max_concurrent is None:
             self._key_limits.pop(key, None)
@@ -224,6 +237,8 @@ class ReplicaQueue:
                     return self.clock() - start
                 remaining = deadline - self.clock()
                 if remaining <= 0:
+                    if not self.eligible(key):
+                        raise self._held_by_own_limit(deployment, key, self.clock() - start)
                     waited = f"waited {self.timeout_s:g} s"
                     raise self._refused(
                         deployment, "timeout", waited, f"{waited} in the gateway queue", "queue_timeout"

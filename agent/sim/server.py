@@ -1,6 +1,6 @@
 """`python -m agent.sim.server`: a simulated replica. It speaks the engine's OpenAI API
-(chat/completions, completions, SSE with usage, /v1/models, /health, /metrics with the
-engine's metric names) but runs no model: its timing follows a `PerfProfile` through a
+(chat/completions, completions, SSE with usage, unstreamed responses, /v1/models, /health,
+/metrics with the engine's metric names) but runs no model: its timing follows a `PerfProfile` through a
 `ReplicaModel` in real time, its text is a placeholder, and every response says
 `system_fingerprint: "simulated"`.
 
@@ -48,6 +48,7 @@ from fleet_base.listener import uvicorn_options
 
 # The engine's own buckets, so dashboards read both runtimes alike.
 from fleet_base.metric_buckets import QUEUE_BUCKETS, TTFT_BUCKETS
+from fleet_base.openai_contract.responses import ResponsesRequest
 from fleet_base.profile import PerfProfile, load_profile
 
 log = logging.getLogger("agent.sim.server")
@@ -218,6 +219,9 @@ def build_app(state: SimState) -> Starlette:
     async def completions(request: Request) -> Response:
         return await _generate(request, state, chat=False)
 
+    async def responses(request: Request) -> Response:
+        return await _responses(request, state)
+
     return Starlette(
         routes=[
             Route("/health", health, methods=["GET"]),
@@ -225,6 +229,7 @@ def build_app(state: SimState) -> Starlette:
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/responses", responses, methods=["POST"]),
         ]
     )
 
@@ -267,13 +272,51 @@ def _record_done(state: SimState, req: Any) -> None:
 
 
 async def _generate(request: Request, state: SimState, *, chat: bool) -> Response:
+    return await _generate_parsed(await request.body(), state, chat=chat)
+
+
+async def _responses(request: Request, state: SimState) -> Response:
+    """/v1/responses, unstreamed: translated onto chat as the engine translates it, the
+    chat result re-shaped into a Response object (its usage in input/output tokens)."""
+    raw = await request.body()
+    if len(raw) > MAX_BODY:
+        return _error(413, "request body too large")
+    try:
+        req = ResponsesRequest.model_validate_json(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        return _error(400, f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}")
+    if req.stream:
+        return _error(400, "stream: a simulated replica answers /v1/responses unstreamed only", "stream")
+    chat = await _generate_parsed(json.dumps(req.chat_body()).encode(), state, chat=True)
+    if chat.status_code != 200:
+        return chat
+    result = json.loads(bytes(chat.body))
+    usage = result["usage"]
+    text = result["choices"][0]["message"]["content"]
+    return JSONResponse({
+        "id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": result["created"],
+        "status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"},  # never stops early
+        "model": state.served_model_name,
+        "output": [{"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "status": "incomplete",
+                    "content": [{"type": "output_text", "text": text, "annotations": []}]}],
+        "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
+                  "total_tokens": usage["total_tokens"]},
+    })  # fmt: skip
+
+
+async def _generate_parsed(raw: bytes, state: SimState, *, chat: bool) -> Response:
     if state.draining:
         return _error(503, "The server is shutting down")
     if not state.ready:
         return _error(503, "The model is still loading; retry shortly")
-    body = _parse(await request.body(), state, chat=chat)
+    body = _parse(raw, state, chat=chat)
     if isinstance(body, Response):
         return body
+    return await _run(body, state, chat=chat)
+
+
+async def _run(body: _Body, state: SimState, *, chat: bool) -> Response:
     if state.error_rate > 0 and state.rng.random() < state.error_rate:
         state.requests_failed += 1
         return _error(500, "simulated failure (error_rate)")

@@ -167,6 +167,21 @@ async def test_max_concurrent_holds_slots_others_pass_and_over_share_is_429() ->
     assert q.key_active["a"] == 1 and q.active["d"] == 2  # b still holds its slot
 
 
+async def test_a_wait_ended_by_the_keys_own_limit_is_429_and_one_ended_by_load_is_503() -> None:
+    q = _queue(size=8, slots=2)
+    q.timeout_s = 0.05
+    assert await q.admit("d", "standard", "a", 1) == 0.0
+    with pytest.raises(GatewayError) as own:  # a slot is free; a's own limit holds it
+        await q.admit("d", "standard", "a", 1)
+    assert own.value.status == 429 and own.value.code == "rate_limit_exceeded"
+    assert "max_concurrent (1)" in own.value.message and own.value.headers["Retry-After"]
+    assert await q.admit("d", "standard", "b") == 0.0  # both slots taken now
+    with pytest.raises(GatewayError) as busy:  # c has no limit: the deployment is full
+        await q.admit("d", "standard", "c")
+    assert busy.value.status == 503 and busy.value.code == "queue_timeout"
+    assert q.depth == 0
+
+
 async def test_a_key_without_limit_is_held_to_its_share_of_the_queue() -> None:
     q = _queue(size=4, slots=1)
     assert await q.admit("d", "standard", "a") == 0.0

@@ -95,11 +95,19 @@ def test_cold_start_then_openai_api(replica) -> None:
     assert len(texts) >= 3 and all(c.system_fingerprint == "simulated" for c in chunks)
     assert chunks[-1].usage.completion_tokens == 30 and chunks[-1].choices == []
     assert [m.id for m in client.models.list().data] == ["sim-d"]
+    resp = client.responses.create(
+        model="sim-d", input="hi " * 40, instructions="be brief", max_output_tokens=5
+    )
+    assert resp.output_text and resp.usage.output_tokens == 5 and resp.usage.input_tokens > 20
+    bad = httpx.post(
+        f"{url}/v1/responses", json={"model": "sim-d", "input": "x", "previous_response_id": "r"}
+    )
+    assert bad.status_code == 400 and "previous_response_id" in bad.json()["error"]["message"]
 
     sample = parse_metrics(httpx.get(f"{url}/metrics").text)
-    assert sample.generation_tokens == 50 and sample.running == 0
-    # The work the autoscaler reads: prompt tokens, and the TTFT of the two requests.
-    assert sample.prompt_tokens > 200 and sample.ttft_count == 2 and 0 < sample.ttft_sum < 2
+    assert sample.generation_tokens == 55 and sample.running == 0
+    # The work the autoscaler reads: prompt tokens, and the TTFT of the three requests.
+    assert sample.prompt_tokens > 200 and sample.ttft_count == 3 and 0 < sample.ttft_sum < 2
 
     bad = httpx.post(
         f"{url}/v1/chat/completions", json={"model": "other", "messages": [{"role": "user", "content": "x"}]}
