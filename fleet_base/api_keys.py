@@ -65,6 +65,9 @@ class ApiKeyRecord(Message):
     shares: dict[str, float] = Field(default_factory=dict)
     revoked: bool = False
     created_at: float = Field(default_factory=time.time)
+    # The jurisdictions this key's requests may be processed in (None: no policy); a gateway
+    # outside them refuses the key (fleet_base.residency).
+    residency: list[str] | None = None
 
     def allows(self, deployment: str) -> bool:
         return self.deployments is None or deployment in self.deployments

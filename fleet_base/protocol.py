@@ -151,6 +151,9 @@ class DesiredState(Message):
     generation: int = 0
     replicas: list[ReplicaSpec] = Field(default_factory=list)
     updated_at: float = Field(default_factory=time.time)
+    # The cluster's own jurisdiction (fleet_base.residency): its gateway refuses keys whose
+    # residency excludes it. "" = none, which is outside every residency policy.
+    jurisdiction: str = ""
 
 
 # --------------------------------------------------------------------- routes
@@ -178,6 +181,8 @@ class ClusterRoute(BaseModel):
     # Active-passive: a warm standby takes traffic only while no primary
     # cluster of the deployment is alive.
     standby: bool = False
+    # The cluster's jurisdiction (fleet_base.residency); "" is outside every policy.
+    jurisdiction: str = ""
 
 
 class RoutingTable(Message):
@@ -191,6 +196,9 @@ class RoutingTable(Message):
     scale_to_zero: bool = False
     generation: int = 0
     updated_at: float = Field(default_factory=time.time)
+    # The deployment's residency policy: the jurisdictions its requests may be processed in
+    # (None: no policy). Gateways intersect it with the key's (fleet_base.residency.allowed).
+    residency: list[str] | None = None
 
 
 # --------------------------------------------------------------------- heartbeats
@@ -346,6 +354,9 @@ class UsageRecord(Message):
     attempt_failed: bool = False
     # The LoRA adapter the request named (None: the base model).
     adapter: AdapterName | None = None
+    # Where the request was processed: the serving cluster's region and jurisdiction.
+    region: str = Field("", max_length=64)
+    jurisdiction: str = Field("", max_length=64)
 
 
 class Demand(Message):
