@@ -86,6 +86,9 @@ class Deployment(Base):
     # how many one replica holds at once (0 = LoRA off).
     adapters: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list, server_default="[]")
     max_adapters: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # Data residency, unversioned (changing it moves replicas, it starts no rollout): the
+    # jurisdictions the deployment's requests may be processed in; None: no policy.
+    residency: Mapped[list[str] | None] = mapped_column(JSON, nullable=True, default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
@@ -147,6 +150,9 @@ class Cluster(Base):
     lon: Mapped[float] = mapped_column(Float, default=0.0)
     status: Mapped[str] = mapped_column(String(16), default="healthy")  # fleet_base.domain.ClusterStatus
     gateway_url: Mapped[str] = mapped_column(String(512), default="")
+    # Set by the operator (enrolment, `clusters set`), never by heartbeats: "" is outside
+    # every residency policy (fleet_base.residency).
+    jurisdiction: Mapped[str] = mapped_column(String(32), default="", server_default="")
     last_heartbeat_at: Mapped[datetime | None] = mapped_column(nullable=True)
     load: Mapped[dict[str, Any]] = mapped_column(default=dict)  # last heartbeat summary
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
@@ -233,6 +239,8 @@ class ApiKey(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(nullable=True)
     # cluster id -> fraction of the key's token budgets (ApiKeyRecord.shares; docs/quotas.md)
     shares: Mapped[dict[str, float]] = mapped_column(JSON, default=dict, server_default="{}")
+    # the jurisdictions the key's requests may be processed in (ApiKeyRecord.residency); None: any
+    residency: Mapped[list[str] | None] = mapped_column(JSON, nullable=True, default=None)
 
 
 class UsageRecord(Base):
@@ -251,6 +259,9 @@ class UsageRecord(Base):
     status: Mapped[int] = mapped_column(Integer, default=200)
     latency_s: Mapped[float] = mapped_column(Float, default=0.0)
     adapter: Mapped[str | None] = mapped_column(String(63), nullable=True)  # LoRA adapter, if any
+    # where the request was processed, as the gateway reported it
+    region: Mapped[str] = mapped_column(String(64), default="", server_default="")
+    jurisdiction: Mapped[str] = mapped_column(String(64), default="", server_default="")
     # the gateway's id of the record (or the stream sequence): a redelivery is stored once
     record_id: Mapped[str | None] = mapped_column(String(64), nullable=True, unique=True)
 

@@ -22,6 +22,7 @@ from control_plane.rollouts.surge import (
     resolve_surge,
     resolve_unavailable,
 )
+from fleet_base import residency
 from fleet_base.api_keys import ApiKeyRecord
 from fleet_base.domain import ClusterStatus, pool_shape
 from fleet_base.protocol import (
@@ -270,8 +271,13 @@ def build_desired(snap: FleetSnapshot, assignments: list[AssignmentRow]) -> dict
                 **_lora(deployments.get(a.deployment)),
             )
         )
+    jurisdictions = {c.id: c.jurisdiction for c in snap.clusters}
     return {
-        cluster: DesiredState(cluster=cluster, replicas=sorted(specs, key=lambda r: r.replica_id))
+        cluster: DesiredState(
+            cluster=cluster,
+            replicas=sorted(specs, key=lambda r: r.replica_id),
+            jurisdiction=jurisdictions.get(cluster, ""),
+        )
         for cluster, specs in by_cluster.items()
     }
 
@@ -281,7 +287,9 @@ def build_routes(snap: FleetSnapshot, assignments: list[AssignmentRow]) -> dict[
     weight, and each cluster it is assigned to with that cluster's ready replicas.
     Unhealthy clusters are left out; deployments with zero replicas get no table, unless
     they may scale to zero (min_replicas 0): then gateways keep knowing them, hold their
-    requests for a cold start and signal demand (`scale_to_zero`)."""
+    requests for a cold start and signal demand (`scale_to_zero`). A residency-bound
+    deployment's table names its policy and leaves out clusters outside it (replicas that
+    still run there while placement moves them get no more traffic)."""
     clusters = {c.id: c for c in snap.clusters}
     assigned: dict[str, dict[str, list[AssignmentRow]]] = defaultdict(lambda: defaultdict(list))
     for a in assignments:
@@ -292,10 +300,13 @@ def build_routes(snap: FleetSnapshot, assignments: list[AssignmentRow]) -> dict[
         scale_to_zero = spec is not None and spec.min_replicas == 0
         if d.replicas <= 0 and not scale_to_zero:
             continue
+        policy = residency.allowed(d.residency)
         routes = []
         for cluster_id, rows in sorted(assigned[d.name].items()):
             c = clusters.get(cluster_id)
             if c is None or c.status == ClusterStatus.unhealthy:
+                continue
+            if not residency.permits(policy, c.jurisdiction):
                 continue
             routes.append(
                 ClusterRoute(
@@ -307,6 +318,7 @@ def build_routes(snap: FleetSnapshot, assignments: list[AssignmentRow]) -> dict[
                     healthy=True,
                     provider=c.provider,
                     standby=bool(spec and in_regions(c.region, spec.standby_regions)),
+                    jurisdiction=c.jurisdiction,
                 )
             )
         out[d.name] = RoutingTable(
@@ -315,6 +327,7 @@ def build_routes(snap: FleetSnapshot, assignments: list[AssignmentRow]) -> dict[
             clusters=routes,
             by_region=by_region_for(routes, snap.clusters),
             scale_to_zero=scale_to_zero,
+            residency=None if d.residency is None else list(d.residency),
         )
     return out
 

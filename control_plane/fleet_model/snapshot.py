@@ -46,6 +46,8 @@ class DeploymentRow(_Row):
     max_unavailable: str = DEFAULT_MAX_UNAVAILABLE
     adapters: tuple[tuple[str, str], ...] = ()  # LoRA (name, uri), unversioned
     max_adapters: int = 0
+    # the jurisdictions its replicas may run and its requests be processed in; None: any
+    residency: tuple[str, ...] | None = None
 
 
 class PoolRow(PoolShape, _Row):
@@ -60,6 +62,7 @@ class ClusterRow(_Row):
     status: ClusterStatus = ClusterStatus.healthy
     gateway_url: str = ""
     last_heartbeat_at: datetime | None = None
+    jurisdiction: str = ""  # "" is outside every residency policy
     pools: tuple[PoolRow, ...] = ()
 
 
@@ -120,6 +123,7 @@ def read_snapshot(session: Session) -> FleetSnapshot:
                 max_unavailable=d.max_unavailable,
                 adapters=tuple((a["name"], a["uri"]) for a in d.adapters or []),
                 max_adapters=d.max_adapters or 0,
+                residency=None if d.residency is None else tuple(d.residency),
             )
             for d in deployments
         ),
@@ -149,6 +153,7 @@ def read_snapshot(session: Session) -> FleetSnapshot:
                 status=_status(c.status),
                 gateway_url=c.gateway_url,
                 last_heartbeat_at=c.last_heartbeat_at,
+                jurisdiction=c.jurisdiction or "",
                 pools=tuple(
                     PoolRow(name=p.name, **{**pool_shape(p), "tier": _tier(p.tier)}) for p in c.pools
                 ),
@@ -185,6 +190,7 @@ def key_record(k: ApiKey) -> ApiKeyRecord:
         quotas=Quotas.model_validate(k.quotas or {}),
         shares=dict(k.shares or {}),
         created_at=k.created_at.timestamp(),
+        residency=None if k.residency is None else list(k.residency),
     )
 
 

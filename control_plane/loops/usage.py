@@ -80,6 +80,8 @@ def _values(r: protocol.UsageRecord, seq: int | None = None) -> dict:
         "status": r.status,
         "latency_s": r.latency_s,
         "adapter": r.adapter,
+        "region": r.region,
+        "jurisdiction": r.jurisdiction,
         "record_id": r.record_id or (f"js-{seq}" if seq else None),
     }
 
