@@ -2,7 +2,9 @@
 tier).
 
 Columns are found by name (any order, extra columns ignored): InstanceType,
-AcceleratorName, AcceleratorCount, GpuInfo, Price, SpotPrice, Region, AvailabilityZone.
+AcceleratorName, AcceleratorCount, GpuInfo, Price, SpotPrice, Region, AvailabilityZone,
+and Fleet's own optional Jurisdiction (the legal home of a region's data, `ca`, `us`; one
+per region, empty: none, which no residency policy allows).
 Two real-world quirks are handled:
 
 - GCP: a GPU's price is its own row (empty InstanceType) and the host row of an
@@ -31,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from control_plane.catalog.gpus import gcp_machine_gpus, memory_from_info
 from control_plane.placement.base import PoolCapacity
 from fleet_base.domain import PoolShape, Tier, pool_shape
+from fleet_base.residency import normalize
 
 REQUIRED = ("Region", "Price")
 
@@ -49,6 +52,7 @@ class PoolOffer(PoolShape):
     region: str
     instance_type: str
     zones: tuple[str, ...] = ()
+    jurisdiction: str = ""
 
     @property
     def cluster_id(self) -> str:
@@ -190,6 +194,23 @@ def _nodes(
     return nodes, gpu_info
 
 
+def _jurisdictions(rows: list[dict[str, str]]) -> dict[str, str]:
+    """Region -> its jurisdiction from the optional column; CatalogError on a bad label or
+    a region given two."""
+    out: dict[str, str] = {}
+    for r in rows:
+        text, region = r.get("Jurisdiction", ""), r["Region"]
+        if not text or not region:
+            continue
+        try:
+            label = normalize(text)
+        except ValueError as e:
+            raise CatalogError(f"region {region}: {e}") from None
+        if out.setdefault(region, label) != label:
+            raise CatalogError(f"region {region} has two jurisdictions: {out[region]} and {label}")
+    return out
+
+
 def parse_catalog(
     text: str,
     provider: str,
@@ -206,6 +227,7 @@ def parse_catalog(
     _, rows = _rows(text)
     report = CatalogReport(rows=len(rows))
     nodes, gpu_info = _nodes(rows, report)
+    jurisdictions = _jurisdictions(rows)
     offers: list[PoolOffer] = []
     for (region, itype), zones in sorted(nodes.items()):
         model, n, memory, _, _ = next(iter(zones.values()))
@@ -236,6 +258,7 @@ def parse_catalog(
                     hourly_price=round(min(prices), 5),
                     nodes=count,
                     zones=tuple(sorted(z for z in zones if z)),
+                    jurisdiction=jurisdictions.get(region, ""),
                 )
             )
     report.offers = len(offers)
@@ -258,7 +281,12 @@ def offers_to_pools(offers: Iterable[PoolOffer]) -> list[PoolCapacity]:
     """The placer's view of catalog offers (one cluster per provider and region)."""
     return [
         PoolCapacity(
-            cluster=o.cluster_id, name=o.pool_name, region=o.region, provider=o.provider, **pool_shape(o)
+            cluster=o.cluster_id,
+            name=o.pool_name,
+            region=o.region,
+            provider=o.provider,
+            jurisdiction=o.jurisdiction,
+            **pool_shape(o),
         )
         for o in offers
     ]

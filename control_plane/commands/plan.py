@@ -60,7 +60,12 @@ def plan_command(
     if output == OutputFormat.json:
         emit_json(report.model_dump())
         return
-    emit([line.model_dump() for line in report.nodes], output, title="nodes to acquire")
+    emit(
+        [line.model_dump() for line in report.nodes],
+        output,
+        None if any(line.jurisdiction for line in report.nodes) else _NODE_COLUMNS,
+        title="nodes to acquire",
+    )
     rows = [
         {"deployment": d, "regions": regions, "spot": report.spot_share.get(d, 0.0)}
         for d, regions in report.replicas_by_region.items()
@@ -72,6 +77,8 @@ def plan_command(
         f"  FFD $/hour {report.ffd_cost_per_hour:,.2f}  solve {report.solve_s:.2f}s ({report.method})",
         highlight=False,
     )
+    if report.residency_cost is not None:
+        _residency_table(report.residency_cost)
     if report.removed:
         emit(
             [r.model_dump() for r in report.removed],
@@ -81,6 +88,29 @@ def plan_command(
         )
     for u in report.unplaced:
         console.print(f"[yellow]{u['deployment']}: {u['missing']} unplaced: {u['reason']}[/yellow]")
+
+
+_NODE_COLUMNS = ["cluster", "pool", "region", "gpu_model", "tier", "nodes", "of", "price", "replicas"]
+
+
+def _residency_table(cost) -> None:
+    """Each deployment with its residency against the same demands placed with no policy."""
+    from control_plane.placement.residency_cost import summary, table_rows
+
+    from rich.console import Console
+    from rich.table import Table
+
+    rows = table_rows(cost)
+    table = Table(
+        title="cost of residency: with policy / without (GPU-h/h: GPUs held; RTT: to the clients' regions)",
+        header_style="bold",
+    )
+    for col in rows[0]:
+        table.add_column(col, justify="left" if col in ("deployment", "residency", "regions") else "right")
+    for row in rows:
+        table.add_row(*[str(v) for v in row.values()])
+    Console(width=max(160, console.width)).print(table)
+    console.print(summary(cost), highlight=False)
 
 
 def register(app: typer.Typer) -> None:

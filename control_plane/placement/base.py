@@ -16,6 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fleet_base import residency
 from fleet_base.domain import TIER_ORDER, ClusterStatus, Coordinates, PoolShape
 from fleet_base.named_registry import Registry
 
@@ -40,6 +41,8 @@ class PoolCapacity(PoolShape, _Frozen):
     cluster_status: ClusterStatus = ClusterStatus.healthy
     coordinates: Coordinates = Field(default_factory=Coordinates)
     provider: str = ""  # with `region`, finds measured latencies (control_plane.geo)
+    # The legal home of the pool's data (`ca`, `us`); "" is outside every residency policy.
+    jurisdiction: str = ""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -71,7 +74,9 @@ class PoolCapacity(PoolShape, _Frozen):
 
 class ReplicaDemand(_Frozen):
     """`count` replicas of one deployment version, each needing `gpu_count` GPUs of one
-    node. `gpu_models` and `regions` empty mean any; regions may be glob patterns."""
+    node. `gpu_models` and `regions` empty mean any; regions may be glob patterns.
+    `residency` (None: no policy) narrows the allowed regions to pools whose jurisdiction
+    it names, fail-closed (`fleet_base.residency`)."""
 
     deployment: str
     version: int = Field(ge=0)
@@ -87,6 +92,7 @@ class ReplicaDemand(_Frozen):
     # optimizing placer prefers pools near it once cost and moves are settled.
     demand_regions: dict[str, float] = Field(default_factory=dict)
     priority: PriorityClass = "standard"
+    residency: tuple[str, ...] | None = None
 
     @property
     def rank(self) -> int:
@@ -114,13 +120,21 @@ class ReplicaDemand(_Frozen):
             return True
         return any(fnmatch.fnmatchcase(pool.region, pattern) for pattern in self.regions)
 
+    def residency_ok(self, pool: PoolCapacity) -> bool:
+        """The pool's jurisdiction is one the policy names (always, with no policy)."""
+        return residency.permits(residency.allowed(self.residency), pool.jurisdiction)
+
+    def allowed_region(self, pool: PoolCapacity) -> bool:
+        """Where the demand may run: its allowed regions, narrowed by its residency."""
+        return self.region_ok(pool) and self.residency_ok(pool)
+
     def shape_ok(self, pool: PoolCapacity) -> bool:
         """A replica never spans nodes."""
         return self.gpu_count <= pool.gpus_per_node
 
     def acceptable(self, pool: PoolCapacity) -> bool:
         """Every static constraint (not health, not free room)."""
-        return self.model_ok(pool) and self.memory_ok(pool) and self.region_ok(pool) and self.shape_ok(pool)
+        return self.model_ok(pool) and self.memory_ok(pool) and self.allowed_region(pool) and self.shape_ok(pool)
 
 
 class Assignment(_Frozen):
@@ -224,12 +238,13 @@ def fingerprint_inputs(
 ) -> int:
     d = tuple(
         (x.deployment, x.version, x.count, x.gpu_models, x.gpu_count, x.gpu_memory_gb, x.regions,
-         x.min_regions, x.max_spot_fraction, tuple(sorted(x.demand_regions.items())), x.priority)
+         x.min_regions, x.max_spot_fraction, tuple(sorted(x.demand_regions.items())), x.priority,
+         x.residency)
         for x in demands
     )  # fmt: skip
     p = tuple(
         (x.cluster, x.name, x.region, x.provider, x.gpu_model, x.gpu_memory_gb, x.gpus_per_node, x.nodes,
-         x.tier, x.hourly_price, x.cluster_status)
+         x.tier, x.hourly_price, x.cluster_status, x.jurisdiction)
         for x in pools
     )  # fmt: skip
     return hash((d, p, extra))

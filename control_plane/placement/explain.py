@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from control_plane.placement.base import Assignment, PlacementResult, PoolCapacity, ReplicaDemand, Unplaced
+from fleet_base import residency
 from fleet_base.domain import ClusterStatus, Tier
 
 
@@ -28,6 +29,12 @@ def rule_out(
         (d.model_ok, "gpu_models", f"no pool has an acceptable GPU model ({', '.join(d.gpu_models)})"),
         (d.memory_ok, "gpu_memory_gb", f"no pool of an acceptable model has {d.gpu_memory_gb:g} GB {memory}"),
         (d.region_ok, "regions", f"no matching pool in the allowed regions ({', '.join(d.regions)})"),
+        (
+            d.residency_ok,
+            "residency",
+            f"no matching pool in the allowed regions is in an allowed jurisdiction "
+            f"(residency {residency.describe(d.residency)})",
+        ),
         (d.shape_ok, "gpus", f"no matching pool has {d.gpu_count} GPUs per node"),
         (lambda p: p.accepts_new, "", "no matching pool is on a healthy cluster"),
     ]
@@ -37,6 +44,24 @@ def rule_out(
         if not left:
             return f"{field}: {reason}" if labelled and field else reason
     return left
+
+
+def residency_note(d: ReplicaDemand, pools: Sequence[PoolCapacity], left: Sequence[PoolCapacity]) -> str:
+    """When residency is what keeps a demand short of room: `; residency: ...` naming the
+    pools it refuses (that would otherwise match), else ""."""
+    if d.residency is None:
+        return ""
+    refused = [
+        p
+        for p in pools
+        if d.model_ok(p) and d.memory_ok(p) and d.region_ok(p) and d.shape_ok(p) and not d.residency_ok(p)
+    ]
+    if not refused:
+        return ""
+    return (
+        f"; residency {residency.describe(d.residency)}: only the {len(left)} pool(s) in those "
+        f"jurisdictions are allowed, {len(refused)} matching pool(s) elsewhere are not"
+    )
 
 
 def add_note(
@@ -59,21 +84,29 @@ def explain_shortfall(d: ReplicaDemand, pools: Sequence[PoolCapacity]) -> str:
         return left
     total = _slots(d, left)
     if total < d.count:
-        return f"capacity: the {len(left)} matching pool(s) hold {total} replica(s) of {d.gpu_count} GPU(s), {d.count} wanted"
+        return (
+            f"capacity: the {len(left)} matching pool(s) hold {total} replica(s) of {d.gpu_count} GPU(s), "
+            f"{d.count} wanted{residency_note(d, pools, left)}"
+        )
     firm = _slots(d, [p for p in left if p.tier != Tier.spot])
     if firm + d.max_spot < d.count:
         return (
             f"max_spot_fraction: at most {d.max_spot} of {d.count} on spot and only {firm} non-spot "
             f"replica slot(s) in the matching pools"
         )
-    return f"capacity: the {len(left)} matching pool(s) are taken by other deployments"
+    return (
+        f"capacity: the {len(left)} matching pool(s) are taken by other deployments"
+        f"{residency_note(d, pools, left)}"
+    )
 
 
 def explain_regions(d: ReplicaDemand, pools: Sequence[PoolCapacity], covered: int) -> str:
     regions = {p.region for p in pools if d.acceptable(p) and p.accepts_new}
     if len(regions) < d.min_regions:
+        policy = f" (residency {residency.describe(d.residency)})" if d.residency is not None else ""
         return (
-            f"min_regions: only {len(regions)} allowed region(s) have matching pools, {d.min_regions} wanted"
+            f"min_regions: only {len(regions)} allowed region(s){policy} have matching pools, "
+            f"{d.min_regions} wanted"
         )
     return f"min_regions: only {covered} of {d.min_regions} regions have room"
 

@@ -30,7 +30,7 @@ from control_plane.placement.base import (
     demands_by_key,
     register_placer,
 )
-from control_plane.placement.explain import add_note, explain_shortfall, rule_out
+from control_plane.placement.explain import add_note, explain_shortfall, residency_note, rule_out
 from control_plane.placement.preempt import choose_victims, preemption
 from control_plane.placement.quotas import (
     NO_QUOTAS,
@@ -383,7 +383,10 @@ def _why(d: ReplicaDemand, pools: Sequence[PoolCapacity]) -> str:
     left = rule_out(d, pools, labelled=False)
     if isinstance(left, str):
         return left
-    return f"no free node with {d.gpu_count} GPUs in the {len(left)} matching pool(s)"
+    return (
+        f"no free node with {d.gpu_count} GPUs in the {len(left)} matching pool(s)"
+        f"{residency_note(d, pools, left)}"
+    )
 
 
 register_placer(FirstFitDecreasing.name, FirstFitDecreasing)

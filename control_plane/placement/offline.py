@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from control_plane.placement.base import (
     Assignment,
@@ -24,7 +24,9 @@ from control_plane.placement.ffd import FirstFitDecreasing
 from control_plane.placement.milp import MilpPlacer
 from control_plane.placement.pipeline import PlacementInputs, run
 from control_plane.placement.quotas import ClassQuota, GpuQuotas
+from control_plane.placement.residency_cost import ResidencyCost, compare, without_residency
 from fleet_base.domain import Tier
+from fleet_base.residency import parse_residency
 
 
 class DemandSpec(BaseModel):
@@ -43,6 +45,12 @@ class DemandSpec(BaseModel):
     demand_regions: dict[str, float] = Field(default_factory=dict)
     priority: PriorityClass = "standard"
     running: int = Field(0, ge=0, le=1_000_000)  # replicas that run now (placed first)
+    residency: list[str] | None = None  # jurisdictions allowed (catalog `Jurisdiction`); None: any
+
+    @field_validator("residency", mode="before")
+    @classmethod
+    def _residency(cls, value: object) -> object:
+        return value if value is None else parse_residency(value)  # type: ignore[arg-type]
 
     def demand(self, running: bool = False) -> ReplicaDemand:
         return ReplicaDemand(
@@ -57,6 +65,7 @@ class DemandSpec(BaseModel):
             max_spot_fraction=self.max_spot_fraction,
             demand_regions=self.demand_regions,
             priority=self.priority,
+            residency=None if self.residency is None else tuple(self.residency),
         )
 
 
@@ -87,6 +96,7 @@ class PoolLine(BaseModel):
     cluster: str
     pool: str
     region: str
+    jurisdiction: str = ""
     gpu_model: str
     tier: str
     nodes: int
@@ -111,6 +121,8 @@ class PlanReport(BaseModel):
     spot_share: dict[str, float]
     running: int = 0  # replicas of the current assignment (demands' `running`)
     removed: list[RemovalLine] = Field(default_factory=list)
+    # With a deployment under residency: the same demands planned without any policy, compared.
+    residency_cost: ResidencyCost | None = None
 
 
 def plan(
@@ -128,6 +140,11 @@ def plan(
     result, info = outcome.result, outcome.info
     assert info is not None  # the MILP always says how it solved
     ffd = FirstFitDecreasing(quotas=quotas).place(demands, pools, current)
+    cost = None
+    if any(d.residency is not None for d in demands):
+        free = without_residency(demands)
+        unbound = run(inputs.model_copy(update={"demands": tuple(free)}), placer).result
+        cost = compare(demands, pools, result, unbound)
     by_pool = {p.key: p for p in pools}
     used = nodes_used(pools, result.assignments)
     per_pool = Counter(a.pool_key for a in result.assignments)
@@ -136,6 +153,7 @@ def plan(
             cluster=k[0],
             pool=k[1],
             region=by_pool[k].region,
+            jurisdiction=by_pool[k].jurisdiction,
             gpu_model=by_pool[k].gpu_model,
             tier=by_pool[k].tier.value,
             nodes=n,
@@ -171,6 +189,7 @@ def plan(
         spot_share={d: round(spot[d] / sum(c.values()), 3) for d, c in regions.items()},
         running=len(current),
         removed=removals(demands, current, result),
+        residency_cost=cost,
     )
 
 

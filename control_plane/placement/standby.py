@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from control_plane.placement.base import Assignment, PlacementResult, PoolCapacity, ReplicaDemand, Unplaced
 from control_plane.placement.ffd import fresh_assignment, new_replica_id
+from fleet_base.residency import describe
 
 
 class StandbyDemand(BaseModel):
@@ -29,6 +30,7 @@ class StandbyDemand(BaseModel):
     gpu_count: int = Field(1, ge=1)
     gpu_memory_gb: float = Field(0.0, ge=0)
     regions: tuple[str, ...] = ()
+    residency: tuple[str, ...] | None = None  # the deployment's: a standby obeys it too
 
     def demand(self) -> ReplicaDemand:
         """The replica demand of one region's standby (regions are the standby's own)."""
@@ -122,13 +124,13 @@ def complete(
                     None,
                 )
                 if pool is None:
+                    why = f"standby region {region}: no healthy pool with room"
+                    if s.residency is not None and not any(
+                        p.region == region and demand.residency_ok(p) for p in pools
+                    ):
+                        why = f"standby region {region}: residency {describe(s.residency)} allows no pool there"
                     unplaced.append(
-                        Unplaced(
-                            deployment=s.deployment,
-                            version=s.version,
-                            missing=s.count - have,
-                            reason=f"standby region {region}: no healthy pool with room",
-                        )
+                        Unplaced(deployment=s.deployment, version=s.version, missing=s.count - have, reason=why)
                     )
                     break
                 added.append(fresh_assignment(s, pool, None, ids, new_replica_id))
