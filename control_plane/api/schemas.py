@@ -229,6 +229,7 @@ class PoolIn(PoolShape, Strict):
 class PoolOut(PoolShape):
     cluster: str
     region: str
+    jurisdiction: str = ""  # its cluster's: where residency lets replicas run
     name: str
     tier: str
     total_gpus: int

@@ -152,6 +152,7 @@ def pool_out(pool: CapacityPool, region: str, used: dict[tuple[str, str], int]) 
     return PoolOut(
         cluster=pool.cluster_id,
         region=region,
+        jurisdiction=pool.cluster.jurisdiction or "",
         name=pool.name,
         **pool_shape(pool),
         total_gpus=total,

@@ -63,6 +63,7 @@ def import_pools(
             "nodes": o.nodes,
             "tier": o.tier.value,
             "hourly_price": o.hourly_price,
+            **({"jurisdiction": o.jurisdiction} if o.jurisdiction else {}),
         }
         for o in offers
     ]

@@ -95,10 +95,10 @@ _NODE_COLUMNS = ["cluster", "pool", "region", "gpu_model", "tier", "nodes", "of"
 
 def _residency_table(cost) -> None:
     """Each deployment with its residency against the same demands placed with no policy."""
-    from control_plane.placement.residency_cost import summary, table_rows
-
     from rich.console import Console
     from rich.table import Table
+
+    from control_plane.placement.residency_cost import summary, table_rows
 
     rows = table_rows(cost)
     table = Table(

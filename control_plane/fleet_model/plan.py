@@ -73,9 +73,10 @@ def _demand(snap: FleetSnapshot, d: DeploymentRow, spec: VersionSpec, count: int
         gpu_models=gpu_models,
         gpu_count=spec.gpu_count,
         gpu_memory_gb=spec.gpu_memory_gb,
-        regions=primary_regions(snap, spec),
+        regions=primary_regions(snap, spec, d.residency),
         min_regions=spec.min_regions,
         priority=d.priority,
+        residency=d.residency,
     )
 
 
@@ -88,6 +89,7 @@ def _pools(snap: FleetSnapshot) -> list[PoolCapacity]:
             cluster_status=c.status,
             coordinates=c.coordinates,
             provider=c.provider,
+            jurisdiction=c.jurisdiction,
             **pool_shape(p),
         )
         for c in snap.clusters

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from control_plane.fleet_model.snapshot import FleetSnapshot, VersionSpec
 from control_plane.placement.standby import StandbyDemand
+from fleet_base import residency
 from fleet_base.domain import ClusterStatus
 
 NO_REGION = "-no-primary-region-"  # matches no region: the primary demand is unplaceable
@@ -30,15 +31,24 @@ def standby_count(spec: VersionSpec) -> int:
     return max(1, spec.min_replicas)
 
 
-def primary_regions(snap: FleetSnapshot, spec: VersionSpec) -> tuple[str, ...]:
+def primary_regions(
+    snap: FleetSnapshot, spec: VersionSpec, policy: Sequence[str] | None = None
+) -> tuple[str, ...]:
     """Where the deployment's serving replicas may go: its allowed regions less the
-    standby ones; every allowed or standby region while no primary has a healthy cluster."""
+    standby ones; every allowed or standby region while no primary has a healthy cluster
+    that its residency `policy` permits (the placer narrows every region by it as well)."""
     if not spec.standby_regions:
         return spec.regions
     known = sorted({c.region for c in snap.clusters})
     allowed = [r for r in known if not spec.regions or in_regions(r, spec.regions)]
     primary = [r for r in allowed if not in_regions(r, spec.standby_regions)]
-    if not any(c.region in primary and c.status == ClusterStatus.healthy for c in snap.clusters):
+    permitted = residency.allowed(policy)
+    if not any(
+        c.region in primary
+        and c.status == ClusterStatus.healthy
+        and residency.permits(permitted, c.jurisdiction)
+        for c in snap.clusters
+    ):
         return tuple(sorted(set(allowed) | {r for r in known if in_regions(r, spec.standby_regions)})) or (
             NO_REGION,
         )
@@ -64,6 +74,7 @@ def standby_demands(snap: FleetSnapshot) -> list[StandbyDemand]:
                 regions=tuple(
                     sorted({c.region for c in snap.clusters if in_regions(c.region, spec.standby_regions)})
                 ),
+                residency=d.residency,
             )
         )
     return out

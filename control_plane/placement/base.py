@@ -134,7 +134,9 @@ class ReplicaDemand(_Frozen):
 
     def acceptable(self, pool: PoolCapacity) -> bool:
         """Every static constraint (not health, not free room)."""
-        return self.model_ok(pool) and self.memory_ok(pool) and self.allowed_region(pool) and self.shape_ok(pool)
+        return (
+            self.model_ok(pool) and self.memory_ok(pool) and self.allowed_region(pool) and self.shape_ok(pool)
+        )
 
 
 class Assignment(_Frozen):

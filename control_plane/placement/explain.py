@@ -20,7 +20,8 @@ def rule_out(
     d: ReplicaDemand, pools: Sequence[PoolCapacity], labelled: bool = True
 ) -> str | list[PoolCapacity]:
     """The first pool rule, in the order a reader checks them, that matches no pool (a
-    reason), else the pools that pass every rule. `labelled` names the demand's field
+    reason), else the pools that pass every rule. Residency comes after the pool's shape:
+    when it is what refuses the pools that would fit, the reason names it. `labelled` names the demand's field
     first ("gpu_models: ..."); unlabelled keeps the first-fit placer's own wording."""
     if not pools:
         return "no capacity pools are known"
@@ -29,13 +30,13 @@ def rule_out(
         (d.model_ok, "gpu_models", f"no pool has an acceptable GPU model ({', '.join(d.gpu_models)})"),
         (d.memory_ok, "gpu_memory_gb", f"no pool of an acceptable model has {d.gpu_memory_gb:g} GB {memory}"),
         (d.region_ok, "regions", f"no matching pool in the allowed regions ({', '.join(d.regions)})"),
+        (d.shape_ok, "gpus", f"no matching pool has {d.gpu_count} GPUs per node"),
         (
             d.residency_ok,
             "residency",
             f"no matching pool in the allowed regions is in an allowed jurisdiction "
             f"(residency {residency.describe(d.residency)})",
         ),
-        (d.shape_ok, "gpus", f"no matching pool has {d.gpu_count} GPUs per node"),
         (lambda p: p.accepts_new, "", "no matching pool is on a healthy cluster"),
     ]
     left = list(pools)

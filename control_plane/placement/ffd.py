@@ -11,6 +11,7 @@ longer wanted, and the least preferred ones on scale-down are removed.
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -185,12 +186,15 @@ class _Plan:
             self.held[self.demand_of(a).priority] += a.gpus
 
     def place_missing(self) -> None:
-        """Place what is missing, the highest class first, then biggest replicas first.
-        Class floors (quotas) are placed first; class bounds stop a class's growth."""
+        """Place what is missing, the highest class first; within it the narrowest
+        residency first (a bound demand has fewer places to go than one without a policy),
+        then biggest replicas first. Class floors (quotas) are placed first; class bounds
+        stop a class's growth."""
         order = sorted(
             self.by_demand.values(),
             key=lambda d: (
                 -d.rank,
+                _residency_width(d),
                 -d.gpu_count,
                 -d.gpu_memory_gb,
                 -(d.count - len(self.placed[d.key])),
@@ -360,6 +364,11 @@ def _choose(
         if fallback is None and not new_region_only:
             fallback = (pool, node)
     return fallback
+
+
+def _residency_width(d: ReplicaDemand) -> float:
+    """How many jurisdictions the demand may use (no policy: any)."""
+    return math.inf if d.residency is None else len(set(d.residency))
 
 
 def _keep_order(

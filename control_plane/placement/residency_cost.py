@@ -217,5 +217,3 @@ def _default_distance() -> Distance:
         lat = default_latency()
         _DISTANCE = lambda pool, region: lat.rtt_ms(pool.region, region, provider=pool.provider)  # noqa: E731
     return _DISTANCE
-
-

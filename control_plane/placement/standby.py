@@ -128,9 +128,13 @@ def complete(
                     if s.residency is not None and not any(
                         p.region == region and demand.residency_ok(p) for p in pools
                     ):
-                        why = f"standby region {region}: residency {describe(s.residency)} allows no pool there"
+                        why = (
+                            f"standby region {region}: residency {describe(s.residency)} allows no pool there"
+                        )
                     unplaced.append(
-                        Unplaced(deployment=s.deployment, version=s.version, missing=s.count - have, reason=why)
+                        Unplaced(
+                            deployment=s.deployment, version=s.version, missing=s.count - have, reason=why
+                        )
                     )
                     break
                 added.append(fresh_assignment(s, pool, None, ids, new_replica_id))

@@ -109,3 +109,31 @@ def test_import_bad_input(server, tmp_path):
         admin.post("/v1/clusters", json={"id": "acme-r2", "provider": "other", "region": "r2"})
         r = admin.post("/v1/pools/import", json={"provider": "acme", "pools": [{**pool, "region": "r2"}]})
         assert r.status_code == 409 and "provider" in r.text
+
+
+def test_import_sets_a_new_clusters_jurisdiction(server):
+    """A catalog's Jurisdiction column gives a new capacity cluster its jurisdiction; it never
+    moves an existing one's (that is `fleetctl clusters set`), and one region has one."""
+    pool = {"region": "ca-r1", "name": "p", "gpu_model": "L4", "jurisdiction": "ca"}
+    with server.client() as admin:
+        r = admin.post("/v1/pools/import", json={"provider": "juris", "pools": [pool]})
+        assert r.status_code == 200, r.text
+        got = admin.get("/v1/pools", params={"cluster": "juris-ca-r1"}).json()["items"]
+        assert [p["jurisdiction"] for p in got] == ["ca"]
+        again = {**pool, "jurisdiction": "us"}
+        r = admin.post("/v1/pools/import", json={"provider": "juris", "pools": [again]})
+        assert r.status_code == 409 and "jurisdiction" in r.text
+        bare = {k: v for k, v in pool.items() if k != "jurisdiction"}
+        r = admin.post("/v1/pools/import", json={"provider": "juris", "pools": [bare]})
+        assert r.status_code == 200
+        assert (
+            admin.get("/v1/pools", params={"cluster": "juris-ca-r1"}).json()["items"][0]["jurisdiction"]
+            == "ca"
+        )
+        two = [pool, {**pool, "name": "q", "jurisdiction": "us"}]
+        r = admin.post("/v1/pools/import", json={"provider": "juris", "pools": two})
+        assert r.status_code == 422 and "two jurisdictions" in r.text
+        r = admin.post(
+            "/v1/pools/import", json={"provider": "juris", "pools": [{**pool, "jurisdiction": "C A"}]}
+        )
+        assert r.status_code == 422

@@ -9,7 +9,7 @@ inventory (pools it does not report are dropped, as for any agent)."""
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field, StringConstraints, field_validator
@@ -23,6 +23,7 @@ from control_plane.api.schemas import PoolIn, Strict
 from control_plane.catalog.parse import cluster_id as catalog_cluster_id
 from control_plane.db.models import Cluster, ReplicaAssignment
 from control_plane.geo.regions import REGION_COORDS
+from fleet_base.residency import Jurisdiction
 
 router = APIRouter(tags=["clusters"])
 
@@ -32,6 +33,8 @@ Region = Annotated[str, StringConstraints(min_length=1, max_length=50, pattern=r
 
 class ImportedPool(PoolIn):
     region: Region
+    # the region's jurisdiction from the catalog ("" leaves the cluster's as it is)
+    jurisdiction: Jurisdiction | Literal[""] = ""
 
 
 class PoolImport(Strict):
@@ -44,10 +47,13 @@ class PoolImport(Strict):
     @classmethod
     def _unique(cls, pools: list[ImportedPool]) -> list[ImportedPool]:
         seen: set[tuple[str, str]] = set()
+        labels: dict[str, str] = {}
         for p in pools:
             if (p.region, p.name) in seen:
                 raise ValueError(f"pool {p.name!r} repeats in region {p.region!r}")
             seen.add((p.region, p.name))
+            if p.jurisdiction and labels.setdefault(p.region, p.jurisdiction) != p.jurisdiction:
+                raise ValueError(f"region {p.region!r} is given two jurisdictions")
         return pools
 
 
@@ -66,10 +72,13 @@ class PoolImportOut(BaseModel):
 def import_pools(body: PoolImport, request: Request, session: SessionDep, who: PrincipalDep):
     by_cluster: dict[str, list[ImportedPool]] = defaultdict(list)
     regions: dict[str, str] = {}
+    jurisdictions: dict[str, str] = {}
     for p in body.pools:
         cid = catalog_cluster_id(body.provider, p.region)
         by_cluster[cid].append(p)
         regions[cid] = p.region
+        if p.jurisdiction:
+            jurisdictions[cid] = p.jurisdiction
     existing = {
         c.id: c
         for c in session.scalars(
@@ -97,6 +106,7 @@ def import_pools(body: PoolImport, request: Request, session: SessionDep, who: P
                 lon=lon,
                 status="healthy",
                 load={},
+                jurisdiction=jurisdictions.get(cid, ""),
             )
             session.add(cluster)
             out.clusters_created += 1
@@ -111,9 +121,17 @@ def import_pools(body: PoolImport, request: Request, session: SessionDep, who: P
                 f"cluster {cid!r} exists with provider {cluster.provider!r} and region {cluster.region!r}",
                 "pools",
             )
+        elif cid in jurisdictions and cluster.jurisdiction != jurisdictions[cid]:
+            if cluster.jurisdiction:  # a policy boundary moves only by `fleetctl clusters set`
+                raise conflict(
+                    f"cluster {cid!r} is in jurisdiction {cluster.jurisdiction!r}, the catalog says "
+                    f"{jurisdictions[cid]!r}; change it with `fleetctl clusters set {cid} --jurisdiction`",
+                    "pools",
+                )
+            cluster.jurisdiction = jurisdictions[cid]
         have = {p.name: p for p in cluster.pools}
         for p in pools:
-            done = cluster.set_pool(have, p.name, p.model_dump(exclude={"region", "name"}))
+            done = cluster.set_pool(have, p.name, p.model_dump(exclude={"region", "name", "jurisdiction"}))
             setattr(out, f"pools_{done}", getattr(out, f"pools_{done}") + 1)
         if body.replace and have:
             busy = set(
