@@ -99,6 +99,12 @@ def simulate(
         help="replicas of the static run (default: the autoscaled peak, else what the capacity model needs at the busiest minute)",
     ),
     plot: Path = typer.Option(None, "--plot", help="write a PNG of load and replicas over time"),
+    residency_shares: str = typer.Option(
+        None,
+        "--residency-shares",
+        help="JURISDICTION=SHARE,... of requests bound to each jurisdiction: every policy also runs "
+        "with each jurisdiction's requests on its own fleet, against one shared fleet (no policy)",
+    ),
     output: OutputFormat = OUTPUT_OPTION,
 ) -> None:
     """Replay a trace through the routing and autoscaling policies on simulated replicas."""
@@ -143,6 +149,7 @@ def simulate(
     bad = [r for r in routings if r not in ROUTINGS]
     if bad or not routings:
         fail(f"unknown routing {bad[0] if bad else routing!r}; known: {', '.join(ROUTINGS)}")
+    shares = _shares(residency_shares)
     try:
         requests = load_trace(trace, rate_scale=rate_scale, limit_s=limit)
     except TraceError as err:
@@ -175,10 +182,29 @@ def simulate(
             warmup_s=min(cfg.warmup_s, requests[-1].at / 2),
             plot_path=plot,
             on_run=on_run,
+            residency_shares=shares,
         )
     if output == OutputFormat.json:
         emit_json(report.model_dump())
         return
+    _print(report, prof.name, rate_scale, shares)
+    if plot is not None:
+        typer.echo(f"plot: {plot}")
+
+
+def _shares(text: str | None) -> dict[str, float] | None:
+    if text is None:
+        return None
+    from control_plane.simulate.residency import parse_shares
+
+    try:
+        return parse_shares(text)
+    except ValueError as err:
+        fail(f"--residency-shares: {err}")
+
+
+def _print(report, profile: str, rate_scale: float, shares: dict[str, float] | None) -> None:
+    """The comparison table, the static size and, with residency, what it costs."""
     rows = []
     for p in report.policies:
         row = p.model_dump(exclude={"timeline"})
@@ -190,17 +216,26 @@ def simulate(
         rows.append(row)
     title = (
         f"{report.trace} x{rate_scale:g}: {report.requests} requests over {report.duration_s / 60:.1f} min, "
-        f"{prof.name}, targets TTFT {report.slo_ttft_s:g}s, ITL {1000 * report.slo_itl_s:g}ms (first {report.warmup_s:g}s warm-up, not counted; "
+        f"{profile}, targets TTFT {report.slo_ttft_s:g}s, ITL {1000 * report.slo_itl_s:g}ms (first {report.warmup_s:g}s warm-up, not counted; "
         f"simulated in {report.wall_s:.1f}s)"
     )
-    _table(rows, title)
+    columns = COLUMNS if shares is None else [*COLUMNS[:2], "residency", *COLUMNS[2:]]
+    for row in rows:
+        row["residency"] = "per jurisdiction" if row.get("residency") else "none"
+    _table(rows, title, columns)
     if report.static_replicas is not None:
         typer.echo(f"static: {report.static_replicas} replicas ({report.static_sizing})")
-    if plot is not None:
-        typer.echo(f"plot: {plot}")
+    if report.residency_static_replicas:
+        each = ", ".join(f"{j} {n}" for j, n in sorted(report.residency_static_replicas.items()))
+        typer.echo(f"static under residency: {each} replicas (each jurisdiction sized for its own peak)")
+    if shares is not None:
+        from control_plane.simulate.residency import cost_lines
+
+        for line in cost_lines(report):
+            typer.echo(line)
 
 
-def _table(rows: list[dict[str, object]], title: str) -> None:
+def _table(rows: list[dict[str, object]], title: str, columns: list[str] = COLUMNS) -> None:
     """The comparison, wide enough for its columns even when piped."""
     from rich.console import Console
     from rich.table import Table
@@ -208,15 +243,15 @@ def _table(rows: list[dict[str, object]], title: str) -> None:
     from control_plane.commands.output import _cell
 
     table = Table(title=title, header_style="bold")
-    for col in COLUMNS:
+    for col in columns:
         table.add_column(
             col.replace("_s", " s").replace("_", " "),
-            justify="left" if col in ("policy", "routing") else "right",
+            justify="left" if col in ("policy", "routing", "residency") else "right",
             no_wrap=col in ("policy", "routing"),
         )
     for row in rows:
-        table.add_row(*[_cell(row.get(col)) for col in COLUMNS])
-    Console(width=max(170, Console().width)).print(table)
+        table.add_row(*[_cell(row.get(col)) for col in columns])
+    Console(width=max(170 + 12 * (len(columns) - len(COLUMNS)), Console().width)).print(table)
 
 
 def register(app: typer.Typer) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from control_plane.autoscale.policy import AutoscaleSettings
 from control_plane.simulate.des import RunResult, Simulation
 from control_plane.simulate.report import PolicyReport, SimulationReport, plot, summarize
+from control_plane.simulate.residency import describe_shares, merge, split_trace
 from control_plane.simulate.sizing import peak_size
 from control_plane.simulate.trace import TraceError, TraceRequest, load_trace
 from fleet_base.cluster_config import GatewayConfig
@@ -44,6 +45,7 @@ def compare(
     warmup_s: float = 300.0,
     plot_path: Path | None = None,
     on_run: Callable[[str], None] | None = None,
+    residency_shares: dict[str, float] | None = None,
 ) -> SimulationReport:
     """Runs every policy on the same trace, against the targets (`slo_ttft_s`, `slo_itl_s`;
     None: the settings' own, which the SLO-driven policies aim at). `static` gets the peak replica count the
@@ -54,15 +56,76 @@ def compare(
     requests arriving then and GPU time spent then are not counted, for any policy.
     `on_run(policy)` is called as each policy's run starts (progress).
     `static_replicas` fixes the static run's count instead. Each routing in `routings`
-    (agent.gateway.plan: least-load, prefix) runs every policy on the same replicas."""
+    (agent.gateway.plan: least-load, prefix) runs every policy on the same replicas.
+    `residency_shares` (jurisdiction -> share of requests) runs every policy a second time
+    with each jurisdiction's requests on a fleet of its own (`simulate.residency`), the
+    report listing both: the cost of residency against no policy."""
     started = time.perf_counter()
     targets = {"slo_ttft_s": slo_ttft_s, "slo_itl_s": slo_itl_s}
     settings = settings.model_copy(
         update={"profile": settings.profile or profile, **{k: v for k, v in targets.items() if v is not None}}
     )
     slo_ttft_s, slo_itl_s = settings.slo_ttft_s, settings.slo_itl_s
-    runs: dict[tuple[str, str], RunResult] = {}
     reports: list[PolicyReport] = []
+    runs, peak, sizing, reuse = _runs(
+        trace, profile, settings, policies, routings, static_replicas, tick_s, warmup_s, on_run
+    )
+    bound: dict[tuple[str, str], RunResult] = {}
+    bound_static: dict[str, int] = {}
+    if residency_shares:
+        parts = {j: part for j, part in split_trace(trace, residency_shares).items() if part}
+        per_part = {
+            j: _runs(part, profile, settings, policies, routings, None, tick_s, warmup_s, on_run)
+            for j, part in parts.items()
+        }
+        bound = {key: merge([got[0][key] for got in per_part.values()]) for key in runs}
+        bound_static = {j: got[1] for j, got in per_part.items()} if "static" in policies else {}
+    for name in policies:
+        for routing in routings:
+            reports.append(summarize(runs[(name, routing)], profile, slo_ttft_s, slo_itl_s=slo_itl_s))
+            if (name, routing) in bound:
+                split = summarize(bound[(name, routing)], profile, slo_ttft_s, slo_itl_s=slo_itl_s)
+                reports.append(
+                    split.model_copy(update={"residency": describe_shares(residency_shares or {})})
+                )
+    duration = trace[-1].at if trace else 0.0
+    report = SimulationReport(
+        trace=trace_name,
+        profile=profile.name,
+        requests=len(trace),
+        duration_s=round(duration, 1),
+        slo_ttft_s=slo_ttft_s,
+        slo_itl_s=slo_itl_s,
+        rate_scale=rate_scale,
+        warmup_s=warmup_s,
+        settings=settings.model_dump(),
+        policies=reports,
+        static_replicas=peak if "static" in policies else None,
+        static_sizing=sizing if "static" in policies else "",
+        static_prefix_reuse=reuse,
+        residency_shares=residency_shares or None,
+        residency_static_replicas=bound_static,
+    )
+    if plot_path is not None:
+        plot(report, {f"{p}/{r}" if len(routings) > 1 else p: run for (p, r), run in runs.items()}, plot_path)
+    report.wall_s = round(time.perf_counter() - started, 2)
+    return report
+
+
+def _runs(
+    trace: list[TraceRequest],
+    profile: PerfProfile,
+    settings: AutoscaleSettings,
+    policies: tuple[str, ...],
+    routings: tuple[str, ...],
+    static_replicas: int | None,
+    tick_s: float,
+    warmup_s: float,
+    on_run: Callable[[str], None] | None,
+) -> tuple[dict[tuple[str, str], RunResult], int, str, float | None]:
+    """Every (policy, routing) run of one trace on one fleet, and the static runs' size
+    (replicas, why, the prefix reuse that sizing assumed)."""
+    runs: dict[tuple[str, str], RunResult] = {}
     autoscaled = [p for p in policies if p != "static"]
     peak, sizing = settings.max_replicas, f"max_replicas {settings.max_replicas}"
     reuse: float | None = None
@@ -111,29 +174,7 @@ def compare(
                 warmup_s=warmup_s,
                 routing=routing,
             ).run()
-    for name in policies:
-        for routing in routings:
-            reports.append(summarize(runs[(name, routing)], profile, slo_ttft_s, slo_itl_s=slo_itl_s))
-    duration = trace[-1].at if trace else 0.0
-    report = SimulationReport(
-        trace=trace_name,
-        profile=profile.name,
-        requests=len(trace),
-        duration_s=round(duration, 1),
-        slo_ttft_s=slo_ttft_s,
-        slo_itl_s=slo_itl_s,
-        rate_scale=rate_scale,
-        warmup_s=warmup_s,
-        settings=settings.model_dump(),
-        policies=reports,
-        static_replicas=peak if "static" in policies else None,
-        static_sizing=sizing if "static" in policies else "",
-        static_prefix_reuse=reuse,
-    )
-    if plot_path is not None:
-        plot(report, {f"{p}/{r}" if len(routings) > 1 else p: run for (p, r), run in runs.items()}, plot_path)
-    report.wall_s = round(time.perf_counter() - started, 2)
-    return report
+    return runs, peak, sizing, reuse
 
 
 __all__ = [

@@ -47,6 +47,8 @@ class PolicyReport(BaseModel):
     timeline: list[tuple[float, int, float]]  # (t, replicas allocated, demand) per sample
     # prompt tokens found in the replicas' prefix caches / prompt tokens (admitted requests)
     cache_hit_rate: float = 0.0
+    # "": one fleet serves every request; else each jurisdiction's share on its own fleet
+    residency: str = ""
 
 
 class SimulationReport(BaseModel):
@@ -64,6 +66,9 @@ class SimulationReport(BaseModel):
     static_sizing: str = ""  # why that many (simulate.sizing)
     static_prefix_reuse: float | None = None  # the share of prompt tokens that sizing assumed cached
     policies: list[PolicyReport]
+    # --residency-shares: jurisdiction -> share of the requests; each policy then runs twice
+    residency_shares: dict[str, float] | None = None
+    residency_static_replicas: dict[str, int] = {}  # the static run's replicas per jurisdiction
 
 
 def summarize(
