@@ -1,10 +1,13 @@
 """What a request leaves behind when it ends, booked exactly once: its queue slot back,
 its quota settled (`Settlement`), request metrics, and a usage record when it was served
-here (a peer that served it records it there)."""
+here (a peer that served it records it there). A record says where the request was
+processed: this cluster's region and jurisdiction (`where`), since only this cluster's
+replicas serve what it records."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from agent.gateway.exchange import Call, Exchange
@@ -25,6 +28,19 @@ class Accounting:
         self.metrics = metrics
         self.usage = usage
         self.queue = queue
+        self.where: Callable[[], tuple[str, str]] = lambda: ("", "")  # (region, jurisdiction)
+
+    def _record(self, call: Call, **fields: Any) -> UsageRecord:
+        region, jurisdiction = self.where()
+        return UsageRecord(
+            cluster=self.cluster,
+            key_id=call.key_id,
+            deployment=call.deployment,
+            latency_s=time.monotonic() - call.started,
+            region=region,
+            jurisdiction=jurisdiction,
+            **fields,
+        )
 
     def count(self, deployment: str, status: int, started: float) -> None:
         self.metrics.requests.labels(deployment, str(status)).inc()
@@ -34,13 +50,10 @@ class Accounting:
         """Over a quota: the refusal is demand the control plane sees."""
         self.count(call.deployment, status, call.started)
         self.usage.submit(
-            UsageRecord(
-                cluster=self.cluster,
-                key_id=call.key_id,
-                deployment=call.deployment,
+            self._record(
+                call,
                 status=status,
                 refused_tokens=min(call.info.cost_tokens, MAX_USAGE_TOKENS),
-                latency_s=time.monotonic() - call.started,
                 adapter=call.adapter,
             )
         )
@@ -48,17 +61,7 @@ class Accounting:
     def attempt_failed(self, call: Call, target: Attempt, status: int) -> None:
         """Telemetry of a replica attempt that failed and was retried: rollouts judge the
         version that failed, not the one that answered in the end."""
-        self.usage.submit(
-            UsageRecord(
-                cluster=self.cluster,
-                key_id=call.key_id,
-                deployment=call.deployment,
-                version=target.version,
-                status=status,
-                latency_s=time.monotonic() - call.started,
-                attempt_failed=True,
-            )
-        )
+        self.usage.submit(self._record(call, version=target.version, status=status, attempt_failed=True))
 
     def finish(self, ex: Exchange, status: int) -> None:
         """Account one request exactly once: metrics always; a usage record when it was
@@ -71,7 +74,6 @@ class Accounting:
         if p.admitted:
             self.queue.release(deployment, call.key_id)
         ex.settlement.settle(p.usage, p.ran)
-        latency = time.monotonic() - call.started
         self.metrics.in_flight.labels(deployment).dec()
         self.count(deployment, status, call.started)
         if p.ttft_s is not None:
@@ -86,16 +88,13 @@ class Accounting:
             self.metrics.tokens.labels(deployment, "completion").inc(completion)
         prompt = min(prompt + ex.settlement.abandoned_tokens, MAX_USAGE_TOKENS)  # the key paid for those too
         self.usage.submit(
-            UsageRecord(
-                cluster=self.cluster,
-                key_id=call.key_id,
-                deployment=deployment,
+            self._record(
+                call,
                 version=p.version,
                 prompt_tokens=prompt,
                 completion_tokens=completion,
                 status=status,
                 ttft_s=p.ttft_s,
-                latency_s=latency,
                 adapter=call.adapter,
             )
         )

@@ -2,7 +2,9 @@
 the one upstream opener, and what a failure means read from the stage's rule
 (`agent.gateway.plan.STAGE_RULES`): fall through, fail over, or give up. Failures before
 the client's first byte are retried elsewhere; afterwards a stream migrates
-(`agent.gateway.stream`)."""
+(`agent.gateway.stream`). Residency is the plan's: when it leaves nothing permitted (from
+the start, after the queue, or at failover) the client gets 503 `residency_unavailable`
+(`agent.gateway.residency`), never a target outside the set."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from agent.gateway.migration import MigrationMetrics
 from agent.gateway.plan import STAGE_RULES, Attempt, Plan
 from agent.gateway.proxy import AttemptFailed, Opened
 from agent.gateway.queue import ReplicaQueue
+from agent.gateway.residency import ResidencyGate
 from agent.gateway.router import Router
 from agent.gateway.stream import StreamSession
 from agent.gateway.tenancy import body_for
@@ -39,24 +42,27 @@ class Dispatcher:
     queue: ReplicaQueue
     demand: DemandSignal
     migration_metrics: MigrationMetrics
+    residency: ResidencyGate
 
     async def serve(self, ex: Exchange) -> Response:
         """Walk the plan's stages; a stage entered only after a failure (failover) is
         walked when the stage before asked for it and peers are still alive."""
-        plan = self.router.plan(ex.call)
+        plan = self._permitted(ex, self.router.plan(ex.call))
         pending: GatewayError | None = None  # the failure a failover stage answers
         for stage in plan.stages:
             rule = STAGE_RULES[stage]
             if rule.after_failure and pending is None:
                 continue
             if rule.queue:
-                plan = await self._queue(ex, plan)
+                plan = self._permitted(ex, await self._queue(ex, plan))
             attempts = (
                 [a for a in plan.stage(stage) if self.router.alive(a)]
                 if rule.after_failure
                 else plan.stage(stage)
             )
             if rule.after_failure and not attempts:
+                if plan.excluded and not plan.stage(stage):  # only peers outside the set were left
+                    raise self.residency.unavailable(ex.call.deployment, ex.call.allowed)
                 break
             try:
                 return await self.attempts(ex, attempts, pass_failure=rule.on_failure != "next-stage")
@@ -73,14 +79,27 @@ class Dispatcher:
             raise pending
         raise self.queue.unavailable(ex.call.deployment, "no replica or peer can serve it")
 
+    def _permitted(self, ex: Exchange, plan: Plan) -> Plan:
+        """The plan, unless residency left it nothing to try (503, nothing sent)."""
+        if plan.residency_unavailable:
+            raise self.residency.unavailable(ex.call.deployment, ex.call.allowed)
+        return plan
+
     async def _queue(self, ex: Exchange, plan: Plan) -> Plan:
-        """A slot of this cluster's queue; after a wait, the plan on fresh load."""
+        """A slot of this cluster's queue; after a wait, the plan on fresh load. A wait for a
+        replica here that ends without one, while residency ruled out the peers that have
+        them, is residency's answer (it names residency)."""
         deployment = ex.call.deployment
         with self._waiting(deployment):
             call = ex.call
-            ex.progress.queue_s = await self.queue.admit(
-                deployment, call.klass, call.key_id, call.max_concurrent
-            )
+            try:
+                ex.progress.queue_s = await self.queue.admit(
+                    deployment, call.klass, call.key_id, call.max_concurrent
+                )
+            except GatewayError as err:
+                if plan.excluded and err.code == "no_replica_available":
+                    raise self.residency.unavailable(deployment, call.allowed) from None
+                raise
         ex.progress.admitted = True
         local = plan.stage("local")
         if ex.progress.queue_s > 0 or not local or not local[0].name:

@@ -40,6 +40,7 @@ class Call:
     block_keys: tuple[int, ...] = ()  # the prompt's prefix-block keys (prefix routing)
     limit_headers: Mapping[str, str] = field(default_factory=dict)
     client: ClientHeaders = ClientHeaders()
+    allowed: frozenset[str] | None = None  # residency: where it may be processed (None: anywhere)
 
     @property
     def deployment(self) -> str:

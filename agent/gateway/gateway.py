@@ -42,6 +42,7 @@ from agent.gateway.peers import PeerAuth, PeerForward
 from agent.gateway.prefix import PrefixRouting
 from agent.gateway.proxy import make_client
 from agent.gateway.queue import ReplicaQueue
+from agent.gateway.residency import ResidencyGate
 from agent.gateway.router import Router
 from agent.gateway.state import ClusterView
 from agent.gateway.tokens import DesiredIndex, TokenCounters
@@ -86,6 +87,7 @@ class Gateway:
         gwc = config.gateway
         self.desired = DesiredIndex(config.state_dir)
         self.tokens = TokenCounters(self.desired)
+        self.residency = ResidencyGate(self.desired.jurisdiction, self.metrics.registry, retry_after_s)
         self.quota = QuotaGate(config.cluster, self.metrics, minute_s=gwc.quota_minute_s)
         self.queue.classes = tuple(gwc.priority_classes)
         self.queue.max_age_s = gwc.max_queue_age_s
@@ -131,8 +133,11 @@ class Gateway:
         self.router = Router(
             config, self.view, self.tracker, self.adapters, self.liveness, self.peers, self.prefix, self.queue
         )
+        self.router.jurisdiction = self.desired.jurisdiction
         self.upstreams = Upstreams(config.cluster, gwc, self.peers, self.tracker, self.metrics)
+        self.upstreams.residency = self.residency
         self.accounting = Accounting(config.cluster, self.metrics, self.usage, self.queue)
+        self.accounting.where = lambda: (config.region, self.desired.jurisdiction())
         self.dispatch = Dispatcher(
             gwc,
             self.router,
@@ -141,6 +146,7 @@ class Gateway:
             self.queue,
             self.demand,
             self.migration_metrics,
+            self.residency,
         )
         self._watch: asyncio.Task[None] | None = None
         self._status: asyncio.Task[None] | None = None
@@ -262,6 +268,7 @@ class Gateway:
             forward = self.peers.forward(request.scope, request.headers)
             record = self.peers.key(self.auth, forward, request.headers.get("authorization"))
             self.auth.authorize(record)
+            self.residency.admit_key(record)  # before any work: a bound key's endpoint is inside
             call = await self._call(request, request_id, record, endpoint, started, forward)
         except GatewayError as err:
             self.accounting.count(UNKNOWN, err.status, started)
@@ -314,6 +321,9 @@ class Gateway:
                 param="model",
                 code="model_not_found",
             )
+        policy = self.residency.allowed_for(record, self.view.route(info.deployment))
+        if forward is not None:  # processed where it lands: only inside its residency
+            self.residency.admit_forward(info.deployment, policy, forward.cluster)
         info, counter = await self.tokens.recount_async(info, off_loop=len(raw) > OFF_LOOP_BYTES)
         context = self.desired.context_tokens(info.deployment, self.config.gateway.default_context_tokens)
         info = replace(info, context_tokens=context)  # bounds what an open-ended request may generate
@@ -336,6 +346,7 @@ class Gateway:
                 hops=forward.hops if forward else 0,
                 keep_ids=bool(headers.get(TOKEN_IDS_HEADER)),
             ),
+            allowed=policy,
         )
 
     def _draw(self, info: RequestInfo, session: str | None) -> float:

@@ -36,6 +36,7 @@ from agent.gateway.plan import Attempt, Plan
 from agent.gateway.proxy import AttemptFailed, Opened
 from agent.gateway.sse import EventSplitter, SseEvent, StreamObserver, encode_event
 from fleet_base.openai_contract.continuation import RESUME_FIELD, SLOW_READER_CODE, TOKEN_IDS_FIELD
+from fleet_base.residency import permits
 
 REASONS = ("reset", "timeout", "closed", "error_event", "drain")
 DRAINING_CODE = "replica_draining"  # the in-band error of a replica handing a stream over
@@ -262,10 +263,12 @@ async def open_continuation(
     failed: list[str],
 ) -> tuple[Attempt, Opened] | None:
     """Open the continuation at the next target of the routing plan as it is now (local
-    replicas best first, then peers), skipping those this stream already failed on."""
+    replicas best first, then peers), skipping those this stream already failed on. The
+    plan holds only targets the request's residency permits; each is checked again here,
+    since a continuation carries everything the stream generated so far."""
     seen = set(failed)
     for target in targets.plan(call).attempts:
-        if not target.name or target.name in seen:
+        if not target.name or target.name in seen or not permits(call.allowed, target.jurisdiction):
             continue
         seen.add(target.name)
         if not await targets.adapter_ready(call, target):  # a LoRA request: its adapter must be there

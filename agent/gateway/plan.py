@@ -22,6 +22,13 @@ that advertises blocks it does not hold gains only traffic that was leaving anyw
   first, and re-plans after waiting); an empty ``local`` stage means "wait for a replica".
 - ``failover``: peers to try when every local attempt failed before its first byte.
 
+Residency (`fleet_base.residency`) is applied once, to the candidates, before any stage
+is built: this cluster is a candidate only when the request's allowed set permits its
+jurisdiction, a peer only when it permits the peer's (`Plan.excluded` names the peers it
+removed), so no stage, retry or migration (which walks this plan too) can reach outside
+the set. When nothing permitted is left the plan is empty and says so
+(`Plan.residency_unavailable`): the client is told, the request never moves elsewhere.
+
 What a failure means in each stage (before the first byte: fall through, fail over, give
 up; after it: migrate), and who charges the request, is data too (`STAGE_RULES`,
 `Attempt.charge`): the executor reads it instead of knowing it. Today a broken stream
@@ -48,6 +55,7 @@ from typing import Literal, Protocol
 from agent.gateway.routing import pick_version, should_spill
 from fleet_base.cluster_config import ROUTINGS
 from fleet_base.protocol import VersionWeight
+from fleet_base.residency import permits
 
 Stage = Literal["primary", "peer", "local", "failover"]
 # What it means when every attempt of a stage failed before the client's first byte:
@@ -100,6 +108,7 @@ class RequestFacts:
     block_hashes: tuple[int, ...] = ()  # chained prefix-block keys of the prompt
     block_tokens: int = 16  # tokens per block
     adapter: str | None = None  # the LoRA adapter the request names (None: the base model)
+    allowed: frozenset[str] | None = None  # jurisdictions it may be processed in (None: any)
 
 
 @dataclass(frozen=True)
@@ -121,6 +130,7 @@ class PeerFacts:
     standby: bool = False
     rtt_s: float | None = None  # from the routing table; None: unknown
     replica_ids: tuple[str, ...] = ()  # its replicas known to the prefix index
+    jurisdiction: str = ""  # from the routing table; "" is outside every residency policy
 
 
 @dataclass(frozen=True)
@@ -132,6 +142,8 @@ class ClusterFacts:
     agent_silent: bool = False  # our own agent stopped heart-beating
     waiting: int = 0  # requests of the deployment queued here
     spill_per_replica: float | None = None
+    jurisdiction: str = ""  # this cluster's own (desired state); "" is outside every policy
+    coming: bool = False  # replicas here may become ready (starting, or a cold start is due)
 
 
 @dataclass(frozen=True)
@@ -161,6 +173,7 @@ class Attempt:
     cached_tokens: int = 0  # prompt tokens the target holds already (prefix index)
     cost: float = 0.0
     load_adapter: str = ""  # a LoRA adapter to load there before sending (not resident)
+    jurisdiction: str = ""  # where the target processes the request
 
     @property
     def rule(self) -> StageRule:
@@ -174,6 +187,9 @@ class Attempt:
 @dataclass(frozen=True)
 class Plan:
     attempts: tuple[Attempt, ...] = field(default_factory=tuple)
+    excluded: tuple[str, ...] = ()  # live peers the request's residency ruled out
+    local_excluded: bool = False  # residency rules out this cluster itself
+    residency_unavailable: bool = False  # nothing permitted can serve it: refuse, never move
 
     def stage(self, name: Stage) -> list[Attempt]:
         return [a for a in self.attempts if a.stage == name]
@@ -216,6 +232,7 @@ def _peer_attempts(
                 is_peer=True,
                 standby=p.standby,
                 cached_tokens=cached_tokens(request, blocks),
+                jurisdiction=p.jurisdiction,
             )
         )
     return _cycle(out)
@@ -280,6 +297,7 @@ def rank_replicas(
                     cached_tokens=hit,
                     cost=cost,
                     load_adapter=load,
+                    jurisdiction=here.jurisdiction,
                 )
             )
             continue
@@ -291,7 +309,18 @@ def rank_replicas(
             reason = "partial-prefix"
         else:
             reason = "load-over-prefix"  # a replica with more of the prefix is too busy
-        out.append(Attempt("local", reason, r.replica_id, r.url, r.version, cached_tokens=hit, cost=cost))
+        out.append(
+            Attempt(
+                "local",
+                reason,
+                r.replica_id,
+                r.url,
+                r.version,
+                cached_tokens=hit,
+                cost=cost,
+                jurisdiction=here.jurisdiction,
+            )
+        )
     return _cycle(out)
 
 
@@ -312,11 +341,17 @@ def plan_route(
     index: PrefixLookup | None = None,
     model: CostModel | None = None,
 ) -> Plan:
-    """The ordered attempts for one request. `peers` are live peers nearest first."""
+    """The ordered attempts for one request. `peers` are live peers nearest first (standby
+    peers are used only while no permitted primary peer is)."""
     model = model or CostModel()
+    here, peers, excluded = within_residency(request, here, peers)
+    local_ok = permits(request.allowed, here.jurisdiction)
+    refused = Plan(excluded=excluded, local_excluded=not local_ok, residency_unavailable=True)
     local = rank_replicas(request, here, index, model)
     if request.forwarded:  # served where it lands: no peers, no standby hand-off
-        return Plan(tuple(local or [Attempt("local", "wait-for-replica")]))
+        if not local_ok:
+            return refused
+        return Plan(tuple(local or [Attempt("local", "wait-for-replica", jurisdiction=here.jurisdiction)]))
     attempts: list[Attempt] = []
     primaries = [p for p in peers if not p.standby]
     if here.standby_here and primaries:
@@ -329,11 +364,31 @@ def plan_route(
         )
         spill = should_spill(here.waiting, len(here.replicas), here.spill_per_replica)
         if peers and (not usable or spill):
-            reason = "no-local-replica" if not here.replicas else ("spill" if usable else "local-unusable")
-            return Plan(tuple(_leaving(reason, peers, request, index, model)))
-    attempts += local or [Attempt("local", "wait-for-replica")]
+            if not local_ok:
+                reason = "residency"
+            else:
+                reason = (
+                    "no-local-replica" if not here.replicas else ("spill" if usable else "local-unusable")
+                )
+            return Plan(tuple(_leaving(reason, peers, request, index, model)), excluded, not local_ok)
+    if not local_ok or (excluded and not here.replicas and not here.coming):
+        return refused  # nothing permitted here or among live peers, nothing coming here
+    attempts += local or [Attempt("local", "wait-for-replica", jurisdiction=here.jurisdiction)]
     attempts += plan_failover(request, peers, index)
-    return Plan(tuple(attempts))
+    return Plan(tuple(attempts), excluded)
+
+
+def within_residency(
+    request: RequestFacts, here: ClusterFacts, peers: Sequence[PeerFacts]
+) -> tuple[ClusterFacts, list[PeerFacts], tuple[str, ...]]:
+    """The candidates the request's residency permits: this cluster's replicas only when
+    its jurisdiction is allowed, the permitted peers (standby ones only while no permitted
+    primary is left), and the names of the peers ruled out."""
+    if not permits(request.allowed, here.jurisdiction):
+        here = replace(here, replicas=(), standby_here=False)
+    ok = [p for p in peers if permits(request.allowed, p.jurisdiction)]
+    excluded = tuple(p.cluster for p in peers if not permits(request.allowed, p.jurisdiction))
+    return here, [p for p in ok if not p.standby] or ok, excluded
 
 
 def plan_failover(

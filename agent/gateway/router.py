@@ -5,6 +5,7 @@ Also whether a target can take the request's LoRA adapter (loaded first if it mu
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from agent.gateway.adapters import AdapterRouting
@@ -31,6 +32,7 @@ class Router:
     prefix: PrefixRouting
     queue: ReplicaQueue
     rng: random.Random = field(default_factory=random.Random)
+    jurisdiction: Callable[[], str] = lambda: ""  # this cluster's (desired state)
 
     @property
     def cluster(self) -> str:
@@ -53,6 +55,7 @@ class Router:
             block_hashes=call.block_keys,
             block_tokens=self.prefix.block_tokens(info.deployment),
             adapter=call.adapter,
+            allowed=call.allowed,
         )
 
     def alive(self, target: Attempt) -> bool:
@@ -97,23 +100,26 @@ class Router:
             agent_silent=self.liveness.silent(self.cluster),
             waiting=self.queue.waiting(deployment),
             spill_per_replica=getattr(self.config.gateway, "spill_queue_per_replica", None),
+            jurisdiction=self.jurisdiction(),
+            coming=self.view.has_replicas(deployment) or (route is not None and route.scale_to_zero),
         )
 
     def live_peers(self, deployment: str) -> list[PeerFacts]:
-        """Peers from the route, nearest first, less those heard dead or just failed;
-        standby peers only while no primary peer is alive."""
+        """Peers from the route, nearest first, less those heard dead or just failed, with
+        their jurisdictions (the plan keeps the permitted ones, standby peers only while no
+        permitted primary is alive)."""
         peers = peer_order(
             self.view.route(deployment), self.cluster, self.config.coordinates, region=self.config.region
         )
-        live = [
+        return [
             PeerFacts(
                 p.cluster,
                 p.gateway_url.rstrip("/"),
                 standby=p.standby,
                 rtt_s=p.rtt_ms / 1000 if p.rtt_ms is not None else None,
                 replica_ids=self.prefix.index.replicas(p.cluster, deployment),
+                jurisdiction=p.jurisdiction,
             )
             for p in peers
             if self.liveness.alive(p.cluster) and self.peers.usable(p.gateway_url)
         ]
-        return [t for t in live if not t.standby] or live

@@ -37,24 +37,36 @@ def tokenizer_path(model: str) -> Path | None:
 
 
 class DesiredIndex:
-    """deployment -> a replica spec, from desired.json, reloaded when the file changes."""
+    """deployment -> a replica spec, and the cluster's jurisdiction, from desired.json,
+    reloaded when the file changes."""
 
     def __init__(self, state_dir: Path) -> None:
         self.local = LocalState(state_dir)
         self._sig: Signature = ABSENT
         self._specs: dict[str, ReplicaSpec] = {}
+        self._jurisdiction = ""
+
+    def _reload(self) -> None:
+        sig = file_signature(self.local.desired_path)
+        if sig == self._sig:
+            return
+        self._sig = sig
+        desired = self.local.load_desired()
+        specs: dict[str, ReplicaSpec] = {}
+        for r in desired.replicas if desired else []:
+            if r.deployment not in specs or r.version > specs[r.deployment].version:
+                specs[r.deployment] = r
+        self._specs = specs
+        self._jurisdiction = desired.jurisdiction if desired else ""
 
     def spec(self, deployment: str) -> ReplicaSpec | None:
-        sig = file_signature(self.local.desired_path)
-        if sig != self._sig:
-            self._sig = sig
-            desired = self.local.load_desired()
-            specs: dict[str, ReplicaSpec] = {}
-            for r in desired.replicas if desired else []:
-                if r.deployment not in specs or r.version > specs[r.deployment].version:
-                    specs[r.deployment] = r
-            self._specs = specs
+        self._reload()
         return self._specs.get(deployment)
+
+    def jurisdiction(self) -> str:
+        """The cluster's own jurisdiction ("" while desired.json names none)."""
+        self._reload()
+        return self._jurisdiction
 
     def engine_arg(self, deployment: str, name: str) -> Any:
         spec = self.spec(deployment)

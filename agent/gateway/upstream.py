@@ -2,10 +2,13 @@
 attempts, retries, failover and a stream's continuations all open through `Upstreams`.
 It builds the attempt's headers, counts the load it adds at a replica, opens up to the
 first byte, and on a failure books it (error metric, the replica's load released and
-marked failed) before the caller decides what the failure means (the plan's rule)."""
+marked failed) before the caller decides what the failure means (the plan's rule).
+It is also residency's last check: a target outside the request's allowed set is refused
+here, unsent, whatever chose it (the plan never should)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 
@@ -18,8 +21,10 @@ from agent.gateway.metrics import GatewayMetrics
 from agent.gateway.peers import PeerAuth
 from agent.gateway.plan import Attempt
 from agent.gateway.proxy import AttemptFailed, Deadlines, Opened, open_upstream
+from agent.gateway.residency import ResidencyGate
 from fleet_base.cluster_config import GatewayConfig
 from fleet_base.openai_contract.continuation import TOKEN_IDS_HEADER
+from fleet_base.openai_contract.errors import error_body
 
 log = logging.getLogger("agent.gateway")
 
@@ -40,10 +45,17 @@ class Upstreams:
     tracker: LoadTracker
     metrics: GatewayMetrics
     client: httpx.AsyncClient | None = None  # set when the gateway starts
+    residency: ResidencyGate | None = None
 
     async def open(self, call: Call, target: Attempt, body: bytes) -> Opened:
         """`target`'s response up to its first byte; `AttemptFailed` (booked) otherwise."""
         assert self.client is not None
+        if self.residency is not None and not self.residency.guard(call.allowed, target.jurisdiction):
+            err = self.residency.unavailable_error(call.deployment, call.allowed)
+            body_out = json.dumps(error_body(err.status, err.message, None, err.code)).encode()
+            raise AttemptFailed(
+                "residency", f"{target.name} is outside the request's residency", 503, body_out, err.headers
+            )
         headers = self.headers(call, target)
         url = target.url + PATHS[call.info.endpoint]
         try:
