@@ -61,8 +61,6 @@ class Dispatcher:
                 else plan.stage(stage)
             )
             if rule.after_failure and not attempts:
-                if plan.excluded and not plan.stage(stage):  # only peers outside the set were left
-                    raise self.residency.unavailable(ex.call.deployment, ex.call.allowed)
                 break
             try:
                 return await self.attempts(ex, attempts, pass_failure=rule.on_failure != "next-stage")
@@ -76,6 +74,8 @@ class Dispatcher:
                     raise
                 pending = err  # every local attempt failed before a byte: the peers alive now
         if pending is not None:
+            if plan.excluded and not plan.stage("failover"):  # it would have failed over outside
+                raise self.residency.unavailable(ex.call.deployment, ex.call.allowed)
             raise pending
         raise self.queue.unavailable(ex.call.deployment, "no replica or peer can serve it")
 
@@ -160,6 +160,7 @@ class Dispatcher:
                 metrics=self.migration_metrics,
                 migration_limit=self.settings.migration_limit,
                 write_timeout_s=self.settings.client_write_timeout_s,
+                residency=self.residency,
             ).response()
         return self._failed(ex, failure, pass_failure)
 

@@ -175,10 +175,12 @@ async def relay(
     metrics: MigrationMetrics,
     on_event: Callable[[], None],
     log_failure: Callable[[str, Exception], None],
+    not_continued: Callable[[str], bytes] | None = None,
 ) -> AsyncIterator[bytes]:
     """The client's SSE bytes: the legs' events in order, a migration at each failure.
     `body_for(is_peer)`: the first leg's body for a replica or a peer (continuation is
-    added here). `on_event` runs after each observed event (TTFT)."""
+    added here). `on_event` runs after each observed event (TTFT). `not_continued(reason)`:
+    the in-band error of a stream that could not be continued (default: upstream_failed)."""
     failed: list[str] = []
     gap_open = False
     while True:
@@ -220,17 +222,19 @@ async def relay(
             if nxt is None:
                 metrics.failed.labels(deployment).inc()
                 state.status = 502
-                yield sse_error_event(
-                    502,
-                    f"The upstream failed while streaming ({reason}); it could not be continued",
-                    "upstream_failed",
-                )
+                yield (not_continued or upstream_failed)(reason)
                 return
             state.migrations += 1
             metrics.migrations.labels(deployment, reason).inc()
             metrics.reprefill.labels(deployment).inc(prompt_tokens + len(ledger.token_ids))
             state.leg = nxt
             gap_open = True
+
+
+def upstream_failed(reason: str) -> bytes:
+    return sse_error_event(
+        502, f"The upstream failed while streaming ({reason}); it could not be continued", "upstream_failed"
+    )
 
 
 def _reason(err: httpx.HTTPError) -> str:

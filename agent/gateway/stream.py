@@ -15,6 +15,7 @@ from starlette.responses import StreamingResponse
 
 from agent.gateway.accounting import CLIENT_CLOSED, Accounting
 from agent.gateway.contract import accounting_usage
+from agent.gateway.errors import sse_error_event
 from agent.gateway.exchange import Exchange
 from agent.gateway.migration import (
     Leg,
@@ -23,9 +24,11 @@ from agent.gateway.migration import (
     StreamLedger,
     open_continuation,
     relay,
+    upstream_failed,
 )
 from agent.gateway.plan import Attempt
 from agent.gateway.proxy import Opened
+from agent.gateway.residency import ResidencyGate
 from agent.gateway.router import Router
 from agent.gateway.sse import StreamObserver
 from agent.gateway.tenancy import body_for
@@ -51,6 +54,7 @@ class StreamSession:
         metrics: MigrationMetrics,
         migration_limit: int,
         write_timeout_s: float,
+        residency: ResidencyGate | None = None,
     ) -> None:
         call = ex.call
         self.ex = ex
@@ -58,6 +62,7 @@ class StreamSession:
         self.upstreams = upstreams
         self.accounting = accounting
         self.metrics = metrics
+        self.residency = residency
         migrates = call.info.migratable and target.rule.midstream == "migrate"
         self.limit = migration_limit if migrates else 0
         self.first_ok = 200 <= opened.status < 300
@@ -104,6 +109,7 @@ class StreamSession:
                 metrics=self.metrics,
                 on_event=self.on_event,
                 log_failure=self.log_failure,
+                not_continued=self.not_continued,
             ):
                 yield out
         except BaseException:
@@ -120,6 +126,17 @@ class StreamSession:
         self.targets[target.name] = target
         self.ex.took(target, upstream.status, continuation=True)
         return Leg(upstream, target.name, target.is_peer)
+
+    def not_continued(self, reason: str) -> bytes:
+        """The in-band error of a stream left with no target: one naming residency when
+        the request's residency ruled out the targets that were left."""
+        call = self.ex.call
+        if self.residency is None or not self.router.plan(call).excluded:
+            return upstream_failed(reason)
+        err = self.residency.unavailable(call.deployment, call.allowed)
+        return sse_error_event(
+            err.status, f"The upstream failed while streaming ({reason}). {err.message}", err.code
+        )
 
     async def release(self, leg: Leg, failed: bool) -> None:
         await leg.opened.close()
