@@ -23,6 +23,7 @@ from control_plane.autoscale.policy import (
     AutoscaleSettings,
     Observation,
 )
+from fleet_base import residency
 from fleet_base.bounds import MAX_COUNT
 from fleet_base.profile import PerfProfile, load_profile
 from fleet_base.protocol import Demand, Heartbeat, ReplicaState
@@ -131,6 +132,19 @@ def variants_of(
         room = sum(int(p.gpus_per_node) * int(p.nodes) // max(1, gpus) for p in mine)
         out.append(Variant(name=gpu, profile=prof, hourly_price=price, max_replicas=room))
     return out
+
+
+def within_residency(pools: Sequence[object], policy: Sequence[str] | None) -> list[object]:
+    """The pools a deployment under `policy` may use (their cluster's jurisdiction): the
+    GPU mix is priced and bounded by those alone, as the placer will place."""
+    allowed = residency.allowed(policy)
+    if allowed is None:
+        return list(pools)
+    return [
+        p
+        for p in pools
+        if residency.permits(allowed, getattr(getattr(p, "cluster", None), "jurisdiction", "") or "")
+    ]
 
 
 def settings_of(version: object, policy: str = "ours", pools: Sequence[object] = ()) -> AutoscaleSettings:

@@ -28,7 +28,7 @@ from collections import Counter
 from sqlalchemy import select
 from sqlalchemy.orm import selectinload
 
-from control_plane.autoscale.observe import observe, settings_of
+from control_plane.autoscale.observe import observe, settings_of, within_residency
 from control_plane.autoscale.policy import Decision, ScalerState, make_policy
 from control_plane.context import ControlPlaneContext
 from control_plane.counters import Rejections
@@ -114,7 +114,7 @@ class AutoscaleLoop(NatsLoop):
         changed = False
         with self.ctx.sessions() as session:
             rows = session.scalars(select(Deployment).options(selectinload(Deployment.versions))).all()
-            pools = session.scalars(select(CapacityPool)).all()
+            pools = session.scalars(select(CapacityPool).options(selectinload(CapacityPool.cluster))).all()
             heartbeats = self._scoped_heartbeats(placed_replicas(session))
             names = {d.name for d in rows}
             for name in list(self.states):
@@ -156,7 +156,7 @@ class AutoscaleLoop(NatsLoop):
         if version is None or version.min_replicas >= version.max_replicas:
             self.states.pop(d.name, None)
             return False
-        settings = settings_of(version, self.policy_name, pools)
+        settings = settings_of(version, self.policy_name, within_residency(pools, d.residency))
         obs = observe(d.name, heartbeats, self.demands, now=now, current=d.replicas)
         state = self.states.setdefault(d.name, ScalerState())
         decision = self.policy.decide(settings, state, obs)

@@ -352,3 +352,18 @@ def test_milp_never_places_a_bound_replica_outside_its_jurisdictions(fleet):
     pools, demands, current = fleet
     outcome = run(PlacementInputs(demands=tuple(demands), pools=tuple(pools), current=tuple(current)), "milp")
     check_residency(pools, demands, outcome.result)
+
+
+def test_autoscaler_prices_the_gpu_mix_over_the_pools_residency_allows():
+    """The autoscale loop's variants come from the pools a bound deployment may use."""
+    from types import SimpleNamespace
+
+    from control_plane.autoscale.observe import within_residency
+
+    def row(name: str, jurisdiction: str) -> SimpleNamespace:
+        return SimpleNamespace(name=name, cluster=SimpleNamespace(jurisdiction=jurisdiction))
+
+    pools = [row("ca", "ca"), row("us", "us"), row("bare", "")]
+    assert [p.name for p in within_residency(pools, None)] == ["ca", "us", "bare"]
+    assert [p.name for p in within_residency(pools, ["ca"])] == ["ca"]
+    assert within_residency(pools, []) == []
