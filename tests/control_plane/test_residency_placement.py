@@ -367,3 +367,45 @@ def test_autoscaler_prices_the_gpu_mix_over_the_pools_residency_allows():
     assert [p.name for p in within_residency(pools, None)] == ["ca", "us", "bare"]
     assert [p.name for p in within_residency(pools, ["ca"])] == ["ca"]
     assert within_residency(pools, []) == []
+
+
+@pytest.mark.parametrize("placer", ["milp", "ffd"])
+def test_reconcile_places_a_bound_deployment_at_home_and_reports_the_rest(sessions, placer):
+    """The live path on a real database: clusters' jurisdictions and a deployment's
+    residency reach the placer; replicas land only at home, the excess is a
+    `placement_short` event naming residency, and setting the policy later moves the
+    replicas placed abroad home."""
+    from sqlalchemy import select
+
+    from control_plane.db import models as m
+    from control_plane.loops.reconcile import reconcile_once
+    from control_plane.placement import get_placer
+
+    with sessions() as s:
+        for cid, jurisdiction, price in (("east", "ca", 3.0), ("west", "us", 1.0), ("lab", "", 0.5)):
+            c = m.Cluster(id=cid, region=cid, status="healthy", load={}, jurisdiction=jurisdiction)
+            c.last_heartbeat_at = m.utcnow()
+            c.pools = [
+                m.CapacityPool(name="sim", gpu_model="sim", gpus_per_node=1, nodes=2, hourly_price=price)
+            ]
+            s.add(c)
+        d = m.Deployment(name="chat", replicas=3, current_version=1)
+        d.versions = [m.DeploymentVersion(version=1, model="tiny", min_replicas=3, max_replicas=3)]
+        s.add(d)
+        s.commit()
+
+    def placed() -> Counter:
+        with sessions() as s:
+            return Counter(a.cluster_id for a in s.scalars(select(m.ReplicaAssignment)))
+
+    p, memory = get_placer(placer), ({}, {})
+    reconcile_once(sessions, p, *memory)
+    assert sum(placed().values()) == 3 and set(placed()) != {"east"}  # no policy: cheapest first
+    with sessions() as s:
+        s.scalar(select(m.Deployment)).residency = ["ca"]
+        s.commit()
+    reconcile_once(sessions, p, *memory)
+    assert placed() == Counter({"east": 2})
+    with sessions() as s:
+        shorts = s.scalars(select(m.Event).where(m.Event.kind == "placement_short")).all()
+    assert any("residency ca" in e.message for e in shorts), [e.message for e in shorts]
