@@ -11,7 +11,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from control_plane.placement.base import PriorityClass as DeploymentPriority
 from control_plane.rollouts.surge import check_budget
@@ -24,6 +24,7 @@ from fleet_base.domain import (
     PoolShape,
     PriorityClassName,
 )
+from fleet_base.residency import MAX_JURISDICTIONS, normalize, parse_residency
 
 MAX_REPLICAS = 1000
 MAX_LIST = 64
@@ -37,6 +38,24 @@ Url = Annotated[str, StringConstraints(max_length=512, pattern=r"^(https?://\S+)
 Scope = Literal["admin", "read", "inference", "metrics"]
 TierName = Literal["reserved", "on-demand", "spot"]
 ClusterStatusName = Literal["healthy", "unhealthy", "draining"]
+
+
+def _jurisdiction(value: str) -> str:
+    return normalize(value) if value.strip() else ""
+
+
+def _residency(value: list[str] | None) -> list[str] | None:
+    return None if value is None else parse_residency(value)
+
+
+# A cluster's jurisdiction (fleet_base.residency), lower-cased; "" = none (outside every policy).
+JurisdictionLabel = Annotated[str, StringConstraints(max_length=64), AfterValidator(_jurisdiction)]
+# A residency policy: the jurisdictions allowed, at least one; null = no policy.
+ResidencyPolicy = Annotated[
+    list[Annotated[str, StringConstraints(max_length=64)]] | None,
+    Field(max_length=MAX_JURISDICTIONS),
+    AfterValidator(_residency),
+]
 
 
 class Strict(BaseModel):
@@ -137,7 +156,14 @@ class AdapterFields(Strict):
         return value
 
 
-class DeploymentCreate(SpecFields, PolicyFields, AdapterFields):
+class ResidencyFields(Strict):
+    """Per-deployment, unversioned: the jurisdictions its replicas may run and its requests
+    be processed in. Given as null on an update it clears the policy."""
+
+    residency: ResidencyPolicy = Field(None, description='jurisdictions allowed, e.g. ["ca"]; null: any')
+
+
+class DeploymentCreate(SpecFields, PolicyFields, AdapterFields, ResidencyFields):
     """Create a deployment (version 1). With `replicas` alone the count is pinned
     (min = max = replicas); give min/max replicas for an autoscaled range."""
 
@@ -145,7 +171,7 @@ class DeploymentCreate(SpecFields, PolicyFields, AdapterFields):
     model: ModelRef
 
 
-class DeploymentUpdate(SpecFields, PolicyFields, AdapterFields):
+class DeploymentUpdate(SpecFields, PolicyFields, AdapterFields, ResidencyFields):
     """Change some fields. A changed spec makes a new version; `replicas` alone only scales."""
 
 
@@ -202,6 +228,7 @@ class DeploymentSummary(BaseModel):
     max_unavailable: str = "25%"
     adapters: list[AdapterIn] = Field(default_factory=list)
     max_adapters: int = 0
+    residency: list[str] | None = None
     created_at: datetime
     updated_at: datetime
 
@@ -245,6 +272,7 @@ class ClusterCreate(Strict):
     lon: float = Field(0.0, ge=-180, le=180)
     gateway_url: Url = ""
     status: Literal["healthy", "draining"] = "healthy"
+    jurisdiction: JurisdictionLabel = ""
     pools: list[PoolIn] = Field(default_factory=list, max_length=MAX_LIST)
 
     @field_validator("pools")
@@ -263,6 +291,7 @@ class ClusterUpdate(Strict):
     lat: float | None = Field(None, ge=-90, le=90)
     lon: float | None = Field(None, ge=-180, le=180)
     gateway_url: Url | None = None
+    jurisdiction: JurisdictionLabel | None = Field(None, description='e.g. "ca"; "" clears it')
 
 
 class ClusterOut(BaseModel):
@@ -273,6 +302,7 @@ class ClusterOut(BaseModel):
     lon: float
     status: str
     gateway_url: str
+    jurisdiction: str = ""
     last_heartbeat_at: datetime | None
     load: dict[str, Any]
     created_at: datetime
@@ -309,6 +339,7 @@ class KeyUpdate(Strict):
     ) = None
     deployments: list[DeploymentName] | None = Field(None, max_length=1000)
     quotas: dict[str, Any] | None = None
+    residency: ResidencyPolicy = Field(None, description="jurisdictions allowed; null clears the policy")
 
 
 class KeyCreate(Strict):
@@ -316,6 +347,7 @@ class KeyCreate(Strict):
     scopes: list[Scope] = Field(default_factory=lambda: ["inference"], min_length=1, max_length=3)
     deployments: list[DeploymentName] | None = Field(None, max_length=1000)
     quotas: QuotasIn = Field(default_factory=QuotasIn)
+    residency: ResidencyPolicy = Field(None, description='jurisdictions allowed, e.g. ["ca"]; null: any')
 
     @field_validator("scopes")
     @classmethod
@@ -331,6 +363,7 @@ class KeyOut(BaseModel):
     scopes: list[str]
     deployments: list[str] | None
     quotas: dict[str, Any]
+    residency: list[str] | None = None
     created_at: datetime
     revoked_at: datetime | None
     revoked: bool

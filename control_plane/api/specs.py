@@ -14,7 +14,7 @@ from typing import Any
 
 from control_plane.api.errors import invalid
 from control_plane.api.model_refs import model_ref
-from control_plane.api.schemas import DeploymentCreate, DeploymentUpdate, PolicyFields
+from control_plane.api.schemas import DeploymentCreate, DeploymentUpdate, PolicyFields, ResidencyFields
 from control_plane.rollouts.surge import DEFAULT_MAX_SURGE, DEFAULT_MAX_UNAVAILABLE
 
 VERSION_DEFAULTS: dict[str, Any] = {
@@ -120,6 +120,22 @@ def apply_policy(dep: Any, body: PolicyFields) -> list[str]:
             changes.append(f"{field} {getattr(dep, field, None)} -> {value}")
             setattr(dep, field, value)
     return changes
+
+
+def apply_residency(dep: Any, body: ResidencyFields) -> list[str]:
+    """Set the deployment's residency policy when `body` names one (null clears it); the
+    change, described. Unversioned: placement moves replicas, no rollout is needed."""
+    if "residency" not in body.model_fields_set:
+        return []
+    old = getattr(dep, "residency", None)
+    if old == body.residency:
+        return []
+    dep.residency = body.residency
+    return [f"residency {_policy(old)} -> {_policy(body.residency)}"]
+
+
+def _policy(value: list[str] | None) -> str:
+    return "any" if value is None else ",".join(value)
 
 
 def version_fields(row: Any) -> dict[str, Any]:

@@ -89,6 +89,7 @@ def deployment_summaries(session: Session, rows: list[Deployment]) -> list[Deplo
                 max_unavailable=dep.max_unavailable,
                 adapters=list(dep.adapters or []),
                 max_adapters=dep.max_adapters or 0,
+                residency=None if dep.residency is None else list(dep.residency),
                 created_at=dep.created_at,
                 updated_at=dep.updated_at,
             )
@@ -170,6 +171,7 @@ _CLUSTER_COLUMNS = (
     "lon",
     "status",
     "gateway_url",
+    "jurisdiction",
     "last_heartbeat_at",
     "created_at",
 )
@@ -203,6 +205,7 @@ def key_out(row: ApiKey) -> KeyOut:
         scopes=list(row.scopes or []),
         deployments=None if row.deployments is None else list(row.deployments),
         quotas=dict(row.quotas or {}),
+        residency=None if row.residency is None else list(row.residency),
         created_at=row.created_at,
         revoked_at=row.revoked_at,
         revoked=row.revoked_at is not None,

@@ -18,6 +18,7 @@ import yaml
 from rich.table import Table
 
 from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, console, emit_json, fail
+from control_plane.commands.residency import JURISDICTION_HELP, jurisdiction_flag
 from control_plane.commands.resources import clusters_app
 from control_plane.settings import fleet_home
 from fleet_base.domain import is_cluster_id
@@ -35,6 +36,7 @@ def enroll(
         [], "--host", help="DNS name or IP its gateway and replicas serve under (repeatable)"
     ),
     region: str = typer.Option("", "--region"),
+    jurisdiction: str = typer.Option("", "--jurisdiction", help=JURISDICTION_HELP),
     out: Path = typer.Option(None, "--out", help="write the bundle here (default ./NAME-credentials)"),
     register: bool = typer.Option(True, "--register/--no-register", help="record it with the control plane"),
     output: OutputFormat = OUTPUT_OPTION,
@@ -47,11 +49,12 @@ def enroll(
         fail(f"cluster name {name!r}: use lowercase letters, digits and dashes")
     if gateway_url and not gateway_url.startswith("https://"):
         fail("--gateway-url must be https:// (peers require TLS)")
+    jurisdiction = jurisdiction_flag(jurisdiction)
     enrolment = Enrolment(fleet_home())
     hosts = ["localhost", "127.0.0.1", "::1", *host]
     creds = enrolment.enroll(name, hosts)
     if register:
-        _register(name, gateway_url, region)
+        _register(name, gateway_url, region, jurisdiction)
     files = enrolment.bundle(name, creds)
     target = (out or Path.cwd() / f"{name}-credentials").expanduser().resolve()
     for file_name, text in files.items():
@@ -61,7 +64,15 @@ def enroll(
     snippet = {"cluster": name, "nats_url": _nats_url(listen), "security": security}
     write_private(target / "cluster-security.yaml", yaml.safe_dump(snippet, sort_keys=False).encode())
     if output == OutputFormat.json:
-        emit_json({**snippet, "gateway_url": gateway_url, "dir": str(target), "files": files})
+        emit_json(
+            {
+                **snippet,
+                "gateway_url": gateway_url,
+                "jurisdiction": jurisdiction,
+                "dir": str(target),
+                "files": files,
+            }
+        )
         return
     table = Table(title=f"credentials for {name} in {target}", header_style="bold")
     table.add_column("file")
@@ -76,10 +87,12 @@ def enroll(
     )
 
 
-def _register(name: str, gateway_url: str, region: str) -> None:
+def _register(name: str, gateway_url: str, region: str, jurisdiction: str = "") -> None:
+    """Record the cluster; one already recorded (a heartbeat came first, or a re-enrolment)
+    gets the gateway URL and jurisdiction given here."""
     from control_plane.client import ApiError, FleetClient
 
-    body = {"id": name, "region": region, "gateway_url": gateway_url}
+    body = {"id": name, "region": region, "gateway_url": gateway_url, "jurisdiction": jurisdiction}
     try:
         with FleetClient() as client:
             try:
@@ -87,8 +100,11 @@ def _register(name: str, gateway_url: str, region: str) -> None:
             except ApiError as err:
                 if err.status != 409:
                     raise
-                if gateway_url:
-                    client.patch(f"/v1/clusters/{name}", {"gateway_url": gateway_url})
+                update = {
+                    k: v for k, v in (("gateway_url", gateway_url), ("jurisdiction", jurisdiction)) if v
+                }
+                if update:
+                    client.patch(f"/v1/clusters/{name}", update)
     except ApiError as err:
         fail(f"registering {name} with the control plane: {err} (use --no-register to skip)")
 

@@ -8,6 +8,7 @@ from typing import Any
 import typer
 
 from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, call, console, done, fail, show
+from control_plane.commands.residency import RESIDENCY_HELP, residency_flag
 
 keys_app = typer.Typer(
     help="API keys: create (the secret is shown once), ls, update, revoke.", no_args_is_help=True
@@ -19,6 +20,7 @@ KEY_COLUMNS = {
     "scopes": "scopes",
     "deployments": "deployments",
     "quotas": "quotas",
+    "residency": "residency",
     "created": "created_at",
     "revoked": "revoked",
 }
@@ -41,6 +43,7 @@ def keys_create(
     tokens_per_day: int = typer.Option(None, "--tokens-per-day"),
     priority_class: str = typer.Option(None, "--priority-class", help="e.g. interactive, standard, batch"),
     deployment_limit: list[str] = typer.Option(None, "--deployment-limit", help=DEPLOYMENT_LIMIT_HELP),
+    residency: str = typer.Option(None, "--residency", help=RESIDENCY_HELP),
     output: OutputFormat = OUTPUT_OPTION,
 ) -> None:
     """Create an API key; the secret (`key`) is printed once and never again."""
@@ -59,6 +62,8 @@ def keys_create(
         body["scopes"] = list(scope)
     if deployment:
         body["deployments"] = list(deployment)
+    if residency is not None:
+        body["residency"] = residency_flag(residency)
     row = call(lambda c: c.post("/v1/keys", body))
     show(row, output, KEY_COLUMNS)
     if output != OutputFormat.json:
@@ -103,12 +108,16 @@ def keys_update(
     priority: int = typer.Option(None, "--priority", help="-10..10"),
     priority_class: str = typer.Option(None, "--priority-class", help="e.g. interactive, standard, batch"),
     deployment_limit: list[str] = typer.Option(None, "--deployment-limit", help=DEPLOYMENT_LIMIT_HELP),
+    residency: str = typer.Option(None, "--residency", help=RESIDENCY_HELP),
     clear: list[str] = typer.Option(
-        None, "--clear", help="remove a limit: tokens_per_minute, requests_per_minute, tokens_per_day, ..."
+        None,
+        "--clear",
+        help="remove a limit (tokens_per_minute, requests_per_minute, tokens_per_day, ...) or residency",
     ),
     output: OutputFormat = OUTPUT_OPTION,
 ) -> None:
-    """Change a key's name or quotas (PATCH /v1/keys/{id}); gateways apply it within seconds."""
+    """Change a key's name, quotas or residency (PATCH /v1/keys/{id}); gateways apply it
+    within seconds."""
     quotas: dict[str, Any] = {
         k: v
         for k, v in {
@@ -123,15 +132,20 @@ def keys_update(
     }
     if deployment_limit:
         quotas["deployments"] = parse_deployment_limits(deployment_limit)
-    for field in clear or []:
-        quotas[field] = {} if field == "deployments" else None
     body: dict[str, Any] = {}
+    for field in clear or []:
+        if field == "residency":
+            body["residency"] = None
+        else:
+            quotas[field] = {} if field == "deployments" else None
+    if residency is not None:
+        body["residency"] = residency_flag(residency)
     if name is not None:
         body["name"] = name
     if quotas:
         body["quotas"] = quotas
     if not body:
-        fail("nothing to change: give --name, a limit, or --clear")
+        fail("nothing to change: give --name, a limit, --residency, or --clear")
     row = call(lambda c: c.patch(f"/v1/keys/{key_id}", body))
     show(row, output, KEY_COLUMNS)
 

@@ -24,6 +24,7 @@ from control_plane.local.fleet import LocalFleet, pid_alive, wait_http
 from control_plane.settings import fleet_home
 from fleet_base.domain import is_cluster_id
 from fleet_base.ports import wait_port
+from fleet_base.residency import parse_jurisdictions
 
 
 def _fleet() -> LocalFleet:
@@ -71,10 +72,16 @@ def _wait(what: str, check, timeout: float, interval: float = 0.5):
 
 def _print_usage(rows: list[dict], key: str, deployment: str | None) -> None:
     table = Table(title="Local fleet", header_style="bold")
-    for col in ("region", "gateway", "agent pid", "gateway pid"):
+    for col in ("region", "jurisdiction", "gateway", "agent pid", "gateway pid"):
         table.add_column(col)
     for row in rows:
-        table.add_row(row["region"], row["gateway"], str(row["agent_pid"]), str(row["gateway_pid"]))
+        table.add_row(
+            row["region"],
+            row.get("jurisdiction") or "-",
+            row["gateway"],
+            str(row["agent_pid"]),
+            str(row["gateway_pid"]),
+        )
     console.print(table)
     gateway = rows[0]["gateway"]
     model = deployment or "<deployment>"
@@ -101,6 +108,9 @@ def _print_usage(rows: list[dict], key: str, deployment: str | None) -> None:
 
 def up(
     regions: str = typer.Option("local-east,local-west", help="comma-separated regions; one cluster each"),
+    jurisdictions: str = typer.Option(
+        None, "--jurisdictions", help="each region's jurisdiction, e.g. local-east=ca,local-west=us"
+    ),
     model: str | None = typer.Option(None, help="deploy this model (alias, .gguf or HF dir) once up"),
     name: str | None = typer.Option(None, help="deployment name (default: from the model)"),
     replicas: int = typer.Option(1, min=1, help="replicas of --model"),
@@ -124,12 +134,13 @@ def up(
             fail(f"region {region!r}: use lowercase letters, digits and dashes")
     if len(set(region_list)) != len(region_list):
         fail("--regions lists a region twice")
+    labels = _jurisdictions(jurisdictions, region_list)
     if runtime not in ("process", "sim"):
         fail(f"--runtime {runtime!r}: use process or sim")
     if fleet.running():
         fail("a local fleet is already running under this FLEET_HOME (fleetctl ps; fleetctl down)")
     fleet.home.mkdir(parents=True, exist_ok=True)
-    state = fleet.new_state(region_list)
+    state = fleet.new_state(region_list, labels)
     fleet.save(state)
     try:
         deployment, key, rows = _bring_up(
@@ -172,6 +183,20 @@ def up(
     _foreground(fleet)
 
 
+def _jurisdictions(text: str | None, regions: list[str]) -> dict[str, str]:
+    """`--jurisdictions` checked against `--regions`: every cluster it names must be one."""
+    if text is None:
+        return {}
+    try:
+        labels = parse_jurisdictions(text)
+    except ValueError as err:
+        fail(f"--jurisdictions {text!r}: {err}")
+    unknown = sorted(set(labels) - set(regions))
+    if unknown:
+        fail(f"--jurisdictions names {', '.join(unknown)}, not in --regions ({', '.join(regions)})")
+    return labels
+
+
 def _bring_up(
     fleet: LocalFleet,
     state,
@@ -208,6 +233,7 @@ def _bring_up(
         rows.append(
             {
                 "region": region,
+                "jurisdiction": state.jurisdictions.get(region, ""),
                 "gateway": config.gateway.url,
                 "agent_pid": agent.pid,
                 "gateway_pid": gateway.pid,

@@ -22,6 +22,12 @@ from control_plane.commands.output import (
     fail,
     show,
 )
+from control_plane.commands.residency import (
+    JURISDICTION_HELP,
+    RESIDENCY_HELP,
+    jurisdiction_flag,
+    residency_flag,
+)
 
 DEPLOYMENT_COLUMNS = {
     "name": "name",
@@ -34,6 +40,7 @@ DEPLOYMENT_COLUMNS = {
     "priority": "priority",
     "surge": "max_surge",
     "unavail": "max_unavailable",
+    "residency": "residency",
 }
 PLACEMENT_COLUMNS = {
     "replica": "replica_id",
@@ -65,6 +72,7 @@ CLUSTER_COLUMNS = {
     "id": "id",
     "provider": "provider",
     "region": "region",
+    "jurisdiction": "jurisdiction",
     "status": "status",
     "gateway": "gateway_url",
     "replicas": "replicas",
@@ -73,6 +81,7 @@ CLUSTER_COLUMNS = {
 POOL_COLUMNS = {
     "cluster": "cluster",
     "region": "region",
+    "jurisdiction": "jurisdiction",
     "pool": "name",
     "gpu": "gpu_model",
     "mem GB": "gpu_memory_gb",
@@ -197,6 +206,7 @@ def deploy(
         None, "--lora", help="LoRA adapter NAME=URI served on this deployment (repeatable; the whole set)"
     ),
     max_adapters: int = typer.Option(None, "--max-adapters", help="LoRA adapters one replica holds at once"),
+    residency: str = typer.Option(None, "--residency", help=RESIDENCY_HELP),
     file: Path = typer.Option(
         None, "--file", "-f", help="deployment YAML (the API's fields); flags override it"
     ),
@@ -235,6 +245,8 @@ def deploy(
         "max_adapters": max_adapters,
     }
     body.update({k: v for k, v in flags.items() if v is not None})
+    if residency is not None:
+        body["residency"] = residency_flag(residency)  # None clears the policy
 
     def run(client) -> dict:
         from control_plane.client import ApiError
@@ -318,6 +330,26 @@ def clusters(
     )
 
 
+def clusters_set(
+    cluster: str = typer.Argument(..., help="cluster id"),
+    jurisdiction: str = typer.Option(None, "--jurisdiction", help=JURISDICTION_HELP),
+    gateway_url: str = typer.Option(None, "--gateway-url", help="its gateway's peer URL"),
+    region: str = typer.Option(None, "--region"),
+    output: OutputFormat = OUTPUT_OPTION,
+) -> None:
+    """Change a cluster's recorded fields; routes and desired state are republished at once."""
+    body: dict[str, Any] = {}
+    if jurisdiction is not None:
+        body["jurisdiction"] = jurisdiction_flag(jurisdiction)
+    if gateway_url is not None:
+        body["gateway_url"] = gateway_url
+    if region is not None:
+        body["region"] = region
+    if not body:
+        fail("nothing to change: give --jurisdiction, --gateway-url or --region")
+    show(call(lambda c: c.patch(f"/v1/clusters/{cluster}", body)), output, CLUSTER_COLUMNS)
+
+
 def _set_status(cluster: str, value: str, output: OutputFormat) -> None:
     row = call(lambda c: c.patch(f"/v1/clusters/{cluster}", {"status": value}))
     show(row, output, CLUSTER_COLUMNS)
@@ -390,6 +422,7 @@ def audit(
 def register(app: typer.Typer) -> None:
     """The resource commands and groups, in the order `fleetctl --help` lists them."""
     clusters_app.callback(invoke_without_command=True)(clusters)
+    clusters_app.command("set")(clusters_set)
     pools_app.callback()(pools)
     entries: tuple[tuple[str, Callable[..., None] | typer.Typer], ...] = (
         ("deploy", deploy),

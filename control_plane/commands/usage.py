@@ -15,6 +15,7 @@ USAGE_COLUMNS = {
     "completion": "completion_tokens",
     "tokens": "total_tokens",
     "est. cost": "estimated_cost",
+    "processed in": "jurisdictions",
 }
 
 
@@ -22,10 +23,23 @@ def usage(
     key: str = typer.Option(None, "--key", help="one key's id"),
     deployment: str = typer.Option(None, "--deployment", help="one deployment"),
     since: str = typer.Option("1h", "--since", help="90s, 30m, 1h, 7d or an ISO 8601 time"),
+    region: str = typer.Option(None, "--region", help="only requests processed in this region"),
+    jurisdiction: str = typer.Option(
+        None, "--jurisdiction", help="only requests processed in this jurisdiction"
+    ),
     output: OutputFormat = OUTPUT_OPTION,
 ) -> None:
     """Token usage and estimated cost per key and deployment, from the gateways' usage records."""
-    report = call(lambda c: c.get("/v1/usage", key=key, deployment=deployment, since=since))
+    report = call(
+        lambda c: c.get(
+            "/v1/usage",
+            key=key,
+            deployment=deployment,
+            since=since,
+            region=region,
+            jurisdiction=jurisdiction,
+        )
+    )
     if output == OutputFormat.json:
         emit_json(report)
         return

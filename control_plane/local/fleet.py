@@ -69,6 +69,8 @@ class FleetState(BaseModel):
     nats_url: str = ""
     api_url: str = ""
     regions: list[str] = Field(default_factory=list)
+    # region (cluster id) -> jurisdiction, recorded at enrolment (`fleetctl up --jurisdictions`)
+    jurisdictions: dict[str, str] = Field(default_factory=dict)
     processes: list[ProcessRecord] = Field(default_factory=list)
 
 
@@ -120,9 +122,13 @@ class LocalFleet:
             return state
         return None
 
-    def new_state(self, regions: list[str]) -> FleetState:
+    def new_state(self, regions: list[str], jurisdictions: dict[str, str] | None = None) -> FleetState:
         return FleetState(
-            fleet_id=uuid.uuid4().hex[:12], home=str(self.home), regions=regions, secure=self.secure
+            fleet_id=uuid.uuid4().hex[:12],
+            home=str(self.home),
+            regions=regions,
+            secure=self.secure,
+            jurisdictions=dict(jurisdictions or {}),
         )
 
     # ------------------------------------------------------------------ processes
@@ -239,8 +245,9 @@ class LocalFleet:
         return config
 
     def register_cluster(self, state: FleetState, config: ClusterConfig) -> None:
-        """Record the cluster and its peer gateway URL with the control plane: the URL peers
-        forward to comes from this record (enrolment), never from a heartbeat's claim."""
+        """Record the cluster, its peer gateway URL and its jurisdiction with the control plane:
+        the URL peers forward to and the jurisdiction residency is judged by come from this
+        record (enrolment), never from a heartbeat's claim."""
         if not state.api_url:
             return
         token = (self.home / "admin-token").read_text().strip()
@@ -252,13 +259,17 @@ class LocalFleet:
             "lat": config.coordinates.lat,
             "lon": config.coordinates.lon,
             "gateway_url": url,
+            "jurisdiction": state.jurisdictions.get(config.cluster, ""),
         }
         with httpx.Client(
             base_url=state.api_url, headers={"Authorization": f"Bearer {token}"}, timeout=10
         ) as api:
             response = api.post("/v1/clusters", json=body)
             if response.status_code == 409:
-                response = api.patch(f"/v1/clusters/{config.cluster}", json={"gateway_url": url})
+                update = {"gateway_url": url}
+                if body["jurisdiction"]:
+                    update["jurisdiction"] = body["jurisdiction"]
+                response = api.patch(f"/v1/clusters/{config.cluster}", json=update)
             response.raise_for_status()
 
     def start_cluster(self, state: FleetState, config: ClusterConfig) -> tuple[ProcessRecord, ProcessRecord]:

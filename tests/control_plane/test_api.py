@@ -285,6 +285,7 @@ def test_clusters_and_pools(admin, db):
     assert one["pools"][0] | {} == {
         "cluster": a,
         "region": "eu-west",
+        "jurisdiction": "",
         "name": "gpus",
         "gpu_model": "L4",
         "gpu_memory_gb": 24.0,
@@ -470,3 +471,77 @@ def test_lora_adapters_are_per_deployment_and_unversioned(admin):
     assert ok(admin.get(f"/v1/deployments/{name}/adapters"))["adapters"] == [
         {"name": "chat", "uri": "/m/chat"}
     ]
+
+
+def test_residency_fields_on_clusters_deployments_keys_and_usage(admin, db):
+    cid = uniq("ca")
+    cluster = ok(
+        admin.post("/v1/clusters", json={"id": cid, "region": "ca-east", "jurisdiction": " CA "}), 201
+    )
+    assert cluster["jurisdiction"] == "ca"
+    ok(admin.post(f"/v1/clusters/{cid}/pools", json={"name": "p", "gpu_model": "cpu"}), 201)
+    assert [p["jurisdiction"] for p in ok(admin.get("/v1/pools", params={"cluster": cid}))["items"]] == ["ca"]
+    assert ok(admin.patch(f"/v1/clusters/{cid}", json={"jurisdiction": "us"}))["jurisdiction"] == "us"
+    assert ok(admin.get("/v1/events", params={"cluster": cid, "kind": "cluster_jurisdiction"}))["total"] == 1
+    assert ok(admin.patch(f"/v1/clusters/{cid}", json={"jurisdiction": ""}))["jurisdiction"] == ""
+    imported = {
+        "provider": "cat",
+        "pools": [{"region": cid, "name": "p", "gpu_model": "cpu", "jurisdiction": "eu"}],
+    }
+    clusters = ok(admin.post("/v1/pools/import", json=imported))["clusters"]
+    assert ok(admin.get(f"/v1/clusters/{clusters[0]}"))["jurisdiction"] == "eu"
+
+    name = uniq("bound")
+    dep = ok(
+        admin.post("/v1/deployments", json={"name": name, "model": "m", "residency": ["ca", "US", "ca"]}), 201
+    )
+    assert dep["residency"] == ["ca", "us"]
+    assert ok(admin.patch(f"/v1/deployments/{name}", json={"replicas": 1}))["residency"] == ["ca", "us"]
+    updated = ok(admin.patch(f"/v1/deployments/{name}", json={"residency": ["eu"]}))
+    assert updated["residency"] == ["eu"] and updated["current_version"] == 1  # no new version
+    listed = ok(admin.get("/v1/deployments", params={"name_prefix": name}))["items"]
+    assert [d["residency"] for d in listed] == [["eu"]]
+    assert ok(admin.patch(f"/v1/deployments/{name}", json={"residency": None}))["residency"] is None
+
+    key = ok(admin.post("/v1/keys", json={"name": "bound", "residency": ["ca"]}), 201)
+    assert key["residency"] == ["ca"] and ok(admin.get(f"/v1/keys/{key['key_id']}"))["residency"] == ["ca"]
+    assert ok(admin.patch(f"/v1/keys/{key['key_id']}", json={"residency": ["ca", "us"]}))["residency"] == [
+        "ca",
+        "us",
+    ]
+    assert ok(admin.patch(f"/v1/keys/{key['key_id']}", json={"name": "b2"}))["residency"] == ["ca", "us"]
+    assert ok(admin.patch(f"/v1/keys/{key['key_id']}", json={"residency": None}))["residency"] is None
+
+    # bad labels and empty policies are 422s naming the field, never 500s
+    for path, method, body, field in (
+        ("/v1/clusters", "post", {"id": uniq("x"), "jurisdiction": "c a"}, "jurisdiction"),
+        (f"/v1/clusters/{cid}", "patch", {"jurisdiction": "x" * 33}, "jurisdiction"),
+        ("/v1/deployments", "post", {"name": uniq("d"), "model": "m", "residency": []}, "residency"),
+        ("/v1/deployments", "post", {"name": uniq("d"), "model": "m", "residency": "ca"}, "residency"),
+        (f"/v1/deployments/{name}", "patch", {"residency": ["ca_east"]}, "residency"),
+        ("/v1/keys", "post", {"name": "k", "residency": ["é"]}, "residency"),
+        (f"/v1/keys/{key['key_id']}", "patch", {"residency": []}, "residency"),
+    ):
+        res = getattr(admin, method)(path, json=body)
+        assert res.status_code == 422 and field in (res.json()["error"]["field"] or ""), (body, res.text)
+
+    # usage says where requests were processed, and filters by it
+    from control_plane.db.models import UsageRecord
+
+    with db() as s:
+        for region, jurisdiction in (("ca-east", "ca"), ("ca-east", "ca"), ("us-west", "us"), ("", "")):
+            s.add(
+                UsageRecord(
+                    at=datetime.now(timezone.utc), cluster=cid, key_id=key["key_id"], deployment=name,
+                    prompt_tokens=1, completion_tokens=1, region=region, jurisdiction=jurisdiction,
+                )
+            )  # fmt: skip
+        s.commit()
+    row = ok(admin.get("/v1/usage", params={"key": key["key_id"]}))["items"][0]
+    assert row["regions"] == {"ca-east": 2, "us-west": 1, "": 1} and row["jurisdictions"] == {
+        "ca": 2,
+        "us": 1,
+        "": 1,
+    }
+    only = ok(admin.get("/v1/usage", params={"key": key["key_id"], "jurisdiction": "us"}))["items"]
+    assert [(r["requests"], r["regions"]) for r in only] == [(1, {"us-west": 1})]

@@ -288,3 +288,66 @@ def test_deploy_with_lora_and_lora_ls_add_rm(server):
     assert "NAME=URI" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
     assert "not found" in run("lora", "rm", "lo", "sql", ok=False).stderr
     run("delete", "lo")
+
+
+def test_residency_flags_on_enroll_clusters_set_deploy_and_keys(server, tmp_path):
+    home = server.home
+    enrolled = as_json(
+        home, "clusters", "enroll", "res-ca", "--jurisdiction", "CA", "--out", str(tmp_path / "b")
+    )
+    assert enrolled["jurisdiction"] == "ca"
+    with server.client() as admin:  # enrolment registered it with its jurisdiction
+        assert admin.get("/v1/clusters/res-ca").json()["jurisdiction"] == "ca"
+    dep, key = fleetctl_many(
+        home,
+        ["deploy", "res-d", "--model", "m", "--residency", "eu,ca", "-o", "json"],
+        ["keys", "create", "res-k", "--residency", "ca", "-o", "json"],
+    )
+    assert json.loads(dep.stdout)["residency"] == ["eu", "ca"]
+    key_id = json.loads(key.stdout)["key_id"]
+    assert json.loads(key.stdout)["residency"] == ["ca"]
+
+    assert as_json(home, "clusters", "set", "res-ca", "--jurisdiction", "us")["jurisdiction"] == "us"
+    clusters, status, *bad = fleetctl_many(
+        home,
+        ["clusters"],
+        ["status", "res-d"],
+        ["deploy", "res-x", "--model", "m", "--residency", "c a"],
+        ["clusters", "set", "res-ca", "--jurisdiction", "x_y"],
+    )
+    assert "jurisdiction" in clusters.stdout and "us" in clusters.stdout.split("res-ca", 1)[1].splitlines()[0]
+    assert "residency" in status.stdout and "eu, ca" in status.stdout
+    reasons = [one_line_error(res) for res in bad]
+    assert "--residency 'c a'" in reasons[0] and "not a label" in reasons[0]
+    assert "--jurisdiction 'x_y'" in reasons[1]
+
+    cleared_key, cleared_dep = fleetctl_many(
+        home,
+        ["keys", "update", key_id, "--clear", "residency", "-o", "json"],
+        ["deploy", "res-d", "--residency", "", "-o", "json"],
+    )
+    assert json.loads(cleared_key.stdout)["residency"] is None
+    assert json.loads(cleared_dep.stdout)["residency"] is None
+
+
+def test_local_fleet_enrols_its_clusters_with_their_jurisdictions(server):
+    """`fleetctl up --jurisdictions` records each local cluster's jurisdiction at enrolment
+    (LocalFleet.register_cluster), and refuses a pair naming no --regions cluster."""
+    from control_plane.local.fleet import LocalFleet
+    from fleet_base.cluster_config import ClusterConfig
+
+    fleet = LocalFleet(server.home)
+    state = fleet.new_state(["res-east", "res-west"], {"res-east": "ca"})
+    state.api_url = server.url
+    for region in state.regions:
+        fleet.register_cluster(state, ClusterConfig(cluster=region, region=region))
+    state.jurisdictions["res-west"] = "us"  # re-enrolled (already recorded): updated
+    fleet.register_cluster(state, ClusterConfig(cluster="res-west", region="res-west"))
+    with server.client() as admin:
+        rows = {c["id"]: c["jurisdiction"] for c in admin.get("/v1/clusters").json()["items"]}
+    assert (rows["res-east"], rows["res-west"]) == ("ca", "us")
+    bad = fleetctl(home := server.home, "up", "--regions", "a,b", "--jurisdictions", "a=ca,c=us", ok=False)
+    assert "--jurisdictions names c, not in --regions" in one_line_error(bad)
+    assert "not CLUSTER=JURISDICTION" in one_line_error(
+        fleetctl(home, "up", "--jurisdictions", "ca", ok=False)
+    )

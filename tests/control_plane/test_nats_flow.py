@@ -229,6 +229,20 @@ async def test_deploy_failover_and_restart_over_real_nats(control_plane, nats_se
         assert [(v.version, v.weight) for v in r.versions] == [(1, 1.0)]
         assert {c.cluster: c.gateway_url for c in r.clusters}["west"] == "https://west.enrolled:9443"
 
+        # A jurisdiction set on a cluster reaches its routes (by_region too) and its desired state.
+        assert (await cli(cp.home, "clusters", "set", "west", "--jurisdiction", "ca"))["jurisdiction"] == "ca"
+
+        async def west_in_ca():
+            r, west = await route("chat"), (await desired()).get("west")
+            tables = [r.clusters, *r.by_region.values()] if r else []
+            routes = [c for table in tables for c in table if c.cluster == "west"]
+            ok = west and west.jurisdiction == "ca" and routes and all(c.jurisdiction == "ca" for c in routes)
+            return ok or None
+
+        await eventually(
+            west_in_ca, timeout=10, what="west's jurisdiction in chat's route and its desired state"
+        )
+
         # East goes silent: unhealthy after 2 missed heartbeats, its replicas move west, its route goes.
         agents["east"].beating = False
         east_generation = before["east"].generation

@@ -65,6 +65,7 @@ def create_cluster(body: ClusterCreate, request: Request, session: SessionDep, w
         lon=body.lon,
         gateway_url=body.gateway_url,
         status=body.status,
+        jurisdiction=body.jurisdiction,
         load={},
     )
     row.pools = [CapacityPool(**pool.model_dump()) for pool in body.pools]
@@ -102,6 +103,14 @@ def update_cluster(
         changes.get("status"), "cluster.update"
     )
     audit(session, who, action, "cluster", row.id, before, after)
+    if "jurisdiction" in changes:
+        event(
+            session,
+            "cluster_jurisdiction",
+            f"{row.id}: jurisdiction {before.jurisdiction or '(none)'} -> {row.jurisdiction or '(none)'} "
+            f"by {who.actor}",
+            cluster=row.id,
+        )
     if "status" in changes:
         event(
             session,

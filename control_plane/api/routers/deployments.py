@@ -51,6 +51,7 @@ def create_deployment(body: DeploymentCreate, request: Request, session: Session
         raise conflict(f"deployment {body.name!r} already exists (update it with PATCH)", "name")
     dep = Deployment(name=body.name, replicas=replicas, current_version=1)
     specs.apply_policy(dep, body)
+    specs.apply_residency(dep, body)
     apply_adapters(dep, body)
     dep.versions.append(DeploymentVersion(version=1, **spec))
     insert(session, dep, conflict(f"deployment {body.name!r} already exists", "name"))
@@ -120,6 +121,7 @@ def update_deployment(
         changes.append(f"replicas {dep.replicas} -> {replicas}")
         dep.replicas = replicas
     changes += specs.apply_policy(dep, body)
+    changes += specs.apply_residency(dep, body)
     changes += apply_adapters(dep, body)
     if not changes:
         return before

@@ -4,6 +4,9 @@ estimated cost.
 The cost is an allocation, not a bill: a deployment's replicas cost their pools' GPU
 price (`hourly_price / gpus_per_node * gpus`, as placed now) over the period asked, and
 that cost is split between keys in proportion to the tokens each used on it.
+
+Each row also says where its requests were processed: requests per region and per
+jurisdiction, as the gateways reported them ("" for records that did not say).
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ class UsageRow(BaseModel):
     completion_tokens: int
     total_tokens: int
     estimated_cost: float  # in the pools' price currency
+    # where the requests were processed: region -> requests, jurisdiction -> requests
+    regions: dict[str, int] = {}
+    jurisdictions: dict[str, int] = {}
 
 
 class UsageReport(BaseModel):
@@ -80,6 +86,29 @@ def hourly_cost(session, deployments: set[str]) -> dict[str, float]:
     return out
 
 
+def _where_processed(session, filters: list) -> dict[tuple[str, str], dict[str, dict[str, int]]]:
+    """(key, deployment) -> {"regions": {region: requests}, "jurisdictions": {...}}."""
+    rows = session.execute(
+        select(
+            UsageRecord.key_id,
+            UsageRecord.deployment,
+            UsageRecord.region,
+            UsageRecord.jurisdiction,
+            func.count(),
+        )
+        .where(*filters)
+        .group_by(UsageRecord.key_id, UsageRecord.deployment, UsageRecord.region, UsageRecord.jurisdiction)
+    ).all()
+    out: dict[tuple[str, str], dict[str, dict[str, int]]] = {}
+    for key_id, dep, region, jurisdiction, count in rows:
+        row = out.setdefault((key_id, dep), {"regions": {}, "jurisdictions": {}})
+        row["regions"][region or ""] = row["regions"].get(region or "", 0) + int(count)
+        row["jurisdictions"][jurisdiction or ""] = row["jurisdictions"].get(jurisdiction or "", 0) + int(
+            count
+        )
+    return out
+
+
 @router.get("", response_model=UsageReport)
 def get_usage(
     session: SessionDep,
@@ -87,6 +116,10 @@ def get_usage(
     key: str | None = Query(None, max_length=32),
     deployment: str | None = Query(None, max_length=63),
     since: str = Query("1h", max_length=64),
+    region: str | None = Query(None, max_length=64, description="only requests processed in this region"),
+    jurisdiction: str | None = Query(
+        None, max_length=64, description="only requests processed in this jurisdiction"
+    ),
 ):
     now = datetime.now(timezone.utc)
     start = parse_since(since, now)
@@ -102,15 +135,20 @@ def get_usage(
             func.sum(UsageRecord.prompt_tokens),
             func.sum(UsageRecord.completion_tokens),
         )
-        .where(UsageRecord.at >= start)
         .group_by(UsageRecord.key_id, UsageRecord.deployment)
         .order_by(func.sum(total).desc(), UsageRecord.key_id, UsageRecord.deployment)
     )
+    filters = [UsageRecord.at >= start]
     if key:
-        query = query.where(UsageRecord.key_id == key)
+        filters.append(UsageRecord.key_id == key)
     if deployment:
-        query = query.where(UsageRecord.deployment == deployment)
-    rows = session.execute(query).all()
+        filters.append(UsageRecord.deployment == deployment)
+    if region is not None:
+        filters.append(UsageRecord.region == region)
+    if jurisdiction is not None:
+        filters.append(UsageRecord.jurisdiction == jurisdiction)
+    rows = session.execute(query.where(*filters)).all()
+    where = _where_processed(session, filters)
     # each deployment's cost over the period, split by every key's tokens on it
     names = {r[1] for r in rows}
     per_hour = hourly_cost(session, names)
@@ -136,6 +174,7 @@ def get_usage(
                 completion_tokens=int(completion or 0),
                 total_tokens=tokens,
                 estimated_cost=round(per_hour.get(dep, 0.0) * hours * share, 6),
+                **where.get((key_id, dep), {}),
             )
         )
     return UsageReport(
