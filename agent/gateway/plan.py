@@ -371,8 +371,8 @@ def plan_route(
                     "no-local-replica" if not here.replicas else ("spill" if usable else "local-unusable")
                 )
             return Plan(tuple(_leaving(reason, peers, request, index, model)), excluded, not local_ok)
-    if not local_ok or (excluded and not here.replicas and not here.coming):
-        return refused  # nothing permitted here or among live peers, nothing coming here
+    if not local_ok or (excluded and not attempts and not here.replicas and not here.coming):
+        return refused  # no permitted primary, peer or replica here, nothing coming here
     attempts += local or [Attempt("local", "wait-for-replica", jurisdiction=here.jurisdiction)]
     attempts += plan_failover(request, peers, index)
     return Plan(tuple(attempts), excluded)

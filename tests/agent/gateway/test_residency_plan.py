@@ -144,6 +144,15 @@ ROWS = [
         excluded=("us-1",),
     ),
     Row(
+        "standby here with no replica: the permitted primary, not a refusal",
+        here(standby_here=True),
+        (US, CA2),
+        expect=_all("primary", ("ca-2",), "standby-primary")
+        + (("local", "", "wait-for-replica"),)
+        + _all("failover", ("ca-2",), "failover"),
+        excluded=("us-1",),
+    ),
+    Row(
         "a permitted standby peer serves when the live primary is outside",
         here(),
         (US, CA_STANDBY),
@@ -246,7 +255,7 @@ def facts(draw: st.DrawFn) -> tuple[RequestFacts, ClusterFacts, list[PeerFacts]]
 
 
 @seed(36)
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(facts())
 def test_no_plan_ever_holds_a_target_outside_the_allowed_set(
     case: tuple[RequestFacts, ClusterFacts, list[PeerFacts]],
