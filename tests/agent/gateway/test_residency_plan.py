@@ -147,9 +147,11 @@ ROWS = [
         "standby here with no replica: the permitted primary, not a refusal",
         here(standby_here=True),
         (US, CA2),
-        expect=_all("primary", ("ca-2",), "standby-primary")
-        + (("local", "", "wait-for-replica"),)
-        + _all("failover", ("ca-2",), "failover"),
+        expect=(
+            *_all("primary", ("ca-2",), "standby-primary"),
+            ("local", "", "wait-for-replica"),
+            *_all("failover", ("ca-2",), "failover"),
+        ),
         excluded=("us-1",),
     ),
     Row(
