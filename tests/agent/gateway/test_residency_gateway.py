@@ -280,8 +280,8 @@ async def test_the_opener_never_sends_to_a_target_outside(tmp_path: Path) -> Non
     from agent.gateway.inputs import parse_request
 
     fleet = Fleet(tmp_path)
-    call = Call("id", "kca", parse_request(b'{"model": "d", "prompt": "hi"}', "completions"), 0.0)
-    call = call.__class__(**{**call.__dict__, "allowed": frozenset({"ca"})})
+    info = parse_request(b'{"model": "d", "prompt": "hi"}', "completions")
+    call = Call("id", "kca", info, 0.0, allowed=frozenset({"ca"}))
     target = Attempt("failover", "failover", "us-1", "http://us-1", is_peer=True, jurisdiction="us")
     with pytest.raises(AttemptFailed) as info:
         await fleet.gw.upstreams.open(call, target, b"{}")
