@@ -1,0 +1,255 @@
+"""Data residency end to end: a `ca`-bound key is served in `ca` or refused, never moved.
+
+Real processes: nats-server, the control plane, and per cluster an agent (runtime `sim`)
+and its gateway. Three clusters in two jurisdictions: `ca-east` and `ca-west` are `ca`,
+`us-central` is `us`; from `ca-east` the `us` cluster is the nearer peer, so a request
+that ignored residency would leave for the US first. One deployment with no policy of its
+own runs a replica in each; one key is bound to `ca`, another is not.
+
+- A `ca`-bound key at the `us` gateway is refused with 403 `residency_violation`.
+- A stream of each key runs on `ca-east` when its region is killed: the unbound stream
+  migrates to the nearest peer (`us-central`), the bound one only to `ca-west`.
+- With both `ca` regions killed, the bound key gets 503 `residency_unavailable` (a reason
+  naming residency, Retry-After) while the unbound key fails over to `us-central`.
+- No usage record of the bound key names a region outside `ca` (the control plane's
+  usage API), while the unbound key's show `us-central`.
+
+One fleet for the module; the tests run in file order (the second kills regions).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agent.gateway.routing import peer_order
+from control_plane.local.fleet import region_coordinates
+from fleet_base.protocol import RoutingTable
+from tests.e2e.sim_fleet import SimFleet, wait_for
+
+pytestmark = pytest.mark.slow
+
+CA_EAST, US, CA_WEST = "ca-east", "us-central", "ca-west"
+# index-based coordinates of unknown region names: ca-east (0, 0), us-central (10, 20),
+# ca-west (20, 40): from ca-east the US peer is the nearer one
+REGIONS = [CA_EAST, US, CA_WEST]
+JURISDICTIONS = {CA_EAST: "ca", US: "us", CA_WEST: "ca"}
+NAME = "chat"
+STREAM_TOKENS = 120  # ~3.6 s of simulated decode (30 ms a step): long enough to break midway
+
+
+@dataclass
+class Keys:
+    bound: str
+    bound_id: str
+    free: str
+    free_id: str
+
+
+@dataclass
+class ResidencyFleet:
+    fleet: SimFleet
+    keys: Keys
+
+    def state(self, region: str, name: str) -> dict:
+        path = self.fleet.local.dir / "clusters" / region / "state" / f"{name}.json"
+        return json.loads(path.read_text())
+
+    def chat(self, region: str, key: str, stream: bool = False) -> httpx.Response:
+        body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        return httpx.post(
+            f"{self.fleet.gateways[region]}/v1/chat/completions",
+            json=body,
+            headers={"authorization": f"Bearer {key}"},
+            timeout=30,
+        )
+
+    def usage_regions(self, key_id: str) -> dict[str, int]:
+        """Requests of the key by the region that processed them (usage API)."""
+        r = self.fleet.api("GET", "/v1/usage", params={"key": key_id, "since": "10m"})
+        assert r.status_code == 200, r.text
+        out: dict[str, int] = {}
+        for row in r.json()["items"]:
+            for region, n in row["regions"].items():
+                out[region] = out.get(region, 0) + n
+        return out
+
+    def usage_jurisdictions(self, key_id: str) -> dict[str, int]:
+        r = self.fleet.api("GET", "/v1/usage", params={"key": key_id, "since": "10m"})
+        assert r.status_code == 200, r.text
+        out: dict[str, int] = {}
+        for row in r.json()["items"]:
+            for label, n in row["jurisdictions"].items():
+                out[label] = out.get(label, 0) + n
+        return out
+
+
+@pytest.fixture(scope="module")
+def rf(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ResidencyFleet]:
+    home: Path = tmp_path_factory.mktemp("residency") / "home"
+    fleet = SimFleet(home, REGIONS, slots=2)
+    try:
+        fleet.up()
+        for cluster, label in JURISDICTIONS.items():
+            r = fleet.api("PATCH", f"/v1/clusters/{cluster}", json={"jurisdiction": label})
+            assert r.status_code == 200, r.text
+            assert r.json()["jurisdiction"] == label
+        fleet.deploy(NAME, 3, min_regions=3, engine_args={"cold_start": 0.1})
+        keys = []
+        for name, residency in (("ca-only", ["ca"]), ("anywhere", None)):
+            r = fleet.api(
+                "POST", "/v1/keys", json={"name": name, "scopes": ["inference"], "residency": residency}
+            )
+            assert r.status_code == 201, r.text
+            assert r.json().get("residency") == residency, r.json()
+            keys += [r.json()["key"], r.json()["key_id"]]
+        rf = ResidencyFleet(fleet, Keys(*keys))
+        wait_for(
+            lambda: sorted(p["cluster"] for p in fleet.deployment(NAME)["placements"] if p["state"] == "ready")
+            == sorted(REGIONS),
+            60, 0.2, "a ready replica in each cluster",
+        )  # fmt: skip
+
+        def synced(region: str) -> bool:
+            """The gateway knows its own jurisdiction, every peer's, and the bound key's policy."""
+            route = rf.state(region, "routes")["routes"][NAME]
+            seen = {c["cluster"]: c.get("jurisdiction") for c in route["clusters"]}
+            key = rf.state(region, "keys")["keys"].get(rf.keys.bound_id, {})
+            return (
+                seen == JURISDICTIONS
+                and rf.state(region, "desired").get("jurisdiction") == JURISDICTIONS[region]
+                and key.get("residency") == ["ca"]
+            )
+
+        for region in REGIONS:
+            wait_for(lambda region=region: synced(region), 30, 0.2, f"{region}: jurisdictions and keys")
+        yield rf
+    finally:
+        fleet.down()
+
+
+def test_a_bound_key_is_refused_outside_its_jurisdiction(rf: ResidencyFleet) -> None:
+    r = rf.chat(US, rf.keys.bound)
+    assert r.status_code == 403, r.text
+    error = r.json()["error"]
+    assert error["code"] == "residency_violation", error
+    assert "residency" in error["message"] and "ca" in error["message"], error
+
+    r = rf.chat(US, rf.keys.free)
+    assert r.status_code == 200, r.text
+    for region in (CA_EAST, CA_WEST):  # the bound key is served inside ca
+        r = rf.chat(region, rf.keys.bound)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-fleet-cluster"] in (CA_EAST, CA_WEST), r.headers
+
+
+@dataclass
+class Stream:
+    """One streamed chat request on a thread: its chunks, in-band errors and end."""
+
+    url: str
+    key: str
+    status: int = 0
+    cluster: str = ""
+    chunks: int = 0
+    finish: str | None = None
+    done: bool = False
+    errors: list[str] = field(default_factory=list)
+    ended: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> Stream:
+        threading.Thread(target=self._run, daemon=True).start()
+        return self
+
+    def _run(self) -> None:
+        body = {
+            "model": NAME,
+            "messages": [{"role": "user", "content": "tell me"}],
+            "max_tokens": STREAM_TOKENS,
+            "stream": True,
+        }
+        headers = {"authorization": f"Bearer {self.key}"}
+        try:
+            with httpx.stream(
+                "POST", f"{self.url}/v1/chat/completions", json=body, headers=headers, timeout=60
+            ) as r:
+                self.status, self.cluster = r.status_code, r.headers.get("x-fleet-cluster", "")
+                for line in r.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        self.done = True
+                        continue
+                    payload = json.loads(line.removeprefix("data: "))
+                    if "error" in payload:
+                        self.errors.append(json.dumps(payload["error"]))
+                        continue
+                    for choice in payload.get("choices") or ():
+                        if (choice.get("delta") or {}).get("content"):
+                            self.chunks += 1
+                        self.finish = choice.get("finish_reason") or self.finish
+        except httpx.HTTPError as err:
+            self.errors.append(f"{type(err).__name__}: {err}")
+        finally:
+            self.ended.set()
+
+
+def test_streams_and_failover_never_leave_the_jurisdiction(rf: ResidencyFleet) -> None:
+    fleet, keys = rf.fleet, rf.keys
+    # from ca-east, the peer a request without residency leaves for first is the US one
+    route = RoutingTable.model_validate(rf.state(CA_EAST, "routes")["routes"][NAME])
+    order = [c.cluster for c in peer_order(route, CA_EAST, region_coordinates(CA_EAST, 0), CA_EAST)]
+    assert order == [US, CA_WEST], order
+
+    # a stream of each key on ca-east when the region dies
+    bound = Stream(fleet.gateways[CA_EAST], keys.bound).start()
+    free = Stream(fleet.gateways[CA_EAST], keys.free).start()
+    wait_for(lambda: bound.chunks >= 2 and free.chunks >= 2, 30, 0.02, "both streams flowing")
+    assert bound.cluster == free.cluster == CA_EAST, (bound.cluster, free.cluster)
+    fleet.kill_region(CA_EAST)
+    for s in (bound, free):
+        assert s.ended.wait(60), s
+        assert s.status == 200 and s.done and s.finish == "length" and not s.errors, s
+    # where each continued: the usage records of each key (the peer that served it records it)
+    wait_for(
+        lambda: rf.usage_regions(keys.bound_id).get(CA_WEST, 0) >= 1, 20, 0.2, "the bound stream's record"
+    )
+    wait_for(lambda: rf.usage_regions(keys.free_id).get(US, 0) >= 1, 20, 0.2, "the free stream's record")
+
+    # both ca regions gone: the bound key is refused with a reason, the free key fails over
+    fleet.kill_region(CA_WEST)
+    served_outside: list[str] = []
+
+    def refused() -> dict | None:
+        r = rf.chat(CA_EAST, keys.bound)
+        if r.status_code == 200 and r.headers.get("x-fleet-cluster") not in (CA_EAST, CA_WEST):
+            served_outside.append(r.headers.get("x-fleet-cluster", ""))
+        if r.status_code != 503 or r.json()["error"].get("code") != "residency_unavailable":
+            return None
+        assert r.headers.get("retry-after"), r.headers
+        return r.json()["error"]
+
+    error = wait_for(refused, 30, 0.2, "503 residency_unavailable for the bound key")
+    assert "residency" in error["message"], error
+    assert served_outside == []
+    wait_for(lambda: rf.chat(CA_EAST, keys.free).headers.get("x-fleet-cluster") == US, 30, 0.2,
+             "the free key failing over to the US")  # fmt: skip
+    for _ in range(5):  # refused every time, never a silent move
+        r = rf.chat(CA_EAST, keys.bound)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "residency_unavailable", r.text
+    r = rf.chat(CA_EAST, keys.free)
+    assert r.status_code == 200 and r.headers["x-fleet-cluster"] == US, r.text
+
+    # no usage record of the bound key shows a region outside ca; the free key's show us
+    wait_for(lambda: rf.usage_regions(keys.free_id).get(US, 0) >= 3, 20, 0.2, "the free key's records")
+    regions = rf.usage_regions(keys.bound_id)
+    assert regions and set(regions) <= {CA_EAST, CA_WEST}, regions
+    assert set(rf.usage_jurisdictions(keys.bound_id)) <= {"ca"}, rf.usage_jurisdictions(keys.bound_id)
+    assert US in rf.usage_regions(keys.free_id)
+    print(f"\n[residency] usage by region: bound {regions}, free {rf.usage_regions(keys.free_id)}")
