@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
@@ -70,24 +72,20 @@ class ResidencyFleet:
             timeout=30,
         )
 
-    def usage_regions(self, key_id: str) -> dict[str, int]:
-        """Requests of the key by the region that processed them (usage API)."""
-        r = self.fleet.api("GET", "/v1/usage", params={"key": key_id, "since": "10m"})
+    def usage(self, key_id: str, since: float | None = None) -> tuple[dict[str, int], dict[str, int]]:
+        """The key's requests by the region and by the jurisdiction that processed them
+        (the usage API), since `since` (time.time()) or over the last 10 minutes."""
+        at = "10m" if since is None else datetime.fromtimestamp(since, timezone.utc).isoformat()
+        r = self.fleet.api("GET", "/v1/usage", params={"key": key_id, "since": at})
         assert r.status_code == 200, r.text
-        out: dict[str, int] = {}
+        regions: dict[str, int] = {}
+        labels: dict[str, int] = {}
         for row in r.json()["items"]:
-            for region, n in row["regions"].items():
-                out[region] = out.get(region, 0) + n
-        return out
-
-    def usage_jurisdictions(self, key_id: str) -> dict[str, int]:
-        r = self.fleet.api("GET", "/v1/usage", params={"key": key_id, "since": "10m"})
-        assert r.status_code == 200, r.text
-        out: dict[str, int] = {}
-        for row in r.json()["items"]:
-            for label, n in row["jurisdictions"].items():
-                out[label] = out.get(label, 0) + n
-        return out
+            for name, n in row["regions"].items():
+                regions[name] = regions.get(name, 0) + n
+            for name, n in row["jurisdictions"].items():
+                labels[name] = labels.get(name, 0) + n
+        return regions, labels
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +205,10 @@ def test_streams_and_failover_never_leave_the_jurisdiction(rf: ResidencyFleet) -
     order = [c.cluster for c in peer_order(route, CA_EAST, region_coordinates(CA_EAST, 0), CA_EAST)]
     assert order == [US, CA_WEST], order
 
-    # a stream of each key on ca-east when the region dies
+    # a stream of each key on ca-east when the region dies: each continues on a peer, which
+    # records it (the usage records since the streams began are theirs alone)
+    started = time.time()
+    migrations = fleet.gateway_metric(CA_EAST, "fleet_gateway_stream_migrations_total", deployment=NAME)
     bound = Stream(fleet.gateways[CA_EAST], keys.bound).start()
     free = Stream(fleet.gateways[CA_EAST], keys.free).start()
     wait_for(lambda: bound.chunks >= 2 and free.chunks >= 2, 30, 0.02, "both streams flowing")
@@ -216,40 +217,50 @@ def test_streams_and_failover_never_leave_the_jurisdiction(rf: ResidencyFleet) -
     for s in (bound, free):
         assert s.ended.wait(60), s
         assert s.status == 200 and s.done and s.finish == "length" and not s.errors, s
-    # where each continued: the usage records of each key (the peer that served it records it)
-    wait_for(
-        lambda: rf.usage_regions(keys.bound_id).get(CA_WEST, 0) >= 1, 20, 0.2, "the bound stream's record"
+    assert (
+        fleet.gateway_metric(CA_EAST, "fleet_gateway_stream_migrations_total", deployment=NAME)
+        == migrations + 2
     )
-    wait_for(lambda: rf.usage_regions(keys.free_id).get(US, 0) >= 1, 20, 0.2, "the free stream's record")
+    wait_for(lambda: rf.usage(keys.free_id, started)[0], 20, 0.2, "the unbound stream's record")
+    assert rf.usage(keys.free_id, started)[0] == {US: 1}  # the nearest peer, without residency
+    wait_for(lambda: rf.usage(keys.bound_id, started)[0], 20, 0.2, "the bound stream's record")
+    assert rf.usage(keys.bound_id, started) == ({CA_WEST: 1}, {"ca": 1})  # past the nearer US peer
 
-    # both ca regions gone: the bound key is refused with a reason, the free key fails over
+    # both ca regions gone: the bound key is refused with a reason, every time; the unbound
+    # key fails over to the US
     fleet.kill_region(CA_WEST)
-    served_outside: list[str] = []
+    answers: list[tuple[int, str, str]] = []
 
-    def refused() -> dict | None:
+    def ask() -> dict | None:
         r = rf.chat(CA_EAST, keys.bound)
-        if r.status_code == 200 and r.headers.get("x-fleet-cluster") not in (CA_EAST, CA_WEST):
-            served_outside.append(r.headers.get("x-fleet-cluster", ""))
-        if r.status_code != 503 or r.json()["error"].get("code") != "residency_unavailable":
-            return None
-        assert r.headers.get("retry-after"), r.headers
-        return r.json()["error"]
+        error = (r.json().get("error") or {}) if r.status_code != 200 else {}
+        answers.append((r.status_code, error.get("code", ""), r.headers.get("x-fleet-cluster", "")))
+        if r.status_code == 503 and error.get("code") == "residency_unavailable":
+            assert r.headers.get("retry-after"), r.headers
+            return error
+        return None
 
-    error = wait_for(refused, 30, 0.2, "503 residency_unavailable for the bound key")
-    assert "residency" in error["message"], error
-    assert served_outside == []
+    try:
+        error = wait_for(ask, 30, 0.2, "503 residency_unavailable for the bound key")
+    except AssertionError as err:
+        raise AssertionError(f"{err}; the last answers {answers[-3:]}") from None
+    assert "residency" in error["message"] and "ca" in error["message"], error
+    assert [a for a in answers if a[0] == 200] == [], answers  # none served, anywhere
     wait_for(lambda: rf.chat(CA_EAST, keys.free).headers.get("x-fleet-cluster") == US, 30, 0.2,
-             "the free key failing over to the US")  # fmt: skip
-    for _ in range(5):  # refused every time, never a silent move
-        r = rf.chat(CA_EAST, keys.bound)
-        assert r.status_code == 503 and r.json()["error"]["code"] == "residency_unavailable", r.text
-    r = rf.chat(CA_EAST, keys.free)
-    assert r.status_code == 200 and r.headers["x-fleet-cluster"] == US, r.text
+             "the unbound key failing over to the US")  # fmt: skip
+    for _ in range(5):
+        assert ask() is not None, answers[-1]
 
-    # no usage record of the bound key shows a region outside ca; the free key's show us
-    wait_for(lambda: rf.usage_regions(keys.free_id).get(US, 0) >= 3, 20, 0.2, "the free key's records")
-    regions = rf.usage_regions(keys.bound_id)
+    # no usage record of the bound key shows a region outside ca (every request it made since
+    # the streams began recorded); the unbound key's show the US
+    made = 1 + len(answers)
+    wait_for(
+        lambda: sum(rf.usage(keys.bound_id, started)[0].values()) >= made, 20, 0.2, "the bound key's records"
+    )
+    regions, labels = rf.usage(keys.bound_id)
     assert regions and set(regions) <= {CA_EAST, CA_WEST}, regions
-    assert set(rf.usage_jurisdictions(keys.bound_id)) <= {"ca"}, rf.usage_jurisdictions(keys.bound_id)
-    assert US in rf.usage_regions(keys.free_id)
-    print(f"\n[residency] usage by region: bound {regions}, free {rf.usage_regions(keys.free_id)}")
+    assert set(labels) == {"ca"}, labels
+    free_regions = wait_for(
+        lambda: (r := rf.usage(keys.free_id)[0]).get(US, 0) >= 2 and r, 20, 0.2, "the unbound key's records"
+    )
+    print(f"\n[residency] requests by region: ca-bound key {regions}, unbound key {free_regions}")
