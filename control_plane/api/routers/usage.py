@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from datetime import datetime, timedelta, timezone
+from typing import Annotated
 
 from fastapi import APIRouter, Query
 from pydantic import BaseModel
@@ -116,10 +117,13 @@ def get_usage(
     key: str | None = Query(None, max_length=32),
     deployment: str | None = Query(None, max_length=63),
     since: str = Query("1h", max_length=64),
-    region: str | None = Query(None, max_length=64, description="only requests processed in this region"),
-    jurisdiction: str | None = Query(
-        None, max_length=64, description="only requests processed in this jurisdiction"
-    ),
+    # Annotated defaults: the console calls this function directly and leaves these out
+    region: Annotated[
+        str | None, Query(max_length=64, description="only requests processed in this region")
+    ] = None,
+    jurisdiction: Annotated[
+        str | None, Query(max_length=64, description="only requests processed in this jurisdiction")
+    ] = None,
 ):
     now = datetime.now(timezone.utc)
     start = parse_since(since, now)
