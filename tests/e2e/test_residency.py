@@ -43,7 +43,7 @@ CA_EAST, US, CA_WEST = "ca-east", "us-central", "ca-west"
 REGIONS = [CA_EAST, US, CA_WEST]
 JURISDICTIONS = {CA_EAST: "ca", US: "us", CA_WEST: "ca"}
 NAME = "chat"
-STREAM_TOKENS = 120  # ~3.6 s of simulated decode (30 ms a step): long enough to break midway
+STREAM_TOKENS = 160  # ~4.8 s of simulated decode (30 ms a step): it is still running when its region dies
 
 
 @dataclass
@@ -63,7 +63,7 @@ class ResidencyFleet:
         path = self.fleet.local.dir / "clusters" / region / "state" / f"{name}.json"
         return json.loads(path.read_text())
 
-    def chat(self, region: str, key: str, stream: bool = False) -> httpx.Response:
+    def chat(self, region: str, key: str) -> httpx.Response:
         body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         return httpx.post(
             f"{self.fleet.gateways[region]}/v1/chat/completions",
