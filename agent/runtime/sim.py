@@ -4,7 +4,8 @@ process groups, health, draining, adoption) is the process runtime's.
 
 The spec's `engine_args` become the simulated replica's flags: `profile` (a name in
 fleet_base/profiles or a JSON path), `cold_start` (seconds), `error_rate` (0..1, a "bad
-version"), `max_num_seqs`, `seed`. Other engine flags are passed and ignored by the
+version"), `max_num_seqs`, `seed`, `text_diverge_at` (a test device: its text differs from
+that token on). Other engine flags are passed and ignored by the
 server, so one deployment spec serves both runtimes."""
 
 from __future__ import annotations

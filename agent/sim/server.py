@@ -10,6 +10,14 @@
 - prompt tokens are estimated from the text (4 characters a token); output length is
   `max_tokens` (default 16): a simulated model never stops early.
 - `--error-rate X` fails that share of requests with a 500 (a "bad version" for canaries).
+- `--text-diverge-at K` (a test device for shadow traffic): output tokens from index K on
+  are other words with other token ids, so a version with the flag answers a greedy request
+  differently from one without it, deterministically, from token K. Without it (any --seed)
+  every replica's text is the same.
+- token ids: token i of the text has id `i % 10` (diverged: `10 + i % 10`). A request with
+  the continuation header gets them on each streamed chunk (and on an unstreamed choice),
+  and a continuation (`fleet_resume_token_ids`) goes on from the tokens it already has, as
+  the engine's (fleet_base/openai_contract/continuation.py).
 - flags of the real engine it does not know (e.g. --threads) are accepted and ignored, so
   a host's `replica.extra_args` serve both runtimes.
 
@@ -48,6 +56,7 @@ from fleet_base.listener import uvicorn_options
 
 # The engine's own buckets, so dashboards read both runtimes alike.
 from fleet_base.metric_buckets import QUEUE_BUCKETS, TTFT_BUCKETS
+from fleet_base.openai_contract.continuation import RESUME_FIELD, TOKEN_IDS_FIELD, TOKEN_IDS_HEADER
 from fleet_base.openai_contract.responses import ResponsesRequest
 from fleet_base.profile import PerfProfile, load_profile
 
@@ -57,6 +66,8 @@ FINGERPRINT = "simulated"
 DEFAULT_PROFILE = "llama2-70b-h100-tp4"
 DEFAULT_MAX_TOKENS = 16
 WORDS = ("sim", "ulated", " text", " from", " a", " replica", " without", " a", " model", ".")
+# a diverged token's words (--text-diverge-at): each differs from WORDS' from its first character
+DIVERGED = ("SIM", "ULATED", "_text", "_from", "_a", "_replica", "_without", "_a", "_model", "!")
 MAX_BODY = 4 * 1024 * 1024
 
 
@@ -72,6 +83,7 @@ class _Body(BaseModel):
     messages: list[dict[str, Any]] | None = None
     prompt: str | list[Any] | None = None
     seed: Seed | None = None  # the engine's bound: a simulated replica refuses what a real one does
+    resume: list[int] | None = Field(None, alias=RESUME_FIELD, max_length=1_000_000)
 
 
 def estimate_tokens(body: _Body) -> int:
@@ -87,8 +99,20 @@ def estimate_tokens(body: _Body) -> int:
     return max(1, len(prompt or "") // 4)
 
 
-def placeholder(start: int, end: int) -> str:
-    return "".join(WORDS[i % len(WORDS)] for i in range(start, end))
+def placeholder(start: int, end: int, diverge_at: int | None = None) -> str:
+    """Text of output tokens [start, end); from `diverge_at` on, the diverged words."""
+    return "".join(
+        (DIVERGED if diverge_at is not None and i >= diverge_at else WORDS)[i % len(WORDS)]
+        for i in range(start, end)
+    )
+
+
+def token_ids(start: int, end: int, diverge_at: int | None = None) -> list[int]:
+    """Ids of output tokens [start, end), as `placeholder` renders them."""
+    return [
+        (len(WORDS) if diverge_at is not None and i >= diverge_at else 0) + i % len(WORDS)
+        for i in range(start, end)
+    ]
 
 
 @dataclass
@@ -98,6 +122,7 @@ class SimState:
     cold_start_s: float
     error_rate: float
     seed: int = 0
+    diverge_at: int | None = None  # --text-diverge-at
     started: float = field(default_factory=time.monotonic)
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
@@ -272,7 +297,8 @@ def _record_done(state: SimState, req: Any) -> None:
 
 
 async def _generate(request: Request, state: SimState, *, chat: bool) -> Response:
-    return await _generate_parsed(await request.body(), state, chat=chat)
+    want_ids = request.headers.get(TOKEN_IDS_HEADER, "") in ("1", "true")
+    return await _generate_parsed(await request.body(), state, chat=chat, want_ids=want_ids)
 
 
 async def _responses(request: Request, state: SimState) -> Response:
@@ -305,7 +331,7 @@ async def _responses(request: Request, state: SimState) -> Response:
     })  # fmt: skip
 
 
-async def _generate_parsed(raw: bytes, state: SimState, *, chat: bool) -> Response:
+async def _generate_parsed(raw: bytes, state: SimState, *, chat: bool, want_ids: bool = False) -> Response:
     if state.draining:
         return _error(503, "The server is shutting down")
     if not state.ready:
@@ -313,16 +339,18 @@ async def _generate_parsed(raw: bytes, state: SimState, *, chat: bool) -> Respon
     body = _parse(raw, state, chat=chat)
     if isinstance(body, Response):
         return body
-    return await _run(body, state, chat=chat)
+    return await _run(body, state, chat=chat, want_ids=want_ids)
 
 
-async def _run(body: _Body, state: SimState, *, chat: bool) -> Response:
+async def _run(body: _Body, state: SimState, *, chat: bool, want_ids: bool = False) -> Response:
     if state.error_rate > 0 and state.rng.random() < state.error_rate:
         state.requests_failed += 1
         return _error(500, "simulated failure (error_rate)")
 
     out_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
-    req = state.new_request(estimate_tokens(body), out_tokens)
+    # a continuation: its resumed tokens are output already (prefilled, not generated again)
+    skip = min(len(body.resume or ()), out_tokens - 1)
+    req = state.new_request(estimate_tokens(body) + skip, out_tokens - skip)
     state.model.submit(req, state.now())
     state.in_flight += 1
     state.changed.set()
@@ -334,10 +362,11 @@ async def _run(body: _Body, state: SimState, *, chat: bool) -> Response:
         "system_fingerprint": FINGERPRINT,
     }
     usage = {
-        "prompt_tokens": req.prompt_tokens,
-        "completion_tokens": req.output_tokens,
-        "total_tokens": req.prompt_tokens + req.output_tokens,
+        "prompt_tokens": req.prompt_tokens - skip,
+        "completion_tokens": out_tokens,
+        "total_tokens": req.prompt_tokens - skip + out_tokens,
     }
+    diverge = state.diverge_at
 
     def done() -> None:
         _record_done(state, req)
@@ -346,7 +375,7 @@ async def _run(body: _Body, state: SimState, *, chat: bool) -> Response:
         async with state.progress:
             await state.progress.wait_for(lambda: req.finished_at is not None)
         done()
-        text = placeholder(0, req.output_tokens)
+        text = placeholder(skip, out_tokens, diverge)
         if chat:
             choice: dict[str, Any] = {
                 "index": 0,
@@ -358,12 +387,15 @@ async def _run(body: _Body, state: SimState, *, chat: bool) -> Response:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
             obj = "text_completion"
+        if want_ids:
+            choice[TOKEN_IDS_FIELD] = token_ids(skip, out_tokens, diverge)
         return JSONResponse({**head, "object": obj, "choices": [choice], "usage": usage})
 
     include_usage = bool((body.stream_options or {}).get("include_usage"))
     obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(delta: str, finish: str | None, first: bool) -> str:
+    def chunk(start: int, end: int, finish: str | None, first: bool) -> str:
+        delta = placeholder(skip + start, skip + end, diverge)
         if chat:
             d: dict[str, Any] = {"content": delta}
             if first:
@@ -371,6 +403,8 @@ async def _run(body: _Body, state: SimState, *, chat: bool) -> Response:
             c: dict[str, Any] = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
         else:
             c = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
+        if want_ids:
+            c[TOKEN_IDS_FIELD] = token_ids(skip + start, skip + end, diverge)
         payload: dict[str, Any] = {**head, "object": obj, "choices": [c]}
         if include_usage:
             payload["usage"] = None
@@ -384,7 +418,7 @@ async def _run(body: _Body, state: SimState, *, chat: bool) -> Response:
                     await state.progress.wait_for(lambda n=sent: state.model.tokens_out(req) > n)
                 now_out = state.model.tokens_out(req)
                 finish = "length" if now_out >= req.output_tokens else None
-                yield chunk(placeholder(sent, now_out), finish, sent == 0)
+                yield chunk(sent, now_out, finish, sent == 0)
                 sent = now_out
             if include_usage:
                 yield f"data: {json.dumps({**head, 'object': obj, 'choices': [], 'usage': usage})}\n\n"
@@ -419,6 +453,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=None, help="override the profile's batch limit")
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--text-diverge-at",
+        type=int,
+        default=None,
+        help="a test device: output tokens from this index on are other words and ids",
+    )
     # As the engine: the replica token and HTTPS certificate from the environment.
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV, "").strip() or None)
     p.add_argument("--ssl-certfile", default=os.environ.get(CERT_ENV))
@@ -454,7 +494,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 async def _serve(args: argparse.Namespace, profile: PerfProfile, cold: float, error_rate: float) -> None:
-    state = SimState(profile, args.served_model_name, cold, error_rate, seed=args.seed)
+    diverge = None if args.text_diverge_at is None else max(0, args.text_diverge_at)
+    state = SimState(profile, args.served_model_name, cold, error_rate, seed=args.seed, diverge_at=diverge)
     server = uvicorn.Server(
         uvicorn.Config(
             require_bearer(build_app(state), args.api_key),

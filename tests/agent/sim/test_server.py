@@ -4,6 +4,7 @@ runtime `sim` starting, probing and stopping one."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import pytest
 
 from agent.replica_metrics import parse_metrics
 from agent.runtime import make_runtime
+from agent.sim.server import placeholder, token_ids
 from fleet_base.cluster_config import ClusterConfig
 from fleet_base.ports import free_port
 from fleet_base.protocol import ReplicaSpec, ReplicaState
@@ -147,6 +149,50 @@ def test_error_rate_fails_requests() -> None:
         wait_status(url, 200)
         r = httpx.post(f"{url}/v1/completions", json={"model": "sim-d", "prompt": "x"})
         assert r.status_code == 500 and "simulated" in r.json()["error"]["message"]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_diverged_text_differs_from_its_token_on() -> None:
+    """A version with --text-diverge-at K answers as one without it up to token K, then
+    differently in text (from the token's first character) and in ids."""
+    same, other = placeholder(0, 6), placeholder(0, 6, diverge_at=2)
+    assert other.startswith(placeholder(0, 2)) and other != same
+    assert other[len(placeholder(0, 2))] != same[len(placeholder(0, 2))]
+    assert token_ids(0, 6)[:2] == token_ids(0, 6, 2)[:2]
+    assert [a == b for a, b in zip(token_ids(0, 6), token_ids(0, 6, 2), strict=True)].index(False) == 2
+    assert placeholder(0, 6, diverge_at=10) == same  # past the output: the same text
+
+
+def stream_chat(url: str, body: dict) -> tuple[str, list[int], dict]:
+    """A streamed chat's text, the ids on its chunks (asked with the header) and its usage."""
+    from fleet_base.openai_contract.continuation import TOKEN_IDS_FIELD, TOKEN_IDS_HEADER
+
+    text, ids, usage = "", [], {}
+    body = {"model": "sim-d", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "stream_options": {"include_usage": True}, **body}  # fmt: skip
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers={TOKEN_IDS_HEADER: "1"}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            usage = event.get("usage") or usage
+            for choice in event["choices"]:
+                text += choice["delta"].get("content", "")
+                ids += choice[TOKEN_IDS_FIELD]
+    return text, ids, usage
+
+
+def test_diverged_replica_streams_its_ids_and_continues_a_stream() -> None:
+    proc, url = start("--cold-start", "0", "--text-diverge-at", "2")
+    try:
+        wait_status(url, 200)
+        text, ids, usage = stream_chat(url, {"max_tokens": 6})
+        assert (text, ids, usage["completion_tokens"]) == (placeholder(0, 6, 2), token_ids(0, 6, 2), 6)
+        # a continuation after 3 tokens streams only the rest, and counts the whole request
+        text, ids, usage = stream_chat(url, {"max_tokens": 6, "fleet_resume_token_ids": token_ids(0, 3, 2)})
+        assert (text, ids, usage["completion_tokens"]) == (placeholder(3, 6, 2), token_ids(3, 6, 2), 6)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
