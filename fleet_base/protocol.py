@@ -185,6 +185,14 @@ class ClusterRoute(BaseModel):
     jurisdiction: str = ""
 
 
+class ShadowTarget(BaseModel):
+    """A version that receives copies of a share of a deployment's requests (a rollout's
+    shadow phase): users never see its answers, and it gets weight 0 in `versions`."""
+
+    version: int = Field(ge=0, le=2**31 - 1)
+    share: float = Field(gt=0, le=1, allow_inf_nan=False)
+
+
 class RoutingTable(Message):
     deployment: str
     versions: list[VersionWeight] = Field(default_factory=list)
@@ -199,6 +207,9 @@ class RoutingTable(Message):
     # The deployment's residency policy: the jurisdictions its requests may be processed in
     # (None: no policy). Gateways intersect it with the key's (fleet_base.residency.allowed).
     residency: list[str] | None = None
+    # While set, gateways copy `share` of the deployment's requests to replicas of
+    # `version` (a rollout's shadow phase) and report the copies as shadow usage.
+    shadow: ShadowTarget | None = None
 
 
 # --------------------------------------------------------------------- heartbeats
@@ -357,6 +368,18 @@ class UsageRecord(Message):
     # Where the request was processed: the serving cluster's region and jurisdiction.
     region: str = Field("", max_length=64)
     jurisdiction: str = Field("", max_length=64)
+    # A shadow copy (RoutingTable.shadow): stored and shown as shadow usage, never charged to
+    # the key, never counted against its quotas or budget, nor as autoscaling demand.
+    shadow: bool = False
+    # On a copy: the original request's `record_id`, so the two can be compared.
+    shadow_of: str | None = Field(None, max_length=64)
+    # Mean inter-token latency of a stream (originals and copies).
+    itl_s: FiniteFloat | None = None
+    # On a copy of a greedy request (temperature 0 / top_k 1): whether its output tokens
+    # equal the original's, and the index of the first that differs; None when the request
+    # is not greedy or the two are not comparable.
+    greedy_match: bool | None = None
+    first_diff_token: int | None = Field(None, ge=0, le=MAX_USAGE_TOKENS)
 
 
 class Demand(Message):

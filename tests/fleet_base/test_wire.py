@@ -1,5 +1,7 @@
 """One decode per wire message kind: the same checks wherever a kind is read."""
 
+import json
+
 import pytest
 
 from fleet_base import protocol
@@ -37,3 +39,42 @@ def test_accepted_messages_come_back_typed() -> None:
     # a bucket entry has no subject to check
     state = protocol.DesiredState(cluster="east", generation=3).to_bytes()
     assert decode(protocol.DesiredState, "east", state, subject_for=None).generation == 3
+
+
+def test_shadow_fields_default_off_and_round_trip() -> None:
+    """Older writers omit the shadow fields (no shadow, an ordinary record); newer ones carry them."""
+    assert protocol.RoutingTable(deployment="web").shadow is None
+    plain = usage()
+    assert (plain.shadow, plain.shadow_of, plain.itl_s, plain.greedy_match, plain.first_diff_token) == (
+        False,
+        None,
+        None,
+        None,
+        None,
+    )
+    table = protocol.RoutingTable(deployment="web", shadow=protocol.ShadowTarget(version=2, share=0.1))
+    assert protocol.RoutingTable.from_bytes(table.to_bytes()).shadow == protocol.ShadowTarget(
+        version=2, share=0.1
+    )
+    copy = usage(shadow=True, shadow_of="abc", itl_s=0.02, greedy_match=False, first_diff_token=7)
+    back = decode_usage(protocol.usage_subject("east"), copy.to_bytes())
+    assert (back.shadow, back.shadow_of, back.itl_s, back.greedy_match, back.first_diff_token) == (
+        True,
+        "abc",
+        0.02,
+        False,
+        7,
+    )
+
+
+@pytest.mark.parametrize("share", [0.0, -0.1, 1.5, float("nan")])
+def test_shadow_share_must_be_a_fraction(share) -> None:
+    with pytest.raises(ValueError):
+        protocol.ShadowTarget(version=2, share=share)
+
+
+def test_shadow_usage_is_bounded() -> None:
+    with pytest.raises(Rejected) as err:
+        data = usage(shadow=True).model_dump(mode="json") | {"shadow_of": "x" * 65}
+        decode_usage(protocol.usage_subject("east"), json.dumps(data).encode())
+    assert err.value.reason == "malformed"
