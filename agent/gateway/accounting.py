@@ -78,6 +78,8 @@ class Accounting:
         self.count(deployment, status, call.started)
         if p.ttft_s is not None:
             self.metrics.ttft.labels(deployment).observe(p.ttft_s)
+        if ex.shadow is not None:  # its copy compares outputs once the original is done
+            ex.shadow.original_finished(status)
         if p.peer is not None:
             return
         prompt = _int(p.usage.get("prompt_tokens"))
@@ -95,7 +97,9 @@ class Accounting:
                 completion_tokens=completion,
                 status=status,
                 ttft_s=p.ttft_s,
+                itl_s=p.itl_s,
                 adapter=call.adapter,
+                record_id=p.record_id,
             )
         )
 

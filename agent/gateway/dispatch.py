@@ -27,6 +27,7 @@ from agent.gateway.proxy import AttemptFailed, Opened
 from agent.gateway.queue import ReplicaQueue
 from agent.gateway.residency import ResidencyGate
 from agent.gateway.router import Router
+from agent.gateway.shadow import ShadowMirror
 from agent.gateway.stream import StreamSession
 from agent.gateway.tenancy import body_for
 from agent.gateway.upstream import Upstreams
@@ -43,6 +44,7 @@ class Dispatcher:
     demand: DemandSignal
     migration_metrics: MigrationMetrics
     residency: ResidencyGate
+    shadow: ShadowMirror | None = None
 
     async def serve(self, ex: Exchange) -> Response:
         """Walk the plan's stages; a stage entered only after a failure (failover) is
@@ -147,6 +149,8 @@ class Dispatcher:
                 failure = err
                 continue
             ex.took(target, opened.status)
+            if self.shadow is not None:  # routed and answering: a copy may go to the shadow version
+                self.shadow.mirror(ex, target, data)
             if data is not None:
                 self.upstreams.release(call, target)
                 return self._whole(ex, opened, data)

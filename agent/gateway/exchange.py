@@ -4,14 +4,18 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent.gateway.inputs import RequestInfo
 from agent.gateway.limits import QuotaGate
 from agent.gateway.plan import Attempt
 from agent.gateway.quota import Reservation
+
+if TYPE_CHECKING:
+    from agent.gateway.shadow import ShadowCopy
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,8 @@ class Progress:
     admitted: bool = False  # holds a slot of the queue's concurrency target
     queue_s: float = 0.0
     finished: bool = False
+    itl_s: float | None = None  # a stream's mean inter-token latency
+    record_id: str = field(default_factory=lambda: secrets.token_hex(12))  # its usage record's
 
 
 class Settlement:
@@ -97,6 +103,7 @@ class Exchange:
     call: Call
     settlement: Settlement
     progress: Progress = field(default_factory=Progress)
+    shadow: ShadowCopy | None = None  # its copy to the shadow version, while one runs
 
     def abandoned(self, target: Attempt) -> int:
         """`target` was given up after the request was sent: what the key pays for it here

@@ -44,6 +44,8 @@ from agent.gateway.proxy import make_client
 from agent.gateway.queue import ReplicaQueue
 from agent.gateway.residency import ResidencyGate
 from agent.gateway.router import Router
+from agent.gateway.shadow import ShadowMirror
+from agent.gateway.shadow_policy import serves_users
 from agent.gateway.state import ClusterView
 from agent.gateway.tokens import DesiredIndex, TokenCounters
 from agent.gateway.upstream import REQUEST_ID_HEADER, Upstreams
@@ -148,6 +150,19 @@ class Gateway:
             self.migration_metrics,
             self.residency,
         )
+        self.shadow = ShadowMirror(
+            view=self.view,
+            tracker=self.tracker,
+            adapters=self.adapters,
+            accounting=self.accounting,
+            settings=gwc,
+            registry=self.metrics.registry,
+            slots=self._per_replica,
+            jurisdiction=self.desired.jurisdiction,
+            replica_headers=lambda: self.peers.replica_headers,
+            tokenizer=self.tokens.tokenizer,
+        )
+        self.dispatch.shadow = self.shadow
         self._watch: asyncio.Task[None] | None = None
         self._status: asyncio.Task[None] | None = None
         self._seen_reloads: dict[str, int] = {}
@@ -155,7 +170,7 @@ class Gateway:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        client = self.upstreams.client = make_client(verify=self.peers.client_verify)
+        client = self.upstreams.client = self.shadow.client = make_client(verify=self.peers.client_verify)
         self.adapters.api = ReplicaAdapters(client, self.peers.replica_headers)
         self._watch = asyncio.create_task(self.view.watch(), name="state-watch")
         self._status = asyncio.create_task(
@@ -171,6 +186,7 @@ class Gateway:
             self._status.cancel()
         if self._demand is not None:
             self._demand.cancel()
+        await self.shadow.close()
         await self.usage.close()
         if self.upstreams.client is not None:
             await self.upstreams.client.aclose()
@@ -192,6 +208,7 @@ class Gateway:
                 peers = [c.cluster for c in route.clusters if c.cluster != self.cluster] if route else []
                 self.metrics.know(deployment, peers)
                 self.migration_metrics.know(deployment)
+                self.shadow.metrics.know(deployment)
                 self.adapters.know(deployment)
 
     def _route_clusters(self) -> set[str]:
@@ -203,14 +220,21 @@ class Gateway:
                 out.update(c.cluster for c in route.clusters)
         return out
 
-    def _concurrency_target(self, deployment: str) -> int:
-        """Requests this gateway lets run at once on the deployment's ready replicas."""
+    def _per_replica(self, deployment: str) -> int:
+        """Requests this gateway lets run at once on one ready replica of the deployment."""
         gwc = self.config.gateway
         per = gwc.concurrency_targets.get(deployment)
         if per is None:
             seqs = self.desired.engine_arg(deployment, "max_num_seqs")
             per = seqs if isinstance(seqs, int) and seqs > 0 else gwc.concurrency_target
-        return per * len(self.view.ready(deployment))
+        return per
+
+    def _concurrency_target(self, deployment: str) -> int:
+        """Requests this gateway lets run at once on the deployment's ready replicas that
+        serve users (a shadow version's take only copies)."""
+        route = self.view.route(deployment)
+        serving = [r for r in self.view.ready(deployment) if serves_users(route, r.version)]
+        return self._per_replica(deployment) * len(serving)
 
     def _load_snapshot(self) -> dict[str, tuple[str, int, int]]:
         deployments = {r.replica_id: r.deployment for r in self.view.replicas}

@@ -17,6 +17,7 @@ from agent.gateway.plan import Attempt, ClusterFacts, PeerFacts, Plan, ReplicaFa
 from agent.gateway.prefix import PrefixRouting
 from agent.gateway.queue import ReplicaQueue
 from agent.gateway.routing import peer_order
+from agent.gateway.shadow_policy import serves_users
 from agent.gateway.state import ClusterView
 from fleet_base.cluster_config import ClusterConfig
 
@@ -76,7 +77,7 @@ class Router:
 
     def cluster_facts(self, deployment: str) -> ClusterFacts:
         route = self.view.route(deployment)
-        ready = self.view.ready(deployment)
+        ready = [r for r in self.view.ready(deployment) if serves_users(route, r.version)]  # not the shadow
         self.adapters.observe(ready)
         replicas = tuple(
             ReplicaFacts(

@@ -8,6 +8,7 @@ drops the usage chunk it asked the replica for when the client did not ask for i
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +91,8 @@ class StreamObserver:
     # choice deltas that carried text: the tokens the client got (the engine streams one
     # per step per sequence), charged when a stream ends without its usage chunk
     tokens_seen: int = 0
+    # receives the first choice's text as it streams (a shadow copy's comparison holds it)
+    on_text: Callable[[str], None] | None = None
 
     def observe(self, event: bytes) -> bytes | None:
         parsed = SseEvent.parse(event)
@@ -111,6 +114,11 @@ class StreamObserver:
         choices = payload.get("choices")
         if isinstance(choices, list):
             carried = sum(1 for c in choices if _has_text(c))
+            if self.on_text is not None:
+                for c in choices:
+                    text = choice_text(c)
+                    if text:
+                        self.on_text(text)
             self.tokens_seen += carried
             if not self.first_token and (carried or any(_has_token(c) for c in choices)):
                 self.first_token = True
@@ -136,6 +144,15 @@ class StreamObserver:
 
 _RESPONSE_ENDS = ("response.completed", "response.incomplete", "response.failed")
 _RESPONSE_TOKENS = ("response.output_text.delta", "response.function_call_arguments.delta")
+
+
+def choice_text(choice: Any) -> str:
+    """The text a streamed chunk's choice carries, for choice 0 only ("" otherwise)."""
+    if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+        return ""
+    delta = choice.get("delta")
+    text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+    return text if isinstance(text, str) else ""
 
 
 def _has_text(choice: Any) -> bool:

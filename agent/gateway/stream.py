@@ -17,6 +17,7 @@ from agent.gateway.accounting import CLIENT_CLOSED, Accounting
 from agent.gateway.contract import accounting_usage
 from agent.gateway.errors import sse_error_event
 from agent.gateway.exchange import Exchange
+from agent.gateway.itl import TokenClock
 from agent.gateway.migration import (
     Leg,
     MigrationMetrics,
@@ -67,6 +68,10 @@ class StreamSession:
         self.limit = migration_limit if migrates else 0
         self.first_ok = 200 <= opened.status < 300
         self.observer = StreamObserver(strip_usage=not target.is_peer and not call.info.client_wants_usage)
+        if ex.shadow is not None and ex.shadow.greedy:  # held (bounded) for the copy's comparison
+            self.observer.on_text = ex.shadow.original.add_text
+        self.clock = TokenClock()
+        self._tokens_seen = 0
         self.ledger = StreamLedger.of(call.info, call.forwarded_from is not None and call.client.keep_ids)
         self.state = RelayState(Leg(opened, target.name, target.is_peer), opened.status)
         self.targets = {target.name: target}
@@ -159,12 +164,20 @@ class StreamSession:
         elif not self.state.leg.is_peer and self.first_ok:
             # cut short (the client left, the upstream broke): charge what was streamed
             p.usage = {"prompt_tokens": info.prompt_tokens, "completion_tokens": self.observer.tokens_seen}
+        completion = p.usage.get("completion_tokens")
+        p.itl_s = self.clock.itl(completion if isinstance(completion, int) else self.observer.tokens_seen)
+        if self.ex.shadow is not None and self.ex.shadow.greedy and self.ledger.token_ids:
+            self.ex.shadow.original.add_ids(self.ledger.token_ids)
         self.accounting.finish(self.ex, status)
 
     def on_event(self) -> None:
         p = self.ex.progress
+        now = time.monotonic()
         if self.observer.first_token and p.ttft_s is None:
-            p.ttft_s = time.monotonic() - self.ex.call.started
+            p.ttft_s = now - self.ex.call.started
+        if self.observer.tokens_seen > self._tokens_seen:
+            self._tokens_seen = self.observer.tokens_seen
+            self.clock.tick(now)
 
     def log_failure(self, name: str, err: Exception) -> None:
         log.warning("request %s: stream from %s broke: %s", self.ex.call.request_id, name, err)
