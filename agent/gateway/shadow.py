@@ -242,6 +242,8 @@ class ShadowMirror:
         errored = result.failed or result.status >= 500
         if errored:
             self.tracker.mark_failed(replica.replica_id)
+            if result.status < 500:
+                result.status = 502
         comparison = Comparison()
         if copy.greedy and not errored and 200 <= result.status < 300:
             comparison = await self._compare(copy, result.output)
