@@ -69,7 +69,7 @@ def test_users_never_reach_an_unweighted_shadow_version(shadow, versions, versio
     assert serves_users(None, version)
 
 
-def R(rid: str, version: int = 2, in_flight: int = 0, **kw) -> ReplicaFacts:  # noqa: N802
+def R(rid: str, version: int = 2, in_flight: int = 0, **kw) -> ReplicaFacts:
     return ReplicaFacts(rid, f"http://{rid}", version, in_flight=in_flight, **kw)
 
 
