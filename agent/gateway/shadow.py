@@ -92,6 +92,7 @@ class ShadowCopy:
 class CopyResult:
     status: int = 502
     failed: bool = True
+    broke: bool = False  # unreachable, or the connection broke: not sent copies for a while
     usage: dict[str, Any] = field(default_factory=dict)
     ttft_s: float | None = None
     itl_s: float | None = None
@@ -240,10 +241,10 @@ class ShadowMirror:
         finally:
             self.tracker.finish(replica.replica_id, work(call, _attempt(replica)))
         errored = result.failed or result.status >= 500
-        if errored:
+        if result.broke:  # a version's own 5xx is what its copies measure: it keeps getting them
             self.tracker.mark_failed(replica.replica_id)
-            if result.status < 500:
-                result.status = 502
+        if errored and result.status < 500:
+            result.status = 502
         comparison = Comparison()
         if copy.greedy and not errored and 200 <= result.status < 300:
             comparison = await self._compare(copy, result.output)
@@ -308,6 +309,7 @@ class ShadowMirror:
             )
         except AttemptFailed as err:
             result.status = err.status or 502
+            result.broke = err.status is None
             return result
         result.status = opened.status
         try:
@@ -322,7 +324,7 @@ class ShadowMirror:
                         result.output.add_text(answer_text(data))
         except (AttemptFailed, httpx.HTTPError) as err:
             log.info("request %s: the shadow copy broke: %s", call.request_id, err)
-            result.failed = True
+            result.failed = result.broke = True
         finally:
             await opened.close()
         return result

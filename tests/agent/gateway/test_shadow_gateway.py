@@ -51,11 +51,15 @@ class Replicas:
         self.sent: dict[str, list[dict]] = {}
         self.text = {"r1": "abcdefgh", "s2": "abcdXfgh"}
         self.hold: asyncio.Event | None = None
+        self.status: dict[str, int] = {}
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         host = request.url.host
         self.sent.setdefault(host, []).append(json.loads(request.content))
         gate = self.hold if host == "s2" else None
+        if host == "s2" and host in self.status:
+            error = json.dumps({"error": {"message": "bad version"}}).encode()
+            return httpx.Response(self.status[host], content=_once(error))
         return httpx.Response(200, headers={"content-type": "application/json"},
                               content=_once(_answer(self.text.get(host, "x")), gate))  # fmt: skip
 
@@ -143,3 +147,15 @@ async def test_the_share_is_drawn_per_request(tmp_path: Path) -> None:
         assert (await s.post()).status_code == 200
     await eventually(lambda: s.count("completed") == s.count("sent"), 5, "the copies to end")
     assert 8 <= s.count("sent") <= 32 and len(s.replicas.sent["r1"]) == 40
+
+
+async def test_a_failing_version_keeps_getting_copies_and_its_errors_are_counted(tmp_path: Path) -> None:
+    s = Shadowed(tmp_path)
+    s.replicas.status["s2"] = 500
+    for _ in range(3):
+        r = await s.post()
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "abcdefgh"
+    await eventually(lambda: s.count("error") == 3, 5, "three failed copies")
+    assert s.count("sent") == 3 and s.count("dropped_busy") == 0  # a 5xx is measured, not avoided
+    copies = [r for r in s.records if r.shadow]
+    assert [c.status for c in copies] == [500] * 3 and all(c.greedy_match is None for c in copies)
