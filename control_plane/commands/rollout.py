@@ -40,16 +40,30 @@ NUMBER_COLUMNS = [
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 
 
-def parse_duration(text: str) -> float:
+def parse_duration(text: str, flag: str = "--step-duration") -> float:
     """'90', '90s', '2m', '1.5h', '500ms' -> seconds."""
     match = _DURATION.match(text)
     if not match:
-        fail(f"--step-duration {text!r}: expected a duration like 30s, 2m or 1h")
+        fail(f"{flag} {text!r}: expected a duration like 30s, 2m or 1h")
     value, unit = float(match.group(1)), match.group(2) or "s"
     seconds = value * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[unit]
     if seconds <= 0:
-        fail("--step-duration must be positive")
+        fail(f"{flag} must be positive")
     return seconds
+
+
+_SHARE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(%?)\s*$")
+
+
+def parse_share(text: str) -> float:
+    """'10%' or '0.1' -> 0.1: the share of requests a shadow phase copies, in (0, 1]."""
+    match = _SHARE.match(text)
+    if not match:
+        fail(f"--shadow {text!r}: expected a share like 10% or 0.1")
+    value = float(match.group(1)) / (100 if match.group(2) else 1)
+    if not 0 < value <= 1:
+        fail(f"--shadow {text!r}: the share must be above 0 and at most 100% (1.0)")
+    return value
 
 
 def parse_steps(text: str) -> list[float]:
@@ -74,6 +88,51 @@ def _show(data: dict, output: OutputFormat) -> None:
         emit(last, output, [c for c in NUMBER_COLUMNS if c in last], title="last window")
     else:
         console.print("no telemetry yet")
+    if data.get("shadow"):
+        _show_shadow(data["shadow"], output)
+
+
+def _show_shadow(shadow: dict, output: OutputFormat) -> None:
+    """The shadow phase and its comparison: one row per measure, originals against copies."""
+    phase = shadow.get("phase") or "-"
+    title = f"shadow phase: {phase}, {shadow['share']:.0%} of requests for {shadow['duration_s']:g}s"
+    if shadow.get("reason"):
+        title += f" ({shadow['reason']})"
+    errors = shadow.get("errors") or {}
+    greedy = shadow.get("greedy") or {}
+    rows = [
+        {
+            "measure": "requests / copies / dropped",
+            "original": shadow.get("requests"),
+            "copy": shadow.get("copies"),
+            "note": f"{shadow.get('dropped', 0)} dropped, {shadow.get('compared', 0)} compared",
+        },
+        {
+            "measure": "errors",
+            "original": errors.get("original"),
+            "copy": errors.get("copy"),
+            "note": "same requests",
+        },
+    ]
+    for key, label in (
+        ("ttft_p50_s", "TTFT p50 (s)"),
+        ("ttft_p90_s", "TTFT p90 (s)"),
+        ("itl_p50_s", "ITL p50 (s)"),
+        ("itl_p90_s", "ITL p90 (s)"),
+    ):
+        pair = shadow.get(key) or {}
+        rows.append(
+            {"measure": label, "original": pair.get("original"), "copy": pair.get("copy"), "note": ""}
+        )
+    agreement = greedy.get("agreement")
+    rows.append({
+        "measure": "greedy identical",
+        "original": greedy.get("compared"),
+        "copy": greedy.get("identical"),
+        "note": ("-" if agreement is None else f"agreement {agreement:.1%}")
+        + ("" if greedy.get("first_diff_token_p50") is None else f", first diff token p50 {greedy['first_diff_token_p50']:g}"),
+    })  # fmt: skip
+    emit(rows, output, ["measure", "original", "copy", "note"], title=title)
 
 
 def start(
@@ -98,6 +157,29 @@ def start(
     ready_timeout: str = typer.Option(
         "10m", "--ready-timeout", help="roll back if canary replicas take longer"
     ),
+    shadow: str = typer.Option(
+        None,
+        "--shadow",
+        help="a shadow phase first: copy this share of requests (10% or 0.1) to the new version",
+    ),
+    shadow_duration: str = typer.Option(
+        None, "--shadow-duration", help="how long the shadow phase runs (10m)"
+    ),
+    shadow_min_requests: int = typer.Option(
+        20, "--shadow-min-requests", help="copies compared before judging"
+    ),
+    shadow_max_error_increase: float = typer.Option(
+        0.02, "--shadow-max-error-increase", help="stop above this copy-minus-original 5xx share"
+    ),
+    shadow_max_ttft_p90_ratio: float = typer.Option(
+        1.5, "--shadow-max-ttft-p90-ratio", help="stop above this copy/original TTFT p90"
+    ),
+    shadow_max_itl_p90_ratio: float = typer.Option(
+        1.5, "--shadow-max-itl-p90-ratio", help="stop above this copy/original ITL p90"
+    ),
+    shadow_min_agreement: float = typer.Option(
+        0.9, "--shadow-min-agreement", help="stop below this share of identical greedy outputs"
+    ),
     output: OutputFormat = OUTPUT_OPTION,
 ) -> None:
     """Start a canary rollout of NAME to --version V or to a new version (-f FILE, --model, -e)."""
@@ -109,6 +191,19 @@ def start(
         "min_requests": min_requests,
         "ready_timeout_s": parse_duration(ready_timeout),
     }
+    if shadow is not None:
+        body |= {
+            "shadow_share": parse_share(shadow),
+            "shadow_min_requests": shadow_min_requests,
+            "shadow_max_error_rate_increase": shadow_max_error_increase,
+            "shadow_max_ttft_p90_ratio": shadow_max_ttft_p90_ratio,
+            "shadow_max_itl_p90_ratio": shadow_max_itl_p90_ratio,
+            "shadow_min_greedy_agreement": shadow_min_agreement,
+        }
+        if shadow_duration is not None:
+            body["shadow_duration_s"] = parse_duration(shadow_duration, "--shadow-duration")
+    elif shadow_duration is not None:
+        fail("--shadow-duration needs --shadow SHARE (e.g. --shadow 10%)")
     spec: dict[str, Any] = _load_file(file) if file else {}
     spec.pop("name", None)
     if model:

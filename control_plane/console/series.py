@@ -47,7 +47,7 @@ def usage_rows(session: Session, deployment: str, since: float) -> list[Row]:
             UsageRecord.completion_tokens,
             UsageRecord.latency_s,
         )
-        .where(UsageRecord.deployment == deployment, UsageRecord.at >= start)
+        .where(UsageRecord.deployment == deployment, UsageRecord.at >= start, UsageRecord.shadow.is_(False))
         .order_by(UsageRecord.at.desc())
         .limit(MAX_ROWS)
     )

@@ -21,6 +21,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
@@ -264,6 +265,13 @@ class UsageRecord(Base):
     jurisdiction: Mapped[str] = mapped_column(String(64), default="", server_default="")
     # the gateway's id of the record (or the stream sequence): a redelivery is stored once
     record_id: Mapped[str | None] = mapped_column(String(64), nullable=True, unique=True)
+    # a shadow copy (a rollout's shadow phase): shown as shadow usage, never charged to the
+    # key, never counted in its quotas or budget, nor as autoscaling demand
+    shadow: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false(), index=True)
+    shadow_of: Mapped[str | None] = mapped_column(String(64), nullable=True)  # the original's record_id
+    itl_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    greedy_match: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
+    first_diff_token: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class Event(Base):
@@ -319,6 +327,13 @@ class Rollout(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    # The shadow phase (control_plane.rollouts.shadow): share and duration asked for (None:
+    # none), "running" | "passed" | "stopped", why, and the last comparison of copies.
+    shadow_share: Mapped[float | None] = mapped_column(Float, nullable=True)
+    shadow_duration_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    shadow_phase: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    shadow_reason: Mapped[str] = mapped_column(Text, default="", server_default="")
+    shadow_stats: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
     deployment: Mapped[Deployment] = relationship()
 

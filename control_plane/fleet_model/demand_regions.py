@@ -39,7 +39,7 @@ def read_demand_regions(
             UsageRecord.cluster,
             func.sum(UsageRecord.prompt_tokens + UsageRecord.completion_tokens),
         )
-        .where(UsageRecord.at >= since)
+        .where(UsageRecord.at >= since, UsageRecord.shadow.is_(False))  # copies are no user demand
         .group_by(UsageRecord.deployment, UsageRecord.cluster)
     ).all()
     tokens: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))

@@ -34,6 +34,7 @@ from fleet_base.protocol import (
     ReplicaState,
     Resources,
     RoutingTable,
+    ShadowTarget,
     VersionWeight,
 )
 
@@ -330,8 +331,18 @@ def build_routes(snap: FleetSnapshot, assignments: list[AssignmentRow]) -> dict[
             by_region=by_region_for(routes, snap.clusters),
             scale_to_zero=scale_to_zero,
             residency=None if d.residency is None else list(d.residency),
+            shadow=shadow_target(snap, d),
         )
     return out
+
+
+def shadow_target(snap: FleetSnapshot, d: DeploymentRow) -> ShadowTarget | None:
+    """The version gateways copy requests to during a rollout's shadow phase (its user
+    weight is 0 in `version_weights`), or None."""
+    rollout = snap.rollouts.get(d.name)
+    if rollout is None or rollout.shadow_share is None or rollout.canary_version == d.current_version:
+        return None
+    return ShadowTarget(version=rollout.canary_version, share=rollout.shadow_share)
 
 
 def build_keys(snap: FleetSnapshot) -> dict[str, ApiKeyRecord]:

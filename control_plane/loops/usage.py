@@ -83,6 +83,11 @@ def _values(r: protocol.UsageRecord, seq: int | None = None) -> dict:
         "region": r.region,
         "jurisdiction": r.jurisdiction,
         "record_id": r.record_id or (f"js-{seq}" if seq else None),
+        "shadow": r.shadow,
+        "shadow_of": r.shadow_of,
+        "itl_s": r.itl_s,
+        "greedy_match": r.greedy_match,
+        "first_diff_token": r.first_diff_token,
     }
 
 
@@ -133,7 +138,7 @@ def store_usage_batch(
             rejections.refuse("usage", verdict.reason, f"from {record.cluster}: {verdict.detail}")
             return False
         if record.refused_tokens > 0:
-            if on_refused is not None:
+            if on_refused is not None and not record.shadow:  # a copy's refusal is no key's demand
                 on_refused(record)
             return False
         return True
@@ -180,7 +185,11 @@ def update_shares(
                 UsageRecord.cluster,
                 func.sum(UsageRecord.prompt_tokens + UsageRecord.completion_tokens),
             )
-            .where(UsageRecord.at >= since, UsageRecord.key_id.in_([k.key_id for k in keys]))
+            .where(
+                UsageRecord.at >= since,
+                UsageRecord.key_id.in_([k.key_id for k in keys]),
+                UsageRecord.shadow.is_(False),  # copies are never counted against the key
+            )
             .group_by(UsageRecord.key_id, UsageRecord.cluster)
         ).all()
         usage: dict[str, dict[str, float]] = {}

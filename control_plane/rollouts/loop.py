@@ -26,6 +26,7 @@ from control_plane.nats_loop import Handler, NatsLoop
 from control_plane.report_scope import hosting, placed_replicas
 from control_plane.rollouts.capacity_status import capacity_numbers, with_capacity
 from control_plane.rollouts.policy import Decision, Observation, RolloutParams, decide
+from control_plane.rollouts.shadow import Comparison
 from control_plane.rollouts.store import (
     active_filter,
     active_rows,
@@ -184,9 +185,11 @@ class RolloutLoop(NatsLoop):
                                 ),
                             )
                         )
-                decision = with_capacity(self._decide(session, row, name, replicas, now), capacity.get(name))
+                decision, shadow = self._decide(session, row, name, replicas, now)
+                decision = with_capacity(decision, capacity.get(name))
+                stats = shadow.as_json() if shadow is not None else None
                 if decision.changed:
-                    if write_state(session, row, decision.state, decision.numbers):
+                    if write_state(session, row, decision.state, decision.numbers, stats):
                         record(session, name, row, decision)
                         self.decisions += 1
                         changed = True
@@ -195,12 +198,15 @@ class RolloutLoop(NatsLoop):
                         )
                 elif now - self._last_written.get(row.id, 0.0) >= LAST_EVERY_S:
                     numbers = {**decision.numbers, "status": decision.message}
-                    if write_state(session, row, decision.state, numbers):
+                    if write_state(session, row, decision.state, numbers, stats):
                         self._last_written[row.id] = now
             session.commit()
         return changed
 
-    def _decide(self, session, row: Rollout, name: str, replicas: int, now: float) -> Decision:
+    def _decide(
+        self, session, row: Rollout, name: str, replicas: int, now: float
+    ) -> tuple[Decision, Comparison | None]:
+        """The policy's decision, and the shadow comparison while the shadow phase runs."""
         params: RolloutParams = params_of(row)
         state = state_of(row)
         ready = session.scalar(
@@ -215,14 +221,22 @@ class RolloutLoop(NatsLoop):
         window = state.window_started_at or now
         floor = self.started_at if self.replayed_since is None else min(self.started_at, self.replayed_since)
         since = max(window, floor)  # before a restart: only what the stream replayed
+        shadow = None
+        if (
+            state.phase == "shadowing"
+            and params.shadow_share is not None
+            and state.window_started_at is not None
+        ):
+            shadow = self.windows.shadow(name, row.canary_version, since, params.shadow_share)
         obs = Observation(
             now=now,
             replicas=replicas,
             canary_ready=int(ready or 0),
             canary=self.windows.stats(name, row.canary_version, since),
             baseline=self.windows.stats(name, row.baseline_version, since),
+            shadow=shadow or Comparison(),
         )
-        return decide(params, state, obs)
+        return decide(params, state, obs), shadow
 
 
 def _capacity(session) -> dict:

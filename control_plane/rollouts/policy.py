@@ -4,6 +4,12 @@
 the persisted state, the canary's ready replicas and the gateway telemetry of the
 current window, stores the new state and records the decision as an event.
 
+A rollout may begin with a shadow phase (`shadowing`): the canary gets the replicas of its
+first step but no user traffic, gateways copy `shadow_share` of the requests to it, and at
+the end of `shadow_duration_s` the comparison of copies with originals
+(`control_plane.rollouts.shadow`) either lets it go on to `deploying` step 1 or stops it
+(`rolled_back`, the new version never having answered a user).
+
 Phases: `deploying` (the canary gets replicas for step i while traffic stays at step
 i-1's weight) -> `observing` (step i's weight applies; guards are checked against the
 baseline over the same window) -> `deploying` of step i+1 ... -> `promoted`. A breached
@@ -18,9 +24,22 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-Phase = Literal["deploying", "observing", "promoted", "rolled_back", "aborted"]
+from control_plane.rollouts.shadow import Comparison, ShadowGuards, verdict
+
+Phase = Literal["shadowing", "deploying", "observing", "promoted", "rolled_back", "aborted"]
+ShadowPhase = Literal["running", "passed", "stopped"]
 TERMINAL: frozenset[str] = frozenset({"promoted", "rolled_back", "aborted"})
-Action = Literal["wait", "step_started", "advance", "promote", "rollback", "abort"]
+Action = Literal[
+    "wait",
+    "shadow_started",
+    "shadow_passed",
+    "shadow_stopped",
+    "step_started",
+    "advance",
+    "promote",
+    "rollback",
+    "abort",
+]
 
 DEFAULT_STEPS = (5.0, 25.0, 50.0, 100.0)
 MIN_BASELINE_SAMPLES = 10  # baseline requests needed before the TTFT ratio means anything
@@ -44,6 +63,23 @@ class RolloutParams(_Frozen):
     max_ttft_p90_ratio: float = Field(1.3, gt=0, le=1000)
     min_requests: int = Field(50, ge=0, le=10_000_000)
     ready_timeout_s: float = Field(600.0, gt=0, le=86_400)
+    # The shadow phase (None: none) and its guards, judged at its end on copies vs originals.
+    shadow_share: float | None = Field(None, gt=0, le=1)
+    shadow_duration_s: float = Field(600.0, gt=0, le=86_400)
+    shadow_min_requests: int = Field(20, ge=1, le=10_000_000)
+    shadow_max_error_rate_increase: float = Field(0.02, ge=0, le=1)
+    shadow_max_ttft_p90_ratio: float = Field(1.5, gt=0, le=1000)
+    shadow_max_itl_p90_ratio: float = Field(1.5, gt=0, le=1000)
+    shadow_min_greedy_agreement: float = Field(0.9, ge=0, le=1)
+
+    def shadow_guards(self) -> ShadowGuards:
+        return ShadowGuards(
+            min_requests=self.shadow_min_requests,
+            max_error_rate_increase=self.shadow_max_error_rate_increase,
+            max_ttft_p90_ratio=self.shadow_max_ttft_p90_ratio,
+            max_itl_p90_ratio=self.shadow_max_itl_p90_ratio,
+            min_greedy_agreement=self.shadow_min_greedy_agreement,
+        )
 
     @field_validator("steps")
     @classmethod
@@ -67,6 +103,8 @@ class RolloutState(_Frozen):
     phase_started_at: float = 0.0  # deploying: the clock of the readiness timeout
     window_started_at: float | None = None  # start of the telemetry window (None: no canary traffic yet)
     reason: str = ""
+    shadow: ShadowPhase | None = None  # None: the rollout has no shadow phase
+    shadow_reason: str = ""
 
     @property
     def terminal(self) -> bool:
@@ -91,6 +129,7 @@ class Observation(_Frozen):
     canary_ready: int = Field(0, ge=0)
     canary: VersionStats = Field(default_factory=VersionStats)
     baseline: VersionStats = Field(default_factory=VersionStats)
+    shadow: Comparison = Field(default_factory=Comparison)
 
 
 Number = float | int | str | None
@@ -123,7 +162,7 @@ def canary_weight(params: RolloutParams, state: RolloutState) -> float:
     previous step's while step i's replicas start."""
     if state.phase == "promoted":
         return 100.0
-    if state.phase in TERMINAL:
+    if state.phase in TERMINAL or state.phase == "shadowing":
         return 0.0
     if state.phase == "observing":
         return params.steps[state.step]
@@ -138,6 +177,21 @@ def canary_target(params: RolloutParams, state: RolloutState, total: int) -> int
     if state.phase in TERMINAL:
         return 0
     return canary_replicas(total, params.steps[state.step])
+
+
+def initial_state(params: RolloutParams, now: float) -> RolloutState:
+    """A new rollout: its shadow phase first when it has one."""
+    if params.shadow_share is not None:
+        return RolloutState(phase="shadowing", phase_started_at=now, shadow="running")
+    return RolloutState(phase="deploying", phase_started_at=now)
+
+
+def shadow_share(params: RolloutParams, state: RolloutState) -> float | None:
+    """The share of requests gateways copy to the canary now (None: no copies): only while
+    the shadow phase runs and its window is open (the canary's replicas are ready)."""
+    if state.phase != "shadowing" or state.window_started_at is None:
+        return None
+    return params.shadow_share
 
 
 def baseline_target(total: int, canary_wanted: int, canary_ready: int) -> int:
@@ -213,6 +267,8 @@ def decide(params: RolloutParams, state: RolloutState, obs: Observation) -> Deci
     numbers = _numbers(params, state, obs)
     if state.terminal:
         return Decision(state=state, action="wait", message=f"rollout {state.phase}", numbers=numbers)
+    if state.phase == "shadowing":
+        return _shadowing(params, state, obs, numbers)
     if state.window_started_at is not None:
         why = breach(params, obs)
         if why is not None:
@@ -296,12 +352,91 @@ def decide(params: RolloutParams, state: RolloutState, obs: Observation) -> Deci
     )
 
 
-def operator(state: RolloutState, action: Literal["promote", "abort"], now: float, who: str) -> RolloutState:
-    """A rollout ended by hand."""
-    if action == "promote":
-        return state.model_copy(
-            update={"phase": "promoted", "phase_started_at": now, "reason": f"promoted by {who}"}
+def _shadowing(
+    params: RolloutParams, state: RolloutState, obs: Observation, numbers: dict[str, Number]
+) -> Decision:
+    """The shadow phase: wait for the canary's first-step replicas, copy for
+    `shadow_duration_s`, then judge the comparison."""
+    numbers = {**numbers, "shadow_share": params.shadow_share}
+    if state.window_started_at is None:
+        need = canary_replicas(obs.replicas, params.steps[0])
+        if obs.canary_ready >= need:
+            new = state.model_copy(update={"phase_started_at": obs.now, "window_started_at": obs.now})
+            return Decision(
+                state=new,
+                action="shadow_started",
+                message=(
+                    f"shadow phase: {params.shadow_share:.0%} of requests copied to the canary on "
+                    f"{obs.canary_ready} ready replica(s) for {params.shadow_duration_s:g}s"
+                ),
+                numbers=numbers,
+            )
+        waited = obs.now - state.phase_started_at
+        if waited > params.ready_timeout_s:
+            why = f"canary replicas not ready after {waited:.0f}s ({obs.canary_ready}/{need} ready)"
+            return _stopped(state, obs, why, numbers)
+        return Decision(
+            state=state,
+            action="wait",
+            message=f"shadow phase waits for canary replicas ({obs.canary_ready}/{need} ready)",
+            numbers=numbers,
         )
-    return state.model_copy(
-        update={"phase": "aborted", "phase_started_at": now, "reason": f"aborted by {who}"}
+    elapsed = obs.now - state.window_started_at
+    if elapsed < params.shadow_duration_s:
+        return Decision(
+            state=state,
+            action="wait",
+            message=f"shadow phase: {elapsed:.0f}s of {params.shadow_duration_s:g}s, {obs.shadow.compared} compared",
+            numbers=numbers,
+        )
+    ok, why = verdict(params.shadow_guards(), obs.shadow)
+    if ok is None:
+        return Decision(
+            state=state, action="wait", message=f"shadow phase waits for traffic: {why}", numbers=numbers
+        )
+    if not ok:
+        return _stopped(state, obs, why, numbers)
+    new = state.model_copy(
+        update={
+            "phase": "deploying",
+            "step": 0,
+            "phase_started_at": obs.now,
+            "window_started_at": None,
+            "shadow": "passed",
+            "shadow_reason": why,
+        }
     )
+    return Decision(
+        state=new,
+        action="shadow_passed",
+        message=f"shadow phase passed ({why}); canary steps begin",
+        numbers=numbers,
+    )
+
+
+def _stopped(state: RolloutState, obs: Observation, why: str, numbers: dict[str, Number]) -> Decision:
+    reason = f"stopped in the shadow phase: {why}"
+    new = state.model_copy(
+        update={
+            "phase": "rolled_back",
+            "phase_started_at": obs.now,
+            "reason": reason,
+            "shadow": "stopped",
+            "shadow_reason": why,
+        }
+    )
+    return Decision(
+        state=new,
+        action="shadow_stopped",
+        message=f"{reason} (the new version never served users)",
+        numbers=numbers,
+    )
+
+
+def operator(state: RolloutState, action: Literal["promote", "abort"], now: float, who: str) -> RolloutState:
+    """A rollout ended by hand (a running shadow phase ends with it, unjudged)."""
+    done = "promoted" if action == "promote" else "aborted"
+    update: dict = {"phase": done, "phase_started_at": now, "reason": f"{done} by {who}"}
+    if state.phase == "shadowing":
+        update |= {"shadow": "stopped", "shadow_reason": f"{done} by {who}"}
+    return state.model_copy(update=update)

@@ -15,6 +15,7 @@ from control_plane.rollouts.policy import (
     RolloutState,
     canary_target,
     canary_weight,
+    shadow_share,
 )
 
 
@@ -27,6 +28,7 @@ class RolloutPlan(BaseModel):
     canary_version: int
     canary_replicas: int
     canary_weight: float
+    shadow_share: float | None = None  # while its shadow phase copies requests to the canary
 
 
 def params_of(row: Rollout) -> RolloutParams:
@@ -40,6 +42,8 @@ def state_of(row: Rollout) -> RolloutState:
         phase_started_at=row.phase_started_at,
         window_started_at=row.window_started_at,
         reason=row.reason,
+        shadow=row.shadow_phase,  # type: ignore[arg-type]
+        shadow_reason=row.shadow_reason or "",
     )
 
 
@@ -77,15 +81,24 @@ def plans(session: Session) -> dict[str, RolloutPlan]:
             canary_version=row.canary_version,
             canary_replicas=canary_target(params, state, replicas),
             canary_weight=canary_weight(params, state),
+            shadow_share=shadow_share(params, state),
         )
     return out
 
 
-def write_state(session: Session, row: Rollout, state: RolloutState, numbers: dict | None = None) -> bool:
-    """Store `state` if nobody wrote the row since it was read (its revision); on
-    promotion the canary becomes the deployment's current version in the same
-    transaction. False: lost the race, nothing written."""
+def write_state(
+    session: Session,
+    row: Rollout,
+    state: RolloutState,
+    numbers: dict | None = None,
+    shadow_stats: dict | None = None,
+) -> bool:
+    """Store `state` (and the shadow comparison, when given) if nobody wrote the row since
+    it was read (its revision); on promotion the canary becomes the deployment's current
+    version in the same transaction. False: lost the race, nothing written."""
     values = {
+        "shadow_phase": state.shadow,
+        "shadow_reason": state.shadow_reason,
         "phase": state.phase,
         "step": state.step,
         "phase_started_at": state.phase_started_at,
@@ -96,6 +109,8 @@ def write_state(session: Session, row: Rollout, state: RolloutState, numbers: di
     }
     if numbers is not None:
         values["last"] = numbers
+    if shadow_stats is not None:
+        values["shadow_stats"] = shadow_stats
     if state.phase in TERMINAL:
         values["finished_at"] = utcnow()
     done = session.execute(
@@ -122,6 +137,9 @@ EVENT_KINDS = {
     "promote": "rollout_promoted",
     "rollback": "rollout_rolled_back",
     "abort": "rollout_aborted",
+    "shadow_started": "rollout_shadow",
+    "shadow_passed": "rollout_shadow",
+    "shadow_stopped": "rollout_rolled_back",
 }
 
 

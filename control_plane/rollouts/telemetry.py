@@ -4,6 +4,9 @@ kept in memory for a bounded time, summarised over a window.
 Records are stamped with the control plane's clock when they arrive (gateway clocks may
 drift), so a window is "what arrived since the step began". No I/O here: the rollout
 loop feeds `add()` from its NATS subscription on `fleet.v1.usage.*`.
+
+Shadow copies (`UsageRecord.shadow`) are kept apart: they never count as a version's
+requests for the canary guards, only in `shadow()`, paired with their originals.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from control_plane.rollouts.policy import VersionStats
+from control_plane.rollouts.shadow import Comparison, Finished, compare
 from fleet_base.protocol import UsageRecord
 
 
@@ -24,6 +28,15 @@ class Sample:
     version: int | None
     error: bool
     ttft_s: float | None
+    record_id: str | None = None
+    itl_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Copy:
+    at: float
+    version: int | None
+    copy: Finished
 
 
 def p90(values: list[float]) -> float | None:
@@ -49,6 +62,7 @@ class UsageWindows:
         self.max_per_deployment = max_per_deployment
         self.clock = clock
         self._samples: dict[str, collections.deque[Sample]] = {}
+        self._copies: dict[str, collections.deque[Copy]] = {}
         self.received = 0
 
     def add(self, record: UsageRecord, at: float | None = None) -> None:
@@ -56,13 +70,32 @@ class UsageWindows:
         ttft = record.ttft_s if record.ttft_s is not None else (record.latency_s or None)
         if record.status == 499:  # the client left: says nothing about the version
             return
-        sample = Sample(self.clock() if at is None else at, record.version, record.status >= 500, ttft)
+        now = self.clock() if at is None else at
+        if record.shadow:
+            self._add_copy(record, ttft, now)
+            return
+        sample = Sample(now, record.version, record.status >= 500, ttft, record.record_id, record.itl_s)
         queue = self._samples.setdefault(record.deployment, collections.deque(maxlen=self.max_per_deployment))
         queue.append(sample)
         self.received += 1
         self._prune(queue, sample.at)
 
-    def _prune(self, queue: collections.deque[Sample], now: float) -> None:
+    def _add_copy(self, record: UsageRecord, ttft: float | None, now: float) -> None:
+        finished = Finished(
+            record_id=record.record_id,
+            error=record.status >= 500 or record.attempt_failed,
+            ttft_s=ttft,
+            itl_s=record.itl_s,
+            shadow_of=record.shadow_of,
+            greedy_match=record.greedy_match,
+            first_diff_token=record.first_diff_token,
+        )
+        queue = self._copies.setdefault(record.deployment, collections.deque(maxlen=self.max_per_deployment))
+        queue.append(Copy(now, record.version, finished))
+        self.received += 1
+        self._prune(queue, now)
+
+    def _prune(self, queue: collections.deque, now: float) -> None:
         while queue and queue[0].at < now - self.retention_s:
             queue.popleft()
 
@@ -78,3 +111,16 @@ class UsageWindows:
             errors=sum(1 for s in samples if s.error),
             ttft_p90_s=p90([s.ttft_s for s in samples if s.ttft_s is not None]),
         )
+
+    def shadow(self, deployment: str, version: int, since: float, share: float) -> Comparison:
+        """Copies to `version` since `since` against the deployment's originals they name.
+        An original may finish before or after its copy; both must be in the window."""
+        originals = [
+            Finished(s.record_id, s.error, s.ttft_s, s.itl_s)
+            for s in list(self._samples.get(deployment, ()))
+            if s.at >= since
+        ]
+        copies = [
+            c.copy for c in list(self._copies.get(deployment, ())) if c.at >= since and c.version == version
+        ]
+        return compare(originals, copies, share)

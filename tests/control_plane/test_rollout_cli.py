@@ -50,3 +50,26 @@ def test_help_lists_the_subcommands():
     assert result.exit_code == 0
     for word in ("start", "status", "promote", "abort"):
         assert word in result.output
+
+
+@pytest.mark.parametrize(
+    "text, share", [("10%", 0.1), ("0.1", 0.1), ("100%", 1.0), ("1", 1.0), (" 2.5% ", 0.025)]
+)
+def test_shadow_shares(text, share):
+    from control_plane.commands.rollout import parse_share
+
+    assert parse_share(text) == pytest.approx(share)
+
+
+@pytest.mark.parametrize("text", ["0", "0%", "150%", "1.5", "ten", "-1"])
+def test_bad_shadow_shares_exit_with_a_reason(text):
+    from control_plane.commands.rollout import parse_share
+
+    with pytest.raises(typer.Exit):
+        parse_share(text)
+
+
+def test_a_shadow_duration_needs_a_share(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEET_HOME", str(tmp_path))
+    result = CliRunner().invoke(app, ["rollout", "start", "web", "-e", "seed=1", "--shadow-duration", "10m"])
+    assert result.exit_code == 1 and "--shadow" in result.output

@@ -22,11 +22,12 @@ from control_plane.db.models import Deployment, DeploymentVersion, Rollout
 from control_plane.rollouts.policy import (
     DEFAULT_STEPS,
     RolloutParams,
-    RolloutState,
     canary_target,
     canary_weight,
+    initial_state,
     operator,
 )
+from control_plane.rollouts.shadow import Comparison
 from control_plane.rollouts.store import active_for, params_of, state_of, write_state
 
 router = APIRouter(prefix="/v1/deployments", tags=["rollouts"])
@@ -44,6 +45,48 @@ class RolloutCreate(Strict):
     max_ttft_p90_ratio: float = Field(1.3, gt=0, le=1000)
     min_requests: int = Field(50, ge=0, le=10_000_000)
     ready_timeout_s: float = Field(600.0, gt=0, le=86_400)
+    # A shadow phase first (None: none): `shadow_share` of requests copied to the new
+    # version for `shadow_duration_s`, judged on the guards below before any user sees it.
+    shadow_share: float | None = Field(None, gt=0, le=1)
+    shadow_duration_s: float | None = Field(None, gt=0, le=86_400)
+    shadow_min_requests: int = Field(20, ge=1, le=10_000_000)
+    shadow_max_error_rate_increase: float = Field(0.02, ge=0, le=1)
+    shadow_max_ttft_p90_ratio: float = Field(1.5, gt=0, le=1000)
+    shadow_max_itl_p90_ratio: float = Field(1.5, gt=0, le=1000)
+    shadow_min_greedy_agreement: float = Field(0.9, ge=0, le=1)
+
+
+class ShadowOut(BaseModel):
+    """A rollout's shadow phase and the last comparison of copies with originals
+    (`control_plane.rollouts.shadow.Comparison`)."""
+
+    share: float
+    duration_s: float
+    phase: str | None  # running | passed | stopped
+    reason: str
+    requests: int = 0
+    copies: int = 0
+    dropped: int = 0
+    compared: int = 0
+    errors: dict[str, float | None] = Field(default_factory=dict)
+    ttft_p50_s: dict[str, float | None] = Field(default_factory=dict)
+    ttft_p90_s: dict[str, float | None] = Field(default_factory=dict)
+    itl_p50_s: dict[str, float | None] = Field(default_factory=dict)
+    itl_p90_s: dict[str, float | None] = Field(default_factory=dict)
+    greedy: dict[str, float | int | None] = Field(default_factory=dict)
+
+
+def shadow_out(row: Rollout) -> ShadowOut | None:
+    if row.shadow_share is None:
+        return None
+    stats = Comparison.model_validate(row.shadow_stats or {}).as_json()
+    return ShadowOut(
+        share=row.shadow_share,
+        duration_s=row.shadow_duration_s or 0.0,
+        phase=row.shadow_phase,
+        reason=row.shadow_reason or "",
+        **stats,
+    )
 
 
 class RolloutOut(BaseModel):
@@ -63,6 +106,7 @@ class RolloutOut(BaseModel):
     created_at: datetime
     updated_at: datetime
     finished_at: datetime | None
+    shadow: ShadowOut | None = None  # None: no shadow phase
 
 
 def rollout_out(row: Rollout, dep: Deployment) -> RolloutOut:
@@ -84,6 +128,7 @@ def rollout_out(row: Rollout, dep: Deployment) -> RolloutOut:
         created_at=row.created_at,
         updated_at=row.updated_at,
         finished_at=row.finished_at,
+        shadow=shadow_out(row),
     )
 
 
@@ -105,12 +150,32 @@ def _params(body: RolloutCreate) -> RolloutParams:
             max_ttft_p90_ratio=body.max_ttft_p90_ratio,
             min_requests=body.min_requests,
             ready_timeout_s=body.ready_timeout_s,
+            **_shadow_params(body),
         )
     except ValidationError as err:
         first = err.errors()[0]
         raise invalid(
             str(first["loc"][0]) if first["loc"] else "steps", str(first["msg"]).removeprefix("Value error, ")
         ) from None
+
+
+def _shadow_params(body: RolloutCreate) -> dict[str, Any]:
+    if body.shadow_share is None:
+        if body.shadow_duration_s is not None:
+            raise invalid(
+                "shadow_duration_s", "a shadow duration needs shadow_share (the share of requests to copy)"
+            )
+        return {}
+    return {
+        "shadow_share": body.shadow_share,
+        "shadow_duration_s": body.shadow_duration_s
+        or RolloutParams.model_fields["shadow_duration_s"].default,
+        "shadow_min_requests": body.shadow_min_requests,
+        "shadow_max_error_rate_increase": body.shadow_max_error_rate_increase,
+        "shadow_max_ttft_p90_ratio": body.shadow_max_ttft_p90_ratio,
+        "shadow_max_itl_p90_ratio": body.shadow_max_itl_p90_ratio,
+        "shadow_min_greedy_agreement": body.shadow_min_greedy_agreement,
+    }
 
 
 @router.post("/{name}/rollouts", status_code=201, response_model=RolloutOut)
@@ -145,7 +210,7 @@ def start_rollout(name: str, body: RolloutCreate, request: Request, session: Ses
         canary = max(v.version for v in dep.versions) + 1
         dep.versions.append(DeploymentVersion(version=canary, **spec))
     now = time.time()
-    state = RolloutState(phase="deploying", step=0, phase_started_at=now)
+    state = initial_state(params, now)
     row = Rollout(
         deployment_id=dep.id,
         baseline_version=dep.current_version,
@@ -158,6 +223,10 @@ def start_rollout(name: str, body: RolloutCreate, request: Request, session: Ses
         reason="",
         last={},
         revision=0,
+        shadow_share=params.shadow_share,
+        shadow_duration_s=params.shadow_duration_s if params.shadow_share is not None else None,
+        shadow_phase=state.shadow,
+        shadow_reason="",
     )
     session.add(row)
     session.flush()
@@ -168,7 +237,12 @@ def start_rollout(name: str, body: RolloutCreate, request: Request, session: Ses
         "rollout_started",
         f"{name} v{dep.current_version}->v{canary}: steps {', '.join(f'{s:g}%' for s in params.steps)}, "
         f"{params.step_duration_s:g}s each, max_error_rate={params.max_error_rate:g}, "
-        f"max_ttft_p90_ratio={params.max_ttft_p90_ratio:g}, min_requests={params.min_requests}",
+        f"max_ttft_p90_ratio={params.max_ttft_p90_ratio:g}, min_requests={params.min_requests}"
+        + (
+            f"; shadow phase first: {params.shadow_share:.0%} of requests for {params.shadow_duration_s:g}s"
+            if params.shadow_share is not None
+            else ""
+        ),
         deployment=name,
     )
     session.commit()

@@ -7,6 +7,9 @@ that cost is split between keys in proportion to the tokens each used on it.
 
 Each row also says where its requests were processed: requests per region and per
 jurisdiction, as the gateways reported them ("" for records that did not say).
+
+Shadow copies (a rollout's shadow phase) are no key's usage: they are left out of every
+row and cost, and listed apart under `shadow`, per deployment and version.
 """
 
 from __future__ import annotations
@@ -44,12 +47,24 @@ class UsageRow(BaseModel):
     jurisdictions: dict[str, int] = {}
 
 
+class ShadowUsageRow(BaseModel):
+    """Copies a deployment's shadow version ran (charged to no key)."""
+
+    deployment: str
+    version: int | None
+    requests: int
+    errors: int  # status >= 400
+    prompt_tokens: int
+    completion_tokens: int
+
+
 class UsageReport(BaseModel):
     since: datetime
     until: datetime
     items: list[UsageRow]
     total_tokens: int
     estimated_cost: float
+    shadow: list[ShadowUsageRow] = []
 
 
 def parse_since(text: str, now: datetime) -> datetime:
@@ -142,15 +157,16 @@ def get_usage(
         .group_by(UsageRecord.key_id, UsageRecord.deployment)
         .order_by(func.sum(total).desc(), UsageRecord.key_id, UsageRecord.deployment)
     )
-    filters = [UsageRecord.at >= start]
+    scope = [UsageRecord.at >= start]
     if key:
-        filters.append(UsageRecord.key_id == key)
+        scope.append(UsageRecord.key_id == key)
     if deployment:
-        filters.append(UsageRecord.deployment == deployment)
+        scope.append(UsageRecord.deployment == deployment)
     if region is not None:
-        filters.append(UsageRecord.region == region)
+        scope.append(UsageRecord.region == region)
     if jurisdiction is not None:
-        filters.append(UsageRecord.jurisdiction == jurisdiction)
+        scope.append(UsageRecord.jurisdiction == jurisdiction)
+    filters = [*scope, UsageRecord.shadow.is_(False)]
     rows = session.execute(query.where(*filters)).all()
     where = _where_processed(session, filters)
     # each deployment's cost over the period, split by every key's tokens on it
@@ -160,7 +176,11 @@ def get_usage(
     dep_tokens = dict(
         session.execute(
             select(UsageRecord.deployment, func.sum(total))
-            .where(UsageRecord.at >= start, UsageRecord.deployment.in_(sorted(names)))
+            .where(
+                UsageRecord.at >= start,
+                UsageRecord.deployment.in_(sorted(names)),
+                UsageRecord.shadow.is_(False),
+            )
             .group_by(UsageRecord.deployment)
         ).all()
     )
@@ -187,4 +207,32 @@ def get_usage(
         items=items,
         total_tokens=sum(i.total_tokens for i in items),
         estimated_cost=round(sum(i.estimated_cost for i in items), 6),
+        shadow=_shadow_usage(session, scope),
     )
+
+
+def _shadow_usage(session, filters: list) -> list[ShadowUsageRow]:
+    rows = session.execute(
+        select(
+            UsageRecord.deployment,
+            UsageRecord.version,
+            func.count(),
+            func.sum(case((UsageRecord.status >= 400, 1), else_=0)),
+            func.sum(UsageRecord.prompt_tokens),
+            func.sum(UsageRecord.completion_tokens),
+        )
+        .where(UsageRecord.shadow.is_(True), *filters)
+        .group_by(UsageRecord.deployment, UsageRecord.version)
+        .order_by(UsageRecord.deployment, UsageRecord.version)
+    ).all()
+    return [
+        ShadowUsageRow(
+            deployment=dep,
+            version=version,
+            requests=int(n),
+            errors=int(errors or 0),
+            prompt_tokens=int(prompt or 0),
+            completion_tokens=int(completion or 0),
+        )
+        for dep, version, n, errors, prompt, completion in rows
+    ]

@@ -1,0 +1,88 @@
+"""A rollout with a shadow phase over the real API and fleetctl (one SQLite server, no
+loops): the fields validated with a clear 4xx, the `shadow` object of the rollout's JSON,
+`fleetctl rollout start --shadow 10% --shadow-duration 10m` and `status` showing it."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+
+from tests.control_plane.cp_server import ControlPlaneServer
+from tests.fleetctl import fleetctl
+
+
+@pytest.fixture(scope="module")
+def server(sqlite_server: ControlPlaneServer) -> ControlPlaneServer:
+    return sqlite_server
+
+
+@pytest.fixture(scope="module")
+def admin(server):
+    with server.client() as client:
+        yield client
+
+
+def _deploy(admin) -> str:
+    name = f"sh-{uuid.uuid4().hex[:8]}"
+    r = admin.post("/v1/deployments", json={"name": name, "model": "tiny-a", "replicas": 10})
+    assert r.status_code == 201, r.text
+    return name
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"shadow_share": 0}, "shadow_share"),
+        ({"shadow_share": 1.5}, "shadow_share"),
+        ({"shadow_share": "lots"}, "shadow_share"),
+        ({"shadow_share": 0.1, "shadow_duration_s": -5}, "shadow_duration_s"),
+        ({"shadow_duration_s": 60}, "shadow_duration_s"),  # a duration without a share
+        ({"shadow_share": 0.1, "shadow_min_greedy_agreement": 2}, "shadow_min_greedy_agreement"),
+    ],
+)
+def test_bad_shadow_fields_are_a_4xx_naming_the_field(admin, body, field):
+    name = _deploy(admin)
+    r = admin.post(f"/v1/deployments/{name}/rollouts", json={"spec": {"model": "tiny-b"}, **body})
+    assert r.status_code in (400, 422), r.text
+    assert field in r.text
+
+
+def test_a_shadow_rollout_starts_shadowing_with_no_user_weight(admin):
+    name = _deploy(admin)
+    r = admin.post(
+        f"/v1/deployments/{name}/rollouts",
+        json={"spec": {"model": "tiny-b"}, "steps": [10, 100], "shadow_share": 0.25, "shadow_duration_s": 90},
+    )
+    assert r.status_code == 201, r.text
+    ro = r.json()
+    assert (ro["phase"], ro["canary_weight"], ro["canary_replicas"]) == ("shadowing", 0, 1)
+    shadow = ro["shadow"]
+    assert (shadow["share"], shadow["duration_s"], shadow["phase"], shadow["reason"]) == (
+        0.25,
+        90,
+        "running",
+        "",
+    )
+    assert shadow["errors"] == {"original": None, "copy": None}
+    assert set(shadow["greedy"]) == {"compared", "identical", "agreement", "first_diff_token_p50"}
+    aborted = admin.post(f"/v1/deployments/{name}/rollouts/current/abort").json()
+    assert aborted["shadow"]["phase"] == "stopped" and "aborted by" in aborted["shadow"]["reason"]
+    plain = admin.post(f"/v1/deployments/{name}/rollouts", json={"version": 2}).json()
+    assert plain["shadow"] is None and plain["phase"] == "deploying"
+
+
+def test_fleetctl_starts_a_shadow_phase_and_status_shows_it(server, admin):
+    name = _deploy(admin)
+    home = server.home
+    env = {"COLUMNS": "200"}
+    out = fleetctl(
+        home, "rollout", "start", name, "-e", "seed=2", "--shadow", "10%", "--shadow-duration", "10m", env=env
+    )
+    assert "shadow phase: running, 10% of requests for 600s" in out.stdout
+    got = json.loads(fleetctl(home, "rollout", "status", name, "-o", "json").stdout)
+    assert (got["phase"], got["shadow"]["share"], got["shadow"]["duration_s"]) == ("shadowing", 0.1, 600)
+    table = fleetctl(home, "rollout", "status", name, env=env).stdout
+    for word in ("TTFT p90 (s)", "ITL p50 (s)", "greedy identical", "original", "copy"):
+        assert word in table
