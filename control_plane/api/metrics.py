@@ -169,6 +169,48 @@ def _database_metrics(session: Session) -> Iterator[Metric]:
     for phase in sorted(set(get_args(Phase)) | set(phases)):
         g.add_metric([phase], phases[phase])
     yield g
+    yield from _shadow_metrics(session)
+
+
+def _shadow_metrics(session: Session) -> Iterator[Metric]:
+    """The last shadow comparison of each deployment's latest rollout with a shadow phase."""
+    agreement = _gauge(
+        "shadow_agreement",
+        "Share of greedy shadow copies whose output equals the original's (latest shadow phase).",
+        ["deployment"],
+    )
+    compared = _gauge("shadow_compared_requests", "Shadow copies paired with their original.", ["deployment"])
+    copies = _gauge("shadow_copies", "Shadow copies that finished in the phase's window.", ["deployment"])
+    dropped = _gauge("shadow_dropped", "Copies the share asked for that never came.", ["deployment"])
+    errors = _gauge("shadow_errors", "Errors on the compared requests, by side.", ["deployment", "side"])
+    latency = _gauge(
+        "shadow_latency_seconds", "p50/p90 TTFT and ITL of the compared requests, by side.",
+        ["deployment", "measure", "quantile", "side"],
+    )  # fmt: skip
+    running = _gauge("shadow_running", "1 while the deployment's shadow phase runs.", ["deployment"])
+    rows = session.execute(
+        select(Deployment.name, Rollout.shadow_phase, Rollout.shadow_stats)
+        .join(Deployment, Deployment.id == Rollout.deployment_id)
+        .where(Rollout.shadow_share.is_not(None))
+        .order_by(Rollout.id)
+    ).all()
+    latest = {name: (phase, stats or {}) for name, phase, stats in rows}  # the last one wins
+    for name, (phase, stats) in sorted(latest.items()):
+        running.add_metric([name], 1 if phase == "running" else 0)
+        greedy = stats.get("greedy") or {}
+        if greedy.get("agreement") is not None:
+            agreement.add_metric([name], float(greedy["agreement"]))
+        compared.add_metric([name], int(stats.get("compared") or 0))
+        copies.add_metric([name], int(stats.get("copies") or 0))
+        dropped.add_metric([name], int(stats.get("dropped") or 0))
+        for side in ("original", "copy"):
+            errors.add_metric([name, side], float((stats.get("errors") or {}).get(side) or 0))
+            for measure in ("ttft", "itl"):
+                for q in ("p50", "p90"):
+                    value = (stats.get(f"{measure}_{q}_s") or {}).get(side)
+                    if value is not None:
+                        latency.add_metric([name, measure, q, side], float(value))
+    yield from (agreement, compared, copies, dropped, errors, latency, running)
 
 
 def _state_write_metrics(session: Session) -> Iterator[Metric]:
