@@ -86,3 +86,26 @@ def test_fleetctl_starts_a_shadow_phase_and_status_shows_it(server, admin):
     table = fleetctl(home, "rollout", "status", name, env=env).stdout
     for word in ("TTFT p90 (s)", "ITL p50 (s)", "greedy identical", "original", "copy"):
         assert word in table
+
+
+def test_the_console_rollout_page_shows_the_comparison():
+    """The template the console's rollout page renders, given a rollout in its shadow phase."""
+    from control_plane.console.web import templates
+
+    shadow = {
+        "share": 0.1, "duration_s": 600, "phase": "stopped", "reason": "shadow greedy agreement 1/4 = 0.250 below 0.9",
+        "requests": 40, "copies": 4, "dropped": 0, "compared": 4, "errors": {"original": 0, "copy": 1},
+        "ttft_p50_s": {"original": 0.1, "copy": 0.2}, "ttft_p90_s": {"original": 0.3, "copy": 0.4},
+        "itl_p50_s": {"original": None, "copy": None}, "itl_p90_s": {"original": None, "copy": None},
+        "greedy": {"compared": 4, "identical": 1, "agreement": 0.25, "first_diff_token_p50": 7},
+    }  # fmt: skip
+    current = {
+        "baseline_version": 1, "canary_version": 2, "phase": "rolled_back", "step": 1, "steps": [10, 100],
+        "canary_weight": 0, "canary_replicas": 0, "reason": "stopped in the shadow phase", "last": {}, "active": False,
+        "params": {"shadow_min_requests": 20}, "shadow": shadow,
+    }  # fmt: skip
+    html = templates.env.get_template("_rollout.html").render(
+        r={"current": current, "timeline": [], "history": []}, name="web", session={}, csrf=""
+    )
+    assert "Shadow phase" in html and "agreement 25.0%" in html and "first differing token p50 7" in html
+    assert "below 0.9" in html and "<td>0.4</td>" in html
