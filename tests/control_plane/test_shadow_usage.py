@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from datetime import datetime, timezone
 
+from control_plane.api.metrics import _shadow_metrics
 from control_plane.api.routers.usage import get_usage
 from control_plane.console.series import usage_rows
 from control_plane.db import models as m
@@ -16,6 +17,7 @@ from control_plane.fleet_model.plan import build_routes
 from control_plane.fleet_model.shares import ShareSettings
 from control_plane.fleet_model.snapshot import read_snapshot
 from control_plane.loops.usage import store_records, update_shares
+from control_plane.rollouts.shadow import Finished, compare
 from fleet_base.protocol import ShadowTarget, UsageRecord, VersionWeight
 
 
@@ -112,3 +114,21 @@ def test_copies_are_shadow_usage_never_the_keys(sessions):
     assert [(r.deployment, r.version, r.requests, r.completion_tokens) for r in report.shadow] == [
         ("chat", 2, 1, 5000)
     ]
+
+
+def test_metrics_carry_the_latest_shadow_comparison(sessions):
+    _fleet(sessions, window_started_at=time.time())
+    stats = compare(
+        [Finished("o1", False, 0.1, 0.01), Finished("o2", False, 0.1, 0.01)],
+        [Finished("c1", False, 0.2, 0.02, "o1", True), Finished("c2", True, 0.3, 0.02, "o2", False, 5)],
+        share=1.0,
+    ).as_json()
+    with sessions() as s:
+        s.query(m.Rollout).update({"shadow_stats": stats})
+        s.commit()
+        families = {f.name: f for f in _shadow_metrics(s)}
+    samples = {(f, tuple(x.labels.values())): x.value for f, fam in families.items() for x in fam.samples}
+    assert samples[("fleet_control_plane_shadow_agreement", ("chat",))] == 0.5
+    assert samples[("fleet_control_plane_shadow_errors", ("chat", "copy"))] == 1
+    assert samples[("fleet_control_plane_shadow_latency_seconds", ("chat", "ttft", "p90", "copy"))] == 0.3
+    assert samples[("fleet_control_plane_shadow_running", ("chat",))] == 1
