@@ -50,7 +50,10 @@ def observe(
     current: int,
     stale_s: float = 10.0,
     demand_ttl_s: float = 3.0,
+    shadow_versions: frozenset[int] = frozenset(),
 ) -> Observation:
+    """The deployment's load now. Replicas of `shadow_versions` (a rollout's shadow phase)
+    run copies, not user requests: their load is no demand and they serve no user."""
     running = waiting = 0.0
     ready = starting = 0
     prompt = output = started = kv = ttft_weighted = 0.0
@@ -58,7 +61,7 @@ def observe(
         if now - hb.sent_at > stale_s:
             continue
         for r in hb.replicas:
-            if r.deployment != deployment:
+            if r.deployment != deployment or r.version in shadow_versions:
                 continue
             if r.state == ReplicaState.ready:
                 ready += 1

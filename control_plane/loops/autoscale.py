@@ -36,6 +36,7 @@ from control_plane.db.models import CapacityPool, Deployment, Event
 from control_plane.inbox import Inbox
 from control_plane.nats_loop import NatsLoop
 from control_plane.report_scope import placed_replicas, scope_heartbeat
+from control_plane.rollouts.store import active_for
 from fleet_base import protocol
 
 log = logging.getLogger(__name__)
@@ -157,7 +158,13 @@ class AutoscaleLoop(NatsLoop):
             self.states.pop(d.name, None)
             return False
         settings = settings_of(version, self.policy_name, within_residency(pools, d.residency))
-        obs = observe(d.name, heartbeats, self.demands, now=now, current=d.replicas)
+        rollout = active_for(session, d.id)
+        shadow = (
+            frozenset({rollout.canary_version})
+            if rollout is not None and rollout.phase == "shadowing"
+            else frozenset()
+        )
+        obs = observe(d.name, heartbeats, self.demands, now=now, current=d.replicas, shadow_versions=shadow)
         state = self.states.setdefault(d.name, ScalerState())
         decision = self.policy.decide(settings, state, obs)
         self.last[d.name] = decision

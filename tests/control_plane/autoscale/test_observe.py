@@ -150,3 +150,16 @@ def test_the_placer_receives_the_autoscalers_gpu_mix() -> None:
     assert demands[0].gpu_models == ("A100",) and demands[0].count == 3
     result = FirstFitDecreasing().place(demands, pools_in, current)
     assert {a.pool for a in result.assignments} == {"a"}
+
+
+def test_shadow_replicas_are_no_demand() -> None:
+    """A shadow phase's replicas run copies: their load and readiness never scale the deployment."""
+    shadow = ReplicaStatus(replica_id="s1", deployment="chat", version=2, state=ReplicaState.ready,
+                           load=ReplicaLoad(running=8, waiting=4, requests_per_s=5.0))  # fmt: skip
+    hbs = [
+        Heartbeat(cluster="a", sent_at=999.0, replicas=[rs("a1", "chat", ReplicaState.ready, 3, 1), shadow])
+    ]
+    counted = observe("chat", hbs, {}, now=1000.0, current=2)
+    assert (counted.in_flight, counted.queued, counted.ready) == (11, 5, 2)
+    left_out = observe("chat", hbs, {}, now=1000.0, current=2, shadow_versions=frozenset({2}))
+    assert (left_out.in_flight, left_out.queued, left_out.ready, left_out.requests_per_s) == (3, 1, 1, 0.0)
