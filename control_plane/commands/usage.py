@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, call, console, emit_json, show
+from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, call, console, emit, emit_json, show
 
 USAGE_COLUMNS = {
     "key": "key_id",
@@ -48,6 +48,13 @@ def usage(
         f"total: {report['total_tokens']} tokens, estimated cost {report['estimated_cost']:.4f}",
         highlight=False,
     )
+    if report.get("shadow"):  # a rollout's shadow copies: charged to no key
+        emit(
+            report["shadow"],
+            output,
+            ["deployment", "version", "requests", "errors", "prompt_tokens", "completion_tokens"],
+            title="shadow usage (copies, charged to no key)",
+        )
 
 
 def register(app: typer.Typer) -> None:
