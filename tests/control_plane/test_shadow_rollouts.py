@@ -9,6 +9,10 @@ import uuid
 
 import pytest
 
+from control_plane.console.web import templates
+from control_plane.db.session import make_sessions
+from control_plane.loops.usage import store_records
+from fleet_base.protocol import UsageRecord
 from tests.control_plane.cp_server import ControlPlaneServer
 from tests.fleetctl import fleetctl
 
@@ -90,8 +94,6 @@ def test_fleetctl_starts_a_shadow_phase_and_status_shows_it(server, admin):
 
 def test_the_console_rollout_page_shows_the_comparison():
     """The template the console's rollout page renders, given a rollout in its shadow phase."""
-    from control_plane.console.web import templates
-
     shadow = {
         "share": 0.1, "duration_s": 600, "phase": "stopped", "reason": "shadow greedy agreement 1/4 = 0.250 below 0.9",
         "requests": 40, "copies": 4, "dropped": 0, "compared": 4, "errors": {"original": 0, "copy": 1},
@@ -109,3 +111,18 @@ def test_the_console_rollout_page_shows_the_comparison():
     )
     assert "Shadow phase" in html and "agreement 25.0%" in html and "first differing token p50 7" in html
     assert "below 0.9" in html and "<td>0.4</td>" in html
+
+
+def test_fleetctl_usage_lists_shadow_copies_apart(server):
+    dep = f"sh-{uuid.uuid4().hex[:8]}"
+    original = UsageRecord(cluster="east", key_id="k-sh", deployment=dep, version=1, prompt_tokens=7)
+    copy = UsageRecord(
+        cluster="east", key_id="k-sh", deployment=dep, version=2, prompt_tokens=7, completion_tokens=99,
+        shadow=True, shadow_of=original.record_id,
+    )  # fmt: skip
+    store_records(make_sessions(server.database_url), [original, copy])
+    report = json.loads(fleetctl(server.home, "usage", "--deployment", dep, "-o", "json").stdout)
+    assert [(i["key_id"], i["total_tokens"]) for i in report["items"]] == [("k-sh", 7)]
+    assert [(r["version"], r["completion_tokens"]) for r in report["shadow"]] == [(2, 99)]
+    table = fleetctl(server.home, "usage", "--deployment", dep, env={"COLUMNS": "200"}).stdout
+    assert "shadow usage (copies, charged to no key)" in table
