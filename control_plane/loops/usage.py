@@ -129,6 +129,24 @@ def store_usage_batch(
     now = time.time()
     with sessions() as session:
         scope = usage_scope(session, datetime.fromtimestamp(now - window.max_age_s, timezone.utc))
+        places = {cid: (region or "", jur or "") for cid, region, jur in session.execute(
+            select(Cluster.id, Cluster.region, Cluster.jurisdiction)).all()}  # fmt: skip
+
+    def values(record: protocol.UsageRecord, seq: int | None = None) -> dict:
+        """Where a served request was processed is the control plane's own record of its
+        sender (a served record's cluster is where its replica ran: `usage_refusal`), not
+        what the sender claims; a differing claim is logged."""
+        out = _values(record, seq)
+        served = record.prompt_tokens or record.completion_tokens or record.version is not None
+        if served and record.cluster in places:
+            known = places[record.cluster]
+            if (record.region, record.jurisdiction) != known:
+                log.warning(
+                    "usage from %s says it was processed in %r/%r; recorded as %r/%r (its registration)",
+                    record.cluster, record.region[:64], record.jurisdiction[:64], *known,
+                )  # fmt: skip
+            out["region"], out["jurisdiction"] = known
+        return out
 
     def keep(record: protocol.UsageRecord) -> bool:
         if record.attempt_failed:
@@ -151,7 +169,7 @@ def store_usage_batch(
         decode=decode_usage,
         table=UsageRecord,
         key="record_id",
-        values=_values,
+        values=values,
         refused=(Exception,),
         keep=keep,
     )

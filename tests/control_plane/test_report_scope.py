@@ -183,6 +183,22 @@ def test_usage_dated_in_the_future_or_beyond_retention_is_refused(sessions) -> N
     assert rejections.refusals[("usage", "expired")] == 1
 
 
+def test_where_a_served_request_ran_is_the_senders_registration_not_its_claim(sessions) -> None:
+    """A cluster cannot make its usage look processed in another jurisdiction."""
+    _fleet(sessions)
+    with sessions() as s:
+        s.get(m.Cluster, "east").jurisdiction = "ca"
+        s.commit()
+    batch = [
+        _usage("east", prompt_tokens=3, version=1, region="r9", jurisdiction="us"),  # a false claim
+        _usage("west", status=429, region="r2", jurisdiction="us"),  # a refusal: nothing ran
+    ]
+    store_usage_batch(sessions, batch, Rejections())
+    with sessions() as s:
+        rows = {(r.cluster, r.region, r.jurisdiction) for r in s.scalars(select(m.UsageRecord))}
+    assert rows == {("east", "r1", "ca"), ("west", "r2", "us")}
+
+
 def test_usage_tokens_per_record_are_bounded() -> None:
     """A record may claim one context window's worth of tokens, not 2^31."""
     record = _usage("east", prompt_tokens=1)
