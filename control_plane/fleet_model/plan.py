@@ -188,6 +188,7 @@ def capacity_plan(snap: FleetSnapshot, d: DeploymentRow) -> CapacityPlan | None:
             free_slots=free,
             max_surge=resolve_surge(d.max_surge, total),
             max_unavailable=resolve_unavailable(d.max_unavailable, total),
+            shadowing=rollout.shadowing,
         )
     )
 

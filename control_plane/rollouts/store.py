@@ -29,6 +29,7 @@ class RolloutPlan(BaseModel):
     canary_replicas: int
     canary_weight: float
     shadow_share: float | None = None  # while its shadow phase copies requests to the canary
+    shadowing: bool = False  # in the shadow phase (copying, or waiting for the canary's replicas)
 
 
 def params_of(row: Rollout) -> RolloutParams:
@@ -82,6 +83,7 @@ def plans(session: Session) -> dict[str, RolloutPlan]:
             canary_replicas=canary_target(params, state, replicas),
             canary_weight=canary_weight(params, state),
             shadow_share=shadow_share(params, state),
+            shadowing=state.phase == "shadowing",
         )
     return out
 

@@ -70,6 +70,9 @@ class CapacityInputs(BaseModel):
     free_slots: int = Field(0, ge=0)  # further replicas of the canary's shape the pools could take
     max_surge: int = Field(ge=0)
     max_unavailable: int = Field(ge=0)
+    # The rollout's shadow phase: the canary serves no user, so it may not cost the baseline
+    # a replica (users' latency must not change); it runs on free capacity or waits.
+    shadowing: bool = False
 
 
 class CapacityPlan(BaseModel):
@@ -90,6 +93,8 @@ def plan_capacity(x: CapacityInputs) -> CapacityPlan:
     ready = min(x.canary_ready, wanted)
     full = total - ready  # the baseline shrinks only as canary replicas become ready
     min_ready = max(0, total - x.max_unavailable)
+    if x.shadowing:
+        return _shadow_capacity(x, wanted, min_ready)
     if ready >= wanted:
         return CapacityPlan(
             baseline=full, canary=wanted, mode="ready", min_ready=min_ready, reason="canary replicas ready"
@@ -118,6 +123,22 @@ def plan_capacity(x: CapacityInputs) -> CapacityPlan:
             f"is used up; waiting"
         )
     return CapacityPlan(baseline=baseline, canary=canary, mode=mode, min_ready=min_ready, reason=reason)
+
+
+def _shadow_capacity(x: CapacityInputs, wanted: int, min_ready: int) -> CapacityPlan:
+    """The whole baseline, and the canary's first-step replicas on free capacity only
+    (beyond `max_surge`: they are temporary and bounded by the first step); short of room,
+    the shadow phase waits (and stops at its ready timeout) rather than drain a baseline
+    replica that users are served by."""
+    canary = min(wanted, x.canary_assigned + x.free_slots)
+    if canary >= wanted:
+        reason = f"shadow phase: {wanted} canary replica(s) on free capacity beside the whole baseline"
+    else:
+        reason = (
+            f"shadow phase: free capacity holds {canary} of the canary's {wanted} replica(s); "
+            "the baseline keeps every replica, so the phase waits for room"
+        )
+    return CapacityPlan(baseline=x.replicas, canary=canary, mode="surge", min_ready=min_ready, reason=reason)
 
 
 def plan_drain(x: CapacityInputs) -> CapacityPlan:

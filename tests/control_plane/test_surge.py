@@ -150,7 +150,7 @@ def test_any_rollout_keeps_the_bound(replicas, spare, surge, unavailable, steps)
 # --------------------------------------------------------------------- through reconcile's inputs
 
 
-def _snapshot(free_nodes: int = 0):
+def _snapshot(free_nodes: int = 0, shadowing: bool = False):
     from control_plane.fleet_model.snapshot import (
         AssignmentRow,
         ClusterRow,
@@ -173,7 +173,12 @@ def _snapshot(free_nodes: int = 0):
         ),
         rollouts={
             "web": RolloutPlan(
-                deployment="web", baseline_version=1, canary_version=2, canary_replicas=1, canary_weight=0.0
+                deployment="web",
+                baseline_version=1,
+                canary_version=2,
+                canary_replicas=1,
+                canary_weight=0.0,
+                shadowing=shadowing,
             )
         },
     )
@@ -203,6 +208,35 @@ def test_free_capacity_surges_without_touching_the_baseline():
     demands, pools, current = placement_inputs(snap)
     result = FirstFitDecreasing().place(demands, pools, current)
     assert not result.removed and [a.version for a in result.added] == [2]
+
+
+@pytest.mark.parametrize(
+    ("inputs", "baseline", "canary"),
+    [
+        # room for the first step's replicas: all of them beside the whole baseline
+        (_x(free_slots=2), 4, 1),
+        # a full pool: the baseline keeps every replica, the canary waits for room
+        (_x(free_slots=0), 4, 0),
+        # ready canary replicas, none free: it keeps what it has, the baseline stays whole
+        (_x(canary_wanted=2, canary_ready=1, canary_assigned=1), 4, 1),
+        # beyond max_surge (0 here): the shadow's replicas are temporary, free capacity bounds them
+        (_x(canary_wanted=2, free_slots=3, max_surge=0), 4, 2),
+    ],
+)
+def test_a_shadow_phase_never_costs_the_baseline_a_replica(inputs, baseline, canary):
+    plan = plan_capacity(inputs.model_copy(update={"shadowing": True}))
+    assert (plan.baseline, plan.canary, plan.mode) == (baseline, canary, "surge")
+    assert "shadow phase" in plan.reason
+
+
+def test_a_shadow_phase_on_a_full_pool_drains_nothing_in_the_placer():
+    from control_plane.fleet_model.plan import placement_inputs
+    from control_plane.placement import FirstFitDecreasing
+
+    snap = _snapshot(shadowing=True)
+    demands, pools, current = placement_inputs(snap)
+    result = FirstFitDecreasing().place(demands, pools, current)
+    assert not result.removed and not result.added  # vs. one replaced outside the phase
 
 
 @pytest.mark.parametrize(
