@@ -297,6 +297,8 @@ class Load(Workers):
     workers: int = 4
     pause_s: float = 0.0
     prompt: str = "hi"
+    max_tokens: int = 2
+    extra: dict[str, Any] = field(default_factory=dict)  # more fields of every body (temperature...)
     results: list[Result] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
@@ -311,8 +313,9 @@ class Load(Workers):
                 body = {
                     "model": self.model,
                     "messages": [{"role": "user", "content": self.prompt}],
-                    "max_tokens": 2,
+                    "max_tokens": self.max_tokens,
                     "user": uuid.uuid4().hex,
+                    **self.extra,
                 }
                 started = time.time()
                 try:

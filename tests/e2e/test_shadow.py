@@ -1,0 +1,249 @@
+"""A rollout's shadow phase end to end: real nats-server, control plane, agent and gateway
+processes with simulated replicas under steady greedy chat load (temperature 0).
+
+1. a 50% shadow to a version whose engine flag does not change its output (`seed`): every
+   compared copy agrees, the shadow passes and the rollout goes on to its canary steps;
+   the key's usage is its own requests only (the copies are shadow records, not charged);
+2. a 50% shadow to a version whose output changes from token 1 (the sim's test device
+   `text_diverge_at`): agreement 0, below the guard, the rollout stops in the shadow phase
+   and no user request ever reached that version (client headers and usage records);
+3. the shadow version's replicas SIGKILLed mid-run: 0 client-visible failures.
+
+Simulated replicas, not SmolLM2: a real engine decodes far too slowly on a shared 2-core box
+for two rollouts under load in a test's budget; the gateway's shadow path is the same.
+The tests share one fleet and run in file order. Figures are printed (pytest -s)."""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import time
+from datetime import datetime, timezone
+
+import httpx
+import psutil
+import pytest
+
+from tests.e2e.sim_fleet import Load, SimFleet, serving_fleet, wait_for
+from tests.fleetctl import fleetctl
+
+REGION = "local-east"
+NAME = "shadowed"
+REPLICAS = 2
+SIM_ARGS = {"cold_start": 0.2, "max_num_seqs": 16}
+GREEDY = {"temperature": 0}
+TOKENS = 6  # output tokens a request asks for: the changed version differs from token 1
+DIVERGE_AT = 1
+VERDICTS = ("passed", "stopped")
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    home = tmp_path_factory.mktemp("shadow-home")
+    with serving_fleet(home, REGION, NAME, REPLICAS, REPLICAS * 4, engine_args=SIM_ARGS) as fleet:
+        yield fleet
+
+
+def rollout(fleet: SimFleet) -> dict:
+    return fleet.api("GET", f"/v1/deployments/{NAME}/rollouts/current").json()
+
+
+def shadow_of(fleet: SimFleet) -> dict:
+    return rollout(fleet).get("shadow") or {}
+
+
+def greedy_load(fleet: SimFleet, key: str | None = None, workers: int = 4) -> Load:
+    return Load(
+        [fleet.gateways[REGION]], key or fleet.key, NAME, workers=workers, max_tokens=TOKENS, extra=GREEDY
+    ).start()
+
+
+def new_key(fleet: SimFleet, name: str) -> tuple[str, str]:
+    """A fresh inference key (its secret, its id): its usage is this test's requests alone."""
+    r = fleet.api("POST", "/v1/keys", json={"name": name, "scopes": ["inference"]})
+    assert r.status_code == 201, r.text
+    return r.json()["key"], r.json()["key_id"]
+
+
+def usage_of(fleet: SimFleet, key_id: str) -> tuple[int, int]:
+    """The key's charged requests and completion tokens (the usage API, last 10 minutes)."""
+    r = fleet.api("GET", "/v1/usage", params={"key": key_id, "since": "10m"})
+    assert r.status_code == 200, r.text
+    rows = [row for row in r.json()["items"] if row["deployment"] == NAME]
+    return sum(row["requests"] for row in rows), sum(row["completion_tokens"] for row in rows)
+
+
+def records(fleet: SimFleet, since: float) -> list[dict]:
+    """The control plane's stored usage records of the deployment since `since` (its database)."""
+    db = next(fleet.home.rglob("fleet.db"))
+    at = datetime.fromtimestamp(since, timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")  # as SQLite stores it
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)) as conn:
+        conn.row_factory = sqlite3.Row
+        rows = conn.execute(
+            "SELECT * FROM usage_records WHERE deployment = ? AND at >= ?", (NAME, at)
+        ).fetchall()
+    return [dict(row) for row in rows]
+
+
+def shadow_metric(fleet: SimFleet, outcome: str) -> float:
+    return fleet.gateway_metric(
+        REGION, "fleet_gateway_shadow_requests_total", deployment=NAME, outcome=outcome
+    )
+
+
+def end_rollout(fleet: SimFleet) -> None:
+    """Abort the rollout if it still runs, and wait for the baseline alone at full size."""
+    if rollout(fleet).get("active"):
+        fleet.api("POST", f"/v1/deployments/{NAME}/rollouts/current/abort")
+    wait_for(lambda: not rollout(fleet)["active"], 30, 0.2, "the rollout to end")
+    current = fleet.deployment(NAME)["current_version"]
+    wait_for(lambda: fleet.ready_by_version(NAME) == {current: REPLICAS}, 60, 0.2, "the baseline alone")
+
+
+def test_identical_shadow_agrees_and_the_rollout_goes_on_to_its_canary_steps(fleet: SimFleet):
+    secret, key_id = new_key(fleet, "shadow-identical")
+    load = greedy_load(fleet, secret)
+    started = time.time()
+    try:
+        load.served(8, what="the load")
+        out = fleetctl(
+            fleet.home, "rollout", "start", NAME, "-e", "seed=7", "-e", "cold_start=0.2", "-e", "max_num_seqs=16",
+            "--shadow", "50%", "--shadow-duration", "3s", "--steps", "50,100", "--step-duration", "1s",
+            "--min-requests", "5", "-o", "json",
+        )  # fmt: skip
+        assert '"canary_version": 2' in out.stdout, out.stdout
+        running = wait_for(
+            lambda: (s := shadow_of(fleet)).get("phase") == "running" and s, 30, 0.1, "the shadow"
+        )
+        passed = wait_for(
+            lambda: (r := rollout(fleet))["shadow"]["phase"] in VERDICTS and r, 40, 0.2, "its verdict"
+        )
+        # past the shadow: the canary steps put users on the new version
+        wait_for(lambda: any(r.version == "2" for r in load.results), 30, 0.1, "a user on the canary")
+    finally:
+        results = load.stop()
+    shadow = passed["shadow"]
+    print(
+        f"\n[identical] shadow {shadow['phase']} ({shadow['reason']}): {shadow['copies']} copies of "
+        f"{shadow['requests']} requests, greedy {shadow['greedy']}, errors {shadow['errors']}; then "
+        f"{passed['phase']} step {passed['step']}; {len(results)} requests, {len(load.failed())} failed"
+    )
+    assert running["share"] == pytest.approx(0.5)
+    assert shadow["phase"] == "passed", shadow
+    assert shadow["copies"] > 0 and shadow["errors"]["copy"] == 0
+    assert shadow["greedy"]["compared"] > 0 and shadow["greedy"]["agreement"] == 1.0
+    assert shadow["greedy"]["identical"] == shadow["greedy"]["compared"]
+    assert load.failed() == [], load.failed()[:3]
+    assert "shadow" in fleetctl(fleet.home, "rollout", "status", NAME).stdout.lower()
+
+    # the key is charged for its own requests only; its copies are visible as shadow records
+    wait_for(lambda: usage_of(fleet, key_id)[0] >= len(results), 20, 0.2, "the key's usage records")
+    time.sleep(1.0)  # a copy's record, were it charged, would arrive with its original's
+    requests, tokens = usage_of(fleet, key_id)
+    assert (requests, tokens) == (len(results), TOKENS * len(results))
+    stored = [r for r in records(fleet, started) if r["key_id"] == key_id]
+    copies = [r for r in stored if r.get("shadow")]
+    assert copies and all(r["version"] == 2 for r in copies)
+    assert len(stored) - len(copies) == len(results)
+    end_rollout(fleet)
+
+
+def test_changed_shadow_stops_the_rollout_before_any_user_reaches_it(fleet: SimFleet):
+    before = shadow_metric(fleet, "completed")
+    load = greedy_load(fleet)
+    started = time.time()
+    try:
+        load.served(8, what="the load")
+        r = fleet.api(
+            "POST",
+            f"/v1/deployments/{NAME}/rollouts",
+            json={
+                "spec": {"engine_args": {**SIM_ARGS, "text_diverge_at": DIVERGE_AT}},
+                "steps": [50, 100],
+                "step_duration_s": 1,
+                "min_requests": 5,
+                "shadow_share": 0.5,
+                "shadow_duration_s": 3,
+            },
+        )
+        assert r.status_code == 201, r.text
+        changed = r.json()["canary_version"]
+        done = wait_for(
+            lambda: (x := rollout(fleet))["shadow"]["phase"] in VERDICTS and not x["active"] and x,
+            40,
+            0.2,
+            "the shadow's verdict",
+        )
+        time.sleep(0.5)  # requests after the verdict: still none on the changed version
+    finally:
+        results = load.stop()
+    shadow = done["shadow"]
+    stored = records(fleet, started)
+    on_changed = [r for r in stored if r["version"] == changed and not r.get("shadow")]
+    print(
+        f"\n[changed] shadow {shadow['phase']}: {shadow['reason']}; greedy {shadow['greedy']}; rollout "
+        f"{done['phase']} ({done['reason']}); {len(results)} user requests, "
+        f"{sum(r.version == str(changed) for r in results)} on v{changed}; "
+        f"{shadow_metric(fleet, 'completed') - before:.0f} copies completed"
+    )
+    assert shadow["phase"] == "stopped", shadow
+    assert "agreement" in shadow["reason"].lower() or "agree" in done["reason"].lower(), (shadow, done)
+    assert shadow["greedy"]["compared"] > 0 and shadow["greedy"]["agreement"] == 0.0
+    assert shadow["greedy"]["first_diff_token_p50"] == DIVERGE_AT
+    assert done["canary_weight"] == 0 and fleet.deployment(NAME)["current_version"] != changed
+    # no user request reached the changed version: not one answer, not one charged record
+    assert [r for r in results if r.version == str(changed)] == []
+    assert on_changed == [], on_changed[:3]
+    copies = [r for r in stored if r.get("shadow")]
+    assert copies and all(r["version"] == changed for r in copies)
+    assert load.failed() == [], load.failed()[:3]
+    end_rollout(fleet)
+
+
+def test_shadow_replicas_killed_mid_run_fail_no_client_request(fleet: SimFleet):
+    load = greedy_load(fleet)
+    try:
+        load.served(8, what="the load")
+        r = fleet.api(
+            "POST",
+            f"/v1/deployments/{NAME}/rollouts",
+            json={
+                "spec": {"engine_args": {**SIM_ARGS, "seed": 9}},
+                "steps": [100],
+                "step_duration_s": 60,
+                "shadow_share": 0.5,
+                "shadow_duration_s": 60,
+            },
+        )
+        assert r.status_code == 201, r.text
+        version = r.json()["canary_version"]
+        wait_for(lambda: shadow_metric(fleet, "completed") >= 5, 30, 0.1, "copies flowing")
+        urls = {p["url"] for p in fleet.deployment(NAME)["placements"] if p["version"] == version}
+        pids = [x.pid for x in fleet.local.replicas(fleet.local.load()) if x.url in urls]
+        assert pids, (urls, fleet.local.replicas(fleet.local.load()))
+        errors_before = shadow_metric(fleet, "error")
+        killed_at = time.time()
+        procs = []
+        for pid in pids:
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(pid)
+                procs += [proc, *proc.children(recursive=True)]
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(procs, timeout=5)
+        load.served(40, since=killed_at, what="requests after the kill")
+    finally:
+        results = load.stop()
+    lost = shadow_metric(fleet, "error") - errors_before
+    after = [r for r in results if r.started >= killed_at]
+    print(
+        f"\n[killed shadow] {len(pids)} replicas of v{version} killed; {len(results)} requests "
+        f"({len(after)} after the kill), {len(load.failed())} failed; copies lost {lost:.0f}"
+    )
+    assert load.failed() == [], load.failed()[:3]
+    assert all(r.version != str(version) for r in results)  # users never on the shadow version
+    end_rollout(fleet)
+    assert httpx.get(f"{fleet.gateways[REGION]}/health", timeout=5).status_code == 200
