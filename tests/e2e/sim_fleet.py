@@ -285,6 +285,11 @@ class Result:
     error: str = ""
 
 
+def broken_stream(body: dict[str, Any], text: str) -> bool:
+    """A 200 stream the client could not use: an in-band error event, or no `[DONE]`."""
+    return bool(body.get("stream")) and ('data: {"error"' in text or "data: [DONE]" not in text)
+
+
 @dataclass
 class Load(Workers):
     """Steady non-streaming chat load: `workers` threads, each a request at a time,
@@ -323,7 +328,7 @@ class Load(Workers):
                     result = Result(
                         gateway, started, time.time(), r.status_code,
                         r.headers.get("x-fleet-cluster", ""), r.headers.get("x-fleet-version", ""),
-                        "" if r.status_code == 200 else r.text[:200],
+                        "" if r.status_code == 200 and not broken_stream(body, r.text) else r.text[:200],
                     )  # fmt: skip
                 except httpx.HTTPError as err:
                     result = Result(gateway, started, time.time(), 0, error=f"{type(err).__name__}: {err}")
@@ -336,7 +341,8 @@ class Load(Workers):
         return self.results
 
     def failed(self) -> list[Result]:
-        return [r for r in self.results if r.status != 200]
+        """Requests that failed: an error status, or a stream with an error event or no end."""
+        return [r for r in self.results if r.status != 200 or r.error]
 
     def served(self, count: int, since: float = 0.0, timeout: float = 30, what: str = "requests") -> None:
         """Wait until `count` requests that began at or after `since` (time.time()) have ended:

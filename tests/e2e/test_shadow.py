@@ -1,5 +1,5 @@
 """A rollout's shadow phase end to end: real nats-server, control plane, agent and gateway
-processes with simulated replicas under steady greedy chat load (temperature 0).
+processes with simulated replicas under steady greedy chat streams (temperature 0).
 
 1. a 50% shadow to a version whose engine flag does not change its output (`seed`): every
    compared copy agrees, the shadow passes and the rollout goes on to its canary steps;
@@ -31,7 +31,7 @@ REGION = "local-east"
 NAME = "shadowed"
 REPLICAS = 2
 SIM_ARGS = {"cold_start": 0.2, "max_num_seqs": 16}
-GREEDY = {"temperature": 0}
+GREEDY = {"temperature": 0, "stream": True}  # streams: both sides carry token ids
 TOKENS = 6  # output tokens a request asks for: the changed version differs from token 1
 DIVERGE_AT = 1
 VERDICTS = ("passed", "stopped")
