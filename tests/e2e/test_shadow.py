@@ -35,6 +35,9 @@ GREEDY = {"temperature": 0, "stream": True}  # streams: both sides carry token i
 TOKENS = 6  # output tokens a request asks for: the changed version differs from token 1
 DIVERGE_AT = 1
 VERDICTS = ("passed", "stopped")
+# The latency guards are judged elsewhere (tests/control_plane/rollouts/test_shadow.py); on a
+# shared 2-core box a copy's TTFT p90 swings with the load, and these tests judge agreement.
+LOOSE_LATENCY = {"shadow_max_ttft_p90_ratio": 20, "shadow_max_itl_p90_ratio": 20}
 
 pytestmark = pytest.mark.slow
 
@@ -67,12 +70,14 @@ def new_key(fleet: SimFleet, name: str) -> tuple[str, str]:
     return r.json()["key"], r.json()["key_id"]
 
 
-def usage_of(fleet: SimFleet, key_id: str) -> tuple[int, int]:
-    """The key's charged requests and completion tokens (the usage API, last 10 minutes)."""
+def usage_of(fleet: SimFleet, key_id: str) -> tuple[int, int, int]:
+    """The key's charged requests and completion tokens, and the shadow copies of its requests
+    shown apart (the usage API, last 10 minutes)."""
     r = fleet.api("GET", "/v1/usage", params={"key": key_id, "since": "10m"})
     assert r.status_code == 200, r.text
     rows = [row for row in r.json()["items"] if row["deployment"] == NAME]
-    return sum(row["requests"] for row in rows), sum(row["completion_tokens"] for row in rows)
+    shadow = sum(row["requests"] for row in r.json().get("shadow", []) if row["deployment"] == NAME)
+    return sum(row["requests"] for row in rows), sum(row["completion_tokens"] for row in rows), shadow
 
 
 def records(fleet: SimFleet, since: float) -> list[dict]:
@@ -110,8 +115,9 @@ def test_identical_shadow_agrees_and_the_rollout_goes_on_to_its_canary_steps(fle
         load.served(8, what="the load")
         out = fleetctl(
             fleet.home, "rollout", "start", NAME, "-e", "seed=7", "-e", "cold_start=0.2", "-e", "max_num_seqs=16",
-            "--shadow", "50%", "--shadow-duration", "3s", "--steps", "50,100", "--step-duration", "1s",
-            "--min-requests", "5", "-o", "json",
+            "--shadow", "50%", "--shadow-duration", "3s", "--shadow-min-requests", "10",
+            "--shadow-max-ttft-p90-ratio", "20", "--shadow-max-itl-p90-ratio", "20",
+            "--steps", "50,100", "--step-duration", "1s", "--min-requests", "5", "-o", "json",
         )  # fmt: skip
         assert '"canary_version": 2' in out.stdout, out.stdout
         running = wait_for(
@@ -141,12 +147,13 @@ def test_identical_shadow_agrees_and_the_rollout_goes_on_to_its_canary_steps(fle
     # the key is charged for its own requests only; its copies are visible as shadow records
     wait_for(lambda: usage_of(fleet, key_id)[0] >= len(results), 20, 0.2, "the key's usage records")
     time.sleep(1.0)  # a copy's record, were it charged, would arrive with its original's
-    requests, tokens = usage_of(fleet, key_id)
+    requests, tokens, shadow_requests = usage_of(fleet, key_id)
     assert (requests, tokens) == (len(results), TOKENS * len(results))
     stored = [r for r in records(fleet, started) if r["key_id"] == key_id]
-    copies = [r for r in stored if r.get("shadow")]
-    assert copies and all(r["version"] == 2 for r in copies)
+    copies = [r for r in stored if r["shadow"]]
+    assert copies and all(r["version"] == 2 and r["shadow_of"] for r in copies)
     assert len(stored) - len(copies) == len(results)
+    assert shadow_requests == len(copies)  # visible, apart from the charged rows
     end_rollout(fleet)
 
 
@@ -166,6 +173,8 @@ def test_changed_shadow_stops_the_rollout_before_any_user_reaches_it(fleet: SimF
                 "min_requests": 5,
                 "shadow_share": 0.5,
                 "shadow_duration_s": 3,
+                "shadow_min_requests": 10,
+                **LOOSE_LATENCY,
             },
         )
         assert r.status_code == 201, r.text
@@ -181,7 +190,7 @@ def test_changed_shadow_stops_the_rollout_before_any_user_reaches_it(fleet: SimF
         results = load.stop()
     shadow = done["shadow"]
     stored = records(fleet, started)
-    on_changed = [r for r in stored if r["version"] == changed and not r.get("shadow")]
+    on_changed = [r for r in stored if r["version"] == changed and not r["shadow"]]
     print(
         f"\n[changed] shadow {shadow['phase']}: {shadow['reason']}; greedy {shadow['greedy']}; rollout "
         f"{done['phase']} ({done['reason']}); {len(results)} user requests, "
@@ -189,14 +198,14 @@ def test_changed_shadow_stops_the_rollout_before_any_user_reaches_it(fleet: SimF
         f"{shadow_metric(fleet, 'completed') - before:.0f} copies completed"
     )
     assert shadow["phase"] == "stopped", shadow
-    assert "agreement" in shadow["reason"].lower() or "agree" in done["reason"].lower(), (shadow, done)
+    assert "agreement" in shadow["reason"], (shadow, done)
     assert shadow["greedy"]["compared"] > 0 and shadow["greedy"]["agreement"] == 0.0
     assert shadow["greedy"]["first_diff_token_p50"] == DIVERGE_AT
     assert done["canary_weight"] == 0 and fleet.deployment(NAME)["current_version"] != changed
     # no user request reached the changed version: not one answer, not one charged record
     assert [r for r in results if r.version == str(changed)] == []
     assert on_changed == [], on_changed[:3]
-    copies = [r for r in stored if r.get("shadow")]
+    copies = [r for r in stored if r["shadow"]]
     assert copies and all(r["version"] == changed for r in copies)
     assert load.failed() == [], load.failed()[:3]
     end_rollout(fleet)
@@ -215,6 +224,7 @@ def test_shadow_replicas_killed_mid_run_fail_no_client_request(fleet: SimFleet):
                 "step_duration_s": 60,
                 "shadow_share": 0.5,
                 "shadow_duration_s": 60,
+                **LOOSE_LATENCY,
             },
         )
         assert r.status_code == 201, r.text
