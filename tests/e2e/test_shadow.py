@@ -24,7 +24,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.e2e.sim_fleet import Load, SimFleet, serving_fleet, wait_for
+from tests.e2e.sim_fleet import Load, Sampler, SimFleet, serving_fleet, wait_for
 from tests.fleetctl import fleetctl
 
 REGION = "local-east"
@@ -47,6 +47,13 @@ def fleet(tmp_path_factory):
     home = tmp_path_factory.mktemp("shadow-home")
     with serving_fleet(home, REGION, NAME, REPLICAS, REPLICAS * 4, engine_args=SIM_ARGS) as fleet:
         yield fleet
+
+
+@pytest.fixture(autouse=True)
+def no_rollout_after(fleet):
+    """Each test leaves the deployment on one version at full size, whatever it asserted."""
+    yield
+    end_rollout(fleet)
 
 
 def rollout(fleet: SimFleet) -> dict:
@@ -98,6 +105,22 @@ def shadow_metric(fleet: SimFleet, outcome: str) -> float:
     )
 
 
+class BaselineWatch(Sampler):
+    """The fewest ready replicas of the baseline seen while the shadow phase ran: copies
+    go to replicas of their own, never taken from the users' version."""
+
+    def __init__(self, fleet: SimFleet, version: int) -> None:
+        self.fleet, self.version = fleet, version
+        self.fewest: int | None = None
+        self.samples = 0
+
+    def sample(self) -> None:
+        if (rollout(self.fleet).get("shadow") or {}).get("phase") == "running":
+            ready = self.fleet.ready_by_version(NAME).get(self.version, 0)
+            self.fewest = ready if self.fewest is None else min(self.fewest, ready)
+            self.samples += 1
+
+
 def end_rollout(fleet: SimFleet) -> None:
     """Abort the rollout if it still runs, and wait for the baseline alone at full size."""
     if rollout(fleet).get("active"):
@@ -111,6 +134,7 @@ def test_identical_shadow_agrees_and_the_rollout_goes_on_to_its_canary_steps(fle
     secret, key_id = new_key(fleet, "shadow-identical")
     load = greedy_load(fleet, secret)
     started = time.time()
+    baseline = BaselineWatch(fleet, fleet.deployment(NAME)["current_version"]).start()
     try:
         load.served(8, what="the load")
         out = fleetctl(
@@ -130,11 +154,13 @@ def test_identical_shadow_agrees_and_the_rollout_goes_on_to_its_canary_steps(fle
         wait_for(lambda: any(r.version == "2" for r in load.results), 30, 0.1, "a user on the canary")
     finally:
         results = load.stop()
+        baseline.stop()
     shadow = passed["shadow"]
     print(
         f"\n[identical] shadow {shadow['phase']} ({shadow['reason']}): {shadow['copies']} copies of "
         f"{shadow['requests']} requests, greedy {shadow['greedy']}, errors {shadow['errors']}; then "
-        f"{passed['phase']} step {passed['step']}; {len(results)} requests, {len(load.failed())} failed"
+        f"{passed['phase']} step {passed['step']}; {len(results)} requests, {len(load.failed())} failed; "
+        f"baseline ready during the shadow: >= {baseline.fewest} of {REPLICAS} ({baseline.samples} samples)"
     )
     assert running["share"] == pytest.approx(0.5)
     assert shadow["phase"] == "passed", shadow
@@ -142,6 +168,7 @@ def test_identical_shadow_agrees_and_the_rollout_goes_on_to_its_canary_steps(fle
     assert shadow["greedy"]["compared"] > 0 and shadow["greedy"]["agreement"] == 1.0
     assert shadow["greedy"]["identical"] == shadow["greedy"]["compared"]
     assert load.failed() == [], load.failed()[:3]
+    assert baseline.samples and baseline.fewest == REPLICAS  # the users' capacity is untouched
     assert "shadow" in fleetctl(fleet.home, "rollout", "status", NAME).stdout.lower()
 
     # the key is charged for its own requests only; its copies are visible as shadow records
@@ -154,7 +181,6 @@ def test_identical_shadow_agrees_and_the_rollout_goes_on_to_its_canary_steps(fle
     assert copies and all(r["version"] == 2 and r["shadow_of"] for r in copies)
     assert len(stored) - len(copies) == len(results)
     assert shadow_requests == len(copies)  # visible, apart from the charged rows
-    end_rollout(fleet)
 
 
 def test_changed_shadow_stops_the_rollout_before_any_user_reaches_it(fleet: SimFleet):
@@ -208,11 +234,11 @@ def test_changed_shadow_stops_the_rollout_before_any_user_reaches_it(fleet: SimF
     copies = [r for r in stored if r["shadow"]]
     assert copies and all(r["version"] == changed for r in copies)
     assert load.failed() == [], load.failed()[:3]
-    end_rollout(fleet)
 
 
 def test_shadow_replicas_killed_mid_run_fail_no_client_request(fleet: SimFleet):
     load = greedy_load(fleet)
+    completed = shadow_metric(fleet, "completed")
     try:
         load.served(8, what="the load")
         r = fleet.api(
@@ -220,7 +246,7 @@ def test_shadow_replicas_killed_mid_run_fail_no_client_request(fleet: SimFleet):
             f"/v1/deployments/{NAME}/rollouts",
             json={
                 "spec": {"engine_args": {**SIM_ARGS, "seed": 9}},
-                "steps": [100],
+                "steps": [50, 100],
                 "step_duration_s": 60,
                 "shadow_share": 0.5,
                 "shadow_duration_s": 60,
@@ -229,11 +255,15 @@ def test_shadow_replicas_killed_mid_run_fail_no_client_request(fleet: SimFleet):
         )
         assert r.status_code == 201, r.text
         version = r.json()["canary_version"]
-        wait_for(lambda: shadow_metric(fleet, "completed") >= 5, 30, 0.1, "copies flowing")
-        urls = {p["url"] for p in fleet.deployment(NAME)["placements"] if p["version"] == version}
-        pids = [x.pid for x in fleet.local.replicas(fleet.local.load()) if x.url in urls]
-        assert pids, (urls, fleet.local.replicas(fleet.local.load()))
-        errors_before = shadow_metric(fleet, "error")
+        wait_for(lambda: shadow_metric(fleet, "completed") >= completed + 5, 30, 0.1, "copies flowing")
+        names = {
+            f"{REGION}/{p['replica_id']}"
+            for p in fleet.deployment(NAME)["placements"]
+            if p["version"] == version
+        }
+        pids = [x.pid for x in fleet.local.replicas(fleet.local.load()) if x.name in names]
+        assert pids, (names, fleet.local.replicas(fleet.local.load()))
+        lost_before = shadow_metric(fleet, "error") + shadow_metric(fleet, "dropped_busy")
         killed_at = time.time()
         procs = []
         for pid in pids:
@@ -247,13 +277,13 @@ def test_shadow_replicas_killed_mid_run_fail_no_client_request(fleet: SimFleet):
         load.served(40, since=killed_at, what="requests after the kill")
     finally:
         results = load.stop()
-    lost = shadow_metric(fleet, "error") - errors_before
+    lost = shadow_metric(fleet, "error") + shadow_metric(fleet, "dropped_busy") - lost_before
     after = [r for r in results if r.started >= killed_at]
     print(
         f"\n[killed shadow] {len(pids)} replicas of v{version} killed; {len(results)} requests "
-        f"({len(after)} after the kill), {len(load.failed())} failed; copies lost {lost:.0f}"
+        f"({len(after)} after the kill), {len(load.failed())} failed; copies failed or dropped {lost:.0f}"
     )
+    assert lost > 0  # the kill hit copies: in flight, or sent to the dead replicas
     assert load.failed() == [], load.failed()[:3]
     assert all(r.version != str(version) for r in results)  # users never on the shadow version
-    end_rollout(fleet)
     assert httpx.get(f"{fleet.gateways[REGION]}/health", timeout=5).status_code == 200
