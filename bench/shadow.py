@@ -96,6 +96,7 @@ class Clients:
     def _one(self, client: httpx.Client, body: dict, headers: dict, phase: str) -> Sample:
         started = time.perf_counter()
         ttft = None
+        done = False
         try:
             with client.stream("POST", f"{self.url}/v1/chat/completions", json=body, headers=headers) as r:
                 if r.status_code != 200:
@@ -105,9 +106,10 @@ class Clients:
                         ttft = time.perf_counter() - started
                     if line.startswith("data: {") and '"error"' in line:
                         return Sample(phase, None, line[:160])
+                    done = done or line.strip() == "data: [DONE]"
         except httpx.HTTPError as err:
             return Sample(phase, None, f"{type(err).__name__}: {err}")
-        return Sample(phase, ttft)
+        return Sample(phase, ttft) if done else Sample(phase, None, "the stream ended without [DONE]")
 
     def run_phase(self, phase: str, seconds: float) -> None:
         self.phase = phase
@@ -206,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
             clients = Clients(fleet.gateways[REGION], fleet.key, args.workers, args.max_tokens)
             clients.phase = "warm-up"
             clients.start()
+            identical = changed = 0
+            same: dict[str, Any] = {}
+            other: dict[str, Any] = {}
             try:
                 time.sleep(3)
                 clients.run_phase("no shadow (before)", args.phase_s)
@@ -228,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                     "the changed version's verdict",
                 )
                 end_rollout(fleet, args.replicas)
+            except (AssertionError, SystemExit, httpx.HTTPError) as err:  # print what was measured
+                console.print(f"[red]stopped early:[/red] {err}")
             finally:
                 clients.stop()
         finally:
@@ -260,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
          "ITL p50 ms orig/copy", "greedy compared", "agreement", "first diff p50", "rollout"],
         rows,
     )  # fmt: skip
-    console.print(f"identical: {same.get('shadow', {}).get('reason')!r}; changed: {other.get('shadow', {}).get('reason')!r}"
+    console.print(f"identical: {(same.get('shadow') or {}).get('reason')!r}; changed: {(other.get('shadow') or {}).get('reason')!r}"
                   f" -> {other.get('phase')} ({other.get('reason')})")  # fmt: skip
     failures = [s.error for s in clients.samples if s.ttft_s is None]
     console.print(f"client-visible failures: {len(failures)} {failures[:3]}")
