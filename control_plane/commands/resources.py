@@ -171,7 +171,7 @@ def deploy(
         None,
         "--model",
         "-m",
-        help="model alias, .gguf file, Hugging Face directory or URI (s3://, hf://org/repo[@rev][/file], oci://, https://...#sha256=)",
+        help="model alias, .gguf file, Hugging Face directory or URI (s3://, hf://org/repo\\[@rev]\\[/file], oci://, https://...#sha256=)",
     ),
     replicas: int = typer.Option(None, "--replicas", "-r", help="a fixed replica count (min = max = N)"),
     min_replicas: int = typer.Option(None, "--min-replicas", help="autoscaling lower bound"),
