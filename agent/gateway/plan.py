@@ -284,24 +284,11 @@ def rank_replicas(
     best_hit = max(s[2] for s in scored if s[0][:3] == scored[0][0][:3])  # among the top's peers
     out = []
     for key, r, hit, cost in scored:
+        load = ""
         if request.adapter is not None:
             reason = ADAPTER_REASONS[key[2]]
             load = "" if key[2] == 0 else request.adapter
-            out.append(
-                Attempt(
-                    "local",
-                    reason,
-                    r.replica_id,
-                    r.url,
-                    r.version,
-                    cached_tokens=hit,
-                    cost=cost,
-                    load_adapter=load,
-                    jurisdiction=here.jurisdiction,
-                )
-            )
-            continue
-        if not model.prefix or best_hit == 0:
+        elif not model.prefix or best_hit == 0:
             reason = "least-load"
         elif hit == best_hit:
             reason = "prefix"
@@ -318,6 +305,7 @@ def rank_replicas(
                 r.version,
                 cached_tokens=hit,
                 cost=cost,
+                load_adapter=load,
                 jurisdiction=here.jurisdiction,
             )
         )

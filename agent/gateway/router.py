@@ -20,6 +20,21 @@ from agent.gateway.routing import peer_order
 from agent.gateway.shadow_policy import serves_users
 from agent.gateway.state import ClusterView
 from fleet_base.cluster_config import ClusterConfig
+from fleet_base.protocol import ReplicaStatus
+
+
+def replica_facts(r: ReplicaStatus, tracker: LoadTracker, adapters: AdapterRouting) -> ReplicaFacts:
+    """A ready replica as the routing policy sees it: its load here and its resident adapters."""
+    return ReplicaFacts(
+        r.replica_id,
+        r.url.rstrip("/"),
+        r.version,
+        tracker.outstanding(r.replica_id),
+        tracker.in_flight(r.replica_id),
+        tracker.recently_failed(r.replica_id),
+        adapters=adapters.resident(r),
+        max_adapters=r.max_adapters,
+    )
 
 
 @dataclass
@@ -79,19 +94,7 @@ class Router:
         route = self.view.route(deployment)
         ready = [r for r in self.view.ready(deployment) if serves_users(route, r.version)]  # not the shadow
         self.adapters.observe(ready)
-        replicas = tuple(
-            ReplicaFacts(
-                r.replica_id,
-                r.url.rstrip("/"),
-                r.version,
-                self.tracker.outstanding(r.replica_id),
-                self.tracker.in_flight(r.replica_id),
-                self.tracker.recently_failed(r.replica_id),
-                adapters=self.adapters.resident(r),
-                max_adapters=r.max_adapters,
-            )
-            for r in ready
-        )
+        replicas = tuple(replica_facts(r, self.tracker, self.adapters) for r in ready)
         return ClusterFacts(
             self.cluster,
             replicas,

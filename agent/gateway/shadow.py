@@ -43,6 +43,7 @@ from agent.gateway.metrics import LATENCY_BUCKETS
 from agent.gateway.migration import StreamLedger
 from agent.gateway.plan import Attempt, ReplicaFacts
 from agent.gateway.proxy import AttemptFailed, Deadlines, open_upstream
+from agent.gateway.router import replica_facts
 from agent.gateway.shadow_policy import (
     OUTCOMES,
     Choice,
@@ -203,16 +204,7 @@ class ShadowMirror:
 
     def choose(self, call: Call, version: int) -> Choice:
         replicas = [
-            ReplicaFacts(
-                r.replica_id,
-                r.url.rstrip("/"),
-                r.version,
-                self.tracker.outstanding(r.replica_id),
-                self.tracker.in_flight(r.replica_id),
-                self.tracker.recently_failed(r.replica_id),
-                adapters=self.adapters.resident(r),
-                max_adapters=r.max_adapters,
-            )
+            replica_facts(r, self.tracker, self.adapters)
             for r in self.view.ready(call.deployment)
             if r.version == version
         ]
