@@ -256,7 +256,7 @@ class MilpPlacer(Placer):
     def _demand_distance(self, d: ReplicaDemand, p: PoolCapacity) -> float:
         if not d.demand_regions:
             return 0.0
-        dist = self._distance or _default_distance()
+        dist = self._distance or default_distance()
         total = sum(max(0.0, w) for w in d.demand_regions.values()) or 1.0
         out = 0.0
         for region, w in d.demand_regions.items():
@@ -372,7 +372,8 @@ def _warm_start(v: MilpVars, greedy: PlacementResult | None) -> np.ndarray:
 _DISTANCE: Distance | None = None
 
 
-def _default_distance() -> Distance:
+def default_distance() -> Distance:
+    """Pool-to-client-region RTT from the shipped latency model, built once."""
     global _DISTANCE
     if _DISTANCE is None:
         lat = default_latency()

@@ -11,17 +11,16 @@ own (nodes bought, `evaluate.plan_cost`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict
 
-from control_plane.geo import default_latency
 from control_plane.placement.base import PlacementResult, PoolCapacity, ReplicaDemand
 from control_plane.placement.evaluate import plan_cost
+from control_plane.placement.milp import Distance, default_distance
 from fleet_base.residency import describe
 
 # RTT in ms from a pool to a client region; None when unknown.
-Distance = Callable[[PoolCapacity, str], float | None]
 
 
 class Side(BaseModel):
@@ -120,7 +119,7 @@ def _rtt(d: ReplicaDemand, placed: Sequence[PoolCapacity], distance: Distance | 
     weights = {r: w for r, w in d.demand_regions.items() if w > 0}
     if not weights or not placed:
         return None
-    dist = distance or _default_distance()
+    dist = distance or default_distance()
     one_per_region = list({p.region: p for p in placed}.values())
     total = 0.0
     for client, w in weights.items():
@@ -206,14 +205,3 @@ def summary(cost: ResidencyCost) -> str:
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:g}"
-
-
-_DISTANCE: Distance | None = None
-
-
-def _default_distance() -> Distance:
-    global _DISTANCE
-    if _DISTANCE is None:
-        lat = default_latency()
-        _DISTANCE = lambda pool, region: lat.rtt_ms(pool.region, region, provider=pool.provider)  # noqa: E731
-    return _DISTANCE
