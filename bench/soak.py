@@ -15,6 +15,12 @@ short look:
     PYTHONPATH=. .venv/bin/python -m bench.soak --duration-s 7200 --heap-profile
     PYTHONPATH=. .venv/bin/python -m bench.soak --duration-s 300 --baseline-s 30 --warmup-s 60
 
+Run it alone on the machine: other work starves the replicas' health probes, the agent
+replaces them, and both the error counts and every replica's growth then measure that (the
+events table at the end says how many replicas were replaced, and why). The control plane
+keeps an hour of request samples for canary guards (`UsageWindows.retention_s`), so its heap
+fills for the first hour of traffic.
+
 `--heap-profile` starts every Python process of the fleet under tracemalloc
 (bench/heap_profile) and prints, for each process that still grows, the allocation sites
 whose live memory grew most between the end of the warm-up and the end of the run.
@@ -27,6 +33,7 @@ refused by the sim replica's request validation as well.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import random
 import signal
@@ -208,6 +215,16 @@ def heap_snapshot(fleet: SimFleet) -> None:
             continue
 
 
+def fleet_events(fleet: SimFleet, most: int = 2000) -> list[dict]:
+    """The control plane's events, newest first: replicas started, failed, restarted and
+    why, so a run whose replicas churned says so (their RSS growth means nothing then)."""
+    try:
+        r = fleet.api("GET", "/v1/events", params={"limit": min(most, 1000)})
+        return list(r.json()["items"]) if r.status_code == 200 else []
+    except (httpx.HTTPError, KeyError, ValueError):
+        return []
+
+
 def windows(samples: list[Sample], width_s: float) -> list[list[object]]:
     rows = []
     end = max((s.t for s in samples), default=0.0)
@@ -292,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             rss.stop()
             after = rss_of_components(fleet)
             healthy = httpx.get(f"{url}/health", timeout=5).status_code == 200
+            events = fleet_events(fleet)
         finally:
             fleet.down()
 
@@ -353,6 +371,14 @@ def main(argv: list[str] | None = None) -> int:
     print_table("hostile inputs: answers", ["input", "statuses"],
                 [[k, ", ".join(f"{st}: {n}" for st, n in sorted(v.items()))] for k, v in sorted(by_input.items())])  # fmt: skip
     print_table("errors (all should be 0)", ["what", "count"], [[k, v] for k, v in errors.items()])
+    failed = collections.Counter(s.status for s in samples if s.status >= 500 or s.status == 0)
+    if failed:
+        print_table("5xx and transport errors by status (0: transport)", ["status", "count"],
+                    [[st, n] for st, n in sorted(failed.items())])  # fmt: skip
+    kinds = collections.Counter(e["kind"] for e in events)
+    print_table("the fleet's events during the run (replicas replaced: why)", ["kind", "count", "last message"],
+                [[k, n, next(e["message"] for e in events if e["kind"] == k)[-160:]]
+                 for k, n in kinds.most_common()])  # fmt: skip
     shed = sum(s.status in (429, 503) for s in valid)
     console.print(f"valid requests shed at saturation (429/503 with Retry-After): {shed} of {len(valid)}")
     return 0
