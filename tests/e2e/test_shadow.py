@@ -74,7 +74,13 @@ def new_key(fleet: SimFleet, name: str) -> tuple[str, str]:
     """A fresh inference key (its secret, its id): its usage is this test's requests alone."""
     r = fleet.api("POST", "/v1/keys", json={"name": name, "scopes": ["inference"]})
     assert r.status_code == 201, r.text
-    return r.json()["key"], r.json()["key_id"]
+    secret = r.json()["key"]
+    models = f"{fleet.gateways[REGION]}/v1/models"
+    wait_for(  # the key reaches the gateway through the keys bucket: load before that is 401
+        lambda: httpx.get(models, headers={"authorization": f"Bearer {secret}"}, timeout=5).status_code == 200,
+        30, 0.1, "the gateway to know the new key",
+    )  # fmt: skip
+    return secret, r.json()["key_id"]
 
 
 def usage_of(fleet: SimFleet, key_id: str) -> tuple[int, int, int]:
