@@ -196,15 +196,7 @@ class SimFleet:
         """kill -9 the region's agent and every replica it runs (its gateway stays)."""
         pids = [self.process("agent", region).pid]
         pids += [r.pid for r in self.local.replicas(self.local.load()) if r.name.startswith(f"{region}/")]
-        procs = []
-        for pid in pids:
-            with contextlib.suppress(psutil.Error):
-                proc = psutil.Process(pid)
-                procs += [proc, *proc.children(recursive=True)]
-        for proc in procs:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-        psutil.wait_procs(procs, timeout=5)
+        kill_trees(pids)
         return pids
 
     def down(self) -> None:
@@ -348,3 +340,16 @@ class Load(Workers):
         """Wait until `count` requests that began at or after `since` (time.time()) have ended:
         the load is flowing, or kept flowing past an event."""
         wait_for(lambda: sum(r.started >= since for r in self.results) >= count, timeout, 0.05, what)
+
+
+def kill_trees(pids: list[int]) -> None:
+    """kill -9 each process and its children, and wait for them (a crash, not a stop)."""
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            procs += [proc, *proc.children(recursive=True)]
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(procs, timeout=5)

@@ -21,10 +21,9 @@ import time
 from datetime import datetime, timezone
 
 import httpx
-import psutil
 import pytest
 
-from tests.e2e.sim_fleet import Load, Sampler, SimFleet, serving_fleet, wait_for
+from tests.e2e.sim_fleet import Load, Sampler, SimFleet, kill_trees, serving_fleet, wait_for
 from tests.fleetctl import fleetctl
 
 REGION = "local-east"
@@ -271,15 +270,7 @@ def test_shadow_replicas_killed_mid_run_fail_no_client_request(fleet: SimFleet):
         assert pids, (names, fleet.local.replicas(fleet.local.load()))
         lost_before = shadow_metric(fleet, "error") + shadow_metric(fleet, "dropped_busy")
         killed_at = time.time()
-        procs = []
-        for pid in pids:
-            with contextlib.suppress(psutil.Error):
-                proc = psutil.Process(pid)
-                procs += [proc, *proc.children(recursive=True)]
-        for proc in procs:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-        psutil.wait_procs(procs, timeout=5)
+        kill_trees(pids)
         load.served(40, since=killed_at, what="requests after the kill")
     finally:
         results = load.stop()
