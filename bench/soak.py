@@ -18,8 +18,8 @@ short look:
 Run it alone on the machine: other work starves the replicas' health probes, the agent
 replaces them, and both the error counts and every replica's growth then measure that (the
 events table at the end says how many replicas were replaced, and why). The control plane
-keeps an hour of request samples for canary guards (`UsageWindows.retention_s`), so its heap
-fills for the first hour of traffic.
+keeps request samples for canary guards (`UsageWindows`): an hour for a deployment with an
+open rollout, five minutes for the others (this soak runs none).
 
 `--heap-profile` starts every Python process of the fleet under tracemalloc
 (bench/heap_profile) and prints, for each process that still grows, the allocation sites

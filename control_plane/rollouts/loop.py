@@ -28,7 +28,6 @@ from control_plane.rollouts.capacity_status import capacity_numbers, with_capaci
 from control_plane.rollouts.policy import Decision, Observation, RolloutParams, decide
 from control_plane.rollouts.shadow import Comparison
 from control_plane.rollouts.store import (
-    active_filter,
     active_rows,
     numbers_text,
     params_of,
@@ -90,7 +89,8 @@ class RolloutLoop(NatsLoop):
         """Usage records of open windows from the FLEET_USAGE stream, up to `until` (the
         live subscription has everything after it)."""
         link = self.ctx.nats
-        since = await asyncio.to_thread(self._open_since)
+        since, open_deployments = await asyncio.to_thread(self._open_since)
+        self.windows.watch(open_deployments)  # before the first tick: replayed windows are kept whole
         if since is None or link is None or link.js is None:
             return 0
         start = datetime.fromtimestamp(since, timezone.utc).isoformat().replace("+00:00", "Z")
@@ -122,14 +122,12 @@ class RolloutLoop(NatsLoop):
         log.info("replayed %d usage records since %s for open rollout windows", count, start)
         return count
 
-    def _open_since(self) -> float | None:
+    def _open_since(self) -> tuple[float | None, frozenset[str]]:
+        """When the oldest open window began, and the deployments with an open rollout."""
         with self.ctx.sessions() as session:
-            starts = session.scalars(
-                select(Rollout.window_started_at).where(
-                    active_filter(), Rollout.window_started_at.is_not(None)
-                )
-            ).all()
-        return min(starts) if starts else None
+            rows = active_rows(session)
+        starts = [row.window_started_at for row, _, _ in rows if row.window_started_at is not None]
+        return (min(starts) if starts else None), frozenset(name for _, name, _ in rows)
 
     async def _on_usage(self, msg) -> None:
         try:
@@ -170,6 +168,7 @@ class RolloutLoop(NatsLoop):
         with self.ctx.sessions() as session:
             self.hosting = hosting(placed_replicas(session))
             rows = active_rows(session)
+            self.windows.watch(frozenset(name for _, name, _ in rows))
             capacity = _capacity(session) if rows else {}
             for row, name, replicas in rows:
                 if row.id not in self._seen:

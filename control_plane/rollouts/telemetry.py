@@ -5,6 +5,10 @@ Records are stamped with the control plane's clock when they arrive (gateway clo
 drift), so a window is "what arrived since the step began". No I/O here: the rollout
 loop feeds `add()` from its NATS subscription on `fleet.v1.usage.*`.
 
+Only a deployment with an open rollout keeps the full retention: the others keep a few
+minutes (enough for a rollout that starts now to find its first samples), so the memory
+held is the traffic of open windows, not of the whole fleet for an hour.
+
 Shadow copies (`UsageRecord.shadow`) are kept apart: they never count as a version's
 requests for the canary guards, only in `shadow()`, paired with their originals.
 """
@@ -57,8 +61,11 @@ class UsageWindows:
         retention_s: float = 3600.0,
         max_per_deployment: int = 200_000,
         clock: Callable[[], float] = time.time,
+        idle_retention_s: float = 300.0,
     ) -> None:
         self.retention_s = retention_s
+        self.idle_retention_s = idle_retention_s
+        self.watched: frozenset[str] = frozenset()  # deployments with an open rollout
         self.max_per_deployment = max_per_deployment
         self.clock = clock
         self._samples: dict[str, collections.deque[Sample]] = {}
@@ -78,7 +85,7 @@ class UsageWindows:
         queue = self._samples.setdefault(record.deployment, collections.deque(maxlen=self.max_per_deployment))
         queue.append(sample)
         self.received += 1
-        self._prune(queue, sample.at)
+        self._prune(record.deployment, queue, sample.at)
 
     def _add_copy(self, record: UsageRecord, ttft: float | None, now: float) -> None:
         finished = Finished(
@@ -93,11 +100,22 @@ class UsageWindows:
         queue = self._copies.setdefault(record.deployment, collections.deque(maxlen=self.max_per_deployment))
         queue.append(Copy(now, record.version, finished))
         self.received += 1
-        self._prune(queue, now)
+        self._prune(record.deployment, queue, now)
 
-    def _prune(self, queue: collections.deque, now: float) -> None:
-        while queue and queue[0].at < now - self.retention_s:
+    def watch(self, deployments: frozenset[str]) -> None:
+        """The deployments whose rollouts are open (the rollout tick sets this, from its
+        thread: one assignment). A deployment no longer watched drops to the idle retention
+        on its next record; one that sees no more traffic holds what it had, never more."""
+        self.watched = deployments
+
+    def _prune(self, deployment: str, queue: collections.deque, now: float) -> None:
+        keep = self.retention_s if deployment in self.watched else self.idle_retention_s
+        while queue and queue[0].at < now - keep:
             queue.popleft()
+
+    def held(self) -> int:
+        """Samples and copies held, all deployments (what the memory bound is about)."""
+        return sum(map(len, list(self._samples.values()))) + sum(map(len, list(self._copies.values())))
 
     def samples(self, deployment: str, since: float) -> list[Sample]:
         """The deployment's samples since `since`, oldest first (what `stats` summarises)."""
