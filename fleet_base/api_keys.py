@@ -68,6 +68,11 @@ class ApiKeyRecord(Message):
     # The jurisdictions this key's requests may be processed in (None: no policy); a gateway
     # outside them refuses the key (fleet_base.residency).
     residency: list[str] | None = None
+    # The team the key's usage is charged to (docs/cost.md); None: no team.
+    team: str | None = None
+    # Set by the control plane while the key's team has a hard monthly budget that is
+    # spent: a gateway then refuses the key's new requests (429 insufficient_quota).
+    budget_exhausted: bool = False
 
     def allows(self, deployment: str) -> bool:
         return self.deployments is None or deployment in self.deployments

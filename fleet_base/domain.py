@@ -23,6 +23,7 @@ DEPLOYMENT_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 POOL_NAME_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?$"
 ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 PRIORITY_CLASS_PATTERN = r"^[a-z][a-z0-9_-]{0,31}$"
+TEAM_NAME_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$"
 
 # A cluster id: lowercase letters, digits and dashes, 1-63 characters.
 ClusterId = Annotated[str, StringConstraints(pattern=CLUSTER_ID_PATTERN)]
@@ -34,6 +35,8 @@ PoolName = Annotated[str, StringConstraints(pattern=POOL_NAME_PATTERN)]
 AdapterName = Annotated[str, StringConstraints(pattern=ADAPTER_NAME_PATTERN)]
 # A gateway queueing class a key's quotas name ("interactive", "batch", ...).
 PriorityClassName = Annotated[str, StringConstraints(pattern=PRIORITY_CLASS_PATTERN)]
+# The team a key's usage is charged to (cost reports, budgets); a URL path segment.
+TeamName = Annotated[str, StringConstraints(pattern=TEAM_NAME_PATTERN)]
 
 
 def is_cluster_id(value: str) -> bool:

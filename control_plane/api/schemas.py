@@ -23,6 +23,7 @@ from fleet_base.domain import (
     PoolName,
     PoolShape,
     PriorityClassName,
+    TeamName,
 )
 from fleet_base.residency import MAX_JURISDICTIONS, normalize, parse_residency
 
@@ -340,6 +341,7 @@ class KeyUpdate(Strict):
     deployments: list[DeploymentName] | None = Field(None, max_length=1000)
     quotas: dict[str, Any] | None = None
     residency: ResidencyPolicy = Field(None, description="jurisdictions allowed; null clears the policy")
+    team: TeamName | None = Field(None, description="the team charged for its usage; null clears it")
 
 
 class KeyCreate(Strict):
@@ -348,6 +350,7 @@ class KeyCreate(Strict):
     deployments: list[DeploymentName] | None = Field(None, max_length=1000)
     quotas: QuotasIn = Field(default_factory=QuotasIn)
     residency: ResidencyPolicy = Field(None, description='jurisdictions allowed, e.g. ["ca"]; null: any')
+    team: TeamName | None = Field(None, description="the team charged for its usage (docs/cost.md)")
 
     @field_validator("scopes")
     @classmethod
@@ -364,6 +367,7 @@ class KeyOut(BaseModel):
     deployments: list[str] | None
     quotas: dict[str, Any]
     residency: list[str] | None = None
+    team: str | None = None
     created_at: datetime
     revoked_at: datetime | None
     revoked: bool

@@ -206,6 +206,7 @@ def key_out(row: ApiKey) -> KeyOut:
         deployments=None if row.deployments is None else list(row.deployments),
         quotas=dict(row.quotas or {}),
         residency=None if row.residency is None else list(row.residency),
+        team=row.team,
         created_at=row.created_at,
         revoked_at=row.revoked_at,
         revoked=row.revoked_at is not None,

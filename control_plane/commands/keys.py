@@ -1,5 +1,5 @@
 """`fleetctl keys`: API keys through the admin API: create (the secret is shown once), ls,
-update (name and quotas) and revoke."""
+update (name, quotas, residency, team) and revoke."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ KEY_COLUMNS = {
     "deployments": "deployments",
     "quotas": "quotas",
     "residency": "residency",
+    "team": "team",
     "created": "created_at",
     "revoked": "revoked",
 }
@@ -44,6 +45,7 @@ def keys_create(
     priority_class: str = typer.Option(None, "--priority-class", help="e.g. interactive, standard, batch"),
     deployment_limit: list[str] = typer.Option(None, "--deployment-limit", help=DEPLOYMENT_LIMIT_HELP),
     residency: str = typer.Option(None, "--residency", help=RESIDENCY_HELP),
+    team: str = typer.Option(None, "--team", help="the team charged for the key's usage (fleetctl cost)"),
     output: OutputFormat = OUTPUT_OPTION,
 ) -> None:
     """Create an API key; the secret (`key`) is printed once and never again."""
@@ -64,6 +66,8 @@ def keys_create(
         body["deployments"] = list(deployment)
     if residency is not None:
         body["residency"] = residency_flag(residency)
+    if team is not None:
+        body["team"] = team
     row = call(lambda c: c.post("/v1/keys", body))
     show(row, output, KEY_COLUMNS)
     if output != OutputFormat.json:
@@ -109,14 +113,15 @@ def keys_update(
     priority_class: str = typer.Option(None, "--priority-class", help="e.g. interactive, standard, batch"),
     deployment_limit: list[str] = typer.Option(None, "--deployment-limit", help=DEPLOYMENT_LIMIT_HELP),
     residency: str = typer.Option(None, "--residency", help=RESIDENCY_HELP),
+    team: str = typer.Option(None, "--team", help="the team charged for the key's usage"),
     clear: list[str] = typer.Option(
         None,
         "--clear",
-        help="remove a limit (tokens_per_minute, requests_per_minute, tokens_per_day, ...) or residency",
+        help="remove a limit (tokens_per_minute, requests_per_minute, tokens_per_day, ...), residency or team",
     ),
     output: OutputFormat = OUTPUT_OPTION,
 ) -> None:
-    """Change a key's name, quotas or residency (PATCH /v1/keys/{id}); gateways apply it
+    """Change a key's name, quotas, residency or team (PATCH /v1/keys/{id}); gateways apply it
     within seconds."""
     quotas: dict[str, Any] = {
         k: v
@@ -134,18 +139,20 @@ def keys_update(
         quotas["deployments"] = parse_deployment_limits(deployment_limit)
     body: dict[str, Any] = {}
     for field in clear or []:
-        if field == "residency":
-            body["residency"] = None
+        if field in ("residency", "team"):
+            body[field] = None
         else:
             quotas[field] = {} if field == "deployments" else None
     if residency is not None:
         body["residency"] = residency_flag(residency)
+    if team is not None:
+        body["team"] = team
     if name is not None:
         body["name"] = name
     if quotas:
         body["quotas"] = quotas
     if not body:
-        fail("nothing to change: give --name, a limit, --residency, or --clear")
+        fail("nothing to change: give --name, a limit, --residency, --team, or --clear")
     row = call(lambda c: c.patch(f"/v1/keys/{key_id}", body))
     show(row, output, KEY_COLUMNS)
 

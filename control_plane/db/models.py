@@ -242,6 +242,8 @@ class ApiKey(Base):
     shares: Mapped[dict[str, float]] = mapped_column(JSON, default=dict, server_default="{}")
     # the jurisdictions the key's requests may be processed in (ApiKeyRecord.residency); None: any
     residency: Mapped[list[str] | None] = mapped_column(JSON, nullable=True, default=None)
+    # the team its usage is charged to (cost reports, budgets); None: no team
+    team: Mapped[str | None] = mapped_column(String(63), nullable=True, index=True)
 
 
 class UsageRecord(Base):
@@ -338,6 +340,42 @@ class Rollout(Base):
     deployment: Mapped[Deployment] = relationship()
 
 
+class ReplicaInterval(Base):
+    """One replica's lifetime on a pool: the cost ledger. Price and tier are copied from
+    the pool when the replica starts, so a later price edit or the replica's (or pool's)
+    deletion never rewrites what was paid. `ended_at` is None while it runs."""
+
+    __tablename__ = "replica_intervals"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    replica_id: Mapped[str] = mapped_column(String(63), index=True)
+    deployment: Mapped[str] = mapped_column(String(63), index=True)
+    version: Mapped[int] = mapped_column(Integer)
+    cluster: Mapped[str] = mapped_column(String(63), index=True)
+    pool: Mapped[str] = mapped_column(String(63))
+    tier: Mapped[str] = mapped_column(String(16))  # fleet_base.domain.Tier
+    gpus: Mapped[int] = mapped_column(Integer)
+    hourly_price: Mapped[float] = mapped_column(Float)  # per GPU-hour, as CapacityPool.hourly_price
+    started_at: Mapped[datetime] = mapped_column(index=True)
+    ended_at: Mapped[datetime | None] = mapped_column(nullable=True, index=True)
+    end_reason: Mapped[str | None] = mapped_column(String(32), nullable=True)
+
+
+class TeamBudget(Base):
+    """A team's monthly dollar budget: the fractions to alert at, whether it is hard (keys
+    refused once spent), and which thresholds were already alerted this month."""
+
+    __tablename__ = "team_budgets"
+
+    team: Mapped[str] = mapped_column(String(63), primary_key=True)
+    monthly_dollars: Mapped[float] = mapped_column(Float)
+    thresholds: Mapped[list[float]] = mapped_column(JSON, default=lambda: [0.5, 0.8, 1.0])
+    hard: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # {"month": "2026-12", "thresholds": [0.5, ...]}: alerts already sent
+    alerted: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
 __all__ = [
     "ApiKey",
     "AuditRecord",
@@ -348,6 +386,8 @@ __all__ = [
     "DeploymentVersion",
     "Event",
     "ReplicaAssignment",
+    "ReplicaInterval",
     "Rollout",
+    "TeamBudget",
     "utcnow",
 ]

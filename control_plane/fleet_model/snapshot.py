@@ -191,6 +191,7 @@ def key_record(k: ApiKey) -> ApiKeyRecord:
         shares=dict(k.shares or {}),
         created_at=k.created_at.timestamp(),
         residency=None if k.residency is None else list(k.residency),
+        team=k.team,
     )
 
 

@@ -177,6 +177,9 @@ CASES = [
     ("key-scope-unknown", "POST", "/v1/keys", {"name": "k", "scopes": ["root"]}, 422, "scopes.0"),
     ("key-scopes-empty", "POST", "/v1/keys", {"name": "k", "scopes": []}, 422, "scopes"),
     ("key-scopes-dup", "POST", "/v1/keys", {"name": "k", "scopes": ["read", "read"]}, 422, "scopes"),
+    ("key-team-space", "POST", "/v1/keys", {"name": "k", "team": "ml infra"}, 422, "team"),
+    ("key-team-empty", "POST", "/v1/keys", {"name": "k", "team": ""}, 422, "team"),
+    ("key-team-number", "POST", "/v1/keys", {"name": "k", "team": 7}, 422, "team"),
     (
         "key-quota-zero",
         "POST",

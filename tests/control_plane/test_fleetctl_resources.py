@@ -330,6 +330,25 @@ def test_residency_flags_on_enroll_clusters_set_deploy_and_keys(server, tmp_path
     assert json.loads(cleared_dep.stdout)["residency"] is None
 
 
+def test_keys_team_on_create_update_and_clear(server):
+    """`keys create NAME --team T` and `keys update --team` set the team a key's usage is
+    charged to; `--clear team` removes it; a bad team name is a one-line error."""
+    home = server.home
+    created = as_json(home, "keys", "create", "team-k", "--team", "ml-infra")
+    assert created["team"] == "ml-infra"
+    moved, bad = fleetctl_many(
+        home,
+        ["keys", "update", created["key_id"], "--team", "search", "-o", "json"],
+        ["keys", "create", "team-x", "--team", "ml infra"],
+    )
+    assert json.loads(moved.stdout)["team"] == "search"
+    assert "team" in one_line_error(bad)
+    listed = {k["key_id"]: k for k in as_json(home, "keys", "ls")}
+    assert listed[created["key_id"]]["team"] == "search"
+    cleared = as_json(home, "keys", "update", created["key_id"], "--clear", "team")
+    assert cleared["team"] is None
+
+
 def test_local_fleet_enrols_its_clusters_with_their_jurisdictions(server):
     """`fleetctl up --jurisdictions` records each local cluster's jurisdiction at enrolment
     (LocalFleet.register_cluster), and refuses a pair naming no --regions cluster."""

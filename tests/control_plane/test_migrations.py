@@ -27,6 +27,8 @@ TABLES = {
     "audit_records",
     "rollouts",
     "usage_records",
+    "replica_intervals",
+    "team_budgets",
 }
 
 

@@ -76,6 +76,16 @@ def test_key_records_carry_the_keys_policy(sessions):
     assert keys["k1"].residency == ["ca", "us"] and keys["k2"].residency is None
 
 
+def test_key_records_carry_the_keys_team(sessions):
+    with sessions() as s:
+        s.add(m.ApiKey(key_id="k1", name="a", salt="s", hash="h", team="search"))
+        s.add(m.ApiKey(key_id="k2", name="b", salt="s", hash="h"))
+        s.commit()
+        keys = {k.key_id: k for k in live_keys(s)}
+    assert (keys["k1"].team, keys["k2"].team) == ("search", None)
+    assert not keys["k1"].budget_exhausted
+
+
 def test_usage_stores_where_a_request_was_processed(sessions):
     record = UsageRecord(cluster="east", key_id="k", deployment="chat", region="ca-east", jurisdiction="ca")
     old = UsageRecord(cluster="east", key_id="k", deployment="chat")  # an older gateway: unknown

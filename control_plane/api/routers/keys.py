@@ -26,6 +26,7 @@ def make_key(
     deployments: list[str] | None,
     quotas: dict,
     residency: list[str] | None = None,
+    team: str | None = None,
 ) -> tuple[ApiKey, str]:
     """A new ApiKey row and its secret (not stored)."""
     key_id, secret = new_secret()
@@ -39,13 +40,16 @@ def make_key(
         deployments=None if deployments is None else list(deployments),
         quotas=quotas,
         residency=None if residency is None else list(residency),
+        team=team,
     )
     return row, secret
 
 
 @router.post("", status_code=201, response_model=KeyCreated)
 def create_key(body: KeyCreate, request: Request, session: SessionDep, who: PrincipalDep):
-    row, secret = make_key(body.name, body.scopes, body.deployments, body.quotas.model_dump(), body.residency)
+    row, secret = make_key(
+        body.name, body.scopes, body.deployments, body.quotas.model_dump(), body.residency, body.team
+    )
     row.shares = initial_shares(session, row.quotas)  # multi-region budgets (docs/quotas.md)
     session.add(row)
     session.flush()
@@ -80,8 +84,8 @@ def get_key(key_id: str, session: SessionDep, who: PrincipalDep):
 
 @router.patch("/{key_id}", response_model=KeyOut)
 def update_key(key_id: str, body: KeyUpdate, request: Request, session: SessionDep, who: PrincipalDep):
-    """Change a key's name, deployments, quotas or residency; gateways apply it at the next
-    publish."""
+    """Change a key's name, deployments, quotas, residency or team; gateways apply it at the
+    next publish."""
     row = session.get(ApiKey, key_id)
     if row is None:
         raise not_found("key", key_id)
@@ -92,6 +96,8 @@ def update_key(key_id: str, body: KeyUpdate, request: Request, session: SessionD
         row.deployments = None if body.deployments is None else list(body.deployments)
     if "residency" in body.model_fields_set:
         row.residency = None if body.residency is None else list(body.residency)
+    if "team" in body.model_fields_set:
+        row.team = body.team
     if body.quotas is not None:
         merged = {**(row.quotas or {}), **body.quotas}
         try:
