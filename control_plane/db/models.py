@@ -261,6 +261,8 @@ class UsageRecord(Base):
     completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
     status: Mapped[int] = mapped_column(Integer, default=200)
     latency_s: Mapped[float] = mapped_column(Float, default=0.0)
+    # time to the first token (prefill, for cost per phase); None: not streamed or not said
+    ttft_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     adapter: Mapped[str | None] = mapped_column(String(63), nullable=True)  # LoRA adapter, if any
     # where the request was processed, as the gateway reported it
     region: Mapped[str] = mapped_column(String(64), default="", server_default="")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from control_plane.cost import ledger
 from control_plane.db.models import Event, ReplicaAssignment
 from fleet_base.protocol import Heartbeat
 
@@ -33,6 +34,9 @@ def _drop(session: Session, hb: Heartbeat, reported: list[str], why: str, *, rec
             ReplicaAssignment.replica_id.in_(ids), ReplicaAssignment.cluster_id == hb.cluster
         )
     ).all()
+    ledger.end(
+        session, [r.replica_id for r in rows], ledger.SPOT_INTERRUPTED if record else ledger.UNSCHEDULABLE
+    )
     for row in rows:
         if not record:
             session.delete(row)

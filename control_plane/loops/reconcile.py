@@ -10,7 +10,8 @@ from pydantic import BaseModel, ConfigDict
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from control_plane.db.models import Deployment, Event, ReplicaAssignment
+from control_plane.cost import ledger
+from control_plane.db.models import Deployment, Event, ReplicaAssignment, utcnow
 from control_plane.fleet_model.demand_regions import read_demand_regions, with_demand_regions
 from control_plane.fleet_model.plan import (
     build_desired,
@@ -22,7 +23,7 @@ from control_plane.fleet_model.plan import (
 from control_plane.fleet_model.snapshot import FleetSnapshot, read_snapshot
 from control_plane.fleet_model.standby import standby_demands
 from control_plane.placement import PlacementResult, Placer, SolvedPlan, SolveInfo, Unplaced, pipeline
-from fleet_base.protocol import BUCKET_DESIRED, BUCKET_ROUTES, Message
+from fleet_base.protocol import BUCKET_DESIRED, BUCKET_ROUTES, Message, ReplicaState
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +64,14 @@ def reconcile_once(
         outcome = pipeline.run(inputs, placer, previous=previous, context=removal_context(snap))
         result = outcome.result
         shortfalls = {(u.deployment, u.version): u for u in result.unplaced}
+        ledger_changed = ledger.sync(session, snap.assignments)  # replicas that went another way
         if result.changed or shortfalls != reported:
             _write(session, snap, result, reported, outcome.reasons)
             session.commit()
             reported.clear()
             reported.update(shortfalls)
+        elif ledger_changed:
+            session.commit()
         nodes.clear()
         nodes.update({a.replica_id: a.node for a in result.assignments if a.node is not None})
         assignments = next_assignments(snap, result)
@@ -85,10 +89,16 @@ def _write(
     reported: Mapping[tuple[str, int], Unplaced],
     reasons: Mapping[str, str],
 ) -> None:
+    now = utcnow()
     if result.removed:
         rows = {a.replica_id: a for a in snap.assignments}
         preempted = {p.replica_id for p in result.preempted}
         session.execute(delete(ReplicaAssignment).where(ReplicaAssignment.replica_id.in_(result.removed)))
+        for rid in result.removed:
+            row = rows.get(rid)
+            failed = row is not None and row.state == ReplicaState.failed.value
+            reason = ledger.PREEMPTED if rid in preempted else ledger.FAILED if failed else ledger.REMOVED
+            ledger.end(session, [rid], reason, now)
         for rid in result.removed:
             row = rows.get(rid)
             session.add(
@@ -101,6 +111,7 @@ def _write(
                 )
             )
     if result.added:
+        ledger.start(session, result.added, now)
         ids = dict(
             session.execute(
                 select(Deployment.name, Deployment.id).where(

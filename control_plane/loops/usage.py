@@ -79,6 +79,7 @@ def _values(r: protocol.UsageRecord, seq: int | None = None) -> dict:
         "completion_tokens": r.completion_tokens,
         "status": r.status,
         "latency_s": r.latency_s,
+        "ttft_s": r.ttft_s,
         "adapter": r.adapter,
         "region": r.region,
         "jurisdiction": r.jurisdiction,

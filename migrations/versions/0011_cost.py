@@ -1,4 +1,4 @@
-"""Cost accounting: api_keys.team, the replica ledger (replica_intervals: one row per
+"""Cost accounting: api_keys.team, usage_records.ttft_s (prefill time), the replica ledger (replica_intervals: one row per
 replica lifetime on a pool, its price copied at start) and team_budgets."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ INTERVAL_INDEXES = ("replica_id", "deployment", "cluster", "started_at", "ended_
 def upgrade() -> None:
     add_columns("api_keys", sa.Column("team", sa.String(63), nullable=True))
     create_indexes("api_keys", "team")
+    add_columns("usage_records", sa.Column("ttft_s", sa.Float(), nullable=True))
     op.create_table(
         "replica_intervals",
         sa.Column("id", sa.Integer(), autoincrement=True, nullable=False),
@@ -48,5 +49,6 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_table("team_budgets")
     drop_table("replica_intervals", *reversed(INTERVAL_INDEXES))
+    drop_columns("usage_records", "ttft_s")
     drop_indexes("api_keys", "team")
     drop_columns("api_keys", "team")

@@ -1,0 +1,101 @@
+"""`cost_report`: read the window's replica intervals, the pools and the usage records,
+and hand them to the pure rules (`control_plane.cost.accounting`)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from sqlalchemy import or_, select
+from sqlalchemy.orm import Session
+
+from control_plane.cost.accounting import Interval, PoolPrice, Usage, build_report
+from control_plane.cost.model import GROUP_BYS, CostReport, GroupBy
+from control_plane.db.models import ApiKey, CapacityPool, ReplicaInterval, UsageRecord
+
+
+def _dt(t: float) -> datetime:
+    return datetime.fromtimestamp(t, timezone.utc)
+
+
+def read_intervals(session: Session, since: float, until: float) -> list[Interval]:
+    """The ledger rows overlapping [since, until)."""
+    rows = session.scalars(
+        select(ReplicaInterval).where(
+            ReplicaInterval.started_at < _dt(until),
+            or_(ReplicaInterval.ended_at.is_(None), ReplicaInterval.ended_at > _dt(since)),
+        )
+    ).all()
+    return [
+        Interval(
+            deployment=r.deployment,
+            cluster=r.cluster,
+            pool=r.pool,
+            tier=r.tier,
+            gpus=r.gpus,
+            hourly_price=r.hourly_price,
+            started_at=r.started_at.timestamp(),
+            ended_at=None if r.ended_at is None else r.ended_at.timestamp(),
+        )
+        for r in rows
+    ]
+
+
+def read_pools(session: Session) -> list[PoolPrice]:
+    """Every pool as it is now, its price per GPU-hour (pools store it per node-hour)."""
+    return [
+        PoolPrice(
+            cluster=p.cluster_id,
+            pool=p.name,
+            tier=p.tier,
+            gpus=p.total_gpus,
+            hourly_price=(p.hourly_price or 0.0) / max(1, p.gpus_per_node or 1),
+        )
+        for p in session.scalars(select(CapacityPool)).all()
+    ]
+
+
+def read_usage(session: Session, since: float, until: float) -> list[Usage]:
+    """The usage records stored for [since, until), each with its key's team."""
+    rows = session.execute(
+        select(
+            UsageRecord.key_id,
+            UsageRecord.deployment,
+            UsageRecord.prompt_tokens,
+            UsageRecord.completion_tokens,
+            UsageRecord.latency_s,
+            UsageRecord.ttft_s,
+            UsageRecord.shadow,
+            ApiKey.team,
+        )
+        .outerjoin(ApiKey, ApiKey.key_id == UsageRecord.key_id)
+        .where(UsageRecord.at >= _dt(since), UsageRecord.at < _dt(until))
+    ).all()
+    return [
+        Usage(
+            key_id=key_id,
+            deployment=dep,
+            prompt_tokens=prompt or 0,
+            completion_tokens=completion or 0,
+            latency_s=latency or 0.0,
+            ttft_s=ttft,
+            shadow=bool(shadow),
+            team=team,
+        )
+        for key_id, dep, prompt, completion, latency, ttft, shadow, team in rows
+    ]
+
+
+def cost_report(session: Session, since: float, until: float, by: str) -> CostReport:
+    """GPU dollars and work over [since, until) (Unix seconds), grouped `by` deployment,
+    key, team or pool (docs/cost.md)."""
+    if by not in GROUP_BYS:
+        raise ValueError(f"by must be one of {', '.join(GROUP_BYS)}")
+    group: GroupBy = by  # type: ignore[assignment]
+    return build_report(
+        read_intervals(session, since, until),
+        read_pools(session),
+        read_usage(session, since, until),
+        since,
+        until,
+        group,
+    )
