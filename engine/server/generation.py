@@ -19,7 +19,9 @@ from starlette.requests import Request
 
 from engine.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 from engine.server.errors import APIError, context_error, engine_error
+from engine.server.request_spans import REQUEST_ID_HEADER, RequestSpans
 from engine.server.state import EngineClient, ServerState
+from fleet_base import tracing
 from fleet_base.openai_contract.requests import ChatCompletionRequest, CompletionRequest
 from fleet_base.sampling_params import SamplingParams
 
@@ -103,6 +105,7 @@ class Generation:
         self._firsts: list[RequestOutput] = []
         self._done = [False] * len(prompts)
         self._observers = [state.metrics.observer() for _ in prompts]
+        self._spans: list[RequestSpans] | None = None  # only while tracing is on (`trace`)
         self._watcher: asyncio.Task[None] | None = None
         self.handed_over = False
         self.keep_token_ids = False  # the stream forwards each chunk's token ids (continuation)
@@ -116,6 +119,10 @@ class Generation:
         )
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is not None:
+            if self._spans is not None:
+                for spans, r in zip(self._spans, results):
+                    if isinstance(r, BaseException):
+                        spans.fail(r)
             self.close(count_aborts=False)
             mapped = engine_error(failure, self.param, self.state.settings.retry_after_s)
             if mapped is None:
@@ -141,6 +148,7 @@ class Generation:
 
         A client that disconnects meanwhile aborts the work (the watch ends here; a stream
         notices a disconnect through its own body)."""
+        self.trace(request)
         self.watch_disconnect(request)
         try:
             await self.start()
@@ -150,6 +158,20 @@ class Generation:
             self.stop_watching()
             if not stream:
                 self.close()
+
+    def trace(self, request: Request) -> None:
+        """With tracing on, one span set per engine request, under the caller's trace context."""
+        if not tracing.enabled():
+            return
+        parent = tracing.extract(request.headers)
+        model = self.lora_name or self.state.settings.served_model_name
+        caller_id = request.headers.get(REQUEST_ID_HEADER)
+        self._spans = [
+            RequestSpans(
+                parent, model=model, engine_request_id=rid, num_prompt_tokens=len(p), request_id=caller_id
+            )
+            for rid, p in zip(self.ids, self.prompts)
+        ]
 
     def watch_disconnect(self, request: Request) -> None:
         """Aborts the engine requests as soon as the client disconnects (non-streaming path)."""
@@ -186,6 +208,8 @@ class Generation:
                 self._done[i] = True
                 if count_aborts:
                     self._observers[i].abandon(self.params.n)
+                if self._spans is not None:
+                    self._spans[i].abandon(self.handed_over)
                 if self._iters[i] is not None:
                     spawn(self.engine.abort(rid))
             self.state.active_requests.discard(rid)
@@ -261,6 +285,8 @@ class Generation:
         if self._done[i]:
             return
         self._observers[i].on_output(out)
+        if self._spans is not None:
+            self._spans[i].on_output(out)
         if out.finished:
             self._done[i] = True
             self.state.active_requests.discard(self.ids[i])

@@ -20,6 +20,7 @@ import uvicorn
 from engine.server.app import build_app, new_state
 from engine.server.spec_flags import add_speculative_flags, speculative_config
 from engine.server.state import ServerSettings, ServerState
+from fleet_base import tracing
 from fleet_base.listener import ListenerLimits, uvicorn_options
 
 log = logging.getLogger("engine.server")
@@ -335,6 +336,7 @@ async def _warm_up(engine: Any) -> None:
 
 async def _serve(ns: argparse.Namespace, settings: ServerSettings) -> int:
     served = settings.served_model_name
+    tracing.setup("fleet-engine", attributes={tracing.MODEL: served})
     state = new_state(settings)
     config = uvicorn.Config(
         build_app(state),
@@ -367,6 +369,7 @@ async def _serve(ns: argparse.Namespace, settings: ServerSettings) -> int:
     await server.serve()
     if state.engine is not None:
         state.engine.shutdown()
+    tracing.flush()
     return 1 if state.load_error else 0
 
 
