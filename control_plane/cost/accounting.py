@@ -63,14 +63,16 @@ class PoolPrice:
 
 @dataclass(frozen=True)
 class Usage:
-    """One stored request (a `usage_records` row) with its key's team."""
+    """Requests of one key on one deployment (one stored request, or the sums of many),
+    with the key's team; their time already split into prefill and decode."""
 
     key_id: str
     deployment: str
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    latency_s: float = 0.0
-    ttft_s: float | None = None
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    requests: int = 1
     shadow: bool = False
     team: str | None = None
 
@@ -87,6 +89,22 @@ def phase_seconds(latency_s: float, ttft_s: float | None) -> tuple[float, float]
     latency = max(0.0, latency_s)
     prefill = latency if ttft_s is None else min(max(0.0, ttft_s), latency)
     return prefill, latency - prefill
+
+
+def request(
+    key_id: str,
+    deployment: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    latency_s: float,
+    ttft_s: float | None = None,
+    *,
+    shadow: bool = False,
+    team: str | None = None,
+) -> Usage:
+    """One request's usage (`phase_seconds` splits its time)."""
+    prefill, decode = phase_seconds(latency_s, ttft_s)
+    return Usage(key_id, deployment, prompt_tokens, completion_tokens, prefill, decode, 1, shadow, team)
 
 
 @dataclass
@@ -117,9 +135,6 @@ class _Work:
     requests: float = 0.0
 
     def add(self, u: Usage | _Work, share: float = 1.0) -> None:
-        if isinstance(u, Usage):
-            prefill, decode = phase_seconds(u.latency_s, u.ttft_s)
-            u = _Work(u.prompt_tokens, u.completion_tokens, prefill, decode, 1)
         self.prompt_tokens += u.prompt_tokens * share
         self.completion_tokens += u.completion_tokens * share
         self.prefill_s += u.prefill_s * share

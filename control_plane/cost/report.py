@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from sqlalchemy import or_, select
+from sqlalchemy import case, func, or_, select
 from sqlalchemy.orm import Session
 
 from control_plane.cost.accounting import Interval, PoolPrice, Usage, build_report
@@ -55,33 +55,44 @@ def read_pools(session: Session) -> list[PoolPrice]:
 
 
 def read_usage(session: Session, since: float, until: float) -> list[Usage]:
-    """The usage records stored for [since, until), each with its key's team."""
+    """The usage records stored for [since, until), summed per key, deployment and shadow
+    flag, with the key's team; time split as `accounting.phase_seconds` does."""
+    latency = case((UsageRecord.latency_s > 0, UsageRecord.latency_s), else_=0.0)
+    prefill = case(
+        (UsageRecord.ttft_s.is_(None), latency),
+        (UsageRecord.ttft_s < 0, 0.0),
+        (UsageRecord.ttft_s > latency, latency),
+        else_=UsageRecord.ttft_s,
+    )
     rows = session.execute(
         select(
             UsageRecord.key_id,
             UsageRecord.deployment,
-            UsageRecord.prompt_tokens,
-            UsageRecord.completion_tokens,
-            UsageRecord.latency_s,
-            UsageRecord.ttft_s,
             UsageRecord.shadow,
             ApiKey.team,
+            func.sum(UsageRecord.prompt_tokens),
+            func.sum(UsageRecord.completion_tokens),
+            func.sum(prefill),
+            func.sum(latency),
+            func.count(),
         )
         .outerjoin(ApiKey, ApiKey.key_id == UsageRecord.key_id)
         .where(UsageRecord.at >= _dt(since), UsageRecord.at < _dt(until))
+        .group_by(UsageRecord.key_id, UsageRecord.deployment, UsageRecord.shadow, ApiKey.team)
     ).all()
     return [
         Usage(
             key_id=key_id,
             deployment=dep,
-            prompt_tokens=prompt or 0,
-            completion_tokens=completion or 0,
-            latency_s=latency or 0.0,
-            ttft_s=ttft,
+            prompt_tokens=int(prompt or 0),
+            completion_tokens=int(completion or 0),
+            prefill_s=float(prefill_s or 0.0),
+            decode_s=max(0.0, float(latency_s or 0.0) - float(prefill_s or 0.0)),
+            requests=int(n),
             shadow=bool(shadow),
             team=team,
         )
-        for key_id, dep, prompt, completion, latency, ttft, shadow, team in rows
+        for key_id, dep, shadow, team, prompt, completion, prefill_s, latency_s, n in rows
     ]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from control_plane.cost.accounting import Interval, PoolPrice, Usage, build_report, overlap_s, phase_seconds
+from control_plane.cost.accounting import Interval, PoolPrice, build_report, overlap_s, phase_seconds, request
 
 H = 3600.0
 
@@ -43,7 +43,7 @@ def test_reserved_pool_is_paid_for_the_whole_window_and_its_unused_part_is_idle(
     5 h is $10 of it (busy 1 h of 5: $8 idle), the 35 unused GPU-hours $70 of idle."""
     pools = [PoolPrice("c", "res", "reserved", gpus=4, hourly_price=2.0)]
     intervals = [Interval("chat", "c", "res", "reserved", 1, 2.0, 0.0, 5 * H)]
-    usage = [Usage("k1", "chat", 100, 100, latency_s=H, ttft_s=0.25 * H)]
+    usage = [request("k1", "chat", 100, 100, latency_s=H, ttft_s=0.25 * H)]
     by_dep = build_report(intervals, pools, usage, 0.0, 10 * H, "deployment")
     rows = {r.group: r for r in by_dep.rows}
     assert rows["chat"].gpu_dollars == pytest.approx(10.0)
@@ -65,7 +65,7 @@ def test_reserved_pool_is_paid_for_the_whole_window_and_its_unused_part_is_idle(
 
 def test_zero_token_groups_have_no_dollars_per_mtok_and_an_unused_deployment_is_unallocated():
     intervals = [Interval("idle", "c", "od", "on-demand", 1, 1.0, 0.0, None)]
-    usage = [Usage("k1", "other", 0, 0, latency_s=1.0)]  # a request with no tokens, no GPU time
+    usage = [request("k1", "other", 0, 0, latency_s=1.0)]  # a request with no tokens, no GPU time
     by_dep = {r.group: r for r in build_report(intervals, [], usage, 0.0, 2 * H, "deployment").rows}
     assert by_dep["idle"].dollars_per_mtok == {"prefill": None, "decode": None, "total": None}
     assert by_dep["idle"].utilisation == 0.0 and by_dep["idle"].idle_dollars == pytest.approx(2.0)
@@ -81,9 +81,9 @@ def test_chargeback_by_busy_seconds_with_shadow_copies_charged_to_no_key():
     k2 three fifths, "(shadow)" a fifth; each also carries that share of the $5 idle."""
     intervals = [Interval("chat", "c", "od", "on-demand", 1, 1.0, 0.0, 10 * H)]
     usage = [
-        Usage("k1", "chat", 1_000_000, 0, latency_s=H, team="a"),
-        Usage("k2", "chat", 1_000_000, 1_000_000, latency_s=3 * H, ttft_s=H, team="b"),
-        Usage("k1", "chat", 5, 5, latency_s=H, shadow=True, team="a"),
+        request("k1", "chat", 1_000_000, 0, latency_s=H, team="a"),
+        request("k2", "chat", 1_000_000, 1_000_000, latency_s=3 * H, ttft_s=H, team="b"),
+        request("k1", "chat", 5, 5, latency_s=H, shadow=True, team="a"),
     ]
     rows = {r.group: r for r in build_report(intervals, [], usage, 0.0, 10 * H, "key").rows}
     assert {g: r.gpu_dollars for g, r in rows.items()} == {
@@ -101,5 +101,5 @@ def test_chargeback_by_busy_seconds_with_shadow_copies_charged_to_no_key():
     assert rows["k1"].dollars_per_mtok["decode"] is None  # no completion tokens
     teams = {r.group: r.gpu_dollars for r in build_report(intervals, [], usage, 0.0, 10 * H, "team").rows}
     assert teams == {"a": pytest.approx(2.0), "b": pytest.approx(6.0), "(shadow)": pytest.approx(2.0)}
-    no_team = build_report(intervals, [], [Usage("k3", "chat", 1, 1, 1.0)], 0.0, 10 * H, "team")
+    no_team = build_report(intervals, [], [request("k3", "chat", 1, 1, 1.0)], 0.0, 10 * H, "team")
     assert [r.group for r in no_team.rows] == ["(none)"]
