@@ -72,6 +72,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
+    num_preemptions: int = 0  # times its sequences were preempted (their KV recomputed later)
     embedding: list[float] | None = None  # embedding requests (SamplingParams.pooling)
 
     # The single-sequence view the offline API promises.

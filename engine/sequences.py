@@ -104,5 +104,6 @@ def make_output(parent: ParentRequest) -> RequestOutput:
         finished=parent.finished,
         num_cached_tokens=max(first.num_cached_tokens, 0),
         metrics=metrics,
+        num_preemptions=sum(q.request.num_preemptions for q in parent.seqs),
         embedding=first.embedding,
     )

@@ -166,9 +166,15 @@ class Generation:
         parent = tracing.extract(request.headers)
         model = self.lora_name or self.state.settings.served_model_name
         caller_id = request.headers.get(REQUEST_ID_HEADER)
+        resumed = len(self.resume_token_ids or ())
         self._spans = [
             RequestSpans(
-                parent, model=model, engine_request_id=rid, num_prompt_tokens=len(p), request_id=caller_id
+                parent,
+                model=model,
+                engine_request_id=rid,
+                num_prompt_tokens=len(p),
+                request_id=caller_id,
+                resumed_tokens=resumed,
             )
             for rid, p in zip(self.ids, self.prompts)
         ]

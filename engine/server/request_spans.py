@@ -37,6 +37,8 @@ ENGINE_REQUEST_ID = "fleet.engine.request_id"
 CACHED_TOKENS = "fleet.tokens.cached"  # prompt tokens read from the prefix cache
 COMPUTED_TOKENS = "fleet.tokens.computed"  # prompt tokens the prefill computed
 HANDED_OVER = "fleet.engine.handed_over"
+RESUMED_TOKENS = "fleet.engine.resumed_tokens"  # a continuation: tokens generated elsewhere before
+PREEMPTIONS = "fleet.engine.preemptions"
 TTFT = "fleet.engine.ttft_s"
 QUEUE_TIME = "fleet.engine.queue_s"
 
@@ -64,6 +66,7 @@ class RequestSpans:
         engine_request_id: str,
         num_prompt_tokens: int,
         request_id: str | None = None,
+        resumed_tokens: int = 0,
     ) -> None:
         self.tracer = tracing.tracer()
         self.parent = parent
@@ -74,10 +77,13 @@ class RequestSpans:
         }
         if request_id:
             self.attributes[REQUEST_ID] = request_id
+        if resumed_tokens:
+            self.attributes[RESUMED_TOKENS] = resumed_tokens
         self.num_prompt_tokens = num_prompt_tokens
         self.started = time.monotonic()  # arrival, until the engine's own stamp comes
         self.metrics: RequestMetrics | None = None
         self.cached = 0
+        self.preemptions = 0
         self.output_tokens = 0
         self.done = False
 
@@ -86,6 +92,7 @@ class RequestSpans:
             self.metrics = out.metrics
         self.num_prompt_tokens = len(out.prompt_token_ids)
         self.cached = out.num_cached_tokens
+        self.preemptions = out.num_preemptions
         for o in out.outputs:
             self.output_tokens += len(o.delta_token_ids)
         if out.finished:
@@ -128,6 +135,8 @@ class RequestSpans:
             CACHED_TOKENS: self.cached,
             FINISH_REASON: ",".join(finish_reasons),
         }
+        if self.preemptions:
+            attrs[PREEMPTIONS] = self.preemptions
         if first is not None:
             attrs[TTFT] = first - arrival
         if scheduled is not None:

@@ -84,3 +84,15 @@ def test_a_refused_request_is_one_error_span(spans, exporter) -> None:
     (span,) = exporter.get_finished_spans()
     assert span.name == rs.REQUEST_SPAN and span.status.status_code is StatusCode.ERROR
     assert span.attributes[tracing.REASON] == "QueueFullError"
+
+
+def test_a_continuation_and_a_preempted_request_say_so(exporter) -> None:
+    spans = rs.RequestSpans(
+        None, model="m", engine_request_id="cmpl-2", num_prompt_tokens=40, resumed_tokens=9
+    )
+    t = time.monotonic()
+    out = output(RequestMetrics(t, t, t, t, t), [1], "stop")
+    out.num_preemptions = 2
+    spans.on_output(out)
+    root = by_name(exporter)[rs.REQUEST_SPAN]
+    assert root.attributes[rs.RESUMED_TOKENS] == 9 and root.attributes[rs.PREEMPTIONS] == 2
