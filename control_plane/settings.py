@@ -75,6 +75,12 @@ class Settings(BaseSettings):
     report_clock_skew_s: float = Field(300.0, ge=0)
     # How long an unacknowledged batch of a durable consumer waits for redelivery.
     ingest_ack_wait_s: float = Field(10.0, gt=0)
+    # The TCO report's engineering cost (docs/cost.md): hours a month that running Fleet
+    # takes, at this hourly rate; pro-rated to the report's window.
+    tco_engineering_hours_per_month: float = Field(20.0, ge=0, le=10_000)
+    tco_engineering_hourly_dollars: float = Field(100.0, ge=0, le=100_000)
+    # How often the cost gauges on /metrics are recomputed (at most; on a scrape).
+    cost_metrics_interval_s: float = Field(60.0, ge=1)
 
     @classmethod
     def from_env(cls, **overrides) -> Settings:

@@ -18,6 +18,7 @@ from control_plane.api.protected import docs_urls, install_docs
 from control_plane.api.routers import (
     adapters,
     clusters,
+    cost,
     deployments,
     history,
     keys,
@@ -182,6 +183,7 @@ def build_app(ctx: ControlPlaneContext, *, run_loops: bool = True) -> FastAPI:
         history.router,
         rollouts.router,
         usage.router,
+        cost.router,
         model_cache.router,
     )
     for router in routers:
