@@ -22,6 +22,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.api.views import used_gpus
+from control_plane.cost.metrics import CostCollector
 from control_plane.counters import ReconcileStats, Rejections
 from control_plane.db.models import CapacityPool, Cluster, Deployment, ReplicaAssignment, Rollout
 from control_plane.rollouts.policy import Phase
@@ -268,5 +269,8 @@ def metrics(request: Request) -> Response:
             )
         )
         registry.register(RefusalCollector(PREFIX))
+        registry.register(
+            CostCollector(lambda: app_state.ctx.sessions, app_state.ctx.settings.cost_metrics_interval_s)
+        )
         app_state.metrics_registry = registry
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
