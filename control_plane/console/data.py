@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session, selectinload
 
 from control_plane.api.auth import Principal
 from control_plane.api.deps import Paging
+from control_plane.api.routers import cost as cost_api
 from control_plane.api.routers import history, rollouts, usage
 from control_plane.api.schemas import ClusterOut
 from control_plane.api.views import clusters_out, deployment_status, deployment_summaries, key_out
@@ -200,6 +201,16 @@ def keys_and_usage(session: Session, who: Principal, since: str = "1h") -> dict[
             headroom.append({"limit": field, "max": limit, "used": spent, "left": max(0, limit - spent)})
         rows.append({**k.model_dump(), "headroom": headroom})
     return {"keys": rows, "usage": report.model_dump(), "since": since}
+
+
+COST_WINDOWS = ("1h", "6h", "1d", "7d", "30d")
+
+
+def cost(session: Session, who: Principal, since: str = "7d") -> dict[str, Any]:
+    """The cost report by deployment and by team over the same window (the API's route)."""
+    reports = {by: cost_api.get_cost(session=session, who=who, since=since, by=by).model_dump()
+               for by in ("deployment", "team")}  # fmt: skip
+    return {"since": since, "windows": COST_WINDOWS, **reports}
 
 
 def now() -> float:

@@ -11,6 +11,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 
+from control_plane.api.errors import ApiError
+from control_plane.api.routers import cost as cost_api
 from control_plane.console import data, series
 from control_plane.console.session import ConsoleSession
 from control_plane.console.web import render, require, secure
@@ -131,6 +133,27 @@ def keys(request: Request, who: ConsoleSession = Depends(require), since: str = 
     with _db(request) as db:
         k = data.keys_and_usage(db, who.principal, since)
     return render(request, "keys.html", page="keys", k=k)
+
+
+@router.get("/cost")
+def cost(request: Request, who: ConsoleSession = Depends(require), since: str = Query("7d", max_length=64)):
+    with _db(request) as db:
+        try:
+            c = data.cost(db, who.principal, since)
+        except ApiError as err:
+            return render(request, "message.html", err.status, title="Not shown", message=err.message)
+    return render(request, "cost.html", page="cost", c=c)
+
+
+@router.get("/cost/series.json")
+def cost_series(request: Request, since: str = Query("7d", max_length=64)):
+    try:
+        start, until = cost_api.window(since)
+    except ApiError as err:
+        return secure(JSONResponse({"error": err.message}, status_code=err.status))
+    with _db(request) as db:
+        held = series.held_intervals(db, start, until)
+    return secure(JSONResponse(series.hourly_series(held, start, until)))
 
 
 def _filters(**values: Any) -> dict[str, Any]:

@@ -2,6 +2,8 @@
 
 - a deployment's traffic: the usage records the gateways publish (one per request, with
   version, status, tokens and latency), bucketed per version;
+- what the fleet's GPUs cost per hour, per deployment: the replica intervals (the cost
+  ledger: each replica's lifetime at the price it started at), averaged over each bucket;
 - a rollout's guards: the very samples the rollout policy judges (the rollout loop's
   in-memory `UsageWindows`, TTFT included), or the stored usage records when the loops
   run elsewhere (then a request's latency stands in for its TTFT, as the policy does
@@ -21,7 +23,7 @@ from datetime import datetime, timezone
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from control_plane.db.models import UsageRecord
+from control_plane.db.models import ReplicaInterval, UsageRecord
 from control_plane.rollouts.telemetry import Sample, p90
 
 MAX_ROWS = 100_000
@@ -166,3 +168,58 @@ def _quantile(values: list[float], q: float) -> float | None:
 
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 5)
+
+
+@dataclass(frozen=True)
+class Held:
+    deployment: str
+    dollars_per_hour: float
+    start: float
+    end: float | None  # None: still running
+
+
+def held_intervals(session: Session, since: float, until: float) -> list[Held]:
+    """Replica intervals that overlap [since, until]."""
+    start, end = (datetime.fromtimestamp(t, tz=timezone.utc) for t in (since, until))
+    query = (
+        select(
+            ReplicaInterval.deployment,
+            ReplicaInterval.gpus,
+            ReplicaInterval.hourly_price,
+            ReplicaInterval.started_at,
+            ReplicaInterval.ended_at,
+        )
+        .where(
+            ReplicaInterval.started_at <= end,
+            (ReplicaInterval.ended_at.is_(None)) | (ReplicaInterval.ended_at >= start),
+        )
+        .limit(MAX_ROWS)
+    )
+    out = []
+    for dep, gpus, price, started, ended in session.execute(query):
+        out.append(Held(dep, (gpus or 0) * (price or 0.0), _stamp(started), ended and _stamp(ended)))
+    return out
+
+
+def _stamp(at: datetime) -> float:
+    return (at if at.tzinfo else at.replace(tzinfo=timezone.utc)).timestamp()
+
+
+def hourly_series(held: list[Held], since: float, until: float) -> dict[str, dict]:
+    """Dollars per hour per deployment and in total, each bucket the average over its
+    stretch inside the window (a replica that ran half of it counts half its price)."""
+    step = step_for(until - since)
+    xs = _buckets(since, until, step)
+    names = sorted({h.deployment for h in held})
+    series: dict[str, list] = {name: [0.0] * len(xs) for name in names}
+    spans = [min(x + step, until) - max(x, since) for x in xs]  # the edge buckets are partial
+    for h in held:
+        end = until if h.end is None else h.end
+        line = series[h.deployment]
+        for i, x in enumerate(xs):
+            overlap = min(x + step, end, until) - max(x, h.start, since)
+            if overlap > 0 and spans[i] > 0:
+                line[i] += h.dollars_per_hour * overlap / spans[i]
+    total = [_round(sum(series[n][i] for n in names)) for i in range(len(xs))]
+    out = {name: [_round(v) for v in values] for name, values in series.items()}
+    return {"hourly": {"x": xs, "series": {**out, "total": total} if names else {}}}

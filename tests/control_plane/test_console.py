@@ -113,7 +113,8 @@ PAGES = [
     f"/console/deployments/{NAME}/series.json", f"/console/deployments/{NAME}/rollout",
     f"/console/deployments/{NAME}/rollout/panel", f"/console/deployments/{NAME}/rollout/series.json",
     "/console/keys", "/console/events", "/console/events?kind=rollout_started&fragment=1", "/console/audit",
-    "/console/audit?action=key.create&fragment=1", "/console/land.svg",
+    "/console/audit?action=key.create&fragment=1", "/console/land.svg", "/console/cost",
+    "/console/cost?since=1h", "/console/cost/series.json",
 ]  # fmt: skip
 
 
@@ -325,3 +326,18 @@ def test_deployment_series_per_version():
     assert {v for v in charts["latency"]["series"]["v2 p90"] if v is not None} == {2.0}
     total = sum(v or 0 for v in charts["requests"]["series"]["v2"]) * series.step_for(20)
     assert total == 10  # failed requests count as requests, not in the latency
+
+
+def test_hourly_cost_series_averages_each_bucket():
+    """$/h per deployment: a replica that ran half a bucket counts half its price."""
+    since, until = 0.0, 900.0  # 90 buckets of 10 s
+    held = [
+        series.Held("a", 4.0, -100.0, None),  # all along
+        series.Held("b", 2.0, 5.0, 25.0),  # half of bucket 0, all of bucket 1, half of bucket 2
+    ]
+    chart = series.hourly_series(held, since, until)["hourly"]
+    assert series.step_for(until - since) == 10 and len(chart["x"]) == 91
+    assert chart["series"]["a"][:3] == [4.0, 4.0, 4.0]
+    assert chart["series"]["b"][:4] == [1.0, 2.0, 1.0, 0.0]
+    assert chart["series"]["total"][:3] == [5.0, 6.0, 5.0]
+    assert series.hourly_series([], since, until)["hourly"]["series"] == {}
