@@ -4,6 +4,7 @@ per-token prices against Fleet's cost with the break-even volume (POST /v1/cost/
 
 from __future__ import annotations
 
+import math
 from datetime import datetime, timezone
 from enum import Enum
 from pathlib import Path
@@ -69,10 +70,16 @@ def _when(ts: float) -> str:
     return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%d %H:%M")
 
 
+def number(value: float) -> str:
+    """Two decimals from 1 up, three significant digits below (a short window's fractions
+    of a cent), never in exponent notation."""
+    if abs(value) >= 1 or value == 0:
+        return f"{value:,.2f}"
+    return f"{value:.{2 - math.floor(math.log10(abs(value)))}f}"
+
+
 def money(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"${value:,.2f}" if abs(value) >= 100 else f"${value:,.4f}"
+    return "-" if value is None else f"${number(value)}"
 
 
 def _int(value: int | None) -> str:
@@ -83,14 +90,14 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:.1%}"
 
 
-COST_HEADERS = ("GPU-h", "$", "idle $", "tokens in", "tokens out", "$/Mtok prefill", "$/Mtok decode",
-                "$/Mtok total", "utilisation")  # fmt: skip
+COST_HEADERS = ("GPU-h", "$", "idle $", "tokens\nin", "tokens\nout", "$/Mtok\nprefill", "$/Mtok\ndecode",
+                "$/Mtok\ntotal", "util.")  # fmt: skip
 
 
 def _cost_cells(row: dict[str, Any]) -> list[str]:
     per = row.get("dollars_per_mtok") or {}
     return [
-        f"{row['gpu_hours']:,.2f}",
+        number(row["gpu_hours"]),
         money(row["gpu_dollars"]),
         money(row["idle_dollars"]),
         _int(row["prompt_tokens"]),
@@ -125,15 +132,15 @@ def tco_table(report: dict[str, Any]) -> Table:
         f"({report['window_hours']:,.1f} h, {report['currency']})",
         header_style="bold",
     )
-    for header, justify in (("deployment", "left"), ("priced as", "left"), ("tokens in", "right"),
-                            ("tokens out", "right"), ("API $", "right"), ("Fleet GPU $", "right"),
-                            ("idle $", "right"), ("Fleet / API", "right")):  # fmt: skip
+    for header, justify in (("deployment", "left"), ("priced as", "left"), ("tokens\nin", "right"),
+                            ("tokens\nout", "right"), ("API $", "right"), ("Fleet $", "right"),
+                            ("idle $", "right"), ("Fleet\n/ API", "right")):  # fmt: skip
         table.add_column(header, justify=justify)  # type: ignore[arg-type]
     rows = report["rows"]
     for row in rows:
         table.add_row(
             row["deployment"],
-            row["api"] or row["priced_as"],
+            row["api"] or row["priced_as"] or "(Fleet only: unused reserved)",
             _int(row["prompt_tokens"]),
             _int(row["completion_tokens"]),
             money(row["api_dollars"]),
