@@ -112,6 +112,7 @@ class SimFleet:
         cluster: dict | None = None,
         runtime: str = "sim",
         replica_args: list[str] | None = None,
+        pool: dict | None = None,
     ) -> None:
         self.home = home
         self.regions = regions
@@ -120,6 +121,7 @@ class SimFleet:
         self.cluster_overrides = cluster or {}  # ClusterConfig fields of every region
         self.runtime = runtime
         self.replica_args = replica_args or []
+        self.pool_overrides = pool or {}  # more PoolInventory fields of every region's pool (a price)
         self.local = LocalFleet(home)
         self.state = self.local.new_state(regions)
         self.token = ""
@@ -143,7 +145,15 @@ class SimFleet:
                     "gateway": config.gateway.model_copy(
                         update={"port": free_port(), **self.gateway_overrides.get(region, {})}
                     ),
-                    "pools": [PoolInventory(name=pool, gpu_model="cpu", gpus_per_node=self.slots, nodes=1)],
+                    "pools": [
+                        PoolInventory(
+                            name=pool,
+                            gpu_model="cpu",
+                            gpus_per_node=self.slots,
+                            nodes=1,
+                            **self.pool_overrides,
+                        )
+                    ],
                 }
             )
             config.dump(local.dir / "clusters" / region / "cluster.yaml")
