@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from control_plane.cost.accounting import UNALLOCATED
 from control_plane.cost.model import CostReport
 
 MONTH_HOURS = 365.25 * 24 / 12  # 730.5
@@ -141,7 +142,9 @@ def _first_line(err: Exception) -> str:
 
 class TcoRow(BaseModel):
     deployment: str
-    priced_as: str  # the price file's entry: the deployment, its model, or "default"
+    # the price file's entry: the deployment, its model, or "default"; None: not a
+    # deployment (unused reserved capacity, "(unallocated)"): on Fleet's side only
+    priced_as: str | None
     api: str | None = None
     prompt_tokens: int
     completion_tokens: int
@@ -196,6 +199,20 @@ def tco_report(
     rows: list[TcoRow] = []
     unpriced: list[str] = []
     for row in report.rows:
+        if row.group == UNALLOCATED:  # unused reserved capacity: Fleet pays it, no API would
+            rows.append(
+                TcoRow(
+                    deployment=row.group,
+                    priced_as=None,
+                    prompt_tokens=row.prompt_tokens,
+                    completion_tokens=row.completion_tokens,
+                    api_dollars=0.0,
+                    gpu_dollars=row.gpu_dollars,
+                    idle_dollars=row.idle_dollars,
+                    ratio=None,
+                )
+            )
+            continue
         found = prices.match(row.group, models.get(row.group))
         if found is None:
             unpriced.append(row.group)

@@ -81,6 +81,15 @@ def test_without_a_default_an_unknown_deployment_is_unpriced_on_both_sides():
     assert any("batch" in w for w in got.warnings)
 
 
+def test_unused_reserved_capacity_is_fleet_cost_only():
+    prices = parse_prices({"prices": {"chat": {"input_per_mtok": 1, "output_per_mtok": 4}}})
+    got = tco_report(report([row("chat", 1_000_000, 0, 2.0, 1.0), row("(unallocated)", 0, 0, 7.0, 7.0)]),
+                     prices, ENG)  # fmt: skip
+    assert got.unpriced == [] and got.rows[1].priced_as is None and got.rows[1].api_dollars == 0
+    assert got.gpu_dollars == pytest.approx(9.0) and got.idle_dollars == pytest.approx(8.0)
+    assert got.api_dollars == pytest.approx(1.0)
+
+
 def test_a_week_hand_computed():
     """Two deployments over one week; engineering $2,000/month pro-rated to 168 h."""
     prices = parse_prices(PRICES)

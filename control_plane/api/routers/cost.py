@@ -5,7 +5,7 @@ API's per-token prices against Fleet's cost (`control_plane.cost.tco`). See docs
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, Field
@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 from control_plane.api.deps import PrincipalDep, SessionDep
 from control_plane.api.errors import invalid
 from control_plane.api.routers.usage import parse_since
-from control_plane.cost.model import CostReport
+from control_plane.cost.model import CostReport, GroupBy
 from control_plane.cost.report import cost_report
 from control_plane.cost.tco import (
     MAX_PRICE_FILE_CHARS,
@@ -29,7 +29,6 @@ from control_plane.db.models import Deployment, DeploymentVersion
 
 router = APIRouter(prefix="/v1/cost", tags=["cost"])
 
-By = Literal["deployment", "key", "team", "pool"]
 DEFAULT_SINCE = "7d"
 
 
@@ -47,7 +46,7 @@ def get_cost(
     session: SessionDep,
     who: PrincipalDep,
     since: str = Query(DEFAULT_SINCE, max_length=64, description="30m, 1h, 7d or an ISO 8601 time"),
-    by: By = Query("deployment", description="deployment, key, team or pool"),
+    by: GroupBy = Query("deployment", description="deployment, key, team or pool"),
 ) -> CostReport:
     start, until = window(since)
     return cost_report(session, start, until, by)
