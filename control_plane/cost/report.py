@@ -19,24 +19,17 @@ def _dt(t: float) -> datetime:
 
 def read_intervals(session: Session, since: float, until: float) -> list[Interval]:
     """The ledger rows overlapping [since, until)."""
-    rows = session.scalars(
-        select(ReplicaInterval).where(
-            ReplicaInterval.started_at < _dt(until),
-            or_(ReplicaInterval.ended_at.is_(None), ReplicaInterval.ended_at > _dt(since)),
-        )
+    r = ReplicaInterval
+    rows = session.execute(
+        select(
+            r.deployment, r.cluster, r.pool, r.tier, r.gpus, r.hourly_price, r.started_at, r.ended_at
+        ).where(r.started_at < _dt(until), or_(r.ended_at.is_(None), r.ended_at > _dt(since)))
     ).all()
     return [
         Interval(
-            deployment=r.deployment,
-            cluster=r.cluster,
-            pool=r.pool,
-            tier=r.tier,
-            gpus=r.gpus,
-            hourly_price=r.hourly_price,
-            started_at=r.started_at.timestamp(),
-            ended_at=None if r.ended_at is None else r.ended_at.timestamp(),
+            dep, cluster, pool, tier, gpus, price, start.timestamp(), None if end is None else end.timestamp()
         )
-        for r in rows
+        for dep, cluster, pool, tier, gpus, price, start, end in rows
     ]
 
 
