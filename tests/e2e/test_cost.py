@@ -1,17 +1,20 @@
 """Cost end to end on a real local fleet (nats-server, control plane, agent, gateway; one
 simulated replica on a priced pool) under a little chat traffic: `fleetctl cost` reports the
 deployment's tokens and dollars, `fleetctl cost --tco` prices them with the shipped sample
-price file, the API refuses bad windows with a reason, and /metrics carries the cost gauges.
+price file, the API refuses bad windows with a reason, /metrics carries the cost gauges and
+the console's cost page shows the deployment.
 Figures are printed (pytest -s)."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
+from tests.control_plane.test_console import Console
 from tests.e2e.sim_fleet import Load, SimFleet, wait_for
 from tests.fleetctl import fleetctl, fleetctl_json
 
@@ -110,3 +113,11 @@ def test_cost_gauges_on_metrics(fleet):
         assert found and float(found.group(1)) >= 0, phase
         if phase == "total":
             assert float(found.group(1)) > 0
+
+
+def test_console_cost_page_shows_the_deployment(fleet):
+    console = Console(SimpleNamespace(url=fleet.api_url), fleet.token)
+    page = console.get("/console/cost?since=1h")
+    assert page.status_code == 200 and f"<td>{NAME}</td>" in page.text
+    chart = console.get("/console/cost/series.json?since=1h").json()["hourly"]
+    assert max(v or 0 for v in chart["series"][NAME]) > 0 and chart["series"]["total"]
