@@ -81,6 +81,8 @@ class Settings(BaseSettings):
     tco_engineering_hourly_dollars: float = Field(100.0, ge=0, le=100_000)
     # How often the cost gauges on /metrics are recomputed (at most; on a scrape).
     cost_metrics_interval_s: float = Field(60.0, ge=1)
+    # Team budgets: seconds between two passes over every budget (control_plane.loops.budgets).
+    budget_interval_s: float = Field(30.0, gt=0)
 
     @classmethod
     def from_env(cls, **overrides) -> Settings:

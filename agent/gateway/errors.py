@@ -20,7 +20,7 @@ class GatewayError(OpenAIError):
 
 
 def error_response(err: GatewayError, headers: dict[str, str] | None = None) -> Response:
-    body = json.dumps(error_body(err.status, err.message, err.param, err.code)).encode()
+    body = json.dumps(error_body(err.status, err.message, err.param, err.code, err.kind)).encode()
     return Response(
         body,
         status_code=err.status,

@@ -19,6 +19,20 @@ from agent.gateway.quota import MINUTE_S, QuotaBook, Reservation, limits_for, sh
 from fleet_base.api_keys import ApiKeyRecord
 
 
+def budget_spent(key: ApiKeyRecord) -> GatewayError:
+    """The key's team has a hard monthly budget and spent it (the control plane marks the
+    key): OpenAI's answer to an account out of credit, no Retry-After (it lasts until the
+    budget is raised or the month ends)."""
+    team = f"team '{key.team}'" if key.team else "this key's team"
+    return GatewayError(
+        429,
+        f"The monthly budget of {team} is spent: new requests are refused until the budget is raised "
+        "or the next calendar month (UTC) begins",
+        code="insufficient_quota",
+        kind="insufficient_quota",
+    )
+
+
 class QuotaGate:
     def __init__(
         self,
@@ -42,6 +56,9 @@ class QuotaGate:
         """(reservation to settle, headers for the response); GatewayError 429 when over.
         `worst_tokens` (no max_tokens: the context left) is reserved up to the key's
         smallest token budget here, so such a request is never refused outright."""
+        if key.budget_exhausted:
+            self.metrics.rate_limited.labels(info.deployment, "budget").inc()
+            raise budget_spent(key)
         if not key.quotas.limited():
             return None, {}
         share = share_of(key, self.cluster)

@@ -130,7 +130,7 @@ class GatewayMetrics:
             ["class"], buckets=QUEUE_BUCKETS, registry=r,
         )  # fmt: skip
         self.rate_limited = Counter(
-            "fleet_gateway_rate_limited", "Requests answered 429 by a key's quota, by deployment and limit.",
+            "fleet_gateway_rate_limited", "Requests answered 429 by a key's quota or team budget, by deployment and limit.",
             ["deployment", "limit"], registry=r,
         )  # fmt: skip
         self.prompt_tokens_counted = Counter(

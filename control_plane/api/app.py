@@ -17,6 +17,7 @@ from control_plane.api.auth import TokenCache, authenticate
 from control_plane.api.protected import docs_urls, install_docs
 from control_plane.api.routers import (
     adapters,
+    budgets,
     clusters,
     cost,
     deployments,
@@ -185,6 +186,7 @@ def build_app(ctx: ControlPlaneContext, *, run_loops: bool = True) -> FastAPI:
         usage.router,
         cost.router,
         model_cache.router,
+        budgets.router,
     )
     for router in routers:
         app.include_router(router, dependencies=auth)

@@ -22,6 +22,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.api.views import used_gpus
+from control_plane.cost.budget_metrics import budget_metrics
 from control_plane.cost.metrics import CostCollector
 from control_plane.counters import ReconcileStats, Rejections
 from control_plane.db.models import CapacityPool, Cluster, Deployment, ReplicaAssignment, Rollout
@@ -171,6 +172,7 @@ def _database_metrics(session: Session) -> Iterator[Metric]:
         g.add_metric([phase], phases[phase])
     yield g
     yield from _shadow_metrics(session)
+    yield from budget_metrics(session)
 
 
 def _shadow_metrics(session: Session) -> Iterator[Metric]:

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
+from control_plane.cost.budgets import DEFAULT_THRESHOLDS
+from control_plane.cost.budgets import Fraction as BudgetFraction
 from control_plane.placement.base import PriorityClass as DeploymentPriority
 from control_plane.rollouts.surge import check_budget
 from fleet_base.domain import (
@@ -375,6 +377,35 @@ class KeyOut(BaseModel):
 
 class KeyCreated(KeyOut):
     key: str = Field(description="the secret: shown once, never stored")
+
+
+# --------------------------------------------------------------------- team budgets
+
+
+class BudgetIn(Strict):
+    """PUT /v1/budgets/{team}: the whole budget (fields left out take their defaults)."""
+
+    monthly_dollars: float = Field(gt=0, le=1e12, description="dollars per calendar month (UTC)")
+    thresholds: list[BudgetFraction] = Field(
+        default_factory=lambda: list(DEFAULT_THRESHOLDS),
+        min_length=1,
+        max_length=16,
+        description="fractions of the budget to alert at, each in (0, 1]",
+    )
+    hard: bool = Field(False, description="refuse the team's keys (429) once the month's budget is spent")
+
+
+class BudgetOut(BaseModel):
+    team: str
+    monthly_dollars: float
+    thresholds: list[float]
+    hard: bool
+    month: str = Field(description="the calendar month (UTC) the figures are about, YYYY-MM")
+    spent_dollars: float | None = Field(description="dollars spent this month; null: the cost report failed")
+    used_ratio: float | None
+    exhausted: bool = Field(description="hard and spent: gateways refuse the team's keys")
+    alerted: list[float] = Field(description="thresholds already alerted this month")
+    updated_at: datetime
 
 
 # --------------------------------------------------------------------- events and audit

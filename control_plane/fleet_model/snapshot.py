@@ -3,6 +3,8 @@ in one go, so every decision after the read is a pure function of this snapshot.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Collection
 from datetime import datetime
 from typing import Any
 
@@ -10,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
+from control_plane.cost.budget_store import exhausted_teams
 from control_plane.db.models import ApiKey, Cluster, Deployment, ReplicaAssignment
 from control_plane.placement.base import PRIORITY_RANK, PriorityClass
 from control_plane.rollouts.store import RolloutPlan, plans
@@ -178,8 +181,9 @@ def read_snapshot(session: Session) -> FleetSnapshot:
     )
 
 
-def key_record(k: ApiKey) -> ApiKeyRecord:
-    """A key row as gateways see it (salt and hash, never a secret)."""
+def key_record(k: ApiKey, exhausted_teams: Collection[str] = ()) -> ApiKeyRecord:
+    """A key row as gateways see it (salt and hash, never a secret); a key of a team in
+    `exhausted_teams` (a hard monthly budget, spent) is marked for refusal."""
     return ApiKeyRecord(
         key_id=k.key_id,
         name=k.name,
@@ -192,10 +196,12 @@ def key_record(k: ApiKey) -> ApiKeyRecord:
         created_at=k.created_at.timestamp(),
         residency=None if k.residency is None else list(k.residency),
         team=k.team,
+        budget_exhausted=k.team is not None and k.team in exhausted_teams,
     )
 
 
 def live_keys(session: Session) -> list[ApiKeyRecord]:
-    """Every key not revoked, by id."""
+    """Every key not revoked, by id, each marked when its team's hard budget is spent."""
     rows = session.scalars(select(ApiKey).where(ApiKey.revoked_at.is_(None)).order_by(ApiKey.key_id)).all()
-    return [key_record(k) for k in rows]
+    exhausted = exhausted_teams(session, time.time())
+    return [key_record(k, exhausted) for k in rows]

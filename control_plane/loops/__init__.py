@@ -8,7 +8,9 @@
 - events: the `FLEET_EVENTS` stream through a durable consumer (`durable`), acknowledged
   after the commit, stored once by event id; a bad message is counted (`control_plane.counters`) and skipped;
 - failover: a cluster silent for `missed_heartbeats * heartbeat_interval_s` becomes
-  unhealthy, which the next reconcile turns into re-placement and dropped routes.
+  unhealthy, which the next reconcile turns into re-placement and dropped routes;
+- budgets: every `budget_interval_s`, each team budget against its month-to-date dollars
+  (`control_plane.loops.budgets`).
 
 Decisions live in plain functions (`plan`, `ingest`, `placement`); this module is the
 asyncio plumbing around them. Database work runs in threads.
@@ -27,6 +29,7 @@ from control_plane.counters import ReconcileStats, Rejections
 from control_plane.db.models import utcnow
 from control_plane.inbox import Inbox
 from control_plane.loops.autoscale import start_autoscale_loop
+from control_plane.loops.budgets import start_budget_loop
 from control_plane.loops.durable import DurableConsumer
 from control_plane.loops.ingest import (
     apply_heartbeats,
@@ -217,6 +220,7 @@ async def start_loops(ctx: ControlPlaneContext) -> Loops:
     loops.children.append(loops.rollouts)
     loops.children.append(await start_autoscale_loop(ctx, inbox=loops.inbox))
     loops.children.append(await start_key_loop(ctx))
+    loops.children.append(await start_budget_loop(ctx))
     return loops
 
 

@@ -30,6 +30,7 @@ class OpenAIError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        kind: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -37,15 +38,17 @@ class OpenAIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers
+        self.kind = kind  # the body's `type` when the status's default is not OpenAI's
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.status, self.message, self.param, self.code)
+        return error_body(self.status, self.message, self.param, self.code, self.kind)
 
 
 def error_body(
-    status: int, message: str, param: str | None = None, code: str | None = None
+    status: int, message: str, param: str | None = None, code: str | None = None, kind: str | None = None
 ) -> dict[str, Any]:
-    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error")
+    """OpenAI's shape; `kind` overrides the status's `type` (429 `insufficient_quota`)."""
+    kind = kind or ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
