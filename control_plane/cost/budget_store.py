@@ -25,6 +25,7 @@ from control_plane.cost.budgets import (
     month_start,
     state_after,
 )
+from control_plane.cost.report import cost_report
 from control_plane.db.models import Event, TeamBudget
 
 log = logging.getLogger(__name__)
@@ -36,9 +37,10 @@ TeamSpend = Callable[[Session, float, float], dict[str, float]]
 
 
 def team_spend(session: Session, since: float, until: float) -> dict[str, float]:
-    """Each team's dollars over [since, until) from the cost report."""
-    from control_plane.cost.report import cost_report
-
+    """Each team's dollars over [since, until) from the cost report (its GPU dollars, idle
+    part included); nothing for an empty window (the first instant of a month)."""
+    if until <= since:
+        return {}
     report = cost_report(session, since, until, by="team")
     return {row.group: row.gpu_dollars for row in report.rows}
 

@@ -6,18 +6,23 @@ budget loop wakes the key loop when the refused teams change."""
 from __future__ import annotations
 
 import time
+from datetime import datetime, timezone
 
 import pytest
 from prometheus_client.core import Metric
 from sqlalchemy import select
 
 from control_plane.context import ControlPlaneContext
+from control_plane.cost import ledger
 from control_plane.cost.budget_metrics import budget_metrics
 from control_plane.cost.budget_store import EVENT_KIND, evaluate_budgets, exhausted_teams
 from control_plane.db import models as m
 from control_plane.fleet_model.snapshot import live_keys
 from control_plane.loops.budgets import BudgetLoop
+from control_plane.loops.usage import store_records
+from control_plane.placement.base import Assignment
 from control_plane.settings import Settings
+from fleet_base.protocol import UsageRecord
 
 
 @pytest.fixture
@@ -115,3 +120,53 @@ async def test_the_loop_wakes_the_key_loop_when_the_refused_teams_change(fleet, 
     outcomes = await loop.run_once()
     assert ctx.keys_changed.is_set()
     assert {o.team: o.decision.exhausted for o in outcomes} == {"ml": True, "web": False}
+
+
+def test_a_budget_crosses_its_thresholds_on_the_real_cost_report(sessions) -> None:
+    """The ledger and usage as the loops store them: team ml's one key is the only user of
+    a 1-GPU on-demand replica at $10/GPU-hour running since Dec 14, so ml owes $10 an hour
+    (idle included); its hard budget is $300."""
+    start = datetime(2026, 12, 14, tzinfo=timezone.utc)
+    with sessions() as s:
+        cluster = m.Cluster(id="c1", region="r")
+        cluster.pools = [
+            m.CapacityPool(
+                name="od", gpu_model="L4", gpus_per_node=1, nodes=2, tier="on-demand", hourly_price=10.0
+            )
+        ]
+        s.add(cluster)
+        s.add(m.ApiKey(key_id="ka", name="ka", salt="s", hash="h", team="ml"))
+        s.add(m.ApiKey(key_id="kb", name="kb", salt="s", hash="h", team="web"))
+        s.add(
+            m.TeamBudget(team="ml", monthly_dollars=300.0, thresholds=[0.5, 0.8, 1.0], hard=True, alerted={})
+        )
+        ledger.start(
+            s,
+            [Assignment(replica_id="r1", deployment="chat", version=1, cluster="c1", pool="od", gpus=1)],
+            start,
+        )
+        s.commit()
+    at = start.timestamp() + 3600
+    store_records(
+        sessions, [UsageRecord(cluster="c1", key_id="ka", deployment="chat", at=at, latency_s=60.0)]
+    )
+    hour = 3600.0
+
+    with sessions() as s:  # no spend injected: the real cost report
+        (ml,) = evaluate_budgets(s, start.timestamp() + 24 * hour)  # $240: 80%
+        s.commit()
+    assert ml.decision.spent == pytest.approx(240.0) and ml.decision.crossed == (0.5, 0.8)
+    assert not ml.decision.exhausted and refused_keys(sessions) == set()
+    with sessions() as s:
+        (ml,) = evaluate_budgets(s, start.timestamp() + 30 * hour)  # $300: spent
+        s.commit()
+    assert ml.decision.crossed == (1.0,) and ml.decision.exhausted
+    events = threshold_events(sessions)
+    assert [e.split(":")[0] for e in events] == [
+        "team ml reached 50% of its monthly budget",
+        "team ml reached 80% of its monthly budget",
+        "team ml reached 100% of its monthly budget",
+    ]
+    assert "$300.00 of $300.00 spent in 2026-12" in events[-1]
+    with sessions() as s:
+        assert exhausted_teams(s, start.timestamp() + 30 * hour) == {"ml"}
