@@ -385,7 +385,9 @@ class KeyCreated(KeyOut):
 class BudgetIn(Strict):
     """PUT /v1/budgets/{team}: the whole budget (fields left out take their defaults)."""
 
-    monthly_dollars: float = Field(gt=0, le=1e12, description="dollars per calendar month (UTC)")
+    monthly_dollars: float = Field(
+        ge=0.01, le=1e12, description="dollars per calendar month (UTC), a cent or more"
+    )
     thresholds: list[BudgetFraction] = Field(
         default_factory=lambda: list(DEFAULT_THRESHOLDS),
         min_length=1,

@@ -23,7 +23,8 @@ DEFAULT_THRESHOLDS: tuple[float, ...] = (0.5, 0.8, 1.0)
 # 0.7 x $100 is crossed by $70 despite binary fractions.
 SLACK = 1e-9
 
-Fraction = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+# A threshold: a fraction of the budget in (0, 1], to the 6 digits thresholds compare by.
+Fraction = Annotated[float, Field(ge=1e-6, le=1, allow_inf_nan=False)]
 
 
 class Budget(BaseModel):

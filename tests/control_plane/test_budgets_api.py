@@ -52,6 +52,7 @@ BAD = [
     ("team", "bad team!", {"monthly_dollars": 1}),
     ("monthly_dollars", "t", {"monthly_dollars": 0}),
     ("monthly_dollars", "t", {"monthly_dollars": -5}),
+    ("monthly_dollars", "t", {"monthly_dollars": 1e-300}),
     ("monthly_dollars", "t", {"monthly_dollars": "500"}),
     ("monthly_dollars", "t", {}),
     ("thresholds.0", "t", {"monthly_dollars": 1, "thresholds": [80]}),

@@ -21,7 +21,9 @@ def test_a_key_whose_team_budget_is_spent_gets_429_insufficient_quota(
     spent = record.model_copy(update={"team": "ml", "budget_exhausted": True})
     others = [r for _, r in keys.values()]
     east.write(keys=[*others, spent])
-    before = sample(scrape(east.url), "fleet_gateway_rate_limited_total", deployment=DEPLOYMENT, limit="budget")
+    before = sample(
+        scrape(east.url), "fleet_gateway_rate_limited_total", deployment=DEPLOYMENT, limit="budget"
+    )
 
     r = httpx.post(f"{east.url}/v1/completions", json=BODY, headers={"Authorization": f"Bearer {secret}"})
     assert r.status_code == 429, r.text
@@ -29,12 +31,16 @@ def test_a_key_whose_team_budget_is_spent_gets_429_insufficient_quota(
     assert err["type"] == "insufficient_quota" and err["code"] == "insufficient_quota"
     assert "monthly budget of team 'ml'" in err["message"]
     assert "retry-after" not in r.headers  # waiting does not help: the budget or the month must change
-    after = sample(scrape(east.url), "fleet_gateway_rate_limited_total", deployment=DEPLOYMENT, limit="budget")
+    after = sample(
+        scrape(east.url), "fleet_gateway_rate_limited_total", deployment=DEPLOYMENT, limit="budget"
+    )
     assert after == before + 1
 
     client = openai.OpenAI(base_url=f"{east.url}/v1", api_key=secret, max_retries=0)
     with pytest.raises(openai.RateLimitError) as caught:
-        client.chat.completions.create(model=DEPLOYMENT, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+        client.chat.completions.create(
+            model=DEPLOYMENT, messages=[{"role": "user", "content": "hi"}], max_tokens=1
+        )
     assert caught.value.code == "insufficient_quota"
 
     east.write(keys=[*others, spent.model_copy(update={"budget_exhausted": False})])  # budget raised

@@ -135,6 +135,7 @@ def test_stored_state_round_trips_and_garbage_reads_as_none() -> None:
 @pytest.mark.parametrize(
     "bad",
     [{"monthly_dollars": 0}, {"monthly_dollars": -1}, {"monthly_dollars": 1, "thresholds": (0.0,)},
+     {"monthly_dollars": 1, "thresholds": (1e-9,)},
      {"monthly_dollars": 1, "thresholds": (1.5,)}, {"monthly_dollars": 1, "thresholds": ()},
      {"monthly_dollars": float("nan")}],
 )  # fmt: skip
