@@ -93,6 +93,9 @@ class GatewayConfig(BaseModel):
     # The context window assumed for a deployment whose engine_args give no max_model_len:
     # a chat request without max_tokens reserves quota for the context it may fill.
     default_context_tokens: int = Field(8192, ge=1)
+    # One access log line per request when it ends (logger agent.gateway.access, INFO
+    # whatever --log-level says), with its trace id when tracing is on (docs/tracing.md).
+    access_log: bool = False
 
     @property
     def url(self) -> str:

@@ -20,6 +20,10 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 def _value(v: AnyValue) -> Any:
     kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(x) for x in v.array_value.values]
+    if kind == "kvlist_value":
+        return {kv.key: _value(kv.value) for kv in v.kvlist_value.values}
     return getattr(v, kind) if kind else None
 
 

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from agent.gateway.app import build_app
 from agent.gateway.peers import mark_peer_listener
+from fleet_base import tracing
 from fleet_base.cluster_config import ClusterConfig
 from fleet_base.listener import uvicorn_options
 
@@ -37,6 +38,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         config.gateway.port = ns.port
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("nats").setLevel(logging.WARNING)
+    logging.getLogger("agent.gateway.access").setLevel(
+        logging.INFO if config.gateway.access_log else logging.WARNING
+    )
+    tracing.setup("fleet-gateway", attributes={tracing.CLUSTER: config.cluster})
     try:
         listener = uvicorn_options()
     except ValueError as err:

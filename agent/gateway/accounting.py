@@ -46,9 +46,10 @@ class Accounting:
         self.metrics.requests.labels(deployment, str(status)).inc()
         self.metrics.duration.labels(deployment).observe(time.monotonic() - started)
 
-    def refused(self, call: Call, status: int) -> None:
+    def refused(self, call: Call, status: int, reason: str | None = None) -> None:
         """Over a quota: the refusal is demand the control plane sees."""
         self.count(call.deployment, status, call.started)
+        call.trace.finish(status, call=call, reason=reason)
         self.usage.submit(
             self._record(
                 call,
@@ -80,6 +81,7 @@ class Accounting:
             self.metrics.ttft.labels(deployment).observe(p.ttft_s)
         if ex.shadow is not None:  # its copy compares outputs once the original is done
             ex.shadow.original_finished(status)
+        call.trace.finish(status, call=call, progress=p)
         if p.peer is not None:
             return
         prompt = _int(p.usage.get("prompt_tokens"))

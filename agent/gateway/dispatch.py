@@ -31,6 +31,7 @@ from agent.gateway.shadow import ShadowMirror
 from agent.gateway.stream import StreamSession
 from agent.gateway.tenancy import body_for
 from agent.gateway.upstream import Upstreams
+from fleet_base import tracing
 from fleet_base.cluster_config import GatewayConfig
 
 
@@ -49,7 +50,7 @@ class Dispatcher:
     async def serve(self, ex: Exchange) -> Response:
         """Walk the plan's stages; a stage entered only after a failure (failover) is
         walked when the stage before asked for it and peers are still alive."""
-        plan = self._permitted(ex, self.router.plan(ex.call))
+        plan = self._permitted(ex, self._plan(ex))
         pending: GatewayError | None = None  # the failure a failover stage answers
         for stage in plan.stages:
             rule = STAGE_RULES[stage]
@@ -81,6 +82,12 @@ class Dispatcher:
             raise pending
         raise self.queue.unavailable(ex.call.deployment, "no replica or peer can serve it")
 
+    def _plan(self, ex: Exchange, replan: bool = False) -> Plan:
+        """The routing plan on the facts as they are now (a routing span of the request's trace)."""
+        plan = self.router.plan(ex.call)
+        ex.call.trace.routed(plan, replan)
+        return plan
+
     def _permitted(self, ex: Exchange, plan: Plan) -> Plan:
         """The plan, unless residency left it nothing to try (503, nothing sent)."""
         if plan.residency_unavailable:
@@ -92,8 +99,8 @@ class Dispatcher:
         replica here that ends without one, while residency ruled out the peers that have
         them, is residency's answer (it names residency)."""
         deployment = ex.call.deployment
-        with self._waiting(deployment):
-            call = ex.call
+        call = ex.call
+        with self._waiting(deployment), call.trace.step("gateway.queue", {"fleet.class": call.klass}) as span:
             try:
                 ex.progress.queue_s = await self.queue.admit(
                     deployment, call.klass, call.key_id, call.max_concurrent
@@ -102,10 +109,11 @@ class Dispatcher:
                 if plan.excluded and err.code == "no_replica_available":
                     raise self.residency.unavailable(deployment, call.allowed) from None
                 raise
+            tracing.set_attributes(span, {"fleet.queue_s": ex.progress.queue_s})
         ex.progress.admitted = True
         local = plan.stage("local")
         if ex.progress.queue_s > 0 or not local or not local[0].name:
-            return self.router.plan(ex.call)
+            return self._plan(ex, replan=True)
         return plan
 
     def _waiting(self, deployment: str) -> contextlib.AbstractContextManager[None]:

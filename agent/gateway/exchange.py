@@ -13,6 +13,7 @@ from agent.gateway.inputs import RequestInfo
 from agent.gateway.limits import QuotaGate
 from agent.gateway.plan import Attempt
 from agent.gateway.quota import Reservation
+from agent.gateway.spans import RequestTrace
 
 if TYPE_CHECKING:
     from agent.gateway.shadow import ShadowCopy
@@ -45,6 +46,7 @@ class Call:
     limit_headers: Mapping[str, str] = field(default_factory=dict)
     client: ClientHeaders = ClientHeaders()
     allowed: frozenset[str] | None = None  # residency: where it may be processed (None: anywhere)
+    trace: RequestTrace = field(default_factory=RequestTrace, compare=False, repr=False)  # its spans
 
     @property
     def deployment(self) -> str:

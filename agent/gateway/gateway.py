@@ -46,10 +46,12 @@ from agent.gateway.residency import ResidencyGate
 from agent.gateway.router import Router
 from agent.gateway.shadow import ShadowMirror
 from agent.gateway.shadow_policy import serves_users
+from agent.gateway.spans import RequestTrace
 from agent.gateway.state import ClusterView
 from agent.gateway.tokens import DesiredIndex, TokenCounters
 from agent.gateway.upstream import REQUEST_ID_HEADER, Upstreams
 from agent.gateway.usage import UsagePublisher
+from fleet_base import tracing
 from fleet_base.api_keys import ApiKeyRecord
 from fleet_base.cluster_config import ClusterConfig
 from fleet_base.local_state import LocalState
@@ -286,25 +288,32 @@ class Gateway:
         started = time.monotonic()
         request_id = request.headers.get(REQUEST_ID_HEADER) or f"req-{secrets.token_hex(12)}"
         reply_headers = {REQUEST_ID_HEADER: request_id, "X-Fleet-Cluster": self.cluster}
+        trace = RequestTrace.begin(request_id, self.cluster, request.headers, endpoint)
         self.refresh()
         record: ApiKeyRecord | None = None
         try:
-            forward = self.peers.forward(request.scope, request.headers)
-            record = self.peers.key(self.auth, forward, request.headers.get("authorization"))
-            self.auth.authorize(record)
-            self.residency.admit_key(record)  # before any work: a bound key's endpoint is inside
-            call = await self._call(request, request_id, record, endpoint, started, forward)
+            with trace.step("gateway.auth") as span:
+                forward = self.peers.forward(request.scope, request.headers)
+                record = self.peers.key(self.auth, forward, request.headers.get("authorization"))
+                tracing.set_attributes(span, {tracing.KEY_ID: record.key_id})
+                self.auth.authorize(record)
+                self.residency.admit_key(record)  # before any work: a bound key's endpoint is inside
+            if forward is not None:
+                trace.set({"fleet.forwarded_from": forward.cluster, "fleet.hops": forward.hops})
+            call = await self._call(request, request_id, record, endpoint, started, forward, trace)
         except GatewayError as err:
             self.accounting.count(UNKNOWN, err.status, started)
+            trace.finish(err.status, key_id=record.key_id if record else None, reason=err.code)
             if record is not None:  # a key with limits sees them on every answer
                 reply_headers.update(self.quota.headers(record, ""))
             return error_response(err, reply_headers)
         try:
-            reservation, limit_headers = self.quota.admit(
-                record, call.info, call.info.worst_case_tokens(), call.adapter
-            )
+            with trace.step("gateway.quota", {tracing.KEY_ID: record.key_id}):
+                reservation, limit_headers = self.quota.admit(
+                    record, call.info, call.info.worst_case_tokens(), call.adapter
+                )
         except GatewayError as err:  # over a quota: the refusal is demand the control plane sees
-            self.accounting.refused(call, err.status)
+            self.accounting.refused(call, err.status, err.code)
             return error_response(err, reply_headers)
         call = replace(call, limit_headers=limit_headers)
         ex = Exchange(call, Settlement(self.quota, reservation))
@@ -332,6 +341,7 @@ class Gateway:
         endpoint: Endpoint,
         started: float,
         forward: PeerForward | None,
+        trace: RequestTrace | None = None,
     ) -> Call:
         """The request parsed once, its deployment known and allowed, its prompt counted."""
         raw = await read_body(request, self.config.gateway.max_body_bytes)
@@ -371,6 +381,7 @@ class Gateway:
                 keep_ids=bool(headers.get(TOKEN_IDS_HEADER)),
             ),
             allowed=policy,
+            trace=trace or RequestTrace(request_id, self.cluster),
         )
 
     def _draw(self, info: RequestInfo, session: str | None) -> float:

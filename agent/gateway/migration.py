@@ -209,7 +209,7 @@ async def relay(
                 return
             raise MidstreamFailure("closed", "the upstream closed the stream before it finished")
         except (httpx.HTTPError, MidstreamFailure) as err:
-            reason = err.reason if isinstance(err, MidstreamFailure) else _reason(err)
+            reason = err.reason if isinstance(err, MidstreamFailure) else failure_reason(err)
             log_failure(leg.name, err)
             await release(leg, True)
             failed.append(leg.name)
@@ -237,7 +237,7 @@ def upstream_failed(reason: str) -> bytes:
     )
 
 
-def _reason(err: httpx.HTTPError) -> str:
+def failure_reason(err: Exception) -> str:
     return "timeout" if isinstance(err, httpx.TimeoutException) else "reset"
 
 

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from fleet_base import tracing
+from fleet_base.tracing import INVALID_SPAN, Span
+
 # Response headers of a replica or peer worth passing to the client.
 PASS_HEADERS = ("content-type", "retry-after", "x-fleet-cluster", "x-fleet-version")
 PASS_PREFIXES = ("x-ratelimit-",)
@@ -59,6 +62,7 @@ class Opened:
     response: httpx.Response
     first: bytes
     rest: AsyncIterator[bytes] = field(repr=False)
+    span: Span = field(default=INVALID_SPAN, repr=False)  # the attempt's, ended with it
 
     @property
     def status(self) -> int:
@@ -80,6 +84,14 @@ class Opened:
 
     async def close(self) -> None:
         await self.response.aclose()
+        self.end_span()
+
+    def end_span(self, failure: str | None = None) -> None:
+        """The attempt is over (answered, failed with `failure`, or abandoned)."""
+        if self.span.is_recording():
+            if failure is not None:
+                tracing.fail(self.span, failure)
+            self.span.end()
 
 
 def pass_headers(headers: httpx.Headers) -> dict[str, str]:

@@ -20,9 +20,11 @@ from agent.gateway.exchange import Exchange
 from agent.gateway.itl import TokenClock
 from agent.gateway.migration import (
     Leg,
+    MidstreamFailure,
     MigrationMetrics,
     RelayState,
     StreamLedger,
+    failure_reason,
     open_continuation,
     relay,
     upstream_failed,
@@ -34,6 +36,7 @@ from agent.gateway.router import Router
 from agent.gateway.sse import StreamObserver
 from agent.gateway.tenancy import body_for
 from agent.gateway.upstream import Upstreams
+from fleet_base import tracing
 
 log = logging.getLogger("agent.gateway")
 
@@ -77,6 +80,7 @@ class StreamSession:
         self.targets = {target.name: target}
         self.write_timeout_s = write_timeout_s
         self.closed = False
+        self._failure = ""  # why the last leg broke (a migration's reason)
 
     def response(self) -> StreamingResponse:
         opened = self.state.leg.opened
@@ -124,9 +128,19 @@ class StreamSession:
             await self.cleanup(self.state.status)
 
     async def reopen(self, make_body: Callable[[bool], bytes], failed: list[str]) -> Leg | None:
-        opened = await open_continuation(self.router, self.upstreams, self.ex.call, make_body, failed)
-        if opened is None:
-            return None
+        call = self.ex.call
+        attributes = {
+            tracing.REASON: self._failure,
+            tracing.ATTEMPT: self.state.migrations + 1,
+            "fleet.from": failed[-1] if failed else None,
+            "fleet.resumed_tokens": len(self.ledger.token_ids),
+        }
+        with call.trace.step("gateway.migration", attributes) as span:
+            opened = await open_continuation(self.router, self.upstreams, call, make_body, failed)
+            if opened is None:
+                tracing.fail(span, "no_target")
+                return None
+            tracing.set_attributes(span, {"fleet.to": opened[0].name})
         target, upstream = opened
         self.targets[target.name] = target
         self.ex.took(target, upstream.status, continuation=True)
@@ -144,6 +158,8 @@ class StreamSession:
         )
 
     async def release(self, leg: Leg, failed: bool) -> None:
+        if failed:
+            leg.opened.end_span(f"midstream_{self._failure}")
         await leg.opened.close()
         call = self.ex.call
         if failed:
@@ -180,6 +196,7 @@ class StreamSession:
             self.clock.tick(now)
 
     def log_failure(self, name: str, err: Exception) -> None:
+        self._failure = err.reason if isinstance(err, MidstreamFailure) else failure_reason(err)
         log.warning("request %s: stream from %s broke: %s", self.ex.call.request_id, name, err)
 
 

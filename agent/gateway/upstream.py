@@ -22,6 +22,7 @@ from agent.gateway.peers import PeerAuth
 from agent.gateway.plan import Attempt
 from agent.gateway.proxy import AttemptFailed, Deadlines, Opened, open_upstream
 from agent.gateway.residency import ResidencyGate
+from fleet_base import tracing
 from fleet_base.cluster_config import GatewayConfig
 from fleet_base.openai_contract.continuation import TOKEN_IDS_HEADER
 from fleet_base.openai_contract.errors import error_body
@@ -56,28 +57,40 @@ class Upstreams:
             raise AttemptFailed(
                 "residency", f"{target.name} is outside the request's residency", 503, body_out, err.headers
             )
-        headers = self.headers(call, target)
+        span = call.trace.attempt(target)
+        headers = tracing.inject(self.headers(call, target), span)
         url = target.url + PATHS[call.info.endpoint]
         try:
-            return await open_upstream(self.client, url, headers, body, self.deadlines(call, target))
+            opened = await open_upstream(self.client, url, headers, body, self.deadlines(call, target))
         except AttemptFailed as err:
+            tracing.set_attributes(span, {tracing.STATUS: err.status})
+            tracing.fail(span, err.reason)
+            span.end()
             self.failed(call, target, err)
             raise
-        except BaseException:  # cancelled (the client left) or a bug: release the load
+        except BaseException as err:  # cancelled (the client left) or a bug: release the load
+            tracing.fail(span, type(err).__name__)
+            span.end()
             self.release(call, target)
             raise
+        tracing.set_attributes(span, {tracing.STATUS: opened.status})
+        opened.span = span
+        return opened
 
     async def read(self, call: Call, target: Attempt, opened: Opened) -> bytes:
         """The rest of an answer that is not streamed to the client (still retriable)."""
         try:
-            return await opened.read_rest()
+            data = await opened.read_rest()
         except AttemptFailed as err:
+            opened.end_span(err.reason)
             self.failed(call, target, err)
             raise
         except BaseException:
             await opened.close()
             self.release(call, target)
             raise
+        opened.end_span()
+        return data
 
     def failed(self, call: Call, target: Attempt, err: AttemptFailed) -> None:
         log.warning(

@@ -18,6 +18,11 @@
   the continuation header gets them on each streamed chunk (and on an unstreamed choice),
   and a continuation (`fleet_resume_token_ids`) goes on from the tokens it already has, as
   the engine's (fleet_base/openai_contract/continuation.py).
+- `--cut-stream-at K` (a test device for stream migration): a stream's connection ends,
+  unfinished, once it has sent output token K; a continuation that starts at or past K
+  runs to the end (so two replica entries of one sim migrate a stream exactly once).
+- with the standard OTEL_* env it continues each request's W3C trace in a `sim.request`
+  span (`fleet_base.tracing`), as the engine does.
 - flags of the real engine it does not know (e.g. --threads) are accepted and ignored, so
   a host's `replica.extra_args` serve both runtimes.
 
@@ -51,6 +56,7 @@ from starlette.routing import Route
 
 from agent.security.replica_auth import API_KEY_ENV, CERT_ENV, KEY_ENV, require_bearer
 from agent.sim.model import ReplicaModel, SimRequest
+from fleet_base import tracing
 from fleet_base.bounds import Seed
 from fleet_base.listener import uvicorn_options
 
@@ -123,6 +129,7 @@ class SimState:
     error_rate: float
     seed: int = 0
     diverge_at: int | None = None  # --text-diverge-at
+    cut_at: int | None = None  # --cut-stream-at
     started: float = field(default_factory=time.monotonic)
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
@@ -298,7 +305,24 @@ def _record_done(state: SimState, req: Any) -> None:
 
 async def _generate(request: Request, state: SimState, *, chat: bool) -> Response:
     want_ids = request.headers.get(TOKEN_IDS_HEADER, "") in ("1", "true")
-    return await _generate_parsed(await request.body(), state, chat=chat, want_ids=want_ids)
+    span = tracing.start_span(
+        "sim.request",
+        headers=request.headers,
+        kind=tracing.SERVER,
+        attributes={tracing.MODEL: state.served_model_name},
+    )
+    try:
+        response = await _generate_parsed(
+            await request.body(), state, chat=chat, want_ids=want_ids, span=span
+        )
+    except BaseException as err:
+        tracing.fail(span, type(err).__name__)
+        span.end()
+        raise
+    tracing.set_attributes(span, {tracing.STATUS: response.status_code})
+    if not isinstance(response, StreamingResponse):  # a stream's span ends with the stream
+        span.end()
+    return response
 
 
 async def _responses(request: Request, state: SimState) -> Response:
@@ -331,7 +355,14 @@ async def _responses(request: Request, state: SimState) -> Response:
     })  # fmt: skip
 
 
-async def _generate_parsed(raw: bytes, state: SimState, *, chat: bool, want_ids: bool = False) -> Response:
+async def _generate_parsed(
+    raw: bytes,
+    state: SimState,
+    *,
+    chat: bool,
+    want_ids: bool = False,
+    span: tracing.Span = tracing.INVALID_SPAN,
+) -> Response:
     if state.draining:
         return _error(503, "The server is shutting down")
     if not state.ready:
@@ -339,10 +370,17 @@ async def _generate_parsed(raw: bytes, state: SimState, *, chat: bool, want_ids:
     body = _parse(raw, state, chat=chat)
     if isinstance(body, Response):
         return body
-    return await _run(body, state, chat=chat, want_ids=want_ids)
+    return await _run(body, state, chat=chat, want_ids=want_ids, span=span)
 
 
-async def _run(body: _Body, state: SimState, *, chat: bool, want_ids: bool = False) -> Response:
+async def _run(
+    body: _Body,
+    state: SimState,
+    *,
+    chat: bool,
+    want_ids: bool = False,
+    span: tracing.Span = tracing.INVALID_SPAN,
+) -> Response:
     if state.error_rate > 0 and state.rng.random() < state.error_rate:
         state.requests_failed += 1
         return _error(500, "simulated failure (error_rate)")
@@ -367,6 +405,15 @@ async def _run(body: _Body, state: SimState, *, chat: bool, want_ids: bool = Fal
         "total_tokens": req.prompt_tokens - skip + out_tokens,
     }
     diverge = state.diverge_at
+    tracing.set_attributes(
+        span,
+        {
+            tracing.PROMPT_TOKENS: usage["prompt_tokens"],
+            tracing.COMPLETION_TOKENS: out_tokens,
+            "fleet.resumed_tokens": skip or None,
+            "fleet.stream": body.stream,
+        },
+    )
 
     def done() -> None:
         _record_done(state, req)
@@ -420,11 +467,15 @@ async def _run(body: _Body, state: SimState, *, chat: bool, want_ids: bool = Fal
                 finish = "length" if now_out >= req.output_tokens else None
                 yield chunk(sent, now_out, finish, sent == 0)
                 sent = now_out
+                if finish is None and state.cut_at is not None and skip < state.cut_at <= skip + sent:
+                    tracing.fail(span, "cut")  # --cut-stream-at: the connection ends unfinished
+                    return
             if include_usage:
                 yield f"data: {json.dumps({**head, 'object': obj, 'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             done()
+            span.end()
 
     return StreamingResponse(
         events(),
@@ -459,6 +510,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a test device: output tokens from this index on are other words and ids",
     )
+    p.add_argument(
+        "--cut-stream-at",
+        type=int,
+        default=None,
+        help="a test device: a stream ends, unfinished, once it has sent output token K (a continuation does not)",
+    )
     # As the engine: the replica token and HTTPS certificate from the environment.
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV, "").strip() or None)
     p.add_argument("--ssl-certfile", default=os.environ.get(CERT_ENV))
@@ -490,12 +547,14 @@ def main(argv: list[str] | None = None) -> None:
         cold,
         error_rate,
     )
+    tracing.setup("fleet-sim", attributes={tracing.DEPLOYMENT: args.served_model_name})
     asyncio.run(_serve(args, profile, cold, error_rate))
 
 
 async def _serve(args: argparse.Namespace, profile: PerfProfile, cold: float, error_rate: float) -> None:
     diverge = None if args.text_diverge_at is None else max(0, args.text_diverge_at)
     state = SimState(profile, args.served_model_name, cold, error_rate, seed=args.seed, diverge_at=diverge)
+    state.cut_at = None if args.cut_stream_at is None else max(1, args.cut_stream_at)
     server = uvicorn.Server(
         uvicorn.Config(
             require_bearer(build_app(state), args.api_key),

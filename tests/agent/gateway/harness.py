@@ -79,6 +79,31 @@ def peer(
     )
 
 
+def start_sim(*args: str) -> tuple[subprocess.Popen[bytes], str]:
+    """A simulated replica (`agent.sim.server`) of DEPLOYMENT on a free port, ready at once
+    (`args`: more of its flags); the caller waits for /health and kills its group."""
+    port = free_port("127.0.0.1")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "agent.sim.server",
+            "--port",
+            str(port),
+            "--served-model-name",
+            DEPLOYMENT,
+            "--cold-start",
+            "0",
+            *args,
+        ],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    return proc, f"http://127.0.0.1:{port}"
+
+
 class ClusterFiles:
     """The agent's side of a cluster's state_dir."""
 

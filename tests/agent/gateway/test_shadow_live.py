@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +19,6 @@ import pytest
 from agent.sim.server import placeholder
 from control_plane.local.nats_server import NatsServer
 from fleet_base.openai_contract.continuation import TOKEN_IDS_FIELD
-from fleet_base.ports import free_port
 from fleet_base.protocol import ShadowTarget, UsageRecord, VersionWeight, usage_subject
 from tests.agent.gateway.conftest import EAST
 from tests.agent.gateway.harness import (
@@ -32,35 +30,13 @@ from tests.agent.gateway.harness import (
     route,
     scrape,
     sse_events,
+    start_sim,
 )
 from tests.polling import eventually, wait_for
 
 ROOT = Path(__file__).resolve().parents[3]
 DIVERGE_AT = 3
 SHADOW = "fleet_gateway_shadow_requests_total"
-
-
-def start_sim(*args: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port("127.0.0.1")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "agent.sim.server",
-            "--port",
-            str(port),
-            "--served-model-name",
-            DEPLOYMENT,
-            "--cold-start",
-            "0",
-            *args,
-        ],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-    )
-    return proc, f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture
