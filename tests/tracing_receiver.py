@@ -1,10 +1,15 @@
 """A real OTLP/HTTP trace receiver for tests and the overhead bench: POST /v1/traces with an
 `ExportTraceServiceRequest` protobuf body (what the SDK's OTLP/HTTP exporter sends), decoded
-with `opentelemetry.proto` into flat `ReceivedSpan`s. A test sink: plain HTTP, one thread."""
+with `opentelemetry.proto` into flat `ReceivedSpan`s. A test sink: plain HTTP, one thread.
+
+`python -m tests.tracing_receiver --port P` serves it as its own process (GET /count: the
+spans received so far), so a benchmark's sink does not share its interpreter."""
 
 from __future__ import annotations
 
+import argparse
 import gzip
+import json
 import threading
 import zlib
 from dataclasses import dataclass, field
@@ -76,6 +81,17 @@ class TraceReceiver:
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path != "/count":
+                    self.send_error(404)
+                    return
+                reply = json.dumps({"spans": len(receiver.spans()), "requests": receiver.requests}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 encoding = (self.headers.get("Content-Encoding") or "").lower()
@@ -139,3 +155,21 @@ class TraceReceiver:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m tests.tracing_receiver", description=__doc__.splitlines()[0])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=4318)
+    ns = p.parse_args(argv)
+    rx = TraceReceiver(ns.host, ns.port)
+    try:
+        rx._server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        rx._server.server_close()
+
+
+if __name__ == "__main__":
+    main()

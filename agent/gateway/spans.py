@@ -84,11 +84,11 @@ class RequestTrace:
         """The routing decision: the plan's stages and why its first target won."""
         if not tracing.enabled():
             return
-        first = next((a for a in plan.attempts if a.name), None)
+        first = next((a for a in plan.attempts if a.name), plan.attempts[0] if plan.attempts else None)
         attributes: dict[str, Any] = {
             tracing.STAGE: plan.stages[0] if plan.stages else None,
-            tracing.REASON: first.reason if first else ("wait" if plan.attempts else "none"),
-            "fleet.target": first.name if first else None,
+            tracing.REASON: first.reason if first else ("residency" if plan.residency_unavailable else "none"),
+            "fleet.target": first.name if first and first.name else None,
             "fleet.stages": list(plan.stages),
             "fleet.candidates": sum(1 for a in plan.attempts if a.name),
             "fleet.excluded": len(plan.excluded),
