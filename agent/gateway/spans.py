@@ -87,7 +87,9 @@ class RequestTrace:
         first = next((a for a in plan.attempts if a.name), plan.attempts[0] if plan.attempts else None)
         attributes: dict[str, Any] = {
             tracing.STAGE: plan.stages[0] if plan.stages else None,
-            tracing.REASON: first.reason if first else ("residency" if plan.residency_unavailable else "none"),
+            tracing.REASON: first.reason
+            if first
+            else ("residency" if plan.residency_unavailable else "none"),
             "fleet.target": first.name if first and first.name else None,
             "fleet.stages": list(plan.stages),
             "fleet.candidates": sum(1 for a in plan.attempts if a.name),

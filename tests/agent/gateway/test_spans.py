@@ -33,7 +33,12 @@ def by_name(sink) -> dict[str, list]:
     [
         (Plan((Attempt("local", "prefix", "r2"), Attempt("local", "retry", "r1"))), "local", "prefix", "r2"),
         (Plan((Attempt("local", "wait-for-replica"),)), "local", "wait-for-replica", None),
-        (Plan((Attempt("peer", "no-local-replica", "west", is_peer=True),)), "peer", "no-local-replica", "west"),
+        (
+            Plan((Attempt("peer", "no-local-replica", "west", is_peer=True),)),
+            "peer",
+            "no-local-replica",
+            "west",
+        ),
         (Plan(residency_unavailable=True), None, "residency", None),
     ],
 )
@@ -62,7 +67,9 @@ def test_steps_and_numbered_attempts_are_children_of_one_server_span(sink, caplo
     assert format(server.parent.span_id, "016x") == PARENT.split("-")[2]
     assert server.attributes[tracing.STATUS] == 200 and server.attributes[tracing.COMPLETION_TOKENS] == 7
     (quota,) = spans["gateway.quota"]
-    assert quota.attributes[tracing.REASON] == "rate_limit_exceeded" and quota.status.status_code.name == "ERROR"
+    assert (
+        quota.attributes[tracing.REASON] == "rate_limit_exceeded" and quota.status.status_code.name == "ERROR"
+    )
     attempts = spans["gateway.attempt"]
     assert [a.attributes[tracing.ATTEMPT] for a in attempts] == [1, 2]
     assert attempts[0].attributes[tracing.REPLICA] == "r1" and attempts[1].attributes["fleet.peer"] == "west"
