@@ -1,9 +1,11 @@
-"""What tracing costs on the gateway's request path: the same load through two identical
-gateway + simulated-replica pairs in one run, one with tracing off (no OTEL_* env) and one
-exporting every span (OTLP/HTTP protobuf, the default always-on sampler) to a local
-receiver in its own process. Batches alternate between the two pairs, so a shared box's
-background load falls on both alike; prints throughput and latency p50/p99 per mode and
-the on/off ratios. It never asserts a timing.
+"""What tracing costs on the gateway's request path: the same load through identical
+gateway + simulated-replica pairs in one run: tracing off (no OTEL_* env), on with every
+request sampled (the default `parentbased_always_on`), and on sampling 10% of requests
+(`parentbased_traceidratio`, 0.1), exporting OTLP/HTTP protobuf to a local receiver in its
+own process. Batches rotate over the pairs, so a shared box's background load falls on all
+alike; prints throughput and latency p50/p99 per mode and their ratios to "off". A second
+"off" pair (the control) shows how far two identical pairs differ in the same run: a ratio
+within that spread is noise. It never asserts a timing.
 
     PYTHONPATH=. .venv/bin/python -m bench.tracing_overhead --rounds 4 --requests 200
 
@@ -34,7 +36,13 @@ from bench.common import console, print_table, run_main
 from fleet_base.ports import free_port
 from tests.agent.gateway.harness import DEPLOYMENT, GatewayProcess, make_key, peer, replica, route, start_sim
 
-OTEL_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_SDK_DISABLED")
+OTEL_VARS = (
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_SDK_DISABLED",
+    "OTEL_TRACES_SAMPLER",
+    "OTEL_TRACES_SAMPLER_ARG",
+)
 FAST_PROFILE = {
     "name": "bench-fast",
     "description": "a replica whose work takes ~nothing: the request path is what is measured",
@@ -101,7 +109,12 @@ class Pair:
 
 def start_pair(home: Path, mode: str, profile: Path, record) -> Pair:
     proc, sim_url = start_sim("--profile", str(profile), "--max-num-seqs", "64")
-    gw = GatewayProcess(home / mode, "bench", nats_url=f"nats://127.0.0.1:{free_port()}", queue_size=256)
+    gw = GatewayProcess(
+        home / mode.split(",")[0] / str(proc.pid),
+        "bench",
+        nats_url=f"nats://127.0.0.1:{free_port()}",
+        queue_size=256,
+    )
     gw.start()
     wait_ok(f"{sim_url}/health")
     gw.write(
@@ -155,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=200, help="requests per batch")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--no-control", dest="control", action="store_false",
+                   help="skip the second tracing-off pair (an A/A control: the run's noise)")  # fmt: skip
     p.add_argument("--json", default=None, help="also write the figures here")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="fleet-bench-tracing-") as tmp:
@@ -171,17 +186,21 @@ def main(argv: list[str] | None = None) -> int:
         pairs: list[Pair] = []
         try:
             wait_ok(f"http://127.0.0.1:{rx_port}/count")
-            with environment({}):
-                pairs.append(start_pair(home, "off", profile, record))
-            with environment({"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{rx_port}"}):
-                pairs.append(start_pair(home, "on", profile, record))
+            endpoint = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{rx_port}"}
+            sampled = {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.1"}
+            modes = [("off", {}), ("on", endpoint), ("on, 10% sampled", endpoint | sampled)]
+            if args.control:
+                modes.append(("off (control)", {}))
+            for mode, env in modes:
+                with environment(env):
+                    pairs.append(start_pair(home, mode, profile, record))
             console.print(f"warming up; then {args.rounds} rounds of {args.requests} requests per mode ...")
             for pair in pairs:
                 asyncio.run(batch(pair, secret, 2 * args.concurrency, args.concurrency, args.max_tokens))
                 pair.latencies.clear()
                 pair.seconds, pair.requests, pair.failed = 0.0, 0, 0
             for r in range(args.rounds):
-                for pair in pairs if r % 2 == 0 else reversed(pairs):
+                for pair in pairs[r % len(pairs) :] + pairs[: r % len(pairs)]:  # each mode leads in turn
                     asyncio.run(batch(pair, secret, args.requests, args.concurrency, args.max_tokens))
             time.sleep(1.0)  # the last batch's spans reach the receiver
             spans = httpx.get(f"http://127.0.0.1:{rx_port}/count", timeout=5).json()["spans"]
@@ -197,30 +216,31 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report_rows(pairs: list[Pair], spans: int, args: argparse.Namespace) -> dict:
-    figures = {}
-    rows = []
+    figures: dict[str, dict[str, float]] = {}
     for pair in pairs:
         rps = len(pair.latencies) / pair.seconds if pair.seconds else 0.0
         p50, p99 = pct(pair.latencies, 0.5), pct(pair.latencies, 0.99)
         figures[pair.mode] = {"requests_per_s": rps, "p50_ms": 1000 * (p50 or 0), "p99_ms": 1000 * (p99 or 0),
                               "ok": len(pair.latencies), "failed": pair.failed}  # fmt: skip
-        rows.append([f"tracing {pair.mode}", len(pair.latencies), pair.failed, rps, 1000 * (p50 or 0),
-                     1000 * (p99 or 0), spans if pair.mode == "on" else 0])  # fmt: skip
-    off, on = figures["off"], figures["on"]
-    ratio = {
-        "requests_per_s": on["requests_per_s"] / off["requests_per_s"] if off["requests_per_s"] else None,
-        "p50_ms": on["p50_ms"] / off["p50_ms"] if off["p50_ms"] else None,
-        "p99_ms": on["p99_ms"] / off["p99_ms"] if off["p99_ms"] else None,
-    }
-    rows.append(["on / off", None, None, ratio["requests_per_s"], ratio["p50_ms"], ratio["p99_ms"], None])
+    off = figures["off"]
+    ratios: dict[str, dict[str, float | None]] = {}
+    rows = []
+    for mode, f in figures.items():
+        ratios[mode] = {
+            k: (f[k] / off[k] if off[k] else None) for k in ("requests_per_s", "p50_ms", "p99_ms")
+        }
+        r = ratios[mode]
+        rows.append([f"tracing {mode}", int(f["ok"]), int(f["failed"]), f["requests_per_s"], f["p50_ms"],
+                     f["p99_ms"], r["requests_per_s"], r["p50_ms"], r["p99_ms"]])  # fmt: skip
     print_table(
         f"Gateway + simulated replica, {args.rounds} x {args.requests} streamed requests per mode, "
         f"concurrency {args.concurrency}, {args.max_tokens} tokens",
-        ["mode", "ok", "failed", "req/s", "p50 ms", "p99 ms", "spans exported"],
+        ["mode", "ok", "failed", "req/s", "p50 ms", "p99 ms", "req/s vs off", "p50 vs off", "p99 vs off"],
         rows,
-        caption="Batches alternate between the two pairs in one run; a shared, loaded machine is noisy.",
+        caption=f"{spans:,} spans exported. Batches rotate over the pairs in one run; a shared, loaded "
+        "machine is noisy.",
     )
-    return {"figures": figures, "ratio_on_over_off": ratio, "spans_exported": spans}
+    return {"figures": figures, "ratio_to_off": ratios, "spans_exported": spans}
 
 
 if __name__ == "__main__":

@@ -57,11 +57,16 @@ class RequestTrace:
     def set(self, attributes: Mapping[str, Any]) -> None:
         tracing.set_attributes(self.server, attributes)
 
+    @property
+    def recording(self) -> bool:
+        """Tracing is on and this request was sampled: its steps are worth spans."""
+        return self.server.is_recording()
+
     def step(
         self, name: str, attributes: Mapping[str, Any] | None = None
     ) -> contextlib.AbstractContextManager[Span]:
         """A child span around a step; a `GatewayError` leaving it marks it failed with its code."""
-        if not tracing.enabled():
+        if not self.recording:
             return _OFF
         return self._step(name, attributes)
 
@@ -82,7 +87,7 @@ class RequestTrace:
 
     def routed(self, plan: Plan, replan: bool = False) -> None:
         """The routing decision: the plan's stages and why its first target won."""
-        if not tracing.enabled():
+        if not self.recording:
             return
         first = next((a for a in plan.attempts if a.name), plan.attempts[0] if plan.attempts else None)
         attributes: dict[str, Any] = {
@@ -99,10 +104,12 @@ class RequestTrace:
         tracing.start_span("gateway.route", parent=self.server, attributes=attributes).end()
 
     def attempt(self, target: Attempt) -> Span:
-        """A client span for one upstream attempt (its caller ends it); numbered from 1."""
+        """A client span for one upstream attempt (its caller ends it); numbered from 1. A request
+        not sampled gets its server span back (not recording; its sampled-out context still
+        travels on, so the replica and the peer gateway record nothing either)."""
         self.attempts += 1
-        if not tracing.enabled():
-            return INVALID_SPAN
+        if not self.recording:
+            return self.server
         return tracing.start_span(
             "gateway.attempt",
             parent=self.server,
@@ -135,7 +142,7 @@ class RequestTrace:
         deployment = call.deployment if call is not None else None
         key_id = call.key_id if call is not None else key_id
         peer = progress.peer if progress is not None else None
-        if tracing.enabled():
+        if self.recording:
             self.set(
                 {
                     tracing.STATUS: status,

@@ -89,3 +89,17 @@ def test_off_records_nothing_and_logs_no_trace_id(caplog) -> None:
         trace.finish(200)
     assert trace.attempts == 1
     assert [r.getMessage().endswith("trace_id=-") for r in caplog.records] == [True]
+
+
+def test_a_request_sampled_out_makes_no_child_spans_but_passes_its_context_on(monkeypatch) -> None:
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    with tracing.capturing() as sink:
+        trace = RequestTrace.begin("req-3", "east", {}, "chat")
+        with trace.step("gateway.auth"):
+            pass
+        trace.routed(Plan((Attempt("local", "least-load", "r1"),)))
+        attempt = trace.attempt(Attempt("local", "least-load", "r1"))
+        headers = tracing.inject({}, attempt)
+        trace.finish(200)
+        assert sink.get_finished_spans() == ()
+    assert not trace.recording and int(headers["traceparent"].split("-")[3], 16) & 1 == 0  # not sampled
