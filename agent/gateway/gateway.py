@@ -16,7 +16,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from agent.adapters import ReplicaAdapters
@@ -307,6 +307,10 @@ class Gateway:
             if record is not None:  # a key with limits sees them on every answer
                 reply_headers.update(self.quota.headers(record, ""))
             return error_response(err, reply_headers)
+        except BaseException as err:  # the client left while its body was read, or a bug
+            gone = isinstance(err, (ClientDisconnect, asyncio.CancelledError))
+            trace.finish(CLIENT_CLOSED if gone else 500, reason=type(err).__name__)
+            raise
         try:
             with trace.step("gateway.quota", {tracing.KEY_ID: record.key_id}):
                 reservation, limit_headers = self.quota.admit(
