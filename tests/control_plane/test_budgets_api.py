@@ -1,24 +1,40 @@
-"""Team budgets through the admin API and fleetctl: set (evaluated at once), list with the
-month's figures, delete; admin only, audited, and bad input is a 422 naming the field."""
+"""Team budgets through the admin API, in process: set (evaluated at once), list with the
+month's figures, delete; admin only, audited, and bad input is a 422 naming the field.
+(fleetctl budgets and the loop: tests/e2e/test_budget.py.)"""
 
 from __future__ import annotations
 
-import json
-import subprocess
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 
 import pytest
+from fastapi.testclient import TestClient
 
-from tests.control_plane.cp_server import ControlPlaneServer
-from tests.fleetctl import fleetctl
-
-
-@pytest.fixture(scope="module")
-def server(sqlite_server: ControlPlaneServer) -> ControlPlaneServer:
-    return sqlite_server
+from control_plane.api.app import build_app
+from control_plane.api.routers.keys import make_key
+from control_plane.context import ControlPlaneContext
+from control_plane.settings import Settings
 
 
-def test_put_get_list_delete_and_audit(server: ControlPlaneServer) -> None:
+class Api:
+    def __init__(self, app, sessions) -> None:
+        self.app, self.sessions = app, sessions
+
+    def client(self, scopes: list[str] | None = None) -> TestClient:
+        """A client holding a new key of `scopes` (admin by default)."""
+        row, secret = make_key("tester", scopes or ["admin"], None, {})
+        with self.sessions() as s:
+            s.add(row)
+            s.commit()
+        return TestClient(self.app, headers={"Authorization": f"Bearer {secret}"})
+
+
+@pytest.fixture
+def server(sessions, tmp_path) -> Iterator[Api]:
+    ctx = ControlPlaneContext(settings=Settings(home=tmp_path), sessions=sessions)
+    yield Api(build_app(ctx, run_loops=False), sessions)
+
+
+def test_put_get_list_delete_and_audit(server: Api) -> None:
     with server.client() as api:
         r = api.put("/v1/budgets/ml", json={"monthly_dollars": 500})
         assert r.status_code == 200, r.text
@@ -63,40 +79,13 @@ BAD = [
 ]
 
 
-def test_bad_input_is_a_422_naming_the_field_and_writes_need_admin(server: ControlPlaneServer) -> None:
+def test_bad_input_is_a_422_naming_the_field_and_writes_need_admin(server: Api) -> None:
     with server.client() as api:
         for field, team, body in BAD:
             r = api.put(f"/v1/budgets/{team}", json=body)
             assert r.status_code == 422, (body, r.text)
             assert r.json()["error"]["field"] == field, (body, r.text)
         assert api.get("/v1/budgets").json()["items"] == []
-        reader = api.post("/v1/keys", json={"name": "reader", "scopes": ["read"]}).json()["key"]
-    with server.client(reader) as api:
+    with server.client(["read"]) as api:
         assert api.put("/v1/budgets/t", json={"monthly_dollars": 1}).status_code == 403
         assert api.get("/v1/budgets").status_code == 200
-
-
-def test_fleetctl_budgets_set_list_delete(server: ControlPlaneServer) -> None:
-    home = server.home
-
-    def run(*args: str) -> subprocess.CompletedProcess:
-        return fleetctl(home, *args, env={"COLUMNS": "200"}, check=False)
-
-    set_ = run(
-        "budgets", "set", "web", "--monthly", "500", "--hard", "--thresholds", "50,80,100", "-o", "json"
-    )
-    out = json.loads(set_.stdout)
-    assert out["thresholds"] == [0.5, 0.8, 1.0] and out["hard"] is True and out["monthly_dollars"] == 500.0
-    with ThreadPoolExecutor(3) as pool:  # independent commands at once: each is mostly start-up
-        table, listed, bad = pool.map(
-            lambda args: run(*args),
-            [
-                ("budgets", "list"),
-                ("budgets", "list", "-o", "json"),
-                ("budgets", "set", "web", "--monthly", "5", "--thresholds", "50,150"),
-            ],
-        )
-    assert "web" in table.stdout and "500.00" in table.stdout and "50%, 80%, 100%" in table.stdout
-    assert [b["team"] for b in json.loads(listed.stdout)] == ["web"]
-    assert bad.returncode == 1 and "at most 100" in bad.stderr
-    assert "deleted the budget of team web" in run("budgets", "delete", "web").stdout
