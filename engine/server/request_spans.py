@@ -37,10 +37,10 @@ ENGINE_REQUEST_ID = "fleet.engine.request_id"
 CACHED_TOKENS = "fleet.tokens.cached"  # prompt tokens read from the prefix cache
 COMPUTED_TOKENS = "fleet.tokens.computed"  # prompt tokens the prefill computed
 HANDED_OVER = "fleet.engine.handed_over"
-RESUMED_TOKENS = "fleet.engine.resumed_tokens"  # a continuation: tokens generated elsewhere before
+RESUMED_TOKENS = "fleet.resumed_tokens"  # a continuation: tokens generated before (as the sim replica says)
 PREEMPTIONS = "fleet.engine.preemptions"
-TTFT = "fleet.engine.ttft_s"
-QUEUE_TIME = "fleet.engine.queue_s"
+TTFT = "fleet.ttft_s"
+QUEUE_TIME = "fleet.queue_s"
 
 
 class _Clock:
