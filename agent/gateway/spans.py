@@ -121,7 +121,7 @@ class RequestTrace:
                 "fleet.peer" if target.is_peer else tracing.REPLICA: target.name,
                 tracing.CLUSTER: target.name if target.is_peer else self.cluster,
                 "fleet.version": target.version,
-                "fleet.cached_tokens": target.cached_tokens or None,
+                "fleet.tokens.cached": target.cached_tokens or None,  # the prefix index's estimate
             },
         )
 
