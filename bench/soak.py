@@ -348,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
             if growing and not any(str(name).split()[0] in text for name in growing):
                 continue
             console.print(f"[bold]heap growth, pid {path.stem}[/bold] (allocation sites, end vs warm-up)")
+            heads = ("==", "glibc:", "python:", "live objects")
+            console.print("\n".join(line for line in text.splitlines() if line.startswith(heads)))
             console.print(text[-4000:])
     hostile = [s for s in samples if s.kind == "hostile"]
     valid = [s for s in samples if s.kind == "valid"]

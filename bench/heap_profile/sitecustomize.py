@@ -10,16 +10,54 @@ from __future__ import annotations
 import os
 
 if os.environ.get("FLEET_HEAP_PROFILE_DIR"):
+    import collections
+    import ctypes
+    import gc
     import signal
     import sys
     import time
     import tracemalloc
     from pathlib import Path
 
+    class _MallInfo2(ctypes.Structure):
+        _fields_ = [
+            (name, ctypes.c_size_t)
+            for name in (
+                "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                "fsmblks", "uordblks", "fordblks", "keepcost",
+            )
+        ]  # fmt: skip
+
+    _types_at_start: collections.Counter[str] = collections.Counter()
+
+    def _allocator(f) -> None:
+        """Where RSS lives outside the traced heap: glibc's own view (in use vs free inside
+        its heap: fragmentation) and the count of live objects per type (a leak of
+        objects shows here even when tracing began after they were allocated)."""
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+            libc.mallinfo2.restype = _MallInfo2
+            m = libc.mallinfo2()
+            mib = 2**20
+            f.write(
+                f"glibc: in use {m.uordblks / mib:.1f} MiB, free in heap {m.fordblks / mib:.1f} MiB, "
+                f"mmapped {m.hblkhd / mib:.1f} MiB ({m.hblks} blocks), arena {m.arena / mib:.1f} MiB\n"
+            )
+        except (OSError, AttributeError):
+            pass
+        f.write(f"python: {sys.getallocatedblocks()} allocated blocks\n")
+        types = collections.Counter(type(o).__name__ for o in gc.get_objects())
+        if not _types_at_start:
+            _types_at_start.update(types)
+            return
+        grown = (types - _types_at_start).most_common(10)
+        f.write("live objects grown by type: " + ", ".join(f"{n} +{c}" for n, c in grown) + "\n")
+
     def _dump(_signum: int, _frame: object) -> None:
         out = Path(os.environ["FLEET_HEAP_PROFILE_DIR"]) / f"{os.getpid()}.txt"
         with out.open("a") as f:
             f.write(f"== {time.strftime('%H:%M:%S')} {' '.join(sys.argv)[:160]}\n")
+            _allocator(f)
             if not tracemalloc.is_tracing():
                 tracemalloc.start(int(os.environ.get("FLEET_HEAP_PROFILE_FRAMES", "6")))
                 f.write("tracing from here\n")
