@@ -42,11 +42,25 @@ def _replicas(model: Path, logs: Path, names: list[str]) -> list[ServerProcess]:
     return procs
 
 
+@pytest.fixture(scope="module")
+def pool(gw_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerProcess]]:
+    """Every replica of this module, started in one parallel wave (a replica's start is most
+    of each test's time): the drain test takes "a" and "b" and stops "a"; the region test
+    takes "c" for east (SIGKILLed) and "b", still serving after the drain, for west."""
+    names = ["a", "b", "c"]
+    procs = _replicas(gw_model, tmp_path_factory.mktemp("drain-replicas"), names)
+    try:
+        yield dict(zip(names, procs, strict=True))
+    finally:
+        for p in procs:
+            p.stop(timeout=10)
+
+
 @pytest.fixture
 def fleet(
-    gw_model: Path, tmp_path: Path, nats, keys
+    pool: dict[str, ServerProcess], tmp_path: Path, nats, keys
 ) -> Iterator[tuple[GatewayProcess, list[ServerProcess], str]]:
-    procs = _replicas(gw_model, tmp_path, ["a", "b"])
+    procs = [pool["a"], pool["b"]]
     gw = GatewayProcess(tmp_path / "gw", "east", nats_url=nats.url, lat=EAST[0], lon=EAST[1])
     try:
         gw.start()
@@ -58,8 +72,6 @@ def fleet(
         yield gw, procs, keys["main"][0]
     finally:
         gw.stop()
-        for p in procs:
-            p.stop(timeout=10)
 
 
 def _check(healthy, moved) -> None:
@@ -75,7 +87,7 @@ def _drained(gw: GatewayProcess) -> float:
     )
 
 
-def test_a_draining_replica_hands_its_streams_over(fleet, gw_model: Path, tmp_path: Path) -> None:
+def test_a_draining_replica_hands_its_streams_over(fleet) -> None:
     gw, procs, key = fleet
     healthy, _ = asyncio.run(run_streams(gw.url, key, TEXTS, MAX_TOKENS, extra=BODY))
     before = _drained(gw)
@@ -89,11 +101,11 @@ def test_a_draining_replica_hands_its_streams_over(fleet, gw_model: Path, tmp_pa
 
 
 def test_a_region_lost_mid_stream_continues_in_the_peer_region(
-    gw_model: Path, tmp_path: Path, nats, keys
+    pool: dict[str, ServerProcess], tmp_path: Path, nats, keys
 ) -> None:
     """East's only replica is SIGKILLed: east's gateway continues the streams through the
     west gateway, whose replica prefills the continuation."""
-    east_r, west_r = _replicas(gw_model, tmp_path, ["east-r", "west-r"])
+    east_r, west_r = pool["c"], pool["b"]
     east = GatewayProcess(tmp_path / "east", "east", nats_url=nats.url, lat=EAST[0], lon=EAST[1])
     west = GatewayProcess(tmp_path / "west", "west", nats_url=nats.url, lat=WEST[0], lon=WEST[1])
     try:
@@ -122,5 +134,3 @@ def test_a_region_lost_mid_stream_continues_in_the_peer_region(
     finally:
         east.stop()
         west.stop()
-        for p in (east_r, west_r):
-            p.stop(timeout=10)
