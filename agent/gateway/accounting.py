@@ -98,7 +98,7 @@ class Accounting:
                 prompt_tokens=prompt,
                 completion_tokens=completion,
                 status=status,
-                ttft_s=p.ttft_s,
+                ttft_s=p.ttft_s if p.ttft_s is not None else p.reported_ttft_s,
                 itl_s=p.itl_s,
                 adapter=call.adapter,
                 record_id=p.record_id,

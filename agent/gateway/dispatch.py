@@ -221,5 +221,6 @@ class Dispatcher:
                 usage = None
             if isinstance(usage, dict):
                 ex.progress.usage = accounting_usage(ex.call.info.endpoint, usage)
+            ex.progress.reported_ttft_s = opened.first_token_s(ex.call.started)
         self.accounting.finish(ex, opened.status)
         return Response(data, status_code=opened.status, headers=opened.headers())

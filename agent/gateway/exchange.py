@@ -60,7 +60,10 @@ class Progress:
     version: int | None = None
     peer: str | None = None  # the peer gateway that answered (it records the usage)
     ran: bool = False  # a replica answered 2xx: it may have generated tokens
-    ttft_s: float | None = None
+    ttft_s: float | None = None  # a stream's, measured here
+    # A non-streamed answer's, from its arrival here: the time before the upstream call plus
+    # what the upstream reported (`fleet_base.openai_contract.timing`); None if it said nothing usable.
+    reported_ttft_s: float | None = None
     usage: dict[str, Any] = field(default_factory=dict)
     admitted: bool = False  # holds a slot of the queue's concurrency target
     queue_s: float = 0.0

@@ -57,6 +57,7 @@ from fleet_base.cluster_config import ClusterConfig
 from fleet_base.local_state import LocalState
 from fleet_base.nats_io import NatsLink
 from fleet_base.openai_contract.continuation import TOKEN_IDS_HEADER
+from fleet_base.openai_contract.timing import ttft_header
 from fleet_base.security.tls import nats_tls
 from fleet_base.subjects import permits
 
@@ -394,7 +395,8 @@ class Gateway:
         return self.router.rng.random() if draw is None else draw
 
     def _stamp(self, response: Response, ex: Exchange) -> Response:
-        """Where the answer came from: request id, cluster, version, queue time, limits."""
+        """Where the answer came from: request id, cluster, version, queue time, a
+        non-streamed answer's time to first token, limits."""
         p = ex.progress
         response.headers[REQUEST_ID_HEADER] = ex.call.request_id
         response.headers.setdefault("X-Fleet-Cluster", self.cluster)  # a peer's answer keeps its own
@@ -402,6 +404,7 @@ class Gateway:
             response.headers.setdefault("X-Fleet-Version", str(p.version))  # which version answered
         if p.admitted:
             response.headers[QUEUE_HEADER] = f"{p.queue_s:.4f}"
+        response.headers.update(ttft_header(p.reported_ttft_s))  # this hop's figure, not the upstream's
         if p.peer is None:  # a peer's answer carries the peer's limits
             for name, value in ex.call.limit_headers.items():
                 response.headers[name] = value

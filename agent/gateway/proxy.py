@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
 
 from fleet_base import tracing
+from fleet_base.openai_contract.timing import TTFT_HEADER, read_ttft
 from fleet_base.tracing import INVALID_SPAN, Span
 
 # Response headers of a replica or peer worth passing to the client.
@@ -63,10 +65,21 @@ class Opened:
     first: bytes
     rest: AsyncIterator[bytes] = field(repr=False)
     span: Span = field(default=INVALID_SPAN, repr=False)  # the attempt's, ended with it
+    sent_at: float = 0.0  # time.monotonic() when the request went out
 
     @property
     def status(self) -> int:
         return self.response.status_code
+
+    def first_token_s(self, since: float) -> float | None:
+        """A non-streamed answer's time to first token from `since` (the request's arrival
+        here): the time until it was sent plus the upstream's own figure (its
+        `TTFT_HEADER`), taken only when that fits inside this attempt's time."""
+        now = time.monotonic()
+        upstream = read_ttft(self.response.headers.get(TTFT_HEADER), now - self.sent_at)
+        if upstream is None:
+            return None
+        return max(0.0, self.sent_at - since) + upstream
 
     def headers(self) -> dict[str, str]:
         return pass_headers(self.response.headers)
@@ -129,13 +142,16 @@ async def open_upstream(
     body: bytes,
     deadlines: Deadlines = Deadlines(),
 ) -> Opened:
+    sent_at = time.monotonic()
     try:
-        return await asyncio.wait_for(_open(client, url, headers, body, deadlines), deadlines.first_byte_s)
+        opened = await asyncio.wait_for(_open(client, url, headers, body, deadlines), deadlines.first_byte_s)
     except asyncio.TimeoutError:
         raise AttemptFailed(
             "timeout",
             f"no first byte within {deadlines.first_byte_s:g} s (the upstream is hung or overloaded)",
         ) from None
+    opened.sent_at = sent_at
+    return opened
 
 
 async def _open(

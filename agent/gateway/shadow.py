@@ -95,7 +95,8 @@ class CopyResult:
     failed: bool = True
     broke: bool = False  # unreachable, or the connection broke: not sent copies for a while
     usage: dict[str, Any] = field(default_factory=dict)
-    ttft_s: float | None = None
+    ttft_s: float | None = None  # a streamed copy's, measured here
+    reported_ttft_s: float | None = None  # an unstreamed copy's, from its replica (`Opened.first_token_s`)
     itl_s: float | None = None
     output: Output = field(default_factory=Output)
 
@@ -262,7 +263,7 @@ class ShadowMirror:
                 prompt_tokens=prompt,
                 completion_tokens=completion,
                 status=result.status,
-                ttft_s=result.ttft_s,
+                ttft_s=result.ttft_s if result.ttft_s is not None else result.reported_ttft_s,
                 itl_s=result.itl_s,
                 latency_s=time.monotonic() - started,
                 adapter=call.adapter,
@@ -312,6 +313,7 @@ class ShadowMirror:
                 result.failed = False
                 if 200 <= opened.status < 300:
                     result.usage = _usage(call, data)
+                    result.reported_ttft_s = opened.first_token_s(started)
                     if copy.greedy:
                         result.output.add_text(answer_text(data))
         except (AttemptFailed, httpx.HTTPError) as err:

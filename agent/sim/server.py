@@ -18,6 +18,8 @@
   the continuation header gets them on each streamed chunk (and on an unstreamed choice),
   and a continuation (`fleet_resume_token_ids`) goes on from the tokens it already has, as
   the engine's (fleet_base/openai_contract/continuation.py).
+- an unstreamed answer says its time from arrival to first token (model clock) in the
+  `x-fleet-ttft-s` header, as the engine's does (fleet_base/openai_contract/timing.py).
 - `--cut-stream-at K` (a test device for stream migration): a stream's connection ends,
   unfinished, once it has sent output token K; a continuation that starts at or past K
   runs to the end (so two replica entries of one sim migrate a stream exactly once).
@@ -64,6 +66,7 @@ from fleet_base.listener import uvicorn_options
 from fleet_base.metric_buckets import QUEUE_BUCKETS, TTFT_BUCKETS
 from fleet_base.openai_contract.continuation import RESUME_FIELD, TOKEN_IDS_FIELD, TOKEN_IDS_HEADER
 from fleet_base.openai_contract.responses import ResponsesRequest
+from fleet_base.openai_contract.timing import TTFT_HEADER, ttft_header
 from fleet_base.profile import PerfProfile, load_profile
 
 log = logging.getLogger("agent.sim.server")
@@ -352,7 +355,7 @@ async def _responses(request: Request, state: SimState) -> Response:
                     "content": [{"type": "output_text", "text": text, "annotations": []}]}],
         "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
                   "total_tokens": usage["total_tokens"]},
-    })  # fmt: skip
+    }, headers={k: v for k, v in chat.headers.items() if k == TTFT_HEADER})  # fmt: skip
 
 
 async def _generate_parsed(
@@ -436,7 +439,9 @@ async def _run(
             obj = "text_completion"
         if want_ids:
             choice[TOKEN_IDS_FIELD] = token_ids(skip, out_tokens, diverge)
-        return JSONResponse({**head, "object": obj, "choices": [choice], "usage": usage})
+        first = req.first_token_at
+        timing = ttft_header(None if first is None else first - req.arrival)
+        return JSONResponse({**head, "object": obj, "choices": [choice], "usage": usage}, headers=timing)
 
     include_usage = bool((body.stream_options or {}).get("include_usage"))
     obj = "chat.completion.chunk" if chat else "text_completion"

@@ -73,7 +73,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     run = await run_chat(request, state, body, "chat")
     if body.stream:
         return StreamingResponse(_sse(run), media_type="text/event-stream", headers=SSE_HEADERS)
-    return JSONResponse(chat_result(run))
+    return JSONResponse(chat_result(run), headers=run.gen.timing_headers())
 
 
 def chat_result(run: ChatRun) -> dict[str, Any]:

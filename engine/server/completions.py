@@ -51,7 +51,10 @@ async def create_completion(request: Request, state: ServerState) -> Response:
                 "finish_reason": o.finish_reason,
             }
         )
-    return JSONResponse({**head, "object": "text_completion", "choices": choices, "usage": gen.usage()})
+    return JSONResponse(
+        {**head, "object": "text_completion", "choices": choices, "usage": gen.usage()},
+        headers=gen.timing_headers(),
+    )
 
 
 async def _stream(

@@ -23,6 +23,7 @@ from engine.server.request_spans import REQUEST_ID_HEADER, RequestSpans
 from engine.server.state import EngineClient, ServerState
 from fleet_base import tracing
 from fleet_base.openai_contract.requests import ChatCompletionRequest, CompletionRequest
+from fleet_base.openai_contract.timing import ttft_header
 from fleet_base.sampling_params import SamplingParams
 
 _background: set[asyncio.Task[Any]] = set()
@@ -312,6 +313,19 @@ class Generation:
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
+
+    def ttft_s(self) -> float | None:
+        """Seconds from the first engine request's arrival to the first token any of them
+        generated: the engine's own stamps (`RequestMetrics`), None before a first token."""
+        stamps = [o.metrics for o in self.final if o is not None and o.metrics is not None]
+        firsts = [m.first_token_time for m in stamps if m.first_token_time is not None]
+        if not firsts:
+            return None
+        return max(0.0, min(firsts) - min(m.arrival_time for m in stamps))
+
+    def timing_headers(self) -> dict[str, str]:
+        """A non-streamed answer's header with its time to first token (gateways read it)."""
+        return ttft_header(self.ttft_s())
 
     def choice_index(self, prompt_index: int, seq_index: int) -> int:
         return prompt_index * self.params.n + seq_index

@@ -136,7 +136,10 @@ async def create_response(request: Request, state: ServerState) -> Response:
         fn = call["function"]
         output.append(_call_item(_id("fc"), call["id"], fn["name"], fn["arguments"]))
     finish = choice["finish_reason"]
-    return JSONResponse(shape.response(_status(finish), output, _usage(result["usage"]), finish))
+    return JSONResponse(
+        shape.response(_status(finish), output, _usage(result["usage"]), finish),
+        headers=run.gen.timing_headers(),
+    )
 
 
 def _event(kind: str, seq: int, **fields: Any) -> str:

@@ -65,6 +65,8 @@ def test_fleetctl_cost_reports_tokens_and_dollars(fleet):
     assert row["prompt_tokens"] > 0 and row["completion_tokens"] > 0 and row["requests"] >= 20
     assert row["gpu_dollars"] > 0 and row["gpu_hours"] > 0
     assert row["dollars_by_tier"].get("on-demand", 0) > 0
+    # non-streamed chat: the replica's x-fleet-ttft-s splits each request, so decode is measured
+    assert row["decode_s"] > 0 and row["dollars_per_mtok"]["decode"] > 0
     assert report["total"]["gpu_dollars"] >= row["gpu_dollars"]
     table = fleetctl(fleet.home, "cost", "--since", "1h", env=WIDE).stdout
     print(f"\n$ fleetctl cost --since 1h\n{table}")

@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from fleet_base.api_keys import ApiKeyRecord
+from fleet_base.openai_contract.timing import TTFT_HEADER
 from fleet_base.ports import free_port
 from tests.agent.gateway.conftest import EAST
 from tests.agent.gateway.harness import DEPLOYMENT, GatewayProcess, peer, route, sample, scrape
@@ -57,10 +58,13 @@ def test_forwards_to_the_peer_and_back(west: GatewayProcess, east: GatewayProces
     before = forwarded(west, "east")
     c = openai.OpenAI(base_url=f"{west.url}/v1", api_key=secret, max_retries=0, timeout=60)
     assert [m.id for m in c.models.list().data] == [DEPLOYMENT]
+    sent = time.monotonic()
     raw = c.chat.completions.with_raw_response.create(
         model=DEPLOYMENT, messages=[{"role": "user", "content": "hi"}], max_tokens=4
     )
+    took = time.monotonic() - sent
     assert raw.headers["x-fleet-cluster"] == "east"  # served there
+    assert 0 < float(raw.headers[TTFT_HEADER]) < took  # the peer's figure, and the hop before it
     assert raw.parse().usage.completion_tokens >= 1
     chunks = list(
         c.completions.create(

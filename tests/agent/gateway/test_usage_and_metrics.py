@@ -1,19 +1,25 @@
-"""Per-request telemetry: usage records on NATS (a real nats-server) and the documented
-Prometheus names."""
+"""Per-request telemetry: usage records on NATS (a real nats-server), a replica's bogus
+time-to-first-token header kept out of them, and the documented Prometheus names."""
 
 from __future__ import annotations
 
+import json
 import re
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import nats as nats_py
+import pytest
 
 from control_plane.local.nats_server import NatsServer
 from fleet_base.api_keys import ApiKeyRecord
+from fleet_base.openai_contract.timing import TTFT_HEADER
 from fleet_base.protocol import UsageRecord, usage_subject
 from tests.agent.gateway.conftest import EAST
-from tests.agent.gateway.harness import DEPLOYMENT, GatewayProcess, peer, route, scrape
+from tests.agent.gateway.harness import DEPLOYMENT, GatewayProcess, peer, replica, route, scrape
 from tests.polling import eventually
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -64,7 +70,9 @@ async def test_usage_records_arrive_on_nats(
         usage["prompt_tokens"],
         usage["completion_tokens"],
     )
-    assert first.ttft_s is None  # not streamed
+    # not streamed: the replica's own time to first token (its header) plus the gateway's before the call
+    assert first.ttft_s is not None and 0 < first.ttft_s < first.latency_s
+    assert float(chat.headers[TTFT_HEADER]) == pytest.approx(first.ttft_s, abs=1e-5)
     assert second.completion_tokens == 9 and second.prompt_tokens >= 1
     assert second.ttft_s is not None and 0 < second.ttft_s <= second.latency_s
     for record in records:
@@ -74,6 +82,74 @@ async def test_usage_records_arrive_on_nats(
             1,
             200,
         )
+
+
+class _BogusTtft(BaseHTTPRequestHandler):
+    """A replica whose answers are right but whose `x-fleet-ttft-s` is the test's value."""
+
+    protocol_version = "HTTP/1.0"
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        body = json.dumps({
+            "id": "cmpl-1", "object": "text_completion", "created": 0, "model": DEPLOYMENT,
+            "choices": [{"index": 0, "text": "ok", "logprobs": None, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
+        }).encode()  # fmt: skip
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.send_header(TTFT_HEADER, self.server.ttft)  # type: ignore[attr-defined]
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def bogus() -> Iterator[ThreadingHTTPServer]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _BogusTtft)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+async def test_a_replicas_bogus_ttft_is_not_recorded(
+    east: GatewayProcess,
+    nats: NatsServer,
+    keys: dict[str, tuple[str, ApiKeyRecord]],
+    bogus: ThreadingHTTPServer,
+) -> None:
+    east.write(replicas=[replica("bogus", f"http://127.0.0.1:{bogus.server_address[1]}")])
+    values = ["nan", "-0.5", "3600", "soon", "0.0"]  # the last one is fine: the control
+    async with httpx.AsyncClient(base_url=east.url, timeout=30) as h:
+        nc = await nats_py.connect(nats.url)
+        try:
+            sub = await nc.subscribe(usage_subject("east"))
+            answers = []
+            for value in values:
+                bogus.ttft = value  # type: ignore[attr-defined]
+                answers.append(
+                    await h.post(
+                        "/v1/completions",
+                        headers={"Authorization": f"Bearer {keys['usage'][0]}"},
+                        json={"model": DEPLOYMENT, "prompt": "hi", "max_tokens": 2},
+                    )
+                )
+            records: list[UsageRecord] = []
+            while len(records) < len(values):
+                record = UsageRecord.from_bytes((await sub.next_msg(timeout=5)).data)
+                if record.key_id == "usage":
+                    records.append(record)
+        finally:
+            await nc.close()
+    assert [a.status_code for a in answers] == [200] * len(values)
+    assert [TTFT_HEADER in a.headers for a in answers] == [False] * 4 + [True]
+    assert [r.ttft_s for r in records[:4]] == [None] * 4
+    assert records[4].ttft_s is not None and 0 <= records[4].ttft_s <= records[4].latency_s
 
 
 DOCUMENTED = re.compile(r"^\| `(fleet_gateway_[a-z_]+)", re.M)

@@ -21,6 +21,7 @@ from agent.replica_metrics import parse_metrics
 from agent.runtime import make_runtime
 from agent.sim.server import placeholder, token_ids
 from fleet_base.cluster_config import ClusterConfig
+from fleet_base.openai_contract.timing import TTFT_HEADER
 from fleet_base.ports import free_port
 from fleet_base.protocol import ReplicaSpec, ReplicaState
 from tests.polling import eventually, wait_for
@@ -79,27 +80,33 @@ def test_cold_start_then_openai_api(replica) -> None:
     assert 503 in seen and time.monotonic() - t0 >= 0.8  # loading while cold
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x")
     t = time.monotonic()
-    r = client.chat.completions.create(
+    raw = client.chat.completions.with_raw_response.create(
         model="sim-d", messages=[{"role": "user", "content": "hi " * 400}], max_tokens=20
     )
     took = time.monotonic() - t
+    r = raw.parse()
+    # its own time to first token: the prefill, well before the 19 decode steps end
+    ttft = float(raw.headers[TTFT_HEADER])
+    assert 0 < ttft < took / 2
     assert r.system_fingerprint == "simulated"
     assert r.usage.completion_tokens == 20 and r.usage.prompt_tokens > 200
     assert r.choices[0].message.content and r.choices[0].finish_reason == "length"
     assert 0.5 < took < 3  # ~50 ms prefill + 19 steps of ~30 ms: real time from the profile
 
-    chunks = list(
-        client.completions.create(
-            model="sim-d", prompt="x", max_tokens=30, stream=True, stream_options={"include_usage": True}
-        )
+    streamed = client.completions.with_raw_response.create(
+        model="sim-d", prompt="x", max_tokens=30, stream=True, stream_options={"include_usage": True}
     )
+    assert TTFT_HEADER not in streamed.headers  # a stream's first token is its reader's to time
+    chunks = list(streamed.parse())
     texts = [c.choices[0].text for c in chunks if c.choices]
     assert len(texts) >= 3 and all(c.system_fingerprint == "simulated" for c in chunks)
     assert chunks[-1].usage.completion_tokens == 30 and chunks[-1].choices == []
     assert [m.id for m in client.models.list().data] == ["sim-d"]
-    resp = client.responses.create(
+    raw_resp = client.responses.with_raw_response.create(
         model="sim-d", input="hi " * 40, instructions="be brief", max_output_tokens=5
     )
+    assert 0 < float(raw_resp.headers[TTFT_HEADER]) < took
+    resp = raw_resp.parse()
     assert resp.output_text and resp.usage.output_tokens == 5 and resp.usage.input_tokens > 20
     bad = httpx.post(
         f"{url}/v1/responses", json={"model": "sim-d", "input": "x", "previous_response_id": "r"}

@@ -28,8 +28,8 @@ def test_window_clipping(start, end, expected):
 @pytest.mark.parametrize(
     ("latency", "ttft", "expected"),
     [
-        (2.0, 0.5, (0.5, 1.5)),  # streamed: prefill to the first token, decode the rest
-        (2.0, None, (2.0, 0.0)),  # not streamed: all prefill
+        (2.0, 0.5, (0.5, 1.5)),  # a first token measured: prefill to it, decode the rest
+        (2.0, None, (2.0, 0.0)),  # no first token measured: all prefill
         (2.0, 3.0, (2.0, 0.0)),  # a first token after the end is clamped
         (0.0, None, (0.0, 0.0)),
     ],

@@ -1,7 +1,8 @@
 """Traces from the real engine behind its OpenAI server (in process, SmolLM2): a request that
 carries a W3C `traceparent` gets an engine span in that trace with queue, prefill and decode
 under it and a first-token event; a repeated prompt's prefill reads from the prefix cache; with
-tracing off nothing is made and requests are served as before."""
+tracing off nothing is made and requests are served as before. An unstreamed answer's
+`x-fleet-ttft-s` header is the same stamps' TTFT."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from engine.server import request_spans as rs
 from engine.server.app import build_app, new_state
 from engine.server.state import ServerSettings, ServerState
 from fleet_base import tracing
+from fleet_base.openai_contract.timing import TTFT_HEADER
 
 pytestmark = pytest.mark.slow
 
@@ -110,3 +112,24 @@ async def test_tracing_off_makes_nothing(client, monkeypatch) -> None:
     monkeypatch.setattr(generation, "RequestSpans", refuse)
     r = await complete(client, traceparent=TRACEPARENT)
     assert r.json()["usage"]["completion_tokens"] == 3
+
+
+async def test_an_unstreamed_answer_says_its_ttft_from_the_engine_stamps(client, exporter) -> None:
+    """`x-fleet-ttft-s` is the engine span's own TTFT (the same stamps, no second clock), on
+    every unstreamed endpoint, and absent from a stream (its reader times the first token)."""
+    r = await complete(client)
+    root, _ = request_tree(list(exporter.get_finished_spans()))
+    ttft = float(r.headers[TTFT_HEADER])
+    assert ttft == pytest.approx(root.attributes[rs.TTFT], abs=1e-6) and ttft > 0
+    assert ttft * 1e9 <= root.end_time - root.start_time  # decode came after it
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = await client.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2}
+    )
+    responses = await client.post(
+        "/v1/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 2}
+    )
+    for answer in (chat, responses):
+        assert answer.status_code == 200, answer.text
+        assert 0 < float(answer.headers[TTFT_HEADER]) < 60
+    assert TTFT_HEADER not in (await complete(client, stream=True)).headers
