@@ -4,6 +4,9 @@ starts one); without it those tests skip, unless FLEET_REQUIRE_POSTGRES=1 (CI)."
 
 from __future__ import annotations
 
+import sqlite3
+from pathlib import Path
+
 import pytest
 
 from control_plane.db.session import make_sessions, upgrade_to_head
@@ -50,12 +53,31 @@ def admin(cp_server):
         yield client
 
 
+@pytest.fixture(scope="session")
+def migrated_sqlite(tmp_path_factory) -> Path:
+    """A SQLite file migrated to head once per session: the template `sessions` copies
+    (running every migration for each test cost far more than the test itself)."""
+    path = tmp_path_factory.mktemp("migrated") / "fleet.db"
+    upgrade_to_head(f"sqlite:///{path}")
+    return path
+
+
+def copy_sqlite(source: Path, target: Path) -> None:
+    """A page-for-page copy through SQLite's backup API (it reads through the WAL)."""
+    src, dst = sqlite3.connect(source), sqlite3.connect(target)
+    try:
+        src.backup(dst)
+    finally:
+        src.close()
+        dst.close()
+
+
 @pytest.fixture
-def sessions(tmp_path):
-    """A session factory on a fresh SQLite database migrated to head; a module's own
-    `sessions` fixture may take this one and add its fleet."""
-    url = f"sqlite:///{tmp_path / 'fleet.db'}"
-    upgrade_to_head(url)
-    factory = make_sessions(url)
+def sessions(tmp_path, migrated_sqlite):
+    """A session factory on a fresh SQLite database migrated to head (a copy of the
+    session's template); a module's own `sessions` fixture may take this one and add its fleet."""
+    path = tmp_path / "fleet.db"
+    copy_sqlite(migrated_sqlite, path)
+    factory = make_sessions(f"sqlite:///{path}")
     yield factory
     factory.kw["bind"].dispose()
