@@ -139,6 +139,9 @@ def test_every_dashboard_query_returns_series(prometheus_binary, fleet: SimFleet
         "/v1/keys",
         json={"name": "limited", "scopes": ["inference"], "quotas": {"requests_per_minute": 2}},
     ).json()["key"]
+    # a team budget, so the budget panel's gauges have series
+    budget = fleet.api("PUT", "/v1/budgets/observed", json={"monthly_dollars": 100})
+    assert budget.status_code == 200, budget.text
     gateways = [fleet.gateways["local-east"], fleet.gateways["local-west"]]  # west forwards to east
     load = Load(gateways, fleet.key, "api", workers=2, pause_s=0.05).start()
     stop = threading.Event()
