@@ -218,8 +218,8 @@ async def test_interactive_queues_less_than_batch_and_batch_is_not_starved(
         n_batch, n_inter = 16, 10
         tasks = [asyncio.create_task(one("batch", batch[0], 0.0)) for _ in range(n_batch)]
 
-        async def batch_queued() -> bool:
-            return (await h.get("/health")).json()["queue_depth"] >= n_batch - slots - 2
+        async def batch_queued() -> bool:  # half is enough: on a loaded box the 2 slots drain while it fills
+            return (await h.get("/health")).json()["queue_depth"] >= n_batch // 2
 
         await eventually(batch_queued, 20, "the batch requests to queue", 0.02)
         tasks += [asyncio.create_task(one("interactive", inter[0], service_s * i)) for i in range(n_inter)]
