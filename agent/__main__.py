@@ -20,6 +20,7 @@ import yaml
 from pydantic import ValidationError
 
 from agent.daemon import Agent, AgentLocked
+from fleet_base import heap_trim
 from fleet_base.cluster_config import ClusterConfig, RuntimeName
 
 log = logging.getLogger("agent")
@@ -80,6 +81,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if ns.runtime is not None:
         config.runtime = ns.runtime
+    try:
+        heap_trim.start()
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return asyncio.run(serve(config))
 
 

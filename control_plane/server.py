@@ -92,11 +92,13 @@ def run(settings: Settings, *, loops: bool = True) -> int:
 
     from control_plane.api.app import build_app
     from control_plane.context import ControlPlaneContext
+    from fleet_base import heap_trim
     from fleet_base.listener import uvicorn_options
     from fleet_base.nats_io import NatsLink, redact_url
 
     try:
         listener = uvicorn_options()
+        heap_trim.start()
     except ValueError as err:
         log.error("%s", err)
         return 2

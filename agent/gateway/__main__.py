@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from agent.gateway.app import build_app
 from agent.gateway.peers import mark_peer_listener
-from fleet_base import tracing
+from fleet_base import heap_trim, tracing
 from fleet_base.cluster_config import ClusterConfig
 from fleet_base.listener import uvicorn_options
 
@@ -44,6 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tracing.setup("fleet-gateway", attributes={tracing.CLUSTER: config.cluster})
     try:
         listener = uvicorn_options()
+        heap_trim.start()
     except ValueError as err:
         print(f"gateway: {err}", file=sys.stderr)
         return 2

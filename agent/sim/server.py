@@ -58,7 +58,7 @@ from starlette.routing import Route
 
 from agent.security.replica_auth import API_KEY_ENV, CERT_ENV, KEY_ENV, require_bearer
 from agent.sim.model import ReplicaModel, SimRequest
-from fleet_base import tracing
+from fleet_base import heap_trim, tracing
 from fleet_base.bounds import Seed
 from fleet_base.listener import uvicorn_options
 
@@ -553,6 +553,10 @@ def main(argv: list[str] | None = None) -> None:
         error_rate,
     )
     tracing.setup("fleet-sim", attributes={tracing.DEPLOYMENT: args.served_model_name})
+    try:
+        heap_trim.start()
+    except ValueError as err:
+        sys.exit(f"error: {err}")
     asyncio.run(_serve(args, profile, cold, error_rate))
 
 

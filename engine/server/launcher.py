@@ -20,7 +20,7 @@ import uvicorn
 from engine.server.app import build_app, new_state
 from engine.server.spec_flags import add_speculative_flags, speculative_config
 from engine.server.state import ServerSettings, ServerState
-from fleet_base import tracing
+from fleet_base import heap_trim, tracing
 from fleet_base.listener import ListenerLimits, uvicorn_options
 
 log = logging.getLogger("engine.server")
@@ -392,6 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             test_hooks=os.environ.get(TEST_HOOKS_ENV) == "1",
         )
         ListenerLimits.from_env()
+        heap_trim.interval_from_env()
     except Exception as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -399,4 +400,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(max(1, ns.threads))
+    heap_trim.start()
     return asyncio.run(_serve(ns, settings))
