@@ -52,6 +52,33 @@ if os.environ.get("FLEET_HEAP_PROFILE_DIR"):
             return
         grown = (types - _types_at_start).most_common(10)
         f.write("live objects grown by type: " + ", ".join(f"{n} +{c}" for n, c in grown) + "\n")
+        _holders(f)
+
+    def _holders(f) -> None:
+        """Where live exceptions were raised and what live sockets point at: a leak of
+        either names its code here, which an allocation site (the exception's own
+        constructor, the socket module) does not."""
+        raised: collections.Counter[str] = collections.Counter()
+        peers: collections.Counter[str] = collections.Counter()
+        for o in gc.get_objects():
+            if isinstance(o, BaseException) and o.__traceback__ is not None:
+                tb = o.__traceback__
+                while tb.tb_next is not None:
+                    tb = tb.tb_next
+                code = tb.tb_frame.f_code
+                raised[f"{type(o).__name__} at {code.co_filename.rsplit('/', 2)[-1]}:{tb.tb_lineno}"] += 1
+            elif type(o).__name__ == "socket":
+                try:
+                    peer = o.getpeername()
+                    peers[f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)] += 1
+                except (OSError, AttributeError, IndexError):
+                    peers["(closed or unconnected)"] += 1
+        f.write(
+            "live exceptions by where raised: "
+            + ", ".join(f"{k} x{c}" for k, c in raised.most_common(8))
+            + "\n"
+        )
+        f.write("live sockets by peer: " + ", ".join(f"{k} x{c}" for k, c in peers.most_common(8)) + "\n")
 
     def _dump(_signum: int, _frame: object) -> None:
         out = Path(os.environ["FLEET_HEAP_PROFILE_DIR"]) / f"{os.getpid()}.txt"
