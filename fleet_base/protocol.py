@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fleet_base.bounds import MAX_TOKENS, Count, FiniteFloat, Timestamp
 from fleet_base.domain import AdapterName, Coordinates, PoolShape
+from fleet_base.node_health import MAX_FAULTS, MAX_NODES, NodeAction, NodeFault, NodeHealth
 
 # Bounds of what an agent or gateway may report (fleet_base.domain bounds each pool).
 MAX_POOLS = 256
@@ -154,6 +155,9 @@ class DesiredState(Message):
     # The cluster's own jurisdiction (fleet_base.residency): its gateway refuses keys whose
     # residency excludes it. "" = none, which is outside every residency policy.
     jurisdiction: str = ""
+    # Operators' cordons and uncordons of this cluster's nodes (fleet_base.node_health),
+    # the latest per node.
+    node_actions: list[NodeAction] = Field(default_factory=list, max_length=MAX_NODES)
 
 
 # --------------------------------------------------------------------- routes
@@ -308,6 +312,10 @@ class Heartbeat(Message):
     # writes since it started: its gateway may be serving from stale keys and routes.
     state_writes_failing: dict[ShortText, ShortText] = Field(default_factory=dict, max_length=16)
     state_write_failures: Count = 0
+    # Each node's health as the agent holds it, and the faults it observed lately (each
+    # repeated for a while; the control plane stores each `fault_id` once).
+    nodes: list[NodeHealth] = Field(default_factory=list, max_length=MAX_NODES)
+    node_faults: list[NodeFault] = Field(default_factory=list, max_length=MAX_FAULTS)
     sent_at: Timestamp = Field(default_factory=time.time)
 
 
@@ -322,6 +330,8 @@ EventKind = Literal[
     "replica_stopped",
     "replica_preempted",
     "replica_unschedulable",
+    "node_fault",
+    "node_state",
     "cluster_healthy",
     "cluster_unhealthy",
     "scaled",
