@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fleet_base.domain import ClusterId, Coordinates
 from fleet_base.kube_config import KubernetesConfig
+from fleet_base.node_health import NODE_NAME_MAX, NODE_NAME_PATTERN
 from fleet_base.protocol import PoolInventory
 from fleet_base.security.tls import Credentials
 
@@ -136,6 +137,9 @@ class ClusterConfig(BaseModel):
     nats_url: str = "nats://127.0.0.1:4222"
     state_dir: Path = Path("~/.fleet/clusters/default")
     runtime: RuntimeName = "process"
+    # The node replicas run on (process and sim runtimes): "" is this host's name reduced
+    # to a NodeName (fleet_base.node_health.local_node_name); Kubernetes uses the pod's node.
+    node_name: str = Field("", max_length=NODE_NAME_MAX, pattern=f"^$|{NODE_NAME_PATTERN}")
     heartbeat_interval_s: float = Field(1.0, gt=0)
     # Declared pools; empty means detect GPUs (nvidia-smi), else one CPU pool of
     # `cpu_slots` replica slots so the same flow runs on a machine without GPUs.

@@ -10,6 +10,8 @@ this module is only the contract both sides read, torch-free and I/O-free.
 
 from __future__ import annotations
 
+import platform
+import re
 import secrets
 import time
 from enum import Enum
@@ -23,7 +25,9 @@ MAX_NODES = 4096
 MAX_FAULTS = 256  # per heartbeat; a burst beyond it is summarised by the state's reason
 MAX_EVIDENCE = 512
 
-NodeName = Annotated[str, Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")]
+NODE_NAME_MAX = 253
+NODE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._\-]*$"
+NodeName = Annotated[str, Field(min_length=1, max_length=NODE_NAME_MAX, pattern=NODE_NAME_PATTERN)]
 
 
 class NodeState(str, Enum):
@@ -86,3 +90,15 @@ class NodeAction(BaseModel):
     action: Literal["cordon", "uncordon"]
     at: Timestamp
     reason: str = Field("", max_length=MAX_EVIDENCE)
+
+
+def local_node_name(configured: str = "", hostname: str | None = None) -> str:
+    """The node name of this host on the process and sim runtimes: `configured`
+    (ClusterConfig.node_name) when set, else the host name reduced to NodeName (characters
+    outside it become "-", leading ones it cannot start with dropped), "localhost" if
+    nothing is left. `platform.node()` is the host name (uname), without `socket`, so this
+    contract module stays free of I/O libraries."""
+    name = configured or (platform.node() if hostname is None else hostname)
+    name = re.sub(r"[^A-Za-z0-9._\-]", "-", name)
+    name = re.sub(r"^[^A-Za-z0-9]+", "", name)[:NODE_NAME_MAX]
+    return name or "localhost"

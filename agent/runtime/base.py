@@ -9,6 +9,7 @@ import time
 
 from pydantic import BaseModel, Field
 
+from fleet_base.node_health import local_node_name
 from fleet_base.protocol import ReplicaSpec, ReplicaState
 
 
@@ -55,6 +56,8 @@ class Runtime(abc.ABC):
     # Whether the agent drains its replicas when it is stopped (SIGTERM). False where
     # replicas belong to the cluster and outlive the agent (kubernetes pods).
     drain_on_exit: bool = True
+    # The configured node name (ClusterConfig.node_name); "" means this host's name.
+    node_name: str = ""
 
     @abc.abstractmethod
     async def start(self, spec: ReplicaSpec) -> ReplicaHandle:
@@ -83,6 +86,28 @@ class Runtime(abc.ABC):
     async def discover(self) -> list[ReplicaHandle]:
         """Replicas a previous agent run started that this runtime can find by itself
         (without runtime.json), for adoption; the process runtimes find none."""
+        return []
+
+    # ------------------------------------------------------------ node health
+
+    async def replica_node(self, replica_id: str) -> str | None:
+        """The node a replica runs on (None: not known, e.g. a pod not yet scheduled).
+        Local runtimes run every replica on this host."""
+        return local_node_name(self.node_name)
+
+    async def cordon_node(self, node: str, reason: str) -> None:
+        """Keep new replicas off `node` where the cluster schedules them (Kubernetes).
+        A no-op here: on the process and sim runtimes the agent withholds the node's
+        capacity itself."""
+        return None
+
+    async def uncordon_node(self, node: str) -> None:
+        """Undo `cordon_node` (only what Fleet itself set)."""
+        return None
+
+    async def recycle_node(self, node: str) -> list[str]:
+        """Delete Fleet's replicas on `node` so the cluster recreates them elsewhere;
+        returns their replica ids. Local runtimes have nowhere else: none."""
         return []
 
     async def close(self) -> None:

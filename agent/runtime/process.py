@@ -83,6 +83,7 @@ class ProcessRuntime(Runtime):
 
     def __init__(self, config: ClusterConfig, *, unhealthy_after_s: float = UNHEALTHY_AFTER_S) -> None:
         self.config = config
+        self.node_name = config.node_name
         self.logs_dir = LocalState(config.state_dir).logs_dir
         self.unhealthy_after_s = unhealthy_after_s
         self._children: dict[int, subprocess.Popen[bytes]] = {}  # pid -> our own child
