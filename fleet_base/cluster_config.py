@@ -127,6 +127,33 @@ class ReplicaConfig(BaseModel):
     log_backups: int = Field(3, ge=0, le=100)
 
 
+class HealthConfig(BaseModel):
+    """Node and GPU health (agent/health): how faults are read, when a node is cordoned."""
+
+    enabled: bool = True
+    nvml_interval_s: float = Field(5.0, gt=0)
+    # the correctness probe: a fixed greedy request, repeated when idle and, rarer, when busy
+    probe_idle_s: float = Field(30.0, gt=0)
+    probe_busy_s: float = Field(300.0, gt=0)
+    probe_max_tokens: int = Field(8, ge=1, le=64)
+    probe_timeout_s: float = Field(10.0, gt=0)
+    # soft faults (thermal, a stall, a crash): suspect at the first, cordoned at the Nth
+    # within the window; a suspect node with none for quiet_s is healthy again
+    soft_faults_to_cordon: int = Field(3, ge=1)
+    soft_window_s: float = Field(600.0, gt=0)
+    quiet_s: float = Field(300.0, gt=0)
+    # cordoned by the agent flap_cordons times within flap_window_s: retired
+    flap_cordons: int = Field(3, ge=1)
+    flap_window_s: float = Field(86400.0, gt=0)
+    # replicas crashing this often on the same GPUs within the window: a crash loop
+    crash_loop_crashes: int = Field(3, ge=2)
+    crash_loop_window_s: float = Field(600.0, gt=0)
+    # uncorrectable ECC errors the volatile count may rise by before it is a fault
+    ecc_uncorrectable_rise: int = Field(1, ge=1)
+    # each fault is repeated in heartbeats this long
+    fault_report_s: float = Field(30.0, gt=0)
+
+
 class ClusterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -134,6 +161,9 @@ class ClusterConfig(BaseModel):
     provider: str = "local"
     region: str = ""
     coordinates: Coordinates = Field(default_factory=Coordinates)
+    # The node replicas run on (process and sim runtimes); "" = this host's name
+    # (agent.health.node.host_node_name). Kubernetes: each pod's spec.nodeName.
+    node_name: str = Field("", max_length=253)
     nats_url: str = "nats://127.0.0.1:4222"
     state_dir: Path = Path("~/.fleet/clusters/default")
     runtime: RuntimeName = "process"
@@ -147,6 +177,7 @@ class ClusterConfig(BaseModel):
     cpu_slots: int = Field(2, ge=0)
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     replica: ReplicaConfig = Field(default_factory=ReplicaConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
     # runtime `kubernetes` only: API, image, pools -> node pools, model volume
     kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
     # The cluster's credential bundle (`fleetctl clusters enroll`); empty: no TLS (tests).
