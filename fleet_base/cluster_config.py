@@ -161,9 +161,6 @@ class ClusterConfig(BaseModel):
     provider: str = "local"
     region: str = ""
     coordinates: Coordinates = Field(default_factory=Coordinates)
-    # The node replicas run on (process and sim runtimes); "" = this host's name
-    # (agent.health.node.host_node_name). Kubernetes: each pod's spec.nodeName.
-    node_name: str = Field("", max_length=253)
     nats_url: str = "nats://127.0.0.1:4222"
     state_dir: Path = Path("~/.fleet/clusters/default")
     runtime: RuntimeName = "process"
