@@ -20,6 +20,7 @@ from agent.runtime.kubernetes import KubernetesRuntime
 from fleet_base.cluster_config import ClusterConfig
 from fleet_base.protocol import ReplicaSpec, Resources
 from tests.agent.kube.conftest import NAMESPACE, config_for, fake_cluster, spec, start_running, validate
+from tests.agent.kube.fake_apiserver import Rbac
 from tests.polling import eventually
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +66,8 @@ def test_overlay_validates_strictly(rendered, overlay) -> None:
     assert {"PodDisruptionBudget", "ServiceAccount", "ConfigMap"} <= kinds
     for doc in docs:
         validate(doc)
-    assert all(d["metadata"].get("namespace") == "fleet" for d in docs if d["kind"] != "Namespace")
+    cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
+    assert all(d["metadata"].get("namespace") == "fleet" for d in docs if d["kind"] not in cluster_scoped)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -177,10 +179,12 @@ def test_replica_service_gives_replica_pods_their_tls_name(rendered, overlay) ->
 
 
 def role_grants(docs: list[dict]) -> set[tuple[str, str, str]]:
-    (role,) = [r for r in by_kind(docs, "Role") if r["metadata"]["name"] == "fleet-agent"]
+    """(apiGroup, resource, verb) the agent's ServiceAccount is granted: its Role in the
+    namespace and the ClusterRole(s) bound to it (nodes are cluster-scoped)."""
+    rbac = Rbac.from_docs(docs, NAMESPACE)
     return {
         (group, resource, verb)
-        for rule in role["rules"]
+        for rule in rbac.role_rules + rbac.cluster_rules
         for group in rule["apiGroups"]
         for resource in rule["resources"]
         for verb in rule["verbs"]
@@ -190,7 +194,7 @@ def role_grants(docs: list[dict]) -> set[tuple[str, str, str]]:
 def calls_in_source() -> set[tuple[str, str, str]]:
     """(apiGroup, resource, verb) of every `self.client.<method>(...)` in the runtime."""
     tree = ast.parse(Path(kube_runtime.__file__).read_text())
-    resources = {"Pod": kube_runtime.Pod, "Deployment": kube_runtime.Deployment}
+    resources = {"Pod": kube_runtime.Pod, "Deployment": kube_runtime.Deployment, "Node": kube_runtime.Node}
     found = set()
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
@@ -226,28 +230,36 @@ def test_role_allows_exactly_what_the_code_calls(rendered) -> None:
         ("", "pods", "watch"),
         ("", "pods/log", "get"),
         ("apps", "deployments", "get"),
+        ("", "nodes", "get"),
+        ("", "nodes", "patch"),
     }
     for overlay in OVERLAYS:
         assert role_grants(rendered[overlay]) == code, overlay
     (role,) = [r for r in by_kind(rendered["gke"], "Role") if r["metadata"]["name"] == "fleet-agent"]
     dep_rule = next(r for r in role["rules"] if "deployments" in r["resources"])
     assert dep_rule["resourceNames"] == ["fleet-agent"]
-    assert not by_kind(rendered["gke"], "ClusterRole")
+    # cluster-wide: nodes get / patch, nothing else (no list, watch, delete; no pods)
+    (cluster_role,) = by_kind(rendered["gke"], "ClusterRole")
+    assert cluster_role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
+    (binding,) = by_kind(rendered["gke"], "ClusterRoleBinding")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "fleet-agent", "namespace": NAMESPACE}]
 
 
 async def test_role_covers_every_request_the_runtime_makes(tmp_path, rendered) -> None:
     async with fake_cluster() as api:
+        api.rbac = Rbac.from_docs(rendered["gke"], NAMESPACE)  # a call not granted is a 403
         await _exercise_runtime(api, tmp_path)
     seen = {(r.group, r.resource, r.verb) for r in api.requests}
     grants = role_grants(rendered["gke"])
-    assert seen <= grants, seen - grants
-    assert {v for _, _, v in seen} >= {"create", "get", "list", "watch", "delete"}
+    assert seen == grants, (seen - grants, grants - seen)  # all used, none missing
+    assert all(api.rbac.allows(r) for r in api.requests)
 
 
 async def _exercise_runtime(api, tmp_path) -> None:
-    """Every runtime method once: start, adopt, discover, poll a failure, kill."""
+    """Every runtime method once: start, adopt, discover, poll a failure, node health, kill."""
     rt = KubernetesRuntime(config_for(api, tmp_path))
     try:
+        api.add_node("node-1")
         handle, name = await start_running(api, rt, spec())
         await eventually(lambda: name in rt.pods)
         assert await rt.adopt(handle)
@@ -260,6 +272,10 @@ async def _exercise_runtime(api, tmp_path) -> None:
             return (await rt.poll(other)).state.value == "failed"
 
         await eventually(failed)
+        assert await rt.replica_node(handle.replica_id) == "node-1"
+        await rt.cordon_node("node-1", "xid 79")
+        await rt.uncordon_node("node-1")
+        assert await rt.recycle_node("node-1") == [handle.replica_id]
         await rt.kill(handle)
     finally:
         await rt.close()

@@ -19,11 +19,16 @@ where a ReplicaSet would pick its own victims on scale-down.
 - a failed pod (restartPolicy Never) is deleted after its log tail is read; the
   reconciler restarts the replica under a new pod name after its backoff;
 - `discover` lists pods by labels and rebuilds handles from the spec annotation, so an
-  agent that lost runtime.json (an emptyDir in a new pod) still adopts its replicas.
+  agent that lost runtime.json (an emptyDir in a new pod) still adopts its replicas;
+- node health: a replica's node is its pod's `spec.nodeName`; `cordon_node` makes the
+  Node unschedulable and taints it `fleet.dev/unhealthy=<kind>:NoSchedule`,
+  `uncordon_node` undoes only that (see kube_node); `recycle_node` deletes Fleet's
+  replica pods on the node, with their drain grace, and the agent restarts them where
+  the scheduler now puts them: elsewhere.
 
-API calls, all in the agent's namespace (the Role in deploy/kubernetes grants these and
-no more): pods create / get / list / watch / delete, pods/log get, deployments get
-(the owner of replica pods).
+API calls (deploy/kubernetes grants these and no more): in the agent's namespace pods
+create / get / list / watch / delete, pods/log get, deployments get (the owner of
+replica pods); cluster-wide (a ClusterRole: nodes are not namespaced) nodes get / patch.
 """
 
 from __future__ import annotations
@@ -32,15 +37,18 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 from lightkube import ApiError, AsyncClient, KubeConfig
 from lightkube.codecs import from_dict
 from lightkube.config.models import Cluster, User
 from lightkube.core.exceptions import ConfigError
 from lightkube.resources.apps_v1 import Deployment
-from lightkube.resources.core_v1 import Pod
+from lightkube.resources.core_v1 import Node, Pod
+from lightkube.types import PatchType
 
 from agent.runtime.base import Probe, ReplicaHandle, Runtime
+from agent.runtime.kube_node import cordon_patch, uncordon_patch
 from agent.runtime.kube_pod import (
     LABEL,
     SPEC_ANNOTATION,
@@ -62,6 +70,7 @@ RELIST_BACKOFF_S = (0.2, 5.0)
 GONE_WAIT_S = 10.0
 MEMORY = 1000  # deleted pods remembered (their last object; whether we deleted them)
 STARTUP_SLACK_S = 60.0  # image pull and scheduling on top of the engine's startup timeout
+NODE_PATCH_ATTEMPTS = 5  # read-modify-write of a Node that others write too (409 Conflict)
 
 
 def kube_config(config: ClusterConfig) -> KubeConfig:
@@ -108,7 +117,7 @@ class KubernetesRuntime(Runtime):
         self.gone: dict[str, dict] = {}  # name -> the last object of a pod that was deleted
         self.synced = asyncio.Event()
         self._changed = asyncio.Event()
-        self._deleting: dict[str, None] = {}  # pods this runtime deleted (not "vanished")
+        self._deleting: dict[str, str] = {}  # pods this runtime deleted (not "vanished"): why
         self._pending_since: dict[str, float] = {}
         self._owner: dict | None = None
         self._watch: asyncio.Task[None] | None = None
@@ -233,7 +242,7 @@ class KubernetesRuntime(Runtime):
         name = self._name(handle)
         pod = await self._pod(name)
         if pod is None and name in self._deleting:
-            view = PodView(ReplicaState.failed, "pod deleted by the agent")
+            view = PodView(ReplicaState.failed, self._deleting[name])
         elif pod is None:
             view = vanished(self.gone.get(name))
         else:
@@ -270,8 +279,8 @@ class KubernetesRuntime(Runtime):
 
     # ------------------------------------------------------------- stop
 
-    async def _delete(self, name: str, grace: int | None) -> None:
-        self._deleting[name] = None
+    async def _delete(self, name: str, grace: int | None, why: str = "pod deleted by the agent") -> None:
+        self._deleting[name] = why
         try:
             await self.client.delete(Pod, name, namespace=self.namespace, grace_period=grace)
         except ApiError as err:
@@ -352,6 +361,79 @@ class KubernetesRuntime(Runtime):
                 )
             )
         return handles
+
+    # ------------------------------------------------------------- node health
+
+    async def replica_node(self, replica_id: str) -> str | None:
+        """The node of the replica's live pod; None while it is unscheduled or unknown."""
+        self._ensure_watch()
+        pods: list[dict] = [
+            p
+            for p in self.pods.values()
+            if ((p.get("metadata") or {}).get("labels") or {}).get(f"{LABEL}/replica") == replica_id
+        ]
+        if not pods and not self.synced.is_set():  # the cache is not in yet: ask
+            labels = {**self.labels, f"{LABEL}/replica": replica_id}
+            try:
+                listing = self.client.list(Pod, namespace=self.namespace, labels=labels)
+                pods = [p.to_dict() async for p in listing]
+            except ApiError as err:  # e.g. an id that is no label value: no such pod
+                log.info("replica %s: cannot look up its pod (%s)", replica_id, err)
+        pods.sort(key=lambda p: bool(p["metadata"].get("deletionTimestamp")))  # live ones first
+        for pod in pods:
+            node = (pod.get("spec") or {}).get("nodeName")
+            if node:
+                return str(node)
+        return None
+
+    async def _patch_node(self, node: str, make_patch: Callable[[dict], dict | None]) -> bool:
+        """Read the Node, patch it as `make_patch` says (None: nothing to do), again on a
+        409 Conflict (another writer got in between). False when there is no such node."""
+        for _ in range(NODE_PATCH_ATTEMPTS):
+            try:
+                current = (await self.client.get(Node, node)).to_dict()
+            except ApiError as err:
+                if _status_code(err) == 404:
+                    log.warning("node %s: not found in the cluster; nothing to patch", node)
+                    return False
+                raise
+            patch = make_patch(current)
+            if patch is None:
+                return True
+            try:
+                await self.client.patch(Node, node, patch, patch_type=PatchType.MERGE)
+                return True
+            except ApiError as err:
+                if _status_code(err) != 409:
+                    raise
+        raise RuntimeError(f"node {node}: still conflicting after {NODE_PATCH_ATTEMPTS} attempts")
+
+    async def cordon_node(self, node: str, reason: str) -> None:
+        if await self._patch_node(node, lambda n: cordon_patch(n, reason)):
+            log.warning("node %s: cordoned and tainted (%s)", node, reason)
+
+    async def uncordon_node(self, node: str) -> None:
+        if await self._patch_node(node, uncordon_patch):
+            log.info("node %s: Fleet's cordon and taint removed", node)
+
+    async def recycle_node(self, node: str) -> list[str]:
+        """Delete this cluster's replica pods on `node` with their drain grace (the label
+        selector keeps every other pod out); the agent then restarts each replica and the
+        scheduler, which no longer places on the cordoned node, puts it elsewhere."""
+        grace = termination_grace_s(self.config.replica.drain_timeout_s)
+        recycled: list[str] = []
+        listing = self.client.list(
+            Pod, namespace=self.namespace, labels=self.labels, fields={"spec.nodeName": node}
+        )
+        async for obj in listing:
+            meta = obj.to_dict()["metadata"]
+            replica_id = (meta.get("labels") or {}).get(f"{LABEL}/replica")
+            if not replica_id or meta.get("deletionTimestamp"):
+                continue  # not a replica pod, or already going
+            await self._delete(meta["name"], grace, f"pod recycled off node {node}")
+            log.warning("replica %s: pod %s recycled off node %s", replica_id, meta["name"], node)
+            recycled.append(replica_id)
+        return recycled
 
     async def close(self) -> None:
         if self._watch is not None:

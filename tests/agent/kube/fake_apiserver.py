@@ -20,12 +20,21 @@ what our runtime expects:
 - deleting an object deletes the objects whose ownerReferences name its uid (the garbage
   collector, background propagation).
 
+- field selectors on pods: `spec.nodeName`, `metadata.name`, `metadata.namespace`,
+  `status.phase` (`=`, `==`, `!=`); any other field is 400 BadRequest, as the real one;
+- PATCH with `application/merge-patch+json` (RFC 7386: maps merge, null deletes, lists
+  replace); a `metadata.resourceVersion` in the patch is a precondition (409 Conflict
+  when the object moved on); other patch types are 415;
+- with `rbac` set (`Rbac.from_manifest`), a request its rules do not allow is 403
+  Forbidden, as the API server's authorizer answers a ServiceAccount.
+
 What the scheduler and the kubelet would do to a pod's status is driven by the test
 through `schedule`, `unschedulable`, `run`, `wait_container`, `terminate` and
 `node_shutdown`, each a status write like theirs (resourceVersion bump + MODIFIED).
 Only the resources the Fleet runtime touches are served: core/v1 pods (+ pods/log),
-apps/v1 deployments. Every request is recorded in `requests` (method, resource, verb)
-so tests can compare what the code does with what its Role allows.
+apps/v1 deployments, and cluster-scoped core/v1 nodes (`add_node`). Every request is
+recorded in `requests` (method, resource, verb) so tests can compare what the code does
+with what its Role allows.
 
 Over ~400 lines: the API semantics the runtime relies on (versions, watches, conflicts,
 status) have to be faithful together.
@@ -44,9 +53,11 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import uvicorn
+import yaml
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -132,12 +143,106 @@ def selector_matches(reqs: list[tuple[str, str, Any]], labels: dict[str, str]) -
     return True
 
 
+POD_FIELDS = {
+    "spec.nodeName": lambda o: (o.get("spec") or {}).get("nodeName", ""),
+    "metadata.name": lambda o: o["metadata"]["name"],
+    "metadata.namespace": lambda o: o["metadata"].get("namespace", ""),
+    "status.phase": lambda o: (o.get("status") or {}).get("phase", ""),
+}
+
+
+def parse_field_selector(text: str) -> list[tuple[str, bool, str]]:
+    """`spec.nodeName=n1,status.phase!=Failed` -> [(field, equal, value)]; ValueError for
+    bad syntax or a field the API does not index for pods."""
+    reqs = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        m = re.match(r"^([A-Za-z.]+)\s*(==|=|!=)\s*(.*)$", part)
+        if not m:
+            raise ValueError(f"invalid field selector: {part!r}")
+        key, op, value = m.groups()
+        if key not in POD_FIELDS:
+            raise ValueError(f'field label not supported: "{key}"')
+        reqs.append((key, op != "!=", value))
+    return reqs
+
+
+def fields_match(reqs: list[tuple[str, bool, str]], obj: dict) -> bool:
+    return all((POD_FIELDS[key](obj) == value) == equal for key, equal, value in reqs)
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out
+
+
 @dataclass
 class Recorded:
     method: str
-    resource: str  # "pods", "pods/log", "deployments"
+    resource: str  # "pods", "pods/log", "deployments", "nodes"
     verb: str  # get, list, watch, create, delete, patch, update
     group: str = ""
+    namespace: str = ""  # "" for a cluster-scoped resource
+    name: str = ""
+
+
+@dataclass
+class Rbac:
+    """What the agent's ServiceAccount may do: the rules of the Roles bound to it in its
+    namespace, and of the ClusterRoles bound to it cluster-wide."""
+
+    namespace: str
+    role_rules: list[dict] = field(default_factory=list)
+    cluster_rules: list[dict] = field(default_factory=list)
+
+    @classmethod
+    def from_manifest(cls, path: Path, namespace: str, service_account: str = "fleet-agent") -> Rbac:
+        docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if d]
+        return cls.from_docs(docs, namespace, service_account)
+
+    @classmethod
+    def from_docs(cls, docs: list[dict], namespace: str, service_account: str = "fleet-agent") -> Rbac:
+        roles = {(d["kind"], d["metadata"]["name"]): d for d in docs if d["kind"] in ("Role", "ClusterRole")}
+        rbac = cls(namespace)
+        for binding in docs:
+            if binding["kind"] not in ("RoleBinding", "ClusterRoleBinding"):
+                continue
+            if not any(
+                s["kind"] == "ServiceAccount"
+                and s["name"] == service_account
+                and s.get("namespace", namespace) == namespace
+                for s in binding["subjects"]
+            ):
+                continue
+            ref = binding["roleRef"]
+            rules = roles[(ref["kind"], ref["name"])]["rules"]
+            if binding["kind"] == "ClusterRoleBinding":
+                rbac.cluster_rules.extend(rules)
+            else:
+                rbac.role_rules.extend(rules)
+        return rbac
+
+    @staticmethod
+    def _allows(rule: dict, r: Recorded) -> bool:
+        named_verbs = ("get", "update", "patch", "delete")
+        return (
+            (r.group in rule["apiGroups"] or "*" in rule["apiGroups"])
+            and (r.resource in rule["resources"] or "*" in rule["resources"])
+            and (r.verb in rule["verbs"] or "*" in rule["verbs"])
+            and (not rule.get("resourceNames") or (r.verb in named_verbs and r.name in rule["resourceNames"]))
+        )
+
+    def allows(self, r: Recorded) -> bool:
+        if any(self._allows(rule, r) for rule in self.cluster_rules):
+            return True
+        return r.namespace == self.namespace and any(self._allows(rule, r) for rule in self.role_rules)
 
 
 @dataclass
@@ -152,6 +257,7 @@ class FakeApiServer:
     rv: int = 100
     compacted: int = 0  # watches from an older resourceVersion get 410 Expired
     port: int = 0
+    rbac: Rbac | None = None  # None: every request is allowed
 
     def __post_init__(self) -> None:
         self._epoch = 0  # drop_watches() ends every open watch
@@ -162,6 +268,8 @@ class FakeApiServer:
         base = "/{prefix:path}/namespaces/{namespace}/{plural}"
         self.app = Starlette(
             routes=[
+                Route("/api/v1/nodes", self._nodes, methods=["GET"]),
+                Route("/api/v1/nodes/{name}", self._node, methods=["GET", "PATCH", "PUT", "DELETE"]),
                 Route(base, self._collection, methods=["GET", "POST"]),
                 Route(base + "/{name}", self._item, methods=["GET", "DELETE", "PUT", "PATCH"]),
                 Route(base + "/{name}/log", self._log, methods=["GET"]),
@@ -238,6 +346,29 @@ class FakeApiServer:
 
     def pods(self, namespace: str = "default") -> list[dict]:
         return [o for (p, ns, _), o in sorted(self.objects.items()) if p == "pods" and ns == namespace]
+
+    def node(self, name: str) -> dict:
+        return self.objects[("nodes", "", name)]
+
+    def add_node(self, name: str, taints: list[dict] | None = None, unschedulable: bool = False) -> dict:
+        """A Node as the kubelet registers it (plus what an admin may have set on it)."""
+        obj: dict = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": name, "uid": str(uuid.uuid4()), "creationTimestamp": _now(), "labels": {}},
+            "spec": {"taints": copy.deepcopy(taints)} if taints else {},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}]},
+        }
+        if unschedulable:
+            obj["spec"]["unschedulable"] = True
+        self.objects[("nodes", "", name)] = obj
+        return self._write("ADDED", "nodes", obj)
+
+    def update_node(self, name: str, fn) -> dict:
+        """Another client's write to a Node (an admin's `kubectl taint`): `fn` edits it."""
+        node = self.node(name)
+        fn(node)
+        return self._write("MODIFIED", "nodes", node)
 
     def add(self, obj: dict, namespace: str = "default") -> dict:
         """Create an object as another client would (e.g. the agent's own Deployment)."""
@@ -356,10 +487,24 @@ class FakeApiServer:
 
     # ------------------------------------------------------------- HTTP
 
-    def _record(self, request: Request, verb: str, plural: str) -> None:
-        parts = request.path_params["prefix"].strip("/").split("/")
+    def _record(self, request: Request, verb: str, plural: str) -> Response | None:
+        """Record the request; a 403 Status when the RBAC rules do not allow it."""
+        parts = request.path_params.get("prefix", "api/v1").strip("/").split("/")
         group = parts[1] if parts[0] == "apis" else ""
-        self.requests.append(Recorded(request.method, plural, verb, group))
+        ns = request.path_params.get("namespace", "")
+        name = request.path_params.get("name", "")
+        recorded = Recorded(request.method, plural, verb, group, ns, name)
+        self.requests.append(recorded)
+        if self.rbac is None or self.rbac.allows(recorded):
+            return None
+        where = f'in the namespace "{ns}"' if ns else "at the cluster scope"
+        resource = f"{plural}.{group}" if group else plural
+        return _status(
+            403,
+            "Forbidden",
+            f'{resource} "{name}" is forbidden: User "system:serviceaccount:{self.rbac.namespace}:fleet-agent" '
+            f'cannot {verb} resource "{plural}" in API group "{group}" {where}',
+        )
 
     async def _collection(self, request: Request) -> Response:
         key = self._kind(request.path_params["prefix"], request.path_params["plural"])
@@ -368,23 +513,34 @@ class FakeApiServer:
             return _status(404, "NotFound", "the server could not find the requested resource")
         kind = KINDS[key]
         if request.method == "POST":
-            self._record(request, "create", plural)
-            return await self._create(request, key, kind, ns, plural)
+            return self._record(request, "create", plural) or await self._create(
+                request, key, kind, ns, plural
+            )
         try:
             reqs = parse_selector(request.query_params.get("labelSelector", ""))
+            field_reqs = parse_field_selector(request.query_params.get("fieldSelector", ""))
         except ValueError as err:
             return _status(400, "BadRequest", str(err))
+        if field_reqs and plural != "pods":
+            return _status(400, "BadRequest", "this fake serves field selectors on pods only")
         if request.query_params.get("watch") in ("true", "1"):
-            self._record(request, "watch", plural)
+            if field_reqs:
+                return _status(400, "BadRequest", "this fake serves field selectors on list only")
+            if denied := self._record(request, "watch", plural):
+                return denied
             return StreamingResponse(
                 self._watch(plural, ns, reqs, request.query_params.get("resourceVersion", ""), request),
                 media_type="application/json",
             )
-        self._record(request, "list", plural)
+        if denied := self._record(request, "list", plural):
+            return denied
         items = [
             o
             for (p, n, _), o in sorted(self.objects.items())
-            if p == plural and n == ns and selector_matches(reqs, o["metadata"].get("labels", {}))
+            if p == plural
+            and n == ns
+            and selector_matches(reqs, o["metadata"].get("labels", {}))
+            and fields_match(field_reqs, o)
         ]
         body = {
             "kind": f"{kind}List",
@@ -424,12 +580,15 @@ class FakeApiServer:
         if key is None:
             return _status(404, "NotFound", "the server could not find the requested resource")
         verb = {"GET": "get", "DELETE": "delete", "PUT": "update", "PATCH": "patch"}[request.method]
-        self._record(request, verb, plural)
+        if denied := self._record(request, verb, plural):
+            return denied
         obj = self.objects.get((plural, ns, name))
         if obj is None:
             return _status(404, "NotFound", f'{plural} "{name}" not found', name=name, kind=plural)
         if request.method == "GET":
             return JSONResponse(obj)
+        if request.method == "PATCH":
+            return await self._patch(request, plural, ns, name, obj)
         if request.method != "DELETE":
             return _status(405, "MethodNotAllowed", f"{request.method} is not served by this fake")
         grace: int | None = None
@@ -462,9 +621,56 @@ class FakeApiServer:
         )
         return JSONResponse(obj, status_code=202)
 
+    async def _patch(self, request: Request, plural: str, ns: str, name: str, obj: dict) -> Response:
+        kind = request.headers.get("content-type", "").split(";")[0].strip()
+        if kind != "application/merge-patch+json":
+            return _status(415, "UnsupportedMediaType", f"the fake serves merge patches only, not {kind!r}")
+        try:
+            patch = json.loads(await request.body())
+        except ValueError:
+            return _status(400, "BadRequest", "the body is not JSON")
+        if not isinstance(patch, dict):
+            return _status(400, "BadRequest", "a merge patch is a JSON object")
+        want = (patch.get("metadata") or {}).get("resourceVersion")
+        if want and want != obj["metadata"]["resourceVersion"]:
+            return _status(
+                409,
+                "Conflict",
+                f'Operation cannot be fulfilled on {plural} "{name}": the object has been modified; '
+                "please apply your changes to the latest version and try again",
+                name=name,
+                kind=plural,
+            )
+        patched = merge_patch(obj, patch)
+        meta = patched["metadata"]
+        if meta.get("name") != name or meta.get("uid") != obj["metadata"]["uid"]:
+            return _status(422, "Invalid", "metadata.name and metadata.uid cannot change")
+        self.objects[(plural, ns, name)] = patched
+        return JSONResponse(self._write("MODIFIED", plural, patched))
+
+    async def _nodes(self, request: Request) -> Response:
+        if denied := self._record(request, "watch" if request.query_params.get("watch") else "list", "nodes"):
+            return denied
+        return _status(405, "MethodNotAllowed", "this fake does not list or watch nodes")
+
+    async def _node(self, request: Request) -> Response:
+        name = request.path_params["name"]
+        verb = {"GET": "get", "DELETE": "delete", "PUT": "update", "PATCH": "patch"}[request.method]
+        if denied := self._record(request, verb, "nodes"):
+            return denied
+        obj = self.objects.get(("nodes", "", name))
+        if obj is None:
+            return _status(404, "NotFound", f'nodes "{name}" not found', name=name, kind="nodes")
+        if request.method == "GET":
+            return JSONResponse(obj)
+        if request.method == "PATCH":
+            return await self._patch(request, "nodes", "", name, obj)
+        return _status(405, "MethodNotAllowed", f"{request.method} is not served by this fake")
+
     async def _log(self, request: Request) -> Response:
         ns, name = request.path_params["namespace"], request.path_params["name"]
-        self.requests.append(Recorded("GET", "pods/log", "get"))
+        if denied := self._record(request, "get", "pods/log"):
+            return denied
         if ("pods", ns, name) not in self.objects:
             return _status(404, "NotFound", f'pods "{name}" not found')
         text = self.logs.get((ns, name), "")
