@@ -183,6 +183,16 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return out
 
 
+def _tolerates(toleration: dict, taint: dict) -> bool:
+    if toleration.get("effect") and toleration["effect"] != taint.get("effect"):
+        return False
+    if not toleration.get("key"):  # an empty key with Exists tolerates every taint
+        return toleration.get("operator") == "Exists"
+    if toleration["key"] != taint["key"]:
+        return False
+    return toleration.get("operator") == "Exists" or toleration.get("value", "") == taint.get("value", "")
+
+
 @dataclass
 class Recorded:
     method: str
@@ -396,7 +406,28 @@ class FakeApiServer:
             cond["message"] = message
         pod["status"]["conditions"] = [*conds, cond]
 
+    def why_not_fits(self, pod: dict, node: str) -> str:
+        """What the scheduler's node filters would say about placing `pod` on `node` (only
+        cordons and NoSchedule/NoExecute taints, not resources): "" when it fits. A node this
+        fake does not hold fits (tests that do not model nodes)."""
+        obj = self.objects.get(("nodes", "", node))
+        if obj is None:
+            return ""
+        if obj["spec"].get("unschedulable"):
+            return f"node {node} is unschedulable"
+        tolerations = pod["spec"].get("tolerations") or []
+        for taint in obj["spec"].get("taints") or []:
+            if taint.get("effect") not in ("NoSchedule", "NoExecute"):
+                continue
+            if not any(_tolerates(t, taint) for t in tolerations):
+                return f"node {node} has the untolerated taint {taint['key']}={taint.get('value', '')}"
+        return ""
+
     def schedule(self, name: str, node: str = "node-1", namespace: str = "default") -> dict:
+        """Bind the pod to `node`, as the scheduler would (AssertionError if it would not)."""
+        why = self.why_not_fits(self.pod(name, namespace), node)
+        assert not why, f"the scheduler would not place {name}: {why}"
+
         def bind(pod: dict) -> None:
             pod["spec"]["nodeName"] = node
             self._set_condition(pod, "PodScheduled", "True")

@@ -13,6 +13,7 @@ is a 403, and the grants are checked to be no more than the calls.
 | uncordon | Fleet's cordon, foreign taints | uncordon | schedulable, foreign taints kept |
 | conflict | another writer between get and patch | cordon | 409, read again, both writes kept |
 | recycle | Fleet pods on n1 and n2, a foreign pod on n1 | recycle n1 | only Fleet's n1 pods deleted, ids returned |
+| restart | n1 cordoned (then uncordoned by hand, taint left) | start the replica again | its pod does not fit n1 either way, fits n2 |
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from lightkube import ApiError
+from lightkube.resources.core_v1 import Node, Pod
 
 from agent.runtime.kube_node import (
     CORDONED_ANNOTATION,
@@ -200,16 +203,21 @@ async def test_replica_node_and_recycle_only_fleets_pods(api, rt) -> None:
         return probe if probe.state.value == "failed" else None
 
     probe = await eventually(failed)
-    assert "recycled off node n1" in probe.error  # the agent restarts it; the scheduler avoids n1
+    assert "recycled off node n1" in probe.error  # the agent restarts it...
+    await rt.cordon_node("n1", "xid 79")
+    again = await rt.start(spec("chat-v1-aaa111", pool="h100-spot"))  # GPU + spot tolerations
+    pod = api.pod(again.pod.split("/")[1], NAMESPACE)
+    assert pod["spec"]["tolerations"]
+    assert "unschedulable" in api.why_not_fits(pod, "n1")  # ...and the scheduler avoids n1
+    api.update_node("n1", lambda n: n["spec"].pop("unschedulable"))  # someone uncordons by hand
+    assert TAINT_KEY in api.why_not_fits(pod, "n1")  # Fleet's taint still keeps it off
+    assert api.why_not_fits(pod, "n2") == ""
     assert forbidden(api) == []
 
 
 async def test_the_fake_enforces_the_role(api, rt) -> None:
     """The fake's RBAC answers what the real authorizer would: nodes may not be listed or
     deleted by the agent, and its Role does not reach another namespace."""
-    from lightkube import ApiError
-    from lightkube.resources.core_v1 import Node, Pod
-
     api.add_node("n1")
     with pytest.raises(ApiError) as err:
         await rt.client.delete(Node, "n1")
