@@ -212,6 +212,10 @@ class AsyncLLM:
             self._frozen.clear()
             self._wake.set()
 
+    def corrupt(self, corrupted: bool = True) -> None:
+        """Test hook: generation answers wrongly (each sampled token perturbed) until undone."""
+        self.engine.corrupt = corrupted
+
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and self._dead is None

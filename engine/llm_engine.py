@@ -92,6 +92,9 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self._failures: list[tuple[str, EngineError]] = []
         self.step_failures = {"isolated": 0, "recovered": 0, "escalated": 0}
+        # Test hook (POST /debug/corrupt): each sampled token is replaced by the next id, as
+        # a silent device fault would garble answers while the process looks healthy.
+        self.corrupt = False
 
     @property
     def grammar(self) -> GrammarBackend:
@@ -390,6 +393,8 @@ class LLMEngine:
         """Append the sampled token of `row`; finish the sequence if it stops there."""
         req = seq.request
         token = result.token_ids[row]
+        if self.corrupt:
+            token = (token + 1) % self.model_config.vocab_size
         req.append_output_token(token)
         self.generation_tokens_total += 1
         if req.first_token_time is None:

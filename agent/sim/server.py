@@ -20,6 +20,9 @@
   the engine's (fleet_base/openai_contract/continuation.py).
 - an unstreamed answer says its time from arrival to first token (model clock) in the
   `x-fleet-ttft-s` header, as the engine's does (fleet_base/openai_contract/timing.py).
+- with FLEET_ENGINE_TEST_HOOKS=1, as the engine: POST /debug/corrupt makes every answer
+  wrong (diverged from its first token, ids and text) until POST /debug/uncorrupt, while
+  /health stays 200 (the fault the agent's correctness probe catches).
 - `--cut-stream-at K` (a test device for stream migration): a stream's connection ends,
   unfinished, once it has sent output token K; a continuation that starts at or past K
   runs to the end (so two replica entries of one sim migrate a stream exactly once).
@@ -78,6 +81,8 @@ WORDS = ("sim", "ulated", " text", " from", " a", " replica", " without", " a", 
 # a diverged token's words (--text-diverge-at): each differs from WORDS' from its first character
 DIVERGED = ("SIM", "ULATED", "_text", "_from", "_a", "_replica", "_without", "_a", "_model", "!")
 MAX_BODY = 4 * 1024 * 1024
+# As engine/server/launcher.py's: test hooks (POST /debug/corrupt, /debug/uncorrupt)
+TEST_HOOKS_ENV = "FLEET_ENGINE_TEST_HOOKS"
 
 
 class _Body(BaseModel):
@@ -133,6 +138,8 @@ class SimState:
     seed: int = 0
     diverge_at: int | None = None  # --text-diverge-at
     cut_at: int | None = None  # --cut-stream-at
+    test_hooks: bool = False  # FLEET_ENGINE_TEST_HOOKS=1
+    corrupt: bool = False  # POST /debug/corrupt: every answer diverges from its first token
     started: float = field(default_factory=time.monotonic)
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
@@ -257,8 +264,14 @@ def build_app(state: SimState) -> Starlette:
     async def responses(request: Request) -> Response:
         return await _responses(request, state)
 
+    async def corrupt(request: Request) -> Response:
+        state.corrupt = request.url.path.endswith("/corrupt")
+        return JSONResponse({"corrupt": state.corrupt})
+
+    hooks = [Route(p, corrupt, methods=["POST"]) for p in ("/debug/corrupt", "/debug/uncorrupt")]
     return Starlette(
         routes=[
+            *(hooks if state.test_hooks else []),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/v1/models", models, methods=["GET"]),
@@ -407,7 +420,7 @@ async def _run(
         "completion_tokens": out_tokens,
         "total_tokens": req.prompt_tokens - skip + out_tokens,
     }
-    diverge = state.diverge_at
+    diverge = 0 if state.corrupt else state.diverge_at
     tracing.set_attributes(
         span,
         {
@@ -564,6 +577,7 @@ async def _serve(args: argparse.Namespace, profile: PerfProfile, cold: float, er
     diverge = None if args.text_diverge_at is None else max(0, args.text_diverge_at)
     state = SimState(profile, args.served_model_name, cold, error_rate, seed=args.seed, diverge_at=diverge)
     state.cut_at = None if args.cut_stream_at is None else max(1, args.cut_stream_at)
+    state.test_hooks = os.environ.get(TEST_HOOKS_ENV) == "1"
     server = uvicorn.Server(
         uvicorn.Config(
             require_bearer(build_app(state), args.api_key),

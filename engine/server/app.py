@@ -106,7 +106,8 @@ def _register_probes(app: FastAPI, state: ServerState) -> None:
 
 
 def _register_debug(app: FastAPI, state: ServerState) -> None:
-    """Test hooks: freeze and thaw the engine loop (only with `test_hooks`)."""
+    """Test hooks (only with `test_hooks`): freeze and thaw the engine loop; corrupt and
+    uncorrupt its answers (a silent fault the correctness probe must catch)."""
 
     @app.post("/debug/freeze")
     async def freeze() -> Response:
@@ -117,6 +118,16 @@ def _register_debug(app: FastAPI, state: ServerState) -> None:
     async def thaw() -> Response:
         _engine(state).freeze(False)  # type: ignore[attr-defined]
         return JSONResponse({"frozen": False})
+
+    @app.post("/debug/corrupt")
+    async def corrupt() -> Response:
+        _engine(state).corrupt(True)  # type: ignore[attr-defined]
+        return JSONResponse({"corrupt": True})
+
+    @app.post("/debug/uncorrupt")
+    async def uncorrupt() -> Response:
+        _engine(state).corrupt(False)  # type: ignore[attr-defined]
+        return JSONResponse({"corrupt": False})
 
 
 def _register_openai(app: FastAPI, state: ServerState) -> None:

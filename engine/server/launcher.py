@@ -178,7 +178,7 @@ def lora_module(text: str) -> tuple[str, str]:
     return str(name), str(path)
 
 
-# Set to 1 (tests only) to expose POST /debug/freeze and /debug/thaw.
+# Set to 1 (tests only) to expose POST /debug/freeze, /debug/thaw, /debug/corrupt, /debug/uncorrupt.
 TEST_HOOKS_ENV = "FLEET_ENGINE_TEST_HOOKS"
 
 _ENGINE_FLAGS = (

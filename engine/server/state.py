@@ -50,7 +50,7 @@ class ServerSettings(BaseModel):
     # /health says "stalled" (503) once the engine loop has had work and made no step for
     # this long, so the agent restarts the replica.
     stall_timeout_s: float = Field(60.0, gt=0)
-    # Test hooks (POST /debug/freeze, /debug/thaw); never on in production.
+    # Test hooks (POST /debug/freeze, /debug/thaw, /debug/corrupt, /debug/uncorrupt); never on in production.
     test_hooks: bool = False
     drain_timeout: float = Field(30.0, ge=0.0)
     # A draining replica hands the streams a gateway can continue elsewhere over after this
