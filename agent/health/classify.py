@@ -166,16 +166,18 @@ def classify_replica_failure(error: str) -> FaultKind | None:
 @dataclass
 class CrashWindow:
     """Crashes of replicas on the same GPUs (`key`) within a window: a crash loop at the
-    Nth. Reported once per loop (the window starts again after it)."""
+    Nth, provided they are of at least two deployment versions (`source`): one bad version
+    crashes the same way wherever it runs, which is not the node's fault. Reported once per
+    loop (counting starts again after it)."""
 
     crashes: int
     window_s: float
-    seen: dict[tuple, list[float]]
+    seen: dict[tuple, list[tuple[float, str]]]
 
-    def crash(self, key: tuple, now: float) -> bool:
-        times = [t for t in self.seen.get(key, []) if now - t <= self.window_s] + [now]
-        if len(times) >= self.crashes:
+    def crash(self, key: tuple, now: float, source: str) -> bool:
+        times = [(t, s) for t, s in self.seen.get(key, []) if now - t <= self.window_s] + [(now, source)]
+        if len(times) >= self.crashes and len({s for _, s in times}) >= 2:
             self.seen.pop(key, None)
             return True
-        self.seen[key] = times
+        self.seen[key] = times[-64:]
         return False

@@ -124,9 +124,15 @@ def test_replica_failures(error: str, kind: FaultKind | None) -> None:
 
 def test_crash_loop_window() -> None:
     w = CrashWindow(crashes=3, window_s=60.0, seen={})
-    assert [w.crash((0,), t) for t in (0.0, 10.0)] == [False, False]
-    assert w.crash((1,), 15.0) is False  # other GPUs: their own count
-    assert w.crash((0,), 20.0) is True
-    assert w.crash((0,), 21.0) is False  # reported once; counting starts again
-    w2 = CrashWindow(crashes=3, window_s=60.0, seen={})
-    assert [w2.crash((0,), t) for t in (0.0, 50.0, 100.0)] == [False, False, False]  # spread out
+    assert [w.crash((0,), t, "a@1") for t in (0.0, 10.0)] == [False, False]
+    assert w.crash((1,), 15.0, "b@1") is False  # other GPUs: their own count
+    assert w.crash((0,), 20.0, "b@1") is True
+    assert w.crash((0,), 21.0, "b@1") is False  # reported once; counting starts again
+    spread = CrashWindow(crashes=3, window_s=60.0, seen={})
+    assert [spread.crash((0,), t, f"v{t}") for t in (0.0, 50.0, 100.0)] == [False] * 3
+
+
+def test_one_bad_version_is_no_crash_loop() -> None:
+    w = CrashWindow(crashes=3, window_s=60.0, seen={})
+    assert [w.crash((0,), t, "d@2") for t in (0.0, 1.0, 2.0, 3.0)] == [False] * 4
+    assert w.crash((0,), 4.0, "other@1") is True
