@@ -24,6 +24,7 @@ from control_plane.api.routers import (
     history,
     keys,
     model_cache,
+    nodes,
     rollouts,
     usage,
 )
@@ -187,6 +188,7 @@ def build_app(ctx: ControlPlaneContext, *, run_loops: bool = True) -> FastAPI:
         cost.router,
         model_cache.router,
         budgets.router,
+        nodes.router,
     )
     for router in routers:
         app.include_router(router, dependencies=auth)

@@ -434,6 +434,57 @@ class AuditOut(BaseModel):
     after: dict[str, Any] | None
 
 
+# --------------------------------------------------------------------- nodes
+
+
+class NodeActionIn(Strict):
+    reason: str = Field("", max_length=512)
+
+
+class NodeActionOut(BaseModel):
+    """The operator's latest word on a node, as published to its agent."""
+
+    action: Literal["cordon", "uncordon"]
+    at: datetime
+    reason: str
+    by: str
+
+
+class NodeOut(BaseModel):
+    cluster: str
+    node: str
+    state: str  # fleet_base.node_health.NodeState
+    reason: str
+    failures: int  # node faults stored for it (an out-of-memory is not one)
+    since: datetime
+    gpus: int
+    gpus_withheld: list[int]
+    cordoned_by: str
+    nvml: str  # "" when the agent reads NVML, else why not
+    pool: str
+    last_fault_at: datetime | None
+    updated_at: datetime
+    operator: NodeActionOut | None
+
+
+class NodeFaultOut(BaseModel):
+    fault_id: str
+    at: datetime
+    node: str
+    gpu: int | None
+    kind: str  # fleet_base.node_health.FaultKind
+    node_fault: bool  # False for the kinds that are not the node's (an out-of-memory)
+    evidence: str
+    replica_id: str | None
+    deployment: str | None
+    pool: str
+    provider: str
+
+
+class NodeDetailOut(NodeOut):
+    faults: list[NodeFaultOut]  # the latest first
+
+
 # --------------------------------------------------------------------- lists
 
 T = TypeVar("T")

@@ -378,6 +378,56 @@ class TeamBudget(Base):
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
 
+class Node(Base):
+    """A node where replicas run (the host, or a Kubernetes node), as its agent last
+    reported it (`fleet_base.node_health.NodeHealth`), and the operator's latest word on it
+    (`action*`: cordon or uncordon, published to the agent in its DesiredState)."""
+
+    __tablename__ = "nodes"
+    __table_args__ = (UniqueConstraint("cluster", "node", name="uq_nodes_cluster_node"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    cluster: Mapped[str] = mapped_column(String(63), index=True)
+    node: Mapped[str] = mapped_column(String(253))
+    state: Mapped[str] = mapped_column(String(16), default="healthy", index=True)  # NodeState
+    reason: Mapped[str] = mapped_column(Text, default="")
+    since: Mapped[datetime] = mapped_column(default=utcnow)
+    gpus: Mapped[int] = mapped_column(Integer, default=0)
+    gpus_withheld: Mapped[list[int]] = mapped_column(JSON, default=list)
+    cordoned_by: Mapped[str] = mapped_column(String(16), default="")
+    faults: Mapped[int] = mapped_column(Integer, default=0)  # the agent's count since it started
+    nvml: Mapped[str] = mapped_column(Text, default="")
+    # the pool its capacity belongs to, when known (a fault's replica said so, or the cluster has one)
+    pool: Mapped[str] = mapped_column(String(63), default="")
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+    action: Mapped[str | None] = mapped_column(String(16), nullable=True)  # cordon | uncordon
+    action_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    action_reason: Mapped[str] = mapped_column(Text, default="")
+    action_by: Mapped[str] = mapped_column(String(200), default="")
+
+
+class NodeFaultRecord(Base):
+    """One fault an agent observed (`fleet_base.node_health.NodeFault`), stored once by
+    `fault_id`: the record failure rates and `fleetctl nodes show` read. Kept (readers
+    bound their window); `pool` and `provider` are resolved when it is stored, so a
+    later move or deletion never rewrites where it happened."""
+
+    __tablename__ = "node_faults"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    fault_id: Mapped[str] = mapped_column(String(64), unique=True)
+    cluster: Mapped[str] = mapped_column(String(63), index=True)
+    node: Mapped[str] = mapped_column(String(253), index=True)
+    gpu: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    kind: Mapped[str] = mapped_column(String(32), index=True)  # FaultKind
+    at: Mapped[datetime] = mapped_column(index=True)
+    evidence: Mapped[str] = mapped_column(Text, default="")
+    replica_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    deployment: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    pool: Mapped[str] = mapped_column(String(63), default="")
+    provider: Mapped[str] = mapped_column(String(63), default="")
+
+
 __all__ = [
     "ApiKey",
     "AuditRecord",
@@ -387,6 +437,8 @@ __all__ = [
     "Deployment",
     "DeploymentVersion",
     "Event",
+    "Node",
+    "NodeFaultRecord",
     "ReplicaAssignment",
     "ReplicaInterval",
     "Rollout",

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping
 
+from control_plane.fleet_model.nodes import healthy_pools
 from control_plane.fleet_model.snapshot import AssignmentRow, DeploymentRow, FleetSnapshot, VersionSpec
 from control_plane.fleet_model.standby import in_regions, primary_regions
 from control_plane.geo.routes import by_region_for
@@ -25,6 +26,7 @@ from control_plane.rollouts.surge import (
 from fleet_base import residency
 from fleet_base.api_keys import ApiKeyRecord
 from fleet_base.domain import ClusterStatus, pool_shape
+from fleet_base.node_health import NodeAction
 from fleet_base.protocol import (
     DEFAULT_MAX_ADAPTERS,
     ClusterRoute,
@@ -59,7 +61,7 @@ def placement_inputs(
     current = [
         Assignment(**a.model_dump(include=PLACED), node=nodes.get(a.replica_id)) for a in snap.assignments
     ]
-    return demands, _pools(snap), current
+    return demands, healthy_pools(snap, _pools(snap)), current
 
 
 def _demand(snap: FleetSnapshot, d: DeploymentRow, spec: VersionSpec, count: int) -> ReplicaDemand:
@@ -276,14 +278,27 @@ def build_desired(snap: FleetSnapshot, assignments: list[AssignmentRow]) -> dict
             )
         )
     jurisdictions = {c.id: c.jurisdiction for c in snap.clusters}
+    actions = node_actions(snap)
     return {
         cluster: DesiredState(
             cluster=cluster,
             replicas=sorted(specs, key=lambda r: r.replica_id),
             jurisdiction=jurisdictions.get(cluster, ""),
+            node_actions=actions.get(cluster, []),
         )
         for cluster, specs in by_cluster.items()
     }
+
+
+def node_actions(snap: FleetSnapshot) -> dict[str, list[NodeAction]]:
+    """Each cluster's operator actions, the latest per node, in `at` order (the order the
+    agent applies them in)."""
+    out: dict[str, list[NodeAction]] = {}
+    for n in snap.nodes:
+        if n.action in ("cordon", "uncordon") and n.action_at is not None:
+            action = NodeAction(node=n.node, action=n.action, at=n.action_at, reason=n.action_reason[:512])
+            out.setdefault(n.cluster, []).append(action)
+    return {c: sorted(a, key=lambda x: (x.at, x.node)) for c, a in out.items()}
 
 
 def build_routes(snap: FleetSnapshot, assignments: list[AssignmentRow]) -> dict[str, RoutingTable]:

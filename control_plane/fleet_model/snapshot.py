@@ -5,16 +5,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload
 
 from control_plane.cost.budget_store import exhausted_teams
-from control_plane.db.models import ApiKey, Cluster, Deployment, ReplicaAssignment
+from control_plane.db.models import (
+    ApiKey,
+    Cluster,
+    Deployment,
+    Node,
+    NodeFaultRecord,
+    ReplicaAssignment,
+    utcnow,
+)
+from control_plane.nodes.kinds import NOT_NODE_FAULTS
 from control_plane.placement.base import PRIORITY_RANK, PriorityClass
+from control_plane.placement.reliability import RELIABILITY_WINDOW_S
 from control_plane.rollouts.store import RolloutPlan, plans
 from control_plane.rollouts.surge import DEFAULT_MAX_SURGE, DEFAULT_MAX_UNAVAILABLE
 from fleet_base.api_keys import ApiKeyRecord, Quotas
@@ -80,6 +90,19 @@ class AssignmentRow(_Row):
     url: str = ""
 
 
+class NodeRow(_Row):
+    """A node as the agent last reported it, with the operator's latest action."""
+
+    cluster: str
+    node: str
+    state: str = "healthy"
+    pool: str = ""
+    gpus: int = 0
+    action: str | None = None  # cordon | uncordon
+    action_at: float | None = None  # Unix seconds
+    action_reason: str = ""
+
+
 class FleetSnapshot(_Row):
     deployments: tuple[DeploymentRow, ...] = ()
     specs: dict[tuple[str, int], VersionSpec] = Field(default_factory=dict)
@@ -87,6 +110,11 @@ class FleetSnapshot(_Row):
     assignments: tuple[AssignmentRow, ...] = ()
     keys: tuple[ApiKeyRecord, ...] = ()  # not revoked
     rollouts: dict[str, RolloutPlan] = Field(default_factory=dict)  # active canary rollouts by deployment
+    nodes: tuple[NodeRow, ...] = ()
+    # node faults in the reliability window (control_plane.placement.reliability) by
+    # (cluster, pool) and by provider
+    pool_faults: dict[tuple[str, str], int] = Field(default_factory=dict)
+    provider_faults: dict[str, int] = Field(default_factory=dict)
 
 
 def _status(value: str) -> ClusterStatus:
@@ -178,7 +206,37 @@ def read_snapshot(session: Session) -> FleetSnapshot:
             if a.deployment_id in names
         ),
         keys=tuple(key_record(k) for k in keys),
+        nodes=tuple(
+            NodeRow(
+                cluster=n.cluster,
+                node=n.node,
+                state=n.state,
+                pool=n.pool or "",
+                gpus=n.gpus,
+                action=n.action,
+                action_at=None if n.action_at is None else n.action_at.timestamp(),
+                action_reason=n.action_reason or "",
+            )
+            for n in session.scalars(select(Node).order_by(Node.cluster, Node.node))
+        ),
+        **recent_faults(session, utcnow() - timedelta(seconds=RELIABILITY_WINDOW_S)),
     )
+
+
+def recent_faults(session: Session, since: datetime) -> dict[str, dict]:
+    """Node faults (an out-of-memory is not one) since `since`, counted by (cluster, pool)
+    and by provider: what the placer's reliability price reads."""
+    counted = session.execute(
+        select(NodeFaultRecord.cluster, NodeFaultRecord.pool, NodeFaultRecord.provider, func.count())
+        .where(NodeFaultRecord.at >= since, NodeFaultRecord.kind.not_in(NOT_NODE_FAULTS))
+        .group_by(NodeFaultRecord.cluster, NodeFaultRecord.pool, NodeFaultRecord.provider)
+    ).all()
+    pools: dict[tuple[str, str], int] = {}
+    providers: dict[str, int] = {}
+    for cluster, pool, provider, n in counted:
+        pools[(cluster, pool)] = pools.get((cluster, pool), 0) + n
+        providers[provider] = providers.get(provider, 0) + n
+    return {"pool_faults": pools, "provider_faults": providers}
 
 
 def key_record(k: ApiKey, exhausted_teams: Collection[str] = ()) -> ApiKeyRecord:

@@ -19,6 +19,7 @@ from control_plane.db.once import insert_once
 from control_plane.loops.durable import Received, Verdicts
 from control_plane.loops.preemption import apply_preemptions
 from control_plane.loops.store import store_batch
+from control_plane.nodes.record import record_nodes
 from fleet_base.domain import ClusterStatus
 from fleet_base.protocol import (
     EVENTS_WILDCARD,
@@ -119,6 +120,7 @@ def apply_heartbeat(session: Session, hb: Heartbeat, now: datetime) -> bool:
             changed = True
 
     changed = apply_preemptions(session, hb) or changed  # spot nodes lost: re-place at once
+    changed = record_nodes(session, cluster, hb, now) or changed  # node health and faults
     if hb.replicas:
         reported = {r.replica_id: r for r in hb.replicas}
         rows = session.scalars(

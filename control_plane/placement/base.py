@@ -43,6 +43,9 @@ class PoolCapacity(PoolShape, _Frozen):
     provider: str = ""  # with `region`, finds measured latencies (control_plane.geo)
     # The legal home of the pool's data (`ca`, `us`); "" is outside every residency policy.
     jurisdiction: str = ""
+    # $ per node-hour the pool's record of node faults adds in the plan (never to what is
+    # paid): control_plane.placement.reliability.
+    reliability_premium: float = Field(0.0, ge=0, allow_inf_nan=False)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -67,9 +70,15 @@ class PoolCapacity(PoolShape, _Frozen):
     def price_per_gpu(self) -> float:
         return self.hourly_price / self.gpus_per_node
 
+    @property
+    def planned_price_per_gpu(self) -> float:
+        """The price per GPU the plan weighs: what is paid plus the reliability premium."""
+        return (self.hourly_price + self.reliability_premium) / self.gpus_per_node
+
     def preference(self) -> tuple:
-        """Lower is better: reserved, then on-demand, then spot; then cheaper."""
-        return (TIER_ORDER[self.tier], self.price_per_gpu, self.cluster, self.name)
+        """Lower is better: reserved, then on-demand, then spot; then cheaper (failures
+        priced in)."""
+        return (TIER_ORDER[self.tier], self.planned_price_per_gpu, self.cluster, self.name)
 
 
 class ReplicaDemand(_Frozen):
@@ -246,7 +255,7 @@ def fingerprint_inputs(
     )  # fmt: skip
     p = tuple(
         (x.cluster, x.name, x.region, x.provider, x.gpu_model, x.gpu_memory_gb, x.gpus_per_node, x.nodes,
-         x.tier, x.hourly_price, x.cluster_status, x.jurisdiction)
+         x.tier, x.hourly_price, x.cluster_status, x.jurisdiction, x.reliability_premium)
         for x in pools
     )  # fmt: skip
     return hash((d, p, extra))

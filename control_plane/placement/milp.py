@@ -9,7 +9,8 @@ y[p] (nodes to acquire, at most the pool's `nodes`), and:
     z[d,r] <= sum_{p in r} x[d,p],  sum_r z[d,r] + v[d] >= min(K_d, R_d)   active-active
     m[d,p] >= cur[d,p] - x[d,p]                  moves away from the current assignment
 
-minimize   sum_p price_p y_p   (reserved pools: 0, already paid for)
+minimize   sum_p price_p y_p   (reserved pools: 0, already paid for; plus the pool's
+                                reliability premium, control_plane.placement.reliability)
          + move_fraction * (price per GPU of the pool left) * GPUs * m       a move must pay
          + distance_weight * RTT(pool, demand regions) * GPUs * x            then nearness
          + BIG * u + BIG_R * v                                                 shortfalls last
@@ -165,12 +166,13 @@ class MilpPlacer(Placer):
         v = MilpVars(by_demand=by_demand, by_pool=by_pool, cur=cur, cur_ok=cur_ok, removed=removed)
         m = v.m
         pairs = [(d, p) for d, p in pairs if p.accepts_new or cur[(d.key, p.key)] > 0]
-        top_price = max([p.hourly_price for p in pools] + [1.0])
+        top_price = max([p.hourly_price + p.reliability_premium for p in pools] + [1.0])
         big = 100.0 * (top_price + 1.0)
         for _, p in pairs:
             if p.key not in v.y:
                 price = 0.0 if p.tier == Tier.reserved else p.hourly_price
-                v.y[p.key] = m.var(price, float(p.nodes), True)
+                # failures priced in (placement.reliability); the LP bound stays in dollars paid
+                v.y[p.key] = m.var(price + p.reliability_premium, float(p.nodes), True, cost_only=price)
         # Ties go as first-fit-decreasing would break them (tier, price per GPU, names),
         # so equal-cost plans are deterministic and familiar.
         rank = {p.key: i for i, p in enumerate(sorted(pools, key=PoolCapacity.preference))}

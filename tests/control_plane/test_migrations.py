@@ -29,6 +29,8 @@ TABLES = {
     "usage_records",
     "replica_intervals",
     "team_budgets",
+    "nodes",
+    "node_faults",
 }
 
 

@@ -1,0 +1,89 @@
+"""Nodes as the API, the CLI and the console show them: the stored row, its failure
+count (node faults only) and the operator's latest action."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from control_plane.api.deps import as_utc
+from control_plane.api.schemas import NodeActionOut, NodeDetailOut, NodeFaultOut, NodeOut
+from control_plane.db.models import Node, NodeFaultRecord
+from control_plane.nodes.kinds import NOT_NODE_FAULTS, is_node_fault
+
+
+def failure_counts(
+    session: Session, clusters: Sequence[str] | None = None
+) -> dict[tuple[str, str], tuple[int, datetime | None]]:
+    """(cluster, node) -> (node faults stored, the latest one's time)."""
+    query = (
+        select(NodeFaultRecord.cluster, NodeFaultRecord.node, func.count(), func.max(NodeFaultRecord.at))
+        .where(NodeFaultRecord.kind.not_in(NOT_NODE_FAULTS))
+        .group_by(NodeFaultRecord.cluster, NodeFaultRecord.node)
+    )
+    if clusters is not None:
+        query = query.where(NodeFaultRecord.cluster.in_(list(clusters)))
+    return {(c, n): (count, as_utc(last)) for c, n, count, last in session.execute(query)}
+
+
+def node_out(row: Node, counts: dict[tuple[str, str], tuple[int, datetime | None]]) -> NodeOut:
+    failures, last = counts.get((row.cluster, row.node), (0, None))
+    operator = None
+    if row.action in ("cordon", "uncordon") and row.action_at is not None:
+        operator = NodeActionOut(
+            action=row.action,
+            at=as_utc(row.action_at),
+            reason=row.action_reason or "",
+            by=row.action_by or "",
+        )
+    return NodeOut(
+        cluster=row.cluster,
+        node=row.node,
+        state=row.state,
+        reason=row.reason or "",
+        failures=failures,
+        since=as_utc(row.since),
+        gpus=row.gpus,
+        gpus_withheld=list(row.gpus_withheld or []),
+        cordoned_by=row.cordoned_by or "",
+        nvml=row.nvml or "",
+        pool=row.pool or "",
+        last_fault_at=last,
+        updated_at=as_utc(row.updated_at),
+        operator=operator,
+    )
+
+
+def nodes_out(session: Session, rows: Sequence[Node]) -> list[NodeOut]:
+    counts = failure_counts(session, sorted({r.cluster for r in rows})) if rows else {}
+    return [node_out(r, counts) for r in rows]
+
+
+def fault_out(row: NodeFaultRecord) -> NodeFaultOut:
+    return NodeFaultOut(
+        fault_id=row.fault_id,
+        at=as_utc(row.at),
+        node=row.node,
+        gpu=row.gpu,
+        kind=row.kind,
+        node_fault=is_node_fault(row.kind),
+        evidence=row.evidence or "",
+        replica_id=row.replica_id,
+        deployment=row.deployment,
+        pool=row.pool or "",
+        provider=row.provider or "",
+    )
+
+
+def node_detail(session: Session, row: Node, limit: int) -> NodeDetailOut:
+    faults = session.scalars(
+        select(NodeFaultRecord)
+        .where(NodeFaultRecord.cluster == row.cluster, NodeFaultRecord.node == row.node)
+        .order_by(NodeFaultRecord.at.desc(), NodeFaultRecord.id.desc())
+        .limit(limit)
+    ).all()
+    base = nodes_out(session, [row])[0]
+    return NodeDetailOut(**base.model_dump(), faults=[fault_out(f) for f in faults])
