@@ -17,13 +17,13 @@ from control_plane.api.errors import ApiError
 from control_plane.api.schemas import NodeActionIn, NodeDetailOut, NodeOut, Page
 from control_plane.db.models import Node, utcnow
 from control_plane.nodes.views import node_detail, nodes_out
-from fleet_base.node_health import NodeState
+from fleet_base.node_health import NODE_NAME_MAX, NODE_NAME_PATTERN, NodeState
 
 router = APIRouter(prefix="/v1/nodes", tags=["nodes"])
 
 ClusterPath = Annotated[str, Path(min_length=1, max_length=63, description="the cluster id")]
 NodePath = Annotated[
-    str, Path(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$", description="the node")
+    str, Path(min_length=1, max_length=NODE_NAME_MAX, pattern=NODE_NAME_PATTERN, description="the node")
 ]
 
 
