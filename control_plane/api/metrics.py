@@ -26,6 +26,7 @@ from control_plane.cost.budget_metrics import budget_metrics
 from control_plane.cost.metrics import CostCollector
 from control_plane.counters import ReconcileStats, Rejections
 from control_plane.db.models import CapacityPool, Cluster, Deployment, ReplicaAssignment, Rollout
+from control_plane.nodes.metrics import node_metrics
 from control_plane.rollouts.policy import Phase
 from fleet_base.domain import ClusterStatus
 from fleet_base.listener import RefusalCollector
@@ -173,6 +174,7 @@ def _database_metrics(session: Session) -> Iterator[Metric]:
     yield g
     yield from _shadow_metrics(session)
     yield from budget_metrics(session)
+    yield from node_metrics(session)
 
 
 def _shadow_metrics(session: Session) -> Iterator[Metric]:

@@ -178,3 +178,23 @@ def test_cordon_is_admin_only_audited_and_carried_in_the_desired_state(api: Api,
         desired = build_desired(read_snapshot(s), [])["c1"]
         assert [(a.node, a.action) for a in desired.node_actions] == [("n2", "uncordon"), ("n1", "uncordon")]
         assert s.scalar(select(func.count()).select_from(m.Event).where(m.Event.kind == "node_action")) == 3
+
+
+def test_metrics_count_nodes_by_state_faults_by_kind_and_price_the_flaky_pool(api: Api, sessions) -> None:
+    now = time.time()
+    faults = [
+        NodeFault(node="n1", kind=FaultKind.xid, at=now),
+        NodeFault(node="n1", kind=FaultKind.oom, at=now),
+    ]
+    beat(sessions, heartbeat(nodes=("n1", "n2"), faults=faults, states={"n1": NodeState.suspect}))
+    with api.client() as client:
+        text = client.get("/metrics").text
+    assert 'fleet_nodes{cluster="c1",state="suspect"} 1.0' in text
+    assert 'fleet_nodes{cluster="c1",state="healthy"} 1.0' in text
+    assert 'fleet_nodes{cluster="c1",state="retired"} 0.0' in text
+    assert 'fleet_node_faults_total{cluster="c1",kind="xid"} 1.0' in text
+    assert 'fleet_node_faults_total{cluster="c1",kind="oom"} 1.0' in text
+    line = next(
+        x for x in text.splitlines() if x.startswith('fleet_pool_reliability_premium_dollars{cluster="c1"')
+    )
+    assert float(line.split()[-1]) > 0  # one node fault this week on a 2-node pool

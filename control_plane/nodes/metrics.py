@@ -1,0 +1,63 @@
+"""Node health as Prometheus metrics, read from the database at scrape time (every
+control-plane instance answers the same): nodes by state, the stored faults (a counter:
+the record is kept, so it only grows) and each pool's reliability premium in the plan."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from control_plane.db.models import CapacityPool, Cluster, Node, NodeFaultRecord, utcnow
+from control_plane.fleet_model.snapshot import recent_faults
+from control_plane.placement import PoolCapacity
+from control_plane.placement.reliability import RELIABILITY_WINDOW_S, with_reliability
+from fleet_base.domain import pool_shape
+from fleet_base.node_health import NodeState
+
+
+def node_metrics(session: Session) -> Iterator[Metric]:
+    states = GaugeMetricFamily(
+        "fleet_nodes", "Nodes by cluster and health state.", labels=["cluster", "state"]
+    )
+    rows = session.execute(select(Node.cluster, Node.state, func.count()).group_by(Node.cluster, Node.state))
+    counted = {(cluster, state): n for cluster, state, n in rows}
+    for cluster in sorted({c for c, _ in counted}):
+        for state in NodeState:  # every state, 0 included, so a panel's series never vanish
+            states.add_metric([cluster, state.value], counted.get((cluster, state.value), 0))
+    yield states
+
+    faults = CounterMetricFamily(
+        "fleet_node_faults",
+        "Node and GPU faults stored, by cluster and kind (oom included).",
+        labels=["cluster", "kind"],
+    )
+    rows = session.execute(
+        select(NodeFaultRecord.cluster, NodeFaultRecord.kind, func.count())
+        .group_by(NodeFaultRecord.cluster, NodeFaultRecord.kind)
+        .order_by(NodeFaultRecord.cluster, NodeFaultRecord.kind)
+    )
+    for cluster, kind, n in rows:
+        faults.add_metric([cluster, kind], n)
+    yield faults
+
+    premium = GaugeMetricFamily(
+        "fleet_pool_reliability_premium_dollars",
+        "Dollars per node-hour a pool's node faults (last 7 days, its provider's share included) add in the plan.",
+        labels=["cluster", "pool"],
+    )
+    pools = [
+        PoolCapacity(cluster=p.cluster_id, name=p.name, provider=provider or "", **pool_shape(p))
+        for p, provider in session.execute(
+            select(CapacityPool, Cluster.provider)
+            .join(Cluster, Cluster.id == CapacityPool.cluster_id)
+            .order_by(CapacityPool.cluster_id, CapacityPool.name)
+        )
+    ]
+    counts = recent_faults(session, utcnow() - timedelta(seconds=RELIABILITY_WINDOW_S))
+    for p in with_reliability(pools, counts["pool_faults"], counts["provider_faults"]):
+        premium.add_metric([p.cluster, p.name], p.reliability_premium)
+    yield premium
