@@ -111,6 +111,22 @@ def test_dashboard_metrics_are_documented_and_histograms_used_right():
         assert name in used, name
 
 
+def test_node_health_row_shows_the_agents_and_the_record():
+    dashboard = json.loads(DASHBOARD.read_text())
+    rows = [p for p in dashboard["panels"] if p["type"] == "row" and p["title"] == "Node health"]
+    assert len(rows) == 1
+    y = rows[0]["gridPos"]["y"]
+    below = [p for p in dashboard["panels"] if p["type"] != "row" and y < p["gridPos"]["y"] <= y + 9]
+    used = {name for p in below for t in p["targets"] for name in METRIC.findall(t["expr"])}
+    assert used >= {
+        "fleet_agent_node_state",
+        "fleet_agent_gpu_errors_total",
+        "fleet_nodes",
+        "fleet_node_faults_total",
+        "fleet_pool_reliability_premium_dollars",
+    }
+
+
 def test_dashboard_shape_and_provisioning_agree():
     dashboard = json.loads(DASHBOARD.read_text())
     ids = [p["id"] for p in panels(dashboard)]

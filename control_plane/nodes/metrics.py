@@ -16,7 +16,7 @@ from control_plane.fleet_model.snapshot import recent_faults
 from control_plane.placement import PoolCapacity
 from control_plane.placement.reliability import RELIABILITY_WINDOW_S, with_reliability
 from fleet_base.domain import pool_shape
-from fleet_base.node_health import NodeState
+from fleet_base.node_health import FaultKind, NodeState
 
 
 def node_metrics(session: Session) -> Iterator[Metric]:
@@ -36,12 +36,16 @@ def node_metrics(session: Session) -> Iterator[Metric]:
         labels=["cluster", "kind"],
     )
     rows = session.execute(
-        select(NodeFaultRecord.cluster, NodeFaultRecord.kind, func.count())
-        .group_by(NodeFaultRecord.cluster, NodeFaultRecord.kind)
-        .order_by(NodeFaultRecord.cluster, NodeFaultRecord.kind)
+        select(NodeFaultRecord.cluster, NodeFaultRecord.kind, func.count()).group_by(
+            NodeFaultRecord.cluster, NodeFaultRecord.kind
+        )
     )
-    for cluster, kind, n in rows:
-        faults.add_metric([cluster, kind], n)
+    stored = {(cluster, kind): n for cluster, kind, n in rows}
+    clusters = {c for c, _ in counted} | {c for c, _ in stored}
+    kinds = [k.value for k in FaultKind] + sorted({k for _, k in stored} - {k.value for k in FaultKind})
+    for cluster in sorted(clusters):
+        for kind in kinds:  # every kind, 0 included: a rate over the record has series before any fault
+            faults.add_metric([cluster, kind], stored.get((cluster, kind), 0))
     yield faults
 
     premium = GaugeMetricFamily(
