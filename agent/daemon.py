@@ -51,6 +51,7 @@ import httpx
 from agent.adapter_controller import AdapterController
 from agent.adapters import ReplicaAdapters
 from agent.capacity import CapacitySignals
+from agent.health.monitor import NodeHealthMonitor
 from agent.inventory import inventory
 from agent.kv_relay import KvRelay
 from agent.mirror import BucketMirror, decode_entry, desired_mirror, key_mirror, retry_unsaved, route_mirror
@@ -131,6 +132,17 @@ class Agent:
             interval_s=min(1.0, config.heartbeat_interval_s),
             on_in_use=self.models.use_adapters,
         )
+        self.health = NodeHealthMonitor(
+            config=config,
+            runtime=self.runtime,
+            replicas=lambda: self.replicas,
+            desired=lambda: self.desired,
+            link=self.link,
+            files=self.files,
+            clock=clock,
+            headers=replica_headers(config.security),
+            http=httpx.AsyncClient(timeout=config.health.probe_timeout_s, verify=verify),
+        )
         self.reporter = Reporter(
             config=config,
             link=self.link,
@@ -145,6 +157,7 @@ class Agent:
                 self.link, config.cluster, verify=verify, headers=replica_headers(config.security)
             ),
             clock=clock,
+            health=self.health,
         )
         self._lockfile: IO[str] | None = None
         self.link.on_connect(self._on_connect)
@@ -185,6 +198,7 @@ class Agent:
             await self.replica_controller.adopt()
             await self.reconcile_once()  # serve from disk before NATS (or nvidia-smi) answers
             self.reporter.pools = await asyncio.to_thread(inventory, self.config)
+            self.health.gpus = sum(p.gpus_per_node for p in self.reporter.pools)
             log.info(
                 "cluster %s: pools %s",
                 self.cluster,
@@ -196,6 +210,11 @@ class Agent:
                 asyncio.create_task(self.reporter.heartbeats(), name="heartbeat"),
                 asyncio.create_task(self.reporter.metrics(), name="metrics"),
                 asyncio.create_task(self.adapter_controller.run(), name="adapters"),
+                *(
+                    [asyncio.create_task(self.health.run(), name="health")]
+                    if self.config.health.enabled
+                    else []
+                ),
                 asyncio.create_task(retry_unsaved(self.mirrors), name="state-retry"),
             ]
             await stop.wait()
@@ -219,6 +238,7 @@ class Agent:
         finally:
             await self.reporter.scraper.close()
             await self.adapter_controller.close()
+            await self.health.close()
             await self.runtime.close()
             self._release_lock()
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from agent.capacity import CapacitySignals, Placed
+from agent.health.monitor import NodeHealthMonitor
 from agent.kv_relay import Followed, KvRelay
 from agent.models import ModelPuller
 from agent.replica import Replica, ready_replicas
@@ -36,6 +37,7 @@ class Reporter:
     kv_relay: KvRelay
     clock: Callable[[], float]
     pools: list[PoolInventory] = field(default_factory=list)
+    health: NodeHealthMonitor | None = None  # nodes, faults, and the capacity it withholds
 
     def heartbeat(self) -> Heartbeat:
         replicas = self.replicas()
@@ -55,13 +57,14 @@ class Reporter:
             now,
         )
         desired = self.desired()
+        pools = self.capacity.pools(self.pools, now)
         return Heartbeat(
             cluster=self.config.cluster,
             provider=self.config.provider,
             region=self.config.region,
             coordinates=self.config.coordinates,
             gateway_url=self.config.gateway.url,
-            pools=self.capacity.pools(self.pools, now),
+            pools=self.health.pools(pools) if self.health is not None else pools,
             replicas=statuses,
             preempted=self.capacity.preempted(now),
             unschedulable=self.capacity.unschedulable,
@@ -71,6 +74,8 @@ class Reporter:
             tokens_per_s=sum(s.load.tokens_per_s for s in statuses),
             state_writes_failing={n: why[:64] for n, why in sorted(self.files.writes.failing.items())[:16]},
             state_write_failures=self.files.writes.total,
+            nodes=self.health.nodes() if self.health is not None else [],
+            node_faults=self.health.faults(now) if self.health is not None else [],
         )
 
     def _gateway_queue_depth(self) -> int:

@@ -38,6 +38,7 @@ from agent.gateway.load import LoadTracker
 from agent.gateway.metrics import UNKNOWN, GatewayMetrics
 from agent.gateway.migration import MigrationMetrics
 from agent.gateway.nats_metrics import NatsRefusals
+from agent.gateway.node_metrics import NodeHealthCollector
 from agent.gateway.peers import PeerAuth, PeerForward
 from agent.gateway.prefix import PrefixRouting
 from agent.gateway.proxy import make_client
@@ -51,6 +52,7 @@ from agent.gateway.state import ClusterView
 from agent.gateway.tokens import DesiredIndex, TokenCounters
 from agent.gateway.upstream import REQUEST_ID_HEADER, Upstreams
 from agent.gateway.usage import UsagePublisher
+from agent.health.snapshot import load as node_snapshot
 from fleet_base import tracing
 from fleet_base.api_keys import ApiKeyRecord
 from fleet_base.cluster_config import ClusterConfig
@@ -131,6 +133,8 @@ class Gateway:
         self.queue.cold_start_timeout_s = gwc.cold_start_timeout_s
         self.metrics.registry.register(ColdStartCollector(lambda: self.view.replicas))
         self.metrics.registry.register(UnschedulableCollector(lambda: self.view.replicas))
+        nodes = LocalState(config.state_dir)
+        self.metrics.registry.register(NodeHealthCollector(lambda: node_snapshot(nodes)))
         self._demand: asyncio.Task[None] | None = None
         self.liveness = PeerLiveness(link)  # clusters heard on NATS: failover faster than routes
         # who forwarded a request; credentials for upstreams

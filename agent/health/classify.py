@@ -151,7 +151,14 @@ def classify_engine_error(text: str) -> FaultKind | None:
     return None
 
 
-STALL_MARK = "stalled"
+def evidence_line(error: str) -> str:
+    """The line of a failure's text that says what happened: the last one naming a device
+    error or an out-of-memory (engine logs end with the exception), else the first."""
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if _OOM.search(line) or _DEVICE.search(line):
+            return line[:300]
+    return lines[0][:300] if lines else ""
 
 
 def classify_replica_failure(error: str) -> FaultKind | None:

@@ -11,6 +11,7 @@ from agent.health.classify import (
     classify_gpu,
     classify_replica_failure,
     classify_xid,
+    evidence_line,
 )
 from agent.health.readings import GpuReading, XidEvent
 from fleet_base.node_health import FaultKind
@@ -120,6 +121,14 @@ def test_engine_errors(text: str, kind: FaultKind | None) -> None:
 )
 def test_replica_failures(error: str, kind: FaultKind | None) -> None:
     assert classify_replica_failure(error) == kind
+
+
+def test_evidence_is_the_line_that_says_it() -> None:
+    error = "exited with code 1; log tail:\nloading\nRuntimeError: CUDA error: an illegal memory access\nbye"
+    assert evidence_line(error) == "RuntimeError: CUDA error: an illegal memory access"
+    assert evidence_line("the engine loop stalled (/health: stalled); killed\nx") == (
+        "the engine loop stalled (/health: stalled); killed"
+    )
 
 
 def test_crash_loop_window() -> None:
