@@ -21,7 +21,8 @@ from control_plane.api.routers import history, rollouts, usage
 from control_plane.api.schemas import ClusterOut
 from control_plane.api.views import clusters_out, deployment_status, deployment_summaries, key_out
 from control_plane.console.worldmap import project
-from control_plane.db.models import ApiKey, Cluster, Deployment, Rollout
+from control_plane.db.models import ApiKey, Cluster, Deployment, Node, Rollout
+from control_plane.nodes.views import nodes_out, priced_pools
 
 COLD_START = re.compile(r"after a ([0-9.]+) s cold start")
 SCALED = re.compile(r"^(\d+) -> (\d+): (.*?)(?: (\{.*\}))?$", re.S)
@@ -211,6 +212,15 @@ def cost(session: Session, who: Principal, since: str = "7d") -> dict[str, Any]:
     reports = {by: cost_api.get_cost(session=session, who=who, since=since, by=by).model_dump()
                for by in ("deployment", "team")}  # fmt: skip
     return {"since": since, "windows": COST_WINDOWS, **reports}
+
+
+def nodes(session: Session) -> dict[str, Any]:
+    """Every node with its record, and each pool's node faults and reliability premium."""
+    rows = session.scalars(select(Node).order_by(Node.cluster, Node.node)).all()
+    pools = [
+        {**p.model_dump(), "faults": n, "premium": p.reliability_premium} for p, n in priced_pools(session)
+    ]
+    return {"nodes": [n.model_dump() for n in nodes_out(session, rows)], "pools": pools}
 
 
 def now() -> float:

@@ -156,6 +156,13 @@ def cost_series(request: Request, since: str = Query("7d", max_length=64)):
     return secure(JSONResponse(series.hourly_series(held, start, until)))
 
 
+@router.get("/nodes")
+def nodes(request: Request):
+    with _db(request) as db:
+        v = data.nodes(db)
+    return render(request, "nodes.html", page="nodes", v=v)
+
+
 def _filters(**values: Any) -> dict[str, Any]:
     return {k: v for k, v in values.items() if v not in (None, "")}
 

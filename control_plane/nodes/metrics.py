@@ -5,17 +5,13 @@ the record is kept, so it only grows) and each pool's reliability premium in the
 from __future__ import annotations
 
 from collections.abc import Iterator
-from datetime import timedelta
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from control_plane.db.models import CapacityPool, Cluster, Node, NodeFaultRecord, utcnow
-from control_plane.fleet_model.snapshot import recent_faults
-from control_plane.placement import PoolCapacity
-from control_plane.placement.reliability import RELIABILITY_WINDOW_S, with_reliability
-from fleet_base.domain import pool_shape
+from control_plane.db.models import Node, NodeFaultRecord
+from control_plane.nodes.views import priced_pools
 from fleet_base.node_health import FaultKind, NodeState
 
 
@@ -53,15 +49,6 @@ def node_metrics(session: Session) -> Iterator[Metric]:
         "Dollars per node-hour a pool's node faults (last 7 days, its provider's share included) add in the plan.",
         labels=["cluster", "pool"],
     )
-    pools = [
-        PoolCapacity(cluster=p.cluster_id, name=p.name, provider=provider or "", **pool_shape(p))
-        for p, provider in session.execute(
-            select(CapacityPool, Cluster.provider)
-            .join(Cluster, Cluster.id == CapacityPool.cluster_id)
-            .order_by(CapacityPool.cluster_id, CapacityPool.name)
-        )
-    ]
-    counts = recent_faults(session, utcnow() - timedelta(seconds=RELIABILITY_WINDOW_S))
-    for p in with_reliability(pools, counts["pool_faults"], counts["provider_faults"]):
+    for p, _ in priced_pools(session):
         premium.add_metric([p.cluster, p.name], p.reliability_premium)
     yield premium

@@ -4,15 +4,19 @@ count (node faults only) and the operator's latest action."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from control_plane.api.deps import as_utc
 from control_plane.api.schemas import NodeActionOut, NodeDetailOut, NodeFaultOut, NodeOut
-from control_plane.db.models import Node, NodeFaultRecord
+from control_plane.db.models import CapacityPool, Cluster, Node, NodeFaultRecord, utcnow
+from control_plane.fleet_model.snapshot import recent_faults
 from control_plane.nodes.kinds import NOT_NODE_FAULTS, is_node_fault
+from control_plane.placement import PoolCapacity
+from control_plane.placement.reliability import RELIABILITY_WINDOW_S, with_reliability
+from fleet_base.domain import pool_shape
 
 
 def failure_counts(
@@ -87,3 +91,19 @@ def node_detail(session: Session, row: Node, limit: int) -> NodeDetailOut:
     ).all()
     base = nodes_out(session, [row])[0]
     return NodeDetailOut(**base.model_dump(), faults=[fault_out(f) for f in faults])
+
+
+def priced_pools(session: Session) -> list[tuple[PoolCapacity, int]]:
+    """Every pool (by cluster and name) with the reliability premium the placer gives it
+    now, and its own node faults over the window (its provider's share is in the premium)."""
+    pools = [
+        PoolCapacity(cluster=p.cluster_id, name=p.name, provider=provider or "", **pool_shape(p))
+        for p, provider in session.execute(
+            select(CapacityPool, Cluster.provider)
+            .join(Cluster, Cluster.id == CapacityPool.cluster_id)
+            .order_by(CapacityPool.cluster_id, CapacityPool.name)
+        )
+    ]
+    counts = recent_faults(session, utcnow() - timedelta(seconds=RELIABILITY_WINDOW_S))
+    priced = with_reliability(pools, counts["pool_faults"], counts["provider_faults"])
+    return [(p, counts["pool_faults"].get(p.key, 0)) for p in priced]

@@ -15,6 +15,8 @@ import httpx
 import pytest
 
 from control_plane.console import series, worldmap
+from control_plane.db import models as m
+from control_plane.db.session import make_sessions
 from control_plane.rollouts.telemetry import Sample
 from tests.control_plane.cp_server import ControlPlaneServer, fresh_database
 
@@ -114,7 +116,7 @@ PAGES = [
     f"/console/deployments/{NAME}/rollout/panel", f"/console/deployments/{NAME}/rollout/series.json",
     "/console/keys", "/console/events", "/console/events?kind=rollout_started&fragment=1", "/console/audit",
     "/console/audit?action=key.create&fragment=1", "/console/land.svg", "/console/cost",
-    "/console/cost?since=1h", "/console/cost/series.json",
+    "/console/cost?since=1h", "/console/cost/series.json", "/console/nodes",
 ]  # fmt: skip
 
 
@@ -261,6 +263,25 @@ def test_pages_show_the_fleet(cp):
     assert land.headers["content-type"].startswith("image/svg+xml") and land.text.count("M") > 100
     for asset in ("vendor/htmx.min.js", "vendor/uPlot.iife.min.js", "vendor/uPlot.min.css", "console.js"):
         assert console.client.get(f"/console/static/{asset}").status_code == 200, asset
+
+
+def test_nodes_page_shows_the_record_and_pools_reliability(cp):
+    sessions = make_sessions(cp.database_url)
+    node = dict(cluster="aws-us-east-1", node="ip-10-0-0-7")
+    with sessions() as s:
+        s.add(m.Node(**node, state="cordoned", reason="xid 79 on GPU 3", gpus=8, gpus_withheld=[3],
+                     cordoned_by="agent", pool="h100", action_reason="", action_by=""))  # fmt: skip
+        s.add(m.NodeFaultRecord(**node, fault_id="console-f1", gpu=3, kind="xid", at=m.utcnow(),
+                                evidence="XID 79", pool="h100", provider="aws"))  # fmt: skip
+        s.commit()
+    sessions.kw["bind"].dispose()
+    page = Console(cp, cp.read_key).get("/console/nodes")
+    assert page.status_code == 200
+    row = page.text.split('data-node="aws-us-east-1/ip-10-0-0-7"')[1].split("</tr>")[0]
+    for cell in ("cordoned", "xid 79 on GPU 3", "<td>1</td>", "1 withheld", "agent"):
+        assert cell in row, cell
+    pools = page.text.split('id="reliability"')[1]
+    assert "h100" in pools and "gcp-europe-west4" in pools
 
 
 def test_map_projection_and_antimeridian():
