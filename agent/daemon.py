@@ -137,7 +137,6 @@ class Agent:
             runtime=self.runtime,
             replicas=lambda: self.replicas,
             desired=lambda: self.desired,
-            link=self.link,
             files=self.files,
             clock=clock,
             headers=replica_headers(config.security),

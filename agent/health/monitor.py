@@ -2,8 +2,9 @@
 correctness probe, operators' actions), steps each node's state machine
 (agent.health.state), and acts on what changed.
 
-- events `node_fault` (each fault) and `node_state` (each transition) on the cluster's
-  events subject; each fault also repeated in heartbeats for `fault_report_s`.
+- each fault in heartbeats for `fault_report_s` and each node's state in every heartbeat:
+  the control plane stores each fault once and makes the `node_fault` and `node_state`
+  events from them (one record, however many heartbeats repeat it); here they are logged.
 - a node that is cordoned, drained or retired has its capacity withheld: the heartbeat's
   pools shrink by it (`pools`), so the control plane's placer moves its replicas away; the
   ones there drain through the reconciler's usual path (a replica no longer desired here is
@@ -43,12 +44,10 @@ from agent.health.snapshot import FaultCount, NodeSnapshot, save
 from agent.health.state import NodePolicy, Transition
 from agent.replica import Replica
 from agent.runtime import Runtime
-from fleet_base import protocol
 from fleet_base.cluster_config import ClusterConfig
 from fleet_base.local_state import LocalState
-from fleet_base.nats_io import NatsLink
 from fleet_base.node_health import MAX_FAULTS, FaultKind, NodeFault, NodeHealth, local_node_name
-from fleet_base.protocol import DesiredState, Event, PoolInventory, ReplicaState
+from fleet_base.protocol import DesiredState, PoolInventory, ReplicaState
 
 log = logging.getLogger("agent.health")
 
@@ -69,12 +68,11 @@ class NodeHealthMonitor:
     runtime: Runtime
     replicas: Callable[[], dict[str, Replica]]
     desired: Callable[[], DesiredState | None]
-    link: NatsLink | None
     files: LocalState
     clock: Callable[[], float]
     headers: dict[str, str] = field(default_factory=dict)  # the replica credentials
     http: httpx.AsyncClient | None = None
-    nvml: NvmlSource = field(default_factory=NvmlSource)
+    nvml: NvmlSource | None = None  # None: NVML itself (or its stand-in, FLEET_NVML_STANDIN)
     gpus: int = 0  # this host's accelerators (or CPU slots) where NVML does not say
     policies: dict[str, NodePolicy] = field(default_factory=dict)
     recent: dict[str, tuple[NodeFault, float]] = field(default_factory=dict)
@@ -83,6 +81,7 @@ class NodeHealthMonitor:
     def __post_init__(self) -> None:
         s = self.config.health
         self.host = local_node_name(self.config.node_name)
+        self.source = self.nvml or NvmlSource(cluster=self.config.cluster)
         self.probes = probing.ProbeTracker(s)
         self.crashes = CrashWindow(s.crash_loop_crashes, s.crash_loop_window_s, {})
         self._readings: dict[int, GpuReading] = {}
@@ -101,7 +100,7 @@ class NodeHealthMonitor:
 
     def nodes(self) -> list[NodeHealth]:
         return [
-            p.health(self.nvml.status if node == self.host else "")
+            p.health(self.source.status if node == self.host else "")
             for node, p in sorted(self.policies.items())
         ]
 
@@ -170,7 +169,7 @@ class NodeHealthMonitor:
             _, moved = policy.step(now, mine, on_node[node], actions, clean_probe=node in clean)
             transitions += moved
         for c in found:
-            await self._record(c, now)
+            self._record(c, now)
         for t in transitions:
             await self._transition(t)
         self._save()
@@ -200,7 +199,7 @@ class NodeHealthMonitor:
         if self._nvml_at is not None and now - self._nvml_at < self.config.health.nvml_interval_s:
             return []
         self._nvml_at = now
-        readings = await asyncio.to_thread(self.nvml.read)
+        readings = await asyncio.to_thread(self.source.read)
         out = []
         for g in readings:
             out += classify_gpu(
@@ -293,18 +292,16 @@ class NodeHealthMonitor:
 
     # ------------------------------------------------------------ acting
 
-    async def _record(self, c: Classified, now: float) -> None:
+    def _record(self, c: Classified, now: float) -> None:
         f = c.fault
         self.recent[f.fault_id] = (f, now)
         self.errors[(f.node, f.gpu, f.kind)] += 1
         gpu = f" GPU {f.gpu}" if f.gpu is not None else ""
         message = f"{f.kind.value} on node {f.node}{gpu} ({c.severity.value}): {f.evidence}"
         log.warning("node fault: %s", message)
-        await self._event("node_fault", message, f.deployment, f.replica_id)
 
     async def _transition(self, t: Transition) -> None:
         log.warning("node %s: %s -> %s (%s)", t.node, t.old.value, t.new.value, t.reason)
-        await self._event("node_state", f"node {t.node}: {t.old.value} -> {t.new.value}: {t.reason}")
         out = ("cordoned", "drained", "retired")
         try:
             if t.new.value in ("cordoned", "retired") and t.old.value not in out:
@@ -316,25 +313,6 @@ class NodeHealthMonitor:
                 await self.runtime.uncordon_node(t.node)
         except Exception as err:
             log.warning("node %s: the runtime could not act on %s: %s", t.node, t.new.value, err)
-
-    async def _event(
-        self,
-        kind: protocol.EventKind,
-        message: str,
-        deployment: str | None = None,
-        replica_id: str | None = None,
-    ) -> None:
-        if self.link is None:
-            return
-        event = Event(
-            cluster=self.config.cluster,
-            kind=kind,
-            message=message[:2000],
-            deployment=deployment,
-            replica_id=replica_id,
-        )
-        with contextlib.suppress(Exception):
-            await self.link.publish(protocol.events_subject(self.config.cluster), event)
 
     def _save(self) -> None:
         errors = [

@@ -12,7 +12,8 @@ pynvml; it reads that file, which describes what the pynvml calls would return:
                "retired_pages_pending": false, "remap_failure": false,
                "throttle_reasons": 0, "temperature_c": 40}]}
 
-`xids` there is the whole history (a test appends to it); the source hands out each event
+A `{cluster}` in the path is replaced by the agent's cluster id, so the agents of a local
+fleet on one host each read their own file. `xids` there is the whole history (a test appends to it); the source hands out each event
 once, as NVML's event set does. It exists for tests and live demos on machines without
 GPUs, and is never used unless the variable is set.
 """
@@ -41,8 +42,9 @@ class StandinFile(BaseModel):
 class NvmlSource:
     """`read()` -> this host's GPUs now; `status` is "" while it reads, else why not."""
 
-    def __init__(self, standin: str | None = None) -> None:
-        self.standin = standin if standin is not None else os.environ.get(STANDIN_ENV, "")
+    def __init__(self, standin: str | None = None, cluster: str = "") -> None:
+        standin = standin if standin is not None else os.environ.get(STANDIN_ENV, "")
+        self.standin = standin.replace("{cluster}", cluster)
         self.status = ""
         self._nvml: Any = None
         self._events: Any = None

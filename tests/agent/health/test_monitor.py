@@ -73,7 +73,6 @@ def setup(tmp_path: Path, replicas: dict[str, Replica], corrupt: set[str], nvml:
         runtime=runtime,
         replicas=lambda: replicas,
         desired=lambda: desired["d"],
-        link=None,
         files=LocalState(config.state_dir),
         clock=clock,
         http=httpx.AsyncClient(transport=httpx.MockTransport(answer)),

@@ -44,3 +44,10 @@ def test_without_nvml_it_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FLEET_NVML_STANDIN", raising=False)
     src = NvmlSource()
     assert src.read() == [] and src.status.startswith("no NVML on this host")
+
+
+def test_standin_path_per_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLEET_NVML_STANDIN", str(tmp_path / "nvml-{cluster}.json"))
+    write_standin(tmp_path / "nvml-east.json", [GpuReading(index=0, lost=True)])
+    assert [g.lost for g in NvmlSource(cluster="east").read()] == [True]
+    assert NvmlSource(cluster="west").read() == []
