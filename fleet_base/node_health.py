@@ -92,6 +92,25 @@ class NodeAction(BaseModel):
     reason: str = Field("", max_length=MAX_EVIDENCE)
 
 
+# XIDs a faulty application (or its teardown) raises, which clear with it: recorded, never
+# the node's fault (NVIDIA's XID catalogue: 13, 31, 43, 45, 68). A fault of kind `xid`
+# names its code in the evidence as "Xid <code>".
+APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68})
+_XID_CODE = re.compile(r"\bxid\s*(\d+)", re.IGNORECASE)
+
+
+def is_node_fault(kind: FaultKind | str, evidence: str = "") -> bool:
+    """Whether a fault counts against its node (failure counts, placement's price): all
+    but an out-of-memory and an application XID."""
+    kind = FaultKind(kind)
+    if kind == FaultKind.oom:
+        return False
+    if kind == FaultKind.xid:
+        m = _XID_CODE.search(evidence)
+        return not (m and int(m.group(1)) in APPLICATION_XIDS)
+    return True
+
+
 def local_node_name(configured: str = "", hostname: str | None = None) -> str:
     """The node name of this host on the process and sim runtimes: `configured`
     (ClusterConfig.node_name) when set, else the host name reduced to NodeName (characters

@@ -455,7 +455,7 @@ class NodeOut(BaseModel):
     node: str
     state: str  # fleet_base.node_health.NodeState
     reason: str
-    failures: int  # node faults stored for it (an out-of-memory is not one)
+    failures: int  # node faults stored for it (not an out-of-memory nor an application XID)
     since: datetime
     gpus: int
     gpus_withheld: list[int]
@@ -473,7 +473,7 @@ class NodeFaultOut(BaseModel):
     node: str
     gpu: int | None
     kind: str  # fleet_base.node_health.FaultKind
-    node_fault: bool  # False for the kinds that are not the node's (an out-of-memory)
+    node_fault: bool  # False for what is not the node's doing (an out-of-memory, an application XID)
     evidence: str
     replica_id: str | None
     deployment: str | None

@@ -426,6 +426,9 @@ class NodeFaultRecord(Base):
     deployment: Mapped[str | None] = mapped_column(String(128), nullable=True)
     pool: Mapped[str] = mapped_column(String(63), default="")
     provider: Mapped[str] = mapped_column(String(63), default="")
+    # counts against the node (fleet_base.node_health.is_node_fault): not an out-of-memory
+    # nor an application XID, which are recorded only
+    node_fault: Mapped[bool] = mapped_column(Boolean, default=True)
 
 
 __all__ = [

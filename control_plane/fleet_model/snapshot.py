@@ -22,7 +22,6 @@ from control_plane.db.models import (
     ReplicaAssignment,
     utcnow,
 )
-from control_plane.nodes.kinds import NOT_NODE_FAULTS
 from control_plane.placement.base import PRIORITY_RANK, PriorityClass
 from control_plane.placement.reliability import RELIABILITY_WINDOW_S
 from control_plane.rollouts.store import RolloutPlan, plans
@@ -224,11 +223,11 @@ def read_snapshot(session: Session) -> FleetSnapshot:
 
 
 def recent_faults(session: Session, since: datetime) -> dict[str, dict]:
-    """Node faults (an out-of-memory is not one) since `since`, counted by (cluster, pool)
+    """Node faults (not an out-of-memory nor an application XID) since `since`, counted by (cluster, pool)
     and by provider: what the placer's reliability price reads."""
     counted = session.execute(
         select(NodeFaultRecord.cluster, NodeFaultRecord.pool, NodeFaultRecord.provider, func.count())
-        .where(NodeFaultRecord.at >= since, NodeFaultRecord.kind.not_in(NOT_NODE_FAULTS))
+        .where(NodeFaultRecord.at >= since, NodeFaultRecord.node_fault.is_(True))
         .group_by(NodeFaultRecord.cluster, NodeFaultRecord.pool, NodeFaultRecord.provider)
     ).all()
     pools: dict[tuple[str, str], int] = {}

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from control_plane.db.models import Node, NodeFaultRecord
 from control_plane.nodes.views import priced_pools
-from fleet_base.node_health import FaultKind, NodeState
+from fleet_base.node_health import FaultKind, NodeState, is_node_fault
 
 
 def node_metrics(session: Session) -> Iterator[Metric]:
@@ -28,20 +28,24 @@ def node_metrics(session: Session) -> Iterator[Metric]:
 
     faults = CounterMetricFamily(
         "fleet_node_faults",
-        "Node and GPU faults stored, by cluster and kind (oom included).",
-        labels=["cluster", "kind"],
+        "Faults stored, by cluster, kind and whether they count against the node "
+        "(node_fault=false: an out-of-memory or an application XID, recorded only).",
+        labels=["cluster", "kind", "node_fault"],
     )
     rows = session.execute(
-        select(NodeFaultRecord.cluster, NodeFaultRecord.kind, func.count()).group_by(
-            NodeFaultRecord.cluster, NodeFaultRecord.kind
-        )
+        select(
+            NodeFaultRecord.cluster, NodeFaultRecord.kind, NodeFaultRecord.node_fault, func.count()
+        ).group_by(NodeFaultRecord.cluster, NodeFaultRecord.kind, NodeFaultRecord.node_fault)
     )
-    stored = {(cluster, kind): n for cluster, kind, n in rows}
-    clusters = {c for c, _ in counted} | {c for c, _ in stored}
-    kinds = [k.value for k in FaultKind] + sorted({k for _, k in stored} - {k.value for k in FaultKind})
+    stored = {(cluster, kind, bool(node)): n for cluster, kind, node, n in rows}
+    # every kind as it can count (0 included), so a rate over the record has series before any fault
+    usual = {(k.value, is_node_fault(k)) for k in FaultKind} | {(FaultKind.xid.value, False)}
+    clusters = {c for c, _ in counted} | {c for c, _, _ in stored}
     for cluster in sorted(clusters):
-        for kind in kinds:  # every kind, 0 included: a rate over the record has series before any fault
-            faults.add_metric([cluster, kind], stored.get((cluster, kind), 0))
+        for kind, node in sorted(usual | {(k, n) for c, k, n in stored if c == cluster}):
+            faults.add_metric(
+                [cluster, kind, "true" if node else "false"], stored.get((cluster, kind, node), 0)
+            )
     yield faults
 
     premium = GaugeMetricFamily(

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 
 from control_plane.db.models import Cluster, Event, Node, NodeFaultRecord, ReplicaAssignment
 from control_plane.db.once import insert_once
-from fleet_base.node_health import NodeFault, NodeHealth, NodeState
+from fleet_base.node_health import NodeFault, NodeHealth, NodeState, is_node_fault
 from fleet_base.protocol import Heartbeat
 
 log = logging.getLogger(__name__)
@@ -129,6 +129,7 @@ def _store_faults(
             "deployment": f.deployment,
             "pool": pool[:63],
             "provider": (cluster.provider or "")[:63],
+            "node_fault": is_node_fault(f.kind, f.evidence),
         }
         if insert_once(session, NodeFaultRecord, values, "fault_id"):
             where = f"GPU {f.gpu}" if f.gpu is not None else "the node"

@@ -13,7 +13,6 @@ from control_plane.api.deps import as_utc
 from control_plane.api.schemas import NodeActionOut, NodeDetailOut, NodeFaultOut, NodeOut
 from control_plane.db.models import CapacityPool, Cluster, Node, NodeFaultRecord, utcnow
 from control_plane.fleet_model.snapshot import recent_faults
-from control_plane.nodes.kinds import NOT_NODE_FAULTS, is_node_fault
 from control_plane.placement import PoolCapacity
 from control_plane.placement.reliability import RELIABILITY_WINDOW_S, with_reliability
 from fleet_base.domain import pool_shape
@@ -25,7 +24,7 @@ def failure_counts(
     """(cluster, node) -> (node faults stored, the latest one's time)."""
     query = (
         select(NodeFaultRecord.cluster, NodeFaultRecord.node, func.count(), func.max(NodeFaultRecord.at))
-        .where(NodeFaultRecord.kind.not_in(NOT_NODE_FAULTS))
+        .where(NodeFaultRecord.node_fault.is_(True))
         .group_by(NodeFaultRecord.cluster, NodeFaultRecord.node)
     )
     if clusters is not None:
@@ -73,7 +72,7 @@ def fault_out(row: NodeFaultRecord) -> NodeFaultOut:
         node=row.node,
         gpu=row.gpu,
         kind=row.kind,
-        node_fault=is_node_fault(row.kind),
+        node_fault=row.node_fault,
         evidence=row.evidence or "",
         replica_id=row.replica_id,
         deployment=row.deployment,

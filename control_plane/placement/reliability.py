@@ -1,8 +1,9 @@
 """Reliability in the plan's price: a pool whose nodes fail often costs more.
 
-A node fault (control_plane.nodes.kinds: every kind but an out-of-memory) costs more
-than the minutes it takes to notice: the replicas on the node are interrupted and moved,
-the node is cordoned, drained and out for remediation, typically for a day. So a pool's
+A node fault (fleet_base.node_health.is_node_fault: not an out-of-memory nor an
+application XID) costs more than the minutes it takes to notice: the replicas on the node
+are interrupted and moved, the node is cordoned, drained and out for remediation,
+typically for a day. So a pool's
 expected failures are priced as a premium per node-hour on top of what the provider
 charges:
 

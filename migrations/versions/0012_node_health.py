@@ -52,6 +52,7 @@ def upgrade() -> None:
         sa.Column("deployment", sa.String(128), nullable=True),
         sa.Column("pool", sa.String(63), nullable=False),
         sa.Column("provider", sa.String(63), nullable=False),
+        sa.Column("node_fault", sa.Boolean(), nullable=False),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_node_faults")),
         sa.UniqueConstraint("fault_id", name="uq_node_faults_fault_id"),
     )

@@ -21,7 +21,7 @@ from control_plane.fleet_model.snapshot import read_snapshot
 from control_plane.loops.ingest import apply_heartbeat
 from control_plane.settings import Settings
 from fleet_base.domain import Coordinates, Tier
-from fleet_base.node_health import FaultKind, NodeFault, NodeHealth, NodeState
+from fleet_base.node_health import FaultKind, NodeFault, NodeHealth, NodeState, is_node_fault
 from fleet_base.protocol import Heartbeat, PoolInventory
 
 
@@ -192,9 +192,35 @@ def test_metrics_count_nodes_by_state_faults_by_kind_and_price_the_flaky_pool(ap
     assert 'fleet_nodes{cluster="c1",state="suspect"} 1.0' in text
     assert 'fleet_nodes{cluster="c1",state="healthy"} 1.0' in text
     assert 'fleet_nodes{cluster="c1",state="retired"} 0.0' in text
-    assert 'fleet_node_faults_total{cluster="c1",kind="xid"} 1.0' in text
-    assert 'fleet_node_faults_total{cluster="c1",kind="oom"} 1.0' in text
+    assert 'fleet_node_faults_total{cluster="c1",kind="xid",node_fault="true"} 1.0' in text
+    assert 'fleet_node_faults_total{cluster="c1",kind="xid",node_fault="false"} 0.0' in text
+    assert 'fleet_node_faults_total{cluster="c1",kind="oom",node_fault="false"} 1.0' in text
     line = next(
         x for x in text.splitlines() if x.startswith('fleet_pool_reliability_premium_dollars{cluster="c1"')
     )
     assert float(line.split()[-1]) > 0  # one node fault this week on a 2-node pool
+
+
+@pytest.mark.parametrize(
+    "kind, evidence, counts",
+    [
+        (FaultKind.xid, "Xid 79", True),  # fallen off the bus: hardware
+        (FaultKind.xid, "Xid 13", False),  # graphics engine exception: the application's
+        (FaultKind.xid, "xid 43 on GPU 1", False),
+        (FaultKind.xid, "", True),  # no code: an XID of no known class counts
+        (FaultKind.oom, "CUDA out of memory", False),
+        (FaultKind.cuda_error, "Xid 13 in the log", True),  # only the xid kind is read for a code
+        (FaultKind.wrong_answer, "", True),
+    ],
+)
+def test_what_counts_against_a_node(kind, evidence, counts) -> None:
+    assert is_node_fault(kind, evidence) is counts
+
+
+def test_an_application_xid_is_recorded_but_not_a_failure(api: Api, sessions) -> None:
+    now = time.time()
+    app = NodeFault(node="n1", gpu=0, kind=FaultKind.xid, at=now, evidence="Xid 31")
+    beat(sessions, heartbeat(faults=[app]))
+    with api.client(["read"]) as client:
+        node = client.get("/v1/nodes/c1/n1").json()
+    assert node["failures"] == 0 and [f["node_fault"] for f in node["faults"]] == [False]
