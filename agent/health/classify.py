@@ -23,9 +23,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 from agent.health.readings import GpuReading
-from fleet_base.node_health import FaultKind, NodeFault
+from fleet_base.node_health import APPLICATION_XIDS, FaultKind, NodeFault
 
-APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68})
 HARDWARE_XIDS: dict[int, FaultKind] = {
     48: FaultKind.ecc_uncorrectable,
     94: FaultKind.ecc_uncorrectable,
