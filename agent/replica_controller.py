@@ -28,6 +28,10 @@ from fleet_base.protocol import DesiredState, EventKind, ReplicaLoad, ReplicaSta
 
 log = logging.getLogger("agent")
 
+# A ready replica being stopped is first shown draining in replicas.json for this long (the
+# gateway rereads it every 0.2 s), so requests stop going there before it refuses them.
+UNROUTE_GRACE_S = 0.5
+
 
 @dataclass(eq=False)
 class ReplicaController:
@@ -273,12 +277,18 @@ class ReplicaController:
             self._forget(r)
             self.events.emit_soon("replica_stopped", r, reason)
             return
+        was_ready = r.state == ReplicaState.ready
         r.state = ReplicaState.draining
-        self._stopping[rid] = asyncio.create_task(self._stop(r, reason), name=f"stop-{rid}")
+        grace = UNROUTE_GRACE_S if was_ready else 0.0
+        if grace:
+            self.persist(force=True)
+        self._stopping[rid] = asyncio.create_task(self._stop(r, reason, grace), name=f"stop-{rid}")
 
-    async def _stop(self, r: Replica, reason: str) -> None:
+    async def _stop(self, r: Replica, reason: str, grace_s: float = 0.0) -> None:
         handle = r.handle
         assert handle is not None
+        if grace_s:  # unrouted first (replicas.json says draining), then asked to drain
+            await asyncio.sleep(grace_s)
         try:
             code = await self.runtime.stop(handle, self.config.drain_timeout_s)
         except Exception as err:

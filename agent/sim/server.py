@@ -83,6 +83,7 @@ DIVERGED = ("SIM", "ULATED", "_text", "_from", "_a", "_replica", "_without", "_a
 MAX_BODY = 4 * 1024 * 1024
 # As engine/server/launcher.py's: test hooks (POST /debug/corrupt, /debug/uncorrupt)
 TEST_HOOKS_ENV = "FLEET_ENGINE_TEST_HOOKS"
+EXIT_GRACE_S = 1.0  # after draining, for connections to close before the process exits anyway
 
 
 class _Body(BaseModel):
@@ -305,6 +306,17 @@ def _parse(raw: bytes, state: SimState, *, chat: bool) -> _Body | Response:
     return body
 
 
+async def _finished(state: SimState, req: SimRequest) -> None:
+    """Wait for an unstreamed request's last token; a client that went away meanwhile takes
+    it out of the in-flight count (a drain does not wait for it)."""
+    try:
+        async with state.progress:
+            await state.progress.wait_for(lambda: req.finished_at is not None)
+    except asyncio.CancelledError:
+        state.in_flight -= 1
+        raise
+
+
 def _record_done(state: SimState, req: Any) -> None:
     """A finished request in the counters and the TTFT / queue-time histograms."""
     state.in_flight -= 1
@@ -435,8 +447,7 @@ async def _run(
         _record_done(state, req)
 
     if not body.stream:
-        async with state.progress:
-            await state.progress.wait_for(lambda: req.finished_at is not None)
+        await _finished(state, req)
         done()
         text = placeholder(skip, out_tokens, diverge)
         if chat:
@@ -601,10 +612,15 @@ async def _serve(args: argparse.Namespace, profile: PerfProfile, cold: float, er
     async def on_stop() -> None:
         await stop.wait()
         state.draining = True
+        log.info("draining: %d requests in flight", state.in_flight)
         deadline = time.monotonic() + args.drain_timeout
         while state.in_flight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         server.should_exit = True
+        # nothing in flight: idle keep-alive TLS connections would hold the exit for asyncio's
+        # 30 s TLS shutdown timeout while their peers (gateways' pools) keep them open
+        await asyncio.sleep(EXIT_GRACE_S)
+        server.force_exit = True
 
     stopper = asyncio.create_task(on_stop())
     await serving
