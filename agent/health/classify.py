@@ -84,6 +84,8 @@ def classified(fault: NodeFault, severity: Severity | None = None) -> Classified
 
 
 def classify_xid(code: int) -> tuple[FaultKind, Severity]:
+    """An XID's kind and severity; its evidence is written "Xid <code>", which
+    fleet_base.node_health.is_node_fault reads the same way."""
     if code in APPLICATION_XIDS:
         return FaultKind.xid, Severity.none
     if code in HARDWARE_XIDS:

@@ -14,7 +14,7 @@ from agent.health.classify import (
     evidence_line,
 )
 from agent.health.readings import GpuReading, XidEvent
-from fleet_base.node_health import FaultKind
+from fleet_base.node_health import FaultKind, is_node_fault
 
 
 def g(**kw) -> GpuReading:
@@ -82,6 +82,12 @@ def test_gpu_signals(prev, cur, expected) -> None:
     got = classify_gpu("n1", prev, cur, now=100.0)
     assert [(c.fault.kind, c.severity) for c in got] == expected
     assert all(c.fault.node == "n1" and c.fault.gpu == cur.index for c in got)
+
+
+def test_xid_evidence_agrees_with_the_records_rule() -> None:
+    for code in (13, 31, 43, 45, 68, 48, 79, 999):
+        (c,) = classify_gpu("n", GpuReading(index=0), GpuReading(index=0, xids=[XidEvent(code=code)]), 1.0)
+        assert is_node_fault(c.fault.kind, c.fault.evidence) == c.node_fault, code
 
 
 def test_ecc_threshold() -> None:
