@@ -1,7 +1,7 @@
 """Node health end to end on a two-cluster sim fleet (real processes): a replica made to
 answer wrongly (POST /debug/corrupt, FLEET_ENGINE_TEST_HOOKS=1) is caught by the agent's
 correctness probe, its node is cordoned, the control plane re-places its capacity on the
-other cluster and steady load through both gateways sees no failure; an XID injected
+other cluster and steady load (answers and streams) through both gateways sees no failure; an XID injected
 through the NVML stand-in file (FLEET_NVML_STANDIN, the library boundary) cordons the other
 cluster's node and no new replica lands there. `fleetctl nodes ls -o json` shows the
 record. Figures are printed (pytest -s)."""
@@ -77,9 +77,9 @@ def test_wrong_answers_and_an_xid_cordon_nodes_and_the_work_moves(fleet: SimFlee
              "both nodes reported healthy")  # fmt: skip
     mark("nodes")
     (east_url,) = [p["url"] for p in fleet.deployment(NAME)["placements"] if p["cluster"] == EAST]
-    load = Load(
-        [fleet.gateways[EAST], fleet.gateways[WEST]], fleet.key, NAME, workers=2, pause_s=0.05
-    ).start()
+    gateways = [fleet.gateways[EAST], fleet.gateways[WEST]]
+    load = Load(gateways, fleet.key, NAME, workers=2, pause_s=0.05).start()
+    streams = Load(gateways, fleet.key, NAME, workers=2, max_tokens=24, extra={"stream": True}).start()
     try:
         load.served(10, what="load flowing")
         mark("load")
@@ -118,7 +118,7 @@ def test_wrong_answers_and_an_xid_cordon_nodes_and_the_work_moves(fleet: SimFlee
         moved_at = time.time()
         load.served(4, since=moved_at, what="requests served after the second move")
     finally:
-        results = load.stop()
+        results = load.stop() + streams.stop()
     mark("moved")
     failed = [r for r in results if r.status != 200 or r.error]
     assert failed == [], (
@@ -133,7 +133,7 @@ def test_wrong_answers_and_an_xid_cordon_nodes_and_the_work_moves(fleet: SimFlee
     assert listed[EAST]["failures"] >= 1
     mark("listed")
     print(
-        f"\nrequests {len(results)}, failed {len(failed)}; corrupt -> cordoned {cordoned_at - corrupted_at:.1f} s,"
+        f"\nrequests {len(results)} ({len(streams.results)} streamed), failed {len(failed)}; corrupt -> cordoned {cordoned_at - corrupted_at:.1f} s,"
         f" -> re-placed {replaced_at - corrupted_at:.1f} s; XID -> cordoned {west_cordoned_at - xid_at:.1f} s,"
         f" -> moved {moved_at - xid_at:.1f} s; whole test {time.time() - began:.1f} s"
     )
