@@ -30,6 +30,19 @@ def _probe(check: Callable[[], Any], retry_errors: Retry) -> Any:
         return err  # a component may be restarting: try again
 
 
+class NotYet:
+    """A check's "not yet" that says why: falsy, and shown in the timeout's message."""
+
+    def __init__(self, detail: Any) -> None:
+        self.detail = detail
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"not yet: {self.detail!r}"
+
+
 def _done(value: Any) -> bool:
     return bool(value) and not isinstance(value, Exception)
 

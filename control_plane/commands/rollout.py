@@ -31,6 +31,7 @@ NUMBER_COLUMNS = [
     "canary_ttft_p90_s",
     "baseline_ttft_p90_s",
     "ttft_p90_ratio",
+    "ttft_p_value",
     "ready",
     "min_ready",
     "capacity_mode",

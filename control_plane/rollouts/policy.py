@@ -24,6 +24,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from control_plane.rollouts.quantiles import quantile_above
 from control_plane.rollouts.shadow import Comparison, ShadowGuards, verdict
 
 Phase = Literal["shadowing", "deploying", "observing", "promoted", "rolled_back", "aborted"]
@@ -47,6 +48,9 @@ MIN_BASELINE_SAMPLES = 10  # baseline requests needed before the TTFT ratio mean
 # the two slowest, and a good canary was rolled back on exactly that noise (1.7x on 12
 # requests in a 10% step). Below this the latency guard waits for a later, larger window.
 MIN_LATENCY_SAMPLES = 30
+# And even then a p90 just over the line is noise as often as not: the guard also needs the
+# canary's samples above the line to be this unlikely were its true p90 on the line.
+LATENCY_ALPHA = 0.01
 
 
 class _Frozen(BaseModel):
@@ -117,6 +121,8 @@ class VersionStats(_Frozen):
     requests: int = 0
     errors: int = 0  # status >= 500
     ttft_p90_s: float | None = None
+    # the window's TTFTs, for the latency guard's significance (empty: judged on the p90 alone)
+    ttft_samples_s: tuple[float, ...] = Field((), repr=False)
 
     @property
     def error_rate(self) -> float | None:
@@ -216,6 +222,7 @@ def _numbers(params: RolloutParams, state: RolloutState, obs: Observation) -> di
         "canary_ttft_p90_s": _round(obs.canary.ttft_p90_s),
         "baseline_ttft_p90_s": _round(obs.baseline.ttft_p90_s),
         "ttft_p90_ratio": _round(ratio),
+        "ttft_p_value": _round(ttft_p_value(params, obs)),
         "canary_ready": obs.canary_ready,
     }
 
@@ -231,6 +238,16 @@ def ttft_ratio(obs: Observation) -> float | None:
     return c / b
 
 
+def ttft_p_value(params: RolloutParams, obs: Observation) -> float | None:
+    """How likely the canary's TTFTs above `max_ttft_p90_ratio` x the baseline's p90 would be
+    were its true p90 on that line (None: no baseline p90 yet, or no samples to judge)."""
+    b = obs.baseline.ttft_p90_s
+    samples = obs.canary.ttft_samples_s
+    if b is None or not samples or obs.baseline.requests < MIN_BASELINE_SAMPLES:
+        return None
+    return quantile_above(samples, params.max_ttft_p90_ratio * b, 0.9)[1]
+
+
 def breach(params: RolloutParams, obs: Observation) -> str | None:
     """Why the canary fails its guards in this window, or None.
 
@@ -238,7 +255,8 @@ def breach(params: RolloutParams, obs: Observation) -> str | None:
     errors already seen exceed what `max_error_rate` allows at `min_requests` (the verdict
     cannot change any more). TTFT p90: canary / baseline over the same window, once the
     canary has `MIN_LATENCY_SAMPLES` (and `min_requests`) and the baseline
-    `MIN_BASELINE_SAMPLES`."""
+    `MIN_BASELINE_SAMPLES`, and only when the canary's samples above the line are
+    significant (`LATENCY_ALPHA`): a p90 a hair over the line on 40 requests is noise."""
     c = obs.canary
     allowed_at_min = params.max_error_rate * params.min_requests
     if c.requests and (
@@ -251,12 +269,20 @@ def breach(params: RolloutParams, obs: Observation) -> str | None:
         )
     ratio = ttft_ratio(obs)
     enough = c.requests >= max(MIN_LATENCY_SAMPLES, params.min_requests)
-    if ratio is not None and enough and ratio > params.max_ttft_p90_ratio:
-        return (
-            f"canary TTFT p90 {c.ttft_p90_s:.3f}s is {ratio:.2f}x the baseline's "
-            f"{obs.baseline.ttft_p90_s:.3f}s (max {params.max_ttft_p90_ratio:g}x)"
-        )
-    return None
+    if ratio is None or not enough or ratio <= params.max_ttft_p90_ratio:
+        return None
+    why = (
+        f"canary TTFT p90 {c.ttft_p90_s:.3f}s is {ratio:.2f}x the baseline's "
+        f"{obs.baseline.ttft_p90_s:.3f}s (max {params.max_ttft_p90_ratio:g}x)"
+    )
+    p_value = ttft_p_value(params, obs)
+    if p_value is None:
+        return why
+    if p_value >= LATENCY_ALPHA:
+        return None
+    line = params.max_ttft_p90_ratio * (obs.baseline.ttft_p90_s or 0.0)
+    above = quantile_above(c.ttft_samples_s, line, 0.9)[0]
+    return f"{why}; {above} of {len(c.ttft_samples_s)} above {line:.3f}s, p={p_value:.2g}"
 
 
 # --------------------------------------------------------------------- the state machine

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from control_plane.rollouts.quantiles import percentile
+
 
 @dataclass(frozen=True)
 class Finished:
@@ -70,14 +72,6 @@ class Comparison(_Frozen):
 
     def as_json(self) -> dict:
         return self.model_dump(mode="json", by_alias=True)
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (`q` in (0, 1])."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 def _pair(originals: list[float], copies: list[float], q: float) -> Pair:

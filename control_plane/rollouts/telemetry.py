@@ -16,12 +16,12 @@ requests for the canary guards, only in `shadow()`, paired with their originals.
 from __future__ import annotations
 
 import collections
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from control_plane.rollouts.policy import VersionStats
+from control_plane.rollouts.quantiles import percentile
 from control_plane.rollouts.shadow import Comparison, Finished, compare
 from fleet_base.protocol import UsageRecord
 
@@ -45,10 +45,7 @@ class Copy:
 
 def p90(values: list[float]) -> float | None:
     """Nearest-rank 90th percentile."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
+    return percentile(values, 0.9)
 
 
 class UsageWindows:
@@ -124,10 +121,12 @@ class UsageWindows:
 
     def stats(self, deployment: str, version: int, since: float) -> VersionStats:
         samples = [s for s in self._samples.get(deployment, ()) if s.at >= since and s.version == version]
+        ttfts = [s.ttft_s for s in samples if s.ttft_s is not None]
         return VersionStats(
             requests=len(samples),
             errors=sum(1 for s in samples if s.error),
-            ttft_p90_s=p90([s.ttft_s for s in samples if s.ttft_s is not None]),
+            ttft_p90_s=p90(ttfts),
+            ttft_samples_s=tuple(ttfts),
         )
 
     def shadow(self, deployment: str, version: int, since: float, share: float) -> Comparison:

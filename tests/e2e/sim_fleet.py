@@ -249,6 +249,24 @@ class SimFleet:
     def deployment(self, name: str) -> dict:
         return self.api("GET", f"/v1/deployments/{name}").json()
 
+    def wait_versions(self, name: str, want: dict[int, int], timeout: float, what: str) -> None:
+        """Wait until the ready replicas by version are exactly `want`; on a timeout the
+        message lists every placement (version, state, cluster)."""
+
+        def check() -> bool | polling.NotYet:
+            placements = self.deployment(name)["placements"]
+            ready: dict[int, int] = {}
+            for p in placements:
+                if p["state"] == "ready":
+                    ready[p["version"]] = ready.get(p["version"], 0) + 1
+            if ready == want:
+                return True
+            return polling.NotYet(
+                [(p["version"], p["state"], p["cluster"], p["replica_id"]) for p in placements]
+            )
+
+        wait_for(check, timeout, 0.2, what)
+
     def ready_by_version(self, name: str) -> dict[int, int]:
         out: dict[int, int] = {}
         for p in self.deployment(name)["placements"]:

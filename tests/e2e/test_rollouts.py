@@ -88,7 +88,7 @@ def test_bad_canary_is_rolled_back_automatically(fleet: SimFleet):
     assert "error rate" in done["reason"] and done["step"] == 1
     assert share <= 0.10 + 0.10, share  # the first step's weight plus one step's worth
     assert fleet.deployment(NAME)["current_version"] == 1
-    wait_for(lambda: fleet.ready_by_version(NAME) == {1: REPLICAS}, 60, 0.2, "the baseline back at full size")
+    fleet.wait_versions(NAME, {1: REPLICAS}, 60, "the baseline back at full size")
     events = fleet.api("GET", "/v1/events", params={"deployment": NAME, "kind": "rollout_rolled_back"}).json()
     assert events["items"] and "canary_error_rate=" in events["items"][0]["message"]
 
@@ -109,14 +109,14 @@ def test_good_canary_is_promoted_without_failed_requests(fleet: SimFleet):
                 0.2,
                 "the end",
             )
-            wait_for(lambda: fleet.ready_by_version(NAME) == {3: REPLICAS}, 60, 0.2, "the baseline to go")
+            assert ro["phase"] == "promoted", f"{ro['reason']}: {ro['last']}"
+            fleet.wait_versions(NAME, {3: REPLICAS}, 60, "the baseline to go")
     finally:
         results = load.stop()
     print(
         f"\n[good canary] {ro['phase']} ({ro['reason']}); {len(results)} requests, {len(load.failed())} failed; "
         f"peak GPUs {gpus.peak} (baseline {REPLICAS}, canary at most {REPLICAS})"
     )
-    assert ro["phase"] == "promoted", ro
     assert load.failed() == [], load.failed()[:3]
     # capacity follows weights: never the baseline plus the whole canary, at most one step's surge
     assert REPLICAS <= gpus.peak <= REPLICAS + 2

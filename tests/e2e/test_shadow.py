@@ -141,7 +141,7 @@ def end_rollout(fleet: SimFleet) -> None:
         fleet.api("POST", f"/v1/deployments/{NAME}/rollouts/current/abort")
     wait_for(lambda: not rollout(fleet)["active"], 30, 0.2, "the rollout to end")
     current = fleet.deployment(NAME)["current_version"]
-    wait_for(lambda: fleet.ready_by_version(NAME) == {current: REPLICAS}, 60, 0.2, "the baseline alone")
+    fleet.wait_versions(NAME, {current: REPLICAS}, 60, "the baseline alone")
 
 
 def test_identical_shadow_agrees_and_the_rollout_goes_on_to_its_canary_steps(fleet: SimFleet):
