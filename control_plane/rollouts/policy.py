@@ -24,7 +24,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from control_plane.rollouts.quantiles import quantile_above
+from control_plane.rollouts.quantiles import LATENCY_ALPHA, quantile_above
 from control_plane.rollouts.shadow import Comparison, ShadowGuards, verdict
 
 Phase = Literal["shadowing", "deploying", "observing", "promoted", "rolled_back", "aborted"]
@@ -48,9 +48,6 @@ MIN_BASELINE_SAMPLES = 10  # baseline requests needed before the TTFT ratio mean
 # the two slowest, and a good canary was rolled back on exactly that noise (1.7x on 12
 # requests in a 10% step). Below this the latency guard waits for a later, larger window.
 MIN_LATENCY_SAMPLES = 30
-# And even then a p90 just over the line is noise as often as not: the guard also needs the
-# canary's samples above the line to be this unlikely were its true p90 on the line.
-LATENCY_ALPHA = 0.01
 
 
 class _Frozen(BaseModel):

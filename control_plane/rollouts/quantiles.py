@@ -13,6 +13,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+# A latency guard fails a version only when its samples above the line would be this unlikely
+# were its true quantile on the line.
+LATENCY_ALPHA = 0.01
+
 
 def percentile(values: Sequence[float], q: float) -> float | None:
     """Nearest-rank percentile (`q` in (0, 1]); None when there are no values."""

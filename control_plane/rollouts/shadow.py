@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from control_plane.rollouts.quantiles import percentile
+from control_plane.rollouts.quantiles import LATENCY_ALPHA, percentile, quantile_above
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,10 @@ class Comparison(_Frozen):
     itl_p90_s: Pair = Field(default_factory=Pair)
     greedy: Greedy = Field(default_factory=Greedy)
     compared: int = 0  # copies paired with an original in the window
+    # the copies' paired latencies, for the guards' significance (not part of the stored record;
+    # empty: judged on the p90s alone)
+    copy_ttft_s: tuple[float, ...] = Field((), exclude=True, repr=False)
+    copy_itl_s: tuple[float, ...] = Field((), exclude=True, repr=False)
 
     def error_rates(self) -> tuple[float, float] | None:
         """(original, copy) error rates over the compared requests."""
@@ -111,6 +115,8 @@ def compare(originals: list[Finished], copies: list[Finished], share: float) -> 
             first_diff_token_p50=percentile(diffs, 0.5),
         ),
         compared=len(pairs),
+        copy_ttft_s=tuple(c for _, c in ttft),
+        copy_itl_s=tuple(c for _, c in itl),
     )
 
 
@@ -142,15 +148,20 @@ def verdict(guards: ShadowGuards, c: Comparison) -> tuple[bool | None, str]:
             f"shadow error rate {rates[1]:.3f} vs {rates[0]:.3f} on the same {c.compared} requests "
             f"(max increase {guards.max_error_rate_increase:g})"
         )
-    for name, pair, limit in (
-        ("TTFT", c.ttft_p90_s, guards.max_ttft_p90_ratio),
-        ("ITL", c.itl_p90_s, guards.max_itl_p90_ratio),
+    for name, pair, limit, samples in (
+        ("TTFT", c.ttft_p90_s, guards.max_ttft_p90_ratio, c.copy_ttft_s),
+        ("ITL", c.itl_p90_s, guards.max_itl_p90_ratio, c.copy_itl_s),
     ):
         r = ratio(pair)
-        if r is not None and r > limit:
-            return False, (
-                f"shadow {name} p90 {pair.copy_:.3f}s is {r:.2f}x the original's {pair.original:.3f}s (max {limit:g}x)"
-            )
+        if r is None or r <= limit:
+            continue
+        why = f"shadow {name} p90 {pair.copy_:.3f}s is {r:.2f}x the original's {pair.original:.3f}s (max {limit:g}x)"
+        if not samples:
+            return False, why
+        line = limit * (pair.original or 0.0)
+        above, p_value = quantile_above(samples, line, 0.9)
+        if p_value < LATENCY_ALPHA:  # else a p90 over the line by chance: not a verdict
+            return False, f"{why}; {above} of {len(samples)} above {line:.3f}s, p={p_value:.2g}"
     g = c.greedy
     if g.agreement is not None and g.agreement < guards.min_greedy_agreement:
         return False, (

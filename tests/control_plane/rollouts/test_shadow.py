@@ -243,3 +243,22 @@ def test_windows_keep_copies_out_of_version_stats_and_pair_them() -> None:
     assert c.itl_p90_s == Pair(original=0.01, copy=0.03)
     assert (c.greedy.compared, c.greedy.identical, c.greedy.first_diff_token_p50) == (1, 0, 4.0)
     assert w.shadow("web", 2, since=101, share=0.5).compared == 0
+
+
+def test_a_latency_verdict_needs_the_copies_above_the_line_to_be_significant() -> None:
+    line = GUARDS.max_ttft_p90_ratio * 0.2
+    # a p90 just over the line, from 4 of 30 copies above it: as likely as not by chance
+    near = tuple([0.1] * 26 + [line * 1.05] * 4)
+    held, why = verdict(GUARDS, comparison(ttft_p90_s=Pair(original=0.2, copy=line * 1.05), copy_ttft_s=near))
+    assert held is True, why
+    # 15 of 30 above it: the copy's p90 is past the line, not only this sample's
+    slow = tuple([0.1] * 15 + [line * 1.5] * 15)
+    stopped, why = verdict(
+        GUARDS, comparison(ttft_p90_s=Pair(original=0.2, copy=line * 1.5), copy_ttft_s=slow)
+    )
+    assert stopped is False and "15 of 30 above" in why and "p=" in why
+
+
+def test_the_copies_samples_are_not_part_of_the_stored_comparison() -> None:
+    stored = comparison(copy_ttft_s=(0.1, 0.2), copy_itl_s=(0.01,)).as_json()
+    assert "copy_ttft_s" not in stored and "copy_itl_s" not in stored and stored["compared"] == 100
