@@ -32,6 +32,8 @@ COLUMNS = [
     "replicas_max",
     "replicas_mean",
     "cache_hit_rate",
+    "vs_best_fixed",
+    "reaches_target",
 ]
 
 
@@ -105,6 +107,12 @@ def simulate(
         help="JURISDICTION=SHARE,... of requests bound to each jurisdiction: every policy also runs "
         "with each jurisdiction's requests on its own fleet, against one shared fleet (no policy)",
     ),
+    best_fixed: bool = typer.Option(
+        True,
+        "--best-fixed/--no-best-fixed",
+        help="search static runs for the best fixed fleet (the smallest count with >= 99% within TTFT, "
+        "or the ceiling a very large fleet reaches minus 0.5 points) and read every policy against it",
+    ),
     output: OutputFormat = OUTPUT_OPTION,
 ) -> None:
     """Replay a trace through the routing and autoscaling policies on simulated replicas."""
@@ -164,6 +172,9 @@ def simulate(
     def on_run(policy: str) -> None:
         done.append(policy)
         total = len(names) * len(routings)
+        if policy.startswith("best fixed"):
+            status.update(f"simulating {len(requests)} requests: {policy}")
+            return
         status.update(f"simulating {len(requests)} requests: {policy} ({len(done)} of {total})")
 
     with status:
@@ -183,6 +194,7 @@ def simulate(
             plot_path=plot,
             on_run=on_run,
             residency_shares=shares,
+            best_fixed=best_fixed,
         )
     if output == OutputFormat.json:
         emit_json(report.model_dump())
@@ -206,13 +218,28 @@ def _shares(text: str | None) -> dict[str, float] | None:
 def _print(report, profile: str, rate_scale: float, shares: dict[str, float] | None) -> None:
     """The comparison table, the static size and, with residency, what it costs."""
     rows = []
-    for p in report.policies:
+    best = report.best_fixed
+    shown = list(report.policies)
+    if best is not None:  # its own row, after the policies
+        shown.append(
+            best.summary.model_copy(
+                update={
+                    "policy": f"best fixed ({best.replicas})",
+                    "gpu_hours_vs_best_fixed": 1.0,
+                    "reaches_target": True,
+                }
+            )
+        )
+    for p in shown:
         row = p.model_dump(exclude={"timeline"})
         row["within_target"] = f"{100 * p.within_ttft_target:.2f}%"
         row["within_itl"] = f"{100 * p.within_itl_target:.2f}%"
         row["cost"] = f"${p.cost:,.2f}"
         row["gpu_hours"] = f"{p.gpu_hours:.2f}"
         row["cache_hit_rate"] = f"{100 * p.cache_hit_rate:.1f}%"
+        ratio = p.gpu_hours_vs_best_fixed
+        row["vs_best_fixed"] = None if ratio is None else f"{ratio:.2f}x"
+        row["reaches_target"] = None if p.reaches_target is None else ("yes" if p.reaches_target else "no")
         rows.append(row)
     title = (
         f"{report.trace} x{rate_scale:g}: {report.requests} requests over {report.duration_s / 60:.1f} min, "
@@ -225,6 +252,12 @@ def _print(report, profile: str, rate_scale: float, shares: dict[str, float] | N
     _table(rows, title, columns)
     if report.static_replicas is not None:
         typer.echo(f"static: {report.static_replicas} replicas ({report.static_sizing})")
+    if best is not None:
+        typer.echo(
+            f"best fixed fleet: {best.replicas} replicas, {best.gpu_hours:.2f} GPU-h, "
+            f"{100 * best.within_ttft_target:.2f}% within TTFT {report.slo_ttft_s:g}s; "
+            f"target {100 * best.target:.2f}% ({best.why})"
+        )
     if report.residency_static_replicas:
         each = ", ".join(f"{j} {n}" for j, n in sorted(report.residency_static_replicas.items()))
         typer.echo(f"static under residency: {each} replicas (each jurisdiction sized for its own peak)")
@@ -251,7 +284,7 @@ def _table(rows: list[dict[str, object]], title: str, columns: list[str] = COLUM
         )
     for row in rows:
         table.add_row(*[_cell(row.get(col)) for col in columns])
-    Console(width=max(170 + 12 * (len(columns) - len(COLUMNS)), Console().width)).print(table)
+    Console(width=max(194 + 12 * (len(columns) - len(COLUMNS)), Console().width)).print(table)
 
 
 def register(app: typer.Typer) -> None:

@@ -9,8 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from control_plane.autoscale.policy import AutoscaleSettings
+from control_plane.simulate.best_fixed import search
 from control_plane.simulate.des import RunResult, Simulation
-from control_plane.simulate.report import PolicyReport, SimulationReport, plot, summarize
+from control_plane.simulate.report import BestFixedFleet, PolicyReport, SimulationReport, plot, summarize
 from control_plane.simulate.residency import describe_shares, merge, split_trace
 from control_plane.simulate.sizing import peak_size
 from control_plane.simulate.trace import TraceError, TraceRequest, load_trace
@@ -46,6 +47,7 @@ def compare(
     plot_path: Path | None = None,
     on_run: Callable[[str], None] | None = None,
     residency_shares: dict[str, float] | None = None,
+    best_fixed: bool = True,
 ) -> SimulationReport:
     """Runs every policy on the same trace, against the targets (`slo_ttft_s`, `slo_itl_s`;
     None: the settings' own, which the SLO-driven policies aim at). `static` gets the peak replica count the
@@ -59,7 +61,10 @@ def compare(
     (agent.gateway.plan: least-load, prefix) runs every policy on the same replicas.
     `residency_shares` (jurisdiction -> share of requests) runs every policy a second time
     with each jurisdiction's requests on a fleet of its own (`simulate.residency`), the
-    report listing both: the cost of residency against no policy."""
+    report listing both: the cost of residency against no policy.
+    `best_fixed` searches static runs (on the first routing) for the best fixed fleet
+    (`simulate.best_fixed`), from the static runs' count, and reads every row against it:
+    its GPU-hours over the best fixed fleet's, and whether it reaches that target."""
     started = time.perf_counter()
     targets = {"slo_ttft_s": slo_ttft_s, "slo_itl_s": slo_itl_s}
     settings = settings.model_copy(
@@ -88,6 +93,20 @@ def compare(
                 reports.append(
                     split.model_copy(update={"residency": describe_shares(residency_shares or {})})
                 )
+    best = None
+    if best_fixed and trace:
+        best = _best_fixed(trace, profile, settings, routings[0], peak, runs, tick_s, warmup_s, on_run)
+        reports = [
+            r.model_copy(
+                update={
+                    "gpu_hours_vs_best_fixed": round(r.gpu_hours / best.gpu_hours, 3)
+                    if best.gpu_hours > 0
+                    else None,
+                    "reaches_target": r.within_ttft_target >= best.target,
+                }
+            )
+            for r in reports
+        ]
     duration = trace[-1].at if trace else 0.0
     report = SimulationReport(
         trace=trace_name,
@@ -105,11 +124,63 @@ def compare(
         static_prefix_reuse=reuse,
         residency_shares=residency_shares or None,
         residency_static_replicas=bound_static,
+        best_fixed=best,
     )
     if plot_path is not None:
         plot(report, {f"{p}/{r}" if len(routings) > 1 else p: run for (p, r), run in runs.items()}, plot_path)
     report.wall_s = round(time.perf_counter() - started, 2)
     return report
+
+
+def _best_fixed(
+    trace: list[TraceRequest],
+    profile: PerfProfile,
+    settings: AutoscaleSettings,
+    routing: str,
+    start: int,
+    runs: dict[tuple[str, str], RunResult],
+    tick_s: float,
+    warmup_s: float,
+    on_run: Callable[[str], None] | None,
+) -> BestFixedFleet:
+    """The search from the static runs' count, reusing that run when there is one."""
+    done = runs.get(("static", routing))
+
+    def run(n: int) -> PolicyReport:
+        if done is not None and n == start:
+            got = done
+        else:
+            if on_run:
+                on_run(f"best fixed fleet: {n} replicas")
+            got = _static(trace, profile, settings, n, tick_s, warmup_s, routing)
+        return summarize(got, profile, settings.slo_ttft_s, slo_itl_s=settings.slo_itl_s)
+
+    return search(run, start)
+
+
+def _static(
+    trace: list[TraceRequest],
+    profile: PerfProfile,
+    settings: AutoscaleSettings,
+    replicas: int,
+    tick_s: float,
+    warmup_s: float,
+    routing: str,
+) -> RunResult:
+    """A fixed fleet of `replicas`, all ready from the start."""
+    s = settings.model_copy(
+        update={"max_replicas": replicas, "min_replicas": min(settings.min_replicas, replicas)}
+    )
+    return Simulation(
+        trace,
+        profile,
+        s,
+        "static",
+        tick_s=tick_s,
+        initial_replicas=replicas,
+        warmup_s=warmup_s,
+        routing=routing,
+    ).run()
 
 
 def _runs(
@@ -156,21 +227,18 @@ def _runs(
         for name in order:
             if (name, routing) in runs:
                 continue
-            s, start = settings, initial
-            if name == "static":
-                s = settings.model_copy(
-                    update={"max_replicas": peak, "min_replicas": min(settings.min_replicas, peak)}
-                )
-                start = peak
             if on_run:
                 on_run(name if len(routings) == 1 else f"{name}/{routing}")
+            if name == "static":
+                runs[(name, routing)] = _static(trace, profile, settings, peak, tick_s, warmup_s, routing)
+                continue
             runs[(name, routing)] = Simulation(
                 trace,
                 profile,
-                s,
+                settings,
                 name,
                 tick_s=tick_s,
-                initial_replicas=start,
+                initial_replicas=initial,
                 warmup_s=warmup_s,
                 routing=routing,
             ).run()

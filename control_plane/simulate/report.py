@@ -49,6 +49,26 @@ class PolicyReport(BaseModel):
     cache_hit_rate: float = 0.0
     # "": one fleet serves every request; else each jurisdiction's share on its own fleet
     residency: str = ""
+    # GPU-hours over the best fixed fleet's, and whether within_ttft_target reaches its target
+    gpu_hours_vs_best_fixed: float | None = None
+    reaches_target: bool | None = None
+
+
+class BestFixedFleet(BaseModel):
+    """The smallest static count reaching the target (`simulate.best_fixed`)."""
+
+    replicas: int
+    gpu_hours: float
+    within_ttft_target: float  # the attainment of that count's static run
+    target: float  # the attainment a fleet must reach: 0.99, or ceiling - 0.005
+    target_basis: str  # "99%" or "ceiling - 0.5 points"
+    ceiling: float  # the attainment of the largest count run
+    ceiling_replicas: int
+    ceiling_saturated: bool  # doubling it gained under 0.1 points (or it reached 99%)
+    non_monotone: bool  # some count did worse than a smaller one
+    runs: list[tuple[int, float]]  # (count, attainment) of every static run, by count
+    summary: PolicyReport  # the chosen count's run (without its timeline)
+    why: str
 
 
 class SimulationReport(BaseModel):
@@ -69,6 +89,7 @@ class SimulationReport(BaseModel):
     # --residency-shares: jurisdiction -> share of the requests; each policy then runs twice
     residency_shares: dict[str, float] | None = None
     residency_static_replicas: dict[str, int] = {}  # the static run's replicas per jurisdiction
+    best_fixed: BestFixedFleet | None = None  # the cheapest static answer (None: not searched)
 
 
 def summarize(
