@@ -3,7 +3,9 @@
 - replicas: the latest heartbeat of each cluster (stale ones, older than `stale_s`, are
   left out): ready replicas' running and waiting sequences, ready and starting counts,
   and their work: admitted prompt tokens/s, generated tokens/s, requests starting per
-  second, KV usage and the mean TTFT of the requests that started;
+  second, KV usage and the mean TTFT of the requests that started; the measured cold start
+  (the slowest of its replicas' latest starts, as agents report them), which the SLO policy
+  prefers to the profile's;
 - gateway queues: the latest `Demand` per (cluster, deployment) younger than `demand_ttl_s`;
 - every reported figure is clamped (counts to `MAX_COUNT`, rates to `MAX_RATE`, KV usage to
   0..1), so sums over clusters stay finite whatever a cluster claims;
@@ -31,6 +33,7 @@ from fleet_base.protocol import Demand, Heartbeat, ReplicaState
 STARTING = (ReplicaState.pending, ReplicaState.starting)
 # Tokens or requests per second one replica may claim; sums of reported figures stay finite.
 MAX_RATE = 1e9
+MAX_COLD_START_S = 3600.0  # a longer measured cold start is taken for a broken report
 
 
 def _rate(value: float) -> float:
@@ -57,12 +60,15 @@ def observe(
     running = waiting = 0.0
     ready = starting = 0
     prompt = output = started = kv = ttft_weighted = 0.0
+    colds: list[float] = []
     for hb in heartbeats:
         if now - hb.sent_at > stale_s:
             continue
         for r in hb.replicas:
             if r.deployment != deployment or r.version in shadow_versions:
                 continue
+            if r.cold_start_s is not None and 0 < r.cold_start_s <= MAX_COLD_START_S:
+                colds.append(r.cold_start_s)
             if r.state == ReplicaState.ready:
                 ready += 1
                 running += _count(r.load.running)
@@ -92,6 +98,7 @@ def observe(
         output_tokens_per_s=output,
         kv_usage=kv / ready if ready else 0.0,
         ttft_s=ttft_weighted / started if started > 0 else None,
+        cold_start_s=max(colds) if colds else None,
     )
 
 

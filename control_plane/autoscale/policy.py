@@ -118,6 +118,7 @@ class Observation:
     ttft_s: float | None = None  # observed mean TTFT of the last interval
     itl_s: float | None = None  # observed mean inter-token latency of the last interval
     prompt_sample: tuple[int, ...] = ()  # prompt lengths of some requests that arrived (the mix)
+    cold_start_s: float | None = None  # measured by the agents (their replicas' latest starts)
 
     @property
     def demand(self) -> float:

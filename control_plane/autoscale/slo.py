@@ -29,6 +29,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from control_plane.autoscale.burst import BurstMemory, BurstView
 from control_plane.autoscale.capacity import Load, Prediction, ReplicaCapacity, Variant
 from control_plane.autoscale.forecast import Holt
 from control_plane.autoscale.policy import (
@@ -43,6 +44,7 @@ from control_plane.autoscale.policy import (
     limit_scale_down,
     window_mean,
 )
+from control_plane.autoscale.seasonal import Seasons
 
 # Of the requests whose own prefill fits the TTFT target (the attainable ones), at most
 # this share of all requests may be predicted to miss it by waiting.
@@ -61,6 +63,8 @@ class SloMemory:
     correction: float = 1.0
     corrected_at: float | None = None
     prompts: deque[tuple[float, int]] = field(default_factory=deque)
+    burst: BurstMemory = field(default_factory=BurstMemory)
+    seasons: Seasons = field(default_factory=Seasons)
 
     def remember(self, t: float, sample: tuple[int, ...]) -> None:
         self.prompts.extend((t, x) for x in sample)
@@ -196,7 +200,8 @@ class SloPolicy:
         mem.output.update(t, obs.output_tokens_per_s)
         mem.remember(t, obs.prompt_sample)
         prompts = mem.mix()
-        horizon = max(v.profile.cold_start_s for v in variants) + k("panic_window_s")
+        cold = cold_start(variants, obs)
+        horizon = cold + k("panic_window_s")
         now = Load(obs.requests_per_s, obs.prompt_tokens_per_s, obs.output_tokens_per_s)
         level = Load(mem.requests.forecast(0), mem.prompt.forecast(0), mem.output.forecast(0))
         ahead = Load(
@@ -205,18 +210,34 @@ class SloPolicy:
             max(level.output_tokens_per_s, mem.output.forecast(horizon)),
         )
         reasons: list[str] = []
+
+        primary = ReplicaCapacity(variants[0].profile)
+        burst = self._bursts(mem, primary, settings, t, now, cold, prompts)
+        if burst.holding:
+            # A burst has no trend to extrapolate: its rise says nothing of the next minute.
+            # The held fleet (below) is what carries the next one.
+            ahead = level
         if obs.queued > 0 and ahead.requests_per_s > 0:
             drain = obs.queued / horizon  # requests/s more, until the queue is gone
             ahead = ahead.scaled(1 + drain / ahead.requests_per_s)
             reasons.append(f"{obs.queued:g} queued: +{drain:.2f} req/s to drain them")
 
-        primary = ReplicaCapacity(variants[0].profile)
         self._feedback(mem, primary, settings, obs, level, t, prompts)
         c = mem.correction
 
-        # Nothing arriving and nothing in flight: no work now (the smoothed load only decays
-        # towards zero); the scale-down delay and the grace before zero decide from here.
+        seasonal, cycle = mem.seasons.forecast(t + horizon)
+        if seasonal is not None and _exceeds(seasonal, ahead):
+            ahead = _upper(ahead, seasonal)
+            reasons.append(
+                f"{cycle} cycle: {seasonal.requests_per_s:.2f} req/s, "
+                f"{seasonal.prompt_tokens_per_s:.0f} prompt tok/s expected in {horizon:g}s"
+            )
+
+        # Nothing arriving, nothing in flight and nothing to hold for: no work now (the
+        # smoothed load only decays towards zero); the scale-down delay and the grace before
+        # zero decide from here.
         idle = obs.requests_per_s <= 0 and obs.demand <= 0
+        idle = idle and not (burst.holding or (seasonal is not None and seasonal.requests_per_s > 0))
         if ahead.requests_per_s > 0 and not idle:
             mix, pred, notes = cheapest_mix(variants, ahead, settings, c, prompts)
             desired = sum(mix.values())
@@ -240,6 +261,14 @@ class SloPolicy:
             )
             reasons.append("no work arriving or in flight")
 
+        if burst.holding and burst.need > desired:
+            desired = burst.need
+            reasons.append(
+                f"holding {burst.need} replicas for the bursts ({burst.bursts} remembered, the "
+                f"largest {burst.peak.prompt_tokens_per_s if burst.peak else 0:.0f} prompt tok/s) "
+                f"for {burst.hold_s:.0f}s after the last ({burst.since_s:.0f}s ago; cold start {cold:g}s)"
+            )
+
         # Requests in flight and queued, averaged like the concurrency policies do (the
         # short window to go up, the long one to come down), over the per-replica cap.
         state.samples.append((t, obs.demand))
@@ -256,7 +285,8 @@ class SloPolicy:
                 f"{held:.1f} in flight and queued / {settings.target_concurrency:g} per replica -> {floor}"
             )
 
-        desired = self._guards(settings, state, obs, desired, reasons, k)
+        delay = scale_down_delay(settings, cold, k("panic_window_s"))
+        desired = self._guards(settings, state, obs, desired, reasons, k, delay)
         bounded = min(max(desired, settings.min_replicas), settings.max_replicas)
         if bounded != desired:
             reasons.append(
@@ -266,7 +296,8 @@ class SloPolicy:
             mix = _rescale(mix, bounded, [v.name for v in variants])
         predicted = {**pred.as_dict(), "correction": round(c, 3), "requests_per_s": round(ahead.requests_per_s, 3),
                      "prompt_tokens_per_s": round(ahead.prompt_tokens_per_s, 1),
-                     "output_tokens_per_s": round(ahead.output_tokens_per_s, 1)}  # fmt: skip
+                     "output_tokens_per_s": round(ahead.output_tokens_per_s, 1),
+                     **_burst_record(burst, cold, delay, seasonal, cycle)}  # fmt: skip
         return Decision(
             bounded,
             obs.current,
@@ -276,6 +307,28 @@ class SloPolicy:
             mix=mix if len(variants) > 1 else {},
             predicted=predicted,
         )
+
+    def _bursts(
+        self,
+        mem: SloMemory,
+        cap: ReplicaCapacity,
+        settings: AutoscaleSettings,
+        t: float,
+        now: Load,
+        cold: float,
+        prompts: list[int],
+    ) -> BurstView:
+        """The burst memory and the cycles take this tick's work: what arrives in bursts and
+        at this time of day, which a rate and its trend do not show one cold start ahead."""
+        c = mem.correction
+
+        def need(load: Load) -> tuple[int, float]:
+            n, p = smallest(cap, load, settings, settings.max_replicas, c, prompts)
+            return n, n * min(1.0, p.prefill_share)
+
+        mem.burst.update(t, now, need, settings.slo_ttft_s)
+        mem.seasons.observe(t, now)
+        return mem.burst.view(t, cold, MISS_BUDGET)
 
     def _feedback(
         self,
@@ -313,8 +366,9 @@ class SloPolicy:
         desired: int,
         reasons: list[str],
         k,
+        delay_s: float,
     ) -> int:
-        desired = hold_scale_down(state, obs, desired, k("scale_down_delay_s"), k("stable_window_s"), reasons)
+        desired = hold_scale_down(state, obs, desired, delay_s, k("stable_window_s"), reasons)
         desired = limit_scale_down(obs, desired, k("max_scale_down_rate"), reasons)
         return guard_zero(settings, state, obs, desired, k("scale_to_zero_grace_s"), reasons)
 
@@ -334,3 +388,60 @@ def _rescale(mix: dict[str, int], total: int, order: list[str]) -> dict[str, int
         out[name] -= take
         diff += take
     return {n: c for n, c in out.items() if c > 0}
+
+
+def cold_start(variants: list[Variant], obs: Observation) -> float:
+    """Seconds from asking for a replica to its serving: what the agents measured for this
+    deployment's replicas when they reported it, else the slowest variant's profile."""
+    if obs.cold_start_s is not None and obs.cold_start_s > 0:
+        return float(obs.cold_start_s)
+    return max(v.profile.cold_start_s for v in variants)
+
+
+def scale_down_delay(settings: AutoscaleSettings, cold_s: float, panic_s: float) -> float:
+    """The deployment's own delay when it sets one; else one cold start and a panic window:
+    holding a replica that long costs no more GPU time than starting it again would (a
+    starting replica is paid for), and a dip shorter than that is not worth a restart.
+    Longer holds are the burst memory's, on the gaps it has seen."""
+    if settings.scale_down_delay_s is not None:
+        return float(settings.scale_down_delay_s)
+    return cold_s + panic_s
+
+
+def _exceeds(a: Load, b: Load) -> bool:
+    return (
+        a.requests_per_s > b.requests_per_s
+        or a.prompt_tokens_per_s > b.prompt_tokens_per_s
+        or a.output_tokens_per_s > b.output_tokens_per_s
+    )
+
+
+def _upper(a: Load, b: Load) -> Load:
+    return Load(
+        max(a.requests_per_s, b.requests_per_s),
+        max(a.prompt_tokens_per_s, b.prompt_tokens_per_s),
+        max(a.output_tokens_per_s, b.output_tokens_per_s),
+        a.prefix_reuse,
+    )
+
+
+def _burst_record(
+    burst: BurstView, cold: float, delay: float, seasonal: Load | None, cycle: str
+) -> dict[str, object]:
+    """The burst forecast, the capacity held for it and the delays, for the decision's record
+    (and the loop's gauges)."""
+    finite = lambda x: round(x, 1) if x is not None and math.isfinite(x) else None  # noqa: E731
+    return {
+        "cold_start_s": round(cold, 1),
+        "scale_down_delay_s": round(delay, 1),
+        "burst_need": burst.need,
+        "burst_holding": burst.holding,
+        "burst_held": burst.need if burst.holding else 0,
+        "burst_hold_s": finite(burst.hold_s),
+        "burst_since_s": finite(burst.since_s),
+        "burst_gap_s": finite(burst.gap_s),
+        "bursts": burst.bursts,
+        "burst_prompt_tokens_per_s": round(burst.peak.prompt_tokens_per_s, 1) if burst.peak else 0.0,
+        "seasonal_cycle": cycle,
+        "seasonal_prompt_tokens_per_s": round(seasonal.prompt_tokens_per_s, 1) if seasonal else None,
+    }

@@ -163,3 +163,17 @@ def test_shadow_replicas_are_no_demand() -> None:
     assert (counted.in_flight, counted.queued, counted.ready) == (11, 5, 2)
     left_out = observe("chat", hbs, {}, now=1000.0, current=2, shadow_versions=frozenset({2}))
     assert (left_out.in_flight, left_out.queued, left_out.ready, left_out.requests_per_s) == (3, 1, 1, 0.0)
+
+
+def test_observe_takes_the_slowest_measured_cold_start_of_the_deployment() -> None:
+    now = 1000.0
+    measured = lambda rid, dep, s: ReplicaStatus(  # noqa: E731
+        replica_id=rid, deployment=dep, version=1, state=ReplicaState.ready, cold_start_s=s
+    )
+    hbs = [
+        Heartbeat(cluster="a", sent_at=now - 1, replicas=[measured("a1", "chat", 42.0), measured("a2", "chat", 71.5),
+                                                          measured("a3", "code", 500.0)]),
+        Heartbeat(cluster="b", sent_at=now - 1, replicas=[measured("b1", "chat", 1e9)]),  # broken: left out
+    ]  # fmt: skip
+    assert observe("chat", hbs, {}, now=now, current=2).cold_start_s == 71.5
+    assert observe("chat", [], {}, now=now, current=0).cold_start_s is None

@@ -29,7 +29,13 @@ class Work:
     queued: float = 0.0
 
 
-def run(policy: str, work: list[tuple[float, Work]], start: int = 1, **settings: object):
+def run(
+    policy: str,
+    work: list[tuple[float, Work]],
+    start: int = 1,
+    cold_start_s: float | None = None,
+    **settings: object,
+):
     s = AutoscaleSettings(
         **{"profile": H100, "max_replicas": 40, "target_concurrency": 64.0, "policy": policy, **settings}
     )
@@ -47,6 +53,7 @@ def run(policy: str, work: list[tuple[float, Work]], start: int = 1, **settings:
             prompt_tokens_per_s=w.rps * w.prompt,
             output_tokens_per_s=w.rps * w.output,
             prompt_sample=(w.prompt,) * 4 if w.rps else (),
+            cold_start_s=cold_start_s,
         )
         d = p.decide(s, state, obs)
         out.append((t, d.desired, d))

@@ -1,0 +1,218 @@
+"""A deployment's burst memory: the peaks of its work in short windows, remembered over a
+long, decaying memory, and the gaps between them. Pure and dependency-free: the SLO policy
+keeps one in its `ScalerState` memory and asks it, every decision, what burst to hold
+capacity for and for how long.
+
+- work is summed into `WINDOW_S` windows (requests, prompt and output tokens); a window is
+  part of a burst when the replicas its load needs are at least `BURST_RATIO` x those of
+  the slow baseline (an exponential mean over `BASELINE_S`) and at least one more: a smooth
+  trace, whose windows wander around its baseline, has no bursts and the memory adds nothing;
+- a burst (consecutive burst windows) is remembered with its peak window's load and need,
+  its work, and the gap since the previous burst ended; its weight decays as
+  exp(-age / `MEMORY_S`) and it is forgotten below `FORGET_WEIGHT`;
+- `need`: the replicas to hold through a lull are the smallest fixed fleet that would have
+  met the SLO on the remembered windows (decay-weighted, counted in requests like the SLO):
+  each window's prefill work (replica-seconds) queues when it exceeds the fleet, and the
+  requests of a window whose backlog waits longer than the TTFT target count as
+  missed; the fleet may miss at most the miss budget. A short burst is absorbed by a queue
+  that drains before its requests miss: its peak window's steady-state need overstates it;
+- `hold_s`: how long after a burst to keep that capacity through a lull. Holding a replica
+  for one cold start costs no more GPU time than starting it again (a starting replica is
+  paid for), so never less than the cold start; beyond it, as long as the observed gaps
+  say the next burst is still likely to come: the gap that all but the miss budget of gaps
+  fall within (an exponential tail fitted to the remembered gaps), capped by the memory (a lull longer than the memory has
+  outlived what it remembers).
+
+A restart loses all of it: the memory lives in the autoscaler's process, so a restarted
+control plane meets the next burst like a fresh deployment until it has seen one."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from control_plane.autoscale.capacity import Load
+
+WINDOW_S = 10.0  # the short window a burst is measured in
+BASELINE_S = 300.0  # time constant of the baseline a burst stands out from
+MEMORY_S = 1800.0  # time constant of the burst memory's decay
+FORGET_WEIGHT = 0.05  # a burst whose decayed weight fell below this is forgotten
+BURST_RATIO = 2.0  # a window needs this many times the baseline's replicas to be a burst
+MAX_BURSTS = 256
+
+
+@dataclass(frozen=True)
+class Burst:
+    start: float
+    end: float
+    peak: Load  # the load of its busiest window
+    need: int  # replicas the busiest window needed
+    work: float  # requests it brought
+    gap_s: float | None  # since the previous burst ended (None: the first remembered)
+
+
+@dataclass(frozen=True)
+class BurstView:
+    """What the memory says now: the burst to hold for (None: none remembered), for how
+    long after the last one, and whether the lull has outlasted that."""
+
+    peak: Load | None
+    need: int
+    hold_s: float
+    since_s: float  # since the last burst ended (inf: none)
+    bursts: int
+    gap_s: float | None  # the gap quantile behind hold_s (None: no gap seen yet)
+
+    @property
+    def holding(self) -> bool:
+        return self.peak is not None and self.since_s <= self.hold_s
+
+
+@dataclass
+class BurstMemory:
+    window_start: float | None = None
+    requests: float = 0.0  # work summed over the open window
+    prompt: float = 0.0
+    output: float = 0.0
+    last_at: float | None = None
+    baseline: Load | None = None
+    bursts: deque[Burst] = field(default_factory=deque)
+    open: Burst | None = None  # the burst in progress
+    last_end: float | None = None
+
+    windows: deque[tuple[float, int, float, float]] = field(
+        default_factory=deque
+    )  # end, need, busy, requests
+    miss_budget: float = 0.01
+    held: int = 0  # the fleet the remembered windows need (recomputed as a window closes)
+    ttft_s: float = 2.0
+
+    def update(
+        self, t: float, now: Load, need: Callable[[Load], tuple[int, float]], ttft_s: float = 2.0
+    ) -> None:
+        """Add this tick's rates (over the time since the last tick) and close the windows
+        that ended; `need` maps a load to the replicas it needs (the capacity model)."""
+        if self.last_at is None or self.window_start is None:
+            self.last_at, self.window_start = t, t
+            return
+        dt = max(0.0, t - self.last_at)
+        self.last_at, self.ttft_s = t, ttft_s
+        self.requests += now.requests_per_s * dt
+        self.prompt += now.prompt_tokens_per_s * dt
+        self.output += now.output_tokens_per_s * dt
+        while t - self.window_start >= WINDOW_S:
+            span = t - self.window_start
+            self._close(t, Load(self.requests / span, self.prompt / span, self.output / span), need)
+            self.window_start = t
+            self.requests = self.prompt = self.output = 0.0
+
+    def _close(self, t: float, load: Load, need: Callable[[Load], tuple[int, float]]) -> None:
+        base = self.baseline or load
+        a = 1 - math.exp(-WINDOW_S / BASELINE_S)
+        n, busy = need(load) if load.requests_per_s > 0 else (0, 0.0)
+        n_base = need(base)[0] if base.requests_per_s > 0 else 0
+        self.windows.append((t, n, busy, load.requests_per_s * WINDOW_S))
+        while self.windows and math.exp(-(t - self.windows[0][0]) / MEMORY_S) < FORGET_WEIGHT:
+            self.windows.popleft()
+        bursting = n >= max(BURST_RATIO * n_base, n_base + 1) and n >= 1
+        if bursting:
+            work = load.requests_per_s * WINDOW_S
+            b = self.open
+            if b is None:
+                gap = t - WINDOW_S - self.last_end if self.last_end is not None else None
+                self.open = Burst(t - WINDOW_S, t, load, n, work, gap)
+            else:
+                peak, top = (load, n) if n > b.need else (b.peak, b.need)
+                self.open = Burst(b.start, t, peak, top, b.work + work, b.gap_s)
+        elif self.open is not None:
+            self._remember(self.open)
+            self.open = None
+        # The baseline follows the load slowly: a burst of seconds barely lifts it, a new
+        # level (the morning) becomes the baseline within minutes and is no burst.
+        self.baseline = Load(
+            (1 - a) * base.requests_per_s + a * load.requests_per_s,
+            (1 - a) * base.prompt_tokens_per_s + a * load.prompt_tokens_per_s,
+            (1 - a) * base.output_tokens_per_s + a * load.output_tokens_per_s,
+        )
+        self.held = self._fleet(t)
+
+    def _fleet(self, t: float) -> int:
+        """The smallest fixed fleet whose decay-weighted missed requests over the remembered
+        windows stay within the miss budget (fluid queue of prefill work)."""
+        rows = [(math.exp(-(t - end) / MEMORY_S) * r, n, busy) for end, n, busy, r in self.windows]
+        total = sum(w for w, _, _ in rows)
+        if total <= 0:
+            return 0
+        slack = self.ttft_s
+
+        def missed(fleet: int) -> float:
+            backlog, out = 0.0, 0.0
+            for w, n, busy in rows:
+                if n <= 0:
+                    backlog = max(0.0, backlog - fleet * WINDOW_S)
+                    continue
+                if fleet <= 0:
+                    out += w
+                    continue
+                before = backlog / fleet
+                backlog = max(0.0, backlog + (busy - fleet) * WINDOW_S)
+                after = backlog / fleet
+                lo, hi = min(before, after), max(before, after)
+                if lo >= slack:
+                    out += w
+                elif hi > slack:
+                    out += w * (hi - slack) / (hi - lo)
+            return out
+
+        lo, hi = 0, max(n for _, n, _ in rows)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if missed(mid) <= self.miss_budget * total:
+                hi = mid
+            else:
+                lo = mid + 1
+        return hi
+
+    def _remember(self, b: Burst) -> None:
+        self.bursts.append(b)
+        self.last_end = b.end
+        while len(self.bursts) > MAX_BURSTS:
+            self.bursts.popleft()
+
+    def view(self, t: float, cold_start_s: float, miss_budget: float) -> BurstView:
+        """The burst to hold for at `t`, and for how long after the last one."""
+        while self.bursts and _weight(t, self.bursts[0]) < FORGET_WEIGHT:
+            self.bursts.popleft()
+        known = list(self.bursts) + ([self.open] if self.open is not None else [])
+        self.miss_budget = miss_budget
+        if not known:
+            return BurstView(None, 0, cold_start_s, math.inf, 0, None)
+        chosen = max(known, key=lambda b: (b.need, b.end))
+        # The gaps between the bursts the held fleet is for (not the background's flickers).
+        big = [b for b in known if b.need >= max(2, self.held / 2)]
+        gaps = [(b.start - a.end, _weight(t, b)) for a, b in itertools.pairwise(big)]
+        gap = _tail_quantile(gaps, self.miss_budget) if gaps else None
+        hold = min(max(cold_start_s, gap or 0.0), MEMORY_S)
+        if self.open is not None and big and big[-1] is self.open:
+            since = 0.0
+        else:
+            since = t - big[-1].end if big else math.inf
+        return BurstView(chosen.peak, min(self.held, chosen.need), hold, since, len(known), gap)
+
+
+def _weight(t: float, b: Burst) -> float:
+    return math.exp(-max(0.0, t - b.end) / MEMORY_S)
+
+
+def _tail_quantile(values: list[tuple[float, float]], budget: float) -> float:
+    """The gap that all but `budget` of gaps fall within, from an exponential tail fitted
+    above the shortest remembered gap (decay-weighted mean excess): a handful of observed
+    gaps says little about the longest, and the next one is longer than all of them one
+    time in (count + 1); never below the longest one seen."""
+    total = sum(w for _, w in values)
+    low = min(v for v, _ in values)
+    excess = sum(w * (v - low) for v, w in values) / total if total > 0 else 0.0
+    return max(max(v for v, _ in values), low + excess * math.log(1 / max(budget, 1e-6)))
