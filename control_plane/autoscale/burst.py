@@ -20,7 +20,7 @@ capacity for and for how long.
   for one cold start costs no more GPU time than starting it again (a starting replica is
   paid for), so never less than the cold start; beyond it, as long as the observed gaps
   say the next burst is still likely to come: the gap that all but the miss budget of gaps
-  fall within (an exponential tail fitted to the remembered gaps), capped by the memory (a lull longer than the memory has
+  fall within (a Pareto tail fitted to the remembered gaps), capped by the memory (a lull longer than the memory has
   outlived what it remembers).
 
 A restart loses all of it: the memory lives in the autoscaler's process, so a restarted
@@ -208,11 +208,16 @@ def _weight(t: float, b: Burst) -> float:
 
 
 def _tail_quantile(values: list[tuple[float, float]], budget: float) -> float:
-    """The gap that all but `budget` of gaps fall within, from an exponential tail fitted
-    above the shortest remembered gap (decay-weighted mean excess): a handful of observed
-    gaps says little about the longest, and the next one is longer than all of them one
-    time in (count + 1); never below the longest one seen."""
+    """The gap that all but `budget` of gaps fall within, from a Pareto tail fitted above
+    the shortest remembered gap (Hill's estimator, decay-weighted): the gaps between bursts
+    of real traffic are heavy-tailed, a handful of them says little about the longest, and
+    the next one is longer than all of them one time in (count + 1). Never below the longest
+    seen; equal gaps (a clock) give that gap."""
     total = sum(w for _, w in values)
-    low = min(v for v, _ in values)
-    excess = sum(w * (v - low) for v, w in values) / total if total > 0 else 0.0
-    return max(max(v for v, _ in values), low + excess * math.log(1 / max(budget, 1e-6)))
+    low = max(min(v for v, _ in values), 1.0)
+    logs = sum(w * math.log(max(v, low) / low) for v, w in values)
+    longest = max(v for v, _ in values)
+    if total <= 0 or logs <= 1e-9:
+        return longest
+    alpha = total / logs
+    return max(longest, low * max(budget, 1e-6) ** (-1 / alpha))

@@ -323,8 +323,10 @@ class SloPolicy:
         c = mem.correction
 
         def need(load: Load) -> tuple[int, float]:
-            n, p = smallest(cap, load, settings, settings.max_replicas, c, prompts)
-            return n, n * min(1.0, p.prefill_share)
+            # Replicas at the targets, and replicas busy prefilling at their best batching
+            # (what a queue drains at while a burst outruns the fleet).
+            n = smallest(cap, load, settings, settings.max_replicas, c, prompts)[0]
+            return n, load.requests_per_s * cap.prefill_cost(load.mean_prefill, load.requests_per_s, c)
 
         mem.burst.update(t, now, need, settings.slo_ttft_s)
         mem.seasons.observe(t, now)
