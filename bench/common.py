@@ -216,13 +216,21 @@ def request_flops(cfg: DecoderShape, prompt_len: int, output_len: int) -> float:
 
 
 def print_table(
-    title: str, columns: Sequence[str], rows: Sequence[Sequence[object]], caption: str | None = None
+    title: str,
+    columns: Sequence[str],
+    rows: Sequence[Sequence[object]],
+    caption: str | None = None,
+    min_width: int | None = None,
 ) -> None:
+    """`min_width`: print at least this wide (a wide table kept whole in a file)."""
     table = Table(title=title, caption=caption, caption_justify="left")
     for i, col in enumerate(columns):
         table.add_column(col, justify="left" if i == 0 else "right")
     for row in rows:
         table.add_row(*(fmt(v) for v in row))
+    if min_width is not None and console.width < min_width:
+        Console(width=min_width).print(table)
+        return
     console.print(table)
 
 
