@@ -6,7 +6,7 @@ A dedicated registry: no process or Python collectors, nothing from other module
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import get_args
 
 from fastapi import APIRouter, Request, Response
@@ -22,6 +22,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.api.views import used_gpus
+from control_plane.autoscale.policy import Decision
 from control_plane.cost.budget_metrics import budget_metrics
 from control_plane.cost.metrics import CostCollector
 from control_plane.counters import ReconcileStats, Rejections
@@ -44,10 +45,12 @@ class ControlPlaneCollector(Collector):
         sessions: Callable[[], sessionmaker[Session]],
         stats: Callable[[], ReconcileStats | None],
         rejections: Callable[[], Rejections | None] = lambda: None,
+        decisions: Callable[[], Mapping[str, Decision] | None] = lambda: None,
     ) -> None:
         self.sessions = sessions
         self.stats = stats
         self.rejections = rejections
+        self.decisions = decisions
 
     def collect(self) -> Iterator[Metric]:
         with self.sessions()() as session:
@@ -55,6 +58,7 @@ class ControlPlaneCollector(Collector):
         stats = self.stats()
         if stats is not None:
             yield from _reconcile_metrics(stats)
+        yield from autoscale_metrics(self.decisions() or {})
         c = CounterMetricFamily(
             PREFIX + "rejected_messages",
             "NATS messages refused and skipped (malformed, out of bounds, refused by the database).",
@@ -82,6 +86,40 @@ class ControlPlaneCollector(Collector):
         for loop, n in sorted((rejections.failure_snapshot() if rejections else {}).items()):
             failures.add_metric([loop], n)
         yield failures
+
+
+# The SLO autoscaler's predictions (`Decision.predicted`), per deployment: gauge name,
+# the key in `predicted`, help.
+AUTOSCALE_GAUGES = (
+    ("cold_start_seconds", "cold_start_s", "Cold start the autoscaler plans with (measured by agents, else the profile's)."),
+    ("scale_down_delay_seconds", "scale_down_delay_s", "Scale-down delay derived from the cold start (or the deployment's own)."),
+    ("burst_replicas", "burst_need", "Replicas the burst memory would hold through a lull (the smallest fixed fleet its windows needed)."),
+    ("burst_held_replicas", "burst_held", "Replicas held for the bursts now (0: not holding)."),
+    ("burst_hold_seconds", "burst_hold_s", "How long after a burst its capacity is held (from the cold start and the gaps seen)."),
+    ("burst_since_seconds", "burst_since_s", "Seconds since the last burst ended."),
+    ("burst_gap_seconds", "burst_gap_s", "The gap between bursts that all but the miss budget fall within (fitted tail)."),
+    ("bursts", "bursts", "Bursts in the memory."),
+    ("burst_prompt_tokens_per_second", "burst_prompt_tokens_per_s", "Prompt tokens/s of the largest remembered burst's busiest 10 s."),
+    ("seasonal_prompt_tokens_per_second", "seasonal_prompt_tokens_per_s", "Prompt tokens/s the daily or weekly cycle expects one cold start ahead."),
+    ("predicted_requests_per_second", "requests_per_s", "Requests/s the decision sized for (one cold start ahead)."),
+    ("predicted_prompt_tokens_per_second", "prompt_tokens_per_s", "Prompt tokens/s the decision sized for."),
+    ("predicted_ttft_seconds", "ttft_s", "Mean TTFT the capacity model predicts at the desired count."),
+    ("predicted_attainment", "attainment", "Share of requests the model predicts within the TTFT target."),
+)  # fmt: skip
+AUTOSCALE_PREFIX = "fleet_autoscale_"
+
+
+def autoscale_metrics(decisions: Mapping[str, Decision]) -> Iterator[Metric]:
+    """The last decision's predictions per deployment; a deployment without the figure (no
+    profile, no burst seen) has no sample."""
+    for name, key, doc in AUTOSCALE_GAUGES:
+        g = GaugeMetricFamily(AUTOSCALE_PREFIX + name, doc, labels=["deployment"])
+        for deployment, d in sorted(decisions.items()):
+            value = d.predicted.get(key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            g.add_metric([deployment], float(value))
+        yield g
 
 
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
@@ -270,6 +308,7 @@ def metrics(request: Request) -> Response:
                 lambda: app_state.ctx.sessions,
                 lambda: getattr(getattr(app_state, "loops", None), "stats", None),
                 lambda: getattr(getattr(app_state, "loops", None), "rejections", None),
+                lambda: getattr(getattr(getattr(app_state, "loops", None), "autoscale", None), "last", None),
             )
         )
         registry.register(RefusalCollector(PREFIX))

@@ -28,7 +28,7 @@ from control_plane.context import ControlPlaneContext
 from control_plane.counters import ReconcileStats, Rejections
 from control_plane.db.models import utcnow
 from control_plane.inbox import Inbox
-from control_plane.loops.autoscale import start_autoscale_loop
+from control_plane.loops.autoscale import AutoscaleLoop, start_autoscale_loop
 from control_plane.loops.budgets import start_budget_loop
 from control_plane.loops.durable import DurableConsumer
 from control_plane.loops.ingest import (
@@ -71,6 +71,7 @@ class Loops(NatsLoop):
         self._listening_since: datetime | None = None
         self._stopping = False
         self.rollouts: RolloutLoop | None = None
+        self.autoscale: AutoscaleLoop | None = None  # its last decisions: GET /metrics
         self.children: list = []  # other loops started with these (objects with `async stop()`)
 
     # ----------------------------------------------------------------- lifecycle
@@ -218,7 +219,8 @@ async def start_loops(ctx: ControlPlaneContext) -> Loops:
     loops = await Loops(ctx).start()
     loops.rollouts = await start_rollout_loop(ctx, rejections=loops.rejections)
     loops.children.append(loops.rollouts)
-    loops.children.append(await start_autoscale_loop(ctx, inbox=loops.inbox))
+    loops.autoscale = await start_autoscale_loop(ctx, inbox=loops.inbox)
+    loops.children.append(loops.autoscale)
     loops.children.append(await start_key_loop(ctx))
     loops.children.append(await start_budget_loop(ctx))
     return loops
