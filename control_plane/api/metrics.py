@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.api.views import used_gpus
 from control_plane.autoscale.policy import Decision
+from control_plane.autoscale.prediction_error import SIGNALS, PredictionErrors
 from control_plane.cost.budget_metrics import budget_metrics
 from control_plane.cost.metrics import CostCollector
 from control_plane.counters import ReconcileStats, Rejections
@@ -46,11 +47,13 @@ class ControlPlaneCollector(Collector):
         stats: Callable[[], ReconcileStats | None],
         rejections: Callable[[], Rejections | None] = lambda: None,
         decisions: Callable[[], Mapping[str, Decision] | None] = lambda: None,
+        errors: Callable[[], PredictionErrors | None] = lambda: None,
     ) -> None:
         self.sessions = sessions
         self.stats = stats
         self.rejections = rejections
         self.decisions = decisions
+        self.errors = errors
 
     def collect(self) -> Iterator[Metric]:
         with self.sessions()() as session:
@@ -59,6 +62,7 @@ class ControlPlaneCollector(Collector):
         if stats is not None:
             yield from _reconcile_metrics(stats)
         yield from autoscale_metrics(self.decisions() or {})
+        yield from prediction_error_metrics(self.errors())
         c = CounterMetricFamily(
             PREFIX + "rejected_messages",
             "NATS messages refused and skipped (malformed, out of bounds, refused by the database).",
@@ -120,6 +124,41 @@ def autoscale_metrics(decisions: Mapping[str, Decision]) -> Iterator[Metric]:
                 continue
             g.add_metric([deployment], float(value))
         yield g
+
+
+# The forecasts checked against the load that came (`PredictionErrors`), per deployment and
+# signal (prompt_tokens_per_s, requests_per_s): gauge name, help.
+PREDICTION_ERROR_GAUGES = (
+    ("prediction_predicted", "The last forecast that came due (made one horizon earlier), in the signal's unit."),
+    ("prediction_observed", "The load observed when that forecast came due."),
+    ("prediction_error", "Predicted minus observed, in the signal's unit (positive: over-predicted)."),
+    ("prediction_error_ratio", "(Predicted - observed) / observed (no sample when nothing was observed)."),
+    ("prediction_mape", "Smoothed absolute percentage error: decaying sum |error| / sum observed (10 min half-life)."),
+)  # fmt: skip
+
+
+def prediction_error_metrics(errors: PredictionErrors | None) -> Iterator[Metric]:
+    """The last matched forecast per deployment and signal, its error and the smoothed error;
+    no sample before a forecast has come due."""
+    gauges = {
+        name: GaugeMetricFamily(AUTOSCALE_PREFIX + name, doc, labels=["deployment", "signal"])
+        for name, doc in PREDICTION_ERROR_GAUGES
+    }
+    for deployment, d in sorted((errors.deployments if errors is not None else {}).items()):
+        for signal in SIGNALS:
+            o = d.last.get(signal)
+            if o is None:
+                continue
+            labels = [deployment, signal]
+            gauges["prediction_predicted"].add_metric(labels, o.predicted)
+            gauges["prediction_observed"].add_metric(labels, o.observed)
+            gauges["prediction_error"].add_metric(labels, o.error)
+            if o.ratio is not None:
+                gauges["prediction_error_ratio"].add_metric(labels, o.ratio)
+            mape = d.mape(signal)
+            if mape is not None:
+                gauges["prediction_mape"].add_metric(labels, mape)
+    yield from gauges.values()
 
 
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
@@ -309,6 +348,9 @@ def metrics(request: Request) -> Response:
                 lambda: getattr(getattr(app_state, "loops", None), "stats", None),
                 lambda: getattr(getattr(app_state, "loops", None), "rejections", None),
                 lambda: getattr(getattr(getattr(app_state, "loops", None), "autoscale", None), "last", None),
+                lambda: getattr(
+                    getattr(getattr(app_state, "loops", None), "autoscale", None), "errors", None
+                ),
             )
         )
         registry.register(RefusalCollector(PREFIX))

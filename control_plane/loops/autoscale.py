@@ -30,6 +30,7 @@ from sqlalchemy.orm import selectinload
 
 from control_plane.autoscale.observe import observe, settings_of, within_residency
 from control_plane.autoscale.policy import Decision, ScalerState, make_policy
+from control_plane.autoscale.prediction_error import PredictionErrors
 from control_plane.context import ControlPlaneContext
 from control_plane.counters import Rejections
 from control_plane.db.models import CapacityPool, Deployment, Event
@@ -68,6 +69,7 @@ class AutoscaleLoop(NatsLoop):
         self.states: dict[str, ScalerState] = {}
         self.decisions = 0
         self.last: dict[str, Decision] = {}
+        self.errors = PredictionErrors()  # the decisions' forecasts against the load that came
         self._wake = asyncio.Event()
 
     async def start(self) -> AutoscaleLoop:
@@ -121,6 +123,10 @@ class AutoscaleLoop(NatsLoop):
             for name in list(self.states):
                 if name not in names:
                     del self.states[name]
+            for name in list(self.last):
+                if name not in names:
+                    del self.last[name]
+            self.errors.keep_only(names)
             for d in rows:
                 try:
                     changed = self._decide(session, d, heartbeats, pools, now) or changed
@@ -169,6 +175,8 @@ class AutoscaleLoop(NatsLoop):
         decision = self.policy.decide(settings, state, obs)
         self.last[d.name] = decision
         self.decisions += 1
+        seen = {"requests_per_s": obs.requests_per_s, "prompt_tokens_per_s": obs.prompt_tokens_per_s}
+        self.errors.record(d.name, now, decision.predicted, seen)
         changed = False
         if decision.mix != dict(d.variant_mix or {}):
             d.variant_mix = dict(decision.mix)  # the placer follows (reconcile kicked below)

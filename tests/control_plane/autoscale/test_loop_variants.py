@@ -60,4 +60,8 @@ def test_tick_writes_the_count_and_the_cheapest_gpu_mix(tmp_path) -> None:
         snap = read_snapshot(s)
     demands, _, _ = placement_inputs(snap)
     assert demands[0].gpu_models == ("A100",) and demands[0].count == dep.replicas
+    # the forecasts made a cold start before the last ticks were checked against their load
+    checked = loop.errors.get("chat")
+    assert checked is not None and checked.last["requests_per_s"].observed == 8.0
+    assert checked.last["prompt_tokens_per_s"].observed == 12000
     sessions.kw["bind"].dispose()
