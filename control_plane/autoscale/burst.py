@@ -20,7 +20,8 @@ capacity for and for how long.
   for one cold start costs no more GPU time than starting it again (a starting replica is
   paid for), so never less than the cold start; beyond it, as long as the observed gaps
   say the next burst is still likely to come: the gap that all but the miss budget of gaps
-  fall within (a Pareto tail fitted to the remembered gaps), capped by the memory (a lull longer than the memory has
+  fall within (a Pareto tail fitted to the remembered gaps, at the lower bound of its
+  index; with fewer than four gaps, the memory), capped by the memory (a lull longer than the memory has
   outlived what it remembers).
 
 A restart loses all of it: the memory lives in the autoscaler's process, so a restarted
@@ -42,6 +43,7 @@ MEMORY_S = 1800.0  # time constant of the burst memory's decay
 FORGET_WEIGHT = 0.05  # a burst whose decayed weight fell below this is forgotten
 BURST_RATIO = 2.0  # a window needs this many times the baseline's replicas to be a burst
 MAX_BURSTS = 256
+MIN_GAPS = 4.0  # decay-weighted gaps before their tail is fitted (Hill's lower bound needs > 4)
 
 
 @dataclass(frozen=True)
@@ -209,15 +211,21 @@ def _weight(t: float, b: Burst) -> float:
 
 def _tail_quantile(values: list[tuple[float, float]], budget: float) -> float:
     """The gap that all but `budget` of gaps fall within, from a Pareto tail fitted above
-    the shortest remembered gap (Hill's estimator, decay-weighted): the gaps between bursts
-    of real traffic are heavy-tailed, a handful of them says little about the longest, and
-    the next one is longer than all of them one time in (count + 1). Never below the longest
-    seen; equal gaps (a clock) give that gap."""
+    the shortest remembered gap (Hill's estimator, decay-weighted, at its lower bound: a
+    heavier tail): the gaps between bursts of real traffic are heavy-tailed, and the next one
+    is longer than all the remembered ones one time in (count + 1). Too few gaps to bound
+    the tail: as long as the memory. Never below the longest seen; equal gaps (a clock) give
+    that gap."""
     total = sum(w for _, w in values)
+    if total < MIN_GAPS:
+        return math.inf
     low = max(min(v for v, _ in values), 1.0)
     logs = sum(w * math.log(max(v, low) / low) for v, w in values)
     longest = max(v for v, _ in values)
-    if total <= 0 or logs <= 1e-9:
+    if logs <= 1e-9:
         return longest
-    alpha = total / logs
-    return max(longest, low * max(budget, 1e-6) ** (-1 / alpha))
+    # Hill's estimate has a relative error of about 1 / sqrt(count).
+    alpha = total / logs * (1 - 2 / math.sqrt(total))
+    if alpha <= 1e-3:
+        return math.inf
+    return max(longest, low * math.exp(min(50.0, -math.log(max(budget, 1e-6)) / alpha)))
