@@ -20,11 +20,11 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 SIGNALS = ("prompt_tokens_per_s", "requests_per_s")
 MAX_PENDING = 512  # predictions waiting for their target time, per deployment
-MAX_OUTCOMES = 360  # matched predictions kept per deployment (the console's chart)
+MAX_OUTCOMES = 900  # matched predictions kept per deployment, both signals: the console's 15 min
 HALF_LIFE_S = 600.0
 MAX_LATE_S = 60.0
 
@@ -46,6 +46,7 @@ class Outcome:
     signal: str
     predicted: float
     observed: float
+    mape: float | None = None  # the smoothed error of the signal's forecasts after this one
 
     @property
     def error(self) -> float:
@@ -129,10 +130,12 @@ class PredictionErrors:
                 if seen is None:
                     continue
                 o = Outcome(p.made_at, p.due_at, at, signal, value, max(0.0, seen))
+                smoothed = d.smoothed.setdefault(signal, _Smoothed())
+                smoothed.add(at, abs(o.error), o.observed, self.half_life_s)
+                o = replace(o, mape=smoothed.mape)
                 matched.append(o)
                 d.outcomes.append(o)
                 d.last[signal] = o
-                d.smoothed.setdefault(signal, _Smoothed()).add(at, abs(o.error), o.observed, self.half_life_s)
         horizon = horizon_of(predicted)
         values = {s: v for s in SIGNALS if (v := _number(predicted.get(s))) is not None}
         if horizon is not None and values:

@@ -8,7 +8,7 @@ import re
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy import select
@@ -142,7 +142,7 @@ def deployment(session: Session, who: Principal, name: str) -> dict[str, Any] | 
     for e in scaled:
         m = SCALED.match(e["message"])
         decisions.append({"at": e["at"], "from": m and int(m.group(1)), "to": m and int(m.group(2)),
-                          "reason": m.group(3) if m else e["message"]})  # fmt: skip
+                          "reason": m.group(3) if m else e["message"], "decision": _decision(m)})  # fmt: skip
     ready = events(session, who, limit=30, deployment=name, kind="replica_ready")["items"]
     cold = []
     for e in ready:
@@ -160,6 +160,68 @@ def deployment(session: Session, who: Principal, name: str) -> dict[str, Any] | 
         "cold_starts": cold,
         "rollout": rollouts.rollout_out(latest, dep).model_dump() if latest is not None else None,
     }
+
+
+def _decision(m: re.Match | None) -> dict[str, Any] | None:
+    """The decision a `scaled` event carries as JSON (None: an older or foreign message)."""
+    if m is None or not m.group(4):
+        return None
+    try:
+        value = json.loads(m.group(4))
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+# What the page's autoscaler card shows of a decision's `predicted` record.
+PLAN_FIELDS = ("cold_start_s", "scale_down_delay_s", "burst_need", "burst_held", "burst_hold_s",
+               "burst_since_s", "burst_gap_s", "bursts", "burst_prompt_tokens_per_s", "requests_per_s",
+               "prompt_tokens_per_s", "ttft_s", "attainment", "seasonal_cycle")  # fmt: skip
+
+
+def autoscaler(loop: Any, name: str, decisions: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The autoscaler's plan for a deployment: the autoscale loop's last decision and its
+    forecasts' errors where the loops run in this process (`loop`), else the last stored
+    `scaled` decision (`decisions`, newest first; no errors then). None: no plan to show."""
+    last = getattr(loop, "last", {}).get(name) if loop is not None else None
+    if last is not None:
+        predicted, desired, live = last.predicted, last.desired, True
+    else:
+        stored = next((d for d in decisions if d["decision"] and d["decision"].get("predicted")), None)
+        if stored is None:
+            return None
+        predicted, desired, live = stored["decision"]["predicted"], stored["decision"].get("desired"), False
+    if not predicted:
+        return None
+    errors = []
+    checked = loop.errors.get(name) if loop is not None and live else None
+    for signal, o in sorted((checked.last if checked is not None else {}).items()):
+        errors.append({"signal": signal, "predicted": o.predicted, "observed": o.observed,
+                       "error": o.error, "ratio": o.ratio, "mape": checked.mape(signal)})  # fmt: skip
+    return {"live": live, "desired": desired, "errors": errors,
+            **{k: predicted.get(k) for k in PLAN_FIELDS}}  # fmt: skip
+
+
+def autoscale_points(
+    loop: Any, session: Session, who: Principal, name: str, since: float
+) -> tuple[list[tuple[float, int, dict]], list]:
+    """The decisions `(at, desired, predicted)` since `since` and the forecasts checked
+    since then: the loop's own where it runs here, else the stored `scaled` events'
+    (decisions that changed the count only; no checked forecasts)."""
+    if loop is not None and name in getattr(loop, "recent", {}):
+        decided = [(at, d.desired, d.predicted) for at, d in list(loop.recent[name]) if at >= since]
+        checked = loop.errors.get(name)
+        outcomes = [o for o in list(checked.outcomes) if o.observed_at >= since] if checked else []
+        return decided, outcomes
+    start = datetime.fromtimestamp(since, tz=timezone.utc)
+    rows = events(session, who, limit=200, deployment=name, kind="scaled", since=start)["items"]
+    decided = []
+    for e in reversed(rows):
+        d = _decision(SCALED.match(e["message"]))
+        if d is not None and isinstance(d.get("desired"), int):
+            at = e["at"] if e["at"].tzinfo else e["at"].replace(tzinfo=timezone.utc)
+            decided.append((at.timestamp(), d["desired"], d.get("predicted") or {}))
+    return decided, []
 
 
 def rollout(session: Session, who: Principal, name: str) -> dict[str, Any] | None:

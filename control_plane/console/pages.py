@@ -57,13 +57,27 @@ def overview_panel(request: Request):
         return render(request, "_overview.html", o=data.overview(db))
 
 
-def _deployment_view(path: str, stem: str, load: Callable[..., dict[str, Any] | None], key: str) -> None:
+def _autoscale_loop(request: Request) -> Any:
+    """The autoscale loop where the loops run in this process (None: they run elsewhere)."""
+    return getattr(getattr(request.app.state, "loops", None), "autoscale", None)
+
+
+def _deployment_view(
+    path: str,
+    stem: str,
+    load: Callable[..., dict[str, Any] | None],
+    key: str,
+    enrich: Callable[[Request, str, dict[str, Any]], None] | None = None,
+) -> None:
     """Route a deployment's page `path` ("{stem}.html") and its live fragment `path/panel`
-    ("_{stem}.html") over the view `load` builds; an unknown deployment is a 404 page."""
+    ("_{stem}.html") over the view `load` builds (and `enrich` adds to, from the request's
+    app); an unknown deployment is a 404 page."""
 
     def view(deployment: str, request: Request, who: ConsoleSession, fragment: bool):
         with _db(request) as db:
             found = load(db, who.principal, deployment)
+        if found is not None and enrich is not None:
+            enrich(request, deployment, found)
         if found is None:
             return _missing(request, f"Deployment {deployment!r}")
         if fragment:
@@ -79,7 +93,11 @@ def _deployment_view(path: str, stem: str, load: Callable[..., dict[str, Any] | 
         return view(name, request, who, fragment=True)
 
 
-_deployment_view("/deployments/{name}", "deployment", data.deployment, "d")
+def _with_autoscaler(request: Request, name: str, found: dict[str, Any]) -> None:
+    found["autoscaler"] = data.autoscaler(_autoscale_loop(request), name, found["decisions"])
+
+
+_deployment_view("/deployments/{name}", "deployment", data.deployment, "d", _with_autoscaler)
 
 
 @router.get("/deployments/{name}/series.json")
@@ -91,6 +109,20 @@ def deployment_series(
     with _db(request) as db:
         rows = series.usage_rows(db, name, since)
     return secure(JSONResponse(series.deployment_series(rows, since, until)))
+
+
+@router.get("/deployments/{name}/autoscale.json")
+def autoscale_series(
+    name: str,
+    request: Request,
+    who: ConsoleSession = Depends(require),
+    window_s: float = Query(DEPLOYMENT_WINDOW_S, ge=10, le=86_400),
+):
+    until = data.now()
+    since = until - window_s
+    with _db(request) as db:
+        decided, checked = data.autoscale_points(_autoscale_loop(request), db, who.principal, name, since)
+    return secure(JSONResponse(series.autoscale_series(decided, checked, since, until)))
 
 
 _deployment_view("/deployments/{name}/rollout", "rollout", data.rollout, "r")

@@ -7,7 +7,10 @@
 - a rollout's guards: the very samples the rollout policy judges (the rollout loop's
   in-memory `UsageWindows`, TTFT included), or the stored usage records when the loops
   run elsewhere (then a request's latency stands in for its TTFT, as the policy does
-  for non-streamed requests), summarised like the policy does: over the step's window.
+  for non-streamed requests), summarised like the policy does: over the step's window;
+- the autoscaler's view of a deployment: the autoscale loop's recent decisions and its
+  forecasts checked against the load that came (`control_plane.autoscale.prediction_error`),
+  or the stored `scaled` events' decisions when the loops run elsewhere (no observed load then).
 
 Output is uPlot's columnar shape: `{"x": [unix seconds...], "series": {label: [value or
 None...]}}`, one x per bucket, so the page script hands it to the chart as it is."""
@@ -16,13 +19,14 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from control_plane.autoscale.prediction_error import Outcome
 from control_plane.db.models import ReplicaInterval, UsageRecord
 from control_plane.rollouts.telemetry import Sample, p90
 
@@ -223,3 +227,80 @@ def hourly_series(held: list[Held], since: float, until: float) -> dict[str, dic
     total = [_round(sum(series[n][i] for n in names)) for i in range(len(xs))]
     out = {name: [_round(v) for v in values] for name, values in series.items()}
     return {"hourly": {"x": xs, "series": {**out, "total": total} if names else {}}}
+
+
+# The autoscaler's view (`autoscale_series`): chart key -> (label, `predicted` key) per line.
+PLAN_LINES = {
+    "autoscale_fleet": (("burst fleet held", "burst_held"),),
+    "autoscale_plan": (("cold start", "cold_start_s"), ("scale-down delay", "scale_down_delay_s"),
+                       ("burst hold", "burst_hold_s")),
+}  # fmt: skip
+LOAD_CHARTS = (("autoscale_prompt", "prompt_tokens_per_s"), ("autoscale_requests", "requests_per_s"))
+
+
+def autoscale_series(
+    decisions: Sequence[tuple[float, int, Mapping[str, object]]],
+    outcomes: Sequence[Outcome],
+    since: float,
+    until: float,
+) -> dict[str, dict]:
+    """The autoscaler's decisions `(at, desired, predicted)` and its checked forecasts over
+    [since, until]: per signal, the load predicted for each time (made one horizon earlier)
+    against the load observed then; the replicas wanted and the burst fleet held; the cold
+    start, scale-down delay and burst hold it planned with; the smoothed MAPE per signal.
+    A bucket holds the mean of its points (replicas: the most)."""
+    firsts = [at for at, _, _ in decisions] + [o.observed_at for o in outcomes]
+    if firsts:
+        since = max(since, min(firsts))
+    step = step_for(until - since)
+    xs = _buckets(since, until, step)
+    first = xs[0]
+
+    def index(at: float) -> int | None:
+        i = int((at - first) // step)
+        return i if since <= at <= until and 0 <= i < len(xs) else None
+
+    def line(points: Iterable[tuple[float, float]], reduce=lambda v: sum(v) / len(v)) -> list:
+        buckets: dict[int, list[float]] = defaultdict(list)
+        for at, value in points:
+            i = index(at)
+            if i is not None:
+                buckets[i].append(value)
+        return [_round(reduce(buckets[i])) if i in buckets else None for i in range(len(xs))]
+
+    charts: dict[str, dict] = {}
+    for key, signal in LOAD_CHARTS:
+        checked = [o for o in outcomes if o.signal == signal]
+        charts[key] = {"x": xs, "series": {
+            "predicted": line((o.observed_at, o.predicted) for o in checked),
+            "observed": line((o.observed_at, o.observed) for o in checked),
+        } if checked else {}}  # fmt: skip
+    fleet = {"replicas wanted": line(((at, float(n)) for at, n, _ in decisions), max)}
+    for label, field in PLAN_LINES["autoscale_fleet"]:
+        fleet[label] = line(_points(decisions, field), max)
+    charts["autoscale_fleet"] = {"x": xs, "series": fleet if decisions else {}}
+    plan = {label: line(_points(decisions, field)) for label, field in PLAN_LINES["autoscale_plan"]}
+    charts["autoscale_plan"] = {
+        "x": xs,
+        "series": {k: v for k, v in plan.items() if any(x is not None for x in v)},
+    }
+    errors = {
+        signal: line((o.observed_at, o.mape) for o in outcomes if o.signal == signal and o.mape is not None)
+        for _, signal in LOAD_CHARTS
+    }
+    charts["autoscale_error"] = {
+        "x": xs,
+        "series": {k: v for k, v in errors.items() if any(x is not None for x in v)},
+    }
+    return charts
+
+
+def _points(
+    decisions: Iterable[tuple[float, int, Mapping[str, object]]], key: str
+) -> list[tuple[float, float]]:
+    out = []
+    for at, _, predicted in decisions:
+        value = predicted.get(key)
+        if not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value):
+            out.append((at, float(value)))
+    return out

@@ -23,7 +23,7 @@ import contextlib
 import json
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 
 from sqlalchemy import select
 from sqlalchemy.orm import selectinload
@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 # Deployments one cluster's gateway may have demand for at once (far above a fleet's count).
 MAX_DEMANDS_PER_CLUSTER = 1024
+RECENT_DECISIONS = 450  # per deployment: 15 min at the default 2 s interval
 
 
 class AutoscaleLoop(NatsLoop):
@@ -70,6 +71,7 @@ class AutoscaleLoop(NatsLoop):
         self.decisions = 0
         self.last: dict[str, Decision] = {}
         self.errors = PredictionErrors()  # the decisions' forecasts against the load that came
+        self.recent: dict[str, deque[tuple[float, Decision]]] = {}  # the console's charts
         self._wake = asyncio.Event()
 
     async def start(self) -> AutoscaleLoop:
@@ -123,9 +125,10 @@ class AutoscaleLoop(NatsLoop):
             for name in list(self.states):
                 if name not in names:
                     del self.states[name]
-            for name in list(self.last):
-                if name not in names:
-                    del self.last[name]
+            for kept in (self.last, self.recent):
+                for name in list(kept):
+                    if name not in names:
+                        del kept[name]
             self.errors.keep_only(names)
             for d in rows:
                 try:
@@ -177,6 +180,7 @@ class AutoscaleLoop(NatsLoop):
         self.decisions += 1
         seen = {"requests_per_s": obs.requests_per_s, "prompt_tokens_per_s": obs.prompt_tokens_per_s}
         self.errors.record(d.name, now, decision.predicted, seen)
+        self.recent.setdefault(d.name, deque(maxlen=RECENT_DECISIONS)).append((now, decision))
         changed = False
         if decision.mix != dict(d.variant_mix or {}):
             d.variant_mix = dict(decision.mix)  # the placer follows (reconcile kicked below)

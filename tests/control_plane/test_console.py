@@ -117,6 +117,7 @@ PAGES = [
     "/console/keys", "/console/events", "/console/events?kind=rollout_started&fragment=1", "/console/audit",
     "/console/audit?action=key.create&fragment=1", "/console/land.svg", "/console/cost",
     "/console/cost?since=1h", "/console/cost/series.json", "/console/nodes",
+    f"/console/deployments/{NAME}/autoscale.json",
 ]  # fmt: skip
 
 
@@ -334,6 +335,36 @@ def test_deployment_page_lists_scaling_decisions_and_cold_starts(cp):
     panel = console.get(f"/console/deployments/{NAME}/panel").text
     assert "1 → 3" in panel and "concurrency 5.2 &gt; target 2" in panel and '{"desired"' not in panel
     assert "web-v1-a" in panel and "4.20" in panel
+
+
+def test_deployment_page_shows_the_autoscalers_plan_from_its_stored_decisions(cp):
+    """The loops run elsewhere (none in this process): the card and the charts read the
+    `scaled` events' decisions."""
+    import json
+
+    from control_plane.db.models import Event
+
+    predicted = {"cold_start_s": 42.0, "scale_down_delay_s": 48.0, "burst_need": 4, "burst_held": 4,
+                 "burst_hold_s": 300.0, "burst_since_s": 12.0, "bursts": 3, "requests_per_s": 2.5,
+                 "prompt_tokens_per_s": 9000.0}  # fmt: skip
+    decision = {"desired": 4, "current": 1, "predicted": predicted}
+    sessions = make_sessions(cp.database_url)
+    with sessions() as db:
+        db.add(Event(kind="scaled", deployment=NAME,
+                     message=f"1 -> 4: holding 4 replicas for the bursts {json.dumps(decision)}"))  # fmt: skip
+        db.commit()
+    sessions.kw["bind"].dispose()
+    console = Console(cp, cp.read_key)
+    panel = console.get(f"/console/deployments/{NAME}/panel").text
+    assert 'id="autoscaler"' in panel and "as of its last scaling decision" in panel
+    assert "42 s" in panel and "48 s" in panel and "held <strong>4</strong>" in panel and "300 s" in panel
+    assert "No forecast has come due yet" in panel
+    page = console.get(f"/console/deployments/{NAME}").text
+    assert "autoscale.json" in page and 'data-key="autoscale_error"' in page
+    charts = console.get(f"/console/deployments/{NAME}/autoscale.json").json()
+    assert 4 in charts["autoscale_fleet"]["series"]["burst fleet held"]
+    assert 42.0 in charts["autoscale_plan"]["series"]["cold start"]
+    assert charts["autoscale_prompt"]["series"] == {}  # the observed load is the loop's own
 
 
 def test_deployment_series_per_version():
