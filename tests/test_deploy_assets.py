@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from control_plane.api.metrics import AUTOSCALE_GAUGES, PREDICTION_ERROR_GAUGES
 from control_plane.local.nats_server import nats_server_binary
 from control_plane.local.prometheus_sd import TARGETS_FILE
 
@@ -125,6 +126,28 @@ def test_node_health_row_shows_the_agents_and_the_record():
         "fleet_node_faults_total",
         "fleet_pool_reliability_premium_dollars",
     }
+
+
+def test_autoscaler_row_shows_predictions_their_error_and_the_plan():
+    dashboard = json.loads(DASHBOARD.read_text())
+    rows = [p for p in dashboard["panels"] if p["type"] == "row" and p["title"] == "Autoscaler predictions"]
+    assert len(rows) == 1
+    y = rows[0]["gridPos"]["y"]
+    below = [p for p in dashboard["panels"] if p["type"] != "row" and y < p["gridPos"]["y"] <= y + 17]
+    used = {name for p in below for t in p["targets"] for name in METRIC.findall(t["expr"])}
+    assert used >= {
+        "fleet_autoscale_prediction_predicted",
+        "fleet_autoscale_prediction_observed",
+        "fleet_autoscale_prediction_mape",
+        "fleet_autoscale_prediction_error_ratio",
+        "fleet_autoscale_burst_held_replicas",
+        "fleet_autoscale_cold_start_seconds",
+        "fleet_autoscale_scale_down_delay_seconds",
+        "fleet_autoscale_burst_hold_seconds",
+    }
+    exported = {"fleet_autoscale_" + name for name, _ in PREDICTION_ERROR_GAUGES}
+    exported |= {"fleet_autoscale_" + name for name, _, _ in AUTOSCALE_GAUGES}
+    assert {n for n in used if n.startswith("fleet_autoscale_")} <= exported  # the names /metrics serves
 
 
 def test_dashboard_shape_and_provisioning_agree():

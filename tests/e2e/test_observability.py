@@ -62,7 +62,8 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-f
 pytestmark = pytest.mark.slow
 
 # Metrics that only a component a sim fleet lacks exports (the real engine, the kubernetes
-# runtime), with the reason: their panels' queries must evaluate, not return series.
+# runtime) or that this fleet does not produce, with the reason: their panels' queries must
+# evaluate, not return series.
 SIM_CANNOT_EXPORT: dict[str, str] = {
     "fleet_engine_api_requests_total": "per-feature API counts come from the real engine server",
     "fleet_engine_grammar_compile_seconds": "sim replicas do no constrained decoding",
@@ -70,6 +71,8 @@ SIM_CANNOT_EXPORT: dict[str, str] = {
     "fleet_engine_lora_load_seconds": "sim replicas load no LoRA adapters",
     "fleet_engine_lora_adapters": "sim replicas load no LoRA adapters",
     "fleet_engine_spec_decode_": "sim replicas do no speculative decoding",
+    "fleet_autoscale_": "this fleet's deployments have fixed counts: no autoscale decisions "
+    "(tests/e2e/test_autoscale_burst.py reads them from an autoscaled one)",
 }
 
 
