@@ -285,7 +285,7 @@ class SloPolicy:
                 f"{held:.1f} in flight and queued / {settings.target_concurrency:g} per replica -> {floor}"
             )
 
-        delay = scale_down_delay(settings, cold, k("panic_window_s"))
+        delay = scale_down_delay(settings, cold, k("stable_window_s"))
         desired = self._guards(settings, state, obs, desired, reasons, k, delay)
         bounded = min(max(desired, settings.min_replicas), settings.max_replicas)
         if bounded != desired:
@@ -400,14 +400,14 @@ def cold_start(variants: list[Variant], obs: Observation) -> float:
     return max(v.profile.cold_start_s for v in variants)
 
 
-def scale_down_delay(settings: AutoscaleSettings, cold_s: float, panic_s: float) -> float:
-    """The deployment's own delay when it sets one; else one cold start and a panic window:
-    holding a replica that long costs no more GPU time than starting it again would (a
-    starting replica is paid for), and a dip shorter than that is not worth a restart.
-    Longer holds are the burst memory's, on the gaps it has seen."""
+def scale_down_delay(settings: AutoscaleSettings, cold_s: float, window_s: float) -> float:
+    """The deployment's own delay when it sets one; else one cold start and a stable window:
+    holding a replica for a cold start costs no more GPU time than starting it again would
+    (a starting replica is paid for), and a drop is trusted only once a stable window has
+    seen it. Longer holds are the burst memory's, on the gaps it has seen."""
     if settings.scale_down_delay_s is not None:
         return float(settings.scale_down_delay_s)
-    return cold_s + panic_s
+    return cold_s + window_s
 
 
 def _exceeds(a: Load, b: Load) -> bool:
