@@ -160,7 +160,10 @@ def test_fleetctl_simulate_azure_hour(shared_data: Path, tmp_path: Path) -> None
         assert 0 < p["itl_p50_s"] <= p["itl_p99_s"] and 0 < p["within_itl_target"] <= 1
     assert rep["slo_ttft_s"] == 2 and rep["slo_itl_s"] == 0.1  # the documented defaults
     assert by["ours"]["within_ttft_target"] >= 0.99
-    assert by["ours"]["gpu_hours"] <= 0.7 * by["static"]["gpu_hours"]
+    # read against its bound: the cheapest fixed fleet that reaches the target (the issue's rule)
+    assert rep["best_fixed"] is not None and by["ours"]["reaches_target"] is True
+    assert by["ours"]["gpu_hours_vs_best_fixed"] <= 1.25
+    assert by["ours"]["gpu_hours"] < by["static"]["gpu_hours"]  # the static row is ours' peak
     assert by["ours"]["gpu_hours"] < by["kpa"]["gpu_hours"]
     assert by["ours"]["within_ttft_target"] >= by["kpa"]["within_ttft_target"]
     assert by["ours"]["within_itl_target"] >= by["kpa"]["within_itl_target"]
