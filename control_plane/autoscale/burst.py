@@ -93,12 +93,25 @@ class BurstMemory:
     ttft_s: float = 2.0
 
     def update(
-        self, t: float, now: Load, need: Callable[[Load], tuple[int, float]], ttft_s: float = 2.0
+        self,
+        t: float,
+        now: Load,
+        need: Callable[[Load], tuple[int, float]],
+        ttft_s: float = 2.0,
+        idle: bool = False,
     ) -> None:
         """Add this tick's rates (over the time since the last tick) and close the windows
-        that ended; `need` maps a load to the replicas it needs (the capacity model)."""
+        that ended; `need` maps a load to the replicas it needs (the capacity model).
+
+        `idle` on the first tick (nothing serving, nothing arriving: a new deployment) starts
+        the baseline at no load, so that its first traffic stands out as the burst it is;
+        otherwise the first window seeds it (a restart amid traffic is no burst). Seeded
+        from a first window that a burst began in, the baseline would be that burst, and
+        bursts like it would go unseen for many baseline time constants."""
         if self.last_at is None or self.window_start is None:
             self.last_at, self.window_start = t, t
+            if idle and self.baseline is None:
+                self.baseline = Load()
             return
         dt = max(0.0, t - self.last_at)
         self.last_at, self.ttft_s = t, ttft_s

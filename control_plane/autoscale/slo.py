@@ -212,7 +212,7 @@ class SloPolicy:
         reasons: list[str] = []
 
         primary = ReplicaCapacity(variants[0].profile)
-        burst = self._bursts(mem, primary, settings, t, now, cold, prompts)
+        burst = self._bursts(mem, primary, settings, obs, now, cold, prompts)
         if burst.holding:
             # A burst has no trend to extrapolate: its rise says nothing of the next minute.
             # The held fleet (below) is what carries the next one.
@@ -313,7 +313,7 @@ class SloPolicy:
         mem: SloMemory,
         cap: ReplicaCapacity,
         settings: AutoscaleSettings,
-        t: float,
+        obs: Observation,
         now: Load,
         cold: float,
         prompts: list[int],
@@ -328,7 +328,9 @@ class SloPolicy:
             n = smallest(cap, load, settings, settings.max_replicas, c, prompts)[0]
             return n, load.requests_per_s * cap.prefill_cost(load.mean_prefill, load.requests_per_s, c)
 
-        mem.burst.update(t, now, need, settings.slo_ttft_s)
+        t = obs.at
+        idle = obs.ready == 0 and obs.demand <= 0 and now.requests_per_s <= 0
+        mem.burst.update(t, now, need, settings.slo_ttft_s, idle=idle)
         mem.seasons.observe(t, now)
         return mem.burst.view(t, cold, MISS_BUDGET)
 

@@ -123,3 +123,15 @@ def test_a_cycle_without_a_swing_says_nothing() -> None:
     for t in range(0, int(3 * DAY_S), 300):
         c.observe(float(t), Load(2.0, 3000, 400))
     assert c.forecast(3 * DAY_S + 3600) is None
+
+
+def test_a_new_deployments_first_traffic_is_a_burst_even_inside_its_first_window() -> None:
+    # Nothing serving at the first decision (a new deployment), a burst 6 s later: inside
+    # the memory's first 10 s window, which must not become the baseline it stands out from.
+    work = series((0, 6, Work(0.0, 0, 0)), (6, 60, BURST), (60, 120, Work(0.0, 0, 0)))
+    r = run("ours", work, start=0)
+    d = next(d for t, _, d in r if t >= 40)
+    assert d.predicted["bursts"] >= 1 and d.predicted["burst_held"] >= 2, d.predicted
+    # Started amid the same traffic (a restart), the level it first sees is no burst.
+    steady = run("ours", series((0, 120, BURST)), start=8)
+    assert all(d.predicted["bursts"] == 0 for _, _, d in steady)
