@@ -19,20 +19,7 @@ from control_plane.simulate.best_fixed import CEILING_MAX, search
 from control_plane.simulate.des import Simulation
 from control_plane.simulate.report import PolicyReport, summarize
 from control_plane.simulate.trace import TraceRequest
-from fleet_base.profile import PerfProfile
-
-PROFILE = PerfProfile(
-    name="t",
-    gpus_per_replica=2,
-    hourly_price=10.0,
-    prefill_tokens=[100.0, 1000.0],
-    prefill_s=[0.01, 0.1],
-    decode_batch=[1.0, 8.0],
-    decode_step_s=[0.01, 0.02],
-    kv_capacity_tokens=100_000,
-    max_num_seqs=8,
-    cold_start_s=20.0,
-)
+from tests.control_plane.simulate.test_simulate import PROFILE
 
 
 def no_queue(n: int) -> float:
