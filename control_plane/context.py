@@ -24,6 +24,9 @@ class ControlPlaneContext:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     # Set with `changed`: the key loop publishes fleet_keys apart from placement.
     keys_changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # The leader's fencing epoch while this context drives the control loops (0: not the
+    # leader, or a context that never runs loops). Every write the loops make carries it.
+    epoch: int = 0
 
     def kick(self) -> None:
         """Desired state may have changed: reconcile now."""
