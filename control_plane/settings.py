@@ -5,7 +5,8 @@ Each field is `FLEET_<FIELD>` (FLEET_PLACER, FLEET_MISSED_HEARTBEATS, ...; the N
 identity files are FLEET_NATS_CA / FLEET_NATS_CERT / FLEET_NATS_KEY). FLEET_HOME (default
 ~/.fleet) holds the SQLite database, the admin token the CLI uses, and local-fleet state.
 FLEET_DATABASE_URL switches to PostgreSQL (postgresql+psycopg://user:pass@host/db).
-FLEET_API_URL / FLEET_TOKEN point the CLI at another control plane (`client_endpoint`).
+FLEET_API_URL (a comma-separated list of one control plane's instances) / FLEET_TOKEN point
+the CLI at another control plane (`client_endpoint`).
 """
 
 from __future__ import annotations
@@ -114,19 +115,26 @@ class Settings(BaseSettings):
 
     @property
     def api_file(self) -> Path:
-        """The URL of the control plane last started under this FLEET_HOME."""
+        """The URLs of the control-plane instances started under this FLEET_HOME, one a line."""
         return self.home / "api-url"
 
 
-def client_endpoint() -> tuple[str, str | None]:
-    """(API URL, token) for the CLI: FLEET_API_URL / FLEET_TOKEN, else $FLEET_HOME files."""
+def parse_api_urls(text: str) -> list[str]:
+    """Control-plane URLs from FLEET_API_URL (comma-separated) or the api file (one a line)."""
+    parts = text.replace(",", "\n").split()
+    return list(dict.fromkeys(p.rstrip("/") for p in parts if p.strip("/")))
+
+
+def client_endpoint() -> tuple[list[str], str | None]:
+    """(every API URL, token) for the CLI: FLEET_API_URL / FLEET_TOKEN, else $FLEET_HOME files.
+    Several URLs are instances of one control plane; the client fails over between them."""
     home = fleet_home()
-    url = os.environ.get("FLEET_API_URL")
-    if not url:
+    urls = parse_api_urls(os.environ.get("FLEET_API_URL", ""))
+    if not urls:
         api_file = home / "api-url"
-        url = api_file.read_text().strip() if api_file.exists() else f"http://127.0.0.1:{DEFAULT_API_PORT}"
+        urls = parse_api_urls(api_file.read_text()) if api_file.exists() else []
     token = os.environ.get("FLEET_TOKEN")
     if not token:
         token_file = home / "admin-token"
         token = token_file.read_text().strip() if token_file.exists() else None
-    return url.rstrip("/"), token
+    return urls or [f"http://127.0.0.1:{DEFAULT_API_PORT}"], token
