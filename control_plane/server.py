@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import fcntl
 import logging
 import os
 import signal
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -54,7 +57,7 @@ def ensure_admin_token(settings: Settings, sessions: sessionmaker[Session]) -> s
     from control_plane.api.routers.keys import make_key
 
     token_file = settings.token_file
-    with sessions() as session:
+    with _home_lock(settings.home / ".admin-token.lock"), sessions() as session:
         if token_file.exists():
             token = token_file.read_text().strip()
             if token and _token_is_valid_admin(session, token):
@@ -62,9 +65,35 @@ def ensure_admin_token(settings: Settings, sessions: sessionmaker[Session]) -> s
         row, secret = make_key(ADMIN_KEY_NAME, ["admin"], None, {})
         session.add(row)
         session.commit()
-    write_private(token_file, secret + "\n")
+        write_private(token_file, secret + "\n")
     log.info("created admin key %s; its token is in %s", row.key_id, token_file)
     return secret
+
+
+@contextlib.contextmanager
+def _home_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock between the control-plane processes sharing one FLEET_HOME, so that
+    instances starting together agree on one admin token and one api file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def record_api_url(settings: Settings, url: str) -> None:
+    """Name this instance in the api file the CLI reads, unless it already does: a launcher
+    of several instances (`fleetctl up --control-planes N`) lists them all there first, and
+    no instance may shrink that list to itself; a lone instance replaces a stale file."""
+    from control_plane.settings import parse_api_urls
+    from fleet_base.local_state import atomic_write
+
+    with _home_lock(settings.home / ".api-url.lock"):
+        listed = parse_api_urls(settings.api_file.read_text()) if settings.api_file.exists() else []
+        if url not in listed:
+            atomic_write(settings.api_file, (url + "\n").encode())
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -132,7 +161,7 @@ def run(settings: Settings, *, loops: bool = True) -> int:
         app = build_app(ctx, run_loops=loops)
 
         def on_ready() -> None:
-            settings.api_file.write_text(url + "\n")
+            record_api_url(settings, url)
             log.info(
                 "admin API on %s (docs: %s/docs); NATS %s (%s)",
                 url,

@@ -122,9 +122,16 @@ def up(
     runtime: str = typer.Option(
         "process", help="replica runtime: process (engine) or sim (simulated replicas)"
     ),
+    control_planes: int = typer.Option(
+        1,
+        "--control-planes",
+        min=1,
+        max=9,
+        help="control-plane instances on one database (one leads; the CLI fails over between them)",
+    ),
     output: OutputFormat = OUTPUT_OPTION,
 ) -> None:
-    """Run a whole fleet on this machine: NATS, control plane, an agent and gateway per region."""
+    """Run a whole fleet on this machine: NATS, control plane(s), an agent and gateway per region."""
     fleet = _fleet()
     region_list = [r.strip() for r in regions.split(",") if r.strip()]
     if not region_list:
@@ -144,7 +151,17 @@ def up(
     fleet.save(state)
     try:
         deployment, key, rows = _bring_up(
-            fleet, state, model, name, replicas, slots, replica_threads, wait_ready, timeout, runtime
+            fleet,
+            state,
+            model,
+            name,
+            replicas,
+            slots,
+            replica_threads,
+            wait_ready,
+            timeout,
+            runtime,
+            control_planes,
         )
     except KeyboardInterrupt:
         fleet.down()
@@ -160,6 +177,7 @@ def up(
             {
                 "fleet_id": state.fleet_id,
                 "api_url": state.api_url,
+                "api_urls": [p.url for p in fleet.control_planes(state)],
                 "nats_url": state.nats_url,
                 "ca_file": str(fleet.enrolment.pki.ca_file) if state.secure else None,
                 "key": key,
@@ -172,6 +190,12 @@ def up(
         console.print(
             f"\n[bold]Console[/bold] {state.api_url}/console/ (log in with $FLEET_HOME/admin-token)"
         )
+        if len(instances := fleet.control_planes(state)) > 1:
+            console.print(
+                f"[bold]Control planes[/bold] {', '.join(p.url for p in instances)} "
+                "(one leads; `fleetctl status` shows which)",
+                highlight=False,
+            )
         if state.secure:
             console.print(
                 f"Secured: NATS {state.nats_url} (TLS, one identity per process), replicas and peers over "
@@ -208,22 +232,15 @@ def _bring_up(
     wait_ready,
     timeout,
     runtime="process",
+    control_planes=1,
 ):
     fleet.start_nats(state)
     host, port = "127.0.0.1", int(state.nats_url.rsplit(":", 1)[1])
 
     if not wait_port(host, port, 15):
         raise RuntimeError("nats-server did not start")
-    cp = fleet.start_control_plane(state)
     token_file = fleet.home / "admin-token"
-    ok = _wait(
-        "starting the control plane",
-        lambda: wait_http(f"{cp.url}/healthz", 1.0, proc_pid=cp.pid) and token_file.exists(),
-        timeout,
-        interval=0.1,
-    )
-    if not ok:
-        raise RuntimeError("control plane did not become healthy")
+    cp = _start_control_planes(fleet, state, control_planes, token_file, timeout)
     api = _Api(cp.url, token_file.read_text().strip())
     replica_args = ["--threads", str(replica_threads)]
     rows = []
@@ -275,6 +292,32 @@ def _bring_up(
             if not _wait(f"loading {model} ({replicas} replica(s))", ready, timeout, interval=1.0):
                 raise RuntimeError(f"{deployment} did not become ready within {timeout:.0f}s")
     return deployment, key, rows
+
+
+def _start_control_planes(fleet: LocalFleet, state, count: int, token_file: Path, timeout: float):
+    """`count` instances on the fleet's one database, every URL in the api file. The first
+    starts alone: it migrates the database and writes the admin token the others then find
+    and share; the rest start together. Returns the first instance."""
+    ports = fleet.control_plane_ports(count)
+    fleet.write_api_urls([f"http://127.0.0.1:{p}" for p in ports])
+    names = ["control-plane"] if count == 1 else [f"control-plane-{i + 1}" for i in range(count)]
+    first = fleet.start_control_plane(state, ports[0], names[0])
+    _wait_healthy([first], token_file, timeout)
+    rest = [fleet.start_control_plane(state, port, name) for port, name in zip(ports[1:], names[1:])]
+    _wait_healthy(rest, token_file, timeout)
+    return first
+
+
+def _wait_healthy(records, token_file: Path, timeout: float) -> None:
+    for cp in records:
+        ok = _wait(
+            f"starting the control plane ({cp.name})",
+            lambda cp=cp: wait_http(f"{cp.url}/healthz", 1.0, proc_pid=cp.pid) and token_file.exists(),
+            timeout,
+            interval=0.1,
+        )
+        if not ok:
+            raise RuntimeError(f"{cp.name} did not become healthy")
 
 
 def _foreground(fleet: LocalFleet) -> None:

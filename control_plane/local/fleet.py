@@ -194,7 +194,24 @@ class LocalFleet:
         self.save(state)
         return record
 
-    def start_control_plane(self, state: FleetState, port: int | None = None) -> ProcessRecord:
+    def control_plane_ports(self, count: int) -> list[int]:
+        """Ports for `count` instances: 7070 first when free, then any free ones."""
+        ports = [_port_or_free(7070)]
+        while len(ports) < count:
+            port = free_port()
+            if port not in ports:
+                ports.append(port)
+        return ports
+
+    def write_api_urls(self, urls: list[str]) -> None:
+        """List every instance in the api file before any starts: each instance then finds
+        itself there and leaves the list whole (`control_plane.server.record_api_url`)."""
+        self.home.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.home / "api-url", "".join(f"{u}\n" for u in urls).encode())
+
+    def start_control_plane(
+        self, state: FleetState, port: int | None = None, name: str = "control-plane"
+    ) -> ProcessRecord:
         port = port or _port_or_free(7070)
         url = f"http://127.0.0.1:{port}"
         argv = [
@@ -209,10 +226,13 @@ class LocalFleet:
             state.nats_url,
         ]
         env = self.enrolment.control_plane_env() if state.secure else None
-        record = self.spawn(state, "control-plane", "control-plane", argv, url=url, extra_env=env)
-        state.api_url = url
+        record = self.spawn(state, "control-plane", name, argv, url=url, extra_env=env)
+        state.api_url = state.api_url or url
         self.save(state)
         return record
+
+    def control_planes(self, state: FleetState) -> list[ProcessRecord]:
+        return [p for p in state.processes if p.kind == "control-plane"]
 
     def write_cluster_config(
         self,
@@ -322,9 +342,8 @@ class LocalFleet:
         and the replicas the agents report now. Called by `up` and `ps`."""
         gateways = {p.name: p.url for p in state.processes if p.kind == "gateway"}
         dirs = {region: self.dir / "clusters" / region / "state" for region in state.regions}
-        return write_targets(
-            self.targets_path, prometheus_targets(state.fleet_id, state.api_url, gateways, dirs)
-        )
+        api_urls = [p.url for p in self.control_planes(state)] or [state.api_url]
+        return write_targets(self.targets_path, prometheus_targets(state.fleet_id, api_urls, gateways, dirs))
 
     def marked_processes(self, fleet_id: str) -> list[psutil.Process]:
         """Every live process carrying this fleet's marker (children included)."""

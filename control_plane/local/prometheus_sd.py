@@ -34,14 +34,15 @@ def host_port(url: str) -> str | None:
 
 
 def prometheus_targets(
-    fleet_id: str, api_url: str, gateways: dict[str, str], cluster_dirs: dict[str, Path]
+    fleet_id: str, api_url: str | list[str], gateways: dict[str, str], cluster_dirs: dict[str, Path]
 ) -> list[TargetGroup]:
     """Target groups of a local fleet. `gateways`: region -> gateway URL; `cluster_dirs`:
     region -> that cluster's agent state dir (its replicas.json names the replicas)."""
     groups: list[TargetGroup] = []
     base = {"fleet": fleet_id}
-    if target := host_port(api_url):
-        groups.append(TargetGroup(targets=[target], labels={**base, "kind": "control-plane"}))
+    api_urls = [api_url] if isinstance(api_url, str) else api_url
+    if targets := [t for t in map(host_port, api_urls) if t]:  # every control-plane instance
+        groups.append(TargetGroup(targets=targets, labels={**base, "kind": "control-plane"}))
     for region, url in sorted(gateways.items()):
         if target := host_port(url):
             labels = {**base, "kind": "gateway", "cluster": region, "region": region}

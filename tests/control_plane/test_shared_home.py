@@ -1,0 +1,49 @@
+"""Several control-plane instances on one FLEET_HOME: instances starting together agree on one
+admin token, and none shrinks the launcher's list of instances in the api file to itself."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from sqlalchemy import select
+
+from control_plane.db.models import ApiKey
+from control_plane.db.session import make_sessions, upgrade_to_head
+from control_plane.local.fleet import LocalFleet
+from control_plane.server import ensure_admin_token, record_api_url
+from control_plane.settings import Settings, client_endpoint
+
+
+def test_instances_starting_together_share_one_admin_token(tmp_path):
+    settings = Settings(home=tmp_path / "home", database_url=f"sqlite:///{tmp_path / 'fleet.db'}")
+    upgrade_to_head(settings.db_url)
+    sessions = make_sessions(settings.db_url)
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            tokens = list(pool.map(lambda _: ensure_admin_token(settings, sessions), range(6)))
+        with sessions() as session:
+            keys = session.scalars(select(ApiKey)).all()
+    finally:
+        sessions.kw["bind"].dispose()
+    assert len(set(tokens)) == 1 and settings.token_file.read_text().strip() == tokens[0]
+    assert len(keys) == 1
+
+
+def test_a_launched_list_stays_whole_and_a_lone_instance_replaces_a_stale_file(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    settings = Settings(home=home)
+    urls = ["http://127.0.0.1:7070", "http://127.0.0.1:7071", "http://127.0.0.1:7072"]
+    LocalFleet(home).write_api_urls(urls)
+    for url in reversed(urls):  # each instance, once ready
+        record_api_url(settings, url)
+    monkeypatch.setenv("FLEET_HOME", str(home))
+    monkeypatch.delenv("FLEET_API_URL", raising=False)
+    assert client_endpoint()[0] == urls
+
+    record_api_url(settings, "http://127.0.0.1:9999")  # a lone instance on a new port
+    assert client_endpoint()[0] == ["http://127.0.0.1:9999"]
+
+
+def test_ports_for_several_instances_are_distinct(tmp_path):
+    ports = LocalFleet(tmp_path).control_plane_ports(4)
+    assert len(set(ports)) == 4
