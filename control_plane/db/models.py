@@ -431,12 +431,41 @@ class NodeFaultRecord(Base):
     node_fault: Mapped[bool] = mapped_column(Boolean, default=True)
 
 
+class ControlPlaneLease(Base):
+    """One leader lease per name ('control-plane'): `holder` None when free or released;
+    `epoch` moves on every acquire (the fencing token the loops' commits are checked
+    against); `version` on every acquire and renew (the change followers time on their own
+    clocks). `renewed_at` is informational only: no decision compares wall clocks."""
+
+    __tablename__ = "control_plane_lease"
+
+    name: Mapped[str] = mapped_column(String(63), primary_key=True)
+    holder: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    epoch: Mapped[int] = mapped_column(Integer, default=0)
+    version: Mapped[int] = mapped_column(Integer, default=0)
+    lease_s: Mapped[float] = mapped_column(Float)
+    renewed_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ControlPlaneMember(Base):
+    """A control-plane process (any role), heartbeating its row every retry period."""
+
+    __tablename__ = "control_plane_members"
+
+    id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    url: Mapped[str] = mapped_column(String(500), default="")
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_seen: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+
+
 __all__ = [
     "ApiKey",
     "AuditRecord",
     "Base",
     "CapacityPool",
     "Cluster",
+    "ControlPlaneLease",
+    "ControlPlaneMember",
     "Deployment",
     "DeploymentVersion",
     "Event",

@@ -31,6 +31,8 @@ TABLES = {
     "team_budgets",
     "nodes",
     "node_faults",
+    "control_plane_lease",
+    "control_plane_members",
 }
 
 

@@ -1,0 +1,139 @@
+"""The lease and the members in the database: every write is one conditional UPDATE (or an
+INSERT that only one process can win), so two candidates can never both succeed.
+
+- acquire: compare-and-set on the `version` the caller read; bumps epoch and version;
+- renew: only by the holder of this epoch; bumps the version (what followers watch);
+- release: on a clean shutdown, so a successor takes over at once instead of after lease_s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import delete, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from control_plane.db.models import ControlPlaneLease, ControlPlaneMember, utcnow
+from control_plane.ha import LEASE_NAME
+from control_plane.ha.election import LeaseRecord
+
+
+@dataclass(frozen=True)
+class Member:
+    id: str
+    url: str
+    started_at: datetime
+    last_seen: datetime
+
+
+def _record(row: ControlPlaneLease) -> LeaseRecord:
+    return LeaseRecord(holder=row.holder, epoch=row.epoch, version=row.version, lease_s=row.lease_s)
+
+
+class LeaseStore:
+    def __init__(self, sessions: sessionmaker[Session], name: str = LEASE_NAME) -> None:
+        self.sessions = sessions
+        self.name = name
+
+    def read(self) -> LeaseRecord | None:
+        with self.sessions() as session:
+            row = session.get(ControlPlaneLease, self.name, populate_existing=True)
+            return None if row is None else _record(row)
+
+    def acquire(self, me: str, seen: LeaseRecord | None, lease_s: float) -> LeaseRecord | None:
+        """The lease for `me` if it is still exactly as `seen`; None if anyone moved it."""
+        with self.sessions() as session:
+            if seen is None:
+                session.add(ControlPlaneLease(name=self.name, holder=me, epoch=1, version=1, lease_s=lease_s))
+                try:
+                    session.commit()
+                except IntegrityError:
+                    return None  # another candidate created it first
+                return LeaseRecord(me, 1, 1, lease_s)
+            done = session.execute(
+                update(ControlPlaneLease)
+                .where(ControlPlaneLease.name == self.name, ControlPlaneLease.version == seen.version)
+                .values(
+                    holder=me,
+                    epoch=ControlPlaneLease.epoch + 1,
+                    version=ControlPlaneLease.version + 1,
+                    lease_s=lease_s,
+                    renewed_at=utcnow(),
+                )
+            )
+            session.commit()
+            if done.rowcount != 1:
+                return None
+        return LeaseRecord(me, seen.epoch + 1, seen.version + 1, lease_s)
+
+    def renew(self, me: str, epoch: int) -> LeaseRecord | None:
+        """The renewed lease, or None when `me` no longer holds `epoch`."""
+        with self.sessions() as session:
+            done = session.execute(
+                update(ControlPlaneLease)
+                .where(
+                    ControlPlaneLease.name == self.name,
+                    ControlPlaneLease.holder == me,
+                    ControlPlaneLease.epoch == epoch,
+                )
+                .values(version=ControlPlaneLease.version + 1, renewed_at=utcnow())
+            )
+            if done.rowcount != 1:
+                session.rollback()
+                return None
+            row = session.get(ControlPlaneLease, self.name, populate_existing=True)
+            record = _record(row)
+            session.commit()
+            return record
+
+    def release(self, me: str, epoch: int) -> bool:
+        with self.sessions() as session:
+            done = session.execute(
+                update(ControlPlaneLease)
+                .where(
+                    ControlPlaneLease.name == self.name,
+                    ControlPlaneLease.holder == me,
+                    ControlPlaneLease.epoch == epoch,
+                )
+                .values(holder=None, version=ControlPlaneLease.version + 1, renewed_at=utcnow())
+            )
+            session.commit()
+            return done.rowcount == 1
+
+    # ----------------------------------------------------------------- members
+
+    def heartbeat(self, member_id: str, url: str, started_at: datetime) -> None:
+        """Insert or refresh this process's row."""
+        with self.sessions() as session:
+            now = utcnow()
+            done = session.execute(
+                update(ControlPlaneMember)
+                .where(ControlPlaneMember.id == member_id)
+                .values(url=url, last_seen=now)
+            )
+            if done.rowcount == 0:
+                session.add(ControlPlaneMember(id=member_id, url=url, started_at=started_at, last_seen=now))
+            try:
+                session.commit()
+            except IntegrityError:
+                session.rollback()  # a concurrent insert of the same id cannot happen (unique per process)
+
+    def leave(self, member_id: str) -> None:
+        with self.sessions() as session:
+            session.execute(delete(ControlPlaneMember).where(ControlPlaneMember.id == member_id))
+            session.commit()
+
+    def prune(self, unseen_for_s: float) -> int:
+        """Forget members not seen for `unseen_for_s` (crashed processes)."""
+        cutoff = utcnow() - timedelta(seconds=unseen_for_s)
+        with self.sessions() as session:
+            done = session.execute(delete(ControlPlaneMember).where(ControlPlaneMember.last_seen < cutoff))
+            session.commit()
+            return done.rowcount
+
+    def members(self) -> list[Member]:
+        with self.sessions() as session:
+            rows = session.scalars(select(ControlPlaneMember).order_by(ControlPlaneMember.started_at))
+            return [Member(r.id, r.url, r.started_at, r.last_seen) for r in rows]
