@@ -13,7 +13,7 @@ import time
 from pydantic import BaseModel, ConfigDict, Field
 
 from fleet_base.domain import PriorityClassName
-from fleet_base.protocol import Message
+from fleet_base.protocol import Epoch, Message
 
 
 class DeploymentLimits(BaseModel):
@@ -73,6 +73,7 @@ class ApiKeyRecord(Message):
     # Set by the control plane while the key's team has a hard monthly budget that is
     # spent: a gateway then refuses the key's new requests (429 insufficient_quota).
     budget_exhausted: bool = False
+    epoch: Epoch = 0  # fleet_base.protocol.Epoch
 
     def allows(self, deployment: str) -> bool:
         return self.deployments is None or deployment in self.deployments
@@ -90,6 +91,7 @@ class KeyLease(Message):
     issued_at: float = Field(default_factory=time.time)
     valid_s: float = Field(15.0, gt=0)
     keys: int = Field(0, ge=0)  # live keys in the set when issued
+    epoch: Epoch = 0  # fleet_base.protocol.Epoch
 
 
 KEY_PREFIX = "fleet"

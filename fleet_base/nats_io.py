@@ -24,7 +24,7 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, KeyValueConfig, StreamConfig
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
+from nats.js.errors import APIError, BucketNotFoundError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from fleet_base import protocol
@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 
 OnConnect = Callable[[], Awaitable[None]]
 Responder = Callable[[bytes], Awaitable[protocol.Message]]
+
+
+class KvConflict(Exception):
+    """A compare-and-set write to a KV key lost: the key moved past the expected revision."""
 
 
 class NatsLink:
@@ -261,7 +265,14 @@ class NatsLink:
         return (await self.kv_snapshot(bucket))[0]
 
     async def kv_snapshot(self, bucket: str) -> tuple[dict[str, bytes], int]:
-        """Every live key of a bucket and the bucket stream's last sequence.
+        """Every live key of a bucket and the bucket stream's last sequence (`kv_revisions`
+        without the revisions)."""
+        entries, last_seq = await self.kv_revisions(bucket)
+        return {key: value for key, (value, _) in entries.items()}, last_seq
+
+    async def kv_revisions(self, bucket: str) -> tuple[dict[str, tuple[bytes, int]], int]:
+        """Every live key of a bucket with its value and revision, and the bucket stream's
+        last sequence.
 
         Lists subjects from the bucket stream's info, not nats-py's `KeyValue.keys()`,
         whose watcher can report "no keys" for a bucket that has some (its end-of-data
@@ -270,7 +281,7 @@ class NatsLink:
         prefix = f"$KV.{bucket}."
         info = await self.js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
         kv = await self.kv(bucket)
-        out: dict[str, bytes] = {}
+        out: dict[str, tuple[bytes, int]] = {}
         for subject in sorted(info.state.subjects or {}):
             key = subject[len(prefix) :]
             try:
@@ -278,8 +289,39 @@ class NatsLink:
             except NotFoundError:  # deleted or purged (KeyDeletedError, KeyNotFoundError)
                 continue
             if entry.value is not None:
-                out[key] = entry.value
+                out[key] = (entry.value, int(entry.revision or 0))
         return out, int(info.state.last_seq or 0)
+
+    async def kv_last_seq(self, bucket: str) -> int:
+        """The bucket stream's last sequence: it moved when anyone wrote or deleted a key."""
+        assert self.js is not None
+        info = await self.js.stream_info(f"KV_{bucket}")
+        return int(info.state.last_seq or 0)
+
+    async def kv_entry(self, bucket: str, key: str) -> tuple[bytes | None, int]:
+        """A key's value (None: deleted or never written) and its revision (that of its
+        delete marker; 0 when the bucket holds nothing under it)."""
+        try:
+            entry = await (await self.kv(bucket)).get(key)
+        except NotFoundError as err:  # a delete marker's revision rides on the error (nats-py)
+            return None, int(getattr(getattr(err, "entry", None), "revision", 0) or 0)
+        return entry.value, int(entry.revision or 0)
+
+    async def kv_cas(self, bucket: str, key: str, value: bytes | None, last: int) -> int:
+        """Write `value` (None: a delete marker) under `key` only if the key's latest
+        revision is `last` (0: the key holds nothing); the new revision. Raises
+        `KvConflict` when someone else wrote the key since."""
+        assert self.js is not None
+        headers = {"Nats-Expected-Last-Subject-Sequence": str(last)}
+        if value is None:
+            headers["KV-Operation"] = "DEL"
+        try:
+            ack = await self.js.publish(f"$KV.{bucket}.{key}", value or b"", headers=headers)
+        except APIError as err:
+            if err.err_code in (10071, 10164):  # wrong last sequence
+                raise KvConflict(f"{bucket}/{key} moved past revision {last}") from err
+            raise
+        return int(ack.seq)
 
     async def publish(self, subject: str, message: protocol.Message) -> bool:
         if not self.is_connected or not self.allows("publish", subject):

@@ -33,6 +33,12 @@ MAX_TEXT = 4096
 
 SCHEMA_VERSION = 1
 
+# The control-plane leader's fencing epoch a KV value was written under (control_plane.ha):
+# agents refuse a value whose epoch is lower than the highest they have seen in its bucket,
+# so a paused old leader that wakes up cannot undo its successor's decisions. 0: written
+# by no elected leader (legacy writers; a missing field reads as 0).
+Epoch = Annotated[int, Field(ge=0, le=2**62)]
+
 ShortText = Annotated[str, Field(max_length=64)]
 
 # JetStream key-value buckets.
@@ -158,6 +164,7 @@ class DesiredState(Message):
     # Operators' cordons and uncordons of this cluster's nodes (fleet_base.node_health),
     # the latest per node.
     node_actions: list[NodeAction] = Field(default_factory=list, max_length=MAX_NODES)
+    epoch: Epoch = 0
 
 
 # --------------------------------------------------------------------- routes
@@ -214,6 +221,7 @@ class RoutingTable(Message):
     # While set, gateways copy `share` of the deployment's requests to replicas of
     # `version` (a rollout's shadow phase) and report the copies as shadow usage.
     shadow: ShadowTarget | None = None
+    epoch: Epoch = 0
 
 
 # --------------------------------------------------------------------- heartbeats

@@ -57,7 +57,7 @@ class Loops(NatsLoop):
         self.placer = get_placer(placer or ctx.settings.placer)
         self.placer.quotas = parse_quotas(getattr(ctx.settings, "gpu_quotas", "") or "")
         buckets = (protocol.BUCKET_DESIRED, protocol.BUCKET_ROUTES)  # keys: control_plane.loops.keys
-        self.publisher = KvPublisher(ctx.nats, buckets) if ctx.nats is not None else None
+        self.publisher = KvPublisher(ctx.nats, buckets, ctx.epoch) if ctx.nats is not None else None
         self.last: ReconcileOutcome | None = None
         self.reconciles = 0
         self.stats = ReconcileStats()  # read by GET /metrics

@@ -23,7 +23,9 @@ LEASE_PERIODS = 3  # a lease promises renewal within this many intervals
 class KeyLoop:
     def __init__(self, ctx: ControlPlaneContext) -> None:
         self.ctx = ctx
-        self.publisher = KvPublisher(ctx.nats, (protocol.BUCKET_KEYS,)) if ctx.nats is not None else None
+        self.publisher = (
+            KvPublisher(ctx.nats, (protocol.BUCKET_KEYS,), ctx.epoch) if ctx.nats is not None else None
+        )
         self.publishes = 0
         self._task: asyncio.Task[None] | None = None
         self._seen_nc: object | None = None

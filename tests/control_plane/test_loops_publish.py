@@ -229,3 +229,113 @@ async def test_bucket_items_lists_live_keys_without_the_keys_watcher(nats_server
             assert RoutingTable.from_bytes(live["b"]).generation == i
     finally:
         await link.close()
+
+
+async def epochs(link: NatsLink) -> dict[str, dict[str, int]]:
+    models = {BUCKET_DESIRED: DesiredState, BUCKET_ROUTES: RoutingTable, BUCKET_KEYS: ApiKeyRecord}
+    return {b: {k: v.epoch for k, v in (await read(link, b, m)).items()} for b, m in models.items()}
+
+
+async def test_every_value_carries_the_epoch_and_a_new_epoch_rewrites_every_key(nats_server):
+    link = await connected(nats_server.url)
+    try:
+        old = KvPublisher(link, epoch=3)
+        assert await old.publish(wanted())
+        assert await epochs(link) == {
+            BUCKET_DESIRED: {"a": 3, "b": 3},
+            BUCKET_ROUTES: {"chat": 3},
+            BUCKET_KEYS: {"k1": 3},
+        }
+        assert await old.publish(wanted()) and old.puts == 4  # unchanged: nothing written
+        before = {k: d.generation for k, d in (await read(link, BUCKET_DESIRED, DesiredState)).items()}
+
+        new = KvPublisher(link, epoch=4)  # same content, a new leader: every key again
+        assert await new.publish(wanted())
+        assert new.puts == 4
+        assert {k for b in (await epochs(link)).values() for k in b.values()} == {4}
+        after = await read(link, BUCKET_DESIRED, DesiredState)
+        assert all(after[k].generation > before[k] for k in before)
+        assert await new.publish(wanted()) and new.puts == 4
+    finally:
+        await link.close()
+
+
+async def test_a_paused_old_leader_that_wakes_writes_nothing(nats_server):
+    """The old leader (epoch 1) wakes after its successor (epoch 2) published: it sees the
+    buckets moved, re-reads them, finds epoch 2 and writes and deletes nothing."""
+    link = await connected(nats_server.url)
+    try:
+        old = KvPublisher(link, epoch=1)
+        assert await old.publish(wanted(replicas=("r1",), keys=("k1", "k2")))
+        new = KvPublisher(link, epoch=2)
+        assert await new.publish(wanted(replicas=("r2",), keys=("k1",)))
+        after_new = {b: await items(link, b) for b in (BUCKET_DESIRED, BUCKET_ROUTES, BUCKET_KEYS)}
+
+        puts, deletes = old.puts, old.deletes
+        for _ in range(2):
+            assert not await old.publish(wanted(replicas=("old",), route_clusters=(), keys=("k2", "k9")))
+        assert all(old.fenced(b) for b in (BUCKET_DESIRED, BUCKET_ROUTES, BUCKET_KEYS))
+        assert (old.puts, old.deletes) == (puts, deletes)
+        assert {b: await items(link, b) for b in after_new} == after_new
+        assert await new.publish(wanted(replicas=("r2",), keys=("k1",))) and new.puts == 4
+    finally:
+        await link.close()
+
+
+async def test_an_old_leader_racing_its_successor_is_fenced_and_repaired(nats_server):
+    """The successor publishes right after the old leader checked the buckets: the old
+    one's compare-and-set writes and deletes lose and fence it; the key it creates (nobody
+    to race) is deleted by the successor's next publish, which sees the bucket moved."""
+    link = await connected(nats_server.url)
+    try:
+        old = KvPublisher(link, epoch=1)
+        assert await old.publish(wanted(replicas=("r1",), keys=("k1", "k2")))
+        new = KvPublisher(link, epoch=2)
+        real_moved = old._moved
+
+        async def successor_publishes_now() -> bool:
+            moved = await real_moved()
+            assert await new.publish(wanted(replicas=("r2",), keys=("k1", "k2")))
+            return moved
+
+        old._moved = successor_publishes_now
+        stale = wanted(replicas=("old",), route_clusters=(), keys=("k1", "k9"))
+        assert not await old.publish(stale)
+        assert old.fenced(BUCKET_DESIRED) and old.fenced(BUCKET_ROUTES) and old.conflicts >= 2
+        desired = await read(link, BUCKET_DESIRED, DesiredState)
+        assert [r.replica_id for r in desired["a"].replicas] == ["r2"] and desired["a"].epoch == 2
+        assert (await read(link, BUCKET_ROUTES, RoutingTable))["chat"].clusters[0].cluster == "a"
+        keys = await read(link, BUCKET_KEYS, ApiKeyRecord)
+        assert {k: v.epoch for k, v in keys.items()} == {"k1": 2, "k2": 2, "k9": 1}  # its delete of k2 lost
+        assert old.fenced(BUCKET_KEYS)
+
+        assert await new.publish(wanted(replicas=("r2",), keys=("k1", "k2")))
+        assert await epochs(link) == {
+            BUCKET_DESIRED: {"a": 2, "b": 2},
+            BUCKET_ROUTES: {"chat": 2},
+            BUCKET_KEYS: {"k1": 2, "k2": 2},
+        }
+    finally:
+        await link.close()
+
+
+async def test_the_successor_writes_over_a_stale_write_that_races_its_compare_and_set(nats_server):
+    link = await connected(nats_server.url)
+    try:
+        new = KvPublisher(link, epoch=2)
+        assert await new.publish(wanted(replicas=("r2",)))
+        real_moved = new._moved
+
+        async def stale_write_now() -> bool:  # lands after the successor's check
+            moved = await real_moved()
+            await link.kv_put(BUCKET_DESIRED, "a", DesiredState(cluster="a", epoch=1, generation=10**6))
+            return moved
+
+        new._moved = stale_write_now
+        assert await new.publish(wanted(replicas=("r3",)))
+        assert new.conflicts == 1 and not new.fenced(BUCKET_DESIRED)
+        desired = (await read(link, BUCKET_DESIRED, DesiredState))["a"]
+        assert [r.replica_id for r in desired.replicas] == ["r3"] and desired.epoch == 2
+        assert desired.generation > 10**6  # above every generation the bucket has seen
+    finally:
+        await link.close()
