@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 
@@ -49,7 +50,7 @@ def emit(
     for col in cols:
         table.add_column(col)
     for row in rows:
-        table.add_row(*[_cell(row.get(col)) for col in cols])
+        table.add_row(*[escape(_cell(row.get(col))) for col in cols])  # data, never markup
     console.print(table)
 
 

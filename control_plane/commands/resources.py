@@ -11,6 +11,7 @@ from typing import Any
 
 import typer
 
+from control_plane.commands.control_plane_status import control_plane_status
 from control_plane.commands.keys import keys_app
 from control_plane.commands.output import (
     OUTPUT_OPTION,
@@ -278,9 +279,14 @@ def list_deployments(
 
 
 def status(
-    name: str = typer.Argument(..., help="deployment name"), output: OutputFormat = OUTPUT_OPTION
+    name: str = typer.Argument(None, help="deployment name (none: the control plane's instances)"),
+    output: OutputFormat = OUTPUT_OPTION,
 ) -> None:
-    """A deployment's versions, desired and ready replicas, and where they run."""
+    """A deployment's versions, desired and ready replicas, and where they run; without a
+    name, the control plane's instances, its leader and epoch, and its scheduled jobs."""
+    if name is None:
+        control_plane_status(output)
+        return
     _print_status(call(lambda c: c.get(f"/v1/deployments/{name}")), output)
 
 
