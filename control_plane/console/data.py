@@ -291,3 +291,29 @@ def now() -> float:
 
 def iso(value: datetime | None) -> str:
     return "" if value is None else value.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _when(value: Any) -> datetime | None:
+    if isinstance(value, datetime) or value is None:
+        return value
+    try:
+        return datetime.fromisoformat(str(value))
+    except ValueError:
+        return None
+
+
+def control_plane(view: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The card of `GET /v1/control-plane`'s answer: members leader first, times as datetimes
+    (None: this control plane does not report its instances)."""
+    if view is None:
+        return None
+    members = sorted(view.get("members") or [], key=lambda m: (not m.get("is_leader"), str(m.get("id"))))
+    return {
+        "leader": view.get("leader"),
+        "epoch": view.get("epoch", 0),
+        "is_leader": bool(view.get("is_leader")),
+        "members": [
+            {**m, "last_seen": _when(m.get("last_seen")), "started_at": _when(m.get("started_at"))}
+            for m in members
+        ],
+    }

@@ -4,12 +4,16 @@ template that htmx re-fetches every few seconds (`.../panel`), and its charts re
 
 from __future__ import annotations
 
+import inspect
+import json
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, RedirectResponse, Response
+from fastapi.routing import APIRoute
 
 from control_plane.api.errors import ApiError
 from control_plane.api.routers import cost as cost_api
@@ -55,6 +59,32 @@ def land():
 def overview_panel(request: Request):
     with _db(request) as db:
         return render(request, "_overview.html", o=data.overview(db))
+
+
+CONTROL_PLANE_PATH = "/v1/control-plane"
+
+
+async def _control_plane_view(request: Request) -> dict[str, Any] | None:
+    """`GET /v1/control-plane`'s answer from this instance, through the admin API's own route
+    function (found by its path: the console follows the route's contract); None without it."""
+    for route in request.app.routes:
+        if isinstance(route, APIRoute) and route.path == CONTROL_PLANE_PATH and "GET" in route.methods:
+            params = inspect.signature(route.endpoint).parameters
+            if [p.annotation for p in params.values()] not in ([Request], ["Request"]):
+                return None  # a route needing more than its request: not callable from here
+            if inspect.iscoroutinefunction(route.endpoint):
+                answer = await route.endpoint(request)
+            else:
+                answer = await run_in_threadpool(route.endpoint, request)
+            if isinstance(answer, Response):
+                return json.loads(answer.body)
+            return answer.model_dump(mode="json") if hasattr(answer, "model_dump") else dict(answer)
+    return None
+
+
+@router.get("/panel/control-plane")
+async def control_plane_panel(request: Request):
+    return render(request, "_control_plane.html", cp=data.control_plane(await _control_plane_view(request)))
 
 
 def _autoscale_loop(request: Request) -> Any:

@@ -117,7 +117,7 @@ PAGES = [
     "/console/keys", "/console/events", "/console/events?kind=rollout_started&fragment=1", "/console/audit",
     "/console/audit?action=key.create&fragment=1", "/console/land.svg", "/console/cost",
     "/console/cost?since=1h", "/console/cost/series.json", "/console/nodes",
-    f"/console/deployments/{NAME}/autoscale.json",
+    f"/console/deployments/{NAME}/autoscale.json", "/console/panel/control-plane",
 ]  # fmt: skip
 
 
