@@ -6,6 +6,7 @@ source, and seen by the fake API server while the runtime runs)."""
 from __future__ import annotations
 
 import ast
+import base64
 import os
 import shutil
 import subprocess
@@ -98,6 +99,38 @@ def test_control_plane_migrates_first_from_secret_url(rendered, overlay) -> None
         assert ref["name"].startswith("fleet-database") and ref["key"] == "url"
     secrets = [s["metadata"]["name"] for s in by_kind(rendered[overlay], "Secret")]
     assert (ref["name"] in secrets) == (overlay == "local")  # real clusters bring their own
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_control_plane_is_highly_available(rendered, overlay) -> None:
+    """Two instances on PostgreSQL, surged one at a time, a budget that keeps one serving, and
+    probes any healthy instance passes (a follower is as ready as the leader)."""
+    docs = rendered[overlay]
+    (cp,) = [d for d in by_kind(docs, "Deployment") if d["metadata"]["name"] == "fleet-control-plane"]
+    spec_ = cp["spec"]
+    assert spec_["replicas"] == 2
+    assert spec_["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+    }
+    (container,) = spec_["template"]["spec"]["containers"]
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "http"}, probe
+    (budget,) = [
+        p for p in by_kind(docs, "PodDisruptionBudget") if p["metadata"]["name"] == "fleet-control-plane"
+    ]
+    assert budget["spec"]["minAvailable"] == 1 and "maxUnavailable" not in budget["spec"]
+    assert budget["spec"]["selector"]["matchLabels"] == spec_["selector"]["matchLabels"]
+    env = {e["name"]: e for e in container["env"]}
+    assert "secretKeyRef" in env["FLEET_DATABASE_URL"]["valueFrom"]  # one shared database, never SQLite
+    secrets = {
+        s["metadata"]["name"]: s
+        for s in by_kind(docs, "Secret")
+        if s["metadata"]["name"].startswith("fleet-database")
+    }
+    for secret in secrets.values():
+        url = base64.b64decode(secret["data"]["url"]).decode()
+        assert url.startswith("postgresql"), url
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
