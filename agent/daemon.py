@@ -5,6 +5,8 @@ Files under `state_dir` (atomic writes; see fleet_base/local_state.py):
 - desired.json, routes.json, keys.json: the last DesiredState / RouteSet / KeySet seen on
   NATS (deletions included). Loaded FIRST on start, so a restart while NATS or the
   control plane is down reconciles and serves from them.
+- fence.json: FenceState, the highest control-plane epoch seen per KV bucket and the
+  values refused below it (agent.fencing).
 - replicas.json: ReplicaSnapshot of every replica (state, url, load), rewritten on every
   change and at least each second; the gateway routes from it.
 - runtime.json: RuntimeFile, the runtime handle of each replica (pid, port, url, spec,
@@ -51,6 +53,7 @@ import httpx
 from agent.adapter_controller import AdapterController
 from agent.adapters import ReplicaAdapters
 from agent.capacity import CapacitySignals
+from agent.fencing import EpochFence
 from agent.health.monitor import NodeHealthMonitor
 from agent.inventory import inventory
 from agent.kv_relay import KvRelay
@@ -105,11 +108,16 @@ class Agent:
         scraper = MetricsScraper(verify=verify)
         cache = ModelCache(config.model_cache_dir, config.model_cache_max_bytes)
         self.models = ModelPuller(cache, on_change=lambda: self.replica_controller.wake())
+        self.fence = EpochFence(self.files)  # agent.fencing: shared by the three mirrors
         self.desired_mirror = desired_mirror(
-            self.link, self.files, self.cluster, on_change=lambda: self.replica_controller.wake()
+            self.link,
+            self.files,
+            self.cluster,
+            on_change=lambda: self.replica_controller.wake(),
+            fence=self.fence,
         )
-        self.route_mirror = route_mirror(self.link, self.files)
-        self.key_mirror = key_mirror(self.link, self.files)
+        self.route_mirror = route_mirror(self.link, self.files, self.fence)
+        self.key_mirror = key_mirror(self.link, self.files, self.fence)
         self.replica_controller = ReplicaController(
             runtime=self.runtime,
             config=config.replica,

@@ -3,7 +3,8 @@ routes and API keys all arrive this way.
 
 Each entry is decoded with `fleet_base.wire` (a bucket entry's key, not a subject, names
 what it is about); a malformed or refused entry is logged and ignored, an entry whose
-generation went back is never acted on. Every accepted change takes effect in memory at
+generation went back is never acted on, nor one written under an older control-plane
+epoch than the bucket's highest (agent.fencing). Every accepted change takes effect in memory at
 once and is written to the state folder; the copy on disk is loaded first on start, so a
 restart while NATS or the control plane is down serves from it.
 
@@ -23,6 +24,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Generic, TypeVar
 
+from agent.fencing import EpochFence
 from fleet_base import api_keys, protocol
 from fleet_base.api_keys import ApiKeyRecord
 from fleet_base.local_state import KeySet, LocalState, RouteSet
@@ -57,6 +59,7 @@ class BucketMirror(Generic[M]):
     - `side_keys`: keys that are not entries but signals, handed to their callback.
     - `prune_on_connect`: at every (re)connect, drop entries NATS no longer holds (deleted
       while we were away); off where absence is not deletion.
+    - `fence`: refuse entries of an older control-plane epoch than the bucket's highest.
     """
 
     def __init__(
@@ -74,6 +77,7 @@ class BucketMirror(Generic[M]):
         side_keys: dict[str, Callable[[str, bytes | None], None]] | None = None,
         prune_on_connect: bool = True,
         on_change: Callable[[str, M | None], None] | None = None,
+        fence: EpochFence | None = None,
     ) -> None:
         self.link = link
         self.bucket = bucket
@@ -87,6 +91,7 @@ class BucketMirror(Generic[M]):
         self._tombstone = tombstone
         self._side_keys = side_keys or {}
         self._on_change = on_change
+        self.fence = fence
         self.watch = KvWatch(link, bucket, keys=keys)
         self.watch.subscribe(self.on_entry)
         if prune_on_connect:
@@ -95,6 +100,9 @@ class BucketMirror(Generic[M]):
     def load(self) -> None:
         """Start from the copy on disk."""
         self.entries = dict(self._load())
+        if self.fence is not None:  # what was obeyed before fence.json existed
+            for entry in self.entries.values():
+                self.fence.observe(self.bucket, epoch_of(entry))
 
     async def on_entry(self, key: str, value: bytes | None) -> None:
         """One update from the bucket: `value` None is a deletion. It takes effect in
@@ -143,9 +151,13 @@ class BucketMirror(Generic[M]):
         if reason is not None:
             log.warning("ignoring %s under key %r: %s", self.model.__name__, key, reason)
             return False
+        if self.fence is not None and not self.fence.admits(self.bucket, key, epoch_of(entry)):
+            return False
         old = self.entries.get(key)
         if self._generation is not None and old is not None:
-            before, after = self._generation(old), self._generation(entry)
+            # A new leader's epoch outranks any generation an older one wrote.
+            before = (epoch_of(old), self._generation(old))
+            after = (epoch_of(entry), self._generation(entry))
             if after < before:
                 # A replayed or forged older entry: never act on it (a control plane that
                 # lost its store still writes higher generations: control_plane.loops.publish).
@@ -153,8 +165,8 @@ class BucketMirror(Generic[M]):
                     "ignoring %s %r whose generation went back (%d -> %d)",
                     self.model.__name__,
                     key,
-                    before,
-                    after,
+                    before[1],
+                    after[1],
                 )
                 return False
         return True
@@ -178,6 +190,10 @@ class BucketMirror(Generic[M]):
         await self.watch.close()
 
 
+def epoch_of(entry: protocol.Message) -> int:
+    return int(getattr(entry, "epoch", 0))
+
+
 async def retry_unsaved(mirrors: Iterable[BucketMirror], interval_s: float = 1.0) -> None:
     """Write each mirror that memory holds ahead of disk, every `interval_s`, so a change
     reaches disk soon after space comes back (NATS up or not)."""
@@ -189,7 +205,11 @@ async def retry_unsaved(mirrors: Iterable[BucketMirror], interval_s: float = 1.0
 
 
 def desired_mirror(
-    link: NatsLink, files: LocalState, cluster: str, on_change: Callable[[], None]
+    link: NatsLink,
+    files: LocalState,
+    cluster: str,
+    on_change: Callable[[], None],
+    fence: EpochFence | None = None,
 ) -> BucketMirror[DesiredState]:
     """This cluster's desired state (desired.json). Absence is not deletion: with no key at
     connect the copy on disk stays in force; an explicit delete means "run nothing"."""
@@ -207,7 +227,12 @@ def desired_mirror(
 
     def tombstone(key: str, old: DesiredState | None) -> DesiredState:
         log.info("desired state deleted: running nothing")
-        return DesiredState(cluster=cluster, generation=old.generation if old else 0, replicas=[])
+        return DesiredState(
+            cluster=cluster,
+            generation=old.generation if old else 0,
+            replicas=[],
+            epoch=old.epoch if old else 0,
+        )
 
     def changed(key: str, desired: DesiredState | None) -> None:
         if desired is not None:
@@ -226,10 +251,13 @@ def desired_mirror(
         tombstone=tombstone,
         prune_on_connect=False,
         on_change=changed,
+        fence=fence,
     )
 
 
-def route_mirror(link: NatsLink, files: LocalState) -> BucketMirror[RoutingTable]:
+def route_mirror(
+    link: NatsLink, files: LocalState, fence: EpochFence | None = None
+) -> BucketMirror[RoutingTable]:
     """Every deployment's routing table (routes.json), for the gateway."""
 
     def save(routes: dict[str, RoutingTable]) -> None:
@@ -237,16 +265,26 @@ def route_mirror(link: NatsLink, files: LocalState) -> BucketMirror[RoutingTable
 
     load = files.load_routes
     return BucketMirror(
-        link, protocol.BUCKET_ROUTES, RoutingTable, load=lambda: dict(load().routes), save=save
+        link,
+        protocol.BUCKET_ROUTES,
+        RoutingTable,
+        load=lambda: dict(load().routes),
+        save=save,
+        fence=fence,
     )
 
 
-def key_mirror(link: NatsLink, files: LocalState) -> BucketMirror[ApiKeyRecord]:
+def key_mirror(
+    link: NatsLink, files: LocalState, fence: EpochFence | None = None
+) -> BucketMirror[ApiKeyRecord]:
     """The API keys (keys.json) and when their lease was last renewed (keys-lease.json)."""
 
     def lease(key: str, value: bytes | None) -> None:
-        if value is None or decode_entry(api_keys.KeyLease, key, value) is None:
+        renewal = None if value is None else decode_entry(api_keys.KeyLease, key, value)
+        if renewal is None:
             return
+        if fence is not None and not fence.admits(protocol.BUCKET_KEYS, key, renewal.epoch):
+            return  # a deposed leader's renewal vouches for nothing
         # A renewal confirms the key set on disk: never while keys.json lacks a change.
         if not mirror.persist_if_unsaved():
             raise NotSaved("keys.json is behind memory: the lease renewal is not recorded")
@@ -259,5 +297,6 @@ def key_mirror(link: NatsLink, files: LocalState) -> BucketMirror[ApiKeyRecord]:
         load=lambda: dict(files.load_keys().keys),
         save=lambda entries: files.save_keys(KeySet(keys=entries)),
         side_keys={api_keys.KEYS_LEASE: lease},
+        fence=fence,
     )
     return mirror

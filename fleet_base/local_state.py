@@ -33,6 +33,21 @@ class KeySet(Message):
     keys: dict[str, ApiKeyRecord] = Field(default_factory=dict)
 
 
+class BucketFence(BaseModel):
+    """The highest control-plane epoch the agent saw in one KV bucket, and how many values
+    of a lower epoch it refused there (agent.fencing)."""
+
+    epoch: int = Field(0, ge=0)
+    refused: int = Field(0, ge=0)
+
+
+class FenceState(Message):
+    """fence.json: per KV bucket, the epoch below which the agent obeys nothing; kept
+    across restarts so a stale leader's write cannot slip in while the agent starts."""
+
+    buckets: dict[str, BucketFence] = Field(default_factory=dict)
+
+
 class KeyLeaseSeen(Message):
     """keys-lease.json: the agent's own clock when it last heard the key set's lease
     renewed, i.e. how old keys.json may be (the gateway's staleness rule, docs/security.md).
@@ -160,11 +175,18 @@ class LocalState:
     key_lease_path = _InStateDir("keys-lease.json")
     replicas_path = _InStateDir("replicas.json")
     gateway_path = _InStateDir("gateway.json")
+    fence_path = _InStateDir("fence.json")
     logs_dir = _InStateDir("logs")
 
     def __init__(self, state_dir: Path) -> None:
         self.dir = Path(state_dir)
         self.writes = WriteFailures()
+
+    def save_fence(self, fence: FenceState) -> None:
+        self._write(self.fence_path, fence)
+
+    def load_fence(self) -> FenceState:
+        return self._read(self.fence_path, FenceState) or FenceState()
 
     def save_gateway(self, status: GatewayStatus) -> None:
         self._write(self.gateway_path, status)

@@ -30,6 +30,7 @@ from agent.gateway.disconnect import ClientGone, unless_disconnected
 from agent.gateway.dispatch import Dispatcher
 from agent.gateway.errors import GatewayError, error_response
 from agent.gateway.exchange import Call, ClientHeaders, Exchange, Settlement
+from agent.gateway.fence_metrics import FencedWritesCollector
 from agent.gateway.freshness import KeyFreshness
 from agent.gateway.inputs import OFF_LOOP_BYTES, Endpoint, RequestInfo, parse_off_loop, read_body
 from agent.gateway.limits import QuotaGate
@@ -135,6 +136,7 @@ class Gateway:
         self.metrics.registry.register(UnschedulableCollector(lambda: self.view.replicas))
         nodes = LocalState(config.state_dir)
         self.metrics.registry.register(NodeHealthCollector(lambda: node_snapshot(nodes)))
+        self.metrics.registry.register(FencedWritesCollector(nodes.load_fence))
         self._demand: asyncio.Task[None] | None = None
         self.liveness = PeerLiveness(link)  # clusters heard on NATS: failover faster than routes
         # who forwarded a request; credentials for upstreams
