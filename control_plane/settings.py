@@ -84,6 +84,15 @@ class Settings(BaseSettings):
     cost_metrics_interval_s: float = Field(60.0, ge=1)
     # Team budgets: seconds between two passes over every budget (control_plane.loops.budgets).
     budget_interval_s: float = Field(30.0, gt=0)
+    # The scheduled jobs (control_plane.scheduled), run by the leader. Retention: events and
+    # audit records older than these are deleted (usage: `usage_retention_days`, never
+    # within the current month, which budgets and cost reports read).
+    retention_events_days: float = Field(90.0, gt=0)
+    retention_audit_days: float = Field(365.0, gt=0)
+    # Certificates within this many days of expiry are reported (event, metric).
+    cert_renew_window_days: float = Field(30.0, gt=0)
+    # A node no heartbeat has reported for this long (removed from its cluster) is forgotten.
+    stale_node_days: float = Field(7.0, gt=0)
 
     @classmethod
     def from_env(cls, **overrides) -> Settings:

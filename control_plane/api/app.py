@@ -26,6 +26,7 @@ from control_plane.api.routers import (
     model_cache,
     nodes,
     rollouts,
+    scheduled_jobs,
     usage,
 )
 from control_plane.console import install as install_console
@@ -189,6 +190,7 @@ def build_app(ctx: ControlPlaneContext, *, run_loops: bool = True) -> FastAPI:
         model_cache.router,
         budgets.router,
         nodes.router,
+        scheduled_jobs.router,
     )
     for router in routers:
         app.include_router(router, dependencies=auth)

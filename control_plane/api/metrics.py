@@ -30,6 +30,8 @@ from control_plane.counters import ReconcileStats, Rejections
 from control_plane.db.models import CapacityPool, Cluster, Deployment, ReplicaAssignment, Rollout
 from control_plane.nodes.metrics import node_metrics
 from control_plane.rollouts.policy import Phase
+from control_plane.scheduled import ScheduledJobs
+from control_plane.scheduled.metrics import scheduled_metrics
 from fleet_base.domain import ClusterStatus
 from fleet_base.listener import RefusalCollector
 from fleet_base.protocol import ReplicaState
@@ -48,12 +50,14 @@ class ControlPlaneCollector(Collector):
         rejections: Callable[[], Rejections | None] = lambda: None,
         decisions: Callable[[], Mapping[str, Decision] | None] = lambda: None,
         errors: Callable[[], PredictionErrors | None] = lambda: None,
+        scheduled: Callable[[], ScheduledJobs | None] = lambda: None,
     ) -> None:
         self.sessions = sessions
         self.stats = stats
         self.rejections = rejections
         self.decisions = decisions
         self.errors = errors
+        self.scheduled = scheduled
 
     def collect(self) -> Iterator[Metric]:
         with self.sessions()() as session:
@@ -63,6 +67,7 @@ class ControlPlaneCollector(Collector):
             yield from _reconcile_metrics(stats)
         yield from autoscale_metrics(self.decisions() or {})
         yield from prediction_error_metrics(self.errors())
+        yield from scheduled_metrics(self.scheduled())
         c = CounterMetricFamily(
             PREFIX + "rejected_messages",
             "NATS messages refused and skipped (malformed, out of bounds, refused by the database).",
@@ -351,6 +356,7 @@ def metrics(request: Request) -> Response:
                 lambda: getattr(
                     getattr(getattr(app_state, "loops", None), "autoscale", None), "errors", None
                 ),
+                lambda: getattr(getattr(app_state, "loops", None), "scheduled", None),
             )
         )
         registry.register(RefusalCollector(PREFIX))

@@ -10,7 +10,9 @@
 - failover: a cluster silent for `missed_heartbeats * heartbeat_interval_s` becomes
   unhealthy, which the next reconcile turns into re-placement and dropped routes;
 - budgets: every `budget_interval_s`, each team budget against its month-to-date dollars
-  (`control_plane.loops.budgets`).
+  (`control_plane.loops.budgets`);
+- scheduled jobs: the calendar-driven work (retention, certificate expiry, the budget
+  month's rollover, stale state) on APScheduler (`control_plane.scheduled`).
 
 Decisions live in plain functions (`plan`, `ingest`, `placement`); this module is the
 asyncio plumbing around them. Database work runs in threads.
@@ -44,6 +46,7 @@ from control_plane.nats_loop import NatsLoop
 from control_plane.placement import Unplaced, get_placer
 from control_plane.placement.quotas import parse_quotas
 from control_plane.rollouts.loop import RolloutLoop, start_rollout_loop
+from control_plane.scheduled import ScheduledJobs, start_scheduled_jobs
 from fleet_base import protocol
 
 log = logging.getLogger(__name__)
@@ -72,6 +75,7 @@ class Loops(NatsLoop):
         self._stopping = False
         self.rollouts: RolloutLoop | None = None
         self.autoscale: AutoscaleLoop | None = None  # its last decisions: GET /metrics
+        self.scheduled: ScheduledJobs | None = None  # GET /metrics, GET /v1/control-plane/jobs
         self.children: list = []  # other loops started with these (objects with `async stop()`)
 
     # ----------------------------------------------------------------- lifecycle
@@ -223,6 +227,8 @@ async def start_loops(ctx: ControlPlaneContext) -> Loops:
     loops.children.append(loops.autoscale)
     loops.children.append(await start_key_loop(ctx))
     loops.children.append(await start_budget_loop(ctx))
+    loops.scheduled = start_scheduled_jobs(ctx)
+    loops.children.append(loops.scheduled)
     return loops
 
 

@@ -13,9 +13,9 @@
   version, a deployment placed on its sender, dated no further ahead than
   FLEET_REPORT_CLOCK_SKEW_S (default 300) and no older than the retention
   (`control_plane.report_scope`); others are counted as refused and dropped;
-- retention: records older than FLEET_USAGE_RETENTION_DAYS (default 90) are deleted
-  every ten minutes (a record dated in the future, which pruning would never reach, is
-  refused on the way in).
+- retention: records older than FLEET_USAGE_RETENTION_DAYS (default 90), and not of the
+  current month, are deleted by the scheduled retention job (`control_plane.scheduled`);
+  a record dated in the future, which pruning would never reach, is refused on the way in.
 
 Settings come from the process's `Settings` (FLEET_QUOTA_SHARE_INTERVAL_S, FLEET_QUOTA_SHARE_WINDOW_S,
 FLEET_QUOTA_MIN_SHARE) so tests can shorten them. Database work runs in threads.
@@ -25,17 +25,17 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import time
 from datetime import datetime, timedelta, timezone
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import func, select
 
 from control_plane.context import ControlPlaneContext
 from control_plane.counters import Rejections
 from control_plane.db.models import ApiKey, Cluster, UsageRecord
 from control_plane.db.once import insert_once
+from control_plane.db.prune import prune_before
 from control_plane.fleet_model.shares import ShareSettings, compute_shares
 from control_plane.loops.durable import DurableConsumer, Received, Verdicts
 from control_plane.loops.store import store_batch
@@ -46,8 +46,6 @@ from fleet_base import protocol
 from fleet_base.wire import decode_usage
 
 log = logging.getLogger(__name__)
-
-PRUNE_EVERY_S = 600.0
 
 
 def share_settings(settings: Settings) -> ShareSettings:
@@ -177,10 +175,9 @@ def store_usage_batch(
 
 
 def prune_records(sessions, before: datetime) -> int:
-    with sessions() as session:
-        result = session.execute(delete(UsageRecord).where(UsageRecord.at < before))
-        session.commit()
-        return int(result.rowcount or 0)
+    """Delete the usage records dated before `before` (in batches); the number deleted.
+    The scheduled retention job (`control_plane.scheduled.retention`) calls it."""
+    return prune_before(sessions, UsageRecord, before)
 
 
 def update_shares(
@@ -287,15 +284,8 @@ class UsageLoop(NatsLoop):
         return out
 
     async def _shares_loop(self) -> None:
-        retention = timedelta(days=self.ctx.settings.usage_retention_days)
-        pruned_at = 0.0
         while True:
             await asyncio.sleep(self.settings.interval_s)
-            if time.monotonic() - pruned_at >= PRUNE_EVERY_S:
-                pruned_at = time.monotonic()
-                with contextlib.suppress(Exception):
-                    before = datetime.now(timezone.utc) - retention
-                    await asyncio.to_thread(prune_records, self.ctx.sessions, before)
             try:
                 changed = await asyncio.to_thread(
                     update_shares,
