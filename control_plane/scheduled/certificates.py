@@ -1,6 +1,6 @@
 """Certificate expiry: every day (and once at start) the certificates this control plane
 can see are read and their days to expiry kept for /metrics
-(`fleet_certificate_expires_in_days{certificate}`); one within `cert_renew_window_days`
+(`fleet_control_plane_certificate_expires_in_days{certificate}`); one within `cert_renew_window_days`
 (FLEET_CERT_RENEW_WINDOW_DAYS) writes a `certificate_expiring` event and a warning.
 
 This job reports, it does not renew: the control plane's NATS identity is loaded into the

@@ -16,7 +16,9 @@ def scheduled_metrics(jobs: ScheduledJobs | None) -> Iterator[Metric]:
     if jobs is None:
         return
     runs = CounterMetricFamily(
-        "fleet_scheduled_job_runs", "Runs of the leader's scheduled jobs, by outcome.", labels=["job", "outcome"]
+        "fleet_scheduled_job_runs",
+        "Runs of the leader's scheduled jobs, by outcome.",
+        labels=["job", "outcome"],
     )
     for (job, outcome), n in sorted(jobs.counts.items()):
         runs.add_metric([job, outcome], n)
@@ -33,7 +35,7 @@ def scheduled_metrics(jobs: ScheduledJobs | None) -> Iterator[Metric]:
     report = jobs.results.get(CERTIFICATES.id)
     if isinstance(report, ExpiryReport):
         expiry = GaugeMetricFamily(
-            "fleet_certificate_expires_in_days",
+            "fleet_control_plane_certificate_expires_in_days",
             "Days until each certificate the control plane can see expires (negative: expired).",
             labels=["certificate"],
         )

@@ -57,7 +57,8 @@ class ScheduledJobs:
 
     async def stop(self) -> None:
         if self.scheduler.running:
-            self.scheduler.shutdown(wait=False)
+            self.scheduler.shutdown(wait=False)  # scheduled on the event loop (call_soon_threadsafe)
+            await asyncio.sleep(0)
         for task in list(self._running):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -108,7 +109,9 @@ def planned_jobs(settings: Settings, now: datetime | None = None) -> list[JobInf
     out = []
     for job in JOBS:
         trigger = job.trigger(settings)
-        out.append(JobInfo(id=job.id, trigger=str(trigger), next_run_at=trigger.get_next_fire_time(None, now)))
+        out.append(
+            JobInfo(id=job.id, trigger=str(trigger), next_run_at=trigger.get_next_fire_time(None, now))
+        )
     return out
 
 

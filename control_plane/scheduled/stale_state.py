@@ -49,11 +49,15 @@ class Expired(BaseModel):
 
 
 def expire_all(
-    sessions: Callable[[], Session], settings: Settings, now: datetime, expiries: tuple[Expiry, ...] = EXPIRIES
+    sessions: Callable[[], Session],
+    settings: Settings,
+    now: datetime,
+    expiries: tuple[Expiry, ...] = EXPIRIES,
 ) -> Expired:
     return Expired(
         deleted={
-            e.name: prune_before(sessions, e.model, now - e.max_age(settings), column=e.column) for e in expiries
+            e.name: prune_before(sessions, e.model, now - e.max_age(settings), column=e.column)
+            for e in expiries
         }
     )
 

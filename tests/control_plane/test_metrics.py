@@ -62,7 +62,9 @@ def test_names_present_without_auth(server):
     assert value(samples, "deployments") == 0
     assert value(samples, "rollouts", phase="deploying") == 0
     assert not any(n.startswith(("python_", "process_")) for n in names)  # dedicated registry
-    assert not any(n.startswith("fleet_") and not n.startswith(P) for n in names)
+    assert not any(n.startswith("fleet_") and not n.startswith((P, "fleet_scheduled_job_")) for n in names)
+    # the leader's scheduled jobs, each counted by outcome from its start
+    assert samples[("fleet_scheduled_job_runs_total", (("job", "retention"), ("outcome", "error")))] == 0
 
 
 def test_values_follow_the_api(server):

@@ -67,7 +67,11 @@ def test_batch_must_be_positive(db) -> None:
         (NOW, 19.5, datetime(2026, 12, 1, tzinfo=timezone.utc)),
         (NOW, 19.4, datetime(2026, 12, 1, tzinfo=timezone.utc)),
         # the first second of a month: the retention decides again
-        (datetime(2027, 1, 1, 0, 0, 1, tzinfo=timezone.utc), 0.5, datetime(2026, 12, 31, 12, 0, 1, tzinfo=timezone.utc)),
+        (
+            datetime(2027, 1, 1, 0, 0, 1, tzinfo=timezone.utc),
+            0.5,
+            datetime(2026, 12, 31, 12, 0, 1, tzinfo=timezone.utc),
+        ),
         (datetime(2027, 3, 1, 6, tzinfo=timezone.utc), 3, datetime(2027, 2, 26, 6, tzinfo=timezone.utc)),
     ],
 )
