@@ -93,6 +93,8 @@ class Settings(BaseSettings):
     cert_renew_window_days: float = Field(30.0, gt=0)
     # A node no heartbeat has reported for this long (removed from its cluster) is forgotten.
     stale_node_days: float = Field(7.0, gt=0)
+    # A control-plane member (any instance) not seen for this long has crashed: forgotten.
+    stale_member_s: float = Field(3600.0, gt=0)
 
     @classmethod
     def from_env(cls, **overrides) -> Settings:

@@ -22,7 +22,7 @@ def prune_before(
     batch: int = DEFAULT_BATCH,
 ) -> int:
     """Delete every row of `model` whose `column` is earlier than `before`, at most
-    `batch` rows per transaction; the number deleted. The table needs an integer `id`."""
+    `batch` rows per transaction; the number deleted. The table's primary key is `id`."""
     if batch < 1:
         raise ValueError("batch must be at least 1")
     stamp, key = getattr(model, column), model.id

@@ -11,7 +11,9 @@ from control_plane.db.session import make_sessions, upgrade_to_head
 from tests.control_plane.conftest import DB_KINDS
 from tests.control_plane.cp_server import fresh_database
 
-TABLES = (m.Event, m.AuditRecord, m.UsageRecord, m.Node, m.TeamBudget, m.ApiKey)
+TABLES = (
+    m.Event, m.AuditRecord, m.UsageRecord, m.Node, m.TeamBudget, m.ApiKey, m.ControlPlaneLease, m.ControlPlaneMember,
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=DB_KINDS)

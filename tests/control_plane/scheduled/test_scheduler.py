@@ -11,11 +11,15 @@ from types import SimpleNamespace
 from apscheduler.triggers.interval import IntervalTrigger
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import func, select
 
 from control_plane.api.app import build_app
 from control_plane.api.routers.keys import make_key
 from control_plane.context import ControlPlaneContext
-from control_plane.scheduled import JobInfo, ScheduledJob, start_scheduled_jobs
+from control_plane.db import models as m
+from control_plane.ha import LEASE_NAME
+from control_plane.ha.fencing import fenced_sessions
+from control_plane.scheduled import JobInfo, ScheduledJob, retention, start_scheduled_jobs
 from control_plane.scheduled.certificates import CertificateExpiry, ExpiryReport
 from control_plane.scheduled.scheduler import JOBS
 from control_plane.settings import Settings
@@ -23,7 +27,7 @@ from tests import polling
 
 
 class Fenced(Exception):
-    """Stands for `control_plane.ha.fencing.Fenced`: the jobs treat it like any failure."""
+    """A failing job's exception (the real `Fenced`: the fencing test below)."""
 
 
 def _job(job_id: str, calls: list, fail: bool = False, at_start: bool = True) -> ScheduledJob:
@@ -104,6 +108,25 @@ async def test_the_real_jobs_are_listed_with_their_next_runs(tmp_path, db) -> No
             assert (await jobs.run_now(job)).last_outcome == "ok", jobs.info[job].last_error
     finally:
         await jobs.stop()
+
+
+async def test_a_stale_leaders_job_is_refused_by_fencing_and_recorded_as_failed(tmp_path, db) -> None:
+    """The lease moved to epoch 5; this leader's context is fenced at epoch 4: its retention
+    run deletes nothing and is counted as an error, the scheduler goes on."""
+    with db() as s:
+        s.add(m.ControlPlaneLease(name=LEASE_NAME, holder="successor", epoch=5, version=9, lease_s=15))
+        s.add(m.Event(kind="t", at=datetime.now(timezone.utc) - timedelta(days=400)))
+        s.commit()
+    ctx = _ctx(tmp_path, fenced_sessions(db, LEASE_NAME, 4))
+    jobs = start_scheduled_jobs(ctx, [retention.JOB])
+    try:
+        info = await jobs.run_now("retention")
+    finally:
+        await jobs.stop()
+    assert info.last_outcome == "error" and info.last_error.startswith("Fenced")
+    assert jobs.counts[("retention", "error")] == 1
+    with db() as s:
+        assert s.scalar(select(func.count()).select_from(m.Event)) == 1
 
 
 def _client(app, sessions) -> TestClient:

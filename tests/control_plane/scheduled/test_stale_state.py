@@ -1,5 +1,6 @@
-"""Stale state: nodes no heartbeat has reported for `stale_node_days` are forgotten, the
-rest kept; a new kind of stale row is one more `Expiry`."""
+"""Stale state: nodes no heartbeat has reported for `stale_node_days` and control-plane
+members not seen for `stale_member_s` are forgotten, the rest kept; a new kind of stale
+row is one more `Expiry`."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def test_nodes_not_reported_for_long_are_forgotten(db, days, ages, kept) -> None
         s.add_all(m.Node(cluster="east", node=f"n{a}", updated_at=NOW - a * DAY) for a in ages)
         s.commit()
     expired = expire_all(db, Settings(stale_node_days=days), NOW)
-    assert expired.deleted == {"nodes": len(ages) - len(kept)}
+    assert expired.deleted == {"nodes": len(ages) - len(kept), "members": 0}
     with db() as s:
         assert sorted(s.scalars(select(m.Node.node))) == sorted(kept)
 
@@ -41,4 +42,25 @@ def test_another_kind_of_stale_row_is_one_more_expiry(db) -> None:
         s.commit()
     extra = Expiry("events", m.Event, "at", lambda s: 2 * DAY)
     expired = expire_all(db, Settings(), NOW, (*EXPIRIES, extra))
-    assert expired.deleted == {"nodes": 1, "events": 1}
+    assert expired.deleted == {"nodes": 1, "members": 0, "events": 1}
+
+
+@pytest.mark.parametrize(
+    ("unseen_for_s", "ages_s", "kept"),
+    [
+        (3600, [1, 10, 3599, 3601, 86400], ["m1", "m10", "m3599"]),
+        (60, [2, 61], ["m2"]),
+    ],
+)
+def test_members_not_seen_for_long_drop_out(db, unseen_for_s, ages_s, kept) -> None:
+    with db() as s:
+        s.add_all(
+            m.ControlPlaneMember(id=f"m{a}", url=f"http://h{a}", started_at=NOW - timedelta(days=2),
+                                 last_seen=NOW - timedelta(seconds=a))
+            for a in ages_s
+        )  # fmt: skip
+        s.commit()
+    expired = expire_all(db, Settings(stale_member_s=unseen_for_s), NOW)
+    assert expired.deleted["members"] == len(ages_s) - len(kept)
+    with db() as s:
+        assert sorted(s.scalars(select(m.ControlPlaneMember.id))) == sorted(kept)
