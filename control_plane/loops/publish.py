@@ -95,6 +95,9 @@ class KvPublisher:
         self.buckets = buckets
         self.epoch = epoch
         self._known: dict[str, dict[str, _Entry]] = {b: {} for b in buckets}
+        # The revision of the delete marker of each key this publisher deleted since its last
+        # read of the bucket: the revision a write that recreates the key expects.
+        self._deleted: dict[str, dict[str, int]] = {b: {} for b in buckets}
         # The highest generation this process saw per key, also of keys deleted or lost since.
         self._floor: dict[tuple[str, str], int] = {}
         self._last_seq: dict[str, int] = {b: 0 for b in buckets}
@@ -107,6 +110,7 @@ class KvPublisher:
         self.puts = 0
         self.deletes = 0
         self.conflicts = 0  # compare-and-set writes that lost a race (re-read, then repaired or fenced)
+        self.loads = 0  # full re-reads of the buckets
 
     def fenced(self, bucket: str) -> bool:
         """Whether a newer leader wrote `bucket`: this publisher writes nothing there."""
@@ -142,7 +146,9 @@ class KvPublisher:
             self._last_seq[bucket] = max(self._last_seq[bucket], last_seq)
             self._stream_seq[bucket] = last_seq
         self._known = known
+        self._deleted = {b: {} for b in self.buckets}
         self._loaded = True
+        self.loads += 1
 
     async def _moved(self) -> bool:
         """Whether anyone else wrote a bucket since this publisher's last write or read."""
@@ -166,7 +172,7 @@ class KvPublisher:
         """Write changed keys and delete unwanted ones in the buckets named in `wanted`.
         False when NATS is down, a write failed (the next call retries) or a bucket is
         fenced (a newer leader's: never retried by this publisher)."""
-        if not self.link.is_connected:
+        if not self.link.is_connected or all(self.fenced(b) for b in wanted):
             return False
         try:
             if self._loaded and await self._moved():
@@ -200,11 +206,13 @@ class KvPublisher:
                 continue
             generation = max(self.generation(bucket, key), self._last_seq[bucket]) + 1
             data = with_generation(message, generation, now).to_bytes()
-            revision = await self._write(bucket, key, data, entry.revision if entry else 0)
+            last = entry.revision if entry else self._deleted[bucket].get(key, 0)
+            revision = await self._write(bucket, key, data, last)
             if revision is None:
                 ok = False
                 continue
             self._last_seq[bucket] = max(self._last_seq[bucket], revision)
+            self._deleted[bucket].pop(key, None)
             generation = max(generation, self._floor.get((bucket, key), 0) + 1)  # as `_write` wrote it
             known[key] = _Entry(content=content, generation=generation, revision=revision, epoch=self.epoch)
             self.puts += 1
@@ -216,6 +224,7 @@ class KvPublisher:
             self._floor[(bucket, key)] = self.generation(bucket, key)
             self._last_seq[bucket] = max(self._last_seq[bucket], revision)
             known.pop(key)
+            self._deleted[bucket][key] = revision
             self.deletes += 1
         return ok
 

@@ -247,6 +247,11 @@ async def test_every_value_carries_the_epoch_and_a_new_epoch_rewrites_every_key(
             BUCKET_KEYS: {"k1": 3},
         }
         assert await old.publish(wanted()) and old.puts == 4  # unchanged: nothing written
+        # its own writes (deletes included) do not make it re-read the buckets
+        assert await old.publish(wanted(replicas=("r1", "r2"), keys=()))
+        assert await old.publish(wanted(keys=("k1", "k2")))
+        assert await old.publish(wanted())
+        assert old.loads == 1 and old.conflicts == 0
         before = {k: d.generation for k, d in (await read(link, BUCKET_DESIRED, DesiredState)).items()}
 
         new = KvPublisher(link, epoch=4)  # same content, a new leader: every key again
@@ -339,3 +344,15 @@ async def test_the_successor_writes_over_a_stale_write_that_races_its_compare_an
         assert desired.generation > 10**6  # above every generation the bucket has seen
     finally:
         await link.close()
+
+
+def test_the_loops_publish_under_the_contexts_epoch(tmp_path):
+    from control_plane.context import ControlPlaneContext
+    from control_plane.loops import Loops
+    from control_plane.loops.keys import KeyLoop
+    from control_plane.settings import Settings
+
+    link = NatsLink("nats://127.0.0.1:1", "unused")
+    ctx = ControlPlaneContext(settings=Settings(home=tmp_path), sessions=None, nats=link, epoch=7)  # type: ignore[arg-type]
+    assert Loops(ctx).publisher.epoch == 7
+    assert KeyLoop(ctx).publisher.epoch == 7
