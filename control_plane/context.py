@@ -5,6 +5,7 @@ instead of waiting for their next tick."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -27,8 +28,13 @@ class ControlPlaneContext:
     # The leader's fencing epoch while this context drives the control loops (0: not the
     # leader, or a context that never runs loops). Every write the loops make carries it.
     epoch: int = 0
+    # Called on every kick (on the event loop): the elector forwards a follower's kicks to
+    # the leader (control_plane.ha.elector).
+    on_kick: Callable[[], None] | None = None
 
     def kick(self) -> None:
         """Desired state may have changed: reconcile now."""
         self.changed.set()
         self.keys_changed.set()
+        if self.on_kick is not None:
+            self.on_kick()

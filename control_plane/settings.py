@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_API_PORT = 7070
@@ -95,6 +95,20 @@ class Settings(BaseSettings):
     stale_node_days: float = Field(7.0, gt=0)
     # A control-plane member (any instance) not seen for this long has crashed: forgotten.
     stale_member_s: float = Field(3600.0, gt=0)
+    # Leader election (control_plane.ha): a follower takes over after the lease went
+    # unrenewed this long on its own clock; a leader stops its loops this long after the
+    # start of its last good renew; every instance tries (and heartbeats) this often.
+    leader_lease_s: float = Field(15.0, gt=0)
+    leader_renew_deadline_s: float = Field(10.0, gt=0)
+    leader_retry_s: float = Field(2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _leader_timing(self) -> Settings:
+        if not self.leader_renew_deadline_s < self.leader_lease_s:
+            raise ValueError("FLEET_LEADER_RENEW_DEADLINE_S must be below FLEET_LEADER_LEASE_S")
+        if not self.leader_retry_s < self.leader_renew_deadline_s:
+            raise ValueError("FLEET_LEADER_RETRY_S must be below FLEET_LEADER_RENEW_DEADLINE_S")
+        return self
 
     @classmethod
     def from_env(cls, **overrides) -> Settings:

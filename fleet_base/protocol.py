@@ -78,6 +78,9 @@ HEARTBEAT_WILDCARD = f"{SUBJECT_PREFIX}.heartbeat.*"
 DEMAND_WILDCARD = f"{SUBJECT_PREFIX}.demand.*"
 EVENTS_WILDCARD = f"{SUBJECT_PREFIX}.events.*"
 USAGE_WILDCARD = f"{SUBJECT_PREFIX}.usage.*"
+# Control-plane instances only (no cluster identity may use it): an API write on a follower
+# wakes the leader's loops (ControlPlaneKick).
+CONTROL_PLANE_KICK_SUBJECT = f"{SUBJECT_PREFIX}.control-plane.kick"
 
 
 class Message(BaseModel):
@@ -93,6 +96,12 @@ class Message(BaseModel):
     @classmethod
     def from_bytes(cls, data: bytes | str):
         return cls.model_validate_json(data)
+
+
+class ControlPlaneKick(Message):
+    """A follower's API changed desired state: the leader reconciles now."""
+
+    member: str = Field("", max_length=200)
 
 
 class ReplicaState(str, Enum):

@@ -19,6 +19,7 @@ from control_plane.api.routers import (
     adapters,
     budgets,
     clusters,
+    control_plane,
     cost,
     deployments,
     history,
@@ -31,6 +32,7 @@ from control_plane.api.routers import (
 )
 from control_plane.console import install as install_console
 from control_plane.context import ControlPlaneContext
+from control_plane.ha.elector import Elector
 from fleet_base.bounds import InputError, load_json
 
 log = logging.getLogger(__name__)
@@ -133,25 +135,32 @@ async def start_loops(ctx: ControlPlaneContext) -> object | None:
         return None
 
 
-def build_app(ctx: ControlPlaneContext, *, run_loops: bool = True) -> FastAPI:
+def build_app(ctx: ControlPlaneContext, *, run_loops: bool = True, public_url: str = "") -> FastAPI:
+    """`run_loops`: stand for election (the leader runs the control loops); otherwise serve
+    the API alone. `public_url`: this instance's address, as the members list shows it."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.loop = asyncio.get_running_loop()
+        app.state.loops = None  # the running loops while this instance leads (GET /metrics reads them)
+        app.state.elector = None
         if ctx.nats is not None:
             ctx.nats.start()
-        loops = await start_loops(ctx) if run_loops else None
-        app.state.loops = loops  # GET /metrics reads its reconcile stats
+        if run_loops:
+            app.state.elector = await Elector(
+                ctx, start_loops, url=public_url, on_loops=lambda loops: setattr(app.state, "loops", loops)
+            ).start()
         on_ready = getattr(app.state, "on_ready", None)
         if on_ready is not None:
             on_ready()
         try:
             yield
         finally:
-            if loops is not None and hasattr(loops, "stop"):
+            if app.state.elector is not None:
                 try:
-                    await asyncio.wait_for(loops.stop(), 10)
+                    await app.state.elector.stop()
                 except Exception:
-                    log.exception("stopping the control loops failed")
+                    log.exception("stopping the elector failed")
             if ctx.nats is not None:
                 await ctx.nats.close()
 
@@ -191,6 +200,7 @@ def build_app(ctx: ControlPlaneContext, *, run_loops: bool = True) -> FastAPI:
         budgets.router,
         nodes.router,
         scheduled_jobs.router,
+        control_plane.router,
     )
     for router in routers:
         app.include_router(router, dependencies=auth)

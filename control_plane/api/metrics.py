@@ -337,6 +337,38 @@ def _reconcile_metrics(stats: ReconcileStats) -> Iterator[Metric]:
         )
 
 
+class ElectionCollector(Collector):
+    """This instance's part in leader election (`app.state.elector`; None: it does not stand)."""
+
+    def __init__(self, elector: Callable[[], object | None]) -> None:
+        self.elector = elector
+
+    def collect(self) -> Iterator[Metric]:
+        elector = self.elector()
+        is_leader = bool(elector is not None and elector.is_leader)
+        record = getattr(elector, "last_record", None)
+        yield GaugeMetricFamily(
+            PREFIX + "is_leader",
+            "1 while this instance leads (runs the control loops).",
+            value=int(is_leader),
+        )
+        changes = CounterMetricFamily(PREFIX + "leader_changes", "Times this instance became the leader.")
+        changes.add_metric([], getattr(elector, "leader_changes", 0))
+        yield changes
+        yield GaugeMetricFamily(
+            PREFIX + "epoch",
+            "The leader lease's epoch as this instance last read it (the fencing token).",
+            value=record.epoch if record is not None else 0,
+        )
+        stats: ReconcileStats | None = getattr(elector, "renew_stats", None)
+        if stats is not None:
+            h = HistogramMetricFamily(
+                PREFIX + "lease_renew_seconds", "Round trips of lease acquires and renews that succeeded."
+            )
+            h.add_metric([], stats.cumulative(), sum_value=stats.seconds_sum)
+            yield h
+
+
 router = APIRouter()
 
 
@@ -360,6 +392,7 @@ def metrics(request: Request) -> Response:
             )
         )
         registry.register(RefusalCollector(PREFIX))
+        registry.register(ElectionCollector(lambda: getattr(app_state, "elector", None)))
         registry.register(
             CostCollector(lambda: app_state.ctx.sessions, app_state.ctx.settings.cost_metrics_interval_s)
         )

@@ -495,3 +495,21 @@ class Page(BaseModel, Generic[T]):
     total: int
     limit: int
     offset: int
+
+
+class ControlPlaneMemberOut(BaseModel):
+    id: str
+    url: str
+    is_leader: bool
+    last_seen: datetime
+    started_at: datetime
+
+
+class ControlPlaneOut(BaseModel):
+    """The control-plane instances on this database: who holds the lease, under which
+    epoch, and whether the instance that answers is the leader."""
+
+    leader: str | None
+    epoch: int
+    members: list[ControlPlaneMemberOut]
+    is_leader: bool

@@ -9,7 +9,7 @@ INSERT that only one process can win), so two candidates can never both succeed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from sqlalchemy import delete, select, update
 from sqlalchemy.exc import IntegrityError
@@ -124,14 +124,6 @@ class LeaseStore:
         with self.sessions() as session:
             session.execute(delete(ControlPlaneMember).where(ControlPlaneMember.id == member_id))
             session.commit()
-
-    def prune(self, unseen_for_s: float) -> int:
-        """Forget members not seen for `unseen_for_s` (crashed processes)."""
-        cutoff = utcnow() - timedelta(seconds=unseen_for_s)
-        with self.sessions() as session:
-            done = session.execute(delete(ControlPlaneMember).where(ControlPlaneMember.last_seen < cutoff))
-            session.commit()
-            return done.rowcount
 
     def members(self) -> list[Member]:
         with self.sessions() as session:

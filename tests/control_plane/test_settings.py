@@ -23,3 +23,22 @@ def test_environment_names_and_overrides(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setenv("FLEET_AUTOSCALE_INTERVAL_S", "0")
     with pytest.raises(ValidationError):
         Settings()
+
+
+def test_leader_timing_defaults_and_order(monkeypatch) -> None:
+    s = Settings()
+    assert (s.leader_lease_s, s.leader_renew_deadline_s, s.leader_retry_s) == (15.0, 10.0, 2.0)
+    monkeypatch.setenv("FLEET_LEADER_LEASE_S", "6")
+    monkeypatch.setenv("FLEET_LEADER_RENEW_DEADLINE_S", "4")
+    monkeypatch.setenv("FLEET_LEADER_RETRY_S", "1")
+    assert (Settings().leader_lease_s, Settings().leader_renew_deadline_s, Settings().leader_retry_s) == (
+        6,
+        4,
+        1,
+    )
+    for lease, deadline, retry in [(10, 10, 2), (10, 12, 2), (15, 10, 10), (15, 10, 11), (15, 10, 0)]:
+        monkeypatch.setenv("FLEET_LEADER_LEASE_S", str(lease))
+        monkeypatch.setenv("FLEET_LEADER_RENEW_DEADLINE_S", str(deadline))
+        monkeypatch.setenv("FLEET_LEADER_RETRY_S", str(retry))
+        with pytest.raises(ValidationError):
+            Settings()

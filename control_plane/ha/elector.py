@@ -1,0 +1,288 @@
+"""The elector: one asyncio task per control-plane process that, every `leader_retry_s`,
+heartbeats this member, reads the lease and acquires or renews it by `election.Candidate`'s
+decision (database work in threads). On winning it starts the control loops with a fenced
+copy of the context; it stops them when it cannot renew within the renew deadline (a
+watchdog, so a hung database call cannot delay it), when a renew is refused, or when a
+fenced commit raises `Fenced`; on a clean shutdown it releases the lease so a successor
+takes over at once.
+
+Kicks: `ctx.kick()` on an instance that does not lead publishes `ControlPlaneKick` on core
+NATS; every instance listens, and the leader kicks its own loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+
+from control_plane.context import ControlPlaneContext
+from control_plane.counters import ReconcileStats
+from control_plane.db.models import utcnow
+from control_plane.ha import LEASE_NAME
+from control_plane.ha.election import Action, Candidate, LeaseRecord
+from control_plane.ha.fencing import Fenced, fenced_sessions
+from control_plane.ha.lease_store import LeaseStore
+from fleet_base import protocol
+
+log = logging.getLogger(__name__)
+
+RENEW_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# A clean shutdown gives the loops as long as before election existed.
+SHUTDOWN_STOP_S = 10.0
+
+LoopStarter = Callable[[ControlPlaneContext], Awaitable[object | None]]
+
+
+def new_member_id() -> str:
+    """Unique per process, readable: host, pid, and a random suffix (pids are reused)."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+class Elector:
+    def __init__(
+        self,
+        ctx: ControlPlaneContext,
+        start_loops: LoopStarter,
+        *,
+        url: str = "",
+        member_id: str | None = None,
+        on_loops: Callable[[object | None], None] = lambda _loops: None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        settings = ctx.settings
+        self.ctx = ctx
+        self.member_id = member_id or new_member_id()
+        self.url = url
+        self.started_at: datetime = utcnow()
+        self.store = LeaseStore(ctx.sessions, LEASE_NAME)
+        self.candidate = Candidate(self.member_id, settings.leader_lease_s, settings.leader_renew_deadline_s)
+        self.lease_s = settings.leader_lease_s
+        self.retry_s = settings.leader_retry_s
+        # Loops get half the slack between the renew deadline and the lease to stop in.
+        self.stop_timeout_s = max(0.1, (settings.leader_lease_s - settings.leader_renew_deadline_s) / 2)
+        self.loops: object | None = None
+        self.leader_changes = 0  # times this process became leader
+        self.renew_stats = ReconcileStats(buckets=RENEW_BUCKETS)  # acquire and renew round trips
+        self.last_record: LeaseRecord | None = None
+        self._start_loops = start_loops
+        self._on_loops = on_loops
+        self._clock = clock
+        self._transition = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._subscribed: set[int] = set()
+        self._stopping = False
+
+    # ----------------------------------------------------------------- state
+
+    @property
+    def is_leader(self) -> bool:
+        return self.loops is not None and self.candidate.believes_leading(self._clock())
+
+    @property
+    def epoch(self) -> int:
+        """Ours while leading, else 0 (the last epoch seen is `last_record.epoch`)."""
+        return self.candidate.epoch if self.candidate.leading else 0
+
+    # ----------------------------------------------------------------- lifecycle
+
+    async def start(self) -> Elector:
+        """One election round before returning: a lone instance on a fresh (or released)
+        lease leads before the API serves."""
+        self._event_loop = asyncio.get_running_loop()
+        self.ctx.on_kick = self._forward_kick
+        if self.ctx.nats is not None:
+            self.ctx.nats.on_connect(self._subscribe_kicks)
+            if self.ctx.nats.is_connected:
+                await self._subscribe_kicks()
+        await self.step()
+        self._tasks = [
+            asyncio.create_task(self._run(), name="cp-elector"),
+            asyncio.create_task(self._watchdog(), name="cp-elector-watchdog"),
+        ]
+        return self
+
+    async def stop(self) -> None:
+        """Stop the loops, release the lease (a successor need not wait it out), leave."""
+        self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        epoch = self.candidate.epoch if self.candidate.leading else 0
+        await self.demote("shutting down", timeout_s=SHUTDOWN_STOP_S)
+        if self.ctx.on_kick == self._forward_kick:
+            self.ctx.on_kick = None
+        with contextlib.suppress(Exception):
+            if epoch:
+                await asyncio.wait_for(asyncio.to_thread(self.store.release, self.member_id, epoch), 5)
+            await asyncio.wait_for(asyncio.to_thread(self.store.leave, self.member_id), 5)
+
+    # ----------------------------------------------------------------- election
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.retry_s)
+            self._wake.clear()
+            try:
+                await self.step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("election round failed")
+
+    async def step(self) -> None:
+        """One round: heartbeat, read, then acquire or renew as the policy decides."""
+        started = self._clock()
+        try:
+            await asyncio.to_thread(self._heartbeat)
+            record = await asyncio.to_thread(self.store.read)
+        except Exception as err:
+            log.warning("lease unreadable (%s); the watchdog stops the loops at the renew deadline", err)
+            return
+        self.last_record = record
+        decision = self.candidate.observe(record, started)
+        if decision.action == Action.acquire:
+            await self._acquire(record, started, decision.reason)
+        elif decision.action == Action.renew:
+            await self._renew(started)
+
+    def _heartbeat(self) -> None:
+        """Members long unseen are forgotten by the leader's scheduled job (scheduled.stale_state)."""
+        self.store.heartbeat(self.member_id, self.url, self.started_at)
+
+    async def _acquire(self, seen: LeaseRecord | None, started: float, reason: str) -> None:
+        try:
+            won = await asyncio.to_thread(self.store.acquire, self.member_id, seen, self.lease_s)
+        except Exception as err:
+            log.warning("acquiring the lease failed: %s", err)
+            return
+        if won is None:
+            return  # someone else moved it first
+        self.renew_stats.observe(self._clock() - started)
+        self.last_record = won
+        async with self._transition:
+            if self.candidate.leading:
+                await self._stop_loops()  # a term of ours we had given up on: its loops are done
+            self.candidate.acquired(won, started)
+            log.warning("leading the control plane: epoch %d (%s)", won.epoch, reason)
+            await self._lead(won.epoch)
+
+    async def _renew(self, started: float) -> None:
+        epoch = self.candidate.epoch
+        try:
+            renewed = await asyncio.to_thread(self.store.renew, self.member_id, epoch)
+        except Exception as err:
+            log.warning("renewing the lease failed: %s", err)
+            return  # the watchdog demotes at the deadline unless a later renew succeeds
+        if renewed is None:
+            await self.demote(f"lost the lease of epoch {epoch}")
+            return
+        if self.candidate.must_stop(self._clock()):
+            return  # answered too late: the watchdog demotes
+        self.renew_stats.observe(self._clock() - started)
+        self.last_record = renewed
+        self.candidate.renewed(renewed, started)
+
+    async def _watchdog(self) -> None:
+        while not self._stopping:
+            deadline = self.candidate.deadline()
+            if deadline is None:
+                await asyncio.sleep(self.retry_s / 4)
+                continue
+            await asyncio.sleep(max(0.0, deadline - self._clock()))
+            if self.candidate.must_stop(self._clock()):
+                await self.demote("could not renew within the renew deadline")
+
+    # ----------------------------------------------------------------- loops
+
+    async def _lead(self, epoch: int) -> None:
+        fenced = fenced_sessions(self.ctx.sessions, LEASE_NAME, epoch, on_fenced=self._fenced)
+        leader_ctx = dataclasses.replace(self.ctx, sessions=fenced, epoch=epoch)
+        loops = await self._start_loops(leader_ctx)
+        if not self.candidate.leading or self.candidate.epoch != epoch:
+            await self._stop(loops)  # demoted while starting
+            return
+        self.loops = loops if loops is not None else _NoLoops()
+        self.leader_changes += 1
+        self._on_loops(loops)
+        self.ctx.kick()
+
+    async def demote(self, reason: str, timeout_s: float | None = None) -> None:
+        async with self._transition:
+            if not self.candidate.leading and self.loops is None:
+                return
+            log.warning("no longer leading (epoch %d): %s", self.candidate.epoch, reason)
+            self.candidate.lost()
+            await self._stop_loops(timeout_s)
+        self._wake.set()  # observe again at once (a successor, or a new term of ours)
+
+    async def _stop_loops(self, timeout_s: float | None = None) -> None:
+        loops, self.loops = self.loops, None
+        self._on_loops(None)
+        await self._stop(loops, timeout_s)
+
+    async def _stop(self, loops: object | None, timeout_s: float | None = None) -> None:
+        stop = getattr(loops, "stop", None)
+        if stop is None:
+            return
+        timeout_s = timeout_s or self.stop_timeout_s
+        try:
+            await asyncio.wait_for(stop(), timeout_s)
+        except Exception:
+            log.exception("stopping the control loops took over %.1fs or failed", timeout_s)
+
+    def _fenced(self, refused: Fenced) -> None:
+        """From a loop's thread: demote at once, whatever the loop does with the error."""
+        loop = self._event_loop
+        if loop is None or loop.is_closed():
+            return
+        log.warning("%s", refused)
+        loop.call_soon_threadsafe(lambda: loop.create_task(self.demote(str(refused))))
+
+    # ----------------------------------------------------------------- kicks
+
+    def _forward_kick(self) -> None:
+        """`ctx.kick()` (on the event loop): a follower tells the leader."""
+        link = self.ctx.nats
+        if self.loops is not None or link is None or not link.is_connected:
+            return
+        message = protocol.ControlPlaneKick(member=self.member_id)
+        asyncio.get_running_loop().create_task(link.publish(protocol.CONTROL_PLANE_KICK_SUBJECT, message))
+
+    async def _subscribe_kicks(self) -> None:
+        link = self.ctx.nats
+        if link is None or link.nc is None or id(link.nc) in self._subscribed:
+            return
+        self._subscribed.add(id(link.nc))
+        await link.subscribe(protocol.CONTROL_PLANE_KICK_SUBJECT, self._on_kick_message)
+
+    async def _on_kick_message(self, msg) -> None:
+        if self.loops is None:
+            return
+        try:
+            kick = protocol.ControlPlaneKick.from_bytes(msg.data)
+        except Exception:
+            return
+        if kick.member != self.member_id:
+            self.ctx.changed.set()
+            self.ctx.keys_changed.set()
+
+
+class _NoLoops:
+    """Leading without control loops (the loops module failed to import or start): the API
+    still records desired state, and `is_leader` still says who holds the lease."""
+
+    async def stop(self) -> None:
+        return None

@@ -1,0 +1,200 @@
+"""The elector in one process, on SQLite, with fake loops and short timings: a lone
+instance leads at once, a clean shutdown hands over at once, a leader that cannot renew
+stops its loops before the lease could expire, a fenced commit demotes at once, and a
+follower's kick reaches the leader."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+from control_plane.context import ControlPlaneContext
+from control_plane.db.models import TeamBudget
+from control_plane.ha.elector import Elector
+from control_plane.ha.fencing import Fenced
+from control_plane.ha.lease_store import LeaseStore
+from control_plane.settings import Settings
+from fleet_base import protocol
+
+LEASE, DEADLINE, RETRY = 0.8, 0.5, 0.1
+
+
+class FakeLoops:
+    def __init__(self, ctx: ControlPlaneContext) -> None:
+        self.ctx = ctx
+        self.stopped_at: float | None = None
+
+    async def stop(self) -> None:
+        self.stopped_at = time.monotonic()
+
+
+class Started:
+    """A `start_loops` that records every start."""
+
+    def __init__(self) -> None:
+        self.loops: list[FakeLoops] = []
+
+    async def __call__(self, ctx: ControlPlaneContext) -> FakeLoops:
+        self.loops.append(FakeLoops(ctx))
+        return self.loops[-1]
+
+
+def _ctx(sessions, nats=None) -> ControlPlaneContext:
+    settings = Settings(leader_lease_s=LEASE, leader_renew_deadline_s=DEADLINE, leader_retry_s=RETRY)
+    return ControlPlaneContext(settings=settings, sessions=sessions, nats=nats)
+
+
+async def _until(predicate, timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_lone_instance_leads_at_once_with_a_fenced_context(sessions):
+    ctx, started, seen = _ctx(sessions), Started(), []
+    elector = await Elector(ctx, started, url="http://a", on_loops=seen.append).start()
+    try:
+        assert elector.is_leader and elector.epoch == 1 and elector.leader_changes == 1
+        loops = started.loops[0]
+        assert seen == [loops] and elector.loops is loops
+        assert loops.ctx.epoch == 1 and loops.ctx.sessions is not ctx.sessions
+        assert loops.ctx.changed is ctx.changed and loops.ctx.keys_changed is ctx.keys_changed
+        assert [m.url for m in LeaseStore(sessions).members()] == ["http://a"]
+        await asyncio.sleep(3 * LEASE)  # renews keep it
+        assert elector.is_leader and elector.epoch == 1 and len(started.loops) == 1
+    finally:
+        await elector.stop()
+    assert loops.stopped_at is not None and seen[-1] is None
+    lease = LeaseStore(sessions).read()
+    assert lease.holder is None and lease.epoch == 1  # released
+    assert LeaseStore(sessions).members() == []
+
+
+async def test_a_clean_shutdown_hands_over_at_once_and_the_follower_waits_otherwise(sessions):
+    a_loops, b_loops = Started(), Started()
+    a = await Elector(_ctx(sessions), a_loops, member_id="a").start()
+    b = await Elector(_ctx(sessions), b_loops, member_id="b").start()
+    try:
+        await asyncio.sleep(2 * LEASE)
+        assert a.is_leader and not b.is_leader and b.loops is None and b_loops.loops == []
+        began = time.monotonic()
+        await a.stop()
+        await _until(lambda: b.is_leader)
+        assert time.monotonic() - began < LEASE  # released: no waiting out the lease
+        assert b.epoch == 2 and b_loops.loops[0].ctx.epoch == 2
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_leader_that_cannot_renew_stops_before_its_lease_could_expire(sessions):
+    started = Started()
+    a = await Elector(_ctx(sessions), started, member_id="a").start()
+    b = await Elector(_ctx(sessions), Started(), member_id="b").start()
+    try:
+        real_store = a.store
+
+        class Unreachable:
+            def __getattr__(self, _name):
+                def fail(*_args):
+                    raise OSError("database unreachable")
+
+                return fail
+
+        a.store = Unreachable()
+        await _until(lambda: not a.is_leader)
+        stopped = started.loops[0].stopped_at
+        assert stopped is not None and a.loops is None
+        await _until(lambda: b.is_leader)  # b waited the lease out on its own clock
+        b_leads_at = time.monotonic()
+        assert b.epoch == 2
+        assert stopped < b_leads_at - (LEASE - DEADLINE) / 2  # a stopped well before b took over
+        a.store = real_store
+        await asyncio.sleep(3 * RETRY)
+        assert not a.is_leader and b.is_leader  # a follows now
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_fenced_commit_demotes_at_once(sessions):
+    started = Started()
+    a = await Elector(_ctx(sessions), started, member_id="a").start()
+    try:
+        store = LeaseStore(sessions)
+        store.acquire("intruder", store.read(), 60.0)  # a takeover a does not know of yet
+        leader_sessions = started.loops[0].ctx.sessions
+
+        def write() -> None:
+            with leader_sessions() as session:
+                session.add(TeamBudget(team="fenced", monthly_dollars=1.0, thresholds=[1.0], alerted={}))
+                session.commit()
+
+        try:
+            await asyncio.to_thread(write)
+        except Fenced:
+            pass
+        else:
+            raise AssertionError("the commit was not fenced")
+        await _until(lambda: started.loops[0].stopped_at is not None, timeout=DEADLINE / 2)
+        assert not a.is_leader and a.loops is None
+        with sessions() as session:
+            assert session.get(TeamBudget, "fenced") is None
+    finally:
+        await a.stop()
+
+
+class FakeLink:
+    """The parts of NatsLink the elector uses: core publish and subscribe, all on one bus."""
+
+    def __init__(self, bus: list) -> None:
+        self.bus = bus
+        self.nc = object()
+        self.is_connected = True
+        self.published: list[str] = []
+        bus.append(self)
+        self.handlers: dict[str, object] = {}
+
+    def on_connect(self, _callback) -> None:
+        pass
+
+    async def subscribe(self, subject: str, cb) -> None:
+        self.handlers[subject] = cb
+
+    async def publish(self, subject: str, message: protocol.Message) -> bool:
+        self.published.append(subject)
+        for link in self.bus:
+            handler = link.handlers.get(subject)
+            if handler is not None:
+                await handler(SimpleNamespace(subject=subject, data=message.to_bytes()))
+        return True
+
+
+async def test_a_followers_kick_wakes_the_leader(sessions):
+    bus: list = []
+    leader_ctx, follower_ctx = _ctx(sessions, FakeLink(bus)), _ctx(sessions, FakeLink(bus))
+    a = await Elector(leader_ctx, Started(), member_id="a").start()
+    b = await Elector(follower_ctx, Started(), member_id="b").start()
+    try:
+        assert a.is_leader and not b.is_leader
+        leader_ctx.changed.clear()
+        leader_ctx.kick()  # the leader's own kicks stay local
+        assert leader_ctx.nats.published == []
+        leader_ctx.changed.clear()
+        follower_ctx.kick()  # an API write on the follower
+        await _until(lambda: leader_ctx.changed.is_set())
+        assert follower_ctx.nats.published == [protocol.CONTROL_PLANE_KICK_SUBJECT]
+    finally:
+        await b.stop()
+        await a.stop()
+
+
+def test_no_cluster_identity_may_use_the_kick_subject():
+    from fleet_base.subjects import permits
+
+    for role in ("agent", "gateway"):
+        allowed = permits(role, "c1")
+        assert not allowed.may("publish", protocol.CONTROL_PLANE_KICK_SUBJECT)
+        assert not allowed.may("subscribe", protocol.CONTROL_PLANE_KICK_SUBJECT)
