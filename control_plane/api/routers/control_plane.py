@@ -7,7 +7,6 @@ import asyncio
 
 from fastapi import APIRouter, Request
 
-from control_plane.api.deps import PrincipalDep
 from control_plane.api.schemas import ControlPlaneMemberOut, ControlPlaneOut
 from control_plane.ha.lease_store import LeaseStore
 
@@ -29,7 +28,9 @@ def _view(store: LeaseStore, is_leader: bool) -> ControlPlaneOut:
 
 
 @router.get("", response_model=ControlPlaneOut)
-async def control_plane_members(request: Request, who: PrincipalDep) -> ControlPlaneOut:
+async def control_plane_members(request: Request) -> ControlPlaneOut:
+    """Authenticated by the router's dependency; takes only the request, so the console
+    calls this same function for its card."""
     elector = getattr(request.app.state, "elector", None)
     is_leader = bool(elector is not None and elector.is_leader)  # read on the event loop, where it changes
     return await asyncio.to_thread(_view, LeaseStore(request.app.state.ctx.sessions), is_leader)
