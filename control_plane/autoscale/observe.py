@@ -34,6 +34,8 @@ STARTING = (ReplicaState.pending, ReplicaState.starting)
 # Tokens or requests per second one replica may claim; sums of reported figures stay finite.
 MAX_RATE = 1e9
 MAX_COLD_START_S = 3600.0  # a longer measured cold start is taken for a broken report
+STALE_S = 10.0  # a heartbeat older than this is left out
+DEMAND_TTL_S = 3.0  # a gateway's demand counts this long
 
 
 def _rate(value: float) -> float:
@@ -51,8 +53,8 @@ def observe(
     *,
     now: float,
     current: int,
-    stale_s: float = 10.0,
-    demand_ttl_s: float = 3.0,
+    stale_s: float = STALE_S,
+    demand_ttl_s: float = DEMAND_TTL_S,
     shadow_versions: frozenset[int] = frozenset(),
 ) -> Observation:
     """The deployment's load now. Replicas of `shadow_versions` (a rollout's shadow phase)

@@ -477,3 +477,18 @@ __all__ = [
     "TeamBudget",
     "utcnow",
 ]
+
+
+class AutoscalerState(Base):
+    """One deployment's autoscaler memory (`control_plane.autoscale.snapshot`, JSON), as
+    the leader last stored it: a new leader resumes from it."""
+
+    __tablename__ = "autoscaler_states"
+
+    deployment_id: Mapped[int] = mapped_column(
+        ForeignKey("deployments.id", ondelete="CASCADE"), primary_key=True, autoincrement=False
+    )
+    policy: Mapped[str] = mapped_column(String(32))
+    state: Mapped[str] = mapped_column(Text)
+    at: Mapped[float] = mapped_column(Float)  # Unix seconds: its last observation
+    saved_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)

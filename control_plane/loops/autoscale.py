@@ -6,9 +6,15 @@ state that survives a restart) with a `scaled` event carrying the decision, a ch
 mix to `Deployment.variant_mix` (the placer's allowed GPU types), and the reconcile loop
 is kicked so placement, desired state and routes follow.
 
-Autoscaled: a current version with min_replicas < max_replicas. The policy's windows live
-in memory; after a restart it does not scale down before one full window (the policy's
-own rule), so a restart never drops replicas on a blind spot.
+Autoscaled: a current version with min_replicas < max_replicas. The policy's memory (its
+windows, burst memory, cycles, trends) lives in memory and is stored per deployment at most
+every `SAVE_S` (`control_plane.loops.autoscale_store`), in the tick's transaction; a new
+leader (or a restarted control plane) resumes each deployment from it on its first
+decision (`control_plane.autoscale.snapshot.resumed`: after a gap longer than the stable
+window it does not scale down before one full window, the policy's own rule for a fresh
+autoscaler). A deployment is not decided while the loop is still blind to it: for up to
+`LISTEN_S` after its first tick, until every cluster holding one of its replicas has been
+heard from (a new leader's first ticks would otherwise take its replicas for idle).
 
 What clusters report is scoped first (`control_plane.report_scope`): a heartbeat counts
 only for the replicas placed on its sender, demand only for deployments that exist (any
@@ -28,13 +34,21 @@ from collections import Counter, deque
 from sqlalchemy import select
 from sqlalchemy.orm import selectinload
 
-from control_plane.autoscale.observe import observe, settings_of, within_residency
+from control_plane.autoscale.observe import (
+    DEMAND_TTL_S,
+    STALE_S,
+    observe,
+    settings_of,
+    within_residency,
+)
 from control_plane.autoscale.policy import Decision, ScalerState, make_policy
 from control_plane.autoscale.prediction_error import PredictionErrors
+from control_plane.autoscale.snapshot import ScalerSnapshot, dump, resumed
 from control_plane.context import ControlPlaneContext
 from control_plane.counters import Rejections
 from control_plane.db.models import CapacityPool, Deployment, Event
 from control_plane.inbox import Inbox
+from control_plane.loops.autoscale_store import SAVE_S, forget_others, read_states, write_state
 from control_plane.nats_loop import NatsLoop
 from control_plane.report_scope import placed_replicas, scope_heartbeat
 from control_plane.rollouts.store import active_for
@@ -45,6 +59,7 @@ log = logging.getLogger(__name__)
 # Deployments one cluster's gateway may have demand for at once (far above a fleet's count).
 MAX_DEMANDS_PER_CLUSTER = 1024
 RECENT_DECISIONS = 450  # per deployment: 15 min at the default 2 s interval
+LISTEN_S = STALE_S  # at most this long blind to a deployment after the first tick
 
 
 class AutoscaleLoop(NatsLoop):
@@ -72,6 +87,13 @@ class AutoscaleLoop(NatsLoop):
         self.last: dict[str, Decision] = {}
         self.errors = PredictionErrors()  # the decisions' forecasts against the load that came
         self.recent: dict[str, deque[tuple[float, Decision]]] = {}  # the console's charts
+        self.save_every_s = SAVE_S
+        self.resumed = 0  # deployments whose memory was read back from the database
+        self._stored: dict[int, tuple[str, ScalerSnapshot]] | None = None  # read on the first tick
+        self._observed_at: dict[str, float] = {}  # deployment -> its state's last observation
+        self._saved: dict[int, str] = {}  # deployment id -> the memory last stored
+        self._saved_at = -float("inf")
+        self._first_tick: float | None = None
         self._wake = asyncio.Event()
 
     async def start(self) -> AutoscaleLoop:
@@ -117,25 +139,36 @@ class AutoscaleLoop(NatsLoop):
     def tick(self, now: float) -> bool:
         """One decision per autoscaled deployment; True when a count changed."""
         changed = False
+        if self._first_tick is None:
+            self._first_tick = now
         with self.ctx.sessions() as session:
+            if self._stored is None:
+                self._stored = read_states(session)
             rows = session.scalars(select(Deployment).options(selectinload(Deployment.versions))).all()
             pools = session.scalars(select(CapacityPool).options(selectinload(CapacityPool.cluster))).all()
-            heartbeats = self._scoped_heartbeats(placed_replicas(session))
+            placed = placed_replicas(session)
+            heartbeats = self._scoped_heartbeats(placed)
+            blind = self._blind(placed, now)
             names = {d.name for d in rows}
             for name in list(self.states):
                 if name not in names:
                     del self.states[name]
-            for kept in (self.last, self.recent):
+            for kept in (self.last, self.recent, self._observed_at):
                 for name in list(kept):
                     if name not in names:
                         del kept[name]
             self.errors.keep_only(names)
             for d in rows:
+                if d.name in blind:
+                    continue
                 try:
                     changed = self._decide(session, d, heartbeats, pools, now) or changed
                 except Exception as err:  # one deployment's bad numbers never stop the others
                     self.rejections.fail("autoscale", f"{d.name}: {type(err).__name__}: {err}")
+            saved = self._save(session, rows, now) if now - self._saved_at >= self.save_every_s else None
             session.commit()
+        if saved is not None:  # stored: only now is it what the database holds
+            self._saved, self._saved_at = saved, now
         cutoff = now - 60
         entries = list(self.demands.items())  # one copy: the event loop adds to it meanwhile
         unknown = [k for k, _ in entries if k[1] not in names]
@@ -145,6 +178,49 @@ class AutoscaleLoop(NatsLoop):
             self.demands.pop(key, None)
         self._demand_count = Counter(cluster for cluster, _ in list(self.demands))
         return changed
+
+    def _blind(self, placed, now: float) -> set[str]:
+        """Deployments with a replica on a cluster not heard from since the first tick,
+        while that was less than `LISTEN_S` ago (after it, a silent cluster's replicas are
+        as missing as they would be to a loop that ran all along). One that gateways queue
+        requests for is decided all the same: that demand is real, and to scale up is safe."""
+        if self._first_tick is None or now - self._first_tick >= LISTEN_S:
+            return set()
+        heard = set(self.heartbeats)
+        asked = {
+            dep for (_, dep), d in list(self.demands.items()) if d.queued > 0 and now - d.at <= DEMAND_TTL_S
+        }
+        return {name for cluster, name, _ in placed.values() if cluster not in heard and name not in asked}
+
+    def _state(self, d: Deployment, window_s: float, now: float) -> ScalerState:
+        """The deployment's memory: this loop's, else the one stored, else a fresh one."""
+        state = self.states.get(d.name)
+        if state is None:
+            stored = (self._stored or {}).pop(d.id, None)
+            if stored is not None:
+                state = resumed(stored[1], now, window_s)
+                self.resumed += 1
+                log.info("autoscale %s: resumed the stored memory of %.0fs ago", d.name, now - stored[1].at)
+            else:
+                state = ScalerState()
+            self.states[d.name] = state
+        return state
+
+    def _save(self, session, rows, now: float) -> dict[int, str]:
+        """Store each autoscaled deployment's memory that changed since it was last stored;
+        drop the rows of the others. Returns what the database holds once committed."""
+        saved: dict[int, str] = {}
+        for d in rows:
+            state, at = self.states.get(d.name), self._observed_at.get(d.name)
+            if state is None or at is None:
+                continue
+            text = dump(state, at)
+            if self._saved.get(d.id) != text:
+                write_state(session, d.id, self.policy_name, text, at)
+            saved[d.id] = text
+        waiting = set(self._stored or {}) & {d.id for d in rows}  # not decided yet: kept as stored
+        forget_others(session, set(saved) | waiting)
+        return saved
 
     def _scoped_heartbeats(self, placed) -> list[protocol.Heartbeat]:
         """The latest heartbeats, each about its sender's placed replicas only; drops are
@@ -165,6 +241,9 @@ class AutoscaleLoop(NatsLoop):
         version = d.version_row()
         if version is None or version.min_replicas >= version.max_replicas:
             self.states.pop(d.name, None)
+            self._observed_at.pop(d.name, None)
+            if self._stored:
+                self._stored.pop(d.id, None)
             return False
         settings = settings_of(version, self.policy_name, within_residency(pools, d.residency))
         rollout = active_for(session, d.id)
@@ -174,8 +253,9 @@ class AutoscaleLoop(NatsLoop):
             else frozenset()
         )
         obs = observe(d.name, heartbeats, self.demands, now=now, current=d.replicas, shadow_versions=shadow)
-        state = self.states.setdefault(d.name, ScalerState())
+        state = self._state(d, settings.stable_window_s or 60.0, now)
         decision = self.policy.decide(settings, state, obs)
+        self._observed_at[d.name] = now
         self.last[d.name] = decision
         self.decisions += 1
         seen = {"requests_per_s": obs.requests_per_s, "prompt_tokens_per_s": obs.prompt_tokens_per_s}

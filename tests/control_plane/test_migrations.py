@@ -33,6 +33,7 @@ TABLES = {
     "node_faults",
     "control_plane_lease",
     "control_plane_members",
+    "autoscaler_states",
 }
 
 
