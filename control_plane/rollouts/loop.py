@@ -2,8 +2,12 @@
 replicas and the gateway telemetry of its window go through `policy.decide`; a changed
 state is stored (conditionally on the row's revision) with an event, and reconcile is
 kicked so placement and routes follow. Usage records arrive on `fleet.v1.usage.*`
-(core NATS); after a restart, the open windows are first replayed from the FLEET_USAGE
-stream, so a resumed step is judged on its whole window. A record counts only from a
+(core NATS); after a restart or a change of leader, the open windows are first replayed
+from the FLEET_USAGE stream (each record once, by its id, should it also arrive live), so
+a resumed step is judged on its whole window, from its stored start. Where the replay did
+not cover a window (it failed, or NATS was not there at the start), that step's window
+starts again where this loop's evidence begins and is stored so: a step is never passed
+on less than a whole window of evidence. A record counts only from a
 cluster that hosts a replica of the version it names (`control_plane.report_scope`): a
 cluster without the canary can neither force nor block its rollback."""
 
@@ -202,6 +206,11 @@ class RolloutLoop(NatsLoop):
             session.commit()
         return changed
 
+    def evidence_since(self) -> float:
+        """Since when this loop holds every usage record: its start, or where the replay of
+        the stream began (the oldest open window) when it replayed."""
+        return self.started_at if self.replayed_since is None else min(self.started_at, self.replayed_since)
+
     def _decide(
         self, session, row: Rollout, name: str, replicas: int, now: float
     ) -> tuple[Decision, Comparison | None]:
@@ -217,9 +226,17 @@ class RolloutLoop(NatsLoop):
                 ReplicaAssignment.state == protocol.ReplicaState.ready.value,
             )
         )
-        window = state.window_started_at or now
-        floor = self.started_at if self.replayed_since is None else min(self.started_at, self.replayed_since)
-        since = max(window, floor)  # before a restart: only what the stream replayed
+        since = state.window_started_at or now
+        floor = self.evidence_since()
+        if state.window_started_at is not None and floor > state.window_started_at:
+            # Part of the window is gone (not replayed): the step's window starts again where
+            # the evidence does, and is stored so; the step is judged on a whole window.
+            log.warning(
+                "rollout %s: usage before %.0f was not replayed; step %d's window restarts there",
+                name, floor, state.step + 1,
+            )  # fmt: skip
+            state = state.model_copy(update={"window_started_at": floor})
+            since = floor
         shadow = None
         if (
             state.phase == "shadowing"

@@ -9,6 +9,10 @@ Only a deployment with an open rollout keeps the full retention: the others keep
 minutes (enough for a rollout that starts now to find its first samples), so the memory
 held is the traffic of open windows, not of the whole fleet for an hour.
 
+A record is held once by its `record_id`: after a restart or a change of leader the
+open windows are replayed from the stream while the live subscription already runs, and a
+record may come both ways.
+
 Shadow copies (`UsageRecord.shadow`) are kept apart: they never count as a version's
 requests for the canary guards, only in `shadow()`, paired with their originals.
 """
@@ -67,7 +71,9 @@ class UsageWindows:
         self.clock = clock
         self._samples: dict[str, collections.deque[Sample]] = {}
         self._copies: dict[str, collections.deque[Copy]] = {}
+        self._ids: dict[str, set[str]] = {}  # record ids held, per deployment
         self.received = 0
+        self.duplicates = 0
 
     def add(self, record: UsageRecord, at: float | None = None) -> None:
         """One record, stamped now (or `at`: a record replayed from the stream)."""
@@ -75,11 +81,18 @@ class UsageWindows:
         if record.status == 499:  # the client left: says nothing about the version
             return
         now = self.clock() if at is None else at
+        if record.record_id is not None:
+            ids = self._ids.setdefault(record.deployment, set())
+            if record.record_id in ids:
+                self.duplicates += 1
+                return
+            ids.add(record.record_id)
         if record.shadow:
             self._add_copy(record, ttft, now)
             return
         sample = Sample(now, record.version, record.status >= 500, ttft, record.record_id, record.itl_s)
         queue = self._samples.setdefault(record.deployment, collections.deque(maxlen=self.max_per_deployment))
+        self._make_room(record.deployment, queue)
         queue.append(sample)
         self.received += 1
         self._prune(record.deployment, queue, sample.at)
@@ -95,6 +108,7 @@ class UsageWindows:
             first_diff_token=record.first_diff_token,
         )
         queue = self._copies.setdefault(record.deployment, collections.deque(maxlen=self.max_per_deployment))
+        self._make_room(record.deployment, queue)
         queue.append(Copy(now, record.version, finished))
         self.received += 1
         self._prune(record.deployment, queue, now)
@@ -108,7 +122,17 @@ class UsageWindows:
     def _prune(self, deployment: str, queue: collections.deque, now: float) -> None:
         keep = self.retention_s if deployment in self.watched else self.idle_retention_s
         while queue and queue[0].at < now - keep:
-            queue.popleft()
+            self._forget(deployment, queue.popleft())
+
+    def _make_room(self, deployment: str, queue: collections.deque) -> None:
+        """A full queue drops its oldest item on append: its id goes with it."""
+        if queue.maxlen is not None and len(queue) >= queue.maxlen:
+            self._forget(deployment, queue.popleft())
+
+    def _forget(self, deployment: str, item: Sample | Copy) -> None:
+        record_id = item.copy.record_id if isinstance(item, Copy) else item.record_id
+        if record_id is not None:
+            self._ids.get(deployment, set()).discard(record_id)
 
     def held(self) -> int:
         """Samples and copies held, all deployments (what the memory bound is about)."""
