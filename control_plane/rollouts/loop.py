@@ -98,19 +98,23 @@ class RolloutLoop(NatsLoop):
         if since is None or link is None or link.js is None:
             return 0
         start = datetime.fromtimestamp(since, timezone.utc).isoformat().replace("+00:00", "Z")
+        oldest_kept = (await link.js.stream_info(protocol.STREAM_USAGE)).state.first_seq
         sub = await link.js.subscribe(
             protocol.USAGE_WILDCARD,
             stream=protocol.STREAM_USAGE,
             ordered_consumer=True,
             config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start),
         )
-        count = 0
+        count, whole_since, first = 0, since, True
         try:
             while True:
                 try:
                     msg = await sub.next_msg(timeout=1.0)
                 except nats.errors.TimeoutError:
                     break
+                if first:
+                    whole_since = max(since, _head_lost_until(msg.metadata, oldest_kept))
+                    first = False
                 try:
                     usage = decode_usage(msg.subject, msg.data)
                 except Rejected:  # counted by the durable usage store, which reads it too
@@ -122,8 +126,12 @@ class RolloutLoop(NatsLoop):
                     break
         finally:
             await sub.unsubscribe()
-        self.replayed_since = since
+        self.replayed_since = whole_since
         log.info("replayed %d usage records since %s for open rollout windows", count, start)
+        if whole_since > since:
+            log.warning(
+                "the usage stream no longer holds records before %.0f: windows restart there", whole_since
+            )
         return count
 
     def _open_since(self) -> tuple[float | None, frozenset[str]]:
@@ -253,6 +261,16 @@ class RolloutLoop(NatsLoop):
             shadow=shadow or Comparison(),
         )
         return decide(params, state, obs), shadow
+
+
+def _head_lost_until(metadata, oldest_kept: int) -> float:
+    """Where the replay's evidence begins when the stream dropped messages (it discards the
+    oldest when full): the replay starting at the oldest message the stream still holds
+    may have lost what came before it, so what it holds begins at that message. 0.0: the
+    replay began inside what the stream holds, nothing before it was lost."""
+    if oldest_kept <= 1 or int(metadata.sequence.stream) != oldest_kept:
+        return 0.0
+    return metadata.timestamp.timestamp()
 
 
 def _capacity(session) -> dict:

@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from types import SimpleNamespace
 
 import nats.errors
+import pytest
 from sqlalchemy import select
 
 from control_plane.db import models as m
@@ -21,7 +23,7 @@ from control_plane.rollouts.telemetry import UsageWindows
 from fleet_base.protocol import UsageRecord, usage_subject
 from tests.control_plane.conftest import copy_sqlite
 
-T0 = time.time() - 3600  # the step's window opened here (the old leader's clock)
+T0 = float(int(time.time()) - 3600)  # the step's window opened here (whole seconds: exact timestamps)
 STEP_S = 60.0
 MIN_REQUESTS = 50
 
@@ -47,18 +49,31 @@ class _Sub:
 
 
 class _Stream:
-    """FLEET_USAGE as a JetStream ordered consumer from a start time sees it."""
+    """FLEET_USAGE as a JetStream ordered consumer from a start time sees it; `dropped`:
+    the oldest messages the stream discarded (it discards the oldest when full)."""
 
-    def __init__(self, records: list[UsageRecord]) -> None:
-        self.records = records
+    def __init__(self, records: list[UsageRecord], dropped: int = 0) -> None:
+        self.records, self.dropped = records, dropped
+
+    async def stream_info(self, name: str) -> SimpleNamespace:
+        return SimpleNamespace(state=SimpleNamespace(first_seq=self.dropped + 1))
 
     async def subscribe(self, subject, stream, ordered_consumer, config) -> _Sub:
-        start = time.mktime(time.strptime(config.opt_start_time[:19], "%Y-%m-%dT%H:%M:%S")) - time.timezone
-        chosen = [r for r in self.records if r.at >= int(start)]
+        start = datetime.fromisoformat(config.opt_start_time.replace("Z", "+00:00")).timestamp()
+        kept = list(enumerate(self.records, start=1))[self.dropped :]
+        chosen = [(seq, r) for seq, r in kept if r.at >= start]
         return _Sub(
             [
-                _Msg(usage_subject(r.cluster), r.to_bytes(), SimpleNamespace(num_pending=len(chosen) - i - 1))
-                for i, r in enumerate(chosen)
+                _Msg(
+                    usage_subject(r.cluster),
+                    r.to_bytes(),
+                    SimpleNamespace(
+                        num_pending=len(chosen) - i - 1,
+                        sequence=SimpleNamespace(stream=seq),
+                        timestamp=datetime.fromtimestamp(r.at, timezone.utc),
+                    ),
+                )
+                for i, (seq, r) in enumerate(chosen)
             ]
         )
 
@@ -166,3 +181,18 @@ def test_without_the_replay_the_step_window_restarts_where_the_evidence_begins(
     assert got[0][0] == T0 + 40 + STEP_S and got[0][1] == "deploying"
     assert _stored_window(shared) == T0 + 40  # restarted where the new leader's evidence began
     assert got[0][2]["canary_requests"] >= STEP_S - 1
+
+
+def test_a_window_older_than_what_the_stream_still_holds_restarts_where_it_begins(
+    migrated_sqlite, tmp_path
+) -> None:
+    shared = _database(migrated_sqlite, tmp_path, "dropped.db")
+    _run(_loop(shared, started_at=T0 - 100), range(1, 31))
+    # the stream discarded its oldest messages: what it holds of the window begins at 20 s
+    stream = SimpleNamespace(js=_Stream(RECORDS, dropped=2 * 19))
+    new = _loop(shared, started_at=T0 + 40, nats=stream)
+    assert asyncio.run(new._replay(until=T0 + 40)) == 2 * 20
+    assert new.replayed_since == pytest.approx(T0 + 20, abs=1e-3)  # (the timestamp's microseconds)
+    got = _run(new, range(41, 110), since=T0 + 38)
+    assert got[0][0] == T0 + 20 + STEP_S and got[0][1] == "deploying"
+    assert _stored_window(shared) == pytest.approx(T0 + 20, abs=1e-3)
