@@ -24,8 +24,9 @@ capacity for and for how long.
   index; with fewer than four gaps, the memory), capped by the memory (a lull longer than the memory has
   outlived what it remembers).
 
-A restart loses all of it: the memory lives in the autoscaler's process, so a restarted
-control plane meets the next burst like a fresh deployment until it has seen one."""
+The memory lives in the policy's `ScalerState`; the autoscale loop stores it with the rest
+of that state every few seconds (`control_plane.autoscale.snapshot`), so a new leader or a
+restarted control plane resumes with it."""
 
 from __future__ import annotations
 
