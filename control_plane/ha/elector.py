@@ -254,12 +254,20 @@ class Elector:
     # ----------------------------------------------------------------- kicks
 
     def _forward_kick(self) -> None:
-        """`ctx.kick()` (on the event loop): a follower tells the leader."""
-        link = self.ctx.nats
-        if self.loops is not None or link is None or not link.is_connected:
+        """`ctx.kick()`: a follower tells the leader (from the event loop or any thread)."""
+        link, loop = self.ctx.nats, self._event_loop
+        if self.loops is not None or link is None or loop is None or loop.is_closed():
             return
         message = protocol.ControlPlaneKick(member=self.member_id)
-        asyncio.get_running_loop().create_task(link.publish(protocol.CONTROL_PLANE_KICK_SUBJECT, message))
+        publish = link.publish(protocol.CONTROL_PLANE_KICK_SUBJECT, message)
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            loop.create_task(publish)
+        else:
+            asyncio.run_coroutine_threadsafe(publish, loop)
 
     async def _subscribe_kicks(self) -> None:
         link = self.ctx.nats

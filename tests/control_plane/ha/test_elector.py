@@ -199,3 +199,17 @@ def test_no_cluster_identity_may_use_the_kick_subject():
         allowed = permits(role, "c1")
         assert not allowed.may("publish", protocol.CONTROL_PLANE_KICK_SUBJECT)
         assert not allowed.may("subscribe", protocol.CONTROL_PLANE_KICK_SUBJECT)
+
+
+async def test_a_kick_from_another_thread_is_forwarded_too(sessions):
+    bus: list = []
+    leader_ctx, follower_ctx = _ctx(sessions, FakeLink(bus)), _ctx(sessions, FakeLink(bus))
+    a = await Elector(leader_ctx, Started(), member_id="a").start()
+    b = await Elector(follower_ctx, Started(), member_id="b").start()
+    try:
+        leader_ctx.changed.clear()
+        await asyncio.to_thread(follower_ctx.kick)
+        await _until(lambda: leader_ctx.changed.is_set())
+    finally:
+        await b.stop()
+        await a.stop()
