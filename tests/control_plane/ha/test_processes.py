@@ -52,7 +52,7 @@ def test_takeover_after_sigkill_and_sigterm(tmp_path, monkeypatch):
         c.start()
         assert not _view(c)["is_leader"]
         began = time.monotonic()
-        b.stop()  # SIGTERM: loops stopped, lease released
+        assert b.stop() == 0  # SIGTERM: loops stopped, lease released, a clean exit
         stopped = time.monotonic() - began
         released = _until_leader(c, RETRY + 3)
         assert _view(c)["epoch"] == 3
