@@ -6,8 +6,10 @@
   back and a redelivery never double-counts; a malformed record is counted and skipped;
 - shares: every `interval_s`, for each key with a token limit, each cluster's demand in
   the last `window_s` (tokens it admitted, from the stored records, plus tokens it refused
-  with 429, kept in memory only) -> `compute_shares` -> `api_keys.shares`; a change wakes
-  the reconcile loop, which republishes `fleet_keys` and so the gateways' shares.
+  with 429, kept in memory only: a new leader or a restarted control plane reads the last
+  `window_s` of them back from the stream, each once by its record id) -> `compute_shares`
+  -> `api_keys.shares`; a change wakes the reconcile loop, which republishes `fleet_keys`
+  and so the gateways' shares.
 
 - scope: a record is counted only for a key that exists and, when it carries tokens or a
   version, a deployment placed on its sender, dated no further ahead than
@@ -42,8 +44,9 @@ from control_plane.loops.store import store_batch
 from control_plane.nats_loop import NatsLoop
 from control_plane.report_scope import TimeWindow, usage_refusal, usage_scope
 from control_plane.settings import Settings
+from control_plane.stream_replay import replay
 from fleet_base import protocol
-from fleet_base.wire import decode_usage
+from fleet_base.wire import Rejected, decode_usage
 
 log = logging.getLogger(__name__)
 
@@ -234,8 +237,10 @@ class UsageLoop(NatsLoop):
         super().__init__(ctx)
         self.settings = settings or share_settings(ctx.settings)
         self.rejections = rejections or Rejections()
-        # (monotonic time, key, cluster, tokens) of refusals within the window
-        self._refused: collections.deque[tuple[float, str, str, int]] = collections.deque()
+        # (monotonic time, key, cluster, tokens, record id) of refusals within the window
+        self._refused: collections.deque[tuple[float, str, str, int, str | None]] = collections.deque()
+        self._refused_ids: set[str] = set()  # a refusal replayed and also delivered counts once
+        self.refusals_replayed: int | None = None  # None: not yet
         self.consumer: DurableConsumer | None = None
 
     async def start(self) -> UsageLoop:
@@ -255,6 +260,7 @@ class UsageLoop(NatsLoop):
                 ack_wait_s=self.ctx.settings.ingest_ack_wait_s,
             )
             self._spawn(self.consumer.run(), name="cp-usage-ingest")
+            self._spawn(self._replay_refused(), name="cp-usage-refusals")
         self._spawn(self._shares_loop(), name="cp-usage-shares")
         await self._listen()
         return self
@@ -268,17 +274,57 @@ class UsageLoop(NatsLoop):
         age = time.time() - record.at
         if age > self.settings.window_s:
             return
+        if record.record_id is not None:
+            if record.record_id in self._refused_ids:
+                return
+            self._refused_ids.add(record.record_id)
         self._refused.append(
-            (time.monotonic() - max(0.0, age), record.key_id, record.cluster, record.refused_tokens)
+            (
+                time.monotonic() - max(0.0, age),
+                record.key_id,
+                record.cluster,
+                record.refused_tokens,
+                record.record_id,
+            )
         )
+
+    async def _replay_refused(self) -> None:
+        """The tokens refused in the last `window_s`, read back from the stream once: the
+        durable consumer delivers only what nobody acknowledged, and a predecessor's
+        memory of them went with it. Through the store's own checks, so a replayed
+        refusal counts exactly as a delivered one would."""
+        link = self.ctx.nats
+        try:
+            await link.wait_connected()
+            since = time.time() - self.settings.window_s
+            batch = []
+            async for msg in replay(link.js, protocol.STREAM_USAGE, protocol.USAGE_WILDCARD, since):
+                try:
+                    usage = decode_usage(msg.subject, msg.data)
+                except Rejected:
+                    continue
+                if usage.refused_tokens > 0:
+                    batch.append(Received(msg.subject, msg.data, int(msg.metadata.sequence.stream)))
+            if batch:  # its rejections were counted when the durable consumer read them
+                window = report_window(self.ctx.settings)
+                await asyncio.to_thread(
+                    store_usage_batch, self.ctx.sessions, batch, Rejections(), self._on_refused, window
+                )
+            self.refusals_replayed = len(batch)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # the shares follow admitted tokens until new refusals come
+            log.warning("replaying refused tokens failed: %s", err)
 
     def refused(self) -> dict[str, dict[str, float]]:
         """key -> cluster -> tokens refused in the last window_s."""
         horizon = time.monotonic() - self.settings.window_s
         while self._refused and self._refused[0][0] < horizon:
-            self._refused.popleft()
+            record_id = self._refused.popleft()[4]
+            if record_id is not None:
+                self._refused_ids.discard(record_id)
         out: dict[str, dict[str, float]] = {}
-        for _, key_id, cluster, tokens in self._refused:
+        for _, key_id, cluster, tokens, _ in list(self._refused):
             per = out.setdefault(key_id, {})
             per[cluster] = per.get(cluster, 0.0) + tokens
         return out

@@ -16,10 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from datetime import datetime, timezone
 
-import nats.errors
-from nats.js.api import ConsumerConfig, DeliverPolicy
 from sqlalchemy import func, select
 
 from control_plane.context import ControlPlaneContext
@@ -40,6 +37,7 @@ from control_plane.rollouts.store import (
     write_state,
 )
 from control_plane.rollouts.telemetry import UsageWindows
+from control_plane.stream_replay import replay_usage, start_time
 from fleet_base import protocol
 from fleet_base.wire import Rejected, decode_usage
 
@@ -97,37 +95,17 @@ class RolloutLoop(NatsLoop):
         self.windows.watch(open_deployments)  # before the first tick: replayed windows are kept whole
         if since is None or link is None or link.js is None:
             return 0
-        start = datetime.fromtimestamp(since, timezone.utc).isoformat().replace("+00:00", "Z")
         oldest_kept = (await link.js.stream_info(protocol.STREAM_USAGE)).state.first_seq
-        sub = await link.js.subscribe(
-            protocol.USAGE_WILDCARD,
-            stream=protocol.STREAM_USAGE,
-            ordered_consumer=True,
-            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start),
-        )
         count, whole_since, first = 0, since, True
-        try:
-            while True:
-                try:
-                    msg = await sub.next_msg(timeout=1.0)
-                except nats.errors.TimeoutError:
-                    break
-                if first:
-                    whole_since = max(since, _head_lost_until(msg.metadata, oldest_kept))
-                    first = False
-                try:
-                    usage = decode_usage(msg.subject, msg.data)
-                except Rejected:  # counted by the durable usage store, which reads it too
-                    usage = None
-                if usage is not None and since <= usage.at < until and self._hosted(usage):
-                    self.windows.add(usage, at=usage.at)
-                    count += 1
-                if msg.metadata.num_pending == 0:
-                    break
-        finally:
-            await sub.unsubscribe()
+        async for usage, metadata in replay_usage(link.js, since):
+            if first:
+                whole_since = max(since, _head_lost_until(metadata, oldest_kept))
+                first = False
+            if usage is not None and since <= usage.at < until and self._hosted(usage):
+                self.windows.add(usage, at=usage.at)
+                count += 1
         self.replayed_since = whole_since
-        log.info("replayed %d usage records since %s for open rollout windows", count, start)
+        log.info("replayed %d usage records since %s for open rollout windows", count, start_time(since))
         if whole_since > since:
             log.warning(
                 "the usage stream no longer holds records before %.0f: windows restart there", whole_since
