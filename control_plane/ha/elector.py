@@ -72,6 +72,7 @@ class Elector:
         self.leader_changes = 0  # times this process became leader
         self.renew_stats = ReconcileStats(buckets=RENEW_BUCKETS)  # acquire and renew round trips
         self.last_record: LeaseRecord | None = None
+        self.last_demotion: str | None = None  # why this instance last stopped leading
         self._start_loops = start_loops
         self._on_loops = on_loops
         self._clock = clock
@@ -224,6 +225,7 @@ class Elector:
             if not self.candidate.leading and self.loops is None:
                 return
             log.warning("no longer leading (epoch %d): %s", self.candidate.epoch, reason)
+            self.last_demotion = reason
             self.candidate.lost()
             await self._stop_loops(timeout_s)
         self._wake.set()  # observe again at once (a successor, or a new term of ours)

@@ -17,7 +17,7 @@ from control_plane.ha.lease_store import LeaseStore
 from control_plane.settings import Settings
 from fleet_base import protocol
 
-LEASE, DEADLINE, RETRY = 1.0, 0.5, 0.1
+LEASE, DEADLINE, RETRY = 1.5, 1.0, 0.15
 
 
 class FakeLoops:
@@ -63,7 +63,7 @@ async def test_a_lone_instance_leads_at_once_with_a_fenced_context(sessions):
         assert loops.ctx.epoch == 1 and loops.ctx.sessions is not ctx.sessions
         assert loops.ctx.changed is ctx.changed and loops.ctx.keys_changed is ctx.keys_changed
         assert [m.url for m in LeaseStore(sessions).members()] == ["http://a"]
-        await asyncio.sleep(3 * LEASE)  # renews keep it
+        await asyncio.sleep(2 * LEASE)  # renews keep it
         assert elector.is_leader and elector.epoch == 1 and len(started.loops) == 1
     finally:
         await elector.stop()
@@ -78,7 +78,7 @@ async def test_a_clean_shutdown_hands_over_at_once_and_the_follower_waits_otherw
     a = await Elector(_ctx(sessions), a_loops, member_id="a").start()
     b = await Elector(_ctx(sessions), b_loops, member_id="b").start()
     try:
-        await asyncio.sleep(2 * LEASE)
+        await asyncio.sleep(LEASE)
         assert a.is_leader and not b.is_leader and b.loops is None and b_loops.loops == []
         began = time.monotonic()
         await a.stop()
@@ -124,6 +124,8 @@ async def test_a_fenced_commit_demotes_at_once(sessions):
     started = Started()
     a = await Elector(_ctx(sessions), started, member_id="a").start()
     try:
+        a._tasks[0].cancel()  # no more election rounds: only the fenced commit or the watchdog can demote
+        await a.step()  # a fresh renew: the watchdog's deadline is DEADLINE away
         store = LeaseStore(sessions)
         store.acquire("intruder", store.read(), 60.0)  # a takeover a does not know of yet
         leader_sessions = started.loops[0].ctx.sessions
@@ -139,8 +141,9 @@ async def test_a_fenced_commit_demotes_at_once(sessions):
             pass
         else:
             raise AssertionError("the commit was not fenced")
-        await _until(lambda: started.loops[0].stopped_at is not None, timeout=DEADLINE / 2)
+        await _until(lambda: started.loops[0].stopped_at is not None)
         assert not a.is_leader and a.loops is None
+        assert a.last_demotion.startswith("fenced")  # not the watchdog
         with sessions() as session:
             assert session.get(TeamBudget, "fenced") is None
     finally:
