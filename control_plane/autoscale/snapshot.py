@@ -5,13 +5,16 @@ TTFT correction, prompt mix, burst memory and daily and weekly cycles; the plann
 interval), so a new leader resumes with the memory its predecessor had instead of meeting
 the next burst like a fresh deployment.
 
-Pure: the autoscale loop stores `dump` in the database and `load`s it on start
-(`control_plane.loops.autoscale_store`). The policies' memories are their own dataclasses,
-validated field by field, so a field added to them is stored without a change here; a
-memory of a type not listed here is left out (the policy starts that part afresh)."""
+Stored in two parts (`control_plane.loops.autoscale_store`): `dump`, everything but the
+cycles (a few kB, changing every decision), and `dump_cycles`, the daily and weekly
+cycles (up to ~250 kB a deployment, learning in 15-minute slots), which the loop stores
+far less often. Pure. The policies' memories are their own dataclasses, validated field by
+field, so a field added to them is stored without a change here; a memory of a type not
+listed here is left out (the policy starts that part afresh)."""
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import deque
 
@@ -19,7 +22,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from control_plane.autoscale.planner import Interval
 from control_plane.autoscale.policy import ScalerState
+from control_plane.autoscale.seasonal import Seasons
 from control_plane.autoscale.slo import SloMemory
+
+WITHOUT_CYCLES = {"cycles": True, "slo": {"__all__": {"seasons"}}}
 
 
 class ScalerSnapshot(BaseModel):
@@ -35,20 +41,32 @@ class ScalerSnapshot(BaseModel):
     first_at: float | None = None
     slo: dict[str, SloMemory] = Field(default_factory=dict)  # by policy name (`slo`, `ours`)
     planner: dict[str, Interval] = Field(default_factory=dict)
+    cycles: dict[str, Seasons] = Field(default_factory=dict)  # the SLO memories' cycles, by policy name
 
     def state(self) -> ScalerState:
-        memory: dict[str, object] = {**self.slo, **self.planner}
+        """A live state of its own (the snapshot is left as it is)."""
+        slo = copy.deepcopy(self.slo)
+        for name, seasons in self.cycles.items():
+            if name in slo:
+                slo[name].seasons = copy.deepcopy(seasons)
         return ScalerState(
             samples=deque(self.samples),
             recent=deque(self.recent),
             panic_until=self.panic_until,
             last_demand_at=self.last_demand_at,
             first_at=self.first_at,
-            memory=memory,
+            memory={**slo, **copy.deepcopy(self.planner)},
         )
 
 
+class StoredCycles(BaseModel):
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants")
+
+    cycles: dict[str, Seasons] = Field(default_factory=dict)
+
+
 def snapshot(state: ScalerState, at: float) -> ScalerSnapshot:
+    slo = {k: v for k, v in state.memory.items() if isinstance(v, SloMemory)}
     return ScalerSnapshot(
         at=at,
         samples=list(state.samples),
@@ -56,17 +74,28 @@ def snapshot(state: ScalerState, at: float) -> ScalerSnapshot:
         panic_until=state.panic_until,
         last_demand_at=state.last_demand_at,
         first_at=state.first_at,
-        slo={k: v for k, v in state.memory.items() if isinstance(v, SloMemory)},
+        slo=slo,
         planner={k: v for k, v in state.memory.items() if isinstance(v, Interval)},
+        cycles={k: v.seasons for k, v in slo.items()},
     )
 
 
 def dump(state: ScalerState, at: float) -> str:
-    return snapshot(state, at).model_dump_json()
+    """Everything but the cycles."""
+    return snapshot(state, at).model_dump_json(exclude=WITHOUT_CYCLES)
 
 
-def load(text: str) -> ScalerSnapshot:
-    return ScalerSnapshot.model_validate_json(text)
+def dump_cycles(state: ScalerState) -> str:
+    slo = {k: v.seasons for k, v in state.memory.items() if isinstance(v, SloMemory)}
+    return StoredCycles(cycles=slo).model_dump_json()
+
+
+def load(text: str, cycles: str | None = None) -> ScalerSnapshot:
+    """The stored parts back (without `cycles`, the SLO memories start theirs afresh)."""
+    snap = ScalerSnapshot.model_validate_json(text)
+    if cycles:
+        snap.cycles = StoredCycles.model_validate_json(cycles).cycles
+    return snap
 
 
 def resumed(snap: ScalerSnapshot, now: float, window_s: float) -> ScalerState:

@@ -489,6 +489,7 @@ class AutoscalerState(Base):
         ForeignKey("deployments.id", ondelete="CASCADE"), primary_key=True, autoincrement=False
     )
     policy: Mapped[str] = mapped_column(String(32))
-    state: Mapped[str] = mapped_column(Text)
+    state: Mapped[str] = mapped_column(Text)  # all but the cycles
+    cycles: Mapped[str | None] = mapped_column(Text, nullable=True)  # the daily and weekly cycles
     at: Mapped[float] = mapped_column(Float)  # Unix seconds: its last observation
     saved_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)

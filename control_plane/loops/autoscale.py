@@ -43,12 +43,18 @@ from control_plane.autoscale.observe import (
 )
 from control_plane.autoscale.policy import Decision, ScalerState, make_policy
 from control_plane.autoscale.prediction_error import PredictionErrors
-from control_plane.autoscale.snapshot import ScalerSnapshot, dump, resumed
+from control_plane.autoscale.snapshot import ScalerSnapshot, dump, dump_cycles, resumed
 from control_plane.context import ControlPlaneContext
 from control_plane.counters import Rejections
 from control_plane.db.models import CapacityPool, Deployment, Event
 from control_plane.inbox import Inbox
-from control_plane.loops.autoscale_store import SAVE_S, forget_others, read_states, write_state
+from control_plane.loops.autoscale_store import (
+    CYCLES_SAVE_S,
+    SAVE_S,
+    forget_others,
+    read_states,
+    write_state,
+)
 from control_plane.nats_loop import NatsLoop
 from control_plane.report_scope import placed_replicas, scope_heartbeat
 from control_plane.rollouts.store import active_for
@@ -91,8 +97,8 @@ class AutoscaleLoop(NatsLoop):
         self.resumed = 0  # deployments whose memory was read back from the database
         self._stored: dict[int, tuple[str, ScalerSnapshot]] | None = None  # read on the first tick
         self._observed_at: dict[str, float] = {}  # deployment -> its state's last observation
-        self._saved: dict[int, str] = {}  # deployment id -> the memory last stored
-        self._saved_at = -float("inf")
+        self._saved: dict[int, tuple[str, str | None]] = {}  # deployment id -> the memory last stored
+        self._saved_at = self._cycles_saved_at = -float("inf")
         self._first_tick: float | None = None
         self._wake = asyncio.Event()
 
@@ -169,6 +175,8 @@ class AutoscaleLoop(NatsLoop):
             session.commit()
         if saved is not None:  # stored: only now is it what the database holds
             self._saved, self._saved_at = saved, now
+            if now - self._cycles_saved_at >= CYCLES_SAVE_S:
+                self._cycles_saved_at = now
         cutoff = now - 60
         entries = list(self.demands.items())  # one copy: the event loop adds to it meanwhile
         unknown = [k for k, _ in entries if k[1] not in names]
@@ -206,18 +214,28 @@ class AutoscaleLoop(NatsLoop):
             self.states[d.name] = state
         return state
 
-    def _save(self, session, rows, now: float) -> dict[int, str]:
-        """Store each autoscaled deployment's memory that changed since it was last stored;
-        drop the rows of the others. Returns what the database holds once committed."""
-        saved: dict[int, str] = {}
+    def _save(self, session, rows, now: float) -> dict[int, tuple[str, str | None]]:
+        """Store each autoscaled deployment's memory that changed since it was last stored
+        (its cycles only every `CYCLES_SAVE_S`); drop the rows of the others. Returns what
+        the database holds once committed."""
+        saved: dict[int, tuple[str, str | None]] = {}
+        with_cycles = now - self._cycles_saved_at >= CYCLES_SAVE_S
         for d in rows:
             state, at = self.states.get(d.name), self._observed_at.get(d.name)
             if state is None or at is None:
                 continue
-            text = dump(state, at)
-            if self._saved.get(d.id) != text:
-                write_state(session, d.id, self.policy_name, text, at)
-            saved[d.id] = text
+            text, before = dump(state, at), self._saved.get(d.id)
+            cycles = dump_cycles(state) if with_cycles or before is None else before[1]
+            if before != (text, cycles):
+                write_state(
+                    session,
+                    d.id,
+                    self.policy_name,
+                    text,
+                    at,
+                    cycles if before is None or cycles != before[1] else None,
+                )
+            saved[d.id] = (text, cycles)
         waiting = set(self._stored or {}) & {d.id for d in rows}  # not decided yet: kept as stored
         forget_others(session, set(saved) | waiting)
         return saved

@@ -15,6 +15,7 @@ def upgrade() -> None:
         sa.Column("deployment_id", sa.Integer(), autoincrement=False, nullable=False),
         sa.Column("policy", sa.String(32), nullable=False),
         sa.Column("state", sa.Text(), nullable=False),
+        sa.Column("cycles", sa.Text(), nullable=True),
         sa.Column("at", sa.Float(), nullable=False),
         sa.Column("saved_at", sa.DateTime(timezone=True), nullable=False),
         sa.ForeignKeyConstraint(

@@ -14,7 +14,7 @@ from sqlalchemy import delete, select
 from control_plane.autoscale import AutoscaleSettings, Observation, ScalerState, make_policy
 from control_plane.autoscale.burst import BurstMemory
 from control_plane.autoscale.slo import SloMemory
-from control_plane.autoscale.snapshot import dump, load, resumed, snapshot
+from control_plane.autoscale.snapshot import dump, dump_cycles, load, resumed, snapshot
 from control_plane.context import ControlPlaneContext
 from control_plane.db import models as m
 from control_plane.db.session import make_sessions, upgrade_to_head
@@ -63,10 +63,13 @@ def test_each_policys_state_round_trips_and_decides_on_the_same(policy: str) -> 
     cut = next(i for i, (t, _) in enumerate(TRACE) if t >= 360)  # in the lull after the first burst
     live = ScalerState()
     _, current = drive(policy, live, TRACE[:cut])
-    text = dump(live, TRACE[cut - 1][0])
-    back = load(text)
+    text, cycles = dump(live, TRACE[cut - 1][0]), dump_cycles(live)
+    back = load(text, cycles)
     assert dump(back.state(), back.at) == text  # nothing lost or changed on the way
+    assert dump_cycles(back.state()) == cycles
     assert back == load(back.model_dump_json())
+    if policy == "ours":
+        assert '"seasons"' not in text and '"daily"' in cycles and load(text).cycles == {}  # apart
     if policy == "ours":  # the memory that matters is there: a burst and its windows
         mem = back.state().memory["ours"]
         assert isinstance(mem, SloMemory) and isinstance(mem.burst, BurstMemory)
@@ -162,7 +165,8 @@ def test_a_new_leader_resumes_the_burst_memory_and_decides_as_the_old_one_would(
     assert old._saved_at == trace[cut][0]
     with shared() as s:
         stored = read_states(s)
-    assert len(stored) == 1 and next(iter(stored.values()))[1].at == trace[cut][0]
+    ((policy, snap),) = stored.values()
+    assert policy == "ours" and snap.at == trace[cut][0] and snap.cycles["ours"].daily.slots
     new = _loop(tmp_path, shared)
     got += [_tick(new, t, w) for t, w in trace[cut + 1 :]]
     assert new.resumed == 1
