@@ -7,10 +7,14 @@ SQLite gets WAL (the API and the control loops write concurrently), foreign keys
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+from collections.abc import Iterator
 from pathlib import Path
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.pool import NullPool
 from sqlalchemy.orm import Session, sessionmaker
 
 import control_plane
@@ -80,9 +84,49 @@ def alembic_config(url: str):
 
 
 def upgrade_to_head(url: str, revision: str = "head") -> None:
+    """Upgrade, one process at a time per database: control-plane instances starting together
+    (two pods at first install) would otherwise both create the same tables, and all but one
+    fail. Whoever comes second finds the database at head and does nothing."""
     from alembic import command
 
-    command.upgrade(alembic_config(url), revision)
+    with migration_lock(url):
+        command.upgrade(alembic_config(url), revision)
+
+
+# PostgreSQL advisory lock key of the upgrade: any fixed 64-bit number, the same in every process.
+MIGRATION_LOCK_KEY = 0x666C656574_4D49
+
+
+@contextlib.contextmanager
+def migration_lock(url: str) -> Iterator[None]:
+    """An exclusive lock on the database's migrations: an advisory lock on PostgreSQL, a file
+    lock beside a SQLite file (processes on one host), nothing for in-memory SQLite."""
+    url = normalize_url(url)
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "postgresql":
+        engine = make_engine(url, poolclass=NullPool)
+        try:
+            with engine.connect() as conn:
+                conn.execute(text("SELECT pg_advisory_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
+                conn.commit()
+                try:
+                    yield
+                finally:
+                    conn.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": MIGRATION_LOCK_KEY})
+                    conn.commit()
+        finally:
+            engine.dispose()
+    elif parsed.get_backend_name() == "sqlite" and parsed.database and parsed.database != ":memory:":
+        path = Path(parsed.database).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(f".{path.name}.migrate-lock"), "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+    else:
+        yield
 
 
 def downgrade(url: str, revision: str = "base") -> None:
