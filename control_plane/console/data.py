@@ -302,11 +302,8 @@ def _when(value: Any) -> datetime | None:
         return None
 
 
-def control_plane(view: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The card of `GET /v1/control-plane`'s answer: members leader first, times as datetimes
-    (None: this control plane does not report its instances)."""
-    if view is None:
-        return None
+def control_plane(view: dict[str, Any]) -> dict[str, Any]:
+    """The card of `GET /v1/control-plane`'s answer: members leader first, times as datetimes."""
     members = sorted(view.get("members") or [], key=lambda m: (not m.get("is_leader"), str(m.get("id"))))
     return {
         "leader": view.get("leader"),

@@ -4,18 +4,15 @@ template that htmx re-fetches every few seconds (`.../panel`), and its charts re
 
 from __future__ import annotations
 
-import inspect
-import json
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, RedirectResponse, Response
-from fastapi.routing import APIRoute
 
 from control_plane.api.errors import ApiError
+from control_plane.api.routers import control_plane as control_plane_api
 from control_plane.api.routers import cost as cost_api
 from control_plane.console import data, series
 from control_plane.console.session import ConsoleSession
@@ -61,25 +58,10 @@ def overview_panel(request: Request):
         return render(request, "_overview.html", o=data.overview(db))
 
 
-CONTROL_PLANE_PATH = "/v1/control-plane"
-
-
-async def _control_plane_view(request: Request) -> dict[str, Any] | None:
-    """`GET /v1/control-plane`'s answer from this instance, through the admin API's own route
-    function (found by its path: the console follows the route's contract); None without it."""
-    for route in request.app.routes:
-        if isinstance(route, APIRoute) and route.path == CONTROL_PLANE_PATH and "GET" in route.methods:
-            params = inspect.signature(route.endpoint).parameters
-            if [p.annotation for p in params.values()] not in ([Request], ["Request"]):
-                return None  # a route needing more than its request: not callable from here
-            if inspect.iscoroutinefunction(route.endpoint):
-                answer = await route.endpoint(request)
-            else:
-                answer = await run_in_threadpool(route.endpoint, request)
-            if isinstance(answer, Response):
-                return json.loads(answer.body)
-            return answer.model_dump(mode="json") if hasattr(answer, "model_dump") else dict(answer)
-    return None
+async def _control_plane_view(request: Request) -> dict[str, Any]:
+    """`GET /v1/control-plane`'s answer from this instance, through the route's own function."""
+    answer = await control_plane_api.control_plane_members(request)
+    return answer.model_dump(mode="json")
 
 
 @router.get("/panel/control-plane")

@@ -260,6 +260,8 @@ def test_pages_show_the_fleet(cp):
     assert f'cx="{x}" cy="{y}"' in overview
     assert "spot" in overview and "<meter" in overview
     assert console.get("/console/deployments/nope").status_code == 404
+    card = console.get("/console/panel/control-plane").text  # through GET /v1/control-plane's own function
+    assert "Leader <strong>none</strong>, epoch <strong>0</strong>" in card  # --no-loops: nobody stands
     land = console.get("/console/land.svg")
     assert land.headers["content-type"].startswith("image/svg+xml") and land.text.count("M") > 100
     for asset in ("vendor/htmx.min.js", "vendor/uPlot.iife.min.js", "vendor/uPlot.min.css", "console.js"):
