@@ -158,7 +158,7 @@ def run(settings: Settings, *, loops: bool = True) -> int:
             sessions=sessions,
             nats=NatsLink(settings.nats_url, "control-plane", tls=settings.nats_tls()),
         )
-        app = build_app(ctx, run_loops=loops, public_url=url)
+        app = build_app(ctx, run_loops=loops, public_url=settings.advertise_url.rstrip("/") or url)
 
         def on_ready() -> None:
             record_api_url(settings, url)

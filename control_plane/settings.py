@@ -101,6 +101,9 @@ class Settings(BaseSettings):
     leader_lease_s: float = Field(15.0, gt=0)
     leader_renew_deadline_s: float = Field(10.0, gt=0)
     leader_retry_s: float = Field(2.0, gt=0)
+    # The URL other hosts reach this instance at, as `GET /v1/control-plane` lists it
+    # (FLEET_ADVERTISE_URL; Kubernetes: the pod's IP); default: the address it listens on.
+    advertise_url: str = ""
 
     @model_validator(mode="after")
     def _leader_timing(self) -> Settings:

@@ -123,6 +123,10 @@ def test_control_plane_is_highly_available(rendered, overlay) -> None:
     assert budget["spec"]["selector"]["matchLabels"] == spec_["selector"]["matchLabels"]
     env = {e["name"]: e for e in container["env"]}
     assert "secretKeyRef" in env["FLEET_DATABASE_URL"]["valueFrom"]  # one shared database, never SQLite
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    names = [e["name"] for e in container["env"]]  # $(POD_IP) expands only after its definition
+    assert env["FLEET_ADVERTISE_URL"]["value"] == "http://$(POD_IP):7070"
+    assert names.index("POD_IP") < names.index("FLEET_ADVERTISE_URL")
     secrets = {
         s["metadata"]["name"]: s
         for s in by_kind(docs, "Secret")

@@ -12,6 +12,8 @@ from control_plane.db.session import make_sessions, upgrade_to_head
 from control_plane.local.fleet import LocalFleet
 from control_plane.server import ensure_admin_token, record_api_url
 from control_plane.settings import Settings, client_endpoint
+from tests.control_plane.cp_server import ControlPlaneServer
+from tests.polling import wait_for
 
 
 def test_instances_starting_together_share_one_admin_token(tmp_path):
@@ -47,3 +49,20 @@ def test_a_launched_list_stays_whole_and_a_lone_instance_replaces_a_stale_file(t
 def test_ports_for_several_instances_are_distinct(tmp_path):
     ports = LocalFleet(tmp_path).control_plane_ports(4)
     assert len(set(ports)) == 4
+
+
+def test_an_instance_is_listed_at_its_advertised_url(tmp_path, monkeypatch):
+    """Behind 0.0.0.0 (a pod) the listen address says nothing to other hosts: FLEET_ADVERTISE_URL."""
+    monkeypatch.setenv("FLEET_ADVERTISE_URL", "http://10.1.2.3:7070/")
+    server = ControlPlaneServer(tmp_path / "home", f"sqlite:///{tmp_path / 'fleet.db'}", loops=True).start()
+    try:
+        with server.client() as admin:
+            view = wait_for(
+                lambda: (v := admin.get("/v1/control-plane").json())["members"] and v,
+                30,
+                "the instance's first heartbeat",
+            )
+        assert [m["url"] for m in view["members"]] == ["http://10.1.2.3:7070"]
+        assert (tmp_path / "home" / "api-url").read_text().strip() == server.url  # the local CLI's
+    finally:
+        server.stop()
