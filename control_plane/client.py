@@ -10,6 +10,8 @@ one that answered. Any instance serves the whole admin API, so the next one is a
 moves on only when it surely never reached a server (the connection was refused or never
 established): after a timeout or a gateway error it may have been applied, and a second try
 elsewhere could apply it twice (a second key, a second version), so it is reported instead.
+A paused instance accepts connections and never answers: a read leaves it after
+FLEET_API_TIMEOUT_S (default 30).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any, ClassVar
 
 import httpx
 
-from control_plane.settings import client_endpoint
+from control_plane.settings import client_endpoint, client_timeout
 
 PAGE = 1000
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -58,7 +60,7 @@ class FleetClient:
     _last_good: ClassVar[dict[tuple[str, ...], str]] = {}
 
     def __init__(
-        self, url: str | list[str] | None = None, token: str | None = None, timeout: float = 30.0
+        self, url: str | list[str] | None = None, token: str | None = None, timeout: float | None = None
     ) -> None:
         default_urls, default_token = client_endpoint()
         if url is None:
@@ -71,7 +73,7 @@ class FleetClient:
         self.url = self._last_good.get(tuple(self.urls), self.urls[0])
         self.token = token if token is not None else default_token
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        self._http = httpx.Client(headers=headers, timeout=timeout)
+        self._http = httpx.Client(headers=headers, timeout=timeout or client_timeout())
 
     def close(self) -> None:
         self._http.close()

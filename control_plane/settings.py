@@ -153,6 +153,14 @@ def parse_api_urls(text: str) -> list[str]:
     return list(dict.fromkeys(p.rstrip("/") for p in parts if p.strip("/")))
 
 
+def client_timeout() -> float:
+    """Seconds the CLI waits for one instance's answer (FLEET_API_TIMEOUT_S, default 30)."""
+    try:
+        return max(0.1, float(os.environ.get("FLEET_API_TIMEOUT_S") or 30.0))
+    except ValueError:
+        return 30.0
+
+
 def client_endpoint() -> tuple[list[str], str | None]:
     """(every API URL, token) for the CLI: FLEET_API_URL / FLEET_TOKEN, else $FLEET_HOME files.
     Several URLs are instances of one control plane; the client fails over between them."""

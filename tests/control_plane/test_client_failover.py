@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -133,6 +134,16 @@ def test_a_read_moves_on_after_a_timeout_a_write_does_not(instances, hung):
             client.post("/v1/keys", {"name": "k"})  # it may have been applied: never twice
     assert err.value.status == 0 and "did not answer in time" in str(err.value) and hung in str(err.value)
     assert live.seen == [("GET", "/v1/clusters")]
+
+
+def test_a_paused_instance_is_left_after_the_configured_timeout(instances, hung, monkeypatch):
+    live = _live(instances)
+    monkeypatch.setenv("FLEET_API_TIMEOUT_S", "0.3")
+    FleetClient._last_good.clear()
+    with FleetClient([hung, live.url], token="t") as client:
+        started = time.monotonic()
+        assert client.get("/v1/deployments")["served_by"] == live.url
+    assert time.monotonic() - started < 5
 
 
 def test_every_instance_down_names_them_all(dead):
