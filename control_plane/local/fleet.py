@@ -226,8 +226,10 @@ class LocalFleet:
             state.nats_url,
         ]
         env = self.enrolment.control_plane_env() if state.secure else None
+        first = not self.control_planes(state)  # the API URL `up` prints and registers with
         record = self.spawn(state, "control-plane", name, argv, url=url, extra_env=env)
-        state.api_url = state.api_url or url
+        if first:
+            state.api_url = url
         self.save(state)
         return record
 
