@@ -86,10 +86,17 @@ class Candidate:
             return Decision(Action.acquire, f"unchanged for {now - self._seen_at:.1f}s")
         return Decision(Action.follow, f"held by {record.holder}")
 
-    def acquired(self, record: LeaseRecord, started: float) -> None:
+    def acquired(self, record: LeaseRecord, started: float, now: float | None = None) -> bool:
+        """Whether we lead by this acquire: not when its answer came (`now`, default at once)
+        after the renew deadline of its own start, since a successor may already hold a
+        newer epoch; the stale lease of ours is taken anew on the next observation."""
+        self._seen, self._seen_at = (record.holder, record.epoch, record.version), started
+        if now is not None and now >= started + self.renew_deadline_s:
+            self.lost()
+            return False
         self.epoch = record.epoch
         self._renewed_at = started
-        self._seen, self._seen_at = (record.holder, record.epoch, record.version), started
+        return True
 
     def renewed(self, record: LeaseRecord, started: float) -> None:
         if not self.leading or record.epoch != self.epoch:

@@ -176,7 +176,9 @@ class Elector:
         async with self._transition:
             if self.candidate.leading:
                 await self._stop_loops()  # a term of ours we had given up on: its loops are done
-            self.candidate.acquired(won, started)
+            if not self.candidate.acquired(won, started, self._clock()):
+                log.warning("the lease of epoch %d was won too late to lead by it", won.epoch)
+                return
             log.warning("leading the control plane: epoch %d (%s)", won.epoch, reason)
             await self._lead(won.epoch)
 

@@ -64,6 +64,15 @@ def test_a_refused_renew_ends_leading_and_a_late_renew_does_not_revive_it():
     assert c.observe(rec("a", epoch=3, version=8), 2.0).action == Action.acquire  # a new epoch
 
 
+def test_an_acquire_answered_after_its_own_deadline_does_not_lead():
+    """Its successor may have taken over meanwhile: the next observation takes a new epoch."""
+    c = Candidate("a", LEASE, DEADLINE)
+    assert not c.acquired(rec("a", epoch=1, version=1), 0.0, DEADLINE + 3.0)
+    assert not c.leading and c.epoch == 0 and not c.believes_leading(DEADLINE + 3.0)
+    assert c.observe(rec("a", epoch=1, version=1), DEADLINE + 3.0).action == Action.acquire
+    assert c.acquired(rec("a", epoch=2, version=2), 20.0, 20.5) and c.epoch == 2
+
+
 def test_settings_bound():
     assert max_rate_drift(15, 10) == pytest.approx(0.2)
     with pytest.raises(ValueError):
@@ -204,9 +213,8 @@ def simulate(ops, rates, offsets, rho):  # noqa: C901 (one event loop, its handl
             if cand.leading:
                 n.end(when)
         elif action == Action.acquire:
-            cand.acquired(result, started)
-            n.since = when
-            n.check(when)  # an acquire that answered after its own deadline
+            if cand.acquired(result, started, n.local(when)):  # not when it answered after its deadline
+                n.since = when
         else:
             cand.renewed(result, started)
 
