@@ -295,17 +295,12 @@ def _bring_up(
 
 
 def _start_control_planes(fleet: LocalFleet, state, count: int, token_file: Path, timeout: float):
-    """`count` instances on the fleet's one database, every URL in the api file. The first
-    starts alone: it migrates the database and writes the admin token the others then find
-    and share; the rest start together. Returns the first instance."""
+    """`count` instances on the fleet's one database (`LocalFleet.start_control_planes`).
+    Returns the first instance."""
     ports = fleet.control_plane_ports(count)
-    fleet.write_api_urls([f"http://127.0.0.1:{p}" for p in ports])
-    names = ["control-plane"] if count == 1 else [f"control-plane-{i + 1}" for i in range(count)]
-    first = fleet.start_control_plane(state, ports[0], names[0])
-    _wait_healthy([first], token_file, timeout)
-    rest = [fleet.start_control_plane(state, port, name) for port, name in zip(ports[1:], names[1:])]
-    _wait_healthy(rest, token_file, timeout)
-    return first
+    return fleet.start_control_planes(
+        state, ports, lambda records: _wait_healthy(records, token_file, timeout)
+    )[0]
 
 
 def _wait_healthy(records, token_file: Path, timeout: float) -> None:

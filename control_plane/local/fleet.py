@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Literal
 
@@ -210,7 +210,11 @@ class LocalFleet:
         atomic_write(self.home / "api-url", "".join(f"{u}\n" for u in urls).encode())
 
     def start_control_plane(
-        self, state: FleetState, port: int | None = None, name: str = "control-plane"
+        self,
+        state: FleetState,
+        port: int | None = None,
+        name: str = "control-plane",
+        extra_env: dict[str, str] | None = None,
     ) -> ProcessRecord:
         port = port or _port_or_free(7070)
         url = f"http://127.0.0.1:{port}"
@@ -225,13 +229,35 @@ class LocalFleet:
             "--nats-url",
             state.nats_url,
         ]
-        env = self.enrolment.control_plane_env() if state.secure else None
+        env = {**(self.enrolment.control_plane_env() if state.secure else {}), **(extra_env or {})}
         first = not self.control_planes(state)  # the API URL `up` prints and registers with
         record = self.spawn(state, "control-plane", name, argv, url=url, extra_env=env)
         if first:
             state.api_url = url
         self.save(state)
         return record
+
+    def start_control_planes(
+        self,
+        state: FleetState,
+        ports: list[int],
+        wait_healthy: Callable[[list[ProcessRecord]], None],
+        extra_env: dict[str, str] | None = None,
+    ) -> list[ProcessRecord]:
+        """One instance per port on the fleet's one database, every URL in the api file. The
+        first starts alone (`wait_healthy` returns once it is): it migrates the database and
+        writes the admin token the others then find and share; the rest start together."""
+        self.write_api_urls([f"http://127.0.0.1:{p}" for p in ports])
+        names = (
+            ["control-plane"] if len(ports) == 1 else [f"control-plane-{i + 1}" for i in range(len(ports))]
+        )
+        first = self.start_control_plane(state, ports[0], names[0], extra_env)
+        wait_healthy([first])
+        rest = [
+            self.start_control_plane(state, port, name, extra_env) for port, name in zip(ports[1:], names[1:])
+        ]
+        wait_healthy(rest)
+        return [first, *rest]
 
     def control_planes(self, state: FleetState) -> list[ProcessRecord]:
         return [p for p in state.processes if p.kind == "control-plane"]

@@ -9,7 +9,7 @@ from sqlalchemy import select
 
 from control_plane.db.models import ApiKey
 from control_plane.db.session import make_sessions, upgrade_to_head
-from control_plane.local.fleet import LocalFleet
+from control_plane.local.fleet import LocalFleet, ProcessRecord
 from control_plane.server import ensure_admin_token, record_api_url
 from control_plane.settings import Settings, client_endpoint
 from tests.control_plane.cp_server import ControlPlaneServer
@@ -66,3 +66,30 @@ def test_an_instance_is_listed_at_its_advertised_url(tmp_path, monkeypatch):
         assert (tmp_path / "home" / "api-url").read_text().strip() == server.url  # the local CLI's
     finally:
         server.stop()
+
+
+def test_instances_start_first_alone_then_together_listed_before_any_starts(tmp_path, monkeypatch):
+    fleet = LocalFleet(tmp_path / "home", secure=False)
+    state = fleet.new_state(["local-east"])
+    steps: list[tuple] = []
+
+    def spawn(state, kind, name, argv, url="", config="", extra_env=None):
+        steps.append(("start", name, fleet.home.joinpath("api-url").read_text().split(), extra_env))
+        return ProcessRecord(kind=kind, name=name, pid=1, url=url)
+
+    monkeypatch.setattr(fleet, "spawn", spawn)
+    records = fleet.start_control_planes(
+        state,
+        [7070, 7071, 7072],
+        lambda records: steps.append(("wait", [r.name for r in records])),
+        {"A": "1"},
+    )
+    urls = [f"http://127.0.0.1:{p}" for p in (7070, 7071, 7072)]
+    assert [r.url for r in records] == urls
+    assert steps == [
+        ("start", "control-plane-1", urls, {"A": "1"}),
+        ("wait", ["control-plane-1"]),  # it migrates and writes the admin token alone
+        ("start", "control-plane-2", urls, {"A": "1"}),
+        ("start", "control-plane-3", urls, {"A": "1"}),
+        ("wait", ["control-plane-2", "control-plane-3"]),
+    ]
