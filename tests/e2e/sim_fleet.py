@@ -113,6 +113,8 @@ class SimFleet:
         runtime: str = "sim",
         replica_args: list[str] | None = None,
         pool: dict | None = None,
+        control_planes: int = 1,
+        control_plane_env: dict[str, str] | None = None,
     ) -> None:
         self.home = home
         self.regions = regions
@@ -122,6 +124,8 @@ class SimFleet:
         self.runtime = runtime
         self.replica_args = replica_args or []
         self.pool_overrides = pool or {}  # more PoolInventory fields of every region's pool (a price)
+        self.control_plane_count = control_planes  # instances on one database (FLEET_DATABASE_URL)
+        self.control_plane_env = control_plane_env or {}  # FLEET_DATABASE_URL, FLEET_LEADER_*...
         self.local = LocalFleet(home)
         self.state = self.local.new_state(regions)
         self.token = ""
@@ -134,7 +138,10 @@ class SimFleet:
         local, state = self.local, self.state
         local.save(state)
         local.start_nats(state, port=free_port())  # never a shared default port: others run fleets too
-        self.start_control_plane(port=free_port(), timeout=timeout)
+        if self.control_plane_count == 1:
+            self.start_control_plane(port=free_port(), timeout=timeout)
+        else:
+            self.start_control_planes(timeout)
         pool = "sim" if self.runtime == "sim" else "cpu"
         for index, region in enumerate(self.regions):
             config = local.write_cluster_config(state, region, index, self.slots, self.replica_args)
@@ -176,14 +183,26 @@ class SimFleet:
         return self
 
     def start_control_plane(self, port: int | None = None, timeout: float = 60) -> None:
-        record = self.local.start_control_plane(self.state, port=port)
+        record = self.local.start_control_plane(self.state, port=port, extra_env=self.control_plane_env)
+        self._wait_control_planes([record], timeout)
+
+    def start_control_planes(self, timeout: float = 60) -> None:
+        """`control_planes` instances on one database, as `fleetctl up --control-planes` starts them."""
+        ports = [free_port() for _ in range(self.control_plane_count)]
+        wait = lambda records: self._wait_control_planes(records, timeout)  # noqa: E731
+        self.local.start_control_planes(self.state, ports, wait, self.control_plane_env)
+
+    def _wait_control_planes(self, records, timeout: float) -> None:
         token_file = self.home / "admin-token"
-        wait_for(
-            lambda: httpx.get(f"{record.url}/healthz", timeout=1).status_code == 200 and token_file.exists(),
-            timeout,
-            0.1,
-            "the control plane",
-        )
+        for record in records:
+            wait_for(
+                lambda record=record: (
+                    httpx.get(f"{record.url}/healthz", timeout=1).status_code == 200 and token_file.exists()
+                ),
+                timeout,
+                0.1,
+                f"the control plane {record.name}",
+            )
         self.token = token_file.read_text().strip()
 
     def process(self, kind: str, name: str | None = None):
@@ -192,12 +211,13 @@ class SimFleet:
                 return record
         raise KeyError(kind, name)
 
-    def kill_control_plane(self) -> int:
-        cp = self.process("control-plane")
+    def kill_control_plane(self, name: str | None = None) -> int:
+        """kill -9 the control plane (`name`: one instance of several); returns its port."""
+        cp = self.process("control-plane", name)
         psutil.Process(cp.pid).kill()
         wait_for(lambda: not pid_alive(cp.pid), 10, 0.05, "the control plane to die")
         state = self.local.load()
-        state.processes = [p for p in state.processes if p.kind != "control-plane"]
+        state.processes = [p for p in state.processes if p.pid != cp.pid]
         self.local.save(state)
         self.state = state
         return int(cp.url.rsplit(":", 1)[1])
@@ -222,7 +242,16 @@ class SimFleet:
 
     @property
     def api_url(self) -> str:
-        return self.process("control-plane").url
+        """The first instance that can answer (alive and not stopped)."""
+        return self.control_plane_urls()[0]
+
+    def control_plane_urls(self) -> list[str]:
+        """Every control-plane instance that can answer: alive, not SIGSTOPped."""
+        return [
+            p.url
+            for p in self.local.load().processes
+            if p.kind == "control-plane" and pid_alive(p.pid) and not _stopped(p.pid)
+        ]
 
     def api(self, method: str, path: str, **kw) -> httpx.Response:
         return httpx.request(
@@ -368,6 +397,12 @@ class Load(Workers):
         """Wait until `count` requests that began at or after `since` (time.time()) have ended:
         the load is flowing, or kept flowing past an event."""
         wait_for(lambda: sum(r.started >= since for r in self.results) >= count, timeout, 0.05, what)
+
+
+def _stopped(pid: int) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    return False
 
 
 def kill_trees(pids: list[int]) -> None:
