@@ -244,7 +244,10 @@ def test_leader_killed_mid_canary(fleet: SimFleet):
     assert takeover_s <= LEASE_S + 5, takeover_s
     assert new_epoch > old_epoch
     assert result.returncode == 0, result.stdout + result.stderr
-    assert end["phase"] == "promoted", end
+    assert end["phase"] == "promoted" and end["id"] == during["id"], (
+        during,
+        end,
+    )  # the same rollout, resumed
     assert load.failed() == [], load.failed()[:3]
     assert (stored - before, errors) == (ok, 0)
     assert watch.twice_placed() == {}
