@@ -471,6 +471,7 @@ __all__ = [
     "Event",
     "Node",
     "NodeFaultRecord",
+    "Pipeline",
     "ReplicaAssignment",
     "ReplicaInterval",
     "Rollout",
@@ -493,3 +494,19 @@ class AutoscalerState(Base):
     cycles: Mapped[str | None] = mapped_column(Text, nullable=True)  # the daily and weekly cycles
     at: Mapped[float] = mapped_column(Float)  # Unix seconds: its last observation
     saved_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class Pipeline(Base):
+    """Deployments that serve one request together (`fleet_base.pipelines.PipelineSpec`):
+    `steps` in call order as [{name, deployment}], by deployment name so a step is plain
+    data the placer, the routing table and the simulator read alike. A deployment in a
+    pipeline cannot be deleted (the API answers 409) until the pipeline is."""
+
+    __tablename__ = "pipelines"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(63), unique=True, index=True)
+    steps: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
+    slo_e2e_s: Mapped[float | None] = mapped_column(Float, nullable=True, default=None)  # None: no budget
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)

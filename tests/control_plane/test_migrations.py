@@ -34,6 +34,7 @@ TABLES = {
     "control_plane_lease",
     "control_plane_members",
     "autoscaler_states",
+    "pipelines",
 }
 
 

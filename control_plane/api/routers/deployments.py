@@ -26,6 +26,7 @@ from control_plane.api.schemas import (
 )
 from control_plane.api.views import deployment_status, deployment_summaries, version_out
 from control_plane.db.models import Deployment, DeploymentVersion, ReplicaAssignment, utcnow
+from control_plane.pipelines import pipelines_using
 from control_plane.rollouts.store import active_for
 
 router = APIRouter(prefix="/v1/deployments", tags=["deployments"])
@@ -178,7 +179,13 @@ def scale_deployment(name: str, body: ScaleRequest, request: Request, session: S
 
 @router.delete("/{name}", response_model=DeploymentStatus)
 def delete_deployment(name: str, request: Request, session: SessionDep, who: PrincipalDep):
-    dep = _load(session, name)
+    """A step of a pipeline is refused (409): removing it would split the pipeline silently."""
+    dep = _load(session, name, lock=True)
+    if using := pipelines_using(session, name):
+        raise conflict(
+            f"deployment {name!r} is a step of pipeline(s) {', '.join(using)}: "
+            "delete those first (fleetctl pipeline rm)"
+        )
     before = deployment_status(session, dep)
     session.delete(dep)
     audit(session, who, "deployment.delete", "deployment", name, before, None)
