@@ -1,0 +1,122 @@
+"""The end-to-end budget split over a pipeline's steps (`control_plane.autoscale.pipeline_budget`):
+table tests, Scale(now) style."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from control_plane.autoscale.pipeline_budget import (
+    MIN_SHARE,
+    MIN_TARGET,
+    BudgetMemory,
+    StepLatency,
+    split,
+    step_latency,
+)
+from control_plane.autoscale.policy import Observation
+from fleet_base.pipelines import PipelineSpec, PipelineStep
+
+RAG = PipelineSpec(
+    name="rag",
+    steps=(PipelineStep(name="embed", deployment="emb"), PipelineStep(name="answer", deployment="chat")),
+    slo_e2e_s=1.0,
+)
+OWN = {"emb": 2.0, "chat": 2.0}
+
+
+def lat(total: float | None, ttft: float | None = None) -> StepLatency:
+    return StepLatency(total, total if ttft is None else ttft)
+
+
+@pytest.mark.parametrize(
+    ("name", "latency", "over", "targets"),
+    [
+        # 0.9 + 0.3 = 1.2 s against 1 s: both over their proportional shares, the slow step first
+        ("both over, slow first", {"emb": lat(0.3), "chat": lat(0.9)}, {"emb": True, "chat": True},
+         {"emb": 0.25, "chat": 0.75}),
+        # within the budget: nobody's target changes because of the pipeline
+        ("within budget", {"emb": lat(0.1), "chat": lat(0.5)}, {"emb": False, "chat": False},
+         {"emb": 2.0, "chat": 2.0}),
+        # a 5 ms step keeps the floor's share (1/8 of 1 s) and is left alone; chat over
+        ("fast step left", {"emb": lat(0.005), "chat": lat(1.2)}, {"emb": False, "chat": True},
+         {"emb": 2.0, "chat": 0.875}),
+        # decode alone exceeds chat's share: its TTFT target at the floor, not zero or negative;
+        # embed's 100 ms is within its floored share (125 ms)
+        ("decode-bound", {"emb": lat(0.1), "chat": lat(2.0, ttft=0.1)}, {"emb": False, "chat": True},
+         {"emb": 2.0, "chat": MIN_TARGET * 0.875}),
+        # nothing measured yet: even shares, no step over
+        ("not measured", {}, {"emb": False, "chat": False}, {"emb": 2.0, "chat": 2.0}),
+    ],
+)  # fmt: skip
+def test_first_decision(name, latency, over, targets) -> None:
+    out = split([RAG], latency, OWN, BudgetMemory(), now=0.0)
+    assert {d: b.over for d, b in out.items()} == over, name
+    for d, want in targets.items():
+        assert out[d].target_ttft_s == pytest.approx(want, rel=1e-6), (name, d)
+    assert all(b.target_ttft_s <= OWN[d] for d, b in out.items())
+
+
+def test_slow_step_scales_first() -> None:
+    """Shares settle on 0.2 / 0.8; then chat slows: chat is over its share, embed is not
+    (its smoothed share still holds), so only chat's target is tightened."""
+    mem = BudgetMemory()
+    for t in range(0, 600, 2):
+        out = split([RAG], {"emb": lat(0.16), "chat": lat(0.64)}, OWN, mem, float(t))
+    assert not any(b.over for b in out.values())
+    assert out["chat"].share == pytest.approx(0.8, abs=1e-3)
+    out = split([RAG], {"emb": lat(0.16), "chat": lat(1.2)}, OWN, mem, 600.0)
+    assert out["chat"].over and out["chat"].priority == 1
+    assert out["chat"].target_ttft_s < OWN["chat"]
+    assert not out["emb"].over and out["emb"].target_ttft_s == OWN["emb"] and out["emb"].priority == 0
+    assert "rag" in out["chat"].reason and "budget" in out["chat"].reason
+
+
+def test_shares_are_smoothed() -> None:
+    """A step's share moves towards its new proportion over SHARE_S, not in one tick."""
+    mem = BudgetMemory()
+    split([RAG], {"emb": lat(0.5), "chat": lat(0.5)}, OWN, mem, 0.0)
+    one = split([RAG], {"emb": lat(0.2), "chat": lat(0.8)}, OWN, mem, 2.0)
+    assert 0.5 < one["chat"].share < 0.6
+    later = one
+    for t in range(4, 400, 2):
+        later = split([RAG], {"emb": lat(0.2), "chat": lat(0.8)}, OWN, mem, float(t))
+    assert later["chat"].share == pytest.approx(0.8, abs=1e-3)
+
+
+def test_unmeasured_step_keeps_its_share() -> None:
+    mem = BudgetMemory()
+    split([RAG], {"emb": lat(0.2), "chat": lat(0.6)}, OWN, mem, 0.0)
+    out = split([RAG], {"chat": lat(0.6)}, OWN, mem, 2.0)
+    assert out["emb"].share == pytest.approx(0.25) and out["chat"].share == pytest.approx(0.75)
+    assert not out["emb"].over
+
+
+def test_no_budget_unchanged() -> None:
+    spec = RAG.model_copy(update={"slo_e2e_s": None})
+    assert split([spec], {"emb": lat(5.0), "chat": lat(5.0)}, OWN, BudgetMemory(), 0.0) == {}
+
+
+def test_tightest_of_several_pipelines() -> None:
+    other = PipelineSpec(name="ask", steps=(PipelineStep(name="answer", deployment="chat"),), slo_e2e_s=0.5)
+    out = split([RAG, other], {"emb": lat(0.1), "chat": lat(0.9)}, OWN, BudgetMemory(), 0.0)
+    assert out["chat"].pipeline == "ask" and out["chat"].target_ttft_s == pytest.approx(0.5)
+
+
+def test_step_latency_from_observation() -> None:
+    obs = Observation(0.0, 1, requests_per_s=2.0, output_tokens_per_s=202.0, ttft_s=0.2, itl_s=0.01)
+    assert step_latency(obs).total_s == pytest.approx(0.2 + 100 * 0.01)
+    assert step_latency(Observation(0.0, 1)).total_s is None
+
+
+@given(
+    st.lists(st.one_of(st.none(), st.floats(1e-4, 100)), min_size=2, max_size=2),
+    st.floats(0.05, 10),
+)
+def test_shares_floor_and_sum(measured, budget) -> None:
+    spec = RAG.model_copy(update={"slo_e2e_s": budget})
+    out = split([spec], {"emb": lat(measured[0]), "chat": lat(measured[1])}, OWN, BudgetMemory(), 0.0)
+    assert sum(b.share for b in out.values()) == pytest.approx(1.0)
+    assert all(b.share >= MIN_SHARE / 2 - 1e-9 for b in out.values())
+    assert all(0 < b.target_ttft_s <= OWN[d] for d, b in out.items())
