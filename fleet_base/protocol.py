@@ -17,11 +17,12 @@ import time
 from enum import Enum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from fleet_base.bounds import MAX_TOKENS, Count, FiniteFloat, Timestamp
 from fleet_base.domain import AdapterName, Coordinates, PoolShape
 from fleet_base.node_health import MAX_FAULTS, MAX_NODES, NodeAction, NodeFault, NodeHealth
+from fleet_base.pipelines import PipelineSpec, PipelineStep
 
 # Bounds of what an agent or gateway may report (fleet_base.domain bounds each pool).
 MAX_POOLS = 256
@@ -213,6 +214,33 @@ class ShadowTarget(BaseModel):
     share: float = Field(gt=0, le=1, allow_inf_nan=False)
 
 
+MAX_ROUTE_PIPELINES = 64
+
+
+def _known_fields(value: Any, model: type[BaseModel]) -> Any:
+    return {k: v for k, v in value.items() if k in model.model_fields} if isinstance(value, dict) else value
+
+
+def tolerant_pipelines(value: Any) -> Any:
+    """Pipelines as this reader understands them: a newer writer's unknown fields dropped
+    (`PipelineSpec` forbids them, for the API), and an entry that still does not parse left
+    out, so one pipeline this reader cannot read never costs the deployment its route."""
+    if not isinstance(value, list):
+        return value
+    out: list[PipelineSpec] = []
+    for item in value[:MAX_ROUTE_PIPELINES]:
+        if isinstance(item, dict):
+            item = _known_fields(item, PipelineSpec)
+            steps = item.get("steps")
+            if isinstance(steps, list):
+                item = {**item, "steps": [_known_fields(s, PipelineStep) for s in steps]}
+        try:
+            out.append(PipelineSpec.model_validate(item))
+        except ValidationError:
+            continue
+    return out
+
+
 class RoutingTable(Message):
     deployment: str
     versions: list[VersionWeight] = Field(default_factory=list)
@@ -231,6 +259,12 @@ class RoutingTable(Message):
     # `version` (a rollout's shadow phase) and report the copies as shadow usage.
     shadow: ShadowTarget | None = None
     epoch: Epoch = 0
+    # The pipelines the deployment is a step of (`fleet_base.pipelines`): gateways keep a
+    # pipeline's hops in one cluster and send a new pipeline request whole to a cluster
+    # where every step is ready.
+    pipelines: Annotated[list[PipelineSpec], BeforeValidator(tolerant_pipelines)] = Field(
+        default_factory=list, max_length=MAX_ROUTE_PIPELINES
+    )
 
 
 # --------------------------------------------------------------------- heartbeats
@@ -407,6 +441,11 @@ class UsageRecord(Message):
     # is not greedy or the two are not comparable.
     greedy_match: bool | None = None
     first_diff_token: int | None = Field(None, ge=0, le=MAX_USAGE_TOKENS)
+    # A hop of a pipeline request (`fleet_base.pipelines`): the pipeline, the step it
+    # called and the id tying its hops together; `cluster` says where it was served.
+    pipeline: str | None = Field(None, max_length=63)
+    pipeline_step: str | None = Field(None, max_length=63)
+    pipeline_request: str | None = Field(None, max_length=128)
 
 
 class Demand(Message):

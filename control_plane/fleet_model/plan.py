@@ -5,7 +5,7 @@ cluster, a routing table per deployment, key records). No I/O, no clock."""
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from control_plane.fleet_model.nodes import healthy_pools
 from control_plane.fleet_model.snapshot import AssignmentRow, DeploymentRow, FleetSnapshot, VersionSpec
@@ -27,6 +27,7 @@ from fleet_base import residency
 from fleet_base.api_keys import ApiKeyRecord
 from fleet_base.domain import ClusterStatus, pool_shape
 from fleet_base.node_health import NodeAction
+from fleet_base.pipelines import PipelineSpec
 from fleet_base.protocol import (
     DEFAULT_MAX_ADAPTERS,
     ClusterRoute,
@@ -301,14 +302,18 @@ def node_actions(snap: FleetSnapshot) -> dict[str, list[NodeAction]]:
     return {c: sorted(a, key=lambda x: (x.at, x.node)) for c, a in out.items()}
 
 
-def build_routes(snap: FleetSnapshot, assignments: list[AssignmentRow]) -> dict[str, RoutingTable]:
+def build_routes(
+    snap: FleetSnapshot, assignments: list[AssignmentRow], pipelines: Sequence[PipelineSpec] = ()
+) -> dict[str, RoutingTable]:
     """A routing table per deployment that wants replicas: its current version at full
     weight, and each cluster it is assigned to with that cluster's ready replicas.
     Unhealthy clusters are left out; deployments with zero replicas get no table, unless
     they may scale to zero (min_replicas 0): then gateways keep knowing them, hold their
     requests for a cold start and signal demand (`scale_to_zero`). A residency-bound
     deployment's table names its policy and leaves out clusters outside it (replicas that
-    still run there while placement moves them get no more traffic)."""
+    still run there while placement moves them get no more traffic). Each table names the
+    pipelines its deployment is a step of, so a gateway routes their hops (the rest of the
+    pipeline's steps' readiness it reads from their own tables)."""
     clusters = {c.id: c for c in snap.clusters}
     assigned: dict[str, dict[str, list[AssignmentRow]]] = defaultdict(lambda: defaultdict(list))
     for a in assignments:
@@ -348,6 +353,7 @@ def build_routes(snap: FleetSnapshot, assignments: list[AssignmentRow]) -> dict[
             scale_to_zero=scale_to_zero,
             residency=None if d.residency is None else list(d.residency),
             shadow=shadow_target(snap, d),
+            pipelines=[p for p in pipelines if d.name in p.deployments],
         )
     return out
 
