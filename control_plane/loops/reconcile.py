@@ -22,6 +22,7 @@ from control_plane.fleet_model.plan import (
 )
 from control_plane.fleet_model.snapshot import FleetSnapshot, read_snapshot
 from control_plane.fleet_model.standby import standby_demands
+from control_plane.pipelines import load_pipelines
 from control_plane.placement import PlacementResult, Placer, SolvedPlan, SolveInfo, Unplaced, pipeline
 from fleet_base.protocol import BUCKET_DESIRED, BUCKET_ROUTES, Message, ReplicaState
 
@@ -77,7 +78,7 @@ def reconcile_once(
         assignments = next_assignments(snap, result)
         wanted: dict[str, dict[str, Message]] = {
             BUCKET_DESIRED: dict(build_desired(snap, assignments)),
-            BUCKET_ROUTES: dict(build_routes(snap, assignments)),
+            BUCKET_ROUTES: dict(build_routes(snap, assignments, load_pipelines(session))),
         }
         return ReconcileOutcome(result=result, wanted=wanted, info=outcome.info, solved=outcome.solved)
 

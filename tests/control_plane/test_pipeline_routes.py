@@ -8,8 +8,12 @@ import json
 
 from control_plane.fleet_model.plan import build_routes
 from control_plane.fleet_model.snapshot import DeploymentRow, FleetSnapshot, VersionSpec
+from control_plane.loops.reconcile import reconcile_once
+from control_plane.pipelines import row_of
+from control_plane.placement import get_placer
 from fleet_base.pipelines import PipelineSpec, PipelineStep
-from fleet_base.protocol import RoutingTable
+from fleet_base.protocol import BUCKET_ROUTES, RoutingTable
+from tests.control_plane.test_loops import add_deployment
 
 
 def _spec(name: str, *steps: tuple[str, str]) -> PipelineSpec:
@@ -44,3 +48,14 @@ def test_a_newer_writers_pipelines_decode_tolerantly() -> None:
     table = RoutingTable.model_validate_json(json.dumps(wire))
     assert table.pipelines == [RAG] and table.deployment == "chat"
     assert RoutingTable.model_validate_json('{"deployment": "chat"}').pipelines == []
+
+
+def test_the_reconcile_pass_publishes_each_deployments_pipelines(sessions) -> None:
+    for name in ("emb", "chat", "other"):
+        add_deployment(sessions, name)
+    with sessions() as s:
+        s.add(row_of(RAG))
+        s.commit()
+    routes = reconcile_once(sessions, get_placer("ffd"), {}, {}).wanted[BUCKET_ROUTES]
+    assert routes["emb"].pipelines == [RAG] and routes["chat"].pipelines == [RAG]  # type: ignore[attr-defined]
+    assert routes["other"].pipelines == []  # type: ignore[attr-defined]
