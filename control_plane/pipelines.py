@@ -45,9 +45,11 @@ def load_pipeline(session: Session, name: str) -> Pipeline | None:
     return session.scalars(select(Pipeline).where(Pipeline.name == name)).one_or_none()
 
 
-def missing_deployments(session: Session, spec: PipelineSpec) -> list[str]:
-    """The deployments `spec`'s steps name that do not exist, in step order."""
-    known = set(session.scalars(select(Deployment.name).where(Deployment.name.in_(spec.deployments))).all())
+def missing_deployments(session: Session, spec: PipelineSpec, lock: bool = False) -> list[str]:
+    """The deployments `spec`'s steps name that do not exist, in step order. `lock` holds
+    the existing ones' rows until commit (PostgreSQL), against a concurrent delete."""
+    query = select(Deployment.name).where(Deployment.name.in_(spec.deployments))
+    known = set(session.scalars(query.with_for_update() if lock else query).all())
     return [d for d in spec.deployments if d not in known]
 
 

@@ -26,6 +26,7 @@ from control_plane.api.routers import (
     keys,
     model_cache,
     nodes,
+    pipelines,
     rollouts,
     scheduled_jobs,
     usage,
@@ -199,6 +200,7 @@ def build_app(ctx: ControlPlaneContext, *, run_loops: bool = True, public_url: s
         model_cache.router,
         budgets.router,
         nodes.router,
+        pipelines.router,
         scheduled_jobs.router,
         control_plane.router,
     )

@@ -27,6 +27,7 @@ from fleet_base.domain import (
     PriorityClassName,
     TeamName,
 )
+from fleet_base.pipelines import MAX_STEPS, PipelineName, PipelineSpec, StepName
 from fleet_base.residency import MAX_JURISDICTIONS, normalize, parse_residency
 
 MAX_REPLICAS = 1000
@@ -488,6 +489,58 @@ class NodeDetailOut(NodeOut):
 # --------------------------------------------------------------------- lists
 
 T = TypeVar("T")
+
+
+# --------------------------------------------------------------------- pipelines
+
+
+class PipelineStepIn(Strict):
+    name: StepName
+    deployment: DeploymentName
+
+
+class PipelineCreate(Strict):
+    """`POST /v1/pipelines`: a `fleet_base.pipelines.PipelineSpec`, strictly typed; `spec()`
+    applies the spec's own rules (distinct step names and deployments)."""
+
+    name: PipelineName
+    steps: list[PipelineStepIn] = Field(min_length=1, max_length=MAX_STEPS)
+    slo_e2e_s: float | None = Field(None, gt=0, le=3600)
+
+    def spec(self) -> PipelineSpec:
+        return PipelineSpec.model_validate(self.model_dump())
+
+
+class PipelineStepOut(BaseModel):
+    name: str
+    deployment: str
+
+
+class PipelineSummary(BaseModel):
+    """`ready_clusters`: the clusters where every step has a ready replica (where a new
+    pipeline request can be served whole)."""
+
+    name: str
+    steps: list[PipelineStepOut]
+    slo_e2e_s: float | None = None
+    ready_clusters: list[str] = Field(default_factory=list)
+    created_at: datetime
+    updated_at: datetime
+
+
+class PipelineClusterReadiness(BaseModel):
+    """One cluster: ready replicas of each step there, and `ready` when every step has one."""
+
+    cluster: str
+    region: str = ""
+    ready: bool
+    steps: dict[str, int]
+
+
+class PipelineStatus(PipelineSummary):
+    """`GET /v1/pipelines/{name}`: the spec and, for every registered cluster, its readiness."""
+
+    clusters: list[PipelineClusterReadiness]
 
 
 class Page(BaseModel, Generic[T]):

@@ -15,6 +15,10 @@ from control_plane.api.schemas import (
     DeploymentSummary,
     EventOut,
     KeyOut,
+    PipelineClusterReadiness,
+    PipelineStatus,
+    PipelineStepOut,
+    PipelineSummary,
     Placement,
     PoolOut,
     VersionOut,
@@ -27,6 +31,7 @@ from control_plane.db.models import (
     Deployment,
     DeploymentVersion,
     Event,
+    Pipeline,
     ReplicaAssignment,
 )
 from fleet_base.domain import pool_shape
@@ -135,6 +140,58 @@ def deployment_status(session: Session, dep: Deployment) -> DeploymentStatus:
             for a in assignments
         ],
     )
+
+
+def _ready_by_cluster(session: Session, deployments: set[str]) -> dict[tuple[str, str], int]:
+    """(deployment name, cluster) -> ready replicas, any version."""
+    if not deployments:
+        return {}
+    rows = session.execute(
+        select(Deployment.name, ReplicaAssignment.cluster_id, func.count())
+        .join(Deployment, Deployment.id == ReplicaAssignment.deployment_id)
+        .where(Deployment.name.in_(deployments), ReplicaAssignment.state == READY)
+        .group_by(Deployment.name, ReplicaAssignment.cluster_id)
+    )
+    return {(name, cluster): count for name, cluster, count in rows}
+
+
+def _readiness(row: Pipeline, clusters: list[tuple[str, str]], ready: dict[tuple[str, str], int]):
+    out = []
+    for cluster, region in clusters:
+        steps = {s["name"]: ready.get((s["deployment"], cluster), 0) for s in row.steps}
+        out.append(
+            PipelineClusterReadiness(
+                cluster=cluster, region=region, ready=bool(steps) and all(steps.values()), steps=steps
+            )
+        )
+    return out
+
+
+def pipeline_summaries(session: Session, rows: list[Pipeline]) -> list[PipelineStatus]:
+    """Each pipeline with its readiness on every registered cluster (one query for all)."""
+    ready = _ready_by_cluster(session, {s["deployment"] for row in rows for s in row.steps})
+    clusters = [
+        (c.id, c.region) for c in session.execute(select(Cluster.id, Cluster.region).order_by(Cluster.id))
+    ]
+    out = []
+    for row in rows:
+        readiness = _readiness(row, clusters, ready)
+        out.append(
+            PipelineStatus(
+                name=row.name,
+                steps=[PipelineStepOut(**s) for s in row.steps],
+                slo_e2e_s=row.slo_e2e_s,
+                ready_clusters=[c.cluster for c in readiness if c.ready],
+                clusters=readiness,
+                created_at=row.created_at,
+                updated_at=row.updated_at,
+            )
+        )
+    return out
+
+
+def pipeline_summary(status: PipelineStatus) -> PipelineSummary:
+    return PipelineSummary(**status.model_dump(exclude={"clusters"}))
 
 
 def used_gpus(session: Session, cluster_ids: list[str] | None = None) -> dict[tuple[str, str], int]:

@@ -1,0 +1,79 @@
+"""Pipelines: deployments that serve one request together, placed in the same clusters.
+A write kicks the reconcile loop, which places the steps together (or reports why not)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from pydantic import ValidationError
+from sqlalchemy import select
+
+from control_plane.api.audit import audit, event
+from control_plane.api.deps import PagingDep, PrincipalDep, SessionDep, insert, kick
+from control_plane.api.errors import conflict, invalid, not_found
+from control_plane.api.schemas import Page, PipelineCreate, PipelineStatus, PipelineSummary
+from control_plane.api.views import pipeline_summaries, pipeline_summary
+from control_plane.db.models import Pipeline
+from control_plane.pipelines import load_pipeline, missing_deployments, row_of
+
+router = APIRouter(prefix="/v1/pipelines", tags=["pipelines"])
+
+
+def _load(session, name: str) -> Pipeline:
+    row = load_pipeline(session, name)
+    if row is None:
+        raise not_found("pipeline", name)
+    return row
+
+
+@router.post("", status_code=201, response_model=PipelineStatus)
+def create_pipeline(body: PipelineCreate, request: Request, session: SessionDep, who: PrincipalDep):
+    """Every step must name an existing deployment (422 naming the missing ones); their rows
+    are locked until commit so a concurrent delete cannot slip between check and insert."""
+    try:
+        spec = body.spec()
+    except ValidationError as exc:
+        raise invalid(
+            "steps", "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+        ) from None
+    if load_pipeline(session, spec.name) is not None:
+        raise conflict(f"pipeline {spec.name!r} already exists (delete it first to change it)", "name")
+    if missing := missing_deployments(session, spec, lock=True):
+        steps = [f"{s.name} -> {s.deployment}" for s in spec.steps if s.deployment in missing]
+        raise invalid("steps", f"deployment(s) not found: {', '.join(steps)} (create them first)")
+    row = row_of(spec)
+    insert(session, row, conflict(f"pipeline {spec.name!r} already exists", "name"))
+    status = pipeline_summaries(session, [row])[0]
+    audit(session, who, "pipeline.create", "pipeline", row.name, None, status)
+    event(
+        session,
+        "pipeline_created",
+        f"{row.name}: steps {', '.join(f'{s.name}={s.deployment}' for s in spec.steps)}",
+    )
+    session.commit()
+    kick(request)
+    return status
+
+
+@router.get("", response_model=Page[PipelineSummary])
+def list_pipelines(session: SessionDep, who: PrincipalDep, page: PagingDep):
+    rows, total = page.apply(session, select(Pipeline).order_by(Pipeline.name))
+    items = [pipeline_summary(s) for s in pipeline_summaries(session, rows)]
+    return Page(items=items, total=total, limit=page.limit, offset=page.offset)
+
+
+@router.get("/{name}", response_model=PipelineStatus)
+def get_pipeline(name: str, session: SessionDep, who: PrincipalDep):
+    return pipeline_summaries(session, [_load(session, name)])[0]
+
+
+@router.delete("/{name}", response_model=PipelineStatus)
+def delete_pipeline(name: str, request: Request, session: SessionDep, who: PrincipalDep):
+    """The deployments stay (and become deletable); their replicas may spread again."""
+    row = _load(session, name)
+    before = pipeline_summaries(session, [row])[0]
+    session.delete(row)
+    audit(session, who, "pipeline.delete", "pipeline", name, before, None)
+    event(session, "pipeline_deleted", f"{name}: deleted (its deployments stay)")
+    session.commit()
+    kick(request)
+    return before
