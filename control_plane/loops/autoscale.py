@@ -20,7 +20,12 @@ What clusters report is scoped first (`control_plane.report_scope`): a heartbeat
 only for the replicas placed on its sender, demand only for deployments that exist (any
 gateway may queue requests for any deployment: spillover and scale from zero), at most
 `MAX_DEMANDS_PER_CLUSTER` entries per cluster. Each deployment is decided on its own: one
-that fails is counted (`fleet_control_plane_loop_failures_total`) and the tick goes on."""
+that fails is counted (`fleet_control_plane_loop_failures_total`) and the tick goes on.
+
+A deployment that is a step of a pipeline with an end-to-end budget keeps its own policy and
+demand; the budget, split over the steps by their measured latency
+(`control_plane.autoscale.pipeline_budget`), tightens its TTFT target while it is over its
+share, and its decision says so (reason, `predicted.pipeline`)."""
 
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ import json
 import logging
 import time
 from collections import Counter, deque
+from dataclasses import replace
 
 from sqlalchemy import select
 from sqlalchemy.orm import selectinload
@@ -41,7 +47,8 @@ from control_plane.autoscale.observe import (
     settings_of,
     within_residency,
 )
-from control_plane.autoscale.policy import Decision, ScalerState, make_policy
+from control_plane.autoscale.pipeline_budget import BudgetMemory, StepBudget, split, step_latency
+from control_plane.autoscale.policy import AutoscaleSettings, Decision, Observation, ScalerState, make_policy
 from control_plane.autoscale.prediction_error import PredictionErrors
 from control_plane.autoscale.snapshot import ScalerSnapshot, dump, dump_cycles, resumed
 from control_plane.context import ControlPlaneContext
@@ -56,6 +63,7 @@ from control_plane.loops.autoscale_store import (
     write_state,
 )
 from control_plane.nats_loop import NatsLoop
+from control_plane.pipelines import load_pipelines
 from control_plane.report_scope import placed_replicas, scope_heartbeat
 from control_plane.rollouts.store import active_for
 from fleet_base import protocol
@@ -91,6 +99,8 @@ class AutoscaleLoop(NatsLoop):
         self.states: dict[str, ScalerState] = {}
         self.decisions = 0
         self.last: dict[str, Decision] = {}
+        self.budget_memory = BudgetMemory()  # the pipelines' smoothed step shares
+        self.budgets: dict[str, StepBudget] = {}  # deployment -> its pipeline budget, last tick
         self.errors = PredictionErrors()  # the decisions' forecasts against the load that came
         self.recent: dict[str, deque[tuple[float, Decision]]] = {}  # the console's charts
         self.save_every_s = SAVE_S
@@ -164,13 +174,7 @@ class AutoscaleLoop(NatsLoop):
                     if name not in names:
                         del kept[name]
             self.errors.keep_only(names)
-            for d in rows:
-                if d.name in blind:
-                    continue
-                try:
-                    changed = self._decide(session, d, heartbeats, pools, now) or changed
-                except Exception as err:  # one deployment's bad numbers never stop the others
-                    self.rejections.fail("autoscale", f"{d.name}: {type(err).__name__}: {err}")
+            changed = self._decide_all(session, rows, blind, heartbeats, pools, now)
             saved = self._save(session, rows, now) if now - self._saved_at >= self.save_every_s else None
             session.commit()
         if saved is not None:  # stored: only now is it what the database holds
@@ -254,15 +258,40 @@ class AutoscaleLoop(NatsLoop):
             out.append(scoped)
         return out
 
-    def _decide(self, session, d: Deployment, heartbeats, pools, now: float) -> bool:
-        """One deployment's decision, written to its row; True when it changed."""
+    def _decide_all(self, session, rows, blind: set[str], heartbeats, pools, now: float) -> bool:
+        """Every deployment's observation first, then the pipelines' budgets over them, then
+        each deployment's decision."""
+        changed = False
+        inputs: dict[str, tuple[Deployment, AutoscaleSettings, Observation]] = {}
+        for d in rows:
+            if d.name in blind:
+                continue
+            try:
+                seen = self._inputs(session, d, heartbeats, pools, now)
+            except Exception as err:  # one deployment's bad numbers never stop the others
+                self.rejections.fail("autoscale", f"{d.name}: {type(err).__name__}: {err}")
+                continue
+            if seen is not None:
+                inputs[d.name] = (d, *seen)
+        budgets = self._budgets(session, inputs, now)
+        for name, (d, settings, obs) in inputs.items():
+            try:
+                changed = self._decide(session, d, settings, obs, budgets.get(name), now) or changed
+            except Exception as err:
+                self.rejections.fail("autoscale", f"{d.name}: {type(err).__name__}: {err}")
+        return changed
+
+    def _inputs(
+        self, session, d: Deployment, heartbeats, pools, now: float
+    ) -> tuple[AutoscaleSettings, Observation] | None:
+        """A deployment's settings and this tick's observation (None: not autoscaled)."""
         version = d.version_row()
         if version is None or version.min_replicas >= version.max_replicas:
             self.states.pop(d.name, None)
             self._observed_at.pop(d.name, None)
             if self._stored:
                 self._stored.pop(d.id, None)
-            return False
+            return None
         settings = settings_of(version, self.policy_name, within_residency(pools, d.residency))
         rollout = active_for(session, d.id)
         shadow = (
@@ -271,8 +300,44 @@ class AutoscaleLoop(NatsLoop):
             else frozenset()
         )
         obs = observe(d.name, heartbeats, self.demands, now=now, current=d.replicas, shadow_versions=shadow)
+        return settings, obs
+
+    def _budgets(self, session, inputs, now: float) -> dict[str, StepBudget]:
+        """The pipelines' end-to-end budgets over this tick's measured step latencies."""
+        try:
+            pipelines = [p for p in load_pipelines(session) if p.slo_e2e_s is not None]
+        except Exception as err:  # the steps are still decided, each on its own target
+            self.rejections.fail("autoscale", f"pipelines: {type(err).__name__}: {err}")
+            return {}
+        if not pipelines:
+            self.budgets = {}
+            return {}
+        latency = {name: step_latency(obs) for name, (_, _, obs) in inputs.items()}
+        own = {name: settings.slo_ttft_s for name, (_, settings, _) in inputs.items()}
+        self.budgets = split(pipelines, latency, own, self.budget_memory, now)
+        return self.budgets
+
+    def _decide(
+        self,
+        session,
+        d: Deployment,
+        settings: AutoscaleSettings,
+        obs: Observation,
+        budget: StepBudget | None,
+        now: float,
+    ) -> bool:
+        """One deployment's decision (its TTFT target tightened while its pipeline's budget
+        says it is over its share), written to its row; True when it changed."""
+        if budget is not None and budget.over:
+            settings = settings.model_copy(update={"slo_ttft_s": budget.target_ttft_s})
         state = self._state(d, settings.stable_window_s or 60.0, now)
         decision = self.policy.decide(settings, state, obs)
+        if budget is not None:
+            decision = replace(
+                decision,
+                reason=f"{decision.reason}; {budget.reason}" if budget.over else decision.reason,
+                predicted={**decision.predicted, "pipeline": budget.as_dict()},
+            )
         self._observed_at[d.name] = now
         self.last[d.name] = decision
         self.decisions += 1
