@@ -3,7 +3,9 @@ INSERT that only one process can win), so two candidates can never both succeed.
 
 - acquire: compare-and-set on the `version` the caller read; bumps epoch and version;
 - renew: only by the holder of this epoch; bumps the version (what followers watch);
-- release: on a clean shutdown, so a successor takes over at once instead of after lease_s.
+- release: on a clean shutdown, so a successor takes over at once instead of after lease_s;
+- raise_epoch: the holder jumps its epoch above one seen on the wire (a database that lost
+  its history, see `Elector.raise_floor`); only while it still holds exactly its epoch.
 """
 
 from __future__ import annotations
@@ -79,6 +81,29 @@ class LeaseStore:
                     ControlPlaneLease.epoch == epoch,
                 )
                 .values(version=ControlPlaneLease.version + 1, renewed_at=utcnow())
+            )
+            if done.rowcount != 1:
+                session.rollback()
+                return None
+            row = session.get(ControlPlaneLease, self.name, populate_existing=True)
+            record = _record(row)
+            session.commit()
+            return record
+
+    def raise_epoch(self, me: str, epoch: int, floor: int) -> LeaseRecord | None:
+        """The lease under epoch `floor + 1` if `me` still holds `epoch`; None when anyone
+        moved it on (a successor acquired: its epoch, not ours, is the one to raise)."""
+        if floor < epoch:
+            raise ValueError(f"floor {floor} is below the epoch {epoch} held")
+        with self.sessions() as session:
+            done = session.execute(
+                update(ControlPlaneLease)
+                .where(
+                    ControlPlaneLease.name == self.name,
+                    ControlPlaneLease.holder == me,
+                    ControlPlaneLease.epoch == epoch,
+                )
+                .values(epoch=floor + 1, version=ControlPlaneLease.version + 1, renewed_at=utcnow())
             )
             if done.rowcount != 1:
                 session.rollback()

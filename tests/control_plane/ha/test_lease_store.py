@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from control_plane.db.models import utcnow
 from control_plane.ha.election import LeaseRecord
 from control_plane.ha.lease_store import LeaseStore
@@ -76,3 +78,33 @@ def test_members_heartbeat_and_leave(db_sessions, lease_name):
     store.leave(f"{lease_name}-a")
     store.leave(f"{lease_name}-b")
     assert not [m for m in store.members() if m.id.startswith(lease_name)]
+
+
+def test_raise_epoch_jumps_above_the_floor_only_for_the_holder_of_the_epoch(db_sessions, lease_name):
+    """A fresh database (epoch 1) under buckets and agents at epoch 7: the holder takes 8."""
+    store = LeaseStore(db_sessions, lease_name)
+    first = store.acquire("a", None, 15.0)
+    assert store.raise_epoch("b", first.epoch, 7) is None  # not the holder
+    assert store.raise_epoch("a", first.epoch + 1, 7) is None  # not its epoch
+    raised = store.raise_epoch("a", first.epoch, 7)
+    assert raised == LeaseRecord("a", 8, 2, 15.0) and store.read() == raised
+    assert store.raise_epoch("a", first.epoch, 9) is None  # the old epoch is gone
+    assert store.renew("a", 8) == LeaseRecord("a", 8, 3, 15.0)
+    assert store.renew("a", first.epoch) is None
+
+
+def test_raise_epoch_loses_to_a_successor_that_acquired_first(db_sessions, lease_name):
+    """The wire's epoch belongs to a live successor: the old holder's raise is refused."""
+    store = LeaseStore(db_sessions, lease_name)
+    old = store.acquire("a", None, 15.0)
+    successor = store.acquire("b", old, 15.0)
+    assert store.raise_epoch("a", old.epoch, successor.epoch) is None
+    assert store.read() == successor
+
+
+def test_raise_epoch_refuses_a_floor_below_the_epoch_held(db_sessions, lease_name):
+    store = LeaseStore(db_sessions, lease_name)
+    lease = store.acquire("a", None, 15.0)
+    store.raise_epoch("a", lease.epoch, 4)
+    with pytest.raises(ValueError):
+        store.raise_epoch("a", 5, 3)
