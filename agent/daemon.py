@@ -165,6 +165,7 @@ class Agent:
             ),
             clock=clock,
             health=self.health,
+            fence=self.fence,
         )
         self._lockfile: IO[str] | None = None
         self.link.on_connect(self._on_connect)

@@ -37,6 +37,11 @@ class EpochFence:
     def epoch(self, bucket: str) -> int:
         return self._bucket(bucket).epoch
 
+    def highest(self) -> int:
+        """The highest epoch accepted in any bucket (heartbeats report it: a leader below it
+        learns its database lost history, or that it was deposed)."""
+        return max((fence.epoch for fence in self.state.buckets.values()), default=0)
+
     def refused(self, bucket: str) -> int:
         return self._bucket(bucket).refused
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from agent.capacity import CapacitySignals, Placed
+from agent.fencing import EpochFence
 from agent.health.monitor import NodeHealthMonitor
 from agent.kv_relay import Followed, KvRelay
 from agent.models import ModelPuller
@@ -38,6 +39,7 @@ class Reporter:
     clock: Callable[[], float]
     pools: list[PoolInventory] = field(default_factory=list)
     health: NodeHealthMonitor | None = None  # nodes, faults, and the capacity it withholds
+    fence: EpochFence | None = None  # the control-plane epochs obeyed (heartbeats report the highest)
 
     def heartbeat(self) -> Heartbeat:
         replicas = self.replicas()
@@ -70,6 +72,7 @@ class Reporter:
             unschedulable=self.capacity.unschedulable,
             models=self.models.report(),
             desired_generation=desired.generation if desired is not None else -1,
+            fence_epoch=self.fence.highest() if self.fence is not None else 0,
             queue_depth=sum(s.load.waiting for s in statuses) + self._gateway_queue_depth(),
             tokens_per_s=sum(s.load.tokens_per_s for s in statuses),
             state_writes_failing={n: why[:64] for n, why in sorted(self.files.writes.failing.items())[:16]},

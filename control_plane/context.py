@@ -31,6 +31,14 @@ class ControlPlaneContext:
     # Called on every kick (on the event loop): the elector forwards a follower's kicks to
     # the leader (control_plane.ha.elector).
     on_kick: Callable[[], None] | None = None
+    # Called with an epoch seen on the wire above `epoch` (a bucket's value, an agent's
+    # fence) and where it was seen: the elector raises the lease above it or steps down.
+    on_wire_epoch: Callable[[int, str], None] | None = None
+
+    def saw_epoch(self, epoch: int, where: str) -> None:
+        """An epoch seen on the wire: above ours, the elector must hear of it."""
+        if epoch > self.epoch and self.on_wire_epoch is not None:
+            self.on_wire_epoch(epoch, where)
 
     def kick(self) -> None:
         """Desired state may have changed: reconcile now."""

@@ -350,6 +350,9 @@ class Heartbeat(Message):
     pools: list[PoolInventory] = Field(default_factory=list, max_length=MAX_POOLS)
     replicas: list[ReplicaStatus] = Field(default_factory=list, max_length=MAX_REPLICAS)
     desired_generation: int = Field(-1, ge=-1, le=2**62)  # last DesiredState generation applied
+    # The highest control-plane epoch the agent accepted in any bucket (agent.fencing): a
+    # leader whose epoch is lower learns that its database lost history, or that it is deposed.
+    fence_epoch: Epoch = 0
     queue_depth: Count = 0
     tokens_per_s: FiniteFloat = 0.0
     # Replicas whose spot node the provider reclaimed: re-placed at once (elsewhere).

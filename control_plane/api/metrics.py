@@ -355,6 +355,13 @@ class ElectionCollector(Collector):
         changes = CounterMetricFamily(PREFIX + "leader_changes", "Times this instance became the leader.")
         changes.add_metric([], getattr(elector, "leader_changes", 0))
         yield changes
+        raises = CounterMetricFamily(
+            PREFIX + "epoch_floor_raises",
+            "Times this instance, leading, raised the lease's epoch above one seen on the wire "
+            "(a bucket or an agent's fence): the database had lost its history.",
+        )
+        raises.add_metric([], getattr(elector, "floor_raises", 0))
+        yield raises
         yield GaugeMetricFamily(
             PREFIX + "epoch",
             "The leader lease's epoch as this instance last read it (the fencing token).",

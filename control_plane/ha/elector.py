@@ -6,6 +6,13 @@ watchdog, so a hung database call cannot delay it), when a renew is refused, or 
 fenced commit raises `Fenced`; on a clean shutdown it releases the lease so a successor
 takes over at once.
 
+The database lost its history (a fresh one, a restore from an older backup) while NATS and
+the agents kept theirs: the leader's epoch is then below one on the wire, its publishers
+are fenced and agents refuse it, and the fleet freezes. Every acquire goes through the
+database, so an epoch on the wire above the database's cannot be a live successor's:
+`raise_floor` takes the lease above it (compare-and-set on the epoch held) and restarts the
+loops under the new epoch. Where the database's epoch has moved on, a successor leads: demote.
+
 Kicks: `ctx.kick()` on an instance that does not lead publishes `ControlPlaneKick` on core
 NATS; every instance listens, and the leader kicks its own loops.
 """
@@ -73,10 +80,12 @@ class Elector:
         self.renew_stats = ReconcileStats(buckets=RENEW_BUCKETS)  # acquire and renew round trips
         self.last_record: LeaseRecord | None = None
         self.last_demotion: str | None = None  # why this instance last stopped leading
+        self.floor_raises = 0  # times the lease was raised above an epoch seen on the wire
         self._start_loops = start_loops
         self._on_loops = on_loops
         self._clock = clock
         self._transition = asyncio.Lock()
+        self._raising = asyncio.Lock()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._event_loop: asyncio.AbstractEventLoop | None = None
@@ -189,8 +198,8 @@ class Elector:
         except Exception as err:
             log.warning("renewing the lease failed: %s", err)
             return  # the watchdog demotes at the deadline unless a later renew succeeds
-        if renewed is None:
-            await self.demote(f"lost the lease of epoch {epoch}")
+        if renewed is None:  # unless the epoch was raised meanwhile (`raise_floor`)
+            await self.demote(f"lost the lease of epoch {epoch}", epoch=epoch)
             return
         if self.candidate.must_stop(self._clock()):
             return  # answered too late: the watchdog demotes
@@ -210,27 +219,87 @@ class Elector:
 
     # ----------------------------------------------------------------- loops
 
-    async def _lead(self, epoch: int) -> None:
+    async def _lead(self, epoch: int, new_term: bool = True) -> None:
         fenced = fenced_sessions(self.ctx.sessions, LEASE_NAME, epoch, on_fenced=self._fenced)
-        leader_ctx = dataclasses.replace(self.ctx, sessions=fenced, epoch=epoch)
+        leader_ctx = dataclasses.replace(
+            self.ctx, sessions=fenced, epoch=epoch, on_wire_epoch=self._saw_wire_epoch
+        )
         loops = await self._start_loops(leader_ctx)
         if not self.candidate.leading or self.candidate.epoch != epoch:
             await self._stop(loops)  # demoted while starting
             return
         self.loops = loops if loops is not None else _NoLoops()
-        self.leader_changes += 1
+        self.leader_changes += new_term  # a raised epoch is the same leader
         self._on_loops(loops)
         self.ctx.kick()
 
-    async def demote(self, reason: str, timeout_s: float | None = None) -> None:
+    async def demote(self, reason: str, timeout_s: float | None = None, epoch: int | None = None) -> None:
+        """Stop leading; with `epoch`, only if we still lead by that epoch (a refusal from
+        the loops of a term we already left, e.g. raised, must not end the new one)."""
         async with self._transition:
-            if not self.candidate.leading and self.loops is None:
+            if epoch is not None and self.candidate.epoch != epoch:
                 return
-            log.warning("no longer leading (epoch %d): %s", self.candidate.epoch, reason)
-            self.last_demotion = reason
-            self.candidate.lost()
-            await self._stop_loops(timeout_s)
+            await self._demote(reason, timeout_s)
         self._wake.set()  # observe again at once (a successor, or a new term of ours)
+
+    async def _demote(self, reason: str, timeout_s: float | None = None) -> None:
+        """`demote` under the transition lock."""
+        if not self.candidate.leading and self.loops is None:
+            return
+        log.warning("no longer leading (epoch %d): %s", self.candidate.epoch, reason)
+        self.last_demotion = reason
+        self.candidate.lost()
+        await self._stop_loops(timeout_s)
+
+    # ----------------------------------------------------------------- epochs on the wire
+
+    def _saw_wire_epoch(self, epoch: int, where: str) -> None:
+        """From the loops (any thread): an epoch above ours seen on the wire."""
+        loop = self._event_loop
+        if loop is None or loop.is_closed():
+            return
+        loop.call_soon_threadsafe(lambda: loop.create_task(self.raise_floor(epoch, where)))
+
+    async def raise_floor(self, wire_epoch: int, where: str) -> bool:
+        """Lead again above `wire_epoch` if the database's lease is still ours and below it
+        (it lost its history); demote if it moved on (a successor). True when raised. The
+        database call runs outside the transition lock, so the watchdog is never held up."""
+        async with self._raising:  # one at a time: a second sighting finds the epoch raised
+            epoch = self.candidate.epoch
+            if not self.candidate.leading or wire_epoch <= epoch:
+                return False  # not leading, or already above it (a raise, or a late report)
+            started = self._clock()
+            try:
+                raised = await asyncio.to_thread(self.store.raise_epoch, self.member_id, epoch, wire_epoch)
+            except Exception as err:
+                log.warning("raising the lease above epoch %d failed: %s", wire_epoch, err)
+                return False  # the next sighting retries; the watchdog still guards the term
+            async with self._transition:
+                if self.candidate.epoch != epoch:
+                    return False  # demoted meanwhile: a raised lease of ours is taken anew
+                if raised is None:
+                    await self._demote(
+                        f"epoch {wire_epoch} seen on the wire ({where}) while the lease of epoch "
+                        f"{epoch} is no longer ours: a successor leads"
+                    )
+                    self._wake.set()
+                    return False
+                self.last_record = raised
+                self.floor_raises += 1
+                log.warning(
+                    "epoch %d seen on the wire (%s) is above the database's lease epoch %d: the "
+                    "database lost its history; leading again under epoch %d",
+                    wire_epoch,
+                    where,
+                    epoch,
+                    raised.epoch,
+                )
+                await self._stop_loops()  # fenced for good under the old epoch
+                if not self.candidate.acquired(raised, started, self._clock()):
+                    log.warning("the lease of epoch %d was raised too late to lead by it", raised.epoch)
+                    return False
+                await self._lead(raised.epoch, new_term=False)
+                return self.candidate.epoch == raised.epoch
 
     async def _stop_loops(self, timeout_s: float | None = None) -> None:
         loops, self.loops = self.loops, None
@@ -253,7 +322,7 @@ class Elector:
         if loop is None or loop.is_closed():
             return
         log.warning("%s", refused)
-        loop.call_soon_threadsafe(lambda: loop.create_task(self.demote(str(refused))))
+        loop.call_soon_threadsafe(lambda: loop.create_task(self.demote(str(refused), epoch=refused.epoch)))
 
     # ----------------------------------------------------------------- kicks
 

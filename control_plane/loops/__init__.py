@@ -60,7 +60,11 @@ class Loops(NatsLoop):
         self.placer = get_placer(placer or ctx.settings.placer)
         self.placer.quotas = parse_quotas(getattr(ctx.settings, "gpu_quotas", "") or "")
         buckets = (protocol.BUCKET_DESIRED, protocol.BUCKET_ROUTES)  # keys: control_plane.loops.keys
-        self.publisher = KvPublisher(ctx.nats, buckets, ctx.epoch) if ctx.nats is not None else None
+        self.publisher = (
+            KvPublisher(ctx.nats, buckets, ctx.epoch, on_newer_epoch=ctx.saw_epoch)
+            if ctx.nats is not None
+            else None
+        )
         self.last: ReconcileOutcome | None = None
         self.reconciles = 0
         self.stats = ReconcileStats()  # read by GET /metrics
@@ -166,6 +170,7 @@ class Loops(NatsLoop):
 
     def _take_heartbeat(self, hb: protocol.Heartbeat) -> None:
         self._heartbeats[hb.cluster] = hb
+        self.ctx.saw_epoch(hb.fence_epoch, f"agent {hb.cluster}")
         if self.publisher is not None:
             self.publisher.raise_floor(protocol.BUCKET_DESIRED, hb.cluster, hb.desired_generation)
         self._inbox.set()

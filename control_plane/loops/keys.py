@@ -24,7 +24,9 @@ class KeyLoop:
     def __init__(self, ctx: ControlPlaneContext) -> None:
         self.ctx = ctx
         self.publisher = (
-            KvPublisher(ctx.nats, (protocol.BUCKET_KEYS,), ctx.epoch) if ctx.nats is not None else None
+            KvPublisher(ctx.nats, (protocol.BUCKET_KEYS,), ctx.epoch, on_newer_epoch=ctx.saw_epoch)
+            if ctx.nats is not None
+            else None
         )
         self.publishes = 0
         self._task: asyncio.Task[None] | None = None

@@ -26,7 +26,9 @@ agent that starts afresh would obey it). Three rules make that so:
   repaired (overwritten or deleted) at the newer leader's next publish, not only after
   a reconnect.
 - A bucket holding any value of a higher epoch than this publisher's fences it for
-  good: it writes and deletes nothing there any more (`fenced`), and says so once.
+  good: it writes and deletes nothing there any more (`fenced`), says so once, and tells
+  `on_newer_epoch`: the elector either finds a successor in the database and steps down,
+  or finds the database behind the wire (it lost its history) and leads again above it.
 
 What remains: between the newer leader's publishes, an old leader's create of a key the
 newer one does not want (or its write racing the newer leader's load) stays visible for
@@ -38,7 +40,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from pydantic import BaseModel, ValidationError
 
@@ -89,9 +91,14 @@ class KvPublisher:
     Not thread-safe: one task (the reconcile loop) calls `publish`."""
 
     def __init__(
-        self, link: NatsLink, buckets: tuple[str, ...] = tuple(BUCKET_MODELS), epoch: int = 0
+        self,
+        link: NatsLink,
+        buckets: tuple[str, ...] = tuple(BUCKET_MODELS),
+        epoch: int = 0,
+        on_newer_epoch: Callable[[int, str], None] | None = None,
     ) -> None:
         self.link = link
+        self.on_newer_epoch = on_newer_epoch  # (epoch, where): a bucket newly fenced
         self.buckets = buckets
         self.epoch = epoch
         self._known: dict[str, dict[str, _Entry]] = {b: {} for b in buckets}
@@ -131,6 +138,8 @@ class KvPublisher:
                     self.epoch,
                 )
             self.seen_epoch[bucket] = epoch
+            if epoch > self.epoch and self.on_newer_epoch is not None:
+                self.on_newer_epoch(epoch, f"bucket {bucket}")
 
     async def _load(self) -> None:
         for bucket, entries in self._known.items():  # a NATS that lost its store must not lower them

@@ -216,3 +216,65 @@ async def test_a_kick_from_another_thread_is_forwarded_too(sessions):
     finally:
         await b.stop()
         await a.stop()
+
+
+def _fenced_write(leader_sessions) -> None:
+    with leader_sessions() as session:
+        session.add(TeamBudget(team="fenced", monthly_dollars=1.0, thresholds=[1.0], alerted={}))
+        session.commit()
+
+
+async def test_an_epoch_on_the_wire_above_a_fresh_databases_lease_is_led_above(sessions):
+    """A fresh database gave epoch 1; a bucket holds 7: the leader takes 8 and restarts its
+    loops under it; later sightings of 7 and the old term's fenced commits change nothing."""
+    started = Started()
+    a = await Elector(_ctx(sessions), started, member_id="a").start()
+    try:
+        assert a.epoch == 1
+        started.loops[0].ctx.saw_epoch(7, "bucket fleet_desired")
+        await _until(lambda: a.epoch == 8 and a.loops is not None and len(started.loops) == 2)
+        assert started.loops[0].stopped_at is not None and started.loops[1].ctx.epoch == 8
+        assert LeaseStore(sessions).read().holder == "a" and LeaseStore(sessions).read().epoch == 8
+        assert a.floor_raises == 1 and a.leader_changes == 1 and a.last_record.epoch == 8
+        assert not await a.raise_floor(7, "agent c1")  # a late report of the same floor
+        started.loops[1].ctx.saw_epoch(8, "agent c1")  # our own epoch: nothing to do
+        try:
+            await asyncio.to_thread(_fenced_write, started.loops[0].ctx.sessions)
+        except Fenced:
+            pass
+        else:
+            raise AssertionError("the old term's commit was not fenced")
+        await asyncio.sleep(2 * LEASE)  # renews keep epoch 8; the old term's refusal did not demote
+        assert a.is_leader and a.epoch == 8 and len(started.loops) == 2 and a.floor_raises == 1
+    finally:
+        await a.stop()
+
+
+async def test_an_epoch_on_the_wire_of_a_live_successor_demotes(sessions):
+    """The database holds the wire's epoch (a successor with history acquired it): no raise."""
+    from sqlalchemy import update
+
+    from control_plane.db.models import ControlPlaneLease
+    from control_plane.ha import LEASE_NAME
+
+    started = Started()
+    a = await Elector(_ctx(sessions), started, member_id="a").start()
+    try:
+        a._tasks[0].cancel()  # no election rounds: only the wire's epoch can demote
+        await a.step()
+        with sessions() as session:
+            session.execute(
+                update(ControlPlaneLease)
+                .where(ControlPlaneLease.name == LEASE_NAME)
+                .values(holder="b", epoch=9)
+            )
+            session.commit()
+        started.loops[0].ctx.saw_epoch(9, "agent c1")
+        await _until(lambda: started.loops[0].stopped_at is not None)
+        assert not a.is_leader and a.loops is None and len(started.loops) == 1
+        assert "epoch 9 seen on the wire (agent c1)" in a.last_demotion and "successor" in a.last_demotion
+        assert a.floor_raises == 0
+        lease = LeaseStore(sessions).read()
+        assert (lease.holder, lease.epoch) == ("b", 9)
+    finally:
+        await a.stop()
