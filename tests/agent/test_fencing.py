@@ -133,3 +133,15 @@ async def test_an_agent_upgraded_from_before_fencing_starts_from_the_epochs_on_d
         "chat", RoutingTable(deployment="chat", scale_to_zero=True, epoch=3).to_bytes()
     )
     assert not again.route_mirror.entries["chat"].scale_to_zero
+
+
+async def test_the_heartbeat_reports_the_highest_epoch_accepted_in_any_bucket(tmp_path):
+    """The leader compares it with its own epoch (control_plane.ha.elector.raise_floor)."""
+    agent = agent_at(tmp_path)
+    assert agent.reporter.heartbeat().fence_epoch == 0
+    await agent.route_mirror.on_entry("chat", RoutingTable(deployment="chat", epoch=7).to_bytes())
+    await agent.desired_mirror.on_entry("east", DesiredState(cluster="east", epoch=5).to_bytes())
+    await agent.route_mirror.on_entry("chat", RoutingTable(deployment="chat", epoch=3).to_bytes())  # refused
+    assert agent.fence.highest() == 7
+    assert agent.reporter.heartbeat().fence_epoch == 7
+    assert agent_at(tmp_path).reporter.heartbeat().fence_epoch == 7  # fence.json, after a restart

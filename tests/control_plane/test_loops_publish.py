@@ -356,3 +356,143 @@ def test_the_loops_publish_under_the_contexts_epoch(tmp_path):
     ctx = ControlPlaneContext(settings=Settings(home=tmp_path), sessions=None, nats=link, epoch=7)  # type: ignore[arg-type]
     assert Loops(ctx).publisher.epoch == 7
     assert KeyLoop(ctx).publisher.epoch == 7
+
+
+class PublishingLoops:
+    """A leader's loops that publish under their context's epoch and report newer ones, as
+    `control_plane.loops.Loops` does."""
+
+    def __init__(self, ctx, link: NatsLink) -> None:
+        self.ctx = ctx
+        self.publisher = KvPublisher(link, epoch=ctx.epoch, on_newer_epoch=ctx.saw_epoch)
+        self.published: bool | None = None
+        self.stopped = False
+
+    async def stop(self) -> None:
+        self.stopped = True
+
+
+def _elector(sessions, link: NatsLink, terms: list, replicas=("r2",)):
+    from control_plane.context import ControlPlaneContext
+    from control_plane.ha.elector import Elector
+    from control_plane.settings import Settings
+
+    async def start_loops(ctx):
+        loops = PublishingLoops(ctx, link)
+        terms.append(loops)
+        loops.published = await loops.publisher.publish(wanted(replicas=replicas))
+        return loops
+
+    settings = Settings(leader_lease_s=15.0, leader_renew_deadline_s=10.0, leader_retry_s=5.0)
+    return Elector(ControlPlaneContext(settings=settings, sessions=sessions), start_loops, member_id="a")
+
+
+def _agent_fence_after(seen: dict[str, dict[str, int]]):
+    """An agent's fence (agent.fencing) that obeyed every value in `seen`."""
+    from agent.fencing import EpochFence
+
+    fence = EpochFence()
+    for bucket, values in seen.items():
+        for key, epoch in values.items():
+            assert fence.admits(bucket, key, epoch)
+    return fence
+
+
+async def test_a_fresh_databases_leader_publishes_above_the_epoch_the_buckets_hold(nats_server, sessions):
+    """The buckets and agents hold epoch 7; a fresh database's leader gets epoch 1: its
+    publisher is fenced, the leader raises the lease to 8 and publishes under it, and
+    agents take it."""
+    from control_plane.ha.lease_store import LeaseStore
+
+    link = await connected(nats_server.url)
+    terms: list[PublishingLoops] = []
+    elector = None
+    try:
+        assert await KvPublisher(link, epoch=7).publish(wanted())  # the fleet's history
+        fence = _agent_fence_after(await epochs(link))
+        elector = await _elector(sessions, link, terms).start()
+        await eventually(lambda: elector.epoch == 8 and len(terms) == 2 and terms[1].published is not None)
+        assert terms[0].published is False and terms[0].stopped and terms[0].ctx.epoch == 1
+        assert all(terms[0].publisher.fenced(b) for b in (BUCKET_DESIRED, BUCKET_ROUTES, BUCKET_KEYS))
+        assert terms[1].published and terms[1].ctx.epoch == 8 and not terms[1].stopped
+        assert elector.is_leader and elector.floor_raises == 1
+        lease = LeaseStore(sessions).read()
+        assert (lease.holder, lease.epoch) == ("a", 8)
+        now = await epochs(link)
+        assert {e for values in now.values() for e in values.values()} == {8}
+        assert [r.replica_id for r in (await read(link, BUCKET_DESIRED, DesiredState))["a"].replicas] == [
+            "r2"
+        ]
+        for bucket, values in now.items():
+            assert all(fence.admits(bucket, key, epoch) for key, epoch in values.items())
+            assert fence.epoch(bucket) == 8
+        assert not fence.admits(BUCKET_DESIRED, "a", 7)  # and the old epochs are refused now
+    finally:
+        if elector is not None:
+            await elector.stop()
+        await link.close()
+
+
+async def test_a_stale_leader_under_a_live_successors_epoch_demotes(nats_server, sessions):
+    """The database holds epoch 9 (a successor acquired it) and so do the buckets: the old
+    leader of epoch 1 is fenced and steps down; nothing is raised, nothing it wants lands."""
+    from sqlalchemy import update
+
+    from control_plane.db.models import ControlPlaneLease
+    from control_plane.ha import LEASE_NAME
+    from control_plane.ha.lease_store import LeaseStore
+
+    link = await connected(nats_server.url)
+    terms: list[PublishingLoops] = []
+    elector = None
+    try:
+        elector = await _elector(sessions, link, terms, replicas=("old",)).start()
+        assert elector.epoch == 1 and terms[0].published
+        with sessions() as session:  # the successor's acquire, in a database with history
+            session.execute(
+                update(ControlPlaneLease)
+                .where(ControlPlaneLease.name == LEASE_NAME)
+                .values(holder="b", epoch=9)
+            )
+            session.commit()
+        assert await KvPublisher(link, epoch=9).publish(wanted(replicas=("new",)))
+        assert not await terms[0].publisher.publish(wanted(replicas=("old", "older")))
+        await eventually(lambda: terms[0].stopped)
+        assert not elector.is_leader and len(terms) == 1 and elector.floor_raises == 0
+        assert "successor" in elector.last_demotion
+        lease = LeaseStore(sessions).read()
+        assert (lease.holder, lease.epoch) == ("b", 9)
+        seen = await epochs(link)
+        assert {e for values in seen.values() for e in values.values()} == {9}
+        assert [r.replica_id for r in (await read(link, BUCKET_DESIRED, DesiredState))["a"].replicas] == [
+            "new"
+        ]
+        fence = _agent_fence_after(seen)
+        assert not fence.admits(BUCKET_DESIRED, "a", 1)
+    finally:
+        if elector is not None:
+            await elector.stop()
+        await link.close()
+
+
+def test_an_agents_fence_above_the_leaders_epoch_reaches_the_elector(tmp_path):
+    from control_plane.context import ControlPlaneContext
+    from control_plane.loops import Loops
+    from control_plane.settings import Settings
+
+    heard: list[tuple[int, str]] = []
+    link = NatsLink("nats://127.0.0.1:1", "unused")
+    ctx = ControlPlaneContext(
+        settings=Settings(home=tmp_path),
+        sessions=None,  # type: ignore[arg-type]
+        nats=link,
+        epoch=1,
+        on_wire_epoch=lambda epoch, where: heard.append((epoch, where)),
+    )
+    loops = Loops(ctx)
+    loops._take_heartbeat(Heartbeat(cluster="c1", fence_epoch=1))
+    loops._take_heartbeat(Heartbeat(cluster="c2"))  # an agent from before fencing: 0
+    assert heard == []
+    loops._take_heartbeat(Heartbeat(cluster="c3", fence_epoch=7))
+    assert heard == [(7, "agent c3")]
+    assert loops.publisher.on_newer_epoch == ctx.saw_epoch

@@ -51,8 +51,23 @@ def test_members_leader_epoch_and_metrics(sessions, tmp_path):
         assert _metric(mb, "fleet_control_plane_leader_changes_total") == 0
         assert _metric(ma, "fleet_control_plane_epoch") == 1 and _metric(mb, "fleet_control_plane_epoch") == 1
         assert _metric(ma, "fleet_control_plane_lease_renew_seconds_count") >= 1
+        assert _metric(ma, "fleet_control_plane_epoch_floor_raises_total") == 0
     # the leader's clean shutdown released the lease
     with TestClient(apps[1], headers=headers) as b:
         seen = b.get("/v1/control-plane").json()
         assert seen["is_leader"] is True and seen["epoch"] == 2
         assert [m["url"] for m in seen["members"]] == ["http://b:7070"]
+
+
+def test_the_epoch_floor_raises_are_counted():
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from control_plane.api.metrics import ElectionCollector
+
+    elector = SimpleNamespace(is_leader=True, leader_changes=1, floor_raises=2, last_record=None)
+    registry = CollectorRegistry()
+    registry.register(ElectionCollector(lambda: elector))
+    text = generate_latest(registry).decode()
+    assert _metric(text, "fleet_control_plane_epoch_floor_raises_total") == 2
