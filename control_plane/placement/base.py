@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from fleet_base import residency
 from fleet_base.domain import TIER_ORDER, ClusterStatus, Coordinates, PoolShape
 from fleet_base.named_registry import Registry
+from fleet_base.pipelines import PipelineSpec
 
 
 class _Frozen(BaseModel):
@@ -102,6 +103,10 @@ class ReplicaDemand(_Frozen):
     demand_regions: dict[str, float] = Field(default_factory=dict)
     priority: PriorityClass = "standard"
     residency: tuple[str, ...] | None = None
+    # The clusters a pipeline step may use (None: any): those where every step of its
+    # pipelines can run (control_plane.placement.colocation), and why, for shortfalls.
+    clusters: tuple[str, ...] | None = None
+    clusters_why: str = ""
 
     @property
     def rank(self) -> int:
@@ -137,6 +142,9 @@ class ReplicaDemand(_Frozen):
         """Where the demand may run: its allowed regions, narrowed by its residency."""
         return self.region_ok(pool) and self.residency_ok(pool)
 
+    def cluster_ok(self, pool: PoolCapacity) -> bool:
+        return self.clusters is None or pool.cluster in self.clusters
+
     def shape_ok(self, pool: PoolCapacity) -> bool:
         """A replica never spans nodes."""
         return self.gpu_count <= pool.gpus_per_node
@@ -144,7 +152,11 @@ class ReplicaDemand(_Frozen):
     def acceptable(self, pool: PoolCapacity) -> bool:
         """Every static constraint (not health, not free room)."""
         return (
-            self.model_ok(pool) and self.memory_ok(pool) and self.allowed_region(pool) and self.shape_ok(pool)
+            self.model_ok(pool)
+            and self.memory_ok(pool)
+            and self.allowed_region(pool)
+            and self.shape_ok(pool)
+            and self.cluster_ok(pool)
         )
 
 
@@ -250,7 +262,7 @@ def fingerprint_inputs(
     d = tuple(
         (x.deployment, x.version, x.count, x.gpu_models, x.gpu_count, x.gpu_memory_gb, x.regions,
          x.min_regions, x.max_spot_fraction, tuple(sorted(x.demand_regions.items())), x.priority,
-         x.residency)
+         x.residency, x.clusters)
         for x in demands
     )  # fmt: skip
     p = tuple(
@@ -317,7 +329,9 @@ class Placer(ABC):
         demands: Sequence[ReplicaDemand],
         pools: Sequence[PoolCapacity],
         current: Sequence[Assignment] = (),
-    ) -> PlacementResult: ...
+        pipelines: Sequence[PipelineSpec] = (),
+    ) -> PlacementResult:
+        """`pipelines`: every step of each has a replica in a cluster, or none does."""
 
     def solve(
         self,
@@ -326,9 +340,12 @@ class Placer(ABC):
         current: Sequence[Assignment] = (),
         lp_bound: bool = False,
         previous: SolvedPlan | None = None,
+        pipelines: Sequence[PipelineSpec] = (),
     ) -> tuple[PlacementResult, SolveInfo | None]:
         """The plan and how it was found (None: the placer does not say)."""
-        return self.place(demands, pools, current), None
+        if not pipelines:  # a placer written before pipelines keeps its signature
+            return self.place(demands, pools, current), None
+        return self.place(demands, pools, current, pipelines), None
 
 
 PlacerFactory = Callable[[], Placer]

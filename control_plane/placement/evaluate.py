@@ -11,8 +11,10 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 from control_plane.placement.base import Assignment, PlacementResult, PoolCapacity, ReplicaDemand
+from control_plane.placement.colocation import splits
 from control_plane.placement.quotas import GpuQuotas, class_caps, preemptible, running_gpus
 from fleet_base.domain import Tier
+from fleet_base.pipelines import PipelineSpec
 
 
 def slot_size(gpus: int, gpus_per_node: int) -> float:
@@ -211,9 +213,10 @@ def plan_problems(
     current: Sequence[Assignment],
     result: PlacementResult,
     quotas: GpuQuotas | None = None,
+    pipelines: Sequence[PipelineSpec] = (),
 ) -> list[str]:
     """Every rule the plan breaks, every running replica it drops (a preemption is not a
-    drop), and every preemption or quota rule it breaks."""
+    drop), every preemption or quota rule it breaks, and every pipeline it splits."""
     missing = {(u.deployment, u.version): u.missing for u in result.unplaced}
     victims = {p.replica_id for p in result.preempted}
     for p in result.preempted:  # short by its preemptions: those are not drops
@@ -223,4 +226,5 @@ def plan_problems(
         violations(demands, pools, result.assignments)
         + dropped_running(demands, pools, current, removed, result.added, missing)
         + priority_problems(demands, pools, current, result, quotas)
+        + splits(pipelines, demands, result.assignments)
     )

@@ -37,6 +37,7 @@ def rule_out(
             f"no matching pool in the allowed regions is in an allowed jurisdiction "
             f"(residency {residency.describe(d.residency)})",
         ),
+        (d.cluster_ok, "", d.clusters_why or "no matching pool in the clusters its pipeline may use"),
         (lambda p: p.accepts_new, "", "no matching pool is on a healthy cluster"),
     ]
     left = list(pools)
@@ -87,7 +88,7 @@ def explain_shortfall(d: ReplicaDemand, pools: Sequence[PoolCapacity]) -> str:
     if total < d.count:
         return (
             f"capacity: the {len(left)} matching pool(s) hold {total} replica(s) of {d.gpu_count} GPU(s), "
-            f"{d.count} wanted{residency_note(d, pools, left)}"
+            f"{d.count} wanted{residency_note(d, pools, left)}{pipeline_note(d)}"
         )
     firm = _slots(d, [p for p in left if p.tier != Tier.spot])
     if firm + d.max_spot < d.count:
@@ -97,8 +98,13 @@ def explain_shortfall(d: ReplicaDemand, pools: Sequence[PoolCapacity]) -> str:
         )
     return (
         f"capacity: the {len(left)} matching pool(s) are taken by other deployments"
-        f"{residency_note(d, pools, left)}"
+        f"{residency_note(d, pools, left)}{pipeline_note(d)}"
     )
+
+
+def pipeline_note(d: ReplicaDemand) -> str:
+    """`; pipeline ...` when co-placement narrows where a step may run, else ""."""
+    return f"; {d.clusters_why}" if d.clusters is not None and d.clusters_why else ""
 
 
 def explain_regions(d: ReplicaDemand, pools: Sequence[PoolCapacity], covered: int) -> str:

@@ -31,6 +31,7 @@ from control_plane.placement.base import (
     demands_by_key,
     register_placer,
 )
+from control_plane.placement.colocation import Group, name_pipelines, narrow, presence
 from control_plane.placement.explain import add_note, explain_shortfall, residency_note, rule_out
 from control_plane.placement.preempt import choose_victims, preemption
 from control_plane.placement.quotas import (
@@ -42,6 +43,7 @@ from control_plane.placement.quotas import (
     running_gpus,
 )
 from fleet_base.domain import Tier
+from fleet_base.pipelines import PipelineSpec
 
 MAX_REPLICA_ID = 63  # ReplicaAssignment.replica_id column width
 
@@ -129,10 +131,13 @@ class _Plan:
     caps: dict[str, int] = field(default_factory=dict)
     budget: dict[int, int] = field(default_factory=dict)
     held: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    groups: list[Group] = field(default_factory=list)  # pipelines to co-place
+    group_of: dict[str, Group] = field(init=False)
 
     def __post_init__(self) -> None:
         self.by_pool = {p.key: p for p in self.pools}
         self.nodes = _Nodes(self.pools)
+        self.group_of = {dep: g for g in self.groups for dep in g.deployments}
 
     def demand_of(self, a: Assignment) -> ReplicaDemand:
         return self.by_demand[(a.deployment, a.version)]
@@ -226,7 +231,12 @@ class _Plan:
         if cap is not None and self.held[d.priority] + d.gpu_count > cap:
             return quota_reason(d.priority, self.quotas, self.held[d.priority])
         covered = {self.by_pool[a.pool_key].region for a in self.placed[d.key]}
-        spot = _choose(d, self.pools, self.nodes, covered)
+        pools = self.pools
+        g = self.group_of.get(d.deployment)
+        if g is not None:  # a pipeline step: the clusters its pipeline already uses first
+            home = set(presence(g, self.kept + self.added))
+            pools = sorted(pools, key=lambda p: p.cluster not in home)
+        spot = _choose(d, pools, self.nodes, covered)
         if spot is None and d.rank > 0:
             spot = self.preempt_for(d)
         if spot is None:
@@ -289,6 +299,81 @@ class _Plan:
                 self.unplaced, d.key, d, f"only {n_regions} of min_regions {d.min_regions} regions have room"
             )
 
+    def co_place(self, g: Group) -> None:
+        """Repair splits of a pipeline group: a cluster holding some of its steps gets the
+        missing ones (from replicas still short), else loses the ones it has; then the
+        short replicas go to clusters holding every step. Each pass settles one cluster."""
+        demands = [d for d in self.by_demand.values() if d.deployment in g.steps and d.count > 0]
+        notes: list[str] = []
+        while True:
+            where = presence(g, self.kept + self.added)
+            partial = [c for c, deps in where.items() if len(deps) < len(g.deployments)]
+            if not partial:
+                break
+            pool_rank = {p.cluster: i for i, p in reversed(list(enumerate(self.pools)))}
+            c = min(partial, key=lambda c: (-len(where[c]), pool_rank.get(c, 0), c))
+            missing = [dep for dep in g.deployments if dep not in where[c]]
+            added: list[Assignment] = []
+            for dep in missing:
+                new = self._add_short(dep, [p for p in self.pools if p.cluster == c])
+                if new is None:
+                    notes.append(f"cluster {c} has no room for {g.step(dep)}")
+                    break
+                added.append(new)
+            else:
+                continue
+            for a in added + [a for a in self.kept + self.added if a.cluster == c and a.deployment in g.steps]:
+                self._drop(a)
+        complete = [c for c, deps in presence(g, self.kept + self.added).items() if len(deps) == len(g.deployments)]
+        for d in demands:
+            while len(self.placed[d.key]) < d.count:
+                if self._add_short(d.deployment, [p for p in self.pools if p.cluster in complete]) is None:
+                    break
+        for d in demands:
+            missing = d.count - len(self.placed[d.key])
+            prior = self.unplaced.get(d.key)
+            if prior is not None and (prior.missing > 0 or missing > 0):
+                del self.unplaced[d.key]  # its count changed here: said again below
+            if missing > 0:
+                why = _why(d, self.pools)
+                if g.clusters:
+                    where_ok = ", ".join(complete) or "none"
+                    why = (
+                        f"{g.label}: steps are placed together and the clusters holding every step "
+                        f"({where_ok}) have no room for {missing} more of {g.step(d.deployment)}"
+                        + (f"; {'; '.join(dict.fromkeys(notes))}" if notes else "")
+                        + f"; {why}"
+                    )
+                self.unplaced[d.key] = Unplaced(
+                    deployment=d.deployment, version=d.version, missing=missing, reason=why
+                )
+
+    def _add_short(self, deployment: str, pools: list[PoolCapacity]) -> Assignment | None:
+        """A new replica of a version of `deployment` still short of its count, on `pools`."""
+        for d in self.by_demand.values():
+            if d.deployment != deployment or len(self.placed[d.key]) >= d.count:
+                continue
+            spot = _choose(d, pools, self.nodes, set())
+            if spot is None:
+                continue
+            new = self.assign(d, *spot)
+            self.placed[d.key].append(new)
+            self.added.append(new)
+            self.held[d.priority] += d.gpu_count
+            return new
+        return None
+
+    def _drop(self, a: Assignment) -> None:
+        self.placed[(a.deployment, a.version)].remove(a)
+        if a.node is not None:
+            self.nodes.give_back(a.pool_key, a.node, a.gpus)
+        self.held[self.demand_of(a).priority] -= a.gpus
+        if a in self.added:
+            self.added.remove(a)
+        else:
+            self.kept.remove(a)
+            self.removed.append(a.replica_id)
+
     def result(self) -> PlacementResult:
         """The plan, an unplaced demand that was preempted saying by whom."""
         for key, by in sorted({(p.deployment, p.version): p for p in self.preempted}.items()):
@@ -324,7 +409,9 @@ class FirstFitDecreasing(Placer):
         demands: Sequence[ReplicaDemand],
         pools: Sequence[PoolCapacity],
         current: Sequence[Assignment] = (),
+        pipelines: Sequence[PipelineSpec] = (),
     ) -> PlacementResult:
+        demands, groups = narrow(demands, pools, pipelines)
         by_demand = demands_by_key(demands)
         plan = _Plan(
             by_demand=by_demand,
@@ -332,6 +419,7 @@ class FirstFitDecreasing(Placer):
             quotas=self.quotas,
             id_factory=self._id_factory,
             used_ids={a.replica_id for a in current},
+            groups=groups,
         )
         plan.screen(current)
         plan.fit_survivors(plan.scale_down())
@@ -339,7 +427,9 @@ class FirstFitDecreasing(Placer):
         plan.place_missing()
         for d in by_demand.values():
             plan.spread(d)
-        return plan.result()
+        for g in groups:
+            plan.co_place(g)
+        return name_pipelines(plan.result(), demands)
 
 
 def _choose(
@@ -407,11 +497,12 @@ def spot_safe_ffd(
     current: Sequence[Assignment] = (),
     id_factory: IdFactory = new_replica_id,
     quotas: GpuQuotas = NO_QUOTAS,
+    pipelines: Sequence[PipelineSpec] = (),
 ) -> PlacementResult:
     """First-fit-decreasing as the fallback of a placer that keeps every hard rule: FFD
     does not know max_spot_fraction, so surplus spot replicas (newest first) are dropped
     and reported as unplaced."""
-    result = FirstFitDecreasing(id_factory, quotas).place(demands, pools, current)
+    result = FirstFitDecreasing(id_factory, quotas).place(demands, pools, current, pipelines)
     by_pool = {p.key: p for p in pools}
     by_demand = {d.key: d for d in demands}
     drop: set[str] = set()

@@ -8,6 +8,8 @@ y[p] (nodes to acquire, at most the pool's `nodes`), and:
     sum_{p spot} x[d,p] <= floor(S_d R_d)        spot share
     z[d,r] <= sum_{p in r} x[d,p],  sum_r z[d,r] + v[d] >= min(K_d, R_d)   active-active
     m[d,p] >= cur[d,p] - x[d,p]                  moves away from the current assignment
+    w[g,c] <= sum_{p in c} x[s,p] <= R_s w[g,c]   pipelines: every step s of group g in
+                                                  cluster c, or none (w binary)
 
 minimize   sum_p price_p y_p   (reserved pools: 0, already paid for; plus the pool's
                                 reliability premium, control_plane.placement.reliability)
@@ -57,6 +59,7 @@ from control_plane.placement.base import (
     fingerprint_inputs,
     register_placer,
 )
+from control_plane.placement.colocation import Group, name_pipelines, narrow
 from control_plane.placement.evaluate import committed_cost, plan_cost, slot_size
 from control_plane.placement.ffd import IdFactory, new_replica_id, spot_safe_ffd
 from control_plane.placement.milp_model import Key, MilpSolution, MilpVars, Pair, SparseModel
@@ -65,6 +68,7 @@ from control_plane.placement.milp_priority import warm_start as priority_start
 from control_plane.placement.milp_result import build_result
 from control_plane.placement.quotas import NO_QUOTAS, GpuQuotas
 from fleet_base.domain import Tier
+from fleet_base.pipelines import PipelineSpec
 
 # RTT in ms from a pool to a client region; None when unknown.
 Distance = Callable[[PoolCapacity, str], float | None]
@@ -105,8 +109,9 @@ class MilpPlacer(Placer):
         demands: Sequence[ReplicaDemand],
         pools: Sequence[PoolCapacity],
         current: Sequence[Assignment] = (),
+        pipelines: Sequence[PipelineSpec] = (),
     ) -> PlacementResult:
-        return self.solve(demands, pools, current)[0]
+        return self.solve(demands, pools, current, pipelines=pipelines)[0]
 
     def solve(
         self,
@@ -115,19 +120,29 @@ class MilpPlacer(Placer):
         current: Sequence[Assignment] = (),
         lp_bound: bool = False,
         previous: SolvedPlan | None = None,
+        pipelines: Sequence[PipelineSpec] = (),
     ) -> tuple[PlacementResult, SolveInfo]:
         started = time.perf_counter()
-        if previous is not None and previous.matches(self.fingerprint(demands, pools), current, lp_bound):
+        fp = self.fingerprint(demands, pools, pipelines)
+        if previous is not None and previous.matches(fp, current, lp_bound):
             # Nothing changed since the last plan and the caller runs it: the same answer.
             result = PlacementResult(kept=tuple(current), unplaced=previous.unplaced)
             return result, previous.info.model_copy(update={"method": "unchanged", "solve_s": 0.0})
-        return self._solve_fresh(demands, pools, current, lp_bound, started)
+        return self._solve_fresh(demands, pools, current, lp_bound, started, pipelines)
 
-    def fingerprint(self, demands: Sequence[ReplicaDemand], pools: Sequence[PoolCapacity]) -> int:
-        """What a `SolvedPlan` of this placer is keyed by: the inputs and the quotas."""
-        return fingerprint_inputs(demands, pools, self.quotas.fingerprint())
+    def fingerprint(
+        self,
+        demands: Sequence[ReplicaDemand],
+        pools: Sequence[PoolCapacity],
+        pipelines: Sequence[PipelineSpec] = (),
+    ) -> int:
+        """What a `SolvedPlan` of this placer is keyed by: the inputs, quotas and pipelines."""
+        return fingerprint_inputs(demands, pools, (self.quotas.fingerprint(), tuple(pipelines)))
 
-    def _solve_fresh(self, demands, pools, current, lp_bound, started) -> tuple[PlacementResult, SolveInfo]:
+    def _solve_fresh(
+        self, demands, pools, current, lp_bound, started, pipelines=()
+    ) -> tuple[PlacementResult, SolveInfo]:
+        demands, groups = narrow(demands, pools, pipelines)
         by_demand = demands_by_key(demands)
         pools = list({p.key: p for p in pools}.values())
         pairs = [
@@ -138,7 +153,9 @@ class MilpPlacer(Placer):
         ]
 
         def greedy() -> PlacementResult:
-            return spot_safe_ffd(list(by_demand.values()), pools, current, self._id_factory, self.quotas)
+            return spot_safe_ffd(
+                list(by_demand.values()), pools, current, self._id_factory, self.quotas, pipelines
+            )
 
         if len(pairs) > self.max_pairs:
             plan = greedy()
@@ -149,14 +166,15 @@ class MilpPlacer(Placer):
         replicas = sum(d.count for d in by_demand.values())
         warm = greedy() if replicas * len(pools) <= self.ffd_warm_limit else None
         try:
-            return self._solve(by_demand, pools, current, pairs, warm, started, lp_bound)
+            plan, info = self._solve(by_demand, pools, current, pairs, warm, started, lp_bound, groups)
+            return name_pipelines(plan, demands), info
         except Exception as e:
             plan = warm or greedy()
             return plan, solve_info("greedy-error", pools, plan, started, note=f"{type(e).__name__}: {e}")
 
     # ----------------------------------------------------------------- the model
 
-    def _build(self, by_demand, pools, current, pairs) -> MilpVars:
+    def _build(self, by_demand, pools, current, pairs, groups=()) -> MilpVars:
         """The model: variables, rows and the maps from (demand, pool) to columns."""
         by_pool = {p.key: p for p in pools}
         cur_ok, removed = current_split(current, by_demand, by_pool)
@@ -190,6 +208,7 @@ class MilpPlacer(Placer):
             v.moves[(dk, pk)] = m.var(w, float(n), False, cost_only=0.0)
         _add_capacity_rows(v)
         _add_regions(v, big / 2)
+        _add_pipelines(v, groups)
         add_priority_terms(v, self.quotas, weights, penalty)
         # moves: every running replica not kept (a preempted one too)
         for (dk, pk), j in v.moves.items():
@@ -198,8 +217,8 @@ class MilpPlacer(Placer):
             m.row(terms, float(cur[(dk, pk)]), math.inf)
         return v
 
-    def _solve(self, by_demand, pools, current, pairs, greedy, started, want_bound):
-        v = self._build(by_demand, pools, current, pairs)
+    def _solve(self, by_demand, pools, current, pairs, greedy, started, want_bound, groups=()):
+        v = self._build(by_demand, pools, current, pairs, groups)
         start = _warm_start(v, greedy)
         m = v.m
         remaining = self.time_limit_s - (time.perf_counter() - started)
@@ -315,6 +334,26 @@ def _add_regions(v: MilpVars, big_region: float) -> None:
         )
 
 
+def _add_pipelines(v: MilpVars, groups: Sequence[Group]) -> None:
+    """Co-placement: per group and cluster a binary w; each step has between w and R_s * w
+    replicas there (demands are already limited to the group's clusters)."""
+    m = v.m
+    cols: dict[tuple[str, str], list[int]] = defaultdict(list)  # (deployment, cluster) -> x columns
+    for (dk, pk), j in v.x.items():
+        cols[(dk[0], pk[0])].append(j)
+    wanted: dict[str, int] = defaultdict(int)
+    for dk, d in v.by_demand.items():
+        wanted[dk[0]] += d.count
+    for g in groups:
+        v.co_steps[g.pipelines] = g.deployments
+        for cluster in g.clusters:
+            w = v.co_placed[(g.pipelines, cluster)] = m.var(0.0, 1.0, True, cost_only=0.0)
+            for dep in g.deployments:
+                js = cols.get((dep, cluster), [])
+                m.row([(j, 1.0) for j in js] + [(w, -1.0)], 0.0, math.inf)
+                m.row([(j, 1.0) for j in js] + [(w, -float(wanted[dep]))], -math.inf, 0.0)
+
+
 def _seed_counts(v: MilpVars, greedy: PlacementResult | None) -> tuple[dict, dict, dict]:
     """Replicas per (demand, pool) to start from, those of them already running, and the
     running ones the greedy plan preempts: the greedy plan's, else what runs now (capped
@@ -368,6 +407,11 @@ def _warm_start(v: MilpVars, greedy: PlacementResult | None) -> np.ndarray:
     for dk, j in v.region_short.items():
         k = min(by_demand[dk].min_regions, by_demand[dk].count)
         start[j] = max(0.0, k - len(covered[dk]))
+    hosts: dict[tuple[str, str], float] = defaultdict(float)
+    for (dk, pk), jx in v.x.items():
+        hosts[(dk[0], pk[0])] += start[jx]
+    for (pipes, cluster), j in v.co_placed.items():
+        start[j] = 1.0 if all(hosts[(d, cluster)] > 0 for d in v.co_steps[pipes]) else 0.0
     return start
 
 

@@ -163,6 +163,9 @@ class MilpVars:
     allow: dict[tuple[PoolKey, int], int] = field(default_factory=dict)
     forced: dict[Key, int] = field(default_factory=dict)
     floor_short: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # pipelines: a binary per (group's pipelines, cluster), 1 where every step runs
+    co_placed: dict[tuple[tuple[str, ...], str], int] = field(default_factory=dict)
+    co_steps: dict[tuple[str, ...], tuple[str, ...]] = field(default_factory=dict)  # group -> deployments
     per_pool: dict[PoolKey, list[tuple[int, float]]] = field(default_factory=lambda: defaultdict(list))
     per_demand: dict[Key, list[int]] = field(default_factory=lambda: defaultdict(list))
 

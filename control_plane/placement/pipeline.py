@@ -36,6 +36,7 @@ from control_plane.placement.explain import RemovalContext, removal_reasons
 from control_plane.placement.ffd import FirstFitDecreasing, spot_safe_ffd
 from control_plane.placement.quotas import NO_QUOTAS, GpuQuotas
 from control_plane.placement.standby import StandbyDemand, complete, split
+from fleet_base.pipelines import PipelineSpec
 
 
 class PlacementInputs(BaseModel):
@@ -48,6 +49,7 @@ class PlacementInputs(BaseModel):
     pools: tuple[PoolCapacity, ...] = ()
     current: tuple[Assignment, ...] = ()
     standby: tuple[StandbyDemand, ...] = ()
+    pipelines: tuple[PipelineSpec, ...] = ()  # steps co-placed: all in a cluster or none
 
 
 class PlacementOutcome(BaseModel):
@@ -81,18 +83,21 @@ def run(
     demands, pools, current = inputs.demands, kept.pools, kept.current
     started = time.perf_counter()
     try:
-        result, info = placer.solve(demands, pools, current, lp_bound=lp_bound, previous=previous)
-        problems = plan_problems(demands, pools, current, result, quotas)
+        with_pipelines = {"pipelines": inputs.pipelines} if inputs.pipelines else {}
+        result, info = placer.solve(
+            demands, pools, current, lp_bound=lp_bound, previous=previous, **with_pipelines
+        )
+        problems = plan_problems(demands, pools, current, result, quotas, inputs.pipelines)
         note = f"the plan does not check out: {'; '.join(problems[:3])}" if problems else ""
     except ValueError:
         raise  # bad input (a duplicate demand), not a solver failure
     except Exception as e:
         result, info, problems, note = PlacementResult(), None, ["raised"], f"{type(e).__name__}: {e}"
     if problems and not isinstance(placer, FirstFitDecreasing) and not _is_fallback(info):
-        result = spot_safe_ffd(demands, pools, current, quotas=quotas)
+        result = spot_safe_ffd(demands, pools, current, quotas=quotas, pipelines=inputs.pipelines)
         info = _fallback_info(pools, result, started, note, info)
         problems = []
-    solved = _remember(placer, demands, pools, quotas, result, info)
+    solved = _remember(placer, demands, pools, quotas, result, info, inputs.pipelines)
     result = complete(inputs.standby, inputs.pools, result, kept)
     reasons = removal_reasons(inputs.current, inputs.pools, result, context) if context else {}
     return PlacementOutcome(
@@ -121,16 +126,16 @@ def _fallback_info(
     )
 
 
-def _remember(placer, demands, pools, quotas, result, info) -> SolvedPlan | None:
+def _remember(placer, demands, pools, quotas, result, info, pipelines=()) -> SolvedPlan | None:
     """The placer's own plan (before the standby is added back), keyed as the placer
     will look it up next time."""
     if info is None:
         return None
     fingerprint = getattr(placer, "fingerprint", None)
     inputs = (
-        fingerprint(demands, pools)
+        fingerprint(demands, pools, pipelines)
         if fingerprint
-        else fingerprint_inputs(demands, pools, quotas.fingerprint())
+        else fingerprint_inputs(demands, pools, (quotas.fingerprint(), tuple(pipelines)))
     )
     return SolvedPlan(
         inputs=inputs,
