@@ -66,7 +66,9 @@ def groups(
         for p in specs:
             for s in p.steps:
                 if s.deployment in active:
-                    steps.setdefault(s.deployment, f"step {s.name} (deployment {s.deployment}) of pipeline {p.name}")
+                    steps.setdefault(
+                        s.deployment, f"step {s.name} (deployment {s.deployment}) of pipeline {p.name}"
+                    )
         if len(steps) < 2:
             continue  # one step with demand: nothing to keep together
         deps = tuple(sorted(steps))
@@ -81,7 +83,9 @@ def groups(
     return sorted(out, key=lambda g: g.pipelines)
 
 
-def _host_clusters(deployment: str, demands: Sequence[ReplicaDemand], pools: Sequence[PoolCapacity]) -> set[str]:
+def _host_clusters(
+    deployment: str, demands: Sequence[ReplicaDemand], pools: Sequence[PoolCapacity]
+) -> set[str]:
     return {
         p.cluster
         for d in demands
@@ -166,7 +170,9 @@ def splits(
         for c in sorted(clusters):
             missing = [s.name for s in p.steps if s.deployment in active and c not in where[s.deployment]]
             if missing:
-                problems.append(f"pipeline {p.name} split in cluster {c}: no replica of step(s) {', '.join(missing)}")
+                problems.append(
+                    f"pipeline {p.name} split in cluster {c}: no replica of step(s) {', '.join(missing)}"
+                )
     return problems
 
 

@@ -322,9 +322,13 @@ class _Plan:
                 added.append(new)
             else:
                 continue
-            for a in added + [a for a in self.kept + self.added if a.cluster == c and a.deployment in g.steps]:
+            for a in added + [
+                a for a in self.kept + self.added if a.cluster == c and a.deployment in g.steps
+            ]:
                 self._drop(a)
-        complete = [c for c, deps in presence(g, self.kept + self.added).items() if len(deps) == len(g.deployments)]
+        complete = [
+            c for c, deps in presence(g, self.kept + self.added).items() if len(deps) == len(g.deployments)
+        ]
         for d in demands:
             while len(self.placed[d.key]) < d.count:
                 if self._add_short(d.deployment, [p for p in self.pools if p.cluster in complete]) is None:
@@ -517,6 +521,7 @@ def spot_safe_ffd(
         if extra > 0:
             drop |= {a.replica_id for a in spot[:extra]}
             notes[dk] = extra
+    drop |= _unsplit(result.added + result.kept, drop, demands, pools, pipelines, notes)
     if not drop:
         return result
     unplaced = {(u.deployment, u.version): u for u in result.unplaced}
@@ -535,3 +540,27 @@ def spot_safe_ffd(
         removed=result.removed + tuple(a.replica_id for a in result.kept if a.replica_id in drop),
         unplaced=tuple(unplaced[k] for k in sorted(unplaced)),
     )
+
+
+def _unsplit(
+    assignments: Sequence[Assignment],
+    drop: set[str],
+    demands: Sequence[ReplicaDemand],
+    pools: Sequence[PoolCapacity],
+    pipelines: Sequence[PipelineSpec],
+    notes: dict[tuple, int],
+) -> set[str]:
+    """Replicas to drop as well so that dropping spot replicas splits no pipeline: every
+    step's replicas in a cluster the drop left partial (counted in `notes`)."""
+    if not pipelines:
+        return set()
+    _, found = narrow(demands, pools, pipelines)
+    more: set[str] = set()
+    for g in found:
+        left = [a for a in assignments if a.replica_id not in drop | more]
+        where = presence(g, left)
+        for a in left:
+            if a.deployment in g.steps and len(where[a.cluster]) < len(g.deployments):
+                more.add(a.replica_id)
+                notes[(a.deployment, a.version)] = notes.get((a.deployment, a.version), 0) + 1
+    return more

@@ -1,0 +1,265 @@
+"""Co-placement of pipelines: in every cluster every step of a pipeline has a replica or
+none does, in both placers; what cannot hold is unplaced with the pipeline named."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from control_plane.placement import FirstFitDecreasing, MilpPlacer, PoolCapacity, ReplicaDemand
+from control_plane.placement.colocation import splits
+from control_plane.placement.evaluate import violations
+from control_plane.placement.ffd import spot_safe_ffd
+from control_plane.placement.pipeline import PlacementInputs, run
+from fleet_base.domain import ClusterStatus, Tier
+from fleet_base.pipelines import PipelineSpec, PipelineStep
+
+PLACERS = {"ffd": FirstFitDecreasing, "milp": lambda: MilpPlacer(time_limit_s=2.0)}
+
+
+def pool(cluster: str, model: str, nodes: int = 2, per_node: int = 8, price: float = 10.0) -> PoolCapacity:
+    return PoolCapacity(
+        cluster=cluster,
+        name=model,
+        region=f"region-{cluster}",
+        gpu_model=model,
+        gpu_memory_gb=80,
+        gpus_per_node=per_node,
+        nodes=nodes,
+        tier=Tier.on_demand,
+        hourly_price=price,
+    )
+
+
+def demand(name: str, count: int, model: str, gpus: int = 1) -> ReplicaDemand:
+    return ReplicaDemand(deployment=name, version=1, count=count, gpu_models=(model,), gpu_count=gpus)
+
+
+def pipeline(name: str, **steps: str) -> PipelineSpec:
+    return PipelineSpec(name=name, steps=tuple(PipelineStep(name=s, deployment=d) for s, d in steps.items()))
+
+
+RAG = pipeline("rag", embed="emb", answer="chat")
+
+
+def clusters_of(result, deployment: str) -> set[str]:
+    return {a.cluster for a in result.assignments if a.deployment == deployment}
+
+
+def counts(result) -> dict[str, int]:
+    out: dict[str, int] = defaultdict(int)
+    for a in result.assignments:
+        out[a.deployment] += 1
+    return dict(out)
+
+
+CASES = [
+    # (case, pools, demands, pipelines, where each deployment may be, replicas placed)
+    (
+        "the cheap cluster lacks the answer step's GPU: both steps go where both fit",
+        [pool("a", "l4", price=1.0), pool("b", "l4", price=5.0), pool("b", "h100", price=40.0)],
+        [demand("emb", 3, "l4"), demand("chat", 1, "h100")],
+        [RAG],
+        {"emb": {"b"}, "chat": {"b"}},
+        {"emb": 3, "chat": 1},
+    ),
+    (
+        "two clusters host both steps: every cluster with a step has both",
+        [pool(c, m, nodes=1) for c in ("a", "b") for m in ("l4", "h100")],
+        [demand("emb", 2, "l4", gpus=8), demand("chat", 2, "h100", gpus=8)],
+        [RAG],
+        {"emb": {"a", "b"}, "chat": {"a", "b"}},
+        {"emb": 2, "chat": 2},
+    ),
+    (
+        "a deployment shared by two pipelines: only where both pipelines fit whole",
+        [
+            pool("a", "l4", price=1.0),
+            pool("a", "h100"),
+            pool("b", "l4", price=5.0),
+            pool("b", "h100"),
+            pool("b", "t4"),
+        ],
+        [
+            demand("emb", 2, "l4"),
+            demand("chat", 1, "h100"),
+            demand("rerank", 1, "t4"),
+            demand("solo", 1, "l4"),
+        ],
+        [RAG, pipeline("search", embed="emb", rerank="rerank")],
+        {"emb": {"b"}, "chat": {"b"}, "rerank": {"b"}, "solo": {"a", "b"}},
+        {"emb": 2, "chat": 1, "rerank": 1, "solo": 1},
+    ),
+    (
+        "capacity: the cluster with room for the answer lacks it for the embedder",
+        [
+            pool("a", "l4", nodes=0),
+            pool("a", "h100", nodes=1, price=1.0),
+            pool("b", "l4"),
+            pool("b", "h100", price=50.0),
+        ],
+        [demand("emb", 1, "l4"), demand("chat", 1, "h100", gpus=8)],
+        [RAG],
+        {"emb": {"b"}, "chat": {"b"}},
+        {"emb": 1, "chat": 1},
+    ),
+    (
+        "capacity: one embedder cannot follow two answer clusters, so one answer is short",
+        [pool("a", "l4"), pool("a", "h100", nodes=1), pool("b", "l4"), pool("b", "h100", nodes=1)],
+        [demand("emb", 1, "l4"), demand("chat", 2, "h100", gpus=8)],
+        [RAG],
+        {"emb": {"a", "b"}, "chat": {"a", "b"}},
+        {"emb": 1, "chat": 1},
+    ),
+]
+
+
+@pytest.mark.parametrize("placer", sorted(PLACERS))
+@pytest.mark.parametrize(
+    ("case", "pools", "demands", "pipes", "allowed", "placed"), CASES, ids=[c[0] for c in CASES]
+)
+def test_co_placement(placer, case, pools, demands, pipes, allowed, placed) -> None:
+    result = PLACERS[placer]().place(demands, pools, pipelines=pipes)
+    assert splits(pipes, demands, result.assignments) == [], case
+    assert violations(demands, pools, result.assignments) == []
+    for dep, where in allowed.items():
+        assert clusters_of(result, dep) <= where, (case, dep)
+    assert counts(result) == placed, case
+    for u in result.unplaced:
+        assert "pipeline rag" in u.reason and u.missing > 0
+
+
+@pytest.mark.parametrize("placer", sorted(PLACERS))
+def test_the_constraint_binds_unconstrained_placement_splits(placer) -> None:
+    """Without the pipeline the cheap cluster takes the embedder: the constraint is what moves it."""
+    pools = CASES[0][1]
+    demands = CASES[0][2]
+    free = PLACERS[placer]().place(demands, pools)
+    assert splits([RAG], demands, free.assignments) != []
+
+
+@pytest.mark.parametrize("placer", sorted(PLACERS))
+def test_no_cluster_hosts_every_step_reason_names_pipeline_step_and_gpu(placer) -> None:
+    pools = [pool("a", "l4"), pool("b", "a100")]
+    demands = [demand("emb", 1, "l4"), demand("chat", 1, "h100")]
+    result = PLACERS[placer]().place(demands, pools, pipelines=[RAG])
+    assert result.assignments == ()
+    reasons = {u.deployment: u.reason for u in result.unplaced}
+    assert set(reasons) == {"emb", "chat"}
+    for reason in reasons.values():
+        assert "pipeline rag: no cluster can host every step" in reason
+        assert "step answer (deployment chat)" in reason and "h100" in reason
+
+
+@pytest.mark.parametrize("placer", sorted(PLACERS))
+def test_running_replicas_outside_the_pipelines_clusters_are_moved(placer) -> None:
+    pools = CASES[0][1]
+    demands = CASES[0][2]
+    running = FirstFitDecreasing().place(demands, pools).assignments
+    assert any(a.cluster == "a" for a in running)
+    result = PLACERS[placer]().place(demands, pools, running, pipelines=[RAG])
+    assert splits([RAG], demands, result.assignments) == []
+    assert {a.cluster for a in result.assignments} == {"b"}
+
+
+def test_the_pipeline_verifies_splits_and_falls_back() -> None:
+    """A placer that ignores pipelines is caught by verify and replaced by first-fit-decreasing."""
+
+    class Splitter(FirstFitDecreasing):
+        def place(self, demands, pools, current=(), pipelines=()):
+            return super().place(demands, pools, current)
+
+    pools, demands = CASES[0][1], CASES[0][2]
+    inputs = PlacementInputs(demands=tuple(demands), pools=tuple(pools), pipelines=(RAG,))
+    out = run(inputs, MilpPlacer(time_limit_s=2.0))
+    assert splits([RAG], demands, out.result.assignments) == [] and out.info.method.startswith("milp")
+    out = run(inputs, Splitter())
+    assert out.problems and "pipeline rag split" in out.problems[0]
+    out = run(inputs, _SplittingMilp(time_limit_s=2.0))
+    assert out.info.method == "greedy-error" and splits([RAG], demands, out.result.assignments) == []
+
+
+class _SplittingMilp(MilpPlacer):
+    def solve(self, demands, pools, current=(), lp_bound=False, previous=None, pipelines=()):
+        return super().solve(demands, pools, current, lp_bound, previous)
+
+
+# ---------------------------------------------------------------- properties
+
+MODELS = ["l4", "h100", "t4"]
+DEPLOYMENTS = ["d0", "d1", "d2", "d3"]
+
+
+@st.composite
+def fleet_st(draw):
+    pools = []
+    for i in range(draw(st.integers(1, 4))):
+        for model in draw(st.lists(st.sampled_from(MODELS), min_size=1, max_size=3, unique=True)):
+            pools.append(
+                PoolCapacity(
+                    cluster=f"c{i}",
+                    name=model,
+                    region=f"r{i % 2}",
+                    gpu_model=model,
+                    gpus_per_node=draw(st.sampled_from([1, 2, 8])),
+                    nodes=draw(st.integers(0, 3)),
+                    tier=draw(st.sampled_from(list(Tier))),
+                    hourly_price=draw(st.floats(0, 40, allow_nan=False)),
+                    cluster_status=draw(
+                        st.sampled_from([ClusterStatus.healthy] * 3 + [ClusterStatus.draining])
+                    ),
+                )
+            )
+    demands = [
+        ReplicaDemand(
+            deployment=name,
+            version=1,
+            count=draw(st.integers(0, 5)),
+            gpu_models=(draw(st.sampled_from(MODELS)),),
+            gpu_count=draw(st.sampled_from([1, 2, 8])),
+            min_regions=draw(st.integers(1, 2)),
+            max_spot_fraction=draw(st.sampled_from([1.0, 0.5])),
+        )
+        for name in DEPLOYMENTS
+    ]
+    pipes = []
+    for i in range(draw(st.integers(1, 2))):
+        deps = draw(st.lists(st.sampled_from(DEPLOYMENTS), min_size=2, max_size=3, unique=True))
+        pipes.append(
+            PipelineSpec(
+                name=f"p{i}",
+                steps=tuple(PipelineStep(name=f"s{j}", deployment=d) for j, d in enumerate(deps)),
+            )
+        )
+    running = draw(st.booleans())
+    return pools, demands, pipes, running
+
+
+PROFILE = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.parametrize("placer", ["ffd", "milp", "spot-safe-ffd"])
+@PROFILE
+@given(fleet=fleet_st())
+def test_no_placement_ever_splits_a_pipeline(placer, fleet) -> None:
+    pools, demands, pipes, with_running = fleet
+    current = FirstFitDecreasing().place(demands, pools).assignments if with_running else ()
+    if placer == "spot-safe-ffd":  # the fallback: drops spot replicas past max_spot_fraction
+        result = spot_safe_ffd(demands, pools, current, pipelines=pipes)
+    else:
+        inputs = PlacementInputs(
+            demands=tuple(demands), pools=tuple(pools), current=tuple(current), pipelines=tuple(pipes)
+        )
+        result = run(inputs, PLACERS[placer]()).result
+    assert splits(pipes, demands, result.assignments) == []
+    broken = violations(demands, pools, result.assignments)
+    if placer == "ffd":  # plain first-fit-decreasing does not know max_spot_fraction
+        broken = [b for b in broken if "on spot" not in b]
+    assert broken == []
+    short = {(u.deployment, u.version): u.missing for u in result.unplaced}
+    for d in demands:
+        placed = sum(1 for a in result.assignments if a.deployment == d.deployment)
+        assert placed + short.get(d.key, 0) == d.count, d.deployment
