@@ -19,9 +19,15 @@ from control_plane.api.deps import Paging
 from control_plane.api.routers import cost as cost_api
 from control_plane.api.routers import history, rollouts, usage
 from control_plane.api.schemas import ClusterOut
-from control_plane.api.views import clusters_out, deployment_status, deployment_summaries, key_out
+from control_plane.api.views import (
+    clusters_out,
+    deployment_status,
+    deployment_summaries,
+    key_out,
+    pipeline_summaries,
+)
 from control_plane.console.worldmap import project
-from control_plane.db.models import ApiKey, Cluster, Deployment, Node, Rollout
+from control_plane.db.models import ApiKey, Cluster, Deployment, Node, Pipeline, Rollout
 from control_plane.nodes.views import nodes_out, priced_pools
 
 COLD_START = re.compile(r"after a ([0-9.]+) s cold start")
@@ -283,6 +289,29 @@ def nodes(session: Session) -> dict[str, Any]:
         {**p.model_dump(), "faults": n, "premium": p.reliability_premium} for p, n in priced_pools(session)
     ]
     return {"nodes": [n.model_dump() for n in nodes_out(session, rows)], "pools": pools}
+
+
+def pipelines(session: Session) -> dict[str, Any]:
+    """Every pipeline with its steps and the clusters where every step is ready."""
+    rows = list(session.scalars(select(Pipeline).order_by(Pipeline.name)))
+    return {"pipelines": [p.model_dump() for p in pipeline_summaries(session, rows)]}
+
+
+def pipeline(session: Session, name: str) -> dict[str, Any] | None:
+    """The pipeline's readiness per cluster (`GET /v1/pipelines/{name}`'s view) and each
+    step's deployment as the deployments list shows it (None: the row is gone)."""
+    row = session.scalar(select(Pipeline).where(Pipeline.name == name))
+    if row is None:
+        return None
+    status = pipeline_summaries(session, [row])[0].model_dump()
+    deps = session.scalars(
+        select(Deployment)
+        .where(Deployment.name.in_([s["deployment"] for s in status["steps"]]))
+        .options(selectinload(Deployment.versions))
+    )
+    by_name = {d.name: d.model_dump() for d in deployment_summaries(session, list(deps))}
+    steps = [{**s, "d": by_name.get(s["deployment"])} for s in status["steps"]]
+    return {"status": status, "steps": steps}
 
 
 def now() -> float:

@@ -207,6 +207,33 @@ def nodes(request: Request):
     return render(request, "nodes.html", page="nodes", v=v)
 
 
+@router.get("/pipelines")
+def pipelines(request: Request):
+    with _db(request) as db:
+        v = data.pipelines(db)
+    return render(request, "pipelines.html", page="pipelines", v=v)
+
+
+def _pipeline(request: Request, name: str, fragment: bool):
+    with _db(request) as db:
+        found = data.pipeline(db, name)
+    if found is None:
+        return _missing(request, f"Pipeline {name!r}")
+    if fragment:
+        return render(request, "_pipeline.html", name=name, p=found)
+    return render(request, "pipeline.html", page="pipelines", name=name, p=found)
+
+
+@router.get("/pipelines/{name}")
+def pipeline(name: str, request: Request):
+    return _pipeline(request, name, fragment=False)
+
+
+@router.get("/pipelines/{name}/panel")
+def pipeline_panel(name: str, request: Request):
+    return _pipeline(request, name, fragment=True)
+
+
 def _filters(**values: Any) -> dict[str, Any]:
     return {k: v for k, v in values.items() if v not in (None, "")}
 

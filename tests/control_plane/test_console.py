@@ -21,6 +21,7 @@ from control_plane.rollouts.telemetry import Sample
 from tests.control_plane.cp_server import ControlPlaneServer, fresh_database
 
 NAME = "web"
+PIPELINE = "rag"
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +43,9 @@ def cp(tmp_path_factory):
                 admin.post("/v1/deployments", json={"name": NAME, "model": "m", "replicas": 1}).status_code
                 == 201
             )
+            steps = [{"name": "answer", "deployment": NAME}]
+            r = admin.post("/v1/pipelines", json={"name": PIPELINE, "steps": steps, "slo_e2e_s": 0.8})
+            assert r.status_code == 201, r.text
             server.read_key = admin.post("/v1/keys", json={"name": "viewer", "scopes": ["read"]}).json()[
                 "key"
             ]
@@ -118,6 +122,7 @@ PAGES = [
     "/console/audit?action=key.create&fragment=1", "/console/land.svg", "/console/cost",
     "/console/cost?since=1h", "/console/cost/series.json", "/console/nodes",
     f"/console/deployments/{NAME}/autoscale.json", "/console/panel/control-plane",
+    "/console/pipelines", f"/console/pipelines/{PIPELINE}", f"/console/pipelines/{PIPELINE}/panel",
 ]  # fmt: skip
 
 
@@ -285,6 +290,30 @@ def test_nodes_page_shows_the_record_and_pools_reliability(cp):
         assert cell in row, cell
     pools = page.text.split('id="reliability"')[1]
     assert "h100" in pools and "gcp-europe-west4" in pools
+
+
+def test_pipeline_pages_show_steps_and_readiness_per_cluster(cp):
+    sessions = make_sessions(cp.database_url)
+    with sessions() as s:
+        dep = s.query(m.Deployment).filter_by(name=NAME).one()
+        s.add(m.ReplicaAssignment(replica_id="pl-web-1", deployment_id=dep.id, version=1,
+                                  cluster_id="gcp-europe-west4", state="ready"))  # fmt: skip
+        s.commit()
+    sessions.kw["bind"].dispose()
+    console = Console(cp, cp.read_key)
+    listing = console.get("/console/pipelines").text
+    row = listing.split(f'data-pipeline="{PIPELINE}"')[1].split("</tr>")[0]
+    for cell in (f'href="/console/pipelines/{PIPELINE}"', f"answer (<a href=\"/console/deployments/{NAME}\">", "800 ms",
+                 '<span class="badge ready">gcp-europe-west4</span>'):  # fmt: skip
+        assert cell in row, cell
+    page = console.get(f"/console/pipelines/{PIPELINE}").text
+    assert f"Pipeline {PIPELINE}" in page and 'data-step="answer"' in page
+    clusters = page.split('id="clusters"')[1]
+    west = clusters.split('data-cluster="gcp-europe-west4"')[1].split("</tr>")[0]
+    east = clusters.split('data-cluster="aws-us-east-1"')[1].split("</tr>")[0]
+    assert "badge ready" in west and "<td>1</td>" in west
+    assert "not ready" in east and "<td>0</td>" in east
+    assert console.get("/console/pipelines/nope").status_code == 404
 
 
 def test_map_projection_and_antimeridian():
