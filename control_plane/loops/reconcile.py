@@ -56,11 +56,13 @@ def reconcile_once(
         snap = read_snapshot(session)
         demands, pools, current = placement_inputs(snap, nodes)
         demands = with_demand_regions(demands, read_demand_regions(session, snap))  # nearer to clients
+        pipelines = load_pipelines(session)  # their steps are placed together
         inputs = pipeline.PlacementInputs(
             demands=tuple(demands),
             pools=tuple(pools),
             current=tuple(current),
             standby=tuple(standby_demands(snap)),
+            pipelines=tuple(pipelines),
         )
         outcome = pipeline.run(inputs, placer, previous=previous, context=removal_context(snap))
         result = outcome.result
@@ -78,7 +80,7 @@ def reconcile_once(
         assignments = next_assignments(snap, result)
         wanted: dict[str, dict[str, Message]] = {
             BUCKET_DESIRED: dict(build_desired(snap, assignments)),
-            BUCKET_ROUTES: dict(build_routes(snap, assignments, load_pipelines(session))),
+            BUCKET_ROUTES: dict(build_routes(snap, assignments, pipelines)),
         }
         return ReconcileOutcome(result=result, wanted=wanted, info=outcome.info, solved=outcome.solved)
 

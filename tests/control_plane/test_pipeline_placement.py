@@ -263,3 +263,60 @@ def test_no_placement_ever_splits_a_pipeline(placer, fleet) -> None:
     for d in demands:
         placed = sum(1 for a in result.assignments if a.deployment == d.deployment)
         assert placed + short.get(d.key, 0) == d.count, d.deployment
+
+
+@pytest.mark.parametrize("placer", sorted(PLACERS))
+def test_reconcile_places_a_stored_pipeline_together(sessions, placer) -> None:
+    """The live path: the pipelines in the database reach the placer; the embedder leaves
+    the cheap cluster without the answer step's GPU, and a pipeline no cluster can host
+    whole is a `placement_short` event naming it."""
+    from collections import Counter
+
+    from sqlalchemy import select
+
+    from control_plane.db import models as m
+    from control_plane.loops.reconcile import reconcile_once
+    from control_plane.pipelines import row_of
+    from control_plane.placement import get_placer
+
+    with sessions() as s:
+        for cid, models, price in (("cheap", ("l4",), 0.5), ("full", ("l4", "h100"), 3.0)):
+            c = m.Cluster(id=cid, region=cid, status="healthy", load={})
+            c.last_heartbeat_at = m.utcnow()
+            c.pools = [
+                m.CapacityPool(name=g, gpu_model=g, gpus_per_node=1, nodes=2, hourly_price=price)
+                for g in models
+            ]
+            s.add(c)
+        for name, gpu in (("emb", "l4"), ("chat", "h100"), ("vision", "a100")):
+            d = m.Deployment(name=name, replicas=1, current_version=1)
+            d.versions = [
+                m.DeploymentVersion(version=1, model="tiny", gpu_models=[gpu], min_replicas=1, max_replicas=1)
+            ]
+            s.add(d)
+        s.commit()
+
+    def placed() -> Counter:
+        with sessions() as s:
+            names = {d.id: d.name for d in s.scalars(select(m.Deployment))}
+            return Counter(
+                (names[a.deployment_id], a.cluster_id) for a in s.scalars(select(m.ReplicaAssignment))
+            )
+
+    p, memory = get_placer(placer), ({}, {})
+    reconcile_once(sessions, p, *memory)
+    assert placed()[("emb", "cheap")] == 1  # no pipeline: the cheapest pool
+    with sessions() as s:
+        s.add(row_of(RAG))
+        s.add(row_of(pipeline("see", embed="emb", look="vision")))  # no cluster has a100
+        s.commit()
+    reconcile_once(sessions, p, *memory)
+    assert placed() == Counter()  # emb is a step of `see` too: no cluster hosts it whole
+    with sessions() as s:
+        shorts = [e.message for e in s.scalars(select(m.Event).where(m.Event.kind == "placement_short"))]
+    assert any("pipeline rag, see: no cluster can host every step" in e for e in shorts), shorts
+    with sessions() as s:
+        s.delete(s.scalar(select(m.Pipeline).where(m.Pipeline.name == "see")))
+        s.commit()
+    reconcile_once(sessions, p, *memory)
+    assert placed() == Counter({("emb", "full"): 1, ("chat", "full"): 1})
