@@ -70,7 +70,9 @@ def simulate(
     trace: Path = typer.Option(
         ...,
         "--trace",
-        help="Azure CSV (TIMESTAMP,ContextTokens,GeneratedTokens: conversation or code) or Mooncake JSONL",
+        help="Azure CSV (TIMESTAMP,ContextTokens,GeneratedTokens: conversation or code), Mooncake JSONL, "
+        "or a pipeline trace (JSONL, one request a line with per-step costs: {at, steps: [{step, "
+        "prompt_tokens, output_tokens}, ...]}; bench/pipeline_trace.py writes one)",
     ),
     profile: str = typer.Option(
         "llama2-70b-h100-tp4", help="performance profile name (fleet_base/profiles) or JSON path"
@@ -113,9 +115,24 @@ def simulate(
         help="search static runs for the best fixed fleet (the smallest count with >= 99% within TTFT, "
         "or the ceiling a very large fleet reaches minus 0.5 points) and read every policy against it",
     ),
+    slo_e2e: str = typer.Option(
+        None,
+        "--slo-e2e",
+        help="pipeline trace: the end-to-end latency budget (e.g. 800ms, 20s); required for one",
+    ),
+    step_profile: list[str] = typer.Option(
+        None,
+        "--step-profile",
+        help="pipeline trace: STEP=PROFILE, a step's own performance profile (default: --profile); repeatable",
+    ),
+    hop_ms: float = typer.Option(
+        10.0, "--hop-ms", min=0, help="pipeline trace: one step-to-step hop inside a cluster, in ms"
+    ),
     output: OutputFormat = OUTPUT_OPTION,
 ) -> None:
-    """Replay a trace through the routing and autoscaling policies on simulated replicas."""
+    """Replay a trace through the routing and autoscaling policies on simulated replicas.
+    A pipeline trace runs each step as its own deployment, the pipeline-aware policy against
+    each step scaled alone and the fixed fleet at their peaks, in one table."""
     from control_plane.autoscale.policy import POLICIES, AutoscaleSettings
     from control_plane.simulate import (
         DEFAULT_POLICIES,
@@ -157,6 +174,12 @@ def simulate(
     bad = [r for r in routings if r not in ROUTINGS]
     if bad or not routings:
         fail(f"unknown routing {bad[0] if bad else routing!r}; known: {', '.join(ROUTINGS)}")
+    from control_plane.simulate.trace import is_pipeline_trace
+
+    if is_pipeline_trace(trace):
+        _pipeline(trace, prof, cfg, settings, names[0], slo_e2e, step_profile or [], hop_ms, rate_scale,
+                  limit, output)  # fmt: skip
+        return
     shares = _shares(residency_shares)
     try:
         requests = load_trace(trace, rate_scale=rate_scale, limit_s=limit)
@@ -202,6 +225,80 @@ def simulate(
     _print(report, prof.name, rate_scale, shares)
     if plot is not None:
         typer.echo(f"plot: {plot}")
+
+
+def _pipeline(
+    trace: Path,
+    prof,
+    cfg: SimulateConfig,
+    settings,
+    policy: str,
+    slo_e2e: str | None,
+    step_profiles: list[str],
+    hop_ms: float,
+    rate_scale: float,
+    limit: float | None,
+    output: OutputFormat,
+) -> None:
+    """A pipeline trace: every step its own deployment (its profile; the same settings)."""
+    from control_plane.commands.rollout import parse_duration
+    from control_plane.simulate.pipeline import StepSetup, compare_pipeline
+    from control_plane.simulate.trace import TraceError, load_pipeline_trace
+    from fleet_base.profile import load_profile
+
+    if slo_e2e is None:
+        fail("a pipeline trace needs --slo-e2e (the end-to-end budget, e.g. 20s)")
+    budget = parse_duration(slo_e2e, "--slo-e2e")
+    try:
+        steps, requests = load_pipeline_trace(trace, rate_scale=rate_scale, limit_s=limit)
+    except TraceError as err:
+        fail(str(err))
+    if not requests:
+        fail(f"{trace}: no requests in the selected range")
+    profiles = {name: prof for name in steps}
+    for item in step_profiles:
+        name, sep, value = item.partition("=")
+        if not sep or name not in profiles:
+            fail(f"--step-profile {item!r}: expected STEP=PROFILE with STEP one of {', '.join(steps)}")
+        try:
+            profiles[name] = load_profile(value)
+        except ValueError as err:
+            fail(str(err))
+        if cfg.cold_start_s is not None:
+            profiles[name] = profiles[name].model_copy(update={"cold_start_s": cfg.cold_start_s})
+    setups = [StepSetup(n, profiles[n], settings.model_copy(update={"profile": profiles[n]})) for n in steps]
+    report = compare_pipeline(
+        requests,
+        setups,
+        budget,
+        pipeline=trace.stem,
+        policy=policy,
+        hop_s=hop_ms / 1000,
+        tick_s=cfg.tick_s,
+        warmup_s=min(cfg.warmup_s, requests[-1].at / 2),
+        trace_name=trace.name,
+    )
+    if output == OutputFormat.json:
+        emit_json(report.model_dump())
+        return
+    columns = ["run", "gpu_hours", "e2e_p50_s", "e2e_p90_s", "within_budget", "budget_met", "budget_ticks"]
+    rows = []
+    for r in report.rows:
+        row: dict[str, object] = {"run": f"{r.label} ({r.policy})", "gpu_hours": f"{r.gpu_hours:.2f}",
+                                  "e2e_p50_s": r.e2e_p50_s, "e2e_p90_s": r.e2e_p90_s,
+                                  "within_budget": f"{100 * r.within_budget:.1f}%",
+                                  "budget_met": "yes" if r.budget_met else "no", "budget_ticks": r.budget_ticks}  # fmt: skip
+        for name, st in r.steps.items():
+            row |= {f"{name}_p50_s": st.p50_s, f"{name}_p90_s": st.p90_s, f"{name}_replicas": st.replicas_max}
+        rows.append(row)
+    for name in steps:
+        columns += [f"{name}_p50_s", f"{name}_p90_s", f"{name}_replicas"]
+    title = (
+        f"{report.trace} x{rate_scale:g}: pipeline {' -> '.join(steps)}, {len(requests)} requests, budget "
+        f"{budget:g}s e2e, hop {hop_ms:g}ms, profiles {', '.join(f'{n} {p.name}' for n, p in profiles.items())} "
+        f"(warm-up not counted; simulated in {report.wall_s:.1f}s; replicas: the most held)"
+    )
+    _table(rows, title, columns)
 
 
 def _shares(text: str | None) -> dict[str, float] | None:
@@ -284,7 +381,7 @@ def _table(rows: list[dict[str, object]], title: str, columns: list[str] = COLUM
         )
     for row in rows:
         table.add_row(*[_cell(row.get(col)) for col in columns])
-    Console(width=max(194 + 12 * (len(columns) - len(COLUMNS)), Console().width)).print(table)
+    Console(width=max(194, 194 + 12 * (len(columns) - len(COLUMNS)), Console().width)).print(table)
 
 
 def register(app: typer.Typer) -> None:

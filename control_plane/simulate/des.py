@@ -20,13 +20,14 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from agent.gateway.kv_index import KvUpdate, PrefixIndex
 from agent.gateway.plan import ClusterFacts, CostModel, ReplicaFacts, RequestFacts, plan_route
 from agent.sim.model import ReplicaModel, SimRequest
 from agent.sim.prefix_cache import Ops, PrefixCacheModel, capacity_blocks
-from control_plane.autoscale.policy import AutoscaleSettings, Observation, ScalerState, make_policy
+from control_plane.autoscale.policy import AutoscaleSettings, Decision, Observation, ScalerState, make_policy
 from control_plane.simulate.trace import TraceRequest
 from fleet_base.profile import PerfProfile
 
@@ -117,6 +118,8 @@ class Simulation:
         self._generated: dict[str, int] = {}
         self._ttft: list[float] = []
         self._itl: list[float] = []
+        # Called as each request finishes (a pipeline's next step starts from it).
+        self.on_finished: Callable[[SimRequest, float], None] | None = None
 
     # ------------------------------------------------------------ replicas
 
@@ -206,6 +209,8 @@ class Simulation:
                 _, work = self.where.pop(req.rid)
                 r.outstanding_tokens -= work
                 r.in_flight -= 1
+                if self.on_finished is not None:
+                    self.on_finished(req, now)
         if r.draining and r.in_flight == 0 and r.released is None:
             r.released = now
             self.live.remove(r)
@@ -217,19 +222,49 @@ class Simulation:
     # ------------------------------------------------------------ the loop
 
     def _tick(self, now: float, samples: list[Sample], decisions: list, arrivals: int) -> None:
+        obs, ready = self.observe_now(now)
+        self.decide_now(now, obs, ready, samples, decisions, arrivals)
+
+    def observe_now(self, now: float) -> tuple[Observation, int]:
+        """The replicas advanced to `now` and what a decision sees (and the ready count)."""
         for r in list(self.live):
             self._on_events(r, r.model.advance(now), now)
         ready = self._ready(now)
         starting = [r for r in self.live if not r.draining and r.ready_at > now]
         running = sum(r.model.num_running for r in ready)
         queued = sum(r.model.num_waiting for r in ready) + len(self.pending)
-        obs = self._observe(now, running, queued, ready, len(starting))
-        d = self.policy.decide(self.settings, self.state, obs)
+        return self._observe(now, running, queued, ready, len(starting)), len(ready)
+
+    def decide_now(
+        self,
+        now: float,
+        obs: Observation,
+        ready: int,
+        samples: list[Sample],
+        decisions: list,
+        arrivals: int,
+        settings: AutoscaleSettings | None = None,
+    ) -> Decision:
+        """The policy's decision on `obs` (under `settings`, else the run's own), applied."""
+        d = self.policy.decide(settings or self.settings, self.state, obs)
         if d.desired != self.desired:
             decisions.append((now, d.desired, d.reason))
         self.desired = d.desired
         self._scale_to(d.desired, now)
-        samples.append(Sample(now, len(self.live), len(ready), d.desired, obs.demand, arrivals))
+        samples.append(Sample(now, len(self.live), ready, d.desired, obs.demand, arrivals))
+        return d
+
+    def arrive(self, req: SimRequest, now: float, samples: list[Sample], decisions: list) -> None:
+        """A request reaches the gateway: routed, else queued (and, with no replica left,
+        a scale-from-zero decision at once)."""
+        self._arrived += 1
+        self._arrived_prompt += req.prompt_tokens
+        if len(self._sample) < SAMPLE_PER_TICK:
+            self._sample.append(req.prompt_tokens)
+        if not self._route(req, now):
+            self.pending.append(req)
+            if not any(not r.draining for r in self.live):  # scale from zero now
+                self._tick(now, samples, decisions, 0)
 
     def _observe(
         self, now: float, running: int, queued: int, ready: list[SimReplica], starting: int
@@ -307,14 +342,7 @@ class Simulation:
                 req = reqs[i]
                 i += 1
                 arrivals += 1
-                self._arrived += 1
-                self._arrived_prompt += req.prompt_tokens
-                if len(self._sample) < SAMPLE_PER_TICK:
-                    self._sample.append(req.prompt_tokens)
-                if not self._route(req, now):
-                    self.pending.append(req)
-                    if not any(not r.draining for r in self.live):  # scale from zero now
-                        self._tick(now, samples, decisions, 0)
+                self.arrive(req, now, samples, decisions)
         end = max(now, end_of_trace)
         w = self.warmup_s
         replica_s = sum(

@@ -120,3 +120,83 @@ def load_trace(path: str | Path, rate_scale: float = 1.0, limit_s: float | None 
     if limit_s is not None:
         out = [r for r in out if r.at <= limit_s]
     return out
+
+
+# A pipeline trace (JSON lines): one pipeline request a line, its steps in call order, each
+# with its own cost:
+#   {"at": 12.5, "steps": [{"step": "embed", "prompt_tokens": 40, "output_tokens": 1},
+#                          {"step": "answer", "prompt_tokens": 1900, "output_tokens": 220}]}
+# Every line names the same steps in the same order.
+
+
+@dataclass(frozen=True)
+class StepCost:
+    step: str
+    prompt_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True)
+class PipelineTraceRequest:
+    at: float
+    steps: tuple[StepCost, ...]
+
+
+def is_pipeline_trace(path: str | Path) -> bool:
+    """JSON lines whose first request has `steps`."""
+    p = Path(path)
+    if not p.is_file() or not _is_jsonl(p):
+        return False
+    with open(p, encoding="utf-8-sig") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    first = json.loads(line)
+                except ValueError:
+                    return False
+                return isinstance(first, dict) and "steps" in first
+    return False
+
+
+def load_pipeline_trace(
+    path: str | Path, rate_scale: float = 1.0, limit_s: float | None = None
+) -> tuple[tuple[str, ...], list[PipelineTraceRequest]]:
+    """(step names in call order, requests sorted by arrival from 0 s); `rate_scale` and
+    `limit_s` as for `load_trace`."""
+    p = Path(path)
+    if not p.is_file():
+        raise TraceError(f"{p}: no such trace file")
+    if rate_scale <= 0:
+        raise TraceError("rate scale must be > 0")
+    names: tuple[str, ...] | None = None
+    rows: list[PipelineTraceRequest] = []
+    with open(p, encoding="utf-8-sig") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                steps = tuple(
+                    StepCost(str(s["step"]), max(1, int(s["prompt_tokens"])), max(1, int(s["output_tokens"])))
+                    for s in obj["steps"]
+                )
+                at = float(obj["at"])
+            except (ValueError, KeyError, TypeError) as err:
+                raise TraceError(f"{p}:{n}: a pipeline request needs at and steps[step, prompt_tokens, "
+                                 f"output_tokens]: {err}") from err  # fmt: skip
+            if not steps:
+                raise TraceError(f"{p}:{n}: no steps")
+            these = tuple(s.step for s in steps)
+            if names is None:
+                names = these
+            elif these != names:
+                raise TraceError(f"{p}:{n}: steps {', '.join(these)}; the first line has {', '.join(names)}")
+            rows.append(PipelineTraceRequest(at, steps))
+    if not rows or names is None:
+        raise TraceError(f"{p}: no requests")
+    rows.sort(key=lambda r: r.at)
+    t0 = rows[0].at
+    out = [PipelineTraceRequest((r.at - t0) / rate_scale, r.steps) for r in rows]
+    if limit_s is not None:
+        out = [r for r in out if r.at <= limit_s]
+    return names, out
