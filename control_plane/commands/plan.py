@@ -19,11 +19,18 @@ def plan_command(
     capacity: int = typer.Option(8, "--capacity", min=0, help="nodes that may be acquired per pool"),
     tier: list[Tier] = typer.Option(None, "--tier", help="tiers to offer (default on-demand and spot)"),
     time_limit: float = typer.Option(10.0, "--time-limit", min=0.1, help="solver seconds"),
+    pipeline: list[str] = typer.Option(
+        None,
+        "--pipeline",
+        help="NAME=STEP:DEPLOYMENT,STEP:DEPLOYMENT... steps placed together (repeatable; "
+        "or `pipelines` in demands.json)",
+    ),
     output: OutputFormat = OUTPUT_OPTION,
 ) -> None:
     """Plan placement offline: nodes per pool, replicas per region, $/hour, the LP bound,
     first-fit-decreasing's cost for the same input, solve time; with `running` replicas
-    in demands.json, which of them the plan would preempt or replace, and why."""
+    in demands.json, which of them the plan would preempt or replace, and why; with
+    pipelines, the clusters each runs whole in (or why none can) and what that costs."""
     # Imported here: the catalog pulls in the solver (highspy, numpy), which every other
     # `fleetctl` command would otherwise pay for at start-up.
     from control_plane.catalog import CatalogError, load_catalog, offers_to_pools
@@ -39,6 +46,8 @@ def plan_command(
     names = [d.name for d in spec.deployments]
     if len(set(names)) != len(names):
         fail(f"{demands}: deployment names repeat")
+    pipelines = spec.pipelines + [_parse_pipeline(text) for text in pipeline or []]
+    _check_pipelines(pipelines, set(names))
     pools = []
     for path in catalog:
         try:
@@ -56,6 +65,7 @@ def plan_command(
         time_limit_s=time_limit,
         current=running_assignment(spec.deployments, pools),
         quotas=spec.gpu_quotas(),
+        pipelines=pipelines,
     )
     if output == OutputFormat.json:
         emit_json(report.model_dump())
@@ -79,6 +89,8 @@ def plan_command(
     )
     if report.residency_cost is not None:
         _residency_table(report.residency_cost)
+    if report.pipeline_cost is not None:
+        _pipeline_table(report.pipeline_cost, output)
     if report.removed:
         emit(
             [r.model_dump() for r in report.removed],
@@ -110,6 +122,53 @@ def _residency_table(cost) -> None:
     for row in rows:
         table.add_row(*[str(v) for v in row.values()])
     Console(width=max(160, console.width)).print(table)
+    console.print(summary(cost), highlight=False)
+
+
+def _parse_pipeline(text: str):
+    """`rag=embed:emb,answer:chat` -> a PipelineSpec (steps in call order)."""
+    from fleet_base.pipelines import PipelineSpec
+
+    name, sep, rest = text.partition("=")
+    steps = [part.partition(":") for part in rest.split(",") if part.strip()]
+    if not sep or not steps or any(not s or not d for s, _, d in steps):
+        fail(f"--pipeline {text!r}: expected NAME=STEP:DEPLOYMENT[,STEP:DEPLOYMENT...]")
+    try:
+        return PipelineSpec.model_validate(
+            {
+                "name": name.strip(),
+                "steps": [{"name": s.strip(), "deployment": d.strip()} for s, _, d in steps],
+            }
+        )
+    except ValidationError as e:
+        fail(f"--pipeline {text!r}: {e.errors()[0]['msg']}")
+
+
+def _check_pipelines(pipelines, deployments: set[str]) -> None:
+    names = [p.name for p in pipelines]
+    if len(set(names)) != len(names):
+        fail(f"pipeline names repeat: {', '.join(names)}")
+    for p in pipelines:
+        unknown = [d for d in p.deployments if d not in deployments]
+        if unknown:
+            fail(f"pipeline {p.name}: no deployment {', '.join(unknown)} in the demands")
+
+
+def _pipeline_table(cost, output: OutputFormat) -> None:
+    """Each pipeline: the clusters holding every step, its steps' GPU models, or why not."""
+    from control_plane.placement.pipeline_cost import summary
+
+    rows = [
+        {
+            "pipeline": line.pipeline,
+            "co-placed in": ", ".join(line.clusters) or "-",
+            "steps (GPU models)": ", ".join(f"{s} ({'/'.join(m) or 'any'})" for s, m in line.steps.items()),
+            "feasible": "yes" if line.feasible else "no",
+            "reason": line.reason,
+        }
+        for line in cost.pipelines
+    ]
+    emit(rows, output, list(rows[0]), title="pipelines (every step in each cluster listed)")
     console.print(summary(cost), highlight=False)
 
 

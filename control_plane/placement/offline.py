@@ -23,9 +23,11 @@ from control_plane.placement.evaluate import nodes_used, plan_cost, violations
 from control_plane.placement.ffd import FirstFitDecreasing
 from control_plane.placement.milp import MilpPlacer
 from control_plane.placement.pipeline import PlacementInputs, run
+from control_plane.placement.pipeline_cost import PipelineCost, pipeline_cost
 from control_plane.placement.quotas import ClassQuota, GpuQuotas
 from control_plane.placement.residency_cost import ResidencyCost, compare, without_residency
 from fleet_base.domain import Tier
+from fleet_base.pipelines import PipelineSpec
 from fleet_base.residency import parse_residency
 
 
@@ -74,6 +76,7 @@ class DemandsFile(BaseModel):
 
     deployments: list[DemandSpec] = Field(min_length=1)
     quotas: dict[PriorityClass, ClassQuota] = Field(default_factory=dict)  # GPU quotas per class
+    pipelines: list[PipelineSpec] = Field(default_factory=list)  # steps placed together
 
     def gpu_quotas(self) -> GpuQuotas:
         return GpuQuotas(classes=self.quotas)
@@ -123,6 +126,8 @@ class PlanReport(BaseModel):
     removed: list[RemovalLine] = Field(default_factory=list)
     # With a deployment under residency: the same demands planned without any policy, compared.
     residency_cost: ResidencyCost | None = None
+    # With pipelines: where each is co-placed (or why not), against the same demands without.
+    pipeline_cost: PipelineCost | None = None
 
 
 def plan(
@@ -132,14 +137,21 @@ def plan(
     gap: float = 0.005,
     current: Sequence[Assignment] = (),
     quotas: GpuQuotas | None = None,
+    pipelines: Sequence[PipelineSpec] = (),
 ) -> PlanReport:
     quotas = quotas or GpuQuotas()
     placer = MilpPlacer(time_limit_s=time_limit_s, mip_gap=gap, quotas=quotas)
-    inputs = PlacementInputs(demands=tuple(demands), pools=tuple(pools), current=tuple(current))
+    inputs = PlacementInputs(
+        demands=tuple(demands), pools=tuple(pools), current=tuple(current), pipelines=tuple(pipelines)
+    )
     outcome = run(inputs, placer, lp_bound=True)
     result, info = outcome.result, outcome.info
     assert info is not None  # the MILP always says how it solved
-    ffd = FirstFitDecreasing(quotas=quotas).place(demands, pools, current)
+    ffd = FirstFitDecreasing(quotas=quotas).place(demands, pools, current, pipelines)
+    together = None
+    if pipelines:
+        apart = run(inputs.model_copy(update={"pipelines": ()}), placer).result
+        together = pipeline_cost(pipelines, demands, pools, result, apart)
     cost = None
     if any(d.residency is not None for d in demands):
         free = without_residency(demands)
@@ -190,6 +202,7 @@ def plan(
         running=len(current),
         removed=removals(demands, current, result),
         residency_cost=cost,
+        pipeline_cost=together,
     )
 
 
