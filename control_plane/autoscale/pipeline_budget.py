@@ -9,7 +9,10 @@ a step's policy aims at. Every decision (`split`):
    over its share) and never below `MIN_SHARE` of an even split (a fast step keeps room);
 3. a step whose measured latency exceeds its share of the budget is over budget: its TTFT
    target becomes what its share leaves after its decode (never above its own target,
-   never below `MIN_TARGET` of its share), and the steps over budget are ranked by how
+   never below `MIN_TARGET` of its share); when its decode alone leaves less than that,
+   its inter-token latency target too, in proportion to the decode time its share leaves
+   (at most halved: more replicas shrink batches, not the per-token floor);
+   the steps over budget are ranked by how
    far over they are (`priority` 1 scales first); a step within its share keeps its own
    target: the pipeline never scales it up.
 A deployment in several pipelines takes the tightest target. No budget, or no latency
@@ -28,6 +31,7 @@ from fleet_base.pipelines import PipelineSpec
 SHARE_S = 60.0  # smoothing time constant of the shares
 MIN_SHARE = 0.25  # of an even split: a step's least share
 MIN_TARGET = 0.1  # of its share of the budget: the tightest TTFT target a step is given
+MIN_ITL = 0.5  # of its own ITL target: the tightest the budget sets
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,7 @@ class StepLatency:
 
     total_s: float | None
     ttft_s: float | None = None
+    itl_s: float | None = None
 
     @property
     def decode_s(self) -> float:
@@ -53,7 +58,7 @@ def step_latency(obs: Observation) -> StepLatency:
     if obs.itl_s is not None and obs.requests_per_s > 0:
         per_request = obs.output_tokens_per_s / obs.requests_per_s
         decode = obs.itl_s * max(0.0, per_request - 1)
-    return StepLatency(obs.ttft_s + decode, obs.ttft_s)
+    return StepLatency(obs.ttft_s + decode, obs.ttft_s, obs.itl_s)
 
 
 @dataclass
@@ -79,6 +84,16 @@ class StepBudget:
     over: bool
     priority: int  # 1: the furthest over its share; 0: within it
     reason: str
+    target_itl_s: float | None = None  # None: its own
+
+    def settings_update(self) -> dict[str, float]:
+        """The targets the step's policy aims at this decision (empty: its own)."""
+        if not self.over:
+            return {}
+        out = {"slo_ttft_s": self.target_ttft_s}
+        if self.target_itl_s is not None:
+            out["slo_itl_s"] = self.target_itl_s
+        return out
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -88,6 +103,7 @@ class StepBudget:
             "budget_s": round(self.budget_s, 4),
             "measured_s": None if self.measured_s is None else round(self.measured_s, 4),
             "target_ttft_s": round(self.target_ttft_s, 4),
+            **({"target_itl_s": round(self.target_itl_s, 4)} if self.target_itl_s is not None else {}),
             "over": self.over,
             "priority": self.priority,
         }
@@ -144,6 +160,7 @@ def _one(
     own_ttft: Mapping[str, float],
     memory: BudgetMemory,
     now: float,
+    own_itl: Mapping[str, float] | None = None,
 ) -> list[StepBudget]:
     assert spec.slo_e2e_s is not None
     budget = spec.slo_e2e_s
@@ -164,7 +181,14 @@ def _one(
             assert lat.total_s is not None
             left = mine - lat.decode_s
             target = min(own, max(left, MIN_TARGET * mine))
-            note = "" if left > MIN_TARGET * mine else f", decode alone {lat.decode_s * 1000:.0f}ms"
+            itl, note = None, ""
+            if left < MIN_TARGET * mine:
+                note = f", decode alone {lat.decode_s * 1000:.0f}ms"
+                own_i = (own_itl or {}).get(s.deployment)
+                if lat.itl_s is not None and own_i is not None and lat.decode_s > 0:
+                    wanted = lat.itl_s * (1 - MIN_TARGET) * mine / lat.decode_s
+                    itl = min(own_i, max(wanted, MIN_ITL * own_i))
+                    note += f"; ITL target {own_i * 1000:g}ms -> {itl * 1000:.3g}ms"
             reason = (
                 f"{whole}: step {s.name} over its share {100 * share:.0f}% "
                 f"({lat.total_s * 1000:.0f}ms > {mine * 1000:.0f}ms{note}), "
@@ -172,13 +196,13 @@ def _one(
             )
             excess = lat.total_s / mine
         else:
-            target, excess = own, 0.0
+            target, excess, itl = own, 0.0, None
             seen = "not measured" if lat.total_s is None else f"{lat.total_s * 1000:.0f}ms"
             reason = (
                 f"{whole}: step {s.name} within its share {100 * share:.0f}% ({seen} <= {mine * 1000:.0f}ms)"
             )
         rows.append((excess, StepBudget(spec.name, s.name, s.deployment, share, mine, lat.total_s,
-                                        own, target, over, 0, reason)))  # fmt: skip
+                                        own, target, over, 0, reason, itl)))  # fmt: skip
     ranked = sorted((r for r in rows if r[1].over), key=lambda r: (-r[0], r[1].step))
     rank = {r[1].step: i + 1 for i, r in enumerate(ranked)}
     return [replace(b, priority=rank.get(b.step, 0)) for _, b in rows]
@@ -190,15 +214,17 @@ def split(
     own_ttft: Mapping[str, float],
     memory: BudgetMemory,
     now: float,
+    own_itl: Mapping[str, float] | None = None,
 ) -> dict[str, StepBudget]:
     """Deployment -> the budget decision it follows (the tightest of its pipelines'). Only
     deployments that are steps of a pipeline with a budget, and whose own target is known
-    (`own_ttft`: deployment -> its `slo_ttft_s`), appear."""
+    (`own_ttft`: deployment -> its `slo_ttft_s`; `own_itl`: its `slo_itl_s`, None: ITL
+    never tightened), appear."""
     out: dict[str, StepBudget] = {}
     for spec in pipelines:
         if spec.slo_e2e_s is None:
             continue
-        for b in _one(spec, latency, own_ttft, memory, now):
+        for b in _one(spec, latency, own_ttft, memory, now, own_itl):
             before = out.get(b.deployment)
             if before is None or (b.target_ttft_s, -b.priority) < (before.target_ttft_s, -before.priority):
                 out[b.deployment] = b

@@ -314,7 +314,8 @@ class AutoscaleLoop(NatsLoop):
             return {}
         latency = {name: step_latency(obs) for name, (_, _, obs) in inputs.items()}
         own = {name: settings.slo_ttft_s for name, (_, settings, _) in inputs.items()}
-        self.budgets = split(pipelines, latency, own, self.budget_memory, now)
+        own_itl = {name: settings.slo_itl_s for name, (_, settings, _) in inputs.items()}
+        self.budgets = split(pipelines, latency, own, self.budget_memory, now, own_itl)
         return self.budgets
 
     def _decide(
@@ -326,10 +327,10 @@ class AutoscaleLoop(NatsLoop):
         budget: StepBudget | None,
         now: float,
     ) -> bool:
-        """One deployment's decision (its TTFT target tightened while its pipeline's budget
+        """One deployment's decision (its targets tightened while its pipeline's budget
         says it is over its share), written to its row; True when it changed."""
         if budget is not None and budget.over:
-            settings = settings.model_copy(update={"slo_ttft_s": budget.target_ttft_s})
+            settings = settings.model_copy(update=budget.settings_update())
         state = self._state(d, settings.stable_window_s or 60.0, now)
         decision = self.policy.decide(settings, state, obs)
         if budget is not None:

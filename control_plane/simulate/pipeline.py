@@ -6,7 +6,7 @@ its own policy instance on its own demand: `des.Simulation`), the next step call
 The same trace runs twice with the same policy: with each step scaled alone on its own
 targets, and pipeline-aware (the end-to-end budget split over the steps by
 `autoscale.pipeline_budget.split`, exactly as the live loop does, each step's decision
-under its adjusted TTFT target); and once on a fixed fleet, each step at the most replicas
+under its adjusted targets); and once on a fixed fleet, each step at the most replicas
 either autoscaled run held (provisioning every step for its peak: the bound the autoscaled
 runs are read against). Reported per step and end to end: latency p50/p90, the share of
 requests within the budget, GPU-hours."""
@@ -140,15 +140,14 @@ class PipelineSimulation:
         if self.budget_aware:
             latency = {s.name: step_latency(obs) for s, (obs, _) in zip(self.steps, seen, strict=True)}
             own = {s.name: s.settings.slo_ttft_s for s in self.steps}
-            budgets = split([self.spec], latency, own, self.memory, now)
+            own_itl = {s.name: s.settings.slo_itl_s for s in self.steps}
+            budgets = split([self.spec], latency, own, self.memory, now, own_itl)
             if any(b.over for b in budgets.values()):
                 self.budget_ticks += 1
         for k, (sim, (obs, ready)) in enumerate(zip(self.sims, seen, strict=True)):
             b = budgets.get(self.steps[k].name)
             settings = (
-                sim.settings.model_copy(update={"slo_ttft_s": b.target_ttft_s})
-                if b is not None and b.over
-                else None
+                sim.settings.model_copy(update=b.settings_update()) if b is not None and b.over else None
             )
             sim.decide_now(now, obs, ready, samples[k], decisions, arrivals[k], settings)
             arrivals[k] = 0

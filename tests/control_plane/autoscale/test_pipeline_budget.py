@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from control_plane.autoscale.pipeline_budget import (
+    MIN_ITL,
     MIN_SHARE,
     MIN_TARGET,
     BudgetMemory,
@@ -91,6 +92,26 @@ def test_unmeasured_step_keeps_its_share() -> None:
     out = split([RAG], {"chat": lat(0.6)}, OWN, mem, 2.0)
     assert out["emb"].share == pytest.approx(0.25) and out["chat"].share == pytest.approx(0.75)
     assert not out["emb"].over
+
+
+def test_decode_bound_step_gets_a_tighter_itl() -> None:
+    """Decode alone takes chat over its share: its ITL target too, in proportion to the
+    decode time its share leaves, never below MIN_ITL of its own; within: ITL untouched."""
+    own_itl = {"emb": 0.1, "chat": 0.1}
+    slow = {"emb": StepLatency(0.01, 0.01), "chat": StepLatency(1.1, 0.2, itl_s=0.06)}
+    out = split([RAG], slow, OWN, BudgetMemory(), 0.0, own_itl)
+    chat = out["chat"]
+    assert chat.over and chat.target_itl_s == pytest.approx(0.06 * 0.9 * 0.875 / 0.9)
+    assert chat.settings_update() == {"slo_ttft_s": chat.target_ttft_s, "slo_itl_s": chat.target_itl_s}
+    assert "ITL target" in chat.reason
+    assert out["emb"].target_itl_s is None and out["emb"].settings_update() == {}
+    hopeless = {"emb": StepLatency(0.01, 0.01), "chat": StepLatency(20.0, 0.2, itl_s=0.06)}
+    assert split([RAG], hopeless, OWN, BudgetMemory(), 0.0, own_itl)["chat"].target_itl_s == pytest.approx(
+        MIN_ITL * 0.1
+    )
+    # a budget the decode fits in: TTFT alone is tightened
+    fits = {"emb": StepLatency(0.01, 0.01), "chat": StepLatency(1.2, 0.7, itl_s=0.005)}
+    assert split([RAG], fits, OWN, BudgetMemory(), 0.0, own_itl)["chat"].target_itl_s is None
 
 
 def test_no_budget_unchanged() -> None:
