@@ -118,3 +118,10 @@ def test_read_scope_reads_and_cannot_write(cp_server, admin):
         assert reader.post("/v1/pipelines", json=body).status_code == 403
     with cp_server.client("fleet-nope-nope") as stranger:
         assert stranger.get("/v1/pipelines").status_code == 401
+
+
+@pytest.mark.parametrize("path", ["%00", "Not_A_Name", "a" * 64, "%F0%9F%98%80"])
+def test_a_name_no_pipeline_can_have_is_422_before_any_query(admin, path):
+    for method in ("GET", "DELETE"):
+        res = admin.request(method, f"/v1/pipelines/{path}")
+        assert res.status_code == 422, (method, path, res.text)

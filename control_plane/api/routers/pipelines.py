@@ -3,7 +3,9 @@ A write kicks the reconcile loop, which places the steps together (or reports wh
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Request
 from pydantic import ValidationError
 from sqlalchemy import select
 
@@ -14,8 +16,11 @@ from control_plane.api.schemas import Page, PipelineCreate, PipelineStatus, Pipe
 from control_plane.api.views import pipeline_summaries, pipeline_summary
 from control_plane.db.models import Pipeline
 from control_plane.pipelines import load_pipeline, missing_deployments, row_of
+from fleet_base.domain import DEPLOYMENT_NAME_PATTERN
 
 router = APIRouter(prefix="/v1/pipelines", tags=["pipelines"])
+# A name no pipeline can have is a 422 before any query (a NUL is one PostgreSQL refuses).
+NameParam = Annotated[str, Path(pattern=DEPLOYMENT_NAME_PATTERN, max_length=63)]
 
 
 def _load(session, name: str) -> Pipeline:
@@ -62,12 +67,12 @@ def list_pipelines(session: SessionDep, who: PrincipalDep, page: PagingDep):
 
 
 @router.get("/{name}", response_model=PipelineStatus)
-def get_pipeline(name: str, session: SessionDep, who: PrincipalDep):
+def get_pipeline(name: NameParam, session: SessionDep, who: PrincipalDep):
     return pipeline_summaries(session, [_load(session, name)])[0]
 
 
 @router.delete("/{name}", response_model=PipelineStatus)
-def delete_pipeline(name: str, request: Request, session: SessionDep, who: PrincipalDep):
+def delete_pipeline(name: NameParam, request: Request, session: SessionDep, who: PrincipalDep):
     """The deployments stay (and become deletable); their replicas may spread again."""
     row = _load(session, name)
     before = pipeline_summaries(session, [row])[0]
