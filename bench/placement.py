@@ -4,9 +4,13 @@ For 50, 500 and 5,000 replicas across 20 deployments with mixed constraints (GPU
 or memory, GPUs per replica, allowed regions, active-active regions, spot share, demand
 regions), it prints: the MILP's $/hour against the LP-relaxation bound and against
 first-fit-decreasing, the solve time, and the moves after a 10% demand change (against
-the replicas that changed). It measures; it asserts nothing.
+the replicas that changed). With `--pipelines N`, deployments 2i and 2i+1 (i < N) are the
+two steps of a pipeline, co-placed by both placers: the table adds the pipelines split
+(must be 0) and the MILP's $/hour and shortfall with the same demands placed apart. It
+measures; it asserts nothing.
 
-    PYTHONPATH=. .venv/bin/python -m bench.placement [--sizes 50,500,5000] [--time-limit 4.5] [-o json]
+    PYTHONPATH=. .venv/bin/python -m bench.placement [--sizes 50,500,5000] [--time-limit 4.5]
+        [--pipelines N] [-o json]
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ from rich.table import Table
 
 from control_plane.catalog import load_catalog, offers_to_pools
 from control_plane.placement import FirstFitDecreasing, PoolCapacity, ReplicaDemand
+from control_plane.placement.colocation import splits
 from control_plane.placement.evaluate import plan_cost, violations
 from control_plane.placement.milp import MilpPlacer
 from fleet_base.domain import Tier
+from fleet_base.pipelines import PipelineSpec, PipelineStep
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 CATALOGS = ("gcp_gpu_vms.csv", "azure_gpu_vms.csv")
@@ -72,6 +78,24 @@ class Row(BaseModel):
     moves: int
     ffd_moves: int
     replan_s: float
+    pipelines: int = 0
+    splits: int = 0  # clusters holding some steps of a pipeline but not all (MILP + FFD)
+    apart_cost: float | None = None  # the MILP with no pipelines, same demands
+    apart_unplaced: int | None = None
+
+
+def make_pipelines(demands: list[ReplicaDemand], n: int) -> list[PipelineSpec]:
+    """Deployments 2i and 2i+1 as the two steps of pipeline i."""
+    return [
+        PipelineSpec(
+            name=f"pipe{i:02d}",
+            steps=(
+                PipelineStep(name="first", deployment=demands[2 * i].deployment),
+                PipelineStep(name="second", deployment=demands[2 * i + 1].deployment),
+            ),
+        )
+        for i in range(min(n, len(demands) // 2))
+    ]
 
 
 def load_pools(capacity: int, seed: int = 7) -> list[PoolCapacity]:
@@ -141,20 +165,22 @@ def _moves(before: list[ReplicaDemand], after: list[ReplicaDemand], removed: int
     return removed - sum(max(0, old[d.deployment] - d.count) for d in after)
 
 
-def run(size: int, time_limit_s: float) -> Row:
+def run(size: int, time_limit_s: float, n_pipelines: int = 0) -> Row:
     capacity = max(4, size // 50)
     pools = load_pools(capacity)
     demands = make_demands(size)
+    pipes = make_pipelines(demands, n_pipelines)
     ffd = FirstFitDecreasing()
-    ffd_plan = ffd.place(demands, pools)
+    ffd_plan = ffd.place(demands, pools, pipelines=pipes)
     placer = MilpPlacer(time_limit_s=time_limit_s, mip_gap=0.005)
-    plan, info = placer.solve(demands, pools, lp_bound=True)
+    plan, info = placer.solve(demands, pools, lp_bound=True, pipelines=pipes)
     changed_demands = change(demands)
     changed = sum(abs(a.count - b.count) for a, b in zip(demands, changed_demands, strict=True))
     started = time.perf_counter()
-    replan = placer.place(changed_demands, pools, plan.assignments)
+    replan = placer.place(changed_demands, pools, plan.assignments, pipelines=pipes)
     replan_s = time.perf_counter() - started
-    ffd_replan = ffd.place(changed_demands, pools, ffd_plan.assignments)
+    ffd_replan = ffd.place(changed_demands, pools, ffd_plan.assignments, pipelines=pipes)
+    apart_plan, apart = placer.solve(demands, pools) if pipes else (None, None)
     missing = sum(u.missing for u in plan.unplaced)
     gap = vs_ffd = None
     if info.lp_bound and not missing:
@@ -181,6 +207,11 @@ def run(size: int, time_limit_s: float) -> Row:
         moves=_moves(demands, changed_demands, len(replan.removed)),
         ffd_moves=_moves(demands, changed_demands, len(ffd_replan.removed)),
         replan_s=round(replan_s, 2),
+        pipelines=len(pipes),
+        splits=len(splits(pipes, demands, plan.assignments))
+        + len(splits(pipes, demands, ffd_plan.assignments)),
+        apart_cost=round(apart.cost, 2) if apart else None,
+        apart_unplaced=sum(u.missing for u in apart_plan.unplaced) if apart_plan else None,
     )
 
 
@@ -188,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="50,500,5000")
     ap.add_argument("--time-limit", type=float, default=4.5, help="solver seconds per plan")
+    ap.add_argument("--pipelines", type=int, default=0, help="pairs of deployments co-placed as pipelines")
     ap.add_argument("-o", "--output", choices=("table", "json"), default="table")
     args = ap.parse_args(argv)
     missing = [c for c in CATALOGS if not (DATA / c).exists()]
@@ -197,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_MISSING_INPUT
-    rows = [run(int(s), args.time_limit) for s in args.sizes.split(",")]
+    rows = [run(int(s), args.time_limit, args.pipelines) for s in args.sizes.split(",")]
     if args.output == "json":
         print(json.dumps([r.model_dump() for r in rows], indent=2))
         return 0
@@ -209,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         ("violations", "violations"), ("10% change", "changed"), ("moves", "moves"), ("FFD moves", "ffd_moves"),
         ("replan s", "replan_s"),
     ]  # fmt: skip
+    if args.pipelines:
+        cols += [("pipelines", "pipelines"), ("splits", "splits"), ("apart $/h", "apart_cost"),
+                 ("apart short", "apart_unplaced")]  # fmt: skip
     for title, _ in cols:
         table.add_column(title)
     for r in rows:
