@@ -41,6 +41,22 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 1 << 20
 
 
+class PathGuard:
+    """400 for a path with a control character (a NUL, say): no name has one, and databases
+    differ on what they do with it (PostgreSQL refuses it, SQLite looks it up)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and any(ord(c) < 32 or ord(c) == 127 for c in scope.get("path", "")):
+            await errors.error_response(400, "the request path contains a control character")(
+                scope, receive, send
+            )
+            return
+        await self.app(scope, receive, send)
+
+
 class BodyLimit:
     """413 for request bodies over `limit` bytes, declared or streamed."""
 
@@ -178,6 +194,7 @@ def build_app(ctx: ControlPlaneContext, *, run_loops: bool = True, public_url: s
     app.state.token_cache = TokenCache()
     errors.install(app)
     app.add_middleware(BodyLimit)
+    app.add_middleware(PathGuard)
 
     @app.get("/healthz", tags=["health"])
     async def healthz(request: Request) -> dict:

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import DataError, IntegrityError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,14 @@ def install(app: FastAPI) -> None:
         # Two writers raced (two PATCHes minting the same version, say): the loser retries.
         log.info("conflicting concurrent write: %s", exc.orig)
         return error_response(409, "a concurrent change conflicted with this one; retry the request")
+
+    @app.exception_handler(DataError)
+    async def _data(_request: Request, exc: DataError) -> JSONResponse:
+        # A value the database cannot hold that validation let through (a NUL in a text on
+        # PostgreSQL): the request is at fault, not the server.
+        log.info("value refused by the database: %s", exc.orig)
+        reason = str(exc.orig).splitlines()[0] if exc.orig is not None else "invalid value"
+        return error_response(400, f"a value in the request cannot be stored: {reason}")
 
     @app.exception_handler(OperationalError)
     async def _operational(_request: Request, exc: OperationalError) -> JSONResponse:

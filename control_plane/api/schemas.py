@@ -36,7 +36,11 @@ MAX_LIST = 64
 Label = Annotated[
     str, StringConstraints(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.*:/-]*$")
 ]
-ModelRef = Annotated[str, StringConstraints(min_length=1, max_length=512, strip_whitespace=True)]
+# A model alias, path or URI: printable (no control characters: a path or URI never has one).
+ModelRef = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=512, strip_whitespace=True, pattern=r"^[^\x00-\x1f\x7f]+$"),
+]
 EngineArgName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")]
 Url = Annotated[str, StringConstraints(max_length=512, pattern=r"^(https?://\S+)?$")]
 Scope = Literal["admin", "read", "inference", "metrics"]
