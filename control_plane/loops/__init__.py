@@ -85,6 +85,15 @@ class Loops(NatsLoop):
     # ----------------------------------------------------------------- lifecycle
 
     async def start(self) -> Loops:
+        """Started whole or not at all: a failure (or a cancel) stops what had started."""
+        try:
+            return await self._start()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.stop()
+            raise
+
+    async def _start(self) -> Loops:
         await self.inbox.start()
         self.usage = await UsageLoop(self.ctx, rejections=self.rejections).start()
         self._spawn(self._reconcile_loop(), name="cp-reconcile")
@@ -224,16 +233,23 @@ class Loops(NatsLoop):
 
 
 async def start_loops(ctx: ControlPlaneContext) -> Loops:
-    """Start the control loops; `await loops.stop()` ends them."""
+    """Start the control loops; `await loops.stop()` ends them. All or nothing: when a part
+    fails to start (or the start is cancelled), the parts already started are stopped and
+    the error is raised, so a leader never runs half its loops or leaks the rest."""
     loops = await Loops(ctx).start()
-    loops.rollouts = await start_rollout_loop(ctx, rejections=loops.rejections)
-    loops.children.append(loops.rollouts)
-    loops.autoscale = await start_autoscale_loop(ctx, inbox=loops.inbox)
-    loops.children.append(loops.autoscale)
-    loops.children.append(await start_key_loop(ctx))
-    loops.children.append(await start_budget_loop(ctx))
-    loops.scheduled = start_scheduled_jobs(ctx)
-    loops.children.append(loops.scheduled)
+    try:
+        loops.rollouts = await start_rollout_loop(ctx, rejections=loops.rejections)
+        loops.children.append(loops.rollouts)
+        loops.autoscale = await start_autoscale_loop(ctx, inbox=loops.inbox)
+        loops.children.append(loops.autoscale)
+        loops.children.append(await start_key_loop(ctx))
+        loops.children.append(await start_budget_loop(ctx))
+        loops.scheduled = start_scheduled_jobs(ctx)
+        loops.children.append(loops.scheduled)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await loops.stop()
+        raise
     return loops
 
 
