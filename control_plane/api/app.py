@@ -129,7 +129,8 @@ class BodyLimit:
 
 async def start_loops(ctx: ControlPlaneContext) -> object | None:
     """`control_plane.loops.start_loops(ctx)` when that module exists (the control loops
-    are optional for the API: without them it still records desired state)."""
+    are optional for the API: without them it still records desired state). None only
+    where the loops are absent; a failure to start them is raised."""
     try:
         module = importlib.import_module("control_plane.loops")
     except ModuleNotFoundError as err:
@@ -145,11 +146,7 @@ async def start_loops(ctx: ControlPlaneContext) -> object | None:
     if starter is None:
         log.info("control_plane.loops has no start_loops; serving the API only")
         return None
-    try:
-        return await starter(ctx)
-    except Exception:
-        log.exception("control loops failed to start; serving the API only")
-        return None
+    return await starter(ctx)  # a failure is the elector's to handle (it steps down and retries)
 
 
 def build_app(ctx: ControlPlaneContext, *, run_loops: bool = True, public_url: str = "") -> FastAPI:

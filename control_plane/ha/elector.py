@@ -91,6 +91,9 @@ class Elector:
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._subscribed: set[int] = set()
         self._stopping = False
+        self._starting: asyncio.Task | None = None  # the loops of our term, being started
+        self._start_failures = 0  # in a row; the backoff before standing again grows with it
+        self._hold_off_until = 0.0  # local time before which we do not acquire (after a failed start)
 
     # ----------------------------------------------------------------- state
 
@@ -119,6 +122,9 @@ class Elector:
             asyncio.create_task(self._run(), name="cp-elector"),
             asyncio.create_task(self._watchdog(), name="cp-elector-watchdog"),
         ]
+        starting = self._starting
+        if starting is not None:  # renews and the watchdog run meanwhile
+            await asyncio.wait({starting})
         return self
 
     async def stop(self) -> None:
@@ -163,6 +169,8 @@ class Elector:
             return
         self.last_record = record
         decision = self.candidate.observe(record, started)
+        if decision.action == Action.acquire and self._clock() < self._hold_off_until:
+            return  # our last start of the loops failed: others first, us again after the backoff
         if decision.action == Action.acquire:
             await self._acquire(record, started, decision.reason)
         elif decision.action == Action.renew:
@@ -183,13 +191,13 @@ class Elector:
         self.renew_stats.observe(self._clock() - started)
         self.last_record = won
         async with self._transition:
-            if self.candidate.leading:
-                await self._stop_loops()  # a term of ours we had given up on: its loops are done
+            if self.candidate.leading or self._starting is not None:
+                await self._end_term()  # a term of ours we had given up on: its loops are done
             if not self.candidate.acquired(won, started, self._clock()):
                 log.warning("the lease of epoch %d was won too late to lead by it", won.epoch)
                 return
             log.warning("leading the control plane: epoch %d (%s)", won.epoch, reason)
-            await self._lead(won.epoch)
+            self._begin_term(won.epoch)
 
     async def _renew(self, started: float) -> None:
         epoch = self.candidate.epoch
@@ -219,19 +227,61 @@ class Elector:
 
     # ----------------------------------------------------------------- loops
 
+    def _begin_term(self, epoch: int, new_term: bool = True) -> None:
+        """Start the loops in a task of their own: renews and the watchdog go on meanwhile
+        (a rollout replay may take a while), and a demotion cancels the start."""
+        self._starting = asyncio.create_task(self._lead(epoch, new_term), name=f"cp-start-loops-{epoch}")
+
     async def _lead(self, epoch: int, new_term: bool = True) -> None:
+        """The `_starting` task of a term: start the loops (a cancel makes `start_loops` stop
+        whatever it had started), then run them if the term still holds."""
         fenced = fenced_sessions(self.ctx.sessions, LEASE_NAME, epoch, on_fenced=self._fenced)
         leader_ctx = dataclasses.replace(
             self.ctx, sessions=fenced, epoch=epoch, on_wire_epoch=self._saw_wire_epoch
         )
-        loops = await self._start_loops(leader_ctx)
-        if not self.candidate.leading or self.candidate.epoch != epoch:
-            await self._stop(loops)  # demoted while starting
+        try:
+            loops = await self._start_loops(leader_ctx)
+        except Exception as err:
+            await self._start_failed(epoch, err)
             return
-        self.loops = loops if loops is not None else _NoLoops()
-        self.leader_changes += new_term  # a raised epoch is the same leader
-        self._on_loops(loops)
-        self.ctx.kick()
+        try:
+            async with self._transition:
+                if self._starting is asyncio.current_task():
+                    self._starting = None
+                if self.candidate.leading and self.candidate.epoch == epoch:
+                    self.loops = loops if loops is not None else _NoLoops()  # loops deliberately off
+                    self._start_failures = 0
+                    self.leader_changes += new_term  # a raised epoch is the same leader
+                    self._on_loops(loops)
+                    self.ctx.kick()
+                    return
+        except asyncio.CancelledError:
+            await self._stop(loops)  # demoted while taking the lock
+            raise
+        await self._stop(loops)  # demoted while starting
+
+    async def _start_failed(self, epoch: int, err: Exception) -> None:
+        """Leading without the loops helps nobody: step down, release the lease so another
+        instance takes over at once, and stand again only after a backoff."""
+        if self._starting is asyncio.current_task():
+            self._starting = None  # done: the demotion must not cancel this task
+        self._start_failures += 1
+        backoff = min(self.lease_s * 4, self.retry_s * 2**self._start_failures)
+        self._hold_off_until = self._clock() + backoff
+        log.error(
+            "starting the control loops of epoch %d failed (%s: %s); releasing the lease, standing again in %.1fs",
+            epoch,
+            type(err).__name__,
+            err,
+            backoff,
+            exc_info=err,
+        )
+        if self.candidate.leading and self.candidate.epoch == epoch:
+            await self.demote(f"the control loops failed to start: {err}", epoch=epoch)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    asyncio.to_thread(self.store.release, self.member_id, epoch), self.lease_s
+                )
 
     async def demote(self, reason: str, timeout_s: float | None = None, epoch: int | None = None) -> None:
         """Stop leading; with `epoch`, only if we still lead by that epoch (a refusal from
@@ -244,11 +294,19 @@ class Elector:
 
     async def _demote(self, reason: str, timeout_s: float | None = None) -> None:
         """`demote` under the transition lock."""
-        if not self.candidate.leading and self.loops is None:
+        if not self.candidate.leading and self.loops is None and self._starting is None:
             return
         log.warning("no longer leading (epoch %d): %s", self.candidate.epoch, reason)
         self.last_demotion = reason
         self.candidate.lost()
+        await self._end_term(timeout_s)
+
+    async def _end_term(self, timeout_s: float | None = None) -> None:
+        """Cancel a start in progress (it stops what it had started), then stop the loops."""
+        starting, self._starting = self._starting, None
+        if starting is not None and starting is not asyncio.current_task():
+            starting.cancel()
+            await asyncio.wait({starting}, timeout=timeout_s or self.stop_timeout_s)
         await self._stop_loops(timeout_s)
 
     # ----------------------------------------------------------------- epochs on the wire
@@ -274,6 +332,9 @@ class Elector:
             except Exception as err:
                 log.warning("raising the lease above epoch %d failed: %s", wire_epoch, err)
                 return False  # the next sighting retries; the watchdog still guards the term
+            starting = self._starting
+            if starting is not None:  # the old term's loops end whole, not cut mid-start
+                await asyncio.wait({starting})
             async with self._transition:
                 if self.candidate.epoch != epoch:
                     return False  # demoted meanwhile: a raised lease of ours is taken anew
@@ -294,12 +355,12 @@ class Elector:
                     epoch,
                     raised.epoch,
                 )
-                await self._stop_loops()  # fenced for good under the old epoch
+                await self._end_term()  # fenced for good under the old epoch
                 if not self.candidate.acquired(raised, started, self._clock()):
                     log.warning("the lease of epoch %d was raised too late to lead by it", raised.epoch)
                     return False
-                await self._lead(raised.epoch, new_term=False)
-                return self.candidate.epoch == raised.epoch
+                self._begin_term(raised.epoch, new_term=False)
+                return True
 
     async def _stop_loops(self, timeout_s: float | None = None) -> None:
         loops, self.loops = self.loops, None
@@ -362,7 +423,7 @@ class Elector:
 
 
 class _NoLoops:
-    """Leading without control loops (the loops module failed to import or start): the API
+    """Leading without control loops (deliberately: the loops module is absent): the API
     still records desired state, and `is_leader` still says who holds the lease."""
 
     async def stop(self) -> None:

@@ -278,3 +278,82 @@ async def test_an_epoch_on_the_wire_of_a_live_successor_demotes(sessions):
         assert (lease.holder, lease.epoch) == ("b", 9)
     finally:
         await a.stop()
+
+
+async def test_loops_that_fail_to_start_release_the_lease_to_another_instance(sessions):
+    attempts: list[float] = []
+
+    async def broken(_ctx: ControlPlaneContext) -> FakeLoops:
+        attempts.append(time.monotonic())
+        raise RuntimeError("rollout replay failed")
+
+    a = await Elector(_ctx(sessions), broken, member_id="a").start()
+    b_started = Started()
+    b = None
+    try:
+        assert not a.is_leader and a.loops is None and not a.candidate.leading
+        assert "failed to start" in a.last_demotion
+        lease = LeaseStore(sessions).read()
+        assert lease.holder is None and lease.epoch == 1  # released: no waiting out the lease
+        b = await Elector(_ctx(sessions), b_started, member_id="b").start()
+        assert b.is_leader and b.epoch == 2  # at once
+        await asyncio.sleep(4 * RETRY)
+        assert len(attempts) == 1  # a backs off and then follows b
+    finally:
+        await a.stop()
+        if b is not None:
+            await b.stop()
+
+
+async def test_a_failed_start_is_retried_after_a_backoff(sessions):
+    attempts: list[float] = []
+    started = Started()
+
+    async def flaky(ctx: ControlPlaneContext) -> FakeLoops:
+        attempts.append(time.monotonic())
+        if len(attempts) == 1:
+            raise RuntimeError("database blip")
+        return await started(ctx)
+
+    a = await Elector(_ctx(sessions), flaky, member_id="a").start()
+    try:
+        await _until(lambda: a.is_leader)
+        assert len(attempts) == 2 and attempts[1] - attempts[0] >= 2 * RETRY  # backed off
+        assert a.epoch == 2 and started.loops[0].ctx.epoch == 2
+    finally:
+        await a.stop()
+
+
+async def test_renews_go_on_while_the_loops_start_and_a_demotion_cancels_the_start(sessions):
+    release = asyncio.Event()
+    cancelled: list[int] = []
+
+    async def slow(ctx: ControlPlaneContext) -> FakeLoops:
+        try:
+            await release.wait()
+        except asyncio.CancelledError:
+            cancelled.append(ctx.epoch)
+            raise
+        return FakeLoops(ctx)
+
+    store = LeaseStore(sessions)
+    a = Elector(_ctx(sessions), slow, member_id="a")
+    starting = asyncio.create_task(a.start())
+    try:
+        await asyncio.sleep(2 * DEADLINE)  # longer than the renew deadline, still starting
+        assert a.candidate.leading and a.candidate.epoch == 1 and store.read().version > 2
+        release.set()
+        await starting
+        assert a.is_leader and a.epoch == 1 and a.leader_changes == 1
+
+        release.clear()
+        await a.demote("test: a new term")
+        store.acquire("intruder", store.read(), 0.5)  # its lease soon runs out: a takes it over
+        await _until(lambda: a.candidate.leading and a.candidate.epoch == 3)
+        assert not a.is_leader  # starting
+        store.acquire("intruder", store.read(), 60.0)  # a's renew is refused: a demotes
+        await _until(lambda: cancelled == [3])
+        assert not a.candidate.leading and a.loops is None and a._starting is None
+    finally:
+        release.set()
+        await a.stop()

@@ -32,5 +32,7 @@ async def test_a_part_that_fails_to_start_stops_what_had_started(sessions, monke
     await asyncio.sleep(0)
     (loops,) = started
     assert loops._stopping
-    leaked = [t for t in asyncio.all_tasks() if not t.done() and t not in before and t is not asyncio.current_task()]
+    leaked = [
+        t for t in asyncio.all_tasks() if not t.done() and t not in before and t is not asyncio.current_task()
+    ]
     assert leaked == [], [t.get_name() for t in leaked]
