@@ -94,6 +94,7 @@ class Elector:
         self._starting: asyncio.Task | None = None  # the loops of our term, being started
         self._start_failures = 0  # in a row; the backoff before standing again grows with it
         self._hold_off_until = 0.0  # local time before which we do not acquire (after a failed start)
+        self._fenced_epoch = 0  # the last term a fenced commit ended
 
     # ----------------------------------------------------------------- state
 
@@ -382,6 +383,9 @@ class Elector:
         loop = self._event_loop
         if loop is None or loop.is_closed():
             return
+        if refused.epoch == self._fenced_epoch:
+            return  # that term is already being ended: once per term, not per refused commit
+        self._fenced_epoch = refused.epoch
         log.warning("%s", refused)
         loop.call_soon_threadsafe(lambda: loop.create_task(self.demote(str(refused), epoch=refused.epoch)))
 

@@ -357,3 +357,27 @@ async def test_renews_go_on_while_the_loops_start_and_a_demotion_cancels_the_sta
     finally:
         release.set()
         await a.stop()
+
+
+async def test_a_batch_of_fenced_commits_demotes_once_and_an_older_terms_refusal_not_at_all(sessions):
+    started = Started()
+    a = await Elector(_ctx(sessions), started, member_id="a").start()
+    demotions: list[str] = []
+    real_demote = a.demote
+
+    async def counting(reason: str, timeout_s=None, epoch=None) -> None:
+        demotions.append(reason)
+        await real_demote(reason, timeout_s, epoch)
+
+    a.demote = counting
+    try:
+        a._fenced(Fenced(0, 1))  # a refusal from a term before ours: ignored
+        await asyncio.sleep(0.1)
+        assert a.is_leader and a.epoch == 1
+        for _ in range(5):
+            a._fenced(Fenced(1, 2))  # one batch, five refused commits
+        await _until(lambda: a.epoch == 2)  # term 1 ended; a took the stale lease of its own anew
+        await asyncio.sleep(0.1)
+        assert demotions == [str(Fenced(1, 2))] and started.loops[0].stopped_at is not None
+    finally:
+        await a.stop()

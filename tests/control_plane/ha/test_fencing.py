@@ -74,3 +74,43 @@ def test_a_takeover_waits_for_an_in_flight_fenced_commit(db_sessions, lease_name
         _budget(session, f"{lease_name}-late")
         session.commit()
     assert _teams(db_sessions, lease_name) == {f"{lease_name}-in-flight"}
+
+
+def test_savepoints_are_not_checked_one_by_one_only_the_commit_is(db_sessions, lease_name):
+    """On PostgreSQL a batch written in savepoints (heartbeats, events) costs one FOR SHARE
+    round trip, at the outer commit, and a refused batch is reported once. On SQLite (whose
+    driver commits at the release of a savepoint opened outside a transaction) each release
+    is checked, and a refused batch writes nothing either way."""
+    store = LeaseStore(db_sessions, lease_name)
+    old = store.acquire("old", None, 15.0)
+    heard: list[Fenced] = []
+    leader = fenced_sessions(db_sessions, lease_name, old.epoch, on_fenced=heard.append)
+    reads: list[str] = []
+    engine = db_sessions.kw["bind"]
+
+    def count(_conn, _cursor, statement, *_args) -> None:
+        if statement.startswith("SELECT control_plane_lease.epoch"):
+            reads.append(statement)
+
+    event.listen(engine, "before_cursor_execute", count)
+    try:
+        with leader() as session:
+            for i in range(5):
+                with session.begin_nested():
+                    _budget(session, f"{lease_name}-ok-{i}")
+            session.commit()
+        per_commit = 1 if db_sessions.kind == "postgresql" else 5 + 1  # each release, then the commit
+        assert len(reads) == per_commit and heard == []
+        store.acquire("new", store.read(), 15.0)
+        with leader() as session, pytest.raises(Fenced):
+            for i in range(5):
+                with session.begin_nested():
+                    _budget(session, f"{lease_name}-stale-{i}")
+            session.commit()
+        assert len(reads) == per_commit + 1 and len(heard) == 1
+    finally:
+        event.remove(engine, "before_cursor_execute", count)
+    assert (
+        len(_teams(db_sessions, f"{lease_name}-ok-")) == 5
+        and _teams(db_sessions, f"{lease_name}-stale-") == set()
+    )
