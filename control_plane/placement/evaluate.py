@@ -11,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 from control_plane.placement.base import Assignment, PlacementResult, PoolCapacity, ReplicaDemand
-from control_plane.placement.colocation import splits
+from control_plane.placement.colocation import groups, splits
 from control_plane.placement.quotas import GpuQuotas, class_caps, preemptible, running_gpus
 from fleet_base.domain import Tier
 from fleet_base.pipelines import PipelineSpec
@@ -222,9 +222,18 @@ def plan_problems(
     for p in result.preempted:  # short by its preemptions: those are not drops
         missing[(p.deployment, p.version)] = missing.get((p.deployment, p.version), 0) - 1
     removed = [r for r in result.removed if r not in victims]
+    # a pipeline step's running replicas leave a cluster its other steps cannot join
+    stepped = {dep for g in groups(pipelines, demands, pools) for dep in g.deployments}
     return (
         violations(demands, pools, result.assignments)
-        + dropped_running(demands, pools, current, removed, result.added, missing)
+        + dropped_running(
+            [d for d in demands if d.deployment not in stepped],
+            pools,
+            current,
+            removed,
+            result.added,
+            missing,
+        )
         + priority_problems(demands, pools, current, result, quotas)
         + splits(pipelines, demands, result.assignments)
     )

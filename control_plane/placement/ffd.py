@@ -534,12 +534,13 @@ def spot_safe_ffd(
             missing=(prior.missing if prior else 0) + n,
             reason=explain_shortfall(d, pools),
         )
-    return PlacementResult(
+    safe = PlacementResult(
         kept=tuple(a for a in result.kept if a.replica_id not in drop),
         added=tuple(a for a in result.added if a.replica_id not in drop),
         removed=result.removed + tuple(a.replica_id for a in result.kept if a.replica_id in drop),
         unplaced=tuple(unplaced[k] for k in sorted(unplaced)),
     )
+    return name_pipelines(safe, narrow(demands, pools, pipelines)[0]) if pipelines else safe
 
 
 def _unsplit(

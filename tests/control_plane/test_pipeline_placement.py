@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from control_plane.placement import FirstFitDecreasing, MilpPlacer, PoolCapacity, ReplicaDemand
-from control_plane.placement.colocation import splits
+from control_plane.placement.colocation import groups, splits
 from control_plane.placement.evaluate import violations
 from control_plane.placement.ffd import spot_safe_ffd
 from control_plane.placement.pipeline import PlacementInputs, run
@@ -259,6 +259,9 @@ def test_no_placement_ever_splits_a_pipeline(placer, fleet) -> None:
     if placer == "ffd":  # plain first-fit-decreasing does not know max_spot_fraction
         broken = [b for b in broken if "on spot" not in b]
     assert broken == []
+    stepped = {dep for g in groups(pipes, demands, pools) for dep in g.deployments}
+    for u in result.unplaced:  # a step short of replicas says which pipeline holds it back
+        assert u.deployment not in stepped or u.missing == 0 or "pipeline " in u.reason, u.reason
     short = {(u.deployment, u.version): u.missing for u in result.unplaced}
     for d in demands:
         placed = sum(1 for a in result.assignments if a.deployment == d.deployment)
@@ -320,3 +323,28 @@ def test_reconcile_places_a_stored_pipeline_together(sessions, placer) -> None:
         s.commit()
     reconcile_once(sessions, p, *memory)
     assert placed() == Counter({("emb", "full"): 1, ("chat", "full"): 1})
+
+
+@pytest.mark.parametrize("placer", sorted(PLACERS))
+def test_running_steps_leave_a_cluster_the_other_step_has_no_room_in(placer) -> None:
+    """The embedders run in `a`, whose H100 pool is full; `b` has room for one of them: one
+    moves beside the answer step and one is unplaced naming the pipeline (the MILP itself,
+    not its greedy fallback; the pipeline's verify accepts the drop)."""
+    pools = [pool("a", "l4", price=1.0), pool("a", "h100", nodes=0), pool("b", "l4", nodes=1, per_node=1)]
+    pools.append(pool("b", "h100"))
+    demands = [demand("emb", 2, "l4"), demand("chat", 1, "h100")]
+    running = FirstFitDecreasing().place(demands, pools).assignments
+    assert {a.cluster for a in running if a.deployment == "emb"} == {"a"}
+    out = run(
+        PlacementInputs(demands=tuple(demands), pools=tuple(pools), current=running, pipelines=(RAG,)),
+        PLACERS[placer](),
+    )
+    assert out.problems == () and splits([RAG], demands, out.result.assignments) == []
+    assert {a.cluster for a in out.result.assignments} == {"b"} and counts(out.result) == {
+        "emb": 1,
+        "chat": 1,
+    }
+    (short,) = out.result.unplaced
+    assert short.deployment == "emb" and short.missing == 1 and "pipeline rag" in short.reason
+    if placer == "milp":
+        assert out.info is not None and out.info.method.startswith("milp"), out.info
