@@ -95,6 +95,7 @@ class Elector:
         self._start_failures = 0  # in a row; the backoff before standing again grows with it
         self._hold_off_until = 0.0  # local time before which we do not acquire (after a failed start)
         self._fenced_epoch = 0  # the last term a fenced commit ended
+        self._beating: asyncio.Task | None = None  # the member heartbeat in flight
 
     # ----------------------------------------------------------------- state
 
@@ -123,9 +124,9 @@ class Elector:
             asyncio.create_task(self._run(), name="cp-elector"),
             asyncio.create_task(self._watchdog(), name="cp-elector-watchdog"),
         ]
-        starting = self._starting
-        if starting is not None:  # renews and the watchdog run meanwhile
-            await asyncio.wait({starting})
+        waits = {task for task in (self._starting, self._beating) if task is not None}
+        if waits:  # renews and the watchdog run meanwhile
+            await asyncio.wait(waits)
         return self
 
     async def stop(self) -> None:
@@ -140,6 +141,8 @@ class Elector:
         await self.demote("shutting down", timeout_s=SHUTDOWN_STOP_S)
         if self.ctx.on_kick == self._forward_kick:
             self.ctx.on_kick = None
+        if self._beating is not None:  # must not write our row again after we leave
+            await asyncio.wait({self._beating}, timeout=5)
         with contextlib.suppress(Exception):
             if epoch:
                 await asyncio.wait_for(asyncio.to_thread(self.store.release, self.member_id, epoch), 5)
@@ -160,26 +163,39 @@ class Elector:
                 log.exception("election round failed")
 
     async def step(self) -> None:
-        """One round: heartbeat, read, then acquire or renew as the policy decides."""
+        """One round: read, then acquire or renew as the policy decides; the member
+        heartbeat follows in a task of its own, never in the renew's way."""
         started = self._clock()
         try:
-            await asyncio.to_thread(self._heartbeat)
             record = await asyncio.to_thread(self.store.read)
         except Exception as err:
             log.warning("lease unreadable (%s); the watchdog stops the loops at the renew deadline", err)
+            self._beat()
             return
         self.last_record = record
-        decision = self.candidate.observe(record, started)
+        # A change is dated by the end of the read that saw it (a follower must not count the
+        # read's own duration as the holder's silence); a leader's renew counts from `started`.
+        decision = self.candidate.observe(record, self._clock())
         if decision.action == Action.acquire and self._clock() < self._hold_off_until:
             return  # our last start of the loops failed: others first, us again after the backoff
         if decision.action == Action.acquire:
             await self._acquire(record, started, decision.reason)
         elif decision.action == Action.renew:
             await self._renew(started)
+        self._beat()
 
-    def _heartbeat(self) -> None:
+    def _beat(self) -> None:
+        """One member heartbeat at a time, in the background (a slow one is not repeated)."""
+        if self._stopping or (self._beating is not None and not self._beating.done()):
+            return
+        self._beating = asyncio.create_task(self._heartbeat(), name="cp-member-heartbeat")
+
+    async def _heartbeat(self) -> None:
         """Members long unseen are forgotten by the leader's scheduled job (scheduled.stale_state)."""
-        self.store.heartbeat(self.member_id, self.url, self.started_at)
+        try:
+            await asyncio.to_thread(self.store.heartbeat, self.member_id, self.url, self.started_at)
+        except Exception as err:
+            log.warning("member heartbeat failed: %s", err)
 
     async def _acquire(self, seen: LeaseRecord | None, started: float, reason: str) -> None:
         try:

@@ -381,3 +381,47 @@ async def test_a_batch_of_fenced_commits_demotes_once_and_an_older_terms_refusal
         assert demotions == [str(Fenced(1, 2))] and started.loops[0].stopped_at is not None
     finally:
         await a.stop()
+
+
+async def test_a_follower_dates_a_lease_change_by_the_end_of_the_read_that_saw_it(sessions):
+    now = [100.0]
+    store = LeaseStore(sessions)
+    store.acquire("x", store.read(), 60.0)
+
+    class SlowRead:
+        def __init__(self, real: LeaseStore) -> None:
+            self.real = real
+
+        def read(self):
+            record = self.real.read()
+            now[0] += 5.0  # a slow read: the record was current at its end, not its start
+            return record
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+    a = Elector(_ctx(sessions), Started(), member_id="a", clock=lambda: now[0])
+    a.store = SlowRead(a.store)
+    await a.step()
+    assert not a.candidate.leading and a.candidate._seen_at == 105.0
+    if a._beating is not None:
+        await a._beating
+
+
+async def test_a_stuck_member_heartbeat_does_not_hold_up_the_renew(sessions):
+    import threading
+
+    started = Started()
+    a = await Elector(_ctx(sessions), started, member_id="a").start()
+    stuck = threading.Event()
+    try:
+        real = a.store.heartbeat
+        a.store.heartbeat = lambda *_args: stuck.wait(10)
+        version = LeaseStore(sessions).read().version
+        await asyncio.sleep(2 * LEASE)
+        assert a.is_leader and a.epoch == 1 and len(started.loops) == 1
+        assert LeaseStore(sessions).read().version > version + 3  # renewed all along
+    finally:
+        stuck.set()
+        a.store.heartbeat = real
+        await a.stop()
