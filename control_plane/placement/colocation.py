@@ -129,20 +129,24 @@ def narrow(
         return list(demands), []
     found = groups(pipelines, demands, pools)
     by_dep = {dep: g for g in found for dep in g.deployments}
+    whys = {g.pipelines: _why(g, demands, pools) for g in found}
     out = []
     for d in demands:
         g = by_dep.get(d.deployment)
         if g is None:
             out.append(d)
             continue
-        others = why_not(g, demands, pools)
-        if g.clusters:
-            why = f"{g.label}: its steps are placed together, only in cluster(s) {', '.join(g.clusters)}"
-        else:
-            why = f"{g.label}: no cluster can host every step"
-        why += f" ({others})" if others else ""
-        out.append(d.model_copy(update={"clusters": g.clusters, "clusters_why": why}))
+        out.append(d.model_copy(update={"clusters": g.clusters, "clusters_why": whys[g.pipelines]}))
     return out, found
+
+
+def _why(g: Group, demands: Sequence[ReplicaDemand], pools: Sequence[PoolCapacity]) -> str:
+    if g.clusters:
+        why = f"{g.label}: its steps are placed together, only in cluster(s) {', '.join(g.clusters)}"
+    else:
+        why = f"{g.label}: no cluster can host every step"
+    others = why_not(g, demands, pools)
+    return why + (f" ({others})" if others else "")
 
 
 def presence(g: Group, assignments: Iterable[Assignment]) -> dict[str, set[str]]:
