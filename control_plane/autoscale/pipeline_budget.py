@@ -14,7 +14,12 @@ a step's policy aims at. Every decision (`split`):
    (at most halved: more replicas shrink batches, not the per-token floor);
    the steps over budget are ranked by how
    far over they are (`priority` 1 scales first); a step within its share keeps its own
-   target: the pipeline never scales it up.
+   target: the pipeline never scales it up;
+4. a tightened target is never one that replicas cannot buy: where a step's least-load
+   latency is known (`StepFloor`: its TTFT on an empty queue and its ITL at batch 1, by the
+   capacity model its policy scales with), a target within `FLOOR_MARGIN` of it is out of
+   reach, and the step is over budget but "unreachable by scaling": it keeps its own
+   targets (no replicas spent on latency no count of them brings) and no priority.
 A deployment in several pipelines takes the tightest target. No budget, or no latency
 measured yet: every target unchanged. Plain and synchronous: the live loop and `fleetctl
 simulate` run the same function, the memory (`BudgetMemory`) handed in."""
@@ -25,13 +30,36 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from control_plane.autoscale.policy import Observation
+from control_plane.autoscale.policy import AutoscaleSettings, Observation, ScalerState
+from control_plane.autoscale.slo import least_latency
 from fleet_base.pipelines import PipelineSpec
 
 SHARE_S = 60.0  # smoothing time constant of the shares
 MIN_SHARE = 0.25  # of an even split: a step's least share
 MIN_TARGET = 0.1  # of its share of the budget: the tightest TTFT target a step is given
 MIN_ITL = 0.5  # of its own ITL target: the tightest the budget sets
+# Above the least-load latency, a target must leave this much of it: near the floor the
+# capacity model's ITL, decode(batch 1) / (1 - prefill share), needs every replica idle
+# 80% of its time (share <= 0.2 at 25%), a count no budget should pay for.
+FLOOR_MARGIN = 0.25
+
+
+@dataclass(frozen=True)
+class StepFloor:
+    """What a step reaches with the least load (None: not known): no replica count beats it."""
+
+    ttft_s: float | None = None
+    itl_s: float | None = None
+
+    def reaches(self, ttft_s: float, itl_s: float | None) -> list[str]:
+        """The targets (of TTFT, ITL) out of reach, each with its floor, for the reason."""
+        out = []
+        for what, target, floor in (("TTFT", ttft_s, self.ttft_s), ("ITL", itl_s, self.itl_s)):
+            if target is not None and floor is not None and target < floor * (1 + FLOOR_MARGIN):
+                out.append(
+                    f"{what} {target * 1000:.3g}ms < {1 + FLOOR_MARGIN:g} x {floor * 1000:.3g}ms at least load"
+                )
+        return out
 
 
 @dataclass(frozen=True)
@@ -61,6 +89,15 @@ def step_latency(obs: Observation) -> StepLatency:
     return StepLatency(obs.ttft_s + decode, obs.ttft_s, obs.itl_s)
 
 
+def step_floor(settings: AutoscaleSettings, state: ScalerState | None, obs: Observation) -> StepFloor:
+    """A step's least-load latency by its SLO capacity model (unknown without a profile)."""
+    try:
+        ttft, itl = least_latency(settings, state, obs)
+    except ValueError:
+        return StepFloor()
+    return StepFloor(ttft, itl)
+
+
 @dataclass
 class BudgetMemory:
     """Smoothed shares by (pipeline, step) and when they were last updated."""
@@ -85,10 +122,11 @@ class StepBudget:
     priority: int  # 1: the furthest over its share; 0: within it
     reason: str
     target_itl_s: float | None = None  # None: its own
+    unreachable: bool = False  # over its share, by more than any replica count buys
 
     def settings_update(self) -> dict[str, float]:
         """The targets the step's policy aims at this decision (empty: its own)."""
-        if not self.over:
+        if not self.over or self.unreachable:
             return {}
         out = {"slo_ttft_s": self.target_ttft_s}
         if self.target_itl_s is not None:
@@ -105,6 +143,7 @@ class StepBudget:
             "target_ttft_s": round(self.target_ttft_s, 4),
             **({"target_itl_s": round(self.target_itl_s, 4)} if self.target_itl_s is not None else {}),
             "over": self.over,
+            "unreachable": self.unreachable,
             "priority": self.priority,
         }
 
@@ -161,6 +200,7 @@ def _one(
     memory: BudgetMemory,
     now: float,
     own_itl: Mapping[str, float] | None = None,
+    floors: Mapping[str, StepFloor] | None = None,
 ) -> list[StepBudget]:
     assert spec.slo_e2e_s is not None
     budget = spec.slo_e2e_s
@@ -174,9 +214,11 @@ def _one(
         share = shares[s.name]
         mine = share * budget
         own = own_ttft.get(s.deployment)
+        own_i = (own_itl or {}).get(s.deployment)
         if own is None:
             continue
         over = lat.total_s is not None and lat.total_s > mine
+        unreachable = False
         if over:
             assert lat.total_s is not None
             left = mine - lat.decode_s
@@ -184,17 +226,31 @@ def _one(
             itl, note = None, ""
             if left < MIN_TARGET * mine:
                 note = f", decode alone {lat.decode_s * 1000:.0f}ms"
-                own_i = (own_itl or {}).get(s.deployment)
                 if lat.itl_s is not None and own_i is not None and lat.decode_s > 0:
                     wanted = lat.itl_s * (1 - MIN_TARGET) * mine / lat.decode_s
                     itl = min(own_i, max(wanted, MIN_ITL * own_i))
                     note += f"; ITL target {own_i * 1000:g}ms -> {itl * 1000:.3g}ms"
-            reason = (
-                f"{whole}: step {s.name} over its share {100 * share:.0f}% "
-                f"({lat.total_s * 1000:.0f}ms > {mine * 1000:.0f}ms{note}), "
-                f"TTFT target {own:g}s -> {target:.3g}s"
+            out_of_reach = (
+                (floors or {})
+                .get(s.deployment, StepFloor())
+                .reaches(
+                    target if target < own else None,
+                    itl if itl is not None and itl < (own_i or 0.0) else None,
+                )
             )
-            excess = lat.total_s / mine
+            head = (
+                f"{whole}: step {s.name} over its share {100 * share:.0f}% "
+                f"({lat.total_s * 1000:.0f}ms > {mine * 1000:.0f}ms"
+            )
+            if out_of_reach:
+                reason = (
+                    f"{head}), over budget: unreachable by scaling ({'; '.join(out_of_reach)}), "
+                    f"its own targets kept"
+                )
+                target, itl, excess, unreachable = own, None, 0.0, True
+            else:
+                reason = f"{head}{note}), TTFT target {own:g}s -> {target:.3g}s"
+                excess = lat.total_s / mine
         else:
             target, excess, itl = own, 0.0, None
             seen = "not measured" if lat.total_s is None else f"{lat.total_s * 1000:.0f}ms"
@@ -202,8 +258,8 @@ def _one(
                 f"{whole}: step {s.name} within its share {100 * share:.0f}% ({seen} <= {mine * 1000:.0f}ms)"
             )
         rows.append((excess, StepBudget(spec.name, s.name, s.deployment, share, mine, lat.total_s,
-                                        own, target, over, 0, reason, itl)))  # fmt: skip
-    ranked = sorted((r for r in rows if r[1].over), key=lambda r: (-r[0], r[1].step))
+                                        own, target, over, 0, reason, itl, unreachable)))  # fmt: skip
+    ranked = sorted((r for r in rows if r[1].over and not r[1].unreachable), key=lambda r: (-r[0], r[1].step))
     rank = {r[1].step: i + 1 for i, r in enumerate(ranked)}
     return [replace(b, priority=rank.get(b.step, 0)) for _, b in rows]
 
@@ -215,16 +271,17 @@ def split(
     memory: BudgetMemory,
     now: float,
     own_itl: Mapping[str, float] | None = None,
+    floors: Mapping[str, StepFloor] | None = None,
 ) -> dict[str, StepBudget]:
     """Deployment -> the budget decision it follows (the tightest of its pipelines'). Only
     deployments that are steps of a pipeline with a budget, and whose own target is known
     (`own_ttft`: deployment -> its `slo_ttft_s`; `own_itl`: its `slo_itl_s`, None: ITL
-    never tightened), appear."""
+    never tightened; `floors`: its least-load latency, None: never floored), appear."""
     out: dict[str, StepBudget] = {}
     for spec in pipelines:
         if spec.slo_e2e_s is None:
             continue
-        for b in _one(spec, latency, own_ttft, memory, now, own_itl):
+        for b in _one(spec, latency, own_ttft, memory, now, own_itl, floors):
             before = out.get(b.deployment)
             if before is None or (b.target_ttft_s, -b.priority) < (before.target_ttft_s, -before.priority):
                 out[b.deployment] = b

@@ -449,3 +449,27 @@ def _burst_record(
         "seasonal_cycle": cycle,
         "seasonal_prompt_tokens_per_s": round(seasonal.prompt_tokens_per_s, 1) if seasonal else None,
     }
+
+
+def least_latency(
+    settings: AutoscaleSettings, state: ScalerState | None, obs: Observation
+) -> tuple[float | None, float]:
+    """(TTFT, ITL) the deployment reaches with the least load, by the capacity model this
+    policy scales with: a mean prompt prefilled on an empty queue, one sequence decoding, at
+    the policy's current service-time correction; the fastest variant. No replica count
+    does better, so a target below these is one no scaling buys. TTFT None: no prompt seen.
+    Raises ValueError without a profile."""
+    variants = settings.variants or (
+        [Variant(name="", profile=settings.profile, hourly_price=settings.profile.hourly_price)]
+        if settings.profile is not None
+        else []
+    )
+    if not variants:
+        raise ValueError("no performance profile")
+    memory = [m for m in (state.memory.values() if state is not None else ()) if isinstance(m, SloMemory)]
+    c = memory[0].correction if memory else 1.0
+    itl = min(v.profile.decode_time(1) for v in variants) * c
+    if obs.requests_per_s <= 0 or obs.prompt_tokens_per_s <= 0:
+        return None, itl
+    prompt = obs.prompt_tokens_per_s / obs.requests_per_s
+    return min(v.profile.prefill_time(prompt) for v in variants) * c, itl

@@ -47,7 +47,7 @@ from control_plane.autoscale.observe import (
     settings_of,
     within_residency,
 )
-from control_plane.autoscale.pipeline_budget import BudgetMemory, StepBudget, split, step_latency
+from control_plane.autoscale.pipeline_budget import BudgetMemory, StepBudget, split, step_floor, step_latency
 from control_plane.autoscale.policy import AutoscaleSettings, Decision, Observation, ScalerState, make_policy
 from control_plane.autoscale.prediction_error import PredictionErrors
 from control_plane.autoscale.snapshot import ScalerSnapshot, dump, dump_cycles, resumed
@@ -315,7 +315,11 @@ class AutoscaleLoop(NatsLoop):
         latency = {name: step_latency(obs) for name, (_, _, obs) in inputs.items()}
         own = {name: settings.slo_ttft_s for name, (_, settings, _) in inputs.items()}
         own_itl = {name: settings.slo_itl_s for name, (_, settings, _) in inputs.items()}
-        self.budgets = split(pipelines, latency, own, self.budget_memory, now, own_itl)
+        floors = {
+            name: step_floor(settings, self.states.get(name), obs)
+            for name, (_, settings, obs) in inputs.items()
+        }
+        self.budgets = split(pipelines, latency, own, self.budget_memory, now, own_itl, floors)
         return self.budgets
 
     def _decide(

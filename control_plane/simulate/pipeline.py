@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from agent.sim.model import SimRequest
-from control_plane.autoscale.pipeline_budget import BudgetMemory, split, step_latency
+from control_plane.autoscale.pipeline_budget import BudgetMemory, split, step_floor, step_latency
 from control_plane.autoscale.policy import AutoscaleSettings
 from control_plane.simulate.des import Sample, Simulation
 from control_plane.simulate.report import percentile
@@ -141,7 +141,11 @@ class PipelineSimulation:
             latency = {s.name: step_latency(obs) for s, (obs, _) in zip(self.steps, seen, strict=True)}
             own = {s.name: s.settings.slo_ttft_s for s in self.steps}
             own_itl = {s.name: s.settings.slo_itl_s for s in self.steps}
-            budgets = split([self.spec], latency, own, self.memory, now, own_itl)
+            floors = {
+                s.name: step_floor(sim.settings, sim.state, obs)
+                for s, sim, (obs, _) in zip(self.steps, self.sims, seen, strict=True)
+            }
+            budgets = split([self.spec], latency, own, self.memory, now, own_itl, floors)
             if any(b.over for b in budgets.values()):
                 self.budget_ticks += 1
         for k, (sim, (obs, ready)) in enumerate(zip(self.sims, seen, strict=True)):

@@ -1,6 +1,7 @@
 """The autoscale loop with a pipeline's end-to-end budget on a real database: the step over
 its share is decided against a tighter TTFT target (more replicas, the reason says why),
-the step within its share as on its own."""
+the step within its share as on its own; a share below what the step reaches with the least
+load buys nothing, so that step is decided on its own targets and the reason says so."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def test_step_over_its_share_scales_first(tmp_path) -> None:
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     alone, free = _run(tmp_path / "a", None)
-    budgeted, loop = _run(tmp_path / "b", 0.15)
+    budgeted, loop = _run(tmp_path / "b", 0.4)
     assert free.budgets == {}
     assert loop.budgets["chat"].over and loop.budgets["chat"].priority == 1
     assert not loop.budgets["emb"].over
@@ -69,3 +70,18 @@ def test_step_over_its_share_scales_first(tmp_path) -> None:
     assert "pipeline rag" in loop.last["chat"].reason and "budget" in loop.last["chat"].reason
     assert "pipeline rag" not in loop.last["emb"].reason
     assert loop.last["chat"].predicted["pipeline"]["over"] is True
+
+
+def test_step_whose_share_no_count_reaches_keeps_its_own_target(tmp_path) -> None:
+    """150 ms for the pipeline: chat's share (~130 ms) is below its 1500-token prompt's own
+    prefill on an empty queue, so no replica count meets it; chat is scaled as on its own."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    alone, _ = _run(tmp_path / "a", None)
+    budgeted, loop = _run(tmp_path / "b", 0.15)
+    chat = loop.budgets["chat"]
+    assert chat.over and chat.unreachable and chat.priority == 0
+    assert chat.settings_update() == {}
+    assert budgeted == alone
+    assert "unreachable by scaling" in loop.last["chat"].reason
+    assert loop.last["chat"].predicted["pipeline"]["unreachable"] is True

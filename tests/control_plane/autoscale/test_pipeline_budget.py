@@ -8,16 +8,21 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from control_plane.autoscale.pipeline_budget import (
+    FLOOR_MARGIN,
     MIN_ITL,
     MIN_SHARE,
     MIN_TARGET,
     BudgetMemory,
+    StepFloor,
     StepLatency,
     split,
+    step_floor,
     step_latency,
 )
-from control_plane.autoscale.policy import Observation
+from control_plane.autoscale.policy import AutoscaleSettings, Observation, ScalerState
+from control_plane.autoscale.slo import SloMemory, least_latency
 from fleet_base.pipelines import PipelineSpec, PipelineStep
+from fleet_base.profile import load_profile
 
 RAG = PipelineSpec(
     name="rag",
@@ -141,3 +146,80 @@ def test_shares_floor_and_sum(measured, budget) -> None:
     assert sum(b.share for b in out.values()) == pytest.approx(1.0)
     assert all(b.share >= MIN_SHARE / 2 - 1e-9 for b in out.values())
     assert all(0 < b.target_ttft_s <= OWN[d] for d, b in out.items())
+
+
+OWN_ITL = {"emb": 0.1, "chat": 0.1}
+DECODE_BOUND = {
+    "emb": StepLatency(0.01, 0.01),
+    "chat": StepLatency(1.1, 0.2, itl_s=0.06),
+}  # wants ITL 52.5 ms
+
+
+@pytest.mark.parametrize(
+    ("name", "latency", "floor", "unreachable", "update"),
+    [
+        # chat's share is 750 ms; one replica on an empty queue does 100 ms: tightened as before
+        ("TTFT reachable", {"emb": lat(0.3), "chat": lat(0.9)}, StepFloor(ttft_s=0.1), False,
+         {"slo_ttft_s": 0.75}),
+        # 700 ms on an empty queue (x1.25 = 875 ms > 750 ms): no count buys the share
+        ("TTFT below its floor", {"emb": lat(0.3), "chat": lat(0.9)}, StepFloor(ttft_s=0.7), True, {}),
+        # decode-bound: ITL 52.5 ms wanted, 45 ms at batch 1 (x1.25 = 56 ms): out of reach
+        ("ITL below its floor", DECODE_BOUND, StepFloor(itl_s=0.045), True, {}),
+        # 30 ms at batch 1 (x1.25 = 37.5 ms): 52.5 ms is bought by replicas, tightened as before
+        ("ITL reachable", DECODE_BOUND, StepFloor(itl_s=0.03), False,
+         {"slo_ttft_s": MIN_TARGET * 0.875, "slo_itl_s": 0.0525}),
+        # the floor not known (no profile): as before
+        ("floor unknown", DECODE_BOUND, StepFloor(), False,
+         {"slo_ttft_s": MIN_TARGET * 0.875, "slo_itl_s": 0.0525}),
+    ],
+)  # fmt: skip
+def test_target_floored_at_least_load(name, latency, floor, unreachable, update) -> None:
+    """A tightened target within FLOOR_MARGIN of what the step reaches with the least load is
+    one no replica count buys: the step keeps its own targets, says so, and is not ranked."""
+    out = split([RAG], latency, OWN, BudgetMemory(), 0.0, OWN_ITL, {"chat": floor})
+    chat = out["chat"]
+    assert chat.over and chat.unreachable is unreachable, name
+    assert chat.settings_update() == pytest.approx(update), name
+    assert ("over budget: unreachable by scaling" in chat.reason) is unreachable, name
+    if unreachable:
+        assert chat.priority == 0 and chat.target_ttft_s == OWN["chat"] and chat.target_itl_s is None
+        assert chat.as_dict()["unreachable"] is True
+    else:
+        assert chat.priority >= 1
+        assert split([RAG], latency, OWN, BudgetMemory(), 0.0, OWN_ITL)[
+            "chat"
+        ].settings_update() == pytest.approx(update)
+
+
+@given(
+    st.floats(0.05, 5),
+    st.floats(1e-3, 2),
+    st.floats(1e-3, 0.2),
+    st.floats(0.01, 10),
+    st.floats(1e-3, 0.2),
+)
+def test_no_target_below_what_replicas_buy(budget, ttft_floor, itl_floor, chat_s, chat_itl) -> None:
+    spec = RAG.model_copy(update={"slo_e2e_s": budget})
+    latency = {"emb": lat(0.01), "chat": StepLatency(chat_s, 0.1 * chat_s, itl_s=chat_itl)}
+    floor = StepFloor(ttft_floor, itl_floor)
+    chat = split([spec], latency, OWN, BudgetMemory(), 0.0, OWN_ITL, {"chat": floor})["chat"]
+    update = chat.settings_update()
+    assert update.get("slo_ttft_s", OWN["chat"]) >= min(OWN["chat"], ttft_floor * (1 + FLOOR_MARGIN))
+    assert update.get("slo_itl_s", OWN_ITL["chat"]) >= min(OWN_ITL["chat"], itl_floor * (1 + FLOOR_MARGIN))
+
+
+def test_least_latency_from_the_profile_and_correction() -> None:
+    """Empty queue, mean prompt, batch 1, at the SLO policy's correction; no profile: unknown."""
+    profile = load_profile("llama2-70b-h100-tp4")
+    settings = AutoscaleSettings(profile=profile)
+    obs = Observation(0.0, 1, requests_per_s=2.0, prompt_tokens_per_s=4096.0)
+    assert least_latency(settings, None, obs) == pytest.approx(
+        (profile.prefill_time(2048), profile.decode_time(1))
+    )
+    state = ScalerState()
+    state.memory["slo"] = SloMemory(correction=2.0)
+    assert step_floor(settings, state, obs) == StepFloor(
+        pytest.approx(2 * profile.prefill_time(2048)), pytest.approx(2 * profile.decode_time(1))
+    )
+    assert step_floor(settings, None, Observation(0.0, 1)).ttft_s is None
+    assert step_floor(AutoscaleSettings(), None, obs) == StepFloor()
