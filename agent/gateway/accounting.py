@@ -12,6 +12,7 @@ from typing import Any
 
 from agent.gateway.exchange import Call, Exchange
 from agent.gateway.metrics import GatewayMetrics
+from agent.gateway.pipeline_route import PipelineHop
 from agent.gateway.plan import Attempt
 from agent.gateway.queue import ReplicaQueue
 from agent.gateway.usage import UsagePublisher
@@ -29,6 +30,8 @@ class Accounting:
         self.usage = usage
         self.queue = queue
         self.where: Callable[[], tuple[str, str]] = lambda: ("", "")  # (region, jurisdiction)
+        # a pipeline hop ended: (hop, status, seconds at this gateway)
+        self.hop_finished: Callable[[PipelineHop, int, float], None] = lambda hop, status, s: None
 
     def _record(self, call: Call, **fields: Any) -> UsageRecord:
         region, jurisdiction = self.where()
@@ -39,6 +42,7 @@ class Accounting:
             latency_s=time.monotonic() - call.started,
             region=region,
             jurisdiction=jurisdiction,
+            **_pipeline_fields(call),
             **fields,
         )
 
@@ -82,6 +86,8 @@ class Accounting:
         if ex.shadow is not None:  # its copy compares outputs once the original is done
             ex.shadow.original_finished(status)
         call.trace.finish(status, call=call, progress=p)
+        if call.pipeline is not None:
+            self.hop_finished(call.pipeline, status, time.monotonic() - call.started)
         if p.peer is not None:
             return
         prompt = _int(p.usage.get("prompt_tokens"))
@@ -104,6 +110,13 @@ class Accounting:
                 record_id=p.record_id,
             )
         )
+
+
+def _pipeline_fields(call: Call) -> dict[str, str | None]:
+    hop = call.pipeline
+    if hop is None:
+        return {}
+    return {"pipeline": hop.pipeline, "pipeline_step": hop.step, "pipeline_request": hop.request_id or None}
 
 
 def _int(value: Any) -> int:

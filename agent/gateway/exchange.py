@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from agent.gateway.inputs import RequestInfo
 from agent.gateway.limits import QuotaGate
+from agent.gateway.pipeline_route import PipelineHop
 from agent.gateway.plan import Attempt
 from agent.gateway.quota import Reservation
 from agent.gateway.spans import RequestTrace
@@ -46,6 +47,7 @@ class Call:
     limit_headers: Mapping[str, str] = field(default_factory=dict)
     client: ClientHeaders = ClientHeaders()
     allowed: frozenset[str] | None = None  # residency: where it may be processed (None: anywhere)
+    pipeline: PipelineHop | None = None  # a hop of a pipeline request: where it may go
     trace: RequestTrace = field(default_factory=RequestTrace, compare=False, repr=False)  # its spans
 
     @property

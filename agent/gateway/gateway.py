@@ -41,6 +41,7 @@ from agent.gateway.migration import MigrationMetrics
 from agent.gateway.nats_metrics import NatsRefusals
 from agent.gateway.node_metrics import NodeHealthCollector
 from agent.gateway.peers import PeerAuth, PeerForward
+from agent.gateway.pipelines import PipelineRouting
 from agent.gateway.prefix import PrefixRouting
 from agent.gateway.proxy import make_client
 from agent.gateway.queue import ReplicaQueue
@@ -61,6 +62,7 @@ from fleet_base.local_state import LocalState
 from fleet_base.nats_io import NatsLink
 from fleet_base.openai_contract.continuation import TOKEN_IDS_HEADER
 from fleet_base.openai_contract.timing import ttft_header
+from fleet_base.pipelines import PIPELINE_HEADER, PIPELINE_REQUEST_HEADER
 from fleet_base.security.tls import nats_tls
 from fleet_base.subjects import permits
 
@@ -145,10 +147,12 @@ class Gateway:
             config, self.view, self.tracker, self.adapters, self.liveness, self.peers, self.prefix, self.queue
         )
         self.router.jurisdiction = self.desired.jurisdiction
+        self.pipelines = PipelineRouting(config.cluster, self.router, self.metrics.registry, retry_after_s)
         self.upstreams = Upstreams(config.cluster, gwc, self.peers, self.tracker, self.metrics)
         self.upstreams.residency = self.residency
         self.accounting = Accounting(config.cluster, self.metrics, self.usage, self.queue)
         self.accounting.where = lambda: (config.region, self.desired.jurisdiction())
+        self.accounting.hop_finished = self.pipelines.finished
         self.dispatch = Dispatcher(
             gwc,
             self.router,
@@ -369,6 +373,11 @@ class Gateway:
         policy = self.residency.allowed_for(record, self.view.route(info.deployment))
         if forward is not None:  # processed where it lands: only inside its residency
             self.residency.admit_forward(info.deployment, policy, forward.cluster)
+        hop = self.pipelines.admit(
+            request.headers, info.deployment, forwarded=forward is not None, allowed=policy
+        )
+        if hop is not None and trace is not None:
+            trace.pipeline_hop(hop)
         info, counter = await self.tokens.recount_async(info, off_loop=len(raw) > OFF_LOOP_BYTES)
         context = self.desired.context_tokens(info.deployment, self.config.gateway.default_context_tokens)
         info = replace(info, context_tokens=context)  # bounds what an open-ended request may generate
@@ -392,6 +401,7 @@ class Gateway:
                 keep_ids=bool(headers.get(TOKEN_IDS_HEADER)),
             ),
             allowed=policy,
+            pipeline=hop,
             trace=trace or RequestTrace(request_id, self.cluster),
         )
 
@@ -411,6 +421,11 @@ class Gateway:
         if p.admitted:
             response.headers[QUEUE_HEADER] = f"{p.queue_s:.4f}"
         response.headers.update(ttft_header(p.reported_ttft_s))  # this hop's figure, not the upstream's
+        hop = ex.call.pipeline
+        if hop is not None:  # the id later hops carry (a peer that runs the request gave its own)
+            response.headers[PIPELINE_HEADER] = hop.pipeline
+            if hop.request_id:
+                response.headers.setdefault(PIPELINE_REQUEST_HEADER, hop.request_id)
         if p.peer is None:  # a peer's answer carries the peer's limits
             for name, value in ex.call.limit_headers.items():
                 response.headers[name] = value

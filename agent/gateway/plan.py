@@ -109,6 +109,12 @@ class RequestFacts:
     block_tokens: int = 16  # tokens per block
     adapter: str | None = None  # the LoRA adapter the request names (None: the base model)
     allowed: frozenset[str] | None = None  # jurisdictions it may be processed in (None: any)
+    local_only: bool = False  # a pipeline hop kept in this cluster: served here, never sent on
+
+    @property
+    def stays(self) -> bool:
+        """Served here only: no peer, no standby hand-off, no failover."""
+        return self.forwarded or self.local_only
 
 
 @dataclass(frozen=True)
@@ -144,6 +150,15 @@ class ClusterFacts:
     spill_per_replica: float | None = None
     jurisdiction: str = ""  # this cluster's own (desired state); "" is outside every policy
     coming: bool = False  # replicas here may become ready (starting, or a cold start is due)
+
+    @property
+    def usable(self) -> bool:
+        """A ready replica here can take the request now (our agent alive, not all just failed)."""
+        return (
+            bool(self.replicas)
+            and not self.agent_silent
+            and any(not r.recently_failed for r in self.replicas)
+        )
 
 
 @dataclass(frozen=True)
@@ -336,7 +351,7 @@ def plan_route(
     local_ok = permits(request.allowed, here.jurisdiction)
     refused = Plan(excluded=excluded, local_excluded=not local_ok, residency_unavailable=True)
     local = rank_replicas(request, here, index, model)
-    if request.forwarded:  # served where it lands: no peers, no standby hand-off
+    if request.stays:  # served where it lands (or a pipeline's hop): no peers, no standby hand-off
         if not local_ok:
             return refused
         return Plan(tuple(local or [Attempt("local", "wait-for-replica", jurisdiction=here.jurisdiction)]))
@@ -345,11 +360,7 @@ def plan_route(
     if here.standby_here and primaries:
         attempts += _peer_attempts("primary", "standby-primary", primaries, request, index)
     else:
-        usable = (
-            bool(here.replicas)
-            and not here.agent_silent
-            and any(not r.recently_failed for r in here.replicas)
-        )
+        usable = here.usable
         spill = should_spill(here.waiting, len(here.replicas), here.spill_per_replica)
         if peers and (not usable or spill):
             if not local_ok:
@@ -382,8 +393,17 @@ def within_residency(
 def plan_failover(
     request: RequestFacts, peers: Sequence[PeerFacts], index: PrefixLookup | None = None
 ) -> list[Attempt]:
-    """Peers to try after every local attempt failed (none for a forwarded request)."""
-    return [] if request.forwarded else _peer_attempts("failover", "failover", peers, request, index)
+    """Peers to try after every local attempt failed (none for a request that stays here)."""
+    return [] if request.stays else _peer_attempts("failover", "failover", peers, request, index)
+
+
+def plan_to_peer(request: RequestFacts, here: ClusterFacts, peer: PeerFacts | None, reason: str) -> Plan:
+    """A request sent whole to one chosen peer (a pipeline request to the cluster that
+    runs it), within the request's residency; empty when that peer is gone or outside."""
+    _, peers, excluded = within_residency(request, here, [peer] if peer is not None else [])
+    if not peers:
+        return Plan(excluded=excluded, residency_unavailable=bool(excluded))
+    return Plan(tuple(_peer_attempts("peer", reason, peers, request, None)), excluded)
 
 
 def _leaving(

@@ -20,7 +20,14 @@ from fleet_base.openai_contract.timing import TTFT_HEADER, read_ttft
 from fleet_base.tracing import INVALID_SPAN, Span
 
 # Response headers of a replica or peer worth passing to the client.
-PASS_HEADERS = ("content-type", "retry-after", "x-fleet-cluster", "x-fleet-version")
+# x-fleet-pipeline-request: the id a peer that runs a pipeline request gave it
+PASS_HEADERS = (
+    "content-type",
+    "retry-after",
+    "x-fleet-cluster",
+    "x-fleet-version",
+    "x-fleet-pipeline-request",
+)
 PASS_PREFIXES = ("x-ratelimit-",)
 MAX_ERROR_BODY = 64 * 1024
 # A replica's 5xx that is the request's own failure (the engine's header): passed to the

@@ -13,7 +13,16 @@ from agent.gateway.exchange import Call
 from agent.gateway.liveness import PeerLiveness
 from agent.gateway.load import LoadTracker
 from agent.gateway.peers import PeerAuth
-from agent.gateway.plan import Attempt, ClusterFacts, PeerFacts, Plan, ReplicaFacts, RequestFacts, plan_route
+from agent.gateway.plan import (
+    Attempt,
+    ClusterFacts,
+    PeerFacts,
+    Plan,
+    ReplicaFacts,
+    RequestFacts,
+    plan_route,
+    plan_to_peer,
+)
 from agent.gateway.prefix import PrefixRouting
 from agent.gateway.queue import ReplicaQueue
 from agent.gateway.routing import peer_order
@@ -55,10 +64,16 @@ class Router:
         return self.config.cluster
 
     def plan(self, call: Call) -> Plan:
-        """The routing plan on the facts as they are now."""
+        """The routing plan on the facts as they are now. A pipeline hop the gateway sends
+        to the cluster that runs its pipeline request goes to that peer only."""
         here = self.cluster_facts(call.deployment)
         peers = self.live_peers(call.deployment)
-        return plan_route(self.request_facts(call), here, peers, self.prefix.index, self.prefix.model)
+        request = self.request_facts(call)
+        hop = call.pipeline
+        if hop is not None and hop.decision.action == "forward":
+            chosen = next((p for p in peers if p.cluster == hop.decision.peer), None)
+            return plan_to_peer(request, here, chosen, hop.decision.reason)
+        return plan_route(request, here, peers, self.prefix.index, self.prefix.model)
 
     def request_facts(self, call: Call) -> RequestFacts:
         info = call.info
@@ -72,6 +87,7 @@ class Router:
             block_tokens=self.prefix.block_tokens(info.deployment),
             adapter=call.adapter,
             allowed=call.allowed,
+            local_only=call.pipeline is not None and call.pipeline.local_only,
         )
 
     def alive(self, target: Attempt) -> bool:

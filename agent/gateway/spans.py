@@ -26,6 +26,7 @@ from fleet_base.tracing import INVALID_SPAN, Span
 
 if TYPE_CHECKING:
     from agent.gateway.exchange import Call, Progress
+    from agent.gateway.pipeline_route import PipelineHop
     from agent.gateway.plan import Attempt, Plan
 
 access_log = logging.getLogger("agent.gateway.access")
@@ -43,6 +44,7 @@ class RequestTrace:
     started: float = 0.0
     attempts: int = 0
     ended: bool = False
+    hop: Span = INVALID_SPAN  # a pipeline hop's span, from its routing decision to the answer
 
     @classmethod
     def begin(cls, request_id: str, cluster: str, headers: Mapping[str, str], endpoint: str) -> RequestTrace:
@@ -103,6 +105,23 @@ class RequestTrace:
         }
         tracing.start_span("gateway.route", parent=self.server, attributes=attributes).end()
 
+    def pipeline_hop(self, hop: PipelineHop) -> None:
+        """A pipeline request's hop here: its pipeline, step, request id and where it goes,
+        on the server span and on a child span that ends with the hop."""
+        if not self.recording:
+            return
+        attributes = {
+            "fleet.pipeline": hop.pipeline,
+            "fleet.pipeline.step": hop.step,
+            "fleet.pipeline.request": hop.request_id or None,
+            "fleet.pipeline.action": hop.decision.action,
+            tracing.REASON: hop.decision.reason,
+            "fleet.peer": hop.decision.peer or None,
+            tracing.CLUSTER: hop.decision.peer or self.cluster,
+        }
+        self.set({k: v for k, v in attributes.items() if k.startswith("fleet.pipeline")})
+        self.hop = tracing.start_span("gateway.pipeline_hop", parent=self.server, attributes=attributes)
+
     def attempt(self, target: Attempt) -> Span:
         """A client span for one upstream attempt (its caller ends it); numbered from 1. A request
         not sampled gets its server span back (not recording; its sampled-out context still
@@ -159,6 +178,11 @@ class RequestTrace:
                     "fleet.attempts": self.attempts,
                 }
             )
+            if self.hop.is_recording():
+                tracing.set_attributes(self.hop, {tracing.STATUS: status})
+                if status >= 500:
+                    tracing.fail(self.hop, reason or str(status))
+                self.hop.end()
             if status >= 500:
                 tracing.fail(self.server, reason or str(status))
             elif reason:

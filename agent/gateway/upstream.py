@@ -120,6 +120,8 @@ class Upstreams:
             if call.client.session:  # the peer keeps the user's canary side
                 headers[SESSION_HEADER] = call.client.session
             headers.update(self.peers.to_peer(target.name, call))
+            if call.pipeline is not None:  # the peer routes the hop the same way (kept there)
+                headers.update(call.pipeline.headers())
             self.metrics.forwarded.labels(deployment, target.name).inc()
         else:
             headers.update(self.peers.replica_headers)

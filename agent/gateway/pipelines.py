@@ -1,0 +1,152 @@
+"""Pipeline requests at the gateway: the facts of a hop gathered now (the pipeline from the
+routing tables, which steps are healthy here, the peers where every step is ready), the
+decision (`agent.gateway.pipeline_route.decide`) and what it is measured by: hops by
+outcome (`fleet_pipeline_requests_total`) and each hop's time at this gateway
+(`fleet_pipeline_step_seconds`). The routing plan then keeps a local hop here or sends a
+forwarded one to its peer (`agent.gateway.router`)."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from agent.gateway.errors import GatewayError
+from agent.gateway.metrics import LATENCY_BUCKETS
+from agent.gateway.pipeline_route import (
+    PipelineFacts,
+    PipelineHop,
+    decide,
+    ready_peers,
+    request_id_for,
+)
+from agent.gateway.router import Router
+from fleet_base.pipelines import PIPELINE_HEADER, PIPELINE_REQUEST_HEADER, PIPELINE_STEP_HEADER, PipelineSpec
+from fleet_base.residency import permits
+
+REFUSAL_CODES = {
+    "not-ready-anywhere": "pipeline_unavailable",
+    "step-down": "pipeline_step_unavailable",
+    "owner-unreachable": "pipeline_owner_unavailable",
+}
+
+
+class PipelineRouting:
+    def __init__(
+        self, cluster: str, router: Router, registry: CollectorRegistry, retry_after_s: int = 1
+    ) -> None:
+        self.cluster = cluster
+        self.router = router
+        self.retry_after_s = retry_after_s
+        self.requests = Counter(
+            "fleet_pipeline_requests",
+            "Pipeline hops by the gateway's decision: local (served here), forwarded (sent whole "
+            "to the cluster that runs or will run the pipeline request), refused (503).",
+            ["pipeline", "cluster", "outcome"],
+            registry=registry,
+        )
+        self.step_seconds = Histogram(
+            "fleet_pipeline_step_seconds",
+            "A pipeline hop's time at this gateway, arrival to the last byte (answered 2xx), by step.",
+            ["pipeline", "step", "cluster"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+
+    def find(self, name: str) -> PipelineSpec | None:
+        """The pipeline a routing table here names (each step's table carries it)."""
+        view = self.router.view
+        for deployment in sorted(view.routes):
+            for spec in view.routes[deployment].pipelines:
+                if spec.name == name:
+                    return spec
+        return None
+
+    def admit(
+        self,
+        headers: Mapping[str, str],
+        deployment: str,
+        *,
+        forwarded: bool,
+        allowed: frozenset[str] | None,
+    ) -> PipelineHop | None:
+        """The hop a request with `X-Fleet-Pipeline` is, routed; None without the header.
+        400 for a pipeline unknown here or a model that is none of its steps, 503 with the
+        reason when the hop may not be served (nothing was sent anywhere)."""
+        name = headers.get(PIPELINE_HEADER)
+        if not name:
+            return None
+        spec = self.find(name)
+        if spec is None:
+            raise GatewayError(
+                400,
+                f"Unknown pipeline '{name[:63]}' ({PIPELINE_HEADER}); see `fleetctl pipeline ls`",
+                code="pipeline_not_found",
+            )
+        step = next((s for s in spec.steps if s.deployment == deployment), None)
+        if step is None:
+            steps = ", ".join(f"{s.name}={s.deployment}" for s in spec.steps)
+            raise GatewayError(
+                400,
+                f"The model '{deployment}' is not a step of pipeline '{spec.name}' (steps: {steps})",
+                param="model",
+                code="pipeline_step_mismatch",
+            )
+        asked = headers.get(PIPELINE_STEP_HEADER)
+        if asked and asked != step.name:
+            raise GatewayError(
+                400,
+                f"{PIPELINE_STEP_HEADER} '{asked[:63]}' does not match the model '{deployment}': "
+                f"it is step '{step.name}' of pipeline '{spec.name}'",
+                code="pipeline_step_mismatch",
+            )
+        decision = decide(
+            self.facts(spec, step.name, headers.get(PIPELINE_REQUEST_HEADER), forwarded, allowed)
+        )
+        self.requests.labels(spec.name, self.cluster, decision.outcome).inc()
+        if decision.action == "refuse":
+            raise GatewayError(
+                503,
+                decision.message,
+                code=REFUSAL_CODES[decision.reason],
+                headers={"Retry-After": str(self.retry_after_s)},
+            )
+        request_id = decision.request_id or (
+            request_id_for(self.cluster, secrets.token_hex(12)) if decision.mint else ""
+        )
+        return PipelineHop(spec.name, step.name, decision, request_id)
+
+    def facts(
+        self,
+        spec: PipelineSpec,
+        step: str,
+        request_id: str | None,
+        forwarded: bool,
+        allowed: frozenset[str] | None,
+    ) -> PipelineFacts:
+        router = self.router
+        ready_here = frozenset(d for d in spec.deployments if router.cluster_facts(d).usable)
+        deployment = next(s.deployment for s in spec.steps if s.name == step)
+        order = [p.cluster for p in router.live_peers(deployment) if permits(allowed, p.jurisdiction)]
+        ready_in: dict[str, frozenset[str]] = {}
+        for d in spec.deployments:
+            route = router.view.route(d)
+            clusters = route.clusters if route is not None else []
+            ready_in[d] = frozenset(
+                c.cluster for c in clusters if c.healthy and c.replicas > 0 and c.gateway_url
+            )
+        return PipelineFacts(
+            spec,
+            step,
+            self.cluster,
+            ready_here,
+            ready_peers=ready_peers(spec, order, ready_in),
+            live_peers=frozenset(order),
+            request_id=request_id,
+            forwarded=forwarded,
+        )
+
+    def finished(self, hop: PipelineHop, status: int, seconds: float) -> None:
+        if 200 <= status < 300:
+            self.step_seconds.labels(hop.pipeline, hop.step, self.cluster).observe(seconds)
