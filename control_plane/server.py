@@ -135,7 +135,13 @@ def run(settings: Settings, *, loops: bool = True) -> int:
     settings.home.mkdir(parents=True, exist_ok=True)
     log.info("database %s: upgrading to head", _redact(settings.db_url))
     upgrade_to_head(settings.db_url)
-    sessions = make_sessions(settings.db_url)
+    # A session idle inside a transaction that long is a paused or partitioned process: past
+    # the lease, any successor may be waiting on its row locks. Longer than any legitimate
+    # idle span inside a transaction (a placement solve between its reads and its writes);
+    # the lease's own writes and the fenced commits hold theirs far shorter (control_plane.ha).
+    sessions = make_sessions(
+        settings.db_url, idle_in_transaction_s=settings.leader_lease_s + settings.leader_renew_deadline_s
+    )
     ensure_admin_token(settings, sessions)
     try:
         sock = bind_socket(settings.host, settings.port)

@@ -20,6 +20,10 @@ from sqlalchemy.pool import NullPool
 import control_plane
 
 SQLITE_BUSY_TIMEOUT_MS = 15_000
+# TCP keepalives, both ways: the driver notices a dead server, and the server a dead client
+# (whose backend would otherwise keep its row locks for the kernel's 2 h default) in
+# idle + interval * count = 5 + 2 * 3 = 11 s.
+PG_KEEPALIVE_IDLE_S, PG_KEEPALIVE_INTERVAL_S, PG_KEEPALIVE_COUNT = 5, 2, 3
 
 
 def normalize_url(url: str) -> str:
@@ -31,7 +35,9 @@ def normalize_url(url: str) -> str:
     return url
 
 
-def make_engine(url: str, **kwargs) -> Engine:
+def make_engine(url: str, *, idle_in_transaction_s: float | None = None, **kwargs) -> Engine:
+    """`idle_in_transaction_s` (PostgreSQL): the server ends a session that sits that long
+    inside a transaction (a paused or partitioned process holding row locks)."""
     url = normalize_url(url)
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
@@ -43,7 +49,34 @@ def make_engine(url: str, **kwargs) -> Engine:
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
     kwargs.setdefault("pool_pre_ping", True)
+    if parsed.get_backend_name() == "postgresql":
+        kwargs["connect_args"] = {
+            **_pg_connect_args(parsed, idle_in_transaction_s),
+            **kwargs.get("connect_args", {}),
+        }
     return create_engine(url, **kwargs)
+
+
+def _pg_connect_args(parsed, idle_in_transaction_s: float | None) -> dict:
+    args: dict = {
+        "keepalives": 1,
+        "keepalives_idle": PG_KEEPALIVE_IDLE_S,
+        "keepalives_interval": PG_KEEPALIVE_INTERVAL_S,
+        "keepalives_count": PG_KEEPALIVE_COUNT,
+    }
+    if "options" in parsed.query:
+        return args  # the URL's own server options win
+    options = [
+        f"-c tcp_keepalives_idle={PG_KEEPALIVE_IDLE_S}",
+        f"-c tcp_keepalives_interval={PG_KEEPALIVE_INTERVAL_S}",
+        f"-c tcp_keepalives_count={PG_KEEPALIVE_COUNT}",
+    ]
+    if idle_in_transaction_s is not None:
+        options.append(
+            f"-c idle_in_transaction_session_timeout={max(1, round(idle_in_transaction_s * 1000))}"
+        )
+    args["options"] = " ".join(options)
+    return args
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:
@@ -55,8 +88,8 @@ def _sqlite_pragmas(dbapi_conn, _record) -> None:
     cur.close()
 
 
-def make_sessions(url: str | Engine) -> sessionmaker[Session]:
-    engine = url if isinstance(url, Engine) else make_engine(url)
+def make_sessions(url: str | Engine, *, idle_in_transaction_s: float | None = None) -> sessionmaker[Session]:
+    engine = url if isinstance(url, Engine) else make_engine(url, idle_in_transaction_s=idle_in_transaction_s)
     return sessionmaker(engine, expire_on_commit=False)
 
 

@@ -28,6 +28,7 @@ import secrets
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 
 from control_plane.context import ControlPlaneContext
@@ -69,7 +70,21 @@ class Elector:
         self.member_id = member_id or new_member_id()
         self.url = url
         self.started_at: datetime = utcnow()
-        self.store = LeaseStore(ctx.sessions, LEASE_NAME)
+        lease_s, deadline_s, retry_s = (
+            settings.leader_lease_s,
+            settings.leader_renew_deadline_s,
+            settings.leader_retry_s,
+        )
+        # A lease write or fenced commit sits idle at most the slack between the renew deadline
+        # and the lease: a paused holder's row lock is gone before any successor may acquire.
+        self.hold_timeout_s = lease_s - deadline_s
+        self.store = LeaseStore(
+            ctx.sessions, LEASE_NAME, lock_timeout_s=min(retry_s, 1.0), hold_timeout_s=self.hold_timeout_s
+        )
+        # Every database call of the election is bounded (a timed-out call counts as failed),
+        # on threads of its own so it never queues behind the loops' threads.
+        self.call_timeout_s = min(deadline_s / 2, max(2 * retry_s, 1.0))
+        self._db_threads = ThreadPoolExecutor(max_workers=8, thread_name_prefix="cp-elector-db")
         self.candidate = Candidate(self.member_id, settings.leader_lease_s, settings.leader_renew_deadline_s)
         self.lease_s = settings.leader_lease_s
         self.retry_s = settings.leader_retry_s
@@ -124,9 +139,10 @@ class Elector:
             asyncio.create_task(self._run(), name="cp-elector"),
             asyncio.create_task(self._watchdog(), name="cp-elector-watchdog"),
         ]
-        waits = {task for task in (self._starting, self._beating) if task is not None}
-        if waits:  # renews and the watchdog run meanwhile
-            await asyncio.wait(waits)
+        if self._starting is not None:  # renews and the watchdog run meanwhile
+            await asyncio.wait({self._starting})
+        if self._beating is not None:  # listed as a member before serving, unless the database is stuck
+            await asyncio.wait({self._beating}, timeout=self.call_timeout_s)
         return self
 
     async def stop(self) -> None:
@@ -145,8 +161,9 @@ class Elector:
             await asyncio.wait({self._beating}, timeout=5)
         with contextlib.suppress(Exception):
             if epoch:
-                await asyncio.wait_for(asyncio.to_thread(self.store.release, self.member_id, epoch), 5)
-            await asyncio.wait_for(asyncio.to_thread(self.store.leave, self.member_id), 5)
+                await self._db(self.store.release, self.member_id, epoch)
+            await self._db(self.store.leave, self.member_id)
+        self._db_threads.shutdown(wait=False)
 
     # ----------------------------------------------------------------- election
 
@@ -167,9 +184,9 @@ class Elector:
         heartbeat follows in a task of its own, never in the renew's way."""
         started = self._clock()
         try:
-            record = await asyncio.to_thread(self.store.read)
+            record = await self._db(self.store.read)
         except Exception as err:
-            log.warning("lease unreadable (%s); the watchdog stops the loops at the renew deadline", err)
+            log.warning("lease unreadable (%r); the watchdog stops the loops at the renew deadline", err)
             self._beat()
             return
         self.last_record = record
@@ -190,18 +207,31 @@ class Elector:
             return
         self._beating = asyncio.create_task(self._heartbeat(), name="cp-member-heartbeat")
 
+    async def _db(self, call: Callable, *args):
+        """`call(*args)` on the election's threads, bounded by `call_timeout_s` (a thread
+        cannot be cancelled: a late answer is dropped, and its lock waits are bounded)."""
+        loop = asyncio.get_running_loop()
+        return await asyncio.wait_for(
+            loop.run_in_executor(self._db_threads, call, *args), self.call_timeout_s
+        )
+
     async def _heartbeat(self) -> None:
         """Members long unseen are forgotten by the leader's scheduled job (scheduled.stale_state)."""
         try:
-            await asyncio.to_thread(self.store.heartbeat, self.member_id, self.url, self.started_at)
+            # Unbounded on purpose: the task lasts as long as its thread, so a stuck heartbeat
+            # holds one of the election's threads, never all of them.
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(
+                self._db_threads, self.store.heartbeat, self.member_id, self.url, self.started_at
+            )
         except Exception as err:
             log.warning("member heartbeat failed: %s", err)
 
     async def _acquire(self, seen: LeaseRecord | None, started: float, reason: str) -> None:
         try:
-            won = await asyncio.to_thread(self.store.acquire, self.member_id, seen, self.lease_s)
+            won = await self._db(self.store.acquire, self.member_id, seen, self.lease_s)
         except Exception as err:
-            log.warning("acquiring the lease failed: %s", err)
+            log.warning("acquiring the lease failed: %r", err)
             return
         if won is None:
             return  # someone else moved it first
@@ -219,9 +249,9 @@ class Elector:
     async def _renew(self, started: float) -> None:
         epoch = self.candidate.epoch
         try:
-            renewed = await asyncio.to_thread(self.store.renew, self.member_id, epoch)
+            renewed = await self._db(self.store.renew, self.member_id, epoch)
         except Exception as err:
-            log.warning("renewing the lease failed: %s", err)
+            log.warning("renewing the lease failed: %r", err)
             return  # the watchdog demotes at the deadline unless a later renew succeeds
         if renewed is None:  # unless the epoch was raised meanwhile (`raise_floor`)
             await self.demote(f"lost the lease of epoch {epoch}", epoch=epoch)
@@ -252,7 +282,9 @@ class Elector:
     async def _lead(self, epoch: int, new_term: bool = True) -> None:
         """The `_starting` task of a term: start the loops (a cancel makes `start_loops` stop
         whatever it had started), then run them if the term still holds."""
-        fenced = fenced_sessions(self.ctx.sessions, LEASE_NAME, epoch, on_fenced=self._fenced)
+        fenced = fenced_sessions(
+            self.ctx.sessions, LEASE_NAME, epoch, on_fenced=self._fenced, hold_timeout_s=self.hold_timeout_s
+        )
         leader_ctx = dataclasses.replace(
             self.ctx, sessions=fenced, epoch=epoch, on_wire_epoch=self._saw_wire_epoch
         )
@@ -296,9 +328,7 @@ class Elector:
         if self.candidate.leading and self.candidate.epoch == epoch:
             await self.demote(f"the control loops failed to start: {err}", epoch=epoch)
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(
-                    asyncio.to_thread(self.store.release, self.member_id, epoch), self.lease_s
-                )
+                await self._db(self.store.release, self.member_id, epoch)
 
     async def demote(self, reason: str, timeout_s: float | None = None, epoch: int | None = None) -> None:
         """Stop leading; with `epoch`, only if we still lead by that epoch (a refusal from

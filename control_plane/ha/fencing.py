@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from sqlalchemy import event, select
+from sqlalchemy import event, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.db.models import ControlPlaneLease
@@ -33,15 +33,28 @@ def current_epoch(session: Session, lease_name: str = LEASE_NAME) -> int | None:
     return session.execute(query.with_for_update(read=True)).scalar_one_or_none()
 
 
+def hold_lease_briefly(session: Session, hold_timeout_s: float | None) -> None:
+    """On PostgreSQL, end this transaction if it sits idle over `hold_timeout_s` from now on:
+    a leader paused between its FOR SHARE check and its COMMIT (a few milliseconds when
+    alive) must not hold a successor's acquire up."""
+    if hold_timeout_s is None or session.get_bind().dialect.name != "postgresql":
+        return
+    hold_ms = str(max(1, round(hold_timeout_s * 1000)))
+    session.execute(
+        text("SELECT set_config('idle_in_transaction_session_timeout', :ms, true)"), {"ms": hold_ms}
+    )
+
+
 def fenced_sessions(
     sessions: sessionmaker[Session],
     lease_name: str,
     epoch: int,
     on_fenced: Callable[[Fenced], None] | None = None,
+    hold_timeout_s: float | None = None,
 ) -> sessionmaker[Session]:
     """A factory like `sessions` (same engine and options) whose commits check `epoch`;
     `on_fenced` hears every refusal (the elector demotes at once, whatever the loop does
-    with the exception)."""
+    with the exception); `hold_timeout_s` bounds how long a commit may hold the lease row."""
     fenced = sessionmaker(**sessions.kw)
 
     @event.listens_for(fenced, "before_commit")
@@ -52,6 +65,7 @@ def fenced_sessions(
             # releasing the first one commits: there each release is checked (a local read).
             return
         session.flush()  # take the write lock (SQLite) before the check, not after
+        hold_lease_briefly(session, hold_timeout_s)
         current = current_epoch(session, lease_name)
         if current != epoch:
             refused = Fenced(epoch, current)

@@ -10,10 +10,12 @@ INSERT that only one process can win), so two candidates can never both succeed.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -35,9 +37,53 @@ def _record(row: ControlPlaneLease) -> LeaseRecord:
 
 
 class LeaseStore:
-    def __init__(self, sessions: sessionmaker[Session], name: str = LEASE_NAME) -> None:
+    def __init__(
+        self,
+        sessions: sessionmaker[Session],
+        name: str = LEASE_NAME,
+        *,
+        lock_timeout_s: float | None = None,
+        hold_timeout_s: float | None = None,
+    ) -> None:
+        """`lock_timeout_s`: how long an acquire or renew waits for a row lock (PostgreSQL) or
+        the write lock (SQLite) before failing, so a paused leader's locks cannot hold a
+        successor's round up; `hold_timeout_s`: how long PostgreSQL lets such a transaction
+        sit idle before it ends it (a writer paused with the lease row locked)."""
         self.sessions = sessions
         self.name = name
+        self.lock_timeout_s = lock_timeout_s
+        self.hold_timeout_s = hold_timeout_s
+
+    @contextlib.contextmanager
+    def _bounded(self, session: Session) -> Iterator[None]:
+        """The lease write's waits, bounded for this transaction only."""
+        if self.lock_timeout_s is None:
+            yield
+            return
+        lock_ms = str(max(1, round(self.lock_timeout_s * 1000)))
+        dialect = session.get_bind().dialect.name
+        if dialect == "postgresql":
+            settings = {"lock_timeout": lock_ms}
+            if self.hold_timeout_s is not None:
+                settings["idle_in_transaction_session_timeout"] = str(
+                    max(1, round(self.hold_timeout_s * 1000))
+                )
+            for name, value in settings.items():
+                session.execute(
+                    text("SELECT set_config(:name, :value, true)"), {"name": name, "value": value}
+                )
+            yield
+        elif dialect == "sqlite":
+            from control_plane.db.session import SQLITE_BUSY_TIMEOUT_MS
+
+            conn = session.connection()
+            conn.exec_driver_sql(f"PRAGMA busy_timeout={lock_ms}")  # the connection's: restored below
+            try:
+                yield
+            finally:
+                conn.exec_driver_sql(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        else:
+            yield
 
     def read(self) -> LeaseRecord | None:
         with self.sessions() as session:
@@ -50,21 +96,24 @@ class LeaseStore:
             if seen is None:
                 session.add(ControlPlaneLease(name=self.name, holder=me, epoch=1, version=1, lease_s=lease_s))
                 try:
+                    with self._bounded(session):
+                        session.flush()
                     session.commit()
                 except IntegrityError:
                     return None  # another candidate created it first
                 return LeaseRecord(me, 1, 1, lease_s)
-            done = session.execute(
-                update(ControlPlaneLease)
-                .where(ControlPlaneLease.name == self.name, ControlPlaneLease.version == seen.version)
-                .values(
-                    holder=me,
-                    epoch=ControlPlaneLease.epoch + 1,
-                    version=ControlPlaneLease.version + 1,
-                    lease_s=lease_s,
-                    renewed_at=utcnow(),
+            with self._bounded(session):
+                done = session.execute(
+                    update(ControlPlaneLease)
+                    .where(ControlPlaneLease.name == self.name, ControlPlaneLease.version == seen.version)
+                    .values(
+                        holder=me,
+                        epoch=ControlPlaneLease.epoch + 1,
+                        version=ControlPlaneLease.version + 1,
+                        lease_s=lease_s,
+                        renewed_at=utcnow(),
+                    )
                 )
-            )
             session.commit()
             if done.rowcount != 1:
                 return None
@@ -73,15 +122,16 @@ class LeaseStore:
     def renew(self, me: str, epoch: int) -> LeaseRecord | None:
         """The renewed lease, or None when `me` no longer holds `epoch`."""
         with self.sessions() as session:
-            done = session.execute(
-                update(ControlPlaneLease)
-                .where(
-                    ControlPlaneLease.name == self.name,
-                    ControlPlaneLease.holder == me,
-                    ControlPlaneLease.epoch == epoch,
+            with self._bounded(session):
+                done = session.execute(
+                    update(ControlPlaneLease)
+                    .where(
+                        ControlPlaneLease.name == self.name,
+                        ControlPlaneLease.holder == me,
+                        ControlPlaneLease.epoch == epoch,
+                    )
+                    .values(version=ControlPlaneLease.version + 1, renewed_at=utcnow())
                 )
-                .values(version=ControlPlaneLease.version + 1, renewed_at=utcnow())
-            )
             if done.rowcount != 1:
                 session.rollback()
                 return None
