@@ -72,7 +72,11 @@ class NatsLoop:
             log.exception("%s failed", what)
 
     async def _close(self) -> None:
-        """Cancel the tasks, wait for them, and unsubscribe."""
+        """Stop hearing (re)connects, cancel the tasks, wait for them, and unsubscribe."""
+        link = self.ctx.nats
+        off_connect = getattr(link, "off_connect", None)
+        if off_connect is not None:
+            off_connect(self._on_connect)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

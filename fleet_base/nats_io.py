@@ -138,6 +138,11 @@ class NatsLink:
     def on_connect(self, callback: OnConnect) -> None:
         self._on_connect.append(callback)
 
+    def off_connect(self, callback: OnConnect) -> None:
+        """Forget a callback `on_connect` registered (a stopped loop must not be called again)."""
+        with contextlib.suppress(ValueError):
+            self._on_connect.remove(callback)
+
     @property
     def is_connected(self) -> bool:
         return self.nc is not None and self.nc.is_connected

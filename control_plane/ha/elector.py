@@ -157,6 +157,9 @@ class Elector:
         await self.demote("shutting down", timeout_s=SHUTDOWN_STOP_S)
         if self.ctx.on_kick == self._forward_kick:
             self.ctx.on_kick = None
+        off_connect = getattr(self.ctx.nats, "off_connect", None)
+        if off_connect is not None:
+            off_connect(self._subscribe_kicks)
         if self._beating is not None:  # must not write our row again after we leave
             await asyncio.wait({self._beating}, timeout=5)
         with contextlib.suppress(Exception):
