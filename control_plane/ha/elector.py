@@ -1,6 +1,7 @@
 """The elector: one asyncio task per control-plane process that, every `leader_retry_s`,
-heartbeats this member, reads the lease and acquires or renews it by `election.Candidate`'s
-decision (database work in threads). On winning it starts the control loops with a fenced
+reads the lease and acquires or renews it by `election.Candidate`'s decision, then
+heartbeats this member in the background (database work on threads of its own, each call
+bounded). On winning it starts the control loops, in a task of their own, with a fenced
 copy of the context; it stops them when it cannot renew within the renew deadline (a
 watchdog, so a hung database call cannot delay it), when a renew is refused, or when a
 fenced commit raises `Fenced`; on a clean shutdown it releases the lease so a successor
