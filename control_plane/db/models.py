@@ -276,6 +276,10 @@ class UsageRecord(Base):
     itl_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     greedy_match: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
     first_diff_token: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # a hop of a pipeline request: the pipeline, its step, and the id tying its hops together
+    pipeline: Mapped[str | None] = mapped_column(String(63), nullable=True, index=True)
+    pipeline_step: Mapped[str | None] = mapped_column(String(63), nullable=True)
+    pipeline_request: Mapped[str | None] = mapped_column(String(128), nullable=True, index=True)
 
 
 class Event(Base):

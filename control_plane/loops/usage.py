@@ -90,6 +90,9 @@ def _values(r: protocol.UsageRecord, seq: int | None = None) -> dict:
         "itl_s": r.itl_s,
         "greedy_match": r.greedy_match,
         "first_diff_token": r.first_diff_token,
+        "pipeline": r.pipeline,
+        "pipeline_step": r.pipeline_step,
+        "pipeline_request": r.pipeline_request,
     }
 
 

@@ -120,8 +120,48 @@ def test_read_scope_reads_and_cannot_write(cp_server, admin):
         assert stranger.get("/v1/pipelines").status_code == 401
 
 
-@pytest.mark.parametrize("path", ["%00", "Not_A_Name", "a" * 64, "%F0%9F%98%80"])
-def test_a_name_no_pipeline_can_have_is_422_before_any_query(admin, path):
+@pytest.mark.parametrize(
+    ("path", "status"), [("%00", 400), ("Not_A_Name", 422), ("a" * 64, 422), ("%F0%9F%98%80", 422)]
+)
+def test_a_name_no_pipeline_can_have_is_4xx_before_any_query(admin, path, status):
+    """A control character is refused for every path (400), a bad name by the route (422)."""
     for method in ("GET", "DELETE"):
         res = admin.request(method, f"/v1/pipelines/{path}")
-        assert res.status_code == 422, (method, path, res.text)
+        assert res.status_code == status, (method, path, res.text)
+
+
+def test_requests_say_where_each_hop_ran_from_the_usage_records(admin, db):  # noqa: F811
+    """Hop records stored by the usage loop's own writer come back grouped by pipeline
+    request; a request whose hops ran in two clusters is counted as split."""
+    from control_plane.loops.usage import store_records
+    from fleet_base.protocol import UsageRecord
+
+    emb, chat = _deployments(admin, "emb", "chat")
+    name = uniq("rag")
+    steps = [{"name": "embed", "deployment": emb}, {"name": "answer", "deployment": chat}]
+    ok(admin.post("/v1/pipelines", json={"name": name, "steps": steps}), 201)
+
+    def hop(request: str, step: str, deployment: str, cluster: str) -> UsageRecord:
+        return UsageRecord(
+            cluster=cluster, key_id="k1", deployment=deployment, latency_s=0.1,
+            pipeline=name, pipeline_step=step, pipeline_request=request,
+        )  # fmt: skip
+
+    records = [
+        hop("east.1", "embed", emb, "east"), hop("east.1", "answer", chat, "east"),
+        hop("west.2", "embed", emb, "west"), hop("west.2", "answer", chat, "west"),
+        hop("east.3", "embed", emb, "east"), hop("east.3", "answer", chat, "west"),
+        UsageRecord(cluster="east", key_id="k1", deployment=chat),  # not a pipeline hop
+    ]  # fmt: skip
+    assert store_records(db, records) == len(records)
+
+    got = ok(admin.get(f"/v1/pipelines/{name}/requests", params={"since": "1h"}))
+    assert (got["requests"], got["split"], got["by_cluster"]) == (3, 1, {"east": 1, "west": 1})
+    by_id = {i["request"]: i for i in got["items"]}
+    assert by_id["east.3"]["clusters"] == ["east", "west"] and by_id["east.3"]["split"]
+    assert [(h["step"], h["cluster"]) for h in by_id["west.2"]["hops"]] == [
+        ("embed", "west"),
+        ("answer", "west"),
+    ]
+    assert admin.get(f"/v1/pipelines/{uniq('nope')}/requests").status_code == 404
+    assert admin.get(f"/v1/pipelines/{name}/requests", params={"since": "soon"}).status_code == 422

@@ -3,18 +3,20 @@ A write kicks the reconcile loop, which places the steps together (or reports wh
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Request
-from pydantic import ValidationError
+from fastapi import APIRouter, Path, Query, Request
+from pydantic import BaseModel, ValidationError
 from sqlalchemy import select
 
 from control_plane.api.audit import audit, event
 from control_plane.api.deps import PagingDep, PrincipalDep, SessionDep, insert, kick
 from control_plane.api.errors import conflict, invalid, not_found
+from control_plane.api.routers.usage import parse_since
 from control_plane.api.schemas import Page, PipelineCreate, PipelineStatus, PipelineSummary
 from control_plane.api.views import pipeline_summaries, pipeline_summary
-from control_plane.db.models import Pipeline
+from control_plane.db.models import Pipeline, UsageRecord
 from control_plane.pipelines import load_pipeline, missing_deployments, row_of
 from fleet_base.domain import DEPLOYMENT_NAME_PATTERN
 
@@ -82,3 +84,87 @@ def delete_pipeline(name: NameParam, request: Request, session: SessionDep, who:
     session.commit()
     kick(request)
     return before
+
+
+class PipelineHop(BaseModel):
+    at: datetime
+    step: str | None
+    deployment: str
+    cluster: str
+    region: str
+    status: int
+    latency_s: float
+
+
+class PipelineRequestHops(BaseModel):
+    request: str
+    clusters: list[str]  # where its hops ran; more than one: the request was split
+    split: bool
+    hops: list[PipelineHop]
+
+
+class PipelineRequests(BaseModel):
+    """Where each pipeline request's hops ran, from the stored usage records."""
+
+    pipeline: str
+    since: datetime
+    requests: int
+    split: int  # requests whose hops ran in more than one cluster
+    by_cluster: dict[str, int]  # requests served whole in each cluster
+    items: list[PipelineRequestHops]
+
+
+@router.get("/{name}/requests", response_model=PipelineRequests)
+def pipeline_requests(
+    name: NameParam,
+    session: SessionDep,
+    who: PrincipalDep,
+    since: Annotated[str, Query(max_length=64)] = "1h",
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+):
+    """The newest `limit` hop records (not requests) since `since`, grouped by request."""
+    _load(session, name)
+    now = datetime.now(timezone.utc)
+    start = parse_since(since, now)
+    rows = session.scalars(
+        select(UsageRecord)
+        .where(UsageRecord.pipeline == name, UsageRecord.at >= start, UsageRecord.shadow.is_(False))
+        .order_by(UsageRecord.at.desc(), UsageRecord.id.desc())
+        .limit(limit)
+    ).all()
+    grouped: dict[str, list[UsageRecord]] = {}
+    for r in reversed(rows):
+        grouped.setdefault(r.pipeline_request or f"record-{r.id}", []).append(r)
+    items = []
+    by_cluster: dict[str, int] = {}
+    for request_id, hops in grouped.items():
+        clusters = sorted({h.cluster for h in hops})
+        if len(clusters) == 1:
+            by_cluster[clusters[0]] = by_cluster.get(clusters[0], 0) + 1
+        items.append(
+            PipelineRequestHops(
+                request=request_id,
+                clusters=clusters,
+                split=len(clusters) > 1,
+                hops=[
+                    PipelineHop(
+                        at=h.at,
+                        step=h.pipeline_step,
+                        deployment=h.deployment,
+                        cluster=h.cluster,
+                        region=h.region,
+                        status=h.status,
+                        latency_s=h.latency_s,
+                    )
+                    for h in hops
+                ],
+            )
+        )
+    return PipelineRequests(
+        pipeline=name,
+        since=start,
+        requests=len(items),
+        split=sum(1 for i in items if i.split),
+        by_cluster=by_cluster,
+        items=items,
+    )
