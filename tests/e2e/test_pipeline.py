@@ -7,8 +7,9 @@ and asks the chat model with them (the second hop, same pipeline request), throu
 own cluster's gateway.
 
 What must hold (docs/pipelines.md, "Routing"): every hop of a pipeline request is served
-in one cluster, the client's while every step is ready there, as the usage records the
-gateways publish say (`pipeline`, `pipeline_step`, `pipeline_request`, `cluster`); with the
+in one cluster, the client's while every step is ready there, as the client sees it
+(`x-fleet-cluster`) and as the stored usage records say (`GET /v1/pipelines/rag/requests`:
+each hop's step, deployment and cluster, grouped by `pipeline_request`); with the
 chat replica of one cluster killed, new pipeline requests through that cluster's gateway
 are served whole by the other cluster, never split; no client request fails except hops
 refused with the documented 503 while the gateway learns of the loss (counted, and the
@@ -21,21 +22,15 @@ most of the test's time."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import math
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import nats
 import pytest
 
-from fleet_base.protocol import UsageRecord
-from fleet_base.security.tls import client_context
 from tests.e2e.sim_fleet import SimFleet, kill_trees, wait_for
 from tests.fleetctl import fleetctl_json
 
@@ -91,58 +86,26 @@ class Run:
         return [h for h in self.hops if h.status == 200][-2:]
 
 
-class UsageTap:
-    """Every usage record the gateways publish (`fleet.v1.usage.*`), read off NATS with the
-    control plane's identity: the records as the control plane receives them."""
+def stored_requests(fleet: SimFleet) -> dict[str, list[dict]]:
+    """request id -> its hops (step, deployment, cluster, status) from the control plane's
+    stored usage records (`GET /v1/pipelines/rag/requests`)."""
+    r = fleet.api("GET", f"/v1/pipelines/{PIPELINE}/requests", params={"since": "1h"})
+    assert r.status_code == 200, r.text
+    return {item["request"]: item["hops"] for item in r.json()["items"]}
 
-    def __init__(self, fleet: SimFleet) -> None:
-        self.fleet = fleet
-        self.records: list[UsageRecord] = []
-        self._ready = threading.Event()
-        self._stop: asyncio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
-    async def _run(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
-        env = self.fleet.local.enrolment.control_plane_env()
-        tls = client_context(env["FLEET_NATS_CA"], env["FLEET_NATS_CERT"], env["FLEET_NATS_KEY"])
-        nc = await nats.connect(self.fleet.state.nats_url, tls=tls)
+def wait_stored(fleet: SimFleet, ids: set[str], timeout: float = 30) -> dict[str, list[dict]]:
+    """The stored requests once every one of `ids` has its two served hops there."""
 
-        async def take(msg) -> None:
-            with contextlib.suppress(Exception):
-                self.records.append(UsageRecord.model_validate_json(msg.data))
+    def complete():
+        got = stored_requests(fleet)
+        return all(sum(h["status"] == 200 for h in got.get(i, [])) >= 2 for i in ids) and got
 
-        await nc.subscribe("fleet.v1.usage.*", cb=take)
-        await nc.flush()
-        self._ready.set()
-        await self._stop.wait()
-        await nc.close()
+    return wait_for(complete, timeout, 0.5, "the stored usage records of every pipeline request")
 
-    def start(self) -> UsageTap:
-        self._thread.start()
-        assert self._ready.wait(20), "the usage tap could not subscribe"
-        return self
 
-    def stop(self) -> None:
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(10)
-
-    def by_request(self) -> dict[str, list[UsageRecord]]:
-        out: dict[str, list[UsageRecord]] = {}
-        for r in list(self.records):
-            if r.pipeline == PIPELINE and r.pipeline_request:
-                out.setdefault(r.pipeline_request, []).append(r)
-        return out
-
-    def wait_for_requests(self, ids: set[str], timeout: float = 20) -> dict[str, list[UsageRecord]]:
-        def complete():
-            got = self.by_request()
-            return all(len([r for r in got.get(i, []) if r.status == 200]) >= 2 for i in ids) and got
-
-        return wait_for(complete, timeout, 0.2, "the usage records of every pipeline request")
+def served_hops(hops: list[dict]) -> set[tuple[str, str, str]]:
+    return {(h["step"], h["deployment"], h["cluster"]) for h in hops if h["status"] == 200}
 
 
 @pytest.fixture(scope="module")
@@ -264,7 +227,7 @@ def served_in(run: Run) -> list[tuple[str, str]]:
     return [(h.step, h.cluster) for h in run.served]
 
 
-def serve_from_both(fleet: SimFleet, corpus: list[list[float]], tap: UsageTap) -> list[Run]:
+def serve_from_both(fleet: SimFleet, corpus: list[list[float]]) -> list[Run]:
     """PER_CLUSTER pipeline requests through each gateway: every hop in the client's cluster."""
     for region in (EAST, WEST):  # each gateway serves locally once its routes carry the pipeline
         wait_for(
@@ -281,17 +244,14 @@ def serve_from_both(fleet: SimFleet, corpus: list[list[float]], tap: UsageTap) -
         assert run.refused == 0 and run.request_id, run
         if "capital" in run.question:  # retrieval works: the Paris passage is found
             assert 4 in run.passages, run.passages
-    records = tap.wait_for_requests({run.request_id for run in runs})
-    for run in runs:  # the usage records say so too: each hop's step, deployment and cluster
-        assert {(r.pipeline_step, r.deployment, r.cluster) for r in records[run.request_id] if r.status == 200} == {
-            ("embed", EMBED, run.gateway), ("answer", ANSWER, run.gateway)
-        }, records[run.request_id]  # fmt: skip
+    stored = wait_stored(fleet, {run.request_id for run in runs})
+    for run in runs:  # the stored usage records say so too: each hop's step, deployment and cluster
+        want = {("embed", EMBED, run.gateway), ("answer", ANSWER, run.gateway)}
+        assert served_hops(stored[run.request_id]) == want, stored[run.request_id]
     return runs
 
 
-def fail_over(
-    fleet: SimFleet, corpus: list[list[float]], tap: UsageTap
-) -> tuple[list[Run], list[Run], float]:
+def fail_over(fleet: SimFleet, corpus: list[list[float]]) -> tuple[list[Run], list[Run], float]:
     """Kill east's chat replica; new pipeline requests through east's gateway: those until
     the first is served whole in west (the switch), then up to AFTER_KILL more while east's
     chat is still down. Returns (switch, moved, seconds from the kill to the first in west)."""
@@ -316,11 +276,9 @@ def fail_over(
     for run in moved:  # served whole in west, as the client saw it, nothing refused
         assert served_in(run) == [("embed", WEST), ("answer", WEST)], run.hops
         assert run.refused == 0, run.hops
-    records = tap.wait_for_requests({run.request_id for run in [*switch, *moved]})
-    for run in moved:  # and as the usage records say
-        assert {(r.pipeline_step, r.cluster) for r in records[run.request_id] if r.status == 200} == {
-            ("embed", WEST), ("answer", WEST)
-        }, records[run.request_id]  # fmt: skip
+    stored = wait_stored(fleet, {run.request_id for run in [*switch, *moved]})
+    for run in moved:  # and as the stored usage records say
+        assert served_hops(stored[run.request_id]) == {("embed", EMBED, WEST), ("answer", ANSWER, WEST)}
     return switch, moved, switch_s
 
 
@@ -353,20 +311,12 @@ def test_rag_pipeline_stays_in_a_cluster_and_fails_over_whole(fleet: SimFleet) -
     wait_for(lambda: pipeline_status(fleet) == {EAST: True, WEST: True}, 300, 1.0, "every step ready in both")
     ready_s = time.monotonic() - t0
 
-    tap = UsageTap(fleet).start()
-    try:
-        r, corpus = embed(fleet.gateways[EAST], fleet.key, CORPUS, {})  # once: plain deployment traffic
-        assert r.status_code == 200 and len(corpus) == len(CORPUS), r.text
-        local = serve_from_both(fleet, corpus, tap)
-        switch, moved, switch_s = fail_over(fleet, corpus, tap)
-        requests = tap.by_request()
-        for request_id, hops in requests.items():  # no pipeline request was ever split
-            assert len({r.cluster for r in hops}) == 1, (
-                request_id,
-                [(r.pipeline_step, r.cluster) for r in hops],
-            )
-    finally:
-        tap.stop()
+    r, corpus = embed(fleet.gateways[EAST], fleet.key, CORPUS, {})  # once: plain deployment traffic
+    assert r.status_code == 200 and len(corpus) == len(CORPUS), r.text
+    local = serve_from_both(fleet, corpus)
+    switch, moved, switch_s = fail_over(fleet, corpus)
+    row = fleet.api("GET", f"/v1/pipelines/{PIPELINE}/requests", params={"since": "1h"}).json()
+    assert row["split"] == 0, [i for i in row["items"] if i["split"]]  # no pipeline request ever split
 
     runs = [*local, *switch, *moved]
     refused = {
@@ -378,7 +328,7 @@ def test_rag_pipeline_stays_in_a_cluster_and_fails_over_whole(fleet: SimFleet) -
         f"requests served whole in the client's cluster; {EAST}'s chat killed: the first new request through "
         f"{EAST} served whole in {WEST} {switch_s:.1f} s later ({len(switch)} tried; hops refused with the "
         f"documented 503 and restarted: {refused}), then {len(moved)} more whole in {WEST}; "
-        f"{len(requests)} pipeline requests in the usage records, 0 split; 0 client failures"
+        f"{row['requests']} pipeline requests in the stored usage records ({row['by_cluster']}), 0 split; 0 client failures"
     )
     print(
         f"[pipeline] a sample answer: {local[2].question!r} -> {local[2].answer!r} (passages {local[2].passages})"
