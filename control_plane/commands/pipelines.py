@@ -3,12 +3,15 @@ in the same clusters (docs/pipelines.md)."""
 
 from __future__ import annotations
 
+import re
+
 import typer
 from rich.markup import escape
 from rich.table import Table
 
 from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, call, console, done, emit_json, fail
 from control_plane.commands.rollout import parse_duration
+from fleet_base.domain import DEPLOYMENT_NAME_PATTERN
 
 pipeline_app = typer.Typer(
     help="Pipelines: deployments that serve one request together, co-placed per cluster.",
@@ -22,6 +25,14 @@ def parse_step(text: str) -> dict[str, str]:
     if not sep or not name.strip() or not deployment.strip():
         fail(f"--step {text!r}: expected STEP=DEPLOYMENT, e.g. --step embed=bge-small")
     return {"name": name.strip(), "deployment": deployment.strip()}
+
+
+def pipeline_name(name: str) -> str:
+    """NAME as it may stand in the URL path: a pipeline's name, or a clear error (never a path
+    like '../keys' sent to another route)."""
+    if not re.fullmatch(DEPLOYMENT_NAME_PATTERN, name):
+        fail(f"pipeline name {name!r}: expected lowercase letters, digits and '-' (at most 63), e.g. rag")
+    return name
 
 
 def _budget(slo_e2e_s: float | None) -> str:
@@ -81,7 +92,7 @@ def pipeline_get(
     name: str = typer.Argument(..., help="the pipeline"), output: OutputFormat = OUTPUT_OPTION
 ) -> None:
     """The pipeline's steps and, per cluster, each step's ready replicas."""
-    row = call(lambda c: c.get(f"/v1/pipelines/{name}"))
+    row = call(lambda c: c.get(f"/v1/pipelines/{pipeline_name(name)}"))
     if output == OutputFormat.json:
         emit_json(row)
         return
@@ -109,7 +120,7 @@ def pipeline_rm(
     name: str = typer.Argument(..., help="the pipeline"), output: OutputFormat = OUTPUT_OPTION
 ) -> None:
     """Delete the pipeline; its deployments stay (and may be placed apart again)."""
-    row = call(lambda c: c.delete(f"/v1/pipelines/{name}"))
+    row = call(lambda c: c.delete(f"/v1/pipelines/{pipeline_name(name)}"))
     done(row, output, f"deleted pipeline {escape(row['name'])} (its deployments stay)")
 
 

@@ -79,6 +79,13 @@ def test_fleetctl_pipeline(sqlite_server: ControlPlaneServer) -> None:
     malformed = fleetctl(home, "pipeline", "create", "bad", "--step", "embed", check=False)
     assert malformed.returncode == 1 and "STEP=DEPLOYMENT" in malformed.stderr
 
+    for verb in ("get", "rm"):
+        for bad in ("../keys", "RAG", "a/b"):
+            refused = fleetctl(home, "pipeline", verb, bad, check=False)
+            assert refused.returncode == 1 and f"pipeline name {bad!r}" in refused.stderr
+            assert "Traceback" not in refused.stderr
+    assert [p["name"] for p in fleetctl_json(home, "pipeline", "ls")] == ["rag"]
+
     assert "deleted pipeline rag" in fleetctl(home, "pipeline", "rm", "rag").stdout
     gone = fleetctl(home, "pipeline", "get", "rag", check=False)
     assert gone.returncode == 1 and "not found" in gone.stderr
