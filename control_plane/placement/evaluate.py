@@ -11,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 from control_plane.placement.base import Assignment, PlacementResult, PoolCapacity, ReplicaDemand
-from control_plane.placement.colocation import groups, splits
+from control_plane.placement.colocation import groups, presence, splits
 from control_plane.placement.quotas import GpuQuotas, class_caps, preemptible, running_gpus
 from fleet_base.domain import Tier
 from fleet_base.pipelines import PipelineSpec
@@ -222,18 +222,38 @@ def plan_problems(
     for p in result.preempted:  # short by its preemptions: those are not drops
         missing[(p.deployment, p.version)] = missing.get((p.deployment, p.version), 0) - 1
     removed = [r for r in result.removed if r not in victims]
-    # a pipeline step's running replicas leave a cluster its other steps cannot join
-    stepped = {dep for g in groups(pipelines, demands, pools) for dep in g.deployments}
+    forced = _forced_off(pipelines, demands, pools, current, result.assignments)
     return (
         violations(demands, pools, result.assignments)
         + dropped_running(
-            [d for d in demands if d.deployment not in stepped],
-            pools,
-            current,
-            removed,
-            result.added,
-            missing,
+            demands, pools, current, [r for r in removed if r not in forced], result.added, missing
         )
         + priority_problems(demands, pools, current, result, quotas)
         + splits(pipelines, demands, result.assignments)
     )
+
+
+def _forced_off(
+    pipelines: Sequence[PipelineSpec],
+    demands: Sequence[ReplicaDemand],
+    pools: Sequence[PoolCapacity],
+    current: Sequence[Assignment],
+    assignments: Sequence[Assignment],
+) -> set[str]:
+    """Running replicas of a pipeline step that co-placement forces off their cluster: one
+    outside the clusters where every step of its unit can run, or in a cluster the plan
+    leaves without some other step of the unit. Dropping those is not a wrong drop; any
+    other drop of a step's replica still is."""
+    found = groups(pipelines, demands, pools)
+    if not found:
+        return set()
+    out: set[str] = set()
+    for g in found:
+        where = presence(g, assignments)
+        for a in current:
+            if a.deployment not in g.steps:
+                continue
+            others = set(g.deployments) - {a.deployment}
+            if a.cluster not in g.clusters or not others <= where.get(a.cluster, set()):
+                out.add(a.replica_id)
+    return out

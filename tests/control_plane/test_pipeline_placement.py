@@ -10,8 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from control_plane.placement import FirstFitDecreasing, MilpPlacer, PoolCapacity, ReplicaDemand
+from control_plane.placement.base import PlacementResult, Unplaced
 from control_plane.placement.colocation import groups, splits
-from control_plane.placement.evaluate import violations
+from control_plane.placement.evaluate import plan_problems, violations
 from control_plane.placement.ffd import spot_safe_ffd
 from control_plane.placement.pipeline import PlacementInputs, run
 from fleet_base.domain import ClusterStatus, Tier
@@ -348,3 +349,31 @@ def test_running_steps_leave_a_cluster_the_other_step_has_no_room_in(placer) -> 
     assert short.deployment == "emb" and short.missing == 1 and "pipeline rag" in short.reason
     if placer == "milp":
         assert out.info is not None and out.info.method.startswith("milp"), out.info
+
+
+def test_verify_catches_a_wrong_drop_of_a_steps_running_replica() -> None:
+    """Only drops co-placement forces are exempt: dropping a running answer replica in a
+    cluster that keeps every step, leaving it short, is a wrong drop; the pipeline falls
+    back to first-fit-decreasing, which keeps it."""
+    pools = [pool(c, m) for c in ("a", "b") for m in ("l4", "h100")]
+    demands = [demand("emb", 2, "l4"), demand("chat", 2, "h100")]
+    running = FirstFitDecreasing().place(demands, pools).assignments
+    assert len(running) == 4 and splits([RAG], demands, running) == []
+    chat = [a for a in running if a.deployment == "chat"]
+    wrong = PlacementResult(
+        kept=tuple(a for a in running if a is not chat[0]),
+        removed=(chat[0].replica_id,),
+        unplaced=(Unplaced(deployment="chat", version=1, missing=1, reason="dropped"),),
+    )
+    problems = plan_problems(demands, pools, running, wrong, pipelines=[RAG])
+    assert problems == ["chat v1: 1 running replica(s) dropped while 1 short"]
+
+    class Dropper(MilpPlacer):
+        def solve(self, demands, pools, current=(), lp_bound=False, previous=None, pipelines=()):
+            _, info = super().solve(demands, pools, current, lp_bound, previous, pipelines)
+            return wrong, info
+
+    inputs = PlacementInputs(demands=tuple(demands), pools=tuple(pools), current=running, pipelines=(RAG,))
+    out = run(inputs, Dropper(time_limit_s=2.0))
+    assert out.info.method == "greedy-error" and "dropped" in out.info.note
+    assert counts(out.result) == {"emb": 2, "chat": 2} and out.result.removed == ()
