@@ -10,10 +10,13 @@ reaches, goes to that cluster's replicas of its step and no other (docs/pipeline
 "Routing"):
 
 - a new request (no id, or an id that names no cluster) is served here when every step is
-  ready here, else forwarded whole to the nearest peer where every step is, else refused;
+  ready here, else forwarded whole to the nearest peer where every step is, else served
+  here when every step is placed here (replicas starting or scaled to zero: it queues, its
+  demand wakes them), else refused;
 - a later hop owned here stays here while its step has a healthy replica here (it queues
-  rather than spill), else it is refused so the client restarts the pipeline request,
-  which then fails over whole;
+  rather than spill), or while no peer is ready and its step is placed here (a cold
+  start); else it is refused so the client restarts the pipeline request, which then
+  fails over whole;
 - a later hop owned by another cluster goes there (refused when that cluster is not a live
   peer: serving it elsewhere would split the pipeline);
 - a peer gateway's forward is served where it lands, as every forward is.
@@ -64,6 +67,7 @@ class PipelineFacts:
     live_peers: frozenset[str] = frozenset()  # live permitted peers serving this hop's step
     request_id: str | None = None  # the X-Fleet-Pipeline-Request header
     forwarded: bool = False  # a peer gateway's forward: served here
+    placed_here: bool = False  # every step is placed here (replicas starting or scaled to zero)
 
     @property
     def deployment(self) -> str:
@@ -75,6 +79,11 @@ class PipelineFacts:
     def ready(self) -> bool:
         """Every step of the pipeline has a healthy ready replica here."""
         return set(self.pipeline.deployments) <= self.ready_here
+
+    @property
+    def cold_here(self) -> bool:
+        """Ready nowhere, placed here: served here once the cold start is done."""
+        return self.placed_here and not self.ready_peers
 
 
 @dataclass(frozen=True)
@@ -101,7 +110,7 @@ def decide(f: PipelineFacts) -> PipelineDecision:
             return PipelineDecision("local", "forwarded-in", mint=True)
         return (
             PipelineDecision("local", "forwarded-in", request_id=carried)
-            if step_here
+            if step_here or f.cold_here
             else _step_down(f, carried)
         )
     if owner is None:  # a new pipeline request
@@ -109,6 +118,8 @@ def decide(f: PipelineFacts) -> PipelineDecision:
             return PipelineDecision("local", "ready-here", mint=True)
         if f.ready_peers:
             return PipelineDecision("forward", "not-ready-here", peer=f.ready_peers[0])
+        if f.placed_here:  # queues here; its demand wakes the steps scaled to zero
+            return PipelineDecision("local", "placed-here", mint=True)
         missing = [s.name for s in f.pipeline.steps if s.deployment not in f.ready_here]
         return PipelineDecision(
             "refuse",
@@ -121,7 +132,9 @@ def decide(f: PipelineFacts) -> PipelineDecision:
         )
     if owner == f.here:
         return (
-            PipelineDecision("local", "hop-here", request_id=carried) if step_here else _step_down(f, carried)
+            PipelineDecision("local", "hop-here", request_id=carried)
+            if step_here or f.cold_here
+            else _step_down(f, carried)
         )
     if owner in f.live_peers:
         return PipelineDecision("forward", "hop-to-owner", peer=owner, request_id=carried)

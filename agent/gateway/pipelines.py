@@ -126,7 +126,8 @@ class PipelineRouting:
         allowed: frozenset[str] | None,
     ) -> PipelineFacts:
         router = self.router
-        ready_here = frozenset(d for d in spec.deployments if router.cluster_facts(d).usable)
+        here = {d: router.cluster_facts(d) for d in spec.deployments}
+        ready_here = frozenset(d for d, c in here.items() if c.usable)
         deployment = next(s.deployment for s in spec.steps if s.name == step)
         order = [p.cluster for p in router.live_peers(deployment) if permits(allowed, p.jurisdiction)]
         ready_in: dict[str, frozenset[str]] = {}
@@ -145,7 +146,13 @@ class PipelineRouting:
             live_peers=frozenset(order),
             request_id=request_id,
             forwarded=forwarded,
+            placed_here=all(c.usable or (c.coming and self.placed(d)) for d, c in here.items()),
         )
+
+    def placed(self, deployment: str) -> bool:
+        """The deployment's routing table lists this cluster (its replicas may be at zero)."""
+        route = self.router.view.route(deployment)
+        return route is not None and any(c.cluster == self.cluster for c in route.clusters)
 
     def finished(self, hop: PipelineHop, status: int, seconds: float) -> None:
         if 200 <= status < 300:

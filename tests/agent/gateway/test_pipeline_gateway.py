@@ -81,8 +81,9 @@ class Cluster:
         self.hits: list[str] = []
         self.behaviour: dict[str, Handler] = {}
 
-    def write(self, up: dict[str, set[str]]) -> None:
-        """State files: our replicas that are up, and routes naming every cluster's ready counts."""
+    def write(self, up: dict[str, set[str]], zero: frozenset[str] = frozenset()) -> None:
+        """State files: our replicas that are up, and routes naming every cluster's ready counts
+        (`zero`: deployments that scale to zero)."""
         mine = up[self.name]
         reps = [
             replica(
@@ -107,6 +108,7 @@ class Cluster:
                     for c in ("east", "west")
                 ],
                 pipelines=[RAG] if d in RAG.deployments else [],
+                scale_to_zero=d in zero,
             )
             for d in ("emb", "chat", "solo")
         ]
@@ -296,6 +298,37 @@ async def test_ready_nowhere_is_a_503_with_the_reason(tmp_path: Path) -> None:
     r = await fleet.east.post("emb", PIPE)
     assert r.status_code == 503 and _error(r)["code"] == "pipeline_unavailable"
     assert "answer" in _error(r)["message"] and fleet.east.hits == []
+
+
+async def test_a_pipeline_scaled_to_zero_here_is_served_here_after_its_cold_start(tmp_path: Path) -> None:
+    """Ready nowhere, every step placed here at zero replicas: the request queues here, its
+    demand is signalled (the autoscaler wakes the step) and it is served once a replica is up."""
+    cold = {"east": {"solo"}, "west": {"solo"}}
+    fleet = Fleet(tmp_path, cold)
+    east = fleet.east
+    assert east.gw is not None
+    east.write(cold, zero=RAG.deployments)
+    east.gw.view.refresh(force=True)
+    first = asyncio.create_task(east.post("emb", PIPE))
+    await until(lambda: east.gw.demand.queued.get("emb", 0) >= 1)  # type: ignore[union-attr]
+    east.write({"east": ALL, "west": {"solo"}}, zero=RAG.deployments)  # the cold start is done
+    east.gw.view.refresh(force=True)
+    r = await first
+    assert r.status_code == 200, r.text
+    rid = r.headers[PIPELINE_REQUEST_HEADER]
+    assert rid.startswith("east.") and r.headers["X-Fleet-Cluster"] == "east"
+    assert [(x.cluster, x.pipeline_step, x.pipeline_request) for x in east.records] == [
+        ("east", "embed", rid)
+    ]
+    east.write(cold, zero=RAG.deployments)  # answer's step is still at zero: its hop waits here too
+    east.gw.view.refresh(force=True)
+    second = asyncio.create_task(east.post("chat", {**PIPE, PIPELINE_REQUEST_HEADER: rid}))
+    await until(lambda: east.gw.demand.queued.get("chat", 0) >= 1)  # type: ignore[union-attr]
+    east.write({"east": ALL, "west": {"solo"}}, zero=RAG.deployments)
+    east.gw.view.refresh(force=True)
+    r = await second
+    assert r.status_code == 200 and r.headers["X-Fleet-Cluster"] == "east"
+    assert "west" not in east.hits
 
 
 async def test_unknown_pipeline_and_a_model_outside_it_are_400s(tmp_path: Path) -> None:

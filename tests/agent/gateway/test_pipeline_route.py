@@ -33,8 +33,11 @@ def facts(
     live: frozenset[str] = frozenset({"west", "north"}),
     request_id: str | None = None,
     forwarded: bool = False,
+    placed: bool = False,
 ) -> PipelineFacts:
-    return PipelineFacts(RAG, step, "east", ready_here, ready, live, request_id, forwarded)
+    return PipelineFacts(
+        RAG, step, "east", ready_here, ready, live, request_id, forwarded, placed_here=placed
+    )
 
 
 # (case, facts, (action, reason, peer, carried id, mint))
@@ -55,6 +58,31 @@ TABLE = [
         "new, ready nowhere",
         facts(ready_here=frozenset({"emb"})),
         ("refuse", "not-ready-anywhere", "", "", False),
+    ),
+    (
+        "new, ready nowhere, every step placed here at zero: served here (queues, wakes them)",
+        facts(ready_here=frozenset(), placed=True),
+        ("local", "placed-here", "", "", True),
+    ),
+    (
+        "new, placed here at zero but ready at a peer: whole to the peer",
+        facts(ready_here=frozenset(), ready=("west",), placed=True),
+        ("forward", "not-ready-here", "west", "", False),
+    ),
+    (
+        "later hop owned here, its step at zero here, ready nowhere: stays for the cold start",
+        facts("answer", ready_here=frozenset({"emb"}), request_id=MINE, placed=True),
+        ("local", "hop-here", "", MINE, False),
+    ),
+    (
+        "later hop owned here, its step at zero here, ready at a peer: refused (restart fails over)",
+        facts("answer", ready_here=frozenset({"emb"}), ready=("west",), request_id=MINE, placed=True),
+        ("refuse", "step-down", "", MINE, False),
+    ),
+    (
+        "a peer's forward of a hop owned here, its step at zero, ready nowhere: stays",
+        facts("answer", ready_here=frozenset({"emb"}), request_id=MINE, forwarded=True, placed=True),
+        ("local", "forwarded-in", "", MINE, False),
     ),
     (
         "an id naming no cluster: treated as new",
@@ -137,19 +165,20 @@ def test_ready_peers_keep_the_order_and_need_every_step() -> None:
     step=st.sampled_from(["embed", "answer"]),
     owner=st.sampled_from([None, "east", "west", "north", "south"]),
     forwarded=st.booleans(),
+    placed=st.booleans(),
 )
 def test_a_hop_never_leaves_for_a_cluster_other_than_its_owner(
-    ready_here, ready, step, owner, forwarded
+    ready_here, ready, step, owner, forwarded, placed
 ) -> None:
     """Whatever the facts: a hop owned by a cluster is served there or refused; a new request
     is served here only where every step is ready (or forwarded in), else sent to a ready peer."""
     rid = request_id_for(owner, "ab" * 12) if owner else None
-    f = facts(step, frozenset(ready_here), tuple(ready), request_id=rid, forwarded=forwarded)
+    f = facts(step, frozenset(ready_here), tuple(ready), request_id=rid, forwarded=forwarded, placed=placed)
     d = decide(f)
     if forwarded:
         assert d.action in ("local", "refuse")
     elif owner is None:
-        assert d.action != "local" or f.ready
+        assert d.action != "local" or f.ready or (placed and not ready)
         assert d.action != "forward" or d.peer in ready
     else:
         assert d.action != "local" or owner == "east"
