@@ -241,8 +241,15 @@ def _pipeline(
     output: OutputFormat,
 ) -> None:
     """A pipeline trace: every step its own deployment (its profile; the same settings)."""
+    from rich.markup import escape
+
     from control_plane.commands.rollout import parse_duration
-    from control_plane.simulate.pipeline import StepSetup, compare_pipeline
+    from control_plane.simulate.pipeline import (
+        StepSetup,
+        compare_pipeline,
+        trace_pipeline,
+        trace_pipeline_name,
+    )
     from control_plane.simulate.trace import TraceError, load_pipeline_trace
     from fleet_base.profile import load_profile
 
@@ -252,9 +259,14 @@ def _pipeline(
     try:
         steps, requests = load_pipeline_trace(trace, rate_scale=rate_scale, limit_s=limit)
     except TraceError as err:
-        fail(str(err))
+        fail(escape(str(err)))
     if not requests:
         fail(f"{trace}: no requests in the selected range")
+    pipeline = trace_pipeline_name(trace.stem)
+    try:
+        trace_pipeline(pipeline, steps, budget)
+    except ValueError as err:
+        fail(escape(f"{trace} with --slo-e2e {slo_e2e}: not a valid pipeline: {err}"))
     profiles = {name: prof for name in steps}
     for item in step_profiles:
         name, sep, value = item.partition("=")
@@ -271,7 +283,7 @@ def _pipeline(
         requests,
         setups,
         budget,
-        pipeline=trace.stem,
+        pipeline=pipeline,
         policy=policy,
         hop_s=hop_ms / 1000,
         tick_s=cfg.tick_s,

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import heapq
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from agent.sim.model import SimRequest
 from control_plane.autoscale.pipeline_budget import BudgetMemory, split, step_floor, step_latency
@@ -26,7 +27,7 @@ from control_plane.autoscale.policy import AutoscaleSettings
 from control_plane.simulate.des import Sample, Simulation
 from control_plane.simulate.report import percentile
 from control_plane.simulate.trace import PipelineTraceRequest
-from fleet_base.pipelines import PipelineSpec, PipelineStep
+from fleet_base.pipelines import PipelineSpec
 from fleet_base.profile import PerfProfile
 
 DEFAULT_HOP_S = 0.010  # one hop inside a cluster
@@ -264,6 +265,28 @@ def summarize(run: PipelineRun, slo_e2e_s: float) -> PipelineRow:
     )
 
 
+def trace_pipeline_name(stem: str) -> str:
+    """A pipeline name from a trace file's stem ('RAG_trace' -> 'rag-trace'; 'trace' when
+    nothing of it is left)."""
+    name = re.sub(r"[^a-z0-9-]+", "-", stem.lower())
+    name = re.sub(r"-+", "-", name)[:63].strip("-")
+    return name or "trace"
+
+
+def trace_pipeline(name: str, steps: Sequence[str], slo_e2e_s: float) -> PipelineSpec:
+    """The pipeline a trace replays: each step its own deployment. ValueError, one line naming
+    the field, when it is not a valid pipeline (step names, their count, repeats, the budget)."""
+    try:
+        return PipelineSpec.model_validate(
+            {"name": name, "steps": [{"name": n, "deployment": n} for n in steps], "slo_e2e_s": slo_e2e_s}
+        )
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(map(str, first["loc"])) or "pipeline"
+        bad = f" (got {first['input']!r})" if isinstance(first["input"], str | int | float) else ""
+        raise ValueError(f"{where}: {first['msg']}{bad}") from None
+
+
 def compare_pipeline(
     trace: Sequence[PipelineTraceRequest],
     steps: list[StepSetup],
@@ -281,11 +304,7 @@ def compare_pipeline(
     import time
 
     started = time.perf_counter()
-    spec = PipelineSpec(
-        name=pipeline,
-        steps=tuple(PipelineStep(name=s.name, deployment=s.name) for s in steps),
-        slo_e2e_s=slo_e2e_s,
-    )
+    spec = trace_pipeline(pipeline, [s.name for s in steps], slo_e2e_s)
     runs: list[PipelineRun] = []
     for label, aware in (("pipeline-aware", True), ("steps alone", False)):
         if on_run is not None:

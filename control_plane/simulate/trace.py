@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import re
 from dataclasses import dataclass
 from datetime import datetime
@@ -181,6 +182,8 @@ def load_pipeline_trace(
                     for s in obj["steps"]
                 )
                 at = float(obj["at"])
+                if not math.isfinite(at):
+                    raise ValueError(f"at {obj['at']!r} is not a finite number of seconds")
             except (ValueError, KeyError, TypeError) as err:
                 raise TraceError(f"{p}:{n}: a pipeline request needs at and steps[step, prompt_tokens, "
                                  f"output_tokens]: {err}") from err  # fmt: skip

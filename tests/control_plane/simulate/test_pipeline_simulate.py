@@ -12,7 +12,12 @@ from typer.testing import CliRunner
 from bench.pipeline_trace import pipeline_rows, write_jsonl
 from control_plane.cli import app
 from control_plane.simulate import default_settings
-from control_plane.simulate.pipeline import PipelineSimulation, StepSetup, compare_pipeline
+from control_plane.simulate.pipeline import (
+    PipelineSimulation,
+    StepSetup,
+    compare_pipeline,
+    trace_pipeline_name,
+)
 from control_plane.simulate.trace import TraceError, is_pipeline_trace, load_pipeline_trace
 from fleet_base.pipelines import PipelineSpec, PipelineStep
 from fleet_base.profile import load_profile
@@ -91,3 +96,61 @@ def test_steps_must_match(tmp_path) -> None:
     )
     with pytest.raises(TraceError, match="first line"):
         load_pipeline_trace(path)
+
+
+def _line(at, *steps: str) -> str:
+    return json.dumps(
+        {"at": at, "steps": [{"step": s, "prompt_tokens": 8, "output_tokens": 4} for s in steps]}
+    )
+
+
+@pytest.mark.parametrize(
+    ("file", "lines", "budget", "said"),
+    [
+        ("lower.jsonl", [_line(0, "Embed", "answer")], "20s", "steps.0.name: String should match pattern"),
+        ("lower.jsonl", [_line(0, "embed_1", "answer")], "20s", "'embed_1'"),
+        ("lower.jsonl", [_line(0, "a", "a")], "20s", "step names repeat: a, a"),
+        ("lower.jsonl", [_line(0, *(f"s{i}" for i in range(17)))], "20s", "at most 16"),
+        (
+            "lower.jsonl",
+            [_line(0, "embed", "answer")],
+            "2h",
+            "slo_e2e_s: Input should be less than or equal to 3600",
+        ),
+        ("nan.jsonl", ['{"at": NaN, "steps": []}'], "20s", "nan.jsonl:1: a pipeline request needs at"),
+        (
+            "inf.jsonl",
+            [
+                _line(0, "a"),
+                '{"at": Infinity, "steps": [{"step": "a", "prompt_tokens": 1, "output_tokens": 1}]}',
+            ],
+            "20s",
+            "inf.jsonl:2:",
+        ),
+        ("str.jsonl", [_line(0, "a"), _line("nan", "a")], "20s", "str.jsonl:2:"),
+    ],
+)
+def test_cli_bad_pipeline_trace_is_one_clear_line(tmp_path, file, lines, budget, said) -> None:
+    path = tmp_path / file
+    path.write_text("\n".join(lines) + "\n")
+    out = CliRunner().invoke(
+        app, ["simulate", "--trace", str(path), "--slo-e2e", budget, "--policies", "ours"]
+    )
+    assert out.exit_code == 1 and isinstance(out.exception, SystemExit), out.output  # no traceback
+    assert "error:" in out.output and said in " ".join(out.output.split()), out.output
+    if "jsonl:" in said:
+        assert "finite" in out.output
+
+
+@pytest.mark.parametrize(
+    ("stem", "name"), [("rag_trace", "rag-trace"), ("RAG", "rag"), ("__", "trace"), ("a" * 80, "a" * 63)]
+)
+def test_trace_file_names_become_pipeline_names(tmp_path, stem, name) -> None:
+    assert trace_pipeline_name(stem) == name
+    path = tmp_path / f"{stem}.jsonl"
+    write_jsonl(pipeline_rows(20, seed=1, shape="dense"), path)
+    out = CliRunner().invoke(
+        app, ["simulate", "--trace", str(path), "--slo-e2e", "20s", "--policies", "ours", "--output", "json"]
+    )
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output)["pipeline"] == name
