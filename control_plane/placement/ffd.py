@@ -301,8 +301,10 @@ class _Plan:
 
     def co_place(self, g: Group) -> None:
         """Repair splits of a pipeline group: a cluster holding some of its steps gets the
-        missing ones (from replicas still short), else loses the ones it has; then the
-        short replicas go to clusters holding every step. Each pass settles one cluster."""
+        missing ones (a replica still short, else one moved from a cluster holding more
+        than one of that step), else loses the ones it has; then the short replicas go to
+        clusters holding every step. Each pass settles one cluster (a move leaves its
+        source cluster with the step), so the repair ends."""
         demands = [d for d in self.by_demand.values() if d.deployment in g.steps and d.count > 0]
         notes: list[str] = []
         while True:
@@ -314,8 +316,9 @@ class _Plan:
             c = min(partial, key=lambda c: (-len(where[c]), pool_rank.get(c, 0), c))
             missing = [dep for dep in g.deployments if dep not in where[c]]
             added: list[Assignment] = []
+            here = [p for p in self.pools if p.cluster == c]
             for dep in missing:
-                new = self._add_short(dep, [p for p in self.pools if p.cluster == c])
+                new = self._add_short(dep, here) or self._move_in(dep, here)
                 if new is None:
                     notes.append(f"cluster {c} has no room for {g.step(dep)}")
                     break
@@ -360,6 +363,30 @@ class _Plan:
             spot = _choose(d, pools, self.nodes, set())
             if spot is None:
                 continue
+            new = self.assign(d, *spot)
+            self.placed[d.key].append(new)
+            self.added.append(new)
+            self.held[d.priority] += d.gpu_count
+            return new
+        return None
+
+    def _move_in(self, deployment: str, pools: list[PoolCapacity]) -> Assignment | None:
+        """One replica of `deployment` moved onto `pools` from a cluster that holds more
+        than one of it (new replicas before running ones), so a partial cluster gets the
+        step without dropping anything and the source cluster keeps it."""
+        mine = [a for a in self.added + self.kept if a.deployment == deployment]
+        per_cluster: dict[str, int] = defaultdict(int)
+        for a in mine:
+            per_cluster[a.cluster] += 1
+        targets = {p.cluster for p in pools}
+        for a in mine:
+            if a.cluster in targets or per_cluster[a.cluster] < 2:
+                continue
+            d = self.demand_of(a)
+            spot = _choose(d, pools, self.nodes, set())
+            if spot is None:
+                continue
+            self._drop(a)
             new = self.assign(d, *spot)
             self.placed[d.key].append(new)
             self.added.append(new)

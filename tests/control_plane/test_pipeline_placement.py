@@ -115,6 +115,19 @@ CASES = [
         {"emb": {"a", "b"}, "chat": {"a", "b"}},
         {"emb": 1, "chat": 1},
     ),
+    (
+        "first fit puts both embedders in a and the answers in a and b: one embedder moves to b",
+        [
+            pool("a", "l4", nodes=1, price=1.0),
+            pool("a", "h100", nodes=1, price=1.0),
+            pool("b", "l4", nodes=1, price=5.0),
+            pool("b", "h100", nodes=1, price=5.0),
+        ],
+        [demand("emb", 2, "l4"), demand("chat", 2, "h100", gpus=8)],
+        [RAG],
+        {"emb": {"a", "b"}, "chat": {"a", "b"}},
+        {"emb": 2, "chat": 2},
+    ),
 ]
 
 
