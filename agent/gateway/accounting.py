@@ -30,7 +30,7 @@ class Accounting:
         self.usage = usage
         self.queue = queue
         self.where: Callable[[], tuple[str, str]] = lambda: ("", "")  # (region, jurisdiction)
-        # a pipeline hop ended: (hop, status, seconds at this gateway)
+        # a pipeline hop this cluster served ended: (hop, status, seconds at this gateway)
         self.hop_finished: Callable[[PipelineHop, int, float], None] = lambda hop, status, s: None
 
     def _record(self, call: Call, **fields: Any) -> UsageRecord:
@@ -86,10 +86,10 @@ class Accounting:
         if ex.shadow is not None:  # its copy compares outputs once the original is done
             ex.shadow.original_finished(status)
         call.trace.finish(status, call=call, progress=p)
-        if call.pipeline is not None:
-            self.hop_finished(call.pipeline, status, time.monotonic() - call.started)
         if p.peer is not None:
             return
+        if call.pipeline is not None and call.pipeline.decision.action == "local":  # served here
+            self.hop_finished(call.pipeline, status, time.monotonic() - call.started)
         prompt = _int(p.usage.get("prompt_tokens"))
         completion = _int(p.usage.get("completion_tokens"))
         if prompt:

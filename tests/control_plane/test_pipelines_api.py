@@ -141,9 +141,9 @@ def test_requests_say_where_each_hop_ran_from_the_usage_records(admin, db):  # n
     steps = [{"name": "embed", "deployment": emb}, {"name": "answer", "deployment": chat}]
     ok(admin.post("/v1/pipelines", json={"name": name, "steps": steps}), 201)
 
-    def hop(request: str, step: str, deployment: str, cluster: str) -> UsageRecord:
+    def hop(request: str, step: str, deployment: str, cluster: str, status: int = 200) -> UsageRecord:
         return UsageRecord(
-            cluster=cluster, key_id="k1", deployment=deployment, latency_s=0.1,
+            cluster=cluster, key_id="k1", deployment=deployment, latency_s=0.1, status=status,
             pipeline=name, pipeline_step=step, pipeline_request=request,
         )  # fmt: skip
 
@@ -151,14 +151,25 @@ def test_requests_say_where_each_hop_ran_from_the_usage_records(admin, db):  # n
         hop("east.1", "embed", emb, "east"), hop("east.1", "answer", chat, "east"),
         hop("west.2", "embed", emb, "west"), hop("west.2", "answer", chat, "west"),
         hop("east.3", "embed", emb, "east"), hop("east.3", "answer", chat, "west"),
+        # west's gateway refused one hop (quota) and failed to forward another: not where it ran
+        hop("east.4", "embed", emb, "west", 429), hop("east.4", "embed", emb, "east"),
+        hop("east.4", "answer", chat, "west", 502), hop("east.4", "answer", chat, "east"),
         UsageRecord(cluster="east", key_id="k1", deployment=chat),  # not a pipeline hop
     ]  # fmt: skip
     assert store_records(db, records) == len(records)
 
     got = ok(admin.get(f"/v1/pipelines/{name}/requests", params={"since": "1h"}))
-    assert (got["requests"], got["split"], got["by_cluster"]) == (3, 1, {"east": 1, "west": 1})
+    assert (got["requests"], got["split"], got["by_cluster"]) == (4, 1, {"east": 2, "west": 1})
     by_id = {i["request"]: i for i in got["items"]}
     assert by_id["east.3"]["clusters"] == ["east", "west"] and by_id["east.3"]["split"]
+    four = by_id["east.4"]
+    assert (four["clusters"], four["split"], four["refused_hops"], len(four["hops"])) == (
+        ["east"],
+        False,
+        2,
+        4,
+    )
+    assert by_id["east.1"]["refused_hops"] == 0
     assert [(h["step"], h["cluster"]) for h in by_id["west.2"]["hops"]] == [
         ("embed", "west"),
         ("answer", "west"),

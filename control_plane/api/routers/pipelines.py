@@ -98,8 +98,9 @@ class PipelineHop(BaseModel):
 
 class PipelineRequestHops(BaseModel):
     request: str
-    clusters: list[str]  # where its hops ran; more than one: the request was split
+    clusters: list[str]  # where its served hops ran; more than one: the request was split
     split: bool
+    refused_hops: int  # hops refused or failed (status >= 400): recorded, not where it ran
     hops: list[PipelineHop]
 
 
@@ -122,7 +123,9 @@ def pipeline_requests(
     since: Annotated[str, Query(max_length=64)] = "1h",
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
 ):
-    """The newest `limit` hop records (not requests) since `since`, grouped by request."""
+    """The newest `limit` hop records (not requests) since `since`, grouped by request. Where
+    a request ran (`clusters`, `split`) counts only hops that were served (status < 400): a
+    gateway that refused a hop, or whose forward failed, records it too, elsewhere."""
     _load(session, name)
     now = datetime.now(timezone.utc)
     start = parse_since(since, now)
@@ -138,7 +141,7 @@ def pipeline_requests(
     items = []
     by_cluster: dict[str, int] = {}
     for request_id, hops in grouped.items():
-        clusters = sorted({h.cluster for h in hops})
+        clusters = sorted({h.cluster for h in hops if h.status < 400})
         if len(clusters) == 1:
             by_cluster[clusters[0]] = by_cluster.get(clusters[0], 0) + 1
         items.append(
@@ -146,6 +149,7 @@ def pipeline_requests(
                 request=request_id,
                 clusters=clusters,
                 split=len(clusters) > 1,
+                refused_hops=sum(1 for h in hops if h.status >= 400),
                 hops=[
                     PipelineHop(
                         at=h.at,

@@ -124,7 +124,7 @@ class Cluster:
     async def route(self, request: httpx.Request) -> httpx.Response:
         host = request.url.host
         self.hits.append(host)
-        if host in self.fleet.clusters:  # a peer gateway
+        if host in self.fleet.clusters and host not in self.behaviour:  # a peer gateway
             peer = self.fleet.clusters[host]
             headers = {
                 k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")
@@ -268,6 +268,30 @@ async def test_a_pipeline_not_ready_here_moves_whole_to_the_peer(tmp_path: Path)
         east.sample("fleet_pipeline_requests_total", pipeline="rag", cluster="east", outcome="forwarded") == 2
     )
     assert west.sample("fleet_pipeline_requests_total", pipeline="rag", cluster="west", outcome="local") == 2
+    for step in ("embed", "answer"):  # the hop is timed by the cluster that served it only
+        assert (
+            east.sample("fleet_pipeline_step_seconds_count", pipeline="rag", step=step, cluster="east") == 0
+        )
+        assert (
+            west.sample("fleet_pipeline_step_seconds_count", pipeline="rag", step=step, cluster="west") == 1
+        )
+
+
+async def test_a_failed_forward_keeps_its_record_and_is_not_timed(tmp_path: Path) -> None:
+    """East forwards a new pipeline request to west, whose replica fails before any byte:
+    east records the failed hop (accounting) but times no hop of its own."""
+    fleet = Fleet(tmp_path, {"east": {"emb", "solo"}, "west": ALL})
+    east, west = fleet.east, fleet.west
+
+    async def broken(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("down", request=request)
+
+    east.behaviour["west"] = broken  # the forward itself fails
+    r = await east.post("emb", PIPE)
+    assert r.status_code >= 500
+    assert [(x.cluster, x.pipeline_step, x.status >= 500) for x in east.records] == [("east", "embed", True)]
+    assert east.sample("fleet_pipeline_step_seconds_count", pipeline="rag", step="embed", cluster="east") == 0
+    assert west.records == []
 
 
 async def test_a_hop_whose_step_went_down_here_is_refused_not_split(tmp_path: Path) -> None:
