@@ -3,7 +3,8 @@
     split     warm standby replicas set aside, their GPUs reserved (`standby.split`)
     solve     the named placer from the registry (or one given), warm-started from the
               previous plan passed in (`SolvedPlan`); placers keep no state
-    complete  the standby replicas added back (`standby.complete`)
+    complete  the standby replicas added back (`standby.complete`), a pipeline step's
+              only where the plan holds every other step of its pipeline
     verify    every hard rule, no running replica dropped, no priority or quota rule
               broken (`evaluate.plan_problems`); a plan that fails, or a placer that
               raises, is replaced by first-fit-decreasing (made spot-share safe)
@@ -31,6 +32,7 @@ from control_plane.placement.base import (
     fingerprint_inputs,
     get_placer,
 )
+from control_plane.placement.colocation import groups
 from control_plane.placement.evaluate import plan_cost, plan_problems
 from control_plane.placement.explain import RemovalContext, removal_reasons
 from control_plane.placement.ffd import FirstFitDecreasing, spot_safe_ffd
@@ -98,7 +100,8 @@ def run(
         info = _fallback_info(pools, result, started, note, info)
         problems = []
     solved = _remember(placer, demands, pools, quotas, result, info, inputs.pipelines)
-    result = complete(inputs.standby, inputs.pools, result, kept)
+    steps = groups(inputs.pipelines, demands, inputs.pools) if inputs.pipelines else []
+    result = complete(inputs.standby, inputs.pools, result, kept, steps)
     reasons = removal_reasons(inputs.current, inputs.pools, result, context) if context else {}
     return PlacementOutcome(
         result=result, info=info, solved=solved, reasons=reasons, problems=tuple(problems)

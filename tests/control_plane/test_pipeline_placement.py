@@ -15,6 +15,7 @@ from control_plane.placement.colocation import groups, splits
 from control_plane.placement.evaluate import plan_problems, violations
 from control_plane.placement.ffd import spot_safe_ffd
 from control_plane.placement.pipeline import PlacementInputs, run
+from control_plane.placement.standby import StandbyDemand
 from fleet_base.domain import ClusterStatus, Tier
 from fleet_base.pipelines import PipelineSpec, PipelineStep
 
@@ -390,3 +391,40 @@ def test_verify_catches_a_wrong_drop_of_a_steps_running_replica() -> None:
     out = run(inputs, Dropper(time_limit_s=2.0))
     assert out.info.method == "greedy-error" and "dropped" in out.info.note
     assert counts(out.result) == {"emb": 2, "chat": 2} and out.result.removed == ()
+
+
+def _standby(dep: str, model: str, region: str, gpus: int = 1) -> StandbyDemand:
+    return StandbyDemand(deployment=dep, version=1, gpu_models=(model,), gpu_count=gpus, regions=(region,))
+
+
+@pytest.mark.parametrize("placer", sorted(PLACERS))
+def test_a_steps_standby_never_splits_the_pipeline(placer) -> None:
+    """The answer step alone has a warm standby in region-b, where the embedder is not:
+    it is unplaced naming the pipeline (else failing over there would split it); with a
+    standby of every step there, both land together. A kept standby left alone goes."""
+    pools = [pool("a", "l4", price=1.0), pool("a", "h100", price=1.0), pool("b", "l4"), pool("b", "h100")]
+    demands = [demand("emb", 1, "l4"), demand("chat", 1, "h100")]
+
+    def plan(standby, current=()):
+        inputs = PlacementInputs(
+            demands=tuple(demands),
+            pools=tuple(pools),
+            current=tuple(current),
+            standby=tuple(standby),
+            pipelines=(RAG,),
+        )
+        return run(inputs, PLACERS[placer]()).result
+
+    alone = plan([_standby("chat", "h100", "region-b")])
+    assert splits([RAG], demands, alone.assignments) == []
+    assert {a.cluster for a in alone.assignments} == {"a"}
+    (short,) = alone.unplaced
+    assert short.deployment == "chat" and "pipeline rag" in short.reason
+    both = plan([_standby("chat", "h100", "region-b"), _standby("emb", "l4", "region-b")])
+    assert splits([RAG], demands, both.assignments) == [] and both.unplaced == ()
+    assert counts(both) == {"emb": 2, "chat": 2}
+    assert {a.cluster for a in both.assignments} == {"a", "b"}
+    warm_chat = [a for a in both.assignments if a.cluster == "b" and a.deployment == "chat"]
+    again = plan([_standby("chat", "h100", "region-b")], [*alone.assignments, *warm_chat])
+    assert splits([RAG], demands, again.assignments) == []
+    assert warm_chat[0].replica_id in again.removed
