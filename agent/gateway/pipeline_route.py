@@ -68,6 +68,9 @@ class PipelineFacts:
     request_id: str | None = None  # the X-Fleet-Pipeline-Request header
     forwarded: bool = False  # a peer gateway's forward: served here
     placed_here: bool = False  # every step is placed here (replicas starting or scaled to zero)
+    permitted_here: bool = True  # the request's residency permits processing it here
+    standby_here: bool = False  # this cluster is a warm standby of some step
+    standby_peers: frozenset[str] = frozenset()  # peers that are a warm standby of some step
 
     @property
     def deployment(self) -> str:
@@ -76,14 +79,32 @@ class PipelineFacts:
         return step.deployment
 
     @property
+    def _steps_here(self) -> bool:
+        return self.permitted_here and set(self.pipeline.deployments) <= self.ready_here
+
+    @property
+    def _primary_ready(self) -> bool:
+        """A cluster that is no standby is ready for the pipeline, here or at a peer."""
+        here = self._steps_here and not self.standby_here
+        return here or any(p not in self.standby_peers for p in self.ready_peers)
+
+    @property
     def ready(self) -> bool:
-        """Every step of the pipeline has a healthy ready replica here."""
-        return set(self.pipeline.deployments) <= self.ready_here
+        """Every step has a healthy ready replica here, the request may be processed here,
+        and this cluster is no standby while a primary cluster is ready (as plain requests)."""
+        return self._steps_here and not (self.standby_here and self._primary_ready)
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        """The ready peers a new request may go to: standby ones only while no primary is ready."""
+        if not self._primary_ready:
+            return self.ready_peers
+        return tuple(p for p in self.ready_peers if p not in self.standby_peers)
 
     @property
     def cold_here(self) -> bool:
         """Ready nowhere, placed here: served here once the cold start is done."""
-        return self.placed_here and not self.ready_peers
+        return self.placed_here and self.permitted_here and not self.ready_peers
 
 
 @dataclass(frozen=True)
@@ -116,18 +137,22 @@ def decide(f: PipelineFacts) -> PipelineDecision:
     if owner is None:  # a new pipeline request
         if f.ready:
             return PipelineDecision("local", "ready-here", mint=True)
-        if f.ready_peers:
-            return PipelineDecision("forward", "not-ready-here", peer=f.ready_peers[0])
-        if f.placed_here:  # queues here; its demand wakes the steps scaled to zero
+        if f.peers:
+            return PipelineDecision("forward", "not-ready-here", peer=f.peers[0])
+        if f.cold_here:  # queues here; its demand wakes the steps scaled to zero
             return PipelineDecision("local", "placed-here", mint=True)
         missing = [s.name for s in f.pipeline.steps if s.deployment not in f.ready_here]
+        why = (
+            f"its residency does not permit {f.here}"
+            if not f.permitted_here
+            else f"no healthy replica of step(s) {', '.join(missing)}"
+        )
         return PipelineDecision(
             "refuse",
             "not-ready-anywhere",
             message=(
-                f"Pipeline '{f.pipeline.name}' is not ready in this cluster ({f.here}: no healthy "
-                f"replica of step(s) {', '.join(missing)}) nor in any peer cluster where every step "
-                "is ready; retry shortly"
+                f"Pipeline '{f.pipeline.name}' is not ready in this cluster ({f.here}: {why}) nor "
+                "in any permitted peer cluster where every step is ready; retry shortly"
             ),
         )
     if owner == f.here:

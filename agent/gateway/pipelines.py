@@ -131,12 +131,14 @@ class PipelineRouting:
         deployment = next(s.deployment for s in spec.steps if s.name == step)
         order = [p.cluster for p in router.live_peers(deployment) if permits(allowed, p.jurisdiction)]
         ready_in: dict[str, frozenset[str]] = {}
+        standby: set[str] = set()
         for d in spec.deployments:
             route = router.view.route(d)
             clusters = route.clusters if route is not None else []
             ready_in[d] = frozenset(
                 c.cluster for c in clusters if c.healthy and c.replicas > 0 and c.gateway_url
             )
+            standby.update(c.cluster for c in clusters if c.standby)
         return PipelineFacts(
             spec,
             step,
@@ -147,6 +149,9 @@ class PipelineRouting:
             request_id=request_id,
             forwarded=forwarded,
             placed_here=all(c.usable or (c.coming and self.placed(d)) for d, c in here.items()),
+            permitted_here=permits(allowed, router.jurisdiction()),
+            standby_here=any(c.standby_here for c in here.values()),
+            standby_peers=frozenset(standby - {self.cluster}),
         )
 
     def placed(self, deployment: str) -> bool:

@@ -21,6 +21,7 @@ from agent.gateway.gateway import Gateway
 from fleet_base import tracing
 from fleet_base.cluster_config import ClusterConfig, GatewayConfig
 from fleet_base.domain import Coordinates
+from fleet_base.local_state import LocalState
 from fleet_base.pipelines import (
     PIPELINE_HEADER,
     PIPELINE_REQUEST_HEADER,
@@ -28,7 +29,7 @@ from fleet_base.pipelines import (
     PipelineSpec,
     PipelineStep,
 )
-from fleet_base.protocol import ClusterRoute, ReplicaState, RoutingTable, UsageRecord
+from fleet_base.protocol import ClusterRoute, DesiredState, ReplicaState, RoutingTable, UsageRecord
 from tests.agent.gateway.harness import ClusterFiles, make_key, replica
 
 RAG = PipelineSpec(
@@ -36,6 +37,7 @@ RAG = PipelineSpec(
     steps=(PipelineStep(name="embed", deployment="emb"), PipelineStep(name="answer", deployment="chat")),
 )
 SECRET, KEY = make_key("k1")
+JURISDICTION = {"east": "us", "west": "eu"}
 WHERE = {"east": (40.7, -74.0), "west": (37.8, -122.4)}
 
 Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
@@ -81,7 +83,13 @@ class Cluster:
         self.hits: list[str] = []
         self.behaviour: dict[str, Handler] = {}
 
-    def write(self, up: dict[str, set[str]], zero: frozenset[str] = frozenset()) -> None:
+    def write(
+        self,
+        up: dict[str, set[str]],
+        zero: frozenset[str] = frozenset(),
+        standby: frozenset[str] = frozenset(),
+        residency: list[str] | None = None,
+    ) -> None:
         """State files: our replicas that are up, and routes naming every cluster's ready counts
         (`zero`: deployments that scale to zero)."""
         mine = up[self.name]
@@ -104,15 +112,21 @@ class Cluster:
                         gateway_url=f"http://{c}",
                         coordinates=Coordinates(lat=WHERE[c][0], lon=WHERE[c][1]),
                         replicas=1 if d in up[c] else 0,
+                        standby=c in standby,
+                        jurisdiction=JURISDICTION[c],
                     )
                     for c in ("east", "west")
                 ],
                 pipelines=[RAG] if d in RAG.deployments else [],
                 scale_to_zero=d in zero,
+                residency=residency,
             )
             for d in ("emb", "chat", "solo")
         ]
         self.files.write(replicas=reps, keys=[KEY], routes=routes)
+        LocalState(self.config.state_dir).save_desired(
+            DesiredState(cluster=self.name, jurisdiction=JURISDICTION[self.name])
+        )
 
     def start(self) -> Cluster:
         self.gw = Gateway(self.config, nats=False)
@@ -353,6 +367,41 @@ async def test_a_pipeline_scaled_to_zero_here_is_served_here_after_its_cold_star
     r = await second
     assert r.status_code == 200 and r.headers["X-Fleet-Cluster"] == "east"
     assert "west" not in east.hits
+
+
+async def test_a_standby_cluster_sends_new_pipeline_requests_to_a_ready_primary(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path, {"east": ALL, "west": ALL})
+    east = fleet.east
+    assert east.gw is not None
+    east.write({"east": ALL, "west": ALL}, standby=frozenset({"east"}))
+    east.gw.view.refresh(force=True)
+    r = await east.post("emb", PIPE)
+    assert r.status_code == 200 and r.headers[PIPELINE_REQUEST_HEADER].startswith("west.")
+    assert east.hits == ["west"]
+    east.write({"east": ALL, "west": {"solo"}}, standby=frozenset({"east"}))  # no primary ready
+    east.gw.view.refresh(force=True)
+    r = await east.post("emb", PIPE)
+    assert r.status_code == 200 and r.headers[PIPELINE_REQUEST_HEADER].startswith("east.")
+
+
+async def test_a_request_its_residency_keeps_out_of_here_goes_whole_to_a_permitted_peer(
+    tmp_path: Path,
+) -> None:
+    fleet = Fleet(tmp_path, {"east": ALL, "west": ALL})  # east is "us", west "eu"
+    east, west = fleet.east, fleet.west
+    assert east.gw is not None
+    east.write({"east": ALL, "west": ALL}, residency=["eu"])  # the deployments may run in "eu" only
+    east.gw.view.refresh(force=True)
+    r = await east.post("emb", PIPE)
+    assert r.status_code == 200, r.text
+    assert r.headers[PIPELINE_REQUEST_HEADER].startswith("west.") and r.headers["X-Fleet-Cluster"] == "west"
+    assert east.hits == ["west"]
+    east.write({"east": ALL, "west": {"solo"}}, residency=["eu"])  # west's steps down: nowhere permitted
+    east.gw.view.refresh(force=True)
+    r = await east.post("emb", PIPE)
+    assert r.status_code == 503 and _error(r)["code"] == "pipeline_unavailable"
+    assert "residency" in _error(r)["message"] and east.hits == ["west"]
+    assert west.records and not east.records
 
 
 async def test_unknown_pipeline_and_a_model_outside_it_are_400s(tmp_path: Path) -> None:

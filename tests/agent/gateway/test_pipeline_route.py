@@ -34,9 +34,23 @@ def facts(
     request_id: str | None = None,
     forwarded: bool = False,
     placed: bool = False,
+    permitted: bool = True,
+    standby_here: bool = False,
+    standby: frozenset[str] = frozenset(),
 ) -> PipelineFacts:
     return PipelineFacts(
-        RAG, step, "east", ready_here, ready, live, request_id, forwarded, placed_here=placed
+        RAG,
+        step,
+        "east",
+        ready_here,
+        ready,
+        live,
+        request_id,
+        forwarded,
+        placed_here=placed,
+        permitted_here=permitted,
+        standby_here=standby_here,
+        standby_peers=standby,
     )
 
 
@@ -83,6 +97,41 @@ TABLE = [
         "a peer's forward of a hop owned here, its step at zero, ready nowhere: stays",
         facts("answer", ready_here=frozenset({"emb"}), request_id=MINE, forwarded=True, placed=True),
         ("local", "forwarded-in", "", MINE, False),
+    ),
+    (
+        "new, this cluster a standby and a primary peer ready: whole to the primary",
+        facts(ready=("west",), standby_here=True),
+        ("forward", "not-ready-here", "west", "", False),
+    ),
+    (
+        "new, this cluster a standby, no primary ready: served here",
+        facts(standby_here=True),
+        ("local", "ready-here", "", "", True),
+    ),
+    (
+        "new, this cluster a standby and only a standby peer ready: served here",
+        facts(ready=("west",), standby_here=True, standby=frozenset({"west"})),
+        ("local", "ready-here", "", "", True),
+    ),
+    (
+        "new, not ready here: the nearest ready peer that is no standby, past a nearer standby",
+        facts(ready_here=frozenset({"emb"}), ready=("north", "west"), standby=frozenset({"north"})),
+        ("forward", "not-ready-here", "west", "", False),
+    ),
+    (
+        "new, not ready here, only a standby peer ready: to it",
+        facts(ready_here=frozenset({"emb"}), ready=("north",), standby=frozenset({"north"})),
+        ("forward", "not-ready-here", "north", "", False),
+    ),
+    (
+        "new, ready here but residency forbids here: whole to a permitted ready peer",
+        facts(ready=("west",), permitted=False),
+        ("forward", "not-ready-here", "west", "", False),
+    ),
+    (
+        "new, ready here, residency forbids here, no permitted peer ready: refused",
+        facts(permitted=False, placed=True),
+        ("refuse", "not-ready-anywhere", "", "", False),
     ),
     (
         "an id naming no cluster: treated as new",
@@ -166,19 +215,37 @@ def test_ready_peers_keep_the_order_and_need_every_step() -> None:
     owner=st.sampled_from([None, "east", "west", "north", "south"]),
     forwarded=st.booleans(),
     placed=st.booleans(),
+    permitted=st.booleans(),
+    standby=st.sets(st.sampled_from(["east", "west", "north"])),
 )
 def test_a_hop_never_leaves_for_a_cluster_other_than_its_owner(
-    ready_here, ready, step, owner, forwarded, placed
+    ready_here, ready, step, owner, forwarded, placed, permitted, standby
 ) -> None:
     """Whatever the facts: a hop owned by a cluster is served there or refused; a new request
     is served here only where every step is ready (or forwarded in), else sent to a ready peer."""
     rid = request_id_for(owner, "ab" * 12) if owner else None
-    f = facts(step, frozenset(ready_here), tuple(ready), request_id=rid, forwarded=forwarded, placed=placed)
+    f = facts(
+        step,
+        frozenset(ready_here),
+        tuple(ready),
+        request_id=rid,
+        forwarded=forwarded,
+        placed=placed,
+        permitted=permitted,
+        standby_here="east" in standby,
+        standby=frozenset(standby - {"east"}),
+    )
     d = decide(f)
     if forwarded:
         assert d.action in ("local", "refuse")
     elif owner is None:
         assert d.action != "local" or f.ready or (placed and not ready)
+        assert d.action != "local" or permitted  # residency: never admitted here to fail later
+        primary = [p for p in ready if p not in standby]
+        if d.action == "forward" and primary:  # a standby peer only while no primary is ready
+            assert d.peer == primary[0]
+        if d.action == "local" and "east" in standby:
+            assert not primary
         assert d.action != "forward" or d.peer in ready
     else:
         assert d.action != "local" or owner == "east"
