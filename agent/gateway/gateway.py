@@ -374,7 +374,11 @@ class Gateway:
         if forward is not None:  # processed where it lands: only inside its residency
             self.residency.admit_forward(info.deployment, policy, forward.cluster)
         hop = self.pipelines.admit(
-            request.headers, info.deployment, forwarded=forward is not None, allowed=policy
+            request.headers,
+            info.deployment,
+            forwarded=forward is not None,
+            allowed=policy,
+            key_id=record.key_id,
         )
         if hop is not None and trace is not None:
             trace.pipeline_hop(hop)

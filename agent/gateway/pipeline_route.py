@@ -17,8 +17,10 @@ reaches, goes to that cluster's replicas of its step and no other (docs/pipeline
   rather than spill), or while no peer is ready and its step is placed here (a cold
   start); else it is refused so the client restarts the pipeline request, which then
   fails over whole;
-- a later hop owned by another cluster goes there (refused when that cluster is not a live
-  peer: serving it elsewhere would split the pipeline);
+- a later hop owned by another cluster goes there while every step is ready there (refused
+  otherwise: serving it elsewhere would split the pipeline); the owner honours the id only
+  for the key it minted it for (`agent.gateway.pipelines.MintedIds`), so an invented id
+  cannot pick the cluster of a first hop where the pipeline is not ready;
 - a peer gateway's forward is served where it lands, as every forward is.
 """
 
@@ -161,7 +163,7 @@ def decide(f: PipelineFacts) -> PipelineDecision:
             if step_here or f.cold_here
             else _step_down(f, carried)
         )
-    if owner in f.live_peers:
+    if owner in f.ready_peers:  # the owner checks that it minted the id for this key
         return PipelineDecision("forward", "hop-to-owner", peer=owner, request_id=carried)
     return PipelineDecision(
         "refuse",
@@ -169,7 +171,7 @@ def decide(f: PipelineFacts) -> PipelineDecision:
         request_id=carried,
         message=(
             f"Pipeline request {carried} is served in cluster {owner}, which this gateway ({f.here}) "
-            f"cannot reach now; restart the pipeline request without {PIPELINE_REQUEST_HEADER} so "
+            f"cannot reach now or where the pipeline is not ready; restart the pipeline request without {PIPELINE_REQUEST_HEADER} so "
             "it runs whole in a cluster where every step is ready"
         ),
     )

@@ -8,7 +8,9 @@ forwarded one to its peer (`agent.gateway.router`)."""
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -18,6 +20,7 @@ from agent.gateway.pipeline_route import (
     PipelineFacts,
     PipelineHop,
     decide,
+    owner_of,
     ready_peers,
     request_id_for,
 )
@@ -32,6 +35,51 @@ REFUSAL_CODES = {
 }
 
 
+MINTED_TTL_S = 600.0
+MINTED_MAX = 100_000
+
+
+class MintedIds:
+    """The pipeline request ids this gateway minted, each with the API key it was minted for.
+    An id is only a cluster name and random hex, which a client could invent to pick the
+    cluster of its first hop; the owner honours an id only for the key it gave it to, for
+    `ttl_s` after its last use (bounded: the least recently used go first)."""
+
+    def __init__(
+        self,
+        ttl_s: float = MINTED_TTL_S,
+        max_ids: int = MINTED_MAX,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.ttl_s = ttl_s
+        self.max_ids = max_ids
+        self.clock = clock
+        self._ids: OrderedDict[str, tuple[str, float]] = OrderedDict()
+
+    def mint(self, request_id: str, key_id: str) -> None:
+        self._ids[request_id] = (key_id, self.clock() + self.ttl_s)
+        self._ids.move_to_end(request_id)
+        while len(self._ids) > self.max_ids:
+            self._ids.popitem(last=False)
+
+    def holds(self, request_id: str, key_id: str) -> bool:
+        """`request_id` was minted here for `key_id` and is still remembered (refreshed)."""
+        entry = self._ids.get(request_id)
+        if entry is None:
+            return False
+        if entry[1] <= self.clock():
+            del self._ids[request_id]
+            return False
+        if entry[0] != key_id:
+            return False
+        self._ids[request_id] = (key_id, self.clock() + self.ttl_s)
+        self._ids.move_to_end(request_id)
+        return True
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
 class PipelineRouting:
     def __init__(
         self, cluster: str, router: Router, registry: CollectorRegistry, retry_after_s: int = 1
@@ -39,6 +87,7 @@ class PipelineRouting:
         self.cluster = cluster
         self.router = router
         self.retry_after_s = retry_after_s
+        self.minted = MintedIds()
         self.requests = Counter(
             "fleet_pipeline_requests",
             "Pipeline hops by the gateway's decision: local (served here), forwarded (sent whole "
@@ -70,10 +119,12 @@ class PipelineRouting:
         *,
         forwarded: bool,
         allowed: frozenset[str] | None,
+        key_id: str = "",
     ) -> PipelineHop | None:
         """The hop a request with `X-Fleet-Pipeline` is, routed; None without the header.
         400 for a pipeline unknown here or a model that is none of its steps, 503 with the
-        reason when the hop may not be served (nothing was sent anywhere)."""
+        reason when the hop may not be served (nothing was sent anywhere). An id naming this
+        cluster that it did not mint for `key_id` is no id: the hop is a new request."""
         name = headers.get(PIPELINE_HEADER)
         if not name:
             return None
@@ -86,7 +137,7 @@ class PipelineRouting:
             )
         step = next((s for s in spec.steps if s.deployment == deployment), None)
         if step is None:
-            steps = ", ".join(f"{s.name}={s.deployment}" for s in spec.steps)
+            steps = ", ".join(s.name for s in spec.steps)  # not their deployments: the key may not see them
             raise GatewayError(
                 400,
                 f"The model '{deployment}' is not a step of pipeline '{spec.name}' (steps: {steps})",
@@ -101,9 +152,10 @@ class PipelineRouting:
                 f"it is step '{step.name}' of pipeline '{spec.name}'",
                 code="pipeline_step_mismatch",
             )
-        decision = decide(
-            self.facts(spec, step.name, headers.get(PIPELINE_REQUEST_HEADER), forwarded, allowed)
-        )
+        request_id = headers.get(PIPELINE_REQUEST_HEADER)
+        if owner_of(request_id) == self.cluster and not self.minted.holds(request_id or "", key_id):
+            request_id = None
+        decision = decide(self.facts(spec, step.name, request_id, forwarded, allowed))
         self.requests.labels(spec.name, self.cluster, decision.outcome).inc()
         if decision.action == "refuse":
             raise GatewayError(
@@ -112,10 +164,11 @@ class PipelineRouting:
                 code=REFUSAL_CODES[decision.reason],
                 headers={"Retry-After": str(self.retry_after_s)},
             )
-        request_id = decision.request_id or (
-            request_id_for(self.cluster, secrets.token_hex(12)) if decision.mint else ""
-        )
-        return PipelineHop(spec.name, step.name, decision, request_id)
+        carried = decision.request_id
+        if decision.mint:
+            carried = request_id_for(self.cluster, secrets.token_hex(12))
+            self.minted.mint(carried, key_id)
+        return PipelineHop(spec.name, step.name, decision, carried)
 
     def facts(
         self,

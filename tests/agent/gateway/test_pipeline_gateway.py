@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.gateway.app import build_app
 from agent.gateway.gateway import Gateway
+from agent.gateway.pipelines import MintedIds
 from fleet_base import tracing
 from fleet_base.cluster_config import ClusterConfig, GatewayConfig
 from fleet_base.domain import Coordinates
@@ -37,6 +38,7 @@ RAG = PipelineSpec(
     steps=(PipelineStep(name="embed", deployment="emb"), PipelineStep(name="answer", deployment="chat")),
 )
 SECRET, KEY = make_key("k1")
+OTHER_SECRET, OTHER_KEY = make_key("k2")
 JURISDICTION = {"east": "us", "west": "eu"}
 WHERE = {"east": (40.7, -74.0), "west": (37.8, -122.4)}
 
@@ -123,7 +125,7 @@ class Cluster:
             )
             for d in ("emb", "chat", "solo")
         ]
-        self.files.write(replicas=reps, keys=[KEY], routes=routes)
+        self.files.write(replicas=reps, keys=[KEY, OTHER_KEY], routes=routes)
         LocalState(self.config.state_dir).save_desired(
             DesiredState(cluster=self.name, jurisdiction=JURISDICTION[self.name])
         )
@@ -153,13 +155,15 @@ class Cluster:
             return httpx.Response(r.status_code, headers=keep, content=_body(r.content))
         return await self.behaviour.get(host, engine)(request)
 
-    async def post(self, model: str, headers: dict[str, str] | None = None) -> httpx.Response:
+    async def post(
+        self, model: str, headers: dict[str, str] | None = None, secret: str = SECRET
+    ) -> httpx.Response:
         path, body = (
             ("/v1/embeddings", {"model": model, "input": "what is fleet?"})
             if model == "emb"
             else ("/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 4})
         )
-        h = {"authorization": f"Bearer {SECRET}", **(headers or {})}
+        h = {"authorization": f"Bearer {secret}", **(headers or {})}
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://gw") as c:
             return await c.post(path, json=body, headers=h, timeout=10)
 
@@ -404,6 +408,54 @@ async def test_a_request_its_residency_keeps_out_of_here_goes_whole_to_a_permitt
     assert west.records and not east.records
 
 
+async def test_an_id_is_honoured_only_for_the_key_its_owner_minted_it_for(tmp_path: Path) -> None:
+    """An id is a cluster name and hex a client could invent: the owner treats an id it did
+    not mint for the hop's key as a new request, and another gateway sends a hop to the
+    cluster its id names only while the pipeline is ready there."""
+    fleet = Fleet(tmp_path, {"east": ALL, "west": ALL})
+    east, west = fleet.east, fleet.west
+    invented = "east." + "ab" * 12
+    r = await east.post("chat", {**PIPE, PIPELINE_REQUEST_HEADER: invented})
+    assert r.status_code == 200 and r.headers[PIPELINE_REQUEST_HEADER] not in ("", invented)
+    rid = (await east.post("emb", PIPE)).headers[PIPELINE_REQUEST_HEADER]
+    stolen = await east.post("chat", {**PIPE, PIPELINE_REQUEST_HEADER: rid}, secret=OTHER_SECRET)
+    assert stolen.status_code == 200 and stolen.headers[PIPELINE_REQUEST_HEADER] != rid  # a new request
+    mine = await east.post("chat", {**PIPE, PIPELINE_REQUEST_HEADER: rid})
+    assert mine.status_code == 200 and mine.headers[PIPELINE_REQUEST_HEADER] == rid
+    # an invented id naming west: forwarded (west is ready), and west serves it as a new request
+    west_made_up = "west." + "cd" * 12
+    r = await east.post("emb", {**PIPE, PIPELINE_REQUEST_HEADER: west_made_up})
+    assert r.status_code == 200 and r.headers["X-Fleet-Cluster"] == "west"
+    assert (
+        r.headers[PIPELINE_REQUEST_HEADER].startswith("west.")
+        and r.headers[PIPELINE_REQUEST_HEADER] != west_made_up
+    )
+    # west not ready for the pipeline: a hop naming west is not sent there
+    assert east.gw is not None
+    east.write({"east": ALL, "west": {"emb", "solo"}})
+    east.gw.view.refresh(force=True)
+    hits = len(east.hits)
+    r = await east.post("emb", {**PIPE, PIPELINE_REQUEST_HEADER: west_made_up})
+    assert r.status_code == 503 and _error(r)["code"] == "pipeline_owner_unavailable"
+    assert len(east.hits) == hits and len(west.records) == 1
+
+
+def test_minted_ids_expire_and_are_bounded() -> None:
+    now = [0.0]
+    ids = MintedIds(ttl_s=10.0, max_ids=2, clock=lambda: now[0])
+    ids.mint("east.01", "k1")
+    assert ids.holds("east.01", "k1") and not ids.holds("east.01", "k2") and not ids.holds("east.02", "k1")
+    now[0] = 9.0
+    assert ids.holds("east.01", "k1")  # used: remembered for another ttl
+    now[0] = 18.0
+    assert ids.holds("east.01", "k1")
+    now[0] = 28.5
+    assert not ids.holds("east.01", "k1") and len(ids) == 0  # forgotten after ttl unused
+    for n in range(3):
+        ids.mint(f"east.1{n}", "k1")
+    assert len(ids) == 2 and not ids.holds("east.10", "k1") and ids.holds("east.12", "k1")
+
+
 async def test_unknown_pipeline_and_a_model_outside_it_are_400s(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path, {"east": ALL, "west": ALL})
     east = fleet.east
@@ -418,7 +470,7 @@ async def test_unknown_pipeline_and_a_model_outside_it_are_400s(tmp_path: Path) 
         and _error(r)["code"] == "pipeline_step_mismatch"
         and _error(r)["param"] == "model"
     )
-    assert "embed=emb" in _error(r)["message"]
+    assert "embed, answer" in _error(r)["message"] and "=emb" not in _error(r)["message"]  # no deployments
     r = await east.post("emb", {**PIPE, PIPELINE_STEP_HEADER: "answer"})
     assert r.status_code == 400 and _error(r)["code"] == "pipeline_step_mismatch"
     assert east.hits == [] and east.records == []

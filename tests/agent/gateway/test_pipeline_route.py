@@ -154,9 +154,15 @@ TABLE = [
         ("refuse", "step-down", "", MINE, False),
     ),
     (
-        "later hop owned by a live peer: to its owner",
-        facts("answer", request_id=WESTS),
+        "later hop owned by a peer where every step is ready: to its owner",
+        facts("answer", ready=("west",), request_id=WESTS),
         ("forward", "hop-to-owner", "west", WESTS, False),
+    ),
+    (
+        "later hop owned by a live peer where the pipeline is not ready: refused (an invented id"
+        " cannot pick a cluster)",
+        facts("answer", request_id=WESTS),
+        ("refuse", "owner-unreachable", "", WESTS, False),
     ),
     (
         "later hop owned by a peer not live: refused",
