@@ -23,9 +23,10 @@ gateway may queue requests for any deployment: spillover and scale from zero), a
 that fails is counted (`fleet_control_plane_loop_failures_total`) and the tick goes on.
 
 A deployment that is a step of a pipeline with an end-to-end budget keeps its own policy and
-demand; the budget, split over the steps by their measured latency
-(`control_plane.autoscale.pipeline_budget`), tightens its TTFT target while it is over its
-share, and its decision says so (reason, `predicted.pipeline`)."""
+demand; the budget, split over the steps by what each needs at least (its least-load
+latency; its measured latency without a profile: `control_plane.autoscale.pipeline_budget`),
+tightens its TTFT target while it is over its share and the pipeline over its budget, and its
+decision says so (reason, `predicted.pipeline`)."""
 
 from __future__ import annotations
 
@@ -310,6 +311,7 @@ class AutoscaleLoop(NatsLoop):
             self.rejections.fail("autoscale", f"pipelines: {type(err).__name__}: {err}")
             return {}
         if not pipelines:
+            self.budget_memory.keep(())
             self.budgets = {}
             return {}
         latency = {name: step_latency(obs) for name, (_, _, obs) in inputs.items()}

@@ -147,7 +147,7 @@ class PipelineSimulation:
                 for s, sim, (obs, _) in zip(self.steps, self.sims, seen, strict=True)
             }
             budgets = split([self.spec], latency, own, self.memory, now, own_itl, floors)
-            if any(b.over for b in budgets.values()):
+            if any(b.settings_update() for b in budgets.values()):
                 self.budget_ticks += 1
         for k, (sim, (obs, ready)) in enumerate(zip(self.sims, seen, strict=True)):
             b = budgets.get(self.steps[k].name)

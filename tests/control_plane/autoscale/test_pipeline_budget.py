@@ -39,7 +39,8 @@ def lat(total: float | None, ttft: float | None = None) -> StepLatency:
 @pytest.mark.parametrize(
     ("name", "latency", "over", "targets"),
     [
-        # 0.9 + 0.3 = 1.2 s against 1 s: both over their proportional shares, the slow step first
+        # 0.9 + 0.3 = 1.2 s against 1 s, no floors known: shares from measured, both over by
+        # the same ratio, so neither alone meets the budget: both tightened
         ("both over, slow first", {"emb": lat(0.3), "chat": lat(0.9)}, {"emb": True, "chat": True},
          {"emb": 0.25, "chat": 0.75}),
         # within the budget: nobody's target changes because of the pipeline
@@ -176,7 +177,9 @@ DECODE_BOUND = {
 def test_target_floored_at_least_load(name, latency, floor, unreachable, update) -> None:
     """A tightened target within FLOOR_MARGIN of what the step reaches with the least load is
     one no replica count buys: the step keeps its own targets, says so, and is not ranked."""
-    out = split([RAG], latency, OWN, BudgetMemory(), 0.0, OWN_ITL, {"chat": floor})
+    # embed needs a third of chat at least load: the shares stay 1/4 and 3/4
+    emb = StepFloor(ttft_s=floor.ttft_s / 3) if floor.ttft_s is not None else StepFloor()
+    out = split([RAG], latency, OWN, BudgetMemory(), 0.0, OWN_ITL, {"chat": floor, "emb": emb})
     chat = out["chat"]
     assert chat.over and chat.unreachable is unreachable, name
     assert chat.settings_update() == pytest.approx(update), name
@@ -223,3 +226,123 @@ def test_least_latency_from_the_profile_and_correction() -> None:
     )
     assert step_floor(settings, None, Observation(0.0, 1)).ttft_s is None
     assert step_floor(AutoscaleSettings(), None, obs) == StepFloor()
+
+
+RAG3 = PipelineSpec(
+    name="rag3",
+    steps=(
+        PipelineStep(name="embed", deployment="emb"),
+        PipelineStep(name="rerank", deployment="rr"),
+        PipelineStep(name="answer", deployment="chat"),
+    ),
+    slo_e2e_s=1.0,
+)
+OWN3 = {"emb": 2.0, "rr": 2.0, "chat": 2.0}
+
+
+def test_shares_follow_what_each_step_needs_at_least() -> None:
+    """Floors 100 / 400 ms: shares 0.2 / 0.8 whatever the load. In steady overload (300 +
+    900 ms) both steps are over; embed is 1.5x its share, answer 1.125x: embed (not the
+    alphabetically first step) has priority 1. Every step is over its share, so no step's
+    slack absorbs another's excess: both are tightened, each to its share."""
+    floors = {"emb": StepFloor(ttft_s=0.1), "chat": StepFloor(ttft_s=0.4)}
+    mem = BudgetMemory()
+    for t in range(0, 600, 2):
+        out = split([RAG], {"emb": lat(0.3), "chat": lat(0.9)}, OWN, mem, float(t), None, floors)
+    emb, chat = out["emb"], out["chat"]
+    assert emb.share == pytest.approx(0.2) and chat.share == pytest.approx(0.8)
+    assert emb.need_s == pytest.approx(0.1) and chat.need_s == pytest.approx(0.4)
+    assert (emb.priority, chat.priority) == (1, 2)
+    assert emb.settings_update() == pytest.approx({"slo_ttft_s": 0.2})
+    assert chat.settings_update() == pytest.approx({"slo_ttft_s": 0.8})
+
+
+def test_only_the_furthest_over_is_tightened_when_that_meets_the_budget() -> None:
+    """Floors 100 / 100 / 300 ms: shares 0.2 / 0.2 / 0.6. Measured 400 + 100 + 650 ms = 1.15 s:
+    embed is 2x its share, answer 1.08x, rerank within (100 ms of slack). Embed at its share
+    makes 950 ms: only embed is tightened; answer is over its share, ranked 2, and keeps its
+    own target (rerank's slack absorbs its excess)."""
+    floors = {"emb": StepFloor(ttft_s=0.1), "rr": StepFloor(ttft_s=0.1), "chat": StepFloor(ttft_s=0.3)}
+    mem = BudgetMemory()
+    latency = {"emb": lat(0.4), "rr": lat(0.1), "chat": lat(0.65)}
+    for t in range(0, 600, 2):
+        out = split([RAG3], latency, OWN3, mem, float(t), None, floors)
+    assert [out[d].share for d in ("emb", "rr", "chat")] == pytest.approx([0.2, 0.2, 0.6])
+    assert (out["emb"].priority, out["chat"].priority, out["rr"].priority) == (1, 2, 0)
+    assert out["emb"].settings_update() == pytest.approx({"slo_ttft_s": 0.2})
+    assert out["chat"].over and out["chat"].settings_update() == {} and out["chat"].target_ttft_s == 2.0
+    assert "its own targets kept" in out["chat"].reason and out["chat"].as_dict()["tightened"] is False
+    assert not out["rr"].over and out["rr"].settings_update() == {}
+    # 200 ms more in answer: rerank's slack no longer absorbs it, answer is tightened too
+    latency["chat"] = lat(0.85)
+    out = split([RAG3], latency, OWN3, mem, 600.0, None, floors)
+    assert out["emb"].priority == 1 and out["chat"].settings_update() == pytest.approx({"slo_ttft_s": 0.6})
+
+
+def test_over_its_share_within_the_budget_is_not_tightened() -> None:
+    floors = {"emb": StepFloor(ttft_s=0.1), "chat": StepFloor(ttft_s=0.4)}
+    out = split([RAG], {"emb": lat(0.3), "chat": lat(0.5)}, OWN, BudgetMemory(), 0.0, None, floors)
+    assert out["emb"].over and out["emb"].priority == 1 and out["emb"].settings_update() == {}
+    assert not out["chat"].over
+
+
+def test_floor_latency_counts_the_decode_at_batch_one() -> None:
+    """20 output tokens after the first at 10 ms measured: the floor is TTFT floor + 20 x ITL floor."""
+    measured = StepLatency(0.5, 0.3, itl_s=0.01)
+    assert StepFloor(0.05, 0.002).latency(measured) == pytest.approx(0.05 + 20 * 0.002)
+    assert StepFloor(None, 0.002).latency(measured) is None
+
+
+def test_memory_forgets_pipelines_gone_and_recreated() -> None:
+    mem = BudgetMemory()
+    for t in range(0, 400, 2):
+        split([RAG], {"emb": lat(0.2), "chat": lat(0.8)}, OWN, mem, float(t))
+    split([], {}, OWN, mem, 400.0)
+    assert mem.shares == {} and mem.at == {} and mem.steps == {}
+    for t in range(0, 400, 2):
+        split([RAG], {"emb": lat(0.2), "chat": lat(0.8)}, OWN, mem, float(t))
+    # recreated under the same name with other steps: fresh shares, not the old ones smoothed
+    other = RAG.model_copy(update={"steps": (PipelineStep(name="embed", deployment="emb2"), RAG.steps[1])})
+    out = split([other], {"emb2": lat(0.5), "chat": lat(0.5)}, {**OWN, "emb2": 2.0}, mem, 402.0)
+    assert out["emb2"].share == pytest.approx(0.5) and out["chat"].share == pytest.approx(0.5)
+    # a pipeline without a budget is forgotten too
+    split([other.model_copy(update={"slo_e2e_s": None})], {}, OWN, mem, 404.0)
+    assert mem.shares == {}
+
+
+@given(
+    st.lists(st.floats(1e-3, 2), min_size=3, max_size=3),
+    st.lists(st.one_of(st.none(), st.floats(1e-3, 1)), min_size=3, max_size=3),
+    st.floats(0.1, 5),
+)
+def test_ranked_by_how_far_over_its_share_tightened_until_the_budget_is_met(measured, floor, budget) -> None:
+    spec = RAG3.model_copy(update={"slo_e2e_s": budget})
+    deps = ("emb", "rr", "chat")
+    latency = {d: lat(m) for d, m in zip(deps, measured, strict=True)}
+    floors = {d: StepFloor(ttft_s=f) for d, f in zip(deps, floor, strict=True)}
+    out = split([spec], latency, OWN3, BudgetMemory(), 0.0, None, floors)
+    assert sum(b.share for b in out.values()) == pytest.approx(1.0)
+    ranked = sorted((b for b in out.values() if b.priority), key=lambda b: b.priority)
+    assert all(b.over and not b.unreachable for b in ranked)
+    ratios = [b.measured_s / b.budget_s for b in ranked]
+    assert ratios == sorted(ratios, reverse=True)
+    tight = [b for b in out.values() if b.settings_update()]
+    if sum(measured) <= budget:
+        assert not tight
+    else:
+        # tightened: a prefix of the ranking, and the pipeline meets its budget with them at
+        # their shares, or every reachable step over its share is tightened
+        assert all(b.priority <= min((x.priority for x in ranked if not x.settings_update()), default=99)
+                   for b in tight)  # fmt: skip
+        at = sum(b.budget_s if b.settings_update() else b.measured_s for b in out.values())
+        assert at <= budget * (1 + 1e-9) or len(tight) == len(ranked)
+    # the names never decide: the same steps renamed rank the same
+    renamed = spec.model_copy(
+        update={
+            "steps": tuple(
+                PipelineStep(name=f"z{9 - i}", deployment=s.deployment) for i, s in enumerate(spec.steps)
+            )
+        }
+    )
+    again = split([renamed], latency, OWN3, BudgetMemory(), 0.0, None, floors)
+    assert {d: b.priority for d, b in again.items()} == {d: b.priority for d, b in out.items()}
