@@ -72,7 +72,9 @@ SIM_CANNOT_EXPORT: dict[str, str] = {
     "fleet_engine_lora_adapters": "sim replicas load no LoRA adapters",
     "fleet_engine_spec_decode_": "sim replicas do no speculative decoding",
     "fleet_autoscale_": "this fleet's deployments have fixed counts: no autoscale decisions "
-    "(tests/e2e/test_autoscale_burst.py reads them from an autoscaled one)",
+    "(tests/control_plane/autoscale/test_exported.py reads them from the autoscale loop)",
+    "fleet_pipeline_": "this fleet runs no pipeline (tests/e2e/test_pipeline.py reads both pipeline "
+    "metrics from its two clusters' gateways)",
 }
 
 

@@ -318,6 +318,17 @@ def test_rag_pipeline_stays_in_a_cluster_and_fails_over_whole(fleet: SimFleet) -
     row = fleet.api("GET", f"/v1/pipelines/{PIPELINE}/requests", params={"since": "1h"}).json()
     assert row["split"] == 0, [i for i in row["items"] if i["split"]]  # no pipeline request ever split
 
+    # the gateways count what they did with each pipeline request: east sent the moved ones whole to west
+    outcomes = {
+        (region, outcome): fleet.gateway_metric(
+            region, "fleet_pipeline_requests_total", pipeline=PIPELINE, cluster=region, outcome=outcome
+        )
+        for region in (EAST, WEST)
+        for outcome in ("local", "forwarded")
+    }
+    assert outcomes[(EAST, "forwarded")] >= len(moved) and outcomes[(WEST, "local")] >= len(moved), outcomes
+    assert outcomes[(EAST, "local")] >= 1, outcomes
+
     runs = [*local, *switch, *moved]
     refused = {
         step: sum(h.status == 503 and h.step == step for run in runs for h in run.hops)
