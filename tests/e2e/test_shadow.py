@@ -124,10 +124,19 @@ class BaselineWatch(Sampler):
         self.fewest_ready: int | None = None
         self.samples = 0
 
+    def running(self) -> bool:
+        return (rollout(self.fleet).get("shadow") or {}).get("phase") == "running"
+
     def sample(self) -> None:
-        if (rollout(self.fleet).get("shadow") or {}).get("phase") != "running":
+        """Counted only when the shadow ran both before and after the placements were read:
+        the phase may end between the two reads, and the canary step that follows replaces
+        baseline replicas by design."""
+        if not self.running():
             return
-        mine = [p for p in self.fleet.deployment(NAME)["placements"] if p["version"] == self.version]
+        placements = self.fleet.deployment(NAME)["placements"]
+        if not self.running():
+            return
+        mine = [p for p in placements if p["version"] == self.version]
         held = sum(p["state"] in self.HELD for p in mine)
         ready = sum(p["state"] == "ready" for p in mine)
         self.fewest = held if self.fewest is None else min(self.fewest, held)
