@@ -119,26 +119,34 @@ class LeaseStore:
                 return None
         return LeaseRecord(me, seen.epoch + 1, seen.version + 1, lease_s)
 
+    def _held_update(self, me: str, held: int, **values):
+        """An UPDATE of the lease that lands only while `me` holds epoch `held`; it moves the
+        version on, as every write a follower must notice does."""
+        return (
+            update(ControlPlaneLease)
+            .where(
+                ControlPlaneLease.name == self.name,
+                ControlPlaneLease.holder == me,
+                ControlPlaneLease.epoch == held,
+            )
+            .values(version=ControlPlaneLease.version + 1, renewed_at=utcnow(), **values)
+        )
+
+    def _read_back(self, session, done) -> LeaseRecord | None:
+        """The lease as the held update left it (committed), or None when it did not land."""
+        if done.rowcount != 1:
+            session.rollback()
+            return None
+        record = _record(session.get(ControlPlaneLease, self.name, populate_existing=True))
+        session.commit()
+        return record
+
     def renew(self, me: str, epoch: int) -> LeaseRecord | None:
         """The renewed lease, or None when `me` no longer holds `epoch`."""
         with self.sessions() as session:
             with self._bounded(session):
-                done = session.execute(
-                    update(ControlPlaneLease)
-                    .where(
-                        ControlPlaneLease.name == self.name,
-                        ControlPlaneLease.holder == me,
-                        ControlPlaneLease.epoch == epoch,
-                    )
-                    .values(version=ControlPlaneLease.version + 1, renewed_at=utcnow())
-                )
-            if done.rowcount != 1:
-                session.rollback()
-                return None
-            row = session.get(ControlPlaneLease, self.name, populate_existing=True)
-            record = _record(row)
-            session.commit()
-            return record
+                done = session.execute(self._held_update(me, epoch))
+            return self._read_back(session, done)
 
     def raise_epoch(self, me: str, epoch: int, floor: int) -> LeaseRecord | None:
         """The lease under epoch `floor + 1` if `me` still holds `epoch`; None when anyone
@@ -146,34 +154,11 @@ class LeaseStore:
         if floor < epoch:
             raise ValueError(f"floor {floor} is below the epoch {epoch} held")
         with self.sessions() as session:
-            done = session.execute(
-                update(ControlPlaneLease)
-                .where(
-                    ControlPlaneLease.name == self.name,
-                    ControlPlaneLease.holder == me,
-                    ControlPlaneLease.epoch == epoch,
-                )
-                .values(epoch=floor + 1, version=ControlPlaneLease.version + 1, renewed_at=utcnow())
-            )
-            if done.rowcount != 1:
-                session.rollback()
-                return None
-            row = session.get(ControlPlaneLease, self.name, populate_existing=True)
-            record = _record(row)
-            session.commit()
-            return record
+            return self._read_back(session, session.execute(self._held_update(me, epoch, epoch=floor + 1)))
 
     def release(self, me: str, epoch: int) -> bool:
         with self.sessions() as session:
-            done = session.execute(
-                update(ControlPlaneLease)
-                .where(
-                    ControlPlaneLease.name == self.name,
-                    ControlPlaneLease.holder == me,
-                    ControlPlaneLease.epoch == epoch,
-                )
-                .values(holder=None, version=ControlPlaneLease.version + 1, renewed_at=utcnow())
-            )
+            done = session.execute(self._held_update(me, epoch, holder=None))
             session.commit()
             return done.rowcount == 1
 
