@@ -8,6 +8,7 @@ from typing import Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from fleet_base.batch.config import BatchConfig
 from fleet_base.domain import ClusterId, Coordinates
 from fleet_base.kube_config import KubernetesConfig
 from fleet_base.node_health import NODE_NAME_MAX, NODE_NAME_PATTERN
@@ -173,6 +174,7 @@ class ClusterConfig(BaseModel):
     pools: list[PoolInventory] = Field(default_factory=list)
     cpu_slots: int = Field(2, ge=0)
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    batch: BatchConfig = Field(default_factory=BatchConfig)
     replica: ReplicaConfig = Field(default_factory=ReplicaConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     # runtime `kubernetes` only: API, image, pools -> node pools, model volume

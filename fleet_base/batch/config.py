@@ -1,0 +1,31 @@
+"""A gateway's settings for batch and async inference (`ClusterConfig.batch`)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class BatchConfig(BaseModel):
+    enabled: bool = True
+    # where file contents live: "" = the JetStream object store; "s3://bucket/prefix" (the
+    # S3 client's usual environment: AWS_ENDPOINT_URL, credentials)
+    store_url: str = ""
+    max_file_bytes: int = Field(200 * 1024 * 1024, ge=1024)
+    max_lines: int = Field(50_000, ge=1)
+    # a worker's hold on a work item before it is handed to another worker; renewed
+    # (`in_progress`) while the request runs, so it bounds only a dead worker's items
+    ack_wait_s: float = Field(60.0, gt=0)
+    # a driver's claim on a batch; renewed at a third of it, taken over when it lapses
+    claim_s: float = Field(30.0, gt=0)
+    # spare capacity: batch lines in flight per ready replica at most, and only while the
+    # replica's engine has nobody waiting and its KV cache is below this fraction
+    per_replica: int = Field(4, ge=0)
+    max_kv_usage: float = Field(0.8, gt=0, le=1)
+    # webhook targets: hosts or CIDRs allowed even when private or loopback (SSRF guard)
+    webhook_allow: list[str] = Field(default_factory=list)
+    # an async result stays retrievable this long after it finished (delivered or not)
+    result_retention_s: float = Field(7 * 24 * 3600.0, gt=0)
+    # webhook retries: exponential backoff from `webhook_backoff_s`, capped, until this age
+    webhook_backoff_s: float = Field(1.0, gt=0)
+    webhook_backoff_max_s: float = Field(60.0, gt=0)
+    webhook_give_up_s: float = Field(24 * 3600.0, gt=0)
