@@ -86,6 +86,7 @@ class BatchStore(Protocol):
     async def update_async(
         self, record: AsyncRecord, revision: int
     ) -> Versioned[AsyncRecord]: ...  # Conflict
+    async def async_requests(self, key_id: str | None = None) -> list[AsyncRecord]: ...  # the console's list
 
     # the work queue
     async def enqueue(self, items: Sequence[WorkItem]) -> None: ...
