@@ -73,6 +73,9 @@ class ApiKeyRecord(Message):
     # Set by the control plane while the key's team has a hard monthly budget that is
     # spent: a gateway then refuses the key's new requests (429 insufficient_quota).
     budget_exhausted: bool = False
+    # The version of the key's webhook signing secret (fleet_base.batch.webhook_signing):
+    # rotating the secret raises it, and gateways sign with the new one at the next publish.
+    webhook_secret_version: int = Field(0, ge=0)
     epoch: Epoch = 0  # fleet_base.protocol.Epoch
 
     def allows(self, deployment: str) -> bool:
