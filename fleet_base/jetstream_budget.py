@@ -22,6 +22,7 @@ import os
 from pydantic import BaseModel, Field
 
 from fleet_base import protocol
+from fleet_base.batch import names as batch
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -31,17 +32,34 @@ STORE_ENV = "FLEET_JETSTREAM_STORE_BYTES"
 WEEK_S = 7 * 24 * 3600.0
 SUBJECT_SHARE = 4  # one subject (cluster) holds at most 1/SUBJECT_SHARE of its stream
 
-# share of the store per stream or bucket; the rest is headroom (consumer state, metadata)
+# share of the store per stream or bucket; the rest is headroom (consumer state, metadata).
+# Usage keeps the largest share (it is the bill); batch file contents come next, since a
+# batch's input and output files live there until deleted.
 SHARES: dict[str, float] = {
     f"KV_{protocol.BUCKET_DESIRED}": 0.04,
     f"KV_{protocol.BUCKET_ROUTES}": 0.02,
     f"KV_{protocol.BUCKET_KEYS}": 0.02,
     protocol.STREAM_EVENTS: 0.12,
-    protocol.STREAM_USAGE: 0.70,
+    protocol.STREAM_USAGE: 0.355,
+    f"KV_{batch.BUCKET_FILES}": 0.005,
+    f"KV_{batch.BUCKET_BATCHES}": 0.005,
+    f"KV_{batch.BUCKET_RESULTS}": 0.08,
+    f"KV_{batch.BUCKET_ASYNC}": 0.01,
+    f"OBJ_{batch.OBJECT_BUCKET_FILES}": 0.20,
+    batch.STREAM_WORK: 0.04,
+    batch.STREAM_WEBHOOKS: 0.005,
 }
 # largest message each stream stores: a UsageRecord is ~0.5 KB, an Event at most 4096
 # characters of text (escaped in JSON)
 MAX_MSG_SIZE: dict[str, int] = {protocol.STREAM_EVENTS: 20 * 1024, protocol.STREAM_USAGE: 2 * 1024}
+# largest item of a bucket or queue that has no per-subject cap (each key or item is its
+# own subject): a work item carries one request body, a result one response body (an
+# embedding of a long input included); the server's max_payload is the bound beyond
+MAX_ITEM_SIZE: dict[str, int] = {
+    batch.STREAM_WORK: MIB,
+    f"KV_{batch.BUCKET_RESULTS}": MIB,
+    batch.STREAM_WEBHOOKS: 1024,
+}
 
 
 class StreamLimits(BaseModel):
@@ -63,6 +81,8 @@ class JetStreamBudget(BaseModel):
     def limits(self, stream: str) -> StreamLimits:
         """The limits of one stream (`KV_<bucket>` for a bucket)."""
         max_bytes = int(self.store_bytes * SHARES[stream])
+        if stream in MAX_ITEM_SIZE:
+            return StreamLimits(max_bytes=max_bytes, max_msg_size=min(MAX_ITEM_SIZE[stream], max_bytes))
         size = MAX_MSG_SIZE.get(stream)
         if size is None:  # a KV bucket: history 1, bounded by bytes alone
             return StreamLimits(max_bytes=max_bytes)

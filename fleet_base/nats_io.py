@@ -28,6 +28,7 @@ from nats.js.errors import APIError, BucketNotFoundError, KeyNotFoundError, NotF
 from nats.js.kv import KeyValue
 
 from fleet_base import protocol
+from fleet_base.batch.resources import ensure_batch_resources
 from fleet_base.jetstream_budget import JetStreamBudget
 from fleet_base.security.tls import NatsTls
 from fleet_base.subjects import Permits
@@ -364,8 +365,9 @@ def redact_url(url: str) -> str:
 
 
 async def ensure_jetstream(js: JetStreamContext, budget: JetStreamBudget | None = None) -> None:
-    """Create the contract's KV buckets and streams if missing, and bring the limits of
-    existing ones to the budget (idempotent). Buckets allow direct get, so a single key's
+    """Create the contract's KV buckets and streams (batch and async inference's too:
+    `fleet_base.batch.resources`) if missing, and bring the limits of existing ones to the
+    budget (idempotent). Buckets allow direct get, so a single key's
     read is one subject a NATS user can be permitted. Every stream gets `max_bytes`, which
     nats-server reserves: see `fleet_base.jetstream_budget`."""
     budget = budget or JetStreamBudget.from_env()
@@ -405,6 +407,7 @@ async def ensure_jetstream(js: JetStreamContext, budget: JetStreamBudget | None 
             for k, v in wanted.items():
                 setattr(config, k, v)
             await js.update_stream(config)
+    await ensure_batch_resources(js, budget)
 
 
 KvCallback = Callable[[str, bytes | None], Awaitable[None]]

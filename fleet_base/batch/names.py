@@ -22,6 +22,12 @@ STREAM_WEBHOOKS = "FLEET_WEBHOOKS"
 
 WORK_SUBJECT_PREFIX = "fleet.v1.batch.work"
 WEBHOOK_SUBJECT = "fleet.v1.async.webhook"
+WEBHOOK_CONSUMER = "webhooks"  # the one durable consumer every gateway's delivery loop shares
+
+# how long the results and async buckets keep an entry after its last write: a fixed bucket
+# age (every gateway shares the bucket) above the default `BatchConfig.result_retention_s`
+# (7 days), so a result outlives the retention a gateway states
+RESULT_TTL_S = 8 * 24 * 3600.0
 
 PRIORITIES = (0, 1, 2)  # 0 first; Baseten's convention
 BATCH_PRIORITY = 2  # batch lines go after async requests of every priority
