@@ -17,6 +17,7 @@ from control_plane.api.auth import TokenCache, authenticate
 from control_plane.api.protected import docs_urls, install_docs
 from control_plane.api.routers import (
     adapters,
+    batches,
     budgets,
     clusters,
     control_plane,
@@ -31,6 +32,7 @@ from control_plane.api.routers import (
     scheduled_jobs,
     usage,
 )
+from control_plane.batch_store import BatchStoreLink
 from control_plane.console import install as install_console
 from control_plane.context import ControlPlaneContext
 from control_plane.ha.elector import Elector
@@ -189,6 +191,7 @@ def build_app(ctx: ControlPlaneContext, *, run_loops: bool = True, public_url: s
         install_docs(app)
     app.state.ctx = ctx
     app.state.token_cache = TokenCache()
+    app.state.batch_link = BatchStoreLink(ctx.nats)  # batches and async requests, read from JetStream
     errors.install(app)
     app.add_middleware(BodyLimit)
     app.add_middleware(PathGuard)
@@ -215,6 +218,7 @@ def build_app(ctx: ControlPlaneContext, *, run_loops: bool = True, public_url: s
         budgets.router,
         nodes.router,
         pipelines.router,
+        batches.router,
         scheduled_jobs.router,
         control_plane.router,
     )

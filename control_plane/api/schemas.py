@@ -17,6 +17,7 @@ from control_plane.cost.budgets import DEFAULT_THRESHOLDS
 from control_plane.cost.budgets import Fraction as BudgetFraction
 from control_plane.placement.base import PriorityClass as DeploymentPriority
 from control_plane.rollouts.surge import check_budget
+from fleet_base.batch.models import AsyncRecord, BatchRecord
 from fleet_base.domain import (
     MAX_GPU_MEMORY_GB,
     AdapterName,
@@ -570,3 +571,17 @@ class ControlPlaneOut(BaseModel):
     epoch: int
     members: list[ControlPlaneMemberOut]
     is_leader: bool
+
+
+class BatchOut(BatchRecord):
+    """A batch as the admin API shows it (every key's): the stored record, with the name of
+    the key that owns it."""
+
+    key_name: str | None = None
+
+
+class AsyncRequestOut(AsyncRecord):
+    """An async request as the admin API shows it: the record without its result (a
+    caller's data, fetched by the caller's own key), with the owner key's name."""
+
+    key_name: str | None = None

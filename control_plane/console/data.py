@@ -343,3 +343,31 @@ def control_plane(view: dict[str, Any]) -> dict[str, Any]:
             for m in members
         ],
     }
+
+
+def _epoch(value: int | None) -> datetime | None:
+    return None if value is None else datetime.fromtimestamp(value, timezone.utc)
+
+
+def batches(batch_rows: list[dict[str, Any]], async_rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The batches page: each batch with its progress (lines with a result, of the total)
+    and times as datetimes; async requests with theirs."""
+    out = []
+    for b in batch_rows:
+        counts = b.get("request_counts") or {}
+        total, finished = counts.get("total", 0), counts.get("completed", 0) + counts.get("failed", 0)
+        out.append(
+            {
+                **b,
+                "finished": finished,
+                "total": total,
+                "percent": round(100 * finished / total) if total else 0,
+                "created": _epoch(b.get("created_at")),
+                "expires": _epoch(b.get("expires_at")),
+            }
+        )
+    requests = [
+        {**r, "created": _epoch(r.get("created_at")), "finished": _epoch(r.get("finished_at"))}
+        for r in async_rows
+    ]
+    return {"batches": out, "requests": requests}

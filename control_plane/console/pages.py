@@ -11,7 +11,9 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 
+from control_plane.api.deps import Paging
 from control_plane.api.errors import ApiError
+from control_plane.api.routers import batches as batches_api
 from control_plane.api.routers import control_plane as control_plane_api
 from control_plane.api.routers import cost as cost_api
 from control_plane.console import data, series
@@ -212,6 +214,37 @@ def pipelines(request: Request):
     with _db(request) as db:
         v = data.pipelines(db)
     return render(request, "pipelines.html", page="pipelines", v=v)
+
+
+BATCH_ROWS = 50
+
+
+async def _batches_view(request: Request, who: ConsoleSession) -> tuple[dict[str, Any], str]:
+    """The newest batches and async requests through the admin API's own route functions,
+    and why they could not be read (NATS unreachable), if so."""
+    try:
+        shown = Paging(BATCH_ROWS, 0)
+        found = await batches_api.list_batches(request, who.principal, shown)
+        requests = await batches_api.list_async_requests(request, who.principal, shown)
+    except ApiError as err:
+        return data.batches([], []), err.message
+    dump = (
+        [b.model_dump(mode="json") for b in found.items],
+        [r.model_dump(mode="json") for r in requests.items],
+    )
+    return {**data.batches(*dump), "total": found.total, "requests_total": requests.total}, ""
+
+
+@router.get("/batches")
+async def batches(request: Request, who: ConsoleSession = Depends(require)):
+    v, down = await _batches_view(request, who)
+    return render(request, "batches.html", page="batches", v=v, down=down)
+
+
+@router.get("/batches/panel")
+async def batches_panel(request: Request, who: ConsoleSession = Depends(require)):
+    v, down = await _batches_view(request, who)
+    return render(request, "_batches.html", v=v, down=down)
 
 
 def _pipeline(request: Request, name: str, fragment: bool):

@@ -123,6 +123,7 @@ PAGES = [
     "/console/cost?since=1h", "/console/cost/series.json", "/console/nodes",
     f"/console/deployments/{NAME}/autoscale.json", "/console/panel/control-plane",
     "/console/pipelines", f"/console/pipelines/{PIPELINE}", f"/console/pipelines/{PIPELINE}/panel",
+    "/console/batches", "/console/batches/panel",
 ]  # fmt: skip
 
 
@@ -290,6 +291,18 @@ def test_nodes_page_shows_the_record_and_pools_reliability(cp):
         assert cell in row, cell
     pools = page.text.split('id="reliability"')[1]
     assert "h100" in pools and "gcp-europe-west4" in pools
+
+
+def test_batches_page_says_why_it_cannot_read_them_without_nats(cp):
+    """This control plane's NATS is unreachable: the page renders, saying so (the API's
+    503 reason), with empty tables; tests/control_plane/test_batches_api.py fills them."""
+    console = Console(cp, cp.read_key)
+    page = console.get("/console/batches")
+    assert page.status_code == 200
+    down = page.text.split('id="batches-down"')[1].split("</p>")[0]
+    assert "NATS is unreachable" in down
+    assert 'href="/console/batches" aria-current="page"' in page.text
+    assert "No batches" in page.text and "No async requests" in page.text
 
 
 def test_pipeline_pages_show_steps_and_readiness_per_cluster(cp):
