@@ -20,7 +20,7 @@ import nats.errors
 
 from fleet_base.batch.config import BatchConfig
 from fleet_base.batch.models import AsyncRecord, BatchRecord
-from fleet_base.batch.store import BatchStore, Conflict
+from fleet_base.batch.store import BatchStore, Conflict, NotFound
 
 if TYPE_CHECKING:
     from fleet_base.nats_io import NatsLink
@@ -81,7 +81,7 @@ class BatchStoreLink:
             if self._store is None or self._nc is not link.nc:
                 try:
                     store = await asyncio.wait_for(self.opener(link.nc, self.config), CALL_TIMEOUT_S)
-                except (nats.errors.Error, asyncio.TimeoutError, OSError) as err:
+                except (NotFound, nats.errors.Error, asyncio.TimeoutError, OSError) as err:
                     raise BatchStoreDown(
                         f"the batch store is not available in JetStream ({type(err).__name__}: {err}); "
                         "the control plane creates it on connect"

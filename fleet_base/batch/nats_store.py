@@ -194,6 +194,10 @@ class NatsBatchStore:
     async def update_async(self, record: AsyncRecord, revision: int) -> Versioned[AsyncRecord]:
         return await self._update(self._async, record.id, record, revision)
 
+    async def async_requests(self, key_id: str | None = None) -> list[AsyncRecord]:
+        records = [r for _, r in await self._values(self._async, ">", AsyncRecord)]
+        return [r for r in records if key_id is None or r.key_id == key_id]
+
     # ------------------------------------------------------------ the work queue
 
     async def enqueue(self, items: Sequence[WorkItem]) -> None:

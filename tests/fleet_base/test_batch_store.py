@@ -114,6 +114,13 @@ async def test_async_record_compare_and_set(store: NatsBatchStore) -> None:
     with pytest.raises(Conflict):
         await store.update_async(record.model_copy(update={"status": "cancelled"}), created.revision)
     assert (await store.async_request("async_1")).value.status == "in_progress"
+    other = record.model_copy(update={"id": "async_2", "key_id": "k2"})
+    await store.create_async(other)
+    assert {r.id for r in await store.async_requests("k2")} == {"async_2"}
+    assert {(r.id, r.status) for r in await store.async_requests()} == {
+        ("async_1", "in_progress"),
+        ("async_2", "queued"),
+    }
 
 
 async def test_put_result_once_under_concurrency(store: NatsBatchStore) -> None:
