@@ -150,6 +150,29 @@ def test_autoscaler_row_shows_predictions_their_error_and_the_plan():
     assert {n for n in used if n.startswith("fleet_autoscale_")} <= exported  # the names /metrics serves
 
 
+def test_batch_row_shows_the_queue_the_lines_and_the_webhooks():
+    dashboard = json.loads(DASHBOARD.read_text())
+    rows = [p for p in dashboard["panels"] if p["type"] == "row" and p["title"] == "Batch and async"]
+    assert len(rows) == 1
+    y = rows[0]["gridPos"]["y"]
+    below = [p for p in dashboard["panels"] if p["type"] != "row" and y < p["gridPos"]["y"] <= y + 17]
+    exprs = [t["expr"] for p in below for t in p["targets"]]
+    used = {name for expr in exprs for name in METRIC.findall(expr)}
+    assert used >= {
+        "fleet_batch_lines_queued",
+        "fleet_batch_lines_in_flight",
+        "fleet_batch_lines_completed_total",
+        "fleet_batch_lines_failed_total",
+        "fleet_batch_lines_retried_total",
+        "fleet_batch_queue_seconds_bucket",
+        "fleet_batch_webhook_deliveries_total",
+    }
+    assert any(
+        e.startswith("histogram_quantile(0.99,") and "fleet_batch_queue_seconds_bucket" in e for e in exprs
+    )
+    assert any("by (outcome)" in e and "fleet_batch_webhook_deliveries_total" in e for e in exprs)
+
+
 def test_dashboard_shape_and_provisioning_agree():
     dashboard = json.loads(DASHBOARD.read_text())
     ids = [p["id"] for p in panels(dashboard)]
