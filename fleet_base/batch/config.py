@@ -23,6 +23,10 @@ class BatchConfig(BaseModel):
     max_kv_usage: float = Field(0.8, gt=0, le=1)
     # webhook targets: hosts or CIDRs allowed even when private or loopback (SSRF guard)
     webhook_allow: list[str] = Field(default_factory=list)
+    # an async request's max_time_in_queue_s when it names none, and the most it may name
+    # (Baseten's defaults: 10 minutes, 72 hours); dispatching it later expires it
+    async_queue_default_s: float = Field(600.0, gt=0)
+    async_queue_max_s: float = Field(72 * 3600.0, gt=0)
     # an async result stays retrievable this long after it finished (delivered or not)
     result_retention_s: float = Field(7 * 24 * 3600.0, gt=0)
     # webhook retries: exponential backoff from `webhook_backoff_s`, capped, until this age

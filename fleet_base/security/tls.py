@@ -24,6 +24,9 @@ class Credentials(BaseModel):
     replica_cert: Path | None = None  # HTTPS server certificate of this cluster's replicas
     replica_key: Path | None = None
     replica_token_file: Path | None = None  # bearer secret replicas require (only gateway and agent hold it)
+    webhook_master_file: Path | None = (
+        None  # the fleet's webhook master secret (fleet_base.batch.webhook_signing)
+    )
 
     @field_validator("*")
     @classmethod

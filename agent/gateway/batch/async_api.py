@@ -1,0 +1,233 @@
+"""Async single requests: `POST /v1/async/<endpoint>` answers 202 at once and queues the
+request as a work item of its own; `GET /v1/async/requests/{id}` shows its status and, once
+it ran, its result; a `webhook_url` gets the result POSTed, signed (`webhooks`).
+
+The body is the endpoint's normal request body plus `webhook_url` (optional), `priority`
+(0 first, 0-2, default 1) and `max_time_in_queue_s` (default and bound in `BatchConfig`:
+`async_queue_default_s`, `async_queue_max_s`); it is refused as the interactive request
+would be (the same 400s, 404 for an unknown model, the key's scope and model permission),
+and a webhook URL the SSRF guard refuses is a 400 that says why. A key sees only its own
+requests (another key's id is a 404).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from agent.gateway.errors import GatewayError, error_response
+from agent.gateway.inputs import Endpoint, parse_off_loop, read_body
+from fleet_base.api_keys import ApiKeyRecord
+from fleet_base.batch.config import BatchConfig
+from fleet_base.batch.models import AsyncRecord, BatchEndpoint, WorkItem
+from fleet_base.batch.names import DEFAULT_ASYNC_PRIORITY, PRIORITIES, new_async_id, result_key
+from fleet_base.batch.store import BatchStore, NotFound
+from fleet_base.batch.webhook_target import AllowList, Refused, Resolver, check
+from fleet_base.bounds import InputError, load_json
+
+if TYPE_CHECKING:
+    from agent.gateway.gateway import Gateway
+
+log = logging.getLogger("agent.gateway.batch")
+
+PATHS: dict[Endpoint, BatchEndpoint] = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "embeddings": "/v1/embeddings",
+    "responses": "/v1/responses",
+}
+ASYNC_FIELDS = ("webhook_url", "priority", "max_time_in_queue_s")
+
+
+def _bad(message: str, param: str | None = None, code: str | None = None) -> GatewayError:
+    return GatewayError(400, message, param=param, code=code)
+
+
+def _unavailable(err: Exception) -> GatewayError:
+    log.warning("batch store unavailable: %s", err)
+    return GatewayError(503, "The async request store is unavailable; try again", code="store_unavailable")
+
+
+def async_fields(body: dict[str, Any], config: BatchConfig) -> tuple[str | None, int, float]:
+    """(webhook_url, priority, max_time_in_queue_s) read out of `body` (removed from it)."""
+    url = body.pop("webhook_url", None)
+    if url is not None and (not isinstance(url, str) or not url):
+        raise _bad("webhook_url must be a non-empty string (an http:// or https:// URL)", "webhook_url")
+    priority = body.pop("priority", None)
+    if priority is None:
+        priority = DEFAULT_ASYNC_PRIORITY
+    if isinstance(priority, bool) or not isinstance(priority, int) or priority not in PRIORITIES:
+        raise _bad(
+            f"priority must be an integer from {PRIORITIES[0]} (first) to {PRIORITIES[-1]}", "priority"
+        )
+    wait = body.pop("max_time_in_queue_s", None)
+    if wait is None:
+        wait = config.async_queue_default_s
+    if (
+        isinstance(wait, bool)
+        or not isinstance(wait, (int, float))
+        or not 0 < wait <= config.async_queue_max_s
+    ):
+        raise _bad(
+            f"max_time_in_queue_s must be a number of seconds above 0 and at most {config.async_queue_max_s:g}",
+            "max_time_in_queue_s",
+        )
+    return url, priority, float(wait)
+
+
+class AsyncApi:
+    """The async endpoints of one gateway, over the shared store."""
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        store: BatchStore,
+        config: BatchConfig,
+        *,
+        resolve: Resolver,
+        can_sign: bool,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.gw = gateway
+        self.store = store
+        self.config = config
+        self.allow = AllowList.parse(config.webhook_allow)
+        self.resolve = resolve
+        self.can_sign = can_sign  # the gateway holds the webhook master secret
+        self.clock = clock
+
+    def routes(self) -> list[Route]:
+        def create(endpoint: Endpoint) -> Callable[[Request], Any]:
+            async def handler(request: Request) -> Response:
+                return await self.create(request, endpoint)
+
+            return handler
+
+        return [
+            *(
+                Route(f"/v1/async{path.removeprefix('/v1')}", create(ep), methods=["POST"])
+                for ep, path in PATHS.items()
+            ),
+            Route("/v1/async/requests/{request_id}", self.get, methods=["GET"]),
+        ]
+
+    def _key(self, request: Request) -> ApiKeyRecord:
+        self.gw.refresh()
+        record = self.gw.auth.authenticate(request.headers.get("authorization"))
+        self.gw.auth.authorize(record)
+        self.gw.residency.admit_key(record)
+        return record
+
+    async def create(self, request: Request, endpoint: Endpoint) -> Response:
+        try:
+            record = self._key(request)
+            item, async_record = await self._admit(request, record, endpoint)
+            try:
+                await self.store.create_async(async_record)
+                await self.store.enqueue([item])
+            except Exception as err:  # the store is NATS: down or refusing
+                raise _unavailable(err) from err
+        except GatewayError as err:
+            return error_response(err)
+        return JSONResponse(async_record.public().model_dump(mode="json"), status_code=202)
+
+    async def _admit(
+        self, request: Request, record: ApiKeyRecord, endpoint: Endpoint
+    ) -> tuple[WorkItem, AsyncRecord]:
+        raw = await read_body(request, self.gw.config.gateway.max_body_bytes)
+        try:
+            body = load_json(raw)
+        except InputError as err:
+            raise _bad(str(err)) from None
+        if not isinstance(body, dict):
+            raise _bad("The request body must be a JSON object")
+        url, priority, wait = async_fields(body, self.config)
+        info = await parse_off_loop(json.dumps(body, ensure_ascii=False).encode(), endpoint)
+        if info.stream:
+            raise _bad("An async request cannot stream: drop 'stream' or set it false", "stream")
+        view = self.gw.view
+        _, info = self.gw.adapters.split(view.replicas, view.known(info.deployment), info)
+        self.gw.auth.authorize(record, info.deployment)
+        if not view.known(info.deployment):
+            raise GatewayError(
+                404,
+                f"The model '{info.deployment}' does not exist (see GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
+        if url is not None:
+            await self._check_webhook(url)
+        now = self.clock()
+        request_id = new_async_id()
+        item = WorkItem(
+            id=result_key(request_id, None),
+            kind="async",
+            parent_id=request_id,
+            custom_id=request_id,
+            endpoint=PATHS[endpoint],
+            body=body,
+            key_id=record.key_id,
+            deployment=info.deployment,
+            priority=priority,
+            enqueued_at=now,
+            not_after=now + wait,
+        )
+        async_record = AsyncRecord(
+            id=request_id,
+            endpoint=PATHS[endpoint],
+            model=body["model"],
+            priority=priority,
+            created_at=int(now),
+            max_time_in_queue_s=wait,
+            webhook_url=url,
+            delivery="pending" if url is not None else "none",
+            key_id=record.key_id,
+            cluster=self.gw.cluster,
+        )
+        return item, async_record
+
+    async def _check_webhook(self, url: str) -> None:
+        if not self.can_sign:
+            raise _bad(
+                "This gateway has no webhook signing secret (the cluster's credential bundle lacks "
+                "webhook-master), so it cannot deliver webhooks; retrieve the result with "
+                "GET /v1/async/requests/{id} instead",
+                "webhook_url",
+                "webhooks_unavailable",
+            )
+        try:
+            await check(url, self.allow, self.resolve)
+        except Refused as err:
+            raise _bad(str(err), "webhook_url", "invalid_webhook_url") from None
+
+    async def get(self, request: Request) -> Response:
+        request_id = request.path_params["request_id"]
+        try:
+            record = self._key(request)
+            try:
+                current = (await self.store.async_request(request_id)).value
+            except NotFound:
+                current = None
+            except Exception as err:
+                raise _unavailable(err) from err
+            if current is None or current.key_id != record.key_id:
+                raise GatewayError(
+                    404, f"No async request found with id '{request_id}'", code="not_found", param="id"
+                )
+            result = None
+            if current.result_expires_at is None or self.clock() < current.result_expires_at:
+                try:
+                    stored = await self.store.result(result_key(request_id, None))
+                except Exception as err:
+                    raise _unavailable(err) from err
+                result = stored.line if stored is not None else None
+        except GatewayError as err:
+            return error_response(err)
+        return JSONResponse(current.public(result).model_dump(mode="json"))

@@ -1,0 +1,176 @@
+"""The webhook delivery loop against a real local receiver: retried while the receiver is
+down, delivered exactly once when it is up, signed so the Standard Webhooks library
+verifies it; given up after webhook_give_up_s with the result still stored; redirects are
+failures; the connection goes to the addresses vetted at delivery time (DNS rebinding)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import pytest
+from prometheus_client import CollectorRegistry
+from standardwebhooks import Webhook
+
+from agent.gateway.batch.webhooks import WebhookSender
+from fleet_base.api_keys import ApiKeyRecord
+from fleet_base.batch.config import BatchConfig
+from fleet_base.batch.models import AsyncRecord, LineResponse, LineResult, StoredResult
+from fleet_base.batch.names import new_async_id, result_key
+from fleet_base.batch.webhook_signing import key_secret, new_master
+from tests.agent.batch.receiver import Receiver
+from tests.agent.batch.webhook_store import WebhookStore
+from tests.polling import eventually
+
+MASTER = new_master()
+KEY = ApiKeyRecord(key_id="k1", name="k1", salt="s", hash="h", webhook_secret_version=3)
+FAST = BatchConfig(
+    webhook_allow=["127.0.0.1"], webhook_backoff_s=0.05, webhook_backoff_max_s=0.2, webhook_give_up_s=60
+)
+
+
+async def finished(store: WebhookStore, url: str) -> AsyncRecord:
+    """An async request as the worker leaves it: result stored, record finished, webhook due."""
+    now = time.time()
+    record = AsyncRecord(
+        id=new_async_id(),
+        endpoint="/v1/chat/completions",
+        model="tiny",
+        status="succeeded",
+        created_at=int(now),
+        finished_at=int(now),
+        result_expires_at=int(now + 3600),
+        max_time_in_queue_s=600,
+        webhook_url=url,
+        delivery="pending",
+        key_id=KEY.key_id,
+    )
+    body = {"object": "chat.completion", "choices": [{"message": {"content": "héllo"}}]}
+    line = LineResult(
+        id="r1", custom_id=record.id, response=LineResponse(status_code=200, request_id="q", body=body)
+    )
+    await store.put_result(result_key(record.id, None), StoredResult(line=line))
+    await store.create_async(record)
+    await store.enqueue_webhook(record.id)
+    return record
+
+
+def sender(
+    store: WebhookStore, config: BatchConfig, registry: CollectorRegistry, **kw: object
+) -> WebhookSender:
+    keys: Callable[[str], ApiKeyRecord | None] = {KEY.key_id: KEY}.get
+    return WebhookSender(store, config, keys, MASTER, registry, draw=lambda: 1.0, **kw)  # type: ignore[arg-type]
+
+
+def count(registry: CollectorRegistry, outcome: str) -> float:
+    return registry.get_sample_value("fleet_batch_webhook_deliveries_total", {"outcome": outcome}) or 0.0
+
+
+@pytest.fixture
+async def receiver() -> AsyncIterator[Receiver]:
+    r = Receiver()
+    yield r
+    await r.stop()
+
+
+async def test_down_receiver_gets_it_once_when_up(receiver: Receiver) -> None:
+    store, registry = WebhookStore(), CollectorRegistry()
+    loop = asyncio.create_task(sender(store, FAST, registry).run())
+    try:
+        record = await finished(store, receiver.url)
+        await eventually(lambda: count(registry, "retried") >= 3, timeout=10)  # connection refused
+        assert not receiver.received
+        await receiver.start()
+        await eventually(lambda: store.records[record.id].value.delivery == "delivered", timeout=10)
+        await asyncio.sleep(0.5)  # nothing more comes
+    finally:
+        loop.cancel()
+    assert len(receiver.received) == 1
+    got = receiver.received[0]
+    secret = key_secret(MASTER, KEY.key_id, KEY.webhook_secret_version)
+    payload = Webhook(secret).verify(got.body, got.headers)
+    assert got.headers["webhook-id"] == record.id
+    assert got.headers["host"] == f"127.0.0.1:{receiver.port}"
+    assert payload["id"] == record.id and payload["status"] == "succeeded"
+    assert payload["result"]["response"]["body"]["choices"][0]["message"]["content"] == "héllo"
+    final = store.records[record.id].value
+    assert final.delivered_at is not None and final.delivery_attempts == payload["delivery_attempts"] >= 4
+    assert store.acked == [record.id]
+    assert count(registry, "delivered") == 1 and count(registry, "failed") == 0
+    assert store.naks == sorted(store.naks)  # backing off
+
+
+async def test_errors_and_redirects_are_retried(receiver: Receiver) -> None:
+    receiver.statuses = [500, 302, 404]
+    await receiver.start()
+    store, registry = WebhookStore(), CollectorRegistry()
+    loop = asyncio.create_task(sender(store, FAST, registry).run())
+    try:
+        record = await finished(store, receiver.url)
+        await eventually(lambda: store.records[record.id].value.delivery == "delivered", timeout=10)
+    finally:
+        loop.cancel()
+    assert len(receiver.received) == 4  # the redirect was not followed
+    assert count(registry, "retried") == 3 and count(registry, "delivered") == 1
+    assert len({r.headers["webhook-id"] for r in receiver.received}) == 1
+
+
+async def test_given_up_keeps_the_result(receiver: Receiver) -> None:
+    config = FAST.model_copy(update={"webhook_give_up_s": 0.6})
+    store, registry = WebhookStore(), CollectorRegistry()
+    loop = asyncio.create_task(sender(store, config, registry).run())
+    try:
+        record = await finished(store, receiver.url)
+        await eventually(lambda: store.records[record.id].value.delivery == "failed", timeout=10)
+    finally:
+        loop.cancel()
+    assert store.acked == [record.id] and count(registry, "failed") == 1
+    assert store.results[result_key(record.id, None)].line.custom_id == record.id
+
+
+async def test_duplicates_of_a_settled_delivery_send_nothing(receiver: Receiver) -> None:
+    await receiver.start()
+    store, registry = WebhookStore(), CollectorRegistry()
+    loop = asyncio.create_task(sender(store, FAST, registry).run())
+    try:
+        record = await finished(store, receiver.url)
+        await eventually(lambda: store.records[record.id].value.delivery == "delivered", timeout=10)
+        await store.enqueue_webhook(record.id)  # e.g. the worker re-ran after a crash
+        await eventually(lambda: len(store.acked) == 2, timeout=10)
+    finally:
+        loop.cancel()
+    assert len(receiver.received) == 1
+
+
+async def test_rebinding_to_a_refused_address_reaches_nothing(receiver: Receiver) -> None:
+    """The name was public when the request was accepted; at delivery it resolves to
+    loopback, which only the name's own allow-listing could open: nothing is sent."""
+    await receiver.start()
+
+    async def resolve(host: str, port: int) -> Sequence[str]:
+        return ["127.0.0.1"]
+
+    store, registry = WebhookStore(), CollectorRegistry()
+    config = FAST.model_copy(update={"webhook_allow": []})
+    loop = asyncio.create_task(sender(store, config, registry, resolve=resolve).run())
+    try:
+        record = await finished(store, f"http://hooks.example.com:{receiver.port}/hook")
+        await eventually(lambda: count(registry, "retried") >= 2, timeout=10)
+        assert not receiver.received
+        # allow-listed by name: delivered to the vetted address with the name as Host
+        loop.cancel()
+        loop = asyncio.create_task(
+            sender(
+                store,
+                FAST.model_copy(update={"webhook_allow": ["hooks.example.com"]}),
+                CollectorRegistry(),
+                resolve=resolve,
+            ).run()
+        )
+        await eventually(lambda: store.records[record.id].value.delivery == "delivered", timeout=10)
+    finally:
+        loop.cancel()
+    assert [r.headers["host"] for r in receiver.received] == [f"hooks.example.com:{receiver.port}"]
+    assert json.loads(receiver.received[0].body)["id"] == record.id
