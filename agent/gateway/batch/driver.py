@@ -1,0 +1,292 @@
+"""The batch lifecycle driver every gateway runs: it claims batches nobody drives and walks
+each through validating -> in_progress -> finalizing -> completed (or failed, expired,
+cancelling -> cancelled).
+
+A claim (`DriverClaim`) is taken and renewed by compare-and-set on the record's revision,
+renewed at a third of `claim_s`, and taken over by another gateway once it lapses (its
+holder died). Every step is resumable from the record alone: validation re-reads the file
+and enqueues from `record.enqueued` (the work stream de-duplicates item ids, and lines
+that already have a result are skipped), finalizing rewrites the files. A step that loses
+a compare-and-set re-reads the record and decides again, so a cancel (the API's write)
+always wins over the driver's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Mapping
+from typing import Literal
+
+from agent.gateway.batch.finalize import Unfinished, finalize, tally
+from agent.gateway.batch.metrics import BatchMetrics
+from agent.gateway.batch.validate import Validation, validate_file
+from fleet_base.batch.config import BatchConfig
+from fleet_base.batch.models import (
+    COMPLETION_WINDOWS,
+    BatchError,
+    BatchErrors,
+    BatchRecord,
+    DriverClaim,
+    FileRecord,
+    now,
+)
+from fleet_base.batch.names import new_file_id, result_key
+from fleet_base.batch.store import BatchStore, Conflict, NotFound, Versioned
+from fleet_base.bounds import MAX_BODY_BYTES
+
+log = logging.getLogger(__name__)
+
+Step = Literal["again", "wait", "done", "lost"]
+DeploymentOf = Callable[[str, str], str]  # (key id, model) -> deployment, raising OpenAIError
+ENQUEUE_CHUNK = 256
+
+
+class BatchDriver:
+    def __init__(
+        self,
+        store: BatchStore,
+        config: BatchConfig,
+        deployment_of: DeploymentOf,
+        *,
+        holder: str,
+        metrics: BatchMetrics | None = None,
+        windows: Mapping[str, float] = COMPLETION_WINDOWS,
+        tick_s: float = 1.0,
+        clock: Callable[[], float] = now,
+        max_line_bytes: int = MAX_BODY_BYTES,
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.deployment_of = deployment_of
+        self.holder = holder
+        self.metrics = metrics
+        self.windows = windows  # completion_window -> seconds; tests shorten "24h"
+        self.tick_s = tick_s
+        self.clock = clock
+        self.max_line_bytes = max_line_bytes
+        self._active: dict[str, asyncio.Task[None]] = {}
+
+    # ------------------------------------------------------------------ the loop
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.scan()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("batch driver scan failed")
+            await asyncio.sleep(self.tick_s)
+
+    async def scan(self) -> None:
+        """Start driving every batch that is not over and that nobody else holds."""
+        records = await self.store.batches()
+        if self.metrics is not None:
+            self.metrics.observe(records)
+        for record in records:
+            if record.terminal or record.id in self._active or not self._claimable(record):
+                continue
+            self._active[record.id] = asyncio.create_task(self._drive(record.id), name=f"batch-{record.id}")
+
+    async def stop(self) -> None:
+        tasks = list(self._active.values())
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    async def _drive(self, batch_id: str) -> None:
+        try:
+            while True:
+                try:
+                    step = await self.step(batch_id)
+                except (asyncio.CancelledError, NotFound):
+                    raise
+                except Exception:
+                    log.exception("driving %s failed; retrying", batch_id)
+                    step = "wait"
+                if step in ("done", "lost"):
+                    return
+                if step == "wait":
+                    await asyncio.sleep(min(self.tick_s, self.config.claim_s / 3))
+        except NotFound:
+            return
+        finally:
+            self._active.pop(batch_id, None)
+
+    # ------------------------------------------------------------------ one step
+
+    async def step(self, batch_id: str) -> Step:
+        """Read the batch, hold its claim, and move it as far as it can go now."""
+        v = await self.store.batch(batch_id)
+        if v.value.terminal:
+            return "done"
+        if not self._claimable(v.value):
+            return "lost"
+        try:
+            v = await self._renew(v)
+            status = v.value.status
+            if status == "validating":
+                return await self._validating(v)
+            if status == "in_progress":
+                return await self._in_progress(v)
+            if status == "finalizing":
+                return await self._finish(v, "completed")
+            if status == "cancelling":
+                return await self._cancelling(v)
+        except Conflict:
+            return "again"  # someone wrote the record (a cancel, a takeover): read it again
+        return "done"
+
+    def _claimable(self, record: BatchRecord) -> bool:
+        claim = record.claim
+        return claim is None or claim.holder == self.holder or claim.until <= self.clock()
+
+    def _deadline(self, record: BatchRecord) -> float:
+        return record.created_at + self.windows.get(record.completion_window, COMPLETION_WINDOWS["24h"])
+
+    async def _renew(self, v: Versioned[BatchRecord]) -> Versioned[BatchRecord]:
+        claim = v.value.claim
+        if (
+            claim is not None
+            and claim.holder == self.holder
+            and claim.until - self.clock() > self.config.claim_s * 2 / 3
+        ):
+            return v
+        return await self._save(v)
+
+    async def _save(self, v: Versioned[BatchRecord], **changes: object) -> Versioned[BatchRecord]:
+        """The record with `changes` and a fresh claim (none once over), by compare-and-set."""
+        status = changes.get("status", v.value.status)
+        if status != v.value.status:
+            changes[f"{status}_at"] = int(self.clock())
+        claim = None if status in ("completed", "failed", "expired", "cancelled") else self._claim()
+        record = v.value.model_copy(update={**changes, "claim": claim})
+        saved = await self.store.update_batch(record, v.revision)
+        if status != v.value.status:
+            log.info("batch %s: %s -> %s", record.id, v.value.status, status)
+            if self.metrics is not None:
+                self.metrics.transitions.labels(status).inc()
+        return saved
+
+    def _claim(self) -> DriverClaim:
+        return DriverClaim(holder=self.holder, until=self.clock() + self.config.claim_s)
+
+    # ------------------------------------------------------------------ statuses
+
+    async def _validate(self, record: BatchRecord) -> Validation:
+        try:
+            data = await self.store.file_content(await self.store.file(record.input_file_id))
+        except NotFound:
+            missing = BatchError(
+                code="file_not_found", message=f"The input file '{record.input_file_id}' no longer exists"
+            )
+            return Validation(errors=(missing,))
+        window = self._deadline(record) - record.created_at
+        return await asyncio.to_thread(
+            validate_file,
+            data,
+            record,
+            self.config,
+            lambda model: self.deployment_of(record.key_id, model),
+            now=self.clock(),
+            window_s=window,
+            max_line_bytes=self.max_line_bytes,
+        )
+
+    async def _validating(self, v: Versioned[BatchRecord]) -> Step:
+        record = v.value
+        if self.clock() >= self._deadline(record):
+            return await self._finish(v, "expired")
+        validation = await self._validate(record)
+        if validation.failed:
+            await self._save(v, status="failed", errors=BatchErrors(data=list(validation.errors)))
+            return "done"
+        for index, stored in validation.rejected:
+            await self.store.put_result(result_key(record.id, index), stored)
+        done = {index for index, _ in await self.store.results(record.id)}
+        items = validation.items
+        start = min(record.enqueued, len(items))
+        while start < len(items):
+            chunk = items[start : start + ENQUEUE_CHUNK]
+            await self.store.enqueue([item for item in chunk if item.index not in done])
+            start += len(chunk)
+            v = await self._save(v, enqueued=start)  # Conflict: a cancel came; re-read, resume
+        counts, usage = tally(await self.store.results(record.id), validation.total)
+        await self._save(
+            v,
+            status="in_progress",
+            expires_at=int(self._deadline(record)),
+            request_counts=counts,
+            usage=usage,
+        )
+        return "again"
+
+    async def _in_progress(self, v: Versioned[BatchRecord]) -> Step:
+        record = v.value
+        results = await self.store.results(record.id)
+        counts, usage = tally(results, record.request_counts.total)
+        if len(results) >= record.request_counts.total:
+            v = await self._save(v, status="finalizing", request_counts=counts, usage=usage)
+            return await self._finish(v, "completed")
+        if self.clock() >= self._deadline(record):
+            return await self._finish(v, "expired")
+        if counts != record.request_counts or usage != record.usage:
+            await self._save(v, request_counts=counts, usage=usage)
+        return "wait"
+
+    async def _cancelling(self, v: Versioned[BatchRecord]) -> Step:
+        """Done once no item of the batch is queued or in flight (workers drop the queued
+        ones); past the window, at once (nobody may be left to drop them)."""
+        if await self.store.pending_for(v.value.id) and self.clock() < self._deadline(v.value):
+            return "wait"
+        return await self._finish(v, "cancelled")
+
+    async def _finish(
+        self, v: Versioned[BatchRecord], status: Literal["completed", "expired", "cancelled"]
+    ) -> Step:
+        """Write the output and error files and end the batch with `status`."""
+        record = v.value
+        results = await self.store.results(record.id)
+        unfinished: Unfinished | None = None if status == "completed" else status
+        if unfinished is None:
+            lines = [(index, stored.line.custom_id) for index, stored in results]
+        else:
+            lines = list((await self._validate(record)).lines)
+        outcome = finalize(record.id, lines, results, unfinished)
+        written: list[str] = []
+        try:
+            output_id = await self._write(record, "output", outcome.output, written)
+            error_id = await self._write(record, "error", outcome.errors, written)
+            await self._save(
+                v,
+                status=status,
+                output_file_id=output_id,
+                error_file_id=error_id,
+                request_counts=outcome.request_counts,
+                usage=outcome.usage,
+            )
+        except BaseException:
+            for file_id in written:  # the record did not take them: nobody will read them
+                with contextlib.suppress(Exception):
+                    await self.store.delete_file(file_id)
+            raise
+        return "done"
+
+    async def _write(self, record: BatchRecord, part: str, data: bytes, written: list[str]) -> str | None:
+        if not data:
+            return None
+        file = FileRecord(
+            id=new_file_id(),
+            bytes=len(data),
+            created_at=int(self.clock()),
+            filename=f"{record.id}_{part}.jsonl",
+            purpose="batch_output",
+            key_id=record.key_id,
+        )
+        stored = await self.store.put_file(file, data)
+        written.append(stored.id)
+        return stored.id

@@ -1,0 +1,269 @@
+"""The batch driver on an in-memory store with a clock of its own: a batch walks to
+completed with its output and error files; a lapsed claim is taken over and enqueueing
+resumes where it stopped; a live claim is left alone; expiry and cancel return the
+finished part and mark the rest."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agent.gateway.batch.driver import BatchDriver
+from agent.gateway.errors import GatewayError
+from fleet_base.batch.config import BatchConfig
+from fleet_base.batch.models import (
+    BatchRecord,
+    DriverClaim,
+    FileRecord,
+    LineResponse,
+    LineResult,
+    StoredResult,
+)
+from fleet_base.batch.names import line_request_id, result_key
+from tests.agent.batch.memory_store import MemoryBatchStore
+
+T0 = 1_000_000.0
+CONFIG = BatchConfig(claim_s=30.0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = T0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def deployment_of(key_id: str, model: str) -> str:
+    if model != "tiny":
+        raise GatewayError(404, f"The model '{model}' does not exist", code="model_not_found")
+    return model
+
+
+def request(custom_id: str, model: str = "tiny") -> bytes:
+    body = {"model": model, "messages": [{"role": "user", "content": custom_id}]}
+    line = {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
+    return json.dumps(line).encode() + b"\n"
+
+
+async def make_batch(store: MemoryBatchStore, data: bytes, **fields: object) -> BatchRecord:
+    file = await store.put_file(
+        FileRecord(
+            id="file-in",
+            bytes=len(data),
+            created_at=int(T0),
+            filename="in.jsonl",
+            purpose="batch",
+            key_id="k1",
+        ),
+        data,
+    )
+    record = BatchRecord(
+        id="batch_b1",
+        endpoint="/v1/chat/completions",
+        input_file_id=file.id,
+        created_at=int(T0),
+        key_id="k1",
+        **fields,  # type: ignore[arg-type]
+    )
+    return (await store.create_batch(record)).value
+
+
+def answer(index: int, custom_id: str) -> StoredResult:
+    response = LineResponse(status_code=200, request_id=f"req-{index}", body={"echo": custom_id})
+    line = LineResult(id=line_request_id("batch_b1", index), custom_id=custom_id, response=response)
+    return StoredResult(line=line, prompt_tokens=5, completion_tokens=2)
+
+
+def driver(store: MemoryBatchStore, clock: Clock, holder: str = "east/gw-1", **kw: object) -> BatchDriver:
+    return BatchDriver(store, CONFIG, deployment_of, holder=holder, clock=clock, **kw)  # type: ignore[arg-type]
+
+
+async def settle(d: BatchDriver, batch_id: str = "batch_b1") -> str:
+    step = "again"
+    for _ in range(20):
+        step = await d.step(batch_id)
+        if step != "again":
+            return step
+    return step
+
+
+async def content(store: MemoryBatchStore, file_id: str | None) -> list[dict]:
+    assert file_id is not None
+    record = await store.file(file_id)
+    assert record.purpose == "batch_output" and record.key_id == "k1"
+    return [json.loads(r) for r in (await store.file_content(record)).splitlines()]
+
+
+async def test_a_batch_runs_to_completed_with_its_files() -> None:
+    store, clock = MemoryBatchStore(), Clock()
+    await make_batch(store, request("a") + request("b") + request("c", model="ghost") + request("d"))
+    d = driver(store, clock)
+    assert await settle(d) == "wait"
+    rec = (await store.batch("batch_b1")).value
+    assert rec.status == "in_progress"
+    assert rec.in_progress_at == int(T0) and rec.expires_at == int(T0 + 24 * 3600)
+    assert rec.request_counts.model_dump() == {"total": 4, "completed": 0, "failed": 1}
+    assert rec.claim is not None and rec.claim.holder == "east/gw-1"
+    assert [i.custom_id for i in store.queue.values()] == ["a", "b", "d"]
+    bad = await store.result(result_key("batch_b1", 2))
+    assert bad is not None and bad.line.error is not None and bad.line.error.code == "model_not_found"
+
+    # the worker's part: results stored, items acknowledged
+    for item in list(store.queue.values())[:2]:
+        await store.put_result(item.id, answer(item.index or 0, item.custom_id))
+    clock.t += 1
+    assert await settle(d) == "wait"
+    rec = (await store.batch("batch_b1")).value
+    assert rec.status == "in_progress"
+    assert rec.request_counts.model_dump() == {"total": 4, "completed": 2, "failed": 1}
+
+    item = list(store.queue.values())[2]
+    await store.put_result(item.id, answer(3, "d"))
+    assert await settle(d) == "done"
+    rec = (await store.batch("batch_b1")).value
+    assert rec.status == "completed" and rec.claim is None
+    assert rec.finalizing_at is not None and rec.completed_at is not None
+    assert rec.request_counts.model_dump() == {"total": 4, "completed": 3, "failed": 1}
+    assert rec.usage is not None and rec.usage.total_tokens == 21
+    out = await content(store, rec.output_file_id)
+    assert [(r["custom_id"], r["response"]["body"]) for r in out] == [
+        ("a", {"echo": "a"}),
+        ("b", {"echo": "b"}),
+        ("d", {"echo": "d"}),
+    ]
+    errors = await content(store, rec.error_file_id)
+    assert [(r["custom_id"], r["error"]["code"]) for r in errors] == [("c", "model_not_found")]
+    assert "Line 3" in errors[0]["error"]["message"]
+
+
+async def test_a_lapsed_claim_is_taken_over_and_enqueueing_resumes() -> None:
+    store, clock = MemoryBatchStore(), Clock()
+    data = b"".join(request(c) for c in "abcde")
+    dead = DriverClaim(holder="west/gw-dead", until=T0 - 1)
+    await make_batch(store, data, claim=dead, enqueued=2)
+    await store.put_result(result_key("batch_b1", 3), answer(3, "d"))  # ran before the crash
+    d = driver(store, clock)
+    await d.scan()
+    assert "batch_b1" in d._active
+    await d.stop()
+    assert await settle(d) == "wait"
+    rec = (await store.batch("batch_b1")).value
+    assert rec.claim is not None and rec.claim.holder == "east/gw-1"
+    assert rec.status == "in_progress" and rec.enqueued == 5
+    assert [i.custom_id for i in store.queue.values()] == ["c", "e"]  # neither what was queued nor what ran
+    assert rec.request_counts.completed == 1
+
+
+async def test_a_live_claim_is_left_alone_until_it_lapses() -> None:
+    store, clock = MemoryBatchStore(), Clock()
+    live = DriverClaim(holder="west/gw-2", until=T0 + 10)
+    await make_batch(store, request("a"), claim=live)
+    d = driver(store, clock)
+    before = await store.batch("batch_b1")
+    await d.scan()
+    assert not d._active
+    assert await d.step("batch_b1") == "lost"
+    assert await store.batch("batch_b1") == before and not store.queue
+    clock.t += 10
+    assert await settle(d) == "wait"
+    assert (await store.batch("batch_b1")).value.claim.holder == "east/gw-1"  # type: ignore[union-attr]
+
+
+async def test_the_claim_is_renewed_at_a_third_of_its_length() -> None:
+    store, clock = MemoryBatchStore(), Clock()
+    await make_batch(store, request("a"))
+    d = driver(store, clock)
+    await settle(d)
+    revision = (await store.batch("batch_b1")).revision
+    clock.t += CONFIG.claim_s / 3 - 1
+    await settle(d)
+    assert (await store.batch("batch_b1")).revision == revision  # nothing changed, claim fresh
+    clock.t += 2
+    await settle(d)
+    v = await store.batch("batch_b1")
+    assert v.revision > revision and v.value.claim is not None
+    assert v.value.claim.until == pytest.approx(clock.t + CONFIG.claim_s)
+
+
+async def test_expiry_returns_the_finished_part_and_marks_the_rest() -> None:
+    store, clock = MemoryBatchStore(), Clock()
+    await make_batch(store, b"".join(request(c) for c in "abc"))
+    d = driver(store, clock, windows={"24h": 60.0})
+    await settle(d)
+    assert (await store.batch("batch_b1")).value.expires_at == int(T0 + 60)
+    await store.put_result(result_key("batch_b1", 1), answer(1, "b"))
+    clock.t += 60
+    assert await settle(d) == "done"
+    rec = (await store.batch("batch_b1")).value
+    assert rec.status == "expired" and rec.expired_at == int(T0 + 60)
+    assert [r["custom_id"] for r in await content(store, rec.output_file_id)] == ["b"]
+    errors = await content(store, rec.error_file_id)
+    assert [(r["custom_id"], r["error"]["code"]) for r in errors] == [
+        ("a", "batch_expired"),
+        ("c", "batch_expired"),
+    ]
+    assert rec.request_counts.model_dump() == {"total": 3, "completed": 1, "failed": 2}
+
+
+async def test_cancel_waits_for_the_queue_then_returns_the_finished_part() -> None:
+    store, clock = MemoryBatchStore(), Clock()
+    await make_batch(store, b"".join(request(c) for c in "abc"))
+    d = driver(store, clock)
+    await settle(d)
+    v = await store.batch("batch_b1")
+    await store.update_batch(
+        v.value.model_copy(update={"status": "cancelling", "cancelling_at": int(T0)}), v.revision
+    )
+    first = next(iter(store.queue.values()))
+    await store.put_result(first.id, answer(0, "a"))  # in flight when cancelled: it finishes
+    assert await settle(d) == "wait"
+    assert (await store.batch("batch_b1")).value.status == "cancelling"
+    store.queue.clear()  # workers dropped the rest
+    assert await settle(d) == "done"
+    rec = (await store.batch("batch_b1")).value
+    assert rec.status == "cancelled" and rec.cancelled_at is not None
+    assert [r["custom_id"] for r in await content(store, rec.output_file_id)] == ["a"]
+    errors = await content(store, rec.error_file_id)
+    assert {r["error"]["code"] for r in errors} == {"batch_cancelled"} and len(errors) == 2
+
+
+async def test_a_cancel_during_validation_wins_over_the_driver() -> None:
+    store, clock = MemoryBatchStore(), Clock()
+    await make_batch(store, b"".join(request(str(i)) for i in range(600)))
+    d = driver(store, clock)
+    real_enqueue = store.enqueue
+
+    async def enqueue_then_cancel(items):  # the API's cancel lands between two chunks
+        await real_enqueue(items)
+        v = await store.batch("batch_b1")
+        if v.value.status == "validating":
+            await store.update_batch(v.value.model_copy(update={"status": "cancelling"}), v.revision)
+
+    store.enqueue = enqueue_then_cancel  # type: ignore[method-assign]
+    assert await d.step("batch_b1") == "again"
+    rec = (await store.batch("batch_b1")).value
+    assert rec.status == "cancelling" and len(store.queue) == 256
+    store.queue.clear()
+    assert await settle(d) == "done"
+    assert (await store.batch("batch_b1")).value.status == "cancelled"
+
+
+@pytest.mark.parametrize(("data", "code"), [(b"", "empty_file"), (b"not json\n", "invalid_json_line")])
+async def test_a_file_that_is_no_batch_fails_it(data: bytes, code: str) -> None:
+    store, clock = MemoryBatchStore(), Clock()
+    await make_batch(store, data)
+    assert await settle(driver(store, clock)) == "done"
+    rec = (await store.batch("batch_b1")).value
+    assert rec.status == "failed" and rec.failed_at == int(T0) and rec.claim is None
+    assert rec.errors is not None and rec.errors.data[0].code == code
+
+
+async def test_a_deleted_input_file_fails_the_batch() -> None:
+    store, clock = MemoryBatchStore(), Clock()
+    await make_batch(store, request("a"))
+    await store.delete_file("file-in")
+    await settle(driver(store, clock))
+    rec = (await store.batch("batch_b1")).value
+    assert rec.status == "failed" and rec.errors is not None and rec.errors.data[0].code == "file_not_found"
