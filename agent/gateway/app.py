@@ -86,6 +86,7 @@ def build_app(config: ClusterConfig, gateway: Gateway | None = None) -> Starlett
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/openapi.json", openapi, methods=["GET"]),
+            *(gw.batch.routes() if gw.batch is not None else []),
         ],
         exception_handlers={HTTPException: http_error, Exception: internal_error},
         lifespan=lifespan,

@@ -23,6 +23,7 @@ from agent.adapters import ReplicaAdapters
 from agent.gateway.accounting import CLIENT_CLOSED, Accounting
 from agent.gateway.adapters import AdapterRouting
 from agent.gateway.auth import Authenticator
+from agent.gateway.batch.service import BatchService, gateway_hooks, open_nats_store
 from agent.gateway.capacity_metrics import UnschedulableCollector
 from agent.gateway.coldstart import ColdStartCollector
 from agent.gateway.demand import DemandSignal
@@ -176,6 +177,12 @@ class Gateway:
             tokenizer=self.tokens.tokenizer,
         )
         self.dispatch.shadow = self.shadow
+        # the Files and Batches API and the batch loops, on the store in this NATS
+        self.batch: BatchService | None = None
+        if config.batch.enabled and link is not None:
+            self.batch = BatchService(
+                config.batch, gateway_hooks(self), open_store=lambda: open_nats_store(link, config.batch)
+            )
         self._watch: asyncio.Task[None] | None = None
         self._status: asyncio.Task[None] | None = None
         self._seen_reloads: dict[str, int] = {}
@@ -191,6 +198,8 @@ class Gateway:
         )
         self.usage.start()
         self._demand = asyncio.create_task(self.demand.repeat(), name="gateway-demand")
+        if self.batch is not None:
+            await self.batch.start()
 
     async def close(self) -> None:
         if self._watch is not None:
@@ -199,6 +208,8 @@ class Gateway:
             self._status.cancel()
         if self._demand is not None:
             self._demand.cancel()
+        if self.batch is not None:
+            await self.batch.stop()
         await self.shadow.close()
         await self.usage.close()
         if self.upstreams.client is not None:

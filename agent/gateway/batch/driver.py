@@ -56,6 +56,7 @@ class BatchDriver:
         tick_s: float = 1.0,
         clock: Callable[[], float] = now,
         max_line_bytes: int = MAX_BODY_BYTES,
+        refresh: Callable[[], None] = lambda: None,
     ) -> None:
         self.store = store
         self.config = config
@@ -66,7 +67,9 @@ class BatchDriver:
         self.tick_s = tick_s
         self.clock = clock
         self.max_line_bytes = max_line_bytes
+        self.refresh = refresh  # the gateway's keys and routes, reloaded on the loop before validating
         self._active: dict[str, asyncio.Task[None]] = {}
+        self._wake = asyncio.Event()
 
     # ------------------------------------------------------------------ the loop
 
@@ -78,7 +81,13 @@ class BatchDriver:
                 raise
             except Exception:
                 log.exception("batch driver scan failed")
-            await asyncio.sleep(self.tick_s)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.tick_s)
+            self._wake.clear()
+
+    def wake(self) -> None:
+        """Scan now (a batch was created or cancelled here)."""
+        self._wake.set()
 
     async def scan(self) -> None:
         """Start driving every batch that is not over and that nobody else holds."""
@@ -186,6 +195,7 @@ class BatchDriver:
             )
             return Validation(errors=(missing,))
         window = self._deadline(record) - record.created_at
+        self.refresh()
         return await asyncio.to_thread(
             validate_file,
             data,
