@@ -10,8 +10,10 @@ import os
 
 import pytest
 
+from control_plane.local.nats_server import NatsServer
 from tests.control_plane.cp_server import ControlPlaneServer, fresh_database
 from tests.fuzzing import fuzz
+from tests.polling import wait_for
 
 pytestmark = pytest.mark.slow
 KINDS = ["sqlite", "postgresql"] if os.environ.get("FLEET_FUZZ_DATABASES") == "all" else ["sqlite"]
@@ -19,12 +21,19 @@ KINDS = ["sqlite", "postgresql"] if os.environ.get("FLEET_FUZZ_DATABASES") == "a
 
 @pytest.fixture(params=KINDS)
 def cp_server(request, tmp_path):
+    """With a real nats-server: the batch routes read JetStream (without NATS they answer
+    503 by design, tests/control_plane/test_batches_api.py)."""
     url, cleanup = fresh_database(request.param, tmp_path)
-    server = ControlPlaneServer(tmp_path / "home", url)
+    nats = NatsServer(tmp_path / "nats").start()
+    server = ControlPlaneServer(tmp_path / "home", url, nats.url)
     try:
-        yield server.start()
+        server.start()
+        with server.client() as admin:
+            wait_for(lambda: admin.get("/healthz").json()["nats"], 30, "the control plane's NATS link")
+        yield server
     finally:
         server.stop()
+        nats.stop()
         cleanup()
 
 
