@@ -64,7 +64,10 @@ class BatchDriver:
         self.holder = holder
         self.metrics = metrics
         self.windows = windows  # completion_window -> seconds; tests shorten "24h"
-        self.tick_s = tick_s
+        self.tick_s = tick_s  # between two steps of a batch driven here
+        # between two listings of every batch: a lapsed claim waits claim_s anyway, and a
+        # batch created or cancelled here wakes the scan at once
+        self.scan_s = max(tick_s, min(5.0, config.claim_s / 3))
         self.clock = clock
         self.max_line_bytes = max_line_bytes
         self.refresh = refresh  # the gateway's keys and routes, reloaded on the loop before validating
@@ -79,10 +82,10 @@ class BatchDriver:
                 await self.scan()
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.exception("batch driver scan failed")
+            except Exception as err:
+                log.warning("batch driver scan failed: %s: %s", type(err).__name__, err)
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.tick_s)
+                await asyncio.wait_for(self._wake.wait(), self.scan_s)
             self._wake.clear()
 
     def wake(self) -> None:
@@ -114,8 +117,8 @@ class BatchDriver:
                     step = await self.step(batch_id)
                 except (asyncio.CancelledError, NotFound):
                     raise
-                except Exception:
-                    log.exception("driving %s failed; retrying", batch_id)
+                except Exception as err:  # the store down: the claim lapses if it stays down
+                    log.warning("driving %s failed (%s: %s); retrying", batch_id, type(err).__name__, err)
                     step = "wait"
                 if step in ("done", "lost"):
                     return

@@ -3,21 +3,35 @@ gateway's own helper), the key's 404 for what is not its own, and OpenAI's curso
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import nats.errors
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from agent.gateway.errors import GatewayError, error_response
 
+log = logging.getLogger("agent.gateway.batch")
+
 Handler = Callable[[Request], Awaitable[Response]]
+# the store is NATS: what its client raises while the server is down or slow
+STORE_DOWN = (nats.errors.Error, asyncio.TimeoutError, ConnectionError)
+
+
+def store_unavailable(detail: str = "") -> GatewayError:
+    return GatewayError(
+        503, f"Batch storage is unavailable from this gateway{detail}; try again", code="store_unavailable"
+    )
 
 
 def guarded(handler: Handler) -> Handler:
-    """Every `GatewayError` a handler raises answers in OpenAI's error shape."""
+    """Every `GatewayError` a handler raises answers in OpenAI's error shape; the store
+    down is a 503, not an internal error."""
 
     @functools.wraps(handler)
     async def run(request: Request) -> Response:
@@ -25,6 +39,9 @@ def guarded(handler: Handler) -> Handler:
             return await handler(request)
         except GatewayError as err:
             return error_response(err)
+        except STORE_DOWN as err:
+            log.warning("batch store unavailable on %s: %s: %s", request.url.path, type(err).__name__, err)
+            return error_response(store_unavailable())
 
     return run
 

@@ -26,6 +26,7 @@ from starlette.routing import Route
 from agent.gateway.batch.batches_api import BatchesApi
 from agent.gateway.batch.driver import BatchDriver
 from agent.gateway.batch.files_api import FilesApi
+from agent.gateway.batch.http import store_unavailable
 from agent.gateway.batch.metrics import BatchMetrics
 from agent.gateway.errors import GatewayError
 from fleet_base.api_keys import ApiKeyRecord
@@ -67,7 +68,7 @@ class BatchService:
         store: BatchStore | None = None,
         open_store: Callable[[], Awaitable[BatchStore]] | None = None,
         windows: Mapping[str, float] = COMPLETION_WINDOWS,  # tests shorten "24h"; the API still takes only it
-        tick_s: float = 1.0,
+        tick_s: float = 2.0,
         clock: Callable[[], float] = now,
     ) -> None:
         self.config = config
@@ -92,11 +93,7 @@ class BatchService:
 
     def require_store(self) -> BatchStore:
         if self.store is None:
-            raise GatewayError(
-                503,
-                "Batch storage is not reachable from this gateway yet; try again",
-                code="batch_store_unavailable",
-            )
+            raise store_unavailable(" (not bound yet)")
         return self.store
 
     def window_s(self, window: str) -> float:

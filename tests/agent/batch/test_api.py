@@ -258,3 +258,21 @@ async def test_the_driver_runs_in_the_service(env: Env) -> None:
     errors = [json.loads(r) for r in (await client.files.content(final.error_file_id)).content.splitlines()]
     assert {e["error"]["code"] for e in errors} == {"model_not_allowed"}
     assert {e["custom_id"] for e in errors} == {"r0", "r1"}
+
+
+async def test_the_store_unbound_or_down_is_a_503(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    import nats.errors
+
+    assert env.gateway.batch is not None
+    async with env.http() as http:
+        env.gateway.batch.store = None
+        r = await http.get("/v1/batches")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable"
+        env.gateway.batch.store = env.store
+
+        async def down(*_: object) -> None:
+            raise nats.errors.ConnectionClosedError
+
+        monkeypatch.setattr(env.store, "batches", down)
+        r = await http.get("/v1/batches")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable"
