@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import nats.errors
 
 from fleet_base.batch.config import BatchConfig
-from fleet_base.batch.models import AsyncRecord, BatchRecord
+from fleet_base.batch.models import CANCELLABLE, AsyncRecord, BatchRecord
 from fleet_base.batch.store import BatchStore, Conflict, NotFound
 
 if TYPE_CHECKING:
@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Opener = Callable[[Any, BatchConfig], Awaitable[BatchStore]]
-CANCELLABLE: frozenset[str] = frozenset({"validating", "in_progress"})
 CANCEL_ATTEMPTS = 3  # re-reads after a lost compare-and-set before answering 409
 CALL_TIMEOUT_S = 10.0  # one API call's reads, so a NATS that hangs answers 503, not never
 

@@ -21,6 +21,7 @@ BatchStatus = Literal[
     "validating", "in_progress", "finalizing", "completed", "failed", "expired", "cancelling", "cancelled"
 ]
 TERMINAL: frozenset[str] = frozenset({"completed", "failed", "expired", "cancelled"})
+CANCELLABLE: frozenset[str] = frozenset({"validating", "in_progress"})  # a cancel moves these to cancelling
 AsyncStatus = Literal["queued", "in_progress", "succeeded", "failed", "expired", "cancelled"]
 DeliveryStatus = Literal["none", "pending", "delivered", "failed"]
 
