@@ -56,6 +56,11 @@ class Settings(BaseSettings):
         None, validation_alias=AliasChoices("nats_cert_file", "FLEET_NATS_CERT")
     )
     nats_key_file: Path | None = Field(None, validation_alias=AliasChoices("nats_key_file", "FLEET_NATS_KEY"))
+    # The fleet's webhook master secret (FLEET_WEBHOOK_MASTER, a file; `fleetctl up` sets it):
+    # a key's webhook signing secret is derived from it and shown once; unset: none is shown.
+    webhook_master_file: Path | None = Field(
+        None, validation_alias=AliasChoices("webhook_master_file", "FLEET_WEBHOOK_MASTER")
+    )
     # Publish the key set's lease (fleet_keys) this often; gateways judge staleness by it.
     key_lease_interval_s: float = 5.0
     # FLEET_PROTECT_DOCS=1: /docs and /openapi.json need a bearer token too (and /redoc

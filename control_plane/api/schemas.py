@@ -383,6 +383,19 @@ class KeyOut(BaseModel):
 
 class KeyCreated(KeyOut):
     key: str = Field(description="the secret: shown once, never stored")
+    webhook_secret: str | None = Field(
+        None,
+        description="the key's webhook signing secret (Standard Webhooks, whsec_...): shown once, "
+        "never stored; None when the control plane has no webhook master secret",
+    )
+
+
+class WebhookSecretOut(BaseModel):
+    """POST /v1/keys/{id}/webhook-secret: the new signing secret, shown once."""
+
+    key_id: str
+    webhook_secret: str
+    webhook_secret_version: int
 
 
 # --------------------------------------------------------------------- team budgets

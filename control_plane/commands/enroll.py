@@ -124,6 +124,7 @@ def _what(file_name: str) -> str:
         "replica.pem": "the replicas' HTTPS certificate",
         "replica.key": "its private key",
         "replica-token": "the secret replicas require from the gateway",
+        "webhook-master": "the fleet's webhook master secret (gateways sign async webhooks with it)",
     }.get(file_name, "")
 
 

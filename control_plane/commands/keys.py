@@ -1,5 +1,6 @@
-"""`fleetctl keys`: API keys through the admin API: create (the secret is shown once), ls,
-update (name, quotas, residency, team) and revoke."""
+"""`fleetctl keys`: API keys through the admin API: create (the secret and the webhook
+signing secret are shown once), ls, update (name, quotas, residency, team), revoke, and
+webhook-secret (rotate the webhook signing secret, shown once)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,16 @@ from typing import Any
 
 import typer
 
-from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, call, console, done, fail, show
+from control_plane.commands.output import (
+    OUTPUT_OPTION,
+    OutputFormat,
+    call,
+    console,
+    done,
+    emit_json,
+    fail,
+    show,
+)
 from control_plane.commands.residency import RESIDENCY_HELP, residency_flag
 
 keys_app = typer.Typer(
@@ -72,6 +82,31 @@ def keys_create(
     show(row, output, KEY_COLUMNS)
     if output != OutputFormat.json:
         console.print(f"key (shown once): [bold]{row['key']}[/bold]", highlight=False, soft_wrap=True)
+        if row.get("webhook_secret"):
+            console.print(
+                f"webhook signing secret (shown once): [bold]{row['webhook_secret']}[/bold]",
+                highlight=False,
+                soft_wrap=True,
+            )
+
+
+@keys_app.command("webhook-secret")
+def keys_webhook_secret(
+    key_id: str = typer.Argument(..., help="the key's id"),
+    output: OutputFormat = OUTPUT_OPTION,
+) -> None:
+    """Rotate the key's webhook signing secret; the new one is printed once (the old one
+    stops verifying when gateways next receive the key set)."""
+    row = call(lambda c: c.post(f"/v1/keys/{key_id}/webhook-secret", {}))
+    if output == OutputFormat.json:
+        emit_json(row)
+        return
+    console.print(
+        f"webhook signing secret of {key_id} (version {row['webhook_secret_version']}, shown once): "
+        f"[bold]{row['webhook_secret']}[/bold]",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 @keys_app.command("ls")

@@ -244,6 +244,9 @@ class ApiKey(Base):
     residency: Mapped[list[str] | None] = mapped_column(JSON, nullable=True, default=None)
     # the team its usage is charged to (cost reports, budgets); None: no team
     team: Mapped[str | None] = mapped_column(String(63), nullable=True, index=True)
+    # the webhook signing secret's version (ApiKeyRecord.webhook_secret_version); the secret
+    # is derived from the fleet's webhook master, never stored
+    webhook_secret_version: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class UsageRecord(Base):

@@ -254,6 +254,7 @@ def key_record(k: ApiKey, exhausted_teams: Collection[str] = ()) -> ApiKeyRecord
         residency=None if k.residency is None else list(k.residency),
         team=k.team,
         budget_exhausted=k.team is not None and k.team in exhausted_teams,
+        webhook_secret_version=k.webhook_secret_version or 0,
     )
 
 

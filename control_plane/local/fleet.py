@@ -31,6 +31,8 @@ from pydantic import BaseModel, Field, ValidationError
 from control_plane.local.nats_server import NatsServer
 from control_plane.local.prometheus_sd import TARGETS_FILE, prometheus_targets, write_targets
 from control_plane.security.enroll import Enrolment
+from control_plane.security.pki import ensure_webhook_master
+from fleet_base.batch.webhook_signing import MASTER_ENV, MASTER_FILE
 from fleet_base.cluster_config import ClusterConfig, GatewayConfig, ReplicaConfig
 from fleet_base.domain import Coordinates
 from fleet_base.local_state import LocalState, atomic_write
@@ -139,6 +141,9 @@ class LocalFleet:
         env[MARKER_ENV] = state.fleet_id
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         env.setdefault("PYTHONUNBUFFERED", "1")
+        # the webhook signing master for every process of the fleet, secured or not (a secured
+        # cluster's bundle carries a copy of the same file)
+        env.setdefault(MASTER_ENV, str(ensure_webhook_master(self.home / "pki" / MASTER_FILE)))
         return env
 
     def spawn(

@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field
 
 from control_plane.security import nats_config
 from control_plane.security.pki import FleetPki, write_private
+from fleet_base.batch.webhook_signing import MASTER_ENV
 from fleet_base.jetstream_budget import JetStreamBudget
 from fleet_base.security.tls import Credentials
 
@@ -71,6 +72,7 @@ class Enrolment:
             "FLEET_NATS_CA": str(self.pki.ca_file),
             "FLEET_NATS_CERT": str(cert),
             "FLEET_NATS_KEY": str(key),
+            MASTER_ENV: str(self.pki.webhook_master()),
         }
 
     def enroll(self, cluster: str, hosts: list[str] | None = None) -> Credentials:

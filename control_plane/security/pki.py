@@ -7,6 +7,8 @@ Layout under `<FLEET_HOME>/pki` (every key and secret 0600, the directory 0700):
 - `control-plane.pem/.key`: the control plane's NATS identity.
 - `clusters/<cluster>/`: one cluster's bundle (`agent`, `gateway`, `replica` certificates
   and keys, `replica-token`, a copy of `ca.pem`), what `fleetctl clusters enroll` hands out.
+- `webhook-master`: the fleet's webhook master secret (`fleet_base.batch.webhook_signing`),
+  copied into every cluster's bundle: every gateway signs a key's webhooks alike.
 
 Everything is created once and reused on later runs; a certificate close to expiry (or
 missing) is issued again. Rotation is described in docs/security.md.
@@ -25,6 +27,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from fleet_base.batch.webhook_signing import MASTER_FILE, encode_master, new_master
 from fleet_base.security.ca_bundle import load_bundle
 from fleet_base.security.identity import Role, common_name, spiffe_id
 from fleet_base.security.tls import Credentials
@@ -44,6 +47,26 @@ def write_private(path: Path, data: bytes) -> None:
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
+
+
+def ensure_webhook_master(path: Path) -> Path:
+    """The fleet's webhook master secret at `path`, created once (0600): processes starting
+    together agree on the first one written (a hard link never replaces a file)."""
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o700)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(encode_master(new_master()))
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+    return path
 
 
 def _now() -> dt.datetime:
@@ -221,6 +244,9 @@ class FleetPki:
         self.ca.issue(cert, key, "control-plane")
         return cert, key
 
+    def webhook_master(self) -> Path:
+        return ensure_webhook_master(self.dir / MASTER_FILE)
+
     def cluster_dir(self, cluster: str) -> Path:
         return self.dir / "clusters" / cluster
 
@@ -238,6 +264,9 @@ class FleetPki:
         token = d / "replica-token"
         if not token.exists():
             write_private(token, (secrets.token_urlsafe(32) + "\n").encode())
+        master, master_copy = self.webhook_master().read_bytes(), d / MASTER_FILE
+        if not master_copy.exists() or master_copy.read_bytes() != master:
+            write_private(master_copy, master)
         return Credentials(
             ca_file=ca_copy,
             agent_cert=d / "agent.pem",
@@ -247,4 +276,5 @@ class FleetPki:
             replica_cert=d / "replica.pem",
             replica_key=d / "replica.key",
             replica_token_file=token,
+            webhook_master_file=master_copy,
         )

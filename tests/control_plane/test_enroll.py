@@ -39,6 +39,7 @@ def test_enroll_writes_a_private_bundle_and_a_nats_user(tmp_path):
     data = json.loads(result.stdout)
     assert set(data["files"]) == {
         "ca.pem", "agent.pem", "agent.key", "gateway.pem", "gateway.key", "replica.pem", "replica.key", "replica-token",
+        "webhook-master",
     }  # fmt: skip
     assert "ca.key" not in data["files"] and all("CA" not in f or f == "ca.pem" for f in data["files"])
     for name in data["files"]:
@@ -46,6 +47,8 @@ def test_enroll_writes_a_private_bundle_and_a_nats_user(tmp_path):
     for path in (home / "pki").rglob("*"):
         assert mode(path) == (0o700 if path.is_dir() else 0o600), path
     assert data["security"]["gateway_cert"] == str(out / "gateway.pem")
+    assert data["security"]["webhook_master_file"] == str(out / "webhook-master")
+    assert (out / "webhook-master").read_bytes() == (home / "pki" / "webhook-master").read_bytes()
     conf = (home / "pki" / "nats-server.conf").read_text()
     assert (
         "CN=fleet-agent.eu-1" in conf and "fleet.v1.heartbeat.eu-1" in conf and "CN=fleet-agent.east" in conf

@@ -1,6 +1,8 @@
 """API keys. The secret is returned once, by create; the database keeps salt and hash.
 Revoking takes effect on this API at once and on gateways when the control loops
-republish `fleet_keys`."""
+republish `fleet_keys`. A key's webhook signing secret is derived from the fleet's webhook
+master secret and the key's secret version (`fleet_base.batch.webhook_signing`): shown once
+on create and on rotation, never stored."""
 
 from __future__ import annotations
 
@@ -10,12 +12,21 @@ from sqlalchemy import select
 
 from control_plane.api.audit import audit
 from control_plane.api.deps import PagingDep, PrincipalDep, SessionDep, kick
-from control_plane.api.errors import invalid, not_found
-from control_plane.api.schemas import KeyCreate, KeyCreated, KeyOut, KeyUpdate, Page, QuotasIn
+from control_plane.api.errors import ApiError, conflict, invalid, not_found
+from control_plane.api.schemas import (
+    KeyCreate,
+    KeyCreated,
+    KeyOut,
+    KeyUpdate,
+    Page,
+    QuotasIn,
+    WebhookSecretOut,
+)
 from control_plane.api.views import key_out
 from control_plane.db.models import ApiKey, utcnow
 from control_plane.loops.usage import initial_shares
 from fleet_base.api_keys import hash_secret, new_secret
+from fleet_base.batch.webhook_signing import key_secret, read_master
 
 router = APIRouter(prefix="/v1/keys", tags=["keys"])
 
@@ -45,6 +56,17 @@ def make_key(
     return row, secret
 
 
+def webhook_master(request: Request) -> bytes | None:
+    """The fleet's webhook master secret (FLEET_WEBHOOK_MASTER); None when not configured."""
+    path = request.app.state.ctx.settings.webhook_master_file
+    if path is None:
+        return None
+    try:
+        return read_master(path)
+    except (OSError, ValueError) as err:
+        raise ApiError(503, f"the webhook master secret is unreadable ({type(err).__name__})") from None
+
+
 @router.post("", status_code=201, response_model=KeyCreated)
 def create_key(body: KeyCreate, request: Request, session: SessionDep, who: PrincipalDep):
     row, secret = make_key(
@@ -57,7 +79,35 @@ def create_key(body: KeyCreate, request: Request, session: SessionDep, who: Prin
     audit(session, who, "key.create", "key", row.key_id, None, out)
     session.commit()
     kick(request)
-    return KeyCreated(**out.model_dump(), key=secret)
+    master = webhook_master(request)
+    signing = key_secret(master, row.key_id, row.webhook_secret_version or 0) if master else None
+    return KeyCreated(**out.model_dump(), key=secret, webhook_secret=signing)
+
+
+@router.post("/{key_id}/webhook-secret", response_model=WebhookSecretOut)
+def rotate_webhook_secret(key_id: str, request: Request, session: SessionDep, who: PrincipalDep):
+    """A new webhook signing secret for the key, shown once; gateways sign with it from the
+    next publish of `fleet_keys` (the old one stops verifying then)."""
+    master = webhook_master(request)
+    if master is None:
+        raise conflict("this control plane has no webhook master secret (FLEET_WEBHOOK_MASTER)")
+    row = session.get(ApiKey, key_id)
+    if row is None:
+        raise not_found("key", key_id)
+    if row.revoked_at is not None:
+        raise conflict(f"key {key_id!r} is revoked")
+    before = {"webhook_secret_version": row.webhook_secret_version or 0}
+    row.webhook_secret_version = before["webhook_secret_version"] + 1
+    session.flush()
+    after = {"webhook_secret_version": row.webhook_secret_version}
+    audit(session, who, "key.webhook_secret", "key", key_id, before, after)
+    session.commit()
+    kick(request)
+    return WebhookSecretOut(
+        key_id=key_id,
+        webhook_secret=key_secret(master, key_id, row.webhook_secret_version),
+        webhook_secret_version=row.webhook_secret_version,
+    )
 
 
 @router.get("", response_model=Page[KeyOut])

@@ -174,3 +174,19 @@ async def test_rebinding_to_a_refused_address_reaches_nothing(receiver: Receiver
         loop.cancel()
     assert [r.headers["host"] for r in receiver.received] == [f"hooks.example.com:{receiver.port}"]
     assert json.loads(receiver.received[0].body)["id"] == record.id
+
+
+def test_master_from_the_bundle_else_the_environment(tmp_path, monkeypatch) -> None:
+    from agent.gateway.batch.webhooks import load_master
+    from fleet_base.batch.webhook_signing import MASTER_ENV, encode_master
+
+    bundle, env = tmp_path / "bundle-master", tmp_path / "env-master"
+    bundle.write_bytes(encode_master(MASTER))
+    other = new_master()
+    env.write_bytes(encode_master(other))
+    monkeypatch.setenv(MASTER_ENV, str(env))
+    assert load_master(bundle) == MASTER
+    assert load_master(None) == other
+    monkeypatch.delenv(MASTER_ENV)
+    assert load_master(None) is None
+    assert load_master(tmp_path / "missing") is None
