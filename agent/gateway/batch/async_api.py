@@ -13,29 +13,26 @@ requests (another key's id is a 404).
 from __future__ import annotations
 
 import json
-import logging
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
-from agent.gateway.errors import GatewayError, error_response
+from agent.gateway.batch.http import guarded, json_of
+from agent.gateway.errors import GatewayError
 from agent.gateway.inputs import Endpoint, parse_off_loop, read_body
 from fleet_base.api_keys import ApiKeyRecord
 from fleet_base.batch.config import BatchConfig
 from fleet_base.batch.models import AsyncRecord, BatchEndpoint, WorkItem
 from fleet_base.batch.names import DEFAULT_ASYNC_PRIORITY, PRIORITIES, new_async_id, result_key
-from fleet_base.batch.store import BatchStore, NotFound
+from fleet_base.batch.store import NotFound
 from fleet_base.batch.webhook_target import AllowList, Refused, Resolver, check
 from fleet_base.bounds import InputError, load_json
 
 if TYPE_CHECKING:
-    from agent.gateway.gateway import Gateway
-
-log = logging.getLogger("agent.gateway.batch")
+    from agent.gateway.batch.service import BatchService
 
 PATHS: dict[Endpoint, BatchEndpoint] = {
     "chat": "/v1/chat/completions",
@@ -48,11 +45,6 @@ ASYNC_FIELDS = ("webhook_url", "priority", "max_time_in_queue_s")
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> GatewayError:
     return GatewayError(400, message, param=param, code=code)
-
-
-def _unavailable(err: Exception) -> GatewayError:
-    log.warning("batch store unavailable: %s", err)
-    return GatewayError(503, "The async request store is unavailable; try again", code="store_unavailable")
 
 
 def async_fields(body: dict[str, Any], config: BatchConfig) -> tuple[str | None, int, float]:
@@ -83,65 +75,45 @@ def async_fields(body: dict[str, Any], config: BatchConfig) -> tuple[str | None,
 
 
 class AsyncApi:
-    """The async endpoints of one gateway, over the shared store."""
+    """The async endpoints of one gateway, over the batch side's store."""
 
-    def __init__(
-        self,
-        gateway: Gateway,
-        store: BatchStore,
-        config: BatchConfig,
-        *,
-        resolve: Resolver,
-        can_sign: bool,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self.gw = gateway
-        self.store = store
-        self.config = config
-        self.allow = AllowList.parse(config.webhook_allow)
+    def __init__(self, service: BatchService, *, resolve: Resolver, can_sign: bool) -> None:
+        self.service = service
+        self.allow = AllowList.parse(service.config.webhook_allow)
         self.resolve = resolve
         self.can_sign = can_sign  # the gateway holds the webhook master secret
-        self.clock = clock
+
+    @property
+    def config(self) -> BatchConfig:
+        return self.service.config
 
     def routes(self) -> list[Route]:
         def create(endpoint: Endpoint) -> Callable[[Request], Any]:
             async def handler(request: Request) -> Response:
                 return await self.create(request, endpoint)
 
-            return handler
+            return guarded(handler)
 
         return [
             *(
                 Route(f"/v1/async{path.removeprefix('/v1')}", create(ep), methods=["POST"])
                 for ep, path in PATHS.items()
             ),
-            Route("/v1/async/requests/{request_id}", self.get, methods=["GET"]),
+            Route("/v1/async/requests/{request_id}", guarded(self.get), methods=["GET"]),
         ]
 
-    def _key(self, request: Request) -> ApiKeyRecord:
-        self.gw.refresh()
-        record = self.gw.auth.authenticate(request.headers.get("authorization"))
-        self.gw.auth.authorize(record)
-        self.gw.residency.admit_key(record)
-        return record
-
     async def create(self, request: Request, endpoint: Endpoint) -> Response:
-        try:
-            record = self._key(request)
-            item, async_record = await self._admit(request, record, endpoint)
-            try:
-                await self.store.create_async(async_record)
-                await self.store.enqueue([item])
-            except Exception as err:  # the store is NATS: down or refusing
-                raise _unavailable(err) from err
-        except GatewayError as err:
-            return error_response(err)
-        return JSONResponse(async_record.public().model_dump(mode="json"), status_code=202)
+        key = self.service.hooks.authenticate(request)
+        item, record = await self._admit(request, key, endpoint)
+        store = self.service.require_store()
+        await store.create_async(record)
+        await store.enqueue([item])
+        return json_of(record.public(), 202)
 
     async def _admit(
-        self, request: Request, record: ApiKeyRecord, endpoint: Endpoint
+        self, request: Request, key: ApiKeyRecord, endpoint: Endpoint
     ) -> tuple[WorkItem, AsyncRecord]:
-        raw = await read_body(request, self.gw.config.gateway.max_body_bytes)
+        raw = await read_body(request, self.service.hooks.max_line_bytes)
         try:
             body = load_json(raw)
         except InputError as err:
@@ -152,19 +124,10 @@ class AsyncApi:
         info = await parse_off_loop(json.dumps(body, ensure_ascii=False).encode(), endpoint)
         if info.stream:
             raise _bad("An async request cannot stream: drop 'stream' or set it false", "stream")
-        view = self.gw.view
-        _, info = self.gw.adapters.split(view.replicas, view.known(info.deployment), info)
-        self.gw.auth.authorize(record, info.deployment)
-        if not view.known(info.deployment):
-            raise GatewayError(
-                404,
-                f"The model '{info.deployment}' does not exist (see GET /v1/models)",
-                param="model",
-                code="model_not_found",
-            )
+        deployment = self.service.hooks.deployment_of(key.key_id, info.deployment)
         if url is not None:
             await self._check_webhook(url)
-        now = self.clock()
+        now = self.service.clock()
         request_id = new_async_id()
         item = WorkItem(
             id=result_key(request_id, None),
@@ -173,25 +136,25 @@ class AsyncApi:
             custom_id=request_id,
             endpoint=PATHS[endpoint],
             body=body,
-            key_id=record.key_id,
-            deployment=info.deployment,
+            key_id=key.key_id,
+            deployment=deployment,
             priority=priority,
             enqueued_at=now,
             not_after=now + wait,
         )
-        async_record = AsyncRecord(
+        record = AsyncRecord(
             id=request_id,
             endpoint=PATHS[endpoint],
-            model=body["model"],
+            model=info.deployment,
             priority=priority,
             created_at=int(now),
             max_time_in_queue_s=wait,
             webhook_url=url,
             delivery="pending" if url is not None else "none",
-            key_id=record.key_id,
-            cluster=self.gw.cluster,
+            key_id=key.key_id,
+            cluster=self.service.hooks.cluster,
         )
-        return item, async_record
+        return item, record
 
     async def _check_webhook(self, url: str) -> None:
         if not self.can_sign:
@@ -209,25 +172,18 @@ class AsyncApi:
 
     async def get(self, request: Request) -> Response:
         request_id = request.path_params["request_id"]
+        key = self.service.hooks.authenticate(request)
+        store = self.service.require_store()
         try:
-            record = self._key(request)
-            try:
-                current = (await self.store.async_request(request_id)).value
-            except NotFound:
-                current = None
-            except Exception as err:
-                raise _unavailable(err) from err
-            if current is None or current.key_id != record.key_id:
-                raise GatewayError(
-                    404, f"No async request found with id '{request_id}'", code="not_found", param="id"
-                )
-            result = None
-            if current.result_expires_at is None or self.clock() < current.result_expires_at:
-                try:
-                    stored = await self.store.result(result_key(request_id, None))
-                except Exception as err:
-                    raise _unavailable(err) from err
-                result = stored.line if stored is not None else None
-        except GatewayError as err:
-            return error_response(err)
-        return JSONResponse(current.public(result).model_dump(mode="json"))
+            record = (await store.async_request(request_id)).value
+        except NotFound:
+            record = None
+        if record is None or record.key_id != key.key_id:
+            raise GatewayError(
+                404, f"No async request found with id '{request_id}'", code="not_found", param="id"
+            )
+        result = None
+        if record.result_expires_at is None or self.service.clock() < record.result_expires_at:
+            stored = await store.result(result_key(request_id, None))
+            result = stored.line if stored is not None else None
+        return json_of(record.public(result))

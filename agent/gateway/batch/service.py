@@ -1,6 +1,6 @@
-"""The gateway's batch side in one object: the store, the Files and Batches routes, and the
-loops that run beside the gateway (the lifecycle driver; the workers and the webhook
-loop append theirs to `loops`).
+"""The gateway's batch side in one object: the store, the Files, Batches and async routes,
+and the loops that run beside the gateway (the lifecycle driver, the webhook delivery loop
+when the gateway holds the webhook master secret; the workers append theirs to `loops`).
 
 The gateway opens the store from its own NATS connection once it is up (binding the
 resources the control plane created; never creating them), retrying while it cannot;
@@ -23,16 +23,19 @@ from prometheus_client import CollectorRegistry
 from starlette.requests import Request
 from starlette.routing import Route
 
+from agent.gateway.batch.async_api import AsyncApi
 from agent.gateway.batch.batches_api import BatchesApi
 from agent.gateway.batch.driver import BatchDriver
 from agent.gateway.batch.files_api import FilesApi
 from agent.gateway.batch.http import store_unavailable
 from agent.gateway.batch.metrics import BatchMetrics
+from agent.gateway.batch.webhooks import WebhookMetrics, WebhookSender, load_master, resolve_host
 from agent.gateway.errors import GatewayError
 from fleet_base.api_keys import ApiKeyRecord
 from fleet_base.batch.config import BatchConfig
 from fleet_base.batch.models import COMPLETION_WINDOWS, now
 from fleet_base.batch.store import BatchStore
+from fleet_base.batch.webhook_target import Resolver
 from fleet_base.bounds import MAX_BODY_BYTES
 
 if TYPE_CHECKING:
@@ -57,6 +60,11 @@ class GatewayHooks:
     max_line_bytes: int = MAX_BODY_BYTES
     # reload what the gateway knows (keys, routes) before the driver validates with it
     refresh: Callable[[], None] = lambda: None
+    # the fleet's webhook master secret (None: this gateway neither takes webhook URLs nor
+    # delivers), and a key's record as last published (its webhook secret version)
+    webhook_master: bytes | None = None
+    key: Callable[[str], ApiKeyRecord | None] = lambda key_id: None
+    resolve: Resolver = resolve_host  # webhook hosts (tests answer for names of their own)
 
 
 class BatchService:
@@ -82,14 +90,31 @@ class BatchService:
         self.metrics = BatchMetrics(hooks.registry)
         self.files = FilesApi(self)
         self.batches = BatchesApi(self)
+        self.async_api = AsyncApi(self, resolve=hooks.resolve, can_sign=hooks.webhook_master is not None)
+        self.webhook_metrics = WebhookMetrics(hooks.registry)
         self.driver: BatchDriver | None = None
         # loops to run once the store is open, each as a task of its own (workers, webhooks)
         self.loops: list[Loop] = []
         self.tasks: list[asyncio.Task[None]] = []
         self.ready = asyncio.Event()
+        if hooks.webhook_master is not None:
+            self.loops.append(self.webhooks)
 
     def routes(self) -> list[Route]:
-        return self.files.routes() + self.batches.routes()
+        return self.files.routes() + self.batches.routes() + self.async_api.routes()
+
+    async def webhooks(self, store: BatchStore) -> None:
+        """The webhook delivery loop (every gateway that can sign runs one)."""
+        sender = WebhookSender(
+            store,
+            self.config,
+            self.hooks.key,
+            self.hooks.webhook_master,
+            self.webhook_metrics,
+            resolve=self.hooks.resolve,
+            clock=self.clock,
+        )
+        await sender.run()
 
     def require_store(self) -> BatchStore:
         if self.store is None:
@@ -202,4 +227,6 @@ def gateway_hooks(gw: Gateway) -> GatewayHooks:
         registry=gw.metrics.registry,
         refresh=gw.refresh,
         max_line_bytes=gw.config.gateway.max_body_bytes,
+        webhook_master=load_master(gw.config.security.webhook_master_file),
+        key=lambda key_id: gw.view.keys.get(key_id),
     )

@@ -43,6 +43,7 @@ OUTCOMES: tuple[Outcome, ...] = ("delivered", "retried", "failed")
 TIMEOUT_S = 10.0  # one attempt, connect to last header; the body is never read
 CONCURRENCY = 16  # deliveries in flight per gateway (a slow receiver holds only its own)
 USER_AGENT = "fleet-webhooks/1"
+RESTART_S = 2.0  # pause before pulling again after the webhook queue failed
 
 
 async def resolve_host(host: str, port: int) -> Sequence[str]:
@@ -84,7 +85,7 @@ class WebhookSender:
         config: BatchConfig,
         keys: Callable[[str], ApiKeyRecord | None],
         master: bytes | None,
-        registry: CollectorRegistry,
+        metrics: WebhookMetrics,
         *,
         resolve: Resolver = resolve_host,
         verify: ssl.SSLContext | bool = True,
@@ -97,7 +98,7 @@ class WebhookSender:
         self.config = config
         self.keys = keys
         self.master = master
-        self.metrics = WebhookMetrics(registry)
+        self.metrics = metrics
         self.allow = AllowList.parse(config.webhook_allow)
         self.resolve = resolve
         self.verify = ssl.create_default_context(cafile=certifi.where()) if verify is True else verify
@@ -108,13 +109,23 @@ class WebhookSender:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
-        """Deliver until cancelled; one failing delivery never stops the loop."""
+        """Deliver until cancelled; neither a failing delivery nor the store going away
+        (NATS down: pulled again after a pause) stops the loop."""
         try:
-            async for delivery in self.store.webhook_deliveries():
-                await self.slots.acquire()
-                task = asyncio.create_task(self._one(delivery), name=f"webhook-{delivery.request_id}")
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+            while True:
+                try:
+                    async for delivery in self.store.webhook_deliveries():
+                        await self.slots.acquire()
+                        task = asyncio.create_task(self._one(delivery), name=f"webhook-{delivery.request_id}")
+                        self._tasks.add(task)
+                        task.add_done_callback(self._tasks.discard)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as err:
+                    log.warning(
+                        "webhook queue unavailable (%s: %s); pulling again shortly", type(err).__name__, err
+                    )
+                await asyncio.sleep(RESTART_S)
         finally:
             for task in list(self._tasks):
                 task.cancel()

@@ -4,8 +4,8 @@ refusals; the webhook URL's SSRF refusal as a 400 that says why; a key sees only
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +13,12 @@ import httpx
 import pytest
 from starlette.applications import Starlette
 
-from agent.gateway.batch.async_api import AsyncApi
+from agent.gateway.batch.service import BatchService, gateway_hooks
 from agent.gateway.gateway import Gateway
 from fleet_base.batch.config import BatchConfig
 from fleet_base.batch.models import LineResponse, LineResult, StoredResult
 from fleet_base.batch.names import result_key
+from fleet_base.batch.webhook_signing import new_master
 from fleet_base.cluster_config import ClusterConfig, GatewayConfig
 from fleet_base.domain import Coordinates
 from tests.agent.batch.webhook_store import WebhookStore
@@ -50,11 +51,12 @@ class Api:
         self.gw = Gateway(config, nats=False)
         self.store = WebhookStore()
         self.clock = NOW
-        self.api = AsyncApi(
-            self.gw, self.store, CONFIG, resolve=resolve, can_sign=can_sign, clock=lambda: self.clock
+        hooks = replace(
+            gateway_hooks(self.gw), resolve=resolve, webhook_master=new_master() if can_sign else None
         )
+        self.service = BatchService(CONFIG, hooks, store=self.store, clock=lambda: self.clock)  # type: ignore[arg-type]
         self.client = httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=Starlette(routes=self.api.routes())), base_url="http://gw"
+            transport=httpx.ASGITransport(app=Starlette(routes=self.service.routes())), base_url="http://gw"
         )
 
     async def post(self, path: str, body: Any, key: str | None = OWNER) -> httpx.Response:
@@ -188,5 +190,11 @@ async def test_store_down_is_503(api: Api) -> None:
     assert (await api.get("async_x")).status_code == 503
 
 
-def test_clock_is_wall_time() -> None:
-    assert abs(AsyncApi.__init__.__kwdefaults__["clock"]() - time.time()) < 5
+async def test_store_not_bound_yet_is_503(api: Api) -> None:
+    api.service.store = None  # the gateway's NATS is not up yet
+    r = await api.post("chat/completions", CHAT)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable"
+
+
+def test_the_webhook_loop_runs_only_where_it_can_sign(tmp_path: Path) -> None:
+    assert Api(tmp_path / "a").service.loops and not Api(tmp_path / "b", can_sign=False).service.loops

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from standardwebhooks import Webhook
 
-from agent.gateway.batch.webhooks import WebhookSender
+from agent.gateway.batch.webhooks import WebhookMetrics, WebhookSender
 from fleet_base.api_keys import ApiKeyRecord
 from fleet_base.batch.config import BatchConfig
 from fleet_base.batch.models import AsyncRecord, LineResponse, LineResult, StoredResult
@@ -61,7 +61,8 @@ def sender(
     store: WebhookStore, config: BatchConfig, registry: CollectorRegistry, **kw: object
 ) -> WebhookSender:
     keys: Callable[[str], ApiKeyRecord | None] = {KEY.key_id: KEY}.get
-    return WebhookSender(store, config, keys, MASTER, registry, draw=lambda: 1.0, **kw)  # type: ignore[arg-type]
+    metrics = WebhookMetrics(registry)
+    return WebhookSender(store, config, keys, MASTER, metrics, draw=lambda: 1.0, **kw)  # type: ignore[arg-type]
 
 
 def count(registry: CollectorRegistry, outcome: str) -> float:
