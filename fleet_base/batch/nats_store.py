@@ -183,6 +183,13 @@ class NatsBatchStore:
         found = await self._values(self._results, f"{batch_id}.*", StoredResult)
         return sorted((int(key.rsplit(".", 1)[1]), result) for key, result in found)
 
+    async def result_count(self, batch_id: str) -> int:
+        """How many lines of a batch have a result, counted by the server (one subject per
+        stored key) without reading any: what the driver polls while a batch runs."""
+        bucket = names.BUCKET_RESULTS
+        info = await self.js.stream_info(f"KV_{bucket}", subjects_filter=f"$KV.{bucket}.{batch_id}.*")
+        return len(info.state.subjects or {})
+
     # ------------------------------------------------------------ async requests
 
     async def create_async(self, record: AsyncRecord) -> Versioned[AsyncRecord]:

@@ -54,6 +54,7 @@ class BatchDriver:
         metrics: BatchMetrics | None = None,
         windows: Mapping[str, float] = COMPLETION_WINDOWS,
         tick_s: float = 1.0,
+        tally_s: float = 10.0,
         clock: Callable[[], float] = now,
         max_line_bytes: int = MAX_BODY_BYTES,
         refresh: Callable[[], None] = lambda: None,
@@ -65,6 +66,7 @@ class BatchDriver:
         self.metrics = metrics
         self.windows = windows  # completion_window -> seconds; tests shorten "24h"
         self.tick_s = tick_s  # between two steps of a batch driven here
+        self.tally_s = tally_s  # between two readings of a running batch's results
         # between two listings of every batch: a lapsed claim waits claim_s anyway, and a
         # batch created or cancelled here wakes the scan at once
         self.scan_s = max(tick_s, min(5.0, config.claim_s / 3))
@@ -72,6 +74,7 @@ class BatchDriver:
         self.max_line_bytes = max_line_bytes
         self.refresh = refresh  # the gateway's keys and routes, reloaded on the loop before validating
         self._active: dict[str, asyncio.Task[None]] = {}
+        self._tallied: dict[str, float] = {}  # batch id -> when its results were last read
         self._wake = asyncio.Event()
 
     # ------------------------------------------------------------------ the loop
@@ -128,6 +131,7 @@ class BatchDriver:
             return
         finally:
             self._active.pop(batch_id, None)
+            self._tallied.pop(batch_id, None)
 
     # ------------------------------------------------------------------ one step
 
@@ -239,15 +243,20 @@ class BatchDriver:
         return "again"
 
     async def _in_progress(self, v: Versioned[BatchRecord]) -> Step:
+        """Polls the count of results (cheap); reads them to show `request_counts` at most
+        every `tally_s`, and once every line has one."""
         record = v.value
-        results = await self.store.results(record.id)
-        counts, usage = tally(results, record.request_counts.total)
-        if len(results) >= record.request_counts.total:
+        stored = await self.store.result_count(record.id)
+        if stored >= record.request_counts.total:
+            counts, usage = tally(await self.store.results(record.id), record.request_counts.total)
             v = await self._save(v, status="finalizing", request_counts=counts, usage=usage)
             return await self._finish(v, "completed")
         if self.clock() >= self._deadline(record):
             return await self._finish(v, "expired")
-        if counts != record.request_counts or usage != record.usage:
+        shown = record.request_counts.completed + record.request_counts.failed
+        if stored != shown and self.clock() - self._tallied.get(record.id, float("-inf")) >= self.tally_s:
+            self._tallied[record.id] = self.clock()
+            counts, usage = tally(await self.store.results(record.id), record.request_counts.total)
             await self._save(v, request_counts=counts, usage=usage)
         return "wait"
 

@@ -112,6 +112,9 @@ class MemoryBatchStore:
             (int(k.removeprefix(prefix)), r) for k, r in self.result_values.items() if k.startswith(prefix)
         )
 
+    async def result_count(self, batch_id: str) -> int:
+        return sum(1 for k in self.result_values if k.startswith(f"{batch_id}."))
+
     # async requests
     async def create_async(self, record: AsyncRecord) -> Versioned[AsyncRecord]:
         v = self.async_records[record.id] = Versioned(record, self._next())

@@ -132,6 +132,7 @@ async def test_a_batch_completes_and_a_cancelled_one_keeps_its_finished_part(
             1,
         )
         assert sorted(await run_lines(store, 3)) == ["a", "b", "c"]
+        assert await store.result_count(batch.id) == 4  # three answers and the refused line
         await status_is(client, batch.id, "completed")
         done = await client.batches.retrieve(batch.id)
         assert done.request_counts is not None

@@ -267,3 +267,37 @@ async def test_a_deleted_input_file_fails_the_batch() -> None:
     await settle(driver(store, clock))
     rec = (await store.batch("batch_b1")).value
     assert rec.status == "failed" and rec.errors is not None and rec.errors.data[0].code == "file_not_found"
+
+
+async def test_a_running_batch_reads_its_results_at_most_every_tally_period() -> None:
+    store, clock = MemoryBatchStore(), Clock()
+    await make_batch(store, b"".join(request(c) for c in "abcd"))
+    d = driver(store, clock, tally_s=10.0)
+    await settle(d)
+    reads = 0
+    real_results = store.results
+
+    async def counted(batch_id: str):
+        nonlocal reads
+        reads += 1
+        return await real_results(batch_id)
+
+    store.results = counted  # type: ignore[method-assign]
+    items = list(store.queue.values())
+    await store.put_result(items[0].id, answer(0, "a"))
+    await settle(d)
+    assert (await store.batch("batch_b1")).value.request_counts.completed == 1 and reads == 1
+    await store.put_result(items[1].id, answer(1, "b"))
+    clock.t += 2
+    await settle(d)
+    assert (await store.batch("batch_b1")).value.request_counts.completed == 1 and reads == 1  # not yet
+    clock.t += 8
+    await settle(d)
+    assert (await store.batch("batch_b1")).value.request_counts.completed == 2 and reads == 2
+    clock.t += 20
+    await settle(d)
+    assert reads == 2  # nothing new: nothing read
+    for index, item in enumerate(items[2:], start=2):
+        await store.put_result(item.id, answer(index, item.custom_id))
+    assert await settle(d) == "done"  # every line has a result: finalized at once
+    assert (await store.batch("batch_b1")).value.status == "completed"
