@@ -16,6 +16,7 @@ from agent.gateway.inputs import read_body
 from fleet_base.api_keys import ApiKeyRecord
 from fleet_base.batch.models import (
     BATCH_ENDPOINTS,
+    CANCELLABLE,
     COMPLETION_WINDOWS,
     MAX_METADATA_PAIRS,
     BatchRecord,
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
 MAX_BODY = 64 * 1024
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
-CANCELLABLE = ("validating", "in_progress")
 CAS_TRIES = 8
 
 

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 Step = Literal["again", "wait", "done", "lost"]
 DeploymentOf = Callable[[str, str], str]  # (key id, model) -> deployment, raising OpenAIError
 ENQUEUE_CHUNK = 256
+MAX_AGAIN = 8  # steps in a row without a pause
 
 
 class BatchDriver:
@@ -114,6 +115,7 @@ class BatchDriver:
                 await task
 
     async def _drive(self, batch_id: str) -> None:
+        again = 0
         try:
             while True:
                 try:
@@ -125,7 +127,9 @@ class BatchDriver:
                     step = "wait"
                 if step in ("done", "lost"):
                     return
-                if step == "wait":
+                again = again + 1 if step == "again" else 0
+                if step == "wait" or again > MAX_AGAIN:  # a record that keeps changing: pause too
+                    again = 0
                     await asyncio.sleep(min(self.tick_s, self.config.claim_s / 3))
         except NotFound:
             return
