@@ -26,13 +26,14 @@ class Received:
 class Receiver:
     port: int = field(default_factory=lambda: free_port("127.0.0.1"))
     statuses: list[int] = field(default_factory=list)  # answers to give, in turn; then 200
+    tls: tuple[str, str] | None = None  # (certificate, key): serve https
     received: list[Received] = field(default_factory=list)
     _server: uvicorn.Server | None = None
     _task: asyncio.Task[None] | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/hook"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}/hook"
 
     async def _hook(self, request: Request) -> Response:
         self.received.append(Received(request.url.path, dict(request.headers), await request.body()))
@@ -42,7 +43,16 @@ class Receiver:
 
     async def start(self) -> None:
         app = Starlette(routes=[Route("/hook", self._hook, methods=["POST"])])
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
+        cert, key = self.tls or (None, None)
+        config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            lifespan="off",
+            ssl_certfile=cert,
+            ssl_keyfile=key,
+        )
         self._server = uvicorn.Server(config)
         self._task = asyncio.create_task(self._server.serve())
         while not self._server.started:

@@ -191,3 +191,39 @@ def test_master_from_the_bundle_else_the_environment(tmp_path, monkeypatch) -> N
     monkeypatch.delenv(MASTER_ENV)
     assert load_master(None) is None
     assert load_master(tmp_path / "missing") is None
+
+
+@pytest.mark.parametrize(("cert", "expected"), [("named", "delivered"), ("bare", "failed")])
+async def test_https_to_the_vetted_address_checks_the_names_certificate(
+    tmp_path, cert: str, expected: str
+) -> None:
+    """The connection goes to the vetted IP, yet TLS sends the URL's name (SNI) and checks
+    the certificate against it: a certificate for the name verifies, one that only the
+    address would match does not."""
+    import ssl
+
+    from control_plane.security.pki import FleetCA
+
+    ca = FleetCA(tmp_path / "ca")
+    ca.issue(tmp_path / "named.pem", tmp_path / "named.key", "replica", "east", ["hooks.example.com"])
+    ca.issue(tmp_path / "bare.pem", tmp_path / "bare.key", "replica", "east", ["127.0.0.1"])
+    verify = ssl.create_default_context(cafile=str(ca.cert_path))
+
+    async def resolve(host: str, port: int) -> Sequence[str]:
+        assert host == "hooks.example.com"
+        return ["127.0.0.1"]
+
+    config = FAST.model_copy(update={"webhook_allow": ["hooks.example.com"], "webhook_give_up_s": 1.0})
+    receiver = Receiver(tls=(str(tmp_path / f"{cert}.pem"), str(tmp_path / f"{cert}.key")))
+    await receiver.start()
+    store, registry = WebhookStore(), CollectorRegistry()
+    loop = asyncio.create_task(sender(store, config, registry, resolve=resolve, verify=verify).run())
+    try:
+        record = await finished(store, f"https://hooks.example.com:{receiver.port}/hook")
+        await eventually(lambda: store.records[record.id].value.delivery == expected, timeout=10)
+    finally:
+        loop.cancel()
+        await receiver.stop()
+    assert len(receiver.received) == (1 if expected == "delivered" else 0)
+    if receiver.received:
+        assert receiver.received[0].headers["host"] == f"hooks.example.com:{receiver.port}"
