@@ -276,3 +276,18 @@ async def test_the_store_unbound_or_down_is_a_503(env: Env, monkeypatch: pytest.
         monkeypatch.setattr(env.store, "batches", down)
         r = await http.get("/v1/batches")
         assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable"
+
+
+@pytest.mark.parametrize(
+    ("content_type", "body"),
+    [
+        ("multipart/form-data", b"garbage"),  # no boundary
+        ("multipart/form-data; boundary=x", b"--x\r\nContent-Disposition: form-data\r\n\r\nv\r\n--x--\r\n"),
+        ("application/json", b'{"purpose": "batch"}'),
+    ],
+)
+async def test_a_malformed_upload_is_a_400(env: Env, content_type: str, body: bytes) -> None:
+    async with env.http() as http:
+        r = await http.post("/v1/files", content=body, headers={"content-type": content_type})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
