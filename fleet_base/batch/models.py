@@ -23,6 +23,7 @@ BatchStatus = Literal[
 TERMINAL: frozenset[str] = frozenset({"completed", "failed", "expired", "cancelled"})
 CANCELLABLE: frozenset[str] = frozenset({"validating", "in_progress"})  # a cancel moves these to cancelling
 AsyncStatus = Literal["queued", "in_progress", "succeeded", "failed", "expired", "cancelled"]
+ASYNC_TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "expired", "cancelled"})
 DeliveryStatus = Literal["none", "pending", "delivered", "failed"]
 
 CustomId = Annotated[str, StringConstraints(min_length=1, max_length=512)]

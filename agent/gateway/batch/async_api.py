@@ -25,9 +25,9 @@ from agent.gateway.errors import GatewayError
 from agent.gateway.inputs import Endpoint, parse_off_loop, read_body
 from fleet_base.api_keys import ApiKeyRecord
 from fleet_base.batch.config import BatchConfig
-from fleet_base.batch.models import AsyncRecord, BatchEndpoint, WorkItem
+from fleet_base.batch.models import ASYNC_TERMINAL, AsyncRecord, AsyncStatus, BatchEndpoint, WorkItem
 from fleet_base.batch.names import DEFAULT_ASYNC_PRIORITY, PRIORITIES, new_async_id, result_key
-from fleet_base.batch.store import NotFound
+from fleet_base.batch.store import BatchStore, Conflict, NotFound
 from fleet_base.batch.webhook_target import AllowList, Refused, Resolver, check
 from fleet_base.bounds import InputError, load_json
 
@@ -187,3 +187,39 @@ class AsyncApi:
             stored = await store.result(result_key(request_id, None))
             result = stored.line if stored is not None else None
         return json_of(record.public(result))
+
+
+async def finish_async_record(
+    store: BatchStore, request_id: str, status: AsyncStatus, config: BatchConfig, now: float
+) -> AsyncRecord | None:
+    """The worker's step once an async request's result is stored (`put_result`, before the
+    work item's ack): the record finished at `now` (compare-and-set, read again when the
+    record moved), its result kept for `result_retention_s`, and its webhook queued when it
+    has one. Idempotent: a re-run finds the record finished and only queues the webhook
+    again (the queue drops the duplicate; a settled delivery is not sent twice). None when
+    the record is gone."""
+    for _ in range(10):
+        try:
+            current = await store.async_request(request_id)
+        except NotFound:
+            return None
+        record = current.value
+        if record.status in ASYNC_TERMINAL:
+            break
+        finished = record.model_copy(
+            update={
+                "status": status,
+                "finished_at": int(now),
+                "result_expires_at": int(now + config.result_retention_s),
+            }
+        )
+        try:
+            record = (await store.update_async(finished, current.revision)).value
+            break
+        except Conflict:
+            continue
+    else:
+        raise Conflict(request_id)
+    if record.webhook_url is not None:
+        await store.enqueue_webhook(request_id)
+    return record

@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry, Counter
 from agent.gateway.batch.webhook_retry import Next, after_attempt, backoff_s
 from fleet_base.api_keys import ApiKeyRecord
 from fleet_base.batch.config import BatchConfig
-from fleet_base.batch.models import AsyncRecord, LineResult
+from fleet_base.batch.models import ASYNC_TERMINAL, AsyncRecord, LineResult
 from fleet_base.batch.names import result_key
 from fleet_base.batch.store import BatchStore, Conflict, NotFound, WebhookDelivery
 from fleet_base.batch.webhook_signing import key_secret, master_path, read_master, signed_headers
@@ -151,16 +151,25 @@ class WebhookSender:
         if record.webhook_url is None or record.delivery in ("delivered", "failed"):
             await delivery.ack()  # a duplicate of a delivery already settled
             return None
-        stored = await self.store.result(result_key(record.id, None))
         attempt = max(delivery.attempt, record.delivery_attempts + 1)
-        if stored is None or self.master is None:  # not ready, or this gateway cannot sign
+        if record.status not in ASYNC_TERMINAL or self.master is None:
+            # not finished yet (queued before its record was), or this gateway cannot sign
+            if self.clock() > record.created_at + record.max_time_in_queue_s + self.config.webhook_give_up_s:
+                return await self._conclude(delivery, record.id, Next("give_up"), record.delivery_attempts)
             await delivery.nak(backoff_s(attempt, self.config, self.draw()))
             return None
-        ok = await self._attempt(record, stored.line, attempt)
+        stored = await self.store.result(result_key(record.id, None))
+        ok = await self._attempt(record, stored.line if stored is not None else None, attempt)
         now = self.clock()
-        ready_at = record.finished_at if record.finished_at is not None else stored.finished_at
+        ready_at = record.finished_at if record.finished_at is not None else now
         step = after_attempt(ok, attempt, ready_at, now, self.config, self.draw())
-        await self._settle(record.id, step, attempt, now)
+        return await self._conclude(delivery, record.id, step, attempt)
+
+    async def _conclude(
+        self, delivery: WebhookDelivery, request_id: str, step: Next, attempt: int
+    ) -> Outcome:
+        now = self.clock()
+        await self._settle(request_id, step, attempt, now)
         if step.action == "retry":
             self.metrics.deliveries.labels("retried").inc()
             await delivery.nak(step.delay_s)
@@ -170,7 +179,7 @@ class WebhookSender:
         await delivery.ack()
         return outcome
 
-    async def _attempt(self, record: AsyncRecord, line: LineResult, attempt: int) -> bool:
+    async def _attempt(self, record: AsyncRecord, line: LineResult | None, attempt: int) -> bool:
         assert record.webhook_url is not None and self.master is not None
         key = self.keys(record.key_id)
         secret = key_secret(self.master, record.key_id, key.webhook_secret_version if key else 0)

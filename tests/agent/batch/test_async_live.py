@@ -18,6 +18,7 @@ import uvicorn
 from standardwebhooks import Webhook
 
 from agent.gateway.app import build_app
+from agent.gateway.batch.async_api import finish_async_record
 from agent.gateway.gateway import Gateway
 from fleet_base.batch.models import LineResponse, LineResult, StoredResult
 from fleet_base.batch.nats_store import NatsBatchStore
@@ -85,13 +86,7 @@ async def run_async_item(store: NatsBatchStore) -> str:
         response=LineResponse(status_code=200, request_id="req-1", body={"echo": item.body["messages"]}),
     )
     await store.put_result(item.id, StoredResult(line=line, prompt_tokens=3, completion_tokens=1))
-    current = await store.async_request(item.parent_id)
-    now = time.time()
-    finished = current.value.model_copy(
-        update={"status": "succeeded", "finished_at": int(now), "result_expires_at": int(now + 3600)}
-    )
-    await store.update_async(finished, current.revision)
-    await store.enqueue_webhook(item.parent_id)
+    await finish_async_record(store, item.parent_id, "succeeded", store.config, time.time())
     await d.ack()
     return item.parent_id
 

@@ -14,6 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from standardwebhooks import Webhook
 
+from agent.gateway.batch.async_api import finish_async_record
 from agent.gateway.batch.webhooks import WebhookMetrics, WebhookSender
 from fleet_base.api_keys import ApiKeyRecord
 from fleet_base.batch.config import BatchConfig
@@ -227,3 +228,62 @@ async def test_https_to_the_vetted_address_checks_the_names_certificate(
     assert len(receiver.received) == (1 if expected == "delivered" else 0)
     if receiver.received:
         assert receiver.received[0].headers["host"] == f"hooks.example.com:{receiver.port}"
+
+
+async def test_the_workers_finishing_step_is_idempotent_and_queues_the_webhook() -> None:
+    store = WebhookStore()
+    now = time.time()
+    record = AsyncRecord(
+        id=new_async_id(),
+        endpoint="/v1/embeddings",
+        model="tiny",
+        status="in_progress",
+        created_at=int(now),
+        max_time_in_queue_s=600,
+        webhook_url="https://hooks.example.com/",
+        delivery="pending",
+        key_id=KEY.key_id,
+    )
+    await store.create_async(record)
+    done = await finish_async_record(store, record.id, "succeeded", FAST, now)
+    assert done is not None and done.status == "succeeded" and done.finished_at == int(now)
+    assert done.result_expires_at == int(now + FAST.result_retention_s)
+    again = await finish_async_record(store, record.id, "failed", FAST, now + 5)  # a re-run
+    assert again == done
+    assert store.webhooks.qsize() == 2  # the real queue drops the duplicate by message id
+    assert await finish_async_record(store, "async_gone", "succeeded", FAST, now) is None
+    quiet = record.model_copy(update={"id": new_async_id(), "webhook_url": None, "delivery": "none"})
+    await store.create_async(quiet)
+    assert (await finish_async_record(store, quiet.id, "expired", FAST, now)).status == "expired"  # type: ignore[union-attr]
+    assert store.webhooks.qsize() == 2
+
+
+async def test_a_request_that_never_ran_is_delivered_without_a_result(receiver: Receiver) -> None:
+    """Expired in the queue: no result, the record says so, and the webhook still tells."""
+    await receiver.start()
+    store, registry = WebhookStore(), CollectorRegistry()
+    loop = asyncio.create_task(sender(store, FAST, registry).run())
+    try:
+        now = time.time()
+        record = AsyncRecord(
+            id=new_async_id(),
+            endpoint="/v1/chat/completions",
+            model="tiny",
+            status="queued",
+            created_at=int(now),
+            max_time_in_queue_s=1,
+            webhook_url=receiver.url,
+            delivery="pending",
+            key_id=KEY.key_id,
+        )
+        await store.create_async(record)
+        await store.enqueue_webhook(record.id)  # early: the record is not finished yet
+        await eventually(lambda: len(store.naks) >= 2, timeout=10)
+        assert not receiver.received
+        await finish_async_record(store, record.id, "expired", FAST, time.time())
+        await eventually(lambda: store.records[record.id].value.delivery == "delivered", timeout=10)
+    finally:
+        loop.cancel()
+    assert len(receiver.received) == 1
+    payload = json.loads(receiver.received[0].body)
+    assert payload["status"] == "expired" and payload["result"] is None
