@@ -40,7 +40,7 @@ log = logging.getLogger("agent.gateway.batch.webhooks")
 
 Outcome = Literal["delivered", "retried", "failed"]
 OUTCOMES: tuple[Outcome, ...] = ("delivered", "retried", "failed")
-TIMEOUT_S = 10.0  # one attempt, connect to last header; the body is never read
+TIMEOUT_S = 10.0  # each phase of an attempt (the whole: twice it); the response body is never read
 CONCURRENCY = 16  # deliveries in flight per gateway (a slow receiver holds only its own)
 USER_AGENT = "fleet-webhooks/1"
 RESTART_S = 2.0  # pause before pulling again after the webhook queue failed
@@ -102,7 +102,7 @@ class WebhookSender:
         self.allow = AllowList.parse(config.webhook_allow)
         self.resolve = resolve
         self.verify = ssl.create_default_context(cafile=certifi.where()) if verify is True else verify
-        self.timeout = httpx.Timeout(timeout_s)
+        self.timeout_s = timeout_s
         self.slots = asyncio.Semaphore(concurrency)
         self.clock = clock
         self.draw = draw
@@ -191,7 +191,7 @@ class WebhookSender:
             log.info("webhook of %s not attempted: %s", record.id, err)
             return False
         headers = signed_headers(secret, record.id, payload, self.clock())
-        return await post(vetted, payload, headers, self.verify, self.timeout)
+        return await post(vetted, payload, headers, self.verify, self.timeout_s)
 
     async def _settle(self, request_id: str, step: Next, attempt: int, now: float) -> None:
         """Record the attempt (compare-and-set; a concurrent writer, the worker finishing
@@ -219,7 +219,7 @@ async def post(
     payload: bytes,
     headers: dict[str, str],
     verify: ssl.SSLContext | bool,
-    timeout: httpx.Timeout,
+    timeout_s: float = TIMEOUT_S,
 ) -> bool:
     """POST to the vetted addresses in turn until one answers; True on a 2xx. The request
     connects to the address itself; the Host header and TLS server name (SNI and the
@@ -234,17 +234,19 @@ async def post(
         "user-agent": USER_AGENT,
     }
     async with httpx.AsyncClient(
-        verify=verify, timeout=timeout, follow_redirects=False, trust_env=False
+        verify=verify, timeout=timeout_s, follow_redirects=False, trust_env=False
     ) as client:
         for address in vetted.addresses:
             request = client.build_request(
                 "POST", url.url_for(address), content=payload, headers=send, extensions=extensions
             )
             try:
-                response = await client.send(request, stream=True)
+                # each phase is bounded by `timeout`; the whole attempt too (a receiver that
+                # drips its headers holds a delivery slot no longer)
+                response = await asyncio.wait_for(client.send(request, stream=True), 2 * timeout_s)
             except (httpx.ConnectError, httpx.ConnectTimeout):
                 continue  # nothing was sent: the next address may answer
-            except httpx.TransportError:
+            except (httpx.TransportError, asyncio.TimeoutError):
                 return False  # it may have arrived: only a later attempt sends it again
             await response.aclose()
             return 200 <= response.status_code < 300

@@ -27,6 +27,7 @@ class Receiver:
     port: int = field(default_factory=lambda: free_port("127.0.0.1"))
     statuses: list[int] = field(default_factory=list)  # answers to give, in turn; then 200
     tls: tuple[str, str] | None = None  # (certificate, key): serve https
+    delays: list[float] = field(default_factory=list)  # seconds to stall before answering, in turn
     received: list[Received] = field(default_factory=list)
     _server: uvicorn.Server | None = None
     _task: asyncio.Task[None] | None = None
@@ -37,6 +38,8 @@ class Receiver:
 
     async def _hook(self, request: Request) -> Response:
         self.received.append(Received(request.url.path, dict(request.headers), await request.body()))
+        if self.delays:
+            await asyncio.sleep(self.delays.pop(0))
         status = self.statuses.pop(0) if self.statuses else 200
         headers = {"location": "http://127.0.0.1:1/elsewhere"} if 300 <= status < 400 else {}
         return Response(b"ok", status_code=status, headers=headers)

@@ -287,3 +287,18 @@ async def test_a_request_that_never_ran_is_delivered_without_a_result(receiver: 
     assert len(receiver.received) == 1
     payload = json.loads(receiver.received[0].body)
     assert payload["status"] == "expired" and payload["result"] is None
+
+
+async def test_a_stalling_receiver_costs_one_bounded_attempt(receiver: Receiver) -> None:
+    receiver.delays = [2.0]
+    await receiver.start()
+    store, registry = WebhookStore(), CollectorRegistry()
+    loop = asyncio.create_task(sender(store, FAST, registry, timeout_s=0.3).run())
+    started = time.monotonic()
+    try:
+        record = await finished(store, receiver.url)
+        await eventually(lambda: store.records[record.id].value.delivery == "delivered", timeout=10)
+    finally:
+        loop.cancel()
+    assert time.monotonic() - started < 1.5  # not the 2 s stall
+    assert len(receiver.received) == 2 and count(registry, "retried") == 1  # the same webhook-id twice
