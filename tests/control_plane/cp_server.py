@@ -12,6 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from control_plane.security.pki import ensure_webhook_master
+from fleet_base.batch.webhook_signing import MASTER_FILE
 from fleet_base.ports import free_port
 from fleet_base.processes import stop_process
 from tests.polling import wait_for_process
@@ -110,6 +112,8 @@ class ControlPlaneServer:
         env.update(
             FLEET_HOME=str(self.home),
             FLEET_DATABASE_URL=self.database_url,
+            # as `fleetctl up` hands it over: keys are created with a webhook signing secret
+            FLEET_WEBHOOK_MASTER=str(ensure_webhook_master(self.home / "pki" / MASTER_FILE)),
             PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
         )
         env.pop("FLEET_API_URL", None)

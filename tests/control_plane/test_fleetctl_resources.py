@@ -149,6 +149,13 @@ def test_keys_create_ls_revoke(server):
     assert created["quotas"]["tokens_per_minute"] == 1000 and created["quotas"]["requests_per_minute"] == 60
     table = fleetctl(home, "keys", "create", "reader", "--scope", "read").stdout
     assert "shown once" in table and "fleet-" in table
+    assert created["webhook_secret"].startswith("whsec_")
+    assert "webhook signing secret (shown once): whsec_" in table
+    rotated = as_json(home, "keys", "webhook-secret", created["key_id"])
+    assert rotated["webhook_secret_version"] == 1 and rotated["webhook_secret"] != created["webhook_secret"]
+    assert (
+        "version 2, shown once): whsec_" in fleetctl(home, "keys", "webhook-secret", created["key_id"]).stdout
+    )
 
     listed = as_json(home, "keys", "ls")
     assert created["key_id"] in [k["key_id"] for k in listed]

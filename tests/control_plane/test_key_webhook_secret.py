@@ -108,3 +108,16 @@ def test_master_created_once_private_and_in_every_bundle(tmp_path: Path) -> None
     assert creds.webhook_master_file is not None and creds.webhook_master_file.read_bytes() == first
     assert stat.S_IMODE(creds.webhook_master_file.stat().st_mode) == 0o600
     assert pki.cluster("west", ["localhost"]).webhook_master_file.read_bytes() == first
+
+
+def test_a_local_fleet_hands_every_process_the_master(tmp_path: Path, monkeypatch) -> None:
+    from control_plane.local.fleet import LocalFleet
+    from fleet_base.batch.webhook_signing import MASTER_ENV
+
+    monkeypatch.delenv(MASTER_ENV, raising=False)
+    fleet = LocalFleet(tmp_path, secure=False)
+    env = fleet.env(fleet.new_state(["east"]))
+    path = Path(env[MASTER_ENV])
+    assert path == tmp_path / "pki" / MASTER_FILE and len(read_master(path)) == 32
+    assert fleet.env(fleet.new_state(["east"]))[MASTER_ENV] == str(path)
+    assert read_master(path) == read_master(Path(fleet.env(fleet.new_state(["east"]))[MASTER_ENV]))
