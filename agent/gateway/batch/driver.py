@@ -106,13 +106,26 @@ class BatchDriver:
                 continue
             self._active[record.id] = asyncio.create_task(self._drive(record.id), name=f"batch-{record.id}")
 
-    async def stop(self) -> None:
+    async def stop(self, release_s: float = 2.0) -> None:
+        """Stop driving; hand back the claims held here, so another gateway takes the
+        batches over at once instead of when the claims lapse."""
+        held = list(self._active)
         tasks = list(self._active.values())
         for task in tasks:
             task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(
+                asyncio.gather(*(self._release(b) for b in held), return_exceptions=True), release_s
+            )
+
+    async def _release(self, batch_id: str) -> None:
+        v = await self.store.batch(batch_id)
+        claim = v.value.claim
+        if claim is not None and claim.holder == self.holder and not v.value.terminal:
+            await self.store.update_batch(v.value.model_copy(update={"claim": None}), v.revision)
 
     async def _drive(self, batch_id: str) -> None:
         again = 0

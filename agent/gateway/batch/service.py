@@ -132,14 +132,14 @@ class BatchService:
         self.tasks.append(asyncio.create_task(self._run(), name="batch-service"))
 
     async def stop(self) -> None:
-        if self.driver is not None:
-            await self.driver.stop()
-        for task in self.tasks:
+        for task in self.tasks:  # the driver's scan first: it must not claim anything anew
             task.cancel()
         for task in self.tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self.tasks.clear()
+        if self.driver is not None:
+            await self.driver.stop()  # its batches' claims handed back
 
     async def _run(self) -> None:
         delay = 1.0

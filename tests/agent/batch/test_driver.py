@@ -5,6 +5,7 @@ finished part and mark the rest."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -301,3 +302,25 @@ async def test_a_running_batch_reads_its_results_at_most_every_tally_period() ->
         await store.put_result(item.id, answer(index, item.custom_id))
     assert await settle(d) == "done"  # every line has a result: finalized at once
     assert (await store.batch("batch_b1")).value.status == "completed"
+
+
+async def test_a_stopping_driver_hands_its_claims_back() -> None:
+    store, clock = MemoryBatchStore(), Clock()
+    await make_batch(store, request("a"))
+    d = driver(store, clock, tick_s=0.01)
+    await d.scan()
+    assert "batch_b1" in d._active
+
+    async def claimed() -> bool:
+        claim = (await store.batch("batch_b1")).value.claim
+        return claim is not None and claim.holder == "east/gw-1"
+
+    for _ in range(100):
+        if await claimed():
+            break
+        await asyncio.sleep(0.01)
+    assert await claimed()
+    await d.stop()
+    rec = (await store.batch("batch_b1")).value
+    assert rec.claim is None and rec.status == "in_progress"
+    assert await settle(driver(store, clock, holder="west/gw-2")) == "wait"  # at once, no lapse waited
