@@ -96,7 +96,7 @@ class AllowList:
         return host in self.hosts
 
     def allows_address(self, address: IPAddress) -> bool:
-        if address in METADATA:  # only an entry that is this very address
+        if is_metadata(address):  # only an entry that is this very address
             return any(n.num_addresses == 1 and address in n for n in self.networks)
         return any(address in n for n in self.networks)
 
@@ -203,6 +203,15 @@ def _embedded_ipv4(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | No
     return None
 
 
+def is_metadata(address: IPAddress) -> bool:
+    """A cloud metadata address, or an IPv6 wrapper of one."""
+    if isinstance(address, ipaddress.IPv6Address):
+        inner = _embedded_ipv4(address)
+        if inner is not None and inner in METADATA:
+            return True
+    return address in METADATA
+
+
 def address_refusal(address: IPAddress) -> str | None:
     """Why `address` is no public destination (None: it is)."""
     if address in METADATA:
@@ -241,7 +250,12 @@ def vet(url: WebhookUrl, addresses: Sequence[str | IPAddress], allow: AllowList)
                 raise Refused(f"webhook_url host '{url.host}' resolved to an invalid address {a!r}") from None
         if not resolved:
             raise Refused(f"webhook_url host '{url.host}' does not resolve")
-    if allow.allows_host(url.host):
+    if allow.allows_host(url.host):  # every address it resolves to, but cloud metadata
+        for address in resolved:
+            if is_metadata(address) and not allow.allows_address(address):
+                raise Refused(
+                    f"webhook_url host '{url.host}' resolves to {address}, a cloud metadata address{_HINT}"
+                )
         return Vetted(url, tuple(dict.fromkeys(resolved)))
     if url.literal is None and _LOCAL_NAMES.search(url.host):
         # loopback by definition: only addresses the allow list names may be reached

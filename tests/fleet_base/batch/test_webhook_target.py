@@ -90,6 +90,10 @@ TABLE: list[tuple[str, list[str], list[str], str | None]] = [
     ("http://169.254.169.254/", [], ["169.254.0.0/16"], "metadata"),
     ("http://169.254.169.254/", [], ["0.0.0.0/0"], "metadata"),
     ("http://169.254.169.254/", [], ["169.254.169.254"], None),
+    ("http://receiver.internal/", ["169.254.169.254"], ["receiver.internal"], "metadata"),
+    ("http://receiver.internal/", ["::ffff:169.254.169.254"], ["receiver.internal"], "metadata"),
+    ("http://[::ffff:169.254.169.254]/", [], ["::/0"], "metadata"),
+    ("http://receiver.internal/", ["169.254.169.254"], ["receiver.internal", "169.254.169.254"], None),
 ]
 
 
