@@ -40,7 +40,6 @@ PATHS: dict[Endpoint, BatchEndpoint] = {
     "embeddings": "/v1/embeddings",
     "responses": "/v1/responses",
 }
-ASYNC_FIELDS = ("webhook_url", "priority", "max_time_in_queue_s")
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> GatewayError:
