@@ -25,6 +25,7 @@ from agent.gateway.batch.validate import Validation, validate_file
 from fleet_base.batch.config import BatchConfig
 from fleet_base.batch.models import (
     COMPLETION_WINDOWS,
+    TERMINAL,
     BatchError,
     BatchErrors,
     BatchRecord,
@@ -196,7 +197,7 @@ class BatchDriver:
         status = changes.get("status", v.value.status)
         if status != v.value.status:
             changes[f"{status}_at"] = int(self.clock())
-        claim = None if status in ("completed", "failed", "expired", "cancelled") else self._claim()
+        claim = None if status in TERMINAL else self._claim()
         record = v.value.model_copy(update={**changes, "claim": claim})
         saved = await self.store.update_batch(record, v.revision)
         if status != v.value.status:
