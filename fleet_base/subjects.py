@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from fleet_base import kv_events, protocol
+from fleet_base.batch import names as batch
 from fleet_base.security.identity import inbox_prefix
 
 Scope = Literal["own", "any"]
@@ -78,6 +79,64 @@ def kv_read_subjects(bucket: str, key: str) -> tuple[list[str], list[str]]:
     )
 
 
+def batch_store_subjects() -> list[str]:
+    """What `fleet_base.batch.nats_store` publishes to use its resources, and nothing else:
+    every gateway runs any cluster's batch work, so none of it is scoped to a cluster. All
+    deliveries (pull batches, ordered reads of keys and object chunks, API replies) come
+    on the identity's own inbox.
+
+    Per KV bucket: bind, read a key, write (put, create, compare-and-set, delete), and list
+    keys by an ordered consumer (filter in the payload: the buckets are the role's whole).
+    The object store: bind, read an object's metadata, write chunks and metadata, purge an
+    object's old chunks, read chunks by an ordered consumer. The work queue: publish items,
+    count one parent's items, and create, inspect, pull from and acknowledge the durable
+    per-(deployment, priority) consumers, whose filter is in the create subject. The
+    webhook queue: the same with its one consumer."""
+    out: list[str] = []
+    for bucket in (batch.BUCKET_FILES, batch.BUCKET_BATCHES, batch.BUCKET_RESULTS, batch.BUCKET_ASYNC):
+        stream = f"KV_{bucket}"
+        out += [
+            f"{JS}.STREAM.INFO.{stream}",
+            f"{JS}.DIRECT.GET.{stream}.$KV.{bucket}.>",
+            f"$KV.{bucket}.>",
+            f"{JS}.CONSUMER.CREATE.{stream}",
+            f"{JS}.CONSUMER.INFO.{stream}.*",
+            f"$JS.FC.{stream}.>",
+        ]
+    obj = f"OBJ_{batch.OBJECT_BUCKET_FILES}"
+    out += [
+        f"{JS}.STREAM.INFO.{obj}",
+        f"{JS}.STREAM.MSG.GET.{obj}",
+        f"$O.{batch.OBJECT_BUCKET_FILES}.>",
+        f"{JS}.STREAM.PURGE.{obj}",
+        f"{JS}.CONSUMER.CREATE.{obj}",
+        f"{JS}.CONSUMER.INFO.{obj}.*",
+        f"$JS.FC.{obj}.>",
+    ]
+    work = batch.STREAM_WORK
+    out += [
+        f"{batch.WORK_SUBJECT_PREFIX}.>",
+        f"{JS}.STREAM.INFO.{work}",
+        f"{JS}.CONSUMER.CREATE.{work}.*.{batch.WORK_SUBJECT_PREFIX}.*.*.*",  # names.work_filter
+        f"{JS}.CONSUMER.INFO.{work}.*",
+        f"{JS}.CONSUMER.MSG.NEXT.{work}.*",
+        f"$JS.ACK.{work}.>",
+    ]
+    hooks, consumer = batch.STREAM_WEBHOOKS, batch.WEBHOOK_CONSUMER
+    out += [
+        batch.WEBHOOK_SUBJECT,
+        f"{JS}.CONSUMER.CREATE.{hooks}.{consumer}.{batch.WEBHOOK_SUBJECT}",
+        f"{JS}.CONSUMER.INFO.{hooks}.{consumer}",
+        f"{JS}.CONSUMER.MSG.NEXT.{hooks}.{consumer}",
+        f"$JS.ACK.{hooks}.{consumer}.>",
+    ]
+    return out
+
+
+# roles that run batch and async inference's store
+BATCH_STORE: frozenset[ClusterRole] = frozenset({"gateway"})
+
+
 def allowed(role: ClusterRole, cluster: str) -> tuple[list[str], list[str]]:
     """(publish, subscribe) subjects the `role` of `cluster` may use, in table order."""
     pub = [c.pattern(c.publish[role], cluster) for c in CHANNELS if role in c.publish]
@@ -87,6 +146,8 @@ def allowed(role: ClusterRole, cluster: str) -> tuple[list[str], list[str]]:
         p, s = kv_read_subjects(bucket, cluster if scope == "own" else ">")
         pub += p
         sub += s
+    if role in BATCH_STORE:
+        pub += batch_store_subjects()
     return pub, sub
 
 

@@ -9,7 +9,9 @@ waits on the network.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hashlib
 from typing import Any
 from urllib.parse import urlparse
 
@@ -24,24 +26,52 @@ from fleet_base.batch.store import BlobStore, NotFound
 
 class ObjectStoreBlobs:
     """File contents in the JetStream object store bucket `names.OBJECT_BUCKET_FILES`
-    (chunked by the client, so a file may exceed the server's message size)."""
+    (chunked by the client, so a file may exceed the server's message size).
 
-    def __init__(self, obj: ObjectStore) -> None:
+    Reads its chunks itself: nats-py's `ObjectStore.get` looks the stream up by subject
+    (`$JS.API.STREAM.NAMES`, a listing a gateway is not permitted) and appends chunk to
+    bytes (quadratic in the file's size)."""
+
+    CHUNK_WAIT_S = 30.0  # a stalled read fails instead of hanging
+
+    def __init__(self, js: JetStreamContext, obj: ObjectStore, bucket: str) -> None:
+        self.js = js
         self.obj = obj
+        self.bucket = bucket
 
     @classmethod
     async def bind(cls, js: JetStreamContext, bucket: str = names.OBJECT_BUCKET_FILES) -> ObjectStoreBlobs:
-        return cls(await js.object_store(bucket))
+        return cls(js, await js.object_store(bucket), bucket)
 
     async def put(self, name: str, data: bytes) -> None:
         await self.obj.put(name, data)
 
     async def get(self, name: str) -> bytes:
         try:
-            result = await self.obj.get(name)
+            info = await self.obj.get_info(name)
         except NotFoundError as err:  # absent or deleted
             raise NotFound(name) from err
-        return result.data or b""
+        if not info.size:
+            return b""
+        sub = await self.js.subscribe(
+            f"$O.{self.bucket}.C.{info.nuid}", stream=f"OBJ_{self.bucket}", ordered_consumer=True
+        )
+        parts: list[bytes] = []
+        digest = hashlib.sha256()
+        try:
+            while True:
+                msg = await sub.next_msg(timeout=self.CHUNK_WAIT_S)
+                parts.append(msg.data)
+                digest.update(msg.data)
+                if msg.metadata.num_pending == 0:
+                    break
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        expected = base64.urlsafe_b64decode((info.digest or "").split("=", 1)[-1])
+        if digest.digest() != expected:
+            raise OSError(f"object {name}: content does not match its digest")
+        return b"".join(parts)
 
     async def delete(self, name: str) -> None:
         with contextlib.suppress(NotFoundError):

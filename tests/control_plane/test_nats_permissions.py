@@ -22,6 +22,9 @@ from control_plane.local.nats_server import NatsServer
 from control_plane.security.enroll import Enrolment, NatsListen
 from control_plane.security.pki import FleetPki
 from fleet_base import api_keys, kv_events, protocol
+from fleet_base.batch import names as batch_names
+from fleet_base.batch.config import BatchConfig
+from fleet_base.batch.nats_store import open_batch_store
 from fleet_base.jetstream_budget import JetStreamBudget
 from fleet_base.kv_events import KvCacheBatch, KvCacheOp
 from fleet_base.nats_io import NatsLink
@@ -29,6 +32,7 @@ from fleet_base.ports import free_port
 from fleet_base.security.tls import NatsTls, client_context, nats_tls
 from fleet_base.subjects import permits
 from tests.agent.test_kv_relay import BS, FakeReplica, served
+from tests.fleet_base.batch.test_nats_store import batch_store_round_trip
 from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(120)
@@ -392,3 +396,31 @@ async def test_a_cluster_flooding_kv_events_harms_only_itself(secured):
         await west.close()
         await east.close()
         await gateway.close()
+
+
+async def test_gateway_identity_runs_the_batch_store_and_nothing_beside_it(secured):
+    """A gateway's identity does every store operation on the batch resources the control
+    plane created, and is refused the same operations on the resources beside them."""
+    server, enrolment, cp_tls = secured
+    cp = await _control_plane(server.url, cp_tls)
+    gw = await Client().connect(server.url, nats_tls(enrolment.enroll("west"), "gateway", "west"))
+    try:
+        await batch_store_round_trip(await open_batch_store(gw.nc, BatchConfig()))
+        assert gw.errors == []
+        js = gw.nc.jetstream()
+        for forged in (f"$KV.{protocol.BUCKET_DESIRED}.forged", "$O.other.C.x"):
+            await gw.nc.publish(forged, b"{}")
+            assert await gw.violation(forged), gw.errors
+        for denied in (
+            js.stream_info(f"KV_{protocol.BUCKET_DESIRED}"),
+            js.delete_stream(batch_names.STREAM_WORK),
+            js.purge_stream(batch_names.STREAM_WORK),
+            js.delete_consumer(batch_names.STREAM_WORK, batch_names.work_consumer("d1", 2)),
+        ):
+            with pytest.raises(REFUSED):
+                await denied
+        with pytest.raises(KeyNotFoundError):  # the forged desired state was not stored
+            await (await cp.nc.jetstream().key_value(protocol.BUCKET_DESIRED)).get("forged")
+    finally:
+        await gw.close()
+        await cp.close()

@@ -174,10 +174,10 @@ async def test_unacked_item_comes_back_after_ack_wait(store: NatsBatchStore) -> 
 async def test_in_progress_extends_the_hold(store: NatsBatchStore) -> None:
     await store.enqueue([item("batch_1", 0)])
     (held,) = await store.pull("d1", 2, 1, 1.0)
-    for _ in range(4):
-        await asyncio.sleep(0.4)
+    for _ in range(8):
+        await asyncio.sleep(0.25)
         await held.in_progress()
-    assert await store.pull("d1", 2, 1, 0.5) == []  # 2.1 s held, ack wait 1 s
+    assert await store.pull("d1", 2, 1, 0.5) == []  # 2.5 s held, ack wait 1 s
     await held.ack()
 
 
@@ -284,3 +284,58 @@ async def test_s3_blobs(s3) -> None:  # noqa: F811 (the imported fixture)
     with pytest.raises(NotFound):
         await blobs.get("file-1")
     await blobs.delete("file-1")  # idempotent
+
+
+async def batch_store_round_trip(store: NatsBatchStore) -> None:
+    """Every store operation once, checked: run here and by a gateway's identity on a
+    secured server (tests/control_plane/test_nats_permissions.py)."""
+    data = os.urandom(5 * 1024 * 1024)  # several chunks, read under flow control
+    file = FileRecord(
+        id="file-rt", bytes=len(data), created_at=1, filename="in.jsonl", purpose="batch", key_id="k1"
+    )
+    await store.put_file(file, data)
+    assert await store.file_content(await store.file(file.id)) == data
+    assert [f.id for f in await store.files("k1")] == [file.id]
+    created = await store.create_batch(batch_record("batch_rt"))
+    await store.update_batch(created.value.model_copy(update={"status": "in_progress"}), created.revision)
+    with pytest.raises(Conflict):
+        await store.update_batch(created.value, created.revision)
+    assert [b.status for b in await store.batches("k1")] == ["in_progress"]
+    request = AsyncRecord(
+        id="async_rt",
+        endpoint="/v1/chat/completions",
+        model="m",
+        created_at=1,
+        max_time_in_queue_s=60,
+        key_id="k1",
+    )
+    held = await store.create_async(request)
+    await store.update_async(request.model_copy(update={"status": "succeeded"}), held.revision)
+    assert (await store.async_request(request.id)).value.status == "succeeded"
+    await store.enqueue([item("batch_rt", i) for i in range(3)])
+    await store.enqueue([item("batch_rt", 0)])
+    assert await store.pending("d1") == 3 and await store.pending_for("batch_rt") == 3
+    deliveries = await store.pull("d1", 2, 3, 2.0)
+    assert sorted(d.item.index for d in deliveries) == [0, 1, 2]
+    for d in deliveries:
+        await d.in_progress()
+        assert await store.put_result(d.item.id, result(d.item.custom_id))
+        await d.ack()
+    assert not await store.put_result(names.result_key("batch_rt", 0), result("again"))
+    assert [i for i, _ in await store.results("batch_rt")] == [0, 1, 2]
+    assert await store.result(names.result_key("batch_rt", 1)) is not None
+    assert await store.pending("d1") == 0 and await store.pending_for("batch_rt") == 0
+    await store.enqueue_webhook(request.id)
+    webhooks = store.webhook_deliveries()
+    await (await anext(webhooks)).nak(0.1)
+    again = await anext(webhooks)
+    assert (again.request_id, again.attempt) == (request.id, 2)
+    await again.ack()
+    await webhooks.aclose()
+    await store.delete_file(file.id)
+    with pytest.raises(NotFound):
+        await store.file(file.id)
+
+
+async def test_round_trip(store: NatsBatchStore) -> None:
+    await batch_store_round_trip(store)
