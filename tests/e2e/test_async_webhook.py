@@ -124,7 +124,9 @@ def test_a_refused_webhook_address_is_a_400(fleet: SimFleet, key: Key, url: str)
     r = post_async(fleet, key, webhook_url=url)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert error["param"] == "webhook_url" and error["message"], error
+    assert (error["code"], error["param"]) == ("invalid_webhook_url", "webhook_url") and error["message"], (
+        error
+    )
 
 
 def test_a_webhook_down_for_a_minute_is_delivered_when_it_returns(fleet: SimFleet, key: Key) -> None:

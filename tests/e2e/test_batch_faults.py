@@ -108,6 +108,22 @@ def replica_pid(fleet: SimFleet, region: str) -> int:
     return pid
 
 
+def restart_cluster(fleet: SimFleet, region: str) -> None:
+    """Stop the region's agent and gateway as an operator does (SIGTERM, waited for), start
+    both again from the same config, and wait until the gateway answers."""
+    state = fleet.local.load()
+    old = [p for p in state.processes if p.name == region and p.kind in ("agent", "gateway")]
+    assert len(old) == 2, old
+    assert not terminate([p.pid for p in old], 30), "had to be killed"
+    state.processes = [p for p in state.processes if p not in old]
+    fleet.local.save(state)
+    fleet.local.start_cluster(state, ClusterConfig.load(old[0].config))
+    url = fleet.gateways[region]
+    wait_for(
+        lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, 60, 0.2, f"{region}'s gateway back"
+    )
+
+
 def test_a_replica_killed_mid_batch(both_ready: SimFleet, key) -> None:
     fleet = both_ready
     client = sdk(fleet.gateways[EAST], key)
@@ -129,19 +145,8 @@ def test_the_agent_restarted_mid_batch(both_ready: SimFleet, key) -> None:
     rows, ids = lines("b", 40, 50)
     batch_id, _ = start_batch(fleet, east, rows)  # east drives it
     at_restart = still_running(client, batch_id, len(ids))
-    state = fleet.local.load()
-    old = [p for p in state.processes if p.name == EAST and p.kind in ("agent", "gateway")]
-    assert len(old) == 2, old
     stopped = time.monotonic()
-    terminate([p.pid for p in old], 30)
-    state.processes = [p for p in state.processes if p not in old]
-    fleet.local.save(state)
-    config = ClusterConfig.load(old[0].config)
-    fleet.local.start_cluster(state, config)
-    url = fleet.gateways[EAST]
-    wait_for(
-        lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, 60, 0.2, f"{EAST}'s gateway back"
-    )
+    restart_cluster(fleet, EAST)
     back_s = time.monotonic() - stopped
     wait_batch(client, batch_id, timeout=120)
     assert_exactly_once(fleet, client, batch_id, ids)
