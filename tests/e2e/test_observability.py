@@ -75,8 +75,9 @@ SIM_CANNOT_EXPORT: dict[str, str] = {
     "(tests/control_plane/autoscale/test_exported.py reads them from the autoscale loop)",
     "fleet_pipeline_": "this fleet runs no pipeline (tests/e2e/test_pipeline.py reads both pipeline "
     "metrics from its two clusters' gateways)",
-    "fleet_batch_": "this fleet runs no batch and no async request (tests/e2e/test_batch*.py run them, "
-    "and read the line, queue-time and webhook metrics from their gateways)",
+    "fleet_batch_": "this fleet runs no batch and no async request (tests/e2e/test_batch.py reads every "
+    "line, queue-time and batch-status series from its gateway, tests/e2e/test_async_webhook.py the "
+    "webhook deliveries)",
 }
 
 
