@@ -32,7 +32,7 @@ from fleet_base.ports import free_port
 from tests.e2e.batch_tools import NEEDS_WORKER, Key, metric_names, new_key
 from tests.e2e.sim_fleet import SimFleet, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), NEEDS_WORKER]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 REGION = "local-east"
 MODEL = "chat"
@@ -129,6 +129,7 @@ def test_a_refused_webhook_address_is_a_400(fleet: SimFleet, key: Key, url: str)
     )
 
 
+@NEEDS_WORKER
 def test_a_webhook_down_for_a_minute_is_delivered_when_it_returns(fleet: SimFleet, key: Key) -> None:
     receiver = Receiver()  # down: its port has no listener yet
     r = post_async(fleet, key, webhook_url=receiver.url, priority=0)
