@@ -4,7 +4,11 @@ A profile is a few curves, linearly interpolated (and extrapolated past the last
 along the last segment, never below zero): prefill time by the number of prompt tokens in
 one prefill batch, and decode step time by the number of sequences in the batch. Plus the
 KV token capacity and the batch limit that bound concurrency, a cold-start time, and an
-optional error rate (to simulate a bad version)."""
+optional error rate (to simulate a bad version).
+
+A host-memory KV tier below the device pool (the engine's `--kv-offloading-size`) is
+`host_kv_bytes` (0: none) loaded back at `h2d_bytes_per_s`; `kv_bytes_per_token` turns
+both into tokens and seconds (`fleet_base.kv_tier_cost` values a host hit with them)."""
 
 from __future__ import annotations
 
@@ -16,6 +20,9 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
+# Host-to-device copy bandwidth when a profile does not say: below the ~12 GB/s a pinned copy
+# reaches over PCIe Gen3 x16, so an unmeasured host tier is never valued above what it does.
+DEFAULT_H2D_BYTES_PER_S = 8e9
 
 
 def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -48,6 +55,12 @@ class PerfProfile(BaseModel):
     max_prefill_tokens: int = Field(8192, ge=1, description="prompt tokens admitted per prefill batch")
     cold_start_s: float = Field(0.0, ge=0)
     error_rate: float = Field(0.0, ge=0, le=1)
+    # KV bytes of one token over the whole replica (all layers, K and V, every GPU's share).
+    kv_bytes_per_token: int = Field(0, ge=0, description="0: unknown (then no host tier)")
+    host_kv_bytes: int = Field(0, ge=0, description="host-memory KV tier per replica; 0: none")
+    h2d_bytes_per_s: float = Field(
+        DEFAULT_H2D_BYTES_PER_S, gt=0, description="host-to-device copy, whole replica"
+    )
 
     @model_validator(mode="after")
     def _curves(self) -> PerfProfile:
@@ -61,7 +74,14 @@ class PerfProfile(BaseModel):
                 raise ValueError(f"{what}: x values must increase")
             if any(y < 0 for y in ys):
                 raise ValueError(f"{what}: times must be >= 0")
+        if self.host_kv_bytes and not self.kv_bytes_per_token:
+            raise ValueError("a host KV tier needs kv_bytes_per_token")
         return self
+
+    @property
+    def host_kv_tokens(self) -> int:
+        """Tokens the host tier holds (0: no host tier)."""
+        return self.host_kv_bytes // self.kv_bytes_per_token if self.kv_bytes_per_token else 0
 
     def prefill_time(self, tokens: float) -> float:
         return interpolate(self.prefill_tokens, self.prefill_s, tokens)

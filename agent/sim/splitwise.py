@@ -7,6 +7,10 @@ Llama2-70B / BLOOM-176B on A100-80GB / H100-80GB at tensor parallel 2/4/8, promp
 - decode: `token_time` (ms per step) by `batch_size` (median over prompt sizes and repeats);
 - KV capacity: the GPUs' memory at 90 % minus the weights and an activation reserve per
   GPU, over the KV bytes of one token (Llama2-70B: 80 layers x 8 KV heads x 128 x 2 x fp16).
+- host-to-device bandwidth (for a host KV tier, `fleet_base.kv_tier_cost`): each GPU loads
+  its own shard of a block over its own PCIe link, so the replica's is tp x one link's
+  effective pinned-copy rate. No host tier is set: its size is a deployment's choice
+  (`fleetctl simulate --kv-offloading-size`).
 
 `python -m agent.sim.splitwise CSV` (re)writes the stored profiles."""
 
@@ -29,6 +33,10 @@ MODELS = {
 GPU_MEMORY = {"a100-80gb": 80 * GIB, "h100-80gb": 80 * GIB}
 # On-demand price per GPU-hour used for costs (roughly the big clouds' list prices, 2024).
 GPU_PRICE = {"a100-80gb": 3.67, "h100-80gb": 6.98}
+# Effective pinned host-to-device copy per GPU: H100 SXM is PCIe Gen5 x16 (64 GB/s each way
+# on paper, ~50 GB/s measured by cudaMemcpy bandwidth tests); A100 SXM is PCIe Gen4 x16
+# (32 GB/s on paper, ~25 GB/s measured).
+GPU_H2D_BYTES_PER_S = {"a100-80gb": 25e9, "h100-80gb": 50e9}
 ACTIVATION_RESERVE = 2 * GIB
 DEFAULT_COLD_START_S = 60.0
 STORED = [("llama2-70b", "h100-80gb", 4), ("llama2-70b", "h100-80gb", 8), ("llama2-70b", "a100-80gb", 4)]
@@ -58,7 +66,8 @@ def profile_from_splitwise(csv_path: Path, model: str, hardware: str, tp: int) -
     return PerfProfile(
         name=f"{model}-{hw}-tp{tp}",
         description=f"{model} on {tp}x {hardware}, measured by Splitwise (perf_model.csv)",
-        source="Mutinifni/splitwise-sim data/perf_model.csv (MIT)",
+        source="Mutinifni/splitwise-sim data/perf_model.csv (MIT); h2d_bytes_per_s: tp x one GPU's "
+        "effective PCIe pinned copy (agent.sim.splitwise.GPU_H2D_BYTES_PER_S)",
         gpu_model=hw.upper(),
         gpus_per_replica=tp,
         hourly_price=round(GPU_PRICE[hardware] * tp, 2),
@@ -67,6 +76,8 @@ def profile_from_splitwise(csv_path: Path, model: str, hardware: str, tp: int) -
         decode_batch=[float(b) for b in bs],
         decode_step_s=[round(statistics.median(decode[b]), 5) for b in bs],
         kv_capacity_tokens=kv_capacity(model, hardware, tp),
+        kv_bytes_per_token=MODELS[model][1],
+        h2d_bytes_per_s=GPU_H2D_BYTES_PER_S[hardware] * tp,
         max_num_seqs=max(bs),
         cold_start_s=DEFAULT_COLD_START_S,
     )
