@@ -33,20 +33,23 @@ WEEK_S = 7 * 24 * 3600.0
 SUBJECT_SHARE = 4  # one subject (cluster) holds at most 1/SUBJECT_SHARE of its stream
 
 # share of the store per stream or bucket; the rest is headroom (consumer state, metadata).
-# Usage keeps the largest share (it is the bill); batch file contents come next, since a
-# batch's input and output files live there until deleted.
+# Usage keeps the largest share (it is the bill). Batch file contents come next: a batch's
+# input and output files live there until deleted. The work queue holds a whole batch at
+# the default store (its items are about the size of its input file, up to
+# `BatchConfig.max_file_bytes`); when full it refuses new items and the driver enqueues
+# the rest later, as workers drain it.
 SHARES: dict[str, float] = {
     f"KV_{protocol.BUCKET_DESIRED}": 0.04,
     f"KV_{protocol.BUCKET_ROUTES}": 0.02,
     f"KV_{protocol.BUCKET_KEYS}": 0.02,
     protocol.STREAM_EVENTS: 0.12,
-    protocol.STREAM_USAGE: 0.355,
+    protocol.STREAM_USAGE: 0.28,
     f"KV_{batch.BUCKET_FILES}": 0.005,
     f"KV_{batch.BUCKET_BATCHES}": 0.005,
     f"KV_{batch.BUCKET_RESULTS}": 0.08,
     f"KV_{batch.BUCKET_ASYNC}": 0.01,
     f"OBJ_{batch.OBJECT_BUCKET_FILES}": 0.20,
-    batch.STREAM_WORK: 0.04,
+    batch.STREAM_WORK: 0.115,
     batch.STREAM_WEBHOOKS: 0.005,
 }
 # largest message each stream stores: a UsageRecord is ~0.5 KB, an Event at most 4096

@@ -16,8 +16,8 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
+from nats.js.api import AckPolicy, ConsumerConfig, ConsumerInfo, DeliverPolicy
+from nats.js.errors import APIError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel, ValidationError
 
@@ -223,15 +223,14 @@ class NatsBatchStore:
                 )
             )
 
-    async def _consumer(self, stream: str, name: str, subject: str) -> None:
-        """Create the durable pull consumer if absent; an existing one is left as it is
+    async def _consumer(self, stream: str, name: str, subject: str) -> ConsumerInfo:
+        """The durable pull consumer, created if absent; an existing one is left as it is
         (every gateway creates it with the same settings, and the server accepts that)."""
         try:
-            await self.js.consumer_info(stream, name)
-            return
+            return await self.js.consumer_info(stream, name)
         except NotFoundError:
             pass
-        await self.js.add_consumer(
+        return await self.js.add_consumer(
             stream,
             ConsumerConfig(
                 name=name,
@@ -261,6 +260,11 @@ class NatsBatchStore:
                 return await sub.fetch(batch, timeout=timeout_s)
             except (NatsTimeout, asyncio.TimeoutError):
                 return []
+            except APIError:  # the consumer (or stream) went away: bind afresh next time
+                self._subs.pop(name, None)
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+                raise
 
     async def pull(self, deployment: str, priority: int, batch: int, timeout_s: float) -> list[NatsDelivery]:
         msgs = await self._fetch(
@@ -286,8 +290,7 @@ class NatsBatchStore:
         total = 0
         for priority in names.PRIORITIES:
             name = names.work_consumer(deployment, priority)
-            await self._consumer(names.STREAM_WORK, name, names.work_filter(deployment, priority))
-            info = await self.js.consumer_info(names.STREAM_WORK, name)
+            info = await self._consumer(names.STREAM_WORK, name, names.work_filter(deployment, priority))
             total += (info.num_pending or 0) + (info.num_ack_pending or 0)
         return total
 

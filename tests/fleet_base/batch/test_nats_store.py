@@ -5,6 +5,7 @@ the queue counts, both blob stores, and a server restart losing nothing."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -339,3 +340,67 @@ async def batch_store_round_trip(store: NatsBatchStore) -> None:
 
 async def test_round_trip(store: NatsBatchStore) -> None:
     await batch_store_round_trip(store)
+
+
+async def _until_jetstream_answers(nc: nats.NATS, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            await nc.jetstream(timeout=1.0).stream_info(names.STREAM_WORK)
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+
+
+async def test_a_connected_store_rides_out_a_restart(server: NatsServer) -> None:
+    """The gateway's own connection reconnects; its bound buckets and pull subscriptions
+    keep working without being opened again."""
+    nc = await nats.connect(server.url, reconnect_time_wait=0.2)
+    try:
+        await ensure_batch_resources(nc.jetstream(), BUDGET)
+        store = await open_batch_store(nc, BatchConfig(ack_wait_s=1.0))
+        await store.enqueue([item("batch_1", 0)])
+        (first,) = await store.pull("d1", 2, 1, 1.0)
+        await first.ack()
+        server.stop()
+        server.start()
+        await _until_jetstream_answers(nc)
+        await store.enqueue([item("batch_1", 1)])
+        (second,) = await store.pull("d1", 2, 1, 2.0)
+        assert second.item.index == 1
+        await second.ack()
+        assert await store.put_result("batch_1.1", result("c1"))
+    finally:
+        await nc.close()
+
+
+async def test_pull_binds_again_after_its_consumer_is_deleted(store: NatsBatchStore) -> None:
+    await store.enqueue([item("batch_1", 0)])
+    assert await store.pending("d1") == 1  # creates the consumers
+    await store.js.delete_consumer(names.STREAM_WORK, names.work_consumer("d1", 2))
+    for _ in range(3):  # the first pull may learn of the loss only by failing
+        with contextlib.suppress(nats.js.errors.APIError):
+            if got := await store.pull("d1", 2, 1, 1.0):
+                break
+    assert [d.item.index for d in got] == [0]
+
+
+async def test_store_with_s3_contents(server: NatsServer, s3) -> None:  # noqa: F811 (the imported fixture)
+    s3.client().create_bucket(Bucket="batch")
+    nc = await nats.connect(server.url)
+    try:
+        await ensure_batch_resources(nc.jetstream(), BUDGET)
+        store = await open_batch_store(nc, BatchConfig(store_url="s3://batch/fleet"))
+        assert isinstance(store.blobs, S3Blobs)
+        record = FileRecord(
+            id="file-1", bytes=3, created_at=1, filename="in.jsonl", purpose="batch", key_id="k1"
+        )
+        await store.put_file(record, b"abc")
+        assert s3.client().get_object(Bucket="batch", Key="fleet/file-1")["Body"].read() == b"abc"
+        assert await store.file_content(await store.file("file-1")) == b"abc"
+        await store.delete_file("file-1")
+        assert s3.client().list_objects_v2(Bucket="batch").get("KeyCount") == 0
+    finally:
+        await nc.close()
