@@ -30,6 +30,9 @@ from fleet_base.batch.store import BlobStore, Conflict, NotFound, Versioned
 M = TypeVar("M", bound=BaseModel)
 MSG_ID = "Nats-Msg-Id"
 MAX_ACK_PENDING = 20_000  # items held by all workers together, per consumer
+# a consumer nobody pulled from this long (its deployment is gone) is removed by the server;
+# its items stay on the stream and a new consumer (DeliverPolicy.ALL) hands them out again
+CONSUMER_IDLE_S = 7 * 24 * 3600.0
 PUBLISH_WINDOW = 256  # enqueue publishes in flight at once
 
 
@@ -241,6 +244,7 @@ class NatsBatchStore:
                 max_deliver=-1,
                 deliver_policy=DeliverPolicy.ALL,
                 max_ack_pending=MAX_ACK_PENDING,
+                inactive_threshold=CONSUMER_IDLE_S,
             ),
         )
 

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import nats
 import pytest
-from nats.js.api import RetentionPolicy
+from nats.js.api import AckPolicy, RetentionPolicy
 
 from control_plane.local.nats_server import NatsServer
 from fleet_base.batch import names
 from fleet_base.batch.blobs import S3Blobs
 from fleet_base.batch.config import BatchConfig
 from fleet_base.batch.models import AsyncRecord, BatchRecord, FileRecord, LineResult, StoredResult, WorkItem
-from fleet_base.batch.nats_store import NatsBatchStore, open_batch_store
+from fleet_base.batch.nats_store import CONSUMER_IDLE_S, NatsBatchStore, open_batch_store
 from fleet_base.batch.resources import ensure_batch_resources
 from fleet_base.batch.store import Conflict, NotFound
 from fleet_base.jetstream_budget import JetStreamBudget
@@ -404,3 +404,13 @@ async def test_store_with_s3_contents(server: NatsServer, s3) -> None:  # noqa: 
         assert s3.client().list_objects_v2(Bucket="batch").get("KeyCount") == 0
     finally:
         await nc.close()
+
+
+async def test_work_consumers_are_durable_explicit_and_unbounded(store: NatsBatchStore) -> None:
+    await store.pending("d1")
+    for priority in names.PRIORITIES:
+        config = (await store.js.consumer_info(names.STREAM_WORK, names.work_consumer("d1", priority))).config
+        assert config.durable_name == names.work_consumer("d1", priority)
+        assert config.filter_subject == names.work_filter("d1", priority)
+        assert AckPolicy(config.ack_policy) == AckPolicy.EXPLICIT and config.ack_wait == 1.0
+        assert config.max_deliver in (None, -1) and config.inactive_threshold == CONSUMER_IDLE_S
