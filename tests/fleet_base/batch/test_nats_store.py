@@ -313,6 +313,7 @@ async def batch_store_round_trip(store: NatsBatchStore) -> None:
     held = await store.create_async(request)
     await store.update_async(request.model_copy(update={"status": "succeeded"}), held.revision)
     assert (await store.async_request(request.id)).value.status == "succeeded"
+    assert [r.id for r in await store.async_requests("k1")] == [request.id]
     await store.enqueue([item("batch_rt", i) for i in range(3)])
     await store.enqueue([item("batch_rt", 0)])
     assert await store.pending("d1") == 3 and await store.pending_for("batch_rt") == 3
@@ -324,6 +325,7 @@ async def batch_store_round_trip(store: NatsBatchStore) -> None:
         await d.ack()
     assert not await store.put_result(names.result_key("batch_rt", 0), result("again"))
     assert [i for i, _ in await store.results("batch_rt")] == [0, 1, 2]
+    assert await store.result_count("batch_rt") == 3
     assert await store.result(names.result_key("batch_rt", 1)) is not None
     assert await store.pending("d1") == 0 and await store.pending_for("batch_rt") == 0
     await store.enqueue_webhook(request.id)
