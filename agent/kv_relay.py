@@ -153,7 +153,9 @@ class KvRelay:
                     return
                 resp.raise_for_status()
                 data = resp.json()
-                chunks = _chunks([(op["kind"], op["block_hashes"]) for op in data["ops"]])
+                chunks = _chunks(
+                    [(op["kind"], op["block_hashes"], op.get("tier", "device")) for op in data["ops"]]
+                )
                 new_epoch, snapshot = str(data["epoch"]), bool(data["snapshot"])
                 block_size, read_seq = int(data["block_size"]), int(data["seq"])
             except (httpx.HTTPError, ValueError, KeyError, TypeError, ValidationError) as err:
@@ -183,18 +185,20 @@ class KvRelay:
                     break
 
 
-def _chunks(ops: list[tuple[str, list[str]]]) -> list[list[KvCacheOp]]:
-    """The engine's ops (kind, hex hashes; a snapshot's one op may hold every cached block)
-    as wire ops split so that no message holds more than CHUNK hashes or MAX_BATCH_OPS
-    ops, order kept. Raises ValidationError for an op the wire would refuse."""
+def _chunks(ops: list[tuple[str, list[str]] | tuple[str, list[str], str]]) -> list[list[KvCacheOp]]:
+    """The engine's ops (kind, hex hashes[, tier: "device" when absent]; a snapshot's op
+    per tier may hold every cached block) as wire ops split so that no message holds more
+    than CHUNK hashes or MAX_BATCH_OPS ops, order kept. Raises ValidationError for an op
+    the wire would refuse."""
     out: list[list[KvCacheOp]] = [[]]
     size = 0
-    for kind, hashes in ops:
+    for kind, hashes, *tiers in ops:
+        tier = tiers[0] if tiers else "device"
         for start in range(0, max(1, len(hashes)), CHUNK):
             part = hashes[start : start + CHUNK]
             if out[-1] and (size + len(part) > CHUNK or len(out[-1]) >= MAX_BATCH_OPS):
                 out.append([])
                 size = 0
-            out[-1].append(KvCacheOp(kind=kind, block_hashes=part))  # type: ignore[arg-type]
+            out[-1].append(KvCacheOp(kind=kind, block_hashes=part, tier=tier))  # type: ignore[arg-type]
             size += len(part)
     return out

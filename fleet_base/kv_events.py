@@ -7,9 +7,17 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from fleet_base.protocol import SUBJECT_PREFIX, Message
 
@@ -33,14 +41,33 @@ MAX_BATCH_BYTES = 128 * 1024
 _HASH = re.compile(r"[0-9a-f]{64}")
 
 
+Tier = Literal["device", "host"]
+TIERS: tuple[Tier, ...] = ("device", "host")
+
+
 class KvCacheOp(BaseModel):
     """Blocks that became cached (full and hashed), were evicted, or the whole cache was
-    dropped, in the engine's chained sha256 scheme (hex)."""
+    dropped, in the engine's chained sha256 scheme (hex).
+
+    `tier` says where a stored or removed block lives: in the device KV pool or in the
+    host-memory tier below it (vLLM's events call it `medium`). A block may be in both; a
+    removal names the one copy that went. An op without it is a device op (what every
+    engine sent before the host tier), so old payloads read as they always did; a device op
+    is sent without it, so a reader that predates tiers reads it too. "cleared" drops every
+    tier."""
 
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal["stored", "removed", "cleared"]
     block_hashes: list[str] = Field(default_factory=list, max_length=MAX_BATCH_HASHES)
+    tier: Tier = "device"
+
+    @model_serializer(mode="wrap")
+    def _device_is_implied(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        if out.get("tier") == "device":
+            del out["tier"]
+        return out
 
     @field_validator("block_hashes")
     @classmethod

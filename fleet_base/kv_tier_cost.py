@@ -29,14 +29,18 @@ def host_token_value(kv_bytes_per_token: float, h2d_bytes_per_s: float, prefill_
     return min(1.0, max(0.0, 1.0 - load_s / prefill_s_per_token))
 
 
-def profile_host_token_value(profile: PerfProfile) -> float:
-    """The profile's host-hit value; 0 when it has no host tier."""
-    if profile.host_kv_bytes <= 0:
-        return 0.0
+def load_token_value(profile: PerfProfile) -> float:
+    """What a host hit saves on the profile's hardware, whatever its host tier's size (a
+    live replica's tier is known from its KV events, not from the profile)."""
     batch = float(profile.max_prefill_tokens)
     return host_token_value(
         profile.kv_bytes_per_token, profile.h2d_bytes_per_s, profile.prefill_time(batch) / batch
     )
+
+
+def profile_host_token_value(profile: PerfProfile) -> float:
+    """The profile's host-hit value; 0 when it has no host tier."""
+    return load_token_value(profile) if profile.host_kv_bytes > 0 else 0.0
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,15 @@ Keys are block keys: the first 8 bytes (big-endian) of the engine's chained sha2
 hash (`fleet_base.block_hash`), or a trace's hash ids in the simulator. A collision
 (~n^2 / 2^64) can only misroute a request, never change an answer.
 
+Each (replica, block) keeps the tiers that hold it: the device KV pool, the host-memory
+tier below it, or both (an offload stores the host copy before the device copy goes). A
+removal removes that tier's copy only; the block is forgotten when no tier holds it.
+
 Safety over recall: the index may forget blocks a replica still holds (bounded memory
 drops the oldest; a gap in a replica's sequence numbers drops all of that replica's
-blocks until its full set arrives again), but it never claims a block after the event
-that evicted it was applied. Pure and synchronous; the caller does the I/O.
+blocks until its full set arrives again), but it never claims a block (in a tier) after
+the event that evicted it (from that tier) was applied. Pure and synchronous; the caller
+does the I/O.
 """
 
 from __future__ import annotations
@@ -19,6 +24,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Outcome = Literal["applied", "stale", "resync"]
+Tier = Literal["device", "host"]
+DEVICE, HOST = 1, 2  # a block's tiers, as bits
+TIER_BITS: dict[str, int] = {"device": DEVICE, "host": HOST}
+# One op of a batch: (kind, keys) is a device op; (kind, keys, tier) names the tier.
+Op = tuple[str, tuple[int, ...]] | tuple[str, tuple[int, ...], str]
 
 
 def block_key(block_hash: bytes) -> int:
@@ -32,7 +42,7 @@ class _Replica:
     epoch: str = ""
     seq: int = -1  # last sequence number applied; -1: nothing trusted yet
     block_size: int = 0
-    blocks: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    blocks: OrderedDict[int, int] = field(default_factory=OrderedDict)  # key -> its tiers' bits
 
 
 @dataclass(frozen=True)
@@ -44,7 +54,7 @@ class KvUpdate:
     deployment: str
     epoch: str  # changes when the replica (or its relay) restarts
     seq: int  # consecutive within an epoch
-    ops: tuple[tuple[str, tuple[int, ...]], ...] = ()  # ("stored"|"removed"|"cleared", keys), in order
+    ops: tuple[Op, ...] = ()  # ("stored"|"removed"|"cleared", keys[, tier]), in order
     snapshot: bool = False  # the ops give the replica's full set: replace, then trust
     block_size: int = 0
 
@@ -82,16 +92,28 @@ class PrefixIndex:
     # ------------------------------------------------------------------ reads
 
     def match(self, cluster: str, replica_id: str, hashes: Sequence[int]) -> int:
-        """How many leading blocks of `hashes` the replica holds."""
+        """How many leading blocks of `hashes` the replica holds, in either tier."""
+        device, host = self.match_tiers(cluster, replica_id, hashes)
+        return device + host
+
+    def match_tiers(self, cluster: str, replica_id: str, hashes: Sequence[int]) -> tuple[int, int]:
+        """Leading blocks of `hashes` the replica holds on its device, then how many after
+        those its host tier holds: the engine's lookup, which continues in the host tier
+        where the device's prefix ends."""
         r = self._replicas.get((cluster, replica_id))
         if r is None:
-            return 0
-        n = 0
+            return 0, 0
+        blocks = r.blocks
+        device = host = 0
         for h in hashes:
-            if h not in r.blocks:
+            bits = blocks.get(h, 0)
+            if host == 0 and bits & DEVICE:
+                device += 1
+            elif bits & HOST:
+                host += 1
+            else:
                 break
-            n += 1
-        return n
+        return device, host
 
     def replicas(self, cluster: str, deployment: str) -> tuple[str, ...]:
         return tuple(rid for rid, r in self._clusters.get(cluster, {}).items() if r.deployment == deployment)
@@ -102,9 +124,19 @@ class PrefixIndex:
                 return r.block_size
         return None
 
-    def holds(self, cluster: str, replica_id: str, key: int) -> bool:
+    def holds(self, cluster: str, replica_id: str, key: int, tier: Tier | None = None) -> bool:
+        """The replica holds the block (in `tier`; None: in any)."""
         r = self._replicas.get((cluster, replica_id))
-        return r is not None and key in r.blocks
+        if r is None:
+            return False
+        bits = r.blocks.get(key, 0)
+        return bool(bits if tier is None else bits & TIER_BITS[tier])
+
+    def tier_blocks(self, cluster: str, replica_id: str) -> dict[Tier, int]:
+        """Blocks the replica holds in each tier (a block in both counts in both)."""
+        r = self._replicas.get((cluster, replica_id))
+        bits = list(r.blocks.values()) if r is not None else []
+        return {"device": sum(1 for b in bits if b & DEVICE), "host": sum(1 for b in bits if b & HOST)}
 
     @property
     def size(self) -> int:
@@ -162,15 +194,21 @@ class PrefixIndex:
             if not members:
                 del self._clusters[key[0]]
 
-    def _run(self, r: _Replica, ops: Iterable[tuple[str, Sequence[int]]], cluster: str) -> None:
-        for kind, keys in ops:
+    def _run(self, r: _Replica, ops: Iterable[Op], cluster: str) -> None:
+        blocks = r.blocks
+        for kind, keys, *tier in ops:
+            bit = TIER_BITS[tier[0]] if tier else DEVICE
             if kind == "cleared":
-                r.blocks.clear()
+                blocks.clear()
             elif kind == "stored":
-                self._store(r, keys)
+                self._store(r, keys, bit)
             else:
                 for k in keys:
-                    r.blocks.pop(k, None)
+                    left = blocks.get(k, 0) & ~bit
+                    if left:
+                        blocks[k] = left
+                    else:
+                        blocks.pop(k, None)
         excess = self.cluster_blocks(cluster) - self.max_cluster_blocks
         for _ in range(min(max(0, excess), len(r.blocks))):  # the storing replica pays
             r.blocks.popitem(last=False)
@@ -198,10 +236,10 @@ class PrefixIndex:
         self._clusters.move_to_end(cluster)
         return r
 
-    def _store(self, r: _Replica, keys: Iterable[int]) -> None:
+    def _store(self, r: _Replica, keys: Iterable[int], bit: int = DEVICE) -> None:
         blocks = r.blocks
         for k in keys:
-            blocks[k] = None
+            blocks[k] = blocks.get(k, 0) | bit
             blocks.move_to_end(k)
         while len(blocks) > self.max_blocks:
             blocks.popitem(last=False)

@@ -43,7 +43,10 @@ Cost model (``CostModel``), in prompt-token equivalents, lower is better:
 ``cost = new prefill tokens + queued work + rtt_s * tokens_per_s`` where new prefill
 tokens are the prompt less the cached prefix (prefix routing only), queued work is the
 tokens this gateway still has outstanding at the replica (its requests' new prefill plus
-reserved completion), and RTT counts for peers only.
+reserved completion), and RTT counts for peers only. A prefix the replica holds in its
+host-memory tier saves its prefill less the load back (`fleet_base.kv_tier_cost`, the
+scoring the simulator calls too): each such token counts `host_token_value` (0..1) of a
+device hit, the replica's own (from its profile) or the model's default.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from typing import Literal, Protocol
 
 from agent.gateway.routing import pick_version, should_spill
 from fleet_base.cluster_config import ROUTINGS
+from fleet_base.kv_tier_cost import UNKNOWN_HOST_TOKEN_VALUE, PrefixHit, prefix_cost, prefix_hit
 from fleet_base.protocol import VersionWeight
 from fleet_base.residency import permits
 
@@ -93,9 +97,10 @@ MAX_ATTEMPTS = 3  # per stage; the executor allows the third only after unstarte
 
 
 class PrefixLookup(Protocol):
-    """What the plan reads of the prefix index: leading blocks a replica holds."""
+    """What the plan reads of the prefix index: leading blocks a replica holds on its
+    device, then those after them in its host tier."""
 
-    def match(self, cluster: str, replica_id: str, hashes: Sequence[int]) -> int: ...
+    def match_tiers(self, cluster: str, replica_id: str, hashes: Sequence[int]) -> tuple[int, int]: ...
 
 
 @dataclass(frozen=True)
@@ -127,6 +132,7 @@ class ReplicaFacts:
     recently_failed: bool = False
     adapters: frozenset[str] = frozenset()  # LoRA adapters loaded there
     max_adapters: int = 0  # room for adapters (0: LoRA off)
+    host_token_value: float | None = None  # a host-tier hit token's worth (0..1); None: the model's
 
 
 @dataclass(frozen=True)
@@ -166,6 +172,7 @@ class CostModel:
     routing: str = "prefix"  # or "least-load"
     tokens_per_s: float = 4000.0  # prefill token-equivalents of one second of RTT
     min_prefix_blocks: int = 1  # a peer must hold at least this many blocks to be preferred
+    host_token_value: float = UNKNOWN_HOST_TOKEN_VALUE  # of a replica (or peer) whose profile is unknown
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
@@ -185,7 +192,8 @@ class Attempt:
     version: int | None = None
     is_peer: bool = False
     standby: bool = False
-    cached_tokens: int = 0  # prompt tokens the target holds already (prefix index)
+    cached_tokens: int = 0  # prompt tokens the target need not prefill (prefix index, both tiers)
+    host_tokens: int = 0  # of those, the ones loaded back from its host tier
     cost: float = 0.0
     load_adapter: str = ""  # a LoRA adapter to load there before sending (not resident)
     jurisdiction: str = ""  # where the target processes the request
@@ -221,7 +229,11 @@ class Plan:
 def cached_tokens(request: RequestFacts, blocks: int) -> int:
     """Prompt tokens a replica holding `blocks` leading blocks need not prefill (the last
     prompt token is always computed, as the engine does)."""
-    return max(0, min(blocks * request.block_tokens, request.prompt_tokens - 1))
+    return prefix_hit(blocks, 0, request.block_tokens, request.prompt_tokens).tokens
+
+
+def _hit(request: RequestFacts, tiers: tuple[int, int]) -> PrefixHit:
+    return prefix_hit(tiers[0], tiers[1], request.block_tokens, request.prompt_tokens)
 
 
 def _cycle(attempts: list[Attempt], n: int = MAX_ATTEMPTS) -> list[Attempt]:
@@ -233,11 +245,16 @@ def _cycle(attempts: list[Attempt], n: int = MAX_ATTEMPTS) -> list[Attempt]:
 
 
 def _peer_attempts(
-    stage: Stage, reason: str, peers: Sequence[PeerFacts], request: RequestFacts, index: PrefixLookup | None
+    stage: Stage,
+    reason: str,
+    peers: Sequence[PeerFacts],
+    request: RequestFacts,
+    index: PrefixLookup | None,
+    host_value: float = UNKNOWN_HOST_TOKEN_VALUE,
 ) -> list[Attempt]:
     out = []
     for p in peers:
-        blocks = _peer_blocks(p, request, index)
+        hit = _peer_hit(p, request, index, host_value)
         out.append(
             Attempt(
                 stage,
@@ -246,17 +263,22 @@ def _peer_attempts(
                 p.url,
                 is_peer=True,
                 standby=p.standby,
-                cached_tokens=cached_tokens(request, blocks),
+                cached_tokens=hit.tokens,
+                host_tokens=hit.host_tokens,
                 jurisdiction=p.jurisdiction,
             )
         )
     return _cycle(out)
 
 
-def _peer_blocks(p: PeerFacts, request: RequestFacts, index: PrefixLookup | None) -> int:
+def _peer_hit(
+    p: PeerFacts, request: RequestFacts, index: PrefixLookup | None, host_value: float
+) -> PrefixHit:
+    """The peer's best replica for the prompt, by the prefill its tiers save."""
     if index is None or not request.block_hashes:
-        return 0
-    return max((index.match(p.cluster, rid, request.block_hashes) for rid in p.replica_ids), default=0)
+        return PrefixHit()
+    hits = (_hit(request, index.match_tiers(p.cluster, rid, request.block_hashes)) for rid in p.replica_ids)
+    return max(hits, key=lambda h: (h.value(host_value), h.device_tokens), default=PrefixHit())
 
 
 def rank_replicas(
@@ -277,12 +299,16 @@ def rank_replicas(
     for r in here.replicas:
         if request.adapter is not None and r.max_adapters == 0 and request.adapter not in r.adapters:
             continue  # LoRA is off there: it can never serve the adapter
-        blocks = 0
+        tiers = (0, 0)
         if model.prefix and index is not None and request.block_hashes:
-            blocks = index.match(here.cluster, r.replica_id, request.block_hashes)
-        hit = cached_tokens(request, blocks)
-        new = request.prompt_tokens - hit if model.prefix else 0
-        cost = float(new + r.outstanding_tokens)
+            tiers = index.match_tiers(here.cluster, r.replica_id, request.block_hashes)
+        cached = _hit(request, tiers)
+        host_value = model.host_token_value if r.host_token_value is None else r.host_token_value
+        hit = cached.value(host_value)  # prefill saved, in tokens
+        if model.prefix:
+            cost = prefix_cost(cached, request.prompt_tokens, r.outstanding_tokens, host_value)
+        else:
+            cost = float(r.outstanding_tokens)
         tier = adapter_tier(request.adapter, r)
         key = (
             wanted is not None and r.version != wanted,
@@ -292,13 +318,13 @@ def rank_replicas(
             r.in_flight,
             r.replica_id,
         )
-        scored.append((key, r, hit, cost))
+        scored.append((key, r, hit, cost, cached))
     if not scored:
         return []
     scored.sort(key=lambda s: s[0])
     best_hit = max(s[2] for s in scored if s[0][:3] == scored[0][0][:3])  # among the top's peers
     out = []
-    for key, r, hit, cost in scored:
+    for key, r, hit, cost, cached in scored:
         load = ""
         if request.adapter is not None:
             reason = ADAPTER_REASONS[key[2]]
@@ -318,7 +344,8 @@ def rank_replicas(
                 r.replica_id,
                 r.url,
                 r.version,
-                cached_tokens=hit,
+                cached_tokens=cached.tokens,
+                host_tokens=cached.host_tokens,
                 cost=cost,
                 load_adapter=load,
                 jurisdiction=here.jurisdiction,
@@ -358,7 +385,9 @@ def plan_route(
     attempts: list[Attempt] = []
     primaries = [p for p in peers if not p.standby]
     if here.standby_here and primaries:
-        attempts += _peer_attempts("primary", "standby-primary", primaries, request, index)
+        attempts += _peer_attempts(
+            "primary", "standby-primary", primaries, request, index, model.host_token_value
+        )
     else:
         usable = here.usable
         spill = should_spill(here.waiting, len(here.replicas), here.spill_per_replica)
@@ -373,7 +402,7 @@ def plan_route(
     if not local_ok or (excluded and not attempts and not here.replicas and not here.coming):
         return refused  # no permitted primary, peer or replica here, nothing coming here
     attempts += local or [Attempt("local", "wait-for-replica", jurisdiction=here.jurisdiction)]
-    attempts += plan_failover(request, peers, index)
+    attempts += plan_failover(request, peers, index, model.host_token_value)
     return Plan(tuple(attempts), excluded)
 
 
@@ -391,10 +420,15 @@ def within_residency(
 
 
 def plan_failover(
-    request: RequestFacts, peers: Sequence[PeerFacts], index: PrefixLookup | None = None
+    request: RequestFacts,
+    peers: Sequence[PeerFacts],
+    index: PrefixLookup | None = None,
+    host_value: float = UNKNOWN_HOST_TOKEN_VALUE,
 ) -> list[Attempt]:
     """Peers to try after every local attempt failed (none for a request that stays here)."""
-    return [] if request.stays else _peer_attempts("failover", "failover", peers, request, index)
+    if request.stays:
+        return []
+    return _peer_attempts("failover", "failover", peers, request, index, host_value)
 
 
 def plan_to_peer(request: RequestFacts, here: ClusterFacts, peer: PeerFacts | None, reason: str) -> Plan:
@@ -417,18 +451,23 @@ def _leaving(
     peer holding at least `min_prefix_blocks` of the prompt costs less, its new prefill
     plus RTT against the nearest's, in which case it goes first ("peer-prefix")."""
     order = list(peers)
+    value = model.host_token_value
     if model.prefix and index is not None and request.block_hashes:
 
         def cost(p: PeerFacts) -> float:
-            hit = cached_tokens(request, _peer_blocks(p, request, index))
-            return (request.prompt_tokens - hit) + (
-                p.rtt_s if p.rtt_s is not None else 0.1
-            ) * model.tokens_per_s
+            rtt = (p.rtt_s if p.rtt_s is not None else 0.1) * model.tokens_per_s
+            return prefix_cost(_peer_hit(p, request, index, value), request.prompt_tokens, 0, value) + rtt
 
-        holders = [p for p in order if _peer_blocks(p, request, index) >= model.min_prefix_blocks]
+        def blocks(p: PeerFacts) -> int:
+            return max(
+                (sum(index.match_tiers(p.cluster, rid, request.block_hashes)) for rid in p.replica_ids),
+                default=0,
+            )
+
+        holders = [p for p in order if blocks(p) >= model.min_prefix_blocks]
         best = min(holders, key=cost, default=None)
         if best is not None and best is not order[0] and cost(best) < cost(order[0]):
             order.remove(best)
-            attempts = _peer_attempts("peer", reason, [best, *order], request, index)
+            attempts = _peer_attempts("peer", reason, [best, *order], request, index, value)
             return [replace(attempts[0], reason="peer-prefix"), *attempts[1:]]
-    return _peer_attempts("peer", reason, order, request, index)
+    return _peer_attempts("peer", reason, order, request, index, value)

@@ -41,7 +41,9 @@ from fleet_base.kv_events import (
     KvResyncRequest,
     kvresync_subject,
 )
+from fleet_base.kv_tier_cost import load_token_value
 from fleet_base.nats_io import NatsLink
+from fleet_base.profile import load_profile
 from fleet_base.wire import Rejected, decode_kv_batch, subject_cluster
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,9 @@ def prefix_keys(token_ids: Sequence[int], block_size: int, cache_salt: str | Non
 
 
 def to_update(batch: KvCacheBatch) -> KvUpdate:
-    ops = tuple((op.kind, tuple(block_key(bytes.fromhex(h)) for h in op.block_hashes)) for op in batch.ops)
+    ops = tuple(
+        (op.kind, tuple(block_key(bytes.fromhex(h)) for h in op.block_hashes), op.tier) for op in batch.ops
+    )
     return KvUpdate(
         batch.cluster,
         batch.replica_id,
@@ -115,6 +119,7 @@ class PrefixRouting:
         self.clusters = clusters  # whose replicas' full sets to ask for on (re)connect
         self.clock = clock
         self._asked: dict[tuple[str, str], float] = {}
+        self._host_values: dict[str, float | None] = {}  # by profile name
         self._nc: object | None = None
         r = metrics.registry
         self.decisions = Counter(
@@ -149,6 +154,23 @@ class PrefixRouting:
     def block_tokens(self, deployment: str) -> int:
         size = self.index.block_size(deployment) or self.engine_arg(deployment, "block_size")
         return size if isinstance(size, int) and size > 0 else DEFAULT_BLOCK_SIZE
+
+    def host_token_value(self, deployment: str) -> float | None:
+        """A host-tier hit token's worth on the deployment's replicas, from the performance
+        profile its engine args name (`profile`); None when they name none (the cost model's
+        default then)."""
+        name = self.engine_arg(deployment, "profile")
+        if not isinstance(name, str) or not name:
+            return None
+        if name not in self._host_values:
+            try:
+                self._host_values[name] = load_token_value(load_profile(name))
+            except (ValueError, OSError) as err:
+                log.warning(
+                    "profile %r of %s: %s; host-tier hits take the default value", name, deployment, err
+                )
+                self._host_values[name] = None
+        return self._host_values[name]
 
     def keys(self, info: RequestInfo, key_id: str) -> tuple[int, ...]:
         """The request's block keys; () when routing ignores prefixes or the prompt was

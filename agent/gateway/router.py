@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from agent.gateway.adapters import AdapterRouting
 from agent.gateway.exchange import Call
@@ -111,6 +111,9 @@ class Router:
         ready = [r for r in self.view.ready(deployment) if serves_users(route, r.version)]  # not the shadow
         self.adapters.observe(ready)
         replicas = tuple(replica_facts(r, self.tracker, self.adapters) for r in ready)
+        host_value = self.prefix.host_token_value(deployment)
+        if host_value is not None:
+            replicas = tuple(replace(r, host_token_value=host_value) for r in replicas)
         return ClusterFacts(
             self.cluster,
             replicas,
