@@ -135,6 +135,11 @@ class PrefixRouting:
             "Of those, tokens the replica held in its prefix cache (prefill saved), per the index.",
             ["deployment", "replica"], registry=r,
         )  # fmt: skip
+        self.host_tokens = Counter(
+            "fleet_gateway_prefix_host_tokens",
+            "Of the cached tokens, those in the replica's host-memory tier (loaded back, not prefilled).",
+            ["deployment", "replica"], registry=r,
+        )  # fmt: skip
         self.events = Counter(
             "fleet_gateway_kv_events", "KV-event batches received, by outcome (applied, stale, resync, invalid).",
             ["outcome"], registry=r,
@@ -188,6 +193,7 @@ class PrefixRouting:
         if not target.is_peer:
             self.prompt_tokens.labels(deployment, target.name).inc(info.prompt_tokens)
             self.cached_tokens.labels(deployment, target.name).inc(target.cached_tokens)
+            self.host_tokens.labels(deployment, target.name).inc(target.host_tokens)
 
     # ------------------------------------------------------------------ the feed
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from agent.gateway.inputs import RequestInfo
 from agent.gateway.kv_index import KvUpdate, PrefixIndex
 from agent.gateway.metrics import GatewayMetrics
 from agent.gateway.plan import ClusterFacts, CostModel, PeerFacts, ReplicaFacts, RequestFacts, plan_route
@@ -141,3 +142,20 @@ def test_the_gateway_values_host_hits_by_the_deployments_profile() -> None:
     assert value == load_token_value(load_profile("llama2-70b-h100-tp4")) and 0.9 < value < 1.0
     assert prefix.host_token_value("nope") is None  # the cost model's default then
     assert prefix.host_token_value("plain") is None
+
+
+def test_the_gateway_counts_host_tier_tokens_apart() -> None:
+    metrics = GatewayMetrics(load=dict)
+    prefix = PrefixRouting(None, HERE, metrics)
+    replicas = (ReplicaFacts("a", "http://a", 1, host_token_value=0.75),)
+    attempt = plan_route(
+        REQ, ClusterFacts(HERE, replicas), (), index_with({"a": (8, 24)}), CostModel()
+    ).attempts[0]
+    info = RequestInfo("chat", "d", {}, False, False, 1024, 64, 1)
+    prefix.count(info, attempt)
+
+    def sample(name: str) -> float | None:
+        return metrics.registry.get_sample_value(name, {"deployment": "d", "replica": "a"})
+
+    assert sample("fleet_gateway_prefix_cached_tokens_total") == 512
+    assert sample("fleet_gateway_prefix_host_tokens_total") == 384
