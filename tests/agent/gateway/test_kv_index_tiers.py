@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from agent.gateway.kv_index import KvUpdate, PrefixIndex, block_key
 from agent.gateway.prefix import to_update
+from agent.kv_relay import CHUNK, _chunks
 from fleet_base.kv_events import KvCacheBatch, KvCacheOp
 
 KEYS = st.integers(min_value=0, max_value=20)
@@ -133,3 +134,15 @@ def test_old_payloads_are_device_events_and_device_ops_go_out_as_before() -> Non
     removed = KvCacheOp(kind="removed", block_hashes=[h])
     assert index.apply(to_update(host.model_copy(update={"seq": 2, "ops": [removed]}))) == "applied"
     assert index.match_tiers("c", "r1", [key]) == (0, 1)
+
+
+def test_the_relay_keeps_each_ops_tier_across_chunks() -> None:
+    hashes = [f"{i:064x}" for i in range(CHUNK + 10)]
+    engine_ops = [("stored", hashes, "device"), ("stored", hashes[:20], "host"), ("removed", hashes[:5])]
+    ops = [op for chunk in _chunks(engine_ops) for op in chunk]
+    assert [(op.kind, op.tier, len(op.block_hashes)) for op in ops] == [
+        ("stored", "device", CHUNK),
+        ("stored", "device", 10),
+        ("stored", "host", 20),
+        ("removed", "device", 5),  # an engine op without a tier is a device op
+    ]
