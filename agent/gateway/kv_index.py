@@ -43,6 +43,15 @@ class _Replica:
     seq: int = -1  # last sequence number applied; -1: nothing trusted yet
     block_size: int = 0
     blocks: OrderedDict[int, int] = field(default_factory=OrderedDict)  # key -> its tiers' bits
+    host_blocks: int = 0  # of those, in the host tier (0: the device-only fast path)
+
+    def clear(self) -> None:
+        self.blocks.clear()
+        self.host_blocks = 0
+
+    def drop_oldest(self) -> None:
+        if self.blocks.popitem(last=False)[1] & HOST:
+            self.host_blocks -= 1
 
 
 @dataclass(frozen=True)
@@ -104,16 +113,20 @@ class PrefixIndex:
         if r is None:
             return 0, 0
         blocks = r.blocks
-        device = host = 0
-        for h in hashes:
-            bits = blocks.get(h, 0)
-            if host == 0 and bits & DEVICE:
-                device += 1
-            elif bits & HOST:
-                host += 1
-            else:
-                break
-        return device, host
+        n = 0
+        if not r.host_blocks:  # every block is on the device
+            for h in hashes:
+                if h not in blocks:
+                    break
+                n += 1
+            return n, 0
+        get, end = blocks.get, len(hashes)
+        while n < end and get(hashes[n], 0) & DEVICE:
+            n += 1
+        device = n
+        while n < end and get(hashes[n], 0) & HOST:
+            n += 1
+        return device, n - device
 
     def replicas(self, cluster: str, deployment: str) -> tuple[str, ...]:
         return tuple(rid for rid, r in self._clusters.get(cluster, {}).items() if r.deployment == deployment)
@@ -135,8 +148,9 @@ class PrefixIndex:
     def tier_blocks(self, cluster: str, replica_id: str) -> dict[Tier, int]:
         """Blocks the replica holds in each tier (a block in both counts in both)."""
         r = self._replicas.get((cluster, replica_id))
-        bits = list(r.blocks.values()) if r is not None else []
-        return {"device": sum(1 for b in bits if b & DEVICE), "host": sum(1 for b in bits if b & HOST)}
+        if r is None:
+            return {"device": 0, "host": 0}
+        return {"device": sum(1 for b in r.blocks.values() if b & DEVICE), "host": r.host_blocks}
 
     @property
     def size(self) -> int:
@@ -156,14 +170,14 @@ class PrefixIndex:
         r = self._replicas.get(key)
         if update.snapshot:
             r = self._entry(key, update.deployment)
-            r.blocks.clear()
+            r.clear()
             r.epoch, r.seq = update.epoch, update.seq
             r.block_size = update.block_size or r.block_size
             self._run(r, update.ops, update.cluster)
             return "applied"
         if r is None or r.seq < 0 or r.epoch != update.epoch or update.seq > r.seq + 1:
             r = self._entry(key, update.deployment)
-            r.blocks.clear()
+            r.clear()
             r.epoch, r.seq = update.epoch, -1
             return "resync"
         if update.seq <= r.seq:
@@ -199,19 +213,21 @@ class PrefixIndex:
         for kind, keys, *tier in ops:
             bit = TIER_BITS[tier[0]] if tier else DEVICE
             if kind == "cleared":
-                blocks.clear()
+                r.clear()
             elif kind == "stored":
                 self._store(r, keys, bit)
             else:
                 for k in keys:
-                    left = blocks.get(k, 0) & ~bit
-                    if left:
-                        blocks[k] = left
+                    bits = blocks.get(k, 0)
+                    if bits & bit & HOST:
+                        r.host_blocks -= 1
+                    if bits & ~bit:
+                        blocks[k] = bits & ~bit
                     else:
                         blocks.pop(k, None)
         excess = self.cluster_blocks(cluster) - self.max_cluster_blocks
         for _ in range(min(max(0, excess), len(r.blocks))):  # the storing replica pays
-            r.blocks.popitem(last=False)
+            r.drop_oldest()
 
     def _entry(self, key: tuple[str, str], deployment: str) -> _Replica:
         cluster, rid = key
@@ -239,7 +255,10 @@ class PrefixIndex:
     def _store(self, r: _Replica, keys: Iterable[int], bit: int = DEVICE) -> None:
         blocks = r.blocks
         for k in keys:
-            blocks[k] = blocks.get(k, 0) | bit
+            bits = blocks.get(k, 0)
+            if bit & HOST and not bits & HOST:
+                r.host_blocks += 1
+            blocks[k] = bits | bit
             blocks.move_to_end(k)
         while len(blocks) > self.max_blocks:
-            blocks.popitem(last=False)
+            r.drop_oldest()

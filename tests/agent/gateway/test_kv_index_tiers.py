@@ -75,9 +75,11 @@ def test_the_index_holds_exactly_each_blocks_tiers(batches, prompt) -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.lists(OP, min_size=1, max_size=5), max_size=25), st.integers(1, 8))
-def test_bounded_the_index_claims_nothing_the_replica_lacks(batches, cap) -> None:
-    index = PrefixIndex(max_blocks_per_replica=cap)
+@given(st.lists(st.lists(OP, min_size=1, max_size=5), max_size=25), st.integers(1, 8), st.integers(1, 8))
+def test_bounded_the_index_claims_nothing_the_replica_lacks(batches, cap, cluster_cap) -> None:
+    """Bounds (per replica, per cluster) forget blocks, never invent a tier; the per-tier
+    counts stay those of the blocks held."""
+    index = PrefixIndex(max_blocks_per_replica=cap, max_blocks_per_cluster=cluster_cap)
     _apply(index, 0, [], snapshot=True)
     truth: dict[int, set[str]] = {}
     for seq, ops in enumerate(batches, start=1):
@@ -87,7 +89,10 @@ def test_bounded_the_index_claims_nothing_the_replica_lacks(batches, cap) -> Non
             for tier in ("device", "host"):
                 if index.holds("c", "r1", k, tier):
                     assert tier in truth.get(k, ())
-        assert index.size <= cap and min(index.tier_blocks("c", "r1").values()) >= 0
+        counts = index.tier_blocks("c", "r1")
+        assert index.size <= min(cap, cluster_cap) and min(counts.values()) >= 0
+        for tier in ("device", "host"):
+            assert counts[tier] == sum(index.holds("c", "r1", k, tier) for k in range(21))
 
 
 def test_an_offload_keeps_the_host_copy_and_a_load_back_the_device_copy() -> None:
