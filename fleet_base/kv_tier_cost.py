@@ -74,3 +74,11 @@ def prefix_cost(hit: PrefixHit, prompt_tokens: int, queued_tokens: int, host_val
     """A replica's cost for a prompt, in prompt-token equivalents, lower is better: the prefill
     its cache does not save plus the work queued ahead of it."""
     return float(prompt_tokens) - hit.value(host_value) + queued_tokens
+
+
+def load_seconds(profile: PerfProfile, host_tokens: int) -> float:
+    """Time to copy `host_tokens` tokens' KV from the host tier back to the device (the
+    load a host hit pays instead of their prefill)."""
+    if host_tokens <= 0 or profile.kv_bytes_per_token <= 0:
+        return 0.0
+    return host_tokens * profile.kv_bytes_per_token / profile.h2d_bytes_per_s

@@ -9,7 +9,9 @@ capacity (reserved up front, so nothing is ever preempted), up to `max_prefill_t
 prefill batch. A prefill batch takes `prefill_time(sum of prompt tokens)` and yields each
 request's first token; then every running sequence gains one token per decode step of
 `decode_time(batch size)`. Between events the batch is constant, so time advances in
-segments, not steps: an hour of trace costs a few events per request, not per token."""
+segments, not steps: an hour of trace costs a few events per request, not per token.
+Prefix hits in the cache's host tier are loaded back before the batch's prefill: the batch
+pays their load time (`fleet_base.kv_tier_cost`) instead of their prefill."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from agent.sim.prefix_cache import PrefixCacheModel
+from fleet_base.kv_tier_cost import load_seconds, prefix_hit
 from fleet_base.profile import PerfProfile
 
 EPS = 1e-9
@@ -39,6 +42,7 @@ class SimRequest:
     block_hashes: tuple[int, ...] = ()  # chained prefix-block ids (prefix caching)
     block_tokens: int = 16
     cached_tokens: int = 0  # prompt tokens found in the replica's prefix cache at admission
+    host_tokens: int = 0  # of those, found in its host tier (loaded back, not prefilled)
 
     @property
     def kv_tokens(self) -> int:
@@ -153,6 +157,7 @@ class ReplicaModel:
     def _start_prefill(self) -> bool:
         batch: list[SimRequest] = []
         tokens = 0
+        load_s = 0.0
         prof = self.profile
         while self.waiting:
             req = self.waiting[0]
@@ -166,15 +171,17 @@ class ReplicaModel:
             req.admitted_at = self.t
             batch.append(req)
             if self.cache is not None and req.block_hashes:
-                hit = self.cache.lookup(req.block_hashes)
-                req.cached_tokens = max(0, min(hit * req.block_tokens, req.prompt_tokens - 1))
+                device, host = self.cache.lookup_tiers(req.block_hashes)
+                hit = prefix_hit(device, host, req.block_tokens, req.prompt_tokens)
+                req.cached_tokens, req.host_tokens = hit.tokens, hit.host_tokens
                 self.cache.insert(req.block_hashes)
+                load_s += load_seconds(prof, req.host_tokens)
             tokens += req.prompt_tokens - req.cached_tokens
             self.kv_used += req.kv_tokens
         if not batch:
             return False
         self.prefilling = batch
-        self.prefill_end = self.t + prof.prefill_time(tokens)
+        self.prefill_end = self.t + prof.prefill_time(tokens) + load_s
         self.prompt_tokens += tokens
         return True
 

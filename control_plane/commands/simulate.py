@@ -32,6 +32,10 @@ COLUMNS = [
     "replicas_max",
     "replicas_mean",
     "cache_hit_rate",
+    "host_hit_rate",
+    "hit_vs_ideal",
+    "p90_vs_bound",
+    "throughput_tok_s",
     "vs_best_fixed",
     "reaches_target",
 ]
@@ -128,6 +132,13 @@ def simulate(
     hop_ms: float = typer.Option(
         10.0, "--hop-ms", min=0, help="pipeline trace: one step-to-step hop inside a cluster, in ms"
     ),
+    kv_offloading_size: float = typer.Option(
+        None,
+        "--kv-offloading-size",
+        min=0,
+        help="GiB of host memory per replica for its KV tier below the device's (0: none; "
+        "default: the profile's host_kv_bytes)",
+    ),
     output: OutputFormat = OUTPUT_OPTION,
 ) -> None:
     """Replay a trace through the routing and autoscaling policies on simulated replicas.
@@ -142,19 +153,13 @@ def simulate(
         default_settings,
         load_trace,
     )
-    from fleet_base.profile import load_profile
 
     if slo_ttft is not None and slo_ttft <= 0:
         fail("--slo-ttft must be > 0")
     if slo_itl is not None and slo_itl <= 0:
         fail("--slo-itl must be > 0")
     cfg = _config(deployment_config)
-    try:
-        prof = load_profile(profile)
-    except ValueError as err:
-        fail(str(err))
-    if cfg.cold_start_s is not None:
-        prof = prof.model_copy(update={"cold_start_s": cfg.cold_start_s})
+    prof = _profile(profile, cfg, kv_offloading_size)
     try:
         settings = AutoscaleSettings.model_validate(
             {**default_settings(prof).model_dump(), **cfg.autoscaling}
@@ -225,6 +230,27 @@ def simulate(
     _print(report, prof.name, rate_scale, shares)
     if plot is not None:
         typer.echo(f"plot: {plot}")
+
+
+def _profile(name: str, cfg: SimulateConfig, kv_offloading_size: float | None):
+    """The profile, with the config's cold start and `--kv-offloading-size` GiB of host KV
+    tier per replica (0: none; None: the profile's own)."""
+    from fleet_base.profile import PerfProfile, load_profile
+
+    try:
+        prof = load_profile(name)
+    except ValueError as err:
+        fail(str(err))
+    if cfg.cold_start_s is not None:
+        prof = prof.model_copy(update={"cold_start_s": cfg.cold_start_s})
+    if kv_offloading_size is None:
+        return prof
+    try:
+        return PerfProfile.model_validate(
+            {**prof.model_dump(), "host_kv_bytes": int(kv_offloading_size * (1 << 30))}
+        )
+    except ValidationError as err:
+        fail(f"--kv-offloading-size {kv_offloading_size:g}: profile {prof.name}: {err.errors()[0]['msg']}")
 
 
 def _pipeline(
@@ -339,6 +365,8 @@ def _print(report, profile: str, rate_scale: float, shares: dict[str, float] | N
                 }
             )
         )
+    if report.shared_cache_bound is not None:  # the references, after the policies
+        shown.append(report.shared_cache_bound)
     for p in shown:
         row = p.model_dump(exclude={"timeline"})
         row["within_target"] = f"{100 * p.within_ttft_target:.2f}%"
@@ -346,10 +374,17 @@ def _print(report, profile: str, rate_scale: float, shares: dict[str, float] | N
         row["cost"] = f"${p.cost:,.2f}"
         row["gpu_hours"] = f"{p.gpu_hours:.2f}"
         row["cache_hit_rate"] = f"{100 * p.cache_hit_rate:.1f}%"
+        row["host_hit_rate"] = f"{100 * p.host_hit_rate:.1f}%"
+        row["hit_vs_ideal"] = None if p.hit_rate_vs_ideal is None else f"{p.hit_rate_vs_ideal:.2f}x"
+        row["p90_vs_bound"] = None if p.ttft_p90_vs_bound is None else f"{p.ttft_p90_vs_bound:.2f}x"
+        row["throughput_tok_s"] = f"{p.throughput_tok_s:,.0f}"
         ratio = p.gpu_hours_vs_best_fixed
         row["vs_best_fixed"] = None if ratio is None else f"{ratio:.2f}x"
         row["reaches_target"] = None if p.reaches_target is None else ("yes" if p.reaches_target else "no")
         rows.append(row)
+    if report.ideal_reuse is not None:
+        rows.append({"policy": "ideal reuse", "routing": "unlimited cache",
+                     "cache_hit_rate": f"{100 * report.ideal_reuse:.1f}%", "hit_vs_ideal": "1.00x"})  # fmt: skip
     title = (
         f"{report.trace} x{rate_scale:g}: {report.requests} requests over {report.duration_s / 60:.1f} min, "
         f"{profile}, targets TTFT {report.slo_ttft_s:g}s, ITL {1000 * report.slo_itl_s:g}ms (first {report.warmup_s:g}s warm-up, not counted; "
@@ -361,6 +396,16 @@ def _print(report, profile: str, rate_scale: float, shares: dict[str, float] | N
     _table(rows, title, columns)
     if report.static_replicas is not None:
         typer.echo(f"static: {report.static_replicas} replicas ({report.static_sizing})")
+    tier = (
+        f"host KV tier {report.host_kv_blocks:,} blocks per replica"
+        if report.host_kv_blocks
+        else "no host KV tier"
+    )
+    if report.shared_cache_bound is not None:
+        typer.echo(
+            f"{tier}; shared-cache bound: least-load on {report.static_replicas or 'the same'} replicas over one "
+            f"cache of the fleet's device+host capacity; ideal reuse: one unlimited cache (docs/routing.md)"
+        )
     if best is not None:
         typer.echo(
             f"best fixed fleet: {best.replicas} replicas, {best.gpu_hours:.2f} GPU-h, "

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from control_plane.autoscale.policy import AutoscaleSettings
 from control_plane.simulate.best_fixed import search
+from control_plane.simulate.bounds import has_blocks, ideal_reuse, shared_cache_bound
 from control_plane.simulate.des import RunResult, Simulation
 from control_plane.simulate.report import BestFixedFleet, PolicyReport, SimulationReport, plot, summarize
 from control_plane.simulate.residency import describe_shares, merge, split_trace
@@ -64,7 +65,9 @@ def compare(
     report listing both: the cost of residency against no policy.
     `best_fixed` searches static runs (on the first routing) for the best fixed fleet
     (`simulate.best_fixed`), from the static runs' count, and reads every row against it:
-    its GPU-hours over the best fixed fleet's, and whether it reaches that target."""
+    its GPU-hours over the best fixed fleet's, and whether it reaches that target.
+    A trace with block ids gets its two references (`simulate.bounds`), on the static runs'
+    count: the ideal reuse and the shared-cache bound; every row is read against them."""
     started = time.perf_counter()
     targets = {"slo_ttft_s": slo_ttft_s, "slo_itl_s": slo_itl_s}
     settings = settings.model_copy(
@@ -93,6 +96,15 @@ def compare(
                 reports.append(
                     split.model_copy(update={"residency": describe_shares(residency_shares or {})})
                 )
+    ideal, bound_row = None, None
+    if has_blocks(trace):
+        if on_run:
+            on_run("shared-cache bound")
+        ideal = round(ideal_reuse(trace, warmup_s), 4)
+        got = shared_cache_bound(trace, profile, settings, peak, tick_s=tick_s, warmup_s=warmup_s)
+        bound_row = summarize(got, profile, slo_ttft_s, slo_itl_s=slo_itl_s)
+        reports = [against(r, ideal, bound_row) for r in reports]
+        bound_row = against(bound_row, ideal, bound_row)
     best = None
     if best_fixed and trace:
         best = _best_fixed(trace, profile, settings, routings[0], peak, runs, tick_s, warmup_s, on_run)
@@ -125,11 +137,30 @@ def compare(
         residency_shares=residency_shares or None,
         residency_static_replicas=bound_static,
         best_fixed=best,
+        host_kv_blocks=profile.host_kv_tokens
+        // max(1, next((r.block_tokens for r in trace if r.hash_ids), 0)),
+        ideal_reuse=ideal,
+        shared_cache_bound=bound_row,
     )
     if plot_path is not None:
         plot(report, {f"{p}/{r}" if len(routings) > 1 else p: run for (p, r), run in runs.items()}, plot_path)
     report.wall_s = round(time.perf_counter() - started, 2)
     return report
+
+
+def against(row: PolicyReport, ideal: float, bound: PolicyReport) -> PolicyReport:
+    """A row read against the trace's ideal reuse and the shared-cache bound."""
+
+    def ratio(a: float, b: float) -> float | None:
+        return round(a / b, 3) if b > 0 and math.isfinite(a) and math.isfinite(b) else None
+
+    return row.model_copy(
+        update={
+            "hit_rate_vs_ideal": ratio(row.cache_hit_rate, ideal),
+            "ttft_p90_vs_bound": ratio(row.ttft_p90_s, bound.ttft_p90_s),
+            "throughput_vs_bound": ratio(row.throughput_tok_s, bound.throughput_tok_s),
+        }
+    )
 
 
 def _best_fixed(

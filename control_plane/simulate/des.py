@@ -12,6 +12,12 @@ real autoscaling policy (`control_plane.autoscale`) decides the replica count ev
   released when idle);
 - GPU time counts every replica from decision to release (starting, serving, draining).
 
+Replicas have a host KV tier when the profile gives one (`host_kv_bytes`): evicted prefix
+blocks move there, and the index learns it as the gateway's does from the engines' events
+(a tier per block), so the plan scores a host hit by its load (`fleet_base.kv_tier_cost`).
+`shared_cache_blocks` instead gives every replica one shared cache of that many blocks (the
+shared-cache bound, `simulate.bounds`).
+
 Events are few per request (arrival, first token, finish) plus one per tick, so an hour
 of trace runs in seconds."""
 
@@ -20,7 +26,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from agent.gateway.kv_index import KvUpdate, PrefixIndex
@@ -29,9 +35,33 @@ from agent.sim.model import ReplicaModel, SimRequest
 from agent.sim.prefix_cache import Ops, PrefixCacheModel, capacity_blocks
 from control_plane.autoscale.policy import AutoscaleSettings, Decision, Observation, ScalerState, make_policy
 from control_plane.simulate.trace import TraceRequest
+from fleet_base.kv_tier_cost import profile_host_token_value
 from fleet_base.profile import PerfProfile
 
 SAMPLE_PER_TICK = 32  # prompt lengths a decision sees of the requests that arrived since the last
+
+
+class TierLookup:
+    """The gateway's view of both tiers: one prefix index per tier (device, host)."""
+
+    def __init__(self, device: PrefixIndex, host: PrefixIndex) -> None:
+        self.device = device
+        self.host = host
+
+    def match(self, cluster: str, replica_id: str, hashes: Sequence[int]) -> int:
+        return self.device.match(cluster, replica_id, hashes)
+
+    def match_tiers(self, cluster: str, replica_id: str, hashes: Sequence[int]) -> tuple[int, int]:
+        """Leading blocks on the device, then in the host tier (either tier per block)."""
+        device = host = 0
+        for h in hashes:
+            if self.device.holds(cluster, replica_id, h):
+                device += 1
+            elif self.host.holds(cluster, replica_id, h):
+                host += 1
+            else:
+                break
+        return device, host
 
 
 @dataclass
@@ -44,7 +74,8 @@ class SimReplica:
     released: float | None = None
     outstanding_tokens: int = 0
     in_flight: int = 0
-    kv_seq: int = 0  # sequence number of its next KV-event batch
+    kv_seq: int = 0  # sequence number of its last KV-event batch (device tier)
+    host_seq: int = 0  # likewise, host tier
 
 
 @dataclass
@@ -86,6 +117,7 @@ class Simulation:
         initial_replicas: int = 1,
         routing: str = "prefix",
         warmup_s: float = 0.0,
+        shared_cache_blocks: int = 0,
     ) -> None:
         self.warmup_s = warmup_s
         self.trace = trace
@@ -98,6 +130,10 @@ class Simulation:
         self.routing = routing
         self.cost = CostModel(routing=routing)
         self.index = PrefixIndex(max_blocks_per_replica=max(1, self._cache_blocks()))
+        self.host_index = PrefixIndex(max_blocks_per_replica=max(1, self._host_blocks()))
+        self.lookup = TierLookup(self.index, self.host_index)
+        self.host_token_value = profile_host_token_value(profile)
+        self.shared_cache = PrefixCacheModel(shared_cache_blocks) if shared_cache_blocks > 0 else None
         self.tick_s = tick_s
         self.initial = initial_replicas
         self.replicas: list[SimReplica] = []
@@ -127,14 +163,26 @@ class Simulation:
         block = next((t.block_tokens for t in self.trace if t.hash_ids), 0)
         return capacity_blocks(self.profile.kv_capacity_tokens, block)
 
+    def _host_blocks(self) -> int:
+        block = next((t.block_tokens for t in self.trace if t.hash_ids), 0)
+        return self.profile.host_kv_tokens // block if block else 0
+
     def _add_replica(self, now: float, cold: bool) -> None:
         self._n += 1
         ready_at = now + (self.profile.cold_start_s if cold else 0.0)
         rid = f"r{self._n}"
         blocks = self._cache_blocks()
-        cache = PrefixCacheModel(blocks, lambda ops, rid=rid: self._kv_events(rid, ops)) if blocks else None
+        cache = self.shared_cache
+        if cache is None and blocks:
+            cache = PrefixCacheModel(
+                blocks,
+                lambda ops, rid=rid: self._kv_events(rid, ops),
+                self._host_blocks(),
+                lambda ops, rid=rid: self._kv_events(rid, ops, host=True),
+            )
         r = SimReplica(rid, ReplicaModel(self.profile, now, cache), now, ready_at)
         self.index.apply(KvUpdate("sim", rid, "sim", rid, 0, (), snapshot=True))
+        self.host_index.apply(KvUpdate("sim", rid, "sim", rid, 0, (), snapshot=True))
         self.replicas.append(r)
         self._by_id[rid] = r
         self.live.append(r)
@@ -171,9 +219,14 @@ class Simulation:
 
     # ------------------------------------------------------------ requests
 
-    def _kv_events(self, rid: str, ops: Ops) -> None:
-        """A replica's cache changed: the batch reaches the index at once (one KV event)."""
+    def _kv_events(self, rid: str, ops: Ops, host: bool = False) -> None:
+        """A replica's cache changed: the batch reaches the index at once (one KV event;
+        the tier's own index, as the gateway keeps the tier per block)."""
         r = self._by_id[rid]
+        if host:
+            r.host_seq += 1
+            self.host_index.apply(KvUpdate("sim", rid, "sim", rid, r.host_seq, tuple(ops)))
+            return
         r.kv_seq += 1
         self.index.apply(KvUpdate("sim", rid, "sim", rid, r.kv_seq, tuple(ops)))
 
@@ -182,12 +235,13 @@ class Simulation:
         if not ready:
             return False
         here = ClusterFacts(
-            "sim", tuple(ReplicaFacts(r.rid, "", 1, r.outstanding_tokens, r.in_flight) for r in ready)
+            "sim",
+            tuple(ReplicaFacts(r.rid, "", 1, r.outstanding_tokens, r.in_flight) for r in ready),
         )
         facts = RequestFacts(
             "sim", req.prompt_tokens, req.kv_tokens, True, 0.0, req.block_hashes, req.block_tokens
         )
-        first = plan_route(facts, here, (), self.index, self.cost).stage("local")[0]
+        first = plan_route(facts, here, (), self.lookup, self.cost).stage("local")[0]
         r = next(x for x in ready if x.rid == first.name)
         work = req.kv_tokens - first.cached_tokens
         r.outstanding_tokens += work

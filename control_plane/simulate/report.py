@@ -47,6 +47,13 @@ class PolicyReport(BaseModel):
     timeline: list[tuple[float, int, float]]  # (t, replicas allocated, demand) per sample
     # prompt tokens found in the replicas' prefix caches / prompt tokens (admitted requests)
     cache_hit_rate: float = 0.0
+    host_hit_rate: float = 0.0  # of which found in their host tiers (loaded back)
+    throughput_tok_s: float = 0.0  # output tokens of finished requests per second, over the run
+    # read against the trace's references (simulate.bounds): hit rate over the ideal reuse,
+    # TTFT p90 and throughput over the shared-cache bound's (None: no block ids)
+    hit_rate_vs_ideal: float | None = None
+    ttft_p90_vs_bound: float | None = None
+    throughput_vs_bound: float | None = None
     # "": one fleet serves every request; else each jurisdiction's share on its own fleet
     residency: str = ""
     # GPU-hours over the best fixed fleet's, and whether within_ttft_target reaches its target
@@ -90,6 +97,10 @@ class SimulationReport(BaseModel):
     residency_shares: dict[str, float] | None = None
     residency_static_replicas: dict[str, int] = {}  # the static run's replicas per jurisdiction
     best_fixed: BestFixedFleet | None = None  # the cheapest static answer (None: not searched)
+    host_kv_blocks: int = 0  # each replica's host KV tier, in the trace's blocks (0: none)
+    # references for traces with block ids (simulate.bounds; None: the trace has none)
+    ideal_reuse: float | None = None  # hit rate of one unlimited cache over the trace
+    shared_cache_bound: PolicyReport | None = None  # least-load over one cache of the fleet's capacity
 
 
 def summarize(
@@ -113,10 +124,13 @@ def summarize(
     replicas = [s.replicas for s in run.samples]
     admitted = [r for r in run.measured if r.admitted_at is not None]
     prompt = sum(r.prompt_tokens for r in admitted)
+    span = max((r.finished_at for r in done), default=0.0) - min((r.arrival for r in done), default=0.0)  # type: ignore[type-var]
     return PolicyReport(
         policy=run.policy,
         routing=run.routing,
         cache_hit_rate=round(sum(r.cached_tokens for r in admitted) / prompt, 4) if prompt else 0.0,
+        host_hit_rate=round(sum(r.host_tokens for r in admitted) / prompt, 4) if prompt else 0.0,
+        throughput_tok_s=round(sum(r.output_tokens for r in done) / span, 1) if span > 0 else 0.0,
         requests=n,
         completed=len(done),
         gpu_hours=round(replica_h * profile.gpus_per_replica, 3),

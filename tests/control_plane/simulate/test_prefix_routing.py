@@ -51,10 +51,12 @@ def test_lru_prefix_cache_reports_what_it_stores_and_evicts() -> None:
     cache = PrefixCacheModel(3, seen.append)
     cache.insert([1, 2])
     assert cache.lookup([1, 2, 3]) == 2
-    cache.insert([1, 2, 3, 4])  # 1 is the least recently used
-    assert seen[-1] == [("removed", (1,)), ("stored", (3, 4))]
-    assert cache.lookup([1, 2, 3, 4]) == 0  # chained ids: without block 1 nothing after it counts
-    assert 2 in cache and len(cache) == 3
+    cache.insert([5, 6])  # another prefix: 1 and 2 are older now, 2 (the tail) the oldest
+    assert seen[-1] == [("removed", (2,)), ("stored", (6, 5))]
+    assert cache.lookup([1, 2, 3]) == 1  # the head outlives its tail, as the engine frees tail first
+    cache.insert([1, 7, 8, 9])  # longer than the cache: its own tail goes first
+    assert seen[-1] == [("removed", (6, 5, 9)), ("stored", (8, 7))]
+    assert cache.lookup([1, 7, 8, 9]) == 3 and len(cache) == 3
 
 
 def test_prefix_routing_beats_least_load_on_multi_turn_chat() -> None:

@@ -93,7 +93,8 @@ def test_cached_prefixes_are_the_leading_blocks_an_lru_of_that_size_holds() -> N
         TraceRequest(5.0, 1024, 1, (1, 2), 512),
     ]
     assert cached_prefixes(trace, 100) == [0, 1024, 1023, 0, 0, 1023]
-    assert cached_prefixes(trace, 3) == [0, 1024, 1023, 0, 0, 0]  # 4, 5 pushed 1 and 2 out
+    # 4, 5 pushed out 3 and 2 (tails go first), the head 1 stays
+    assert cached_prefixes(trace, 3) == [0, 1024, 1023, 0, 0, 512]
 
 
 def test_sizing_with_prefix_reuse_equals_the_old_sizing_where_nothing_repeats() -> None:
