@@ -13,8 +13,9 @@ real autoscaling policy (`control_plane.autoscale`) decides the replica count ev
 - GPU time counts every replica from decision to release (starting, serving, draining).
 
 Replicas have a host KV tier when the profile gives one (`host_kv_bytes`): evicted prefix
-blocks move there, and the index learns it as the gateway's does from the engines' events
-(a tier per block), so the plan scores a host hit by its load (`fleet_base.kv_tier_cost`).
+blocks move there, the index learns it from their events as the gateway's does (ops naming
+the tier), and the plan scores a host hit by its load (`fleet_base.kv_tier_cost`), with the
+profile's value of a host token.
 `shared_cache_blocks` instead gives every replica one shared cache of that many blocks (the
 shared-cache bound, `simulate.bounds`).
 
@@ -26,10 +27,10 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from agent.gateway.kv_index import KvUpdate, PrefixIndex
+from agent.gateway.kv_index import KvUpdate, Op, PrefixIndex
 from agent.gateway.plan import ClusterFacts, CostModel, ReplicaFacts, RequestFacts, plan_route
 from agent.sim.model import ReplicaModel, SimRequest
 from agent.sim.prefix_cache import Ops, PrefixCacheModel, capacity_blocks
@@ -39,29 +40,6 @@ from fleet_base.kv_tier_cost import profile_host_token_value
 from fleet_base.profile import PerfProfile
 
 SAMPLE_PER_TICK = 32  # prompt lengths a decision sees of the requests that arrived since the last
-
-
-class TierLookup:
-    """The gateway's view of both tiers: one prefix index per tier (device, host)."""
-
-    def __init__(self, device: PrefixIndex, host: PrefixIndex) -> None:
-        self.device = device
-        self.host = host
-
-    def match(self, cluster: str, replica_id: str, hashes: Sequence[int]) -> int:
-        return self.device.match(cluster, replica_id, hashes)
-
-    def match_tiers(self, cluster: str, replica_id: str, hashes: Sequence[int]) -> tuple[int, int]:
-        """Leading blocks on the device, then in the host tier (either tier per block)."""
-        device = host = 0
-        for h in hashes:
-            if self.device.holds(cluster, replica_id, h):
-                device += 1
-            elif self.host.holds(cluster, replica_id, h):
-                host += 1
-            else:
-                break
-        return device, host
 
 
 @dataclass
@@ -74,8 +52,7 @@ class SimReplica:
     released: float | None = None
     outstanding_tokens: int = 0
     in_flight: int = 0
-    kv_seq: int = 0  # sequence number of its last KV-event batch (device tier)
-    host_seq: int = 0  # likewise, host tier
+    kv_seq: int = 0  # sequence number of its last KV-event batch
 
 
 @dataclass
@@ -129,9 +106,7 @@ class Simulation:
         self.policy_name = policy
         self.routing = routing
         self.cost = CostModel(routing=routing)
-        self.index = PrefixIndex(max_blocks_per_replica=max(1, self._cache_blocks()))
-        self.host_index = PrefixIndex(max_blocks_per_replica=max(1, self._host_blocks()))
-        self.lookup = TierLookup(self.index, self.host_index)
+        self.index = PrefixIndex(max_blocks_per_replica=max(1, self._cache_blocks() + self._host_blocks()))
         self.host_token_value = profile_host_token_value(profile)
         self.shared_cache = PrefixCacheModel(shared_cache_blocks) if shared_cache_blocks > 0 else None
         self.tick_s = tick_s
@@ -182,7 +157,6 @@ class Simulation:
             )
         r = SimReplica(rid, ReplicaModel(self.profile, now, cache), now, ready_at)
         self.index.apply(KvUpdate("sim", rid, "sim", rid, 0, (), snapshot=True))
-        self.host_index.apply(KvUpdate("sim", rid, "sim", rid, 0, (), snapshot=True))
         self.replicas.append(r)
         self._by_id[rid] = r
         self.live.append(r)
@@ -220,15 +194,12 @@ class Simulation:
     # ------------------------------------------------------------ requests
 
     def _kv_events(self, rid: str, ops: Ops, host: bool = False) -> None:
-        """A replica's cache changed: the batch reaches the index at once (one KV event;
-        the tier's own index, as the gateway keeps the tier per block)."""
+        """A replica's cache changed: the batch reaches the index at once (one KV event,
+        its ops naming the tier as the engine's do)."""
         r = self._by_id[rid]
-        if host:
-            r.host_seq += 1
-            self.host_index.apply(KvUpdate("sim", rid, "sim", rid, r.host_seq, tuple(ops)))
-            return
         r.kv_seq += 1
-        self.index.apply(KvUpdate("sim", rid, "sim", rid, r.kv_seq, tuple(ops)))
+        tiered: tuple[Op, ...] = tuple((kind, keys, "host") for kind, keys in ops) if host else tuple(ops)
+        self.index.apply(KvUpdate("sim", rid, "sim", rid, r.kv_seq, tiered))
 
     def _route(self, req: SimRequest, now: float) -> bool:
         ready = self._ready(now)
@@ -236,12 +207,17 @@ class Simulation:
             return False
         here = ClusterFacts(
             "sim",
-            tuple(ReplicaFacts(r.rid, "", 1, r.outstanding_tokens, r.in_flight) for r in ready),
+            tuple(
+                ReplicaFacts(
+                    r.rid, "", 1, r.outstanding_tokens, r.in_flight, host_token_value=self.host_token_value
+                )
+                for r in ready
+            ),
         )
         facts = RequestFacts(
             "sim", req.prompt_tokens, req.kv_tokens, True, 0.0, req.block_hashes, req.block_tokens
         )
-        first = plan_route(facts, here, (), self.lookup, self.cost).stage("local")[0]
+        first = plan_route(facts, here, (), self.index, self.cost).stage("local")[0]
         r = next(x for x in ready if x.rid == first.name)
         work = req.kv_tokens - first.cached_tokens
         r.outstanding_tokens += work
