@@ -53,6 +53,9 @@ class EngineArgs(BaseModel):
     max_num_seqs: int = Field(128, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
     enable_prefix_caching: bool = True
+    # Host-memory tier below the KV pool (vLLM's --kv-offloading-size, in GiB; 0 = off): evicted
+    # prefix blocks are kept there and loaded back on a hit instead of recomputed.
+    kv_offloading_size_gib: float = Field(0.0, ge=0.0)
     enable_chunked_prefill: bool = True
     max_queue_len: int = Field(4096, ge=1)  # waiting requests beyond this are refused
     # AsyncLLM: output a request's consumer has not read yet (estimated bytes) beyond which

@@ -20,7 +20,7 @@ from engine.config import EngineArgs
 from engine.continuation import check_resume, prime
 from engine.errors import EngineError, PromptTooLongError, QueueFullError, UnknownAdapterError
 from engine.grammar import GrammarBackend
-from engine.kv_cache import KVCacheManager, KvEventLog
+from engine.kv_cache import HostTier, KVCacheManager, KvEventLog
 from engine.lora import LoRAAdapter, LoRAManager, lora_cache_salt
 from engine.model_files.aliases import resolve_model_path
 from engine.model_runner import ModelRunner
@@ -30,11 +30,13 @@ from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.sequences import ParentRequest, SequenceState, make_output
 from engine.spec_decode.decoder import SpeculativeDecoder
 from engine.step_isolation import GlobalStepError, bisect, is_global, request_error, units
-from engine.timing import HistogramSnapshot
+from engine.timing import DurationHistogram, HistogramSnapshot
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from fleet_base.sampling_params import SamplingParams, generation_limit
 
 log = logging.getLogger(__name__)
+
+KV_LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 PromptInput = str | list[int]
 
@@ -73,9 +75,17 @@ class LLMEngine:
         self._grammar_lock = threading.Lock()
         # KV events: what the prefix cache holds, for prefix-aware routing (server /kv/events)
         self.kv_events = KvEventLog(args.block_size)
+        host = None
+        if self.runner.host_kv is not None:  # the host tier: evicted prefix blocks kept in host memory
+            host = HostTier(self.runner.host_kv_bytes, self.runner.kv_bytes_per_block, self.kv_events)
         self.kv = KVCacheManager(
-            self.runner.num_blocks, args.block_size, args.enable_prefix_caching, events=self.kv_events
+            self.runner.num_blocks,
+            args.block_size,
+            args.enable_prefix_caching,
+            events=self.kv_events,
+            host_tier=host,
         )
+        self.kv_load_seconds = DurationHistogram(KV_LOAD_BUCKETS)  # per step that loads host blocks
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=args.max_num_seqs,
@@ -265,11 +275,31 @@ class LLMEngine:
         # prefill chunks: the runner lays flat tokens out that way.
         batch = sorted(sched.scheduled, key=_batch_order)
         try:
+            self._move_kv()
+        except Exception as err:  # a copy between tiers failed: nothing the step reads is sound
+            raise self._escalate(batch, err) from err
+        try:
             return self._run(batch)
         except _CommitError as err:  # the model ran: nothing can be run again
             raise self._escalate(batch, err.cause) from err.cause
         except Exception as err:
             return self._isolate(batch, err)
+
+    def _move_kv(self) -> None:
+        """Copy blocks between the device cache and the host tier, as the last scheduling
+        queued them, before any step can overwrite an offloaded block or read a loaded one."""
+        transfers = self.kv.take_transfers()
+        if not transfers:
+            return
+        t0 = time.perf_counter()
+        try:
+            self.runner.copy_kv(transfers)
+        except Exception:
+            self.kv.abandon_transfers(transfers)
+            raise
+        if any(t.kind == "load" for t in transfers):
+            self.kv_load_seconds.observe(time.perf_counter() - t0)
+        self.kv.transfers_done(transfers)
 
     def take_failures(self) -> list[tuple[str, EngineError]]:
         """Requests the last step failed alone (request id, the error for its client)."""
@@ -337,6 +367,7 @@ class LLMEngine:
         if not self.kv.allocate_slots(probe, 1):
             return False
         try:
+            self._move_kv()  # the probe's block may have been a cached one to offload
             self.runner.execute(
                 [ScheduledRequest(probe, 1)], [self.kv.get_block_ids(probe.request_id)], [set()]
             )
@@ -490,6 +521,9 @@ class LLMEngine:
             spec_decode_num_gated_steps=self.spec.num_gated_steps if self.spec is not None else 0,
             spec_decode_num_backoff_skips=self.spec.num_backoff_skips if self.spec is not None else 0,
             step_failures=dict(self.step_failures),
+            kv_tier_hits=dict(self.kv.tier_stats.hits),
+            kv_tier_bytes=dict(self.kv.tier_stats.bytes),
+            kv_tier_load_seconds=self.kv_load_seconds.snapshot() if self.kv.host is not None else None,
         )
 
     def reset_prefix_cache(self) -> bool:

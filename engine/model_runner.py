@@ -14,6 +14,8 @@ from engine.config import EngineArgs, ModelConfig
 from engine.continuation import step_seed
 from engine.cuda_graphs import DecodeGraphs
 from engine.grammar import GrammarBackend
+from engine.kv_cache import KvTransfer
+from engine.kv_host_buffer import HostKVBuffer
 from engine.loader import load_checkpoint
 from engine.lora import LoRAManager
 from engine.model.llama import AttentionMetadata, LlamaForCausalLM
@@ -72,6 +74,9 @@ class ModelRunner:
         self.block_size = args.block_size
         self.num_blocks = self._num_blocks()
         self.kv_caches = self._allocate_kv_cache()
+        self.host_kv: HostKVBuffer | None = None
+        if self.host_kv_bytes:
+            self.host_kv = HostKVBuffer(self._kv_storage, self.host_kv_bytes // self.kv_bytes_per_block)
         # A sequence must fit the pool on its own, or it could never be scheduled.
         limit = args.max_model_len or cfg.max_position_embeddings
         self.max_model_len = min(limit, self.num_blocks * self.block_size)
@@ -138,6 +143,17 @@ class ModelRunner:
         c = self.model_config
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim * elem
+
+    @property
+    def host_kv_bytes(self) -> int:
+        """Bytes of the host tier (`kv_offloading_size_gib`); 0 when it is off."""
+        return int(self.args.kv_offloading_size_gib * (1 << 30)) if self.args.enable_prefix_caching else 0
+
+    def copy_kv(self, transfers: list[KvTransfer]) -> None:
+        """Move blocks between the device cache and the host tier, before the next step."""
+        if transfers:
+            assert self.host_kv is not None
+            self.host_kv.copy(transfers)
 
     def _num_blocks(self) -> int:
         if self.args.num_gpu_blocks_override:

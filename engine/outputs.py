@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.timing import HistogramSnapshot
+
 
 @dataclass
 class TokenLogprob:
@@ -135,6 +137,11 @@ class EngineStats:
     step_failures: dict[str, int] = field(default_factory=dict)
     # Requests aborted because their consumer left too much output unread (AsyncLLM).
     num_aborted_slow_reader: int = 0
+    # The KV tiers: blocks hit per tier ("device", "host") at admission, bytes moved per
+    # direction ("offload", "load"), and the time of each step's loads (None: no host tier).
+    kv_tier_hits: dict[str, int] = field(default_factory=dict)
+    kv_tier_bytes: dict[str, int] = field(default_factory=dict)
+    kv_tier_load_seconds: HistogramSnapshot | None = None
 
     @property
     def spec_decode_acceptance_rate(self) -> float:

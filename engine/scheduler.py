@@ -6,7 +6,8 @@ each step gives running requests, then waiting ones, up to `num_tokens - num_com
 new tokens within a per-step token budget. A long prompt is therefore prefilled in
 chunks alongside decodes. When the KV pool runs dry the least important, latest running
 request is preempted: its blocks are freed and it is recomputed later (its full blocks
-usually survive in the prefix cache, so recomputation is cheap).
+usually survive in the prefix cache, or in the host tier below it, so recomputation is
+cheap).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from engine.kv_cache import KVCacheManager
+from engine.kv_cache import KVCacheManager, PrefixHit
 from engine.request import Request, RequestStatus
 
 
@@ -176,16 +177,17 @@ class Scheduler:
                 req = self.waiting.peek()
                 if req is None or self._lora_full(req, loras):  # nothing, or no adapter slot left
                     break
-                computed_blocks, num_computed = ([], 0)
+                hit = PrefixHit()
                 # An embedding pools the hidden state of every prompt token: nothing is skipped.
                 if req.num_computed_tokens == 0 and not req.pooling:
-                    computed_blocks, num_computed = self.kv.get_computed_blocks(req, record_stats=False)
+                    hit = self.kv.find_prefix(req, record_stats=False)
+                num_computed = hit.num_computed_tokens
                 num_new = req.num_tokens - num_computed
                 if num_new > budget:
                     if not self.enable_chunked_prefill:
                         break
                     num_new = budget
-                if not self.kv.allocate_slots(req, num_new, computed_blocks):
+                if not self.kv.allocate_slots(req, num_new, hit.block_ids, hit.host_hashes):
                     break
                 self.waiting.pop()
                 if self.kv.enable_caching and req.num_computed_tokens == 0:

@@ -9,7 +9,7 @@ intrusive doubly linked list, so a cache hit on a free block unlinks it in O(1).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from engine.kv_cache.events import KvEventLog
 from fleet_base.block_hash import BlockHash
@@ -94,6 +94,9 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self._cached: dict[BlockHash, KVBlock] = {}
         self.events = events  # told of every hash cached and evicted (KV events)
+        # Told of each cached block taken for reuse while its KV is still intact (before the
+        # new owner's step writes it): the host tier copies it out instead of dropping it.
+        self.on_evict: Callable[[KVBlock, BlockHash], None] | None = None
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -127,6 +130,9 @@ class BlockPool:
         out: list[KVBlock] = []
         for _ in range(n):
             block = self.free_queue.popleft()
+            if self.on_evict is not None and block.block_hash is not None:
+                if self._cached.get(block.block_hash) is block:
+                    self.on_evict(block, block.block_hash)
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)

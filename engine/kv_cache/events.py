@@ -4,8 +4,10 @@ the engine's chained-hash scheme, batched and numbered for a reader outside the 
 The block pool records on the engine thread; a reader (the server's `/kv/events`, for
 the agent's relay) takes everything since its last sequence number, or, when it is new,
 restarted (`epoch`), or fell behind the kept batches, the full set of cached hashes (a
-snapshot). Memory is bounded: at most `max_batches` sealed batches and `max_pending`
-unread events; past that the backlog is dropped and readers get a snapshot instead.
+snapshot). Every op names its tier: "device" (the KV pool the model reads) or "host" (the
+offloading tier below it, `engine.kv_cache.host_tier`; vLLM's events call it the medium).
+Memory is bounded: at most `max_batches` sealed batches and `max_pending` unread events;
+past that the backlog is dropped and readers get a snapshot instead.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from typing import Literal
 from fleet_base.block_hash import BlockHash
 
 Kind = Literal["stored", "removed", "cleared"]
+Tier = Literal["device", "host"]
+TIERS: tuple[Tier, ...] = ("device", "host")
+Op = tuple[Kind, list[BlockHash], Tier]
 
 
 @dataclass
@@ -28,7 +33,7 @@ class KvEventsRead:
     epoch: str
     seq: int
     snapshot: bool
-    ops: list[tuple[Kind, list[BlockHash]]] = field(default_factory=list)
+    ops: list[Op] = field(default_factory=list)
 
 
 class KvEventLog:
@@ -38,35 +43,38 @@ class KvEventLog:
         self.max_batches = max_batches
         self.max_pending = max_pending
         self._lock = threading.Lock()
-        self._cached: set[BlockHash] = set()  # mirror of the pool's cache, for snapshots
-        self._pending: list[tuple[Kind, list[BlockHash]]] = []
+        # mirror of what each tier caches, for snapshots
+        self._cached: dict[Tier, set[BlockHash]] = {t: set() for t in TIERS}
+        self._pending: list[Op] = []
         self._pending_n = 0
-        self._batches: deque[tuple[int, list[tuple[Kind, list[BlockHash]]]]] = deque()
+        self._batches: deque[tuple[int, list[Op]]] = deque()
         self._seq = 0  # last sealed batch (0: the empty start)
 
     # ------------------------------------------------------------------ engine thread
 
-    def stored(self, block_hash: BlockHash) -> None:
+    def stored(self, block_hash: BlockHash, tier: Tier = "device") -> None:
         with self._lock:
-            self._cached.add(block_hash)
-            self._add("stored", block_hash)
+            self._cached[tier].add(block_hash)
+            self._add("stored", block_hash, tier)
 
-    def removed(self, block_hash: BlockHash) -> None:
+    def removed(self, block_hash: BlockHash, tier: Tier = "device") -> None:
         with self._lock:
-            self._cached.discard(block_hash)
-            self._add("removed", block_hash)
+            self._cached[tier].discard(block_hash)
+            self._add("removed", block_hash, tier)
 
     def cleared(self) -> None:
+        """Every tier was emptied."""
         with self._lock:
-            self._cached.clear()
-            self._pending.append(("cleared", []))
+            for hashes in self._cached.values():
+                hashes.clear()
+            self._pending.append(("cleared", [], "device"))
             self._pending_n += 1
 
-    def _add(self, kind: Kind, block_hash: BlockHash) -> None:
-        if self._pending and self._pending[-1][0] == kind:
+    def _add(self, kind: Kind, block_hash: BlockHash, tier: Tier) -> None:
+        if self._pending and self._pending[-1][0] == kind and self._pending[-1][2] == tier:
             self._pending[-1][1].append(block_hash)
         else:
-            self._pending.append((kind, [block_hash]))
+            self._pending.append((kind, [block_hash], tier))
         self._pending_n += 1
         if self._pending_n > self.max_pending:  # nobody reads: forget the backlog
             self._pending.clear()
@@ -91,11 +99,15 @@ class KvEventLog:
                     self._batches.popleft()
             oldest = self._batches[0][0] if self._batches else self._seq + 1
             if epoch != self.epoch or after is None or after > self._seq or after < oldest - 1:
-                return KvEventsRead(self.epoch, self._seq, True, [("stored", sorted(self._cached))])
+                snap: list[Op] = [("stored", sorted(self._cached["device"]), "device")]
+                if self._cached["host"]:
+                    snap.append(("stored", sorted(self._cached["host"]), "host"))
+                return KvEventsRead(self.epoch, self._seq, True, snap)
             ops = [op for seq, batch in self._batches if seq > after for op in batch]
             return KvEventsRead(self.epoch, self._seq, False, ops)
 
     @property
     def num_cached(self) -> int:
+        """Blocks cached on the device."""
         with self._lock:
-            return len(self._cached)
+            return len(self._cached["device"])

@@ -5,15 +5,23 @@ the cache, then `allocate_slots` for the tokens it wants computed this step, and
 when the request finishes, is aborted or is preempted. Full blocks are registered in the
 cache at allocation time: they are written in the same forward pass that any later hit
 in that step would read from, and every layer writes KV before it attends.
+
+With a host tier (`HostTier`), a cached block the pool takes for reuse is offered to the
+tier, and a lookup that ends on the device continues there: host hits get new device
+blocks and count as computed tokens. The KV bytes move as `KvTransfer`s, in order, which
+the runner performs before the step that could overwrite or read them
+(`take_transfers`, then `transfers_done`).
 """
 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 from engine.kv_cache.block_pool import BlockPool, KVBlock
-from engine.kv_cache.events import KvEventLog
+from engine.kv_cache.events import KvEventLog, Tier
+from engine.kv_cache.host_tier import HostTier
 from engine.request import Request
 from fleet_base.block_hash import BlockHash, hash_block, root_hash
 
@@ -34,9 +42,40 @@ class PrefixCacheStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
+@dataclass
+class PrefixHit:
+    """A waiting request's cached prefix: device blocks, then host-tier blocks to load."""
+
+    block_ids: list[int] = field(default_factory=list)
+    host_hashes: list[BlockHash] = field(default_factory=list)
+    num_computed_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class KvTransfer:
+    """One block copy: "offload" device block -> host slot, "load" host slot -> device block."""
+
+    kind: Literal["offload", "load"]
+    block_id: int
+    slot: int
+
+
+@dataclass
+class TierStats:
+    """Cumulative: blocks hit per tier at admission, bytes moved between the tiers."""
+
+    hits: dict[Tier, int] = field(default_factory=lambda: {"device": 0, "host": 0})
+    bytes: dict[str, int] = field(default_factory=lambda: {"offload": 0, "load": 0})
+
+
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool = True, events: KvEventLog | None = None
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        events: KvEventLog | None = None,
+        host_tier: HostTier | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -52,6 +91,11 @@ class KVCacheManager:
         # Block hashes of each request's full blocks, computed lazily and kept as long as the
         # Request object lives (so preemption and re-admission do not rehash the prompt).
         self._hashes: weakref.WeakKeyDictionary[Request, list[BlockHash]] = weakref.WeakKeyDictionary()
+        self.host = host_tier if enable_caching else None
+        self.tier_stats = TierStats()
+        self._transfers: list[KvTransfer] = []
+        if self.host is not None:
+            self.block_pool.on_evict = self._offload
 
     # ---- stats passthrough ---------------------------------------------------------------
 
@@ -99,23 +143,48 @@ class KVCacheManager:
             self.stats.record(request.num_tokens, num_computed)
         return hit, num_computed
 
+    def find_prefix(self, request: Request, record_stats: bool = True) -> PrefixHit:
+        """`get_computed_blocks`, continued in the host tier where the device run ends."""
+        block_ids, num_computed = self.get_computed_blocks(request, record_stats=False)
+        hit = PrefixHit(block_ids, [], num_computed)
+        if self.host is not None:
+            for i in range(len(block_ids), (request.num_tokens - 1) // self.block_size):
+                block_hash = self._block_hash(request, i)
+                if block_hash not in self.host:
+                    break
+                hit.host_hashes.append(block_hash)
+            hit.num_computed_tokens += len(hit.host_hashes) * self.block_size
+        if record_stats:
+            self.stats.record(request.num_tokens, hit.num_computed_tokens)
+        return hit
+
     # ---- mutations -----------------------------------------------------------------------
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: list[int] | None = None
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[int] | None = None,
+        host_hits: list[BlockHash] | None = None,
     ) -> bool:
-        """Give the request blocks for its computed + cached + new tokens; False changes nothing."""
+        """Give the request blocks for its computed + cached + new tokens; False changes nothing.
+
+        `host_hits` (from `find_prefix`) follow the device hits: each gets a new device block
+        and a pending load from the host tier."""
         bs = self.block_size
         pool = self.block_pool
         table = self._tables.get(request.request_id)
         hits = [pool.blocks[i] for i in new_computed_blocks] if new_computed_blocks else []
-        if hits:
+        host_hits = host_hits or []
+        if hits or host_hits:
             if table:
                 raise ValueError(f"request {request.request_id}: cache hits given to a request with blocks")
             if any(b.block_hash is None for b in hits):
                 raise ValueError(f"request {request.request_id}: a cache-hit block was evicted meanwhile")
+            if host_hits and (self.host is None or any(h not in self.host for h in host_hits)):
+                raise ValueError(f"request {request.request_id}: a host-tier hit is not in the host tier")
         num_held = len(table) if table else 0
-        total_tokens = request.num_computed_tokens + len(hits) * bs + num_new_tokens
+        total_tokens = request.num_computed_tokens + (len(hits) + len(host_hits)) * bs + num_new_tokens
         num_needed = max(0, -(-total_tokens // bs) - num_held - len(hits))
         # Hits that sit in the free queue leave it when touched, so they are not free capacity.
         num_hits_free = sum(1 for b in hits if b.ref_cnt == 0)
@@ -129,8 +198,16 @@ class KVCacheManager:
             pool.touch(hits)
             table.extend(hits)
             self._num_hashed_blocks[request.request_id] = len(hits)
+        # Pinned before any allocation below can offload into (and so evict from) the host tier.
+        slots = [self.host.pin(h) for h in host_hits] if self.host is not None else []
         if num_needed:
-            table.extend(pool.get_new_blocks(num_needed))
+            new_blocks = pool.get_new_blocks(num_needed)  # may queue offloads of evicted blocks
+            for block, slot in zip(new_blocks, slots):  # loads after them: the order is the copy order
+                self._transfers.append(KvTransfer("load", block.block_id, slot))
+            table.extend(new_blocks)
+        if hits or host_hits:
+            self.tier_stats.hits["device"] += len(hits)
+            self.tier_stats.hits["host"] += len(host_hits)
         if self.enable_caching:
             self._cache_full_blocks(request, table, min(total_tokens, request.num_tokens) // bs)
         return True
@@ -168,10 +245,46 @@ class KVCacheManager:
             self.block_pool.free_blocks(reversed(table))
 
     def reset_prefix_cache(self) -> bool:
-        """Forget all cached prefixes; refused (False) while any block is in use."""
+        """Forget all cached prefixes, in both tiers; refused (False) while any block is in
+        use or a transfer is pending."""
+        if self._transfers or len(self.block_pool.free_queue) != self.num_blocks:
+            return False
+        if self.host is not None:
+            self.host.clear()
         return self.block_pool.reset_prefix_cache()
 
+    def take_transfers(self) -> list[KvTransfer]:
+        """The copies queued since the last call, in the order they must run; hand them to
+        `transfers_done` once the runner has performed them."""
+        out, self._transfers = self._transfers, []
+        return out
+
+    def transfers_done(self, transfers: list[KvTransfer]) -> None:
+        """The copies ran: loaded host slots may be evicted again; bytes are counted."""
+        assert self.host is not None or not transfers
+        for t in transfers:
+            if t.kind == "load":
+                assert self.host is not None
+                self.host.unpin(t.slot)
+            self.tier_stats.bytes[t.kind] += self.host.block_bytes if self.host is not None else 0
+
+    def abandon_transfers(self, transfers: list[KvTransfer]) -> None:
+        """The copies failed: the blocks they were to load hold no valid KV, so they leave the
+        cache; the host slots they read are released."""
+        for t in transfers:
+            if t.kind == "load":
+                assert self.host is not None
+                self.block_pool.uncache(self.block_pool.blocks[t.block_id])
+                self.host.unpin(t.slot)
+
     # ---- internals -----------------------------------------------------------------------
+
+    def _offload(self, block: KVBlock, block_hash: BlockHash) -> None:
+        """The pool takes cached `block` for reuse: keep its KV in the host tier."""
+        assert self.host is not None
+        slot = self.host.store(block_hash)
+        if slot is not None:
+            self._transfers.append(KvTransfer("offload", block.block_id, slot))
 
     def _cache_full_blocks(self, request: Request, table: list[KVBlock], num_full: int) -> None:
         rid = request.request_id

@@ -50,6 +50,9 @@ def register(app: FastAPI, state: ServerState) -> None:
             "seq": read.seq,
             "snapshot": read.snapshot,
             "block_size": log.block_size,
-            "ops": [{"kind": kind, "block_hashes": [h.hex() for h in hashes]} for kind, hashes in read.ops],
+            "ops": [
+                {"kind": kind, "block_hashes": [h.hex() for h in hashes], "tier": tier}
+                for kind, hashes, tier in read.ops
+            ],
         }
         return JSONResponse(body)

@@ -125,6 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-memory", type=byte_size, default=None, help="bytes for the KV cache, e.g. 2GiB"
     )
     e.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    e.add_argument(
+        "--kv-offloading-size",
+        dest="kv_offloading_size_gib",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="host memory (GiB) for a KV tier below the device cache: evicted prefix blocks are kept "
+        "there and loaded back on a hit instead of recomputed (vLLM's flag; 0 = off, the default)",
+    )
     e.add_argument("--block-size", type=int, default=None)
     e.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default=None)
     e.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
@@ -191,6 +200,7 @@ _ENGINE_FLAGS = (
     "max_unread_bytes",
     "kv_cache_memory",
     "num_gpu_blocks_override",
+    "kv_offloading_size_gib",
     "weights",
     "cuda_graphs",
     "block_size",

@@ -104,6 +104,45 @@ class _EngineStatsCollector(Collector):
         for outcome in ("isolated", "recovered", "escalated"):
             failures.add_metric([self.model, outcome], s.step_failures.get(outcome, 0))
         yield failures
+        hits = CounterMetricFamily(
+            "fleet_engine_kv_tier_hits",
+            "Prefix blocks found at admission, by the KV tier that held them (host: loaded back "
+            "from the host tier instead of recomputed).",
+            labels=["model", "tier"],
+        )
+        for tier in ("device", "host"):
+            hits.add_metric([self.model, tier], s.kv_tier_hits.get(tier, 0))
+        yield hits
+        moved = CounterMetricFamily(
+            "fleet_engine_kv_tier_bytes",
+            "KV bytes copied between the device cache and the host tier (offload: evicted blocks "
+            "kept; load: host hits copied back).",
+            labels=["model", "direction"],
+        )
+        for direction in ("offload", "load"):
+            moved.add_metric([self.model, direction], s.kv_tier_bytes.get(direction, 0))
+        yield moved
+        yield histogram_family(
+            "fleet_engine_kv_tier_load_seconds",
+            "Copying one step's host-tier hits back to the device (on CUDA: queuing the "
+            "asynchronous copies).",
+            self.model,
+            s.kv_tier_load_seconds,
+        )
+
+
+def histogram_family(name: str, doc: str, model: str, snap: HistogramSnapshot | None) -> Metric:
+    """A Prometheus histogram of the engine's own `HistogramSnapshot` (empty when None)."""
+    h = HistogramMetricFamily(name, doc, labels=["model"])
+    if snap is None:
+        h.add_metric([model], [("+Inf", 0)], 0.0)
+        return h
+    cumulative, buckets = 0, []
+    for bound, count in zip((*snap.buckets, float("inf")), snap.counts):
+        cumulative += count
+        buckets.append((str(bound) if bound != float("inf") else "+Inf", cumulative))
+    h.add_metric([model], buckets, snap.total)
+    return h
 
 
 _GRAMMAR_HISTOGRAMS = {
@@ -128,17 +167,7 @@ class _GrammarCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         snaps = self.timings()
         for key, (name, doc) in _GRAMMAR_HISTOGRAMS.items():
-            h = HistogramMetricFamily(name, doc, labels=["model"])
-            snap = snaps.get(key)
-            if snap is not None:
-                cumulative, buckets = 0, []
-                for bound, count in zip((*snap.buckets, float("inf")), snap.counts):
-                    cumulative += count
-                    buckets.append((str(bound) if bound != float("inf") else "+Inf", cumulative))
-                h.add_metric([self.model], buckets, snap.total)
-            else:
-                h.add_metric([self.model], [("+Inf", 0)], 0.0)
-            yield h
+            yield histogram_family(name, doc, self.model, snaps.get(key))
 
 
 STARTUP_METRIC = "fleet_engine_startup_seconds"

@@ -38,6 +38,7 @@ def config(tmp_path: Path, **replica: object) -> ClusterConfig:
         ),
         ({"temperature": 0.5, "offset": -3}, ["--temperature", "0.5", "--offset", "-3"]),
         ({"x": "-1.5e3"}, ["--x", "-1.5e3"]),
+        ({"kv_offloading_size": 4}, ["--kv-offloading-size", "4"]),  # the engine's host KV tier
     ],
 )
 def test_engine_flags(args: dict, flags: list[str]) -> None:

@@ -13,7 +13,7 @@ def _req(rid: str, tokens: list[int]) -> Request:
 
 
 def _replay(ops, into: set[bytes]) -> set[bytes]:
-    for kind, hashes in ops:
+    for kind, hashes, _tier in ops:
         if kind == "cleared":
             into.clear()
         elif kind == "stored":
@@ -27,7 +27,7 @@ def test_events_follow_the_pool_and_a_reader_can_rebuild_its_set() -> None:
     log = KvEventLog(block_size=4)
     kv = KVCacheManager(num_blocks=6, block_size=4, events=log)
     first = log.read(None, None)
-    assert first.snapshot and first.ops == [("stored", [])]
+    assert first.snapshot and first.ops == [("stored", [], "device")]
     seen: set[bytes] = set()
     after = first.seq
     for i in range(8):  # more prompts than blocks: later ones evict earlier cached blocks
@@ -39,7 +39,7 @@ def test_events_follow_the_pool_and_a_reader_can_rebuild_its_set() -> None:
         _replay(read.ops, seen)
         after = read.seq
         assert seen == {h for h, _ in kv.block_pool.cached_items()}
-    assert any(kind == "removed" for kind, _ in read.ops) or len(seen) <= 6
+    assert any(kind == "removed" for kind, _, _ in read.ops) or len(seen) <= 6
     kv.reset_prefix_cache()
     assert _replay(log.read(log.epoch, after).ops, seen) == set()
 
