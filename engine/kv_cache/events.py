@@ -19,10 +19,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from fleet_base.block_hash import BlockHash
+from fleet_base.kv_events import TIERS, Tier
 
 Kind = Literal["stored", "removed", "cleared"]
-Tier = Literal["device", "host"]
-TIERS: tuple[Tier, ...] = ("device", "host")
 Op = tuple[Kind, list[BlockHash], Tier]
 
 
