@@ -77,6 +77,9 @@ class ModelRunner:
         self.host_kv: HostKVBuffer | None = None
         if self.host_kv_bytes:
             self.host_kv = HostKVBuffer(self._kv_storage, self.host_kv_bytes // self.kv_bytes_per_block)
+            log.info(
+                "host KV tier: %d blocks in %.2f GiB", self.host_kv.num_slots, self.host_kv_bytes / (1 << 30)
+            )
         # A sequence must fit the pool on its own, or it could never be scheduled.
         limit = args.max_model_len or cfg.max_position_embeddings
         self.max_model_len = min(limit, self.num_blocks * self.block_size)
