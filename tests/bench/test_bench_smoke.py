@@ -16,7 +16,7 @@ import psutil
 import pytest
 import torch
 
-from bench import common, engine_throughput, inputs, prefix_cache
+from bench import common, engine_throughput, inputs, kv_offload, prefix_cache
 from bench.engine_throughput import SystemResult, Workload
 from tests.polling import wait_for
 
@@ -140,13 +140,48 @@ def test_data_loaders(shared_data: Path) -> None:
     assert all(16 <= n <= 256 for n in a) and len(set(a)) > 20
 
 
-@pytest.mark.parametrize("module", [engine_throughput, prefix_cache])
+@pytest.mark.parametrize("module", [engine_throughput, prefix_cache, kv_offload])
 def test_missing_data_exits_with_code_2(
     module: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("FLEET_SHARED_DATA", str(tmp_path))
     assert common.run_main(module.main, []) == common.EXIT_MISSING_INPUT
     assert "FLEET_SHARED_DATA" in capsys.readouterr().out
+
+
+def test_kv_offload_report_reads_returning_prefixes_against_off_and_the_bound(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def config(name: str, cold: float, back: float, tokens: list[int]) -> kv_offload.ConfigResult:
+        samples = [
+            kv_offload.Sample(
+                prefix=i, round=r, prompt_tokens=100, cached_tokens=96 * r, ttft_s=cold if r == 0 else back,
+                token_ids=tokens,
+            )
+            for r in range(2)
+            for i in range(3)
+        ]  # fmt: skip
+        return kv_offload.ConfigResult(
+            name=name, device_blocks=8, host_gib=0.0, samples=samples, host_hit_blocks=0, offload_bytes=0,
+            load_bytes=0,
+        )  # fmt: skip
+
+    report = kv_offload.Report(
+        prefixes=3,
+        prefix_tokens=96,
+        rounds=2,
+        block_size=16,
+        results=[
+            config("off", 1.0, 1.0, [1, 2]),
+            config("host tier", 1.0, 0.25, [1, 2]),
+            config("all on device", 1.0, 0.2, [1, 3]),
+        ],
+    )
+    kv_offload.print_report(report)
+    out = capsys.readouterr().out
+    assert "4.00" in out  # off / host tier
+    assert "1.25" in out  # host tier / all on device
+    assert "NO" in out  # the bound's tokens differ in this made-up report
 
 
 # ---------------------------------------------------------------- real model and engine
