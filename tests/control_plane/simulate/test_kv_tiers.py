@@ -276,3 +276,25 @@ def test_fleetctl_simulate_kv_offloading_size_overrides_the_profiles_host_tier(t
     assert bad.exit_code != 0 and "kv_bytes_per_token" in bad.output
     neg = runner.invoke(app, [*base, "--kv-offloading-size", "-1"])
     assert neg.exit_code != 0
+
+
+@pytest.mark.parametrize("host", [0, 16])
+def test_on_a_busy_fleet_the_shared_cache_bound_beats_both_routings(host: int) -> None:
+    trace = chats(7, 600)
+    s = AutoscaleSettings(min_replicas=3, max_replicas=3, target_concurrency=8)
+    rep = compare(
+        trace,
+        tiered(host),
+        s,
+        policies=("static",),
+        routings=("least-load", "prefix"),
+        static_replicas=3,
+        warmup_s=0,
+        best_fixed=False,
+    )
+    bound = rep.shared_cache_bound
+    assert bound is not None and rep.ideal_reuse is not None
+    for row in rep.policies:
+        assert row.cache_hit_rate <= bound.cache_hit_rate <= rep.ideal_reuse
+        assert row.ttft_p90_s >= bound.ttft_p90_s and row.throughput_tok_s <= bound.throughput_tok_s
+        assert row.ttft_p90_vs_bound is not None and row.ttft_p90_vs_bound >= 1.0
