@@ -396,10 +396,11 @@ def _print(report, profile: str, rate_scale: float, shares: dict[str, float] | N
     _table(rows, title, columns)
     if report.static_replicas is not None:
         typer.echo(f"static: {report.static_replicas} replicas ({report.static_sizing})")
+    device = f" (device KV {report.device_kv_gib:g} GiB)" if report.device_kv_gib else ""
     tier = (
-        f"host KV tier {report.host_kv_blocks:,} blocks per replica"
+        f"host KV tier {report.host_kv_gib:g} GiB, {report.host_kv_blocks:,} blocks per replica{device}"
         if report.host_kv_blocks
-        else "no host KV tier"
+        else f"no host KV tier{device}"
     )
     if report.shared_cache_bound is not None:
         typer.echo(

@@ -19,6 +19,7 @@ from control_plane.simulate.trace import TraceError, TraceRequest, load_trace
 from fleet_base.cluster_config import GatewayConfig
 from fleet_base.profile import PerfProfile
 
+GIB = 1 << 30
 DEFAULT_POLICIES = ("static", "kpa", "planner", "ours")
 # The live gateway's replica choice unless configured otherwise: simulated as it runs.
 DEFAULT_ROUTINGS: tuple[str, ...] = (GatewayConfig.model_fields["routing"].default,)
@@ -139,6 +140,8 @@ def compare(
         best_fixed=best,
         host_kv_blocks=profile.host_kv_tokens
         // max(1, next((r.block_tokens for r in trace if r.hash_ids), 0)),
+        device_kv_gib=round(profile.kv_capacity_tokens * profile.kv_bytes_per_token / GIB, 1),
+        host_kv_gib=round(profile.host_kv_bytes / GIB, 1),
         ideal_reuse=ideal,
         shared_cache_bound=bound_row,
     )

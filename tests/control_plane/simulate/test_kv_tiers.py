@@ -261,6 +261,8 @@ def test_fleetctl_simulate_kv_offloading_size_overrides_the_profiles_host_tier(t
     gib = 64 * 512 * PROFILE.kv_bytes_per_token / (1 << 30)  # 64 blocks of 512 tokens
     on = run("--kv-offloading-size", f"{gib!r}")
     assert off["host_kv_blocks"] == 0 and on["host_kv_blocks"] == 64
+    assert (off["host_kv_gib"], on["host_kv_gib"]) == (0.0, round(gib, 1))
+    assert on["device_kv_gib"] == round(16 * 512 * PROFILE.kv_bytes_per_token / (1 << 30), 1)
     for report in (off, on):
         assert report["ideal_reuse"] > 0 and report["shared_cache_bound"]["routing"] == "least-load"
         assert all(r["hit_rate_vs_ideal"] is not None for r in report["policies"])
