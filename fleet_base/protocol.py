@@ -449,6 +449,9 @@ class UsageRecord(Message):
     pipeline: str | None = Field(None, max_length=63)
     pipeline_step: str | None = Field(None, max_length=63)
     pipeline_request: str | None = Field(None, max_length=128)
+    # A batch line or async request (`fleet_base.batch`): charged as any request, listed
+    # apart; its `record_id` is derived from the line, so a re-run is booked once.
+    batch: bool = False
 
 
 class Demand(Message):

@@ -26,6 +26,7 @@ from fleet_base import tracing
 from fleet_base.cluster_config import GatewayConfig
 from fleet_base.openai_contract.continuation import TOKEN_IDS_HEADER
 from fleet_base.openai_contract.errors import error_body
+from fleet_base.openai_contract.priority import PRIORITY_CLASS_HEADER
 
 log = logging.getLogger("agent.gateway")
 
@@ -125,6 +126,8 @@ class Upstreams:
             self.metrics.forwarded.labels(deployment, target.name).inc()
         else:
             headers.update(self.peers.replica_headers)
+            if call.klass:  # the engine schedules the batch class after the others
+                headers[PRIORITY_CLASS_HEADER] = call.klass
             self.tracker.start(target.name, work(call, target))
             self.metrics.replica_choice.labels(deployment, target.name, str(target.version)).inc()
         return headers

@@ -48,6 +48,13 @@ def usage(
         f"total: {report['total_tokens']} tokens, estimated cost {report['estimated_cost']:.4f}",
         highlight=False,
     )
+    if report.get("batch"):  # batch lines and async requests: already in the rows above
+        emit(
+            report["batch"],
+            output,
+            ["key_id", "deployment", "requests", "errors", "prompt_tokens", "completion_tokens"],
+            title="batch usage (batch lines and async requests, included above)",
+        )
     if report.get("shadow"):  # a rollout's shadow copies: charged to no key
         emit(
             report["shadow"],

@@ -283,6 +283,8 @@ class UsageRecord(Base):
     pipeline: Mapped[str | None] = mapped_column(String(63), nullable=True, index=True)
     pipeline_step: Mapped[str | None] = mapped_column(String(63), nullable=True)
     pipeline_request: Mapped[str | None] = mapped_column(String(128), nullable=True, index=True)
+    # a batch line or async request: charged as any request, listed apart in usage
+    batch: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class Event(Base):

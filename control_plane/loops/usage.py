@@ -93,6 +93,7 @@ def _values(r: protocol.UsageRecord, seq: int | None = None) -> dict:
         "pipeline": r.pipeline,
         "pipeline_step": r.pipeline_step,
         "pipeline_request": r.pipeline_request,
+        "batch": r.batch,
     }
 
 

@@ -22,6 +22,7 @@ from engine.server.errors import APIError, context_error, engine_error
 from engine.server.request_spans import REQUEST_ID_HEADER, RequestSpans
 from engine.server.state import EngineClient, ServerState
 from fleet_base import tracing
+from fleet_base.openai_contract.priority import DEFAULT_PRIORITY, PRIORITY_CLASS_HEADER, engine_priority
 from fleet_base.openai_contract.requests import ChatCompletionRequest, CompletionRequest
 from fleet_base.openai_contract.timing import ttft_header
 from fleet_base.sampling_params import SamplingParams
@@ -110,6 +111,7 @@ class Generation:
         self._watcher: asyncio.Task[None] | None = None
         self.handed_over = False
         self.keep_token_ids = False  # the stream forwards each chunk's token ids (continuation)
+        self.priority = DEFAULT_PRIORITY  # the scheduler's, from the gateway's class (`run`)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -136,7 +138,12 @@ class Generation:
         if self.lora_name is not None:
             extra["lora_name"] = self.lora_name
         it = self.engine.generate(
-            self.prompts[i], self.params, self.ids[i], cache_salt=self.cache_salt, **extra
+            self.prompts[i],
+            self.params,
+            self.ids[i],
+            priority=self.priority,
+            cache_salt=self.cache_salt,
+            **extra,
         )
         self._iters[i] = it
         try:
@@ -149,6 +156,7 @@ class Generation:
 
         A client that disconnects meanwhile aborts the work (the watch ends here; a stream
         notices a disconnect through its own body)."""
+        self.priority = engine_priority(request.headers.get(PRIORITY_CLASS_HEADER))
         self.trace(request)
         self.watch_disconnect(request)
         try:

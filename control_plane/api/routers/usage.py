@@ -10,6 +10,9 @@ jurisdiction, as the gateways reported them ("" for records that did not say).
 
 Shadow copies (a rollout's shadow phase) are no key's usage: they are left out of every
 row and cost, and listed apart under `shadow`, per deployment and version.
+
+Batch lines and async requests are the key's usage like any request (in its rows and
+cost); `batch` lists that part apart, per key and deployment.
 """
 
 from __future__ import annotations
@@ -58,6 +61,18 @@ class ShadowUsageRow(BaseModel):
     completion_tokens: int
 
 
+class BatchUsageRow(BaseModel):
+    """The part of a key's usage on a deployment that batch lines and async requests made
+    (already counted in its `items` row)."""
+
+    key_id: str
+    deployment: str
+    requests: int
+    errors: int  # status >= 400
+    prompt_tokens: int
+    completion_tokens: int
+
+
 class UsageReport(BaseModel):
     since: datetime
     until: datetime
@@ -65,6 +80,7 @@ class UsageReport(BaseModel):
     total_tokens: int
     estimated_cost: float
     shadow: list[ShadowUsageRow] = []
+    batch: list[BatchUsageRow] = []
 
 
 def parse_since(text: str, now: datetime) -> datetime:
@@ -208,6 +224,7 @@ def get_usage(
         total_tokens=sum(i.total_tokens for i in items),
         estimated_cost=round(sum(i.estimated_cost for i in items), 6),
         shadow=_shadow_usage(session, scope),
+        batch=_batch_usage(session, filters),
     )
 
 
@@ -235,4 +252,31 @@ def _shadow_usage(session, filters: list) -> list[ShadowUsageRow]:
             completion_tokens=int(completion or 0),
         )
         for dep, version, n, errors, prompt, completion in rows
+    ]
+
+
+def _batch_usage(session, filters: list) -> list[BatchUsageRow]:
+    rows = session.execute(
+        select(
+            UsageRecord.key_id,
+            UsageRecord.deployment,
+            func.count(),
+            func.sum(case((UsageRecord.status >= 400, 1), else_=0)),
+            func.sum(UsageRecord.prompt_tokens),
+            func.sum(UsageRecord.completion_tokens),
+        )
+        .where(UsageRecord.batch.is_(True), *filters)
+        .group_by(UsageRecord.key_id, UsageRecord.deployment)
+        .order_by(UsageRecord.key_id, UsageRecord.deployment)
+    ).all()
+    return [
+        BatchUsageRow(
+            key_id=key_id,
+            deployment=dep,
+            requests=int(n),
+            errors=int(errors or 0),
+            prompt_tokens=int(prompt or 0),
+            completion_tokens=int(completion or 0),
+        )
+        for key_id, dep, n, errors, prompt, completion in rows
     ]

@@ -1,0 +1,127 @@
+"""The batch priority class in the engine: the scheduler admits a batch request after an
+interactive one that arrived later and preempts it first, and the server takes the class
+from the gateway's header."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from starlette.requests import Request as HttpRequest
+
+from engine.kv_cache import KVCacheManager
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.request import Request
+from engine.scheduler import Scheduler
+from engine.server.generation import Generation
+from engine.server.metrics import ServerMetrics
+from engine.server.state import ServerSettings, ServerState
+from fleet_base.openai_contract.priority import (
+    BATCH_PRIORITY,
+    DEFAULT_PRIORITY,
+    PRIORITY_CLASS_HEADER,
+    engine_priority,
+)
+from fleet_base.sampling_params import SamplingParams
+
+
+def _request(rid: str, klass: str | None, arrival: float, prompt_len: int = 4) -> Request:
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    return Request(
+        rid, list(range(1, prompt_len + 1)), params, priority=engine_priority(klass), arrival_time=arrival
+    )
+
+
+@pytest.mark.parametrize(
+    ("klass", "priority"),
+    [
+        ("batch", BATCH_PRIORITY),
+        ("BATCH", BATCH_PRIORITY),
+        ("interactive", DEFAULT_PRIORITY),
+        ("standard", DEFAULT_PRIORITY),
+        ("", DEFAULT_PRIORITY),
+        (None, DEFAULT_PRIORITY),
+        ("batchy", DEFAULT_PRIORITY),
+    ],
+)
+def test_only_the_batch_class_is_scheduled_lower(klass: str | None, priority: int) -> None:
+    assert engine_priority(klass) == priority
+    assert BATCH_PRIORITY > DEFAULT_PRIORITY  # lower value = more important
+
+
+def test_a_waiting_batch_request_is_admitted_after_a_later_interactive_one() -> None:
+    sched = Scheduler(KVCacheManager(num_blocks=16, block_size=4), max_num_seqs=1, max_num_batched_tokens=64)
+    batch = _request("batch", "batch", arrival=1.0)
+    interactive = _request("interactive", "interactive", arrival=2.0)  # arrived later
+    sched.add_request(batch)
+    sched.add_request(interactive)
+    out = sched.schedule()
+    assert [s.request.request_id for s in out.scheduled] == ["interactive"]
+    sched.finish_request(interactive, interactive.status.FINISHED_STOPPED)
+    assert [s.request.request_id for s in sched.schedule().scheduled] == ["batch"]
+
+
+def test_the_batch_request_is_preempted_first_when_the_cache_runs_out() -> None:
+    # 2 blocks of 4 slots each for two 4-token prompts: the next token of either needs a third
+    sched = Scheduler(KVCacheManager(num_blocks=3, block_size=4), max_num_seqs=4, max_num_batched_tokens=64)
+    interactive = _request("interactive", "interactive", arrival=2.0)
+    batch = _request("batch", "batch", arrival=1.0)  # older: by arrival alone it would stay
+    sched.add_request(batch)
+    sched.add_request(interactive)
+    out = sched.schedule()
+    assert {s.request.request_id for s in out.scheduled} == {"interactive", "batch"}
+    sched.update_after_step(out)
+    for r in (interactive, batch):
+        r.append_output_token(7)
+    out = sched.schedule()
+    assert [r.request_id for r in out.preempted] == ["batch"]
+    assert [s.request.request_id for s in out.scheduled] == ["interactive"]
+
+
+class _Engine:
+    """Answers every request at once and remembers the priority it was given."""
+
+    tokenizer: Any = None
+    max_model_len = 256
+    model_config: Any = None
+
+    def __init__(self) -> None:
+        self.priorities: list[int] = []
+
+    async def _one(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        out = CompletionOutput(index=0, text="x", token_ids=[5], finish_reason="stop")
+        yield RequestOutput(request_id, None, [1, 2], [out], finished=True)
+
+    def generate(
+        self, prompt: Any, params: SamplingParams, request_id: str, priority: int = 0, **kw: Any
+    ) -> AsyncIterator[RequestOutput]:
+        self.priorities.append(priority)
+        return self._one(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        pass
+
+
+def _http(headers: dict[str, str]) -> HttpRequest:
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    raw = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+    return HttpRequest({"type": "http", "method": "POST", "path": "/", "headers": raw}, receive)
+
+
+@pytest.mark.parametrize(
+    ("headers", "priority"),
+    [
+        ({PRIORITY_CLASS_HEADER: "batch"}, BATCH_PRIORITY),
+        ({PRIORITY_CLASS_HEADER: "interactive"}, 0),
+        ({}, 0),
+    ],
+)
+async def test_the_server_takes_the_class_from_the_gateways_header(headers: dict, priority: int) -> None:
+    engine = _Engine()
+    state = ServerState(ServerSettings(served_model_name="m"), ServerMetrics("m"), engine=engine)
+    gen = Generation(state, [[1, 2]], SamplingParams(max_tokens=1), "cmpl-1", "prompt")
+    await gen.run(_http(headers), stream=False)
+    assert engine.priorities == [priority]
