@@ -172,3 +172,23 @@ def test_every_hit_reads_the_kv_its_hash_names(script, num_blocks, host_slots) -
             held.append(req)
         else:
             kv.free(req)
+
+
+def test_a_hit_runs_on_the_device_then_continues_in_the_host_tier() -> None:
+    kv = _manager(num_blocks=5, host_slots=8)
+    a = _req("a", list(range(13)))  # three full blocks + one token
+    assert kv.allocate_slots(a, 13)
+    first = kv.get_block_ids("a")[0]
+    kv.free(a)  # tail first: a's first block is evicted last
+    b = _req("b", list(range(100, 116)))  # four blocks: evicts a's blocks 2 and 1, not 0
+    assert kv.allocate_slots(b, 16)
+    kv.transfers_done(kv.take_transfers())
+    kv.free(b)
+    again = _req("a2", list(range(13)))
+    hit = kv.find_prefix(again)
+    assert hit.block_ids == [first] and len(hit.host_hashes) == 2 and hit.num_computed_tokens == 12
+    assert kv.allocate_slots(again, 1, hit.block_ids, hit.host_hashes)
+    table = kv.get_block_ids("a2")
+    loads = [t for t in kv.take_transfers() if t.kind == "load"]
+    assert table[0] == first and [t.block_id for t in loads] == table[1:3]
+    assert kv.tier_stats.hits == {"device": 1, "host": 2}
