@@ -4,6 +4,7 @@ from the gateway's header."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -104,8 +105,9 @@ class _Engine:
 
 
 def _http(headers: dict[str, str]) -> HttpRequest:
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": b"", "more_body": False}
+    async def receive() -> dict[str, Any]:  # the client stays: nothing more arrives
+        await asyncio.Event().wait()
+        return {"type": "http.disconnect"}
 
     raw = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
     return HttpRequest({"type": "http", "method": "POST", "path": "/", "headers": raw}, receive)
