@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from agent.gateway.batch.work import retried
 from agent.gateway.exchange import Call, Exchange
 from agent.gateway.metrics import GatewayMetrics
 from agent.gateway.pipeline_route import PipelineHop
@@ -42,6 +43,7 @@ class Accounting:
             latency_s=time.monotonic() - call.started,
             region=region,
             jurisdiction=jurisdiction,
+            batch=call.batch_record is not None,
             **_pipeline_fields(call),
             **fields,
         )
@@ -107,7 +109,7 @@ class Accounting:
                 ttft_s=p.ttft_s if p.ttft_s is not None else p.reported_ttft_s,
                 itl_s=p.itl_s,
                 adapter=call.adapter,
-                record_id=p.record_id,
+                record_id=_record_id(call, p.record_id, status),
             )
         )
 
@@ -122,3 +124,11 @@ def _pipeline_fields(call: Call) -> dict[str, str | None]:
 def _int(value: Any) -> int:
     ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
     return min(value, MAX_USAGE_TOKENS) if ok else 0
+
+
+def _record_id(call: Call, own: str, status: int) -> str:
+    """A batch line's final answer is booked under the line's id (its re-runs are booked
+    once); a server failure the worker will retry keeps a record of its own."""
+    if call.batch_record is not None and not retried(status):
+        return call.batch_record
+    return own

@@ -48,6 +48,9 @@ class Call:
     client: ClientHeaders = ClientHeaders()
     allowed: frozenset[str] | None = None  # residency: where it may be processed (None: anywhere)
     pipeline: PipelineHop | None = None  # a hop of a pipeline request: where it may go
+    local_only: bool = False  # served by this cluster's replicas only, never sent to a peer
+    # a batch line or async request: its usage record's id, the same on every run of the line
+    batch_record: str | None = None
     trace: RequestTrace = field(default_factory=RequestTrace, compare=False, repr=False)  # its spans
 
     @property

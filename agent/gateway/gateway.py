@@ -10,9 +10,11 @@ is relayed and migrated by `stream`/`migration`; `Accounting` books its end once
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -24,6 +26,7 @@ from agent.gateway.accounting import CLIENT_CLOSED, Accounting
 from agent.gateway.adapters import AdapterRouting
 from agent.gateway.auth import Authenticator
 from agent.gateway.batch.service import BatchService, gateway_hooks, open_nats_store
+from agent.gateway.batch.work import ENDPOINTS, WorkOutcome, whole_body
 from agent.gateway.capacity_metrics import UnschedulableCollector
 from agent.gateway.coldstart import ColdStartCollector
 from agent.gateway.demand import DemandSignal
@@ -58,10 +61,13 @@ from agent.gateway.usage import UsagePublisher
 from agent.health.snapshot import load as node_snapshot
 from fleet_base import tracing
 from fleet_base.api_keys import ApiKeyRecord
+from fleet_base.batch.models import WorkItem
+from fleet_base.batch.names import usage_record_id
 from fleet_base.cluster_config import ClusterConfig
 from fleet_base.local_state import LocalState
 from fleet_base.nats_io import NatsLink
 from fleet_base.openai_contract.continuation import TOKEN_IDS_HEADER
+from fleet_base.openai_contract.priority import BATCH_CLASS
 from fleet_base.openai_contract.timing import ttft_header
 from fleet_base.pipelines import PIPELINE_HEADER, PIPELINE_REQUEST_HEADER
 from fleet_base.security.tls import nats_tls
@@ -333,31 +339,80 @@ class Gateway:
             gone = isinstance(err, (ClientDisconnect, asyncio.CancelledError))
             trace.finish(CLIENT_CLOSED if gone else 500, reason=type(err).__name__)
             raise
+        response, _ = await self._serve(
+            call, record, reply_headers, lambda work: unless_disconnected(request, work)
+        )
+        return response
+
+    async def run_work(self, item: WorkItem, request_id: str) -> WorkOutcome:
+        """A batch line or async request run as its owner key, as `inference` runs a
+        request (parse, authorize, residency, quota, routing, usage) but in the `batch`
+        class, whole (never streamed), served here only (a peer's own workers take the
+        deployment's items when it has room), its usage record marked batch under the
+        line's own id. A key gone or revoked since the item was queued fails the line."""
+        started = time.monotonic()
+        trace = RequestTrace(request_id, self.cluster)
+        reply_headers = {REQUEST_ID_HEADER: request_id, "X-Fleet-Cluster": self.cluster}
+        self.refresh()
+        record = self.view.keys.get(item.key_id)
         try:
-            with trace.step("gateway.quota", {tracing.KEY_ID: record.key_id}):
+            if record is None or record.revoked:
+                raise GatewayError(
+                    401, f"The API key '{item.key_id}' is unknown or revoked", code="invalid_api_key"
+                )
+            self.auth.authorize(record)
+            self.residency.admit_key(record)
+            raw = json.dumps(whole_body(item.body)).encode()
+            call = await self._call_of(
+                raw, request_id, record, ENDPOINTS[item.endpoint], started, None, {}, trace
+            )
+        except GatewayError as err:
+            self.accounting.count(UNKNOWN, err.status, started)
+            return WorkOutcome.of(error_response(err, reply_headers))
+        call = replace(
+            call,
+            klass=BATCH_CLASS,
+            local_only=True,
+            batch_record=usage_record_id(item.parent_id, item.index),
+        )
+        response, ex = await self._serve(call, record, reply_headers, lambda work: work)
+        usage = ex.progress.usage if ex is not None else {}
+        return WorkOutcome.of(response, usage)
+
+    async def _serve(
+        self,
+        call: Call,
+        record: ApiKeyRecord,
+        reply_headers: dict[str, str],
+        guard: Callable[[Awaitable[Response]], Awaitable[Response]],
+    ) -> tuple[Response, Exchange | None]:
+        """An admitted call through quota, dispatch and accounting (booked once); `guard`
+        wraps the dispatch (a client's disconnect ends it)."""
+        try:
+            with call.trace.step("gateway.quota", {tracing.KEY_ID: record.key_id}):
                 reservation, limit_headers = self.quota.admit(
                     record, call.info, call.info.worst_case_tokens(), call.adapter
                 )
         except GatewayError as err:  # over a quota: the refusal is demand the control plane sees
             self.accounting.refused(call, err.status, err.code)
-            return error_response(err, reply_headers)
+            return error_response(err, reply_headers), None
         call = replace(call, limit_headers=limit_headers)
         ex = Exchange(call, Settlement(self.quota, reservation))
         reply_headers.update(limit_headers)
         self.metrics.in_flight.labels(call.deployment).inc()
         try:
             call.info.refuse_client_resume(call.forwarded_from is not None)
-            response = await unless_disconnected(request, self.dispatch.serve(ex))
+            response = await guard(self.dispatch.serve(ex))
         except GatewayError as err:
             self.accounting.finish(ex, err.status)
-            return error_response(err, reply_headers)
+            return error_response(err, reply_headers), ex
         except ClientGone:
             self.accounting.finish(ex, CLIENT_CLOSED)
-            return Response(status_code=CLIENT_CLOSED)
+            return Response(status_code=CLIENT_CLOSED), ex
         except BaseException:
             self.accounting.finish(ex, 500)
             raise
-        return self._stamp(response, ex)
+        return self._stamp(response, ex), ex
 
     async def _call(
         self,
@@ -371,6 +426,21 @@ class Gateway:
     ) -> Call:
         """The request parsed once, its deployment known and allowed, its prompt counted."""
         raw = await read_body(request, self.config.gateway.max_body_bytes)
+        return await self._call_of(
+            raw, request_id, record, endpoint, started, forward, request.headers, trace
+        )
+
+    async def _call_of(
+        self,
+        raw: bytes,
+        request_id: str,
+        record: ApiKeyRecord,
+        endpoint: Endpoint,
+        started: float,
+        forward: PeerForward | None,
+        headers: Mapping[str, str],
+        trace: RequestTrace | None = None,
+    ) -> Call:
         info = await parse_off_loop(raw, endpoint)
         adapter, info = self.adapters.split(self.view.replicas, self.view.known(info.deployment), info)
         self.auth.authorize(record, info.deployment)
@@ -385,7 +455,7 @@ class Gateway:
         if forward is not None:  # processed where it lands: only inside its residency
             self.residency.admit_forward(info.deployment, policy, forward.cluster)
         hop = self.pipelines.admit(
-            request.headers,
+            headers,
             info.deployment,
             forwarded=forward is not None,
             allowed=policy,
@@ -397,7 +467,6 @@ class Gateway:
         context = self.desired.context_tokens(info.deployment, self.config.gateway.default_context_tokens)
         info = replace(info, context_tokens=context)  # bounds what an open-ended request may generate
         self.metrics.prompt_tokens_counted.labels(info.deployment, counter).inc(info.prompt_tokens)
-        headers = request.headers
         return Call(
             request_id,
             record.key_id,

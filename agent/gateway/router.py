@@ -87,7 +87,7 @@ class Router:
             block_tokens=self.prefix.block_tokens(info.deployment),
             adapter=call.adapter,
             allowed=call.allowed,
-            local_only=call.pipeline is not None and call.pipeline.local_only,
+            local_only=call.local_only or (call.pipeline is not None and call.pipeline.local_only),
         )
 
     def alive(self, target: Attempt) -> bool:
