@@ -171,6 +171,9 @@ def test_batch_row_shows_the_queue_the_lines_and_the_webhooks():
         e.startswith("histogram_quantile(0.99,") and "fleet_batch_queue_seconds_bucket" in e for e in exprs
     )
     assert any("by (outcome)" in e and "fleet_batch_webhook_deliveries_total" in e for e in exprs)
+    # every gateway reports the same store's backlog and batches: max, never a sum over gateways
+    for shared in ("fleet_batch_lines_queued", "fleet_batch_batches"):
+        assert all(e.startswith("max by (") for e in exprs if shared in e), shared
 
 
 def test_dashboard_shape_and_provisioning_agree():
