@@ -5,7 +5,11 @@ publishes `Demand(deployment, queued, ready)` on `fleet.v1.demand.<cluster>` whe
 request arrives (at once when the deployment has no ready replica here: that is the
 scale-from-zero trigger) and then at most every `DEMAND_EVERY_S` while any wait. Publishing
 never blocks a request: messages go through a task, and without NATS nothing is sent (the
-request still waits in the bounded queue)."""
+request still waits in the bounded queue).
+
+Batch and async work queued in the store for a deployment (its backlog, which the batch
+worker reads) is demand too: it is added to the requests waiting here, and a backlog with no
+ready replica here is sent at once, so queued work scales a deployment from zero."""
 
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ class DemandSignal:
         self.cluster = cluster
         self.every_s = every_s
         self.queued: dict[str, int] = {}
+        self.backlogs: dict[str, int] = {}  # work items queued in the batch store
         self._last: dict[str, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.sent = 0
@@ -49,7 +54,7 @@ class DemandSignal:
             self._last[deployment] = now
             self._send(
                 Demand(
-                    cluster=self.cluster, deployment=deployment, queued=self.queued[deployment], ready=ready
+                    cluster=self.cluster, deployment=deployment, queued=self.total(deployment), ready=ready
                 )
             )
         try:
@@ -60,6 +65,24 @@ class DemandSignal:
                 self.queued[deployment] = left
             else:
                 self.queued.pop(deployment, None)
+
+    def total(self, deployment: str) -> int:
+        return self.queued.get(deployment, 0) + self.backlogs.get(deployment, 0)
+
+    def backlog(self, deployment: str, items: int) -> None:
+        """The batch store's backlog of `deployment` now; sent at once when it appears while
+        no replica is ready here (scale from zero), then with the waiting requests."""
+        before = self.backlogs.get(deployment, 0)
+        if items > 0:
+            self.backlogs[deployment] = items
+        else:
+            self.backlogs.pop(deployment, None)
+        if items > 0 and before == 0:
+            ready = self.ready(deployment)
+            now = time.monotonic()
+            if ready == 0 or now - self._last.get(deployment, -1e9) >= self.every_s:
+                self._last[deployment] = now
+                self._send(Demand(cluster=self.cluster, deployment=deployment, queued=items, ready=ready))
 
     def _send(self, message: Demand) -> None:
         if self.link is None:
@@ -83,10 +106,11 @@ class DemandSignal:
         while True:
             await asyncio.sleep(self.every_s)
             now = time.monotonic()
-            for deployment, queued in list(self.queued.items()):
+            for deployment in sorted(self.queued.keys() | self.backlogs.keys()):
                 if now - self._last.get(deployment, -1e9) >= self.every_s:
                     self._last[deployment] = now
                     ready = self.ready(deployment)
+                    queued = self.total(deployment)
                     self._send(
                         Demand(cluster=self.cluster, deployment=deployment, queued=queued, ready=ready)
                     )

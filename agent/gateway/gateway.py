@@ -25,8 +25,11 @@ from agent.adapters import ReplicaAdapters
 from agent.gateway.accounting import CLIENT_CLOSED, Accounting
 from agent.gateway.adapters import AdapterRouting
 from agent.gateway.auth import Authenticator
+from agent.gateway.batch.metrics import LineMetrics
 from agent.gateway.batch.service import BatchService, gateway_hooks, open_nats_store
+from agent.gateway.batch.spare import Spare, spare_lines
 from agent.gateway.batch.work import ENDPOINTS, WorkOutcome, whole_body
+from agent.gateway.batch.worker import BatchWorker, WorkerHooks
 from agent.gateway.capacity_metrics import UnschedulableCollector
 from agent.gateway.coldstart import ColdStartCollector
 from agent.gateway.demand import DemandSignal
@@ -185,10 +188,13 @@ class Gateway:
         self.dispatch.shadow = self.shadow
         # the Files and Batches API and the batch loops, on the store in this NATS
         self.batch: BatchService | None = None
+        self.worker: BatchWorker | None = None
         if config.batch.enabled and link is not None:
             self.batch = BatchService(
                 config.batch, gateway_hooks(self), open_store=lambda: open_nats_store(link, config.batch)
             )
+            self.worker = BatchWorker(config.batch, self.worker_hooks(), LineMetrics(self.metrics.registry))
+            self.batch.loops.append(self.worker.run)
         self._watch: asyncio.Task[None] | None = None
         self._status: asyncio.Task[None] | None = None
         self._seen_reloads: dict[str, int] = {}
@@ -240,6 +246,26 @@ class Gateway:
                 self.migration_metrics.know(deployment)
                 self.shadow.metrics.know(deployment)
                 self.adapters.know(deployment)
+
+    def worker_hooks(self) -> WorkerHooks:
+        """The batch worker's view of this gateway: its request path, the deployments it
+        serves, their spare capacity here, and where their backlog goes (demand)."""
+
+        def spare(deployment: str, in_flight: int) -> Spare:
+            self.refresh()
+            route = self.view.route(deployment)
+            ready = [r for r in self.view.ready(deployment) if serves_users(route, r.version)]
+            return spare_lines(
+                [r.load for r in ready], in_flight, self.queue.waiting(deployment), self.config.batch
+            )
+
+        return WorkerHooks(
+            run=self.run_work,
+            deployments=lambda: (self.refresh(), self.view.deployments())[1],
+            spare=spare,
+            backlog=self.demand.backlog,
+            cluster=self.cluster,
+        )
 
     def _route_clusters(self) -> set[str]:
         """This cluster and every cluster its routes name (whose KV events it indexes)."""
