@@ -32,6 +32,6 @@ async def test_the_backlog_adds_to_waiting_requests_and_goes_when_drained() -> N
         task = asyncio.create_task(d.repeat())
         await asyncio.sleep(0.05)
         task.cancel()
-    assert [m.queued for m in sent][0] == 5 and sent[-1].queued == 6  # then with the waiting one
+    assert sent[0].queued == 5 and sent[-1].queued == 6  # then with the waiting one
     d.backlog("chat", 0)
     assert d.total("chat") == 0 and "chat" not in d.backlogs
