@@ -7,7 +7,7 @@ import sqlalchemy as sa
 
 from migrations.batch import add_columns, drop_columns
 
-revision, down_revision = "0017", "0016"
+revision, down_revision = "0018", "0017"
 
 
 def upgrade() -> None:
