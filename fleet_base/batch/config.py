@@ -24,8 +24,9 @@ class BatchConfig(BaseModel):
     # a line whose run fails (a 5xx past the gateway's own retries, or a 429) is run again
     # after a backoff from `line_backoff_s` (doubling, at most a minute), at most this many
     # times in all; then its failure is its result
-    line_attempts: int = Field(5, ge=1)
-    line_backoff_s: float = Field(2.0, gt=0)
+    # (the default outlasts a replica's restart: about two minutes of tries)
+    line_attempts: int = Field(8, ge=1)
+    line_backoff_s: float = Field(1.0, gt=0)
     # webhook targets: hosts or CIDRs allowed even when private or loopback (SSRF guard)
     webhook_allow: list[str] = Field(default_factory=list)
     # an async request's max_time_in_queue_s when it names none, and the most it may name
