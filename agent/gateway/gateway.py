@@ -394,6 +394,7 @@ class Gateway:
             )
         except GatewayError as err:
             self.accounting.count(UNKNOWN, err.status, started)
+            trace.finish(err.status, key_id=item.key_id, reason=err.code)
             return WorkOutcome.of(error_response(err, reply_headers))
         call = replace(
             call,
