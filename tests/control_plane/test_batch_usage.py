@@ -4,11 +4,16 @@ listed apart in the usage report."""
 
 from __future__ import annotations
 
+import json
+import uuid
+
 from control_plane.api.routers.usage import get_usage
 from control_plane.db import models as m
+from control_plane.db.session import make_sessions
 from control_plane.loops.usage import store_records
 from fleet_base.batch.names import usage_record_id
 from fleet_base.protocol import UsageRecord
+from tests.fleetctl import fleetctl
 
 
 def _line(index: int, **kw: object) -> UsageRecord:
@@ -39,3 +44,20 @@ def test_batch_usage_is_the_keys_and_listed_apart(sessions):
         for r in report.batch
     ]
     assert batch == [("k", "chat", 2, 1, 20, 10)]
+
+
+def test_fleetctl_usage_lists_batch_usage_apart(sqlite_server):
+    dep = f"bu-{uuid.uuid4().hex[:8]}"
+    records = [
+        UsageRecord(cluster="east", key_id="kbu", deployment=dep, prompt_tokens=7),
+        UsageRecord(
+            cluster="east", key_id="kbu", deployment=dep, prompt_tokens=4, completion_tokens=2, batch=True,
+            record_id=usage_record_id(f"batch_{dep}", 0),
+        ),
+    ]  # fmt: skip
+    store_records(make_sessions(sqlite_server.database_url), records)
+    report = json.loads(fleetctl(sqlite_server.home, "usage", "--deployment", dep, "-o", "json").stdout)
+    assert [(i["key_id"], i["total_tokens"]) for i in report["items"]] == [("kbu", 13)]
+    assert [(r["key_id"], r["requests"], r["completion_tokens"]) for r in report["batch"]] == [("kbu", 1, 2)]
+    table = fleetctl(sqlite_server.home, "usage", "--deployment", dep, env={"COLUMNS": "200"}).stdout
+    assert "batch usage (batch lines and async requests, included above)" in table
