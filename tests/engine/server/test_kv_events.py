@@ -22,6 +22,7 @@ def test_published_hashes_are_the_gateways_block_keys(http: httpx.Client) -> Non
     ids = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()["tokens"]
     delta = http.get("/kv/events", params={"epoch": first["epoch"], "after": first["seq"], "wait": 5}).json()
     assert delta["snapshot"] is False and delta["seq"] > first["seq"]
+    assert {op["tier"] for op in delta["ops"]} == {"device"}  # no host tier on this replica
     stored = {
         block_key(bytes.fromhex(h))
         for op in delta["ops"]
