@@ -457,10 +457,13 @@ class UsageRecord(Message):
 class Demand(Message):
     """A gateway's requests waiting for replicas of one deployment, on
     `fleet.v1.demand.<cluster>`: sent when a request queues and at most every
-    `DEMAND_EVERY_S` while any wait. `ready` = 0 asks the autoscaler to scale from zero."""
+    `DEMAND_EVERY_S` while any wait. `ready` = 0 asks the autoscaler to scale from zero.
+    `batch_backlog` is the deployment's batch and async work queue as this gateway read it:
+    one queue shared by every cluster, so the control plane counts it once, not per report."""
 
     cluster: str
     deployment: str
     queued: Count = 0
     ready: Count = 0
+    batch_backlog: Count = 0
     at: Timestamp = Field(default_factory=time.time)

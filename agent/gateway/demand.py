@@ -8,8 +8,10 @@ never blocks a request: messages go through a task, and without NATS nothing is 
 request still waits in the bounded queue).
 
 Batch and async work queued in the store for a deployment (its backlog, which the batch
-worker reads) is demand too: it is added to the requests waiting here, and a backlog with no
-ready replica here is sent at once, so queued work scales a deployment from zero."""
+worker reads) is demand too: it goes as `batch_backlog` beside the requests waiting here
+(`queued`), since every gateway reads the same shared queue and the control plane counts it
+once; a backlog with no ready replica here is sent at once, so queued work scales a
+deployment from zero."""
 
 from __future__ import annotations
 
@@ -52,11 +54,7 @@ class DemandSignal:
         now = time.monotonic()
         if ready == 0 or now - self._last.get(deployment, -1e9) >= self.every_s:
             self._last[deployment] = now
-            self._send(
-                Demand(
-                    cluster=self.cluster, deployment=deployment, queued=self.total(deployment), ready=ready
-                )
-            )
+            self._send(self.message(deployment, ready))
         try:
             yield
         finally:
@@ -66,8 +64,14 @@ class DemandSignal:
             else:
                 self.queued.pop(deployment, None)
 
-    def total(self, deployment: str) -> int:
-        return self.queued.get(deployment, 0) + self.backlogs.get(deployment, 0)
+    def message(self, deployment: str, ready: int) -> Demand:
+        return Demand(
+            cluster=self.cluster,
+            deployment=deployment,
+            queued=self.queued.get(deployment, 0),
+            ready=ready,
+            batch_backlog=self.backlogs.get(deployment, 0),
+        )
 
     def backlog(self, deployment: str, items: int) -> None:
         """The batch store's backlog of `deployment` now; sent at once when it appears while
@@ -82,7 +86,7 @@ class DemandSignal:
             now = time.monotonic()
             if ready == 0 or now - self._last.get(deployment, -1e9) >= self.every_s:
                 self._last[deployment] = now
-                self._send(Demand(cluster=self.cluster, deployment=deployment, queued=items, ready=ready))
+                self._send(self.message(deployment, ready))
 
     def _send(self, message: Demand) -> None:
         if self.link is None:
@@ -109,8 +113,4 @@ class DemandSignal:
             for deployment in sorted(self.queued.keys() | self.backlogs.keys()):
                 if now - self._last.get(deployment, -1e9) >= self.every_s:
                     self._last[deployment] = now
-                    ready = self.ready(deployment)
-                    queued = self.total(deployment)
-                    self._send(
-                        Demand(cluster=self.cluster, deployment=deployment, queued=queued, ready=ready)
-                    )
+                    self._send(self.message(deployment, self.ready(deployment)))

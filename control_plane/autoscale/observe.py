@@ -6,7 +6,9 @@
   second, KV usage and the mean TTFT of the requests that started; the measured cold start
   (the slowest of its replicas' latest starts, as agents report them), which the SLO policy
   prefers to the profile's;
-- gateway queues: the latest `Demand` per (cluster, deployment) younger than `demand_ttl_s`;
+- gateway queues: the latest `Demand` per (cluster, deployment) younger than `demand_ttl_s`,
+  their own waiting requests summed over clusters; the batch backlog, one shared work queue
+  every gateway reads, counted once: the largest of those reports;
 - every reported figure is clamped (counts to `MAX_COUNT`, rates to `MAX_RATE`, KV usage to
   0..1), so sums over clusters stay finite whatever a cluster claims;
 - settings: a deployment version's scaling columns as `AutoscaleSettings`, with the
@@ -83,15 +85,13 @@ def observe(
                     ttft_weighted += _rate(r.load.ttft_s) * _rate(r.load.requests_per_s)
             elif r.state in STARTING:
                 starting += 1
-    queued = sum(
-        _count(d.queued)
-        for (_, dep), d in list(demands.items())
-        if dep == deployment and now - d.at <= demand_ttl_s
-    )
+    fresh = [d for (_, dep), d in list(demands.items()) if dep == deployment and now - d.at <= demand_ttl_s]
+    queued = sum(_count(d.queued) for d in fresh)
+    backlog = max((_count(d.batch_backlog) for d in fresh), default=0)
     return Observation(
         at=now,
         in_flight=running,
-        queued=waiting + queued,
+        queued=waiting + queued + backlog,
         ready=ready,
         starting=starting,
         current=current,

@@ -1,10 +1,10 @@
 """The autoscale loop: every `autoscale_interval_s`, and at once when a gateway
 asks to scale a deployment up from zero, each autoscaled deployment's demand (heartbeats
-and gateway demand on NATS, summed over clusters) goes through its policy
-(`control_plane.autoscale`); a changed count is written to `Deployment.replicas` (the
-state that survives a restart) with a `scaled` event carrying the decision, a changed GPU
-mix to `Deployment.variant_mix` (the placer's allowed GPU types), and the reconcile loop
-is kicked so placement, desired state and routes follow.
+and gateway demand on NATS, summed over clusters; the shared batch backlog counted once)
+goes through its policy (`control_plane.autoscale`); a changed count is written to
+`Deployment.replicas` (the state that survives a restart) with a `scaled` event carrying
+the decision, a changed GPU mix to `Deployment.variant_mix` (the placer's allowed GPU
+types), and the reconcile loop is kicked so placement, desired state and routes follow.
 
 Autoscaled: a current version with min_replicas < max_replicas. The policy's memory (its
 windows, burst memory, cycles, trends) lives in memory and is stored per deployment at most
@@ -201,7 +201,9 @@ class AutoscaleLoop(NatsLoop):
             return set()
         heard = set(self.heartbeats)
         asked = {
-            dep for (_, dep), d in list(self.demands.items()) if d.queued > 0 and now - d.at <= DEMAND_TTL_S
+            dep
+            for (_, dep), d in list(self.demands.items())
+            if (d.queued > 0 or d.batch_backlog > 0) and now - d.at <= DEMAND_TTL_S
         }
         return {name for cluster, name, _ in placed.values() if cluster not in heard and name not in asked}
 

@@ -9,6 +9,7 @@ import pytest
 
 from agent.gateway.demand import DemandSignal
 from control_plane.autoscale.observe import observe, settings_of
+from control_plane.autoscale.policy import AutoscaleSettings, ScalerState, make_policy
 from control_plane.db.models import CapacityPool, DeploymentVersion
 from control_plane.fleet_model.plan import build_routes
 from control_plane.fleet_model.snapshot import DeploymentRow, FleetSnapshot, VersionSpec
@@ -36,6 +37,42 @@ def test_observe_sums_clusters_and_fresh_demand() -> None:
     obs = observe("chat", hbs, demands, now=now, current=3)
     assert (obs.in_flight, obs.queued, obs.ready, obs.starting, obs.current) == (5, 5, 2, 1, 3)
     assert observe("none", hbs, demands, now=now, current=0).demand == 0
+
+
+@pytest.mark.parametrize(
+    ("reports", "queued"),
+    [
+        pytest.param([("a", 0, 9, 1), ("b", 0, 9, 1)], 9, id="same backlog from two clusters counts once"),
+        pytest.param([("a", 0, 9, 1), ("b", 0, 6, 1)], 9, id="clusters read at different times: the largest"),
+        pytest.param([("a", 2, 9, 1), ("b", 3, 9, 1)], 2 + 3 + 9, id="own waiting requests still add up"),
+        pytest.param([("a", 0, 9, 1), ("b", 0, 50, 30)], 9, id="a stale report is left out"),
+        pytest.param([("a", 0, 0, 30), ("b", 0, 0, 30)], 0, id="only stale reports: no demand"),
+        pytest.param([("a", 0, 7, 1)], 7, id="backlog alone is demand"),
+    ],
+)
+def test_the_batch_backlog_counts_once_per_deployment(
+    reports: list[tuple[str, int, int, float]], queued: int
+) -> None:
+    now = 1000.0
+    demands = {
+        (c, "chat"): Demand(cluster=c, deployment="chat", queued=q, batch_backlog=b, at=now - age)
+        for c, q, b, age in reports
+    }
+    demands[("a", "code")] = Demand(cluster="a", deployment="code", batch_backlog=100, at=now)  # another
+    assert observe("chat", [], demands, now=now, current=1).queued == queued
+
+
+def test_a_backlog_with_no_replica_asks_to_scale_from_zero() -> None:
+    now = 1000.0
+    demands = {
+        ("a", "chat"): Demand(cluster="a", deployment="chat", batch_backlog=40, at=now),
+        ("b", "chat"): Demand(cluster="b", deployment="chat", batch_backlog=40, at=now),
+    }
+    obs = observe("chat", [], demands, now=now, current=0)
+    settings = AutoscaleSettings(min_replicas=0, max_replicas=8, target_concurrency=10)
+    for name in ("ours", "kpa", "slo"):
+        decision = make_policy(name).decide(settings, ScalerState(), obs)
+        assert obs.queued == 40 and obs.ready == 0 and decision.desired >= 1, (name, decision.reason)
 
 
 def test_settings_of_a_version_row() -> None:
