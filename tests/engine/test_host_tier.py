@@ -125,15 +125,15 @@ def test_host_hits_are_pinned_against_the_offloads_of_their_own_allocation() -> 
     assert hit.host_hashes[0] in kv.host  # type: ignore[operator]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     st.lists(
         st.tuples(st.integers(0, 5), st.integers(1, 14), st.booleans()),
         min_size=1,
-        max_size=40,
+        max_size=60,
     ),
     st.integers(2, 9),
-    st.integers(0, 6),
+    st.integers(0, 3),
 )
 def test_every_hit_reads_the_kv_its_hash_names(script, num_blocks, host_slots) -> None:
     """Contents are simulated: a step writes each new block with the hash of its tokens;
