@@ -6,7 +6,6 @@ reading its output and error files, and the control plane's stored usage records
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import sqlite3
@@ -18,17 +17,12 @@ from typing import Any
 
 import httpx
 import openai
-import pytest
 
 from fleet_base.batch.models import TERMINAL
 from fleet_base.batch.names import usage_record_id
 from tests.e2e.sim_fleet import SimFleet, wait_for
 from tests.fleetctl import fleetctl_json
 
-NEEDS_WORKER = pytest.mark.skipif(
-    importlib.util.find_spec("agent.gateway.batch.worker") is None,
-    reason="the batch worker (agent/gateway/batch/worker.py) has not landed: nothing runs a line",
-)
 BATCH_METRICS_OF_A_BATCH = (  # the Grafana row's line metrics (webhooks: test_async_webhook.py)
     "fleet_batch_lines_queued",
     "fleet_batch_lines_in_flight",

@@ -29,7 +29,7 @@ from standardwebhooks.webhooks import WebhookVerificationError
 
 from fleet_base.batch.config import BatchConfig
 from fleet_base.ports import free_port
-from tests.e2e.batch_tools import NEEDS_WORKER, Key, metric_names, new_key
+from tests.e2e.batch_tools import Key, metric_names, new_key
 from tests.e2e.sim_fleet import SimFleet, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -129,7 +129,6 @@ def test_a_refused_webhook_address_is_a_400(fleet: SimFleet, key: Key, url: str)
     )
 
 
-@NEEDS_WORKER
 def test_a_webhook_down_for_a_minute_is_delivered_when_it_returns(fleet: SimFleet, key: Key) -> None:
     receiver = Receiver()  # down: its port has no listener yet
     r = post_async(fleet, key, webhook_url=receiver.url, priority=0)

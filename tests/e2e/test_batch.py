@@ -31,7 +31,6 @@ import pytest
 
 from tests.e2e.batch_tools import (
     BATCH_METRICS_OF_A_BATCH,
-    NEEDS_WORKER,
     Key,
     chat_line,
     completed_count,
@@ -197,7 +196,6 @@ def test_the_upload_is_validated_and_only_its_key_sees_it(
     assert client.batches.retrieve(big.batch_id).id == big.batch_id  # still there for its owner
 
 
-@NEEDS_WORKER
 def test_the_batch_completes_with_the_interactive_answers_and_its_error_lines(
     fleet: SimFleet, alice: Key, client: openai.OpenAI, big: Submitted
 ) -> None:
@@ -244,7 +242,6 @@ def test_the_batch_completes_with_the_interactive_answers_and_its_error_lines(
     )
 
 
-@NEEDS_WORKER
 def test_a_cancelled_batch_keeps_its_finished_part_and_runs_nothing_after(
     fleet: SimFleet, client: openai.OpenAI
 ) -> None:
@@ -276,7 +273,6 @@ def test_a_cancelled_batch_keeps_its_finished_part_and_runs_nothing_after(
     )
 
 
-@NEEDS_WORKER
 def test_the_grafana_rows_line_metrics_have_series(fleet: SimFleet) -> None:
     names = metric_names(fleet.gateways[REGION])
     missing = [m for m in BATCH_METRICS_OF_A_BATCH if m not in names]

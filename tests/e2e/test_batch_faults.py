@@ -33,7 +33,6 @@ from control_plane.local.fleet import terminate
 from fleet_base.batch.config import BatchConfig
 from fleet_base.cluster_config import ClusterConfig
 from tests.e2e.batch_tools import (
-    NEEDS_WORKER,
     assert_exactly_once,
     chat_line,
     new_key,
@@ -43,7 +42,7 @@ from tests.e2e.batch_tools import (
 )
 from tests.e2e.sim_fleet import SimFleet, kill_trees, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), NEEDS_WORKER]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 EAST, WEST = "local-east", "local-west"
 MODEL = "work"
@@ -85,21 +84,31 @@ def completed(fleet: SimFleet, regions: tuple[str, ...] = (EAST, WEST)) -> float
     return sum(fleet.gateway_metric(r, "fleet_batch_lines_completed_total") for r in regions)
 
 
-def start_batch(
-    fleet: SimFleet, client: openai.OpenAI, rows: list, regions=(EAST, WEST)
-) -> tuple[str, float]:
-    """Submit, then wait until a few lines have completed: the batch is running."""
-    before = completed(fleet, regions)
+def in_flight(fleet: SimFleet, region: str) -> float:
+    return fleet.gateway_metric(region, "fleet_batch_lines_in_flight")
+
+
+def start_batch(fleet: SimFleet, client: openai.OpenAI, rows: list, busy: str = EAST) -> tuple[str, float]:
+    """Submit, then wait until a few lines have completed and `busy`'s gateway is running
+    some: the fault lands on work in progress there. Returns (batch id, lines completed
+    before it, as the gateways count)."""
+    before = completed(fleet)
     batch_id = submit(client, rows)
-    wait_for(lambda: completed(fleet, regions) >= before + 3, 60, 0.1, "the batch's first lines")
+    wait_for(
+        lambda: completed(fleet) >= before + 3 and in_flight(fleet, busy) >= 1,
+        60,
+        0.05,
+        f"the batch's first lines done and some running from {busy}",
+    )
     return batch_id, before
 
 
-def still_running(client: openai.OpenAI, batch_id: str, total: int) -> int:
-    """Lines of the batch finished at the fault, asserting some were still to do."""
-    batch = client.batches.retrieve(batch_id)
-    done = batch.request_counts.completed if batch.request_counts else 0
-    assert batch.status == "in_progress" and done < total, (batch.status, done)
+def still_running(fleet: SimFleet, client: openai.OpenAI, batch_id: str, before: float, total: int) -> int:
+    """Lines of the batch finished at the fault (as the gateways count), asserting some
+    were still to do."""
+    done = int(completed(fleet) - before)
+    status = client.batches.retrieve(batch_id).status
+    assert status == "in_progress" and done < total, (status, done)
     return done
 
 
@@ -127,9 +136,9 @@ def restart_cluster(fleet: SimFleet, region: str) -> None:
 def test_a_replica_killed_mid_batch(both_ready: SimFleet, key) -> None:
     fleet = both_ready
     client = sdk(fleet.gateways[EAST], key)
-    rows, ids = lines("a", 40, 50)
-    batch_id, _ = start_batch(fleet, client, rows)
-    at_kill = still_running(client, batch_id, len(ids))
+    rows, ids = lines("a", 30, 30)
+    batch_id, before = start_batch(fleet, client, rows)
+    at_kill = still_running(fleet, client, batch_id, before, len(ids))
     psutil.Process(replica_pid(fleet, EAST)).kill()
     wait_batch(client, batch_id, timeout=120)
     assert_exactly_once(fleet, client, batch_id, ids)
@@ -142,9 +151,9 @@ def test_the_agent_restarted_mid_batch(both_ready: SimFleet, key) -> None:
     fleet = both_ready
     client = sdk(fleet.gateways[WEST], key)
     east = sdk(fleet.gateways[EAST], key)
-    rows, ids = lines("b", 40, 50)
-    batch_id, _ = start_batch(fleet, east, rows)  # east drives it
-    at_restart = still_running(client, batch_id, len(ids))
+    rows, ids = lines("b", 30, 30)
+    batch_id, before = start_batch(fleet, east, rows)  # east drives it
+    at_restart = still_running(fleet, client, batch_id, before, len(ids))
     stopped = time.monotonic()
     restart_cluster(fleet, EAST)
     back_s = time.monotonic() - stopped
@@ -159,7 +168,7 @@ def test_the_control_plane_down_for_30_s_mid_batch(both_ready: SimFleet, key) ->
     client = sdk(fleet.gateways[EAST], key)
     rows, ids = lines("c", 40, 100)  # ~3 s a line, four at a time: longer than the outage's start
     batch_id, before = start_batch(fleet, client, rows)
-    still_running(client, batch_id, len(ids))
+    still_running(fleet, client, batch_id, before, len(ids))
     port = fleet.kill_control_plane()
     down_at = time.monotonic()
     samples: list[tuple[float, float]] = []  # (s into the outage, lines completed)
@@ -180,10 +189,10 @@ def test_a_cluster_lost_for_good_mid_batch(both_ready: SimFleet, key) -> None:
     fleet = both_ready
     east = sdk(fleet.gateways[EAST], key)
     west = sdk(fleet.gateways[WEST], key)
-    rows, ids = lines("d", 40, 50)
-    batch_id, _ = start_batch(fleet, east, rows)  # east's driver claims it
-    at_loss = still_running(west, batch_id, len(ids))
-    in_flight = fleet.gateway_metric(EAST, "fleet_batch_lines_in_flight")
+    rows, ids = lines("d", 30, 30)
+    batch_id, before = start_batch(fleet, east, rows)  # east's driver claims it
+    at_loss = still_running(fleet, west, batch_id, before, len(ids))
+    held = in_flight(fleet, EAST)
     lost_at = time.monotonic()
     state = fleet.local.load()
     pids = [p.pid for p in state.processes if p.name == EAST and p.kind in ("agent", "gateway")]
@@ -192,4 +201,4 @@ def test_a_cluster_lost_for_good_mid_batch(both_ready: SimFleet, key) -> None:
     finished_s = time.monotonic() - lost_at
     assert_exactly_once(fleet, west, batch_id, ids)
     print(f"\n[faults] (d) {EAST} (agent, gateway, replica) killed for good after {at_loss}/{len(ids)} lines, "
-          f"{in_flight:.0f} in flight there: {WEST} finished every line once, {finished_s:.1f} s later")  # fmt: skip
+          f"{held:.0f} in flight there: {WEST} finished every line once, {finished_s:.1f} s later")  # fmt: skip
