@@ -15,6 +15,7 @@ from dataclasses import dataclass
 class _Load:
     tokens: int = 0
     requests: int = 0
+    prefill: int = 0  # of `tokens`, new prefill with no first token yet
 
 
 class LoadTracker:
@@ -24,23 +25,36 @@ class LoadTracker:
         self._load: dict[str, _Load] = {}
         self._failed_at: dict[str, float] = {}
 
-    def start(self, replica_id: str, tokens: int) -> None:
+    def start(self, replica_id: str, tokens: int, prefill: int = 0) -> None:
         load = self._load.setdefault(replica_id, _Load())
         load.tokens += tokens
         load.requests += 1
+        load.prefill += prefill
 
-    def finish(self, replica_id: str, tokens: int) -> None:
+    def prefilled(self, replica_id: str, prefill: int) -> None:
+        """A request's first token came: its prefill no longer delays a new prompt there."""
+        load = self._load.get(replica_id)
+        if load is not None:
+            load.prefill = max(0, load.prefill - prefill)
+
+    def finish(self, replica_id: str, tokens: int, prefill: int = 0) -> None:
+        """A request left; `prefill`: what of its prefill was not released by `prefilled`."""
         load = self._load.get(replica_id)
         if load is None:
             return
         load.tokens = max(0, load.tokens - tokens)
         load.requests = max(0, load.requests - 1)
+        load.prefill = max(0, load.prefill - prefill)
         if load.requests == 0:
             del self._load[replica_id]
 
     def outstanding(self, replica_id: str) -> int:
         load = self._load.get(replica_id)
         return load.tokens if load else 0
+
+    def queued_prefill(self, replica_id: str) -> int:
+        load = self._load.get(replica_id)
+        return load.prefill if load else 0
 
     def in_flight(self, replica_id: str) -> int:
         load = self._load.get(replica_id)

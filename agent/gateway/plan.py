@@ -40,10 +40,15 @@ A request for a LoRA adapter ranks replicas where the adapter is resident first
 each tier. A non-resident attempt carries `load_adapter`, which the executor loads first.
 
 Cost model (``CostModel``), in prompt-token equivalents, lower is better:
-``cost = new prefill tokens + queued work + rtt_s * tokens_per_s`` where new prefill
-tokens are the prompt less the cached prefix (prefix routing only), queued work is the
-tokens this gateway still has outstanding at the replica (its requests' new prefill plus
-reserved completion), and RTT counts for peers only. A prefix the replica holds in its
+``cost = new prefill tokens + queued prefill + rtt_s * tokens_per_s`` where new prefill
+tokens are the prompt less the cached prefix (prefix routing only), queued prefill is the
+new prefill of this gateway's requests at the replica that have no first token yet, and
+RTT counts for peers only. Both terms are prefill on the same replica, so the sum is the
+request's time to first token there in prefill-token units: a new prompt waits behind the
+prefills ahead of it, not behind decoding sequences (the engine schedules prefill first),
+so decode work is no load here and only breaks ties (then all outstanding work, then
+requests in flight). Where the queued prefill is unknown (`ReplicaFacts.prefill_tokens`
+None) all outstanding work counts. Least-load orders by all outstanding work. A prefix the replica holds in its
 host-memory tier saves its prefill less the load back (`fleet_base.kv_tier_cost`, the
 scoring the simulator calls too): each such token counts `host_token_value` (0..1) of a
 device hit, the replica's own (from its profile) or the model's default.
@@ -133,6 +138,13 @@ class ReplicaFacts:
     adapters: frozenset[str] = frozenset()  # LoRA adapters loaded there
     max_adapters: int = 0  # room for adapters (0: LoRA off)
     host_token_value: float | None = None  # a host-tier hit token's worth (0..1); None: the model's
+    # Of the outstanding work, the new prefill of requests with no first token yet (what a new
+    # prompt waits behind: the engine prefills first); None: unknown, all outstanding work counts.
+    prefill_tokens: int | None = None
+
+    @property
+    def queued_prefill(self) -> int:
+        return self.outstanding_tokens if self.prefill_tokens is None else self.prefill_tokens
 
 
 @dataclass(frozen=True)
@@ -306,7 +318,7 @@ def rank_replicas(
         host_value = model.host_token_value if r.host_token_value is None else r.host_token_value
         hit = cached.value(host_value)  # prefill saved, in tokens
         if model.prefix:
-            cost = prefix_cost(cached, request.prompt_tokens, r.outstanding_tokens, host_value)
+            cost = prefix_cost(cached, request.prompt_tokens, r.queued_prefill, host_value)
         else:
             cost = float(r.outstanding_tokens)
         tier = adapter_tier(request.adapter, r)
@@ -315,6 +327,7 @@ def rank_replicas(
             r.recently_failed,
             tier,
             cost,
+            r.outstanding_tokens,
             r.in_flight,
             r.replica_id,
         )

@@ -43,6 +43,7 @@ def replica_facts(r: ReplicaStatus, tracker: LoadTracker, adapters: AdapterRouti
         tracker.recently_failed(r.replica_id),
         adapters=adapters.resident(r),
         max_adapters=r.max_adapters,
+        prefill_tokens=tracker.queued_prefill(r.replica_id),
     )
 
 

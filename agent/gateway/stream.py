@@ -191,6 +191,9 @@ class StreamSession:
         now = time.monotonic()
         if self.observer.first_token and p.ttft_s is None:
             p.ttft_s = now - self.ex.call.started
+        leg = self.state.leg
+        if self.observer.first_token and not leg.is_peer and leg.name in self.targets:
+            self.upstreams.first_token(self.ex.call, self.targets[leg.name])
         if self.observer.tokens_seen > self._tokens_seen:
             self._tokens_seen = self.observer.tokens_seen
             self.clock.tick(now)

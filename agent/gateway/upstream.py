@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -48,6 +48,8 @@ class Upstreams:
     metrics: GatewayMetrics
     client: httpx.AsyncClient | None = None  # set when the gateway starts
     residency: ResidencyGate | None = None
+    # (request id, replica) -> the attempt's prefill not yet released by its first token
+    prefilling: dict[tuple[str, str], int] = field(default_factory=dict)
 
     async def open(self, call: Call, target: Attempt, body: bytes) -> Opened:
         """`target`'s response up to its first byte; `AttemptFailed` (booked) otherwise."""
@@ -109,7 +111,16 @@ class Upstreams:
     def release(self, call: Call, target: Attempt) -> None:
         """The attempt's work left the replica (answered, failed or abandoned)."""
         if not target.is_peer:
-            self.tracker.finish(target.name, work(call, target))
+            prefill = self.prefilling.pop((call.request_id, target.name), 0)
+            self.tracker.finish(target.name, work(call, target), prefill)
+
+    def first_token(self, call: Call, target: Attempt) -> None:
+        """The attempt's first token came: its prefill no longer queues at the replica (a
+        stream's; an answer that is not streamed keeps it until it is released)."""
+        if not target.is_peer:
+            prefill = self.prefilling.pop((call.request_id, target.name), 0)
+            if prefill:
+                self.tracker.prefilled(target.name, prefill)
 
     def headers(self, call: Call, target: Attempt) -> dict[str, str]:
         """Headers of one attempt (counted as started: load, forwarding metrics)."""
@@ -128,7 +139,9 @@ class Upstreams:
             headers.update(self.peers.replica_headers)
             if call.klass:  # the engine schedules the batch class after the others
                 headers[PRIORITY_CLASS_HEADER] = call.klass
-            self.tracker.start(target.name, work(call, target))
+            prefill = new_prefill(call, target)
+            self.prefilling[(call.request_id, target.name)] = prefill
+            self.tracker.start(target.name, work(call, target), prefill)
             self.metrics.replica_choice.labels(deployment, target.name, str(target.version)).inc()
         return headers
 
@@ -143,3 +156,8 @@ class Upstreams:
 def work(call: Call, target: Attempt) -> int:
     """Queued work a request adds at a replica: its new prefill and reserved completion."""
     return max(0, call.info.cost_tokens - target.cached_tokens)
+
+
+def new_prefill(call: Call, target: Attempt) -> int:
+    """Of that, the prompt the replica must prefill (until the first token)."""
+    return max(0, call.info.prompt_tokens - target.cached_tokens)

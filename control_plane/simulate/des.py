@@ -53,6 +53,7 @@ class SimReplica:
     outstanding_tokens: int = 0
     in_flight: int = 0
     kv_seq: int = 0  # sequence number of its last KV-event batch
+    prefill_tokens: int = 0  # new prefill of its requests with no first token yet
 
 
 @dataclass
@@ -116,6 +117,7 @@ class Simulation:
         self.live: list[SimReplica] = []  # not yet released
         self.pending: deque[SimRequest] = deque()  # gateway queue: no ready replica
         self.where: dict[int, tuple[SimReplica, int]] = {}  # request -> (replica, work sent)
+        self.prefilling: dict[int, int] = {}  # request -> its new prefill, until its first token
         self.state = ScalerState()
         self.desired = initial_replicas
         self.cold_starts = 0
@@ -209,7 +211,13 @@ class Simulation:
             "sim",
             tuple(
                 ReplicaFacts(
-                    r.rid, "", 1, r.outstanding_tokens, r.in_flight, host_token_value=self.host_token_value
+                    r.rid,
+                    "",
+                    1,
+                    r.outstanding_tokens,
+                    r.in_flight,
+                    host_token_value=self.host_token_value,
+                    prefill_tokens=r.prefill_tokens,
                 )
                 for r in ready
             ),
@@ -222,7 +230,10 @@ class Simulation:
         work = req.kv_tokens - first.cached_tokens
         r.outstanding_tokens += work
         r.in_flight += 1
+        prefill = max(0, req.prompt_tokens - first.cached_tokens)
+        r.prefill_tokens += prefill
         self.where[req.rid] = (r, work)
+        self.prefilling[req.rid] = prefill
         r.model.submit(req, now)
         return True
 
@@ -231,6 +242,8 @@ class Simulation:
             if req.first_token_at is not None and req.tag is None:
                 req.tag = "first"
                 self._ttft.append(req.first_token_at - req.arrival)
+            if req.first_token_at is not None and req.rid in self.prefilling:
+                r.prefill_tokens -= self.prefilling.pop(req.rid)  # as the gateway sees a stream's first token
             if req.rid not in self.where:
                 continue
             if req.finished_at is not None:
