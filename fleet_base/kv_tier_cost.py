@@ -70,10 +70,17 @@ def prefix_hit(device_blocks: int, host_blocks: int, block_tokens: int, prompt_t
     return PrefixHit(device, both - device)
 
 
+# The prefill a replica must do for a prompt costs twice: the request waits for it (its time to
+# first token), and it is work that every later request there waits behind; a prefix found
+# elsewhere is computed again, so the fleet does that work twice. The work queued ahead costs
+# once (it is there wherever the request goes).
+NEW_PREFILL_WEIGHT = 2.0
+
+
 def prefix_cost(hit: PrefixHit, prompt_tokens: int, queued_tokens: int, host_value: float) -> float:
-    """A replica's cost for a prompt, in prompt-token equivalents, lower is better: the prefill
-    its cache does not save plus the work queued ahead of it."""
-    return float(prompt_tokens) - hit.value(host_value) + queued_tokens
+    """A replica's cost for a prompt, in prefill-token equivalents, lower is better: the
+    prefill its cache does not save (`NEW_PREFILL_WEIGHT`) plus the prefill queued ahead."""
+    return NEW_PREFILL_WEIGHT * (float(prompt_tokens) - hit.value(host_value)) + queued_tokens
 
 
 def load_seconds(profile: PerfProfile, host_tokens: int) -> float:

@@ -39,16 +39,19 @@ A request for a LoRA adapter ranks replicas where the adapter is resident first
 ("adapter-evict": the least recently used adapter there makes room); cost decides within
 each tier. A non-resident attempt carries `load_adapter`, which the executor loads first.
 
-Cost model (``CostModel``), in prompt-token equivalents, lower is better:
-``cost = new prefill tokens + queued prefill + rtt_s * tokens_per_s`` where new prefill
+Cost model (``CostModel``), in prefill-token equivalents, lower is better:
+``cost = 2 x new prefill tokens + queued prefill + rtt_s * tokens_per_s`` where new prefill
 tokens are the prompt less the cached prefix (prefix routing only), queued prefill is the
 new prefill of this gateway's requests at the replica that have no first token yet, and
-RTT counts for peers only. Both terms are prefill on the same replica, so the sum is the
-request's time to first token there in prefill-token units: a new prompt waits behind the
-prefills ahead of it, not behind decoding sequences (the engine schedules prefill first),
-so decode work is no load here and only breaks ties (then all outstanding work, then
-requests in flight). Where the queued prefill is unknown (`ReplicaFacts.prefill_tokens`
-None) all outstanding work counts. Least-load orders by all outstanding work. A prefix the replica holds in its
+RTT counts for peers only. Both are prefill on the same replica, so they weigh in one unit
+(seconds, by the replica's prefill rate): a new prompt waits behind the prefills ahead of
+it, not behind decoding sequences (the engine schedules prefill first), so decode work is
+no load here and only breaks ties (then all outstanding work, then requests in flight).
+The new prefill counts twice (`fleet_base.kv_tier_cost.NEW_PREFILL_WEIGHT`): the request
+waits for it, and it is work the replica's later requests wait behind (a prefix computed
+again elsewhere is work the fleet does twice); the queued prefill is there wherever the
+request goes. Where the queued prefill is unknown (`ReplicaFacts.prefill_tokens` None) all
+outstanding work counts. Least-load orders by all outstanding work. A prefix the replica holds in its
 host-memory tier saves its prefill less the load back (`fleet_base.kv_tier_cost`, the
 scoring the simulator calls too): each such token counts `host_token_value` (0..1) of a
 device hit, the replica's own (from its profile) or the model's default.

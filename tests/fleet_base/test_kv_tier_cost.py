@@ -80,7 +80,7 @@ def test_a_tiny_bandwidth_gains_nothing() -> None:
     value = profile_host_token_value(prof)
     assert value == 0.0
     prompt = 1000
-    assert prefix_cost(prefix_hit(0, 40, 16, prompt), prompt, 7, value) == prompt + 7
+    assert prefix_cost(prefix_hit(0, 40, 16, prompt), prompt, 7, value) == 2 * prompt + 7
 
 
 def test_no_host_tier_is_worth_nothing_and_device_costs_are_unchanged() -> None:
@@ -88,8 +88,8 @@ def test_no_host_tier_is_worth_nothing_and_device_costs_are_unchanged() -> None:
     assert prof.host_kv_bytes == 0 and prof.host_kv_tokens == 0
     assert prof.h2d_bytes_per_s == DEFAULT_H2D_BYTES_PER_S
     assert profile_host_token_value(prof) == 0.0
-    # the plan's cost before host tiers: prompt - cached + queued
-    assert prefix_cost(prefix_hit(3, 0, 16, 100), 100, 250, 0.0) == 100 - 48 + 250
+    # the device-only cost: the new prefill twice (the wait and the work), plus the queued prefill
+    assert prefix_cost(prefix_hit(3, 0, 16, 100), 100, 250, 0.0) == 2 * (100 - 48) + 250
 
 
 def test_a_host_tier_needs_the_token_size() -> None:

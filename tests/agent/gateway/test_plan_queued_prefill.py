@@ -2,7 +2,9 @@
 queued at a replica, not behind its decoding sequences (the engine prefills first), so
 `ReplicaFacts.prefill_tokens` (new prefill with no first token yet) is the load the saved
 prefill is weighed against; decode work only breaks ties. Unknown (None): all outstanding
-work counts, as before (tests/agent/gateway/test_plan.py)."""
+work counts, as before (tests/agent/gateway/test_plan.py). The new prefill counts twice
+(`fleet_base.kv_tier_cost.NEW_PREFILL_WEIGHT`: the request's wait, and work the replica's
+later requests wait behind), the queued prefill once."""
 
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ ROWS = [
         {"a": (50_000, 0), "b": (0, 0)},
         "prefix",
         (("a", "prefix"), ("b", "retry")),
-        {"a": 1024 - 960 + 0, "b": 1024},
+        {"a": 2 * (1024 - 960) + 0, "b": 2 * 1024},
     ),
     Row(
         "the same holder with that work unknown (no first tokens seen) loses it",
@@ -50,15 +52,23 @@ ROWS = [
         {"a": (50_000, None), "b": (0, None)},
         "prefix",
         (("b", "load-over-prefix"), ("a", "retry")),
-        {"a": 1024 - 960 + 50_000, "b": 1024},
+        {"a": 2 * (1024 - 960) + 50_000, "b": 2 * 1024},
     ),
     Row(
         "prefills queued ahead worth more than the saved prefill send it away",
         {"a": 60, "b": 0},
-        {"a": (50_000, 2_000), "b": (3_000, 0)},
+        {"a": (50_000, 2_100), "b": (3_000, 0)},
         "prefix",
         (("b", "load-over-prefix"), ("a", "retry")),
-        {"a": 1024 - 960 + 2_000, "b": 1024},
+        {"a": 2 * (1024 - 960) + 2_100, "b": 2 * 1024},
+    ),
+    Row(
+        "a holder keeps the prefix until the prefill queued there passes twice what it saves",
+        {"a": 60, "b": 0},
+        {"a": (1_900, 1_900), "b": (0, 0)},
+        "prefix",
+        (("a", "prefix"), ("b", "retry")),
+        {"a": 2 * (1024 - 960) + 1_900, "b": 2 * 1024},
     ),
     Row(
         "a miss goes where the fewest prefills are queued",

@@ -47,7 +47,7 @@ ROWS = [
         {},
         0.75,
         (("a", "prefix"), ("b", "retry")),
-        {"a": 1024 - 512 * 0.75, "b": 1024},
+        {"a": 2 * (1024 - 512 * 0.75), "b": 2 * 1024},
     ),
     Row(
         "a device hit beats the same blocks in a host tier",
@@ -55,7 +55,7 @@ ROWS = [
         {},
         0.75,
         (("b", "prefix"), ("a", "retry")),
-        {"a": 1024 - 384, "b": 1024 - 512},
+        {"a": 2 * (1024 - 384), "b": 2 * (1024 - 512)},
     ),
     Row(
         "a longer host prefix beats a shorter device one when it saves more",
@@ -63,7 +63,7 @@ ROWS = [
         {},
         0.75,
         (("a", "prefix"), ("b", "retry")),
-        {"a": 1024 - 128 - 0.75 * 895, "b": 1024 - 512},
+        {"a": 2 * (1024 - 128 - 0.75 * 895), "b": 2 * (1024 - 512)},
     ),
     Row(
         "a tiny bandwidth: a host hit gains nothing, least-load decides",
@@ -71,31 +71,31 @@ ROWS = [
         {"a": 10},
         0.0,
         (("b", "least-load"), ("a", "retry")),
-        {"a": 1034, "b": 1024},
+        {"a": 2048 + 10, "b": 2048},
     ),
     Row(
         "queued work outweighs a host hit sooner than a device hit",
         {"a": (0, 32), "b": (0, 0)},
-        {"a": 300},
+        {"a": 600},
         0.5,
         (("b", "load-over-prefix"), ("a", "retry")),
-        {"a": 1024 - 256 + 300, "b": 1024},
+        {"a": 2 * (1024 - 256) + 600, "b": 2 * 1024},
     ),
     Row(
         "... where the same blocks on the device still win",
         {"a": (32, 0), "b": (0, 0)},
-        {"a": 300},
+        {"a": 600},
         0.5,
         (("a", "prefix"), ("b", "retry")),
-        {"a": 1024 - 512 + 300, "b": 1024},
+        {"a": 2 * (1024 - 512) + 600, "b": 2 * 1024},
     ),
     Row(
         "an unknown profile takes the model's default value",
         {"a": (0, 32), "b": (0, 0)},
-        {"a": 300},
+        {"a": 600},
         None,
         (("b", "load-over-prefix"), ("a", "retry")),
-        {"a": 1024 - 256 + 300, "b": 1024},
+        {"a": 2 * (1024 - 256) + 600, "b": 2 * 1024},
     ),
 ]
 
@@ -127,8 +127,9 @@ def test_a_peer_host_hit_is_valued_after_its_load() -> None:
     near = PeerFacts("south", "http://south", rtt_s=0.02, replica_ids=("s1",))
     far = PeerFacts("west", "http://west", rtt_s=0.05, replica_ids=("w1",))
     index = index_with({"w1": (0, 8)}, cluster="west")
-    # 128 host tokens: worth 96 at 0.75 and 32 at 0.25, against 0.03 s x 2000 = 60 tokens of RTT
-    for value, first in ((0.75, "west"), (0.25, "south")):
+    # 128 host tokens: worth 96 at 0.75 and 12.8 at 0.1 (each saved twice: 192 and 25.6), against
+    # 0.03 s x 2000 = 60 tokens of RTT
+    for value, first in ((0.75, "west"), (0.1, "south")):
         model = CostModel(tokens_per_s=2000.0, host_token_value=value)
         plan = plan_route(REQ, here, (near, far), index, model)
         assert plan.attempts[0].name == first
