@@ -114,18 +114,16 @@ def file_lines(client: openai.OpenAI, file_id: str | None) -> list[dict]:
     return [json.loads(line) for line in client.files.content(file_id).content.splitlines() if line.strip()]
 
 
-def usage_records(fleet: SimFleet, batch_id: str) -> list[tuple[str, bool | None]]:
-    """(record_id, batch flag or None where the table has no such column) of every usage
-    record the control plane stored for the batch's lines."""
+def usage_records(fleet: SimFleet, batch_id: str) -> list[tuple[str, bool]]:
+    """(record_id, batch flag) of every usage record the control plane stored for the
+    batch's lines."""
     db = fleet.home / "fleet.db"
     with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)) as conn:
-        columns = {row[1] for row in conn.execute("PRAGMA table_info(usage_records)")}
-        flag = "batch" if "batch" in columns else "NULL"
         rows = conn.execute(
-            f"SELECT record_id, {flag} FROM usage_records WHERE record_id LIKE ?",
+            "SELECT record_id, batch FROM usage_records WHERE record_id LIKE ?",
             (usage_record_id(batch_id, 0).rsplit(".", 1)[0] + ".%",),
         ).fetchall()
-    return [(r, None if b is None else bool(b)) for r, b in rows]
+    return [(r, bool(b)) for r, b in rows]
 
 
 def wait_usage(
@@ -170,7 +168,7 @@ def assert_exactly_once(
     ids = Counter(r for r, _ in records)
     assert set(ids) == {usage_record_id(batch_id, line_index(line)) for line in out}, sorted(ids)
     assert sum(ids.values()) == len(out), ids.most_common(3)
-    assert all(flag is not False for _, flag in records), records  # marked batch where stored
+    assert all(flag for _, flag in records), [r for r, flag in records if not flag]  # booked as batch
     return batch, out
 
 

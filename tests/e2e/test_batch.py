@@ -29,6 +29,7 @@ import httpx
 import openai
 import pytest
 
+from fleet_base.batch.names import usage_record_id
 from tests.e2e.batch_tools import (
     BATCH_METRICS_OF_A_BATCH,
     Key,
@@ -36,6 +37,7 @@ from tests.e2e.batch_tools import (
     completed_count,
     file_lines,
     jsonl,
+    line_index,
     metric_names,
     new_key,
     sdk,
@@ -216,7 +218,11 @@ def test_the_batch_completes_with_the_interactive_answers_and_its_error_lines(
     assert (counts.total, counts.completed, counts.failed) == (LINES + len(MALFORMED), LINES, len(MALFORMED))
     records = wait_usage(fleet, big.batch_id, LINES)
     assert len(records) == LINES and len({r for r, _ in records}) == LINES, len(records)
-    assert all(flag is not False for _, flag in records), records
+    assert all(flag for _, flag in records), [r for r, flag in records if not flag]  # booked as batch
+    usage = fleet.api("GET", "/v1/usage", params={"since": "1h"}).json()[
+        "batch"
+    ]  # as fleetctl usage lists it
+    assert [(u["key_id"], u["deployment"], u["requests"]) for u in usage] == [(alice.id, MODEL, LINES)], usage
     bob = sdk(fleet.gateways[REGION], new_key(fleet, "bob-2"))
     for file_id in (done.output_file_id, done.error_file_id):
         with pytest.raises(openai.NotFoundError):
@@ -265,7 +271,9 @@ def test_a_cancelled_batch_keeps_its_finished_part_and_runs_nothing_after(
     assert counts is not None and counts.completed == len(out), counts
     records = wait_usage(fleet, batch_id, len(out))
     time.sleep(3.0)  # nothing of the batch runs after it is cancelled
-    assert usage_records(fleet, batch_id) == records and len(records) == len(out), (len(records), len(out))
+    assert usage_records(fleet, batch_id) == records, "a line of the cancelled batch ran after it"
+    booked = sorted(r for r, _ in records)
+    assert booked == sorted(usage_record_id(batch_id, line_index(line)) for line in out), booked
     in_flight = fleet.gateway_metric(REGION, "fleet_batch_lines_in_flight")
     assert in_flight == 0, in_flight
     print(
