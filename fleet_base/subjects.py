@@ -89,9 +89,11 @@ def batch_store_subjects() -> list[str]:
     keys by an ordered consumer (filter in the payload: the buckets are the role's whole).
     The object store: bind, read an object's metadata, write chunks and metadata, purge an
     object's old chunks, read chunks by an ordered consumer. The work queue: publish items,
-    count one parent's items, and create, inspect, pull from and acknowledge the durable
-    per-(deployment, priority) consumers, whose filter is in the create subject. The
-    webhook queue: the same with its one consumer."""
+    count one parent's items, purge them (a cancelled batch's; the filter is in the
+    payload, so the subject allows any purge of the stream: no more than pulling and
+    acknowledging every item, which the role does anyway), and create, inspect, pull from
+    and acknowledge the durable per-(deployment, priority) consumers, whose filter is in
+    the create subject. The webhook queue: the same with its one consumer."""
     out: list[str] = []
     for bucket in (batch.BUCKET_FILES, batch.BUCKET_BATCHES, batch.BUCKET_RESULTS, batch.BUCKET_ASYNC):
         stream = f"KV_{bucket}"
@@ -117,6 +119,7 @@ def batch_store_subjects() -> list[str]:
     out += [
         f"{batch.WORK_SUBJECT_PREFIX}.>",
         f"{JS}.STREAM.INFO.{work}",
+        f"{JS}.STREAM.PURGE.{work}",  # names.parent_filter in the payload
         f"{JS}.CONSUMER.CREATE.{work}.*.{batch.WORK_SUBJECT_PREFIX}.*.*.*",  # names.work_filter
         f"{JS}.CONSUMER.INFO.{work}.*",
         f"{JS}.CONSUMER.MSG.NEXT.{work}.*",

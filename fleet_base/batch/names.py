@@ -50,6 +50,12 @@ def parent_filter(parent_id: str) -> str:
     return f"{WORK_SUBJECT_PREFIX}.*.*.{parent_id}"
 
 
+def work_route(subject: str) -> tuple[str, int]:
+    """(deployment, priority) of a `work_subject`."""
+    deployment, priority, _ = subject.removeprefix(f"{WORK_SUBJECT_PREFIX}.").split(".")
+    return deployment, int(priority.removeprefix("p"))
+
+
 def work_consumer(deployment: str, priority: int) -> str:
     return f"batch-{deployment}-p{priority}"
 

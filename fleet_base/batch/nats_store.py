@@ -304,6 +304,29 @@ class NatsBatchStore:
         info = await self.js.stream_info(names.STREAM_WORK, subjects_filter=names.parent_filter(parent_id))
         return sum((info.state.subjects or {}).values())
 
+    async def _parent_subjects(self, parent_id: str) -> dict[str, int]:
+        info = await self.js.stream_info(names.STREAM_WORK, subjects_filter=names.parent_filter(parent_id))
+        return dict(info.state.subjects or {})
+
+    async def held_with(self, parent_id: str) -> int:
+        """Items held by a worker on each (deployment, priority) consumer that carries one of
+        the parent's items: the consumer does not say whose they are."""
+        held = 0
+        for subject in await self._parent_subjects(parent_id):
+            deployment, priority = names.work_route(subject)
+            name = names.work_consumer(deployment, priority)
+            info = await self._consumer(names.STREAM_WORK, name, names.work_filter(deployment, priority))
+            held += info.num_ack_pending or 0
+        return held
+
+    async def purge(self, parent_id: str) -> int:
+        """Drops the parent's items from the work queue, held ones too (a worker's later ack
+        of one is a no-op); returns how many were there."""
+        count = sum((await self._parent_subjects(parent_id)).values())
+        if count:
+            await self.js.purge_stream(names.STREAM_WORK, subject=names.parent_filter(parent_id))
+        return count
+
     # ------------------------------------------------------------ webhooks
 
     async def enqueue_webhook(self, request_id: str) -> None:

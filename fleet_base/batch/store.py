@@ -94,6 +94,10 @@ class BatchStore(Protocol):
     async def pull(self, deployment: str, priority: int, batch: int, timeout_s: float) -> list[Delivery]: ...
     async def pending(self, deployment: str) -> int: ...  # items waiting or unacknowledged
     async def pending_for(self, parent_id: str) -> int: ...  # a batch's items still on the queue
+    # held by workers (delivered, unacknowledged) on the consumers that carry the parent's
+    # items: an upper bound on its own lines in flight, so 0 means none runs
+    async def held_with(self, parent_id: str) -> int: ...
+    async def purge(self, parent_id: str) -> int: ...  # drops the parent's items, held or not
 
     # webhook deliveries (a work queue of async request ids)
     async def enqueue_webhook(self, request_id: str) -> None: ...

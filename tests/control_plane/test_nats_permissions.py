@@ -414,7 +414,7 @@ async def test_gateway_identity_runs_the_batch_store_and_nothing_beside_it(secur
         for denied in (
             js.stream_info(f"KV_{protocol.BUCKET_DESIRED}"),
             js.delete_stream(batch_names.STREAM_WORK),
-            js.purge_stream(batch_names.STREAM_WORK),
+            js.purge_stream(batch_names.STREAM_WEBHOOKS),
             js.delete_consumer(batch_names.STREAM_WORK, batch_names.work_consumer("d1", 2)),
         ):
             with pytest.raises(REFUSED):

@@ -22,6 +22,7 @@ from typing import Literal
 from agent.gateway.batch.finalize import Unfinished, finalize, tally
 from agent.gateway.batch.metrics import BatchMetrics
 from agent.gateway.batch.validate import Validation, validate_file
+from agent.gateway.batch.worker import BATCH_CACHE_S
 from fleet_base.batch.config import BatchConfig
 from fleet_base.batch.models import (
     COMPLETION_WINDOWS,
@@ -43,6 +44,8 @@ Step = Literal["again", "wait", "done", "lost"]
 DeploymentOf = Callable[[str, str], str]  # (key id, model) -> deployment, raising OpenAIError
 ENQUEUE_CHUNK = 256
 MAX_AGAIN = 8  # steps in a row without a pause
+# a cancel seen this long ago is seen by every worker (their clocks may run apart a little)
+CANCEL_SEEN_S = 2 * BATCH_CACHE_S + 1.0
 
 
 class BatchDriver:
@@ -77,6 +80,7 @@ class BatchDriver:
         self.refresh = refresh  # the gateway's keys and routes, reloaded on the loop before validating
         self._active: dict[str, asyncio.Task[None]] = {}
         self._tallied: dict[str, float] = {}  # batch id -> when its results were last read
+        self._cancel_seen: dict[str, float] = {}  # batch id -> when this driver first saw it cancelling
         self._wake = asyncio.Event()
 
     # ------------------------------------------------------------------ the loop
@@ -150,6 +154,7 @@ class BatchDriver:
         finally:
             self._active.pop(batch_id, None)
             self._tallied.pop(batch_id, None)
+            self._cancel_seen.pop(batch_id, None)
 
     # ------------------------------------------------------------------ one step
 
@@ -279,11 +284,21 @@ class BatchDriver:
         return "wait"
 
     async def _cancelling(self, v: Versioned[BatchRecord]) -> Step:
-        """Done once no item of the batch is queued or in flight (workers drop the queued
-        ones); past the window, at once (nobody may be left to drop them)."""
-        if await self.store.pending_for(v.value.id) and self.clock() < self._deadline(v.value):
-            return "wait"
-        return await self._finish(v, "cancelled")
+        """Done once no item of the batch is queued or in flight; past the window, at once.
+        Workers drop the queued items, but a deployment with no replica has no worker, and
+        its items would count as demand and scale it from zero only to be dropped. So once
+        this driver has seen the cancel for longer than a worker caches a batch's status
+        (any worker that pulls an item now drops it unrun) and no worker holds an item that
+        could be the batch's (no line of it runs), the driver purges them itself."""
+        record = v.value
+        first = self._cancel_seen.setdefault(record.id, self.clock())
+        if not await self.store.pending_for(record.id) or self.clock() >= self._deadline(record):
+            return await self._finish(v, "cancelled")
+        if self.clock() - first >= CANCEL_SEEN_S and not await self.store.held_with(record.id):
+            purged = await self.store.purge(record.id)
+            log.info("batch %s: %d queued items purged", record.id, purged)
+            return "again"
+        return "wait"
 
     async def _finish(
         self, v: Versioned[BatchRecord], status: Literal["completed", "expired", "cancelled"]
@@ -314,7 +329,20 @@ class BatchDriver:
                 with contextlib.suppress(Exception):
                     await self.store.delete_file(file_id)
             raise
+        if unfinished is not None:
+            await self._purge_over(record.id)
         return "done"
+
+    async def _purge_over(self, batch_id: str) -> None:
+        """An expired or cancelled batch's items left on the queue: nothing reads their
+        results any more, and until a worker drops them they count as demand."""
+        try:
+            purged = await self.store.purge(batch_id)
+        except Exception as err:  # workers drop them all the same, later
+            log.warning("purging %s failed (%s: %s)", batch_id, type(err).__name__, err)
+            return
+        if purged:
+            log.info("batch %s: %d queued items purged", batch_id, purged)
 
     async def _write(self, record: BatchRecord, part: str, data: bytes, written: list[str]) -> str | None:
         if not data:

@@ -159,6 +159,18 @@ class MemoryBatchStore:
     async def pending_for(self, parent_id: str) -> int:
         return sum(1 for i in self.queue.values() if i.parent_id == parent_id)
 
+    async def held_with(self, parent_id: str) -> int:
+        routes = {(i.deployment, i.priority) for i in self.queue.values() if i.parent_id == parent_id}
+        return sum(
+            1 for i in self.queue.values() if i.id in self.leased and (i.deployment, i.priority) in routes
+        )
+
+    async def purge(self, parent_id: str) -> int:
+        gone = [key for key, i in self.queue.items() if i.parent_id == parent_id]
+        for key in gone:
+            self.queue.pop(key)
+        return len(gone)
+
     async def enqueue_webhook(self, request_id: str) -> None:
         pass
 

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from agent.gateway.batch.driver import BatchDriver
+from agent.gateway.batch.driver import CANCEL_SEEN_S, BatchDriver
 from agent.gateway.errors import GatewayError
 from fleet_base.batch.config import BatchConfig
 from fleet_base.batch.models import (
@@ -199,6 +199,7 @@ async def test_expiry_returns_the_finished_part_and_marks_the_rest() -> None:
     assert await settle(d) == "done"
     rec = (await store.batch("batch_b1")).value
     assert rec.status == "expired" and rec.expired_at == int(T0 + 60)
+    assert store.queue == {}  # its items left on the queue are purged: no demand any more
     assert [r["custom_id"] for r in await content(store, rec.output_file_id)] == ["b"]
     errors = await content(store, rec.error_file_id)
     assert [(r["custom_id"], r["error"]["code"]) for r in errors] == [
@@ -228,6 +229,30 @@ async def test_cancel_waits_for_the_queue_then_returns_the_finished_part() -> No
     assert [r["custom_id"] for r in await content(store, rec.output_file_id)] == ["a"]
     errors = await content(store, rec.error_file_id)
     assert {r["error"]["code"] for r in errors} == {"batch_cancelled"} and len(errors) == 2
+
+
+async def test_a_cancel_nobody_works_on_purges_its_items_once_every_worker_sees_it() -> None:
+    """No replica, so no worker drops the items: the driver purges them itself, but only
+    once a worker would drop a line it pulls and while none holds one that may be the batch's."""
+    store, clock = MemoryBatchStore(), Clock()
+    await make_batch(store, b"".join(request(c) for c in "abcd"))
+    d = driver(store, clock)
+    await settle(d)
+    (held,) = await store.pull("tiny", 2, 1, 0.0)  # a worker runs line a
+    v = await store.batch("batch_b1")
+    await store.update_batch(
+        v.value.model_copy(update={"status": "cancelling", "cancelling_at": int(T0)}), v.revision
+    )
+    assert await settle(d) == "wait" and len(store.queue) == 4  # workers may not have seen it yet
+    clock.t += CANCEL_SEEN_S
+    assert await settle(d) == "wait" and len(store.queue) == 4  # line a runs: its result may come
+    await store.put_result(held.item.id, answer(0, "a"))
+    await held.ack()
+    assert await settle(d) == "done" and store.queue == {}
+    rec = (await store.batch("batch_b1")).value
+    assert rec.status == "cancelled"
+    assert [r["custom_id"] for r in await content(store, rec.output_file_id)] == ["a"]
+    assert len(await content(store, rec.error_file_id)) == 3
 
 
 async def test_a_cancel_during_validation_wins_over_the_driver() -> None:

@@ -160,6 +160,23 @@ async def test_enqueue_dedupes_and_pending_counts(store: NatsBatchStore) -> None
     assert [d.item.parent_id for d in await store.pull("d1", 0, 10, 1.0)] == ["batch_2"]
 
 
+async def test_purge_drops_one_parents_items_held_or_not(store: NatsBatchStore) -> None:
+    await store.enqueue([item("batch_1", i) for i in range(4)] + [item("batch_1", 9, deployment="d2")])
+    await store.enqueue([item("batch_2", 0), item("batch_3", 0, deployment="d3")])
+    assert await store.held_with("batch_1") == 0  # queued, none delivered
+    (held,) = await store.pull("d1", 2, 1, 1.0)
+    assert held.item.parent_id == "batch_1"
+    assert await store.held_with("batch_1") == 1 and await store.held_with("batch_3") == 0
+    assert await store.purge("batch_1") == 5
+    assert await store.pending_for("batch_1") == 0 and await store.purge("batch_1") == 0
+    await held.ack()  # the worker's ack of a purged item is harmless
+    assert (
+        await store.pending("d1") == 1 and await store.pending("d2") == 0 and await store.pending("d3") == 1
+    )
+    assert [d.item.parent_id for d in await store.pull("d1", 2, 10, 1.0)] == ["batch_2"]
+    assert await store.held_with("batch_1") == 0
+
+
 async def test_unacked_item_comes_back_after_ack_wait(store: NatsBatchStore) -> None:
     await store.enqueue([item("batch_1", 0)])
     (first,) = await store.pull("d1", 2, 1, 1.0)
@@ -328,6 +345,9 @@ async def batch_store_round_trip(store: NatsBatchStore) -> None:
     assert await store.result_count("batch_rt") == 3
     assert await store.result(names.result_key("batch_rt", 1)) is not None
     assert await store.pending("d1") == 0 and await store.pending_for("batch_rt") == 0
+    await store.enqueue([item("batch_cx", i) for i in range(2)])
+    assert await store.held_with("batch_cx") == 0 and await store.purge("batch_cx") == 2
+    assert await store.pending_for("batch_cx") == 0
     await store.enqueue_webhook(request.id)
     webhooks = store.webhook_deliveries()
     await (await anext(webhooks)).nak(0.1)
