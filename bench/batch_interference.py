@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import openai
 
 from bench.common import console, print_table, run_main
+from tests.e2e.batch_tools import new_key, sdk
 from tests.e2e.sim_fleet import SimFleet, wait_for
 
 REGION = "local-east"
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             interactive(fleet, phases[0], args.phase_s, args.rate, args.max_tokens, args.seed)
 
             console.print(f"phase 2: {phases[1].name} of {args.lines} lines ...")
-            client = openai.OpenAI(base_url=f"{fleet.gateways[REGION]}/v1", api_key=fleet.key, max_retries=2)
+            client = sdk(fleet.gateways[REGION], new_key(fleet, "batch"))  # once the store is bound
             data = b"".join(json.dumps(r).encode() + b"\n" for r in rows)
             file = client.files.create(file=("batch.jsonl", io.BytesIO(data)), purpose="batch")
             batch = client.batches.create(
