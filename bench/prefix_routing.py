@@ -30,8 +30,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -104,14 +106,23 @@ def conversations(n: int, turns: int, skip: int, tag: str) -> list[list[str]]:
 
 
 class Fleet:
-    """nats-server, the agent and two gateways as child processes under one temp dir."""
+    """nats-server, the agent and two gateways (least-load, prefix) as child processes under
+    one temp dir. Each deployment of `deployments` (name -> engine_args beyond
+    `max_model_len`) runs `replicas` replicas; both gateways route every deployment."""
 
-    def __init__(self, home: Path, replicas: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        home: Path,
+        replicas: int,
+        max_model_len: int,
+        deployments: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
         self.home = home
         self.nats = NatsServer(home / "nats")
         self.procs: list[subprocess.Popen[bytes]] = []
         self.replicas = replicas
         self.max_model_len = max_model_len
+        self.deployments = dict(deployments or {DEPLOYMENT: {"kv_cache_memory": "384MiB"}})
         self.gateways: dict[str, str] = {}
         self.secret, self.record = _key()
 
@@ -121,7 +132,7 @@ class Fleet:
                 "cluster": "bench",
                 "nats_url": self.nats.url,
                 "state_dir": str(self.home / "state"),
-                "cpu_slots": self.replicas,
+                "cpu_slots": self.replicas * len(self.deployments),
                 "gateway": {"port": port, "routing": routing, "queue_timeout_s": 120},
                 "replica": {
                     "extra_args": ["--threads", "1", "--log-level", "warning"],
@@ -159,22 +170,24 @@ class Fleet:
         await ensure_jetstream(link.nc.jetstream())
         specs = [
             ReplicaSpec(
-                replica_id=f"chat-{i}",
-                deployment=DEPLOYMENT,
+                replica_id=f"{name}-{i}",
+                deployment=name,
                 version=1,
                 model="smollm2-135m",
-                engine_args={"max_model_len": self.max_model_len, "kv_cache_memory": "384MiB"},
+                engine_args={"max_model_len": self.max_model_len, **args},
             )
+            for name, args in self.deployments.items()
             for i in range(self.replicas)
         ]
         await link.kv_put(
             protocol.BUCKET_DESIRED, "bench", DesiredState(cluster="bench", generation=1, replicas=specs)
         )
-        await link.kv_put(
-            protocol.BUCKET_ROUTES,
-            DEPLOYMENT,
-            RoutingTable(deployment=DEPLOYMENT, clusters=[ClusterRoute(cluster="bench")]),
-        )
+        for name in self.deployments:
+            await link.kv_put(
+                protocol.BUCKET_ROUTES,
+                name,
+                RoutingTable(deployment=name, clusters=[ClusterRoute(cluster="bench")]),
+            )
         await link.kv_put(protocol.BUCKET_KEYS, self.record.key_id, self.record)
         await link.close()
         self._spawn(["-m", "agent", "--config", str(self._config("prefix", free_port()))], "agent.log")
@@ -193,9 +206,8 @@ class Fleet:
                 ready = []
                 for url in self.gateways.values():
                     try:
-                        ready.append(
-                            (await client.get(url + "/health")).json()["ready_replicas"].get(DEPLOYMENT, 0)
-                        )
+                        counts = (await client.get(url + "/health")).json()["ready_replicas"]
+                        ready.append(min(counts.get(name, 0) for name in self.deployments))
                     except (httpx.HTTPError, ValueError, KeyError):
                         ready.append(0)
                 if all(n == self.replicas for n in ready):
@@ -204,9 +216,9 @@ class Fleet:
                     raise RuntimeError(f"fleet not ready ({ready}); logs in {self.home}")
                 await asyncio.sleep(1.0)
 
-    def replica_urls(self) -> list[str]:
+    def replica_urls(self, deployment: str = DEPLOYMENT) -> list[str]:
         snap = LocalState(self.home / "state").load_replicas()
-        return [r.url for r in snap.replicas if r.deployment == DEPLOYMENT] if snap else []
+        return [r.url for r in snap.replicas if r.deployment == deployment] if snap else []
 
     def stop(self) -> None:
         stop_processes(self.procs, 60)
@@ -219,23 +231,47 @@ def _key() -> tuple[str, ApiKeyRecord]:
     return secret, ApiKeyRecord(key_id=key_id, name="bench", salt=salt, hash=digest, scopes=["inference"])
 
 
-async def engine_hits(urls: list[str]) -> tuple[float, float]:
-    hits = queries = 0.0
+# Label values that split an engine counter into series worth keeping apart.
+_SERIES_LABELS = ("tier", "direction")
+
+
+def counters_from_metrics(text: str) -> dict[str, float]:
+    """An engine's /metrics counters (`*_total`) by series, e.g.
+    `fleet_engine_kv_tier_hits_total{tier=host}`; other labels (model) summed over."""
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if not s.name.endswith("_total"):
+                continue
+            labels = ",".join(f"{k}={s.labels[k]}" for k in _SERIES_LABELS if k in s.labels)
+            key = f"{s.name}{{{labels}}}" if labels else s.name
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+async def engine_counters(urls: list[str]) -> dict[str, float]:
+    """`counters_from_metrics` summed over the replicas at `urls`."""
+    total: dict[str, float] = {}
     async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
         for url in urls:
             text = (await client.get(url.rstrip("/") + "/metrics")).text
-            for fam in text_string_to_metric_families(text):
-                for s in fam.samples:
-                    if s.name == "fleet_engine_prefix_cache_hits_total":
-                        hits += s.value
-                    elif s.name == "fleet_engine_prefix_cache_queries_total":
-                        queries += s.value
-    return hits, queries
+            for key, value in counters_from_metrics(text).items():
+                total[key] = total.get(key, 0.0) + value
+    return total
 
 
-async def ask(client: httpx.AsyncClient, url: str, key: str, turn: Turn, max_tokens: int) -> None:
+async def engine_hits(urls: list[str]) -> tuple[float, float]:
+    c = await engine_counters(urls)
+    return c.get("fleet_engine_prefix_cache_hits_total", 0.0), c.get(
+        "fleet_engine_prefix_cache_queries_total", 0.0
+    )
+
+
+async def ask(
+    client: httpx.AsyncClient, url: str, key: str, turn: Turn, max_tokens: int, model: str = DEPLOYMENT
+) -> None:
     body = {
-        "model": DEPLOYMENT,
+        "model": model,
         "messages": turn.messages,
         "max_tokens": max_tokens,
         "temperature": 0,
