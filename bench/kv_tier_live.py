@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import hashlib
 import math
+import os
 import random
 import sys
 import tempfile
@@ -227,13 +228,21 @@ class ArmResult:
     turns: list[Turn] = field(default_factory=list)
     counters: dict[str, float] = field(default_factory=dict)  # engine counter deltas over the arm
     wall_s: float = 0.0
+    cut: bool = False  # stopped at the arm's time limit: turns not sent are missing from `turns`
 
 
 async def run_arm(
-    arm: Arm, tag: str, url: str, key: str, workload: Workload, texts: Texts, result: ArmResult
+    arm: Arm,
+    tag: str,
+    url: str,
+    key: str,
+    workload: Workload,
+    texts: Texts,
+    result: ArmResult,
+    limit_s: float = math.inf,
 ) -> None:
     """The whole plan, open loop: each conversation starts at its time, each next turn a
-    think time after the previous reply."""
+    think time after the previous reply; cut at `limit_s`."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), trust_env=False) as client:
 
         async def conversation(c: ConversationPlan) -> None:
@@ -242,17 +251,30 @@ async def run_arm(
             for k, t in enumerate(c.turns):
                 await asyncio.sleep(t.think_s)
                 turn = Turn(c.conversation, k, messages_for(workload, c, k, replies, tag, texts))
-                await ask(client, url, key, turn, workload.shape.reply_tokens, arm.deployment)
+                try:
+                    await ask(client, url, key, turn, workload.shape.reply_tokens, arm.deployment)
+                except httpx.HTTPError as e:  # counted as not ok; the conversation goes on
+                    turn.text = f"{type(e).__name__}: {e}"
                 result.turns.append(turn)
                 replies.append(turn.text)
 
         start = time.perf_counter()
-        await asyncio.gather(*(conversation(c) for c in workload.conversations))
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(conversation(c) for c in workload.conversations)),
+                None if math.isinf(limit_s) else limit_s,
+            )
+        except TimeoutError:
+            result.cut = True
         result.wall_s = time.perf_counter() - start
 
 
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b and math.isfinite(b) else math.nan
 
 
 def arm_row(r: ArmResult, base: ArmResult, block_size: int = BLOCK_SIZE) -> list[Any]:
@@ -275,7 +297,7 @@ def arm_row(r: ArmResult, base: ArmResult, block_size: int = BLOCK_SIZE) -> list
         return f"{100 * v / queries:.1f}%" if queries else "-"
 
     return [
-        r.arm.name,
+        r.arm.name + (" (cut)" if r.cut else ""),
         f"{sum(t.ok for t in r.turns)}/{len(r.turns)}",
         ttft(r, 50),
         ttft(r, 90),
@@ -285,9 +307,9 @@ def arm_row(r: ArmResult, base: ArmResult, block_size: int = BLOCK_SIZE) -> list
         int(c.get(Q_PREEMPT, 0.0)),
         tok_s(r),
         r.wall_s,
-        ttft(r, 50) / ttft(base, 50),
-        ttft(r, 90) / ttft(base, 90),
-        tok_s(r) / tok_s(base),
+        ratio(ttft(r, 50), ttft(base, 50)),
+        ratio(ttft(r, 90), ttft(base, 90)),
+        ratio(tok_s(r), tok_s(base)),
     ]
 
 
@@ -349,6 +371,7 @@ async def run(ns: argparse.Namespace) -> int:
     workload = plan_workload(shape)
     about = describe(workload, ns.replicas, ns.device_tokens, ns.host_x)
     console.print(about)
+    about += f"; machine load average {os.getloadavg()[0]:.2f} before the fleet"
     texts = load_texts()
     home = Path(tempfile.mkdtemp(prefix="fleet-kv-tier-bench-"))
     fleet = Fleet(
@@ -386,9 +409,8 @@ async def run(ns: argparse.Namespace) -> int:
             arm = result.arm
             console.print(f"arm {i + 1}/{len(results)}: {arm.name} ...")
             before = await engine_counters(urls[arm.deployment])
-            await run_arm(
-                arm, f"[run {i + 1}]", fleet.gateways[arm.routing], fleet.secret, workload, texts, result
-            )
+            url = fleet.gateways[arm.routing]
+            await run_arm(arm, f"[run {i + 1}]", url, fleet.secret, workload, texts, result, ns.arm_limit)
             result.counters = delta(await engine_counters(urls[arm.deployment]), before)
             result.turns.sort(key=lambda t: (t.conversation, t.turn))
             console.print(
@@ -418,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         "--rate", type=float, default=Shape.rate, help="conversation starts per second outside bursts"
     )
     p.add_argument("--seed", type=int, default=Shape.seed)
+    p.add_argument("--arm-limit", type=float, default=240.0, help="seconds before an arm is cut")
     ns = p.parse_args(argv)
     if ns.device_tokens < max_model_len(ns.max_context, ns.max_tokens):
         p.error(

@@ -3,11 +3,13 @@ each turn sends, the engine counters it reads and the table it prints."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import math
 
 import pytest
 
+from bench import kv_tier_live
 from bench.kv_tier_live import (
     ARMS,
     LEAST_LOAD,
@@ -139,3 +141,46 @@ def test_the_table_gives_hit_rates_per_tier_and_ratios_to_the_baseline(
     print_results([base, tier], "title", "caption")
     out = capsys.readouterr().out
     assert "hit host" in out and "tier on, prefix" in out
+
+
+def _fast_shape() -> Shape:
+    return Shape(
+        seed=1, seconds=0.3, rate=20, burst_s=0.05, burst_every_s=0.2, think_s=0.001, max_think_s=0.005
+    )
+
+
+def test_an_arm_sends_every_planned_turn_with_the_replies_in_the_history(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sent: list[Turn] = []
+
+    async def fake_ask(client, url, key, turn, max_tokens, model) -> None:
+        assert model == TIER_ON and max_tokens == Shape().reply_tokens
+        sent.append(turn)
+        turn.text, turn.ttft_s, turn.ok = f"reply {turn.conversation}.{turn.turn}", 0.01, True
+
+    monkeypatch.setattr(kv_tier_live, "ask", fake_ask)
+    w = plan_workload(_fast_shape())
+    texts = Texts(list(range(5000)), lambda ids: " ".join(map(str, ids)))
+    result = ArmResult(ARMS[3])
+    asyncio.run(kv_tier_live.run_arm(ARMS[3], "[run 4]", "http://x", "k", w, texts, result))
+    assert len(result.turns) == w.requests and all(t.ok for t in result.turns) and not result.cut
+    for t in sent:
+        c = w.conversations[t.conversation]
+        kept = range(c.turns[t.turn].first_kept, t.turn)
+        assistant = [m["content"] for m in t.messages if m["role"] == "assistant"]
+        assert assistant == [f"reply {t.conversation}.{j}" for j in kept]
+
+
+def test_an_arm_past_its_limit_is_cut_not_hung(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def slow_ask(client, url, key, turn, max_tokens, model) -> None:
+        await asyncio.sleep(10)
+
+    monkeypatch.setattr(kv_tier_live, "ask", slow_ask)
+    result = ArmResult(ARMS[0])
+    texts = Texts(list(range(5000)), str)
+    asyncio.run(
+        kv_tier_live.run_arm(ARMS[0], "t", "http://x", "k", plan_workload(_fast_shape()), texts, result, 0.2)
+    )
+    assert result.cut and result.turns == [] and result.wall_s < 5
+    assert arm_row(result, result)[0].endswith("(cut)")
