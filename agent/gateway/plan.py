@@ -51,7 +51,10 @@ The new prefill counts twice (`fleet_base.kv_tier_cost.NEW_PREFILL_WEIGHT`): the
 waits for it, and it is work the replica's later requests wait behind (a prefix computed
 again elsewhere is work the fleet does twice); the queued prefill is there wherever the
 request goes. Where the queued prefill is unknown (`ReplicaFacts.prefill_tokens` None) all
-outstanding work counts. Least-load orders by all outstanding work. A prefix the replica holds in its
+outstanding work counts. Least-load orders by all outstanding work, and so does prefix
+routing for a prompt no replica holds any of: there is no prefill to save, and a replica
+whose prefill queue is empty but whose batch is full of decoding sequences would pause
+them all for it. A prefix the replica holds in its
 host-memory tier saves its prefill less the load back (`fleet_base.kv_tier_cost`, the
 scoring the simulator calls too): each such token counts `host_token_value` (0..1) of a
 device hit, the replica's own (from its profile) or the model's default.
@@ -310,7 +313,7 @@ def rank_replicas(
     versions = {r.version for r in here.replicas}
     if len(versions) > 1 and here.versions:
         wanted = pick_version(versions, here.versions, request.draw)
-    scored = []
+    found = []
     for r in here.replicas:
         if request.adapter is not None and r.max_adapters == 0 and request.adapter not in r.adapters:
             continue  # LoRA is off there: it can never serve the adapter
@@ -319,9 +322,13 @@ def rank_replicas(
             tiers = index.match_tiers(here.cluster, r.replica_id, request.block_hashes)
         cached = _hit(request, tiers)
         host_value = model.host_token_value if r.host_token_value is None else r.host_token_value
-        hit = cached.value(host_value)  # prefill saved, in tokens
+        found.append((r, cached, host_value, cached.value(host_value)))  # prefill saved, in tokens
+    saves = any(hit > 0 for *_, hit in found)  # else all outstanding work: least-load's order
+    scored = []
+    for r, cached, host_value, hit in found:
         if model.prefix:
-            cost = prefix_cost(cached, request.prompt_tokens, r.queued_prefill, host_value)
+            queued = r.queued_prefill if saves else r.outstanding_tokens
+            cost = prefix_cost(cached, request.prompt_tokens, queued, host_value)
         else:
             cost = float(r.outstanding_tokens)
         tier = adapter_tier(request.adapter, r)

@@ -1,7 +1,8 @@
 """Table tests of the prefix cost's load term: a new prompt waits behind the prefills
 queued at a replica, not behind its decoding sequences (the engine prefills first), so
 `ReplicaFacts.prefill_tokens` (new prefill with no first token yet) is the load the saved
-prefill is weighed against; decode work only breaks ties. Unknown (None): all outstanding
+prefill is weighed against; decode work only breaks ties (and orders a prompt nobody holds
+any of, as least-load does). Unknown (None): all outstanding
 work counts, as before (tests/agent/gateway/test_plan.py). The new prefill counts twice
 (`fleet_base.kv_tier_cost.NEW_PREFILL_WEIGHT`: the request's wait, and work the replica's
 later requests wait behind), the queued prefill once."""
@@ -71,11 +72,12 @@ ROWS = [
         {"a": 2 * (1024 - 960) + 1_900, "b": 2 * 1024},
     ),
     Row(
-        "a miss goes where the fewest prefills are queued",
+        "a prompt nobody holds goes in least-load's order, decoding work included",
         {"a": 0, "b": 0},
-        {"a": (100, 900), "b": (40_000, 0)},
+        {"a": (1_000, 900), "b": (40_000, 0)},
         "prefix",
-        (("b", "least-load"), ("a", "retry")),
+        (("a", "least-load"), ("b", "retry")),
+        {"a": 2 * 1024 + 1_000, "b": 2 * 1024 + 40_000},
     ),
     Row(
         "no prefill queued anywhere: the least outstanding work breaks the tie",
