@@ -1,0 +1,210 @@
+"""What each inference engine Fleet can drive offers, and how to start its server.
+
+One table (`CAPABILITIES`) that routing, stream migration, LoRA routing, batch workers, the
+autoscaler and health probes read, so a feature an engine lacks is refused or skipped in one
+place rather than discovered as a failed request. `launch_command` is the pure argv a launcher
+runs (process runtime) or puts in a container spec (Kubernetes runtime). See docs/engines.md.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Literal, get_args
+
+from pydantic import BaseModel, ConfigDict
+
+EngineKind = Literal["fleet", "vllm", "sglang", "llama.cpp"]
+ENGINE_KINDS: tuple[EngineKind, ...] = get_args(EngineKind)
+
+KvEventsTransport = Literal["http", "zmq"]
+
+
+class EngineCapabilities(BaseModel):
+    """What one engine offers a Fleet deployment, from its own documentation.
+
+    `lora_load`: adapters can be loaded and unloaded while the server runs (without it, only
+    adapters named at launch can be served). `continuation_from_token_ids`: a request can
+    resume from the prompt plus already generated token ids (what stream migration needs).
+    `prompt_token_ids`: a completion prompt may be token ids rather than text.
+    `metrics_prefix`: the name prefix of the engine's Prometheus series, read by
+    agent/replica_metrics.py. `metrics_flag`: what the server needs to expose /metrics at all.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kv_events: KvEventsTransport | None
+    lora_load: bool
+    continuation_from_token_ids: bool
+    prompt_token_ids: bool
+    embeddings: bool
+    structured_outputs: bool
+    tls: bool
+    tensor_parallel: bool
+    metrics_prefix: str
+    metrics_flag: str | None
+    health_path: str
+    default_port: int
+
+
+CAPABILITIES: dict[EngineKind, EngineCapabilities] = {
+    # Fleet's own engine: docs/engine.md, docs/metrics.md, docs/lora.md, docs/stream-migration.md.
+    # Prefix-cache events go to the agent's relay over HTTP (agent/kv_relay.py).
+    "fleet": EngineCapabilities(
+        kv_events="http",
+        lora_load=True,
+        continuation_from_token_ids=True,
+        prompt_token_ids=True,
+        embeddings=True,
+        structured_outputs=True,
+        tls=True,
+        tensor_parallel=False,
+        metrics_prefix="fleet_engine_",
+        metrics_flag=None,
+        health_path="/health",
+        default_port=8000,
+    ),
+    # https://docs.vllm.ai/en/stable/cli/serve/ (flags), .../usage/metrics/ (vllm:* series),
+    # .../features/lora/ (/v1/load_lora_adapter with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True),
+    # .../examples/online_serving/kv_events_subscriber/ (ZMQ msgpack KV events),
+    # .../features/structured_outputs/; /v1/completions accepts a list of token ids as prompt.
+    "vllm": EngineCapabilities(
+        kv_events="zmq",
+        lora_load=True,
+        continuation_from_token_ids=True,
+        prompt_token_ids=True,
+        embeddings=True,
+        structured_outputs=True,
+        tls=True,
+        tensor_parallel=True,
+        metrics_prefix="vllm:",
+        metrics_flag=None,
+        health_path="/health",
+        default_port=8000,
+    ),
+    # https://docs.sglang.io/references/production_metrics (sglang:* with --enable-metrics),
+    # https://docs.sglang.io/advanced_features/server_arguments (flags, --kv-events-config),
+    # .../advanced_features/lora (/load_lora_adapter, /unload_lora_adapter); the native
+    # /generate endpoint takes `input_ids`; /health answers once the scheduler is up.
+    "sglang": EngineCapabilities(
+        kv_events="zmq",
+        lora_load=True,
+        continuation_from_token_ids=True,
+        prompt_token_ids=True,
+        embeddings=True,
+        structured_outputs=True,
+        tls=True,
+        tensor_parallel=True,
+        metrics_prefix="sglang:",
+        metrics_flag="--enable-metrics",
+        health_path="/health",
+        default_port=30000,
+    ),
+    # https://github.com/ggml-org/llama.cpp/blob/master/tools/server/README.md: /health (503
+    # while loading), /metrics with llamacpp:* only with --metrics, /slots; /completion takes
+    # a prompt of token ids (or mixed), which is what continuation needs. No KV-cache events.
+    # POST /lora-adapters only rescales adapters given at launch with --lora: no hot load.
+    # TLS only in builds with LLAMA_SERVER_SSL (--ssl-key-file/--ssl-cert-file); no tensor
+    # parallelism (layers split across devices instead).
+    "llama.cpp": EngineCapabilities(
+        kv_events=None,
+        lora_load=False,
+        continuation_from_token_ids=True,
+        prompt_token_ids=True,
+        embeddings=True,
+        structured_outputs=True,
+        tls=True,
+        tensor_parallel=False,
+        metrics_prefix="llamacpp:",
+        metrics_flag="--metrics",
+        health_path="/health",
+        default_port=8080,
+    ),
+}
+
+
+class TlsFiles(BaseModel):
+    """The replica's server certificate and key (and the CA clients present, if any)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    certfile: str
+    keyfile: str
+    ca_certs: str | None = None
+
+
+def kv_events_config(kind: EngineKind, endpoint: str, topic: str = "kv-events") -> str:
+    """The `--kv-events-config` JSON that makes vLLM or SGLang publish KV events on `endpoint`
+    (a ZMQ address the engine binds, e.g. "tcp://*:5557"). vLLM also needs its
+    `enable_kv_cache_events` switch; SGLang's config has no such field."""
+    config: dict[str, object] = {"publisher": "zmq", "endpoint": endpoint, "topic": topic}
+    if kind == "vllm":
+        config = {"enable_kv_cache_events": True, **config}
+    return json.dumps(config, separators=(",", ":"))
+
+
+def launch_command(
+    kind: EngineKind,
+    model_path: str,
+    port: int,
+    api_key: str | None,
+    served_name: str,
+    extra_args: Sequence[str] = (),
+    *,
+    host: str = "0.0.0.0",
+    tensor_parallel: int = 1,
+    kv_events_endpoint: str | None = None,
+    tls: TlsFiles | None = None,
+    python: str = "python",
+) -> list[str]:
+    """The argv that starts `kind`'s OpenAI-compatible server on `port` with the flags Fleet
+    relies on: its API key, the deployment's model name, metrics, KV events (where the engine
+    publishes them) and TLS. `extra_args` (the user's `-e` pass-through) come last, so a user
+    flag the engine parses last-wins overrides ours.
+
+    The `fleet` engine's own launcher lives in agent/runtime; this covers foreign engines."""
+    caps = CAPABILITIES[kind]
+    if tls is not None and not caps.tls:
+        raise ValueError(f"{kind} does not serve TLS")
+    if kv_events_endpoint is not None and caps.kv_events != "zmq":
+        raise ValueError(f"{kind} does not publish KV events over ZMQ")
+    if tensor_parallel < 1:
+        raise ValueError("tensor_parallel must be at least 1")
+    if tensor_parallel > 1 and not caps.tensor_parallel:
+        raise ValueError(f"{kind} has no tensor parallelism")
+    if kind == "vllm":
+        argv = ["vllm", "serve", model_path, "--host", host, "--port", str(port)]
+        argv += ["--served-model-name", served_name]
+        argv += _tp_flags("--tensor-parallel-size", tensor_parallel) + _key_flags(api_key)
+    elif kind == "sglang":
+        argv = [python, "-m", "sglang.launch_server", "--model-path", model_path]
+        argv += ["--host", host, "--port", str(port), "--served-model-name", served_name]
+        argv += _tp_flags("--tp-size", tensor_parallel) + _key_flags(api_key)
+        argv.append("--enable-metrics")
+    elif kind == "llama.cpp":
+        argv = ["llama-server", "-m", model_path, "--host", host, "--port", str(port)]
+        argv += ["--alias", served_name, "--metrics", "--slots", *_key_flags(api_key)]
+    else:
+        raise ValueError(f"no foreign launch command for engine {kind!r}")
+    if kv_events_endpoint:
+        argv += ["--kv-events-config", kv_events_config(kind, kv_events_endpoint)]
+    if tls:
+        argv += _tls_flags(kind, tls)
+    return argv + list(extra_args)
+
+
+def _tp_flags(name: str, size: int) -> list[str]:
+    return [name, str(size)] if size > 1 else []
+
+
+def _key_flags(api_key: str | None) -> list[str]:
+    return ["--api-key", api_key] if api_key else []
+
+
+def _tls_flags(kind: EngineKind, tls: TlsFiles) -> list[str]:
+    if kind == "llama.cpp":
+        return ["--ssl-cert-file", tls.certfile, "--ssl-key-file", tls.keyfile]
+    out = ["--ssl-certfile", tls.certfile, "--ssl-keyfile", tls.keyfile]
+    if kind == "vllm" and tls.ca_certs:
+        out += ["--ssl-ca-certs", tls.ca_certs]
+    return out

@@ -1,0 +1,107 @@
+"""Launch commands against each engine's documented CLI (vLLM `vllm serve`, SGLang
+`python -m sglang.launch_server`, llama.cpp `llama-server`); nothing is launched here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fleet_base.engines import CAPABILITIES, ENGINE_KINDS, TlsFiles, launch_command
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+@pytest.mark.parametrize(
+    ("kind", "head", "model_flag", "name_flag", "metrics_flag"),
+    [
+        ("vllm", ["vllm", "serve", "/m/llama"], None, "--served-model-name", None),
+        (
+            "sglang",
+            ["python", "-m", "sglang.launch_server"],
+            "--model-path",
+            "--served-model-name",
+            "--enable-metrics",
+        ),
+        ("llama.cpp", ["llama-server"], "-m", "--alias", "--metrics"),
+    ],
+)
+def test_launch_command_carries_the_flags_fleet_needs(kind, head, model_flag, name_flag, metrics_flag):
+    argv = launch_command(kind, "/m/llama", 8123, "sk-replica", "llama-70b", ["--max-model-len", "4096"])
+    assert argv[: len(head)] == head
+    if model_flag:
+        assert flag(argv, model_flag) == "/m/llama"
+    assert flag(argv, "--port") == "8123"
+    assert flag(argv, "--host") == "0.0.0.0"
+    assert flag(argv, "--api-key") == "sk-replica"
+    assert flag(argv, name_flag) == "llama-70b"
+    if metrics_flag:
+        assert metrics_flag in argv
+    assert argv[-2:] == ["--max-model-len", "4096"]  # pass-through last: the user's flag wins
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang", "llama.cpp"])
+def test_no_api_key_means_no_flag(kind):
+    assert "--api-key" not in launch_command(kind, "/m", 1, None, "x")
+
+
+def test_vllm_kv_events_tp_and_tls():
+    tls = TlsFiles(certfile="/t/c.pem", keyfile="/t/k.pem", ca_certs="/t/ca.pem")
+    argv = launch_command(
+        "vllm", "/m", 9000, "k", "m", tensor_parallel=8, kv_events_endpoint="tcp://*:5557", tls=tls
+    )
+    assert flag(argv, "--tensor-parallel-size") == "8"
+    assert json.loads(flag(argv, "--kv-events-config")) == {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "tcp://*:5557",
+        "topic": "kv-events",
+    }
+    assert (flag(argv, "--ssl-certfile"), flag(argv, "--ssl-keyfile"), flag(argv, "--ssl-ca-certs")) == (
+        "/t/c.pem",
+        "/t/k.pem",
+        "/t/ca.pem",
+    )
+
+
+def test_sglang_kv_events_and_tp():
+    argv = launch_command(
+        "sglang", "/m", 30000, "k", "m", tensor_parallel=4, kv_events_endpoint="tcp://*:5558"
+    )
+    assert flag(argv, "--tp-size") == "4"
+    config = json.loads(flag(argv, "--kv-events-config"))
+    assert config["publisher"] == "zmq" and config["endpoint"] == "tcp://*:5558"
+    assert "enable_kv_cache_events" not in config  # not a field of SGLang's config
+
+
+def test_llama_cpp_tls_flags_are_its_own():
+    argv = launch_command("llama.cpp", "/m.gguf", 8080, "k", "m", tls=TlsFiles(certfile="c", keyfile="k"))
+    assert (flag(argv, "--ssl-cert-file"), flag(argv, "--ssl-key-file")) == ("c", "k")
+
+
+@pytest.mark.parametrize(
+    ("kind", "kwargs", "why"),
+    [
+        ("llama.cpp", {"kv_events_endpoint": "tcp://*:1"}, "KV events"),
+        ("llama.cpp", {"tensor_parallel": 2}, "tensor parallelism"),
+        ("vllm", {"tensor_parallel": 0}, "at least 1"),
+        ("fleet", {}, "no foreign launch"),
+    ],
+)
+def test_what_an_engine_cannot_do_is_refused(kind, kwargs, why):
+    with pytest.raises(ValueError, match=why):
+        launch_command(kind, "/m", 1, None, "m", **kwargs)
+
+
+def test_capability_table_covers_every_engine():
+    assert set(CAPABILITIES) == set(ENGINE_KINDS) == {"fleet", "vllm", "sglang", "llama.cpp"}
+    assert CAPABILITIES["vllm"].kv_events == CAPABILITIES["sglang"].kv_events == "zmq"
+    assert CAPABILITIES["llama.cpp"].kv_events is None and not CAPABILITIES["llama.cpp"].lora_load
+    assert {c.metrics_prefix for c in CAPABILITIES.values()} == {
+        "fleet_engine_",
+        "vllm:",
+        "sglang:",
+        "llamacpp:",
+    }
