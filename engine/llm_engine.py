@@ -505,6 +505,7 @@ class LLMEngine:
 
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> EngineStats:
+        running_loras, waiting_loras = self.scheduler.lora_adapters()
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -524,6 +525,9 @@ class LLMEngine:
             kv_tier_hits=dict(self.kv.tier_stats.hits),
             kv_tier_bytes=dict(self.kv.tier_stats.bytes),
             kv_tier_load_seconds=self.kv_load_seconds.snapshot() if self.kv.host is not None else None,
+            running_lora_adapters=running_loras,
+            waiting_lora_adapters=waiting_loras,
+            max_loras=self.scheduler.max_loras or 0,
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -142,6 +142,11 @@ class EngineStats:
     kv_tier_hits: dict[str, int] = field(default_factory=dict)
     kv_tier_bytes: dict[str, int] = field(default_factory=dict)
     kv_tier_load_seconds: HistogramSnapshot | None = None
+    # LoRA: the adapters of running and of waiting requests, and the most adapters one batch
+    # may hold (0: LoRA disabled).
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_loras: int = 0
 
     @property
     def spec_decode_acceptance_rate(self) -> float:

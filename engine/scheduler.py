@@ -88,6 +88,11 @@ class WaitingQueue:
     def __iter__(self):
         return (e[3] for e in self._heap if id(e[3]) not in self._removed)
 
+    def snapshot(self) -> list[Request]:
+        """The queued requests, safe to take from another thread (C-level copies only)."""
+        heap, removed = list(self._heap), set(self._removed)
+        return [e[3] for e in heap if id(e[3]) not in removed]
+
 
 class Scheduler:
     def __init__(
@@ -131,6 +136,14 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
+
+    def lora_adapters(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Names of the adapters of the running and of the waiting requests (sorted, unique)."""
+
+        def names(requests: list[Request]) -> tuple[str, ...]:
+            return tuple(sorted({r.lora.name for r in requests if r.lora is not None}))
+
+        return names(list(self.running)), names(self.waiting.snapshot())
 
     # -- the policy --------------------------------------------------------------------
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:

@@ -1,8 +1,9 @@
 """Prometheus metrics of one replica, in a registry of its own (see docs/metrics.md).
 
 Engine-wide gauges and counters are read from `engine.stats()` at scrape time, so they can
-never drift from the engine; latency histograms and finish reasons are observed per request
-from the outputs the server streams.
+never drift from the engine (llm-d's `vllm:*` protocol names too, see `protocol_metrics`);
+latency histograms and finish reasons are observed per request from the outputs the server
+streams.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from engine.outputs import EngineStats, RequestOutput
+from engine.server.protocol_metrics import protocol_families
 from engine.timing import HistogramSnapshot
 from fleet_base.listener import RefusalCollector
 from fleet_base.metric_buckets import E2E_BUCKETS, ITL_BUCKETS, QUEUE_BUCKETS, TTFT_BUCKETS
@@ -129,6 +131,7 @@ class _EngineStatsCollector(Collector):
             self.model,
             s.kv_tier_load_seconds,
         )
+        yield from protocol_families(s, self.model)  # the same snapshot: the two always agree
 
 
 def histogram_family(name: str, doc: str, model: str, snap: HistogramSnapshot | None) -> Metric:
