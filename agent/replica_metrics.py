@@ -1,8 +1,12 @@
-"""Load of each ready replica, read from its Prometheus `/metrics` (see docs/metrics.md):
-running and waiting sequences, KV-cache usage, and as rates between scrapes: generated
-tokens/s (`fleet_engine_generation_tokens_total`), admitted prompt tokens/s
+"""Load of each ready replica, read from its Prometheus `/metrics` (see docs/metrics.md and,
+for vLLM, SGLang and llama.cpp replicas, docs/engines.md): running and waiting sequences,
+KV-cache usage, and as rates between scrapes: generated tokens/s
+(`fleet_engine_generation_tokens_total`), admitted prompt tokens/s
 (`fleet_engine_prompt_tokens_total`), requests starting per second and their mean TTFT
-(`fleet_engine_time_to_first_token_seconds` count and sum)."""
+(`fleet_engine_time_to_first_token_seconds` count and sum).
+
+This is the one place an engine's series names become Fleet's: `SOURCES` lists, per
+`EngineSample` field, the series of each engine that carries it."""
 
 from __future__ import annotations
 
@@ -27,8 +31,88 @@ STARTUP = "fleet_engine_startup_seconds"  # {phase}: the replica's own cold-star
 ENGINE_PHASES = ("load", "warmup", "first_token")
 
 
+def _histogram(*families: str, part: str) -> tuple[str, ...]:
+    return tuple(f"{f}_{part}" for f in families)
+
+
+_TTFT = (
+    "fleet_engine_time_to_first_token_seconds",
+    "vllm:time_to_first_token_seconds",
+    "sglang:time_to_first_token_seconds",
+)
+# vLLM and SGLang renamed time_per_output_token to inter_token_latency; either may be served.
+_ITL = (
+    "fleet_engine_inter_token_latency_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:time_per_output_token_seconds",
+    "sglang:inter_token_latency_seconds",
+    "sglang:time_per_output_token_seconds",
+)
+
+# Per EngineSample field, the series that carry it, Fleet's first. A scrape reads the first of
+# them it contains (summed over its label sets), so an engine that serves two names for one
+# quantity (Fleet's engine with llm-d's `vllm:*` names; vLLM with a deprecated name next to
+# its successor) is counted once. vLLM's `*_perc` gauges are ratios in [0, 1].
+SOURCES: dict[str, tuple[str, ...]] = {
+    "running": (
+        RUNNING,
+        "vllm:num_requests_running",
+        "sglang:num_running_reqs",
+        "llamacpp:requests_processing",
+    ),
+    "waiting": (
+        WAITING,
+        "vllm:num_requests_waiting",
+        "sglang:num_queue_reqs",
+        "llamacpp:requests_deferred",
+    ),
+    "kv_cache_usage": (
+        KV_USAGE,
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+        "sglang:token_usage",
+        "llamacpp:kv_cache_usage_ratio",
+    ),
+    "generation_tokens": (
+        GENERATED,
+        "vllm:generation_tokens_total",
+        "sglang:generation_tokens_total",
+        "llamacpp:tokens_predicted_total",
+    ),
+    "prompt_tokens": (
+        PROMPT,
+        "vllm:prompt_tokens_total",
+        "sglang:prompt_tokens_total",
+        "llamacpp:prompt_tokens_total",
+    ),
+    "ttft_sum": _histogram(*_TTFT, part="sum"),
+    "ttft_count": _histogram(*_TTFT, part="count"),
+    # llama.cpp has no latency histogram: its decode seconds over decoded tokens is the mean ITL.
+    "itl_sum": (*_histogram(*_ITL, part="sum"), "llamacpp:tokens_predicted_seconds_total"),
+    "itl_count": (*_histogram(*_ITL, part="count"), "llamacpp:tokens_predicted_total"),
+    "prefix_cache_hits": (
+        "fleet_engine_prefix_cache_hits_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:gpu_prefix_cache_hits_total",
+    ),
+    "prefix_cache_queries": (
+        "fleet_engine_prefix_cache_queries_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:gpu_prefix_cache_queries_total",
+    ),
+    # Engines that only publish a hit-rate gauge, not hit and query counters.
+    "prefix_cache_hit_rate": ("sglang:cache_hit_rate", "vllm:gpu_prefix_cache_hit_rate"),
+}
+# Ratios of one pool: the fullest label set (a data-parallel rank) stands for the replica.
+_RATIOS = frozenset({"kv_cache_usage", "prefix_cache_hit_rate"})
+_SOURCE_NAMES = frozenset(n for names in SOURCES.values() for n in names)
+
+
 @dataclass(frozen=True)
 class EngineSample:
+    """One scrape of a replica, in Fleet's terms whatever engine it runs. Counters are
+    cumulative; `prefix_cache_hit_rate` is None unless the engine only publishes a gauge."""
+
     running: float = 0.0
     waiting: float = 0.0
     kv_cache_usage: float = 0.0
@@ -37,29 +121,31 @@ class EngineSample:
     ttft_sum: float = 0.0
     ttft_count: float = 0.0
     startup: tuple[tuple[str, float], ...] = ()
+    itl_sum: float = 0.0
+    itl_count: float = 0.0
+    prefix_cache_hits: float = 0.0
+    prefix_cache_queries: float = 0.0
+    prefix_cache_hit_rate: float | None = None
 
 
 def parse_metrics(text: str) -> EngineSample:
-    """The engine's load gauges and token counter from Prometheus text, summed over the
-    `model` label (one per replica today). Missing series read as zero."""
-    values = dict.fromkeys((RUNNING, WAITING, KV_USAGE, GENERATED, PROMPT, TTFT_SUM, TTFT_COUNT), 0.0)
+    """The engine's load gauges and counters from Prometheus text, summed over label sets
+    (`model`, vLLM's `engine`, SGLang's ranks); ratios take the largest. Missing series read
+    as zero."""
+    seen: dict[str, list[float]] = {}
     startup: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in values:
-                values[sample.name] += float(sample.value)
+            if sample.name in _SOURCE_NAMES:
+                seen.setdefault(sample.name, []).append(float(sample.value))
             elif sample.name == STARTUP and sample.labels.get("phase") in ENGINE_PHASES:
                 startup[sample.labels["phase"]] = float(sample.value)
-    return EngineSample(
-        running=values[RUNNING],
-        waiting=values[WAITING],
-        kv_cache_usage=values[KV_USAGE],
-        generation_tokens=values[GENERATED],
-        prompt_tokens=values[PROMPT],
-        ttft_sum=values[TTFT_SUM],
-        ttft_count=values[TTFT_COUNT],
-        startup=tuple(sorted(startup.items())),
-    )
+    fields: dict[str, float] = {}
+    for field, names in SOURCES.items():
+        values = next((seen[n] for n in names if n in seen), None)
+        if values is not None:
+            fields[field] = max(values) if field in _RATIOS else sum(values)
+    return EngineSample(startup=tuple(sorted(startup.items())), **fields)
 
 
 class LoadTracker:
