@@ -9,7 +9,9 @@ another key's request by at most one of its own per request of the other key ahe
 
 A class whose oldest eligible waiter has waited `max_age_s` or longer is overdue and goes
 before every class that is not, the oldest overdue first, so a lower class is never
-starved beyond that age plus the time until the next slot frees. Plain and synchronous.
+starved beyond that age plus the time until the next slot frees. The `batch` class never
+becomes overdue (`unaged`): it runs only in capacity nobody else waits for, so it can never
+overtake an interactive or standard waiter, however long it waited. Plain and synchronous.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+
+from fleet_base.openai_contract.priority import BATCH_CLASS
 
 DEFAULT_CLASSES = ("interactive", "standard", "batch")
 DEFAULT_CLASS = "standard"
@@ -38,6 +42,7 @@ class Waiter:
 class PriorityWaitlist:
     classes: tuple[str, ...] = DEFAULT_CLASSES
     max_age_s: float = 10.0
+    unaged: frozenset[str] = frozenset({BATCH_CLASS})  # classes that never become overdue
     # class -> key -> that key's waiters (FIFO); a class's key order is its rotation
     _lists: dict[str, dict[str, collections.deque[Waiter]]] = field(default_factory=dict)
     _per_key: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -95,7 +100,7 @@ class PriorityWaitlist:
                 continue
             best = best or klass
             first = min(heads, key=lambda w: (w.arrived, w.seq))
-            if now - first.arrived >= self.max_age_s and (
+            if klass not in self.unaged and now - first.arrived >= self.max_age_s and (
                 oldest is None or (first.arrived, first.seq) < (oldest.arrived, oldest.seq)
             ):
                 oldest = first

@@ -43,14 +43,36 @@ def test_keys_take_turns(arrivals: str, expected: str) -> None:
 
 def test_classes_rank_before_turns_and_overdue_classes_go_first() -> None:
     wl = PriorityWaitlist(max_age_s=5.0)
-    b = wl.add("batch", 0.0, key="a")
-    s = [wl.add("standard", 1.0, key="a"), wl.add("standard", 2.0, key="b")]
-    i = wl.add("interactive", 3.0, key="c")
-    assert wl.pop(3.0) is i
-    assert wl.pop(3.0) is s[0]
-    assert wl.pop(5.5) is b  # overdue: batch's waiter is 5.5 s old
-    assert wl.pop(5.5) is s[1]
+    s = wl.add("standard", 0.0, key="a")
+    i = [wl.add("interactive", 1.0, key="a"), wl.add("interactive", 2.0, key="b")]
+    j = wl.add("interactive", 3.0, key="c")
+    assert wl.pop(3.0) is i[0]
+    assert wl.pop(3.0) is i[1]
+    assert wl.pop(5.5) is s  # overdue: standard's waiter is 5.5 s old
+    assert wl.pop(5.5) is j
     assert len(wl) == 0 and wl.pop(6.0) is None
+
+
+@pytest.mark.parametrize(
+    ("ahead", "batch_age", "first"),
+    [
+        ("interactive", 0.0, "interactive"),
+        ("interactive", 5.0, "interactive"),
+        ("interactive", 3600.0, "interactive"),
+        ("standard", 5.0, "standard"),
+        ("standard", 3600.0, "standard"),
+        (None, 3600.0, "batch"),
+    ],
+)
+def test_batch_never_becomes_overdue_ahead_of_other_classes(
+    ahead: str | None, batch_age: float, first: str
+) -> None:
+    wl = PriorityWaitlist(max_age_s=5.0)
+    wl.add("batch", 0.0, key="a")
+    if ahead is not None:
+        wl.add(ahead, batch_age, key="b")
+    popped = wl.pop(batch_age)
+    assert popped is not None and popped.klass == first
 
 
 def test_ineligible_keys_are_passed_over_and_keep_their_turn() -> None:
