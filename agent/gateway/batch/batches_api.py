@@ -95,11 +95,11 @@ class BatchesApi:
             if body.get(name) is None:
                 raise _bad(f"Missing required parameter: '{name}'", name, "missing_required_parameter")
         endpoint, window, file_id = body["endpoint"], body["completion_window"], body["input_file_id"]
-        if endpoint not in BATCH_ENDPOINTS:
+        if not isinstance(endpoint, str) or endpoint not in BATCH_ENDPOINTS:
             raise _bad(
                 f"Invalid value for 'endpoint': supported are {', '.join(BATCH_ENDPOINTS)}", "endpoint"
             )
-        if window not in COMPLETION_WINDOWS:
+        if not isinstance(window, str) or window not in COMPLETION_WINDOWS:
             raise _bad(
                 f"Invalid value for 'completion_window': supported are {', '.join(COMPLETION_WINDOWS)}",
                 "completion_window",

@@ -197,6 +197,10 @@ async def test_uploads_are_refused_with_a_reason(env: Env, form: dict, status: i
     [
         ({"endpoint": "/v1/images"}, "invalid_value", "endpoint"),
         ({"completion_window": "1h"}, "invalid_value", "completion_window"),
+        ({"completion_window": ["24h"]}, "invalid_value", "completion_window"),
+        ({"completion_window": {"h": 24}}, "invalid_value", "completion_window"),
+        ({"endpoint": ["/v1/chat/completions"]}, "invalid_value", "endpoint"),
+        ({"endpoint": {"a": 1}}, "invalid_value", "endpoint"),
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, "invalid_value", "metadata"),
         ({"metadata": {"k": "v" * 513}}, "invalid_value", "metadata"),
         ({"input_file_id": None}, "missing_required_parameter", "input_file_id"),
