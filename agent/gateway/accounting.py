@@ -6,11 +6,11 @@ replicas serve what it records."""
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any
 
-from agent.gateway.batch.work import retried
 from agent.gateway.exchange import Call, Exchange
 from agent.gateway.metrics import GatewayMetrics
 from agent.gateway.pipeline_route import PipelineHop
@@ -56,13 +56,15 @@ class Accounting:
         """Over a quota: the refusal is demand the control plane sees."""
         self.count(call.deployment, status, call.started)
         call.trace.finish(status, call=call, reason=reason)
-        self.usage.submit(
+        self._submit(
+            call,
             self._record(
                 call,
                 status=status,
                 refused_tokens=min(call.info.cost_tokens, MAX_USAGE_TOKENS),
                 adapter=call.adapter,
-            )
+                record_id=_record_id(call, secrets.token_hex(12)),
+            ),
         )
 
     def attempt_failed(self, call: Call, target: Attempt, status: int) -> None:
@@ -99,7 +101,8 @@ class Accounting:
         if completion:
             self.metrics.tokens.labels(deployment, "completion").inc(completion)
         prompt = min(prompt + ex.settlement.abandoned_tokens, MAX_USAGE_TOKENS)  # the key paid for those too
-        self.usage.submit(
+        self._submit(
+            call,
             self._record(
                 call,
                 version=p.version,
@@ -109,9 +112,18 @@ class Accounting:
                 ttft_s=p.ttft_s if p.ttft_s is not None else p.reported_ttft_s,
                 itl_s=p.itl_s,
                 adapter=call.adapter,
-                record_id=_record_id(call, p.record_id, status),
-            )
+                record_id=_record_id(call, p.record_id),
+            ),
         )
+
+    def _submit(self, call: Call, record: UsageRecord) -> None:
+        """Published, or held for the worker when the call runs a batch line or async
+        request (booked by the run whose result was stored; a run the worker retries, or
+        one whose result lost the create, is not booked at all)."""
+        if call.held is not None:
+            call.held.append(record)
+        else:
+            self.usage.submit(record)
 
 
 def _pipeline_fields(call: Call) -> dict[str, str | None]:
@@ -126,9 +138,7 @@ def _int(value: Any) -> int:
     return min(value, MAX_USAGE_TOKENS) if ok else 0
 
 
-def _record_id(call: Call, own: str, status: int) -> str:
-    """A batch line's final answer is booked under the line's id (its re-runs are booked
-    once); a server failure the worker will retry keeps a record of its own."""
-    if call.batch_record is not None and not retried(status):
-        return call.batch_record
-    return own
+def _record_id(call: Call, own: str) -> str:
+    """A batch line's or async request's answer is booked under the line's id, whatever
+    its status, so the line is booked once however many times it ran."""
+    return call.batch_record if call.batch_record is not None else own

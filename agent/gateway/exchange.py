@@ -15,6 +15,7 @@ from agent.gateway.pipeline_route import PipelineHop
 from agent.gateway.plan import Attempt
 from agent.gateway.quota import Reservation
 from agent.gateway.spans import RequestTrace
+from fleet_base.protocol import UsageRecord
 
 if TYPE_CHECKING:
     from agent.gateway.shadow import ShadowCopy
@@ -51,6 +52,9 @@ class Call:
     local_only: bool = False  # served by this cluster's replicas only, never sent to a peer
     # a batch line or async request: its usage record's id, the same on every run of the line
     batch_record: str | None = None
+    # a batch line's or async request's usage record is put here, not published: the worker
+    # books it only when its result is the one stored (`put_result` won)
+    held: list[UsageRecord] | None = field(default=None, compare=False, repr=False)
     trace: RequestTrace = field(default_factory=RequestTrace, compare=False, repr=False)  # its spans
 
     @property

@@ -73,6 +73,7 @@ from fleet_base.openai_contract.continuation import TOKEN_IDS_HEADER
 from fleet_base.openai_contract.priority import BATCH_CLASS
 from fleet_base.openai_contract.timing import ttft_header
 from fleet_base.pipelines import PIPELINE_HEADER, PIPELINE_REQUEST_HEADER
+from fleet_base.protocol import UsageRecord
 from fleet_base.security.tls import nats_tls
 from fleet_base.subjects import permits
 
@@ -265,6 +266,7 @@ class Gateway:
             spare=spare,
             backlog=self.demand.backlog,
             cluster=self.cluster,
+            book=self.usage.submit,
         )
 
     def _route_clusters(self) -> set[str]:
@@ -396,15 +398,17 @@ class Gateway:
             self.accounting.count(UNKNOWN, err.status, started)
             trace.finish(err.status, key_id=item.key_id, reason=err.code)
             return WorkOutcome.of(error_response(err, reply_headers))
+        held: list[UsageRecord] = []
         call = replace(
             call,
             klass=BATCH_CLASS,
             local_only=True,
             batch_record=usage_record_id(item.parent_id, item.index),
+            held=held,
         )
         response, ex = await self._serve(call, record, reply_headers, lambda work: work)
         usage = ex.progress.usage if ex is not None else {}
-        return WorkOutcome.of(response, usage)
+        return WorkOutcome.of(response, usage, held[-1] if held else None)
 
     async def _serve(
         self,

@@ -12,6 +12,7 @@ from starlette.responses import Response
 
 from agent.gateway.inputs import Endpoint
 from agent.gateway.upstream import PATHS
+from fleet_base.protocol import UsageRecord
 
 ENDPOINTS: dict[str, Endpoint] = {path: endpoint for endpoint, path in PATHS.items()}  # type: ignore[misc]
 
@@ -33,9 +34,14 @@ class WorkOutcome:
     body: Any  # the answer's JSON (an OpenAI error object when it failed), else its text
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # the run's usage record, held back: the worker books it only when this run's result
+    # is the line's (its `put_result` won); None when nothing was served or refused
+    record: UsageRecord | None = None
 
     @classmethod
-    def of(cls, response: Response, usage: Mapping[str, Any] | None = None) -> WorkOutcome:
+    def of(
+        cls, response: Response, usage: Mapping[str, Any] | None = None, record: UsageRecord | None = None
+    ) -> WorkOutcome:
         raw = bytes(response.body) if getattr(response, "body", None) is not None else b""
         try:
             body: Any = json.loads(raw) if raw else None
@@ -47,6 +53,7 @@ class WorkOutcome:
             body,
             _count(usage.get("prompt_tokens")),
             _count(usage.get("completion_tokens")),
+            record,
         )
 
 

@@ -5,14 +5,17 @@ One loop per deployment: it asks the gate how many lines may start, pulls that m
 the store (priority 0, then 1, then 2) and runs each as a task of its own. A line:
 - whose result is already stored (a re-delivery after a crash) is acknowledged, not run
   again (and so not booked twice; its usage record id is the line's in any case);
-- of a batch that is cancelling, cancelled or expired (the record read at most every
-  `BATCH_CACHE_S`), or an async request no longer queued, is acknowledged unrun;
+- of a batch that is cancelling, cancelled or expired (the record read afresh right
+  before the line starts), or an async request no longer queued, is acknowledged unrun;
 - past its `not_after` is stored expired;
 - else runs, its hold on the item renewed every third of the ack wait. A run that failed
   with a 5xx past the gateway's own retries, or a 429, is put back with backoff up to
   `line_attempts`, then its failure is its result; a 4xx is the line's answer.
 A result is stored (create-once) before the item is acknowledged; an async request's record
-is finished (and its webhook queued) in between. The loop also reads the deployment's
+is finished (and its webhook queued) in between. The run's usage record (its id the line's)
+is booked only when this run's result is the one stored: a run the worker retries, or one
+that lost the create to another run or to the driver's `batch_expired` placeholder, books
+nothing, so a line's usage records equal its output lines. The loop also reads the deployment's
 backlog for the metrics and as autoscaler demand (scale from zero).
 """
 
@@ -41,11 +44,11 @@ from fleet_base.batch.models import (
     now,
 )
 from fleet_base.batch.store import BatchStore, Conflict, Delivery, NotFound
+from fleet_base.protocol import UsageRecord
 
 log = logging.getLogger(__name__)
 
 DROPPED = frozenset({"cancelling", "cancelled", "expired", "failed"})  # a batch's items not to run
-BATCH_CACHE_S = 2.0
 BACKLOG_EVERY_S = 2.0
 BACKOFF_MAX_S = 60.0
 PULL_TIMEOUT_S = 0.2
@@ -62,6 +65,7 @@ class WorkerHooks:
     spare: Callable[[str, int], Spare]  # (deployment, lines in flight here) -> the gate's answer
     backlog: Callable[[str, int], None]  # the store's backlog of a deployment, as demand
     cluster: str
+    book: Callable[[UsageRecord], None] = lambda record: None  # publish a usage record
 
 
 def line_backoff_s(attempt: int, config: BatchConfig) -> float:
@@ -107,7 +111,6 @@ class BatchWorker:
         self.tick_s = tick_s
         self.clock = clock
         self.in_flight: dict[str, int] = {}
-        self._batches: dict[str, tuple[str, float]] = {}  # batch id -> (status, read at monotonic)
         self._tasks: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ loops
@@ -219,6 +222,8 @@ class BatchWorker:
         )
         if await store.put_result(item.id, result):
             (self.metrics.completed if line.ok else self.metrics.failed).labels(dep).inc()
+            if outcome.record is not None:
+                self.hooks.book(outcome.record)
         if item.kind == "async":
             await self._finish_async(store, item, line)
         await delivery.ack()
@@ -247,14 +252,11 @@ class BatchWorker:
             except NotFound:
                 return True
             return record.status not in ("queued", "in_progress")
-        cached = self._batches.get(item.parent_id)
-        if cached is None or time.monotonic() - cached[1] >= BATCH_CACHE_S:
-            try:
-                status = (await store.batch(item.parent_id)).value.status
-            except NotFound:
-                status = "cancelled"  # gone: nobody will read its lines
-            cached = self._batches[item.parent_id] = (status, time.monotonic())
-        return cached[0] in DROPPED
+        try:  # read afresh: a line must not start after its batch's cancel was stored
+            status = (await store.batch(item.parent_id)).value.status
+        except NotFound:
+            status = "cancelled"  # gone: nobody will read its lines
+        return status in DROPPED
 
     async def _started_async(self, store: BatchStore, item: WorkItem) -> None:
         """The async request is in progress (best effort: its end is what matters)."""
@@ -269,5 +271,12 @@ class BatchWorker:
     async def _finish_async(
         self, store: BatchStore, item: WorkItem, line: LineResult, status: str = ""
     ) -> None:
-        status = status or ("succeeded" if line.ok else "failed")
+        status = status or async_status(line)
         await finish_async_record(store, item.parent_id, status, self.config, self.clock())  # type: ignore[arg-type]
+
+
+def async_status(line: LineResult) -> str:
+    """An async request's status from its stored result: an expired one stays expired."""
+    if line.error is not None and line.error.code == "expired":
+        return "expired"
+    return "succeeded" if line.ok else "failed"

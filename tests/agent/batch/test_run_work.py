@@ -1,6 +1,7 @@
 """The gateway's internal execution path: a work item runs as its owner key through the
 same path as an interactive request (routing, retries, quota, usage), in the batch class,
-whole, and is booked once under the line's own usage record id."""
+whole; its usage record, under the line's own id whatever the answer, is handed back to
+the worker (which books it only when its result is the one stored), never published here."""
 
 from __future__ import annotations
 
@@ -41,7 +42,9 @@ async def test_a_line_answers_as_the_same_request_made_interactively(tmp_path: P
     assert "stream" not in batch_sent.body  # whole, whatever the line asked
     assert batch_sent.headers[PRIORITY_CLASS_HEADER] == "batch"
     assert interactive_sent.headers[PRIORITY_CLASS_HEADER] == "standard"
-    line, inter = fleet.records
+    (inter,) = fleet.records  # the line's record is the worker's to book
+    line = out.record
+    assert line is not None
     assert (line.batch, line.record_id, line.key_id, line.prompt_tokens) == (
         True,
         usage_record_id("batch_x", 0),
@@ -53,9 +56,9 @@ async def test_a_line_answers_as_the_same_request_made_interactively(tmp_path: P
 
 async def test_a_rerun_books_under_the_same_id(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path)
-    await fleet.gw.run_work(item(4), "req-1")
-    await fleet.gw.run_work(item(4), "req-2")
-    assert {r.record_id for r in fleet.records} == {usage_record_id("batch_x", 4)}
+    runs = [await fleet.gw.run_work(item(4), "req-1"), await fleet.gw.run_work(item(4), "req-2")]
+    assert {r.record.record_id for r in runs if r.record} == {usage_record_id("batch_x", 4)}
+    assert fleet.records == []
 
 
 async def test_a_revoked_or_missing_key_fails_the_line_and_sends_nothing(tmp_path: Path) -> None:
@@ -73,12 +76,13 @@ async def test_a_replica_failure_is_retried_on_another_by_the_normal_path(tmp_pa
     fleet.replicas.behaviour["r2"] = status(500)
     out = await fleet.gw.run_work(item(0), "req-1")
     assert out.status == 500 and len(fleet.replicas.sent) == 2  # both tried
-    assert all(r.batch and r.record_id != usage_record_id("batch_x", 0) for r in fleet.records)
+    assert out.record is not None and out.record.record_id == usage_record_id("batch_x", 0)
+    assert all(r.attempt_failed for r in fleet.records)  # telemetry only, never billed
     fleet.replicas.behaviour.pop("r2")
     for _ in range(3):
         out = await fleet.gw.run_work(item(0), "req-2")
         assert out.status == 200
-    assert fleet.records[-1].record_id == usage_record_id("batch_x", 0)
+    assert out.record is not None and out.record.record_id == usage_record_id("batch_x", 0)
 
 
 async def test_a_replicas_4xx_is_the_lines_final_answer(tmp_path: Path) -> None:
@@ -86,7 +90,7 @@ async def test_a_replicas_4xx_is_the_lines_final_answer(tmp_path: Path) -> None:
     fleet.replicas.behaviour["r1"] = status(400)
     out = await fleet.gw.run_work(item(0), "req-1")
     assert isinstance(out, WorkOutcome) and out.status == 400 and out.body["error"]["message"] == "HTTP 400"
-    assert fleet.records[-1].record_id == usage_record_id("batch_x", 0)
+    assert out.record is not None and out.record.record_id == usage_record_id("batch_x", 0)
 
 
 async def test_an_unknown_model_is_the_lines_404(tmp_path: Path) -> None:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import nats
 import pytest
 
 from agent.gateway.batch.metrics import LineMetrics
-from agent.gateway.batch.worker import BatchWorker
+from agent.gateway.batch.worker import BatchWorker, expired
 from control_plane.local.nats_server import NatsServer
 from fleet_base.batch import names
 from fleet_base.batch.config import BatchConfig
@@ -181,8 +182,10 @@ async def test_a_replica_500_is_retried_then_stored_as_the_lines_failure(
     assert result is not None and not result.line.ok
     assert result.line.response is not None and result.line.response.status_code == 500
     assert rig.count("retried") == CONFIG.line_attempts - 1 and rig.count("failed") == 1
-    # no failed try took the line's usage record id: a later success could still be booked
-    assert names.usage_record_id(BATCH, 0) not in {r.record_id for r in rig.fleet.records}
+    # the final answer is booked once under the line's id; the tries the worker retried
+    # booked nothing (only the gateway's own failed-attempt telemetry, never billed)
+    billed = [r.record_id for r in rig.fleet.records if not r.attempt_failed]
+    assert billed == [names.usage_record_id(BATCH, 0)]
 
 
 async def test_a_replica_400_is_the_lines_answer_at_once(tmp_path: Path, store: NatsBatchStore) -> None:
@@ -235,3 +238,63 @@ async def test_nothing_starts_while_a_replica_has_requests_waiting(
     fleet.gw.view.refresh(force=True)
     await rig.drain()
     assert len(fleet.replicas.sent) == 3
+
+
+async def test_a_run_that_loses_the_create_books_nothing(tmp_path: Path, store: NatsBatchStore) -> None:
+    """The driver's `batch_expired` placeholder (or another run) stored the line's result
+    while this run was in flight: the line's output is the placeholder, so nothing is booked."""
+    rig = Rig(Fleet(tmp_path), store)
+    real = rig.fleet.gw.run_work
+
+    async def run_then_expire(item: WorkItem, request_id: str):  # type: ignore[no-untyped-def]
+        out = await real(item, request_id)
+        await store.put_result(item.id, StoredResult(line=expired(item)))
+        return out
+
+    rig.worker.hooks = replace(rig.worker.hooks, run=run_then_expire)
+    await a_batch(store)
+    await store.enqueue([line(0)])
+    await rig.drain()
+    result = await store.result(names.result_key(BATCH, 0))
+    assert result is not None and result.line.error is not None and result.line.error.code == "batch_expired"
+    assert len(rig.fleet.replicas.sent) == 1
+    assert [r for r in rig.fleet.records if not r.attempt_failed] == []
+
+
+async def test_a_line_queued_after_a_cancel_does_not_start(tmp_path: Path, store: NatsBatchStore) -> None:
+    rig = Rig(Fleet(tmp_path), store)
+    await a_batch(store)
+    await store.enqueue([line(0)])
+    await rig.drain()
+    v = await store.batch(BATCH)
+    await store.update_batch(v.value.model_copy(update={"status": "cancelling"}), v.revision)
+    await store.enqueue([line(1)])
+    await rig.drain()
+    assert [s.body["messages"][0]["content"] for s in rig.fleet.replicas.sent] == ["line 0"]
+    assert await store.result(names.result_key(BATCH, 1)) is None
+
+
+async def test_a_redelivered_async_request_stored_expired_is_marked_expired(
+    tmp_path: Path, store: NatsBatchStore
+) -> None:
+    rig = Rig(Fleet(tmp_path), store)
+    record = AsyncRecord(
+        id="async_2",
+        endpoint="/v1/chat/completions",
+        model=DEPLOYMENT,
+        created_at=int(now()),
+        max_time_in_queue_s=600,
+        key_id="main",
+        priority=0,
+    )
+    await store.create_async(record)
+    item = line(0).model_copy(
+        update={"id": names.result_key("async_2", None), "kind": "async", "parent_id": "async_2", "index": None,
+                "custom_id": "async_2", "priority": 0},
+    )  # fmt: skip
+    # its first delivery stored it expired, and its worker died before the record was finished
+    assert await store.put_result(item.id, StoredResult(line=expired(item)))
+    await store.enqueue([item])
+    await rig.drain()
+    assert (await store.async_request("async_2")).value.status == "expired"
+    assert rig.fleet.replicas.sent == []
