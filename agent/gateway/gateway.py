@@ -266,7 +266,7 @@ class Gateway:
             spare=spare,
             backlog=self.demand.backlog,
             cluster=self.cluster,
-            book=self.usage.submit,
+            book=lambda record: self.usage.submit(record),
         )
 
     def _route_clusters(self) -> set[str]:

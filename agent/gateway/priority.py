@@ -100,8 +100,10 @@ class PriorityWaitlist:
                 continue
             best = best or klass
             first = min(heads, key=lambda w: (w.arrived, w.seq))
-            if klass not in self.unaged and now - first.arrived >= self.max_age_s and (
-                oldest is None or (first.arrived, first.seq) < (oldest.arrived, oldest.seq)
+            if (
+                klass not in self.unaged
+                and now - first.arrived >= self.max_age_s
+                and (oldest is None or (first.arrived, first.seq) < (oldest.arrived, oldest.seq))
             ):
                 oldest = first
         klass = oldest.klass if oldest is not None else best

@@ -22,7 +22,6 @@ from typing import Literal
 from agent.gateway.batch.finalize import Unfinished, finalize, tally
 from agent.gateway.batch.metrics import BatchMetrics
 from agent.gateway.batch.validate import Validation, validate_file
-from agent.gateway.batch.worker import BATCH_CACHE_S
 from fleet_base.batch.config import BatchConfig
 from fleet_base.batch.models import (
     COMPLETION_WINDOWS,
@@ -44,8 +43,10 @@ Step = Literal["again", "wait", "done", "lost"]
 DeploymentOf = Callable[[str, str], str]  # (key id, model) -> deployment, raising OpenAIError
 ENQUEUE_CHUNK = 256
 MAX_AGAIN = 8  # steps in a row without a pause
-# a cancel seen this long ago is seen by every worker (their clocks may run apart a little)
-CANCEL_SEEN_S = 2 * BATCH_CACHE_S + 1.0
+# a cancel stored this long ago is seen by every worker: a worker reads the batch record
+# right before a line starts, so only a read just before the cancel can still start one
+# (and clocks may run apart a little)
+CANCEL_SEEN_S = 3.0
 
 
 class BatchDriver:
