@@ -143,6 +143,17 @@ def kv_events_config(kind: EngineKind, endpoint: str, topic: str = "kv-events") 
     return json.dumps(config, separators=(",", ":"))
 
 
+# The environment variable each engine also reads its API key from: a key in argv is visible to
+# every local user in /proc/<pid>/cmdline. SGLang documents none (its key goes in argv).
+API_KEY_ENV: dict[EngineKind, str] = {"vllm": "VLLM_API_KEY", "llama.cpp": "LLAMA_API_KEY"}
+
+
+def launch_env(kind: EngineKind, api_key: str | None) -> dict[str, str]:
+    """The environment to add to `launch_command(..., api_key_in_env=True)`'s process."""
+    name = API_KEY_ENV.get(kind)
+    return {name: api_key} if api_key and name else {}
+
+
 def launch_command(
     kind: EngineKind,
     model_path: str,
@@ -156,14 +167,19 @@ def launch_command(
     kv_events_endpoint: str | None = None,
     tls: TlsFiles | None = None,
     python: str = "python",
+    api_key_in_env: bool = False,
 ) -> list[str]:
     """The argv that starts `kind`'s OpenAI-compatible server on `port` with the flags Fleet
     relies on: its API key, the deployment's model name, metrics, KV events (where the engine
     publishes them) and TLS. `extra_args` (the user's `-e` pass-through) come last, so a user
     flag the engine parses last-wins overrides ours.
 
-    The `fleet` engine's own launcher lives in agent/runtime; this covers foreign engines."""
+    With `api_key_in_env`, an engine that reads its key from the environment (`launch_env`)
+    gets no `--api-key` flag. The `fleet` engine's own launcher lives in agent/runtime; this
+    covers foreign engines."""
     caps = CAPABILITIES[kind]
+    if api_key_in_env and kind in API_KEY_ENV:
+        api_key = None
     if tls is not None and not caps.tls:
         raise ValueError(f"{kind} does not serve TLS")
     if kv_events_endpoint is not None and caps.kv_events != "zmq":

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from fleet_base.engines import CAPABILITIES, ENGINE_KINDS, TlsFiles, launch_command
+from fleet_base.engines import CAPABILITIES, ENGINE_KINDS, TlsFiles, launch_command, launch_env
 
 
 def flag(argv: list[str], name: str) -> str:
@@ -105,3 +105,15 @@ def test_capability_table_covers_every_engine():
         "sglang:",
         "llamacpp:",
     }
+
+
+@pytest.mark.parametrize(("kind", "var"), [("vllm", "VLLM_API_KEY"), ("llama.cpp", "LLAMA_API_KEY")])
+def test_api_key_can_stay_out_of_argv(kind, var):
+    argv = launch_command(kind, "/m", 1, "sk-secret", "m", api_key_in_env=True)
+    assert "sk-secret" not in argv and "--api-key" not in argv
+    assert launch_env(kind, "sk-secret") == {var: "sk-secret"}
+
+
+def test_sglang_has_no_key_variable_so_the_flag_stays():
+    assert flag(launch_command("sglang", "/m", 1, "sk", "m", api_key_in_env=True), "--api-key") == "sk"
+    assert launch_env("sglang", "sk") == {}
