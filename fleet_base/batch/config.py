@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
+
+from fleet_base.batch.names import RESULT_TTL_S
 
 
 class BatchConfig(BaseModel):
@@ -39,3 +41,14 @@ class BatchConfig(BaseModel):
     webhook_backoff_s: float = Field(1.0, gt=0)
     webhook_backoff_max_s: float = Field(60.0, gt=0)
     webhook_give_up_s: float = Field(24 * 3600.0, gt=0)
+
+    @field_validator("result_retention_s")
+    @classmethod
+    def _kept_by_the_bucket(cls, value: float) -> float:
+        """The results and async buckets drop an entry `RESULT_TTL_S` after its last write,
+        whatever a gateway states: a longer retention would promise results that are gone."""
+        if value > RESULT_TTL_S:
+            raise ValueError(
+                f"result_retention_s must be at most {RESULT_TTL_S:.0f} (the results bucket's age)"
+            )
+        return value

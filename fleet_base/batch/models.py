@@ -126,7 +126,7 @@ class DriverClaim(_Shape):
 class BatchRecord(BatchObject):
     key_id: str  # owner
     claim: DriverClaim | None = None
-    enqueued: int = 0  # lines put on the work queue so far (validation enqueues in order)
+    enqueued: int = 0  # a file line index: every line below it was queued (or answered) by its driver
     cluster: str = ""  # where it was created
 
     def public(self) -> BatchObject:

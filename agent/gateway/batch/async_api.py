@@ -12,7 +12,9 @@ requests (another key's id is a 404).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -20,12 +22,21 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from agent.gateway.batch.http import guarded, json_of
+from agent.gateway.batch.http import guarded, json_of, store_unavailable
 from agent.gateway.errors import GatewayError
 from agent.gateway.inputs import Endpoint, parse_off_loop, read_body
 from fleet_base.api_keys import ApiKeyRecord
 from fleet_base.batch.config import BatchConfig
-from fleet_base.batch.models import ASYNC_TERMINAL, AsyncRecord, AsyncStatus, BatchEndpoint, WorkItem
+from fleet_base.batch.models import (
+    ASYNC_TERMINAL,
+    AsyncRecord,
+    AsyncStatus,
+    BatchEndpoint,
+    LineError,
+    LineResult,
+    StoredResult,
+    WorkItem,
+)
 from fleet_base.batch.names import DEFAULT_ASYNC_PRIORITY, PRIORITIES, new_async_id, result_key
 from fleet_base.batch.store import BatchStore, Conflict, NotFound
 from fleet_base.batch.webhook_target import AllowList, Refused, Resolver, check
@@ -34,6 +45,7 @@ from fleet_base.bounds import InputError, load_json
 if TYPE_CHECKING:
     from agent.gateway.batch.service import BatchService
 
+log = logging.getLogger(__name__)
 PATHS: dict[Endpoint, BatchEndpoint] = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
@@ -105,8 +117,15 @@ class AsyncApi:
         key = self.service.hooks.authenticate(request)
         item, record = await self._admit(request, key, endpoint)
         store = self.service.require_store()
-        await store.create_async(record)
-        await store.enqueue([item])
+        created = await store.create_async(record)
+        try:
+            await store.enqueue([item])
+        except Exception as err:  # not queued: the record must not wait as queued forever
+            log.warning("async request %s not queued (%s: %s)", record.id, type(err).__name__, err)
+            failed = record.model_copy(update={"status": "failed", "finished_at": int(self.service.clock())})
+            with contextlib.suppress(Exception):
+                await store.update_async(failed, created.revision)
+            raise store_unavailable(" (the request could not be queued)") from None
         return json_of(record.public(), 202)
 
     async def _admit(
@@ -222,3 +241,34 @@ async def finish_async_record(
     if record.webhook_url is not None:
         await store.enqueue_webhook(request_id)
     return record
+
+
+def async_expired_line(request_id: str) -> LineResult:
+    """The result of an async request that waited in the queue past its max_time_in_queue_s."""
+    error = LineError(
+        code="expired", message="The request waited in the queue longer than max_time_in_queue_s."
+    )
+    return LineResult(id=request_id, custom_id=request_id, error=error)
+
+
+async def expire_queued_async(store: BatchStore, config: BatchConfig, now: float, cluster: str = "") -> int:
+    """Expire every async request still queued past its max_time_in_queue_s: a request
+    no worker pulls (no capacity, no replica) is otherwise checked only when dispatched.
+    Its `expired` result is stored create-once (a worker that stored one first wins, and
+    the record takes that one's status) and its record finished (its webhook queued). Any
+    gateway may run it at once with another: every step is idempotent. The number expired."""
+    expired = 0
+    for record in await store.async_requests():
+        if record.status != "queued" or now < record.created_at + 1 + record.max_time_in_queue_s:
+            continue  # created_at is whole seconds: the item's own not_after is at most 1 s later
+        key = result_key(record.id, None)
+        line = async_expired_line(record.id)
+        if not await store.put_result(key, StoredResult(line=line, cluster=cluster)):
+            stored = await store.result(key)
+            line = stored.line if stored is not None else line
+        status: AsyncStatus = "expired"
+        if line.error is None or line.error.code != "expired":
+            status = "succeeded" if line.ok else "failed"
+        await finish_async_record(store, record.id, status, config, now)
+        expired += status == "expired"
+    return expired

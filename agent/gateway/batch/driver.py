@@ -5,8 +5,14 @@ cancelling -> cancelled).
 A claim (`DriverClaim`) is taken and renewed by compare-and-set on the record's revision,
 renewed at a third of `claim_s`, and taken over by another gateway once it lapses (its
 holder died). Every step is resumable from the record alone: validation re-reads the file
-and enqueues from `record.enqueued` (the work stream de-duplicates item ids, and lines
-that already have a result are skipped), finalizing rewrites the files. A step that loses
+and queues every valid line without a result again (the work stream de-duplicates item
+ids, a worker skips a line that has a result, and only the run whose result is stored is
+booked); `record.enqueued` is a file line index below which no line is answered with an
+error here (another gateway's keys and routes judged and queued them). An expiry or a
+cancel stores the unfinished lines' results (create-once) before writing the files, so a
+line still running loses its result and its booking; the counts come from the record's
+total, not the file. The scan also expires queued async requests past their
+max_time_in_queue_s (`expire_queued_async`). A step that loses
 a compare-and-set re-reads the record and decides again, so a cancel (the API's write)
 always wins over the driver's own.
 """
@@ -19,7 +25,8 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Literal
 
-from agent.gateway.batch.finalize import Unfinished, finalize, tally
+from agent.gateway.batch.async_api import expire_queued_async
+from agent.gateway.batch.finalize import Unfinished, finalize, tally, unfinished_line
 from agent.gateway.batch.metrics import BatchMetrics
 from agent.gateway.batch.validate import Validation, validate_file
 from fleet_base.batch.config import BatchConfig
@@ -31,6 +38,7 @@ from fleet_base.batch.models import (
     BatchRecord,
     DriverClaim,
     FileRecord,
+    StoredResult,
     now,
 )
 from fleet_base.batch.names import new_file_id, result_key
@@ -83,6 +91,10 @@ class BatchDriver:
         self._tallied: dict[str, float] = {}  # batch id -> when its results were last read
         self._cancel_seen: dict[str, float] = {}  # batch id -> when this driver first saw it cancelling
         self._wake = asyncio.Event()
+        # between two sweeps of the queued async requests past their max_time_in_queue_s
+        self.sweep_s = max(self.scan_s, 10.0)
+        self._swept = float("-inf")
+        self.cluster = holder.split("/", 1)[0]
 
     # ------------------------------------------------------------------ the loop
 
@@ -111,6 +123,11 @@ class BatchDriver:
             if record.terminal or record.id in self._active or not self._claimable(record):
                 continue
             self._active[record.id] = asyncio.create_task(self._drive(record.id), name=f"batch-{record.id}")
+        if self.clock() - self._swept >= self.sweep_s:
+            self._swept = self.clock()
+            expired = await expire_queued_async(self.store, self.config, self.clock(), self.cluster)
+            if expired:
+                log.info("%d queued async requests expired (past max_time_in_queue_s)", expired)
 
     async def stop(self, release_s: float = 2.0) -> None:
         """Stop driving; hand back the claims held here, so another gateway takes the
@@ -246,16 +263,25 @@ class BatchDriver:
         if validation.failed:
             await self._save(v, status="failed", errors=BatchErrors(data=list(validation.errors)))
             return "done"
+        # `enqueued` is a line index of the file: every line below it was queued (or answered)
+        # by whoever drove the batch then, whose keys and routes may have judged a line
+        # otherwise than this gateway's: such a line is never answered with an error here
         for index, stored in validation.rejected:
-            await self.store.put_result(result_key(record.id, index), stored)
+            if index >= record.enqueued:
+                await self.store.put_result(result_key(record.id, index), stored)
         done = {index for index, _ in await self.store.results(record.id)}
-        items = validation.items
-        start = min(record.enqueued, len(items))
-        while start < len(items):
-            chunk = items[start : start + ENQUEUE_CHUNK]
-            await self.store.enqueue([item for item in chunk if item.index not in done])
-            start += len(chunk)
-            v = await self._save(v, enqueued=start)  # Conflict: a cancel came; re-read, resume
+        # every valid line without a result is queued again, below the index too: the work
+        # stream drops a duplicate id, a worker does not run a line that has a result, and
+        # only the run whose result is stored is booked
+        todo = [item for item in validation.items if item.index not in done]
+        for start in range(0, len(todo), ENQUEUE_CHUNK):
+            chunk = todo[start : start + ENQUEUE_CHUNK]
+            await self.store.enqueue(chunk)
+            reached = max(record.enqueued, (chunk[-1].index or 0) + 1)
+            v = await self._save(v, enqueued=reached)  # Conflict: a cancel came; re-read, resume
+        end = validation.lines[-1][0] + 1 if validation.lines else 0
+        if v.value.enqueued < end:
+            v = await self._save(v, enqueued=end)
         counts, usage = tally(await self.store.results(record.id), validation.total)
         await self._save(
             v,
@@ -311,8 +337,10 @@ class BatchDriver:
         if unfinished is None:
             lines = [(index, stored.line.custom_id) for index, stored in results]
         else:
-            lines = list((await self._validate(record)).lines)
-        outcome = finalize(record.id, lines, results, unfinished)
+            lines = list((await self._validate(record)).lines)  # none when the file is gone
+            if await self._mark_unfinished(record.id, lines, results, unfinished):
+                results = await self.store.results(record.id)
+        outcome = finalize(record.id, lines, results, unfinished, total=record.request_counts.total)
         written: list[str] = []
         try:
             output_id = await self._write(record, "output", outcome.output, written)
@@ -333,6 +361,34 @@ class BatchDriver:
         if unfinished is not None:
             await self._purge_over(record.id)
         return "done"
+
+    async def _mark_unfinished(
+        self,
+        batch_id: str,
+        lines: list[tuple[int, str]],
+        results: list[tuple[int, StoredResult]],
+        unfinished: Unfinished,
+    ) -> bool:
+        """Store the `batch_expired` (`batch_cancelled`) result of every line without one,
+        create-once, before the files are written: a line still running loses its
+        `put_result` to it, so it is neither shown otherwise nor booked. Whether a
+        placeholder lost to a result stored meanwhile (the results must be read again)."""
+        have = {index for index, _ in results}
+        missing = [(index, custom_id) for index, custom_id in lines if index not in have]
+        lost = False
+        for start in range(0, len(missing), ENQUEUE_CHUNK):
+            chunk = missing[start : start + ENQUEUE_CHUNK]
+            stored = await asyncio.gather(
+                *(
+                    self.store.put_result(
+                        result_key(batch_id, index),
+                        StoredResult(line=unfinished_line(batch_id, index, custom_id, unfinished)),
+                    )
+                    for index, custom_id in chunk
+                )
+            )
+            lost = lost or not all(stored)
+        return lost or bool(missing)
 
     async def _purge_over(self, batch_id: str) -> None:
         """An expired or cancelled batch's items left on the queue: nothing reads their

@@ -132,9 +132,22 @@ class FilesApi:
         return Response(data, media_type="application/octet-stream")
 
     async def delete(self, request: Request) -> Response:
-        _, record = await self.own(request)
+        """A batch not over still reads its input file (a takeover validates it again, an
+        expiry or cancel names its unfinished lines from it): deleting it then is a 409."""
+        key, record = await self.own(request)
+        store = self.service.require_store()
+        using = [
+            b.id for b in await store.batches(key.key_id) if b.input_file_id == record.id and not b.terminal
+        ]
+        if using:
+            raise GatewayError(
+                409,
+                f"The file '{record.id}' is the input of batch '{using[0]}', which is not over yet; "
+                "cancel it or wait for it to end",
+                code="file_in_use",
+            )
         try:
-            await self.service.require_store().delete_file(record.id)
+            await store.delete_file(record.id)
         except NotFound:
             raise not_found(record.id) from None
         return JSONResponse({"id": record.id, "object": "file", "deleted": True})

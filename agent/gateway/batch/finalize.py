@@ -56,15 +56,23 @@ def _jsonl(lines: list[LineResult]) -> bytes:
     )
 
 
+def unfinished_line(batch_id: str, index: int, custom_id: str, unfinished: Unfinished) -> LineResult:
+    """The result of a line the batch ended before (`batch_expired`, `batch_cancelled`)."""
+    return LineResult(id=line_request_id(batch_id, index), custom_id=custom_id, error=UNFINISHED[unfinished])
+
+
 def finalize(
     batch_id: str,
     lines: Sequence[tuple[int, str]],
     results: Iterable[tuple[int, StoredResult]],
     unfinished: Unfinished | None = None,
+    total: int = 0,
 ) -> Outcome:
     """`lines`: every line of the input (index, custom_id) in order. With `unfinished`, a
     line without a result is an error line of that kind; without, it is left out (a
-    completed batch has a result for every line)."""
+    completed batch has a result for every line). `total`: the lines the batch counted
+    when it was validated (kept in its record), so the counts hold when the input file
+    can no longer be read: a line with no result and no known line counts as failed."""
     by_index = dict(results)
     ok: list[LineResult] = []
     failed: list[LineResult] = []
@@ -75,13 +83,7 @@ def finalize(
         if stored is not None:
             (ok if stored.line.ok else failed).append(stored.line)
         elif unfinished is not None:
-            failed.append(
-                LineResult(
-                    id=line_request_id(batch_id, index),
-                    custom_id=custom.get(index, ""),
-                    error=UNFINISHED[unfinished],
-                )
-            )
-    counts, usage = tally(by_index.items(), max(len(lines), len(by_index)))
-    counts = RequestCounts(total=counts.total, completed=len(ok), failed=len(failed))
+            failed.append(unfinished_line(batch_id, index, custom.get(index, ""), unfinished))
+    counts, usage = tally(by_index.items(), max(total, len(lines), len(by_index)))
+    counts = RequestCounts(total=counts.total, completed=len(ok), failed=counts.total - len(ok))
     return Outcome(_jsonl(ok), _jsonl(failed), counts, usage)

@@ -29,7 +29,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from agent.gateway.batch.async_api import finish_async_record
+from agent.gateway.batch.async_api import async_expired_line, finish_async_record
 from agent.gateway.batch.metrics import LineMetrics
 from agent.gateway.batch.spare import Spare
 from agent.gateway.batch.work import WorkOutcome, retried
@@ -89,9 +89,7 @@ def expired(item: WorkItem) -> LineResult:
             message="This request could not be executed before the completion window expired.",
         )
     else:
-        error = LineError(
-            code="expired", message="The request waited in the queue longer than max_time_in_queue_s."
-        )
+        return async_expired_line(item.parent_id)
     return LineResult(id=line_id(item), custom_id=item.custom_id, error=error)
 
 

@@ -125,6 +125,12 @@ async def test_upload_create_list_get_cancel_with_the_openai_sdk(env: Env) -> No
     assert cancelled.status == "cancelling" and cancelled.cancelling_at is not None
     assert (await client.batches.cancel(batch.id)).status == "cancelling"  # again: as it is
 
+    with pytest.raises(openai.ConflictError) as refused:  # its batches still read it
+        await client.files.delete(file.id)
+    assert refused.value.code == "file_in_use"
+    for b in [batch, *more]:
+        v = await env.store.batch(b.id)
+        await env.store.update_batch(v.value.model_copy(update={"status": "cancelled"}), v.revision)
     deleted = await client.files.delete(file.id)
     assert deleted.id == file.id and deleted.deleted and deleted.object == "file"
     with pytest.raises(openai.NotFoundError):

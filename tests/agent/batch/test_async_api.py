@@ -11,13 +11,15 @@ from typing import Any
 
 import httpx
 import pytest
+from pydantic import ValidationError
 from starlette.applications import Starlette
 
+from agent.gateway.batch.async_api import expire_queued_async
 from agent.gateway.batch.service import BatchService, gateway_hooks
 from agent.gateway.gateway import Gateway
 from fleet_base.batch.config import BatchConfig
 from fleet_base.batch.models import LineResponse, LineResult, StoredResult
-from fleet_base.batch.names import result_key
+from fleet_base.batch.names import RESULT_TTL_S, result_key
 from fleet_base.batch.webhook_signing import new_master
 from fleet_base.cluster_config import ClusterConfig, GatewayConfig
 from fleet_base.domain import Coordinates
@@ -198,3 +200,32 @@ async def test_store_not_bound_yet_is_503(api: Api) -> None:
 
 def test_the_webhook_loop_runs_only_where_it_can_sign(tmp_path: Path) -> None:
     assert Api(tmp_path / "a").service.loops and not Api(tmp_path / "b", can_sign=False).service.loops
+
+
+async def test_a_request_not_queued_is_failed_not_left_queued(api: Api) -> None:
+    api.store.enqueue_down = True
+    r = await api.post("chat/completions", CHAT)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable"
+    [record] = [v.value for v in api.store.records.values()]
+    assert record.status == "failed" and record.finished_at is not None
+
+
+async def test_a_request_nobody_pulls_is_expired_by_the_sweep(api: Api) -> None:
+    body = {**CHAT, "webhook_url": "https://hooks.example.com/in", "max_time_in_queue_s": 30}
+    r = await api.post("chat/completions", body)
+    request_id = r.json()["id"]
+    assert await expire_queued_async(api.store, CONFIG, NOW + 29) == 0
+    assert api.store.records[request_id].value.status == "queued"
+    assert await expire_queued_async(api.store, CONFIG, NOW + 32) == 1
+    record = api.store.records[request_id].value
+    assert record.status == "expired" and record.finished_at == int(NOW + 32)
+    stored = api.store.results[result_key(request_id, None)]
+    assert stored.line.error is not None and stored.line.error.code == "expired"
+    assert api.store.webhooks.qsize() == 1  # its webhook fires
+    assert await expire_queued_async(api.store, CONFIG, NOW + 40) == 0  # once
+
+
+def test_a_retention_longer_than_the_results_bucket_keeps_is_refused() -> None:
+    assert BatchConfig(result_retention_s=RESULT_TTL_S).result_retention_s == RESULT_TTL_S
+    with pytest.raises(ValidationError):
+        BatchConfig(result_retention_s=RESULT_TTL_S + 1)

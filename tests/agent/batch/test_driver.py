@@ -153,7 +153,8 @@ async def test_a_lapsed_claim_is_taken_over_and_enqueueing_resumes() -> None:
     rec = (await store.batch("batch_b1")).value
     assert rec.claim is not None and rec.claim.holder == "east/gw-1"
     assert rec.status == "in_progress" and rec.enqueued == 5
-    assert [i.custom_id for i in store.queue.values()] == ["c", "e"]  # neither what was queued nor what ran
+    # every valid line without a result is queued again (the stream drops an id it holds)
+    assert [i.custom_id for i in store.queue.values()] == ["a", "b", "c", "e"]
     assert rec.request_counts.completed == 1
 
 
@@ -349,3 +350,51 @@ async def test_a_stopping_driver_hands_its_claims_back() -> None:
     rec = (await store.batch("batch_b1")).value
     assert rec.claim is None and rec.status == "in_progress"
     assert await settle(driver(store, clock, holder="west/gw-2")) == "wait"  # at once, no lapse waited
+
+
+async def test_a_takeover_resumes_at_the_file_line_and_answers_no_line_queued_before() -> None:
+    """The dead driver served a model this gateway does not, and the file has a blank line:
+    lines are counted in the file, not among what this gateway finds valid."""
+    store, clock = MemoryBatchStore(), Clock()
+    data = request("a") + b"\n" + request("b", model="elsewhere") + request("c") + request("d")
+    dead = DriverClaim(holder="west/gw-dead", until=T0 - 1)
+    await make_batch(store, data, claim=dead, enqueued=3)  # file lines 0-2 (a, blank, b) queued there
+    assert await settle(driver(store, clock)) == "wait"
+    rec = (await store.batch("batch_b1")).value
+    assert rec.status == "in_progress" and rec.enqueued == 5 and rec.request_counts.total == 4
+    assert await store.result(result_key("batch_b1", 2)) is None  # b was queued by its driver
+    assert sorted(i.custom_id for i in store.queue.values()) == ["a", "c", "d"]
+
+
+async def test_expiry_stores_its_placeholders_so_a_line_still_running_loses() -> None:
+    store, clock = MemoryBatchStore(), Clock()
+    await make_batch(store, b"".join(request(c) for c in "abc"))
+    d = driver(store, clock, windows={"24h": 60.0})
+    await settle(d)
+    await store.put_result(result_key("batch_b1", 1), answer(1, "b"))
+    clock.t += 60
+    assert await settle(d) == "done"
+    rec = (await store.batch("batch_b1")).value
+    # line a was in flight: its late result loses the create (and so is not booked)
+    assert not await store.put_result(result_key("batch_b1", 0), answer(0, "a"))
+    late = await store.result(result_key("batch_b1", 0))
+    assert late is not None and late.line.error is not None and late.line.error.code == "batch_expired"
+    errors = await content(store, rec.error_file_id)
+    assert [(r["custom_id"], r["error"]["code"]) for r in errors] == [
+        ("a", "batch_expired"),
+        ("c", "batch_expired"),
+    ]
+
+
+async def test_the_counts_of_an_ending_batch_come_from_its_record_not_its_file() -> None:
+    store, clock = MemoryBatchStore(), Clock()
+    await make_batch(store, b"".join(request(c) for c in "abc"))
+    d = driver(store, clock, windows={"24h": 60.0})
+    await settle(d)
+    await store.put_result(result_key("batch_b1", 1), answer(1, "b"))
+    await store.delete_file("file-in")  # gone behind the API's back
+    clock.t += 60
+    assert await settle(d) == "done"
+    rec = (await store.batch("batch_b1")).value
+    assert rec.status == "expired"
+    assert rec.request_counts.model_dump() == {"total": 3, "completed": 1, "failed": 2}

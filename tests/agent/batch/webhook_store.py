@@ -44,6 +44,7 @@ class WebhookStore:
     naks: list[float] = field(default_factory=list)
     revision: int = 0
     down: bool = False  # every call raises, as a store whose NATS is gone
+    enqueue_down: bool = False  # only enqueueing raises (the work stream full or away)
 
     def _up(self) -> None:
         if self.down:
@@ -77,8 +78,14 @@ class WebhookStore:
         self._up()
         return self.results.get(key)
 
+    async def async_requests(self, key_id: str | None = None) -> list[AsyncRecord]:
+        self._up()
+        return [v.value for v in self.records.values() if key_id is None or v.value.key_id == key_id]
+
     async def enqueue(self, items: Sequence[WorkItem]) -> None:
         self._up()
+        if self.enqueue_down:
+            raise ConnectionError("nats: timeout")
         self.queued.extend(i for i in items if i.id not in {q.id for q in self.queued})
 
     async def enqueue_webhook(self, request_id: str) -> None:
