@@ -47,7 +47,8 @@ class ChatRun:
             if isinstance(self.body.tool_choice, NamedToolChoice)
             else None
         )
-        return ChoiceOutput(mode, parser_for_template(self.template) if mode == "auto" else None, named)
+        parser = parser_for_template(self.template) if mode == "auto" else None
+        return ChoiceOutput(mode, parser, named, parallel=self.body.parallel_tool_calls is not False)
 
 
 async def run_chat(

@@ -9,6 +9,11 @@ Modes (see `fleet_base.openai_contract.structured.tool_mode`):
   it is complete (at the end of the choice).
 - `auto`: the model's own format, read by the template's parser; content streams until a
   call marker appears, text that could be the start of a marker is held back.
+
+As vLLM does: `parallel_tool_calls: false` keeps only the first call. A choice cut by
+max_tokens (`finish_reason: "length"`) returns the calls completed before the cut as
+`tool_calls`, still with `"length"`; the cut call is dropped, never returned as content (a
+`named` call's arguments are the cut text itself, as OpenAI returns them).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import json
 import secrets
 from typing import Any
 
-from engine.tool_calls.parsers import ParsedCall, ToolParser
+from engine.tool_calls.parsers import ParsedCall, ToolParser, json_array_items
 
 
 def new_call_id() -> str:
@@ -31,12 +36,9 @@ def _calls_json(calls: list[ParsedCall]) -> list[dict[str, Any]]:
     ]
 
 
-def _required_calls(text: str) -> list[ParsedCall] | None:
-    try:
-        items = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(items, list) or not all(isinstance(i, dict) and "name" in i for i in items):
+def _required_calls(text: str, truncated: bool) -> list[ParsedCall] | None:
+    items = json_array_items(text, truncated)
+    if items is None or not all(isinstance(i, dict) and "name" in i for i in items):
         return None
     return [ParsedCall(str(i["name"]), json.dumps(i.get("arguments", {}), ensure_ascii=False)) for i in items]
 
@@ -52,10 +54,13 @@ def _partial_marker(text: str, marker: str) -> int:
 class ChoiceOutput:
     """One choice's message assembly; `feed` per delta (streaming), then `finish`."""
 
-    def __init__(self, mode: str, parser: ToolParser | None = None, named: str | None = None) -> None:
+    def __init__(
+        self, mode: str, parser: ToolParser | None = None, named: str | None = None, parallel: bool = True
+    ) -> None:
         self.mode = mode
         self.parser = parser
         self.named = named
+        self.parallel = parallel  # False: parallel_tool_calls was false, one call at most
         self.text = ""
         self.sent = 0  # chars of `text` already sent as content (auto) or arguments (named)
         self.in_call = False
@@ -76,14 +81,20 @@ class ChoiceOutput:
             assert self.named is not None
             call = {"id": self.named_id or new_call_id(), "type": "function"}
             return None, [{**call, "function": {"name": self.named, "arguments": text}}]
+        truncated = finish_reason == "length"
         if self.mode == "required":
-            calls = _required_calls(text)
-            return (None, _calls_json(calls)) if calls else (text, [])
+            calls = _required_calls(text, truncated)
+            if calls is None:  # not the constrained shape (cannot happen under the grammar)
+                return text, []
+            return None, _calls_json(self._allowed(calls))
         if self.mode == "auto" and self.parser is not None:
-            content, parsed = self.parser.parse(text)
-            if parsed:
-                return content or None, _calls_json(parsed)
+            content, parsed = self.parser.parse(text, truncated)
+            if parsed or content != text:
+                return content or None, _calls_json(self._allowed(parsed))
         return text, []
+
+    def _allowed(self, calls: list[ParsedCall]) -> list[ParsedCall]:
+        return calls if self.parallel else calls[:1]
 
     # -- streaming ---------------------------------------------------------------------------
     def feed(self, delta: str) -> list[dict[str, Any]]:
@@ -130,8 +141,8 @@ class ChoiceOutput:
             out = self._named_delta()
             return out, "tool_calls" if finish_reason == "stop" else finish_reason
         content, calls = self._split(self.text, finish_reason)
-        if not calls:  # nothing parsed: whatever was held back is content after all
-            return self._content_upto(len(self.text)), finish_reason
+        if not calls:  # no call: what was held back is content, unless it was a cut call
+            return self._content_upto(len(content or "")), finish_reason
         out: list[dict[str, Any]] = []
         if self.mode == "auto" and content and len(content) > self.sent:
             out += self._content_upto(len(content))

@@ -37,8 +37,10 @@ def _call(obj: Any, args_keys: tuple[str, ...] = ("arguments", "parameters")) ->
     return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def _json_values(text: str) -> list[Any] | None:
-    """Every JSON value in `text` one after another (separated by whitespace or `;`)."""
+def _json_values(text: str, truncated: bool = False) -> list[Any] | None:
+    """Every JSON value in `text` one after another (separated by whitespace or `;`). None if
+    one does not parse, unless the text was `truncated` (cut by max_tokens): then the values
+    before the cut one."""
     decoder = json.JSONDecoder()
     values, i = [], 0
     while True:
@@ -49,17 +51,46 @@ def _json_values(text: str) -> list[Any] | None:
         try:
             value, i = decoder.raw_decode(text, i)
         except json.JSONDecodeError:
-            return None
+            return values if truncated else None
         values.append(value)
 
 
+def json_array_items(text: str, truncated: bool = False) -> list[Any] | None:
+    """The items of the JSON array `text`; None if it is not one. When `truncated` (cut by
+    max_tokens) the array may end early, inside an item: the items complete before the cut."""
+    if not truncated:
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        return items if isinstance(items, list) else None
+    decoder = json.JSONDecoder()
+    i = len(text) - len(text.lstrip())
+    if not text.startswith("[", i):
+        return None
+    items, i = [], i + 1
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            return items
+        try:
+            item, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return items
+        items.append(item)
+
+
 class ToolParser:
-    """Splits a model's text into (content, tool calls); calls that do not parse stay content."""
+    """Splits a model's text into (content, tool calls); calls that do not parse stay content.
+
+    `truncated`: the text was cut by max_tokens, so its last call may be incomplete; the calls
+    complete before the cut are returned and the cut one is dropped (never left as content)."""
 
     name = ""
     start = ""  # the marker that opens a call; streaming holds text back once it appears
 
-    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
+    def parse(self, text: str, truncated: bool = False) -> tuple[str, list[ParsedCall]]:
         raise NotImplementedError
 
     def call_starts(self, text: str) -> int:
@@ -72,12 +103,16 @@ class HermesParser(ToolParser):
     start = "<tool_call>"
     _block = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
-    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
+    def parse(self, text: str, truncated: bool = False) -> tuple[str, list[ParsedCall]]:
         at = text.find(self.start)
         if at < 0:
             return text, []
+        rest = text[at:]
+        if truncated:  # only the blocks closed before the cut
+            end = rest.rfind("</tool_call>")
+            rest = rest[: end + len("</tool_call>")] if end >= 0 else ""
         calls = []
-        for body in self._block.findall(text[at:]):
+        for body in self._block.findall(rest):
             values = _json_values(body)
             parsed = [_call(v) for v in values or []]
             if not values or any(c is None for c in parsed):
@@ -90,13 +125,18 @@ class MistralParser(ToolParser):
     name = "mistral"
     start = "[TOOL_CALLS]"
 
-    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
+    def parse(self, text: str, truncated: bool = False) -> tuple[str, list[ParsedCall]]:
         at = text.find(self.start)
         if at < 0:
             return text, []
-        values = _json_values(text[at + len(self.start) :])
+        body = text[at + len(self.start) :]
+        values = _json_values(body)
+        if values is None and truncated:  # cut inside the array of calls
+            values = [json_array_items(body, truncated=True) or []]
         items = [x for v in values or [] for x in (v if isinstance(v, list) else [v])]
         calls = [_call(x) for x in items]
+        if truncated and not any(c is None for c in calls):
+            return text[:at].rstrip(), [c for c in calls if c is not None]
         if not calls or any(c is None for c in calls):
             return text, []
         return text[:at].rstrip(), [c for c in calls if c is not None]
@@ -113,13 +153,16 @@ class Llama3JsonParser(ToolParser):
         stripped = text.lstrip()
         return len(text) - len(stripped) if stripped.startswith("{") else -1
 
-    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
+    def parse(self, text: str, truncated: bool = False) -> tuple[str, list[ParsedCall]]:
         at = self.call_starts(text)
         if at < 0:
             return text, []
         body = text[at:].removeprefix(self.start)
-        values = _json_values(body)
+        values = _json_values(body, truncated)
         calls = [_call(v, ("parameters", "arguments")) for v in values or []]
+        marked = text.startswith(self.start, at)  # a bare `{` may be content, the tag is not
+        if truncated and (calls or marked) and not any(c is None for c in calls):
+            return text[:at].rstrip(), [c for c in calls if c is not None]
         if not calls or any(c is None for c in calls):
             return text, []
         return text[:at].rstrip(), [c for c in calls if c is not None]

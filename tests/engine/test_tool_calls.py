@@ -83,13 +83,94 @@ def test_named_streams_argument_deltas_the_sdk_assembles() -> None:
     assert json.loads(args) == {"a": 1} and reason == "tool_calls"
 
 
-def test_required_message_and_length_fallback() -> None:
+def test_required_message() -> None:
     msg, reason = ChoiceOutput("required").message('[{"name": "f", "arguments": {"x": 1}}]', "stop")
     assert (
         msg["content"] is None and msg["tool_calls"][0]["function"]["name"] == "f" and reason == "tool_calls"
     )
-    msg, reason = ChoiceOutput("required").message('[{"name": "f", "argu', "length")
-    assert msg["content"] == '[{"name": "f", "argu' and "tool_calls" not in msg and reason == "length"
+
+
+REPEATED = (
+    "[" + ", ".join(f'{{"name": "get_weather", "arguments": {{"city": "c{i}"}}}}' for i in range(4)) + "]"
+)
+
+
+@pytest.mark.parametrize("cut", range(1, len(REPEATED)))
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_cut_by_max_tokens_returns_the_complete_calls_never_text(cut: int, stream: bool) -> None:
+    text = REPEATED[:cut]
+    complete = [i for i in range(4) if f'"c{i}"}}}}' in text]  # items whose closing brace is in
+    if stream:
+        deltas, reason = _stream(
+            ChoiceOutput("required"), [text[i : i + 7] for i in range(0, len(text), 7)], "length"
+        )
+        assert not any("content" in d and d["content"] for d in deltas)
+        calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    else:
+        msg, reason = ChoiceOutput("required").message(text, "length")
+        assert msg["content"] is None
+        calls = msg.get("tool_calls", [])
+    assert reason == "length"
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": f"c{i}"} for i in complete]
+    assert all(c["function"]["name"] == "get_weather" for c in calls)
+
+
+@pytest.mark.parametrize("mode", ["required", "auto"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_tool_calls_false_keeps_the_first_call(mode: str, stream: bool) -> None:
+    text = (
+        REPEATED
+        if mode == "required"
+        else "".join(
+            f'<tool_call>{{"name": "get_weather", "arguments": {{"city": "c{i}"}}}}</tool_call>'
+            for i in range(3)
+        )
+    )
+    out = ChoiceOutput(mode, HermesParser() if mode == "auto" else None, parallel=False)
+    if stream:
+        deltas, reason = _stream(out, [text])
+        calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    else:
+        msg, reason = out.message(text, "stop")
+        calls = msg["tool_calls"]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "c0"})
+    ]
+    assert reason == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "content", "calls"),
+    [
+        (
+            HermesParser(),
+            'ok <tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>{"name": "f", "argu',
+            "ok",
+            [("f", {})],
+        ),
+        (HermesParser(), 'ok <tool_call>{"name": "f", "argu', "ok", []),
+        (HermesParser(), "just words, cut", "just words, cut", []),
+        (
+            MistralParser(),
+            '[TOOL_CALLS][{"name": "f", "arguments": {"q": 1}}, {"name": "g", "arg',
+            "",
+            [("f", {"q": 1})],
+        ),
+        (
+            Llama3JsonParser(),
+            '<|python_tag|>{"name": "f", "parameters": {}}; {"name": "g", "param',
+            "",
+            [("f", {})],
+        ),
+        (Llama3JsonParser(), '{"not": "a call", "cut', '{"not": "a call", "cut', []),
+    ],
+)
+def test_auto_cut_by_max_tokens_drops_only_the_cut_call(parser, text: str, content: str, calls: list) -> None:
+    msg, reason = ChoiceOutput("auto", parser).message(text, "length")
+    assert reason == "length" and (msg["content"] or "") == content
+    assert [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg.get("tool_calls", [])
+    ] == calls
 
 
 def test_tool_turns_become_text_for_templates_without_tools() -> None:
