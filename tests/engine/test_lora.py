@@ -17,6 +17,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.lora import LoRAAdapterError
+from engine.server.protocol_metrics import LORA_INFO, protocol_families
 from tests.engine.lora_fixtures import ADAPTERS, make_adapter, make_tiny_base
 
 # find_spec, not importorskip: importing peft at collection loads triton in compiled mode,
@@ -249,3 +250,35 @@ def test_server_lora_api_matches_peft_mixed_and_concurrent(replica, files, refer
         gone = http.post("/v1/completions", json={"model": second, "prompt": "Hi", "max_tokens": 1})
         assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
         assert "fleet_engine_lora_requests_total" in http.get("/metrics").text
+
+
+def test_stats_name_the_adapters_of_running_and_waiting_requests(files):
+    """What llm-d's `vllm:lora_requests_info` labels read: one adapter slot, two adapters asked
+    for, so one adapter's request runs and the other's waits (the base
+    request behind it waits too: admission is in order)."""
+    base, paths = files
+    engine = LLM(str(base), enable_lora=True, max_loras=1, show_progress=False)
+    for name, path in paths.items():
+        engine.add_lora(name, str(path))
+    first, second = ADAPTERS
+    p = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for name in (first, second, None):
+        engine.engine.add_request(PROMPTS[0], p, lora_name=name)
+    s = engine.engine.stats()
+    assert (s.running_lora_adapters, s.waiting_lora_adapters, s.max_loras) == (
+        (),
+        tuple(sorted((first, second))),
+        1,
+    )
+    engine.engine.step()
+    s = engine.engine.stats()
+    assert (s.running_lora_adapters, s.waiting_lora_adapters, s.num_running) == ((first,), (second,), 1)
+    [info] = [m for m in protocol_families(s, "base") if m.name == LORA_INFO]
+    assert info.samples[0].labels == {
+        "running_lora_adapters": first,
+        "waiting_lora_adapters": second,
+        "max_lora": "1",
+    }
+    while engine.engine.has_unfinished_requests():
+        engine.engine.step()
+    assert engine.engine.stats().running_lora_adapters == ()
