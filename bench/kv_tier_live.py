@@ -269,6 +269,15 @@ async def run_arm(
         result.wall_s = time.perf_counter() - start
 
 
+def failures(r: ArmResult, most: int = 3) -> list[str]:
+    """The arm's distinct failure texts (status and body, or the client's error), most common first."""
+    counts: dict[str, int] = {}
+    for t in r.turns:
+        if not t.ok:
+            counts[t.text[:300]] = counts.get(t.text[:300], 0) + 1
+    return [f"{n}x {text}" for text, n in sorted(counts.items(), key=lambda kv: -kv[1])[:most]]
+
+
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: v - before.get(k, 0.0) for k, v in after.items()}
 
@@ -416,6 +425,8 @@ async def run(ns: argparse.Namespace) -> int:
             console.print(
                 f"  {sum(t.ok for t in result.turns)}/{len(result.turns)} ok in {result.wall_s:.0f} s"
             )
+            for line in failures(result):
+                console.print(f"  failed: {line}", markup=False)
         print_results(
             results,
             f"Host KV tier x routing, live: {ns.replicas} SmolLM2-135M replicas per arm (1 torch thread each), "

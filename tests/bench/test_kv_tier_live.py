@@ -184,3 +184,14 @@ def test_an_arm_past_its_limit_is_cut_not_hung(monkeypatch: pytest.MonkeyPatch) 
     )
     assert result.cut and result.turns == [] and result.wall_s < 5
     assert arm_row(result, result)[0].endswith("(cut)")
+
+
+def test_an_arms_failures_are_shown_by_their_text_most_common_first() -> None:
+    r = ArmResult(ARMS[2])
+    r.turns = [
+        Turn(0, 0, [], "HTTP 503: b'gone'"),
+        Turn(1, 0, [], "HTTP 503: b'gone'"),
+        Turn(2, 0, [], "ok", 0.1, True),
+    ]
+    r.turns.append(Turn(3, 0, [], "ConnectError: refused"))
+    assert kv_tier_live.failures(r) == ["2x HTTP 503: b'gone'", "1x ConnectError: refused"]
