@@ -404,16 +404,11 @@ async def run(ns: argparse.Namespace) -> int:
                 ConversationPlan(c.conversation, c.app, 0.0, c.turns[:1]) for c in workload.conversations[:3]
             ),
         )
-        for d in (TIER_OFF, TIER_ON):  # code paths warm, caches untouched by the arms' prefixes
-            await run_arm(
-                Arm(d, LEAST_LOAD),
-                "[warm-up]",
-                fleet.gateways[LEAST_LOAD],
-                fleet.secret,
-                warm,
-                texts,
-                ArmResult(Arm(d, LEAST_LOAD)),
-            )
+        for arm in ARMS:  # code paths (engines, each gateway's tokenizer) warm; no arm's prefixes cached
+            warmed = ArmResult(arm)
+            await run_arm(arm, "[warm-up]", fleet.gateways[arm.routing], fleet.secret, warm, texts, warmed)
+            for line in failures(warmed):
+                console.print(f"  warm-up {arm.name} failed: {line}", markup=False)
         for i, result in enumerate(results):
             arm = result.arm
             console.print(f"arm {i + 1}/{len(results)}: {arm.name} ...")

@@ -51,6 +51,7 @@ from fleet_base.processes import stop_processes
 from fleet_base.protocol import ClusterRoute, DesiredState, ReplicaSpec, RoutingTable
 
 ROOT = Path(__file__).resolve().parents[1]
+KEY_STATE_MAX_AGE_S = 24 * 3600.0
 DEPLOYMENT = "chat"
 SYSTEM = (
     "You are Fleet's support assistant. Answer briefly and precisely. Prefer plain words, "
@@ -133,7 +134,14 @@ class Fleet:
                 "nats_url": self.nats.url,
                 "state_dir": str(self.home / "state"),
                 "cpu_slots": self.replicas * len(self.deployments),
-                "gateway": {"port": port, "routing": routing, "queue_timeout_s": 120},
+                "gateway": {
+                    "port": port,
+                    "routing": routing,
+                    "queue_timeout_s": 120,
+                    # No control plane renews the key set's lease here: past the default 180 s a
+                    # gateway would refuse (503 key_state_stale) a key it had not yet verified.
+                    "key_state_max_age_s": KEY_STATE_MAX_AGE_S,
+                },
                 "replica": {
                     "extra_args": ["--threads", "1", "--log-level", "warning"],
                     "startup_timeout_s": 600,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+from pathlib import Path
 
 import pytest
 
@@ -32,7 +33,8 @@ from bench.kv_tier_live import (
     plan_workload,
     print_results,
 )
-from bench.prefix_routing import Turn, counters_from_metrics
+from bench.prefix_routing import Fleet, Turn, counters_from_metrics
+from fleet_base.cluster_config import ClusterConfig
 from fleet_base.profile import load_profile
 
 
@@ -195,3 +197,14 @@ def test_an_arms_failures_are_shown_by_their_text_most_common_first() -> None:
     ]
     r.turns.append(Turn(3, 0, [], "ConnectError: refused"))
     assert kv_tier_live.failures(r) == ["2x HTTP 503: b'gone'", "1x ConnectError: refused"]
+
+
+def test_the_fleets_gateways_keep_their_key_set_fresh_for_the_whole_run(tmp_path: Path) -> None:
+    """No control plane renews the key set's lease in the local fleet: a gateway first used
+    after the default 180 s (the prefix arms) must still admit the bench's key."""
+    fleet = Fleet(tmp_path, 3, 2048, engine_args(2048, 4.0, 8))
+    for routing in (LEAST_LOAD, PREFIX):
+        cfg = ClusterConfig.load(fleet._config(routing, 18000))
+        assert cfg.gateway.routing == routing
+        assert cfg.gateway.key_state_max_age_s >= 3600
+        assert cfg.cpu_slots == 6  # both deployments' replicas
