@@ -167,12 +167,20 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled_ids: set[int] = set()
 
-        # 1) Running requests, most important first, so preemption hits the tail.
+        # 1) Running requests, most important first, so preemption hits the tail. While a
+        # more important request has prompt to prefill, less important ones sit this step out
+        # (they keep their blocks): its first token does not wait for their decodes.
         self.running.sort(key=self._victim_key)
+        urgent = self._urgent_priority()
+        deferred: list[Request] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if req.num_tokens <= req.num_computed_tokens:  # nothing to compute (should not happen)
+                i += 1
+                continue
+            if urgent is not None and req.priority > urgent:
+                deferred.append(req)
                 i += 1
                 continue
             s = self._allocate_running(req, budget, scheduled_ids, out)
@@ -216,7 +224,40 @@ class Scheduler:
                 out.scheduled.append(ScheduledRequest(req, num_new))
                 scheduled_ids.add(id(req))
                 budget -= num_new
+
+        # 3) The deferred run after all when no more important prefill got into this step
+        # (no slot or no blocks for it): they must go on to free what it waits for.
+        if deferred and not any(s.request.priority <= urgent for s in out.scheduled if self._prefilling(s.request)):
+            for req in deferred:
+                if budget <= 0:
+                    break
+                if req.status != RequestStatus.RUNNING:  # preempted meanwhile
+                    continue
+                s = self._allocate_running(req, budget, scheduled_ids, out)
+                if s is None:
+                    continue
+                out.scheduled.append(s)
+                scheduled_ids.add(id(req))
+                budget -= s.num_new_tokens
         return out
+
+    @staticmethod
+    def _prefilling(req: Request) -> bool:
+        return req.num_computed_tokens < req.num_prompt_tokens
+
+    def _urgent_priority(self) -> int | None:
+        """The most important priority with prompt left to prefill (a running request's
+        chunk, or the head of the queue while a slot is free), when some running request is
+        less important; else None (nothing to defer)."""
+        if not self.running:
+            return None
+        least = max(r.priority for r in self.running)
+        candidates = [r.priority for r in self.running if self._prefilling(r)]
+        head = self.waiting.peek()
+        if head is not None and len(self.running) < self.max_num_seqs:
+            candidates.append(head.priority)
+        urgent = min(candidates, default=None)
+        return urgent if urgent is not None and urgent < least else None
 
     def _allocate_running(
         self, req: Request, budget: int, scheduled_ids: set[int], out: SchedulerOutput

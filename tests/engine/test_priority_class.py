@@ -127,3 +127,45 @@ async def test_the_server_takes_the_class_from_the_gateways_header(headers: dict
     gen = Generation(state, [[1, 2]], SamplingParams(max_tokens=1), "cmpl-1", "prompt")
     await gen.run(_http(headers), stream=False)
     assert engine.priorities == [priority]
+
+
+def _decoding(sched: Scheduler, *requests: Request) -> None:
+    """Admit `requests` and prefill them, so each is running and decoding."""
+    for r in requests:
+        sched.add_request(r)
+    out = sched.schedule()
+    sched.update_after_step(out)
+    for s in out.scheduled:
+        s.request.append_output_token(7)
+
+
+def test_running_batch_requests_sit_out_an_interactive_prefill_step() -> None:
+    sched = Scheduler(KVCacheManager(num_blocks=64, block_size=4), max_num_seqs=8, max_num_batched_tokens=256)
+    batch = [_request(f"b{i}", "batch", arrival=float(i)) for i in range(3)]
+    _decoding(sched, *batch)
+    interactive = _request("interactive", "interactive", arrival=9.0, prompt_len=12)
+    sched.add_request(interactive)
+    out = sched.schedule()
+    assert [s.request.request_id for s in out.scheduled] == ["interactive"]  # its first token waits for no decode
+    assert not out.preempted and all(b.status.name == "RUNNING" for b in batch)  # deferred, blocks kept
+    sched.update_after_step(out)
+    interactive.append_output_token(7)
+    out = sched.schedule()  # nothing left to prefill: everyone decodes together again
+    assert {s.request.request_id for s in out.scheduled} == {"interactive", "b0", "b1", "b2"}
+
+
+def test_the_batch_runs_when_the_interactive_request_cannot_get_in() -> None:
+    # no slot: the interactive request waits for a batch request to finish, so the batch must go on
+    sched = Scheduler(KVCacheManager(num_blocks=64, block_size=4), max_num_seqs=2, max_num_batched_tokens=256)
+    batch = [_request(f"b{i}", "batch", arrival=float(i)) for i in range(2)]
+    _decoding(sched, *batch)
+    sched.add_request(_request("interactive", "interactive", arrival=9.0))
+    assert {s.request.request_id for s in sched.schedule().scheduled} == {"b0", "b1"}
+    # a free slot but no blocks for its prompt: the same
+    sched = Scheduler(KVCacheManager(num_blocks=4, block_size=4), max_num_seqs=8, max_num_batched_tokens=256)
+    batch = [_request(f"b{i}", "batch", arrival=float(i)) for i in range(2)]
+    _decoding(sched, *batch)
+    sched.add_request(_request("interactive", "interactive", arrival=9.0, prompt_len=40))
+    out = sched.schedule()
+    assert "interactive" not in {s.request.request_id for s in out.scheduled}
+    assert {s.request.request_id for s in out.scheduled} & {"b0", "b1"}
