@@ -38,6 +38,7 @@ from pathlib import Path
 import httpx
 
 from bench.common import console, print_table, run_main
+from fleet_base.batch.config import BatchConfig
 from tests.e2e.batch_tools import new_key, sdk
 from tests.e2e.sim_fleet import SimFleet, wait_for
 
@@ -187,6 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="engine threads per replica")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--per-replica",
+        type=int,
+        default=None,
+        help="batch lines in flight per replica (BatchConfig.per_replica)",
+    )
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)  # a killed benchmark still takes its fleet down
     rows = batch_rows(args.lines, args.line_tokens)
@@ -197,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             [REGION],
             slots=args.replicas,
             runtime="process",
+            cluster={} if args.per_replica is None else {"batch": BatchConfig(per_replica=args.per_replica)},
             replica_args=[
                 "--threads",
                 str(args.threads),
