@@ -193,53 +193,66 @@ class Scheduler:
 
         # 2) Waiting requests, unless this step already had to preempt (memory is tight).
         if not out.preempted:
-            loras = {r.lora for r in self.running}  # None (the base) among them takes no slot
-            while budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self.waiting.peek()
-                if req is None or self._lora_full(req, loras):  # nothing, or no adapter slot left
-                    break
-                hit = PrefixHit()
-                # An embedding pools the hidden state of every prompt token: nothing is skipped.
-                if req.num_computed_tokens == 0 and not req.pooling:
-                    hit = self.kv.find_prefix(req, record_stats=False)
-                num_computed = hit.num_computed_tokens
-                num_new = req.num_tokens - num_computed
-                if num_new > budget:
-                    if not self.enable_chunked_prefill:
-                        break
-                    num_new = budget
-                if not self.kv.allocate_slots(req, num_new, hit.block_ids, hit.host_hashes):
-                    break
-                self.waiting.pop()
-                if self.kv.enable_caching and req.num_computed_tokens == 0:
-                    self.kv.stats.record(req.num_tokens, num_computed)
-                req.num_computed_tokens = num_computed
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = num_computed
-                if req.first_scheduled_time is None:
-                    req.first_scheduled_time = time.monotonic()
-                req.status = RequestStatus.RUNNING
-                loras.add(req.lora)
-                self.running.append(req)
-                out.scheduled.append(ScheduledRequest(req, num_new))
-                scheduled_ids.add(id(req))
-                budget -= num_new
+            budget = self._admit_waiting(budget, scheduled_ids, out)
 
         # 3) The deferred run after all when no more important prefill got into this step
         # (no slot or no blocks for it): they must go on to free what it waits for.
-        if deferred and not any(s.request.priority <= urgent for s in out.scheduled if self._prefilling(s.request)):
-            for req in deferred:
-                if budget <= 0:
-                    break
-                if req.status != RequestStatus.RUNNING:  # preempted meanwhile
-                    continue
-                s = self._allocate_running(req, budget, scheduled_ids, out)
-                if s is None:
-                    continue
-                out.scheduled.append(s)
-                scheduled_ids.add(id(req))
-                budget -= s.num_new_tokens
+        if deferred and not any(
+            s.request.priority <= urgent for s in out.scheduled if self._prefilling(s.request)
+        ):
+            self._run_deferred(deferred, budget, scheduled_ids, out)
         return out
+
+    def _admit_waiting(self, budget: int, scheduled_ids: set[int], out: SchedulerOutput) -> int:
+        """Waiting requests, most important first, while slots, blocks and the budget last;
+        the budget left."""
+        loras = {r.lora for r in self.running}  # None (the base) among them takes no slot
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting.peek()
+            if req is None or self._lora_full(req, loras):  # nothing, or no adapter slot left
+                break
+            hit = PrefixHit()
+            # An embedding pools the hidden state of every prompt token: nothing is skipped.
+            if req.num_computed_tokens == 0 and not req.pooling:
+                hit = self.kv.find_prefix(req, record_stats=False)
+            num_computed = hit.num_computed_tokens
+            num_new = req.num_tokens - num_computed
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not self.kv.allocate_slots(req, num_new, hit.block_ids, hit.host_hashes):
+                break
+            self.waiting.pop()
+            if self.kv.enable_caching and req.num_computed_tokens == 0:
+                self.kv.stats.record(req.num_tokens, num_computed)
+            req.num_computed_tokens = num_computed
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_computed
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            req.status = RequestStatus.RUNNING
+            loras.add(req.lora)
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_new))
+            scheduled_ids.add(id(req))
+            budget -= num_new
+        return budget
+
+    def _run_deferred(
+        self, deferred: list[Request], budget: int, scheduled_ids: set[int], out: SchedulerOutput
+    ) -> None:
+        for req in deferred:
+            if budget <= 0:
+                return
+            if req.status != RequestStatus.RUNNING:  # preempted meanwhile
+                continue
+            s = self._allocate_running(req, budget, scheduled_ids, out)
+            if s is None:
+                continue
+            out.scheduled.append(s)
+            scheduled_ids.add(id(req))
+            budget -= s.num_new_tokens
 
     @staticmethod
     def _prefilling(req: Request) -> bool:
