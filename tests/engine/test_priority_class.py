@@ -146,7 +146,9 @@ def test_running_batch_requests_sit_out_an_interactive_prefill_step() -> None:
     interactive = _request("interactive", "interactive", arrival=9.0, prompt_len=12)
     sched.add_request(interactive)
     out = sched.schedule()
-    assert [s.request.request_id for s in out.scheduled] == ["interactive"]  # its first token waits for no decode
+    assert [s.request.request_id for s in out.scheduled] == [
+        "interactive"
+    ]  # its first token waits for no decode
     assert not out.preempted and all(b.status.name == "RUNNING" for b in batch)  # deferred, blocks kept
     sched.update_after_step(out)
     interactive.append_output_token(7)
