@@ -57,6 +57,9 @@ class EngineArgs(BaseModel):
     # prefix blocks are kept there and loaded back on a hit instead of recomputed.
     kv_offloading_size_gib: float = Field(0.0, ge=0.0)
     enable_chunked_prefill: bool = True
+    # Prefill of less important (batch-class) requests per step, in seconds of measured work:
+    # an interactive request arriving mid-step waits at most about this long for it; 0 = no limit.
+    low_priority_step_s: float = Field(0.02, ge=0.0, le=10.0)
     max_queue_len: int = Field(4096, ge=1)  # waiting requests beyond this are refused
     # AsyncLLM: output a request's consumer has not read yet (estimated bytes) beyond which
     # the request is aborted and its KV blocks freed: a client that stops reading costs

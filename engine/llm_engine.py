@@ -92,6 +92,7 @@ class LLMEngine:
             max_num_batched_tokens=max(args.max_num_batched_tokens, args.block_size),
             enable_chunked_prefill=args.enable_chunked_prefill,
             max_loras=args.max_loras if args.enable_lora else None,
+            low_priority_step_s=args.low_priority_step_s,
         )
         spec = args.speculative_config
         self.spec = SpeculativeDecoder(spec, self.max_model_len) if spec is not None else None
@@ -279,7 +280,10 @@ class LLMEngine:
         except Exception as err:  # a copy between tiers failed: nothing the step reads is sound
             raise self._escalate(batch, err) from err
         try:
-            return self._run(batch)
+            started = time.perf_counter()
+            outputs = self._run(batch)
+            self.scheduler.observe_step(sched.num_tokens, time.perf_counter() - started)
+            return outputs
         except _CommitError as err:  # the model ran: nothing can be run again
             raise self._escalate(batch, err.cause) from err.cause
         except Exception as err:

@@ -19,6 +19,10 @@ from dataclasses import dataclass, field
 
 from engine.kv_cache import KVCacheManager, PrefixHit
 from engine.request import Request, RequestStatus
+from fleet_base.openai_contract.priority import DEFAULT_PRIORITY
+
+MIN_OBSERVED_TOKENS = 32  # steps with fewer new tokens are mostly fixed cost, not per token
+STEP_COST_ALPHA = 0.2  # weight of the newest step in the cost per token (an EMA)
 
 
 @dataclass
@@ -103,8 +107,16 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         max_loras: int | None = None,
+        low_priority_step_s: float = 0.0,
     ) -> None:
         self.kv = kv_cache
+        # Prefill of less important requests (priority above DEFAULT_PRIORITY, the batch class)
+        # held to about this much time per step, so a more important request that arrives
+        # mid-step waits for at most that much of it; 0 = no limit. Measured, not assumed:
+        # the cost per token is learnt from prefill-sized steps (`observe_step`).
+        self.low_priority_step_s = low_priority_step_s
+        self.seconds_per_token: float | None = None
+        self._low_allowance: int | None = None
         self.max_loras = max_loras  # distinct adapters among running requests (None: no limit)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -171,6 +183,7 @@ class Scheduler:
         # more important request has prompt to prefill, less important ones sit this step out
         # (they keep their blocks): its first token does not wait for their decodes.
         self.running.sort(key=self._victim_key)
+        self._low_allowance = self._low_priority_allowance()
         urgent = self._urgent_priority()
         deferred: list[Request] = []
         i = 0
@@ -183,11 +196,13 @@ class Scheduler:
                 deferred.append(req)
                 i += 1
                 continue
+            if self._cap(req, budget) <= 0:  # a less important request's share of the step is spent
+                i += 1
+                continue
             s = self._allocate_running(req, budget, scheduled_ids, out)
             if s is None:  # `req` itself was preempted; the list shrank, so `i` now points past it
                 continue
-            out.scheduled.append(s)
-            scheduled_ids.add(id(req))
+            self._take(s, scheduled_ids, out)
             budget -= s.num_new_tokens
             i += 1
 
@@ -217,10 +232,11 @@ class Scheduler:
                 hit = self.kv.find_prefix(req, record_stats=False)
             num_computed = hit.num_computed_tokens
             num_new = req.num_tokens - num_computed
-            if num_new > budget:
-                if not self.enable_chunked_prefill:
+            cap = self._cap(req, budget)
+            if num_new > cap:
+                if not self.enable_chunked_prefill or cap <= 0:
                     break
-                num_new = budget
+                num_new = cap
             if not self.kv.allocate_slots(req, num_new, hit.block_ids, hit.host_hashes):
                 break
             self.waiting.pop()
@@ -234,8 +250,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             loras.add(req.lora)
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, num_new))
-            scheduled_ids.add(id(req))
+            self._take(ScheduledRequest(req, num_new), scheduled_ids, out)
             budget -= num_new
         return budget
 
@@ -245,14 +260,40 @@ class Scheduler:
         for req in deferred:
             if budget <= 0:
                 return
-            if req.status != RequestStatus.RUNNING:  # preempted meanwhile
+            if (
+                req.status != RequestStatus.RUNNING or self._cap(req, budget) <= 0
+            ):  # preempted, or share spent
                 continue
             s = self._allocate_running(req, budget, scheduled_ids, out)
             if s is None:
                 continue
-            out.scheduled.append(s)
-            scheduled_ids.add(id(req))
+            self._take(s, scheduled_ids, out)
             budget -= s.num_new_tokens
+
+    def _take(self, s: ScheduledRequest, scheduled_ids: set[int], out: SchedulerOutput) -> None:
+        out.scheduled.append(s)
+        scheduled_ids.add(id(s.request))
+        if self._low_allowance is not None and s.request.priority > DEFAULT_PRIORITY:
+            self._low_allowance -= s.num_new_tokens
+
+    def _cap(self, req: Request, budget: int) -> int:
+        """The most new tokens `req` may take this step."""
+        if self._low_allowance is None or req.priority <= DEFAULT_PRIORITY:
+            return budget
+        return min(budget, self._low_allowance)
+
+    def _low_priority_allowance(self) -> int | None:
+        if self.low_priority_step_s <= 0 or self.seconds_per_token is None:
+            return None
+        return max(1, int(self.low_priority_step_s / self.seconds_per_token))
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """Learn the cost of a token from a step big enough for prefill to dominate it."""
+        if num_tokens < MIN_OBSERVED_TOKENS or seconds <= 0:
+            return
+        sample = seconds / num_tokens
+        prev = self.seconds_per_token
+        self.seconds_per_token = sample if prev is None else prev + STEP_COST_ALPHA * (sample - prev)
 
     @staticmethod
     def _prefilling(req: Request) -> bool:
@@ -278,7 +319,9 @@ class Scheduler:
         """Blocks for a running request's next chunk (with its speculative drafts when they
         fit), preempting the least important unscheduled others if needed; None when `req`
         itself had to go."""
-        num_new = min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens, budget)
+        num_new = min(
+            req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens, self._cap(req, budget)
+        )
         while not self.kv.allocate_slots(req, num_new):
             if req.spec_token_ids:  # drafts are optional: drop them before preempting anyone
                 req.spec_token_ids = []

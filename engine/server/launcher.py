@@ -134,6 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="host memory (GiB) for a KV tier below the device cache: evicted prefix blocks are kept "
         "there and loaded back on a hit instead of recomputed (vLLM's flag; 0 = off, the default)",
     )
+    e.add_argument(
+        "--low-priority-step-ms",
+        dest="low_priority_step_s",
+        type=lambda v: float(v) / 1000.0,
+        default=None,
+        metavar="MS",
+        help="prefill of batch-class requests held to about this much time per step, so an "
+        "interactive request arriving mid-step waits at most that long for it (default 20; 0 = no limit)",
+    )
     e.add_argument("--block-size", type=int, default=None)
     e.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default=None)
     e.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
@@ -201,6 +210,7 @@ _ENGINE_FLAGS = (
     "kv_cache_memory",
     "num_gpu_blocks_override",
     "kv_offloading_size_gib",
+    "low_priority_step_s",
     "weights",
     "cuda_graphs",
     "block_size",

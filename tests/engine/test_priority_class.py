@@ -171,3 +171,44 @@ def test_the_batch_runs_when_the_interactive_request_cannot_get_in() -> None:
     out = sched.schedule()
     assert "interactive" not in {s.request.request_id for s in out.scheduled}
     assert {s.request.request_id for s in out.scheduled} & {"b0", "b1"}
+
+
+def _distinct(rid: str, klass: str, arrival: float, prompt_len: int, first_token: int) -> Request:
+    """A request whose prompt shares no block with another's (no prefix hits)."""
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    ids = list(range(first_token, first_token + prompt_len))
+    return Request(rid, ids, params, priority=engine_priority(klass), arrival_time=arrival)
+
+
+def test_batch_prefill_is_held_to_its_time_share_of_a_step() -> None:
+    sched = Scheduler(
+        KVCacheManager(num_blocks=256, block_size=4),
+        max_num_seqs=8,
+        max_num_batched_tokens=1024,
+        low_priority_step_s=0.02,
+    )
+    first = _distinct("b0", "batch", 0.0, 100, 1000)
+    sched.add_request(first)
+    assert sched.schedule().scheduled[0].num_new_tokens == 100  # nothing measured yet: no limit
+    sched.observe_step(100, 0.1)  # 1 ms a token: 20 ms is 20 tokens
+    assert sched.seconds_per_token == pytest.approx(0.001)
+    sched.observe_step(4, 1.0)  # a small step is mostly fixed cost: not learnt from
+    assert sched.seconds_per_token == pytest.approx(0.001)
+    batch = [_distinct(f"b{i}", "batch", float(i), 30, 2000 + 100 * i) for i in range(1, 4)]
+    interactive = _distinct("i", "interactive", 9.0, 60, 3000)
+    for r in (*batch, interactive):
+        sched.add_request(r)
+    out = sched.schedule()
+    got = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+    assert got.get("i") == 60  # the interactive prompt is never held
+    assert sum(n for rid, n in got.items() if rid != "i") <= 20
+    sched.update_after_step(out)
+    # step after step, the batch prompts are prefilled in shares: each step <= 20 batch tokens
+    for _ in range(12):
+        out = sched.schedule()
+        assert sum(s.num_new_tokens for s in out.scheduled if s.request.priority > 0) <= 20
+        sched.update_after_step(out)
+        for s in out.scheduled:
+            if s.samples:
+                s.request.append_output_token(7)
+    assert all(r.num_computed_tokens >= r.num_prompt_tokens for r in batch)  # they still got through
