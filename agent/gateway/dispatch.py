@@ -174,7 +174,7 @@ class Dispatcher:
                 write_timeout_s=self.settings.client_write_timeout_s,
                 residency=self.residency,
             ).response()
-        return self._failed(ex, failure, pass_failure)
+        return self._failed(ex, failure, pass_failure, unstarted)
 
     async def _open(self, ex: Exchange, target: Attempt) -> tuple[Opened, bytes | None]:
         """The attempt opened; with its whole body unless it is a stream for the client.
@@ -199,11 +199,24 @@ class Dispatcher:
         if tokens:
             self.accounting.metrics.abandoned_tokens.labels(ex.call.deployment, reason).inc(tokens)
 
-    def _failed(self, ex: Exchange, failure: AttemptFailed | None, pass_failure: bool) -> Response:
+    def _failed(
+        self, ex: Exchange, failure: AttemptFailed | None, pass_failure: bool, unstarted: bool = False
+    ) -> Response:
         deployment = ex.call.deployment
         if failure is not None and failure.status is not None and pass_failure:
             self.accounting.finish(ex, failure.status)
             return Response(failure.body, status_code=failure.status, headers=failure.headers)
+        hop = ex.call.pipeline
+        if failure is not None and unstarted and hop is not None and hop.local_only:
+            # the step's replica here went away before the view said so: nothing ran, and a
+            # later hop may not leave the cluster, so the pipeline request is refused whole
+            raise GatewayError(
+                503,
+                f"Pipeline '{hop.pipeline}': the step's replica of '{deployment}' here went away "
+                f"({failure.detail}); restart the pipeline request",
+                code="pipeline_step_unavailable",
+                headers={"Retry-After": str(self.queue.retry_after_s)},
+            )
         if failure is not None:
             raise GatewayError(
                 502,

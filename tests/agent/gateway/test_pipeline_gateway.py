@@ -335,6 +335,24 @@ async def test_a_hop_whose_step_went_down_here_is_refused_not_split(tmp_path: Pa
     assert again.status_code == 200 and again.headers[PIPELINE_REQUEST_HEADER].startswith("west.")
 
 
+async def test_a_hop_whose_replica_died_before_the_view_knew_is_refused_not_a_502(tmp_path: Path) -> None:
+    """The replica is gone but still listed ready: the connection is refused, nothing ran,
+    and the hop may not leave the cluster, so it is the step's 503 the client restarts on."""
+    fleet = Fleet(tmp_path, {"east": ALL, "west": ALL})
+    east = fleet.east
+    rid = (await east.post("emb", PIPE)).headers[PIPELINE_REQUEST_HEADER]
+
+    async def refused(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    east.behaviour["r-chat-east"] = refused
+    r = await east.post("chat", {**PIPE, PIPELINE_REQUEST_HEADER: rid})
+    assert r.status_code == 503 and r.headers["retry-after"], r.text
+    err = _error(r)
+    assert err["code"] == "pipeline_step_unavailable" and "restart" in err["message"]
+    assert "west" not in east.hits  # never split to the peer
+
+
 async def test_ready_nowhere_is_a_503_with_the_reason(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path, {"east": {"emb"}, "west": {"chat"}})  # each has one step: never split
     r = await fleet.east.post("emb", PIPE)
