@@ -228,55 +228,50 @@ def get_usage(
     )
 
 
-def _shadow_usage(session, filters: list) -> list[ShadowUsageRow]:
+def _marked_totals(session, marker, groups: tuple, filters: list) -> list[tuple]:
+    """Requests, errors and tokens of the records with `marker` set, per `groups`: the
+    group's values, then (requests, errors, prompt tokens, completion tokens)."""
     rows = session.execute(
         select(
-            UsageRecord.deployment,
-            UsageRecord.version,
+            *groups,
             func.count(),
             func.sum(case((UsageRecord.status >= 400, 1), else_=0)),
             func.sum(UsageRecord.prompt_tokens),
             func.sum(UsageRecord.completion_tokens),
         )
-        .where(UsageRecord.shadow.is_(True), *filters)
-        .group_by(UsageRecord.deployment, UsageRecord.version)
-        .order_by(UsageRecord.deployment, UsageRecord.version)
+        .where(marker.is_(True), *filters)
+        .group_by(*groups)
+        .order_by(*groups)
     ).all()
+    k = len(groups)
+    return [(*row[:k], *(int(v or 0) for v in row[k:])) for row in rows]
+
+
+def _shadow_usage(session, filters: list) -> list[ShadowUsageRow]:
+    rows = _marked_totals(session, UsageRecord.shadow, (UsageRecord.deployment, UsageRecord.version), filters)
     return [
         ShadowUsageRow(
             deployment=dep,
             version=version,
-            requests=int(n),
-            errors=int(errors or 0),
-            prompt_tokens=int(prompt or 0),
-            completion_tokens=int(completion or 0),
+            requests=n,
+            errors=errors,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
         )
         for dep, version, n, errors, prompt, completion in rows
     ]
 
 
 def _batch_usage(session, filters: list) -> list[BatchUsageRow]:
-    rows = session.execute(
-        select(
-            UsageRecord.key_id,
-            UsageRecord.deployment,
-            func.count(),
-            func.sum(case((UsageRecord.status >= 400, 1), else_=0)),
-            func.sum(UsageRecord.prompt_tokens),
-            func.sum(UsageRecord.completion_tokens),
-        )
-        .where(UsageRecord.batch.is_(True), *filters)
-        .group_by(UsageRecord.key_id, UsageRecord.deployment)
-        .order_by(UsageRecord.key_id, UsageRecord.deployment)
-    ).all()
+    rows = _marked_totals(session, UsageRecord.batch, (UsageRecord.key_id, UsageRecord.deployment), filters)
     return [
         BatchUsageRow(
             key_id=key_id,
             deployment=dep,
-            requests=int(n),
-            errors=int(errors or 0),
-            prompt_tokens=int(prompt or 0),
-            completion_tokens=int(completion or 0),
+            requests=n,
+            errors=errors,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
         )
         for key_id, dep, n, errors, prompt, completion in rows
     ]
