@@ -21,6 +21,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from fleet_base.bounds import MAX_TOKENS, Count, FiniteFloat, Timestamp
 from fleet_base.domain import AdapterName, Coordinates, PoolShape
+from fleet_base.engines import EngineKind
 from fleet_base.node_health import MAX_FAULTS, MAX_NODES, NodeAction, NodeFault, NodeHealth
 from fleet_base.pipelines import PipelineSpec, PipelineStep
 
@@ -152,6 +153,9 @@ class ReplicaSpec(BaseModel):
     deployment: str
     version: int
     model: str
+    # Which server runs the replica (fleet_base.engines): its launch command, health path,
+    # metrics names and what the gateway may ask of it.
+    engine: EngineKind = "fleet"
     engine_args: dict[str, Any] = Field(default_factory=dict)
     resources: Resources = Field(default_factory=Resources)
     pool: str = ""
