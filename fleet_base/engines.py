@@ -143,6 +143,31 @@ def kv_events_config(kind: EngineKind, endpoint: str, topic: str = "kv-events") 
     return json.dumps(config, separators=(",", ":"))
 
 
+# The engine arguments (`-e` keys) whose product is the number of GPUs one server uses: a
+# replica must be given that many devices. Only engines with `tensor_parallel` are listed.
+PARALLEL_ARGS: dict[EngineKind, tuple[tuple[str, ...], ...]] = {
+    "vllm": (("tensor_parallel_size",), ("pipeline_parallel_size",)),
+    "sglang": (("tp_size", "tensor_parallel_size"), ("pp_size", "pipeline_parallel_size")),
+}
+
+
+def parallel_gpus(kind: EngineKind, engine_args: dict[str, object]) -> int:
+    """The devices one `kind` server spans for these engine arguments (1 without parallelism):
+    vLLM's tensor x pipeline parallel sizes, SGLang's tp x pp sizes. ValueError for a size
+    that is not a positive integer."""
+    gpus = 1
+    for names in PARALLEL_ARGS.get(kind, ()):
+        for name in names:
+            value = engine_args.get(name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not str(value).isdigit() or int(str(value)) < 1:
+                raise ValueError(f"{name} must be a positive integer, not {value!r}")
+            gpus *= int(str(value))
+            break
+    return gpus
+
+
 # The environment variable each engine also reads its API key from: a key in argv is visible to
 # every local user in /proc/<pid>/cmdline. SGLang documents none (its key goes in argv).
 API_KEY_ENV: dict[EngineKind, str] = {"vllm": "VLLM_API_KEY", "llama.cpp": "LLAMA_API_KEY"}
@@ -152,6 +177,20 @@ def launch_env(kind: EngineKind, api_key: str | None) -> dict[str, str]:
     """The environment to add to `launch_command(..., api_key_in_env=True)`'s process."""
     name = API_KEY_ENV.get(kind)
     return {name: api_key} if api_key and name else {}
+
+
+def lora_launch(kind: EngineKind, max_loras: int) -> tuple[list[str], dict[str, str]]:
+    """(flags, environment) that give a `kind` server `max_loras` adapter slots loadable while
+    it runs; nothing for 0 or for an engine without `lora_load` (llama.cpp only rescales
+    adapters named at launch). vLLM refuses /v1/load_lora_adapter unless its environment
+    allows runtime updates."""
+    if max_loras <= 0 or not CAPABILITIES[kind].lora_load:
+        return [], {}
+    if kind == "vllm":
+        return ["--enable-lora", "--max-loras", str(max_loras)], {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    if kind == "sglang":
+        return ["--enable-lora", "--max-loras-per-batch", str(max_loras)], {}
+    return [], {}
 
 
 def launch_command(

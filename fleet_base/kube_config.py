@@ -12,6 +12,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$")
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
 NodeProvider = Literal["gke", "eks", "aks", "generic"]
+ForeignEngine = Literal["vllm", "sglang", "llama.cpp"]
+ENGINE_IMAGES: dict[ForeignEngine, str] = {
+    "vllm": "ghcr.io/fleet-llm/fleet-vllm:0.1.0",
+    "sglang": "ghcr.io/fleet-llm/fleet-sglang:0.1.0",
+    "llama.cpp": "ghcr.io/fleet-llm/fleet-llama-cpp:0.1.0",
+}
 
 
 def _quantity(value: str) -> str:
@@ -70,6 +76,9 @@ class KubernetesConfig(BaseModel):
     # agent's objects (kubectl delete -k) garbage-collects its replicas. "" = no owner.
     owner_deployment: str = Field("fleet-agent", pattern=r"^$|" + _DNS_LABEL[1:])
     image: str = Field("ghcr.io/fleet-llm/fleet-engine-cuda:0.1.0", min_length=1, max_length=512)
+    # The image of each foreign engine a deployment may name (`engine`): Fleet's images built
+    # on the engines' official ones (deploy/images/engines). An entry here replaces one default.
+    engine_images: dict[ForeignEngine, str] = Field(default_factory=lambda: dict(ENGINE_IMAGES))
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     image_pull_secrets: list[str] = Field(default_factory=list)
     service_account: str = Field("fleet-replica", pattern=_DNS_LABEL)
@@ -92,6 +101,14 @@ class KubernetesConfig(BaseModel):
     memory_limit: str = "32Gi"
     # /tmp of the read-only-root container (tokenizer caches, Triton's compile cache).
     scratch_size: str = "2Gi"
+    # /dev/shm of a foreign engine's pod (a memory-backed emptyDir, counted against
+    # memory_limit): PyTorch and NCCL share tensors between vLLM's and SGLang's workers there.
+    shm_size: str = "8Gi"
+    # Where vLLM and SGLang publish KV-cache events (ZMQ, a container port the agent reaches).
+    kv_events_port: int = Field(5557, ge=1, le=65535)
+    # A foreign engine's startup bound (its startup probe, and the runtime's own): loading a
+    # 70B model from the volume and capturing CUDA graphs takes far longer than our engine.
+    engine_startup_timeout_s: float = Field(1800.0, gt=0)
     # A pod the scheduler cannot place for this long is reported as missing capacity
     # (above the cluster autoscaler's scale-up time, where one adds nodes to the pool).
     unschedulable_after_s: float = Field(120.0, ge=0)
@@ -99,7 +116,15 @@ class KubernetesConfig(BaseModel):
     # the control plane does not place the replica straight back.
     unschedulable_hold_s: float = Field(600.0, ge=0)
 
-    @field_validator("cpu_request", "memory_request", "memory_limit", "scratch_size")
+    @field_validator("engine_images")
+    @classmethod
+    def _with_defaults(cls, value: dict[ForeignEngine, str]) -> dict[ForeignEngine, str]:
+        for kind, image in value.items():
+            if not image or len(image) > 512:
+                raise ValueError(f"engine_images.{kind}: 1..512 characters")
+        return {**ENGINE_IMAGES, **value}
+
+    @field_validator("cpu_request", "memory_request", "memory_limit", "scratch_size", "shm_size")
     @classmethod
     def _check_quantity(cls, value: str) -> str:
         return _quantity(value)

@@ -13,6 +13,7 @@ from typing import Any
 
 from agent.runtime.base import InvalidSpec
 from fleet_base.cluster_config import ClusterConfig
+from fleet_base.engines import TlsFiles, launch_command, lora_launch
 from fleet_base.protocol import ReplicaSpec
 
 ENGINE_MODULE = "engine.server"
@@ -22,6 +23,23 @@ _NUMBER = re.compile(r"^-?\d+(\.\d+)?([eE][-+]?\d+)?$")
 # Flags the runtime sets itself; a spec may not override them.
 RESERVED_KEYS = frozenset(
     {"model", "served_model_name", "host", "port", "enable_lora", "max_loras", "lora_modules"}
+)
+# ... and for a foreign engine, the flags `fleet_base.engines.launch_command` sets: a user's
+# `-e api_key=` or `-e ssl_certfile=` would otherwise win (last flag) over the replica's identity.
+FOREIGN_RESERVED_KEYS = RESERVED_KEYS | frozenset(
+    {
+        "model_path",
+        "m",
+        "alias",
+        "api_key",
+        "ssl_certfile",
+        "ssl_keyfile",
+        "ssl_ca_certs",
+        "ssl_cert_file",
+        "ssl_key_file",
+        "kv_events_config",
+        "max_loras_per_batch",
+    }
 )
 
 
@@ -36,7 +54,7 @@ def check_text(what: str, value: str) -> str:
     return value
 
 
-def engine_flags(engine_args: dict[str, Any]) -> list[str]:
+def engine_flags(engine_args: dict[str, Any], reserved: frozenset[str] = RESERVED_KEYS) -> list[str]:
     """{"max_num_seqs": 8, "enforce_x": True, "seed": None} -> ["--max-num-seqs", "8", "--enforce-x"].
 
     True gives the flag alone; False and None omit it; numbers and strings follow the
@@ -45,7 +63,7 @@ def engine_flags(engine_args: dict[str, Any]) -> list[str]:
     for key, value in engine_args.items():
         if not isinstance(key, str) or not _KEY.match(key):
             raise InvalidSpec(f"engine_args: key {key!r} must match {_KEY.pattern}")
-        if key in RESERVED_KEYS:
+        if key in reserved:
             raise InvalidSpec(f"engine_args: {key!r} is set by the agent")
         flag = "--" + key.replace("_", "-")
         if value is None or value is False:
@@ -100,3 +118,40 @@ def replica_argv(
     if "--drain-timeout" not in argv:
         argv += ["--drain-timeout", repr(float(config.replica.drain_timeout_s))]
     return argv
+
+
+def foreign_argv(
+    spec: ReplicaSpec,
+    *,
+    model_path: str,
+    port: int,
+    host: str,
+    api_key: str | None = None,
+    tls: TlsFiles | None = None,
+    kv_events_endpoint: str | None = None,
+    python: str = "python",
+) -> list[str]:
+    """The command line of a replica whose `spec.engine` is vLLM, SGLang or llama.cpp: the
+    engine's own server (`fleet_base.engines.launch_command`) serving `model_path` (a local
+    path: the verified cache entry, not the URI) under the deployment's name, its LoRA
+    slots, then the spec's `engine_args`. The API key goes in argv only for an engine that
+    reads none from its environment (`launch_env`); `config.replica.extra_args` are flags
+    of Fleet's engine and are not given."""
+    extra = lora_launch(spec.engine, spec.max_adapters)[0]
+    extra += engine_flags(spec.engine_args, FOREIGN_RESERVED_KEYS)
+    try:
+        return launch_command(
+            spec.engine,
+            check_text("model", model_path),
+            port,
+            api_key,
+            check_text("deployment", spec.deployment),
+            extra,
+            host=host,
+            kv_events_endpoint=kv_events_endpoint,
+            tls=tls,
+            python=python,
+            api_key_in_env=True,
+        )
+    except ValueError as err:
+        raise InvalidSpec(f"engine {spec.engine}: {err}") from err

@@ -18,7 +18,9 @@ against the official schemas and the runtime only sends it.
   secretKeyRef: the pod object holds no secret value); probes use HTTPS; the pod is named
   `<hostname>.<replica_service>.<namespace>.svc`, the name gateways verify the certificate
   against (`replica_url`). Binding every address of the pod is then safe: nothing is
-  served without TLS, and nothing but /health and /metrics without the token.
+  served without TLS, and nothing but /health and /metrics without the token;
+- a foreign engine (vLLM, SGLang, llama.cpp): its image, command, GPUs, /dev/shm, KV-event
+  port and health path from kube_engine, with the same identity, hardening and lifecycle.
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ import secrets
 
 from agent.runtime.base import InvalidSpec
 from agent.runtime.command import replica_argv
+from agent.runtime.kube_engine import engine_container, is_foreign, startup_timeout_s
 from agent.security.replica_auth import SECRET_CERT, SECRET_KEY, replica_pod_env
 from fleet_base.cluster_config import ClusterConfig
 from fleet_base.domain import Tier
+from fleet_base.engines import TlsFiles
 from fleet_base.kube_config import PoolPlacement
 from fleet_base.protocol import PoolInventory, ReplicaSpec
 
@@ -240,9 +244,11 @@ def replica_pod(
     pool: PoolInventory | None,
     owner: dict | None = None,
     name: str | None = None,
+    model_path: str | None = None,
 ) -> dict:
     """The Pod object of one start of `spec`. Raises InvalidSpec for a spec that cannot
-    become a pod (names, engine args)."""
+    become a pod (names, engine args). `model_path`: where a foreign engine finds the model
+    in the pod (kube_engine.pod_model_path; default the spec's model as given)."""
     kc = config.kubernetes
     placement = kc.pools.get(spec.pool) if spec.pool else None
     tier = pool.tier.value if pool is not None else ""
@@ -258,33 +264,49 @@ def replica_pod(
     gpu_resource = (placement or PoolPlacement()).gpu_resource
     requests = {"cpu": kc.cpu_request, "memory": kc.memory_request}
     limits = {"memory": kc.memory_limit}
-    if pool is not None and pool.gpu_model.lower() != "cpu" and gpu_resource:
-        requests[gpu_resource] = limits[gpu_resource] = str(spec.resources.gpu_count)
     volumes, mounts = _volumes(config)
     identity = _identity_env(config)
     port_name = "https" if identity else "http"
-    # /health is open on a replica (OPEN_PATHS): its status word and nothing else
-    health = {"path": "/health", "port": port_name, "scheme": "HTTPS" if identity else "HTTP"}
-    ours = {e["name"] for e in identity}
-    env = [{"name": k, "value": v} for k, v in sorted(config.replica.env.items()) if k not in ours]
-    env += identity
-    env.append({"name": "HOME", "value": "/tmp"})
-    if config.kubernetes.model_volume.kind != "none" and "FLEET_MODEL_CACHE" not in config.replica.env:
-        # a model URI resolves from the volume (the node cache layout, docs/models.md)
-        env.append({"name": "FLEET_MODEL_CACHE", "value": config.kubernetes.model_volume.mount_path})
+    ports = [{"name": port_name, "containerPort": kc.port, "protocol": "TCP"}]
+    image, gpus, health_path = kc.image, spec.resources.gpu_count, "/health"
+    if is_foreign(spec):
+        tls = None
+        if identity:
+            tls = TlsFiles(
+                certfile=f"{CREDENTIALS_DIR}/{SECRET_CERT}", keyfile=f"{CREDENTIALS_DIR}/{SECRET_KEY}"
+            )
+        engine = engine_container(spec, config, model_path or spec.model, tls)
+        image, gpus, health_path = engine.image, engine.gpus, engine.health_path
+        command, env = engine.command, engine.env
+        ports += engine.ports
+        volumes += engine.volumes
+        mounts += engine.mounts
+    else:
+        command = engine_command(spec, config)
+        ours = {e["name"] for e in identity}
+        env = [{"name": k, "value": v} for k, v in sorted(config.replica.env.items()) if k not in ours]
+        env += identity
+        env.append({"name": "HOME", "value": "/tmp"})
+        if kc.model_volume.kind != "none" and "FLEET_MODEL_CACHE" not in config.replica.env:
+            # a model URI resolves from the volume (the node cache layout, docs/models.md)
+            env.append({"name": "FLEET_MODEL_CACHE", "value": kc.model_volume.mount_path})
+    if pool is not None and pool.gpu_model.lower() != "cpu" and gpu_resource:
+        requests[gpu_resource] = limits[gpu_resource] = str(gpus)
+    # the health path is open on a replica (OPEN_PATHS, and the engines' own): a status and nothing else
+    health = {"path": health_path, "port": port_name, "scheme": "HTTPS" if identity else "HTTP"}
     container = {
         "name": CONTAINER,
-        "image": kc.image,
+        "image": image,
         "imagePullPolicy": kc.image_pull_policy,
-        "command": engine_command(spec, config),
-        "ports": [{"name": port_name, "containerPort": kc.port, "protocol": "TCP"}],
+        "command": command,
+        "ports": ports,
         "env": env,
         "resources": {"requests": requests, "limits": limits},
         "startupProbe": {
             "httpGet": health,
             "periodSeconds": PROBE_PERIOD_S,
             "timeoutSeconds": 5,
-            "failureThreshold": max(1, math.ceil(config.replica.startup_timeout_s / PROBE_PERIOD_S)),
+            "failureThreshold": max(1, math.ceil(startup_timeout_s(spec, config) / PROBE_PERIOD_S)),
         },
         "readinessProbe": {"httpGet": health, "periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 2},
         "livenessProbe": {

@@ -10,6 +10,8 @@ where a ReplicaSet would pick its own victims on scale-down.
 - a list + watch of this cluster's replica pods (by labels) keeps a local cache, as an
   informer does: resourceVersion from the list, relist after a 410 or a broken stream;
   `poll` reads the cache (a GET until the first list is in);
+- a replica whose `engine` is vLLM, SGLang or llama.cpp runs that engine's image and server
+  (kube_engine), given the verified local path of its model in the model volume;
 - the gateway reaches a replica once the pod has an IP (`handle.url`): with `security`
   over HTTPS at its DNS name under the replica Service, verifying the replica
   certificate and sending the replica token, as for a process replica; without it
@@ -48,6 +50,7 @@ from lightkube.resources.core_v1 import Node, Pod
 from lightkube.types import PatchType
 
 from agent.runtime.base import Probe, ReplicaHandle, Runtime
+from agent.runtime.kube_engine import pod_model_path, startup_timeout_s
 from agent.runtime.kube_node import cordon_patch, uncordon_patch
 from agent.runtime.kube_pod import (
     LABEL,
@@ -61,6 +64,7 @@ from agent.runtime.kube_pod import (
 )
 from agent.runtime.kube_status import PodView, classify, vanished
 from fleet_base.cluster_config import ClusterConfig
+from fleet_base.models import ModelCache
 from fleet_base.protocol import PoolInventory, ReplicaSpec, ReplicaState
 
 log = logging.getLogger(__name__)
@@ -113,6 +117,8 @@ class KubernetesRuntime(Runtime):
         self.client = client or AsyncClient(kube_config(config), namespace=self.namespace)
         self.labels = selector_labels(config.cluster)
         self.pools: dict[str, PoolInventory] = {p.name: p for p in config.pools}
+        # the model volume as the agent sees it: where a foreign engine's model is found
+        self.model_cache = ModelCache(config.model_cache_dir) if config.model_cache_dir else None
         self.pods: dict[str, dict] = {}  # name -> the latest pod object the watch saw
         self.gone: dict[str, dict] = {}  # name -> the last object of a pod that was deleted
         self.synced = asyncio.Event()
@@ -204,7 +210,8 @@ class KubernetesRuntime(Runtime):
 
     def pod_for(self, spec: ReplicaSpec, owner: dict | None = None) -> dict:
         """The pod object `start` would create (raises InvalidSpec)."""
-        return replica_pod(spec, self.config, self.pools.get(spec.pool), owner)
+        model_path = pod_model_path(spec, self.config, self.model_cache)
+        return replica_pod(spec, self.config, self.pools.get(spec.pool), owner, model_path=model_path)
 
     async def start(self, spec: ReplicaSpec) -> ReplicaHandle:
         self.pod_for(spec)  # a bad spec fails before any API call
@@ -252,7 +259,7 @@ class KubernetesRuntime(Runtime):
         if view.state == ReplicaState.starting and not view.unschedulable:
             # the startup probe bounds a running container; this bounds the rest (a volume
             # that never attaches, an image that never arrives)
-            limit = self.config.replica.startup_timeout_s + STARTUP_SLACK_S
+            limit = startup_timeout_s(handle.spec, self.config) + STARTUP_SLACK_S
             if time.time() - handle.started_at > limit:
                 view = PodView(ReplicaState.failed, f"not ready after {limit:.0f} s (pod {name})")
         if view.state == ReplicaState.failed:

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from fleet_base import engines
 from fleet_base.engines import CAPABILITIES, ENGINE_KINDS, TlsFiles, launch_command, launch_env
 
 
@@ -117,3 +118,26 @@ def test_api_key_can_stay_out_of_argv(kind, var):
 def test_sglang_has_no_key_variable_so_the_flag_stays():
     assert flag(launch_command("sglang", "/m", 1, "sk", "m", api_key_in_env=True), "--api-key") == "sk"
     assert launch_env("sglang", "sk") == {}
+
+
+@pytest.mark.parametrize(
+    ("kind", "args", "gpus"),
+    [
+        ("vllm", {}, 1),
+        ("vllm", {"tensor_parallel_size": 4}, 4),
+        ("vllm", {"tensor_parallel_size": 4, "pipeline_parallel_size": 2}, 8),
+        ("vllm", {"tensor_parallel_size": "2", "max_num_seqs": 64}, 2),
+        ("sglang", {"tp_size": 8}, 8),
+        ("sglang", {"tensor_parallel_size": 2, "pp_size": 2}, 4),
+        ("llama.cpp", {"tensor_parallel_size": 4}, 1),  # no tensor parallelism: the flag is its own
+        ("fleet", {"tensor_parallel_size": 4}, 1),
+    ],
+)  # fmt: skip
+def test_parallel_gpus_is_the_product_of_the_parallel_sizes(kind, args, gpus):
+    assert engines.parallel_gpus(kind, args) == gpus
+
+
+@pytest.mark.parametrize("bad", [0, -1, "two", True, 1.5])
+def test_parallel_gpus_refuses_a_size_that_is_no_count(bad):
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        engines.parallel_gpus("vllm", {"tensor_parallel_size": bad})

@@ -1,0 +1,154 @@
+"""What a replica pod running vLLM, SGLang or llama.cpp (`ReplicaSpec.engine`) has that
+our own engine's pod does not; kube_pod builds the rest of the pod the same way.
+
+- image: `kubernetes.engine_images[engine]` (Fleet's images on the engines' official ones);
+- command: `agent.runtime.command.foreign_argv`, the engine's own server on the pod's port,
+  serving the verified local path of the model (`pod_model_path`), never the URI;
+- identity, as for our engine: with `security`, HTTPS with the replica certificate from the
+  replica Secret's volume and the replica token as the engine's API key, by secretKeyRef into
+  the variable the engine reads (`fleet_base.engines.API_KEY_ENV`). SGLang reads none: its
+  `--api-key` is `$(FLEET_ENGINE_API_KEY)`, which the kubelet expands at start, so the pod
+  object still holds no secret value;
+- GPUs: the engine's parallel size (`fleet_base.engines.parallel_gpus`) or the spec's count,
+  whichever is larger; /dev/shm as a memory emptyDir (tensor-parallel workers share through it);
+- KV events: vLLM and SGLang publish over ZMQ on `kubernetes.kv_events_port` of every pod
+  address (`kv_events_address` is where the agent subscribes);
+- probes on the engine's own health path; a startup bound of
+  `kubernetes.engine_startup_timeout_s` (large models load for many minutes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from agent.runtime.base import InvalidSpec
+from agent.runtime.command import foreign_argv
+from agent.security.replica_auth import API_KEY_ENV as TOKEN_ENV
+from agent.security.replica_auth import SECRET_TOKEN
+from fleet_base.cluster_config import ClusterConfig
+from fleet_base.engines import API_KEY_ENV, CAPABILITIES, TlsFiles, lora_launch, parallel_gpus
+from fleet_base.models import ModelCache, ModelStoreError, is_remote
+from fleet_base.protocol import ReplicaSpec
+
+SHM_VOLUME = "dshm"
+KV_EVENTS_PORT_NAME = "kv-events"
+# Telemetry a self-hosted platform does not send home (vLLM's usage stats).
+QUIET_ENV = {"vllm": {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}}
+
+
+@dataclass
+class EngineContainer:
+    """The parts of a foreign engine's container and pod that differ from our engine's."""
+
+    image: str
+    command: list[str]
+    env: list[dict]
+    health_path: str
+    gpus: int
+    startup_timeout_s: float
+    ports: list[dict] = field(default_factory=list)  # beyond the serving port
+    volumes: list[dict] = field(default_factory=list)
+    mounts: list[dict] = field(default_factory=list)
+
+
+def is_foreign(spec: ReplicaSpec) -> bool:
+    return spec.engine != "fleet"
+
+
+def startup_timeout_s(spec: ReplicaSpec, config: ClusterConfig) -> float:
+    """How long a replica of `spec` may take to become ready (probe and runtime alike)."""
+    if not is_foreign(spec):
+        return config.replica.startup_timeout_s
+    return max(config.replica.startup_timeout_s, config.kubernetes.engine_startup_timeout_s)
+
+
+def pod_model_path(spec: ReplicaSpec, config: ClusterConfig, cache: ModelCache | None) -> str:
+    """The model as a foreign engine opens it inside the pod: a local path or hub id as
+    given; a model URI (hf://, s3://, oci://, https://) as its verified entry in the model
+    cache, under the model volume's mount path (llama.cpp: the .gguf file in it). The agent
+    finds the entry in `cache`, the same volume mounted into the agent (`model_cache_dir`):
+    the engines cannot read our URIs, and the agent pulled and verified the files before
+    this start. InvalidSpec when there is no such cache; RuntimeError (retried after the
+    backoff) when the entry is not there."""
+    if not is_remote(spec.model):
+        return spec.model
+    volume = config.kubernetes.model_volume
+    if cache is None or volume.kind == "none":
+        raise InvalidSpec(
+            f"engine {spec.engine} cannot read the model URI {spec.model!r}: mount the model volume "
+            "into the agent too and set model_cache_dir, so the agent pulls and verifies the model "
+            "and hands the engine its local path"
+        )
+    try:
+        entry = cache.lookup(spec.model)
+    except ModelStoreError as err:
+        raise InvalidSpec(f"model {spec.model!r}: {err}") from err
+    if entry is None:
+        raise RuntimeError(f"model {spec.model!r} is not in the model cache at {cache.root} yet")
+    folder = f"{volume.mount_path.rstrip('/')}/{cache.model_dir(entry).relative_to(cache.root).as_posix()}"
+    if spec.engine != "llama.cpp":
+        return folder
+    ggufs = sorted(f.name for f in entry.files if f.name.endswith(".gguf"))
+    if not ggufs:
+        raise InvalidSpec(f"engine llama.cpp needs a .gguf model; {spec.model!r} has none")
+    return f"{folder}/{ggufs[0]}"  # a split model: llama.cpp finds the other parts from the first
+
+
+def engine_container(
+    spec: ReplicaSpec, config: ClusterConfig, model_path: str, tls: TlsFiles | None
+) -> EngineContainer:
+    """The container parts of `spec`'s foreign engine; with `tls` (the replica certificate's
+    files in the pod), it serves HTTPS and requires the replica token from
+    `kubernetes.replica_secret`."""
+    kind = spec.engine
+    caps = CAPABILITIES[kind]
+    kc = config.kubernetes
+    api_key = None
+    env: list[dict] = []
+    if tls is not None:
+        key_env = API_KEY_ENV.get(kind, TOKEN_ENV)
+        ref = {"secretKeyRef": {"name": kc.replica_secret, "key": SECRET_TOKEN}}
+        env.append({"name": key_env, "valueFrom": ref})
+        if kind not in API_KEY_ENV:  # expanded by the kubelet from the variable above
+            api_key = f"$({key_env})"
+    kv_endpoint = f"tcp://*:{kc.kv_events_port}" if caps.kv_events == "zmq" else None
+    command = foreign_argv(
+        spec,
+        model_path=model_path,
+        port=kc.port,
+        host="0.0.0.0",
+        api_key=api_key,
+        tls=tls,
+        kv_events_endpoint=kv_endpoint,
+        python="python3",
+    )
+    ours = {e["name"] for e in env} | {"HOME"}
+    extra = {**QUIET_ENV.get(kind, {}), **lora_launch(kind, spec.max_adapters)[1], **config.replica.env}
+    env = [{"name": k, "value": v} for k, v in sorted(extra.items()) if k not in ours] + env
+    env.append({"name": "HOME", "value": "/tmp"})
+    try:
+        gpus = max(spec.resources.gpu_count, parallel_gpus(kind, spec.engine_args))
+    except ValueError as err:
+        raise InvalidSpec(f"engine_args: {err}") from err
+    out = EngineContainer(
+        image=kc.engine_images[kind],
+        command=command,
+        env=env,
+        health_path=caps.health_path,
+        gpus=gpus,
+        startup_timeout_s=startup_timeout_s(spec, config),
+        volumes=[{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": kc.shm_size}}],
+        mounts=[{"name": SHM_VOLUME, "mountPath": "/dev/shm"}],
+    )
+    if kv_endpoint:
+        out.ports.append({"name": KV_EVENTS_PORT_NAME, "containerPort": kc.kv_events_port, "protocol": "TCP"})
+    return out
+
+
+def kv_events_address(spec: ReplicaSpec, pod_ip: str, config: ClusterConfig) -> str | None:
+    """Where the agent subscribes to a replica pod's KV events (ZMQ); None for an engine
+    that publishes none over ZMQ (ours posts them to the agent's relay)."""
+    if not is_foreign(spec) or CAPABILITIES[spec.engine].kv_events != "zmq" or not pod_ip:
+        return None
+    host = f"[{pod_ip}]" if ":" in pod_ip else pod_ip
+    return f"tcp://{host}:{config.kubernetes.kv_events_port}"
