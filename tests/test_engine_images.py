@@ -84,7 +84,12 @@ def test_default_engine_image_names_this_dockerfile(name: str) -> None:
 def test_lints_clean(name: str) -> None:
     hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
     out = subprocess.run(
-        [hadolint, "--config", str(ROOT / "deploy/images/.hadolint.yaml"), str(ENGINES / f"{name}.Dockerfile")],
+        [
+            hadolint,
+            "--config",
+            str(ROOT / "deploy/images/.hadolint.yaml"),
+            str(ENGINES / f"{name}.Dockerfile"),
+        ],
         capture_output=True,
         text=True,
         timeout=60,
