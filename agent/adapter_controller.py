@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from agent.adapters import ReplicaAdapters, spread
-from agent.replica import Replica, ready_replicas
+from agent.replica import Replica, lora_slots, ready_replicas
 from fleet_base.protocol import DesiredState
 
 log = logging.getLogger("agent")
@@ -46,11 +46,11 @@ class AdapterController:
             spec = wanted.get(r.replica_id)
             if spec is not None and spec.adapters != r.spec.adapters:  # applied live, no restart
                 r.spec = r.spec.model_copy(update={"adapters": spec.adapters})
-            if r.spec.max_adapters > 0 and r.handle is not None:
+            if lora_slots(r.spec) > 0 and r.handle is not None:
                 groups.setdefault(r.spec.deployment, []).append(r)
         for deployment, reps in groups.items():
             catalog = {a.name: a.uri for a in reps[0].spec.adapters}
-            room = reps[0].spec.max_adapters
+            room = lora_slots(reps[0].spec)
             # Over every replica wanted here, ready or not, so the first one up does not
             # take the shares of those still starting.
             ids = [s.replica_id for s in wanted.values() if s.deployment == deployment]

@@ -105,7 +105,7 @@ class Agent:
         )
         verify = replica_verify(config.security)
         capacity = CapacitySignals(hold_s=config.kubernetes.unschedulable_hold_s)
-        scraper = MetricsScraper(verify=verify)
+        scraper = MetricsScraper(verify=verify, headers=replica_headers(config.security))
         cache = ModelCache(config.model_cache_dir, config.model_cache_max_bytes)
         self.models = ModelPuller(cache, on_change=lambda: self.replica_controller.wake())
         self.fence = EpochFence(self.files)  # agent.fencing: shared by the three mirrors

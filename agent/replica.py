@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field, ValidationError
 from agent.reconciler import ReplicaRecord
 from agent.runtime import ReplicaHandle
 from fleet_base import protocol
+from fleet_base.engines import CAPABILITIES
 from fleet_base.local_state import LocalState, ReplicaSnapshot
 from fleet_base.nats_io import NatsLink
 from fleet_base.protocol import Event, EventKind, ReplicaLoad, ReplicaSpec, ReplicaState, ReplicaStatus
@@ -88,9 +89,16 @@ class Replica:
             warmup_s=self.startup.get("warmup"),
             first_token_s=self.startup.get("first_token"),
             adapters=list(self.adapters) if self.state == ReplicaState.ready else [],
-            max_adapters=self.spec.max_adapters,
+            max_adapters=lora_slots(self.spec),
             adapter_uris={a.name: a.uri for a in self.spec.adapters},
+            engine=self.spec.engine,
+            note=self.handle.note[:512] if self.handle is not None else "",
         )
+
+
+def lora_slots(spec: ReplicaSpec) -> int:
+    """Adapters the replica can load while it runs: none where its engine cannot."""
+    return spec.max_adapters if CAPABILITIES[spec.engine].lora_load else 0
 
 
 def ready_replicas(replicas: dict[str, Replica]) -> list[Replica]:

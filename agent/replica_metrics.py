@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from fleet_base.engines import CAPABILITIES, EngineKind
 from fleet_base.protocol import ReplicaLoad
 
 RUNNING = "fleet_engine_requests_running"
@@ -128,10 +129,21 @@ class EngineSample:
     prefix_cache_hit_rate: float | None = None
 
 
-def parse_metrics(text: str) -> EngineSample:
+def engine_sources(engine: EngineKind | None) -> dict[str, tuple[str, ...]]:
+    """`SOURCES` as read from a replica of `engine`: only its own series (a foreign engine's
+    scrape never picks up another engine's names); Fleet's engine and None read them all,
+    Fleet's names first."""
+    if engine is None or engine == "fleet":
+        return SOURCES
+    prefix = CAPABILITIES[engine].metrics_prefix
+    return {field: tuple(n for n in names if n.startswith(prefix)) for field, names in SOURCES.items()}
+
+
+def parse_metrics(text: str, engine: EngineKind | None = None) -> EngineSample:
     """The engine's load gauges and counters from Prometheus text, summed over label sets
     (`model`, vLLM's `engine`, SGLang's ranks); ratios take the largest. Missing series read
     as zero."""
+    sources = engine_sources(engine)
     seen: dict[str, list[float]] = {}
     startup: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
@@ -141,7 +153,7 @@ def parse_metrics(text: str) -> EngineSample:
             elif sample.name == STARTUP and sample.labels.get("phase") in ENGINE_PHASES:
                 startup[sample.labels["phase"]] = float(sample.value)
     fields: dict[str, float] = {}
-    for field, names in SOURCES.items():
+    for field, names in sources.items():
         values = next((seen[n] for n in names if n in seen), None)
         if values is not None:
             fields[field] = max(values) if field in _RATIOS else sum(values)
@@ -181,20 +193,30 @@ class LoadTracker:
 
 
 class MetricsScraper:
-    """Scrapes replicas over HTTP and keeps one `LoadTracker` per replica id."""
+    """Scrapes replicas over HTTP and keeps one `LoadTracker` per replica id. `headers`: the
+    replica token (Fleet's engine serves /metrics openly; llama-server only with the key)."""
 
-    def __init__(self, timeout_s: float = 2.0, verify: ssl.SSLContext | bool = True) -> None:
-        self._http = httpx.AsyncClient(timeout=timeout_s, verify=verify)  # verify: the fleet CA
+    def __init__(
+        self,
+        timeout_s: float = 2.0,
+        verify: ssl.SSLContext | bool = True,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self._http = httpx.AsyncClient(
+            timeout=timeout_s, verify=verify, headers=headers
+        )  # verify: the fleet CA
         self._trackers: dict[str, LoadTracker] = {}
         self._startup: dict[str, dict[str, float]] = {}
 
-    async def scrape(self, replica_id: str, url: str, now: float | None = None) -> ReplicaLoad | None:
+    async def scrape(
+        self, replica_id: str, url: str, now: float | None = None, engine: EngineKind | None = None
+    ) -> ReplicaLoad | None:
         """The replica's load now, or None when /metrics did not answer sensibly."""
         try:
             r = await self._http.get(f"{url}/metrics")
             if r.status_code != 200:
                 return None
-            sample = parse_metrics(r.text)
+            sample = parse_metrics(r.text, engine)
         except (httpx.HTTPError, ValueError):
             return None
         self._startup[replica_id] = dict(sample.startup)

@@ -18,6 +18,7 @@ from agent.replica import Replica, ready_replicas
 from agent.replica_metrics import MetricsScraper
 from fleet_base import protocol
 from fleet_base.cluster_config import ClusterConfig
+from fleet_base.engines import CAPABILITIES
 from fleet_base.local_state import LocalState
 from fleet_base.nats_io import NatsLink
 from fleet_base.protocol import DesiredState, Heartbeat, PoolInventory, ReplicaState
@@ -100,10 +101,18 @@ class Reporter:
         while True:
             ready = ready_replicas(self.replicas())
             self.kv_relay.sync(
-                [Followed(r.replica_id, r.spec.deployment, r.handle.url) for r in ready if r.handle]
+                [
+                    Followed(r.replica_id, r.spec.deployment, r.handle.url)
+                    for r in ready
+                    if r.handle and CAPABILITIES[r.spec.engine].kv_events == "http"
+                ]
             )
             loads = await asyncio.gather(
-                *(self.scraper.scrape(r.replica_id, r.handle.url) for r in ready if r.handle)
+                *(
+                    self.scraper.scrape(r.replica_id, r.handle.url, engine=r.spec.engine)
+                    for r in ready
+                    if r.handle
+                )
             )
             for r, load in zip(ready, loads):
                 if load is not None and r.state == ReplicaState.ready:

@@ -28,10 +28,11 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from bench.common import console
+from fleet_base.engine_binaries import LLAMA_CPP_CACHE_ENV, LLAMA_SERVER, llama_cpp_cache_root
 
 DEFAULT_VERSION = "0.3.36"
-CACHE_ENV = "FLEET_LLAMA_CPP_CACHE"
-TARGET = "llama-server"
+CACHE_ENV = LLAMA_CPP_CACHE_ENV
+TARGET = LLAMA_SERVER
 VENDORED = "vendor/llama.cpp"
 
 # /proc/cpuinfo flag -> the ggml CMake option that compiles it in.
@@ -85,8 +86,7 @@ class BuiltServer(BaseModel):
 
 
 def cache_root() -> Path:
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "fleet" / "llama.cpp"
+    return llama_cpp_cache_root()
 
 
 def cpu_flags(cpuinfo: str | None = None) -> set[str]:

@@ -29,6 +29,10 @@ class EngineCapabilities(BaseModel):
     `prompt_token_ids`: a completion prompt may be token ids rather than text.
     `metrics_prefix`: the name prefix of the engine's Prometheus series, read by
     agent/replica_metrics.py. `metrics_flag`: what the server needs to expose /metrics at all.
+    `drains_on_sigterm`: SIGTERM lets in-flight requests finish (else the launcher waits for
+    the replica to be idle before it signals). `fleet_continuation`: the replica speaks
+    Fleet's stream-continuation form (token ids on streamed chunks, a resume field;
+    fleet_base/openai_contract/continuation.py), which the gateway's stream migration needs.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -45,6 +49,8 @@ class EngineCapabilities(BaseModel):
     metrics_flag: str | None
     health_path: str
     default_port: int
+    drains_on_sigterm: bool = False
+    fleet_continuation: bool = False
 
 
 CAPABILITIES: dict[EngineKind, EngineCapabilities] = {
@@ -63,6 +69,8 @@ CAPABILITIES: dict[EngineKind, EngineCapabilities] = {
         metrics_flag=None,
         health_path="/health",
         default_port=8000,
+        drains_on_sigterm=True,
+        fleet_continuation=True,
     ),
     # https://docs.vllm.ai/en/stable/cli/serve/ (flags), .../usage/metrics/ (vllm:* series),
     # .../features/lora/ (/v1/load_lora_adapter with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True),

@@ -313,6 +313,10 @@ class ReplicaStatus(BaseModel):
     adapters: list[str] = Field(default_factory=list, max_length=MAX_ADAPTERS)
     max_adapters: int = Field(0, ge=0, le=64)
     adapter_uris: dict[str, str] = Field(default_factory=dict, max_length=MAX_ADAPTERS)
+    # The server that runs it (fleet_base.engines): what the gateway may ask of it.
+    engine: EngineKind = "fleet"
+    # What the runtime says of how it runs, e.g. a foreign engine served without TLS.
+    note: str = Field("", max_length=512)
 
 
 class CachedModel(BaseModel):

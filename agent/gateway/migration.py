@@ -14,8 +14,12 @@ usage chunk counts the whole request, once; the dead leg never sent one. At most
 gets the in-band error event as before.
 
 Migrated: streamed chat and completions of one sequence (n = 1, one prompt) without
-tools (a tool-call parser's state is not carried). Everything else keeps the old
-behaviour.
+tools (a tool-call parser's state is not carried), from and to replicas whose engine speaks
+the continuation form (`fleet_base.engines` `fleet_continuation`: Fleet's own). A stream
+of a foreign engine (vLLM, SGLang, llama.cpp) ends with the in-band error when its replica
+fails; a stream whose chunks came without ids (a peer's foreign replica) is never
+continued, since the text already sent could not be accounted for. Everything else keeps
+the old behaviour.
 """
 
 from __future__ import annotations
@@ -91,6 +95,8 @@ class StreamLedger:
     stream_id: str | None = None
     created: int | None = None
     finished: bool = False
+    # a choice came without its ids (an engine that does not speak the form): not continuable
+    untracked: bool = False
     last_sent_at: float = field(default_factory=time.monotonic)
 
     @classmethod
@@ -127,6 +133,8 @@ class StreamLedger:
             changed = changed or (ids is not None and not self.keep_ids)
             if isinstance(ids, list):
                 self.token_ids.extend(i for i in ids if isinstance(i, int))
+            elif _has_output(choice):
+                self.untracked = True
             if choice.get("finish_reason") is not None:
                 self.finished = True
         return encode_event(payload) if changed else event
@@ -134,6 +142,14 @@ class StreamLedger:
     def continuation(self, body: bytes) -> bytes:
         """`body` (what the first leg was sent) continuing after the ids delivered so far."""
         return json.dumps({**json.loads(body), RESUME_FIELD: self.token_ids}, ensure_ascii=False).encode()
+
+
+def _has_output(choice: dict) -> bool:
+    """A streamed choice carrying text (chat delta or completion) or tool calls."""
+    delta = choice.get("delta")
+    if isinstance(delta, dict) and (delta.get("content") or delta.get("tool_calls")):
+        return True
+    return bool(choice.get("text"))
 
 
 @dataclass
@@ -217,7 +233,7 @@ async def relay(
                 yield b"data: [DONE]\n\n"
                 return
             nxt = None
-            if state.migrations < limit:
+            if state.migrations < limit and not ledger.untracked:
                 nxt = await reopen(lambda is_peer: ledger.continuation(body_for(is_peer)), failed)
             if nxt is None:
                 metrics.failed.labels(deployment).inc()
@@ -249,6 +265,8 @@ class Targets(Protocol):
 
     async def adapter_ready(self, call: Call, target: Attempt) -> bool: ...
 
+    def continues(self, target: Attempt) -> bool: ...
+
 
 class Opener(Protocol):
     """The one upstream opener (`agent.gateway.upstream.Upstreams`): a failure is booked
@@ -273,6 +291,8 @@ async def open_continuation(
     seen = set(failed)
     for target in targets.plan(call).attempts:
         if not target.name or target.name in seen or not permits(call.allowed, target.jurisdiction):
+            continue
+        if not targets.continues(target):  # a foreign engine's replica: it cannot resume
             continue
         seen.add(target.name)
         if not await targets.adapter_ready(call, target):  # a LoRA request: its adapter must be there

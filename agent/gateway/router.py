@@ -29,6 +29,7 @@ from agent.gateway.routing import peer_order
 from agent.gateway.shadow_policy import serves_users
 from agent.gateway.state import ClusterView
 from fleet_base.cluster_config import ClusterConfig
+from fleet_base.engines import CAPABILITIES
 from fleet_base.protocol import ReplicaStatus
 
 
@@ -67,7 +68,7 @@ class Router:
     def plan(self, call: Call) -> Plan:
         """The routing plan on the facts as they are now. A pipeline hop the gateway sends
         to the cluster that runs its pipeline request goes to that peer only."""
-        here = self.cluster_facts(call.deployment)
+        here = self.cluster_facts(call.deployment, continuation=bool(call.info.resume_ids))
         peers = self.live_peers(call.deployment)
         request = self.request_facts(call)
         hop = call.pipeline
@@ -91,6 +92,15 @@ class Router:
             local_only=call.local_only or (call.pipeline is not None and call.pipeline.local_only),
         )
 
+    def continues(self, target: Attempt) -> bool:
+        """Whether a stream on `target` can be continued elsewhere, and `target` can take a
+        continuation: a replica whose engine speaks Fleet's continuation form (a foreign
+        engine's replica does not: its streams are not migrated); a peer decides itself."""
+        if target.is_peer:
+            return True
+        status = next((r for r in self.view.replicas if r.replica_id == target.name), None)
+        return status is not None and CAPABILITIES[status.engine].fleet_continuation
+
     def alive(self, target: Attempt) -> bool:
         """A peer target not heard dead since the plan was made (a replica: always)."""
         return not target.is_peer or self.liveness.alive(target.name)
@@ -107,9 +117,13 @@ class Router:
             self.adapters.touch(target.name, call.adapter)
         return outcome != "failed"
 
-    def cluster_facts(self, deployment: str) -> ClusterFacts:
+    def cluster_facts(self, deployment: str, continuation: bool = False) -> ClusterFacts:
+        """`continuation`: for a stream continued here (a peer's resume), only replicas whose
+        engine can take it."""
         route = self.view.route(deployment)
         ready = [r for r in self.view.ready(deployment) if serves_users(route, r.version)]  # not the shadow
+        if continuation:
+            ready = [r for r in ready if CAPABILITIES[r.engine].fleet_continuation]
         self.adapters.observe(ready)
         replicas = tuple(replica_facts(r, self.tracker, self.adapters) for r in ready)
         host_value = self.prefix.host_token_value(deployment)

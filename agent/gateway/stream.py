@@ -67,7 +67,7 @@ class StreamSession:
         self.accounting = accounting
         self.metrics = metrics
         self.residency = residency
-        migrates = call.info.migratable and target.rule.midstream == "migrate"
+        migrates = call.info.migratable and target.rule.midstream == "migrate" and router.continues(target)
         self.limit = migration_limit if migrates else 0
         self.first_ok = 200 <= opened.status < 300
         self.observer = StreamObserver(strip_usage=not target.is_peer and not call.info.client_wants_usage)

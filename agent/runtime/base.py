@@ -32,6 +32,8 @@ class ReplicaHandle(BaseModel):
     # runtime kubernetes: the replica's pod (namespace/name)
     pod: str = ""
     argv: list[str] = Field(default_factory=list)
+    # What the runtime wants an operator to know of how it runs (e.g. served without TLS).
+    note: str = ""
     started_at: float = Field(default_factory=time.time)
     restarts: int = 0
 

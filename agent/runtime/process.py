@@ -12,6 +12,12 @@
   for `UNHEALTHY_AFTER_S` (then it is killed, so the restart is clean).
 - stop: SIGTERM to the group (the engine drains in-flight requests, bounded by the
   `--drain-timeout` we pass), SIGKILL after `drain_timeout_s` plus a grace.
+
+A replica whose `spec.engine` is foreign (vLLM, SGLang, llama.cpp) runs that engine's own
+server (`agent.runtime.foreign`): on loopback, its health path from
+`fleet_base.engines.CAPABILITIES`, adopted by its executable and port. An engine that stops
+at once on SIGTERM (llama-server cuts in-flight requests) is first waited on until its
+/metrics shows no running or waiting request, within the drain timeout.
 """
 
 from __future__ import annotations
@@ -28,11 +34,14 @@ from pathlib import Path
 import httpx
 import psutil
 
+from agent.replica_metrics import parse_metrics
 from agent.runtime.base import Probe, ReplicaHandle, Runtime
 from agent.runtime.command import ENGINE_MODULE, replica_argv
+from agent.runtime.foreign import LOOPBACK, Launch, foreign_launch
 from agent.runtime.replica_logs import rotate_if_large
-from agent.security.replica_auth import replica_env
+from agent.security.replica_auth import replica_env, replica_headers
 from fleet_base.cluster_config import ClusterConfig
+from fleet_base.engines import CAPABILITIES
 from fleet_base.local_state import LocalState
 from fleet_base.ports import free_port
 from fleet_base.protocol import ReplicaSpec, ReplicaState
@@ -80,6 +89,8 @@ class ProcessRuntime(Runtime):
     name = "process"
     # The `python -m` module of a replica (adoption checks a process's command line for it).
     module = ENGINE_MODULE
+    # Whether a spec's foreign engine runs that engine (the sim runtime simulates every engine).
+    runs_foreign_engines = True
 
     def __init__(self, config: ClusterConfig, *, unhealthy_after_s: float = UNHEALTHY_AFTER_S) -> None:
         self.config = config
@@ -104,21 +115,32 @@ class ProcessRuntime(Runtime):
         """The command line of one replica (subclasses launch something else)."""
         return replica_argv(spec, self.config, port=port)
 
-    async def start(self, spec: ReplicaSpec) -> ReplicaHandle:
+    def _launch(self, spec: ReplicaSpec) -> Launch:
+        """argv, added environment, address and scheme of one replica (raises InvalidSpec)."""
+        if spec.engine != "fleet" and self.runs_foreign_engines:
+            port = free_port(LOOPBACK)
+            return foreign_launch(spec, port, self.config.security, self.config.model_cache_dir)
         host = self.config.replica.host
         port = free_port(host)
-        argv = self.replica_argv(spec, port)  # raises InvalidSpec
+        return Launch(self.replica_argv(spec, port), port, host=host, https=self.config.security.enabled)
+
+    async def start(self, spec: ReplicaSpec) -> ReplicaHandle:
+        launch = self._launch(spec)
+        argv, host, port = launch.argv, launch.host, launch.port
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.logs_dir / f"{spec.replica_id}.log"
         with open(log_path, "ab") as out:
             out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} agent starts: {' '.join(argv)}\n".encode())
+            if launch.note:
+                out.write(f"--- agent note: {launch.note}\n".encode())
+                log.warning("replica %s: %s", spec.replica_id, launch.note)
             out.flush()
             proc = subprocess.Popen(
                 argv,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=self._env(),
+                env={**self._env(), **launch.env},
                 start_new_session=True,
             )
         self._children[proc.pid] = proc
@@ -129,12 +151,13 @@ class ProcessRuntime(Runtime):
         return ReplicaHandle(
             replica_id=spec.replica_id,
             spec=spec,
-            url=f"{'https' if self.config.security.enabled else 'http'}://{_url_host(host)}:{port}",
+            url=f"{'https' if launch.https else 'http'}://{_url_host(host)}:{port}",
             port=port,
             pid=proc.pid,
             create_time=create_time,
             log_path=str(log_path),
             argv=argv,
+            note=launch.note,
         )
 
     # ----------------------------------------------------------------- liveness
@@ -163,12 +186,21 @@ class ProcessRuntime(Runtime):
             cmdline = proc.cmdline()
         except psutil.Error:
             return False
-        return self.module in cmdline and str(handle.port) in cmdline
+        return self._identity(handle) in cmdline and str(handle.port) in cmdline
 
-    async def _health(self, url: str) -> tuple[int, str]:
+    def _identity(self, handle: ReplicaHandle) -> str:
+        """What a replica's command line holds: our module, or a foreign engine's executable."""
+        if handle.spec.engine != "fleet" and self.runs_foreign_engines and handle.argv:
+            return handle.argv[0]
+        return self.module
+
+    def _health_path(self, handle: ReplicaHandle) -> str:
+        return CAPABILITIES[handle.spec.engine].health_path if self.runs_foreign_engines else "/health"
+
+    async def _health(self, url: str, path: str = "/health") -> tuple[int, str]:
         """(HTTP status or 0 when unreachable, the engine's status word)."""
         try:
-            r = await self._http.get(f"{url}/health")
+            r = await self._http.get(f"{url}{path}")
         except httpx.HTTPError:
             return 0, ""
         try:
@@ -188,7 +220,7 @@ class ProcessRuntime(Runtime):
             tail = log_tail(handle.log_path)
             what = f"exited with code {code}" if code is not None else "exited"
             return Probe(state=ReplicaState.failed, exit_code=code, error=f"{what}; log tail:\n{tail}")
-        status, word = await self._health(handle.url)
+        status, word = await self._health(handle.url, self._health_path(handle))
         now = time.time()
         assert handle.pid is not None
         if status == 200:
@@ -239,9 +271,27 @@ class ProcessRuntime(Runtime):
                 return False
             await asyncio.sleep(0.05)
 
+    async def _wait_idle(self, handle: ReplicaHandle, timeout: float) -> None:
+        """Until the replica's /metrics shows nothing running or waiting (or `timeout`)."""
+        deadline = time.monotonic() + timeout
+        headers = replica_headers(self.config.security)
+        while time.monotonic() < deadline and not self._exited(handle)[0]:
+            try:
+                r = await self._http.get(f"{handle.url}/metrics", headers=headers)
+                sample = parse_metrics(r.text, handle.spec.engine) if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError):
+                sample = None
+            if sample is None or sample.running + sample.waiting == 0:
+                return
+            await asyncio.sleep(0.2)
+
     async def stop(self, handle: ReplicaHandle, drain_timeout_s: float) -> int | None:
+        started = time.monotonic()
+        if self.runs_foreign_engines and not CAPABILITIES[handle.spec.engine].drains_on_sigterm:
+            await self._wait_idle(handle, drain_timeout_s)
         self._signal(handle, signal.SIGTERM)
-        if not await self._wait_exit(handle, drain_timeout_s + KILL_GRACE_S):
+        left = max(0.0, drain_timeout_s - (time.monotonic() - started))
+        if not await self._wait_exit(handle, left + KILL_GRACE_S):
             log.warning("replica %s did not exit after draining; killing", handle.replica_id)
             self._signal(handle, signal.SIGKILL)
             await self._wait_exit(handle, 10.0)
@@ -266,7 +316,7 @@ class ProcessRuntime(Runtime):
     async def adopt(self, handle: ReplicaHandle) -> bool:
         if not self._same_live_process(handle):
             return False
-        status, _ = await self._health(handle.url)
+        status, _ = await self._health(handle.url, self._health_path(handle))
         if status == 0:
             log.warning(
                 "replica %s (pid %s) is alive but does not answer; killing it", handle.replica_id, handle.pid

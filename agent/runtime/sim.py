@@ -20,6 +20,7 @@ SIM_MODULE = "agent.sim.server"
 class SimRuntime(ProcessRuntime):
     name = "sim"
     module = SIM_MODULE
+    runs_foreign_engines = False  # a simulated replica stands in for any engine
 
     def replica_argv(self, spec: ReplicaSpec, port: int) -> list[str]:
         return replica_argv(spec, self.config, port=port, module=SIM_MODULE, lora=False)

@@ -84,3 +84,16 @@ def test_a_client_cannot_send_a_continuation() -> None:
         info.refuse_client_resume(forwarded=False)
     assert err.value.status == 400
     info.refuse_client_resume(forwarded=True)  # a peer gateway's is fine
+
+
+def test_a_stream_whose_chunks_carry_no_ids_is_not_continuable() -> None:
+    """A foreign engine's replica ignores the ids header: text without ids cannot be resumed
+    (the continuation would repeat what the client already has)."""
+    ledger = StreamLedger()
+    ledger.take(_event({"id": "a", "choices": [{"index": 0, "delta": {"role": "assistant"}}]}), True)
+    assert not ledger.untracked  # a role-only chunk carries no output
+    ledger.take(_event({"id": "a", "choices": [{"index": 0, "delta": {"content": "Hi"}}]}), True)
+    assert ledger.untracked and ledger.token_ids == []
+    tracked = StreamLedger()
+    tracked.take(_chunk("a", "Hi", [7]), True)
+    assert not tracked.untracked
