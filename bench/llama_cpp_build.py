@@ -53,8 +53,9 @@ ISA_OPTIONS: dict[str, str] = {
     "amx_bf16": "GGML_AMX_BF16",
 }
 
-# Everything but the server off: no curl/OpenSSL, no web UI (it would be fetched from a model
-# hub at build time), no tests or examples; one static binary that can be copied into the cache alone.
+# Everything but the server off: no curl, no web UI (it would be fetched from a model hub at
+# build time), no tests or examples; one binary that can be copied into the cache alone. OpenSSL
+# (for the server's HTTPS, which Fleet's replicas serve) where its headers are installed.
 BASE_OPTIONS: dict[str, str] = {
     "CMAKE_BUILD_TYPE": "Release",
     "BUILD_SHARED_LIBS": "OFF",
@@ -62,7 +63,7 @@ BASE_OPTIONS: dict[str, str] = {
     "GGML_CPU_ALL_VARIANTS": "OFF",
     "GGML_BACKEND_DL": "OFF",
     "LLAMA_CURL": "OFF",
-    "LLAMA_OPENSSL": "OFF",
+    "LLAMA_OPENSSL": "ON" if Path("/usr/include/openssl/ssl.h").is_file() else "OFF",
     "LLAMA_BUILD_UI": "OFF",
     "LLAMA_USE_PREBUILT_UI": "OFF",
     "LLAMA_BUILD_APP": "OFF",
