@@ -17,7 +17,9 @@ where a ReplicaSet would pick its own victims on scale-down.
   certificate and sending the replica token, as for a process replica; without it
   (tests only) over plain HTTP at the pod IP, which is logged as a warning;
 - `stop` deletes with the pod's grace (preStop pause + drain timeout + margin) and waits
-  until the pod is gone; `kill` deletes with grace 0;
+  until the pod is gone; for an engine that does not drain on SIGTERM (vLLM, SGLang,
+  llama.cpp) it first waits, within the drain timeout, until the replica's /metrics shows
+  nothing running or waiting (agent/runtime/drain.py); `kill` deletes with grace 0;
 - a failed pod (restartPolicy Never) is deleted after its log tail is read; the
   reconciler restarts the replica under a new pod name after its backoff;
 - `discover` lists pods by labels and rebuilds handles from the spec annotation, so an
@@ -41,6 +43,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import httpx
 from lightkube import ApiError, AsyncClient, KubeConfig
 from lightkube.codecs import from_dict
 from lightkube.config.models import Cluster, User
@@ -50,6 +53,7 @@ from lightkube.resources.core_v1 import Node, Pod
 from lightkube.types import PatchType
 
 from agent.runtime.base import Probe, ReplicaHandle, Runtime
+from agent.runtime.drain import wait_idle
 from agent.runtime.kube_engine import pod_model_path, startup_timeout_s
 from agent.runtime.kube_node import cordon_patch, uncordon_patch
 from agent.runtime.kube_pod import (
@@ -63,9 +67,12 @@ from agent.runtime.kube_pod import (
     termination_grace_s,
 )
 from agent.runtime.kube_status import PodView, classify, vanished
+from agent.security.replica_auth import replica_headers
 from fleet_base.cluster_config import ClusterConfig
+from fleet_base.engines import CAPABILITIES
 from fleet_base.models import ModelCache
 from fleet_base.protocol import PoolInventory, ReplicaSpec, ReplicaState
+from fleet_base.security.tls import replica_verify
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +134,7 @@ class KubernetesRuntime(Runtime):
         self._pending_since: dict[str, float] = {}
         self._owner: dict | None = None
         self._watch: asyncio.Task[None] | None = None
+        self.http_transport: httpx.AsyncBaseTransport | None = None  # tests: a stand-in replica
 
     # ------------------------------------------------------------- the cache
 
@@ -302,8 +310,20 @@ class KubernetesRuntime(Runtime):
                 return int(term["exitCode"])
         return None
 
+    async def _wait_idle(self, handle: ReplicaHandle, timeout: float) -> None:
+        """An engine that stops at once on SIGTERM: until its pod's /metrics shows it idle."""
+        if not handle.url or CAPABILITIES[handle.spec.engine].drains_on_sigterm:
+            return
+        verify = replica_verify(self.config.security) if handle.url.startswith("https") else True
+        async with httpx.AsyncClient(verify=verify, timeout=2.0, transport=self.http_transport) as http:
+            if not await wait_idle(
+                http, handle.url, handle.spec.engine, timeout, replica_headers(self.config.security)
+            ):
+                log.warning("replica %s: still busy after %.0f s; stopping it", handle.replica_id, timeout)
+
     async def stop(self, handle: ReplicaHandle, drain_timeout_s: float) -> int | None:
         name = self._name(handle)
+        await self._wait_idle(handle, drain_timeout_s)  # then SIGTERM stops it at once
         grace = termination_grace_s(drain_timeout_s)
         self._ensure_watch()
         await self._delete(name, grace)

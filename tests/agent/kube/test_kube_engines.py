@@ -337,3 +337,57 @@ async def test_runtime_creates_the_engine_pod_with_the_cached_path(
         await bare.close()
     finally:
         await rt.close()
+
+
+async def test_stop_waits_until_a_foreign_engine_is_idle(api: FakeApiServer, tmp_path: Path) -> None:
+    """vLLM cuts in-flight requests on SIGTERM: the pod is deleted only once its /metrics
+    (here a stand-in answering as vLLM does) shows nothing running or waiting."""
+    import asyncio
+
+    import httpx
+
+    from tests.agent.kube.conftest import run_ready
+    from tests.polling import eventually
+
+    busy = {"left": 3}
+    seen: list[str] = []
+
+    def metrics(request: httpx.Request) -> httpx.Response:
+        seen.append(str(request.url))
+        running = 2 if busy["left"] > 0 else 0
+        busy["left"] -= 1
+        return httpx.Response(200, text=f"vllm:num_requests_running {running}\nvllm:num_requests_waiting 0\n")
+
+    rt = KubernetesRuntime(config_for(api, tmp_path))
+    rt.http_transport = httpx.MockTransport(metrics)
+    try:
+        spec = engine_spec("vllm").model_copy(update={"pool": "h100-spot"})
+        handle = await rt.start(spec)
+        name = handle.pod.split("/")[1]
+        run_ready(api, name)
+        await eventually(lambda: rt.poll(handle), what="polled")
+        assert handle.url == "http://10.0.0.7:8000"
+        stop = asyncio.create_task(rt.stop(handle, drain_timeout_s=10.0))
+        await eventually(
+            lambda: api.pod(name, NAMESPACE)["metadata"].get("deletionTimestamp"), what="deleted"
+        )
+        assert len(seen) == 4 and seen[0] == "http://10.0.0.7:8000/metrics"  # three busy looks, one idle
+        api.terminate(name, 0, "Completed", namespace=NAMESPACE)
+        api.finish_termination(name, namespace=NAMESPACE)
+        await asyncio.wait_for(stop, 10)
+        # our engine drains itself on SIGTERM: deleted without a look at its metrics
+        seen.clear()
+        fleet = await rt.start(
+            engine_spec("fleet").model_copy(update={"pool": "h100-spot", "replica_id": "chat-v1-def456"})
+        )
+        run_ready(api, fleet.pod.split("/")[1])
+        await eventually(lambda: rt.poll(fleet), what="polled")
+        stop = asyncio.create_task(rt.stop(fleet, drain_timeout_s=10.0))
+        await eventually(
+            lambda: api.pod(fleet.pod.split("/")[1], NAMESPACE)["metadata"].get("deletionTimestamp"),
+            what="deleted",
+        )
+        assert seen == []
+        stop.cancel()
+    finally:
+        await rt.close()
