@@ -19,6 +19,7 @@ from agent.runtime import kubernetes as kube_runtime
 from agent.runtime.kube_pod import replica_pod, selector_labels
 from agent.runtime.kubernetes import KubernetesRuntime
 from fleet_base.cluster_config import ClusterConfig
+from fleet_base.kube_config import KubernetesConfig
 from fleet_base.protocol import ReplicaSpec, Resources
 from tests.agent.kube.conftest import NAMESPACE, config_for, fake_cluster, spec, start_running, validate
 from tests.agent.kube.fake_apiserver import Rbac
@@ -145,6 +146,10 @@ def test_network_policies_and_budgets(rendered, overlay) -> None:
     replicas = policies["fleet-replicas"]
     assert replicas["policyTypes"] == ["Ingress", "Egress"]
     assert [p["port"] for e in replicas["egress"] for p in e["ports"]] == [53, 53]
+    # the KV-event port of vLLM and SGLang replicas: the agent's pods alone
+    kv_port = KubernetesConfig().kv_events_port
+    (kv_rule,) = [r for r in replicas["ingress"] if kv_port in [p["port"] for p in r["ports"]]]
+    assert kv_rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/component": "agent"}}}]
     budgets = {p["metadata"]["name"] for p in by_kind(docs, "PodDisruptionBudget")}
     assert budgets == {"fleet-control-plane", "fleet-agent", "fleet-replicas"}
 
