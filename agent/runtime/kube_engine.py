@@ -127,7 +127,7 @@ def engine_container(
     env = [{"name": k, "value": v} for k, v in sorted(extra.items()) if k not in ours] + env
     env.append({"name": "HOME", "value": "/tmp"})
     try:
-        gpus = max(spec.resources.gpu_count, parallel_gpus(kind, spec.engine_args))
+        gpus = max(spec.resources.gpu_count, parallel_gpus(kind, spec.engine_args) or 1)
     except ValueError as err:
         raise InvalidSpec(f"engine_args: {err}") from err
     out = EngineContainer(
