@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$")
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
@@ -128,3 +128,9 @@ class KubernetesConfig(BaseModel):
     @classmethod
     def _check_quantity(cls, value: str) -> str:
         return _quantity(value)
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> KubernetesConfig:
+        if self.kv_events_port == self.port:
+            raise ValueError(f"kv_events_port {self.kv_events_port} is the replicas' serving port too")
+        return self

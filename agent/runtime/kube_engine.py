@@ -45,7 +45,6 @@ class EngineContainer:
     env: list[dict]
     health_path: str
     gpus: int
-    startup_timeout_s: float
     ports: list[dict] = field(default_factory=list)  # beyond the serving port
     volumes: list[dict] = field(default_factory=list)
     mounts: list[dict] = field(default_factory=list)
@@ -136,7 +135,6 @@ def engine_container(
         env=env,
         health_path=caps.health_path,
         gpus=gpus,
-        startup_timeout_s=startup_timeout_s(spec, config),
         volumes=[{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": kc.shm_size}}],
         mounts=[{"name": SHM_VOLUME, "mountPath": "/dev/shm"}],
     )

@@ -306,6 +306,12 @@ def test_foreign_argv_is_the_process_runtimes_command_too() -> None:
     assert "--api-key" not in argv
 
 
+def test_the_kv_event_port_is_not_the_serving_port() -> None:
+    with pytest.raises(ValueError, match="kv_events_port"):
+        KubernetesConfig(port=5557)
+    assert KubernetesConfig(port=5557, kv_events_port=5600).kv_events_port == 5600
+
+
 def test_without_security_plain_http_and_no_key(tmp_path: Path) -> None:
     config = ClusterConfig(cluster="c", pools=POOLS, kubernetes=KubernetesConfig(namespace=NAMESPACE))
     c = container(replica_pod(engine_spec("sglang"), config, H100))
