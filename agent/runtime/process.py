@@ -34,9 +34,9 @@ from pathlib import Path
 import httpx
 import psutil
 
-from agent.replica_metrics import parse_metrics
 from agent.runtime.base import Probe, ReplicaHandle, Runtime
 from agent.runtime.command import ENGINE_MODULE, replica_argv
+from agent.runtime.drain import wait_idle
 from agent.runtime.foreign import LOOPBACK, Launch, foreign_launch
 from agent.runtime.replica_logs import rotate_if_large
 from agent.security.replica_auth import replica_env, replica_headers
@@ -271,24 +271,17 @@ class ProcessRuntime(Runtime):
                 return False
             await asyncio.sleep(0.05)
 
-    async def _wait_idle(self, handle: ReplicaHandle, timeout: float) -> None:
-        """Until the replica's /metrics shows nothing running or waiting (or `timeout`)."""
-        deadline = time.monotonic() + timeout
-        headers = replica_headers(self.config.security)
-        while time.monotonic() < deadline and not self._exited(handle)[0]:
-            try:
-                r = await self._http.get(f"{handle.url}/metrics", headers=headers)
-                sample = parse_metrics(r.text, handle.spec.engine) if r.status_code == 200 else None
-            except (httpx.HTTPError, ValueError):
-                sample = None
-            if sample is None or sample.running + sample.waiting == 0:
-                return
-            await asyncio.sleep(0.2)
-
     async def stop(self, handle: ReplicaHandle, drain_timeout_s: float) -> int | None:
         started = time.monotonic()
         if self.runs_foreign_engines and not CAPABILITIES[handle.spec.engine].drains_on_sigterm:
-            await self._wait_idle(handle, drain_timeout_s)
+            await wait_idle(
+                self._http,
+                handle.url,
+                handle.spec.engine,
+                drain_timeout_s,
+                replica_headers(self.config.security),
+                gone=lambda: self._exited(handle)[0],
+            )
         self._signal(handle, signal.SIGTERM)
         left = max(0.0, drain_timeout_s - (time.monotonic() - started))
         if not await self._wait_exit(handle, left + KILL_GRACE_S):
