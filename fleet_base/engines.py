@@ -51,6 +51,7 @@ class EngineCapabilities(BaseModel):
     default_port: int
     drains_on_sigterm: bool = False
     fleet_continuation: bool = False
+    batch_invariant: bool = False
 
 
 CAPABILITIES: dict[EngineKind, EngineCapabilities] = {
@@ -71,6 +72,7 @@ CAPABILITIES: dict[EngineKind, EngineCapabilities] = {
         default_port=8000,
         drains_on_sigterm=True,
         fleet_continuation=True,
+        batch_invariant=True,
     ),
     # https://docs.vllm.ai/en/stable/cli/serve/ (flags), .../usage/metrics/ (vllm:* series),
     # .../features/lora/ (/v1/load_lora_adapter with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True),

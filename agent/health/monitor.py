@@ -45,6 +45,7 @@ from agent.health.state import NodePolicy, Transition
 from agent.replica import Replica
 from agent.runtime import Runtime
 from fleet_base.cluster_config import ClusterConfig
+from fleet_base.engines import CAPABILITIES
 from fleet_base.local_state import LocalState
 from fleet_base.node_health import MAX_FAULTS, FaultKind, NodeFault, NodeHealth, local_node_name
 from fleet_base.protocol import DesiredState, PoolInventory, ReplicaState
@@ -262,6 +263,7 @@ class NodeHealthMonitor:
             for rid, r in replicas.items()
             if r.state == ReplicaState.ready
             and r.handle is not None
+            and CAPABILITIES[r.spec.engine].batch_invariant  # else a batch may change the answer
             and self.probes.due(keys[rid], _group(r), now, busy=r.load.running + r.load.waiting > 0)
         ]
         results = await asyncio.gather(*(self._probe_one(r, keys[r.replica_id], now) for r in due))

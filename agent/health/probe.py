@@ -6,6 +6,10 @@ mismatch: the replica is suspect and probed again at once; a second mismatch in 
 confirms it (a wrong_answer fault), and that replica is probed no more. A `/health` at 200
 says a process is up; this says its answers are still right.
 
+Only replicas of an engine whose greedy output is batch-invariant (`CAPABILITIES[...]
+.batch_invariant`: Fleet's own) are probed: vLLM, SGLang and llama.cpp may answer a greedy
+prompt differently depending on what they batch it with, which would read as a wrong answer.
+
 `ProbeTracker` is the policy (pure; the caller passes `now`); `ask` is the request.
 """
 

@@ -174,3 +174,17 @@ async def test_without_nvml_the_node_says_why(tmp_path: Path) -> None:
     monitor, *_ = setup(tmp_path, {}, set())
     await monitor.tick()
     assert "unreadable" in monitor.nodes()[0].nvml  # the stand-in file is missing here
+
+
+async def test_a_foreign_engines_replica_is_not_probed(tmp_path: Path) -> None:
+    """llama.cpp's greedy answer may change with what it batches: no probe, so no false cordon."""
+    replicas = {"r1": replica("r1"), "r2": replica("r2")}
+    for r in replicas.values():
+        r.spec = r.spec.model_copy(update={"engine": "llama.cpp"})
+    corrupt: set[str] = set()
+    monitor, runtime, clock, _ = setup(tmp_path, replicas, corrupt)
+    assert await monitor.tick() == []
+    corrupt.add("r1")
+    clock.t += 31
+    assert await monitor.tick() == [] and runtime.calls == []
+    assert monitor.nodes()[0].state == NodeState.healthy
