@@ -9,6 +9,11 @@ sees a gap asks on `fleet.v1.kvresync.<cluster>`; the follower then fetches and 
 the replica's full set. Big snapshots go out in chunks (a snapshot, then stored deltas),
 each under NATS' default payload limit. Replicas without KV events (the sim runtime's)
 answer 404 and are left alone.
+
+vLLM and SGLang replicas publish over ZMQ instead (agent.engine_kv_subscriber): their
+follower reads the agent's socket for the replica, translates the batches into Fleet's
+block hashes and publishes them here, in the same messages, numbering and resync path.
+Engines without KV events (llama.cpp) are not followed.
 """
 
 from __future__ import annotations
@@ -18,11 +23,15 @@ import contextlib
 import logging
 import secrets
 import ssl
+from collections import Counter
 from dataclasses import dataclass
 
 import httpx
 from pydantic import ValidationError
 
+from agent.engine_kv_subscriber import ENDPOINTS, EngineKvEndpoints, EngineKvFollower
+from agent.engine_kv_translate import Op
+from fleet_base.engines import CAPABILITIES, EngineKind
 from fleet_base.intake import Intake
 from fleet_base.kv_events import (
     ALL_REPLICAS,
@@ -53,6 +62,7 @@ class Followed:
     replica_id: str
     deployment: str
     url: str
+    engine: EngineKind = "fleet"
 
 
 class KvRelay:
@@ -63,8 +73,12 @@ class KvRelay:
         *,
         verify: ssl.SSLContext | bool = True,
         headers: dict[str, str] | None = None,
+        endpoints: EngineKvEndpoints = ENDPOINTS,
     ) -> None:
         self.link = link
+        self.endpoints = endpoints  # the ZMQ sockets of vLLM and SGLang replicas
+        # (engine, outcome) -> events (blocks) or messages: fleet_agent_engine_kv_events_total
+        self.engine_counts: Counter[tuple[str, str]] = Counter()
         self.verify = verify  # httpx verify= for HTTPS replicas
         self.headers = headers or {}  # the replica token, when replicas require one
         self.cluster = cluster
@@ -85,8 +99,13 @@ class KvRelay:
                 task.cancel()
                 del self._tasks[rid]
         for rid, r in want.items():
-            if rid not in self._tasks:
-                self._tasks[rid] = (r, asyncio.create_task(self._follow(r), name=f"kv-relay-{rid}"))
+            if rid in self._tasks:
+                continue
+            transport = CAPABILITIES[r.engine].kv_events
+            if transport is None:
+                continue
+            follow = self._follow_zmq(r) if transport == "zmq" else self._follow(r)
+            self._tasks[rid] = (r, asyncio.create_task(follow, name=f"kv-relay-{rid}"))
 
     async def close(self) -> None:
         tasks = [t for _, t in self._tasks.values()]
@@ -96,6 +115,7 @@ class KvRelay:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks.clear()
+        self.endpoints.close()
         if self._client is not None:
             await self._client.aclose()
 
@@ -167,22 +187,72 @@ class KvRelay:
             epoch, after = new_epoch, read_seq
             if not snapshot and not any(chunks):
                 continue
-            for i, chunk in enumerate(chunks):
-                seq += 1
-                batch = KvCacheBatch(
-                    cluster=self.cluster,
-                    deployment=r.deployment,
-                    replica_id=r.replica_id,
-                    epoch=f"{epoch}.{self.relay_id}",
-                    seq=seq,
-                    snapshot=snapshot and i == 0,
-                    block_size=block_size,
-                    ops=chunk,
-                )
-                if not await self.link.publish(kvcache_subject(self.cluster), batch):
-                    after = None  # readers will miss this: resend the full set when we can
-                    await asyncio.sleep(RETRY_S)
-                    break
+            seq, sent = await self._send(r, f"{epoch}.{self.relay_id}", seq, snapshot, block_size, chunks)
+            if not sent:
+                after = None  # readers will miss this: resend the full set when we can
+                await asyncio.sleep(RETRY_S)
+
+    async def _send(
+        self,
+        r: Followed,
+        epoch: str,
+        seq: int,
+        snapshot: bool,
+        block_size: int,
+        chunks: list[list[KvCacheOp]],
+    ) -> tuple[int, bool]:
+        """Publish one batch's chunks after `seq`: (the last seq used, all published)."""
+        for i, chunk in enumerate(chunks):
+            seq += 1
+            batch = KvCacheBatch(
+                cluster=self.cluster,
+                deployment=r.deployment,
+                replica_id=r.replica_id,
+                epoch=epoch,
+                seq=seq,
+                snapshot=snapshot and i == 0,
+                block_size=block_size,
+                ops=chunk,
+            )
+            if not await self.link.publish(kvcache_subject(self.cluster), batch):
+                return seq, False
+        return seq, True
+
+    async def _follow_zmq(self, r: Followed) -> None:
+        """A vLLM or SGLang replica: its ZMQ batches, in Fleet's hashes, as this relay's."""
+        known = self.endpoints.get(r.replica_id)
+        if known is None:
+            log.debug("replica %s (%s) has no KV-event socket; not relayed", r.replica_id, r.engine)
+            return
+        endpoint, sub = known
+        epoch = f"zmq-{secrets.token_hex(4)}.{self.relay_id}"  # this follower's: starts with a snapshot
+        seq = -1
+
+        async def publish(ops: list[Op], snapshot: bool, block_size: int) -> bool:
+            nonlocal seq
+            try:
+                chunks = _chunks(list(ops))
+            except ValidationError:
+                return False
+            seq, sent = await self._send(r, epoch, seq, snapshot, block_size, chunks)
+            return sent
+
+        def resync_wanted() -> bool:
+            wanted = r.replica_id in self._resync
+            self._resync.discard(r.replica_id)
+            return wanted
+
+        follower = EngineKvFollower(
+            r.replica_id,
+            r.engine,
+            sub,
+            endpoint.replay,
+            publish,
+            counts=self.engine_counts,
+            resync_wanted=resync_wanted,
+            ctx=self.endpoints.ctx,
+        )
+        await follower.run()
 
 
 def _chunks(ops: list[tuple[str, list[str]] | tuple[str, list[str], str]]) -> list[list[KvCacheOp]]:

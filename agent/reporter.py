@@ -18,7 +18,6 @@ from agent.replica import Replica, ready_replicas
 from agent.replica_metrics import MetricsScraper
 from fleet_base import protocol
 from fleet_base.cluster_config import ClusterConfig
-from fleet_base.engines import CAPABILITIES
 from fleet_base.local_state import LocalState
 from fleet_base.nats_io import NatsLink
 from fleet_base.protocol import DesiredState, Heartbeat, PoolInventory, ReplicaState
@@ -102,9 +101,9 @@ class Reporter:
             ready = ready_replicas(self.replicas())
             self.kv_relay.sync(
                 [
-                    Followed(r.replica_id, r.spec.deployment, r.handle.url)
+                    Followed(r.replica_id, r.spec.deployment, r.handle.url, r.spec.engine)
                     for r in ready
-                    if r.handle and CAPABILITIES[r.spec.engine].kv_events == "http"
+                    if r.handle
                 ]
             )
             loads = await asyncio.gather(

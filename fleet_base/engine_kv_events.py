@@ -16,13 +16,16 @@ moved between releases, and every one of them is read here:
 a medium Fleet has no tier for (a disk or remote connector) are skipped and counted. Hashes are
 the engine's own (ints, or bytes in later vLLM), carried as 64 hex digits; they are *not* in
 Fleet's chained-sha256 scheme, so a router matches them only against prompts hashed the
-engine's way. The decoder takes bytes: the ZMQ socket lives with the agent.
+engine's way. `decode_engine_events` keeps what re-hashing in Fleet's scheme needs (the
+parent, the token ids, the cache salt of a chain's first block); the agent translates
+(agent/engine_kv_translate.py). The decoder takes bytes: the ZMQ socket lives with the agent.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -33,8 +36,18 @@ from fleet_base.kv_events import MAX_BATCH_HASHES, KvCacheOp, Tier
 MEDIUM_TIERS: dict[str | None, Tier] = {None: "device", "GPU": "device", "CPU": "host"}
 
 # Field order of each event in the array-like layout (after the tag).
-_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
-_REMOVED_FIELDS = ("block_hashes", "medium")
+_STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+)
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 _FIELDS = {"BlockStored": _STORED_FIELDS, "BlockRemoved": _REMOVED_FIELDS, "AllBlocksCleared": ()}
 
 
@@ -80,9 +93,114 @@ def decode_zmq_message(frames: Sequence[bytes]) -> tuple[int, EngineKvEvents]:
 
 
 def decode_kv_event_batch(payload: bytes) -> EngineKvEvents:
+    """The batch as Fleet ops carrying the engine's own hashes."""
+    ts, events, rank = _unpack_batch(payload)
+    out = EngineKvEvents(ts=ts, data_parallel_rank=rank)
+    for event in events:
+        _add_event(out, _event_fields(event))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBlocks:
+    """Consecutive full blocks an engine cached: `token_ids` are all of theirs in order
+    (`block_size` each), `parent` the engine hash before the first (None: the first block
+    of a prompt, whose Fleet parent is the root of `salt`, the request's cache salt when the
+    engine reports it). `group` is vLLM's KV-cache group (None before hybrid models)."""
+
+    block_hashes: tuple[str, ...]
+    parent: str | None
+    token_ids: list[Any]
+    block_size: int
+    tier: Tier
+    salt: str | None = None
+    group: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RemovedBlocks:
+    block_hashes: tuple[str, ...]
+    tier: Tier
+    group: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AllCleared:
+    pass
+
+
+EngineEvent = StoredBlocks | RemovedBlocks | AllCleared
+
+
+@dataclass
+class EngineEventBatch:
+    """One engine batch as typed events, in the engine's order (`skipped`: events of a
+    medium without a Fleet tier)."""
+
+    ts: float
+    data_parallel_rank: int | None = None
+    events: list[EngineEvent] = field(default_factory=list)
+    skipped: int = 0
+
+
+def decode_engine_events(payload: bytes, *, max_events: int | None = None) -> EngineEventBatch:
+    """The batch with what translating it into Fleet's hashes needs. KvEventDecodeError for
+    a payload in no engine layout, or with more than `max_events` events."""
+    ts, events, rank = _unpack_batch(payload)
+    if max_events is not None and len(events) > max_events:
+        raise KvEventDecodeError(f"{len(events)} events in one batch (at most {max_events})")
+    out = EngineEventBatch(ts=ts, data_parallel_rank=rank)
+    for raw in events:
+        fields = _event_fields(raw)
+        tag = fields["type"]
+        if tag == "AllBlocksCleared":
+            out.events.append(AllCleared())
+            continue
+        medium = fields.get("medium")
+        if medium not in MEDIUM_TIERS:
+            out.skipped += 1
+            continue
+        hashes = fields.get("block_hashes")
+        if not isinstance(hashes, list):
+            raise KvEventDecodeError(f"{tag} without block_hashes")
+        hexes = tuple(block_hash_hex(h) for h in hashes)
+        group = fields.get("group_idx")
+        group = group if isinstance(group, int) and not isinstance(group, bool) else None
+        tier = MEDIUM_TIERS[medium]
+        if tag == "BlockRemoved":
+            out.events.append(RemovedBlocks(hexes, tier, group))
+            continue
+        size, tokens, parent = (
+            fields.get("block_size"),
+            fields.get("token_ids"),
+            fields.get("parent_block_hash"),
+        )
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise KvEventDecodeError("BlockStored without a positive block_size")
+        if not isinstance(tokens, list):
+            raise KvEventDecodeError("BlockStored without token_ids")
+        salt = _root_salt(fields) if parent is None else None
+        parent_hex = None if parent is None else block_hash_hex(parent)
+        out.events.append(StoredBlocks(hexes, parent_hex, tokens, size, tier, salt, group))
+    return out
+
+
+def _root_salt(fields: dict[str, Any]) -> str | None:
+    """The cache salt vLLM hashed into a chain's first block: its extra keys are the LoRA
+    name, multimodal keys, the salt (first block only), prompt-embedding hashes, in that
+    order; the salt is the last string that is not the LoRA name."""
+    keys = fields.get("extra_keys")
+    if not isinstance(keys, list) or not keys or not isinstance(keys[0], list):
+        return None
+    lora = fields.get("lora_name")
+    strings = [k for k in keys[0] if isinstance(k, str) and k != lora]
+    return strings[-1] if strings else None
+
+
+def _unpack_batch(payload: bytes) -> tuple[float, list[Any], int | None]:
     try:
         raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.UnpackException) as e:
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
         raise KvEventDecodeError(f"not msgpack: {e}") from e
     if isinstance(raw, dict):
         ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
@@ -94,10 +212,7 @@ def decode_kv_event_batch(payload: bytes) -> EngineKvEvents:
         raise KvEventDecodeError("a batch has a numeric ts and a list of events")
     if rank is not None and not isinstance(rank, int):
         raise KvEventDecodeError("data_parallel_rank is an int")
-    out = EngineKvEvents(ts=float(ts), data_parallel_rank=rank)
-    for event in events:
-        _add_event(out, _event_fields(event))
-    return out
+    return float(ts), events, rank
 
 
 def _event_fields(event: Any) -> dict[str, Any]:

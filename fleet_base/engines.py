@@ -143,11 +143,17 @@ class TlsFiles(BaseModel):
     ca_certs: str | None = None
 
 
-def kv_events_config(kind: EngineKind, endpoint: str, topic: str = "kv-events") -> str:
+def kv_events_config(
+    kind: EngineKind, endpoint: str, topic: str = "kv-events", replay_endpoint: str | None = None
+) -> str:
     """The `--kv-events-config` JSON that makes vLLM or SGLang publish KV events on `endpoint`
-    (a ZMQ address the engine binds, e.g. "tcp://*:5557"). vLLM also needs its
+    (a ZMQ address the engine binds when it has a wildcard, "tcp://*:5557", and connects to
+    otherwise: the agent's loopback socket, agent.engine_kv_subscriber) and serve replays of
+    missed batches on `replay_endpoint` (always bound). vLLM also needs its
     `enable_kv_cache_events` switch; SGLang's config has no such field."""
     config: dict[str, object] = {"publisher": "zmq", "endpoint": endpoint, "topic": topic}
+    if replay_endpoint is not None:
+        config["replay_endpoint"] = replay_endpoint
     if kind == "vllm":
         config = {"enable_kv_cache_events": True, **config}
     return json.dumps(config, separators=(",", ":"))
@@ -214,6 +220,7 @@ def launch_command(
     host: str = "0.0.0.0",
     tensor_parallel: int = 1,
     kv_events_endpoint: str | None = None,
+    kv_events_replay_endpoint: str | None = None,
     tls: TlsFiles | None = None,
     python: str = "python",
     api_key_in_env: bool = False,
@@ -252,7 +259,8 @@ def launch_command(
     else:
         raise ValueError(f"no foreign launch command for engine {kind!r}")
     if kv_events_endpoint:
-        argv += ["--kv-events-config", kv_events_config(kind, kv_events_endpoint)]
+        config = kv_events_config(kind, kv_events_endpoint, replay_endpoint=kv_events_replay_endpoint)
+        argv += ["--kv-events-config", config]
     if tls:
         argv += _tls_flags(kind, tls)
     return argv + list(extra_args)

@@ -129,6 +129,7 @@ def foreign_argv(
     api_key: str | None = None,
     tls: TlsFiles | None = None,
     kv_events_endpoint: str | None = None,
+    kv_events_replay_endpoint: str | None = None,
     python: str = "python",
 ) -> list[str]:
     """The command line of a replica whose `spec.engine` is vLLM, SGLang or llama.cpp: the
@@ -149,6 +150,7 @@ def foreign_argv(
             extra,
             host=host,
             kv_events_endpoint=kv_events_endpoint,
+            kv_events_replay_endpoint=kv_events_replay_endpoint,
             tls=tls,
             python=python,
             api_key_in_env=True,

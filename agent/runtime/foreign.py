@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agent.engine_kv_subscriber import KvEventsEndpoint
 from agent.runtime.command import foreign_argv
 from fleet_base.engine_binaries import EngineNotFound, find_executable, serves_tls
 from fleet_base.engines import TlsFiles, launch_env, lora_launch
@@ -68,7 +69,11 @@ def local_model_path(spec: ReplicaSpec, cache_dir: Path | str | None) -> str:
 
 
 def foreign_launch(
-    spec: ReplicaSpec, port: int, security: Credentials, cache_dir: Path | str | None
+    spec: ReplicaSpec,
+    port: int,
+    security: Credentials,
+    cache_dir: Path | str | None,
+    kv_events: KvEventsEndpoint | None = None,
 ) -> Launch:
     try:
         executable = find_executable(spec.engine)
@@ -92,6 +97,8 @@ def foreign_launch(
         host=LOOPBACK,
         api_key=token,
         tls=tls,
+        kv_events_endpoint=kv_events.publish if kv_events else None,
+        kv_events_replay_endpoint=kv_events.replay if kv_events else None,
         python=executable,
     )
     argv[0] = executable  # llama-server / vllm by path (sglang's is the Python given)

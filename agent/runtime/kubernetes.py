@@ -52,9 +52,10 @@ from lightkube.resources.apps_v1 import Deployment
 from lightkube.resources.core_v1 import Node, Pod
 from lightkube.types import PatchType
 
+from agent.engine_kv_subscriber import release_kv_events_endpoint, subscribe_kv_events
 from agent.runtime.base import Probe, ReplicaHandle, Runtime
 from agent.runtime.drain import wait_idle
-from agent.runtime.kube_engine import pod_model_path, startup_timeout_s
+from agent.runtime.kube_engine import kv_events_address, pod_model_path, startup_timeout_s
 from agent.runtime.kube_node import cordon_patch, uncordon_patch
 from agent.runtime.kube_pod import (
     LABEL,
@@ -264,6 +265,7 @@ class KubernetesRuntime(Runtime):
             view = classify(pod, self.kc.memory_limit)
         if view.pod_ip and not handle.url and pod is not None:
             handle.url = replica_url(pod, view.pod_ip, self.config)
+            subscribe_kv_events(handle.replica_id, handle.spec.engine, self._kv_address(handle, view.pod_ip))
         if view.state == ReplicaState.starting and not view.unschedulable:
             # the startup probe bounds a running container; this bounds the rest (a volume
             # that never attaches, an image that never arrives)
@@ -322,6 +324,7 @@ class KubernetesRuntime(Runtime):
                 log.warning("replica %s: still busy after %.0f s; stopping it", handle.replica_id, timeout)
 
     async def stop(self, handle: ReplicaHandle, drain_timeout_s: float) -> int | None:
+        release_kv_events_endpoint(handle.replica_id)
         name = self._name(handle)
         await self._wait_idle(handle, drain_timeout_s)  # then SIGTERM stops it at once
         grace = termination_grace_s(drain_timeout_s)
@@ -334,7 +337,11 @@ class KubernetesRuntime(Runtime):
             await self.kill(handle)
         return self._exit_code(name)
 
+    def _kv_address(self, handle: ReplicaHandle, pod_ip: str) -> str | None:
+        return kv_events_address(handle.spec, pod_ip, self.config)
+
     async def kill(self, handle: ReplicaHandle) -> None:
+        release_kv_events_endpoint(handle.replica_id)
         name = self._name(handle)
         self._ensure_watch()
         await self._delete(name, 0)
@@ -360,6 +367,7 @@ class KubernetesRuntime(Runtime):
             return False
         if view.pod_ip:
             handle.url = replica_url(pod, view.pod_ip, self.config)
+            subscribe_kv_events(handle.replica_id, handle.spec.engine, self._kv_address(handle, view.pod_ip))
         log.info("adopted replica %s (pod %s)", handle.replica_id, handle.pod)
         return True
 

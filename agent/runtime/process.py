@@ -34,6 +34,11 @@ from pathlib import Path
 import httpx
 import psutil
 
+from agent.engine_kv_subscriber import (
+    adopt_kv_events_endpoint,
+    kv_events_endpoint_for,
+    release_kv_events_endpoint,
+)
 from agent.runtime.base import Probe, ReplicaHandle, Runtime
 from agent.runtime.command import ENGINE_MODULE, replica_argv
 from agent.runtime.drain import wait_idle
@@ -119,7 +124,8 @@ class ProcessRuntime(Runtime):
         """argv, added environment, address and scheme of one replica (raises InvalidSpec)."""
         if spec.engine != "fleet" and self.runs_foreign_engines:
             port = free_port(LOOPBACK)
-            return foreign_launch(spec, port, self.config.security, self.config.model_cache_dir)
+            kv_events = kv_events_endpoint_for(spec.replica_id, spec.engine)  # vLLM, SGLang
+            return foreign_launch(spec, port, self.config.security, self.config.model_cache_dir, kv_events)
         host = self.config.replica.host
         port = free_port(host)
         return Launch(self.replica_argv(spec, port), port, host=host, https=self.config.security.enabled)
@@ -298,6 +304,7 @@ class ProcessRuntime(Runtime):
         self._forget(handle)
 
     def _forget(self, handle: ReplicaHandle) -> None:
+        release_kv_events_endpoint(handle.replica_id)
         if handle.pid is not None:
             self._last_ok.pop(handle.pid, None)
             child = self._children.pop(handle.pid, None)
@@ -318,6 +325,7 @@ class ProcessRuntime(Runtime):
             return False
         if status == 200 and handle.pid is not None:
             self._last_ok[handle.pid] = time.time()
+        adopt_kv_events_endpoint(handle.replica_id, handle.spec.engine, handle.argv)
         log.info("adopted replica %s (pid %s, %s)", handle.replica_id, handle.pid, handle.url)
         return True
 

@@ -1,0 +1,168 @@
+"""A STAND-IN for vLLM's ZMQ KV-event publisher (vllm/distributed/kv_events.py
+`ZmqEventPublisher`; SGLang's is the same code), not the engine: the same sockets and frames
+(a PUB sending `(topic, seq 8 bytes big-endian, payload)`, a ROUTER answering a replay
+request `(start seq)` with every buffered `(seq, payload)` from there and `(-1, b"")`), the
+same msgspec structs encoded by msgspec's msgpack encoder, and an engine-style block hash
+that is *not* Fleet's (sha256 over a repr, the way vLLM hashes a pickle).
+
+Like vLLM's, its PUB loses what it sends before the agent's subscription reached it; tests
+warm up with empty batches until one arrives (`warm_up`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+from collections import deque
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+
+class KVEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+# SGLang's layout (sglang/srt/disaggregation/kv_events.py): array-like, int hashes, no medium.
+class SgBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+
+
+class SgEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class SgStored(SgEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+
+
+class SgRemoved(SgEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+
+
+ENCODER = msgspec.msgpack.Encoder()
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def engine_hash(parent: bytes | None, tokens: list[int], extra: tuple[Any, ...] | None) -> bytes:
+    """The stand-in engine's own block hash (never Fleet's)."""
+    return hashlib.sha256(repr((parent, tuple(tokens), extra)).encode()).digest()
+
+
+def stored_chain(
+    tokens: list[int], block_size: int, salt: str | None, *, parent: bytes | None = None, medium: str = "GPU"
+) -> tuple[BlockStored, list[bytes]]:
+    """One BlockStored for the full blocks of `tokens` after `parent`, hashed the engine's way
+    (the salt in the first block's extra keys, as vLLM does)."""
+    hashes: list[bytes] = []
+    extras: list[tuple[Any, ...] | None] = []
+    prev = parent
+    for i in range(0, len(tokens) - block_size + 1, block_size):
+        extra = (salt,) if salt and prev is None else None
+        prev = engine_hash(prev, tokens[i : i + block_size], extra)
+        hashes.append(prev)
+        extras.append(extra)
+    n = len(hashes) * block_size
+    return (
+        BlockStored(hashes, parent, tokens[:n], block_size, None, medium, None, extras),
+        hashes,
+    )
+
+
+class StandInPublisher:
+    """The engine side of one replica's KV events (see the module docstring)."""
+
+    def __init__(self, publish: str, replay: str | None, topic: bytes = b"kv-events") -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.connect(publish)  # a loopback address without a wildcard: vLLM connects
+        self.router: zmq.asyncio.Socket | None = None
+        if replay is not None:
+            self.router = self.ctx.socket(zmq.ROUTER)
+            self.router.setsockopt(zmq.LINGER, 0)
+            self.router.bind(replay)
+        self.topic = topic
+        self.seq = 0
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=10_000)
+        self.replays: list[int] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> StandInPublisher:
+        if self.router is not None:
+            self._task = asyncio.create_task(self._serve_replay())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self.ctx.destroy(linger=0)
+
+    async def send(self, batch: Any = None, *, payload: bytes | None = None, lose: bool = False) -> int:
+        """Publish one batch (or raw payload bytes) under the next seq; `lose` keeps it in
+        the replay buffer only, as if the PUB had dropped it."""
+        data = payload if payload is not None else ENCODER.encode(batch)
+        seq = self.seq
+        self.seq += 1
+        self.buffer.append((seq, data))
+        if not lose:
+            await self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), data])
+        return seq
+
+    def restart(self) -> None:
+        """The engine restarted: its numbering and replay buffer start afresh."""
+        self.seq = 0
+        self.buffer.clear()
+
+    async def _serve_replay(self) -> None:
+        assert self.router is not None
+        while True:
+            frames = await self.router.recv_multipart()
+            if len(frames) != 3:
+                continue
+            client, _, start = frames
+            first = int.from_bytes(start, "big")
+            self.replays.append(first)
+            for seq, buf in list(self.buffer):
+                if seq >= first:
+                    await self.router.send_multipart([client, b"", seq.to_bytes(8, "big"), buf])
+            await self.router.send_multipart([client, b"", END_SEQ, b""])

@@ -1,0 +1,373 @@
+"""vLLM/SGLang KV events over real ZMQ sockets -> the agent's subscriber and relay -> a
+gateway's real prefix index, under Fleet's block hashes.
+
+The engine side is a stand-in (tests/agent/engine_kv_standin.py: vLLM's frames, sockets and
+msgspec structs, not the engine). NATS is a stand-in too (`WireLink`: the relay's messages
+as bytes into the gateway's `admit` and `apply`, what its NATS callback does)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+
+from agent import engine_kv_subscriber as sub_mod
+from agent.engine_kv_subscriber import (
+    EngineKvEndpoints,
+    KvEventsEndpoint,
+    adopt_kv_events_endpoint,
+    kv_events_endpoint_for,
+    release_kv_events_endpoint,
+)
+from agent.gateway.metrics import GatewayMetrics
+from agent.gateway.prefix import PrefixRouting, prefix_keys
+from agent.gateway.tenancy import cache_salt
+from agent.kv_relay import Followed, KvRelay
+from fleet_base.engines import kv_events_config, launch_command
+from fleet_base.kv_events import KvResyncRequest, kvresync_subject
+from fleet_base.protocol import Message
+from tests.agent.engine_kv_standin import (
+    AllBlocksCleared,
+    BlockRemoved,
+    KVEventBatch,
+    SgBatch,
+    SgRemoved,
+    SgStored,
+    StandInPublisher,
+    engine_hash,
+    stored_chain,
+)
+from tests.polling import eventually
+
+BS = 16
+SALT = cache_salt("key-a")  # what the gateway sends a replica for this key's requests
+PROMPT = list(range(1000, 1000 + 6 * BS + 5))  # six full blocks and a tail
+
+
+class WireLink:
+    """A STAND-IN for NatsLink: each published message's bytes go to a gateway's
+    PrefixRouting exactly as its `fleet.v1.kvcache.*` callback takes them."""
+
+    def __init__(self, gateway: PrefixRouting) -> None:
+        self.gateway = gateway
+        self.nc = None
+        self.sent: list[Message] = []
+        self.up = True
+        self.refused = 0
+
+    def on_connect(self, callback: object) -> None:
+        pass
+
+    async def publish(self, subject: str, message: Message) -> bool:
+        if not self.up:
+            self.refused += 1
+            return False
+        self.sent.append(message)
+        batch = self.gateway.admit(subject, message.to_bytes())
+        if batch is not None:
+            self.gateway.apply(batch)
+        return True
+
+
+def matched(env: SimpleNamespace, tokens: list[int], salt: str | None = SALT) -> int:
+    """Leading blocks of `tokens` the gateway's index says the replica holds."""
+    return env.gateway.index.match("east", "r1", prefix_keys(tokens, BS, salt))
+
+
+@contextlib.asynccontextmanager
+async def replica(
+    engine: str = "vllm", *, replay: bool = True, topic: bytes = b"kv-events"
+) -> AsyncIterator[SimpleNamespace]:
+    endpoints = EngineKvEndpoints()
+    endpoint = endpoints.endpoint_for("r1", engine)  # type: ignore[arg-type]
+    assert endpoint is not None
+    gateway = PrefixRouting(None, "west", GatewayMetrics(load=dict))
+    link = WireLink(gateway)
+    relay = KvRelay(link, "east", endpoints=endpoints)  # type: ignore[arg-type]
+    engine_pub = StandInPublisher(endpoint.publish, endpoint.replay if replay else None, topic)
+    async with engine_pub:
+        relay.sync([Followed("r1", "chat", "http://127.0.0.1:9", engine)])  # type: ignore[arg-type]
+        try:
+            # the follower's first full set (empty) tells readers to trust what follows
+            await eventually(lambda: link.sent and link.sent[0].snapshot, what="first snapshot")
+            env = SimpleNamespace(pub=engine_pub, relay=relay, gateway=gateway, link=link, endpoint=endpoint)
+            await warm_up(env)
+            yield env
+        finally:
+            await relay.close()
+
+
+async def warm_up(env: SimpleNamespace) -> None:
+    """Empty batches until one reaches the follower (a PUB drops what it sends before the
+    subscription arrives), then counts start from zero."""
+
+    async def arrived() -> bool:
+        await env.pub.send(KVEventBatch(ts=0.0, events=[]))
+        await asyncio.sleep(0.05)
+        return counts(env).get("batches", 0) > 0
+
+    await eventually(arrived, what="the subscription reached the engine's PUB")
+
+    async def drained() -> bool:
+        return not await env.relay.endpoints.get("r1")[1].poll(0)
+
+    await eventually(drained, what="warm-up drained")
+    await asyncio.sleep(0.05)  # the follower applies what it read last
+    env.relay.engine_counts.clear()
+    env.pub.replays.clear()
+
+
+def counts(env: SimpleNamespace) -> dict[str, int]:
+    return {outcome: n for (_, outcome), n in env.relay.engine_counts.items()}
+
+
+async def test_stored_blocks_become_routable_under_fleet_hashes() -> None:
+    async with replica() as env:
+        first, hashes = stored_chain(PROMPT[: 2 * BS], BS, SALT)
+        rest, _ = stored_chain(PROMPT[2 * BS :], BS, None, parent=hashes[-1])
+        await env.pub.send(KVEventBatch(ts=1.0, events=[first]))
+        await env.pub.send(KVEventBatch(ts=2.0, events=[rest]))
+        await eventually(lambda: matched(env, PROMPT) == 6, what="six blocks routable")
+        # the engine's own hashes are not what the gateway looks up; Fleet's are
+        assert env.gateway.index.block_size("chat") == BS
+        assert matched(env, PROMPT, salt=cache_salt("key-b")) == 0  # another tenant's salt
+        assert matched(env, PROMPT, salt=None) == 0
+        assert matched(env, [7, *PROMPT]) == 0
+        assert counts(env)["stored"] == 6
+
+
+async def test_removal_and_clear() -> None:
+    async with replica() as env:
+        stored, hashes = stored_chain(PROMPT, BS, SALT)
+        await env.pub.send(KVEventBatch(ts=1.0, events=[stored]))
+        await eventually(lambda: matched(env, PROMPT) == 6)
+        await env.pub.send(KVEventBatch(ts=2.0, events=[BlockRemoved(hashes[3:], "GPU")]))
+        await eventually(lambda: matched(env, PROMPT) == 3, what="the tail evicted")
+        await env.pub.send(KVEventBatch(ts=3.0, events=[BlockRemoved([b"\x01" * 32], "GPU")]))
+        await env.pub.send(KVEventBatch(ts=4.0, events=[AllBlocksCleared()]))
+        await eventually(lambda: matched(env, PROMPT) == 0, what="cleared")
+        assert counts(env)["unknown_block"] == 1 and counts(env)["cleared"] == 1
+
+
+async def test_host_tier_blocks_keep_their_tier() -> None:
+    async with replica() as env:
+        gpu, hashes = stored_chain(PROMPT, BS, SALT)
+        cpu, _ = stored_chain(PROMPT, BS, SALT, medium="CPU")
+        await env.pub.send(KVEventBatch(ts=1.0, events=[gpu, cpu, BlockRemoved(hashes[2:], "GPU")]))
+        keys = prefix_keys(PROMPT, BS, SALT)
+        await eventually(lambda: env.gateway.index.match_tiers("east", "r1", keys) == (2, 4))
+
+
+async def test_a_gap_is_filled_by_replay() -> None:
+    async with replica() as env:
+        chain = [PROMPT[i : i + BS] for i in range(0, 6 * BS, BS)]
+        base = env.pub.seq
+        parent = None
+        for i, block in enumerate(chain):
+            event, hashes = stored_chain(block, BS, SALT if parent is None else None, parent=parent)
+            parent = hashes[-1]
+            await env.pub.send(KVEventBatch(ts=float(i), events=[event]), lose=i in (2, 3))
+        await eventually(lambda: matched(env, PROMPT) == 6, what="all six after the replay")
+        assert env.pub.replays == [base + 2]
+        c = counts(env)
+        assert c["gap"] == 1 and c["replayed"] >= 2 and "stale" not in c
+        assert c["duplicate"] >= 1  # the live copies of replayed batches are not applied twice
+
+
+async def test_a_gap_without_replay_marks_the_replica_stale_until_stored_again() -> None:
+    async with replica(replay=False) as env:
+        first, hashes = stored_chain(PROMPT[: 2 * BS], BS, SALT)
+        await env.pub.send(KVEventBatch(ts=1.0, events=[first]))
+        await eventually(lambda: matched(env, PROMPT) == 2)
+        lost, lost_hashes = stored_chain(PROMPT[2 * BS : 3 * BS], BS, None, parent=hashes[-1])
+        await env.pub.send(KVEventBatch(ts=2.0, events=[lost]), lose=True)
+        # the lost batch might have evicted anything: nothing is claimed any more
+        nxt, _ = stored_chain(PROMPT[3 * BS : 4 * BS], BS, None, parent=lost_hashes[-1])
+        await env.pub.send(KVEventBatch(ts=3.0, events=[nxt]))
+        await eventually(lambda: counts(env).get("stale") == 1)
+        await eventually(lambda: matched(env, PROMPT) == 0, what="the stale set dropped")
+        assert counts(env)["unknown_parent"] == 1  # its parent was in the lost batch
+        # blocks stored again are placed: the translations survived the gap
+        again, _ = stored_chain(PROMPT[: 2 * BS], BS, SALT)
+        child, _ = stored_chain(PROMPT[2 * BS : 3 * BS], BS, None, parent=hashes[-1])
+        await env.pub.send(KVEventBatch(ts=4.0, events=[again, child]))
+        await eventually(lambda: matched(env, PROMPT) == 3)
+
+
+async def test_an_engine_restart_clears_its_blocks() -> None:
+    async with replica() as env:
+        stored, _ = stored_chain(PROMPT, BS, SALT)
+        await env.pub.send(KVEventBatch(ts=1.0, events=[stored]))
+        await env.pub.send(KVEventBatch(ts=2.0, events=[]))
+        await eventually(lambda: matched(env, PROMPT) == 6)
+        env.pub.restart()
+        short, _ = stored_chain(PROMPT[:BS], BS, SALT)
+        await env.pub.send(KVEventBatch(ts=3.0, events=[short]))
+        await eventually(lambda: counts(env).get("restart") == 1)
+        await eventually(lambda: matched(env, PROMPT) == 1, what="only what the new engine stored")
+
+
+async def test_a_gateway_resync_gets_the_translated_full_set() -> None:
+    async with replica() as env:
+        stored, _ = stored_chain(PROMPT, BS, SALT)
+        await env.pub.send(KVEventBatch(ts=1.0, events=[stored]))
+        await eventually(lambda: matched(env, PROMPT) == 6)
+        env.gateway.index.forget("east", "r1")  # a gateway that lost track asks
+        request = KvResyncRequest(cluster="east", replica_id="r1", requester="west")
+        subject = kvresync_subject("east")
+        await env.relay._on_resync(SimpleNamespace(subject=subject, data=request.to_bytes()))
+        await eventually(lambda: matched(env, PROMPT) == 6, timeout=10, what="the full set again")
+        assert env.link.sent[-1].snapshot
+
+
+async def test_sglang_layout_end_to_end() -> None:
+    async with replica("sglang", topic=b"") as env:
+        ints = [int.from_bytes(engine_hash(None, PROMPT[:BS], None)[:8], "big") >> 1]
+        ints.append(ints[0] + 1)
+        await env.pub.send(SgBatch(ts=1.0, events=[SgStored(ints, None, PROMPT[: 2 * BS], BS, None)]))
+        # SGLang reports no cache salt: its chains are rooted unsalted
+        await eventually(lambda: matched(env, PROMPT, salt=None) == 2)
+        await env.pub.send(SgBatch(ts=2.0, events=[SgRemoved([ints[1]])]))
+        await eventually(lambda: matched(env, PROMPT, salt=None) == 1)
+
+
+async def test_a_hostile_stream_is_bounded_and_never_blocks_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sub_mod, "REPLAY_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(sub_mod, "MESSAGES_PER_S", 20.0)  # a burst of 160 messages
+    lags: list[float] = []
+
+    async def ticker() -> None:
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(0.01)
+            lags.append(time.monotonic() - t - 0.01)
+
+    async with replica() as env:
+        tick = asyncio.create_task(ticker())
+        enc = msgspec.msgpack.Encoder()
+        # garbage, a batch past the event bound, an unknown parent, then 10^6 events in one
+        # payload (past the byte bound: the socket refuses it)
+        await env.pub.send(payload=b"\xc1\x00garbage")
+        await env.pub.send(KVEventBatch(ts=1.0, events=[AllBlocksCleared()] * (sub_mod.MAX_EVENTS + 1)))
+        orphan, _ = stored_chain(PROMPT, BS, None, parent=b"\x02" * 32)
+        await env.pub.send(KVEventBatch(ts=2.0, events=[orphan]))
+        huge = enc.encode(KVEventBatch(ts=3.0, events=[BlockRemoved([i], "GPU") for i in range(10**6)]))
+        assert len(huge) > sub_mod.MAX_MESSAGE_BYTES
+        await env.pub.send(payload=huge)
+        # a flood past the replica's message budget
+        for i in range(400):
+            await env.pub.send(KVEventBatch(ts=4.0 + i, events=[BlockRemoved([i], "GPU")]))
+        await eventually(lambda: counts(env).get("rate", 0) > 0, what="the budget refused some")
+        c = counts(env)
+        assert c["invalid"] >= 2 and c["unknown_parent"] == 6
+        assert c["gap"] >= 1  # the 10^6-event payload never arrived: the socket refused it
+        assert c["stale"] >= 2
+        assert matched(env, PROMPT) == 0
+        # still following: once the budget refills, a good batch is applied
+        good, _ = stored_chain(PROMPT, BS, SALT)
+
+        async def routable() -> bool:
+            await env.pub.send(KVEventBatch(ts=9.0, events=[good]))
+            await asyncio.sleep(0.2)
+            return matched(env, PROMPT) == 6
+
+        await eventually(routable, timeout=20, what="a good batch applied after the flood")
+        tick.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await tick
+        assert max(lags) < 1.0, f"the event loop stalled {max(lags):.2f}s"
+
+
+# ---------------------------------------------------------------------- endpoints
+
+
+def test_endpoints_are_loopback_per_replica_and_none_without_zmq_events() -> None:
+    endpoints = EngineKvEndpoints()
+    try:
+        assert endpoints.endpoint_for("a", "fleet") is None
+        assert endpoints.endpoint_for("a", "llama.cpp") is None
+        e = endpoints.endpoint_for("a", "vllm")
+        assert e is not None and e == endpoints.endpoint_for("a", "vllm")  # idempotent
+        assert e.publish.startswith("tcp://127.0.0.1:") and e.replay.startswith("tcp://127.0.0.1:")
+        other = endpoints.endpoint_for("b", "sglang")
+        assert other is not None and other.publish_port != e.publish_port
+        endpoints.release("a")
+        assert endpoints.get("a") is None and endpoints.get("b") is not None
+    finally:
+        endpoints.close()
+
+
+async def test_the_launch_command_carries_both_endpoints_and_adoption_binds_them_again() -> None:
+    e = kv_events_endpoint_for("adopt-1", "vllm")
+    assert isinstance(e, KvEventsEndpoint)
+    argv = launch_command(
+        "vllm", "/m", 8000, None, "chat", kv_events_endpoint=e.publish, kv_events_replay_endpoint=e.replay
+    )
+    config = json.loads(argv[argv.index("--kv-events-config") + 1])
+    # no wildcard: the engine's PUB connects to the agent's loopback SUB; its ROUTER binds
+    assert config == {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": e.publish,
+        "topic": "kv-events",
+        "replay_endpoint": e.replay,
+    }
+    assert "replay_endpoint" not in json.loads(kv_events_config("sglang", e.publish))
+    release_kv_events_endpoint("adopt-1")  # the agent restarted: its sockets are gone
+    # (the old socket's port is free once zmq's I/O thread closed it)
+    again = await eventually(lambda: adopt_kv_events_endpoint("adopt-1", "vllm", argv), what="rebound")
+    assert again == e
+    assert adopt_kv_events_endpoint("adopt-2", "vllm", ["vllm", "serve", "/m"]) is None
+    release_kv_events_endpoint("adopt-1")
+
+
+async def test_relay_follows_no_replica_without_events_or_socket() -> None:
+    endpoints = EngineKvEndpoints()
+    relay = KvRelay(
+        WireLink(PrefixRouting(None, "west", GatewayMetrics(load=dict))), "east", endpoints=endpoints
+    )  # type: ignore[arg-type]
+    relay.sync(
+        [
+            Followed("cpp", "d", "http://127.0.0.1:9", "llama.cpp"),
+            Followed("v", "d", "http://127.0.0.1:9", "vllm"),  # the launcher asked for no socket
+        ]
+    )
+    assert set(relay._tasks) == {"v"}
+    await asyncio.sleep(0.05)
+    assert relay._tasks["v"][1].done()  # nothing to read: it ended
+    await relay.close()
+
+
+async def test_fleet_engine_http_events_take_the_same_publish_path() -> None:
+    """Fleet's own engine (HTTP long-poll) through the same `_send`, a failed publish
+    answered by the full set."""
+    from tests.agent.test_kv_relay import BS as FLEET_BS
+    from tests.agent.test_kv_relay import FakeReplica, served
+
+    fleet_replica = FakeReplica()
+    gateway = PrefixRouting(None, "west", GatewayMetrics(load=dict))
+    link = WireLink(gateway)
+    relay = KvRelay(link, "east", endpoints=EngineKvEndpoints())  # type: ignore[arg-type]
+    a = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    keys = prefix_keys(a, FLEET_BS)
+    async with served(fleet_replica):
+        try:
+            relay.sync([Followed("r1", "d", fleet_replica.url)])
+            fleet_replica.run(a)
+            await eventually(lambda: gateway.index.match("east", "r1", keys) == 2)
+            link.up = False  # NATS away: the delta is lost, the next read is the full set
+            fleet_replica.run([50, 51, 52, 53])
+            await eventually(lambda: link.refused > 0, what="a publish refused")
+            gateway.index.forget("east", "r1")
+            n = len(link.sent)
+            link.up = True
+            await eventually(lambda: gateway.index.match("east", "r1", keys) == 2, timeout=20)
+            assert any(m.snapshot for m in link.sent[n:])
+        finally:
+            await relay.close()
