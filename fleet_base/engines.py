@@ -9,8 +9,9 @@ runs (process runtime) or puts in a container spec (Kubernetes runtime). See doc
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from typing import Literal, get_args
+import re
+from collections.abc import Mapping, Sequence
+from typing import Literal, NamedTuple, get_args
 
 from pydantic import BaseModel, ConfigDict
 
@@ -281,3 +282,131 @@ def _tls_flags(kind: EngineKind, tls: TlsFiles) -> list[str]:
     if kind == "vllm" and tls.ca_certs:
         out += ["--ssl-ca-certs", tls.ca_certs]
     return out
+
+
+# ------------------------------------------------------------------ what a deployment may ask
+
+# The engine arguments that make one replica span several GPUs (`-e` keys, the engine's own
+# flag names with `_`): their product is the replica's GPU count. vLLM: --tensor-parallel-size,
+# --pipeline-parallel-size; SGLang: --tp-size (--tp, --tensor-parallel-size), --pp-size.
+PARALLEL_ARGS: dict[EngineKind, tuple[tuple[str, ...], ...]] = {
+    "vllm": (("tensor_parallel_size",), ("pipeline_parallel_size",)),
+    "sglang": (("tp_size", "tp", "tensor_parallel_size"), ("pp_size", "pipeline_parallel_size")),
+}
+_ANY_PARALLEL = frozenset(k for groups in PARALLEL_ARGS.values() for group in groups for k in group)
+MAX_REPLICA_GPUS = 64  # Resources.gpu_count's bound
+
+# `-e` keys of a foreign engine that would undo what its launcher sets (`launch_command`): where
+# it listens, its key, the name clients ask for, the model it loads.
+LAUNCHER_ARGS = frozenset(
+    {"model", "model_path", "m", "host", "port", "api_key", "served_model_name", "alias"}
+)
+_FOREIGN_KEY = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+
+
+def _whole(key: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"{key} must be a whole number, not {value!r}")
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"{key} must be a whole number, not {value!r}") from None
+    if number < 1:
+        raise ValueError(f"{key} must be at least 1, not {number}")
+    return number
+
+
+def parallel_gpus(kind: EngineKind, engine_args: Mapping[str, object]) -> int | None:
+    """GPUs one replica of `kind` uses by its parallelism arguments (tensor x pipeline), or
+    None when `engine_args` name none (the deployment's `gpu_count` stands). ValueError for
+    a size that is not a whole number >= 1, or one size given under two names."""
+    gpus: int | None = None
+    for group in PARALLEL_ARGS.get(kind, ()):
+        given = [k for k in group if k in engine_args]
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)} name the same size: give one")
+        if given:
+            gpus = (gpus or 1) * _whole(given[0], engine_args[given[0]])
+    return gpus
+
+
+def is_gguf(model: str) -> bool:
+    """A GGUF file: a local path or model URI whose file name ends `.gguf` (an https://
+    URI's `#sha256=` fragment and any query left aside). An alias or a directory is not."""
+    path = model.strip().split("#", 1)[0].split("?", 1)[0]
+    return path.lower().endswith(".gguf")
+
+
+class EngineProblem(NamedTuple):
+    """One reason a deployment cannot run on its engine, and the field to change."""
+
+    field: str
+    reason: str
+
+
+def deployment_problems(
+    kind: EngineKind, model: str, engine_args: Mapping[str, object], *, adapters: int = 0
+) -> list[EngineProblem]:
+    """Why a deployment version cannot run on `kind`, from its capabilities: each reason a
+    sentence naming the fix; [] when it can. The one place deploy-time engine rules live
+    (the control plane answers them as a 422). LoRA on an engine without hot load is refused
+    outright rather than served as launch-time adapters: Fleet's adapter routing loads and
+    evicts adapters per replica, which such an engine cannot follow."""
+    caps = CAPABILITIES[kind]
+    problems: list[EngineProblem] = []
+    if kind != "fleet":
+        for key in engine_args:
+            if not _FOREIGN_KEY.match(key):
+                problems.append(
+                    EngineProblem(
+                        "engine_args",
+                        f"{key!r}: {kind}'s flags are given in lower case with '_' "
+                        "(e.g. tensor_parallel_size for --tensor-parallel-size)",
+                    )
+                )
+            elif key in LAUNCHER_ARGS:
+                problems.append(
+                    EngineProblem("engine_args", f"{key!r} is set by Fleet's launcher; leave it out")
+                )
+    try:
+        gpus = parallel_gpus(kind, engine_args)
+    except ValueError as err:
+        problems.append(EngineProblem("engine_args", str(err)))
+        gpus = None
+    if gpus is not None and gpus > MAX_REPLICA_GPUS:
+        problems.append(
+            EngineProblem(
+                "engine_args", f"{gpus} GPUs per replica exceeds the {MAX_REPLICA_GPUS} one replica may hold"
+            )
+        )
+    if not caps.tensor_parallel:
+        split = sorted(
+            k
+            for k in _ANY_PARALLEL & set(engine_args)
+            if not isinstance(engine_args[k], bool) and str(engine_args[k]).strip() not in ("1", "")
+        )
+        if split:
+            problems.append(
+                EngineProblem(
+                    "engine",
+                    f"{kind} has no tensor or pipeline parallelism ({', '.join(split)}): "
+                    "deploy with vllm or sglang to split a model over GPUs",
+                )
+            )
+    if adapters and not caps.lora_load:
+        problems.append(
+            EngineProblem(
+                "adapters",
+                f"{kind} cannot load LoRA adapters while it runs, which Fleet's adapter routing needs: "
+                "remove the deployment's adapters, or deploy with fleet, vllm or sglang",
+            )
+        )
+    if kind == "llama.cpp" and not is_gguf(model):
+        problems.append(
+            EngineProblem(
+                "model",
+                f"llama.cpp serves GGUF files: {model!r} is not one (give a local path or model URI "
+                "ending .gguf, e.g. hf://org/repo/model-Q4_K_M.gguf)",
+            )
+        )
+    return problems

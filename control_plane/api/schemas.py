@@ -28,6 +28,7 @@ from fleet_base.domain import (
     PriorityClassName,
     TeamName,
 )
+from fleet_base.engines import EngineKind
 from fleet_base.pipelines import MAX_STEPS, PipelineName, PipelineSpec, StepName
 from fleet_base.residency import MAX_JURISDICTIONS, normalize, parse_residency
 
@@ -42,7 +43,14 @@ ModelRef = Annotated[
     str,
     StringConstraints(min_length=1, max_length=512, strip_whitespace=True, pattern=r"^[^\x00-\x1f\x7f]+$"),
 ]
-EngineArgName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")]
+# An engine flag without its dashes, stored with '_' for '-' (as `-e` keys and YAML keys are
+# read): one spelling per flag, the one launchers turn back into `--flag-name`. Which keys an
+# engine takes is decided here and in fleet_base.engines.deployment_problems, at deploy time.
+EngineArgName = Annotated[
+    str,
+    StringConstraints(pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,63}$"),
+    AfterValidator(lambda key: key.replace("-", "_")),
+]
 Url = Annotated[str, StringConstraints(max_length=512, pattern=r"^(https?://\S+)?$")]
 Scope = Literal["admin", "read", "inference", "metrics"]
 TierName = Literal["reserved", "on-demand", "spot"]
@@ -92,6 +100,9 @@ class SpecFields(ScalingSpec):
     on update)."""
 
     model: ModelRef | None = None
+    engine: EngineKind | None = Field(
+        None, description="the server that runs replicas: fleet (default), vllm, sglang or llama.cpp"
+    )
     engine_args: dict[EngineArgName, Any] | None = Field(None, max_length=MAX_LIST)
     gpu_models: list[Label] | None = Field(None, max_length=MAX_LIST)
     gpu_count: int | None = Field(None, ge=1, le=64)
@@ -191,6 +202,7 @@ class ScaleRequest(PolicyFields):
 class VersionOut(BaseModel):
     version: int
     model: str
+    engine: str = "fleet"
     engine_args: dict[str, Any]
     gpu_models: list[str]
     gpu_count: int
@@ -227,6 +239,7 @@ class Placement(BaseModel):
 class DeploymentSummary(BaseModel):
     name: str
     model: str
+    engine: str = "fleet"  # the current version's
     current_version: int
     desired_replicas: int
     ready_replicas: int

@@ -6,18 +6,30 @@ over dicts, no database, so the rules are easy to read and to test.
 - A model URI is checked and stored canonical, an hf:// revision pinned (`model_refs`).
 - An update merges the given fields onto the current version; if any version field
   changes the result is a new version, while `replicas` alone only scales.
+- The engine must be able to run the version (`fleet_base.engines.deployment_problems`), and
+  `gpu_count` follows the engine's tensor x pipeline parallel sizes where `engine_args` give
+  them (a different `gpu_count` given with them is refused).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from control_plane.api.errors import invalid
 from control_plane.api.model_refs import model_ref
-from control_plane.api.schemas import DeploymentCreate, DeploymentUpdate, PolicyFields, ResidencyFields
+from control_plane.api.schemas import (
+    AdapterFields,
+    DeploymentCreate,
+    DeploymentUpdate,
+    PolicyFields,
+    ResidencyFields,
+)
 from control_plane.rollouts.surge import DEFAULT_MAX_SURGE, DEFAULT_MAX_UNAVAILABLE
+from fleet_base.engines import deployment_problems, parallel_gpus
 
 VERSION_DEFAULTS: dict[str, Any] = {
+    "engine": "fleet",
     "engine_args": {},
     "gpu_models": [],
     "gpu_count": 1,
@@ -51,6 +63,67 @@ def _bounds(given: dict[str, Any], replicas: int | None, scale_to_zero: bool) ->
     return lo, hi
 
 
+def check_engine(spec: dict[str, Any], adapters: int) -> None:
+    """The version can run on its engine with `adapters` LoRA adapters on the deployment."""
+    problems = deployment_problems(spec["engine"], spec["model"], spec["engine_args"], adapters=adapters)
+    if problems:
+        raise invalid(problems[0].field, "; ".join(p.reason for p in problems))
+
+
+def _replica_gpus(spec: dict[str, Any], given: dict[str, Any], current: dict[str, Any] | None = None) -> None:
+    """Set `gpu_count` from the engine's parallel sizes, if `engine_args` give any. A
+    `gpu_count` that came from them is not carried onto a version that gives none."""
+    gpus = parallel_gpus(spec["engine"], spec["engine_args"])
+    if gpus is None:
+        if current is not None and "gpu_count" not in given and _parallel(current) is not None:
+            spec["gpu_count"] = VERSION_DEFAULTS["gpu_count"]
+        return
+    if "gpu_count" in given and given["gpu_count"] != gpus:
+        raise invalid(
+            "gpu_count",
+            f"{given['gpu_count']} GPUs per replica disagrees with {spec['engine']}'s parallel sizes in "
+            f"engine_args ({gpus} GPUs per replica); leave gpu_count out, it follows them",
+        )
+    spec["gpu_count"] = gpus
+
+
+def check_node_fit(spec: dict[str, Any], pools: Sequence[Any]) -> None:
+    """A replica spread over GPUs by the engine's parallel sizes must fit one node of a pool
+    whose GPUs it accepts (placement never splits a replica over nodes): refused here rather
+    than left unplaced. With no pools registered yet nothing is known, so nothing is refused."""
+    gpus = spec["gpu_count"]
+    if gpus <= 1 or _parallel(spec) is None or not pools:
+        return
+    wanted = {m.lower() for m in spec["gpu_models"]}
+    matching = [
+        p
+        for p in pools
+        if (not wanted or p.gpu_model.lower() in wanted) and p.gpu_memory_gb >= spec["gpu_memory_gb"]
+    ]
+    if any(p.gpus_per_node >= gpus for p in matching):
+        return
+    largest = max((p.gpus_per_node for p in matching), default=0)
+    where = f"the largest node of a matching pool has {largest}" if matching else "no pool matches gpu_models"
+    raise invalid(
+        "engine_args",
+        f"{spec['engine']}'s parallel sizes need {gpus} GPUs per replica on one node, but {where}; "
+        "lower tensor_parallel_size (or pipeline_parallel_size), or add a pool with larger nodes",
+    )
+
+
+def adapters_after(dep: Any, body: AdapterFields | None = None) -> int:
+    """How many LoRA adapters the deployment has once `body` (if any) is applied."""
+    given = getattr(body, "adapters", None)
+    return len(given) if given is not None else len(getattr(dep, "adapters", None) or [])
+
+
+def _parallel(spec: dict[str, Any]) -> int | None:
+    try:
+        return parallel_gpus(spec.get("engine") or "fleet", spec.get("engine_args") or {})
+    except ValueError:
+        return None
+
+
 def check_spec(spec: dict[str, Any], replicas: int) -> None:
     """Cross-field rules a single field's validation cannot see."""
     lo, hi = spec["min_replicas"], spec["max_replicas"]
@@ -73,6 +146,8 @@ def new_spec(body: DeploymentCreate) -> tuple[dict[str, Any], int]:
     given = _given(body)
     spec = {**VERSION_DEFAULTS, **{k: v for k, v in given.items() if k in VERSION_FIELDS}}
     spec["model"] = model_ref(spec["model"])
+    check_engine(spec, len(body.adapters or []))
+    _replica_gpus(spec, given)
     lo, hi = _bounds(given, given.get("replicas"), spec["scale_to_zero"])
     spec["min_replicas"], spec["max_replicas"] = lo, hi
     replicas = given.get("replicas")
@@ -82,14 +157,19 @@ def new_spec(body: DeploymentCreate) -> tuple[dict[str, Any], int]:
     return spec, replicas
 
 
-def merged_spec(current: dict[str, Any], replicas: int, body: DeploymentUpdate) -> tuple[dict[str, Any], int]:
+def merged_spec(
+    current: dict[str, Any], replicas: int, body: DeploymentUpdate, adapters: int = 0
+) -> tuple[dict[str, Any], int]:
     """(version fields, desired replicas) after an update; compare with `current` to see
     whether it makes a new version. Replicas outside new bounds are clamped into them
-    unless given explicitly (then it is an error)."""
+    unless given explicitly (then it is an error). `adapters`: the deployment's LoRA
+    adapters after the update."""
     given = _given(body)
     spec = {**current, **{k: v for k, v in given.items() if k in VERSION_FIELDS}}
     if "model" in given and given["model"] != current.get("model"):
         spec["model"] = model_ref(spec["model"])
+    check_engine(spec, adapters)
+    _replica_gpus(spec, given, current)
     lo, hi = spec["min_replicas"], spec["max_replicas"]
     if "replicas" in given:
         new_replicas = given["replicas"]

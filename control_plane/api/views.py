@@ -43,6 +43,7 @@ def version_out(row: DeploymentVersion, current: int, counts: Counter | None = N
     return VersionOut(
         version=row.version,
         model=row.model,
+        engine=row.engine or "fleet",
         engine_args=dict(row.engine_args or {}),
         gpu_models=list(row.gpu_models or []),
         gpu_count=row.gpu_count,
@@ -84,6 +85,7 @@ def deployment_summaries(session: Session, rows: list[Deployment]) -> list[Deplo
             DeploymentSummary(
                 name=dep.name,
                 model=current.model if current else "",
+                engine=(current.engine if current else None) or "fleet",
                 current_version=dep.current_version,
                 desired_replicas=dep.replicas,
                 ready_replicas=ready.get(dep.id, 0),

@@ -13,7 +13,7 @@
   0..1), so sums over clusters stay finite whatever a cluster claims;
 - settings: a deployment version's scaling columns as `AutoscaleSettings`, with the
   performance profile its `engine_args` name and, when its pools offer several GPU types
-  with a profile each, one `Variant` per type."""
+  with a profile each, one `Variant` per type; and the engine the version runs."""
 
 from __future__ import annotations
 
@@ -187,5 +187,6 @@ def settings_of(version: object, policy: str = "ours", pools: Sequence[object] =
         slo_ttft_s=float(ttft) if ttft else DEFAULT_SLO_TTFT_S,
         slo_itl_s=float(itl) if itl else DEFAULT_SLO_ITL_S,
         profile=primary,
+        engine=getattr(version, "engine", None) or "fleet",
         variants=variants if len(variants) > 1 else [],
     )

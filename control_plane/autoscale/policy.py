@@ -34,6 +34,7 @@ from typing import Protocol
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from control_plane.autoscale.capacity import Variant
+from fleet_base.engines import EngineKind
 from fleet_base.named_registry import Registry
 from fleet_base.profile import PerfProfile
 
@@ -64,6 +65,9 @@ class AutoscaleSettings(BaseModel):
     slo_ttft_s: float = Field(DEFAULT_SLO_TTFT_S, gt=0, le=3600, description="time to first token")
     slo_itl_s: float = Field(DEFAULT_SLO_ITL_S, gt=0, le=60, description="mean inter-token latency")
     profile: PerfProfile | None = Field(None, exclude=True, description="one replica's performance")
+    # The server its replicas run (fleet_base.engines): profiles are measured per engine, so
+    # whoever picks or reads one sees which engine the numbers must describe.
+    engine: EngineKind = "fleet"
     variants: list[Variant] = Field(default_factory=list, exclude=True, description="GPU types / tiers")
 
     @model_validator(mode="after")

@@ -6,6 +6,7 @@ deploy, ls, status, scale, delete, clusters, cordon/uncordon, pools, events, aud
 from __future__ import annotations
 
 from collections.abc import Callable
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +30,12 @@ from control_plane.commands.residency import (
     jurisdiction_flag,
     residency_flag,
 )
+from fleet_base.engines import ENGINE_KINDS
 
 DEPLOYMENT_COLUMNS = {
     "name": "name",
     "model": "model",
+    "engine": "engine",
     "version": "current_version",
     "desired": "desired_replicas",
     "ready": "ready_replicas",
@@ -61,6 +64,7 @@ PLACEMENT_COLUMNS = {
 VERSION_COLUMNS = {
     "version": "version",
     "model": "model",
+    "engine": "engine",
     "gpus": "gpu_models",
     "count": "gpu_count",
     "min": "min_replicas",
@@ -159,6 +163,16 @@ def _print_status(status: dict, output: OutputFormat) -> None:
         console.print("no replicas placed yet")
 
 
+# `--engine`'s choices, fleet_base.engines.EngineKind's values (Typer lists an Enum's values).
+EngineChoice = Enum("EngineChoice", {kind.replace(".", "_"): kind for kind in ENGINE_KINDS}, type=str)
+ENGINE_HELP = (
+    "the server that runs the replicas: fleet (default), vllm, sglang or llama.cpp (a GGUF --model); "
+    "a different engine is a new version"
+)
+ENGINE_ARG_HELP = (
+    "engine flag KEY=VALUE (repeatable; the whole set): the engine's own flag names, e.g. "
+    "tensor_parallel_size=4 (vllm), tp_size=4 (sglang), n_gpu_layers=99 (llama.cpp)"
+)
 PRIORITY_HELP = "placement class: critical, standard (default) or batch; a higher one may preempt a lower one"
 SURGE_HELP = 'replicas a rollout may add above the desired count: a count or a percentage (default "25%")'
 UNAVAILABLE_HELP = (
@@ -187,9 +201,8 @@ def deploy(
         "--standby",
         help="warm standby region at min replicas, serving only while primaries are down (repeatable)",
     ),
-    engine_arg: list[str] = typer.Option(
-        None, "--engine-arg", "-e", help="engine flag KEY=VALUE (repeatable)"
-    ),
+    engine: EngineChoice = typer.Option(None, "--engine", help=ENGINE_HELP),
+    engine_arg: list[str] = typer.Option(None, "--engine-arg", "-e", help=ENGINE_ARG_HELP),
     scale_to_zero: bool = typer.Option(
         None, "--scale-to-zero/--no-scale-to-zero", help="allow zero replicas"
     ),
@@ -234,6 +247,7 @@ def deploy(
         "standby_regions": [r.strip() for item in standby for r in item.split(",") if r.strip()]
         if standby
         else None,
+        "engine": engine.value if engine else None,
         "engine_args": _engine_args(engine_arg) if engine_arg else None,
         "scale_to_zero": scale_to_zero,
         "target_concurrency": target_concurrency,

@@ -9,7 +9,7 @@ from typing import Any
 import typer
 
 from control_plane.commands.output import OUTPUT_OPTION, OutputFormat, call, console, emit, emit_json, fail
-from control_plane.commands.resources import _engine_args, _load_file
+from control_plane.commands.resources import EngineChoice, _engine_args, _load_file
 
 rollout_app = typer.Typer(help="Canary rollouts: start, status, promote, abort.", no_args_is_help=True)
 
@@ -143,6 +143,7 @@ def start(
         None, "--file", "-f", help="the new version's fields (YAML, like fleetctl deploy -f)"
     ),
     model: str = typer.Option(None, "--model", "-m", help="the new version's model"),
+    engine: EngineChoice = typer.Option(None, "--engine", help="the new version's engine"),
     engine_arg: list[str] = typer.Option(
         None, "--engine-arg", "-e", help="new version's engine flag KEY=VALUE"
     ),
@@ -209,16 +210,18 @@ def start(
     spec.pop("name", None)
     if model:
         spec["model"] = model
+    if engine:
+        spec["engine"] = engine.value
     if engine_arg:
         spec["engine_args"] = {**spec.get("engine_args", {}), **_engine_args(engine_arg)}
     if version is not None and spec:
-        fail("give either --version or a new spec (-f/--model/-e), not both")
+        fail("give either --version or a new spec (-f/--model/--engine/-e), not both")
     if version is not None:
         body["version"] = version
     elif spec:
         body["spec"] = spec
     else:
-        fail("give --version V or the new version's fields (-f FILE, --model, -e KEY=VALUE)")
+        fail("give --version V or the new version's fields (-f FILE, --model, --engine, -e KEY=VALUE)")
     _show(call(lambda c: c.post(f"/v1/deployments/{name}/rollouts", body)), output)
 
 

@@ -118,6 +118,8 @@ class DeploymentVersion(Base):
     deployment_id: Mapped[int] = mapped_column(ForeignKey("deployments.id", ondelete="CASCADE"), index=True)
     version: Mapped[int] = mapped_column(Integer)
     model: Mapped[str] = mapped_column(String(512))
+    # The server that runs it (fleet_base.engines.EngineKind): a new engine is a new version.
+    engine: Mapped[str] = mapped_column(String(16), default="fleet", server_default="fleet")
     engine_args: Mapped[dict[str, Any]] = mapped_column(default=dict)
     gpu_models: Mapped[list[str]] = mapped_column(default=list)  # empty: any
     gpu_count: Mapped[int] = mapped_column(Integer, default=1)

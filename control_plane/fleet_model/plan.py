@@ -268,6 +268,7 @@ def build_desired(snap: FleetSnapshot, assignments: list[AssignmentRow]) -> dict
                 deployment=a.deployment,
                 version=a.version,
                 model=spec.model,
+                engine=spec.engine,
                 engine_args=dict(spec.engine_args),
                 resources=Resources(
                     gpu_models=list(spec.gpu_models),

@@ -28,6 +28,7 @@ from control_plane.rollouts.store import RolloutPlan, plans
 from control_plane.rollouts.surge import DEFAULT_MAX_SURGE, DEFAULT_MAX_UNAVAILABLE
 from fleet_base.api_keys import ApiKeyRecord, Quotas
 from fleet_base.domain import ClusterStatus, Coordinates, PoolShape, Tier, pool_shape
+from fleet_base.engines import ENGINE_KINDS, EngineKind
 
 
 class _Row(BaseModel):
@@ -38,6 +39,7 @@ class VersionSpec(_Row):
     deployment: str
     version: int
     model: str
+    engine: EngineKind = "fleet"
     engine_args: dict[str, Any] = Field(default_factory=dict)
     gpu_models: tuple[str, ...] = ()
     gpu_count: int = 1
@@ -162,6 +164,7 @@ def read_snapshot(session: Session) -> FleetSnapshot:
                 deployment=d.name,
                 version=v.version,
                 model=v.model,
+                engine=v.engine or "fleet",
                 engine_args=dict(v.engine_args or {}),
                 gpu_models=tuple(v.gpu_models or ()),
                 gpu_count=v.gpu_count,
@@ -173,6 +176,9 @@ def read_snapshot(session: Session) -> FleetSnapshot:
             )
             for d in deployments
             for v in d.versions
+            # an engine this control plane does not know (a newer one's row) is never placed
+            # as another: the version is left out, as if absent
+            if (v.engine or "fleet") in ENGINE_KINDS
         },
         clusters=tuple(
             ClusterRow(

@@ -6,6 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Path, Request
 from sqlalchemy.orm import Session
 
+from control_plane.api import specs
 from control_plane.api.adapters import adapter_record
 from control_plane.api.audit import audit, event
 from control_plane.api.auth import Principal
@@ -14,6 +15,7 @@ from control_plane.api.errors import conflict, not_found
 from control_plane.api.routers.deployments import _load
 from control_plane.api.schemas import AdapterIn
 from control_plane.db.models import utcnow
+from control_plane.rollouts.store import active_for
 from fleet_base.domain import AdapterName
 from fleet_base.protocol import DEFAULT_MAX_ADAPTERS
 
@@ -42,6 +44,13 @@ def _commit(
     return after
 
 
+def _running_versions(session: Session, dep) -> list:
+    """The versions replicas run now or soon: the current one and an active rollout's canary."""
+    rollout = active_for(session, dep.id)
+    wanted = {dep.current_version} | ({rollout.canary_version} if rollout is not None else set())
+    return [v for v in dep.versions if v.version in wanted]
+
+
 @router.get("/{name}/adapters")
 def list_adapters(name: str, session: SessionDep, who: PrincipalDep) -> dict:
     return _view(_load(session, name))
@@ -55,7 +64,10 @@ def add_adapter(name: str, body: AdapterIn, request: Request, session: SessionDe
         raise conflict(f"deployment {name!r} already has an adapter named {body.name!r}", "name")
     if body.name == name:
         raise conflict(f"an adapter cannot take its deployment's name {name!r}", "name")
-    dep.adapters = [*(dep.adapters or []), adapter_record(body)]
+    record = adapter_record(body)
+    for version in _running_versions(session, dep):
+        specs.check_engine(specs.version_fields(version), len(dep.adapters or []) + 1)
+    dep.adapters = [*(dep.adapters or []), record]
     dep.max_adapters = dep.max_adapters or DEFAULT_MAX_ADAPTERS
     return _commit(request, session, who, dep, before, "add", f"adapter {body.name} added")
 

@@ -25,7 +25,7 @@ from control_plane.api.schemas import (
     VersionOut,
 )
 from control_plane.api.views import deployment_status, deployment_summaries, version_out
-from control_plane.db.models import Deployment, DeploymentVersion, ReplicaAssignment, utcnow
+from control_plane.db.models import CapacityPool, Deployment, DeploymentVersion, ReplicaAssignment, utcnow
 from control_plane.pipelines import pipelines_using
 from control_plane.rollouts.store import active_for
 
@@ -45,9 +45,15 @@ def _load(session: Session, name: str, lock: bool = False) -> Deployment:
     return dep
 
 
+def check_node_fit(session: Session, spec: dict) -> None:
+    """`specs.check_node_fit` against every registered pool."""
+    specs.check_node_fit(spec, session.scalars(select(CapacityPool)).all())
+
+
 @router.post("", status_code=201, response_model=DeploymentStatus)
 def create_deployment(body: DeploymentCreate, request: Request, session: SessionDep, who: PrincipalDep):
     spec, replicas = specs.new_spec(body)
+    check_node_fit(session, spec)
     if session.scalar(select(Deployment.id).where(Deployment.name == body.name)) is not None:
         raise conflict(f"deployment {body.name!r} already exists (update it with PATCH)", "name")
     dep = Deployment(name=body.name, replicas=replicas, current_version=1)
@@ -103,9 +109,10 @@ def update_deployment(
     before = deployment_status(session, dep)
     current = dep.version_row()
     current_spec = specs.version_fields(current)
-    spec, replicas = specs.merged_spec(current_spec, dep.replicas, body)
+    spec, replicas = specs.merged_spec(current_spec, dep.replicas, body, specs.adapters_after(dep, body))
     changes = []
     if spec != current_spec:
+        check_node_fit(session, spec)
         rollout = active_for(session, dep.id)
         if rollout is not None:
             raise conflict(

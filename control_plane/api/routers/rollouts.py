@@ -17,6 +17,7 @@ from control_plane.api import specs
 from control_plane.api.audit import audit, event
 from control_plane.api.deps import PrincipalDep, SessionDep, kick
 from control_plane.api.errors import conflict, invalid, not_found
+from control_plane.api.routers.deployments import check_node_fit
 from control_plane.api.schemas import DeploymentUpdate, Page, Strict
 from control_plane.db.models import Deployment, DeploymentVersion, Rollout
 from control_plane.rollouts.policy import (
@@ -196,6 +197,7 @@ def start_rollout(name: str, body: RolloutCreate, request: Request, session: Ses
             raise not_found(f"version of {name}", body.version)
         if body.version == dep.current_version:
             raise invalid("version", f"version {body.version} is already the current version of {name}")
+        specs.check_engine(specs.version_fields(dep.version_row(body.version)), specs.adapters_after(dep))
         canary = body.version
     else:
         assert body.spec is not None
@@ -204,9 +206,10 @@ def start_rollout(name: str, body: RolloutCreate, request: Request, session: Ses
                 "spec.replicas", "a rollout keeps the deployment's replica count; scale it separately"
             )
         current_spec = specs.version_fields(dep.version_row())
-        spec, _ = specs.merged_spec(current_spec, dep.replicas, body.spec)
+        spec, _ = specs.merged_spec(current_spec, dep.replicas, body.spec, specs.adapters_after(dep))
         if spec == current_spec:
             raise invalid("spec", "the spec equals the current version's; nothing to roll out")
+        check_node_fit(session, spec)
         canary = max(v.version for v in dep.versions) + 1
         dep.versions.append(DeploymentVersion(version=canary, **spec))
     now = time.time()
