@@ -109,3 +109,38 @@ def test_fleetctl_db_commands(tmp_path):
         timeout=60,
     )
     assert bad.returncode != 0 and "error:" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_0019_deployment_engine_keeps_versions_and_defaults_them_to_fleet(db_url):
+    dbs.upgrade_to_head(db_url, "0018")
+    engine = dbs.make_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text("INSERT INTO deployments (name, replicas, variant_mix, current_version, created_at, updated_at) VALUES ('chat', 1, '{}', 1, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"))  # fmt: skip
+            dep_id = conn.execute(sa.text("SELECT id FROM deployments WHERE name = 'chat'")).scalar_one()
+            conn.execute(
+                sa.text(
+                    "INSERT INTO deployment_versions (deployment_id, version, model, engine_args, gpu_models, "
+                    "gpu_count, gpu_memory_gb, min_replicas, max_replicas, autoscale_window_s, "
+                    "scale_down_delay_s, target_concurrency, scale_to_zero, regions, min_regions, "
+                    "standby_regions, created_at) VALUES (:d, 1, 'smollm2-135m', '{}', '[]', 1, 0, 1, 1, 60, "
+                    "300, 8, false, '[]', 1, '[]', CURRENT_TIMESTAMP)"
+                ),
+                {"d": dep_id},
+            )
+        dbs.upgrade_to_head(db_url)
+        with engine.connect() as conn:
+            rows = conn.execute(sa.text("SELECT model, engine FROM deployment_versions")).all()
+        assert [tuple(r) for r in rows] == [("smollm2-135m", "fleet")]
+        with engine.begin() as conn:
+            conn.execute(sa.text("UPDATE deployment_versions SET engine = 'llama.cpp'"))
+        dbs.downgrade(db_url, "0018")
+        engine.dispose()
+        columns = {c["name"] for c in sa.inspect(engine).get_columns("deployment_versions")}
+        assert "engine" not in columns and "model" in columns
+        with engine.connect() as conn:
+            assert (
+                conn.execute(sa.text("SELECT model FROM deployment_versions")).scalar_one() == "smollm2-135m"
+            )
+    finally:
+        engine.dispose()
