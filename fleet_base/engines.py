@@ -162,26 +162,33 @@ def kv_events_config(
 
 # The engine arguments (`-e` keys) whose product is the number of GPUs one server uses: a
 # replica must be given that many devices. Only engines with `tensor_parallel` are listed.
+# SGLang's `tp` is how its docs write --tp-size (argparse takes the prefix).
 PARALLEL_ARGS: dict[EngineKind, tuple[tuple[str, ...], ...]] = {
     "vllm": (("tensor_parallel_size",), ("pipeline_parallel_size",)),
-    "sglang": (("tp_size", "tensor_parallel_size"), ("pp_size", "pipeline_parallel_size")),
+    "sglang": (("tp_size", "tp", "tensor_parallel_size"), ("pp_size", "pipeline_parallel_size")),
 }
 
 
-def parallel_gpus(kind: EngineKind, engine_args: dict[str, object]) -> int:
+def parallel_args(kind: EngineKind, engine_args: Mapping[str, object]) -> list[str]:
+    """The parallel-size arguments `engine_args` give `kind` (none: its GPU count is the
+    deployment's own)."""
+    return [n for names in PARALLEL_ARGS.get(kind, ()) for n in names if engine_args.get(n) is not None]
+
+
+def parallel_gpus(kind: EngineKind, engine_args: Mapping[str, object]) -> int:
     """The devices one `kind` server spans for these engine arguments (1 without parallelism):
     vLLM's tensor x pipeline parallel sizes, SGLang's tp x pp sizes. ValueError for a size
-    that is not a positive integer."""
+    that is not a positive integer, or one size given under two names."""
     gpus = 1
     for names in PARALLEL_ARGS.get(kind, ()):
-        for name in names:
-            value = engine_args.get(name)
-            if value is None:
-                continue
+        given = [name for name in names if engine_args.get(name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)} name the same size: give one")
+        for name in given:
+            value = engine_args[name]
             if isinstance(value, bool) or not str(value).isdigit() or int(str(value)) < 1:
                 raise ValueError(f"{name} must be a positive integer, not {value!r}")
             gpus *= int(str(value))
-            break
     return gpus
 
 
@@ -286,48 +293,34 @@ def _tls_flags(kind: EngineKind, tls: TlsFiles) -> list[str]:
 
 # ------------------------------------------------------------------ what a deployment may ask
 
-# The engine arguments that make one replica span several GPUs (`-e` keys, the engine's own
-# flag names with `_`): their product is the replica's GPU count. vLLM: --tensor-parallel-size,
-# --pipeline-parallel-size; SGLang: --tp-size (--tp, --tensor-parallel-size), --pp-size.
-PARALLEL_ARGS: dict[EngineKind, tuple[tuple[str, ...], ...]] = {
-    "vllm": (("tensor_parallel_size",), ("pipeline_parallel_size",)),
-    "sglang": (("tp_size", "tp", "tensor_parallel_size"), ("pp_size", "pipeline_parallel_size")),
-}
 _ANY_PARALLEL = frozenset(k for groups in PARALLEL_ARGS.values() for group in groups for k in group)
 MAX_REPLICA_GPUS = 64  # Resources.gpu_count's bound
 
-# `-e` keys of a foreign engine that would undo what its launcher sets (`launch_command`): where
-# it listens, its key, the name clients ask for, the model it loads.
-LAUNCHER_ARGS = frozenset(
-    {"model", "model_path", "m", "host", "port", "api_key", "served_model_name", "alias"}
+# `-e` keys a launcher sets itself, so a deployment may not: where the server listens, the
+# model it loads, the name clients ask for, its LoRA slots. A foreign engine's launcher also
+# sets its key, TLS files, KV-event publisher and aliases of those flags (`launch_command`): a
+# user's `-e api_key=` would otherwise win, being the last flag. The control plane refuses them
+# at deploy (`deployment_problems`); agent/runtime/command.py's argv builder refuses them again.
+RESERVED_ARGS = frozenset(
+    {"model", "served_model_name", "host", "port", "enable_lora", "max_loras", "lora_modules"}
 )
-_FOREIGN_KEY = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
-
-
-def _whole(key: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ValueError(f"{key} must be a whole number, not {value!r}")
-    try:
-        number = int(value)
-    except ValueError:
-        raise ValueError(f"{key} must be a whole number, not {value!r}") from None
-    if number < 1:
-        raise ValueError(f"{key} must be at least 1, not {number}")
-    return number
-
-
-def parallel_gpus(kind: EngineKind, engine_args: Mapping[str, object]) -> int | None:
-    """GPUs one replica of `kind` uses by its parallelism arguments (tensor x pipeline), or
-    None when `engine_args` name none (the deployment's `gpu_count` stands). ValueError for
-    a size that is not a whole number >= 1, or one size given under two names."""
-    gpus: int | None = None
-    for group in PARALLEL_ARGS.get(kind, ()):
-        given = [k for k in group if k in engine_args]
-        if len(given) > 1:
-            raise ValueError(f"{' and '.join(given)} name the same size: give one")
-        if given:
-            gpus = (gpus or 1) * _whole(given[0], engine_args[given[0]])
-    return gpus
+FOREIGN_RESERVED_ARGS = RESERVED_ARGS | frozenset(
+    {
+        "model_path",
+        "m",
+        "alias",
+        "api_key",
+        "ssl_certfile",
+        "ssl_keyfile",
+        "ssl_ca_certs",
+        "ssl_cert_file",
+        "ssl_key_file",
+        "kv_events_config",
+        "max_loras_per_batch",
+    }
+)
+# An `-e` key as argv builders take it: the flag's long name, lower case, '_' for '-'.
+ENGINE_ARG_KEY = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 
 
 def is_gguf(model: str) -> bool:
@@ -354,26 +347,24 @@ def deployment_problems(
     evicts adapters per replica, which such an engine cannot follow."""
     caps = CAPABILITIES[kind]
     problems: list[EngineProblem] = []
-    if kind != "fleet":
-        for key in engine_args:
-            if not _FOREIGN_KEY.match(key):
-                problems.append(
-                    EngineProblem(
-                        "engine_args",
-                        f"{key!r}: {kind}'s flags are given in lower case with '_' "
-                        "(e.g. tensor_parallel_size for --tensor-parallel-size)",
-                    )
+    reserved = RESERVED_ARGS if kind == "fleet" else FOREIGN_RESERVED_ARGS
+    for key in engine_args:
+        if kind != "fleet" and not ENGINE_ARG_KEY.match(key):
+            problems.append(
+                EngineProblem(
+                    "engine_args",
+                    f"{key!r}: {kind}'s flags are given in lower case with '_' "
+                    "(e.g. tensor_parallel_size for --tensor-parallel-size)",
                 )
-            elif key in LAUNCHER_ARGS:
-                problems.append(
-                    EngineProblem("engine_args", f"{key!r} is set by Fleet's launcher; leave it out")
-                )
+            )
+        elif key in reserved:
+            problems.append(EngineProblem("engine_args", f"{key!r} is set by Fleet's launcher; leave it out"))
     try:
         gpus = parallel_gpus(kind, engine_args)
     except ValueError as err:
         problems.append(EngineProblem("engine_args", str(err)))
-        gpus = None
-    if gpus is not None and gpus > MAX_REPLICA_GPUS:
+        gpus = 1
+    if gpus > MAX_REPLICA_GPUS:
         problems.append(
             EngineProblem(
                 "engine_args", f"{gpus} GPUs per replica exceeds the {MAX_REPLICA_GPUS} one replica may hold"

@@ -13,34 +13,24 @@ from typing import Any
 
 from agent.runtime.base import InvalidSpec
 from fleet_base.cluster_config import ClusterConfig
-from fleet_base.engines import TlsFiles, launch_command, lora_launch
+from fleet_base.engines import (
+    ENGINE_ARG_KEY,
+    FOREIGN_RESERVED_ARGS,
+    RESERVED_ARGS,
+    TlsFiles,
+    launch_command,
+    lora_launch,
+)
 from fleet_base.protocol import ReplicaSpec
 
 ENGINE_MODULE = "engine.server"
 
-_KEY = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 _NUMBER = re.compile(r"^-?\d+(\.\d+)?([eE][-+]?\d+)?$")
-# Flags the runtime sets itself; a spec may not override them.
-RESERVED_KEYS = frozenset(
-    {"model", "served_model_name", "host", "port", "enable_lora", "max_loras", "lora_modules"}
-)
-# ... and for a foreign engine, the flags `fleet_base.engines.launch_command` sets: a user's
-# `-e api_key=` or `-e ssl_certfile=` would otherwise win (last flag) over the replica's identity.
-FOREIGN_RESERVED_KEYS = RESERVED_KEYS | frozenset(
-    {
-        "model_path",
-        "m",
-        "alias",
-        "api_key",
-        "ssl_certfile",
-        "ssl_keyfile",
-        "ssl_ca_certs",
-        "ssl_cert_file",
-        "ssl_key_file",
-        "kv_events_config",
-        "max_loras_per_batch",
-    }
-)
+# The keys and the flags the runtime sets itself (a spec may not override them): one table,
+# fleet_base.engines', which the control plane also refuses at deploy.
+_KEY = ENGINE_ARG_KEY
+RESERVED_KEYS = RESERVED_ARGS
+FOREIGN_RESERVED_KEYS = FOREIGN_RESERVED_ARGS
 
 
 def check_text(what: str, value: str) -> str:

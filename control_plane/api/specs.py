@@ -26,7 +26,7 @@ from control_plane.api.schemas import (
     ResidencyFields,
 )
 from control_plane.rollouts.surge import DEFAULT_MAX_SURGE, DEFAULT_MAX_UNAVAILABLE
-from fleet_base.engines import deployment_problems, parallel_gpus
+from fleet_base.engines import deployment_problems, parallel_args, parallel_gpus
 
 VERSION_DEFAULTS: dict[str, Any] = {
     "engine": "fleet",
@@ -73,11 +73,11 @@ def check_engine(spec: dict[str, Any], adapters: int) -> None:
 def _replica_gpus(spec: dict[str, Any], given: dict[str, Any], current: dict[str, Any] | None = None) -> None:
     """Set `gpu_count` from the engine's parallel sizes, if `engine_args` give any. A
     `gpu_count` that came from them is not carried onto a version that gives none."""
-    gpus = parallel_gpus(spec["engine"], spec["engine_args"])
-    if gpus is None:
-        if current is not None and "gpu_count" not in given and _parallel(current) is not None:
+    if not parallel_args(spec["engine"], spec["engine_args"]):
+        if current is not None and "gpu_count" not in given and _parallel(current):
             spec["gpu_count"] = VERSION_DEFAULTS["gpu_count"]
         return
+    gpus = parallel_gpus(spec["engine"], spec["engine_args"])
     if "gpu_count" in given and given["gpu_count"] != gpus:
         raise invalid(
             "gpu_count",
@@ -92,7 +92,7 @@ def check_node_fit(spec: dict[str, Any], pools: Sequence[Any]) -> None:
     whose GPUs it accepts (placement never splits a replica over nodes): refused here rather
     than left unplaced. With no pools registered yet nothing is known, so nothing is refused."""
     gpus = spec["gpu_count"]
-    if gpus <= 1 or _parallel(spec) is None or not pools:
+    if gpus <= 1 or not _parallel(spec) or not pools:
         return
     wanted = {m.lower() for m in spec["gpu_models"]}
     matching = [
@@ -117,11 +117,9 @@ def adapters_after(dep: Any, body: AdapterFields | None = None) -> int:
     return len(given) if given is not None else len(getattr(dep, "adapters", None) or [])
 
 
-def _parallel(spec: dict[str, Any]) -> int | None:
-    try:
-        return parallel_gpus(spec.get("engine") or "fleet", spec.get("engine_args") or {})
-    except ValueError:
-        return None
+def _parallel(spec: dict[str, Any]) -> bool:
+    """The version's GPU count came from its engine's parallel sizes."""
+    return bool(parallel_args(spec.get("engine") or "fleet", spec.get("engine_args") or {}))
 
 
 def check_spec(spec: dict[str, Any], replicas: int) -> None:

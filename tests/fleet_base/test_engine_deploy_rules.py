@@ -7,30 +7,33 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fleet_base.engines import ENGINE_KINDS, deployment_problems, is_gguf, parallel_gpus
+from fleet_base.engines import ENGINE_KINDS, deployment_problems, is_gguf, parallel_args, parallel_gpus
 
 GGUF = "hf://bartowski/SmolLM2-135M-Instruct-GGUF/SmolLM2-135M-Instruct-Q8_0.gguf"
 
 
 @pytest.mark.parametrize(
-    "kind, args, gpus",
+    "kind, args, gpus, named",
     [
-        ("vllm", {"tensor_parallel_size": 4}, 4),
-        ("vllm", {"tensor_parallel_size": 4, "pipeline_parallel_size": 2}, 8),
-        ("vllm", {"pipeline_parallel_size": 2}, 2),
-        ("vllm", {"tensor_parallel_size": "2"}, 2),  # YAML may give a string
-        ("vllm", {"max_model_len": 4096}, None),  # no parallel size: gpu_count stands
-        ("vllm", {"tp_size": 4}, None),  # sglang's name means nothing to vllm
-        ("sglang", {"tp_size": 4}, 4),
-        ("sglang", {"tp": 2}, 2),
-        ("sglang", {"tensor_parallel_size": 8}, 8),
-        ("sglang", {"tp_size": 2, "pp_size": 2}, 4),
-        ("llama.cpp", {"n_gpu_layers": 99}, None),
-        ("fleet", {"max_num_seqs": 8}, None),
+        ("vllm", {"tensor_parallel_size": 4}, 4, True),
+        ("vllm", {"tensor_parallel_size": 4, "pipeline_parallel_size": 2}, 8, True),
+        ("vllm", {"pipeline_parallel_size": 2}, 2, True),
+        ("vllm", {"tensor_parallel_size": "2"}, 2, True),  # YAML may give a string
+        ("vllm", {"tensor_parallel_size": 1}, 1, True),
+        ("vllm", {"max_model_len": 4096}, 1, False),  # no parallel size: gpu_count stands
+        ("vllm", {"tp_size": 4}, 1, False),  # sglang's name means nothing to vllm
+        ("sglang", {"tp_size": 4}, 4, True),
+        ("sglang", {"tp": 2}, 2, True),
+        ("sglang", {"tensor_parallel_size": 8}, 8, True),
+        ("sglang", {"tp_size": 2, "pp_size": 2}, 4, True),
+        ("llama.cpp", {"n_gpu_layers": 99}, 1, False),
+        ("llama.cpp", {"tensor_parallel_size": 4}, 1, False),  # refused by deployment_problems
+        ("fleet", {"max_num_seqs": 8}, 1, False),
     ],
 )
-def test_parallel_gpus(kind, args, gpus):
+def test_parallel_gpus(kind, args, gpus, named):
     assert parallel_gpus(kind, args) == gpus
+    assert bool(parallel_args(kind, args)) is named
 
 
 @pytest.mark.parametrize(
@@ -96,6 +99,8 @@ def fields(kind, model="m", args=None, adapters=0):
         ("vllm", "m", {"port": 9000}, 0, ["engine_args"]),
         ("llama.cpp", GGUF, {"alias": "other"}, 0, ["engine_args"]),
         ("sglang", "m", {"model_path": "/x"}, 0, ["engine_args"]),
+        ("vllm", "m", {"ssl_keyfile": "/k"}, 0, ["engine_args"]),
+        ("fleet", "m", {"port": 1}, 0, ["engine_args"]),
         ("vllm", "m", {"tensor_parallel_size": 0}, 0, ["engine_args"]),
         ("vllm", "m", {"tensor_parallel_size": 16, "pipeline_parallel_size": 8}, 0, ["engine_args"]),
     ],
