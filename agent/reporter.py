@@ -6,9 +6,11 @@ fleet.v1.kvcache."""
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from agent import engine_kv_snapshot
 from agent.capacity import CapacitySignals, Placed
 from agent.fencing import EpochFence
 from agent.health.monitor import NodeHealthMonitor
@@ -40,6 +42,7 @@ class Reporter:
     pools: list[PoolInventory] = field(default_factory=list)
     health: NodeHealthMonitor | None = None  # nodes, faults, and the capacity it withholds
     fence: EpochFence | None = None  # the control-plane epochs obeyed (heartbeats report the highest)
+    _engine_kv_saved: Counter[tuple[str, str]] = field(default_factory=Counter)
 
     def heartbeat(self) -> Heartbeat:
         replicas = self.replicas()
@@ -94,6 +97,13 @@ class Reporter:
             await self.publish_heartbeat()
             await asyncio.sleep(self.config.heartbeat_interval_s)
 
+    def _save_engine_kv_counts(self) -> None:
+        """engine_kv_events.json for the gateway's /metrics, when the counts moved."""
+        counts = self.kv_relay.engine_counts
+        if counts and counts != self._engine_kv_saved:
+            engine_kv_snapshot.save(self.files, counts)
+            self._engine_kv_saved = Counter(counts)
+
     async def metrics(self) -> None:
         """Follow the ready replicas: their load (for heartbeats and replicas.json) and
         their KV events."""
@@ -106,6 +116,7 @@ class Reporter:
                     if r.handle
                 ]
             )
+            self._save_engine_kv_counts()
             loads = await asyncio.gather(
                 *(
                     self.scraper.scrape(r.replica_id, r.handle.url, engine=r.spec.engine)

@@ -22,6 +22,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from agent.adapters import ReplicaAdapters
+from agent.engine_kv_snapshot import load as engine_kv_snapshot
 from agent.gateway.accounting import CLIENT_CLOSED, Accounting
 from agent.gateway.adapters import AdapterRouting
 from agent.gateway.auth import Authenticator
@@ -35,6 +36,7 @@ from agent.gateway.coldstart import ColdStartCollector
 from agent.gateway.demand import DemandSignal
 from agent.gateway.disconnect import ClientGone, unless_disconnected
 from agent.gateway.dispatch import Dispatcher
+from agent.gateway.engine_kv_metrics import EngineKvEventsCollector
 from agent.gateway.errors import GatewayError, error_response
 from agent.gateway.exchange import Call, ClientHeaders, Exchange, Settlement
 from agent.gateway.fence_metrics import FencedWritesCollector
@@ -150,6 +152,7 @@ class Gateway:
         nodes = LocalState(config.state_dir)
         self.metrics.registry.register(NodeHealthCollector(lambda: node_snapshot(nodes)))
         self.metrics.registry.register(FencedWritesCollector(nodes.load_fence))
+        self.metrics.registry.register(EngineKvEventsCollector(lambda: engine_kv_snapshot(nodes)))
         self._demand: asyncio.Task[None] | None = None
         self.liveness = PeerLiveness(link)  # clusters heard on NATS: failover faster than routes
         # who forwarded a request; credentials for upstreams

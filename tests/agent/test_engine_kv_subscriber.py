@@ -16,7 +16,9 @@ from types import SimpleNamespace
 
 import msgspec
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
+from agent import engine_kv_snapshot
 from agent import engine_kv_subscriber as sub_mod
 from agent.engine_kv_subscriber import (
     EngineKvEndpoints,
@@ -25,12 +27,14 @@ from agent.engine_kv_subscriber import (
     kv_events_endpoint_for,
     release_kv_events_endpoint,
 )
+from agent.gateway.engine_kv_metrics import EngineKvEventsCollector
 from agent.gateway.metrics import GatewayMetrics
 from agent.gateway.prefix import PrefixRouting, prefix_keys
 from agent.gateway.tenancy import cache_salt
 from agent.kv_relay import Followed, KvRelay
 from fleet_base.engines import kv_events_config, launch_command
 from fleet_base.kv_events import KvResyncRequest, kvresync_subject
+from fleet_base.local_state import LocalState
 from fleet_base.protocol import Message
 from tests.agent.engine_kv_standin import (
     AllBlocksCleared,
@@ -371,3 +375,19 @@ async def test_fleet_engine_http_events_take_the_same_publish_path() -> None:
             assert any(m.snapshot for m in link.sent[n:])
         finally:
             await relay.close()
+
+
+async def test_outcomes_reach_the_gateway_metrics(tmp_path) -> None:
+    """The relay's counts -> engine_kv_events.json (agent) -> /metrics (gateway)."""
+    async with replica() as env:
+        stored, _ = stored_chain(PROMPT, BS, SALT)
+        orphan, _ = stored_chain(PROMPT, BS, None, parent=b"\x03" * 32)
+        await env.pub.send(KVEventBatch(ts=1.0, events=[stored, orphan]))
+        await eventually(lambda: counts(env).get("unknown_parent") == 6)
+        files = LocalState(tmp_path)
+        engine_kv_snapshot.save(files, env.relay.engine_counts)
+    registry = CollectorRegistry()
+    registry.register(EngineKvEventsCollector(lambda: engine_kv_snapshot.load(files)))
+    text = generate_latest(registry).decode()
+    assert 'fleet_agent_engine_kv_events_total{engine="vllm",outcome="stored"} 6.0' in text
+    assert 'fleet_agent_engine_kv_events_total{engine="vllm",outcome="unknown_parent"} 6.0' in text
