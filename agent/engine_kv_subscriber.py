@@ -192,11 +192,14 @@ def adopt_kv_events_endpoint(
         return None
 
 
-def subscribe_kv_events(replica_id: str, kind: EngineKind, address: str | None) -> KvEventsEndpoint | None:
+def subscribe_kv_events(
+    replica_id: str, kind: EngineKind, address: str | None, replay: str | None = None
+) -> KvEventsEndpoint | None:
     """For a runtime whose engines bind their own PUB (Kubernetes pods): subscribe at
-    `address` once the replica's address is known; None for no address or no ZMQ events."""
+    `address` once the replica's address is known, asking `replay` (the engine's bound
+    ROUTER) for gaps; None for no address or no ZMQ events."""
     try:
-        return ENDPOINTS.subscribe(replica_id, kind, address)
+        return ENDPOINTS.subscribe(replica_id, kind, address, replay)
     except zmq.ZMQError as err:
         log.warning("replica %s: cannot subscribe to KV events at %s (%s)", replica_id, address, err)
         return None

@@ -104,8 +104,10 @@ class KubernetesConfig(BaseModel):
     # /dev/shm of a foreign engine's pod (a memory-backed emptyDir, counted against
     # memory_limit): PyTorch and NCCL share tensors between vLLM's and SGLang's workers there.
     shm_size: str = "8Gi"
-    # Where vLLM and SGLang publish KV-cache events (ZMQ, a container port the agent reaches).
+    # Where vLLM and SGLang publish KV-cache events and replay missed ones (ZMQ, container
+    # ports the agent reaches).
     kv_events_port: int = Field(5557, ge=1, le=65535)
+    kv_replay_port: int = Field(5558, ge=1, le=65535)
     # A foreign engine's startup bound (its startup probe, and the runtime's own): loading a
     # 70B model from the volume and capturing CUDA graphs takes far longer than our engine.
     engine_startup_timeout_s: float = Field(1800.0, gt=0)
@@ -131,6 +133,11 @@ class KubernetesConfig(BaseModel):
 
     @model_validator(mode="after")
     def _distinct_ports(self) -> KubernetesConfig:
-        if self.kv_events_port == self.port:
-            raise ValueError(f"kv_events_port {self.kv_events_port} is the replicas' serving port too")
+        ports = {
+            "port": self.port,
+            "kv_events_port": self.kv_events_port,
+            "kv_replay_port": self.kv_replay_port,
+        }
+        if len(set(ports.values())) < len(ports):
+            raise ValueError(f"the replicas' ports must differ: {ports}")
         return self

@@ -146,9 +146,10 @@ def test_network_policies_and_budgets(rendered, overlay) -> None:
     replicas = policies["fleet-replicas"]
     assert replicas["policyTypes"] == ["Ingress", "Egress"]
     assert [p["port"] for e in replicas["egress"] for p in e["ports"]] == [53, 53]
-    # the KV-event port of vLLM and SGLang replicas: the agent's pods alone
-    kv_port = KubernetesConfig().kv_events_port
-    (kv_rule,) = [r for r in replicas["ingress"] if kv_port in [p["port"] for p in r["ports"]]]
+    # the KV-event and replay ports of vLLM and SGLang replicas: the agent's pods alone
+    kc = KubernetesConfig()
+    (kv_rule,) = [r for r in replicas["ingress"] if kc.kv_events_port in [p["port"] for p in r["ports"]]]
+    assert [p["port"] for p in kv_rule["ports"]] == [kc.kv_events_port, kc.kv_replay_port]
     assert kv_rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/component": "agent"}}}]
     budgets = {p["metadata"]["name"] for p in by_kind(docs, "PodDisruptionBudget")}
     assert budgets == {"fleet-control-plane", "fleet-agent", "fleet-replicas"}

@@ -12,7 +12,8 @@ our own engine's pod does not; kube_pod builds the rest of the pod the same way.
 - GPUs: the engine's parallel size (`fleet_base.engines.parallel_gpus`) or the spec's count,
   whichever is larger; /dev/shm as a memory emptyDir (tensor-parallel workers share through it);
 - KV events: vLLM and SGLang publish over ZMQ on `kubernetes.kv_events_port` of every pod
-  address (`kv_events_address` is where the agent subscribes);
+  address and replay missed batches on `kubernetes.kv_replay_port` (`kv_events_endpoints`
+  is where the agent subscribes and asks);
 - probes on the engine's own health path; a startup bound of
   `kubernetes.engine_startup_timeout_s` (large models load for many minutes).
 """
@@ -32,6 +33,7 @@ from fleet_base.protocol import ReplicaSpec
 
 SHM_VOLUME = "dshm"
 KV_EVENTS_PORT_NAME = "kv-events"
+KV_REPLAY_PORT_NAME = "kv-replay"
 # Telemetry a self-hosted platform does not send home (vLLM's usage stats).
 QUIET_ENV = {"vllm": {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}}
 
@@ -110,7 +112,9 @@ def engine_container(
         env.append({"name": key_env, "valueFrom": ref})
         if kind not in API_KEY_ENV:  # expanded by the kubelet from the variable above
             api_key = f"$({key_env})"
-    kv_endpoint = f"tcp://*:{kc.kv_events_port}" if caps.kv_events == "zmq" else None
+    zmq = caps.kv_events == "zmq"  # the engine binds both on every pod address
+    kv_endpoint = f"tcp://*:{kc.kv_events_port}" if zmq else None
+    kv_replay = f"tcp://*:{kc.kv_replay_port}" if zmq else None
     command = foreign_argv(
         spec,
         model_path=model_path,
@@ -119,6 +123,7 @@ def engine_container(
         api_key=api_key,
         tls=tls,
         kv_events_endpoint=kv_endpoint,
+        kv_events_replay_endpoint=kv_replay,
         python="python3",
     )
     ours = {e["name"] for e in env} | {"HOME"}
@@ -138,15 +143,20 @@ def engine_container(
         volumes=[{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": kc.shm_size}}],
         mounts=[{"name": SHM_VOLUME, "mountPath": "/dev/shm"}],
     )
-    if kv_endpoint:
-        out.ports.append({"name": KV_EVENTS_PORT_NAME, "containerPort": kc.kv_events_port, "protocol": "TCP"})
+    if zmq:
+        out.ports += [
+            {"name": KV_EVENTS_PORT_NAME, "containerPort": kc.kv_events_port, "protocol": "TCP"},
+            {"name": KV_REPLAY_PORT_NAME, "containerPort": kc.kv_replay_port, "protocol": "TCP"},
+        ]
     return out
 
 
-def kv_events_address(spec: ReplicaSpec, pod_ip: str, config: ClusterConfig) -> str | None:
-    """Where the agent subscribes to a replica pod's KV events (ZMQ); None for an engine
-    that publishes none over ZMQ (ours posts them to the agent's relay)."""
+def kv_events_endpoints(spec: ReplicaSpec, pod_ip: str, config: ClusterConfig) -> tuple[str, str] | None:
+    """(where the agent subscribes to a replica pod's KV events, where it asks for the
+    batches it missed), both ZMQ; None for an engine that publishes none over ZMQ (ours
+    posts them to the agent's relay)."""
     if not is_foreign(spec) or CAPABILITIES[spec.engine].kv_events != "zmq" or not pod_ip:
         return None
     host = f"[{pod_ip}]" if ":" in pod_ip else pod_ip
-    return f"tcp://{host}:{config.kubernetes.kv_events_port}"
+    kc = config.kubernetes
+    return f"tcp://{host}:{kc.kv_events_port}", f"tcp://{host}:{kc.kv_replay_port}"

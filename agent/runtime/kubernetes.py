@@ -55,7 +55,7 @@ from lightkube.types import PatchType
 from agent.engine_kv_subscriber import release_kv_events_endpoint, subscribe_kv_events
 from agent.runtime.base import Probe, ReplicaHandle, Runtime
 from agent.runtime.drain import wait_idle
-from agent.runtime.kube_engine import kv_events_address, pod_model_path, startup_timeout_s
+from agent.runtime.kube_engine import kv_events_endpoints, pod_model_path, startup_timeout_s
 from agent.runtime.kube_node import cordon_patch, uncordon_patch
 from agent.runtime.kube_pod import (
     LABEL,
@@ -265,7 +265,7 @@ class KubernetesRuntime(Runtime):
             view = classify(pod, self.kc.memory_limit)
         if view.pod_ip and not handle.url and pod is not None:
             handle.url = replica_url(pod, view.pod_ip, self.config)
-            subscribe_kv_events(handle.replica_id, handle.spec.engine, self._kv_address(handle, view.pod_ip))
+            self._subscribe_kv_events(handle, view.pod_ip)
         if view.state == ReplicaState.starting and not view.unschedulable:
             # the startup probe bounds a running container; this bounds the rest (a volume
             # that never attaches, an image that never arrives)
@@ -337,8 +337,10 @@ class KubernetesRuntime(Runtime):
             await self.kill(handle)
         return self._exit_code(name)
 
-    def _kv_address(self, handle: ReplicaHandle, pod_ip: str) -> str | None:
-        return kv_events_address(handle.spec, pod_ip, self.config)
+    def _subscribe_kv_events(self, handle: ReplicaHandle, pod_ip: str) -> None:
+        endpoints = kv_events_endpoints(handle.spec, pod_ip, self.config)
+        if endpoints is not None:
+            subscribe_kv_events(handle.replica_id, handle.spec.engine, *endpoints)
 
     async def kill(self, handle: ReplicaHandle) -> None:
         release_kv_events_endpoint(handle.replica_id)
@@ -367,7 +369,7 @@ class KubernetesRuntime(Runtime):
             return False
         if view.pod_ip:
             handle.url = replica_url(pod, view.pod_ip, self.config)
-            subscribe_kv_events(handle.replica_id, handle.spec.engine, self._kv_address(handle, view.pod_ip))
+            self._subscribe_kv_events(handle, view.pod_ip)
         log.info("adopted replica %s (pod %s)", handle.replica_id, handle.pod)
         return True
 

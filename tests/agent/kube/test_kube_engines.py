@@ -16,7 +16,7 @@ import pytest
 
 from agent.runtime.base import InvalidSpec
 from agent.runtime.command import foreign_argv
-from agent.runtime.kube_engine import kv_events_address, pod_model_path
+from agent.runtime.kube_engine import kv_events_endpoints, pod_model_path
 from agent.runtime.kube_pod import CREDENTIALS_DIR, replica_pod, termination_grace_s
 from agent.runtime.kubernetes import KubernetesRuntime
 from control_plane.security.pki import FleetPki
@@ -223,20 +223,21 @@ def test_shared_memory_probes_startup_and_drain(creds: Credentials, engine: str)
 
 @pytest.mark.parametrize("engine", FOREIGN)
 def test_kv_events_port_for_engines_that_publish_over_zmq(creds: Credentials, engine: str) -> None:
-    config = secure_config(creds, kv_events_port=5600)
+    config = secure_config(creds, kv_events_port=5600, kv_replay_port=5601)
     spec = engine_spec(engine)
     c = container(replica_pod(spec, config, H100))
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     if engine == "llama.cpp":
         assert ports == {"https": 8000} and "--kv-events-config" not in c["command"]
-        assert kv_events_address(spec, "10.0.0.7", config) is None
+        assert kv_events_endpoints(spec, "10.0.0.7", config) is None
         return
-    assert ports == {"https": 8000, "kv-events": 5600}
-    assert flag(c["command"], "--kv-events-config") == kv_events_config(engine, "tcp://*:5600")
-    assert json.loads(flag(c["command"], "--kv-events-config"))["publisher"] == "zmq"
-    assert kv_events_address(spec, "10.0.0.7", config) == "tcp://10.0.0.7:5600"
-    assert kv_events_address(spec, "fd00::7", config) == "tcp://[fd00::7]:5600"
-    assert kv_events_address(engine_spec("fleet"), "10.0.0.7", config) is None
+    assert ports == {"https": 8000, "kv-events": 5600, "kv-replay": 5601}
+    kv_config = flag(c["command"], "--kv-events-config")
+    assert kv_config == kv_events_config(engine, "tcp://*:5600", replay_endpoint="tcp://*:5601")
+    assert json.loads(kv_config)["publisher"] == "zmq"
+    assert kv_events_endpoints(spec, "10.0.0.7", config) == ("tcp://10.0.0.7:5600", "tcp://10.0.0.7:5601")
+    assert kv_events_endpoints(spec, "fd00::7", config) == ("tcp://[fd00::7]:5600", "tcp://[fd00::7]:5601")
+    assert kv_events_endpoints(engine_spec("fleet"), "10.0.0.7", config) is None
 
 
 @pytest.mark.parametrize(
@@ -307,8 +308,10 @@ def test_foreign_argv_is_the_process_runtimes_command_too() -> None:
 
 
 def test_the_kv_event_port_is_not_the_serving_port() -> None:
-    with pytest.raises(ValueError, match="kv_events_port"):
+    with pytest.raises(ValueError, match="must differ"):
         KubernetesConfig(port=5557)
+    with pytest.raises(ValueError, match="must differ"):
+        KubernetesConfig(kv_replay_port=5557)
     assert KubernetesConfig(port=5557, kv_events_port=5600).kv_events_port == 5600
 
 
@@ -352,6 +355,7 @@ async def test_stop_waits_until_a_foreign_engine_is_idle(api: FakeApiServer, tmp
 
     import httpx
 
+    from agent.engine_kv_subscriber import ENDPOINTS
     from tests.agent.kube.conftest import run_ready
     from tests.polling import eventually
 
@@ -373,6 +377,10 @@ async def test_stop_waits_until_a_foreign_engine_is_idle(api: FakeApiServer, tmp
         run_ready(api, name)
         await eventually(lambda: rt.poll(handle), what="polled")
         assert handle.url == "http://10.0.0.7:8000"
+        # the agent subscribes to the pod's KV events and asks its replay socket for gaps
+        (endpoint, _) = ENDPOINTS.get(handle.replica_id) or (None, None)
+        assert endpoint is not None and endpoint.connect
+        assert (endpoint.publish, endpoint.replay) == ("tcp://10.0.0.7:5557", "tcp://10.0.0.7:5558")
         stop = asyncio.create_task(rt.stop(handle, drain_timeout_s=10.0))
         await eventually(
             lambda: api.pod(name, NAMESPACE)["metadata"].get("deletionTimestamp"), what="deleted"
@@ -381,6 +389,7 @@ async def test_stop_waits_until_a_foreign_engine_is_idle(api: FakeApiServer, tmp
         api.terminate(name, 0, "Completed", namespace=NAMESPACE)
         api.finish_termination(name, namespace=NAMESPACE)
         await asyncio.wait_for(stop, 10)
+        assert ENDPOINTS.get(handle.replica_id) is None  # released with the replica
         # our engine drains itself on SIGTERM: deleted without a look at its metrics
         seen.clear()
         fleet = await rt.start(
