@@ -126,8 +126,14 @@ def fleet_model(model: str) -> str:
 
 
 def deploy_argv(engine: str, name: str, model: str, gpus: int, engine_args: Sequence[str]) -> list[str]:
-    """`fleetctl deploy` of one engine's deployment: one replica, `gpus` GPUs each."""
-    argv = ["deploy", name, "--model", model, "--engine", engine, "--replicas", "1", "--gpus", str(gpus)]
+    """`fleetctl deploy` of one engine's deployment: one replica of `gpus` GPUs, unless the
+    engine arguments give parallel sizes (the control plane then takes the count from them)."""
+    from fleet_base.engines import parallel_args
+
+    argv = ["deploy", name, "--model", model, "--engine", engine, "--replicas", "1"]
+    keys = {item.split("=", 1)[0]: True for item in engine_args}
+    if not parallel_args(engine, keys):  # type: ignore[arg-type]
+        argv += ["--gpus", str(gpus)]
     for item in engine_args:
         argv += ["-e", item]
     return [*argv, "--output", "json"]

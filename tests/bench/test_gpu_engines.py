@@ -43,6 +43,9 @@ def test_deploy_argv_names_the_engine_and_passes_engine_args() -> None:
     assert argv[argv.index("--engine") + 1] == "vllm" and argv[argv.index("--gpus") + 1] == "2"
     assert [argv[i + 1] for i, a in enumerate(argv) if a == "-e"] == ["max_model_len=4096", "max_num_seqs=64"]
     assert argv[-2:] == ["--output", "json"]
+    # parallel sizes give the GPU count: a --gpus beside them would be refused
+    tp = g.deploy_argv("vllm", "gpu-vllm", "hf://org/m", 1, ["tensor_parallel_size=2"])
+    assert "--gpus" not in tp and tp[tp.index("-e") + 1] == "tensor_parallel_size=2"
 
 
 def test_last_json_skips_progress_lines() -> None:
