@@ -262,7 +262,11 @@ class EngineKvFollower:
             if not await self.sub.poll(int(POLL_S * 1000), zmq.POLLIN):
                 continue
             frames = await self.sub.recv_multipart()
-            await self.on_message(frames)
+            try:
+                await self.on_message(frames)
+            except (ValueError, TypeError, ArithmeticError, LookupError) as err:  # a payload no rule foresaw
+                self.count("invalid")
+                self._stale(f"a batch failed: {err!r}")
             await asyncio.sleep(0)  # a flood never holds the loop
 
     async def _maybe_snapshot(self) -> None:

@@ -157,7 +157,7 @@ def decode_engine_events(payload: bytes, *, max_events: int | None = None) -> En
             out.events.append(AllCleared())
             continue
         medium = fields.get("medium")
-        if medium not in MEDIUM_TIERS:
+        if not _known_medium(medium):
             out.skipped += 1
             continue
         hashes = fields.get("block_hashes")
@@ -183,6 +183,10 @@ def decode_engine_events(payload: bytes, *, max_events: int | None = None) -> En
         parent_hex = None if parent is None else block_hash_hex(parent)
         out.events.append(StoredBlocks(hexes, parent_hex, tokens, size, tier, salt, group))
     return out
+
+
+def _known_medium(medium: object) -> bool:
+    return (medium is None or isinstance(medium, str)) and medium in MEDIUM_TIERS
 
 
 def _root_salt(fields: dict[str, Any]) -> str | None:
@@ -226,7 +230,7 @@ def _event_fields(event: Any) -> dict[str, Any]:
         fields = dict(zip(names, event[1:], strict=False))
     else:
         raise KvEventDecodeError("an event is a tagged array or map")
-    if tag not in _FIELDS:
+    if not isinstance(tag, str) or tag not in _FIELDS:
         raise KvEventDecodeError(f"unknown KV event {tag!r}")
     return {**fields, "type": tag}
 
@@ -237,7 +241,7 @@ def _add_event(out: EngineKvEvents, fields: dict[str, Any]) -> None:
         out.ops.append(KvCacheOp(kind="cleared"))
         return
     medium = fields.get("medium")
-    if medium not in MEDIUM_TIERS:
+    if not _known_medium(medium):
         out.skipped += 1
         return
     hashes = fields.get("block_hashes")

@@ -6,13 +6,20 @@ from __future__ import annotations
 import hashlib
 import itertools
 
+import msgpack
 from hypothesis import given
 from hypothesis import strategies as st
 
 from agent.engine_kv_translate import FleetHashTranslator
 from agent.gateway.prefix import prefix_keys
 from fleet_base.block_hash import hash_request_blocks
-from fleet_base.engine_kv_events import AllCleared, RemovedBlocks, StoredBlocks
+from fleet_base.engine_kv_events import (
+    AllCleared,
+    KvEventDecodeError,
+    RemovedBlocks,
+    StoredBlocks,
+    decode_engine_events,
+)
 
 
 def eh(*parts: object) -> str:
@@ -142,3 +149,52 @@ def test_a_reused_engine_hash_releases_the_old_block() -> None:
     out = t.apply([b])
     old, new = (hash_request_blocks(x, 2)[0].hex() for x in ([1, 2], [3, 4]))
     assert out.ops == [("removed", [old], "device"), ("stored", [new], "device")]
+
+
+_scalar = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(allow_nan=False),
+    st.text(max_size=12),
+    st.binary(max_size=40),
+    st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "GPU", "CPU", "type"]),
+)
+_value = st.recursive(
+    _scalar,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=6),
+        st.dictionaries(st.one_of(st.text(max_size=6), st.integers(-9, 9)), inner, max_size=6),
+    ),
+    max_leaves=40,
+)
+_event = st.one_of(
+    _value,
+    st.tuples(st.sampled_from(["BlockStored", "BlockRemoved"]), st.lists(_value, max_size=9)).map(
+        lambda t: [t[0], *t[1]]
+    ),
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["BlockStored", "BlockRemoved"])},
+        optional={
+            "block_hashes": st.lists(
+                st.one_of(st.integers(0, 2**64 - 1), st.binary(max_size=40), _scalar), max_size=4
+            ),
+            "parent_block_hash": _value,
+            "token_ids": st.lists(_scalar, max_size=40),
+            "block_size": st.one_of(st.integers(-2, 20), _scalar),
+            "medium": _value,
+            "extra_keys": _value,
+            "group_idx": _value,
+        },
+    ),
+)
+
+
+@given(batch=st.one_of(_value, st.tuples(st.floats(allow_nan=False), st.lists(_event, max_size=6)).map(list)))
+def test_any_payload_is_decoded_or_refused_and_translated_without_error(batch: object) -> None:
+    """Whatever bytes a replica sends: KvEventDecodeError or events the translator takes."""
+    try:
+        decoded = decode_engine_events(msgpack.packb(batch))
+    except KvEventDecodeError:
+        return
+    FleetHashTranslator(max_blocks=8).apply(decoded.events)
