@@ -21,14 +21,16 @@ our own engine's pod does not; kube_pod builds the rest of the pod the same way.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from agent.runtime.base import InvalidSpec
 from agent.runtime.command import foreign_argv
+from agent.runtime.foreign import local_model_path
 from agent.security.replica_auth import API_KEY_ENV as TOKEN_ENV
 from agent.security.replica_auth import SECRET_TOKEN
 from fleet_base.cluster_config import ClusterConfig
 from fleet_base.engines import API_KEY_ENV, CAPABILITIES, TlsFiles, lora_launch, parallel_gpus
-from fleet_base.models import ModelCache, ModelStoreError, is_remote
+from fleet_base.models import ModelCache, is_remote
 from fleet_base.protocol import ReplicaSpec
 
 SHM_VOLUME = "dshm"
@@ -65,12 +67,13 @@ def startup_timeout_s(spec: ReplicaSpec, config: ClusterConfig) -> float:
 
 def pod_model_path(spec: ReplicaSpec, config: ClusterConfig, cache: ModelCache | None) -> str:
     """The model as a foreign engine opens it inside the pod: a local path or hub id as
-    given; a model URI (hf://, s3://, oci://, https://) as its verified entry in the model
-    cache, under the model volume's mount path (llama.cpp: the .gguf file in it). The agent
-    finds the entry in `cache`, the same volume mounted into the agent (`model_cache_dir`):
-    the engines cannot read our URIs, and the agent pulled and verified the files before
-    this start. InvalidSpec when there is no such cache; RuntimeError (retried after the
-    backoff) when the entry is not there."""
+    given; a model URI (hf://, s3://, oci://, https://) as the process runtime's choice in
+    the verified cache entry (`agent.runtime.foreign.local_model_path`: the folder, or
+    llama.cpp's .gguf in it) under the model volume's mount path. The agent finds the
+    entry in `cache`, the same volume mounted into the agent (`model_cache_dir`): the
+    engines cannot read our URIs, and the agent pulled and verified the files before this
+    start. InvalidSpec when there is no such cache; EngineUnavailable (retried after the
+    backoff) when the entry or its file is not there."""
     if not is_remote(spec.model):
         return spec.model
     volume = config.kubernetes.model_volume
@@ -80,19 +83,8 @@ def pod_model_path(spec: ReplicaSpec, config: ClusterConfig, cache: ModelCache |
             "into the agent too and set model_cache_dir, so the agent pulls and verifies the model "
             "and hands the engine its local path"
         )
-    try:
-        entry = cache.lookup(spec.model)
-    except ModelStoreError as err:
-        raise InvalidSpec(f"model {spec.model!r}: {err}") from err
-    if entry is None:
-        raise RuntimeError(f"model {spec.model!r} is not in the model cache at {cache.root} yet")
-    folder = f"{volume.mount_path.rstrip('/')}/{cache.model_dir(entry).relative_to(cache.root).as_posix()}"
-    if spec.engine != "llama.cpp":
-        return folder
-    ggufs = sorted(f.name for f in entry.files if f.name.endswith(".gguf"))
-    if not ggufs:
-        raise InvalidSpec(f"engine llama.cpp needs a .gguf model; {spec.model!r} has none")
-    return f"{folder}/{ggufs[0]}"  # a split model: llama.cpp finds the other parts from the first
+    local = Path(local_model_path(spec, cache.root)).relative_to(cache.root)
+    return f"{volume.mount_path.rstrip('/')}/{local.as_posix()}"
 
 
 def engine_container(

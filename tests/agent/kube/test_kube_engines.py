@@ -16,6 +16,7 @@ import pytest
 
 from agent.runtime.base import InvalidSpec
 from agent.runtime.command import foreign_argv
+from agent.runtime.foreign import EngineUnavailable
 from agent.runtime.kube_engine import kv_events_endpoints, pod_model_path
 from agent.runtime.kube_pod import CREDENTIALS_DIR, replica_pod, termination_grace_s
 from agent.runtime.kubernetes import KubernetesRuntime
@@ -272,12 +273,12 @@ def test_model_uri_without_the_agents_cache_is_refused_clearly(creds: Credential
     config = secure_config(creds)
     with pytest.raises(InvalidSpec, match="model_cache_dir"):
         pod_model_path(engine_spec("vllm", model=HF_URI), config, None)
-    with pytest.raises(RuntimeError, match="not in the model cache"):
+    with pytest.raises(EngineUnavailable, match="not in the node cache"):
         pod_model_path(engine_spec("vllm", model=HF_URI), config, ModelCache(tmp_path))
     (folder := tmp_path / "c").mkdir()
     cache = ModelCache(folder)
     cached(cache, GGUF_URI, ["config.json", "model.safetensors"])
-    with pytest.raises(InvalidSpec, match="gguf"):
+    with pytest.raises(EngineUnavailable, match="gguf"):
         pod_model_path(engine_spec("llama.cpp", model=GGUF_URI), config, cache)
 
 
