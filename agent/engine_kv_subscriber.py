@@ -19,7 +19,8 @@ restart (its numbers start again) clears the translations. Batches are translate
 Fleet's block hashes (agent.engine_kv_translate) and published through the relay, in
 the same messages, sequence numbers and resync path as Fleet's own engine's events.
 Every message is bounded in bytes and events, and every replica in messages and bytes per
-second (`fleet_base.intake`); the loop yields after each message.
+second (`fleet_base.intake`); the loop yields after each message, and a long batch is decoded
+and re-hashed in a worker thread.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from agent.engine_kv_translate import FleetHashTranslator, Op
+from agent.engine_kv_translate import FleetHashTranslator, Op, Translated
 from fleet_base.engine_kv_events import KvEventDecodeError, decode_engine_events, zmq_seq
 from fleet_base.engines import CAPABILITIES, EngineKind
 from fleet_base.intake import Intake
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 HOST = "127.0.0.1"
 MAX_MESSAGE_BYTES = 1 << 20  # one batch: ~200k token ids of a long prefill
 MAX_EVENTS = 4096  # events in one batch
+INLINE_BYTES = 16 * 1024  # a batch this short is translated on the loop (a thread costs more)
 MESSAGES_PER_S = 500.0  # per replica (a scheduler step publishes at most one batch)
 BYTES_PER_S = 8.0 * (1 << 20)
 RCVHWM = 256  # messages queued unread per replica: at most RCVHWM * MAX_MESSAGE_BYTES
@@ -330,18 +332,26 @@ class EngineKvFollower:
             self._stale(f"batch {seq} dropped ({refusal})")
             return
         try:
-            batch = decode_engine_events(payload, max_events=MAX_EVENTS)
+            if len(payload) < INLINE_BYTES:
+                skipped, out = self._translate(payload)
+            else:  # a long batch (a long prefill) is decoded and hashed off the event loop
+                skipped, out = await asyncio.to_thread(self._translate, payload)
         except KvEventDecodeError as err:
             self.count("invalid")
             self._stale(f"batch {seq} undecodable: {err}")
             return
         self.count("batches")
-        self.count("skipped", batch.skipped)
-        out = self.translator.apply(batch.events)
+        self.count("skipped", skipped)
         for outcome, n in out.outcomes.items():
             self.count(outcome, n)
         if out.ops and not await self.publish(out.ops, False, self._block_size()):
             self.snapshot_due = True  # readers will miss these: the full set when we can
+
+    def _translate(self, payload: bytes) -> tuple[int, Translated]:
+        """Decode and re-key one batch. Runs in a worker thread for long batches: only this
+        follower's coroutine touches the translator, and it awaits the result."""
+        batch = decode_engine_events(payload, max_events=MAX_EVENTS)
+        return batch.skipped, self.translator.apply(batch.events)
 
     async def _replay(self, start: int, live_seq: int) -> bool:
         """Ask the engine's replay socket for `start..live_seq - 1` and apply them. True

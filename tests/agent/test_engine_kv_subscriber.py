@@ -391,3 +391,13 @@ async def test_outcomes_reach_the_gateway_metrics(tmp_path) -> None:
     text = generate_latest(registry).decode()
     assert 'fleet_agent_engine_kv_events_total{engine="vllm",outcome="stored"} 6.0' in text
     assert 'fleet_agent_engine_kv_events_total{engine="vllm",outcome="unknown_parent"} 6.0' in text
+
+
+async def test_a_long_prefill_batch_is_translated_in_a_worker_thread() -> None:
+    long_prompt = [(7919 * i) % 128_000 for i in range(1200 * BS)]
+    async with replica() as env:
+        stored, _ = stored_chain(long_prompt, BS, SALT)
+        payload = msgspec.msgpack.encode(KVEventBatch(ts=1.0, events=[stored]))
+        assert len(payload) > sub_mod.INLINE_BYTES
+        await env.pub.send(payload=payload)
+        await eventually(lambda: matched(env, long_prompt) == 1200)
