@@ -401,3 +401,31 @@ async def test_a_long_prefill_batch_is_translated_in_a_worker_thread() -> None:
         assert len(payload) > sub_mod.INLINE_BYTES
         await env.pub.send(payload=payload)
         await eventually(lambda: matched(env, long_prompt) == 1200)
+
+
+async def test_the_process_runtime_launches_vllm_onto_the_agents_socket(tmp_path, monkeypatch) -> None:
+    """ProcessRuntime's launch of a vLLM replica (a stand-in executable: nothing is started)
+    names the loopback SUB the agent bound; stopping the replica closes it."""
+    from agent.runtime.base import ReplicaHandle
+    from agent.runtime.process import ProcessRuntime
+    from fleet_base.protocol import ReplicaSpec
+    from tests.agent.conftest import cluster_config
+
+    vllm = tmp_path / "vllm"
+    vllm.write_text("#!/bin/sh\nexit 0\n")
+    vllm.chmod(0o755)
+    monkeypatch.setenv("FLEET_VLLM", str(vllm))
+    runtime = ProcessRuntime(cluster_config(tmp_path, "nats://127.0.0.1:1"))
+    spec = ReplicaSpec(replica_id="v-1", deployment="chat", version=1, model=str(tmp_path), engine="vllm")
+    try:
+        launch = runtime._launch(spec)
+        config = json.loads(launch.argv[launch.argv.index("--kv-events-config") + 1])
+        bound = sub_mod.ENDPOINTS.get("v-1")
+        assert bound is not None
+        assert (config["endpoint"], config["replay_endpoint"]) == (bound[0].publish, bound[0].replay)
+        assert config["endpoint"].startswith("tcp://127.0.0.1:")
+        runtime._forget(ReplicaHandle(replica_id="v-1", spec=spec, url="", argv=launch.argv))
+        assert sub_mod.ENDPOINTS.get("v-1") is None
+    finally:
+        release_kv_events_endpoint("v-1")
+        await runtime.close()
