@@ -407,18 +407,25 @@ async def test_gateway_identity_runs_the_batch_store_and_nothing_beside_it(secur
     try:
         await batch_store_round_trip(await open_batch_store(gw.nc, BatchConfig()))
         assert gw.errors == []
-        js = gw.nc.jetstream()
+        # a denied API request is never answered: the server's violation report is the
+        # refusal, so the request need not wait out nats-py's default 5 s for its reply
+        js = gw.nc.jetstream(timeout=1.0)
         for forged in (f"$KV.{protocol.BUCKET_DESIRED}.forged", "$O.other.C.x"):
             await gw.nc.publish(forged, b"{}")
             assert await gw.violation(forged), gw.errors
-        for denied in (
-            js.stream_info(f"KV_{protocol.BUCKET_DESIRED}"),
-            js.delete_stream(batch_names.STREAM_WORK),
-            js.purge_stream(batch_names.STREAM_WEBHOOKS),
-            js.delete_consumer(batch_names.STREAM_WORK, batch_names.work_consumer("d1", 2)),
+        consumer = batch_names.work_consumer("d1", 2)
+        for subject, denied in (
+            (f"STREAM.INFO.KV_{protocol.BUCKET_DESIRED}", js.stream_info(f"KV_{protocol.BUCKET_DESIRED}")),
+            (f"STREAM.DELETE.{batch_names.STREAM_WORK}", js.delete_stream(batch_names.STREAM_WORK)),
+            (f"STREAM.PURGE.{batch_names.STREAM_WEBHOOKS}", js.purge_stream(batch_names.STREAM_WEBHOOKS)),
+            (
+                f"CONSUMER.DELETE.{batch_names.STREAM_WORK}.{consumer}",
+                js.delete_consumer(batch_names.STREAM_WORK, consumer),
+            ),
         ):
             with pytest.raises(REFUSED):
                 await denied
+            assert await gw.violation(f"$JS.API.{subject}"), gw.errors
         with pytest.raises(KeyNotFoundError):  # the forged desired state was not stored
             await (await cp.nc.jetstream().key_value(protocol.BUCKET_DESIRED)).get("forged")
     finally:
