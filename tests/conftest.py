@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
+
+from tests.hf_gguf import shared_gguf_parsing
 
 ROOT = Path(__file__).resolve().parents[1]
 # Property tests: `ci` is derandomized (the same examples every run, so CI is reproducible);
@@ -37,30 +36,6 @@ def smollm2_gguf() -> Path:
         return resolve_model_path("smollm2-135m")
     except ModelNotFoundError as err:
         pytest.skip(str(err))
-
-
-@contextlib.contextmanager
-def shared_gguf_parsing() -> Iterator[None]:
-    """transformers parses a GGUF's metadata (SmolLM2's 49k-token vocabulary, element by
-    element) afresh for each step of one load, and rebuilds gguf's tensor-name map for every
-    submodule: most of the load's time. Both are pure functions of their arguments, so
-    within one load they are computed once; the weights and config are unchanged."""
-    import gguf
-
-    real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict[tuple[str, str], gguf.GGUFReader] = {}
-
-    def reader(path: os.PathLike[str] | str, mode: str = "r") -> gguf.GGUFReader:
-        key = (os.fspath(path), mode)
-        if key not in readers:
-            readers[key] = real_reader(path, mode)
-        return readers[key]
-
-    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(real_name_map)
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_name_map
 
 
 @pytest.fixture(scope="session")

@@ -25,6 +25,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, pre_tokenizers
 
 from engine.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from tests.hf_gguf import shared_gguf_parsing
 
 TRICKY = [
     "Hello 12345 world",
@@ -87,7 +88,8 @@ def tok(smollm2_gguf) -> Tokenizer:
 @pytest.fixture(scope="module")
 def hf_tok(smollm2_gguf):
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    with shared_gguf_parsing():
+        return transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
 
 
 @pytest.fixture(scope="module")
