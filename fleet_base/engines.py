@@ -349,7 +349,7 @@ def deployment_problems(
     problems: list[EngineProblem] = []
     reserved = RESERVED_ARGS if kind == "fleet" else FOREIGN_RESERVED_ARGS
     for key in engine_args:
-        if kind != "fleet" and not ENGINE_ARG_KEY.match(key):
+        if not ENGINE_ARG_KEY.match(key):
             problems.append(
                 EngineProblem(
                     "engine_args",

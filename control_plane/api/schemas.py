@@ -43,13 +43,14 @@ ModelRef = Annotated[
     str,
     StringConstraints(min_length=1, max_length=512, strip_whitespace=True, pattern=r"^[^\x00-\x1f\x7f]+$"),
 ]
-# An engine flag without its dashes, stored with '_' for '-' (as `-e` keys and YAML keys are
-# read): one spelling per flag, the one launchers turn back into `--flag-name`. Which keys an
-# engine takes is decided here and in fleet_base.engines.deployment_problems, at deploy time.
+# An engine flag without its dashes, stored lower case with '_' for '-': one spelling per flag,
+# the one argv builders take (fleet_base.engines.ENGINE_ARG_KEY) and turn back into
+# `--flag-name`. Which keys an engine takes is decided here and in
+# fleet_base.engines.deployment_problems, at deploy time, never first by an agent.
 EngineArgName = Annotated[
     str,
     StringConstraints(pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,63}$"),
-    AfterValidator(lambda key: key.replace("-", "_")),
+    AfterValidator(lambda key: key.replace("-", "_").lower()),
 ]
 Url = Annotated[str, StringConstraints(max_length=512, pattern=r"^(https?://\S+)?$")]
 Scope = Literal["admin", "read", "inference", "metrics"]

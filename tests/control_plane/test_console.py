@@ -437,3 +437,9 @@ def test_hourly_cost_series_averages_each_bucket():
     assert chart["series"]["b"][:4] == [1.0, 2.0, 1.0, 0.0]
     assert chart["series"]["total"][:3] == [5.0, 6.0, 5.0]
     assert series.hourly_series([], since, until)["hourly"]["series"] == {}
+
+
+def test_the_deployment_page_names_its_engine(cp):
+    page = Console(cp, cp.token).get(f"/console/deployments/{NAME}").text
+    assert '<strong id="engine">fleet</strong>' in page
+    assert '<th scope="col">Engine</th>' in page

@@ -104,6 +104,11 @@ def test_gpus_per_replica_follow_the_parallel_sizes(admin):
         engine_args={"tensor-parallel-size": 2, "pipeline_parallel_size": 2},  # '-' stored as '_'
     )
     assert made["spec"]["engine_args"] == {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}
+    # keys are stored as the agent's argv builder takes them: lower case, '_' for '-'
+    fleet = deploy(
+        admin, "sim", model="m", engine_args={"profile_A100": "llama2-70b-a100-tp4", "Max-Num-Seqs": 8}
+    )
+    assert fleet["spec"]["engine_args"] == {"profile_a100": "llama2-70b-a100-tp4", "max_num_seqs": 8}
     assert made["spec"]["gpu_count"] == 4
     sg = deploy(admin, "sg", model="/models/qwen", engine="sglang", engine_args={"tp_size": 2}, gpu_count=2)
     assert sg["spec"]["gpu_count"] == 2  # agreeing is fine
@@ -314,3 +319,17 @@ def test_fleetctl_deploy_refusals_are_one_line_with_the_reason(fleetctl):
     assert result.exit_code == 1 and "GGUF" in result.output
     result = fleetctl("deploy", "x", "--engine", "tgi", "--model", "m")
     assert result.exit_code != 0 and "llama.cpp" in result.output
+
+
+def test_the_autoscaler_sees_the_version_engine(api, admin):
+    from control_plane.autoscale.observe import settings_of
+    from control_plane.db.models import DeploymentVersion
+
+    deploy(
+        admin, "sg", model="/m", engine="sglang", engine_args={"tp_size": 2}, min_replicas=1, max_replicas=4
+    )
+    with api.sessions() as s:
+        (version,) = s.query(DeploymentVersion).all()
+        settings = settings_of(version)
+    assert settings.engine == "sglang" and settings.max_replicas == 4
+    assert settings_of(object()).engine == "fleet"  # a row from before engines: Fleet's own

@@ -83,7 +83,8 @@ def fields(kind, model="m", args=None, adapters=0):
 @pytest.mark.parametrize(
     "kind, model, args, adapters, expected",
     [
-        ("fleet", "smollm2-135m", {"max_num_seqs": 8, "profile_A100": "x"}, 3, []),
+        ("fleet", "smollm2-135m", {"max_num_seqs": 8, "profile_a100": "x"}, 3, []),
+        ("fleet", "m", {"profile_A100": "x"}, 0, ["engine_args"]),  # the API stores it lower case
         ("vllm", "hf://org/m", {"tensor_parallel_size": 4}, 2, []),
         ("sglang", "hf://org/m", {"tp_size": 8}, 0, []),
         ("llama.cpp", GGUF, {"n_gpu_layers": 99, "ctx_size": 4096}, 0, []),
