@@ -7,10 +7,18 @@ copied back to the device first, so it is worth what that copy leaves of the pre
 replaces: `1 - load_s / prefill_s` per token, never below a miss (0) and never above a
 device hit (1). The prefill side is the profile's cheapest per-token prefill (a full
 prefill batch), so the host tier is valued low rather than high when the curve is unsure.
+
+A replica is scored by the request's expected time to first token there, in seconds
+(`expected_ttft_s`): the wait before its prefill can start (the prefills sent there ahead
+of it, less what of them is done: `queue_wait_s`, plus the step in flight) and its own
+prefill less what the replica's tiers save. Queued work and saved work are one unit, so a
+holder wins exactly while its queue costs less than the recompute its cache saves.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fleet_base.profile import PerfProfile
@@ -70,17 +78,42 @@ def prefix_hit(device_blocks: int, host_blocks: int, block_tokens: int, prompt_t
     return PrefixHit(device, both - device)
 
 
-# The prefill a replica must do for a prompt costs twice: the request waits for it (its time to
-# first token), and it is work that every later request there waits behind; a prefix found
-# elsewhere is computed again, so the fleet does that work twice. The work queued ahead costs
-# once (it is there wherever the request goes).
-NEW_PREFILL_WEIGHT = 2.0
+@dataclass(frozen=True)
+class PrefillTiming:
+    """A replica's speed as the routing cost reads it: seconds a prompt token's prefill
+    takes at a full prefill batch (the profile's cheapest, linear past a few thousand
+    tokens), and one step (a new prompt waits for the step in flight to end)."""
+
+    s_per_token: float
+    step_s: float = 0.0
+
+    def prefill_s(self, tokens: float) -> float:
+        return max(0.0, tokens) * self.s_per_token
 
 
-def prefix_cost(hit: PrefixHit, prompt_tokens: int, queued_tokens: int, host_value: float) -> float:
-    """A replica's cost for a prompt, in prefill-token equivalents, lower is better: the
-    prefill its cache does not save (`NEW_PREFILL_WEIGHT`) plus the prefill queued ahead."""
-    return NEW_PREFILL_WEIGHT * (float(prompt_tokens) - hit.value(host_value)) + queued_tokens
+def profile_timing(profile: PerfProfile) -> PrefillTiming:
+    batch = float(profile.max_prefill_tokens)
+    return PrefillTiming(profile.prefill_time(batch) / batch, profile.decode_time(1.0))
+
+
+def queue_wait_s(pending: Sequence[tuple[float, int]], now: float, timing: PrefillTiming) -> float:
+    """Seconds until a replica could start a new prompt's prefill: its pending prefills
+    (sent at, new prefill tokens) run one after another in the order sent, each starting when
+    it arrived or when the one before ended, whichever is later; what is left of that at
+    `now`. The part of a long prefill already done is not waited for again."""
+    end = -math.inf
+    for at, tokens in sorted(pending):
+        end = max(end, at) + timing.prefill_s(tokens)
+    return max(0.0, end - now)
+
+
+def expected_ttft_s(
+    hit: PrefixHit, prompt_tokens: int, wait_s: float, host_value: float, timing: PrefillTiming
+) -> float:
+    """A replica's expected time to first token for a prompt, lower is better: the wait
+    before its prefill starts, then the prefill its cache does not save (a device hit is
+    free, a host hit costs its load: `host_value` of a token saved)."""
+    return wait_s + timing.prefill_s(float(prompt_tokens) - hit.value(host_value))
 
 
 def load_seconds(profile: PerfProfile, host_tokens: int) -> float:

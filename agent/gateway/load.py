@@ -7,8 +7,9 @@ from each side independently); the heartbeat's engine-side load can refine it la
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -16,6 +17,19 @@ class _Load:
     tokens: int = 0
     requests: int = 0
     prefill: int = 0  # of `tokens`, new prefill with no first token yet
+    pending: deque[tuple[float, int]] = field(default_factory=deque)  # that prefill: (sent at, tokens)
+
+    def release(self, prefill: int) -> None:
+        """One request's prefill is done (or gone): it no longer delays a new prompt."""
+        self.prefill = max(0, self.prefill - prefill)
+        if prefill <= 0:
+            return
+        for i, (_, tokens) in enumerate(self.pending):
+            if tokens == prefill:
+                del self.pending[i]
+                return
+        if self.pending:
+            self.pending.popleft()
 
 
 class LoadTracker:
@@ -30,12 +44,14 @@ class LoadTracker:
         load.tokens += tokens
         load.requests += 1
         load.prefill += prefill
+        if prefill > 0:
+            load.pending.append((self.clock(), prefill))
 
     def prefilled(self, replica_id: str, prefill: int) -> None:
         """A request's first token came: its prefill no longer delays a new prompt there."""
         load = self._load.get(replica_id)
         if load is not None:
-            load.prefill = max(0, load.prefill - prefill)
+            load.release(prefill)
 
     def finish(self, replica_id: str, tokens: int, prefill: int = 0) -> None:
         """A request left; `prefill`: what of its prefill was not released by `prefilled`."""
@@ -44,7 +60,7 @@ class LoadTracker:
             return
         load.tokens = max(0, load.tokens - tokens)
         load.requests = max(0, load.requests - 1)
-        load.prefill = max(0, load.prefill - prefill)
+        load.release(prefill)
         if load.requests == 0:
             del self._load[replica_id]
 
@@ -55,6 +71,11 @@ class LoadTracker:
     def queued_prefill(self, replica_id: str) -> int:
         load = self._load.get(replica_id)
         return load.prefill if load else 0
+
+    def pending_prefill(self, replica_id: str) -> tuple[tuple[float, int], ...]:
+        """The queued prefill request by request: (sent at, by `clock`; new prefill tokens)."""
+        load = self._load.get(replica_id)
+        return tuple(load.pending) if load else ()
 
     def in_flight(self, replica_id: str) -> int:
         load = self._load.get(replica_id)

@@ -39,25 +39,25 @@ A request for a LoRA adapter ranks replicas where the adapter is resident first
 ("adapter-evict": the least recently used adapter there makes room); cost decides within
 each tier. A non-resident attempt carries `load_adapter`, which the executor loads first.
 
-Cost model (``CostModel``), in prefill-token equivalents, lower is better:
-``cost = 2 x new prefill tokens + queued prefill + rtt_s * tokens_per_s`` where new prefill
-tokens are the prompt less the cached prefix (prefix routing only), queued prefill is the
-new prefill of this gateway's requests at the replica that have no first token yet, and
-RTT counts for peers only. Both are prefill on the same replica, so they weigh in one unit
-(seconds, by the replica's prefill rate): a new prompt waits behind the prefills ahead of
-it, not behind decoding sequences (the engine schedules prefill first), so decode work is
-no load here and only breaks ties (then all outstanding work, then requests in flight).
-The new prefill counts twice (`fleet_base.kv_tier_cost.NEW_PREFILL_WEIGHT`): the request
-waits for it, and it is work the replica's later requests wait behind (a prefix computed
-again elsewhere is work the fleet does twice); the queued prefill is there wherever the
-request goes. Where the queued prefill is unknown (`ReplicaFacts.prefill_tokens` None) all
-outstanding work counts. Least-load orders by all outstanding work, and so does prefix
-routing for a prompt no replica holds any of: there is no prefill to save, and a replica
-whose prefill queue is empty but whose batch is full of decoding sequences would pause
-them all for it. A prefix the replica holds in its
-host-memory tier saves its prefill less the load back (`fleet_base.kv_tier_cost`, the
-scoring the simulator calls too): each such token counts `host_token_value` (0..1) of a
-device hit, the replica's own (from its profile) or the model's default.
+Cost model (``CostModel``): the request's expected time to first token at each target, in
+seconds, lower is better (`fleet_base.kv_tier_cost.expected_ttft_s`, the scoring the
+simulator calls too): the wait before its prefill can start there, plus the prefill that
+target's cache does not save, plus RTT for peers. The wait is the prefills this gateway
+sent there that have no first token yet, run one after another in the order sent, less
+what of them is already done (`ReplicaFacts.wait_s`, from `kv_tier_cost.queue_wait_s`;
+unknown: the queued prefill at the replica's rate), plus the step in flight when it has
+requests in flight. A new prompt waits behind the prefills ahead of it, not behind
+decoding sequences (the engine schedules prefill first), so decode work only breaks ties
+(then all outstanding work, then requests in flight). Queued and saved prefill are one
+unit, so a holder of the prefix wins exactly while its queue costs less than the
+recompute it saves; past that the request goes where it starts soonest, which then holds
+the prefix too (hot prefixes gain holders, and among holders the least busy wins). Where
+the queued prefill is unknown (`ReplicaFacts.prefill_tokens` None) all outstanding work
+counts as queued. Least-load orders by all outstanding work. A prefix the replica holds
+in its host-memory tier saves its prefill less the load back: each such token counts
+`host_token_value` (0..1) of a device hit, the replica's own (from its profile) or the
+model's default. A replica's speed is its profile's (`ReplicaFacts.timing`), else
+`CostModel.tokens_per_s`.
 """
 
 from __future__ import annotations
@@ -68,7 +68,13 @@ from typing import Literal, Protocol
 
 from agent.gateway.routing import pick_version, should_spill
 from fleet_base.cluster_config import ROUTINGS
-from fleet_base.kv_tier_cost import UNKNOWN_HOST_TOKEN_VALUE, PrefixHit, prefix_cost, prefix_hit
+from fleet_base.kv_tier_cost import (
+    UNKNOWN_HOST_TOKEN_VALUE,
+    PrefillTiming,
+    PrefixHit,
+    expected_ttft_s,
+    prefix_hit,
+)
 from fleet_base.protocol import VersionWeight
 from fleet_base.residency import permits
 
@@ -147,10 +153,20 @@ class ReplicaFacts:
     # Of the outstanding work, the new prefill of requests with no first token yet (what a new
     # prompt waits behind: the engine prefills first); None: unknown, all outstanding work counts.
     prefill_tokens: int | None = None
+    # Expected seconds before a new prompt's prefill starts there (`kv_tier_cost.queue_wait_s`
+    # over the prefills sent there); None: the queued prefill at the replica's rate.
+    wait_s: float | None = None
+    timing: PrefillTiming | None = None  # from its profile; None: the cost model's default
 
     @property
     def queued_prefill(self) -> int:
         return self.outstanding_tokens if self.prefill_tokens is None else self.prefill_tokens
+
+    def expected_wait_s(self, timing: PrefillTiming) -> float:
+        """Seconds before a new prompt's prefill could start: the prefill queued ahead,
+        then the step in flight."""
+        queued = timing.prefill_s(self.queued_prefill) if self.wait_s is None else self.wait_s
+        return queued + (timing.step_s if self.in_flight else 0.0)
 
 
 @dataclass(frozen=True)
@@ -188,7 +204,7 @@ class ClusterFacts:
 @dataclass(frozen=True)
 class CostModel:
     routing: str = "prefix"  # or "least-load"
-    tokens_per_s: float = 4000.0  # prefill token-equivalents of one second of RTT
+    tokens_per_s: float = 4000.0  # prefill speed of a replica (or peer) whose profile is unknown
     min_prefix_blocks: int = 1  # a peer must hold at least this many blocks to be preferred
     host_token_value: float = UNKNOWN_HOST_TOKEN_VALUE  # of a replica (or peer) whose profile is unknown
 
@@ -199,6 +215,10 @@ class CostModel:
     @property
     def prefix(self) -> bool:
         return self.routing == "prefix"
+
+    @property
+    def timing(self) -> PrefillTiming:
+        return PrefillTiming(1.0 / self.tokens_per_s)
 
 
 @dataclass(frozen=True)
@@ -212,7 +232,7 @@ class Attempt:
     standby: bool = False
     cached_tokens: int = 0  # prompt tokens the target need not prefill (prefix index, both tiers)
     host_tokens: int = 0  # of those, the ones loaded back from its host tier
-    cost: float = 0.0
+    cost: float = 0.0  # expected seconds to first token there (prefix routing), else outstanding tokens
     load_adapter: str = ""  # a LoRA adapter to load there before sending (not resident)
     jurisdiction: str = ""  # where the target processes the request
 
@@ -323,12 +343,13 @@ def rank_replicas(
         cached = _hit(request, tiers)
         host_value = model.host_token_value if r.host_token_value is None else r.host_token_value
         found.append((r, cached, host_value, cached.value(host_value)))  # prefill saved, in tokens
-    saves = any(hit > 0 for *_, hit in found)  # else all outstanding work: least-load's order
     scored = []
     for r, cached, host_value, hit in found:
         if model.prefix:
-            queued = r.queued_prefill if saves else r.outstanding_tokens
-            cost = prefix_cost(cached, request.prompt_tokens, queued, host_value)
+            timing = r.timing or model.timing
+            cost = expected_ttft_s(
+                cached, request.prompt_tokens, r.expected_wait_s(timing), host_value, timing
+            )
         else:
             cost = float(r.outstanding_tokens)
         tier = adapter_tier(request.adapter, r)
@@ -478,8 +499,9 @@ def _leaving(
     if model.prefix and index is not None and request.block_hashes:
 
         def cost(p: PeerFacts) -> float:
-            rtt = (p.rtt_s if p.rtt_s is not None else 0.1) * model.tokens_per_s
-            return prefix_cost(_peer_hit(p, request, index, value), request.prompt_tokens, 0, value) + rtt
+            rtt = p.rtt_s if p.rtt_s is not None else 0.1
+            hit = _peer_hit(p, request, index, value)
+            return expected_ttft_s(hit, request.prompt_tokens, 0.0, value, model.timing) + rtt
 
         def blocks(p: PeerFacts) -> int:
             return max(

@@ -41,9 +41,9 @@ from fleet_base.kv_events import (
     KvResyncRequest,
     kvresync_subject,
 )
-from fleet_base.kv_tier_cost import load_token_value
+from fleet_base.kv_tier_cost import PrefillTiming, load_token_value, profile_timing
 from fleet_base.nats_io import NatsLink
-from fleet_base.profile import load_profile
+from fleet_base.profile import PerfProfile, load_profile
 from fleet_base.wire import Rejected, decode_kv_batch, subject_cluster
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class PrefixRouting:
         self.clusters = clusters  # whose replicas' full sets to ask for on (re)connect
         self.clock = clock
         self._asked: dict[tuple[str, str], float] = {}
-        self._host_values: dict[str, float | None] = {}  # by profile name
+        self._profiles: dict[str, PerfProfile | None] = {}  # by name; None: could not be read
         self._nc: object | None = None
         r = metrics.registry
         self.decisions = Counter(
@@ -164,18 +164,25 @@ class PrefixRouting:
         """A host-tier hit token's worth on the deployment's replicas, from the performance
         profile its engine args name (`profile`); None when they name none (the cost model's
         default then)."""
+        profile = self._profile(deployment)
+        return None if profile is None else load_token_value(profile)
+
+    def timing(self, deployment: str) -> PrefillTiming | None:
+        """The deployment's replicas' prefill speed, from the same profile; None: unknown."""
+        profile = self._profile(deployment)
+        return None if profile is None else profile_timing(profile)
+
+    def _profile(self, deployment: str) -> PerfProfile | None:
         name = self.engine_arg(deployment, "profile")
         if not isinstance(name, str) or not name:
             return None
-        if name not in self._host_values:
+        if name not in self._profiles:
             try:
-                self._host_values[name] = load_token_value(load_profile(name))
+                self._profiles[name] = load_profile(name)
             except (ValueError, OSError) as err:
-                log.warning(
-                    "profile %r of %s: %s; host-tier hits take the default value", name, deployment, err
-                )
-                self._host_values[name] = None
-        return self._host_values[name]
+                log.warning("profile %r of %s: %s; routing takes the default speeds", name, deployment, err)
+                self._profiles[name] = None
+        return self._profiles[name]
 
     def keys(self, info: RequestInfo, key_id: str) -> tuple[int, ...]:
         """The request's block keys; () when routing ignores prefixes or the prompt was

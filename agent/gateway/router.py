@@ -30,11 +30,19 @@ from agent.gateway.shadow_policy import serves_users
 from agent.gateway.state import ClusterView
 from fleet_base.cluster_config import ClusterConfig
 from fleet_base.engines import CAPABILITIES
+from fleet_base.kv_tier_cost import PrefillTiming, queue_wait_s
 from fleet_base.protocol import ReplicaStatus
 
 
-def replica_facts(r: ReplicaStatus, tracker: LoadTracker, adapters: AdapterRouting) -> ReplicaFacts:
-    """A ready replica as the routing policy sees it: its load here and its resident adapters."""
+def replica_facts(
+    r: ReplicaStatus, tracker: LoadTracker, adapters: AdapterRouting, timing: PrefillTiming | None = None
+) -> ReplicaFacts:
+    """A ready replica as the routing policy sees it: its load here (with the wait a new
+    prompt would have there, at `timing`: its profile's, else the cost model's default) and
+    its resident adapters."""
+    wait = None
+    if timing is not None:
+        wait = queue_wait_s(tracker.pending_prefill(r.replica_id), tracker.clock(), timing)
     return ReplicaFacts(
         r.replica_id,
         r.url.rstrip("/"),
@@ -45,6 +53,8 @@ def replica_facts(r: ReplicaStatus, tracker: LoadTracker, adapters: AdapterRouti
         adapters=adapters.resident(r),
         max_adapters=r.max_adapters,
         prefill_tokens=tracker.queued_prefill(r.replica_id),
+        wait_s=wait,
+        timing=timing,
     )
 
 
@@ -125,7 +135,8 @@ class Router:
         if continuation:
             ready = [r for r in ready if CAPABILITIES[r.engine].fleet_continuation]
         self.adapters.observe(ready)
-        replicas = tuple(replica_facts(r, self.tracker, self.adapters) for r in ready)
+        timing = self.prefix.timing(deployment) or self.prefix.model.timing
+        replicas = tuple(replica_facts(r, self.tracker, self.adapters, timing) for r in ready)
         host_value = self.prefix.host_token_value(deployment)
         if host_value is not None:
             replicas = tuple(replace(r, host_token_value=host_value) for r in replicas)

@@ -36,7 +36,7 @@ from agent.sim.model import ReplicaModel, SimRequest
 from agent.sim.prefix_cache import Ops, PrefixCacheModel, capacity_blocks
 from control_plane.autoscale.policy import AutoscaleSettings, Decision, Observation, ScalerState, make_policy
 from control_plane.simulate.trace import TraceRequest
-from fleet_base.kv_tier_cost import profile_host_token_value
+from fleet_base.kv_tier_cost import profile_host_token_value, profile_timing, queue_wait_s
 from fleet_base.profile import PerfProfile
 
 SAMPLE_PER_TICK = 32  # prompt lengths a decision sees of the requests that arrived since the last
@@ -54,6 +54,7 @@ class SimReplica:
     in_flight: int = 0
     kv_seq: int = 0  # sequence number of its last KV-event batch
     prefill_tokens: int = 0  # new prefill of its requests with no first token yet
+    pending: dict[int, tuple[float, int]] = field(default_factory=dict)  # those: request -> (sent at, tokens)
 
 
 @dataclass
@@ -109,6 +110,7 @@ class Simulation:
         self.cost = CostModel(routing=routing)
         self.index = PrefixIndex(max_blocks_per_replica=max(1, self._cache_blocks() + self._host_blocks()))
         self.host_token_value = profile_host_token_value(profile)
+        self.timing = profile_timing(profile)
         self.shared_cache = PrefixCacheModel(shared_cache_blocks) if shared_cache_blocks > 0 else None
         self.tick_s = tick_s
         self.initial = initial_replicas
@@ -218,6 +220,8 @@ class Simulation:
                     r.in_flight,
                     host_token_value=self.host_token_value,
                     prefill_tokens=r.prefill_tokens,
+                    wait_s=queue_wait_s(tuple(r.pending.values()), now, self.timing),
+                    timing=self.timing,
                 )
                 for r in ready
             ),
@@ -234,6 +238,7 @@ class Simulation:
         r.prefill_tokens += prefill
         self.where[req.rid] = (r, work)
         self.prefilling[req.rid] = prefill
+        r.pending[req.rid] = (now, prefill)
         r.model.submit(req, now)
         return True
 
@@ -244,6 +249,7 @@ class Simulation:
                 self._ttft.append(req.first_token_at - req.arrival)
             if req.first_token_at is not None and req.rid in self.prefilling:
                 r.prefill_tokens -= self.prefilling.pop(req.rid)  # as the gateway sees a stream's first token
+                r.pending.pop(req.rid, None)
             if req.rid not in self.where:
                 continue
             if req.finished_at is not None:

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
 from fleet_base.kv_tier_cost import (
+    PrefillTiming,
     PrefixHit,
+    expected_ttft_s,
     host_token_value,
-    prefix_cost,
     prefix_hit,
     profile_host_token_value,
+    profile_timing,
+    queue_wait_s,
 )
 from fleet_base.profile import DEFAULT_H2D_BYTES_PER_S, PerfProfile, list_profiles, load_profile
 
@@ -64,14 +69,22 @@ def test_prefix_hit(device_blocks: int, host_blocks: int, prompt: int, want: Pre
     assert prefix_hit(device_blocks, host_blocks, 16, prompt) == want
 
 
+T = PrefillTiming(s_per_token=1e-4, step_s=0.03)  # 100 us a token: 1,000 tokens are 0.1 s
+
+
+def _cost(device: int, host: int, prompt: int, wait: float, value: float) -> float:
+    return expected_ttft_s(prefix_hit(device, host, 16, prompt), prompt, wait, value, T)
+
+
 def test_a_host_hit_is_worth_less_than_a_device_hit_and_more_than_a_miss() -> None:
     prof = _profile(host_kv_bytes=1 << 40, h2d_bytes_per_s=200e9)
     value = profile_host_token_value(prof)
     assert 0.0 < value < 1.0
-    prompt = 1000
-    device = prefix_cost(prefix_hit(40, 0, 16, prompt), prompt, 0, value)
-    host = prefix_cost(prefix_hit(0, 40, 16, prompt), prompt, 0, value)
-    miss = prefix_cost(prefix_hit(0, 0, 16, prompt), prompt, 0, value)
+    device, host, miss = (
+        _cost(40, 0, 1000, 0, value),
+        _cost(0, 40, 1000, 0, value),
+        _cost(0, 0, 1000, 0, value),
+    )
     assert device < host < miss
 
 
@@ -79,17 +92,75 @@ def test_a_tiny_bandwidth_gains_nothing() -> None:
     prof = _profile(host_kv_bytes=1 << 40, h2d_bytes_per_s=1e6)
     value = profile_host_token_value(prof)
     assert value == 0.0
-    prompt = 1000
-    assert prefix_cost(prefix_hit(0, 40, 16, prompt), prompt, 7, value) == 2 * prompt + 7
+    assert _cost(0, 40, 1000, 0.5, value) == pytest.approx(0.5 + 0.1)  # the wait, then the whole prefill
 
 
-def test_no_host_tier_is_worth_nothing_and_device_costs_are_unchanged() -> None:
+def test_no_host_tier_is_worth_nothing() -> None:
     prof = _profile()
     assert prof.host_kv_bytes == 0 and prof.host_kv_tokens == 0
     assert prof.h2d_bytes_per_s == DEFAULT_H2D_BYTES_PER_S
     assert profile_host_token_value(prof) == 0.0
-    # the device-only cost: the new prefill twice (the wait and the work), plus the queued prefill
-    assert prefix_cost(prefix_hit(3, 0, 16, 100), 100, 250, 0.0) == 2 * (100 - 48) + 250
+
+
+@dataclass
+class TtftRow:
+    name: str
+    device: int  # leading blocks of a 1,000-token prompt (16 a block) on the device
+    host: int  # then in the host tier
+    wait_s: float
+    host_value: float
+    want_s: float
+
+
+TTFT_ROWS = [
+    TtftRow("an idle replica with nothing cached: the whole prefill", 0, 0, 0.0, 0.0, 0.1),
+    TtftRow("a device hit is free: the rest only", 40, 0, 0.0, 0.0, 0.1 - 0.064),
+    TtftRow("a host hit costs its load: half of it saved at value 0.5", 0, 40, 0.0, 0.5, 0.1 - 0.032),
+    TtftRow("a full hit still computes the last token", 63, 0, 0.0, 0.0, 0.1 - 0.0999),
+    TtftRow("queued prefill ahead adds its seconds, one unit with the prefill", 40, 0, 0.2, 0.0, 0.2 + 0.036),
+]
+
+
+@pytest.mark.parametrize("row", TTFT_ROWS, ids=lambda r: r.name)
+def test_expected_ttft(row: TtftRow) -> None:
+    assert _cost(row.device, row.host, 1000, row.wait_s, row.host_value) == pytest.approx(row.want_s)
+
+
+def test_a_holder_wins_exactly_while_its_queue_costs_less_than_the_recompute_it_saves() -> None:
+    saved_s = 0.064  # 40 blocks of 16 tokens at 100 us
+    idle_miss = _cost(0, 0, 1000, 0.0, 0.0)
+    assert _cost(40, 0, 1000, saved_s - 0.001, 0.0) < idle_miss
+    assert _cost(40, 0, 1000, saved_s + 0.001, 0.0) > idle_miss
+
+
+@dataclass
+class WaitRow:
+    name: str
+    pending: tuple[tuple[float, int], ...]  # (sent at, new prefill tokens)
+    now: float
+    want_s: float
+
+
+WAIT_ROWS = [
+    WaitRow("nothing pending: no wait", (), 5.0, 0.0),
+    WaitRow("one prefill just sent: all of it", ((5.0, 2000),), 5.0, 0.2),
+    WaitRow("a long prefill mostly done: only what is left", ((4.9, 2000),), 5.0, 0.1),
+    WaitRow("a prefill that should have ended: none (its first token is late)", ((1.0, 2000),), 5.0, 0.0),
+    WaitRow("two sent together run one after the other", ((5.0, 1000), (5.0, 1000)), 5.0, 0.2),
+    WaitRow("the second starts when the first ends", ((4.9, 2000), (4.95, 1000)), 5.0, 0.2),
+    WaitRow("an idle gap before the second is not waited for", ((1.0, 1000), (4.95, 1000)), 5.0, 0.05),
+    WaitRow("the order sent, whatever the order listed", ((4.95, 1000), (4.9, 2000)), 5.0, 0.2),
+]
+
+
+@pytest.mark.parametrize("row", WAIT_ROWS, ids=lambda r: r.name)
+def test_queue_wait(row: WaitRow) -> None:
+    assert queue_wait_s(row.pending, row.now, T) == pytest.approx(row.want_s)
+
+
+def test_profile_timing_is_the_full_batch_rate_and_one_step() -> None:
+    t = profile_timing(_profile())
+    assert t.s_per_token == pytest.approx(0.8 / 8192) and t.step_s == pytest.approx(0.03)
 
 
 def test_a_host_tier_needs_the_token_size() -> None:

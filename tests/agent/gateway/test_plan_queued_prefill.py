@@ -1,11 +1,11 @@
-"""Table tests of the prefix cost's load term: a new prompt waits behind the prefills
-queued at a replica, not behind its decoding sequences (the engine prefills first), so
-`ReplicaFacts.prefill_tokens` (new prefill with no first token yet) is the load the saved
-prefill is weighed against; decode work only breaks ties (and orders a prompt nobody holds
-any of, as least-load does). Unknown (None): all outstanding
-work counts, as before (tests/agent/gateway/test_plan.py). The new prefill counts twice
-(`fleet_base.kv_tier_cost.NEW_PREFILL_WEIGHT`: the request's wait, and work the replica's
-later requests wait behind), the queued prefill once."""
+"""Table tests of the prefix cost's load term: a replica is scored by the request's expected
+time to first token there, in seconds (`fleet_base.kv_tier_cost.expected_ttft_s`): the wait
+before its prefill starts (the prefills queued there, less what of them is done, then the
+step in flight) plus the prefill its cache does not save. A new prompt waits behind the
+prefills queued at a replica, not behind its decoding sequences (the engine prefills
+first), so `ReplicaFacts.prefill_tokens` (new prefill with no first token yet) is the
+queue; decode work only breaks ties. Unknown (None): all outstanding work counts, as
+before (tests/agent/gateway/test_plan.py)."""
 
 from __future__ import annotations
 
@@ -22,9 +22,11 @@ from agent.gateway.metrics import GatewayMetrics
 from agent.gateway.plan import Attempt, ClusterFacts, CostModel, ReplicaFacts, RequestFacts, plan_route
 from agent.gateway.upstream import Upstreams
 from fleet_base.cluster_config import GatewayConfig
+from fleet_base.kv_tier_cost import PrefillTiming
 
 HERE = "east"
 PROMPT = tuple(range(100, 164))  # 64 block keys of a 1,024-token prompt (16 a block)
+R = CostModel().tokens_per_s  # costs are seconds to first token at the default prefill speed
 REQ = RequestFacts("d", prompt_tokens=1024, cost_tokens=1088, block_hashes=PROMPT, block_tokens=16)
 
 
@@ -45,7 +47,7 @@ ROWS = [
         {"a": (50_000, 0), "b": (0, 0)},
         "prefix",
         (("a", "prefix"), ("b", "retry")),
-        {"a": 2 * (1024 - 960) + 0, "b": 2 * 1024},
+        {"a": (1024 - 960) / R, "b": 1024 / R},
     ),
     Row(
         "the same holder with that work unknown (no first tokens seen) loses it",
@@ -53,7 +55,7 @@ ROWS = [
         {"a": (50_000, None), "b": (0, None)},
         "prefix",
         (("b", "load-over-prefix"), ("a", "retry")),
-        {"a": 2 * (1024 - 960) + 50_000, "b": 2 * 1024},
+        {"a": (1024 - 960 + 50_000) / R, "b": 1024 / R},
     ),
     Row(
         "prefills queued ahead worth more than the saved prefill send it away",
@@ -61,23 +63,39 @@ ROWS = [
         {"a": (50_000, 2_100), "b": (3_000, 0)},
         "prefix",
         (("b", "load-over-prefix"), ("a", "retry")),
-        {"a": 2 * (1024 - 960) + 2_100, "b": 2 * 1024},
+        {"a": (1024 - 960 + 2_100) / R, "b": 1024 / R},
     ),
     Row(
-        "a holder keeps the prefix until the prefill queued there passes twice what it saves",
+        "a holder keeps the prefix while the prefill queued there costs less than it saves",
         {"a": 60, "b": 0},
-        {"a": (1_900, 1_900), "b": (0, 0)},
+        {"a": (900, 900), "b": (0, 0)},
         "prefix",
         (("a", "prefix"), ("b", "retry")),
-        {"a": 2 * (1024 - 960) + 1_900, "b": 2 * 1024},
+        {"a": (1024 - 960 + 900) / R, "b": 1024 / R},
     ),
     Row(
-        "a prompt nobody holds goes in least-load's order, decoding work included",
+        "... and loses it once the queue costs more: the request starts sooner elsewhere",
+        {"a": 60, "b": 0},
+        {"a": (1_000, 1_000), "b": (0, 0)},
+        "prefix",
+        (("b", "load-over-prefix"), ("a", "retry")),
+        {"a": (1024 - 960 + 1_000) / R, "b": 1024 / R},
+    ),
+    Row(
+        "among holders, the one whose queue is shorter",
+        {"a": 60, "b": 60},
+        {"a": (500, 500), "b": (40_000, 100)},
+        "prefix",
+        (("b", "prefix"), ("a", "retry")),
+        {"a": (1024 - 960 + 500) / R, "b": (1024 - 960 + 100) / R},
+    ),
+    Row(
+        "a prompt nobody holds goes where its prefill starts soonest, decoding work aside",
         {"a": 0, "b": 0},
         {"a": (1_000, 900), "b": (40_000, 0)},
         "prefix",
-        (("a", "least-load"), ("b", "retry")),
-        {"a": 2 * 1024 + 1_000, "b": 2 * 1024 + 40_000},
+        (("b", "least-load"), ("a", "retry")),
+        {"a": (1024 + 900) / R, "b": 1024 / R},
     ),
     Row(
         "no prefill queued anywhere: the least outstanding work breaks the tie",
@@ -117,6 +135,57 @@ def test_queued_prefill_is_the_load(row: Row) -> None:
         assert by_name[rid].cost == pytest.approx(cost)
 
 
+@dataclass
+class WaitRow:
+    name: str
+    facts: dict[str, tuple[int, float | None, int]]  # replica -> (queued prefill, wait_s, in flight)
+    expect: str
+    costs: dict[str, float]
+
+
+T = PrefillTiming(s_per_token=1e-4, step_s=0.03)  # 1,000 tokens: 0.1 s
+WAIT_ROWS = [
+    WaitRow(
+        "a holder whose long prefill is nearly done keeps the prefix (only what is left is waited for)",
+        {"a": (20_000, 0.05, 1), "b": (0, 0.0, 0)},
+        "a",
+        {"a": 0.05 + 0.03 + 0.0064, "b": 0.1024},
+    ),
+    WaitRow(
+        "the same queue just sent sends it away",
+        {"a": (20_000, 2.0, 1), "b": (0, 0.0, 0)},
+        "b",
+        {"a": 2.0 + 0.03 + 0.0064, "b": 0.1024},
+    ),
+    WaitRow(
+        "wait unknown: the queued prefill at the replica's speed",
+        {"a": (500, None, 1), "b": (0, 0.0, 0)},
+        "a",
+        {"a": 0.05 + 0.03 + 0.0064, "b": 0.1024},
+    ),
+    WaitRow(
+        "a step in flight is waited for: between idle holders, the one not decoding",
+        {"a": (0, 0.0, 3), "b": (0, 0.0, 0)},
+        "b",
+        {"a": 0.03 + 0.0064, "b": 0.0064},
+    ),
+]
+
+
+@pytest.mark.parametrize("row", WAIT_ROWS, ids=[r.name for r in WAIT_ROWS])
+def test_the_wait_is_seconds_at_the_replicas_speed(row: WaitRow) -> None:
+    held = {"a": 60, "b": 60 if row.name.startswith("a step") else 0}
+    replicas = tuple(
+        ReplicaFacts(rid, f"http://{rid}", 1, in_flight=n, prefill_tokens=q, wait_s=w, timing=T)
+        for rid, (q, w, n) in sorted(row.facts.items())
+    )
+    local = plan_route(REQ, ClusterFacts(HERE, replicas), (), _index(held), CostModel()).stage("local")
+    assert local[0].name == row.expect
+    by_name = {a.name: a for a in local}
+    for rid, cost in row.costs.items():
+        assert by_name[rid].cost == pytest.approx(cost)
+
+
 def test_tracker_releases_prefill_at_the_first_token_and_the_rest_at_the_finish() -> None:
     tracker = LoadTracker()
     tracker.start("r1", 1088, 1024)
@@ -127,6 +196,20 @@ def test_tracker_releases_prefill_at_the_first_token_and_the_rest_at_the_finish(
     tracker.finish("r1", 1088)  # its prefill was released already
     tracker.finish("r1", 600, 500)  # never streamed a token: released with the rest
     assert tracker.snapshot() == {} and tracker.queued_prefill("r1") == 0
+
+
+def test_tracker_keeps_each_queued_prefill_with_when_it_was_sent() -> None:
+    now = [10.0]
+    tracker = LoadTracker(clock=lambda: now[0])
+    tracker.start("r1", 1088, 1024)
+    now[0] = 10.5
+    tracker.start("r1", 600, 500)
+    tracker.start("r1", 50, 0)  # nothing to prefill: nothing queued
+    assert tracker.pending_prefill("r1") == ((10.0, 1024), (10.5, 500))
+    tracker.prefilled("r1", 500)  # first tokens may come out of order
+    assert tracker.pending_prefill("r1") == ((10.0, 1024),)
+    tracker.finish("r1", 1088, 1024)
+    assert tracker.pending_prefill("r1") == ()
 
 
 def test_an_attempt_queues_its_new_prefill_until_its_first_token() -> None:

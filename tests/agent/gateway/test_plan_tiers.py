@@ -13,11 +13,12 @@ from agent.gateway.kv_index import KvUpdate, PrefixIndex
 from agent.gateway.metrics import GatewayMetrics
 from agent.gateway.plan import ClusterFacts, CostModel, PeerFacts, ReplicaFacts, RequestFacts, plan_route
 from agent.gateway.prefix import PrefixRouting
-from fleet_base.kv_tier_cost import load_token_value
+from fleet_base.kv_tier_cost import load_token_value, profile_timing
 from fleet_base.profile import load_profile
 
 HERE = "east"
 PROMPT = tuple(range(100, 164))  # 64 block keys of a 1,024-token prompt (16 a block)
+R = CostModel().tokens_per_s  # costs are seconds to first token at the default prefill speed
 REQ = RequestFacts("d", prompt_tokens=1024, cost_tokens=1088, block_hashes=PROMPT, block_tokens=16)
 
 
@@ -47,7 +48,7 @@ ROWS = [
         {},
         0.75,
         (("a", "prefix"), ("b", "retry")),
-        {"a": 2 * (1024 - 512 * 0.75), "b": 2 * 1024},
+        {"a": (1024 - 512 * 0.75) / R, "b": 1024 / R},
     ),
     Row(
         "a device hit beats the same blocks in a host tier",
@@ -55,7 +56,7 @@ ROWS = [
         {},
         0.75,
         (("b", "prefix"), ("a", "retry")),
-        {"a": 2 * (1024 - 384), "b": 2 * (1024 - 512)},
+        {"a": (1024 - 384) / R, "b": (1024 - 512) / R},
     ),
     Row(
         "a longer host prefix beats a shorter device one when it saves more",
@@ -63,7 +64,7 @@ ROWS = [
         {},
         0.75,
         (("a", "prefix"), ("b", "retry")),
-        {"a": 2 * (1024 - 128 - 0.75 * 895), "b": 2 * (1024 - 512)},
+        {"a": (1024 - 128 - 0.75 * 895) / R, "b": (1024 - 512) / R},
     ),
     Row(
         "a tiny bandwidth: a host hit gains nothing, least-load decides",
@@ -71,31 +72,31 @@ ROWS = [
         {"a": 10},
         0.0,
         (("b", "least-load"), ("a", "retry")),
-        {"a": 2048 + 10, "b": 2048},
+        {"a": (1024 + 10) / R, "b": 1024 / R},
     ),
     Row(
         "queued work outweighs a host hit sooner than a device hit",
         {"a": (0, 32), "b": (0, 0)},
-        {"a": 600},
+        {"a": 400},
         0.5,
         (("b", "load-over-prefix"), ("a", "retry")),
-        {"a": 2 * (1024 - 256) + 600, "b": 2 * 1024},
+        {"a": (1024 - 256 + 400) / R, "b": 1024 / R},
     ),
     Row(
         "... where the same blocks on the device still win",
         {"a": (32, 0), "b": (0, 0)},
-        {"a": 600},
+        {"a": 400},
         0.5,
         (("a", "prefix"), ("b", "retry")),
-        {"a": 2 * (1024 - 512) + 600, "b": 2 * 1024},
+        {"a": (1024 - 512 + 400) / R, "b": 1024 / R},
     ),
     Row(
         "an unknown profile takes the model's default value",
         {"a": (0, 32), "b": (0, 0)},
-        {"a": 600},
+        {"a": 400},
         None,
         (("b", "load-over-prefix"), ("a", "retry")),
-        {"a": 2 * (1024 - 256) + 600, "b": 2 * 1024},
+        {"a": (1024 - 256 + 400) / R, "b": 1024 / R},
     ),
 ]
 
@@ -127,8 +128,8 @@ def test_a_peer_host_hit_is_valued_after_its_load() -> None:
     near = PeerFacts("south", "http://south", rtt_s=0.02, replica_ids=("s1",))
     far = PeerFacts("west", "http://west", rtt_s=0.05, replica_ids=("w1",))
     index = index_with({"w1": (0, 8)}, cluster="west")
-    # 128 host tokens: worth 96 at 0.75 and 12.8 at 0.1 (each saved twice: 192 and 25.6), against
-    # 0.03 s x 2000 = 60 tokens of RTT
+    # 128 host tokens: worth 96 at 0.75 and 12.8 at 0.1 (0.048 s and 0.0064 s at 2,000 tokens a
+    # second), against 0.03 s more RTT
     for value, first in ((0.75, "west"), (0.1, "south")):
         model = CostModel(tokens_per_s=2000.0, host_token_value=value)
         plan = plan_route(REQ, here, (near, far), index, model)
@@ -141,8 +142,9 @@ def test_the_gateway_values_host_hits_by_the_deployments_profile() -> None:
     prefix = PrefixRouting(None, HERE, GatewayMetrics(load=dict), engine_arg=lambda d, name: args.get(d))
     value = prefix.host_token_value("gpu")
     assert value == load_token_value(load_profile("llama2-70b-h100-tp4")) and 0.9 < value < 1.0
-    assert prefix.host_token_value("nope") is None  # the cost model's default then
-    assert prefix.host_token_value("plain") is None
+    assert prefix.timing("gpu") == profile_timing(load_profile("llama2-70b-h100-tp4"))
+    for unknown in ("nope", "plain"):  # the cost model's defaults then
+        assert prefix.host_token_value(unknown) is None and prefix.timing(unknown) is None
 
 
 def test_the_gateway_counts_host_tier_tokens_apart() -> None:
