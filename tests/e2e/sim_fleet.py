@@ -230,13 +230,24 @@ class SimFleet:
         return pids
 
     def down(self) -> None:
+        """kill -9 every process carrying the fleet's marker (replicas included), until none
+        is left. A graceful stop (agents draining their replicas, then the control plane)
+        costs seconds a fleet and is no test's subject here: tests/e2e/test_local_fleet.py
+        stops its fleet gracefully with `fleetctl down`."""
         state = self.local.load()
-        with contextlib.suppress(Exception):
-            self.local.down(timeout=5)
-        if state is not None:
-            for proc in self.local.marked_processes(state.fleet_id):
+        if state is None:
+            return
+        for _ in range(5):  # an agent killed mid-spawn leaves a replica the next round finds
+            procs = self.local.marked_processes(state.fleet_id)
+            if not procs:
+                return
+            for proc in procs:
                 with contextlib.suppress(psutil.Error):
                     proc.kill()
+            # reap ours; the others (replicas) are reaped by whoever inherits them, and a
+            # zombie is no longer a marked process
+            mine = {p.pid for p in psutil.Process().children()}
+            psutil.wait_procs([p for p in procs if p.pid in mine], timeout=5)
 
     # ------------------------------------------------------------------ clients
 
