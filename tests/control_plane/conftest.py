@@ -33,7 +33,7 @@ def cp_server(request, tmp_path_factory):
         server.start()
         yield server
     finally:
-        server.stop()
+        server.kill()
         cleanup()
 
 
@@ -43,7 +43,7 @@ def sqlite_server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cp-sqlite")
     server = ControlPlaneServer(tmp / "home", f"sqlite:///{tmp / 'fleet.db'}").start()
     yield server
-    server.stop()
+    server.kill()
 
 
 @pytest.fixture(scope="module")

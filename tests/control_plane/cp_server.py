@@ -3,7 +3,9 @@ and fresh databases (SQLite file or a new PostgreSQL database) to run it on."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -167,3 +169,14 @@ class ControlPlaneServer:
             return None
         proc, self.proc = self.proc, None
         return stop_process(proc, timeout, group=True)
+
+    def kill(self) -> None:
+        """SIGKILL the process group and reap it: a fixture's teardown, where how the server
+        stops is not under test (a graceful stop takes ~1 s; tests/control_plane/test_server.py
+        checks it)."""
+        if self.proc is None:
+            return
+        proc, self.proc = self.proc, None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
