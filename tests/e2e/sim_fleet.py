@@ -230,24 +230,7 @@ class SimFleet:
         return pids
 
     def down(self) -> None:
-        """kill -9 every process carrying the fleet's marker (replicas included), until none
-        is left. A graceful stop (agents draining their replicas, then the control plane)
-        costs seconds a fleet and is no test's subject here: tests/e2e/test_local_fleet.py
-        stops its fleet gracefully with `fleetctl down`."""
-        state = self.local.load()
-        if state is None:
-            return
-        for _ in range(5):  # an agent killed mid-spawn leaves a replica the next round finds
-            procs = self.local.marked_processes(state.fleet_id)
-            if not procs:
-                return
-            for proc in procs:
-                with contextlib.suppress(psutil.Error):
-                    proc.kill()
-            # reap ours; the others (replicas) are reaped by whoever inherits them, and a
-            # zombie is no longer a marked process
-            mine = {p.pid for p in psutil.Process().children()}
-            psutil.wait_procs([p for p in procs if p.pid in mine], timeout=5)
+        kill_fleet(self.local)
 
     # ------------------------------------------------------------------ clients
 
@@ -414,6 +397,27 @@ def _stopped(pid: int) -> bool:
     with contextlib.suppress(psutil.Error):
         return psutil.Process(pid).status() == psutil.STATUS_STOPPED
     return False
+
+
+def kill_fleet(local: LocalFleet) -> None:
+    """kill -9 every process carrying the fleet's marker (replicas included), until none
+    is left: a test's teardown. A graceful stop (agents draining their replicas, then the
+    control plane) costs seconds a fleet and is no test's subject there;
+    tests/e2e/test_local_fleet.py stops its fleet gracefully with `fleetctl down`."""
+    state = local.load()
+    if state is None:
+        return
+    for _ in range(5):  # an agent killed mid-spawn leaves a replica the next round finds
+        procs = local.marked_processes(state.fleet_id)
+        if not procs:
+            return
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        # reap ours; the others (replicas) are reaped by whoever inherits them, and a
+        # zombie is no longer a marked process
+        mine = {p.pid for p in psutil.Process().children()}
+        psutil.wait_procs([p for p in procs if p.pid in mine], timeout=5)
 
 
 def kill_trees(pids: list[int]) -> None:

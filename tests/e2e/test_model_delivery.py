@@ -16,7 +16,8 @@ import openai
 import pytest
 
 from control_plane.client import FleetClient
-from tests.e2e.sim_fleet import wait_for
+from control_plane.local.fleet import LocalFleet
+from tests.e2e.sim_fleet import kill_fleet, wait_for
 from tests.fleet_base.models.conftest import AWS_ENV, S3Server
 from tests.fleet_base.models.servers import FileServer, serve
 from tests.fleetctl import fleetctl, fleetctl_json
@@ -39,7 +40,7 @@ def s3_fleet(tmp_path_factory, smollm2_gguf: Path):
         up = fleetctl_json(home, "up", "--detach", "--regions", "local-east", timeout=300)
         yield home, s3, up
     finally:
-        fleetctl(home, "down", check=False, timeout=120)
+        kill_fleet(LocalFleet(home))
         s3.stop()
         for k, v in saved.items():
             if v is None:

@@ -12,8 +12,9 @@ from fleet_base.api_keys import key_id_of
 from fleet_base.cluster_config import ClusterConfig
 from fleet_base.local_state import LocalState
 from fleet_base.security.tls import client_context
+from tests.e2e.sim_fleet import kill_fleet
 from tests.e2e.test_local_fleet import Fleet
-from tests.fleetctl import fleetctl, fleetctl_json
+from tests.fleetctl import fleetctl_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -43,11 +44,7 @@ def fleet(tmp_path_factory, smollm2_gguf):
         fleet.key = fleet.up["key"]
         yield fleet
     finally:
-        state = fleet.local.load()
-        fleetctl(home, "down", check=False, timeout=120)
-        if state is not None:
-            for proc in fleet.local.marked_processes(state.fleet_id):
-                proc.kill()
+        kill_fleet(fleet.local)
 
 
 def cached(gateway: str, key: str, **extra) -> int:
