@@ -217,6 +217,14 @@ def lora_launch(kind: EngineKind, max_loras: int) -> tuple[list[str], dict[str, 
     return [], {}
 
 
+# llama-server serves each connection, while it is kept alive, on one thread of a fixed pool
+# (default max(slots + 4, cores - 1)); a connection beyond it is not accepted (with TLS: no
+# handshake) until one frees, and the gateway's connect timeout fails it. The gateway's and
+# the agent's connections to one replica outnumber that default under load (seen live with 8
+# concurrent requests on 4 slots), so Fleet sizes the pool; `-e threads_http=N` overrides it.
+LLAMA_HTTP_THREADS = 64
+
+
 def launch_command(
     kind: EngineKind,
     model_path: str,
@@ -264,6 +272,7 @@ def launch_command(
     elif kind == "llama.cpp":
         argv = ["llama-server", "-m", model_path, "--host", host, "--port", str(port)]
         argv += ["--alias", served_name, "--metrics", "--slots", *_key_flags(api_key)]
+        argv += ["--threads-http", str(LLAMA_HTTP_THREADS)]
     else:
         raise ValueError(f"no foreign launch command for engine {kind!r}")
     if kv_events_endpoint:

@@ -28,6 +28,8 @@ pytestmark = pytest.mark.slow
 REGION = "local-east"
 DEPLOYMENT = "smollm2-cpp"
 MESSAGES = [{"role": "user", "content": "Name one colour."}]
+# Load that keeps a slot busy for its whole max_tokens (a short answer would end at once).
+LONG = [{"role": "user", "content": "Write a long story about a river, in many paragraphs."}]
 
 
 @pytest.fixture(scope="module")
@@ -72,9 +74,9 @@ def _client(gateway: str, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{gateway}/v1", api_key=key, max_retries=0, timeout=60)
 
 
-def _chat(client: openai.OpenAI, max_tokens: int = 8):
+def _chat(client: openai.OpenAI, max_tokens: int = 8, messages: list[dict] = MESSAGES):
     return client.chat.completions.create(
-        model=DEPLOYMENT, messages=MESSAGES, max_tokens=max_tokens, temperature=0
+        model=DEPLOYMENT, messages=messages, max_tokens=max_tokens, temperature=0
     )
 
 
@@ -83,7 +85,7 @@ def _load(gateway: str, key: str, n: int, max_tokens: int) -> list[str]:
 
     def one(i: int) -> str | None:
         try:
-            reply = _chat(_client(gateway, key), max_tokens)
+            reply = _chat(_client(gateway, key), max_tokens, LONG)
             assert reply.usage is not None and reply.usage.completion_tokens > 0
             return None
         except Exception as err:
@@ -91,6 +93,21 @@ def _load(gateway: str, key: str, n: int, max_tokens: int) -> list[str]:
 
     with cf.ThreadPoolExecutor(n) as pool:
         return [e for e in pool.map(one, range(n)) if e]
+
+
+def _load_until(gateway: str, key: str, n: int, done, timeout: float) -> list[str]:
+    """n requests at a time, again and again, until `done()` (checked between rounds) or
+    `timeout`; the errors (one that was not done in time included)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        errors = _load(gateway, key, n, 32)
+        if errors or done():
+            return errors
+    return [f"not done after {timeout:.0f} s of load"]
+
+
+def _desired(home: Path) -> int:
+    return fleetctl_json(home, "status", DEPLOYMENT)["desired_replicas"]
 
 
 def test_llama_cpp_deployment_serves_meters_scales_and_survives_a_kill(
@@ -111,7 +128,9 @@ def test_llama_cpp_deployment_serves_meters_scales_and_survives_a_kill(
     assert ready and ready[0]["startup"].get("cold_start") is not None  # cold start measured
     replica = next(r for r in _replicas(home) if r.state == "ready")
     assert replica.engine == "llama.cpp" and replica.max_adapters == 0
-    if not serves_tls("llama.cpp", llama_server):  # a build without OpenSSL: loopback HTTP, said
+    if serves_tls("llama.cpp", llama_server):  # the replica certificate, as our engine's replicas
+        assert replica.url.startswith("https://127.0.0.1:") and not replica.note
+    else:  # a build without OpenSSL: loopback HTTP, and the replica says so
         assert replica.url.startswith("http://127.0.0.1:") and "no TLS support" in replica.note
     log = (_state_dir(home) / "logs" / f"{replica.replica_id}.log").read_text()
     assert "llama-server" in log and "--alias smollm2-cpp" in log
@@ -143,12 +162,11 @@ def test_llama_cpp_deployment_serves_meters_scales_and_survives_a_kill(
         _chat(capped, 2)
 
     # Under load the agent reads running/queued requests from llamacpp:* and the autoscaler
-    # (target 1 request per replica) asks for the second replica.
+    # (target 1 request per replica) asks for the second replica; the load lasts until it does.
     seen: list[tuple[int, int]] = []
     with cf.ThreadPoolExecutor(1) as bg:
-        loading = bg.submit(_load, gateway, key, 8, 48)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and not loading.done():
+        loading = bg.submit(_load_until, gateway, key, 8, lambda: _desired(home) >= 2, 45)
+        while not loading.done():
             seen += [(r.load.running, r.load.waiting) for r in _replicas(home) if r.state == "ready"]
             time.sleep(0.2)
         assert loading.result() == []
@@ -159,7 +177,7 @@ def test_llama_cpp_deployment_serves_meters_scales_and_survives_a_kill(
     # One replica dies with requests in flight: they are retried on the other one.
     retries = _retries(gateway)
     with cf.ThreadPoolExecutor(1) as bg:
-        loading = bg.submit(_load, gateway, key, 8, 32)
+        loading = bg.submit(_load, gateway, key, 8, 64)
         victim = wait_for(lambda: _busy_replica(home), 20, 0.1, "a replica with requests running")
         os.kill(victim.pid, signal.SIGKILL)
         assert loading.result() == []
