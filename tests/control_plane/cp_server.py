@@ -25,6 +25,15 @@ PG_ENV = "FLEET_TEST_POSTGRES_URL"
 REQUIRE_PG_ENV = "FLEET_REQUIRE_POSTGRES"
 
 
+# The leader's lease timing of a control plane a test kills and starts again: its successor
+# waits out the dead instance's lease before it leads (the default 15 s is for real networks).
+SHORT_LEASE_ENV = {
+    "FLEET_LEADER_LEASE_S": "4",
+    "FLEET_LEADER_RENEW_DEADLINE_S": "3",
+    "FLEET_LEADER_RETRY_S": "0.5",
+}
+
+
 def postgres_admin_url() -> str:
     """FLEET_TEST_POSTGRES_URL, or skip (fail when FLEET_REQUIRE_POSTGRES=1) with why."""
     url = os.environ.get(PG_ENV, "")

@@ -22,7 +22,7 @@ from control_plane.db import session as dbs
 from control_plane.local.nats_server import NatsServer
 from fleet_base import protocol
 from fleet_base.nats_io import NatsLink
-from tests.control_plane.cp_server import PG_ENV, ControlPlaneServer, fresh_database
+from tests.control_plane.cp_server import PG_ENV, SHORT_LEASE_ENV, ControlPlaneServer, fresh_database
 from tests.polling import wait_for
 
 pytestmark = pytest.mark.slow
@@ -123,6 +123,8 @@ def db_url(tmp_path):
 
 async def test_nothing_lost_nothing_counted_twice(db_url: str, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("FLEET_INGEST_ACK_WAIT_S", "2")
+    for name, value in SHORT_LEASE_ENV.items():  # each instance killed here held the lease
+        monkeypatch.setenv(name, value)
     nats = NatsServer(tmp_path / "nats").start()
     link = NatsLink(nats.url, "test-gateways")
     link.start()
