@@ -41,10 +41,16 @@ def start_threads(run: Callable[[int], None], count: int) -> list[threading.Thre
 
 @contextlib.contextmanager
 def serving_fleet(
-    home: Path, region: str, name: str, replicas: int, slots: int, **fields: Any
+    home: Path,
+    region: str,
+    name: str,
+    replicas: int,
+    slots: int,
+    control_plane_env: dict[str, str] | None = None,
+    **fields: Any,
 ) -> Iterator[SimFleet]:
     """A one-region SimFleet serving `name` (`fields`: more of its body) with `replicas` ready."""
-    fleet = SimFleet(home, [region], slots=slots)
+    fleet = SimFleet(home, [region], slots=slots, control_plane_env=control_plane_env)
     try:
         fleet.up()
         fleet.deploy(name, replicas, **fields)

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from tests.control_plane.cp_server import SHORT_LEASE_ENV
 from tests.e2e.sim_fleet import Load, Sampler, SimFleet, serving_fleet, wait_for
 from tests.fleetctl import fleetctl
 
@@ -29,7 +30,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     home = tmp_path_factory.mktemp("rollout-home")
-    with serving_fleet(home, REGION, NAME, REPLICAS, REPLICAS + 2, engine_args=SIM_ARGS) as fleet:
+    with serving_fleet(
+        home, REGION, NAME, REPLICAS, REPLICAS + 2, control_plane_env=SHORT_LEASE_ENV, engine_args=SIM_ARGS
+    ) as fleet:
         yield fleet
 
 
