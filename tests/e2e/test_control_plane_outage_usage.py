@@ -17,6 +17,7 @@ import httpx
 import psutil
 import pytest
 
+from tests.control_plane.cp_server import SHORT_LEASE_ENV
 from tests.e2e.sim_fleet import SimFleet, Workers, wait_for
 
 EAST, WEST = "local-east", "local-west"
@@ -70,7 +71,7 @@ def _at(event: dict) -> float:
 
 
 def test_usage_while_the_control_plane_is_down_is_stored_exactly_once(tmp_path):
-    fleet = SimFleet(tmp_path / "home", [EAST, WEST], slots=3)
+    fleet = SimFleet(tmp_path / "home", [EAST, WEST], slots=3, control_plane_env=SHORT_LEASE_ENV)
     try:
         fleet.up()
         fleet.deploy(NAME, 2, min_regions=2, engine_args={"cold_start": 0.2})
