@@ -45,7 +45,7 @@ def fleet(tmp_path_factory):
         yield server, nats_server
     finally:
         if server is not None:
-            server.stop()
+            server.kill()
         nats_server.stop()
 
 

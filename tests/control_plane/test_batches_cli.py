@@ -25,7 +25,7 @@ def fleet(tmp_path_factory):
         yield server, nats
     finally:
         if server is not None:
-            server.stop()
+            server.kill()
         nats.stop()
 
 

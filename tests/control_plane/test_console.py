@@ -56,7 +56,7 @@ def cp(tmp_path_factory):
             assert r.status_code == 201, r.text
         yield server
     finally:
-        server.stop()
+        server.kill()
         cleanup()
 
 

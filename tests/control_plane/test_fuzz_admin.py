@@ -32,7 +32,7 @@ def cp_server(request, tmp_path):
             wait_for(lambda: admin.get("/healthz").json()["nats"], 30, "the control plane's NATS link")
         yield server
     finally:
-        server.stop()
+        server.kill()
         nats.stop()
         cleanup()
 

@@ -23,7 +23,7 @@ def server(tmp_path_factory):
     try:
         yield cp.start()
     finally:
-        cp.stop()
+        cp.kill()
         cleanup()
 
 

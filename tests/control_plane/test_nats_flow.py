@@ -128,7 +128,7 @@ def control_plane(tmp_path, nats_server, monkeypatch):
         tmp_path / "home", f"sqlite:///{tmp_path / 'fleet.db'}", nats_server.url, loops=True
     )
     yield cp
-    cp.stop()
+    cp.kill()
 
 
 async def _desired_states(desired_kv) -> dict[str, DesiredState]:

@@ -21,7 +21,7 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("import")
     cp = ControlPlaneServer(tmp / "home", f"sqlite:///{tmp / 'fleet.db'}", loops=True).start()
     yield cp
-    cp.stop()
+    cp.kill()
 
 
 @pytest.mark.slow
