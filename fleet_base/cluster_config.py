@@ -66,10 +66,10 @@ class GatewayConfig(BaseModel):
     stale_keys: Literal["verified", "refuse"] = "verified"
     # /metrics needs a bearer key with the "metrics" or "read" scope.
     protect_metrics: bool = False
-    # Replica choice (agent.gateway.plan): "prefix" weighs the prefill cached prefix blocks
-    # save (from the replicas' KV events) against the prefill queued there; "least-load"
-    # only outstanding work. An RTT second to a peer costs prefix_tokens_per_s prompt tokens
-    # of prefill.
+    # Replica choice (agent.gateway.plan): "prefix" picks the least expected time to first
+    # token (the prefill queued there, then what cached prefix blocks, from the replicas' KV
+    # events, do not save); "least-load" only outstanding work. prefix_tokens_per_s is the
+    # prefill speed of replicas whose profile is unknown (and of peers, RTT added).
     routing: Routing = "prefix"
     prefix_tokens_per_s: float = Field(4000.0, gt=0)
     prefix_index_blocks: int = Field(65536, ge=1)  # block hashes remembered per replica
