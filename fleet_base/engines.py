@@ -302,6 +302,17 @@ def _tls_flags(kind: EngineKind, tls: TlsFiles) -> list[str]:
 
 # ------------------------------------------------------------------ what a deployment may ask
 
+# `-e` keys that describe the deployment to Fleet's planner and simulator rather than flags of
+# a server: the performance profile (`profile`, `profile_<GPU>`) and an assumed cold start.
+# The simulated replica reads them; a real engine (ours or a foreign one) never sees them, so
+# `-e profile_a100=...` on a vLLM deployment is not an unknown flag that stops vLLM.
+PLANNING_ARGS = frozenset({"profile", "cold_start"})
+
+
+def is_planning_arg(key: str) -> bool:
+    return key in PLANNING_ARGS or key.startswith("profile_")
+
+
 _ANY_PARALLEL = frozenset(k for groups in PARALLEL_ARGS.values() for group in groups for k in group)
 MAX_REPLICA_GPUS = 64  # Resources.gpu_count's bound
 

@@ -18,6 +18,7 @@ from fleet_base.engines import (
     FOREIGN_RESERVED_ARGS,
     RESERVED_ARGS,
     TlsFiles,
+    is_planning_arg,
     launch_command,
     lora_launch,
 )
@@ -44,17 +45,23 @@ def check_text(what: str, value: str) -> str:
     return value
 
 
-def engine_flags(engine_args: dict[str, Any], reserved: frozenset[str] = RESERVED_KEYS) -> list[str]:
+def engine_flags(
+    engine_args: dict[str, Any], reserved: frozenset[str] = RESERVED_KEYS, *, planning: bool = False
+) -> list[str]:
     """{"max_num_seqs": 8, "enforce_x": True, "seed": None} -> ["--max-num-seqs", "8", "--enforce-x"].
 
     True gives the flag alone; False and None omit it; numbers and strings follow the
-    flag; anything else (lists, dicts) is refused with InvalidSpec."""
+    flag; anything else (lists, dicts) is refused with InvalidSpec. The planner's keys
+    (`fleet_base.engines.is_planning_arg`) become flags only with `planning` (the simulated
+    replica reads them; a real engine would refuse them as unknown)."""
     argv: list[str] = []
     for key, value in engine_args.items():
         if not isinstance(key, str) or not _KEY.match(key):
             raise InvalidSpec(f"engine_args: key {key!r} must match {_KEY.pattern}")
         if key in reserved:
             raise InvalidSpec(f"engine_args: {key!r} is set by the agent")
+        if is_planning_arg(key) and not planning:
+            continue
         flag = "--" + key.replace("_", "-")
         if value is None or value is False:
             continue
@@ -103,7 +110,8 @@ def replica_argv(
         "--port",
         str(port),
     ]
-    argv += engine_flags(spec.engine_args) + (lora_flags(spec) if lora else [])
+    argv += engine_flags(spec.engine_args, planning=module != ENGINE_MODULE)
+    argv += lora_flags(spec) if lora else []
     argv += list(config.replica.extra_args)
     if "--drain-timeout" not in argv:
         argv += ["--drain-timeout", repr(float(config.replica.drain_timeout_s))]

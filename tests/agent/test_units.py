@@ -84,6 +84,27 @@ def test_replica_argv(tmp_path: Path) -> None:
         replica_argv(spec.model_copy(update={"model": "-x"}), cfg, port=1)
 
 
+def test_planner_keys_reach_the_simulated_replica_but_no_real_engine(tmp_path: Path) -> None:
+    """`profile`, `profile_<GPU>` and `cold_start` describe the deployment to the planner: our
+    engine's argparse (and vLLM's) would stop on them as unknown flags."""
+    from agent.runtime.command import foreign_argv
+    from agent.runtime.sim import SIM_MODULE
+    from engine.server.launcher import build_parser
+
+    args = {"profile": "A100", "profile_h100": "h100", "cold_start": 30, "max_num_seqs": 4}
+    spec = ReplicaSpec(replica_id="r1", deployment="chat", version=1, model="m", engine_args=args)
+    cfg = config(tmp_path)
+    real = replica_argv(spec, cfg, port=8123, python="py")
+    assert not {"--profile", "--profile-h100", "--cold-start"} & set(real)
+    assert "--max-num-seqs" in real
+    build_parser().parse_args(real[3:])  # the engine accepts every flag it is given
+    sim = replica_argv(spec, cfg, port=8123, python="py", module=SIM_MODULE)
+    assert {"--profile", "--profile-h100", "--cold-start"} <= set(sim)
+    vllm = spec.model_copy(update={"engine": "vllm"})
+    foreign = foreign_argv(vllm, model_path="/models/m", port=8000, host="127.0.0.1")
+    assert not {"--profile", "--profile-h100", "--cold-start"} & set(foreign)
+
+
 # ----------------------------------------------------------------- /metrics
 
 
