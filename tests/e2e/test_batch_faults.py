@@ -35,6 +35,7 @@ import pytest
 from control_plane.local.fleet import terminate
 from fleet_base.batch.config import BatchConfig
 from fleet_base.cluster_config import ClusterConfig
+from tests.control_plane.cp_server import SHORT_LEASE_ENV
 from tests.e2e.batch_tools import (
     assert_exactly_once,
     chat_line,
@@ -55,7 +56,13 @@ BATCH = BatchConfig(ack_wait_s=4.0, claim_s=6.0, per_replica=2)
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimFleet]:
-    fleet = SimFleet(tmp_path_factory.mktemp("batch-faults"), [EAST, WEST], slots=2, cluster={"batch": BATCH})
+    fleet = SimFleet(
+        tmp_path_factory.mktemp("batch-faults"),
+        [EAST, WEST],
+        slots=2,
+        cluster={"batch": BATCH},
+        control_plane_env=SHORT_LEASE_ENV,  # (c)'s restarted instance leads 4 s after it starts, not 15
+    )
     try:
         fleet.up()
         fleet.deploy(MODEL, 2, min_regions=2, engine_args={"cold_start": 0.2})
