@@ -21,6 +21,20 @@ ENGINE_KINDS: tuple[EngineKind, ...] = get_args(EngineKind)
 KvEventsTransport = Literal["http", "zmq"]
 
 
+class LoraApi(BaseModel):
+    """An engine's runtime adapter API: POST `load_path` with {"lora_name", "lora_path"} and
+    `unload_path` with {"lora_name"} (the body vLLM, SGLang and our engine all take).
+    `local_path`: `lora_path` must be a directory on the server's host, so the agent pulls
+    the adapter into the node model cache and sends that; our engine reads Fleet's model
+    URIs (hf://, s3://, ...) itself."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    load_path: str
+    unload_path: str
+    local_path: bool
+
+
 class EngineCapabilities(BaseModel):
     """What one engine offers a Fleet deployment, from its own documentation.
 
@@ -34,6 +48,13 @@ class EngineCapabilities(BaseModel):
     the replica to be idle before it signals). `fleet_continuation`: the replica speaks
     Fleet's stream-continuation form (token ids on streamed chunks, a resume field;
     fleet_base/openai_contract/continuation.py), which the gateway's stream migration needs.
+    `embeddings`: /v1/embeddings is served whatever model runs (else only by a deployment
+    `serves_embeddings` says is an embedding one). `cache_salt`: the request field
+    `cache_salt` is mixed into the prefix cache's block hashes (and a published block's),
+    which is what keeps one API key's cached prompts from another's
+    (agent/gateway/tenancy.py); without it the field is not sent, prefix keys are unsalted
+    and the engine's own cache is shared between tenants (`tenant_notes`). `lora_api`: how
+    adapters are loaded while the server runs (None: they cannot be).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -53,6 +74,8 @@ class EngineCapabilities(BaseModel):
     drains_on_sigterm: bool = False
     fleet_continuation: bool = False
     batch_invariant: bool = False
+    cache_salt: bool = False
+    lora_api: LoraApi | None = None
 
 
 CAPABILITIES: dict[EngineKind, EngineCapabilities] = {
@@ -74,17 +97,24 @@ CAPABILITIES: dict[EngineKind, EngineCapabilities] = {
         drains_on_sigterm=True,
         fleet_continuation=True,
         batch_invariant=True,
+        cache_salt=True,
+        lora_api=LoraApi(
+            load_path="/v1/load_lora_adapter", unload_path="/v1/unload_lora_adapter", local_path=False
+        ),
     ),
     # https://docs.vllm.ai/en/stable/cli/serve/ (flags), .../usage/metrics/ (vllm:* series),
     # .../features/lora/ (/v1/load_lora_adapter with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True),
     # .../examples/online_serving/kv_events_subscriber/ (ZMQ msgpack KV events),
     # .../features/structured_outputs/; /v1/completions accepts a list of token ids as prompt.
+    # `cache_salt` on chat and completion requests salts the first block's hash, and its
+    # BlockStored events carry the salt in `extra_keys` (vllm/distributed/kv_events.py).
+    # LoRA: `lora_path` is a local directory. Embeddings: a pooling model only (`runner`).
     "vllm": EngineCapabilities(
         kv_events="zmq",
         lora_load=True,
         continuation_from_token_ids=True,
         prompt_token_ids=True,
-        embeddings=True,
+        embeddings=False,
         structured_outputs=True,
         tls=True,
         tensor_parallel=True,
@@ -92,17 +122,23 @@ CAPABILITIES: dict[EngineKind, EngineCapabilities] = {
         metrics_flag=None,
         health_path="/health",
         default_port=8000,
+        cache_salt=True,
+        lora_api=LoraApi(
+            load_path="/v1/load_lora_adapter", unload_path="/v1/unload_lora_adapter", local_path=True
+        ),
     ),
     # https://docs.sglang.io/references/production_metrics (sglang:* with --enable-metrics),
     # https://docs.sglang.io/advanced_features/server_arguments (flags, --kv-events-config),
     # .../advanced_features/lora (/load_lora_adapter, /unload_lora_adapter); the native
     # /generate endpoint takes `input_ids`; /health answers once the scheduler is up.
+    # The radix cache is keyed by tokens alone (no cache salt; its KV events carry none).
+    # Embeddings: only with --is-embedding (an embedding-only server).
     "sglang": EngineCapabilities(
         kv_events="zmq",
         lora_load=True,
         continuation_from_token_ids=True,
         prompt_token_ids=True,
-        embeddings=True,
+        embeddings=False,
         structured_outputs=True,
         tls=True,
         tensor_parallel=True,
@@ -110,19 +146,22 @@ CAPABILITIES: dict[EngineKind, EngineCapabilities] = {
         metrics_flag="--enable-metrics",
         health_path="/health",
         default_port=30000,
+        lora_api=LoraApi(load_path="/load_lora_adapter", unload_path="/unload_lora_adapter", local_path=True),
     ),
     # https://github.com/ggml-org/llama.cpp/blob/master/tools/server/README.md: /health (503
     # while loading), /metrics with llamacpp:* only with --metrics, /slots; /completion takes
     # a prompt of token ids (or mixed), which is what continuation needs. No KV-cache events.
     # POST /lora-adapters only rescales adapters given at launch with --lora: no hot load.
     # TLS only in builds with LLAMA_SERVER_SSL (--ssl-key-file/--ssl-cert-file); no tensor
-    # parallelism (layers split across devices instead).
+    # parallelism (layers split across devices instead). Its slots' prompt cache knows no
+    # salt: the launcher turns it off (--no-cache-prompt). /v1/embeddings only with
+    # --embeddings, which makes the server embedding-only.
     "llama.cpp": EngineCapabilities(
         kv_events=None,
         lora_load=False,
         continuation_from_token_ids=True,
         prompt_token_ids=True,
-        embeddings=True,
+        embeddings=False,
         structured_outputs=True,
         tls=True,
         tensor_parallel=False,
@@ -224,6 +263,12 @@ def lora_launch(kind: EngineKind, max_loras: int) -> tuple[list[str], dict[str, 
 # concurrent requests on 4 slots), so Fleet sizes the pool; `-e threads_http=N` overrides it.
 LLAMA_HTTP_THREADS = 64
 
+# llama-server reuses a slot's cached prompt prefix (and its RAM prompt cache) for any request,
+# whichever API key sent it, and knows no cache salt: a tenant could time another's prompt.
+# Off by default; a single-tenant deployment may turn it back on with `-e cache_prompt=true`
+# (the later flag wins), at the cost of that isolation (docs/security.md).
+NO_SHARED_PROMPT_CACHE = ("--no-cache-prompt",)
+
 
 def launch_command(
     kind: EngineKind,
@@ -272,7 +317,7 @@ def launch_command(
     elif kind == "llama.cpp":
         argv = ["llama-server", "-m", model_path, "--host", host, "--port", str(port)]
         argv += ["--alias", served_name, "--metrics", "--slots", *_key_flags(api_key)]
-        argv += ["--threads-http", str(LLAMA_HTTP_THREADS)]
+        argv += ["--threads-http", str(LLAMA_HTTP_THREADS), *NO_SHARED_PROMPT_CACHE]
     else:
         raise ValueError(f"no foreign launch command for engine {kind!r}")
     if kv_events_endpoint:
@@ -298,6 +343,54 @@ def _tls_flags(kind: EngineKind, tls: TlsFiles) -> list[str]:
     if kind == "vllm" and tls.ca_certs:
         out += ["--ssl-ca-certs", tls.ca_certs]
     return out
+
+
+# ------------------------------------------------------------------ what a deployment serves
+
+# The engine arguments that make a deployment of an engine without `embeddings` an embedding
+# one: vLLM's pooling runner (`runner=pooling`, or `convert=embed`; `task=embed` before
+# v0.11), SGLang's --is-embedding, llama-server's --embeddings. Each such server then serves
+# embeddings only.
+EMBEDDING_ARGS: dict[EngineKind, dict[str, frozenset[object]]] = {
+    "vllm": {
+        "runner": frozenset({"pooling"}),
+        "convert": frozenset({"embed"}),
+        "task": frozenset({"embed", "embedding"}),
+    },
+    "sglang": {"is_embedding": frozenset({True, "true"})},
+    "llama.cpp": {"embeddings": frozenset({True, "true"}), "embedding": frozenset({True, "true"})},
+}
+
+
+def serves_embeddings(kind: EngineKind, engine_args: Mapping[str, object]) -> bool:
+    """Whether a `kind` deployment with these engine arguments answers /v1/embeddings."""
+    if CAPABILITIES[kind].embeddings:
+        return True
+    for key, values in EMBEDDING_ARGS.get(kind, {}).items():
+        value = engine_args.get(key)
+        if isinstance(value, str):
+            value = value.strip().lower()
+        if value in values:
+            return True
+    return False
+
+
+def tenant_notes(kind: EngineKind) -> list[str]:
+    """What a deployment on `kind` gives up of tenant isolation, said at deploy: [] for an
+    engine whose prefix cache takes the gateway's per-key `cache_salt`."""
+    if CAPABILITIES[kind].cache_salt:
+        return []
+    if kind == "llama.cpp":
+        return [
+            "llama.cpp has no per-tenant cache salt: its prompt cache is off (--no-cache-prompt), "
+            "so every request prefills its whole prompt; `-e cache_prompt=true` turns it back on "
+            "for a single-tenant deployment only (one API key could then time another's prompts)"
+        ]
+    return [
+        f"{kind} has no per-tenant cache salt: its prefix cache is shared by every API key, so one "
+        "tenant can tell (cached_tokens, time to first token) whether another sent a prompt; "
+        "serve a single tenant per deployment"
+    ]
 
 
 # ------------------------------------------------------------------ what a deployment may ask
@@ -348,6 +441,10 @@ def is_gguf(model: str) -> bool:
     URI's `#sha256=` fragment and any query left aside). An alias or a directory is not."""
     path = model.strip().split("#", 1)[0].split("?", 1)[0]
     return path.lower().endswith(".gguf")
+
+
+# What SGLang needs at launch to load adapters later (--lora-paths would tell it otherwise).
+SGLANG_LORA_ARGS = ("max_lora_rank", "lora_target_modules")
 
 
 class EngineProblem(NamedTuple):
@@ -412,6 +509,17 @@ def deployment_problems(
                 "remove the deployment's adapters, or deploy with fleet, vllm or sglang",
             )
         )
+    if adapters and kind == "sglang":
+        missing = [k for k in SGLANG_LORA_ARGS if engine_args.get(k) in (None, False, "")]
+        if missing:
+            problems.append(
+                EngineProblem(
+                    "engine_args",
+                    "sglang sizes its LoRA buffers at launch from the adapters it starts with, and "
+                    f"Fleet starts it with none: give {' and '.join(f'-e {k}=...' for k in missing)} "
+                    "(the largest rank of the adapters; the modules they target, or all)",
+                )
+            )
     if kind == "llama.cpp" and not is_gguf(model):
         problems.append(
             EngineProblem(

@@ -104,6 +104,11 @@ def fields(kind, model="m", args=None, adapters=0):
         ("fleet", "m", {"port": 1}, 0, ["engine_args"]),
         ("vllm", "m", {"tensor_parallel_size": 0}, 0, ["engine_args"]),
         ("vllm", "m", {"tensor_parallel_size": 16, "pipeline_parallel_size": 8}, 0, ["engine_args"]),
+        # SGLang loads adapters later only within the rank and modules reserved at launch
+        ("sglang", "m", {}, 2, ["engine_args"]),
+        ("sglang", "m", {"max_lora_rank": 64}, 2, ["engine_args"]),
+        ("sglang", "m", {"max_lora_rank": 64, "lora_target_modules": "all"}, 2, []),
+        ("sglang", "m", {}, 0, []),
     ],
 )
 def test_deployment_problems(kind, model, args, adapters, expected):

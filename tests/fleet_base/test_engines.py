@@ -141,3 +141,62 @@ def test_parallel_gpus_is_the_product_of_the_parallel_sizes(kind, args, gpus):
 def test_parallel_gpus_refuses_a_size_that_is_no_count(bad):
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         engines.parallel_gpus("vllm", {"tensor_parallel_size": bad})
+
+
+# ------------------------------------------------------------------ what a deployment serves
+
+
+@pytest.mark.parametrize(
+    "kind, args, serves",
+    [
+        ("fleet", {}, True),
+        ("vllm", {}, False),  # a generative model serves no embeddings
+        ("vllm", {"runner": "pooling"}, True),
+        ("vllm", {"runner": "generate"}, False),
+        ("vllm", {"convert": "embed"}, True),
+        ("vllm", {"task": "embed"}, True),
+        ("sglang", {}, False),
+        ("sglang", {"is_embedding": True}, True),
+        ("llama.cpp", {}, False),  # the launcher passes no --embeddings
+        ("llama.cpp", {"embeddings": True}, True),
+        ("llama.cpp", {"embeddings": False}, False),
+    ],
+)
+def test_serves_embeddings(kind, args, serves):
+    assert engines.serves_embeddings(kind, args) is serves
+
+
+def test_cache_salt_only_where_the_prefix_cache_takes_it():
+    assert {k for k in ENGINE_KINDS if CAPABILITIES[k].cache_salt} == {"fleet", "vllm"}
+    for kind in ENGINE_KINDS:
+        notes = engines.tenant_notes(kind)
+        assert bool(notes) is not CAPABILITIES[kind].cache_salt
+        assert all(kind in n for n in notes)
+
+
+def test_llama_cpp_starts_without_its_shared_prompt_cache():
+    argv = launch_command("llama.cpp", "/m.gguf", 1, None, "x")
+    assert "--no-cache-prompt" in argv
+    # a single-tenant deployment turns it back on: the user's flag comes later and wins
+    argv = launch_command("llama.cpp", "/m.gguf", 1, None, "x", ["--cache-prompt"])
+    assert argv.index("--cache-prompt") > argv.index("--no-cache-prompt")
+    for kind in ("vllm", "sglang"):
+        assert "--no-cache-prompt" not in launch_command(kind, "/m", 1, None, "x")
+
+
+@pytest.mark.parametrize(
+    "kind, load, unload, local",
+    [
+        ("fleet", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", False),
+        ("vllm", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", True),
+        ("sglang", "/load_lora_adapter", "/unload_lora_adapter", True),
+    ],
+)
+def test_lora_api_per_engine(kind, load, unload, local):
+    api = CAPABILITIES[kind].lora_api
+    assert api is not None and (api.load_path, api.unload_path, api.local_path) == (load, unload, local)
+
+
+def test_lora_api_exactly_where_adapters_load_at_run_time():
+    for kind in ENGINE_KINDS:
+        assert (CAPABILITIES[kind].lora_api is not None) is CAPABILITIES[kind].lora_load
