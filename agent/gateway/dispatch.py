@@ -182,7 +182,9 @@ class Dispatcher:
         replica may have worked on it, and closing the connection stopped it there."""
         call = ex.call
         try:
-            opened = await self.upstreams.open(call, target, body_for(call.info, call.key_id, target.is_peer))
+            opened = await self.upstreams.open(
+                call, target, body_for(call.info, call.key_id, target.is_peer, call.salted)
+            )
             if opened.status >= 300 or not call.info.stream:
                 return opened, await self.upstreams.read(call, target, opened)
             return opened, None

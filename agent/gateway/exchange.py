@@ -45,6 +45,7 @@ class Call:
     max_concurrent: int | None = None  # the key's: its requests holding a slot here at once
     draw: float | None = None  # the canary draw (sticky per end user), fixed per request
     block_keys: tuple[int, ...] = ()  # the prompt's prefix-block keys (prefix routing)
+    salted: bool = True  # the deployment's engine takes the key's cache salt (agent.gateway.tenancy)
     limit_headers: Mapping[str, str] = field(default_factory=dict)
     client: ClientHeaders = ClientHeaders()
     allowed: frozenset[str] | None = None  # residency: where it may be processed (None: anywhere)

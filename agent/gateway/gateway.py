@@ -36,6 +36,7 @@ from agent.gateway.coldstart import ColdStartCollector
 from agent.gateway.demand import DemandSignal
 from agent.gateway.disconnect import ClientGone, unless_disconnected
 from agent.gateway.dispatch import Dispatcher
+from agent.gateway.engine_gate import refusal
 from agent.gateway.engine_kv_metrics import EngineKvEventsCollector
 from agent.gateway.errors import GatewayError, error_response
 from agent.gateway.exchange import Call, ClientHeaders, Exchange, Settlement
@@ -69,7 +70,9 @@ from fleet_base.api_keys import ApiKeyRecord
 from fleet_base.batch.models import WorkItem
 from fleet_base.batch.names import usage_record_id
 from fleet_base.cluster_config import ClusterConfig
+from fleet_base.engines import CAPABILITIES
 from fleet_base.local_state import LocalState
+from fleet_base.models import ModelCache
 from fleet_base.nats_io import NatsLink
 from fleet_base.openai_contract.continuation import TOKEN_IDS_HEADER
 from fleet_base.openai_contract.priority import BATCH_CLASS
@@ -207,7 +210,8 @@ class Gateway:
 
     async def start(self) -> None:
         client = self.upstreams.client = self.shadow.client = make_client(verify=self.peers.client_verify)
-        self.adapters.api = ReplicaAdapters(client, self.peers.replica_headers)
+        cache = ModelCache(self.config.model_cache_dir, self.config.model_cache_max_bytes)
+        self.adapters.api = ReplicaAdapters(client, self.peers.replica_headers, cache)
         self._watch = asyncio.create_task(self.view.watch(), name="state-watch")
         self._status = asyncio.create_task(
             self.queue.report(LocalState(self.config.state_dir)), name="gateway-status"
@@ -497,6 +501,12 @@ class Gateway:
         )
         if hop is not None and trace is not None:
             trace.pipeline_hop(hop)
+        spec = self.desired.spec(info.deployment)  # None: served by peers only, who decide
+        if spec is not None and (
+            refused := refusal(info.deployment, spec.engine, spec.engine_args, endpoint, info.body)
+        ):
+            raise refused
+        salted = spec is None or CAPABILITIES[spec.engine].cache_salt
         info, counter = await self.tokens.recount_async(info, off_loop=len(raw) > OFF_LOOP_BYTES)
         context = self.desired.context_tokens(info.deployment, self.config.gateway.default_context_tokens)
         info = replace(info, context_tokens=context)  # bounds what an open-ended request may generate
@@ -511,7 +521,8 @@ class Gateway:
             klass=record.quotas.priority_class or self.config.gateway.default_class,
             max_concurrent=record.quotas.max_concurrent,
             draw=self._draw(info, headers.get(SESSION_HEADER)),
-            block_keys=self.prefix.keys(info, record.key_id),
+            block_keys=self.prefix.keys(info, record.key_id, salted),
+            salted=salted,
             client=ClientHeaders(
                 authorization=self.peers.carried_authorization(headers),
                 session=headers.get(SESSION_HEADER) or None,

@@ -29,7 +29,7 @@ from agent.gateway.inputs import RequestInfo
 from agent.gateway.kv_index import KvUpdate, PrefixIndex, block_key
 from agent.gateway.metrics import GatewayMetrics
 from agent.gateway.plan import Attempt, CostModel
-from agent.gateway.tenancy import cache_salt
+from agent.gateway.tenancy import salt_of
 from fleet_base.block_hash import hash_request_blocks
 from fleet_base.domain import is_cluster_id
 from fleet_base.intake import Intake
@@ -184,14 +184,15 @@ class PrefixRouting:
                 self._profiles[name] = None
         return self._profiles[name]
 
-    def keys(self, info: RequestInfo, key_id: str) -> tuple[int, ...]:
+    def keys(self, info: RequestInfo, key_id: str, salted: bool = True) -> tuple[int, ...]:
         """The request's block keys; () when routing ignores prefixes or the prompt was
-        not tokenized (estimated counts have no ids)."""
+        not tokenized (estimated counts have no ids). `salted`: the deployment's engine
+        takes the key's cache salt (else its blocks, and so their events, have none)."""
         ids = info.prompt_ids
         if not self.model.prefix or not ids:
             return ()
         # the salt the replica gets (agent.gateway.tenancy)
-        return prefix_keys(ids, self.block_tokens(info.deployment), cache_salt(key_id))
+        return prefix_keys(ids, self.block_tokens(info.deployment), salt_of(key_id, salted))
 
     def count(self, info: RequestInfo, target: Attempt) -> None:
         """An attempt's routing decision and the prefix it found, on /metrics."""

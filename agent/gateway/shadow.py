@@ -297,7 +297,7 @@ class ShadowMirror:
                 self.client,
                 replica.url + PATHS[call.info.endpoint],
                 headers,
-                body_for(call.info, call.key_id, False),  # the key's prefix-cache salt
+                body_for(call.info, call.key_id, False, call.salted),  # the key's prefix-cache salt
                 self._deadlines(call),
             )
         except AttemptFailed as err:

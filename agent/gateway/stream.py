@@ -112,7 +112,7 @@ class StreamSession:
                 deployment=call.deployment,
                 limit=self.limit,
                 prompt_tokens=call.info.prompt_tokens,
-                body_for=lambda is_peer: body_for(call.info, call.key_id, is_peer),
+                body_for=lambda is_peer: body_for(call.info, call.key_id, is_peer, call.salted),
                 reopen=self.reopen,
                 release=self.release,
                 metrics=self.metrics,
