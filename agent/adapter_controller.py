@@ -61,12 +61,12 @@ class AdapterController:
                 if loaded is None:
                     continue
                 for name in [n for n in loaded if n not in catalog]:
-                    if await self.api.unload(r.handle.url, name):
+                    if await self.api.unload(r.handle.url, name, r.spec.engine):
                         loaded.remove(name)
                 if not r.adapters_seeded:
                     for name in share.get(r.replica_id, []):
                         if name not in loaded and len(loaded) < room:
-                            if await self.api.load(r.handle.url, name, catalog[name]):
+                            if await self.api.load(r.handle.url, name, catalog[name], r.spec.engine):
                                 loaded.append(name)
                     r.adapters_seeded = True
                 r.adapters = loaded

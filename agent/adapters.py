@@ -1,15 +1,23 @@
-"""LoRA adapters on running replicas, through the engine's vLLM API (/v1/models,
-/v1/load_lora_adapter, /v1/unload_lora_adapter). The agent uses it to preload a spread of a
-deployment's adapters and to unload those the catalog dropped; the gateway to load one on
-demand where there is room. The choices are plain functions; only `ReplicaAdapters` does I/O.
+"""LoRA adapters on running replicas, through each engine's runtime adapter API
+(`fleet_base.engines.LoraApi`: vLLM's and ours at /v1/load_lora_adapter, SGLang's at
+/load_lora_adapter; loaded adapters from /v1/models). The agent uses it to preload a spread of
+a deployment's adapters and to unload those the catalog dropped; the gateway to load one on
+demand where there is room. An engine that reads only local directories is sent the
+adapter's verified directory in the node model cache (pulled there first), never its URI.
+The choices are plain functions; only `ReplicaAdapters` does I/O.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import httpx
+
+from fleet_base.engines import CAPABILITIES, EngineKind
+from fleet_base.models import ModelCache, ModelStoreError, is_remote
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +49,31 @@ def eviction_victim(loaded: Sequence[str], last_used: Mapping[str, float], keep:
 class ReplicaAdapters:
     """The replica side: what is loaded, load and unload (a 400 'already loaded' is fine)."""
 
-    def __init__(self, http: httpx.AsyncClient, headers: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        headers: Mapping[str, str] | None = None,
+        cache: ModelCache | None = None,
+    ) -> None:
         self.http = http
         self.headers = dict(headers or {})
+        self.cache = cache  # the node model cache adapters are pulled into (None: local paths only)
+
+    async def local_path(self, uri: str) -> str | None:
+        """The adapter's directory on this host: a local path as it is, a model URI pulled
+        into the node cache (verified, single-flight across processes); None when it cannot
+        be had (logged)."""
+        if not is_remote(uri):
+            return str(Path(uri).expanduser())
+        if self.cache is None:
+            log.warning("adapter %s: no node model cache to pull it into", uri)
+            return None
+        try:
+            result = await asyncio.to_thread(self.cache.pull, uri, None, [uri])
+        except (ModelStoreError, OSError) as err:
+            log.warning("adapter %s: pull failed: %s", uri, err)
+            return None
+        return str(self.cache.model_dir(result.entry))
 
     async def loaded(self, url: str) -> list[str] | None:
         """Adapter names in the replica's /v1/models (cards with a parent); None: no answer."""
@@ -55,11 +85,18 @@ class ReplicaAdapters:
         except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
             return None
 
-    async def load(self, url: str, name: str, uri: str) -> bool:
+    async def load(self, url: str, name: str, uri: str, engine: EngineKind = "fleet") -> bool:
+        api = CAPABILITIES[engine].lora_api
+        if api is None:
+            log.warning("adapter %s on %s: %s cannot load adapters while it runs", name, url, engine)
+            return False
+        path = await self.local_path(uri) if api.local_path else uri
+        if path is None:
+            return False
         try:
             r = await self.http.post(
-                f"{url}/v1/load_lora_adapter",
-                json={"lora_name": name, "lora_path": uri},
+                f"{url}{api.load_path}",
+                json={"lora_name": name, "lora_path": path},
                 headers=self.headers,
                 timeout=120.0,
             )
@@ -71,10 +108,13 @@ class ReplicaAdapters:
         log.warning("loading adapter %s on %s: %s %s", name, url, r.status_code, r.text[:300])
         return False
 
-    async def unload(self, url: str, name: str) -> bool:
+    async def unload(self, url: str, name: str, engine: EngineKind = "fleet") -> bool:
+        api = CAPABILITIES[engine].lora_api
+        if api is None:
+            return False
         try:
             r = await self.http.post(
-                f"{url}/v1/unload_lora_adapter", json={"lora_name": name}, headers=self.headers
+                f"{url}{api.unload_path}", json={"lora_name": name}, headers=self.headers
             )
         except httpx.HTTPError as err:
             log.warning("unloading adapter %s on %s failed: %s", name, url, err)

@@ -133,7 +133,7 @@ class Agent:
         )
         self.adapter_controller = AdapterController(
             api=ReplicaAdapters(
-                httpx.AsyncClient(timeout=10.0, verify=verify), replica_headers(config.security)
+                httpx.AsyncClient(timeout=10.0, verify=verify), replica_headers(config.security), cache
             ),
             replicas=lambda: self.replicas,
             desired=lambda: self.desired,

@@ -96,12 +96,12 @@ class AdapterRouting:
             if len(have) >= r.max_adapters:
                 used = {a: self._last_used.get((rid, a), float("-inf")) for a in have}
                 victim = eviction_victim(have, used, adapter)
-                if victim is None or not await self.api.unload(r.url.rstrip("/"), victim):
+                if victim is None or not await self.api.unload(r.url.rstrip("/"), victim, r.engine):
                     return "failed"
                 self._dropped.setdefault(rid, set()).add(victim)
                 self._loaded.get(rid, set()).discard(victim)
                 outcome = "evicted"
-            if not await self.api.load(r.url.rstrip("/"), adapter, uri):
+            if not await self.api.load(r.url.rstrip("/"), adapter, uri, r.engine):
                 return "failed"
             self._loaded.setdefault(rid, set()).add(adapter)
             self._dropped.get(rid, set()).discard(adapter)
