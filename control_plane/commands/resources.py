@@ -30,7 +30,7 @@ from control_plane.commands.residency import (
     jurisdiction_flag,
     residency_flag,
 )
-from fleet_base.engines import ENGINE_KINDS
+from fleet_base.engines import ENGINE_KINDS, tenant_notes
 
 DEPLOYMENT_COLUMNS = {
     "name": "name",
@@ -280,7 +280,17 @@ def deploy(
             update["min_replicas"] = update["max_replicas"] = update["replicas"]
         return client.patch(f"/v1/deployments/{name}", update)
 
-    _print_status(call(run), output)
+    status = call(run)
+    _print_status(status, output)
+    if output != OutputFormat.json:  # JSON stays the API's answer
+        for note in deploy_notes(status):
+            console.print(f"note: {note}", markup=False, highlight=False)
+
+
+def deploy_notes(status: dict) -> list[str]:
+    """What the deployment gives up on its engine, said when it is deployed."""
+    engine = status.get("engine", "fleet")
+    return tenant_notes(engine) if engine in ENGINE_KINDS else []
 
 
 def list_deployments(

@@ -307,11 +307,16 @@ def test_fleetctl_deploy_engine_and_pass_through_engine_args(fleetctl):
     assert made["spec"]["engine_args"] == {"tensor_parallel_size": 4, "max_model_len": 8192}
     result = fleetctl("deploy", "cpp", "--engine", "llama.cpp", "--model", GGUF, "-e", "n_gpu_layers=99")
     assert result.exit_code == 0, result.output
+    assert "note: llama.cpp has no per-tenant cache salt" in result.output  # said at deploy
     table = fleetctl("ls")
     assert table.exit_code == 0 and "engine" in table.output and "llama.cpp" in table.output
     assert "vllm" in table.output
     result = fleetctl("deploy", "sg", "--engine", "sglang", "--model", "/m", "-e", "tp_size=2", "-o", "json")
     assert json.loads(result.output)["spec"]["gpu_count"] == 2
+    result = fleetctl("deploy", "sg1", "--engine", "sglang", "--model", "/m")
+    assert "note: sglang has no per-tenant cache salt" in result.output and "single tenant" in result.output
+    result = fleetctl("deploy", "v1", "--engine", "vllm", "--model", "/m")
+    assert result.exit_code == 0 and "note:" not in result.output  # vLLM takes the per-key salt
 
 
 def test_fleetctl_deploy_refusals_are_one_line_with_the_reason(fleetctl):
