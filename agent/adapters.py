@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 
+from fleet_base.cluster_config import ClusterConfig
 from fleet_base.engines import CAPABILITIES, EngineKind
 from fleet_base.models import ModelCache, ModelStoreError, is_remote
 
@@ -46,6 +47,14 @@ def eviction_victim(loaded: Sequence[str], last_used: Mapping[str, float], keep:
     return min(others, key=lambda a: (last_used.get(a, float("-inf")), a))
 
 
+def replica_cache_root(config: ClusterConfig) -> str | None:
+    """Where replicas open the node model cache: a Kubernetes pod at its model volume's mount
+    path (the volume the agent's `model_cache_dir` is, as `kube_engine.pod_model_path` has
+    it); None: at the cache's own path (the process runtime)."""
+    volume = config.kubernetes.model_volume
+    return volume.mount_path if config.runtime == "kubernetes" and volume.kind != "none" else None
+
+
 class ReplicaAdapters:
     """The replica side: what is loaded, load and unload (a 400 'already loaded' is fine)."""
 
@@ -54,10 +63,12 @@ class ReplicaAdapters:
         http: httpx.AsyncClient,
         headers: Mapping[str, str] | None = None,
         cache: ModelCache | None = None,
+        replica_root: str | None = None,
     ) -> None:
         self.http = http
         self.headers = dict(headers or {})
         self.cache = cache  # the node model cache adapters are pulled into (None: local paths only)
+        self.replica_root = replica_root  # the cache's folder as replicas open it (None: its own)
 
     async def local_path(self, uri: str) -> str | None:
         """The adapter's directory on this host: a local path as it is, a model URI pulled
@@ -73,7 +84,10 @@ class ReplicaAdapters:
         except (ModelStoreError, OSError) as err:
             log.warning("adapter %s: pull failed: %s", uri, err)
             return None
-        return str(self.cache.model_dir(result.entry))
+        folder = self.cache.model_dir(result.entry)
+        if self.replica_root is None:
+            return str(folder)
+        return f"{self.replica_root.rstrip('/')}/{folder.relative_to(self.cache.root).as_posix()}"
 
     async def loaded(self, url: str) -> list[str] | None:
         """Adapter names in the replica's /v1/models (cards with a parent); None: no answer."""

@@ -51,7 +51,7 @@ from typing import IO
 import httpx
 
 from agent.adapter_controller import AdapterController
-from agent.adapters import ReplicaAdapters
+from agent.adapters import ReplicaAdapters, replica_cache_root
 from agent.capacity import CapacitySignals
 from agent.fencing import EpochFence
 from agent.health.monitor import NodeHealthMonitor
@@ -133,7 +133,10 @@ class Agent:
         )
         self.adapter_controller = AdapterController(
             api=ReplicaAdapters(
-                httpx.AsyncClient(timeout=10.0, verify=verify), replica_headers(config.security), cache
+                httpx.AsyncClient(timeout=10.0, verify=verify),
+                replica_headers(config.security),
+                cache,
+                replica_cache_root(config),
             ),
             replicas=lambda: self.replicas,
             desired=lambda: self.desired,

@@ -21,7 +21,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from agent.adapters import ReplicaAdapters
+from agent.adapters import ReplicaAdapters, replica_cache_root
 from agent.engine_kv_snapshot import load as engine_kv_snapshot
 from agent.gateway.accounting import CLIENT_CLOSED, Accounting
 from agent.gateway.adapters import AdapterRouting
@@ -211,7 +211,9 @@ class Gateway:
     async def start(self) -> None:
         client = self.upstreams.client = self.shadow.client = make_client(verify=self.peers.client_verify)
         cache = ModelCache(self.config.model_cache_dir, self.config.model_cache_max_bytes)
-        self.adapters.api = ReplicaAdapters(client, self.peers.replica_headers, cache)
+        self.adapters.api = ReplicaAdapters(
+            client, self.peers.replica_headers, cache, replica_cache_root(self.config)
+        )
         self._watch = asyncio.create_task(self.view.watch(), name="state-watch")
         self._status = asyncio.create_task(
             self.queue.report(LocalState(self.config.state_dir)), name="gateway-status"

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from agent.adapters import ReplicaAdapters
+from agent.adapters import ReplicaAdapters, replica_cache_root
 from fleet_base.models import ModelCache
 from tests.fleet_base.models.servers import FileServer, serve
 
@@ -92,3 +92,34 @@ async def test_an_adapter_that_cannot_be_pulled_is_never_sent(tmp_path: Path) ->
             assert not await api.load(url, "sql", "/a/local/dir", "llama.cpp")  # no runtime loading
             assert await api.load(url, "sql", str(tmp_path), "vllm")  # a local directory as it is
     assert replica.calls == [("/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": str(tmp_path)})]
+
+
+async def test_a_pod_is_sent_the_directory_under_its_model_volume(tmp_path: Path, adapter_file) -> None:
+    uri, _, _ = adapter_file
+    replica = StandInReplica()
+    cache = ModelCache(tmp_path / "cache")
+    with serve(replica.app()) as url:
+        async with httpx.AsyncClient() as http:
+            api = ReplicaAdapters(http, cache=cache, replica_root="/models")
+            assert await api.load(url, "sql", uri, "vllm")
+    ((_, body),) = replica.calls
+    entry = cache.lookup(uri)
+    assert entry is not None
+    assert body["lora_path"] == f"/models/{cache.model_dir(entry).relative_to(cache.root).as_posix()}"
+
+
+def test_replica_cache_root_per_runtime(tmp_path: Path) -> None:
+    from fleet_base.cluster_config import ClusterConfig
+
+    process = ClusterConfig(cluster="c", region="r", state_dir=tmp_path)
+    assert replica_cache_root(process) is None
+    kube = process.model_copy(update={"runtime": "kubernetes"})
+    assert replica_cache_root(kube) == kube.kubernetes.model_volume.mount_path == "/models"
+    bare = kube.model_copy(
+        update={
+            "kubernetes": kube.kubernetes.model_copy(
+                update={"model_volume": kube.kubernetes.model_volume.model_copy(update={"kind": "none"})}
+            )
+        }
+    )
+    assert replica_cache_root(bare) is None
