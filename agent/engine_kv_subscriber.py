@@ -3,13 +3,15 @@
 Both engines' publishers (`--kv-events-config`) send multipart messages `(topic, seq as 8
 bytes big-endian, msgpack batch)` from a PUB socket, and keep the last batches for a ROUTER
 "replay" socket that answers a request `(start seq, 8 bytes)` with every kept `(seq,
-payload)` from there and `(-1, b"")` at the end. Their PUB *binds* only on a wildcard
-address ("tcp://*:p", all interfaces) and *connects* otherwise; batches carry prompts'
-token ids, so no replica may publish them on the network. The convention here: the agent
-binds one SUB per replica on loopback (`kv_events_endpoint_for`, called by the launcher
-before it starts the engine) and the engine's PUB connects to it; the engine binds its
-replay ROUTER on another loopback port the agent picked. Both go in the engine's
-`--kv-events-config` (`fleet_base.engines.kv_events_config`).
+payload)` from there and `(-1, b"")` at the end. Their PUB *binds* an `ipc://` (or wildcard
+TCP) endpoint and *connects* otherwise; their ROUTER always binds. Batches carry prompts'
+token ids and steer routing, so on a host both sockets are `ipc://` paths in a directory
+only the agent's user may enter (`kv_events_endpoint_for`, called by the launcher before it
+starts the engine; `private_dir`): no other local user can read a batch, ask for a replay
+or inject one, which a loopback TCP port would let anyone on the host do. The agent's SUB
+connects to the engine's PUB path (ZMQ retries until the engine has bound it; what the
+engine sent before is asked of replay). Both go in the engine's `--kv-events-config`
+(`fleet_base.engines.kv_events_config`).
 
 One `EngineKvFollower` per ready replica: a gap in the engine's sequence numbers is asked of
 the replay socket; what replay cannot give back (gone from the engine's buffer, no replay
@@ -20,31 +22,39 @@ Fleet's block hashes (agent.engine_kv_translate) and published through the relay
 the same messages, sequence numbers and resync path as Fleet's own engine's events.
 Every message is bounded in bytes and events, and every replica in messages and bytes per
 second (`fleet_base.intake`); the loop yields after each message, and a long batch is decoded
-and re-hashed in a worker thread.
+and re-hashed in a worker thread. Replayed batches have their own budget (one engine buffer's
+worth at once), so a follower that resumes after a long pause is not refused by the live one.
+What a follower knows (its translations, the next sequence number) lives in an
+`EngineKvState` its relay keeps per replica: a follower whose socket was closed under it
+(the runtime released or replaced it) ends quietly, and its successor resumes from there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import json
 import logging
+import os
+import stat
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from agent.engine_kv_translate import FleetHashTranslator, Op, Translated
 from fleet_base.engine_kv_events import KvEventDecodeError, decode_engine_events, zmq_seq
 from fleet_base.engines import CAPABILITIES, EngineKind
-from fleet_base.intake import Intake
-from fleet_base.ports import free_port
+from fleet_base.intake import BURST_S, Intake
 
 log = logging.getLogger(__name__)
 
-HOST = "127.0.0.1"
 MAX_MESSAGE_BYTES = 1 << 20  # one batch: ~200k token ids of a long prefill
 MAX_EVENTS = 4096  # events in one batch
 INLINE_BYTES = 16 * 1024  # a batch this short is translated on the loop (a thread costs more)
@@ -53,6 +63,8 @@ BYTES_PER_S = 8.0 * (1 << 20)
 RCVHWM = 256  # messages queued unread per replica: at most RCVHWM * MAX_MESSAGE_BYTES
 REPLAY_TIMEOUT_S = 2.0
 MAX_REPLAY = 10_000  # the engines' default replay buffer (buffer_steps)
+REPLAY_MESSAGES_PER_S = MAX_REPLAY / BURST_S  # one full buffer at once, then this
+MAX_IPC_PATH = 107  # a Unix socket path's bytes (sun_path less its NUL)
 SNAPSHOT_MIN_S = 2.0  # at most one full set per replica this often
 POLL_S = 1.0
 DEFAULT_BLOCK_SIZE = 16  # announced before the engine's first stored block says otherwise
@@ -60,26 +72,42 @@ DEFAULT_BLOCK_SIZE = 16  # announced before the engine's first stored block says
 
 @dataclass(frozen=True)
 class KvEventsEndpoint:
-    """Where one replica's engine sends its KV events (`publish`: the agent's SUB, which
-    the engine's PUB connects to; with `connect`, the engine's bound PUB the agent's SUB
-    connects to) and where it serves replays (`replay`, bound by the engine; None: no
-    replays, a gap makes the set stale)."""
+    """Where one replica's engine publishes its KV events (`publish`: the engine's bound PUB,
+    which the agent's SUB connects to) and serves replays (`replay`, bound by the engine;
+    None: no replays, a gap makes the set stale)."""
 
     publish: str
     replay: str | None
-    connect: bool = False
 
-    @property
-    def publish_port(self) -> int:
-        return int(self.publish.rsplit(":", 1)[1])
+
+def private_dir(path: Path) -> Path:
+    """`path` as a directory of this user's that no one else may enter (0700), created if
+    missing. Raises PermissionError for one that is not a directory (a link) or not ours."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise PermissionError(f"{path} is not a directory of this user's")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+    return path
+
+
+def ipc_endpoints(replica_id: str, ipc_dir: Path) -> KvEventsEndpoint:
+    """The replica's `ipc://` paths in `ipc_dir` (named by a digest of its id: any id fits a
+    socket path's length). Raises ValueError when `ipc_dir` is too long for one."""
+    name = hashlib.sha256(replica_id.encode()).hexdigest()[:16]
+    base = Path(ipc_dir).expanduser().resolve() / name
+    publish, replay = f"{base}.pub", f"{base}.replay"
+    if len(os.fsencode(replay)) > MAX_IPC_PATH:
+        raise ValueError(f"{replay} is longer than a Unix socket path may be")
+    return KvEventsEndpoint(f"ipc://{publish}", f"ipc://{replay}")
 
 
 class EngineKvEndpoints:
     """The agent's SUB socket and endpoints per foreign replica, from the launcher's call
     before the engine starts until the replica is gone."""
 
-    def __init__(self, host: str = HOST, ctx: zmq.asyncio.Context | None = None) -> None:
-        self.host = host
+    def __init__(self, ctx: zmq.asyncio.Context | None = None) -> None:
         self._ctx = ctx
         self._sockets: dict[str, tuple[KvEventsEndpoint, zmq.asyncio.Socket]] = {}
 
@@ -89,34 +117,18 @@ class EngineKvEndpoints:
             self._ctx = zmq.asyncio.Context()
         return self._ctx
 
-    def endpoint_for(
-        self,
-        replica_id: str,
-        kind: EngineKind,
-        *,
-        publish_port: int | None = None,
-        replay_port: int | None = None,
-    ) -> KvEventsEndpoint | None:
-        """The replica's endpoints (None for an engine that publishes no ZMQ events), its
-        SUB bound now so that no early batch is lost. Idempotent per replica. A launcher
-        that adopts a running engine passes the ports it was started with."""
+    def endpoint_for(self, replica_id: str, kind: EngineKind, ipc_dir: Path) -> KvEventsEndpoint | None:
+        """The replica's `ipc://` endpoints in `ipc_dir` (made private to this user; None for
+        an engine that publishes no ZMQ events), its SUB connected now so that it reads from
+        the engine's first bind. Idempotent per replica. Raises PermissionError, ValueError
+        (see `private_dir`, `ipc_endpoints`)."""
         if CAPABILITIES[kind].kv_events != "zmq":
             return None
         known = self._sockets.get(replica_id)
         if known is not None:
             return known[0]
-        sub = self._sub()
-        try:
-            if publish_port is None:
-                publish_port = sub.bind_to_random_port(f"tcp://{self.host}")
-            else:
-                sub.bind(f"tcp://{self.host}:{publish_port}")
-        except zmq.ZMQError:
-            sub.close(linger=0)
-            raise
-        replay_port = replay_port or free_port(self.host)
-        endpoint = KvEventsEndpoint(f"tcp://{self.host}:{publish_port}", f"tcp://{self.host}:{replay_port}")
-        self._sockets[replica_id] = (endpoint, sub)
+        endpoint = ipc_endpoints(replica_id, private_dir(Path(ipc_dir).expanduser()))
+        self._connect(replica_id, endpoint)
         return endpoint
 
     def subscribe(
@@ -127,27 +139,29 @@ class EngineKvEndpoints:
         address (the pod came back elsewhere) replaces the old socket."""
         if address is None or CAPABILITIES[kind].kv_events != "zmq":
             return None
-        endpoint = KvEventsEndpoint(address, replay, connect=True)
+        return self.follow(replica_id, KvEventsEndpoint(address, replay))
+
+    def follow(self, replica_id: str, endpoint: KvEventsEndpoint) -> KvEventsEndpoint:
+        """The replica's SUB connected to `endpoint`: kept when it already is, else replaced."""
         known = self._sockets.get(replica_id)
         if known is not None and known[0] == endpoint:
             return endpoint
         self.release(replica_id)
-        sub = self._sub()
-        try:
-            sub.connect(address)
-        except zmq.ZMQError:
-            sub.close(linger=0)
-            raise
-        self._sockets[replica_id] = (endpoint, sub)
+        self._connect(replica_id, endpoint)
         return endpoint
 
-    def _sub(self) -> zmq.asyncio.Socket:
+    def _connect(self, replica_id: str, endpoint: KvEventsEndpoint) -> None:
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, RCVHWM)
         sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        return sub
+        try:
+            sub.connect(endpoint.publish)
+        except zmq.ZMQError:
+            sub.close(linger=0)
+            raise
+        self._sockets[replica_id] = (endpoint, sub)
 
     def get(self, replica_id: str) -> tuple[KvEventsEndpoint, zmq.asyncio.Socket] | None:
         return self._sockets.get(replica_id)
@@ -165,32 +179,41 @@ class EngineKvEndpoints:
 ENDPOINTS = EngineKvEndpoints()  # this agent process's
 
 
-def kv_events_endpoint_for(
-    replica_id: str, kind: EngineKind, *, publish_port: int | None = None, replay_port: int | None = None
-) -> KvEventsEndpoint | None:
+def kv_events_endpoint_for(replica_id: str, kind: EngineKind, ipc_dir: Path) -> KvEventsEndpoint | None:
     """For the launcher: the endpoints to put in the engine's `--kv-events-config`
-    (`kv_events_config(kind, e.publish, replay_endpoint=e.replay)`), None for an engine
-    without ZMQ KV events."""
-    return ENDPOINTS.endpoint_for(replica_id, kind, publish_port=publish_port, replay_port=replay_port)
+    (`kv_events_config(kind, e.publish, replay_endpoint=e.replay)`), in `ipc_dir` (the
+    agent's state_dir's `kv-events`); None for an engine without ZMQ KV events or when no
+    private path can be made there (the replica then runs unfollowed)."""
+    try:
+        return ENDPOINTS.endpoint_for(replica_id, kind, ipc_dir)
+    except (OSError, ValueError, zmq.ZMQError) as err:
+        log.warning(
+            "replica %s: no private KV-event endpoint in %s (%s); not followed", replica_id, ipc_dir, err
+        )
+        return None
 
 
 def adopt_kv_events_endpoint(
     replica_id: str, kind: EngineKind, argv: Sequence[str]
 ) -> KvEventsEndpoint | None:
-    """For the runtime adopting a running replica after an agent restart: bind the SUB again
-    on the loopback port its command line (`--kv-events-config`) names, so its engine's PUB
-    reconnects to this agent. None when the command line names none or the port is taken."""
+    """For the runtime adopting a running replica after an agent restart: connect again to
+    the `ipc://` paths its command line (`--kv-events-config`) names, in a directory still
+    private to this user. None when the command line names none, or names anything else
+    (a TCP port any local user could reach is not followed)."""
     args = list(argv)
     if "--kv-events-config" not in args[:-1]:
         return None
     try:
         config = json.loads(args[args.index("--kv-events-config") + 1])
-        publish_port = int(str(config["endpoint"]).rsplit(":", 1)[1])
-        replay = config.get("replay_endpoint")
-        replay_port = int(str(replay).rsplit(":", 1)[1]) if replay else None
-        return ENDPOINTS.endpoint_for(replica_id, kind, publish_port=publish_port, replay_port=replay_port)
-    except (ValueError, KeyError, TypeError, IndexError, zmq.ZMQError) as err:
-        log.warning("replica %s: its KV-event endpoint cannot be bound again (%s)", replica_id, err)
+        publish, replay = str(config["endpoint"]), config.get("replay_endpoint")
+        paths = [publish] + ([str(replay)] if replay else [])
+        if not all(p.startswith("ipc://") for p in paths):
+            raise ValueError(f"{publish} is not an ipc:// endpoint")
+        for p in paths:
+            private_dir(Path(p.removeprefix("ipc://")).parent)
+        return ENDPOINTS.follow(replica_id, KvEventsEndpoint(publish, str(replay) if replay else None))
+    except (ValueError, KeyError, TypeError, IndexError, OSError, zmq.ZMQError) as err:
+        log.warning("replica %s: its KV events are not followed again (%s)", replica_id, err)
         return None
 
 
@@ -216,6 +239,18 @@ def release_kv_events_endpoint(replica_id: str) -> None:
 Publish = Callable[[list[Op], bool, int], Awaitable[bool]]
 
 
+@dataclass
+class EngineKvState:
+    """What a replica's follower knows that outlives its task: the translations of the
+    engine's blocks and the engine's next sequence number, for one `endpoint`. Its relay
+    keeps it until the replica is gone; an engine restart clears it (the follower sees the
+    numbering start again)."""
+
+    endpoint: KvEventsEndpoint | None = None
+    translator: FleetHashTranslator = field(default_factory=FleetHashTranslator)
+    expected: int | None = None  # the next engine sequence number
+
+
 class EngineKvFollower:
     """One replica's ZMQ stream, translated and published until cancelled. `counts` is
     shared by the relay (keyed (engine, outcome)); `resync_wanted()` is True once per
@@ -232,7 +267,7 @@ class EngineKvFollower:
         counts: Counter[tuple[str, str]],
         resync_wanted: Callable[[], bool] = lambda: False,
         ctx: zmq.asyncio.Context | None = None,
-        translator: FleetHashTranslator | None = None,
+        state: EngineKvState | None = None,
         intake: Intake | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -244,32 +279,103 @@ class EngineKvFollower:
         self.counts = counts
         self.resync_wanted = resync_wanted
         self.ctx = ctx
-        self.translator = translator or FleetHashTranslator()
+        self.state = state or EngineKvState()
+        self.translator = self.state.translator
         self.intake = intake or Intake(MAX_MESSAGE_BYTES, MESSAGES_PER_S, BYTES_PER_S, clock=clock)
+        self.replay_intake = Intake(MAX_MESSAGE_BYTES, REPLAY_MESSAGES_PER_S, BYTES_PER_S, clock=clock)
         self.clock = clock
-        self.expected: int | None = None  # the next engine sequence number
         self.dup_until = -1  # replayed up to here: live copies of those are skipped
         self.snapshot_due = True  # readers start from a full set
         self.last_snapshot = -SNAPSHOT_MIN_S
+
+    @property
+    def expected(self) -> int | None:
+        return self.state.expected
+
+    @expected.setter
+    def expected(self, seq: int | None) -> None:
+        self.state.expected = seq
 
     def count(self, outcome: str, n: int = 1) -> None:
         if n:
             self.counts[(self.engine, outcome)] += n
 
     async def run(self) -> None:
-        while True:
-            if self.resync_wanted():
-                self.snapshot_due = True
-            await self._maybe_snapshot()
+        monitor = self._monitor()
+        try:
+            while True:
+                if self.resync_wanted():
+                    self.snapshot_due = True
+                await self._maybe_snapshot()
+                frames = await self._next()
+                if frames is None:
+                    if self.sub.closed:  # the runtime closed it: the replica left or moved
+                        return
+                    await self._reconnect_if_dropped(monitor)
+                    continue
+                try:
+                    await self.on_message(frames)
+                except (
+                    ValueError,
+                    TypeError,
+                    ArithmeticError,
+                    LookupError,
+                ) as err:  # a payload no rule foresaw
+                    self.count("invalid")
+                    self._stale(f"a batch failed: {err!r}")
+                await asyncio.sleep(0)  # a flood never holds the loop
+        finally:
+            if monitor is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    if not self.sub.closed:
+                        self.sub.disable_monitor()
+                monitor.close(linger=0)
+
+    def _monitor(self) -> zmq.asyncio.Socket | None:
+        """Disconnections of the SUB from the engine's PUB, when it knows where to connect."""
+        if self.state.endpoint is None:
+            return None
+        try:
+            return self.sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        except zmq.ZMQError:
+            return None
+
+    async def _reconnect_if_dropped(self, monitor: zmq.asyncio.Socket | None) -> None:
+        """The SUB connects, and ZMQ gives up a connection for good after a protocol error
+        (a message past MAXMSGSIZE): connect again; what was missed is asked of replay."""
+        if monitor is None or self.state.endpoint is None:
+            return
+        dropped = False
+        try:
+            while await monitor.poll(0):
+                event = parse_monitor_message(await monitor.recv_multipart())
+                dropped |= event["event"] == zmq.EVENT_DISCONNECTED
+            if dropped:
+                address = self.state.endpoint.publish
+                with contextlib.suppress(zmq.ZMQError):
+                    self.sub.disconnect(address)
+                self.sub.connect(address)
+                self.count("reconnect")
+        except zmq.ZMQError as err:
+            log.debug("kv events of %s: reconnect: %s", self.replica_id, err)
+
+    async def _next(self) -> list[bytes] | None:
+        """The next message, or None after POLL_S without one or once the socket is closed
+        (pyzmq fails a pending read then with ZMQError, or cancels it: that cancellation is
+        not this task's own)."""
+        try:
             if not await self.sub.poll(int(POLL_S * 1000), zmq.POLLIN):
-                continue
-            frames = await self.sub.recv_multipart()
-            try:
-                await self.on_message(frames)
-            except (ValueError, TypeError, ArithmeticError, LookupError) as err:  # a payload no rule foresaw
-                self.count("invalid")
-                self._stale(f"a batch failed: {err!r}")
-            await asyncio.sleep(0)  # a flood never holds the loop
+                return None
+            return await self.sub.recv_multipart()
+        except zmq.ZMQError as err:
+            log.debug("kv events of %s: %s", self.replica_id, err)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not self.sub.closed or (task is not None and task.cancelling()):
+                raise
+        if not self.sub.closed:
+            await asyncio.sleep(POLL_S)  # a socket error that is not its closing: not a busy loop
+        return None
 
     async def _maybe_snapshot(self) -> None:
         now = self.clock()
@@ -324,9 +430,9 @@ class EngineKvFollower:
             return
         await self._apply(seq, frames[2])
 
-    async def _apply(self, seq: int, payload: bytes) -> None:
+    async def _apply(self, seq: int, payload: bytes, *, replayed: bool = False) -> None:
         self.expected = seq + 1
-        refusal = self.intake.refusal(self.replica_id, payload)
+        refusal = (self.replay_intake if replayed else self.intake).refusal(self.replica_id, payload)
         if refusal is not None:
             self.count("oversize" if refusal == "size" else "rate")
             self._stale(f"batch {seq} dropped ({refusal})")
@@ -367,11 +473,9 @@ class EngineKvFollower:
         try:
             dealer.connect(self.replay_endpoint)
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            deadline = self.clock() + REPLAY_TIMEOUT_S
             got = 0
-            while got <= MAX_REPLAY:
-                left = deadline - self.clock()
-                if left <= 0 or not await dealer.poll(int(left * 1000) + 1, zmq.POLLIN):
+            while got <= MAX_REPLAY:  # each within REPLAY_TIMEOUT_S of the one before
+                if not await dealer.poll(int(REPLAY_TIMEOUT_S * 1000), zmq.POLLIN):
                     self.count("replay_timeout")
                     return False
                 frames = await dealer.recv_multipart()
@@ -388,7 +492,7 @@ class EngineKvFollower:
                 if seq != nxt:  # the engine's buffer no longer holds what we missed
                     complete = False
                 self.count("replayed")
-                await self._apply(seq, frames[2])
+                await self._apply(seq, frames[2], replayed=True)
                 await asyncio.sleep(0)
             self.dup_until = (self.expected or 0) - 1
             return complete and self.expected is not None and self.expected >= live_seq

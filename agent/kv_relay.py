@@ -12,8 +12,10 @@ answer 404 and are left alone.
 
 vLLM and SGLang replicas publish over ZMQ instead (agent.engine_kv_subscriber): their
 follower reads the agent's socket for the replica, translates the batches into Fleet's
-block hashes and publishes them here, in the same messages, numbering and resync path.
-Engines without KV events (llama.cpp) are not followed.
+block hashes and publishes them here, in the same messages, numbering and resync path. The
+relay keeps each such replica's `EngineKvState` (translations, the engine's next sequence
+number) across its followers: one ended by its socket closing is started again on the next
+`sync` and resumes, instead of forgetting every parent block. Engines without KV events (llama.cpp) are not followed.
 """
 
 from __future__ import annotations
@@ -29,7 +31,13 @@ from dataclasses import dataclass
 import httpx
 from pydantic import ValidationError
 
-from agent.engine_kv_subscriber import ENDPOINTS, EngineKvEndpoints, EngineKvFollower
+from agent.engine_kv_subscriber import (
+    ENDPOINTS,
+    EngineKvEndpoints,
+    EngineKvFollower,
+    EngineKvState,
+    KvEventsEndpoint,
+)
 from agent.engine_kv_translate import Op
 from fleet_base.engines import CAPABILITIES, EngineKind
 from fleet_base.intake import Intake
@@ -84,6 +92,7 @@ class KvRelay:
         self.cluster = cluster
         self.relay_id = secrets.token_hex(4)
         self._tasks: dict[str, tuple[Followed, asyncio.Task[None]]] = {}
+        self._engine_states: dict[str, EngineKvState] = {}  # vLLM and SGLang replicas'
         self._resync: set[str] = set()
         self._resync_intake = Intake(RESYNC_MAX_BYTES, RESYNC_PER_S, RESYNC_PER_S * RESYNC_MAX_BYTES)
         self.resync_dropped = 0
@@ -98,6 +107,8 @@ class KvRelay:
             if want.get(rid) != followed or task.done():
                 task.cancel()
                 del self._tasks[rid]
+        for rid in set(self._engine_states) - set(want):
+            del self._engine_states[rid]  # the replica is gone
         for rid, r in want.items():
             if rid in self._tasks:
                 continue
@@ -251,8 +262,17 @@ class KvRelay:
             counts=self.engine_counts,
             resync_wanted=resync_wanted,
             ctx=self.endpoints.ctx,
+            state=self._engine_state(r.replica_id, endpoint),
         )
         await follower.run()
+
+    def _engine_state(self, replica_id: str, endpoint: KvEventsEndpoint) -> EngineKvState:
+        """The replica's state kept from its last follower, or a new one when there was none
+        or its engine publishes at another endpoint now (a pod that came back elsewhere)."""
+        state = self._engine_states.get(replica_id)
+        if state is None or state.endpoint != endpoint:
+            state = self._engine_states[replica_id] = EngineKvState(endpoint)
+        return state
 
 
 def _chunks(ops: list[tuple[str, list[str]] | tuple[str, list[str], str]]) -> list[list[KvCacheOp]]:

@@ -26,8 +26,11 @@ import asyncio
 import contextlib
 import hashlib
 import random
+import shutil
+import tempfile
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -120,7 +123,8 @@ def translate_rate(payloads: list[bytes]) -> tuple[float, Counter[str]]:
 async def over_zmq(payloads: list[bytes]) -> tuple[float, float, Counter[tuple[str, str]]]:
     """(seconds, the loop's largest stall in s, counts) through a real socket pair."""
     endpoints = EngineKvEndpoints()
-    e = endpoints.endpoint_for("bench", "vllm")
+    ipc_dir = tempfile.mkdtemp(prefix="fleet-kv-bench-")
+    e = endpoints.endpoint_for("bench", "vllm", Path(ipc_dir))
     assert e is not None
     _, sub = endpoints.get("bench") or (None, None)
     assert sub is not None
@@ -133,7 +137,7 @@ async def over_zmq(payloads: list[bytes]) -> tuple[float, float, Counter[tuple[s
     ctx = zmq.asyncio.Context()
     pub = ctx.socket(zmq.PUB)
     pub.setsockopt(zmq.SNDHWM, 0)
-    pub.connect(e.publish)
+    pub.bind(e.publish)  # an ipc:// endpoint: the engine binds it
     stalls: list[float] = []
 
     async def ticker() -> None:
@@ -168,6 +172,7 @@ async def over_zmq(payloads: list[bytes]) -> tuple[float, float, Counter[tuple[s
             await task
     ctx.destroy(linger=0)
     endpoints.close()
+    shutil.rmtree(ipc_dir, ignore_errors=True)
     return elapsed, max(stalls, default=0.0), counts
 
 

@@ -177,6 +177,7 @@ class LocalState:
     gateway_path = _InStateDir("gateway.json")
     fence_path = _InStateDir("fence.json")
     logs_dir = _InStateDir("logs")
+    kv_events_dir = _InStateDir("kv-events")  # vLLM's and SGLang's ipc:// sockets (0700)
 
     def __init__(self, state_dir: Path) -> None:
         self.dir = Path(state_dir)

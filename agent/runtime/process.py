@@ -124,7 +124,9 @@ class ProcessRuntime(Runtime):
         """argv, added environment, address and scheme of one replica (raises InvalidSpec)."""
         if spec.engine != "fleet" and self.runs_foreign_engines:
             port = free_port(LOOPBACK)
-            kv_events = kv_events_endpoint_for(spec.replica_id, spec.engine)  # vLLM, SGLang
+            kv_events = kv_events_endpoint_for(  # vLLM, SGLang
+                spec.replica_id, spec.engine, LocalState(self.config.state_dir).kv_events_dir
+            )
             return foreign_launch(spec, port, self.config.security, self.config.model_cache_dir, kv_events)
         host = self.config.replica.host
         port = free_port(host)

@@ -113,7 +113,10 @@ class StandInPublisher:
         self.ctx = zmq.asyncio.Context()
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.connect(publish)  # a loopback address without a wildcard: vLLM connects
+        if "*" in publish or "::" in publish or publish.startswith(("ipc://", "inproc://")):
+            self.pub.bind(publish)  # vLLM's rule (ZmqEventPublisher._socket_setup)
+        else:
+            self.pub.connect(publish)
         self.router: zmq.asyncio.Socket | None = None
         if replay is not None:
             self.router = self.ctx.socket(zmq.ROUTER)

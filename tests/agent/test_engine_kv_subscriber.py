@@ -10,18 +10,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import shutil
+import stat
+import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from types import SimpleNamespace
 
 import msgspec
 import pytest
+import zmq
+import zmq.asyncio
 from prometheus_client import CollectorRegistry, generate_latest
 
 from agent import engine_kv_snapshot
 from agent import engine_kv_subscriber as sub_mod
 from agent.engine_kv_subscriber import (
     EngineKvEndpoints,
+    EngineKvFollower,
     KvEventsEndpoint,
     adopt_kv_events_endpoint,
     kv_events_endpoint_for,
@@ -84,12 +93,32 @@ def matched(env: SimpleNamespace, tokens: list[int], salt: str | None = SALT) ->
     return env.gateway.index.match("east", "r1", prefix_keys(tokens, BS, salt))
 
 
+@contextlib.contextmanager
+def ipc_dir() -> Iterator[Path]:
+    """A short private directory (a Unix socket path holds at most 107 bytes; pytest's
+    tmp_path can be longer)."""
+    path = Path(tempfile.mkdtemp(prefix="fleet-kv-"))
+    try:
+        yield path / "kv-events"
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 @contextlib.asynccontextmanager
 async def replica(
     engine: str = "vllm", *, replay: bool = True, topic: bytes = b"kv-events"
 ) -> AsyncIterator[SimpleNamespace]:
+    with ipc_dir() as directory:
+        async with _replica(directory, engine, replay=replay, topic=topic) as env:
+            yield env
+
+
+@contextlib.asynccontextmanager
+async def _replica(
+    directory: Path, engine: str, *, replay: bool, topic: bytes
+) -> AsyncIterator[SimpleNamespace]:
     endpoints = EngineKvEndpoints()
-    endpoint = endpoints.endpoint_for("r1", engine)  # type: ignore[arg-type]
+    endpoint = endpoints.endpoint_for("r1", engine, directory)  # type: ignore[arg-type]
     assert endpoint is not None
     gateway = PrefixRouting(None, "west", GatewayMetrics(load=dict))
     link = WireLink(gateway)
@@ -217,6 +246,75 @@ async def test_an_engine_restart_clears_its_blocks() -> None:
         await eventually(lambda: matched(env, PROMPT) == 1, what="only what the new engine stored")
 
 
+async def test_a_closed_socket_ends_the_follower_quietly_and_its_successor_keeps_the_translations() -> None:
+    """The runtime closes a replica's socket (released on an agent restart, replaced when a
+    pod moves): the follower returns instead of dying on ZMQError, and the one `sync`
+    starts next resumes with the blocks it knew, so a child of an earlier block is placed."""
+    async with replica() as env:
+        first, hashes = stored_chain(PROMPT[: 2 * BS], BS, SALT)
+        await env.pub.send(KVEventBatch(ts=1.0, events=[first]))
+        await eventually(lambda: matched(env, PROMPT) == 2)
+        task = env.relay._tasks["r1"][1]
+        env.relay.endpoints.release("r1")
+        await eventually(task.done, what="the follower ended")
+        assert not task.cancelled() and task.exception() is None
+        env.relay.endpoints.follow("r1", env.endpoint)  # connected again
+        env.relay.sync([Followed("r1", "chat", "http://127.0.0.1:9", "vllm")])
+        assert env.relay._tasks["r1"][1] is not task
+        await warm_up(env)
+        child, _ = stored_chain(PROMPT[2 * BS : 3 * BS], BS, None, parent=hashes[-1])
+        await env.pub.send(KVEventBatch(ts=2.0, events=[child]))
+        await eventually(lambda: matched(env, PROMPT) == 3, what="the child placed under its parent")
+        assert "unknown_parent" not in counts(env)
+        env.relay.sync([])  # the replica is gone: so is what the relay kept of it
+        assert env.relay._engine_states == {}
+
+
+async def test_a_resumed_follower_replays_a_full_engine_buffer_past_the_live_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A follower started after an agent restart asks replay for everything the engine kept
+    (up to its 10,000 batches): more than the live budget's burst, none refused; the replay
+    budget still bounds what replays may cost."""
+    empty = msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=[]))
+    live_burst = int(sub_mod.MESSAGES_PER_S * sub_mod.BURST_S)
+
+    def live(seq: int) -> list[bytes]:
+        return [b"kv-events", seq.to_bytes(8, "big"), empty]
+
+    async def publish(ops: object, snapshot: bool, block_size: int) -> bool:
+        return True
+
+    endpoints = EngineKvEndpoints()
+    with ipc_dir() as directory:
+        e = endpoints.endpoint_for("r1", "vllm", directory)
+        assert e is not None
+        try:
+            async with StandInPublisher(e.publish, e.replay) as engine:
+                for _ in range(live_burst + 500):
+                    await engine.send(payload=empty, lose=True)
+                got: Counter[tuple[str, str]] = Counter()
+                sub = endpoints.get("r1")[1]  # type: ignore[index]
+                follower = EngineKvFollower(
+                    "r1", "vllm", sub, e.replay, publish, counts=got, ctx=endpoints.ctx, clock=lambda: 0.0
+                )
+                await follower.on_message(live(engine.seq))
+                c = {outcome: n for (_, outcome), n in got.items()}
+                assert c["replayed"] == live_burst + 500 and "rate" not in c and "stale" not in c
+                assert follower.expected == engine.seq + 1
+
+                monkeypatch.setattr(sub_mod, "REPLAY_MESSAGES_PER_S", 100 / sub_mod.BURST_S)
+                got.clear()
+                bounded = EngineKvFollower(
+                    "r1", "vllm", sub, e.replay, publish, counts=got, ctx=endpoints.ctx, clock=lambda: 0.0
+                )
+                await bounded.on_message(live(engine.seq + 1))
+                c = {outcome: n for (_, outcome), n in got.items()}
+                assert c["rate"] > 0 and c["stale"] >= 1
+        finally:
+            endpoints.close()
+
+
 async def test_a_gateway_resync_gets_the_translated_full_set() -> None:
     async with replica() as env:
         stored, _ = stored_chain(PROMPT, BS, SALT)
@@ -264,6 +362,13 @@ async def test_a_hostile_stream_is_bounded_and_never_blocks_the_loop(monkeypatch
         huge = enc.encode(KVEventBatch(ts=3.0, events=[BlockRemoved([i], "GPU") for i in range(10**6)]))
         assert len(huge) > sub_mod.MAX_MESSAGE_BYTES
         await env.pub.send(payload=huge)
+
+        async def reconnected() -> bool:  # the SUB dropped the connection that sent it
+            await env.pub.send(KVEventBatch(ts=3.5, events=[]))
+            await asyncio.sleep(0.1)
+            return counts(env).get("gap", 0) > 0
+
+        await eventually(reconnected, what="the SUB connected again")
         # a flood past the replica's message budget
         for i in range(400):
             await env.pub.send(KVEventBatch(ts=4.0 + i, events=[BlockRemoved([i], "GPU")]))
@@ -271,6 +376,7 @@ async def test_a_hostile_stream_is_bounded_and_never_blocks_the_loop(monkeypatch
         c = counts(env)
         assert c["invalid"] >= 2 and c["unknown_parent"] == 6
         assert c["gap"] >= 1  # the 10^6-event payload never arrived: the socket refused it
+        assert c["reconnect"] >= 1  # ZMQ dropped that connection for good: the SUB connected again
         assert c["stale"] >= 2
         assert matched(env, PROMPT) == 0
         # still following: once the budget refills, a good batch is applied
@@ -291,44 +397,94 @@ async def test_a_hostile_stream_is_bounded_and_never_blocks_the_loop(monkeypatch
 # ---------------------------------------------------------------------- endpoints
 
 
-def test_endpoints_are_loopback_per_replica_and_none_without_zmq_events() -> None:
+def test_endpoints_are_ipc_paths_in_a_private_directory_per_replica() -> None:
     endpoints = EngineKvEndpoints()
-    try:
-        assert endpoints.endpoint_for("a", "fleet") is None
-        assert endpoints.endpoint_for("a", "llama.cpp") is None
-        e = endpoints.endpoint_for("a", "vllm")
-        assert e is not None and e == endpoints.endpoint_for("a", "vllm")  # idempotent
-        assert e.publish.startswith("tcp://127.0.0.1:") and e.replay.startswith("tcp://127.0.0.1:")
-        other = endpoints.endpoint_for("b", "sglang")
-        assert other is not None and other.publish_port != e.publish_port
-        endpoints.release("a")
-        assert endpoints.get("a") is None and endpoints.get("b") is not None
-    finally:
-        endpoints.close()
+    with ipc_dir() as directory:
+        try:
+            directory.mkdir(mode=0o755)  # left open by someone: made private again
+            assert endpoints.endpoint_for("a", "fleet", directory) is None
+            assert endpoints.endpoint_for("a", "llama.cpp", directory) is None
+            e = endpoints.endpoint_for("a", "vllm", directory)
+            assert e is not None and e == endpoints.endpoint_for("a", "vllm", directory)  # idempotent
+            assert e.replay is not None
+            for endpoint in (e.publish, e.replay):
+                assert endpoint.startswith("ipc://") and Path(endpoint[6:]).parent == directory.resolve()
+            st = directory.stat()
+            assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid()
+            other = endpoints.endpoint_for("b", "sglang", directory)
+            assert other is not None and other.publish != e.publish
+            endpoints.release("a")
+            assert endpoints.get("a") is None and endpoints.get("b") is not None
+            (directory.parent / "elsewhere").mkdir()
+            link = directory.parent / "link"
+            link.symlink_to(directory.parent / "elsewhere")
+            with pytest.raises(PermissionError):  # a link is nobody's private directory
+                endpoints.endpoint_for("c", "vllm", link)
+            with pytest.raises(ValueError, match="Unix socket path"):
+                endpoints.endpoint_for("d", "vllm", directory / ("x" * 100))
+        finally:
+            endpoints.close()
 
 
-async def test_the_launch_command_carries_both_endpoints_and_adoption_binds_them_again() -> None:
-    e = kv_events_endpoint_for("adopt-1", "vllm")
-    assert isinstance(e, KvEventsEndpoint)
-    argv = launch_command(
-        "vllm", "/m", 8000, None, "chat", kv_events_endpoint=e.publish, kv_events_replay_endpoint=e.replay
-    )
-    config = json.loads(argv[argv.index("--kv-events-config") + 1])
-    # no wildcard: the engine's PUB connects to the agent's loopback SUB; its ROUTER binds
-    assert config == {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": e.publish,
-        "topic": "kv-events",
-        "replay_endpoint": e.replay,
-    }
-    assert "replay_endpoint" not in json.loads(kv_events_config("sglang", e.publish))
-    release_kv_events_endpoint("adopt-1")  # the agent restarted: its sockets are gone
-    # (the old socket's port is free once zmq's I/O thread closed it)
-    again = await eventually(lambda: adopt_kv_events_endpoint("adopt-1", "vllm", argv), what="rebound")
-    assert again == e
-    assert adopt_kv_events_endpoint("adopt-2", "vllm", ["vllm", "serve", "/m"]) is None
-    release_kv_events_endpoint("adopt-1")
+async def test_no_local_process_can_inject_events_into_the_agents_socket() -> None:
+    """The agent listens on nothing: a PUB that connects to the replica's endpoint (what any
+    local user could do to a loopback TCP port) reaches no SUB, so its BlockStored never
+    becomes routable. Only the engine, binding the path in the 0700 directory, is read."""
+    async with replica() as env:
+        ctx = zmq.asyncio.Context()
+        intruder = ctx.socket(zmq.PUB)
+        intruder.setsockopt(zmq.LINGER, 0)
+        try:
+            intruder.connect(env.endpoint.publish)
+            forged, _ = stored_chain(PROMPT, BS, SALT)
+            payload = msgspec.msgpack.encode(KVEventBatch(ts=1.0, events=[forged]))
+            for seq in range(env.pub.seq, env.pub.seq + 20):
+                await intruder.send_multipart([b"kv-events", seq.to_bytes(8, "big"), payload])
+                await asyncio.sleep(0.02)
+            await env.pub.send(KVEventBatch(ts=2.0, events=[]))  # the engine's own still arrive
+            await eventually(lambda: counts(env).get("batches") == 1)
+            assert matched(env, PROMPT) == 0 and "stored" not in counts(env)
+        finally:
+            ctx.destroy(linger=0)
+
+
+async def test_the_launch_command_carries_both_endpoints_and_adoption_connects_them_again() -> None:
+    with ipc_dir() as directory:
+        e = kv_events_endpoint_for("adopt-1", "vllm", directory)
+        assert isinstance(e, KvEventsEndpoint) and e.replay is not None
+        argv = launch_command(
+            "vllm", "/m", 8000, None, "chat", kv_events_endpoint=e.publish, kv_events_replay_endpoint=e.replay
+        )
+        config = json.loads(argv[argv.index("--kv-events-config") + 1])
+        # ipc:// endpoints: the engine binds its PUB and ROUTER there; the agent's SUB connects
+        assert config == {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": e.publish,
+            "topic": "kv-events",
+            "replay_endpoint": e.replay,
+        }
+        assert "replay_endpoint" not in json.loads(kv_events_config("sglang", e.publish))
+        engine = StandInPublisher(e.publish, e.replay)
+        async with engine:
+            release_kv_events_endpoint("adopt-1")  # the agent restarted: its sockets are gone
+            assert adopt_kv_events_endpoint("adopt-1", "vllm", argv) == e
+            _, sub = sub_mod.ENDPOINTS.get("adopt-1")  # type: ignore[misc]
+
+            async def arrived() -> bool:
+                await engine.send(KVEventBatch(ts=0.0, events=[]))
+                return bool(await sub.poll(50))
+
+            await eventually(arrived, what="the running engine's batches reach the new SUB")
+            release_kv_events_endpoint("adopt-1")
+        assert adopt_kv_events_endpoint("adopt-2", "vllm", ["vllm", "serve", "/m"]) is None
+        # a command line naming a TCP port (anyone on the host could reach it) is not followed
+        tcp = json.dumps({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557"})
+        assert adopt_kv_events_endpoint("adopt-3", "vllm", ["vllm", "--kv-events-config", tcp]) is None
+        directory.chmod(0o755)
+        assert adopt_kv_events_endpoint("adopt-4", "vllm", argv) == e  # made private again
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+        release_kv_events_endpoint("adopt-4")
 
 
 async def test_relay_follows_no_replica_without_events_or_socket() -> None:
@@ -405,7 +561,8 @@ async def test_a_long_prefill_batch_is_translated_in_a_worker_thread() -> None:
 
 async def test_the_process_runtime_launches_vllm_onto_the_agents_socket(tmp_path, monkeypatch) -> None:
     """ProcessRuntime's launch of a vLLM replica (a stand-in executable: nothing is started)
-    names the loopback SUB the agent bound; stopping the replica closes it."""
+    names ipc:// paths in the state_dir's private kv-events directory, the agent's SUB
+    connected to the first; stopping the replica closes it."""
     from agent.runtime.base import ReplicaHandle
     from agent.runtime.process import ProcessRuntime
     from fleet_base.protocol import ReplicaSpec
@@ -415,7 +572,9 @@ async def test_the_process_runtime_launches_vllm_onto_the_agents_socket(tmp_path
     vllm.write_text("#!/bin/sh\nexit 0\n")
     vllm.chmod(0o755)
     monkeypatch.setenv("FLEET_VLLM", str(vllm))
-    runtime = ProcessRuntime(cluster_config(tmp_path, "nats://127.0.0.1:1"))
+    state_dir = Path(tempfile.mkdtemp(prefix="fleet-st-"))
+    cc = cluster_config(tmp_path, "nats://127.0.0.1:1").model_copy(update={"state_dir": state_dir})
+    runtime = ProcessRuntime(cc)
     spec = ReplicaSpec(replica_id="v-1", deployment="chat", version=1, model=str(tmp_path), engine="vllm")
     try:
         launch = runtime._launch(spec)
@@ -423,9 +582,12 @@ async def test_the_process_runtime_launches_vllm_onto_the_agents_socket(tmp_path
         bound = sub_mod.ENDPOINTS.get("v-1")
         assert bound is not None
         assert (config["endpoint"], config["replay_endpoint"]) == (bound[0].publish, bound[0].replay)
-        assert config["endpoint"].startswith("tcp://127.0.0.1:")
+        kv_dir = LocalState(state_dir).kv_events_dir.resolve()
+        assert config["endpoint"].startswith(f"ipc://{kv_dir}/")
+        assert stat.S_IMODE(kv_dir.stat().st_mode) == 0o700
         runtime._forget(ReplicaHandle(replica_id="v-1", spec=spec, url="", argv=launch.argv))
         assert sub_mod.ENDPOINTS.get("v-1") is None
     finally:
         release_kv_events_endpoint("v-1")
         await runtime.close()
+        shutil.rmtree(state_dir, ignore_errors=True)
