@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import io
 import logging
+import os
 import re
 import shutil
 import subprocess
@@ -70,6 +71,20 @@ def detect_gpus(timeout_s: float = 10.0) -> list[tuple[str, float]]:
         log.warning("nvidia-smi failed (%s); offering CPU slots", err)
         return []
     return parse_nvidia_smi(out)
+
+
+def gpu_indices(env: dict[str, str] | None = None) -> list[int]:
+    """This host's GPU indices as nvidia-smi numbers them, for assigning devices to local
+    replicas; within the agent's own CUDA_VISIBLE_DEVICES when that names indices. [] on a
+    host without GPUs."""
+    detected = range(len(detect_gpus()))
+    allowed = (env if env is not None else os.environ).get("CUDA_VISIBLE_DEVICES")
+    if allowed is None:
+        return list(detected)
+    items = [item.strip() for item in allowed.split(",") if item.strip()]
+    if not all(item.isdigit() for item in items):
+        return list(detected)
+    return [i for i in detected if str(i) in items]
 
 
 def cpu_pool(config: ClusterConfig) -> PoolInventory:

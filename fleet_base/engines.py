@@ -231,9 +231,59 @@ def parallel_gpus(kind: EngineKind, engine_args: Mapping[str, object]) -> int:
     return gpus
 
 
-# The environment variable each engine also reads its API key from: a key in argv is visible to
-# every local user in /proc/<pid>/cmdline. SGLang documents none (its key goes in argv).
-API_KEY_ENV: dict[EngineKind, str] = {"vllm": "VLLM_API_KEY", "llama.cpp": "LLAMA_API_KEY"}
+# The environment variable each engine's process reads its API key from: a key in argv is
+# visible to every local user in /proc/<pid>/cmdline. vLLM and llama.cpp read theirs; SGLang
+# reads none, so `SGLANG_SHIM` reads this one and hands the key to SGLang's own argument parser
+# inside the process (`sys.argv` is not /proc/<pid>/cmdline).
+API_KEY_ENV: dict[EngineKind, str] = {
+    "vllm": "VLLM_API_KEY",
+    "llama.cpp": "LLAMA_API_KEY",
+    "sglang": "FLEET_SGLANG_API_KEY",
+}
+
+# `python -c SGLANG_SHIM <sglang.launch_server's flags>`: runs `python -m sglang.launch_server`
+# with `--api-key` from FLEET_SGLANG_API_KEY added in-process. Plain Python (runpy), so it needs
+# nothing of Fleet in the engine's image or environment; `alter_sys` makes the module
+# `__main__` with its own spec exactly as `-m` does, which SGLang's spawned workers rely on.
+SGLANG_SHIM = (
+    "import os,runpy,sys;"
+    "k=os.environ.pop('FLEET_SGLANG_API_KEY','');"
+    "sys.argv+=['--api-key',k] if k else [];"
+    "runpy.run_module('sglang.launch_server',run_name='__main__',alter_sys=True)"
+)
+
+# Flags whose value is a secret (not a path to one): masked wherever a command line is
+# written down (logs, stored state).
+SECRET_FLAGS = frozenset({"--api-key"})
+REDACTED = "***"
+
+
+def redact_text(text: str, secrets: Sequence[str | None]) -> str:
+    """`text` (an engine's log: SGLang prints its parsed arguments, the key among them) with
+    each of `secrets` masked, before it leaves the host in an error or event."""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, REDACTED)
+    return text
+
+
+def redact_argv(argv: Sequence[str]) -> list[str]:
+    """`argv` with the value of every `SECRET_FLAGS` flag masked (`--api-key X` and
+    `--api-key=X`); everything else, the port and `--kv-events-config` included, as is."""
+    out: list[str] = []
+    mask_next = False
+    for arg in argv:
+        if mask_next:
+            out.append(REDACTED)
+            mask_next = False
+            continue
+        flag, eq, _ = arg.partition("=")
+        if flag in SECRET_FLAGS:
+            out.append(f"{flag}={REDACTED}" if eq else arg)
+            mask_next = not eq
+        else:
+            out.append(arg)
+    return out
 
 
 def launch_env(kind: EngineKind, api_key: str | None) -> dict[str, str]:
@@ -291,8 +341,8 @@ def launch_command(
     publishes them) and TLS. `extra_args` (the user's `-e` pass-through) come last, so a user
     flag the engine parses last-wins overrides ours.
 
-    With `api_key_in_env`, an engine that reads its key from the environment (`launch_env`)
-    gets no `--api-key` flag. The `fleet` engine's own launcher lives in agent/runtime; this
+    With `api_key_in_env`, no engine gets an `--api-key` flag: its process reads the key
+    from `launch_env` (SGLang through `SGLANG_SHIM`). The `fleet` engine's own launcher lives in agent/runtime; this
     covers foreign engines."""
     caps = CAPABILITIES[kind]
     if api_key_in_env and kind in API_KEY_ENV:
@@ -310,7 +360,8 @@ def launch_command(
         argv += ["--served-model-name", served_name]
         argv += _tp_flags("--tensor-parallel-size", tensor_parallel) + _key_flags(api_key)
     elif kind == "sglang":
-        argv = [python, "-m", "sglang.launch_server", "--model-path", model_path]
+        start = ["-c", SGLANG_SHIM] if api_key_in_env else ["-m", "sglang.launch_server"]
+        argv = [python, *start, "--model-path", model_path]
         argv += ["--host", host, "--port", str(port), "--served-model-name", served_name]
         argv += _tp_flags("--tp-size", tensor_parallel) + _key_flags(api_key)
         argv.append("--enable-metrics")

@@ -9,12 +9,22 @@ import time
 
 from pydantic import BaseModel, Field
 
+from fleet_base.cluster_config import ClusterConfig
 from fleet_base.node_health import local_node_name
 from fleet_base.protocol import ReplicaSpec, ReplicaState
 
 
 class InvalidSpec(Exception):
     """A replica could not be started for a reason a retry will not fix (bad spec)."""
+
+
+def startup_timeout_s(spec: ReplicaSpec, config: ClusterConfig) -> float:
+    """How long a replica of `spec` may take to become ready, in every runtime: a foreign
+    engine (vLLM, SGLang, llama.cpp loading a large model, compiling its kernels) gets at
+    least `kubernetes.engine_startup_timeout_s`."""
+    if spec.engine == "fleet":
+        return config.replica.startup_timeout_s
+    return max(config.replica.startup_timeout_s, config.kubernetes.engine_startup_timeout_s)
 
 
 class ReplicaHandle(BaseModel):
@@ -31,7 +41,10 @@ class ReplicaHandle(BaseModel):
     log_path: str = ""
     # runtime kubernetes: the replica's pod (namespace/name)
     pod: str = ""
+    # The command line with secret values masked (`fleet_base.engines.redact_argv`).
     argv: list[str] = Field(default_factory=list)
+    # runtime process: the GPU indices (CUDA_VISIBLE_DEVICES) it was given; none on a host without GPUs
+    gpus: list[int] = Field(default_factory=list)
     # What the runtime wants an operator to know of how it runs (e.g. served without TLS).
     note: str = ""
     started_at: float = Field(default_factory=time.time)

@@ -133,9 +133,10 @@ def foreign_argv(
     """The command line of a replica whose `spec.engine` is vLLM, SGLang or llama.cpp: the
     engine's own server (`fleet_base.engines.launch_command`) serving `model_path` (a local
     path: the verified cache entry, not the URI) under the deployment's name, its LoRA
-    slots, then the spec's `engine_args`. The API key goes in argv only for an engine that
-    reads none from its environment (`launch_env`); `config.replica.extra_args` are flags
-    of Fleet's engine and are not given."""
+    slots, then the spec's `engine_args`. The API key never goes in argv: the launcher puts
+    it in the environment (`launch_env`; SGLang reads it through `SGLANG_SHIM`), so `api_key`
+    is only ever a placeholder; `config.replica.extra_args` are flags of Fleet's engine and
+    are not given."""
     extra = lora_launch(spec.engine, spec.max_adapters)[0]
     extra += engine_flags(spec.engine_args, FOREIGN_RESERVED_KEYS)
     try:

@@ -6,16 +6,15 @@ our own engine's pod does not; kube_pod builds the rest of the pod the same way.
   serving the verified local path of the model (`pod_model_path`), never the URI;
 - identity, as for our engine: with `security`, HTTPS with the replica certificate from the
   replica Secret's volume and the replica token as the engine's API key, by secretKeyRef into
-  the variable the engine reads (`fleet_base.engines.API_KEY_ENV`). SGLang reads none: its
-  `--api-key` is `$(FLEET_ENGINE_API_KEY)`, which the kubelet expands at start, so the pod
-  object still holds no secret value;
-- GPUs: the engine's parallel size (`fleet_base.engines.parallel_gpus`) or the spec's count,
-  whichever is larger; /dev/shm as a memory emptyDir (tensor-parallel workers share through it);
+  the variable the engine's process reads (`fleet_base.engines.API_KEY_ENV`; SGLang through
+  `SGLANG_SHIM`), so neither the pod object nor the container's command line holds it;
+- GPUs: `agent.runtime.gpus.replica_gpu_count` (the engine's parallel size or the spec's
+  count, whichever is larger); /dev/shm as a memory emptyDir (tensor-parallel workers share through it);
 - KV events: vLLM and SGLang publish over ZMQ on `kubernetes.kv_events_port` of every pod
   address and replay missed batches on `kubernetes.kv_replay_port` (`kv_events_endpoints`
   is where the agent subscribes and asks);
-- probes on the engine's own health path; a startup bound of
-  `kubernetes.engine_startup_timeout_s` (large models load for many minutes).
+- probes on the engine's own health path; a startup bound of `startup_timeout_s`
+  (`agent.runtime.base`, shared with the process runtime).
 """
 
 from __future__ import annotations
@@ -26,10 +25,10 @@ from pathlib import Path
 from agent.runtime.base import InvalidSpec
 from agent.runtime.command import foreign_argv
 from agent.runtime.foreign import local_model_path
-from agent.security.replica_auth import API_KEY_ENV as TOKEN_ENV
+from agent.runtime.gpus import replica_gpu_count
 from agent.security.replica_auth import SECRET_TOKEN
 from fleet_base.cluster_config import ClusterConfig
-from fleet_base.engines import API_KEY_ENV, CAPABILITIES, TlsFiles, lora_launch, parallel_gpus
+from fleet_base.engines import API_KEY_ENV, CAPABILITIES, TlsFiles, lora_launch
 from fleet_base.models import ModelCache, is_remote
 from fleet_base.protocol import ReplicaSpec
 
@@ -56,13 +55,6 @@ class EngineContainer:
 
 def is_foreign(spec: ReplicaSpec) -> bool:
     return spec.engine != "fleet"
-
-
-def startup_timeout_s(spec: ReplicaSpec, config: ClusterConfig) -> float:
-    """How long a replica of `spec` may take to become ready (probe and runtime alike)."""
-    if not is_foreign(spec):
-        return config.replica.startup_timeout_s
-    return max(config.replica.startup_timeout_s, config.kubernetes.engine_startup_timeout_s)
 
 
 def pod_model_path(spec: ReplicaSpec, config: ClusterConfig, cache: ModelCache | None) -> str:
@@ -96,14 +88,10 @@ def engine_container(
     kind = spec.engine
     caps = CAPABILITIES[kind]
     kc = config.kubernetes
-    api_key = None
     env: list[dict] = []
     if tls is not None:
-        key_env = API_KEY_ENV.get(kind, TOKEN_ENV)
         ref = {"secretKeyRef": {"name": kc.replica_secret, "key": SECRET_TOKEN}}
-        env.append({"name": key_env, "valueFrom": ref})
-        if kind not in API_KEY_ENV:  # expanded by the kubelet from the variable above
-            api_key = f"$({key_env})"
+        env.append({"name": API_KEY_ENV[kind], "valueFrom": ref})
     zmq = caps.kv_events == "zmq"  # the engine binds both on every pod address
     kv_endpoint = f"tcp://*:{kc.kv_events_port}" if zmq else None
     kv_replay = f"tcp://*:{kc.kv_replay_port}" if zmq else None
@@ -112,7 +100,6 @@ def engine_container(
         model_path=model_path,
         port=kc.port,
         host="0.0.0.0",
-        api_key=api_key,
         tls=tls,
         kv_events_endpoint=kv_endpoint,
         kv_events_replay_endpoint=kv_replay,
@@ -122,10 +109,7 @@ def engine_container(
     extra = {**QUIET_ENV.get(kind, {}), **lora_launch(kind, spec.max_adapters)[1], **config.replica.env}
     env = [{"name": k, "value": v} for k, v in sorted(extra.items()) if k not in ours] + env
     env.append({"name": "HOME", "value": "/tmp"})
-    try:
-        gpus = max(spec.resources.gpu_count, parallel_gpus(kind, spec.engine_args) or 1)
-    except ValueError as err:
-        raise InvalidSpec(f"engine_args: {err}") from err
+    gpus = replica_gpu_count(spec)
     out = EngineContainer(
         image=kc.engine_images[kind],
         command=command,

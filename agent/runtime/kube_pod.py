@@ -30,9 +30,9 @@ import math
 import re
 import secrets
 
-from agent.runtime.base import InvalidSpec
+from agent.runtime.base import InvalidSpec, startup_timeout_s
 from agent.runtime.command import replica_argv
-from agent.runtime.kube_engine import engine_container, is_foreign, startup_timeout_s
+from agent.runtime.kube_engine import engine_container, is_foreign
 from agent.security.replica_auth import SECRET_CERT, SECRET_KEY, replica_pod_env
 from fleet_base.cluster_config import ClusterConfig
 from fleet_base.domain import Tier

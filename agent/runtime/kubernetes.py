@@ -53,9 +53,9 @@ from lightkube.resources.core_v1 import Node, Pod
 from lightkube.types import PatchType
 
 from agent.engine_kv_subscriber import release_kv_events_endpoint, subscribe_kv_events
-from agent.runtime.base import Probe, ReplicaHandle, Runtime
+from agent.runtime.base import Probe, ReplicaHandle, Runtime, startup_timeout_s
 from agent.runtime.drain import wait_idle
-from agent.runtime.kube_engine import kv_events_endpoints, pod_model_path, startup_timeout_s
+from agent.runtime.kube_engine import kv_events_endpoints, pod_model_path
 from agent.runtime.kube_node import cordon_patch, uncordon_patch
 from agent.runtime.kube_pod import (
     LABEL,
@@ -70,7 +70,7 @@ from agent.runtime.kube_pod import (
 from agent.runtime.kube_status import PodView, classify, vanished
 from agent.security.replica_auth import replica_headers
 from fleet_base.cluster_config import ClusterConfig
-from fleet_base.engines import CAPABILITIES
+from fleet_base.engines import CAPABILITIES, redact_text
 from fleet_base.models import ModelCache
 from fleet_base.protocol import PoolInventory, ReplicaSpec, ReplicaState
 from fleet_base.security.tls import replica_verify
@@ -252,7 +252,7 @@ class KubernetesRuntime(Runtime):
             ]
         except Exception:
             return ""
-        return "".join(lines).rstrip()
+        return redact_text("".join(lines).rstrip(), [self.config.security.replica_token])
 
     async def poll(self, handle: ReplicaHandle) -> Probe:
         name = self._name(handle)

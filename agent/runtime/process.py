@@ -8,8 +8,14 @@
   log once it is over `replica.log_max_bytes` (`agent.runtime.replica_logs`).
 - ready when GET /health answers 200 (the engine listens at once and says 503 while it
   loads); failed when the process exits (exit code and log tail reported), when it is
-  not ready within `startup_timeout_s`, or when a ready replica stops answering /health
+  not ready within `agent.runtime.base.startup_timeout_s` (longer for a foreign engine), or when a ready replica stops answering /health
   for `UNHEALTHY_AFTER_S` (then it is killed, so the restart is clean).
+- GPUs: on a host with GPUs each replica gets its own `replica_gpu_count` devices as
+  CUDA_VISIBLE_DEVICES (`agent.runtime.gpus`), held until it is gone and claimed again on
+  adoption from the process's environment (else runtime.json); a replica that cannot get
+  them is not started (retried after the backoff).
+- the command line written to the log and kept in the handle has secret values masked
+  (`fleet_base.engines.redact_argv`); no launcher puts the key in argv to begin with.
 - stop: SIGTERM to the group (the engine drains in-flight requests, bounded by the
   `--drain-timeout` we pass), SIGKILL after `drain_timeout_s` plus a grace.
 
@@ -29,6 +35,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -39,14 +46,16 @@ from agent.engine_kv_subscriber import (
     kv_events_endpoint_for,
     release_kv_events_endpoint,
 )
-from agent.runtime.base import Probe, ReplicaHandle, Runtime
+from agent.inventory import gpu_indices
+from agent.runtime.base import Probe, ReplicaHandle, Runtime, startup_timeout_s
 from agent.runtime.command import ENGINE_MODULE, replica_argv
 from agent.runtime.drain import wait_idle
 from agent.runtime.foreign import LOOPBACK, Launch, foreign_launch
+from agent.runtime.gpus import GpuAllocator, cuda_env, replica_gpu_count, visible_indices
 from agent.runtime.replica_logs import rotate_if_large
 from agent.security.replica_auth import replica_env, replica_headers
 from fleet_base.cluster_config import ClusterConfig
-from fleet_base.engines import CAPABILITIES
+from fleet_base.engines import CAPABILITIES, redact_argv, redact_text
 from fleet_base.local_state import LocalState
 from fleet_base.ports import free_port
 from fleet_base.protocol import ReplicaSpec, ReplicaState
@@ -97,7 +106,14 @@ class ProcessRuntime(Runtime):
     # Whether a spec's foreign engine runs that engine (the sim runtime simulates every engine).
     runs_foreign_engines = True
 
-    def __init__(self, config: ClusterConfig, *, unhealthy_after_s: float = UNHEALTHY_AFTER_S) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        *,
+        unhealthy_after_s: float = UNHEALTHY_AFTER_S,
+        gpus: Sequence[int] | None = None,
+    ) -> None:
+        """`gpus`: the device indices replicas are given (default: this host's, nvidia-smi's)."""
         self.config = config
         self.node_name = config.node_name
         self.logs_dir = LocalState(config.state_dir).logs_dir
@@ -105,6 +121,11 @@ class ProcessRuntime(Runtime):
         self._children: dict[int, subprocess.Popen[bytes]] = {}  # pid -> our own child
         self._last_ok: dict[int, float] = {}  # pid -> last /health 200
         self._http = httpx.AsyncClient(timeout=2.0, verify=replica_verify(config.security))
+        self.gpus = GpuAllocator(self.gpu_inventory() if gpus is None else gpus)
+
+    def gpu_inventory(self) -> list[int]:
+        """The GPU indices this runtime hands out (a simulated replica uses none)."""
+        return gpu_indices()
 
     # ----------------------------------------------------------------- start
 
@@ -133,25 +154,15 @@ class ProcessRuntime(Runtime):
         return Launch(self.replica_argv(spec, port), port, host=host, https=self.config.security.enabled)
 
     async def start(self, spec: ReplicaSpec) -> ReplicaHandle:
-        launch = self._launch(spec)
-        argv, host, port = launch.argv, launch.host, launch.port
-        self.logs_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.logs_dir / f"{spec.replica_id}.log"
-        with open(log_path, "ab") as out:
-            out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} agent starts: {' '.join(argv)}\n".encode())
-            if launch.note:
-                out.write(f"--- agent note: {launch.note}\n".encode())
-                log.warning("replica %s: %s", spec.replica_id, launch.note)
-            out.flush()
-            proc = subprocess.Popen(
-                argv,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env={**self._env(), **launch.env},
-                start_new_session=True,
-            )
+        try:
+            devices = self.gpus.allocate(spec.replica_id, replica_gpu_count(spec))
+            launch = self._launch(spec)
+            proc, log_path = self._spawn(spec, launch, devices)
+        except BaseException:  # nothing runs: free what was taken for it
+            self._release(spec.replica_id)
+            raise
         self._children[proc.pid] = proc
+        argv, host, port = redact_argv(launch.argv), launch.host, launch.port
         create_time = None
         with contextlib.suppress(psutil.Error):
             create_time = psutil.Process(proc.pid).create_time()
@@ -165,8 +176,32 @@ class ProcessRuntime(Runtime):
             create_time=create_time,
             log_path=str(log_path),
             argv=argv,
+            gpus=list(devices),
             note=launch.note,
         )
+
+    def _spawn(
+        self, spec: ReplicaSpec, launch: Launch, devices: Sequence[int]
+    ) -> tuple[subprocess.Popen[bytes], Path]:
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.logs_dir / f"{spec.replica_id}.log"
+        with open(log_path, "ab") as out:
+            shown = " ".join(redact_argv(launch.argv))
+            gpus = f" (GPUs {','.join(map(str, devices))})" if devices else ""
+            out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} agent starts{gpus}: {shown}\n".encode())
+            if launch.note:
+                out.write(f"--- agent note: {launch.note}\n".encode())
+                log.warning("replica %s: %s", spec.replica_id, launch.note)
+            out.flush()
+            proc = subprocess.Popen(
+                launch.argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**self._env(), **launch.env, **cuda_env(devices)},
+                start_new_session=True,
+            )
+        return proc, log_path
 
     # ----------------------------------------------------------------- liveness
 
@@ -225,7 +260,7 @@ class ProcessRuntime(Runtime):
         exited, code = self._exited(handle)
         if exited:
             self._forget(handle)
-            tail = log_tail(handle.log_path)
+            tail = self._log_tail(handle)
             what = f"exited with code {code}" if code is not None else "exited"
             return Probe(state=ReplicaState.failed, exit_code=code, error=f"{what}; log tail:\n{tail}")
         status, word = await self._health(handle.url, self._health_path(handle))
@@ -248,10 +283,10 @@ class ProcessRuntime(Runtime):
                     error=f"stopped answering /health for {now - last_ok:.0f} s; killed",
                 )
             return Probe(state=ReplicaState.ready)
-        timeout = self.config.replica.startup_timeout_s
+        timeout = startup_timeout_s(handle.spec, self.config)
         if now - handle.started_at > timeout:
             await self.kill(handle)
-            tail = log_tail(handle.log_path)
+            tail = self._log_tail(handle)
             return Probe(
                 state=ReplicaState.failed, error=f"not ready after {timeout:.0f} s; log tail:\n{tail}"
             )
@@ -305,8 +340,16 @@ class ProcessRuntime(Runtime):
         await self._wait_exit(handle, 10.0)
         self._forget(handle)
 
+    def _log_tail(self, handle: ReplicaHandle) -> str:
+        """The replica log's tail for a failure's error, with the replica token masked."""
+        return redact_text(log_tail(handle.log_path), [self.config.security.replica_token])
+
+    def _release(self, replica_id: str) -> None:
+        release_kv_events_endpoint(replica_id)
+        self.gpus.release(replica_id)
+
     def _forget(self, handle: ReplicaHandle) -> None:
-        release_kv_events_endpoint(handle.replica_id)
+        self._release(handle.replica_id)
         if handle.pid is not None:
             self._last_ok.pop(handle.pid, None)
             child = self._children.pop(handle.pid, None)
@@ -328,8 +371,20 @@ class ProcessRuntime(Runtime):
         if status == 200 and handle.pid is not None:
             self._last_ok[handle.pid] = time.time()
         adopt_kv_events_endpoint(handle.replica_id, handle.spec.engine, handle.argv)
+        self.gpus.claim(handle.replica_id, self._adopted_gpus(handle))
         log.info("adopted replica %s (pid %s, %s)", handle.replica_id, handle.pid, handle.url)
         return True
+
+    def _adopted_gpus(self, handle: ReplicaHandle) -> list[int]:
+        """The devices an adopted replica runs on: its process's CUDA_VISIBLE_DEVICES, else
+        what runtime.json recorded."""
+        if not self.gpus.inventory or handle.pid is None:
+            return []
+        try:
+            found = visible_indices(psutil.Process(handle.pid).environ())
+        except psutil.Error:
+            found = None
+        return found if found is not None else list(handle.gpus)
 
     async def close(self) -> None:
         await self._http.aclose()

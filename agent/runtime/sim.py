@@ -22,5 +22,8 @@ class SimRuntime(ProcessRuntime):
     module = SIM_MODULE
     runs_foreign_engines = False  # a simulated replica stands in for any engine
 
+    def gpu_inventory(self) -> list[int]:
+        return []
+
     def replica_argv(self, spec: ReplicaSpec, port: int) -> list[str]:
         return replica_argv(spec, self.config, port=port, module=SIM_MODULE, lora=False)

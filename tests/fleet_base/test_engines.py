@@ -1,14 +1,26 @@
 """Launch commands against each engine's documented CLI (vLLM `vllm serve`, SGLang
-`python -m sglang.launch_server`, llama.cpp `llama-server`); nothing is launched here."""
+`python -m sglang.launch_server`, llama.cpp `llama-server`); only the SGLang key shim is run
+(against a stand-in `sglang.launch_server`)."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from fleet_base import engines
-from fleet_base.engines import CAPABILITIES, ENGINE_KINDS, TlsFiles, launch_command, launch_env
+from fleet_base.engines import (
+    CAPABILITIES,
+    ENGINE_KINDS,
+    TlsFiles,
+    launch_command,
+    launch_env,
+    redact_argv,
+    redact_text,
+)
 
 
 def flag(argv: list[str], name: str) -> str:
@@ -108,16 +120,60 @@ def test_capability_table_covers_every_engine():
     }
 
 
-@pytest.mark.parametrize(("kind", "var"), [("vllm", "VLLM_API_KEY"), ("llama.cpp", "LLAMA_API_KEY")])
+@pytest.mark.parametrize(
+    ("kind", "var"),
+    [("vllm", "VLLM_API_KEY"), ("llama.cpp", "LLAMA_API_KEY"), ("sglang", "FLEET_SGLANG_API_KEY")],
+)
 def test_api_key_can_stay_out_of_argv(kind, var):
     argv = launch_command(kind, "/m", 1, "sk-secret", "m", api_key_in_env=True)
-    assert "sk-secret" not in argv and "--api-key" not in argv
+    assert not any("sk-secret" in a for a in argv) and "--api-key" not in argv
     assert launch_env(kind, "sk-secret") == {var: "sk-secret"}
 
 
-def test_sglang_has_no_key_variable_so_the_flag_stays():
-    assert flag(launch_command("sglang", "/m", 1, "sk", "m", api_key_in_env=True), "--api-key") == "sk"
-    assert launch_env("sglang", "sk") == {}
+FAKE_SGLANG = """
+import json, os, sys
+if __name__ == "__main__":
+    with open(os.environ["FAKE_SGLANG_OUT"], "w") as f:
+        json.dump({"argv": sys.argv, "key_env": "FLEET_SGLANG_API_KEY" in os.environ,
+                   "cmdline": open("/proc/self/cmdline").read()}, f)
+"""
+
+
+def test_sglang_gets_its_key_in_process_through_the_shim(tmp_path):
+    """SGLang reads no key variable: the shim hands it to sglang.launch_server's parser as
+    `-m` would run it, while the process's visible command line holds no key."""
+    pkg = tmp_path / "sglang"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "launch_server.py").write_text(FAKE_SGLANG)
+    out = tmp_path / "out.json"
+    argv = launch_command("sglang", "/m", 8123, "sk-secret", "m", python=sys.executable, api_key_in_env=True)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "FAKE_SGLANG_OUT": str(out)}
+    subprocess.run(argv, env={**env, **launch_env("sglang", "sk-secret")}, check=True, timeout=30)
+    seen = json.loads(out.read_text())
+    assert seen["argv"][0] == str(pkg / "launch_server.py")  # run as `python -m` runs it
+    assert seen["argv"][1:] == [*argv[3:], "--api-key", "sk-secret"]
+    assert "sk-secret" not in seen["cmdline"] and not seen["key_env"]  # not passed on to workers
+    subprocess.run(argv, env=env, check=True, timeout=30)  # security off: no key, no flag
+    assert "--api-key" not in json.loads(out.read_text())["argv"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "shown"),
+    [
+        (["x", "--api-key", "sk", "--port", "1"], ["x", "--api-key", "***", "--port", "1"]),
+        (["x", "--api-key=sk", "--api-keyx", "v"], ["x", "--api-key=***", "--api-keyx", "v"]),
+        (["x", "--ssl-keyfile", "/k.pem", "--api-key"], ["x", "--ssl-keyfile", "/k.pem", "--api-key"]),
+        (["x", "--kv-events-config", '{"endpoint":"tcp://127.0.0.1:5"}'], None),
+    ],
+)
+def test_secret_flag_values_are_masked_in_a_shown_command_line(argv, shown):
+    assert redact_argv(argv) == (argv if shown is None else shown)
+
+
+def test_secret_values_are_masked_in_engine_output():
+    text = "server_args=ServerArgs(api_key='sk-1', port=1)"
+    assert redact_text(text, ["sk-1", None, ""]) == "server_args=ServerArgs(api_key='***', port=1)"
 
 
 @pytest.mark.parametrize(

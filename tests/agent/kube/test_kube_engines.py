@@ -22,7 +22,7 @@ from agent.runtime.kube_pod import CREDENTIALS_DIR, replica_pod, termination_gra
 from agent.runtime.kubernetes import KubernetesRuntime
 from control_plane.security.pki import FleetPki
 from fleet_base.cluster_config import ClusterConfig, ReplicaConfig
-from fleet_base.engines import kv_events_config
+from fleet_base.engines import SGLANG_SHIM, kv_events_config
 from fleet_base.kube_config import ENGINE_IMAGES, KubernetesConfig
 from fleet_base.models import ModelCache, source_for
 from fleet_base.models.cache import MANIFEST, CachedFile, CacheEntry, cache_key
@@ -118,18 +118,17 @@ def test_secure_engine_pod_holds_no_secret_and_serves_the_replica_identity(
     c = container(pod)
     argv, env = c["command"], env_of(c)
     token_ref = {"secretKeyRef": {"name": SECRET, "key": "replica-token"}}
-    if engine == "sglang":  # reads no key variable: argv names the variable, the kubelet expands it
-        assert flag(argv, "--api-key") == "$(FLEET_ENGINE_API_KEY)"
-        assert env["FLEET_ENGINE_API_KEY"]["valueFrom"] == token_ref
-    else:
-        assert "--api-key" not in argv
-        var = {"vllm": "VLLM_API_KEY", "llama.cpp": "LLAMA_API_KEY"}[engine]
-        assert env[var]["valueFrom"] == token_ref
+    # the key only in the variable the engine's process reads (SGLang's shim for SGLang), so
+    # the container's command line (/proc/<pid>/cmdline) holds neither it nor a $(VAR) of it
+    assert "--api-key" not in argv and not any("$(" in a for a in argv)
+    var = {"vllm": "VLLM_API_KEY", "llama.cpp": "LLAMA_API_KEY", "sglang": "FLEET_SGLANG_API_KEY"}[engine]
+    assert env[var]["valueFrom"] == token_ref
     assert all("value" in e or "valueFrom" in e for e in c["env"])
     assert not [
         e
         for e in c["env"]
-        if "valueFrom" in e and e["name"] not in ("FLEET_ENGINE_API_KEY", "VLLM_API_KEY", "LLAMA_API_KEY")
+        if "valueFrom" in e
+        and e["name"] not in ("FLEET_ENGINE_API_KEY", "VLLM_API_KEY", "LLAMA_API_KEY", "FLEET_SGLANG_API_KEY")
     ]
     # TLS with the replica certificate of the secret volume (only its two files)
     cert, key = f"{CREDENTIALS_DIR}/replica.pem", f"{CREDENTIALS_DIR}/replica.key"
@@ -152,7 +151,7 @@ def test_engine_pod_runs_the_engines_image_and_its_own_server(creds: Credentials
     assert c["image"] == ENGINE_IMAGES[engine]
     head = {
         "vllm": ["vllm", "serve", "/models/qwen"],
-        "sglang": ["python3", "-m", "sglang.launch_server"],
+        "sglang": ["python3", "-c", SGLANG_SHIM],
         "llama.cpp": ["llama-server"],
     }
     assert c["command"][: len(head[engine])] == head[engine]
