@@ -342,8 +342,8 @@ def launch_command(
     flag the engine parses last-wins overrides ours.
 
     With `api_key_in_env`, no engine gets an `--api-key` flag: its process reads the key
-    from `launch_env` (SGLang through `SGLANG_SHIM`). The `fleet` engine's own launcher lives in agent/runtime; this
-    covers foreign engines."""
+    from `launch_env` (SGLang through `SGLANG_SHIM`). The `fleet` engine's own launcher
+    lives in agent/runtime; this covers foreign engines."""
     caps = CAPABILITIES[kind]
     if api_key_in_env and kind in API_KEY_ENV:
         api_key = None

@@ -7,9 +7,10 @@
   with SIGKILL and a restarted agent can adopt it (see `adopt`); every poll rotates that
   log once it is over `replica.log_max_bytes` (`agent.runtime.replica_logs`).
 - ready when GET /health answers 200 (the engine listens at once and says 503 while it
-  loads); failed when the process exits (exit code and log tail reported), when it is
-  not ready within `agent.runtime.base.startup_timeout_s` (longer for a foreign engine), or when a ready replica stops answering /health
-  for `UNHEALTHY_AFTER_S` (then it is killed, so the restart is clean).
+  loads); failed when the process exits (exit code and log tail, the replica token masked,
+  reported), when it is not ready within `agent.runtime.base.startup_timeout_s` (longer for
+  a foreign engine, as on Kubernetes), or when a ready replica stops answering /health for
+  `UNHEALTHY_AFTER_S` (then it is killed, so the restart is clean).
 - GPUs: on a host with GPUs each replica gets its own `replica_gpu_count` devices as
   CUDA_VISIBLE_DEVICES (`agent.runtime.gpus`), held until it is gone and claimed again on
   adoption from the process's environment (else runtime.json); a replica that cannot get
