@@ -40,7 +40,7 @@ import os
 import stat
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -179,11 +179,22 @@ class EngineKvEndpoints:
 ENDPOINTS = EngineKvEndpoints()  # this agent process's
 
 
-def kv_events_endpoint_for(replica_id: str, kind: EngineKind, ipc_dir: Path) -> KvEventsEndpoint | None:
+DATA_PARALLEL_ARGS = ("data_parallel_size", "dp_size", "dp")  # vLLM's, SGLang's
+
+
+def kv_events_endpoint_for(
+    replica_id: str, kind: EngineKind, ipc_dir: Path, engine_args: Mapping[str, object] | None = None
+) -> KvEventsEndpoint | None:
     """For the launcher: the endpoints to put in the engine's `--kv-events-config`
     (`kv_events_config(kind, e.publish, replay_endpoint=e.replay)`), in `ipc_dir` (the
-    agent's state_dir's `kv-events`); None for an engine without ZMQ KV events or when no
-    private path can be made there (the replica then runs unfollowed)."""
+    agent's state_dir's `kv-events`); None for an engine without ZMQ KV events, for a
+    data-parallel one (the engines give ranks past 0 their own endpoint by offsetting a TCP
+    port and refuse an ipc:// one: the engine would not start), or when no private path can
+    be made there: the replica then runs unfollowed."""
+    args = engine_args or {}
+    if any(str(args.get(k, 1)) not in ("1", "0", "None") for k in DATA_PARALLEL_ARGS):
+        log.info("replica %s: data-parallel; its KV events are not followed", replica_id)
+        return None
     try:
         return ENDPOINTS.endpoint_for(replica_id, kind, ipc_dir)
     except (OSError, ValueError, zmq.ZMQError) as err:

@@ -104,6 +104,13 @@ class KubernetesConfig(BaseModel):
     # /dev/shm of a foreign engine's pod (a memory-backed emptyDir, counted against
     # memory_limit): PyTorch and NCCL share tensors between vLLM's and SGLang's workers there.
     shm_size: str = "8Gi"
+    # vLLM's and SGLang's KV-cache events (prefix routing on their replicas): "off", or
+    # "plaintext": each pod binds a ZMQ PUB and a replay ROUTER on kv_events_port and
+    # kv_replay_port of its pod address, unauthenticated and unencrypted even with `security`
+    # (the batches carry tenants' prompt token ids; replay answers whoever reaches it), so
+    # only the `fleet-replicas` NetworkPolicy keeps others away. Opt in on a pod network you
+    # trust (docs/engines.md).
+    kv_events: Literal["off", "plaintext"] = "off"
     # Where vLLM and SGLang publish KV-cache events and replay missed ones (ZMQ, container
     # ports the agent reaches).
     kv_events_port: int = Field(5557, ge=1, le=65535)

@@ -155,6 +155,59 @@ def test_network_policies_and_budgets(rendered, overlay) -> None:
     assert budgets == {"fleet-control-plane", "fleet-agent", "fleet-replicas"}
 
 
+def selects(selector: dict, labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector (matchLabels, matchExpressions) applied to `labels`."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        key, op, values = e["key"], e["operator"], e.get("values", [])
+        ok = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": key not in labels or labels[key] not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
+        if not ok:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("engine", ["fleet", "vllm", "sglang", "llama.cpp"])
+def test_a_foreign_engines_serving_port_admits_the_agent_pod_alone(rendered, overlay, engine) -> None:
+    """vLLM's API key guards /v1/* only (/tokenize, /pooling, /score, /invocations are
+    open): every policy that selects a foreign engine's pod admits its serving port from
+    the agent's pod (agent and gateway) and nothing else; our engine's is scraped too."""
+    docs = rendered[overlay]
+    (cm,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].startswith("fleet-agent-config")]
+    config = ClusterConfig.model_validate(yaml.safe_load(cm["data"]["cluster.yaml"]))
+    pool = config.pools[0]
+    spec = ReplicaSpec(
+        replica_id="chat-v1-abc123",
+        deployment="chat",
+        version=1,
+        model="/models/qwen",
+        engine=engine,
+        resources=Resources(gpu_count=1),
+        pool=pool.name,
+    )
+    labels = replica_pod(spec, config, pool)["metadata"]["labels"]
+    serving = config.kubernetes.port
+    sources = [
+        source
+        for p in by_kind(docs, "NetworkPolicy")
+        if selects(p["spec"]["podSelector"], labels)
+        for rule in p["spec"].get("ingress", [])
+        if serving in [port["port"] for port in rule.get("ports", [])]
+        for source in rule["from"]
+    ]
+    agent = {"podSelector": {"matchLabels": {"app.kubernetes.io/component": "agent"}}}
+    monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    assert agent in sources
+    assert all(s in (agent, monitoring) for s in sources)
+    assert (monitoring in sources) == (engine == "fleet")
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_agent_config_and_the_pods_it_would_create(rendered, overlay) -> None:
     """The overlay's cluster.yaml is a valid agent config, and the replica pod of every one

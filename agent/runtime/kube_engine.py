@@ -10,9 +10,10 @@ our own engine's pod does not; kube_pod builds the rest of the pod the same way.
   `SGLANG_SHIM`), so neither the pod object nor the container's command line holds it;
 - GPUs: `agent.runtime.gpus.replica_gpu_count` (the engine's parallel size or the spec's
   count, whichever is larger); /dev/shm as a memory emptyDir (tensor-parallel workers share through it);
-- KV events: vLLM and SGLang publish over ZMQ on `kubernetes.kv_events_port` of every pod
-  address and replay missed batches on `kubernetes.kv_replay_port` (`kv_events_endpoints`
-  is where the agent subscribes and asks);
+- KV events, only with `kubernetes.kv_events: plaintext` (ZMQ has no TLS or client identity
+  here): vLLM and SGLang publish on `kubernetes.kv_events_port` of every pod address and
+  replay missed batches on `kubernetes.kv_replay_port` (`kv_events_endpoints` is where the
+  agent subscribes and asks);
 - probes on the engine's own health path; a startup bound of `startup_timeout_s`
   (`agent.runtime.base`, shared with the process runtime).
 """
@@ -28,7 +29,7 @@ from agent.runtime.foreign import local_model_path
 from agent.runtime.gpus import replica_gpu_count
 from agent.security.replica_auth import SECRET_TOKEN
 from fleet_base.cluster_config import ClusterConfig
-from fleet_base.engines import API_KEY_ENV, CAPABILITIES, TlsFiles, lora_launch
+from fleet_base.engines import API_KEY_ENV, CAPABILITIES, EngineKind, TlsFiles, lora_launch
 from fleet_base.models import ModelCache, is_remote
 from fleet_base.protocol import ReplicaSpec
 
@@ -92,7 +93,7 @@ def engine_container(
     if tls is not None:
         ref = {"secretKeyRef": {"name": kc.replica_secret, "key": SECRET_TOKEN}}
         env.append({"name": API_KEY_ENV[kind], "valueFrom": ref})
-    zmq = caps.kv_events == "zmq"  # the engine binds both on every pod address
+    zmq = kv_events_on(kind, config)  # the engine binds both on every pod address
     kv_endpoint = f"tcp://*:{kc.kv_events_port}" if zmq else None
     kv_replay = f"tcp://*:{kc.kv_replay_port}" if zmq else None
     command = foreign_argv(
@@ -131,8 +132,14 @@ def kv_events_endpoints(spec: ReplicaSpec, pod_ip: str, config: ClusterConfig) -
     """(where the agent subscribes to a replica pod's KV events, where it asks for the
     batches it missed), both ZMQ; None for an engine that publishes none over ZMQ (ours
     posts them to the agent's relay)."""
-    if not is_foreign(spec) or CAPABILITIES[spec.engine].kv_events != "zmq" or not pod_ip:
+    if not is_foreign(spec) or not kv_events_on(spec.engine, config) or not pod_ip:
         return None
     host = f"[{pod_ip}]" if ":" in pod_ip else pod_ip
     kc = config.kubernetes
     return f"tcp://{host}:{kc.kv_events_port}", f"tcp://{host}:{kc.kv_replay_port}"
+
+
+def kv_events_on(kind: EngineKind, config: ClusterConfig) -> bool:
+    """Whether a pod of this engine publishes KV events: one that has them over ZMQ, where
+    the operator opted into plaintext ones (`kubernetes.kv_events`)."""
+    return CAPABILITIES[kind].kv_events == "zmq" and config.kubernetes.kv_events == "plaintext"

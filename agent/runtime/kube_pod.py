@@ -1,7 +1,7 @@
 """The pod of one replica, as a plain Kubernetes object (dict): pure, so tests validate it
 against the official schemas and the runtime only sends it.
 
-- identity: labels `fleet.dev/{cluster,deployment,version,replica,pool,tier}` plus the
+- identity: labels `fleet.dev/{cluster,deployment,version,replica,pool,tier,engine}` plus the
   `app.kubernetes.io/*` set; the full ReplicaSpec in the `fleet.dev/spec` annotation, so
   an agent that lost its disk adopts the pod from a label list alone;
 - placement: `nvidia.com/gpu` (or the pool's resource) requests = limits, node selector
@@ -259,6 +259,7 @@ def replica_pod(
         f"{LABEL}/replica": label_value("replica id", spec.replica_id),
         f"{LABEL}/pool": pool_label(spec.pool),
         f"{LABEL}/tier": tier,
+        f"{LABEL}/engine": spec.engine,  # the NetworkPolicy keeps foreign engines' ports to the agent
     }
     selector, tolerations = node_placement(pool, placement, kc.node_provider)
     gpu_resource = (placement or PoolPlacement()).gpu_resource

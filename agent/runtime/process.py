@@ -147,7 +147,10 @@ class ProcessRuntime(Runtime):
         if spec.engine != "fleet" and self.runs_foreign_engines:
             port = free_port(LOOPBACK)
             kv_events = kv_events_endpoint_for(  # vLLM, SGLang
-                spec.replica_id, spec.engine, LocalState(self.config.state_dir).kv_events_dir
+                spec.replica_id,
+                spec.engine,
+                LocalState(self.config.state_dir).kv_events_dir,
+                spec.engine_args,
             )
             return foreign_launch(spec, port, self.config.security, self.config.model_cache_dir, kv_events)
         host = self.config.replica.host

@@ -478,6 +478,11 @@ async def test_the_launch_command_carries_both_endpoints_and_adoption_connects_t
             await eventually(arrived, what="the running engine's batches reach the new SUB")
             release_kv_events_endpoint("adopt-1")
         assert adopt_kv_events_endpoint("adopt-2", "vllm", ["vllm", "serve", "/m"]) is None
+        # ranks past 0 of a data-parallel engine refuse an ipc:// endpoint: none is given
+        assert kv_events_endpoint_for("dp-1", "vllm", directory, {"data_parallel_size": 2}) is None
+        assert kv_events_endpoint_for("dp-2", "sglang", directory, {"dp_size": "4"}) is None
+        assert kv_events_endpoint_for("dp-3", "vllm", directory, {"data_parallel_size": 1}) is not None
+        release_kv_events_endpoint("dp-3")
         # a command line naming a TCP port (anyone on the host could reach it) is not followed
         tcp = json.dumps({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557"})
         assert adopt_kv_events_endpoint("adopt-3", "vllm", ["vllm", "--kv-events-config", tcp]) is None

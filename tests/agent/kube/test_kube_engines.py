@@ -222,8 +222,26 @@ def test_shared_memory_probes_startup_and_drain(creds: Credentials, engine: str)
 
 
 @pytest.mark.parametrize("engine", FOREIGN)
+def test_kv_events_are_off_on_kubernetes_unless_the_operator_opts_in(creds: Credentials, engine: str) -> None:
+    """ZMQ here has neither TLS nor a client identity: by default no pod binds a KV-event or
+    replay socket on the pod network, even with `security`, and the agent subscribes to none."""
+    config = secure_config(creds)
+    assert config.kubernetes.kv_events == "off"
+    spec = engine_spec(engine)
+    pod = replica_pod(spec, config, H100)
+    c = container(pod)
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"https": 8000}
+    assert "--kv-events-config" not in c["command"]
+    assert kv_events_endpoints(spec, "10.0.0.7", config) is None
+    # the NetworkPolicy tells foreign engines' pods by this label
+    assert pod["metadata"]["labels"]["fleet.dev/engine"] == engine
+    with pytest.raises(ValueError):
+        KubernetesConfig(kv_events="curve")
+
+
+@pytest.mark.parametrize("engine", FOREIGN)
 def test_kv_events_port_for_engines_that_publish_over_zmq(creds: Credentials, engine: str) -> None:
-    config = secure_config(creds, kv_events_port=5600, kv_replay_port=5601)
+    config = secure_config(creds, kv_events="plaintext", kv_events_port=5600, kv_replay_port=5601)
     spec = engine_spec(engine)
     c = container(replica_pod(spec, config, H100))
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
@@ -368,7 +386,7 @@ async def test_stop_waits_until_a_foreign_engine_is_idle(api: FakeApiServer, tmp
         busy["left"] -= 1
         return httpx.Response(200, text=f"vllm:num_requests_running {running}\nvllm:num_requests_waiting 0\n")
 
-    rt = KubernetesRuntime(config_for(api, tmp_path))
+    rt = KubernetesRuntime(config_for(api, tmp_path, kv_events="plaintext"))
     rt.http_transport = httpx.MockTransport(metrics)
     try:
         spec = engine_spec("vllm").model_copy(update={"pool": "h100-spot"})
