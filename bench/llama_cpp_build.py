@@ -295,3 +295,19 @@ def ensure_llama_server(
     )
     tmp.replace(binary)  # last: a binary present means a complete build
     return BuiltServer(binary=binary, version=version, key=key, options=used, cached=False)
+
+
+def main() -> int:
+    """`python -m bench.llama_cpp_build`: build (or find) the cached llama-server and print its
+    path, which the process runtime then finds (fleet_base.engine_binaries)."""
+    try:
+        built = ensure_llama_server()
+    except BuildError as err:
+        console.print(f"[red]{err}[/red]")
+        return 1
+    console.print(f"{'cached' if built.cached else 'built'}: {built.binary}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -75,7 +75,7 @@ def find_executable(kind: EngineKind, env: Mapping[str, str] | None = None) -> s
             return str(cached)
         raise EngineNotFound(
             f"no {LLAMA_SERVER}: set {name}, put it on PATH, or build it "
-            f"(python -m bench.vs_llama_cpp builds it into {llama_cpp_cache_root(env)}/bin)"
+            f"(python -m bench.llama_cpp_build builds it into {llama_cpp_cache_root(env)}/bin)"
         )
     raise EngineNotFound(f"no {_COMMAND[kind]} on PATH; set {name}")
 
