@@ -31,7 +31,6 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import zmq
@@ -39,37 +38,14 @@ import zmq.asyncio
 
 from agent.engine_kv_subscriber import EngineKvEndpoints, EngineKvFollower
 from agent.engine_kv_translate import FleetHashTranslator, Op
+from bench.engine_kv_layouts import MBatch as Batch
+from bench.engine_kv_layouts import MRemoved as BlockRemoved
+from bench.engine_kv_layouts import MStored as BlockStored
 from fleet_base.block_hash import hash_block, root_hash
 from fleet_base.engine_kv_events import decode_engine_events
 
 BS = 16
 VOCAB = 128_256
-
-
-class Batch(msgspec.Struct, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class Event(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(Event):
-    block_hashes: list[bytes]
-    parent_block_hash: bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[Any] | None = None
-
-
-class BlockRemoved(Event):
-    block_hashes: list[int]
-    medium: str | None
 
 
 def workload(steps: int, per_step: int, seed: int) -> tuple[list[bytes], int]:

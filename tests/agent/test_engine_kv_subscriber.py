@@ -41,17 +41,15 @@ from agent.gateway.metrics import GatewayMetrics
 from agent.gateway.prefix import PrefixRouting, prefix_keys
 from agent.gateway.tenancy import cache_salt
 from agent.kv_relay import Followed, KvRelay
+from bench.engine_kv_layouts import MBatch as KVEventBatch
+from bench.engine_kv_layouts import MCleared as AllBlocksCleared
+from bench.engine_kv_layouts import MRemoved as BlockRemoved
+from bench.engine_kv_layouts import SgBatch, SgRemoved, SgStored
 from fleet_base.engines import kv_events_config, launch_command
 from fleet_base.kv_events import KvResyncRequest, kvresync_subject
 from fleet_base.local_state import LocalState
 from fleet_base.protocol import Message
 from tests.agent.engine_kv_standin import (
-    AllBlocksCleared,
-    BlockRemoved,
-    KVEventBatch,
-    SgBatch,
-    SgRemoved,
-    SgStored,
     StandInPublisher,
     engine_hash,
     stored_chain,
