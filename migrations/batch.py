@@ -45,3 +45,9 @@ def drop_indexes(table: str, *columns: str) -> None:
     with op.batch_alter_table(table, schema=None) as batch_op:
         for column in columns:
             batch_op.drop_index(batch_op.f(f"ix_{table}_{column}"))
+
+
+def set_nullable(table: str, column: str, type_: sa.types.TypeEngine, nullable: bool) -> None:
+    """Allow (or forbid) NULL in one existing column of type `type_`."""
+    with op.batch_alter_table(table, schema=None) as batch_op:
+        batch_op.alter_column(column, existing_type=type_, nullable=nullable)

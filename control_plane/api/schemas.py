@@ -87,7 +87,12 @@ class ScalingSpec(Strict):
     min_replicas: int | None = Field(None, ge=0, le=MAX_REPLICAS)
     max_replicas: int | None = Field(None, ge=0, le=MAX_REPLICAS)
     autoscale_window_s: float | None = Field(None, gt=0, le=86_400)
-    scale_down_delay_s: float | None = Field(None, ge=0, le=86_400)
+    scale_down_delay_s: float | None = Field(
+        None,
+        ge=0,
+        le=86_400,
+        description="default: derived from the cold start; null in an update: back to it",
+    )
     target_concurrency: float | None = Field(None, gt=0, le=100_000)
     scale_to_zero: bool | None = None
     slo_ttft_s: float | None = Field(None, gt=0, le=3600, description="TTFT target (default 2 s)")
@@ -211,7 +216,7 @@ class VersionOut(BaseModel):
     min_replicas: int
     max_replicas: int
     autoscale_window_s: float
-    scale_down_delay_s: float
+    scale_down_delay_s: float | None = None  # None: derived from the cold start
     target_concurrency: float
     scale_to_zero: bool
     slo_ttft_s: float | None = None

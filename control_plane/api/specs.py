@@ -35,7 +35,7 @@ VERSION_DEFAULTS: dict[str, Any] = {
     "gpu_count": 1,
     "gpu_memory_gb": 0.0,
     "autoscale_window_s": 60.0,
-    "scale_down_delay_s": 300.0,
+    "scale_down_delay_s": None,  # derived from the cold start (control_plane.autoscale.policy)
     "target_concurrency": 8.0,
     "scale_to_zero": False,
     "slo_ttft_s": None,
@@ -45,6 +45,9 @@ VERSION_DEFAULTS: dict[str, Any] = {
     "standby_regions": [],
 }
 VERSION_FIELDS = ("model", "min_replicas", "max_replicas", *VERSION_DEFAULTS)
+# Version fields whose default is null: an explicit null in an update sets them back to it
+# (elsewhere a null means "unchanged").
+RESETTABLE = ("scale_down_delay_s",)
 
 
 def _given(body: PolicyFields) -> dict[str, Any]:
@@ -163,7 +166,8 @@ def merged_spec(
     unless given explicitly (then it is an error). `adapters`: the deployment's LoRA
     adapters after the update."""
     given = _given(body)
-    spec = {**current, **{k: v for k, v in given.items() if k in VERSION_FIELDS}}
+    reset = {k: None for k in RESETTABLE if k in body.model_fields_set and getattr(body, k) is None}
+    spec = {**current, **{k: v for k, v in given.items() if k in VERSION_FIELDS}, **reset}
     if "model" in given and given["model"] != current.get("model"):
         spec["model"] = model_ref(spec["model"])
     check_engine(spec, adapters)

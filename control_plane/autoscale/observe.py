@@ -26,6 +26,8 @@ from control_plane.autoscale.policy import (
     DEFAULT_SLO_TTFT_S,
     AutoscaleSettings,
     Observation,
+    make_policy,
+    version_scale_down_delay,
 )
 from fleet_base import residency
 from fleet_base.bounds import MAX_COUNT
@@ -180,7 +182,9 @@ def settings_of(version: object, policy: str = "ours", pools: Sequence[object] =
         target_concurrency=float(getattr(version, "target_concurrency", 8.0)),
         stable_window_s=window,
         panic_window_s=max(min(window, 1.0), window / 10),
-        scale_down_delay_s=float(getattr(version, "scale_down_delay_s", 0.0)),
+        scale_down_delay_s=version_scale_down_delay(
+            getattr(version, "scale_down_delay_s", None), make_policy(policy)
+        ),
         scale_to_zero=bool(getattr(version, "scale_to_zero", False))
         or int(getattr(version, "min_replicas", 1)) == 0,
         scale_to_zero_grace_s=min(window, 60.0),

@@ -45,6 +45,7 @@ class Interval:
 
 class SlaPlanner:
     name = "planner"
+    derives_scale_down_delay = False
 
     def decide(self, settings: AutoscaleSettings, state: ScalerState, obs: Observation) -> Decision:
         prof = settings.profile or (settings.variants[0].profile if settings.variants else None)

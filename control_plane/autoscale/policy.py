@@ -40,6 +40,13 @@ from fleet_base.profile import PerfProfile
 
 DEFAULT_SLO_TTFT_S = 2.0
 DEFAULT_SLO_ITL_S = 0.1
+# A live version that leaves `scale_down_delay_s` unset (null): a policy that
+# `derives_scale_down_delay` (the SLO policy: one cold start plus a stable window,
+# `slo.scale_down_delay`) is handed null; every other policy, and the SLO policy's concurrency
+# fallback without a profile, holds for this long: every version's delay before it could be
+# left unset, so their live behaviour is unchanged. `fleetctl simulate` replays settings, not
+# versions: there, unset is each policy's own `Tuning` default.
+UNSET_SCALE_DOWN_DELAY_S = 300.0
 
 
 class AutoscaleSettings(BaseModel):
@@ -171,6 +178,7 @@ class ScalerState:
 
 class AutoscalePolicy(Protocol):
     name: str
+    derives_scale_down_delay: bool  # an unset delay is its own to derive (UNSET_SCALE_DOWN_DELAY_S)
 
     def decide(self, settings: AutoscaleSettings, state: ScalerState, obs: Observation) -> Decision: ...
 
@@ -182,6 +190,8 @@ def window_mean(samples: deque[tuple[float, float]], since: float) -> float:
 
 class KnativeLike:
     """The KPA algorithm above, with `tuning` for the knobs a deployment leaves unset."""
+
+    derives_scale_down_delay = False
 
     def __init__(self, name: str, tuning: Tuning) -> None:
         self.name = name
@@ -305,6 +315,7 @@ class Static:
     """Always `max_replicas` (provisioned for the peak)."""
 
     name = "static"
+    derives_scale_down_delay = False
 
     def decide(self, settings: AutoscaleSettings, state: ScalerState, obs: Observation) -> Decision:
         return Decision(settings.max_replicas, obs.current, f"static: {settings.max_replicas} replicas")
@@ -328,3 +339,11 @@ def register_policy(name: str, factory: Callable[[], AutoscalePolicy]) -> None:
 
 def make_policy(name: str) -> AutoscalePolicy:
     return POLICIES.make(name)
+
+
+def version_scale_down_delay(value: float | None, policy: AutoscalePolicy) -> float | None:
+    """A version's delay as `policy` takes it: the version's own, else null for a policy that
+    derives it, else UNSET_SCALE_DOWN_DELAY_S."""
+    if value is not None:
+        return float(value)
+    return None if policy.derives_scale_down_delay else UNSET_SCALE_DOWN_DELAY_S

@@ -34,6 +34,7 @@ from control_plane.autoscale.capacity import Load, Prediction, ReplicaCapacity, 
 from control_plane.autoscale.forecast import Holt
 from control_plane.autoscale.policy import (
     OURS_TUNING,
+    UNSET_SCALE_DOWN_DELAY_S,
     AutoscaleSettings,
     Decision,
     KnativeLike,
@@ -168,6 +169,7 @@ def cheapest_mix(
 
 class SloPolicy:
     name = "slo"
+    derives_scale_down_delay = True
 
     def __init__(self, name: str = "slo") -> None:
         self.name = name
@@ -184,9 +186,7 @@ class SloPolicy:
             else []
         )
         if not variants:
-            d = self.fallback.decide(settings, state, obs)
-            return Decision(d.desired, d.current, f"no performance profile, by concurrency: {d.reason}",
-                            d.stable_demand, d.panic_demand, d.panic)  # fmt: skip
+            return self._by_concurrency(settings, state, obs)
         k = lambda key: self.knob(settings, key)  # noqa: E731
         t = obs.at
         mem = state.memory.setdefault(self.name, SloMemory())
@@ -307,6 +307,15 @@ class SloPolicy:
             mix=mix if len(variants) > 1 else {},
             predicted=predicted,
         )
+
+    def _by_concurrency(self, settings: AutoscaleSettings, state: ScalerState, obs: Observation) -> Decision:
+        """Without a profile: the concurrency policy, holding UNSET_SCALE_DOWN_DELAY_S where the
+        version sets no delay (no capacity model to weigh a cold start against)."""
+        if settings.scale_down_delay_s is None:
+            settings = settings.model_copy(update={"scale_down_delay_s": UNSET_SCALE_DOWN_DELAY_S})
+        d = self.fallback.decide(settings, state, obs)
+        return Decision(d.desired, d.current, f"no performance profile, by concurrency: {d.reason}",
+                        d.stable_demand, d.panic_demand, d.panic)  # fmt: skip
 
     def _bursts(
         self,

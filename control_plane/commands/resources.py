@@ -69,6 +69,7 @@ VERSION_COLUMNS = {
     "count": "gpu_count",
     "min": "min_replicas",
     "max": "max_replicas",
+    "down delay": "scale_down_delay",  # `_print_status`: the version's seconds, or "derived"
     "regions": "regions",
     "replicas": "replicas",
     "current": "current",
@@ -148,12 +149,18 @@ def _load_file(path: Path) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in data.items()}
 
 
+def _delay(seconds: float | None) -> str:
+    """A version's scale-down delay as a person reads it: null is derived from the cold start."""
+    return "derived" if seconds is None else f"{seconds:g} s"
+
+
 def _print_status(status: dict, output: OutputFormat) -> None:
     if output == OutputFormat.json:
         emit_json(status)
         return
     show(status, output, DEPLOYMENT_COLUMNS, title=f"deployment {status['name']}")
-    show(status["versions"], output, VERSION_COLUMNS, title="versions")
+    versions = [{**v, "scale_down_delay": _delay(v.get("scale_down_delay_s"))} for v in status["versions"]]
+    show(versions, output, VERSION_COLUMNS, title="versions")
     if status["placements"]:
         rows = [
             {**p, **{f"{k}_s": v for k, v in (p.get("startup") or {}).items()}} for p in status["placements"]

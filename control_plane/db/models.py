@@ -127,7 +127,8 @@ class DeploymentVersion(Base):
     min_replicas: Mapped[int] = mapped_column(Integer, default=1)
     max_replicas: Mapped[int] = mapped_column(Integer, default=1)
     autoscale_window_s: Mapped[float] = mapped_column(Float, default=60.0)
-    scale_down_delay_s: Mapped[float] = mapped_column(Float, default=300.0)
+    # None: derived by the policy from the measured cold start (autoscale.policy.UNSET_SCALE_DOWN_DELAY_S)
+    scale_down_delay_s: Mapped[float | None] = mapped_column(Float, nullable=True, default=None)
     target_concurrency: Mapped[float] = mapped_column(Float, default=8.0)
     scale_to_zero: Mapped[bool] = mapped_column(Boolean, default=False)
     slo_ttft_s: Mapped[float | None] = mapped_column(Float, nullable=True, default=None)  # None: 2 s

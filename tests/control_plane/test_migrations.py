@@ -144,3 +144,37 @@ def test_0019_deployment_engine_keeps_versions_and_defaults_them_to_fleet(db_url
             )
     finally:
         engine.dispose()
+
+
+def test_0020_scale_down_delay_nullable_nulls_the_old_default_and_keeps_set_values(db_url):
+    dbs.upgrade_to_head(db_url, "0019")
+    engine = dbs.make_engine(db_url)
+    version = sa.text(
+        "INSERT INTO deployment_versions (deployment_id, version, model, engine_args, gpu_models, gpu_count, "
+        "gpu_memory_gb, min_replicas, max_replicas, autoscale_window_s, scale_down_delay_s, target_concurrency, "
+        "scale_to_zero, regions, min_regions, standby_regions, created_at) VALUES (:d, :v, 'm', '{}', '[]', 1, 0, "
+        "1, 4, 60, :delay, 8, false, '[]', 1, '[]', CURRENT_TIMESTAMP)"
+    )
+    delays = lambda conn: [r[0] for r in conn.execute(sa.text("SELECT scale_down_delay_s FROM deployment_versions ORDER BY version"))]  # noqa: E731  # fmt: skip
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text("INSERT INTO deployments (name, replicas, variant_mix, current_version, created_at, updated_at) VALUES ('chat', 1, '{}', 2, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"))  # fmt: skip
+            dep_id = conn.execute(sa.text("SELECT id FROM deployments WHERE name = 'chat'")).scalar_one()
+            conn.execute(version, {"d": dep_id, "v": 1, "delay": 300.0})
+            conn.execute(version, {"d": dep_id, "v": 2, "delay": 45.0})
+        dbs.upgrade_to_head(db_url)
+        with engine.begin() as conn:
+            assert delays(conn) == [None, 45.0]
+            conn.execute(version, {"d": dep_id, "v": 3, "delay": None})  # null is allowed now
+        dbs.downgrade(db_url, "0019")
+        engine.dispose()
+        with engine.connect() as conn:
+            assert delays(conn) == [300.0, 45.0, 300.0]
+        column = next(
+            c
+            for c in sa.inspect(engine).get_columns("deployment_versions")
+            if c["name"] == "scale_down_delay_s"
+        )
+        assert column["nullable"] is False
+    finally:
+        engine.dispose()
