@@ -6,12 +6,15 @@ slots differ by at least `MIN_SWING` (a flat history is no cycle); the daily cyc
 first, the weekly one where it has seen enough weeks (it then knows weekdays from weekends).
 
 The history comes in two ways: the policy's own observations (`observe`), and a seed of
-past slot means from the control plane's demand history (`seed`: the `usage_records`
-table, summed per slot; see docs/autoscaling.md for what the live loop still lacks)."""
+past slot means from the work the control plane recorded (`from_history`: the
+`usage_records` table of the last `HISTORY_S`, summed per slot in SQL by
+`control_plane.loops.autoscale_history`), taken by a memory that has seen fewer periods
+(`Seasons.seed_from`), so a fresh control plane or a new leader knows the day's cycle at once."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from control_plane.autoscale.capacity import Load
@@ -22,6 +25,9 @@ BIN_S = 900.0  # 15-minute slots
 MIN_PERIODS = 2.0  # periods seen before a cycle speaks
 MIN_SWING = 1.5  # busiest slot / quietest slot for a cycle to count
 PERIOD_WEIGHT = 0.5  # weight of the latest period in a slot's mean
+# Recorded work read into the cycles at start-up: the daily cycle's eight periods, bounded
+# (a weekly cycle needs two weeks: it learns live, or from a memory stored by a leader).
+HISTORY_S = 8 * DAY_S
 
 
 @dataclass
@@ -115,6 +121,18 @@ class Seasons:
     daily: Cycle = field(default_factory=lambda: Cycle(DAY_S))
     weekly: Cycle = field(default_factory=lambda: Cycle(WEEK_S))
 
+    def seed_from(self, history: Seasons, at: float) -> list[str]:
+        """Each cycle of `history` that has seen more periods than this one's lends it its
+        slot means (this period's own observations go on adding to them); the cycles taken."""
+        taken = []
+        for name in ("daily", "weekly"):
+            mine, theirs = getattr(self, name), getattr(history, name)
+            if theirs.seen(at) > mine.seen(at):
+                for index, slot in theirs.slots.items():
+                    mine.seed(index, slot.load, slot.periods)
+                taken.append(name)
+        return taken
+
     def observe(self, t: float, load: Load) -> None:
         self.daily.observe(t, load)
         self.weekly.observe(t, load)
@@ -126,3 +144,25 @@ class Seasons:
             return weekly, "weekly"
         daily = self.daily.forecast(t)
         return (daily, "daily") if daily is not None else (None, "")
+
+
+def from_history(totals: Mapping[int, tuple[float, float, float]], first: int, end: int) -> Seasons:
+    """Cycles from recorded work: `totals` maps a slot since the epoch (`epoch // BIN_S`) to
+    the requests, prompt and output tokens done in it, over slots `first` .. `end` - 1 (a slot
+    missing from it did no work). Each slot of a period gets its mean over the periods that
+    covered it, and that count as its periods."""
+    seasons = Seasons()
+    for cycle in (seasons.daily, seasons.weekly):
+        bins = cycle._bins()
+        sums: dict[int, list[float]] = {}
+        for s in range(first, end):
+            acc = sums.setdefault(s % bins, [0.0, 0.0, 0.0, 0.0])
+            n, prompt, output = totals.get(s, (0.0, 0.0, 0.0))
+            acc[0] += n
+            acc[1] += prompt
+            acc[2] += output
+            acc[3] += 1
+        for index, (n, prompt, output, periods) in sums.items():
+            per_s = 1.0 / (periods * BIN_S)
+            cycle.seed(index, Load(n * per_s, prompt * per_s, output * per_s), periods)
+    return seasons

@@ -308,6 +308,13 @@ class SloPolicy:
             predicted=predicted,
         )
 
+    def seed_cycles(self, state: ScalerState, history: Seasons, at: float) -> list[str]:
+        """The deployment's recorded work lends its memory the daily and weekly cycles it has
+        not seen as long (`Seasons.seed_from`): what a fresh memory knows of the day ahead."""
+        mem = state.memory.setdefault(self.name, SloMemory())
+        assert isinstance(mem, SloMemory)
+        return mem.seasons.seed_from(history, at)
+
     def _by_concurrency(self, settings: AutoscaleSettings, state: ScalerState, obs: Observation) -> Decision:
         """Without a profile: the concurrency policy, holding UNSET_SCALE_DOWN_DELAY_S where the
         version sets no delay (no capacity model to weigh a cold start against)."""

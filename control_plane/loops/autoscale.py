@@ -12,7 +12,8 @@ every `SAVE_S` (`control_plane.loops.autoscale_store`), in the tick's transactio
 leader (or a restarted control plane) resumes each deployment from it on its first
 decision (`control_plane.autoscale.snapshot.resumed`: after a gap longer than the stable
 window it does not scale down before one full window, the policy's own rule for a fresh
-autoscaler). A deployment is not decided while the loop is still blind to it: for up to
+autoscaler); the cycles it has seen less of than the demand recorded in `usage_records`
+are seeded from that (`control_plane.loops.autoscale_history`). A deployment is not decided while the loop is still blind to it: for up to
 `LISTEN_S` after its first tick, until every cluster holding one of its replicas has been
 heard from (a new leader's first ticks would otherwise take its replicas for idle).
 
@@ -51,11 +52,13 @@ from control_plane.autoscale.observe import (
 from control_plane.autoscale.pipeline_budget import BudgetMemory, StepBudget, split, step_floor, step_latency
 from control_plane.autoscale.policy import AutoscaleSettings, Decision, Observation, ScalerState, make_policy
 from control_plane.autoscale.prediction_error import PredictionErrors
+from control_plane.autoscale.slo import SloPolicy
 from control_plane.autoscale.snapshot import ScalerSnapshot, dump, dump_cycles, resumed
 from control_plane.context import ControlPlaneContext
 from control_plane.counters import Rejections
 from control_plane.db.models import CapacityPool, Deployment, Event
 from control_plane.inbox import Inbox
+from control_plane.loops.autoscale_history import read_history
 from control_plane.loops.autoscale_store import (
     CYCLES_SAVE_S,
     SAVE_S,
@@ -106,6 +109,7 @@ class AutoscaleLoop(NatsLoop):
         self.recent: dict[str, deque[tuple[float, Decision]]] = {}  # the console's charts
         self.save_every_s = SAVE_S
         self.resumed = 0  # deployments whose memory was read back from the database
+        self.seeded = 0  # deployments whose cycles were seeded from the recorded demand
         self._stored: dict[int, tuple[str, ScalerSnapshot]] | None = None  # read on the first tick
         self._observed_at: dict[str, float] = {}  # deployment -> its state's last observation
         self._saved: dict[int, tuple[str, str | None]] = {}  # deployment id -> the memory last stored
@@ -207,8 +211,9 @@ class AutoscaleLoop(NatsLoop):
         }
         return {name for cluster, name, _ in placed.values() if cluster not in heard and name not in asked}
 
-    def _state(self, d: Deployment, window_s: float, now: float) -> ScalerState:
-        """The deployment's memory: this loop's, else the one stored, else a fresh one."""
+    def _state(self, session, d: Deployment, window_s: float, now: float) -> ScalerState:
+        """The deployment's memory: this loop's, else the one stored, else a fresh one; a
+        memory this loop builds takes the cycles of the recorded demand it has not seen."""
         state = self.states.get(d.name)
         if state is None:
             stored = (self._stored or {}).pop(d.id, None)
@@ -218,8 +223,25 @@ class AutoscaleLoop(NatsLoop):
                 log.info("autoscale %s: resumed the stored memory of %.0fs ago", d.name, now - stored[1].at)
             else:
                 state = ScalerState()
+            self._seed_cycles(session, d, state, now)
             self.states[d.name] = state
         return state
+
+    def _seed_cycles(self, session, d: Deployment, state: ScalerState, now: float) -> None:
+        """The daily and weekly cycles of the deployment's recorded demand
+        (`control_plane.loops.autoscale_history`), for a policy that keeps cycles."""
+        if not isinstance(self.policy, SloPolicy):
+            return
+        try:
+            created = d.created_at.timestamp() if d.created_at is not None else None
+            history = read_history(session, d.name, now, created)
+        except Exception as err:  # the deployment is decided all the same, learning live
+            self.rejections.fail("autoscale", f"{d.name}: demand history: {type(err).__name__}: {err}")
+            return
+        taken = self.policy.seed_cycles(state, history, now) if history is not None else []
+        if taken:
+            self.seeded += 1
+            log.info("autoscale %s: %s cycle(s) seeded from the recorded demand", d.name, ", ".join(taken))
 
     def _save(self, session, rows, now: float) -> dict[int, tuple[str, str | None]]:
         """Store each autoscaled deployment's memory that changed since it was last stored
@@ -339,7 +361,7 @@ class AutoscaleLoop(NatsLoop):
         says it is over its share), written to its row; True when it changed."""
         if budget is not None and budget.over:
             settings = settings.model_copy(update=budget.settings_update())
-        state = self._state(d, settings.stable_window_s or 60.0, now)
+        state = self._state(session, d, settings.stable_window_s or 60.0, now)
         decision = self.policy.decide(settings, state, obs)
         if budget is not None:
             decision = replace(

@@ -91,10 +91,19 @@ def test_console_versions_show_derived_or_the_set_delay() -> None:
 
     status = {"model": "m", "engine": "fleet", "current_version": 2, "ready_replicas": 1, "desired_replicas": 1,
               "min_replicas": 1, "max_replicas": 3, "placements": [], "versions": [version(1, 45.0), version(2, None)]}  # fmt: skip
-    plan = {"live": True, "cold_start_s": 40.0, "scale_down_delay_s": 100.0, "errors": [], "requests_per_s": None,
-            "burst_hold_s": None, "burst_since_s": None, "burst_gap_s": None}
+    plan = {
+        "live": True,
+        "cold_start_s": 40.0,
+        "scale_down_delay_s": 100.0,
+        "errors": [],
+        "requests_per_s": None,
+        "burst_hold_s": None,
+        "burst_since_s": None,
+        "burst_gap_s": None,
+    }
     html = templates.env.get_template("_deployment.html").render(
-        d={"status": status, "rollout": None, "decisions": [], "cold_starts": [], "autoscaler": plan}, name="chat"
+        d={"status": status, "rollout": None, "decisions": [], "cold_starts": [], "autoscaler": plan},
+        name="chat",
     )
     assert '<td class="delay">derived</td>' in html and '<td class="delay">45 s</td>' in html
     assert "a scale-down delay of <strong>100 s</strong> (derived" in html

@@ -34,12 +34,14 @@ def run(
     work: list[tuple[float, Work]],
     start: int = 1,
     cold_start_s: float | None = None,
+    state: ScalerState | None = None,
     **settings: object,
 ):
     s = AutoscaleSettings(
         **{"profile": H100, "max_replicas": 40, "target_concurrency": 64.0, "policy": policy, **settings}
     )
-    p, state, current = make_policy(policy), ScalerState(), start
+    p, current = make_policy(policy), start
+    state = state if state is not None else ScalerState()
     out = []
     for t, w in work:
         in_flight = w.in_flight if w.in_flight is not None else w.rps * (0.1 + w.output * 0.04)
