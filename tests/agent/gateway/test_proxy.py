@@ -122,12 +122,15 @@ def test_dead_replica_is_retried_on_another(
     c = client(east, secret)
     out = c.chat.completions.create(model=DEPLOYMENT, messages=CHAT, max_tokens=3)
     assert out.choices[0].message.content is not None
-    text = "".join(
-        ch.choices[0].delta.content or ""
-        for ch in c.chat.completions.create(model=DEPLOYMENT, messages=CHAT, max_tokens=3, stream=True)
+    chunks = [
+        ch
+        for ch in c.chat.completions.create(
+            model=DEPLOYMENT, messages=CHAT, max_tokens=3, stream=True, temperature=0.0
+        )
         if ch.choices
-    )
-    assert text
+    ]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks)  # greedy: the same text every run
+    assert chunks[-1].choices[0].finish_reason is not None  # the whole stream came through
     samples = scrape(east.url)
     assert sample(samples, "fleet_gateway_retries_total", deployment=DEPLOYMENT) == retries + 1
     assert (

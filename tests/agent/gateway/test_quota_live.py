@@ -37,6 +37,10 @@ PROMPT = "the quick brown fox jumps over the lazy dog and the lazy dog sleeps " 
 MAX_TOKENS = 4
 
 
+# every request its own connection at once: a client-side pool wait would count as service
+UNPOOLED = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+
+
 def limited_key(key_id: str, **quotas: object) -> tuple[str, ApiKeyRecord]:
     secret, record = make_key(key_id)
     return secret, record.model_copy(update={"quotas": Quotas(**quotas)})
@@ -265,7 +269,7 @@ async def test_an_interactive_flood_does_not_starve_standard_beyond_the_age(
     batch_waits: list[float] = []
     service: list[float] = []
 
-    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as h:
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60, limits=UNPOOLED) as h:
 
         async def one(secret: str, delay: float, out: list[float] | None = None) -> None:
             await asyncio.sleep(delay)
@@ -281,7 +285,10 @@ async def test_an_interactive_flood_does_not_starve_standard_beyond_the_age(
         service_s = await service_time(h, inter[0], body)
         gap = service_s / 3
         n_flood = math.ceil((age + 2.0) / gap)
-        flood = [asyncio.create_task(one(inter[0], 0.0)) for _ in range(4)]  # take both slots first
+        # take both slots and queue more interactive work than the age covers, so the queue never
+        # drains before the standard requests are overdue even when the replicas speed up
+        backlog = min(64, 2 + math.ceil(2 * (age + 1.0) / service_s))  # well inside the queue's 256
+        flood = [asyncio.create_task(one(inter[0], 0.0)) for _ in range(backlog)]
         flood += [asyncio.create_task(one(inter[0], 0.03 + gap * i)) for i in range(n_flood)]
         await asyncio.gather(*(one(batch[0], 0.02, batch_waits) for _ in range(2)))
         still_queued = (await h.get("/health")).json()["queue_depth"]
