@@ -375,7 +375,9 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"[bold]heap growth, pid {path.stem}[/bold] (allocation sites, end vs warm-up)")
             heads = ("==", "glibc:", "python:", "live objects", "live exceptions", "live sockets")
             console.print("\n".join(line for line in text.splitlines() if line.startswith(heads)))
-            console.print(text[-4000:])
+            last = text.rsplit("MiB allocated since tracing began", 1)
+            if len(last) == 2:  # the biggest sites of the last snapshot come first
+                console.print("\n".join(last[1].splitlines()[1:61]))
     hostile = [s for s in samples if s.kind == "hostile"]
     valid = [s for s in samples if s.kind == "valid"]
     errors = {

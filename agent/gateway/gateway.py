@@ -248,7 +248,11 @@ class Gateway:
                 if name == "keys":
                     self.quota.prime(list(self.view.keys.values()))
         if changed:
-            self.prefix.index.keep_only(self.cluster, [r.replica_id for r in self.view.replicas])
+            live = {r.replica_id for r in self.view.replicas}
+            self.prefix.index.keep_only(self.cluster, list(live))
+            self.prefix.keep_replicas(live)
+            self.metrics.keep_replicas(live)
+            self.tracker.keep_only(live)
             for deployment in self.view.deployments():
                 route = self.view.route(deployment)
                 peers = [c.cluster for c in route.clusters if c.cluster != self.cluster] if route else []

@@ -93,6 +93,12 @@ class LoadTracker:
             return False
         return True
 
+    def keep_only(self, live: set[str]) -> None:
+        """Forget the failures of replicas the cluster no longer runs (nothing asks about
+        them again, so their entries would otherwise stay)."""
+        for replica_id in [r for r in self._failed_at if r not in live]:
+            del self._failed_at[replica_id]
+
     def snapshot(self) -> dict[str, tuple[int, int]]:
         """replica id -> (outstanding tokens, requests in flight)."""
         return {rid: (load.tokens, load.requests) for rid, load in self._load.items()}

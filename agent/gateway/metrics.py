@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from fleet_base.listener import RefusalCollector
@@ -170,5 +171,25 @@ class GatewayMetrics:
         for peer in peers:
             self.forwarded.labels(deployment, peer)
 
+    def keep_replicas(self, live: set[str]) -> None:
+        """Drop the per-replica series of replicas the cluster no longer runs."""
+        drop_departed(self.replica_choice, "replica", live)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def drop_departed(metric: MetricWrapperBase, label: str, live: set[str]) -> int:
+    """Remove `metric`'s series whose `label` is not in `live`, and say how many: a gateway
+    outlives many replicas (every rollout and scale-up starts new ones), and a series per
+    replica it ever saw would grow its memory and the scrape without bound."""
+    gone: set[tuple[str, ...]] = set()
+    names: tuple[str, ...] = ()
+    for family in metric.collect():
+        for sample in family.samples:
+            if label in sample.labels and sample.labels[label] not in live:
+                names = names or tuple(sample.labels)
+                gone.add(tuple(sample.labels[n] for n in names))
+    for values in gone:
+        metric.remove(*values)
+    return len(gone)

@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 
 from agent.gateway.inputs import RequestInfo
 from agent.gateway.kv_index import KvUpdate, PrefixIndex, block_key
-from agent.gateway.metrics import GatewayMetrics
+from agent.gateway.metrics import GatewayMetrics, drop_departed
 from agent.gateway.plan import Attempt, CostModel
 from agent.gateway.tenancy import salt_of
 from fleet_base.block_hash import hash_request_blocks
@@ -193,6 +193,11 @@ class PrefixRouting:
             return ()
         # the salt the replica gets (agent.gateway.tenancy)
         return prefix_keys(ids, self.block_tokens(info.deployment), salt_of(key_id, salted))
+
+    def keep_replicas(self, live: set[str]) -> None:
+        """Drop the per-replica series of replicas the cluster no longer runs."""
+        for metric in (self.prompt_tokens, self.cached_tokens, self.host_tokens):
+            drop_departed(metric, "replica", live)
 
     def count(self, info: RequestInfo, target: Attempt) -> None:
         """An attempt's routing decision and the prefix it found, on /metrics."""

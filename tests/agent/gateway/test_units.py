@@ -303,3 +303,30 @@ def test_replica_choice_follows_canary_weights_and_avoids_the_failed_one(tmp_pat
     assert second.name != first.name
     if first.version == 1:
         assert second.version == 1
+
+
+def test_a_replica_that_left_loses_its_series_and_its_failure_mark(tmp_path: Path) -> None:
+    """Rollouts and autoscaling replace replicas for as long as a gateway runs: what it keeps
+    per replica must go with the replica, or its memory and its scrape grow without bound."""
+    from agent.gateway.gateway import Gateway
+    from fleet_base.cluster_config import ClusterConfig
+
+    config = ClusterConfig(cluster="c", state_dir=tmp_path)
+    files = ClusterFiles(tmp_path, "c")
+    files.write(
+        replicas=[replica(r, f"http://{r}", deployment="d") for r in ("r1", "r2")], routes=[route("d", [])]
+    )
+    gw = Gateway(config, nats=False)
+    gw.refresh()
+    for r in ("r1", "r2"):
+        gw.metrics.replica_choice.labels("d", r, "1").inc()
+        gw.prefix.prompt_tokens.labels("d", r).inc(10)
+        gw.tracker.mark_failed(r)
+    files.write(
+        replicas=[replica(r, f"http://{r}", deployment="d") for r in ("r2", "r3")], routes=[route("d", [])]
+    )
+    gw.view.refresh(force=True)
+    gw.refresh()
+    text = gw.metrics.render().decode()
+    assert 'replica="r2"' in text and 'replica="r1"' not in text
+    assert gw.tracker.recently_failed("r2") and "r1" not in gw.tracker._failed_at
