@@ -183,12 +183,11 @@ def drop_departed(metric: MetricWrapperBase, label: str, live: set[str]) -> int:
     """Remove `metric`'s series whose `label` is not in `live`, and say how many: a gateway
     outlives many replicas (every rollout and scale-up starts new ones), and a series per
     replica it ever saw would grow its memory and the scrape without bound."""
+    names: tuple[str, ...] = metric._labelnames  # the order `remove` takes (prometheus_client has no getter)
     gone: set[tuple[str, ...]] = set()
-    names: tuple[str, ...] = ()
     for family in metric.collect():
         for sample in family.samples:
-            if label in sample.labels and sample.labels[label] not in live:
-                names = names or tuple(sample.labels)
+            if label in names and all(n in sample.labels for n in names) and sample.labels[label] not in live:
                 gone.add(tuple(sample.labels[n] for n in names))
     for values in gone:
         metric.remove(*values)

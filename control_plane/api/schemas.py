@@ -86,11 +86,12 @@ class Strict(BaseModel):
 class ScalingSpec(Strict):
     min_replicas: int | None = Field(None, ge=0, le=MAX_REPLICAS)
     max_replicas: int | None = Field(None, ge=0, le=MAX_REPLICAS)
-    autoscale_window_s: float | None = Field(None, gt=0, le=86_400)
+    # at most an hour, as the autoscaler's own settings take them (control_plane.autoscale.policy)
+    autoscale_window_s: float | None = Field(None, gt=0, le=3600)
     scale_down_delay_s: float | None = Field(
         None,
         ge=0,
-        le=86_400,
+        le=3600,
         description="default: derived from the cold start; null in an update: back to it",
     )
     target_concurrency: float | None = Field(None, gt=0, le=100_000)

@@ -346,4 +346,4 @@ def version_scale_down_delay(value: float | None, policy: AutoscalePolicy) -> fl
     derives it, else UNSET_SCALE_DOWN_DELAY_S."""
     if value is not None:
         return float(value)
-    return None if policy.derives_scale_down_delay else UNSET_SCALE_DOWN_DELAY_S
+    return None if getattr(policy, "derives_scale_down_delay", False) else UNSET_SCALE_DOWN_DELAY_S

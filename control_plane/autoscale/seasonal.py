@@ -64,6 +64,15 @@ class Cycle:
         slot = self.slots.setdefault(index % self._bins(), Slot())
         slot.load, slot.periods = load, max(slot.periods, periods)
 
+    def drop_pending_before(self, t: float) -> None:
+        """Forget what the slots gathered of periods the history already holds (all but the
+        slot `t` is in, in `t`'s period): folded in on top of the seeded means, the last
+        period seen before a takeover would count twice."""
+        current, period = self._index(t), int(t // self.period_s)
+        for index, slot in self.slots.items():
+            if index != current or slot.seen_in != period:
+                slot.acc, slot.acc_s = Load(), 0.0
+
     def seen(self, t: float) -> float:
         """Periods of history: observed, or the slots' seeded counts (the least)."""
         observed = (t - self.first_at) / self.period_s if self.first_at is not None else 0.0
@@ -130,6 +139,7 @@ class Seasons:
             if theirs.seen(at) > mine.seen(at):
                 for index, slot in theirs.slots.items():
                     mine.seed(index, slot.load, slot.periods)
+                mine.drop_pending_before(at)
                 taken.append(name)
         return taken
 

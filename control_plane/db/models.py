@@ -16,6 +16,7 @@ from sqlalchemy import (
     DateTime,
     Float,
     ForeignKey,
+    Index,
     Integer,
     MetaData,
     String,
@@ -256,6 +257,7 @@ class UsageRecord(Base):
     """One finished gateway request (`fleet_base.protocol.UsageRecord` from fleet.v1.usage.*)."""
 
     __tablename__ = "usage_records"
+    __table_args__ = (Index("ix_usage_records_deployment_at", "deployment", "at"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     at: Mapped[datetime] = mapped_column(index=True)

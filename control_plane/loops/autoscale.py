@@ -234,7 +234,8 @@ class AutoscaleLoop(NatsLoop):
             return
         try:
             created = d.created_at.timestamp() if d.created_at is not None else None
-            history = read_history(session, d.name, now, created)
+            with session.begin_nested():  # a failed read must not abort the tick's transaction
+                history = read_history(session, d.name, now, created)
         except Exception as err:  # the deployment is decided all the same, learning live
             self.rejections.fail("autoscale", f"{d.name}: demand history: {type(err).__name__}: {err}")
             return

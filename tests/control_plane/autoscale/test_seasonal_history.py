@@ -11,7 +11,7 @@ import random
 from datetime import datetime, timezone
 
 import pytest
-from sqlalchemy import insert
+from sqlalchemy import insert, update
 
 from control_plane.autoscale import ScalerState, make_policy
 from control_plane.autoscale.seasonal import BIN_S, DAY_S, HISTORY_S, from_history
@@ -96,6 +96,32 @@ def test_a_memory_that_has_seen_more_keeps_its_own_cycle() -> None:
 # --------------------------------------------------------------------- the database
 
 NAME = "chat"
+
+
+def test_seeding_a_resumed_memory_does_not_count_its_last_day_twice() -> None:
+    """A resumed memory still holds the unfolded sum of the last day it saw in each slot;
+    the history already includes that day, so only the slot now open keeps its sum."""
+    from control_plane.autoscale.capacity import Load
+    from control_plane.autoscale.seasonal import Seasons
+
+    start = T0 + 7 * DAY_S
+    mine = Seasons()
+    for t in range(0, int(2 * BIN_S) + 60, 30):  # two slots and a bit of the third, today
+        mine.observe(start + t, Load(1.0, 100.0, 10.0))
+    history = Seasons()
+    for day in range(7):
+        for index in range(int(DAY_S // BIN_S)):
+            history.daily.seed(index, Load(2.0, 200.0, 20.0), float(day + 1))
+    now = start + 2 * BIN_S + 60
+    assert mine.seed_from(history, now) == ["daily"]
+    pending = {i: slot.acc_s for i, slot in mine.daily.slots.items() if slot.acc_s > 0}
+    assert list(pending) == [mine.daily._index(now)]  # the slot the history stops short of
+    # the closed slots are the history's mean, not blended again with today's
+    mine.observe(start + DAY_S + 30, Load(2.0, 200.0, 20.0))  # tomorrow folds what was pending
+    first = mine.daily.slots[mine.daily._index(start)]
+    assert first.load.requests_per_s == 2.0
+
+
 LOW_NIGHT, LOW_DAY = 0.005, 0.1  # requests/s: few rows, the same shape
 
 
@@ -154,6 +180,8 @@ def test_a_fresh_leader_seeds_the_cycle_from_the_stored_demand(tmp_path) -> None
     sessions = _database(tmp_path, "history.db")
     with sessions() as s:
         s.execute(insert(m.UsageRecord), rows)
+        # created before the recorded days, whatever today's date (history starts at creation)
+        s.execute(update(m.Deployment).values(created_at=datetime.fromtimestamp(T0 - DAY_S, timezone.utc)))
         s.commit()
     loop = _loop(tmp_path, sessions)
     quiet = Work(LOW_NIGHT, 1500, 50)
