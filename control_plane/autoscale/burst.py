@@ -207,8 +207,9 @@ class BurstMemory:
         if not known:
             return BurstView(None, 0, cold_start_s, math.inf, 0, None)
         chosen = max(known, key=lambda b: (b.need, b.end))
-        # The gaps between the bursts the held fleet is for (not the background's flickers).
-        big = [b for b in known if b.need >= max(2, self.held / 2)]
+        # Every remembered burst (`_close` already told it from the baseline): a count tied to
+        # the held fleet would let a larger held fleet discount bursts and end the hold early.
+        big = known
         gaps = [(b.start - a.end, _weight(t, b)) for a, b in itertools.pairwise(big)]
         gap = _tail_quantile(gaps, self.miss_budget) if gaps else None
         hold = min(max(cold_start_s, gap or 0.0), MEMORY_S)

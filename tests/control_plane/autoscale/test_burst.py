@@ -135,3 +135,22 @@ def test_a_new_deployments_first_traffic_is_a_burst_even_inside_its_first_window
     # Started amid the same traffic (a restart), the level it first sees is no burst.
     steady = run("ours", series((0, 120, BURST)), start=8)
     assert all(d.predicted["bursts"] == 0 for _, _, d in steady)
+
+
+def test_the_hold_does_not_shrink_when_the_held_fleet_grows() -> None:
+    """How long to hold and since when are read from the bursts themselves: tied to the held
+    fleet, a larger held fleet (a stricter queue model, a bigger burst) discounted the smaller
+    bursts, measured the lull from an older one and dropped the fleet between bursts."""
+    m = BurstMemory()
+    need = lambda load: (math.ceil(load.requests_per_s / 5 - 1e-9), 0.7 * load.requests_per_s / 5)  # noqa: E731
+    t = 0.0
+    for k in range(600):  # big bursts every 240 s, small ones halfway between
+        t = 2.0 * k
+        phase = t % 240
+        rps = 50.0 if 200 <= phase < 220 else 10.0 if 80 <= phase < 100 else 1.0
+        m.update(t, Load(rps, rps * 1000, rps * 30), need)
+    before = m.view(t, 60.0, 0.01)
+    m.held = 4 * max(before.need, 1)  # whatever the queue model now says the bursts need
+    after = m.view(t, 60.0, 0.01)
+    assert before.bursts >= 4
+    assert (after.since_s, after.hold_s, after.gap_s) == (before.since_s, before.hold_s, before.gap_s)
