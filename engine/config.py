@@ -57,6 +57,11 @@ class EngineArgs(BaseModel):
     # prefix blocks are kept there and loaded back on a hit instead of recomputed.
     kv_offloading_size_gib: float = Field(0.0, ge=0.0)
     enable_chunked_prefill: bool = True
+    # vLLM's flags: a prompt with more than this many tokens left to prefill is long, takes at
+    # most this many of a step's tokens while shorter prompts want them, and at most
+    # `max_long_partial_prefills` long prompts prefill at once (0 = off: first come, first served).
+    long_prefill_token_threshold: int = Field(0, ge=0)
+    max_long_partial_prefills: int = Field(1, ge=1)
     # Prefill of less important (batch-class) requests per step, in seconds of measured work:
     # an interactive request arriving mid-step waits at most about this long for it; 0 = no limit.
     low_priority_step_s: float = Field(0.02, ge=0.0, le=10.0)

@@ -93,6 +93,8 @@ class LLMEngine:
             enable_chunked_prefill=args.enable_chunked_prefill,
             max_loras=args.max_loras if args.enable_lora else None,
             low_priority_step_s=args.low_priority_step_s,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            max_long_partial_prefills=args.max_long_partial_prefills,
         )
         spec = args.speculative_config
         self.spec = SpeculativeDecoder(spec, self.max_model_len) if spec is not None else None

@@ -8,6 +8,13 @@ chunks alongside decodes. When the KV pool runs dry the least important, latest 
 request is preempted: its blocks are freed and it is recomputed later (its full blocks
 usually survive in the prefix cache, or in the host tier below it, so recomputation is
 cheap).
+
+A long prompt (more than `long_prefill_token_threshold` tokens left to prefill, vLLM's flag)
+takes at most that many of a step's tokens while others want the budget, and no more than
+`max_long_partial_prefills` long prompts prefill at once: a short prompt arriving behind a
+long one (a cache hit behind a 50k-token miss) is prefilled in the next step instead of
+after the whole long prefill. What the others leave of the budget goes back to the long
+ones, so a long prompt alone runs at full speed.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from fleet_base.openai_contract.priority import DEFAULT_PRIORITY
 
 MIN_OBSERVED_TOKENS = 32  # steps with fewer new tokens are mostly fixed cost, not per token
 STEP_COST_ALPHA = 0.2  # weight of the newest step in the cost per token (an EMA)
+LONG_LOOKAHEAD = 64  # waiting requests looked at past long ones that must wait for a long slot
 
 
 @dataclass
@@ -108,8 +116,13 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         max_loras: int | None = None,
         low_priority_step_s: float = 0.0,
+        long_prefill_token_threshold: int = 0,
+        max_long_partial_prefills: int = 1,
     ) -> None:
         self.kv = kv_cache
+        self.long_prefill_token_threshold = long_prefill_token_threshold  # 0: off
+        self.max_long_partial_prefills = max(1, max_long_partial_prefills)
+        self._capped: list[ScheduledRequest] = []  # long chunks held to the threshold this step
         # Prefill of less important requests (priority above DEFAULT_PRIORITY, the batch class)
         # held to about this much time per step, so a more important request that arrives
         # mid-step waits for at most that much of it; 0 = no limit. Measured, not assumed:
@@ -183,6 +196,7 @@ class Scheduler:
         # more important request has prompt to prefill, less important ones sit this step out
         # (they keep their blocks): its first token does not wait for their decodes.
         self.running.sort(key=self._victim_key)
+        self._capped = []
         self._low_allowance = self._low_priority_allowance()
         urgent = self._urgent_priority()
         deferred: list[Request] = []
@@ -215,24 +229,57 @@ class Scheduler:
         if deferred and not any(
             s.request.priority <= urgent for s in out.scheduled if self._prefilling(s.request)
         ):
-            self._run_deferred(deferred, budget, scheduled_ids, out)
+            budget = self._run_deferred(deferred, budget, scheduled_ids, out)
+        self._top_up_long(budget)
         return out
+
+    def _is_long(self, req: Request) -> bool:
+        """Whether `req` has more prompt left to prefill than the long-prefill threshold."""
+        t = self.long_prefill_token_threshold
+        return t > 0 and req.num_tokens - req.num_computed_tokens > t
+
+    def _long_slots_left(self) -> int:
+        return self.max_long_partial_prefills - sum(1 for r in self.running if self._is_long(r))
+
+    def _top_up_long(self, budget: int) -> None:
+        """What the step's others left of the budget goes to the long chunks held back."""
+        for s in self._capped:
+            if budget <= 0:
+                return
+            req = s.request
+            extra = min(req.num_tokens - req.num_computed_tokens - s.num_new_tokens, self._cap(req, budget))
+            if extra <= 0 or not self.kv.allocate_slots(req, s.num_new_tokens + extra):
+                continue
+            s.num_new_tokens += extra
+            budget -= extra
+            if self._low_allowance is not None and req.priority > DEFAULT_PRIORITY:
+                self._low_allowance -= extra
 
     def _admit_waiting(self, budget: int, scheduled_ids: set[int], out: SchedulerOutput) -> int:
         """Waiting requests, most important first, while slots, blocks and the budget last;
         the budget left."""
         loras = {r.lora for r in self.running}  # None (the base) among them takes no slot
+        long_slots = self._long_slots_left()
+        skipped: list[Request] = []  # long prompts waiting for a long slot, shorter ones went past
         while budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.peek()
             if req is None or self._lora_full(req, loras):  # nothing, or no adapter slot left
                 break
+            if skipped and (req.priority != skipped[0].priority or len(skipped) >= LONG_LOOKAHEAD):
+                break  # only a prompt as important as the long ones it passes goes past them
             hit = PrefixHit()
             # An embedding pools the hidden state of every prompt token: nothing is skipped.
             if req.num_computed_tokens == 0 and not req.pooling:
                 hit = self.kv.find_prefix(req, record_stats=False)
             num_computed = hit.num_computed_tokens
             num_new = req.num_tokens - num_computed
+            long = self.long_prefill_token_threshold > 0 and num_new > self.long_prefill_token_threshold
+            if long and long_slots <= 0:
+                skipped.append(self.waiting.pop())
+                continue
             cap = self._cap(req, budget)
+            if long:
+                cap = min(cap, self.long_prefill_token_threshold)
             if num_new > cap:
                 if not self.enable_chunked_prefill or cap <= 0:
                     break
@@ -240,6 +287,7 @@ class Scheduler:
             if not self.kv.allocate_slots(req, num_new, hit.block_ids, hit.host_hashes):
                 break
             self.waiting.pop()
+            long_slots -= long
             if self.kv.enable_caching and req.num_computed_tokens == 0:
                 self.kv.stats.record(req.num_tokens, num_computed)
             req.num_computed_tokens = num_computed
@@ -250,16 +298,21 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             loras.add(req.lora)
             self.running.append(req)
-            self._take(ScheduledRequest(req, num_new), scheduled_ids, out)
+            scheduled = ScheduledRequest(req, num_new)
+            self._take(scheduled, scheduled_ids, out)
+            if long:
+                self._capped.append(scheduled)
             budget -= num_new
+        for req in skipped:
+            self.waiting.push(req)
         return budget
 
     def _run_deferred(
         self, deferred: list[Request], budget: int, scheduled_ids: set[int], out: SchedulerOutput
-    ) -> None:
+    ) -> int:
         for req in deferred:
             if budget <= 0:
-                return
+                break
             if (
                 req.status != RequestStatus.RUNNING or self._cap(req, budget) <= 0
             ):  # preempted, or share spent
@@ -269,6 +322,7 @@ class Scheduler:
                 continue
             self._take(s, scheduled_ids, out)
             budget -= s.num_new_tokens
+        return budget
 
     def _take(self, s: ScheduledRequest, scheduled_ids: set[int], out: SchedulerOutput) -> None:
         out.scheduled.append(s)
@@ -319,13 +373,15 @@ class Scheduler:
         """Blocks for a running request's next chunk (with its speculative drafts when they
         fit), preempting the least important unscheduled others if needed; None when `req`
         itself had to go."""
-        num_new = min(
-            req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens, self._cap(req, budget)
-        )
+        cap = self._cap(req, budget)
+        long = self._is_long(req)
+        if long:
+            cap = min(cap, self.long_prefill_token_threshold)
+        num_new = min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens, cap)
         while not self.kv.allocate_slots(req, num_new):
             if req.spec_token_ids:  # drafts are optional: drop them before preempting anyone
                 req.spec_token_ids = []
-                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                num_new = min(req.num_tokens - req.num_computed_tokens, cap)
                 continue
             victim = max((r for r in self.running if id(r) not in scheduled_ids), key=self._victim_key)
             self._preempt(victim, out)
@@ -333,7 +389,10 @@ class Scheduler:
                 return None
         num_draft = max(0, req.num_computed_tokens + num_new - req.num_tokens)
         del req.spec_token_ids[num_draft:]  # the budget may cut the drafts short
-        return ScheduledRequest(req, num_new, num_draft)
+        scheduled = ScheduledRequest(req, num_new, num_draft)
+        if long:
+            self._capped.append(scheduled)
+        return scheduled
 
     def _lora_full(self, req: Request, loras: set) -> bool:
         """Whether admitting `req` would need more adapter slots than a step has."""

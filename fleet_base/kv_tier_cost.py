@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fleet_base.profile import PerfProfile
 
@@ -86,21 +86,50 @@ class PrefillTiming:
 
     s_per_token: float
     step_s: float = 0.0
+    # The engine's long-prefill cap (0: off) and the share of the prefill rate a long prompt
+    # keeps while shorter ones are prefilled beside it (the cap over the step's budget).
+    long_threshold: int = 0
+    long_share: float = 0.0
 
     def prefill_s(self, tokens: float) -> float:
         return max(0.0, tokens) * self.s_per_token
 
+    def is_short(self, new_tokens: float) -> bool:
+        """Whether a prompt needing `new_tokens` of prefill goes past long ones."""
+        return self.long_threshold > 0 and new_tokens <= self.long_threshold
+
+
+def long_prefill_timing(timing: PrefillTiming, threshold: int, budget: int) -> PrefillTiming:
+    """`timing` with the engine's long-prefill cap (`threshold` tokens of a `budget`-token
+    step; a cap at or past the step's budget caps nothing)."""
+    if threshold <= 0 or threshold >= budget:
+        return replace(timing, long_threshold=0, long_share=0.0)
+    return replace(timing, long_threshold=threshold, long_share=threshold / budget)
+
 
 def profile_timing(profile: PerfProfile) -> PrefillTiming:
-    batch = float(profile.max_prefill_tokens)
-    return PrefillTiming(profile.prefill_time(batch) / batch, profile.decode_time(1.0))
+    batch = profile.max_prefill_tokens
+    timing = PrefillTiming(profile.prefill_time(float(batch)) / batch, profile.decode_time(1.0))
+    return long_prefill_timing(timing, profile.long_prefill_token_threshold, batch)
 
 
-def queue_wait_s(pending: Sequence[tuple[float, int]], now: float, timing: PrefillTiming) -> float:
+def queue_wait_s(
+    pending: Sequence[tuple[float, int]], now: float, timing: PrefillTiming, *, short: bool = False
+) -> float:
     """Seconds until a replica could start a new prompt's prefill: its pending prefills
     (sent at, new prefill tokens) run one after another in the order sent, each starting when
     it arrived or when the one before ended, whichever is later; what is left of that at
-    `now`. The part of a long prefill already done is not waited for again."""
+    `now`. The part of a long prefill already done is not waited for again.
+
+    `short`: the wait of a prompt the engine lets past long ones (`timing.is_short`): only the
+    short prefills ahead count, slowed by the share a long one beside them keeps."""
+    if short and timing.long_threshold > 0:
+        longs = any(not timing.is_short(tokens) for _, tokens in pending)
+        rate = 1.0 - timing.long_share if longs else 1.0
+        end = -math.inf
+        for at, tokens in sorted(p for p in pending if timing.is_short(p[1])):
+            end = max(end, at) + timing.prefill_s(tokens) / rate
+        return max(0.0, end - now)
     end = -math.inf
     for at, tokens in sorted(pending):
         end = max(end, at) + timing.prefill_s(tokens)

@@ -53,6 +53,14 @@ class PerfProfile(BaseModel):
     kv_capacity_tokens: int = Field(ge=1)
     max_num_seqs: int = Field(ge=1)
     max_prefill_tokens: int = Field(8192, ge=1, description="prompt tokens admitted per prefill batch")
+    long_prefill_token_threshold: int = Field(
+        0,
+        ge=0,
+        description=(
+            "a prompt needing more new prefill tokens than this is long: one at a time, at most this"
+            " many of a step's tokens while shorter prompts wait (the engine's flag); 0: off"
+        ),
+    )
     cold_start_s: float = Field(0.0, ge=0)
     error_rate: float = Field(0.0, ge=0, le=1)
     # KV bytes of one token over the whole replica (all layers, K and V, every GPU's share).
@@ -76,6 +84,8 @@ class PerfProfile(BaseModel):
                 raise ValueError(f"{what}: times must be >= 0")
         if self.host_kv_bytes and not self.kv_bytes_per_token:
             raise ValueError("a host KV tier needs kv_bytes_per_token")
+        if self.long_prefill_token_threshold >= self.max_prefill_tokens:
+            raise ValueError("long_prefill_token_threshold must be below max_prefill_tokens (or 0)")
         return self
 
     @property

@@ -156,16 +156,24 @@ class ReplicaFacts:
     # Expected seconds before a new prompt's prefill starts there (`kv_tier_cost.queue_wait_s`
     # over the prefills sent there); None: the queued prefill at the replica's rate.
     wait_s: float | None = None
+    # The same for a prompt the engine prefills past long ones (`PrefillTiming.is_short`);
+    # None: `wait_s` for every prompt.
+    short_wait_s: float | None = None
     timing: PrefillTiming | None = None  # from its profile; None: the cost model's default
 
     @property
     def queued_prefill(self) -> int:
         return self.outstanding_tokens if self.prefill_tokens is None else self.prefill_tokens
 
-    def expected_wait_s(self, timing: PrefillTiming) -> float:
-        """Seconds before a new prompt's prefill could start: the prefill queued ahead,
-        then the step in flight."""
-        queued = timing.prefill_s(self.queued_prefill) if self.wait_s is None else self.wait_s
+    def expected_wait_s(self, timing: PrefillTiming, new_tokens: float | None = None) -> float:
+        """Seconds before a new prompt's prefill (of `new_tokens`, when known) could start:
+        the prefill queued ahead of it, then the step in flight."""
+        if self.short_wait_s is not None and new_tokens is not None and timing.is_short(new_tokens):
+            queued = self.short_wait_s
+        elif self.wait_s is None:
+            queued = timing.prefill_s(self.queued_prefill)
+        else:
+            queued = self.wait_s
         return queued + (timing.step_s if self.in_flight else 0.0)
 
 
@@ -347,9 +355,8 @@ def rank_replicas(
     for r, cached, host_value, hit in found:
         if model.prefix:
             timing = r.timing or model.timing
-            cost = expected_ttft_s(
-                cached, request.prompt_tokens, r.expected_wait_s(timing), host_value, timing
-            )
+            wait = r.expected_wait_s(timing, request.prompt_tokens - cached.tokens)
+            cost = expected_ttft_s(cached, request.prompt_tokens, wait, host_value, timing)
         else:
             cost = float(r.outstanding_tokens)
         tier = adapter_tier(request.adapter, r)

@@ -41,7 +41,7 @@ from fleet_base.kv_events import (
     KvResyncRequest,
     kvresync_subject,
 )
-from fleet_base.kv_tier_cost import PrefillTiming, load_token_value, profile_timing
+from fleet_base.kv_tier_cost import PrefillTiming, load_token_value, long_prefill_timing, profile_timing
 from fleet_base.nats_io import NatsLink
 from fleet_base.profile import PerfProfile, load_profile
 from fleet_base.wire import Rejected, decode_kv_batch, subject_cluster
@@ -168,9 +168,18 @@ class PrefixRouting:
         return None if profile is None else load_token_value(profile)
 
     def timing(self, deployment: str) -> PrefillTiming | None:
-        """The deployment's replicas' prefill speed, from the same profile; None: unknown."""
+        """The deployment's replicas' prefill speed, from the same profile, with the
+        long-prefill cap its engine args set (the engine's flag); None: unknown."""
         profile = self._profile(deployment)
-        return None if profile is None else profile_timing(profile)
+        if profile is None:
+            return None
+        threshold = self.engine_arg(deployment, "long_prefill_token_threshold")
+        if isinstance(threshold, int) and not isinstance(threshold, bool) and threshold >= 0:
+            budget = self.engine_arg(deployment, "max_num_batched_tokens")
+            if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
+                budget = profile.max_prefill_tokens
+            return long_prefill_timing(profile_timing(profile), threshold, budget)
+        return profile_timing(profile)
 
     def _profile(self, deployment: str) -> PerfProfile | None:
         name = self.engine_arg(deployment, "profile")

@@ -40,9 +40,12 @@ def replica_facts(
     """A ready replica as the routing policy sees it: its load here (with the wait a new
     prompt would have there, at `timing`: its profile's, else the cost model's default) and
     its resident adapters."""
-    wait = None
+    wait = short_wait = None
     if timing is not None:
-        wait = queue_wait_s(tracker.pending_prefill(r.replica_id), tracker.clock(), timing)
+        pending = tracker.pending_prefill(r.replica_id)
+        wait = queue_wait_s(pending, tracker.clock(), timing)
+        if timing.long_threshold:
+            short_wait = queue_wait_s(pending, tracker.clock(), timing, short=True)
     return ReplicaFacts(
         r.replica_id,
         r.url.rstrip("/"),
@@ -54,6 +57,7 @@ def replica_facts(
         max_adapters=r.max_adapters,
         prefill_tokens=tracker.queued_prefill(r.replica_id),
         wait_s=wait,
+        short_wait_s=short_wait,
         timing=timing,
     )
 

@@ -11,7 +11,13 @@ request's first token; then every running sequence gains one token per decode st
 `decode_time(batch size)`. Between events the batch is constant, so time advances in
 segments, not steps: an hour of trace costs a few events per request, not per token.
 Prefix hits in the cache's host tier are loaded back before the batch's prefill: the batch
-pays their load time (`fleet_base.kv_tier_cost`) instead of their prefill."""
+pays their load time (`fleet_base.kv_tier_cost`) instead of their prefill.
+
+With `long_prefill_token_threshold` T (the engine's chunked-prefill cap, as vLLM's) a prompt
+needing more than T new tokens is long: it prefills in a lane of its own, one at a time, and
+shorter prompts behind it go past it into the other lane. While both lanes run they share
+the prefill rate as the engine's steps share the token budget B: T/B to the long prompt,
+the rest to the short batch; a lane running alone has all of it."""
 
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from fleet_base.kv_tier_cost import load_seconds, prefix_hit
 from fleet_base.profile import PerfProfile
 
 EPS = 1e-9
+LOOKAHEAD = 64  # waiting requests scanned past a long prompt that must wait for the long lane
 
 
 @dataclass
@@ -63,6 +70,11 @@ class ReplicaModel:
         self._finish_heap: list[tuple[float, int]] = []
         self.prefilling: list[SimRequest] = []
         self.prefill_end = math.inf
+        self.long_prefilling: SimRequest | None = None  # the long lane (a threshold is set)
+        self.long_end = math.inf
+        self._lane_t = now  # lanes' work left (full-rate seconds) as of this time
+        self._short_left = 0.0
+        self._long_left = 0.0
         self.kv_used = 0
         self.generated_tokens = 0
         self.prompt_tokens = 0
@@ -71,7 +83,7 @@ class ReplicaModel:
 
     @property
     def num_running(self) -> int:
-        return len(self.running) + len(self.prefilling)
+        return len(self.running) + len(self.prefilling) + (self.long_prefilling is not None)
 
     @property
     def num_waiting(self) -> int:
@@ -95,11 +107,14 @@ class ReplicaModel:
         return self.generated_tokens + sum(self.tokens_out(r) for r in self.running.values())
 
     def idle(self) -> bool:
-        return not self.running and not self.prefilling and not self.waiting
+        return not self.running and not self._in_prefill() and not self.waiting
+
+    def _in_prefill(self) -> bool:
+        return bool(self.prefilling) or self.long_prefilling is not None
 
     def next_event_time(self) -> float:
-        if self.prefilling:
-            return self.prefill_end
+        if self._in_prefill():
+            return min(self.prefill_end, self.long_end)
         if self._finish_heap:
             step = self.profile.decode_time(len(self.running))
             return self.t + max(0.0, self._finish_heap[0][0] - self.clock) * step
@@ -113,7 +128,7 @@ class ReplicaModel:
         req.prompt_tokens = max(1, req.prompt_tokens)
         events = self.advance(now)
         self.waiting.append(req)
-        if not self.prefilling:
+        if not self.prefilling or (self._threshold() and self.long_prefilling is None):
             self._start_prefill()
         return events
 
@@ -122,12 +137,15 @@ class ReplicaModel:
     def advance(self, now: float) -> list[SimRequest]:
         events: list[SimRequest] = []
         while True:
-            if self.prefilling:
-                if self.prefill_end > now + EPS:
+            if self._in_prefill():
+                if min(self.prefill_end, self.long_end) > now + EPS:
                     # Decode is paused while a prefill batch runs.
                     self.t = max(self.t, now)
                     break
-                self._finish_prefill(events)
+                if self.prefill_end <= self.long_end:
+                    self._finish_prefill(events)
+                else:
+                    self._finish_long(events)
                 self._start_prefill()  # prefill first: admit what waited meanwhile
                 continue
             if self._finish_heap:
@@ -154,51 +172,169 @@ class ReplicaModel:
                 break
         return events
 
+    def _threshold(self) -> int:
+        return self.profile.long_prefill_token_threshold
+
+    def _admissible(self, req: SimRequest, batch: list[SimRequest]) -> bool:
+        """Whether `req` fits a slot and the KV left (a request bigger than the cache runs
+        alone)."""
+        prof = self.profile
+        fits_kv = self.kv_used + req.kv_tokens <= prof.kv_capacity_tokens
+        alone = not self.running and not batch and self.long_prefilling is None
+        return self.num_running + len(batch) < prof.max_num_seqs and (fits_kv or alone)
+
+    def _new_tokens(self, req: SimRequest) -> int:
+        """The prefill `req` would need here now (its prompt less what the cache holds)."""
+        if self.cache is None or not req.block_hashes:
+            return req.prompt_tokens
+        device, host = self.cache.lookup_tiers(req.block_hashes)
+        return req.prompt_tokens - prefix_hit(device, host, req.block_tokens, req.prompt_tokens).tokens
+
+    def _admit(self, req: SimRequest) -> tuple[int, float]:
+        """Take `req` into prefill: its new tokens and the seconds its host hit takes to load."""
+        req.admitted_at = self.t
+        load_s = 0.0
+        if self.cache is not None and req.block_hashes:
+            device, host = self.cache.lookup_tiers(req.block_hashes)
+            hit = prefix_hit(device, host, req.block_tokens, req.prompt_tokens)
+            req.cached_tokens, req.host_tokens = hit.tokens, hit.host_tokens
+            self.cache.insert(req.block_hashes)
+            load_s = load_seconds(self.profile, req.host_tokens)
+        self.kv_used += req.kv_tokens
+        tokens = req.prompt_tokens - req.cached_tokens
+        self.prompt_tokens += tokens
+        return tokens, load_s
+
     def _start_prefill(self) -> bool:
+        if self._threshold():
+            return self._start_lanes()
         batch: list[SimRequest] = []
         tokens = 0
         load_s = 0.0
         prof = self.profile
         while self.waiting:
             req = self.waiting[0]
-            fits_kv = self.kv_used + req.kv_tokens <= prof.kv_capacity_tokens
-            alone = not self.running and not batch  # a request bigger than the cache runs alone
-            if self.num_running + len(batch) >= prof.max_num_seqs or not (fits_kv or alone):
+            if not self._admissible(req, batch):
                 break
             if batch and tokens + req.prompt_tokens > prof.max_prefill_tokens:
                 break
             self.waiting.popleft()
-            req.admitted_at = self.t
             batch.append(req)
-            if self.cache is not None and req.block_hashes:
-                device, host = self.cache.lookup_tiers(req.block_hashes)
-                hit = prefix_hit(device, host, req.block_tokens, req.prompt_tokens)
-                req.cached_tokens, req.host_tokens = hit.tokens, hit.host_tokens
-                self.cache.insert(req.block_hashes)
-                load_s += load_seconds(prof, req.host_tokens)
-            tokens += req.prompt_tokens - req.cached_tokens
-            self.kv_used += req.kv_tokens
+            new, load = self._admit(req)
+            tokens += new
+            load_s += load
         if not batch:
             return False
         self.prefilling = batch
         self.prefill_end = self.t + prof.prefill_time(tokens) + load_s
-        self.prompt_tokens += tokens
         return True
+
+    def _rates(self) -> tuple[float, float]:
+        """(short, long) lanes' shares of the prefill rate now: T/B to a long prompt while a
+        short batch runs beside it, else all of it to whichever runs."""
+        if self.prefilling and self.long_prefilling is not None:
+            long = self._threshold() / self.profile.max_prefill_tokens
+            return 1.0 - long, long
+        return 1.0, 1.0
+
+    def _lanes_at(self, t: float) -> None:
+        """Bring the lanes' full-rate work left to `t` (before a lane starts or ends)."""
+        short, long = self._rates()
+        dt = max(0.0, t - self._lane_t)
+        if self.prefilling:
+            self._short_left = max(0.0, self._short_left - dt * short)
+        if self.long_prefilling is not None:
+            self._long_left = max(0.0, self._long_left - dt * long)
+        self._lane_t = t
+
+    def _lane_ends(self) -> None:
+        """Each lane's end at its share from `_lane_t` (after a lane started or ended)."""
+        short, long = self._rates()
+        self.prefill_end = self._lane_t + self._short_left / short if self.prefilling else math.inf
+        self.long_end = (
+            self._lane_t + self._long_left / long if self.long_prefilling is not None else math.inf
+        )
+
+    def _start_lanes(self) -> bool:
+        """Fill whichever lane is free, in arrival order, letting short prompts past a long
+        one that must wait for the long lane (up to `LOOKAHEAD` of them)."""
+        threshold = self._threshold()
+        prof = self.profile
+        short_free = not self.prefilling
+        batch: list[SimRequest] = []
+        tokens = 0
+        load_s = 0.0
+        long_req: SimRequest | None = None
+        long_work = 0.0
+        skipped: list[SimRequest] = []
+        scanned = 0
+        while self.waiting and scanned < LOOKAHEAD:
+            req = self.waiting[0]
+            scanned += 1
+            if not self._admissible(req, batch if long_req is None else [*batch, long_req]):
+                break
+            if self._new_tokens(req) > threshold:
+                if self.long_prefilling is None and long_req is None:
+                    self.waiting.popleft()
+                    new, load = self._admit(req)
+                    long_req, long_work = req, prof.prefill_time(new) + load
+                    continue
+                skipped.append(self.waiting.popleft())  # the long lane is taken: shorter ones go past
+                continue
+            if not short_free or (batch and tokens + req.prompt_tokens > prof.max_prefill_tokens):
+                if self.long_prefilling is not None or long_req is not None:
+                    break
+                skipped.append(self.waiting.popleft())  # look on for a long one for the free lane
+                continue
+            self.waiting.popleft()
+            batch.append(req)
+            new, load = self._admit(req)
+            tokens += new
+            load_s += load
+        self.waiting.extendleft(reversed(skipped))
+        if not batch and long_req is None:
+            return False
+        self._lanes_at(self.t)
+        if batch:
+            self.prefilling = batch
+            self._short_left = prof.prefill_time(tokens) + load_s
+        if long_req is not None:
+            self.long_prefilling = long_req
+            self._long_left = long_work
+        self._lane_ends()
+        return True
+
+    def _finish_long(self, events: list[SimRequest]) -> None:
+        end = self.long_end
+        self.t = max(self.t, end)
+        self._lanes_at(end)
+        req = self.long_prefilling
+        assert req is not None
+        self.long_prefilling = None
+        self._first_token(req, end, events)
+        self._lane_ends()
 
     def _finish_prefill(self, events: list[SimRequest]) -> None:
         end = self.prefill_end
         self.t = max(self.t, end)
+        if self._threshold():
+            self._lanes_at(end)
         for req in self.prefilling:
-            req.first_token_at = end
-            req.start_clock = self.clock
-            req.finish_clock = self.clock + req.output_tokens - 1
-            events.append(req)
-            if req.output_tokens <= 1:
-                req.finished_at = end
-                self.kv_used -= req.kv_tokens
-                self.generated_tokens += req.output_tokens
-            else:
-                self.running[req.rid] = req
-                heapq.heappush(self._finish_heap, (req.finish_clock, req.rid))
+            self._first_token(req, end, events)
         self.prefilling = []
         self.prefill_end = math.inf
+        if self._threshold():
+            self._lane_ends()
+
+    def _first_token(self, req: SimRequest, end: float, events: list[SimRequest]) -> None:
+        req.first_token_at = end
+        req.start_clock = self.clock
+        req.finish_clock = self.clock + req.output_tokens - 1
+        events.append(req)
+        if req.output_tokens <= 1:
+            req.finished_at = end
+            self.kv_used -= req.kv_tokens
+            self.generated_tokens += req.output_tokens
+        else:
+            self.running[req.rid] = req
+            heapq.heappush(self._finish_heap, (req.finish_clock, req.rid))

@@ -531,6 +531,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--error-rate", type=float, default=None, help="share of requests failed with 500")
     p.add_argument("--max-num-seqs", type=int, default=None, help="override the profile's batch limit")
+    p.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=None,
+        help="override the profile's long-prefill cap (the engine's flag; 0 = off)",
+    )
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -564,7 +570,12 @@ def main(argv: list[str] | None = None) -> None:
     updates: dict[str, Any] = {}
     if args.max_num_seqs is not None:
         updates["max_num_seqs"] = args.max_num_seqs
-    profile = profile.model_copy(update=updates)
+    if args.long_prefill_token_threshold is not None:
+        updates["long_prefill_token_threshold"] = args.long_prefill_token_threshold
+    try:
+        profile = PerfProfile.model_validate({**profile.model_dump(), **updates})
+    except ValidationError as err:
+        sys.exit(f"error: profile {profile.name}: {err.errors()[0]['msg']}")
     error_rate = profile.error_rate if args.error_rate is None else args.error_rate
     if not 0 <= error_rate <= 1:
         sys.exit("error: --error-rate must be within 0..1")

@@ -139,6 +139,13 @@ def simulate(
         help="GiB of host memory per replica for its KV tier below the device's (0: none; "
         "default: the profile's host_kv_bytes)",
     ),
+    long_prefill_token_threshold: int = typer.Option(
+        None,
+        "--long-prefill-token-threshold",
+        min=0,
+        help="the engine's long-prefill cap: a prompt needing more new tokens is prefilled one at "
+        "a time and shorter ones go past it (0: off; default: the profile's)",
+    ),
     output: OutputFormat = OUTPUT_OPTION,
 ) -> None:
     """Replay a trace through the routing and autoscaling policies on simulated replicas.
@@ -159,7 +166,7 @@ def simulate(
     if slo_itl is not None and slo_itl <= 0:
         fail("--slo-itl must be > 0")
     cfg = _config(deployment_config)
-    prof = _profile(profile, cfg, kv_offloading_size)
+    prof = _profile(profile, cfg, kv_offloading_size, long_prefill_token_threshold)
     try:
         settings = AutoscaleSettings.model_validate(
             {**default_settings(prof).model_dump(), **cfg.autoscaling}
@@ -232,9 +239,11 @@ def simulate(
         typer.echo(f"plot: {plot}")
 
 
-def _profile(name: str, cfg: SimulateConfig, kv_offloading_size: float | None):
-    """The profile, with the config's cold start and `--kv-offloading-size` GiB of host KV
-    tier per replica (0: none; None: the profile's own)."""
+def _profile(
+    name: str, cfg: SimulateConfig, kv_offloading_size: float | None, long_prefill_token_threshold: int | None
+):
+    """The profile, with the config's cold start, `--kv-offloading-size` GiB of host KV tier
+    per replica (0: none) and `--long-prefill-token-threshold` (None: the profile's own)."""
     from fleet_base.profile import PerfProfile, load_profile
 
     try:
@@ -243,14 +252,20 @@ def _profile(name: str, cfg: SimulateConfig, kv_offloading_size: float | None):
         fail(str(err))
     if cfg.cold_start_s is not None:
         prof = prof.model_copy(update={"cold_start_s": cfg.cold_start_s})
-    if kv_offloading_size is None:
+    overrides: dict[str, object] = {}
+    flags = []
+    if kv_offloading_size is not None:
+        overrides["host_kv_bytes"] = int(kv_offloading_size * (1 << 30))
+        flags.append(f"--kv-offloading-size {kv_offloading_size:g}")
+    if long_prefill_token_threshold is not None:
+        overrides["long_prefill_token_threshold"] = long_prefill_token_threshold
+        flags.append(f"--long-prefill-token-threshold {long_prefill_token_threshold}")
+    if not overrides:
         return prof
     try:
-        return PerfProfile.model_validate(
-            {**prof.model_dump(), "host_kv_bytes": int(kv_offloading_size * (1 << 30))}
-        )
+        return PerfProfile.model_validate({**prof.model_dump(), **overrides})
     except ValidationError as err:
-        fail(f"--kv-offloading-size {kv_offloading_size:g}: profile {prof.name}: {err.errors()[0]['msg']}")
+        fail(f"{' '.join(flags)}: profile {prof.name}: {err.errors()[0]['msg']}")
 
 
 def _pipeline(
@@ -402,6 +417,8 @@ def _print(report, profile: str, rate_scale: float, shares: dict[str, float] | N
         if report.host_kv_blocks
         else f"no host KV tier{device}"
     )
+    if report.long_prefill_token_threshold:
+        tier += f"; long-prefill cap {report.long_prefill_token_threshold:,} tokens a step"
     if report.shared_cache_bound is not None:
         typer.echo(
             f"{tier}; shared-cache bound: least-load on {report.static_replicas or 'the same'} replicas over one "

@@ -142,6 +142,7 @@ def compare(
         // max(1, next((r.block_tokens for r in trace if r.hash_ids), 0)),
         device_kv_gib=round(profile.kv_capacity_tokens * profile.kv_bytes_per_token / GIB, 1),
         host_kv_gib=round(profile.host_kv_bytes / GIB, 1),
+        long_prefill_token_threshold=profile.long_prefill_token_threshold,
         ideal_reuse=ideal,
         shared_cache_bound=bound_row,
     )

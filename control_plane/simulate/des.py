@@ -221,6 +221,11 @@ class Simulation:
                     host_token_value=self.host_token_value,
                     prefill_tokens=r.prefill_tokens,
                     wait_s=queue_wait_s(tuple(r.pending.values()), now, self.timing),
+                    short_wait_s=(
+                        queue_wait_s(tuple(r.pending.values()), now, self.timing, short=True)
+                        if self.timing.long_threshold
+                        else None
+                    ),
                     timing=self.timing,
                 )
                 for r in ready

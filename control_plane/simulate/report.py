@@ -100,6 +100,7 @@ class SimulationReport(BaseModel):
     host_kv_blocks: int = 0  # each replica's host KV tier, in the trace's blocks (0: none)
     device_kv_gib: float = 0.0  # each replica's device KV (0: the profile does not say its bytes)
     host_kv_gib: float = 0.0  # each replica's host KV tier (--kv-offloading-size)
+    long_prefill_token_threshold: int = 0  # the replicas' long-prefill cap (0: first come, first served)
     # references for traces with block ids (simulate.bounds; None: the trace has none)
     ideal_reuse: float | None = None  # hit rate of one unlimited cache over the trace
     shared_cache_bound: PolicyReport | None = None  # least-load over one cache of the fleet's capacity

@@ -135,6 +135,21 @@ def build_parser() -> argparse.ArgumentParser:
         "there and loaded back on a hit instead of recomputed (vLLM's flag; 0 = off, the default)",
     )
     e.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=None,
+        metavar="N",
+        help="a prompt with more than N tokens left to prefill takes at most N of a step's tokens while "
+        "shorter prompts want them, so they are not queued behind it (vLLM's flag; 0 = off, the default)",
+    )
+    e.add_argument(
+        "--max-long-partial-prefills",
+        type=int,
+        default=None,
+        metavar="N",
+        help="long prompts (above --long-prefill-token-threshold) prefilled at once (default 1)",
+    )
+    e.add_argument(
         "--low-priority-step-ms",
         dest="low_priority_step_s",
         type=lambda v: float(v) / 1000.0,
@@ -211,6 +226,8 @@ _ENGINE_FLAGS = (
     "num_gpu_blocks_override",
     "kv_offloading_size_gib",
     "low_priority_step_s",
+    "long_prefill_token_threshold",
+    "max_long_partial_prefills",
     "weights",
     "cuda_graphs",
     "block_size",

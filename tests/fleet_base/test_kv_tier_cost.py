@@ -11,6 +11,7 @@ from fleet_base.kv_tier_cost import (
     PrefixHit,
     expected_ttft_s,
     host_token_value,
+    long_prefill_timing,
     prefix_hit,
     profile_host_token_value,
     profile_timing,
@@ -156,6 +157,29 @@ WAIT_ROWS = [
 @pytest.mark.parametrize("row", WAIT_ROWS, ids=lambda r: r.name)
 def test_queue_wait(row: WaitRow) -> None:
     assert queue_wait_s(row.pending, row.now, T) == pytest.approx(row.want_s)
+
+
+# A 2048-token cap on an 8192-token step: a long prompt keeps a quarter of the rate beside short ones.
+LONG = long_prefill_timing(T, 2048, 8192)
+
+SHORT_WAIT_ROWS = [
+    WaitRow("a long prefill ahead: a short prompt does not wait for it", ((5.0, 20_000),), 5.0, 0.0),
+    WaitRow("a short one ahead runs at the rate the long one leaves", ((5.0, 20_000), (5.0, 1500)), 5.0, 0.2),
+    WaitRow("short ones alone run at full rate", ((5.0, 1500), (5.0, 500)), 5.0, 0.2),
+]
+
+
+@pytest.mark.parametrize("row", SHORT_WAIT_ROWS, ids=lambda r: r.name)
+def test_a_short_prompt_waits_only_for_short_ones(row: WaitRow) -> None:
+    assert queue_wait_s(row.pending, row.now, LONG, short=True) == pytest.approx(row.want_s)
+
+
+def test_a_long_prompt_waits_for_everything_and_no_cap_means_no_short_lane() -> None:
+    pending = ((5.0, 20_000), (5.0, 1500))
+    assert queue_wait_s(pending, 5.0, LONG) == pytest.approx(2.15)
+    assert queue_wait_s(pending, 5.0, T, short=True) == pytest.approx(2.15)  # T has no cap
+    assert LONG.is_short(2048) and not LONG.is_short(2049) and not T.is_short(1)
+    assert long_prefill_timing(T, 8192, 8192).long_threshold == 0  # a cap of the whole step caps nothing
 
 
 def test_profile_timing_is_the_full_batch_rate_and_one_step() -> None:

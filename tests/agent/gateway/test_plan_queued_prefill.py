@@ -22,7 +22,7 @@ from agent.gateway.metrics import GatewayMetrics
 from agent.gateway.plan import Attempt, ClusterFacts, CostModel, ReplicaFacts, RequestFacts, plan_route
 from agent.gateway.upstream import Upstreams
 from fleet_base.cluster_config import GatewayConfig
-from fleet_base.kv_tier_cost import PrefillTiming
+from fleet_base.kv_tier_cost import PrefillTiming, long_prefill_timing
 
 HERE = "east"
 PROMPT = tuple(range(100, 164))  # 64 block keys of a 1,024-token prompt (16 a block)
@@ -184,6 +184,28 @@ def test_the_wait_is_seconds_at_the_replicas_speed(row: WaitRow) -> None:
     by_name = {a.name: a for a in local}
     for rid, cost in row.costs.items():
         assert by_name[rid].cost == pytest.approx(cost)
+
+
+def test_a_short_prefill_is_scored_by_the_short_wait_where_the_engine_lets_it_past() -> None:
+    # The holder has a 2 s long prefill queued; the request needs 64 new tokens there (short
+    # under a 512-token cap) and 1,024 elsewhere (long): the holder wins by the short wait.
+    capped = long_prefill_timing(T, 512, 2048)
+    replicas = (
+        ReplicaFacts("a", "http://a", 1, in_flight=1, wait_s=2.0, short_wait_s=0.0, timing=capped),
+        ReplicaFacts("b", "http://b", 1, wait_s=0.0, short_wait_s=0.0, timing=capped),
+    )
+    local = plan_route(REQ, ClusterFacts(HERE, replicas), (), _index({"a": 60}), CostModel()).stage("local")
+    assert local[0].name == "a"
+    assert {x.name: x.cost for x in local} == pytest.approx({"a": 0.03 + 0.0064, "b": 0.1024})
+    # Without the cap the same holder is scored by the whole queue, and loses.
+    plain = tuple(
+        ReplicaFacts(r.replica_id, r.url, 1, in_flight=r.in_flight, wait_s=r.wait_s, timing=T)
+        for r in replicas
+    )
+    assert (
+        plan_route(REQ, ClusterFacts(HERE, plain), (), _index({"a": 60}), CostModel()).stage("local")[0].name
+        == "b"
+    )
 
 
 def test_tracker_releases_prefill_at_the_first_token_and_the_rest_at_the_finish() -> None:

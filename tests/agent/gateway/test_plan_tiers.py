@@ -147,6 +147,32 @@ def test_the_gateway_values_host_hits_by_the_deployments_profile() -> None:
         assert prefix.host_token_value(unknown) is None and prefix.timing(unknown) is None
 
 
+def test_the_gateway_takes_the_long_prefill_cap_from_the_engine_args() -> None:
+    args = {
+        "capped": {
+            "profile": "llama2-70b-h100-tp4",
+            "long_prefill_token_threshold": 512,
+            "max_num_batched_tokens": 2048,
+        },
+        "profile-budget": {"profile": "llama2-70b-h100-tp4", "long-prefill-token-threshold": 2048},
+        "plain": {"profile": "llama2-70b-h100-tp4"},
+    }
+    prefix = PrefixRouting(
+        None,
+        HERE,
+        GatewayMetrics(load=dict),
+        engine_arg=lambda d, name: args[d].get(name, args[d].get(name.replace("_", "-"))),
+    )
+    capped, by_profile, plain = (prefix.timing(d) for d in ("capped", "profile-budget", "plain"))
+    assert capped is not None and (capped.long_threshold, capped.long_share) == (512, 0.25)
+    assert by_profile is not None and (by_profile.long_threshold, by_profile.long_share) == (
+        2048,
+        0.25,
+    )  # of 8,192
+    assert plain is not None and plain.long_threshold == 0  # the profile's own: off
+    assert capped.s_per_token == plain.s_per_token
+
+
 def test_the_gateway_counts_host_tier_tokens_apart() -> None:
     metrics = GatewayMetrics(load=dict)
     prefix = PrefixRouting(None, HERE, metrics)

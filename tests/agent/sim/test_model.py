@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agent.sim.model import ReplicaModel, SimRequest
 from agent.sim.splitwise import profile_from_splitwise
@@ -110,3 +112,61 @@ def test_splitwise_profile_matches_stored(shared_data) -> None:
     p = profile_from_splitwise(shared_data / "splitwise_perf_model.csv", "llama2-70b", "h100-80gb", 4)
     assert p == load_profile("llama2-70b-h100-tp4")
     assert p.prefill_time(1000) == pytest.approx(p.prefill_time(1024), rel=0.05)
+
+
+def test_a_short_prompt_goes_past_a_long_prefill_at_its_share() -> None:
+    # B = 1000 tokens a batch, T = 200: the long prompt gets 1/5 of the rate beside a short batch.
+    prof = flat(max_prefill_tokens=1000, long_prefill_token_threshold=200, kv_capacity_tokens=100_000)
+    long_first = SimRequest(1, prompt_tokens=5000, output_tokens=1, arrival=0.0)
+    short = SimRequest(2, prompt_tokens=100, output_tokens=1, arrival=1.0)
+    run(ReplicaModel(prof), [long_first, short])
+    # Alone 1 s of the long one's 5 s is done; the short batch then runs at 4/5 of the rate.
+    assert short.first_token_at == pytest.approx(1.0 + 0.1 / 0.8)
+    # The long one lost 0.125 s at 1/5 of the rate: 0.025 s of full-rate work, made up after.
+    assert long_first.first_token_at == pytest.approx(5.0 + 0.125 - 0.025)
+
+    fifo_long = SimRequest(1, prompt_tokens=5000, output_tokens=1, arrival=0.0)
+    fifo_short = SimRequest(2, prompt_tokens=100, output_tokens=1, arrival=1.0)
+    run(ReplicaModel(flat(max_prefill_tokens=1000, kv_capacity_tokens=100_000)), [fifo_long, fifo_short])
+    assert fifo_short.first_token_at == pytest.approx(5.0 + 0.1)  # without: behind the whole prefill
+
+
+def test_long_prompts_take_the_long_lane_one_at_a_time_in_order() -> None:
+    prof = flat(max_prefill_tokens=1000, long_prefill_token_threshold=200, kv_capacity_tokens=100_000)
+    a = SimRequest(1, 3000, 1, arrival=0.0)
+    b = SimRequest(2, 2000, 1, arrival=0.1)
+    c = SimRequest(3, 150, 1, arrival=0.2)
+    run(ReplicaModel(prof), [a, b, c])
+    assert c.first_token_at < a.first_token_at < b.first_token_at  # c went past b, not past a's lane
+    assert b.first_token_at == pytest.approx(3.0 + 2.0 + 0.15)  # the work is conserved: all of it done
+
+
+def test_without_a_threshold_the_model_is_first_come_first_served() -> None:
+    prof = flat(max_prefill_tokens=1000, kv_capacity_tokens=100_000)
+    a = SimRequest(1, 3000, 1, arrival=0.0)
+    c = SimRequest(2, 150, 1, arrival=0.2)
+    run(ReplicaModel(prof), [a, c])
+    assert c.first_token_at == pytest.approx(3.0 + 0.15)
+
+
+def test_threshold_must_stay_below_the_batch() -> None:
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        flat(max_prefill_tokens=1000, long_prefill_token_threshold=1000)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.floats(0, 20), st.integers(1, 6000), st.integers(1, 40)), min_size=1, max_size=40),
+    st.sampled_from([0, 100, 400]),
+)
+def test_every_request_is_served_once_and_the_kv_is_returned(
+    reqs: list[tuple[float, int, int]], threshold: int
+) -> None:
+    prof = flat(max_prefill_tokens=1000, long_prefill_token_threshold=threshold, kv_capacity_tokens=20_000)
+    model = ReplicaModel(prof)
+    sim = [SimRequest(i, p, o, arrival=t) for i, (t, p, o) in enumerate(reqs)]
+    run(model, sim)
+    assert model.kv_used == 0 and model.idle()
+    assert model.generated_tokens == sum(r.output_tokens for r in sim)
+    for r in sim:
+        assert r.arrival <= r.admitted_at <= r.first_token_at <= r.finished_at

@@ -280,6 +280,22 @@ def test_fleetctl_simulate_kv_offloading_size_overrides_the_profiles_host_tier(t
     assert neg.exit_code != 0
 
 
+def test_fleetctl_simulate_long_prefill_token_threshold_reaches_the_replicas(tmp_path: Path) -> None:
+    trace = _trace_file(tmp_path)
+    prof = tmp_path / "p.json"
+    prof.write_text(tiered(0).model_copy(update={"kv_capacity_tokens": 16 * 512}).model_dump_json())
+    runner = CliRunner()
+    base = ["simulate", "--trace", str(trace), "--profile", str(prof), "--policies", "static"]
+    base += ["--replicas", "2", "--routing", "prefix", "--no-best-fixed"]
+    out = runner.invoke(app, [*base, "--long-prefill-token-threshold", "512", "-o", "json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout)["long_prefill_token_threshold"] == 512
+    table = runner.invoke(app, [*base, "--long-prefill-token-threshold", "512"])
+    assert table.exit_code == 0 and "long-prefill cap 512 tokens" in table.output
+    too_big = runner.invoke(app, [*base, "--long-prefill-token-threshold", str(PROFILE.max_prefill_tokens)])
+    assert too_big.exit_code != 0 and "long_prefill_token_threshold" in too_big.output
+
+
 @pytest.mark.parametrize("host", [0, 16])
 def test_on_a_busy_fleet_the_shared_cache_bound_beats_both_routings(host: int) -> None:
     trace = chats(7, 600)
