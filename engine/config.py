@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.spec_decode.config import DEFAULT_SPECULATIVE_CONFIG, SpeculativeConfig
 
@@ -91,3 +91,17 @@ class EngineArgs(BaseModel):
     # "prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 4} (the default:
     # on, gated); None = off (docs/engine.md has the measurement behind the default).
     speculative_config: SpeculativeConfig | None = DEFAULT_SPECULATIVE_CONFIG
+
+    @model_validator(mode="after")
+    def _long_prefill_cap(self) -> EngineArgs:
+        threshold = self.long_prefill_token_threshold
+        if threshold and not self.enable_chunked_prefill:
+            raise ValueError(
+                "long_prefill_token_threshold needs chunked prefill (a long prompt is prefilled in chunks)"
+            )
+        if threshold and threshold >= self.max_num_batched_tokens:
+            raise ValueError(
+                f"long_prefill_token_threshold ({threshold}) must be below max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}), or 0"
+            )
+        return self

@@ -9,12 +9,11 @@ request is preempted: its blocks are freed and it is recomputed later (its full 
 usually survive in the prefix cache, or in the host tier below it, so recomputation is
 cheap).
 
-A long prompt (more than `long_prefill_token_threshold` tokens left to prefill, vLLM's flag)
-takes at most that many of a step's tokens while others want the budget, and no more than
-`max_long_partial_prefills` long prompts prefill at once: a short prompt arriving behind a
-long one (a cache hit behind a 50k-token miss) is prefilled in the next step instead of
-after the whole long prefill. What the others leave of the budget goes back to the long
-ones, so a long prompt alone runs at full speed.
+A long prompt (more than `long_prefill_token_threshold` tokens left to prefill, vLLM's flag
+and meaning) takes at most that many tokens a step, and no more than
+`max_long_partial_prefills` long prompts of a priority or above prefill at once: a short
+prompt arriving behind a long one (a cache hit behind a 50k-token miss) is prefilled in the
+next step instead of after the whole long prefill, in a step of at most T + its own tokens.
 """
 
 from __future__ import annotations
@@ -122,7 +121,6 @@ class Scheduler:
         self.kv = kv_cache
         self.long_prefill_token_threshold = long_prefill_token_threshold  # 0: off
         self.max_long_partial_prefills = max(1, max_long_partial_prefills)
-        self._capped: list[ScheduledRequest] = []  # long chunks held to the threshold this step
         # Prefill of less important requests (priority above DEFAULT_PRIORITY, the batch class)
         # held to about this much time per step, so a more important request that arrives
         # mid-step waits for at most that much of it; 0 = no limit. Measured, not assumed:
@@ -196,7 +194,6 @@ class Scheduler:
         # more important request has prompt to prefill, less important ones sit this step out
         # (they keep their blocks): its first token does not wait for their decodes.
         self.running.sort(key=self._victim_key)
-        self._capped = []
         self._low_allowance = self._low_priority_allowance()
         urgent = self._urgent_priority()
         deferred: list[Request] = []
@@ -229,8 +226,7 @@ class Scheduler:
         if deferred and not any(
             s.request.priority <= urgent for s in out.scheduled if self._prefilling(s.request)
         ):
-            budget = self._run_deferred(deferred, budget, scheduled_ids, out)
-        self._top_up_long(budget)
+            self._run_deferred(deferred, budget, scheduled_ids, out)
         return out
 
     def _is_long(self, req: Request) -> bool:
@@ -238,29 +234,27 @@ class Scheduler:
         t = self.long_prefill_token_threshold
         return t > 0 and req.num_tokens - req.num_computed_tokens > t
 
-    def _long_slots_left(self) -> int:
-        return self.max_long_partial_prefills - sum(1 for r in self.running if self._is_long(r))
-
-    def _top_up_long(self, budget: int) -> None:
-        """What the step's others left of the budget goes to the long chunks held back."""
-        for s in self._capped:
-            if budget <= 0:
-                return
-            req = s.request
-            extra = min(req.num_tokens - req.num_computed_tokens - s.num_new_tokens, self._cap(req, budget))
-            if extra <= 0 or not self.kv.allocate_slots(req, s.num_new_tokens + extra):
-                continue
-            s.num_new_tokens += extra
-            budget -= extra
-            if self._low_allowance is not None and req.priority > DEFAULT_PRIORITY:
-                self._low_allowance -= extra
+    def _long_slots_left(self, priority: int) -> int:
+        """Long prompts of `priority` that may start: those as important or more that are
+        prefilling take the slots (a less important one is deferred, not in the way)."""
+        busy = sum(1 for r in self.running if r.priority <= priority and self._is_long(r))
+        return self.max_long_partial_prefills - busy
 
     def _admit_waiting(self, budget: int, scheduled_ids: set[int], out: SchedulerOutput) -> int:
         """Waiting requests, most important first, while slots, blocks and the budget last;
         the budget left."""
         loras = {r.lora for r in self.running}  # None (the base) among them takes no slot
-        long_slots = self._long_slots_left()
         skipped: list[Request] = []  # long prompts waiting for a long slot, shorter ones went past
+        try:
+            return self._admit_in_order(budget, scheduled_ids, out, loras, skipped)
+        finally:
+            for req in skipped:
+                self.waiting.push(req)
+
+    def _admit_in_order(
+        self, budget: int, scheduled_ids: set[int], out: SchedulerOutput, loras: set, skipped: list[Request]
+    ) -> int:
+        threshold = self.long_prefill_token_threshold
         while budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.peek()
             if req is None or self._lora_full(req, loras):  # nothing, or no adapter slot left
@@ -273,13 +267,13 @@ class Scheduler:
                 hit = self.kv.find_prefix(req, record_stats=False)
             num_computed = hit.num_computed_tokens
             num_new = req.num_tokens - num_computed
-            long = self.long_prefill_token_threshold > 0 and num_new > self.long_prefill_token_threshold
-            if long and long_slots <= 0:
+            long = threshold > 0 and num_new > threshold
+            if long and self._long_slots_left(req.priority) <= 0:
                 skipped.append(self.waiting.pop())
                 continue
             cap = self._cap(req, budget)
             if long:
-                cap = min(cap, self.long_prefill_token_threshold)
+                cap = min(cap, threshold)
             if num_new > cap:
                 if not self.enable_chunked_prefill or cap <= 0:
                     break
@@ -287,7 +281,6 @@ class Scheduler:
             if not self.kv.allocate_slots(req, num_new, hit.block_ids, hit.host_hashes):
                 break
             self.waiting.pop()
-            long_slots -= long
             if self.kv.enable_caching and req.num_computed_tokens == 0:
                 self.kv.stats.record(req.num_tokens, num_computed)
             req.num_computed_tokens = num_computed
@@ -298,21 +291,16 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             loras.add(req.lora)
             self.running.append(req)
-            scheduled = ScheduledRequest(req, num_new)
-            self._take(scheduled, scheduled_ids, out)
-            if long:
-                self._capped.append(scheduled)
+            self._take(ScheduledRequest(req, num_new), scheduled_ids, out)
             budget -= num_new
-        for req in skipped:
-            self.waiting.push(req)
         return budget
 
     def _run_deferred(
         self, deferred: list[Request], budget: int, scheduled_ids: set[int], out: SchedulerOutput
-    ) -> int:
+    ) -> None:
         for req in deferred:
             if budget <= 0:
-                break
+                return
             if (
                 req.status != RequestStatus.RUNNING or self._cap(req, budget) <= 0
             ):  # preempted, or share spent
@@ -322,7 +310,6 @@ class Scheduler:
                 continue
             self._take(s, scheduled_ids, out)
             budget -= s.num_new_tokens
-        return budget
 
     def _take(self, s: ScheduledRequest, scheduled_ids: set[int], out: SchedulerOutput) -> None:
         out.scheduled.append(s)
@@ -374,8 +361,7 @@ class Scheduler:
         fit), preempting the least important unscheduled others if needed; None when `req`
         itself had to go."""
         cap = self._cap(req, budget)
-        long = self._is_long(req)
-        if long:
+        if self._is_long(req):
             cap = min(cap, self.long_prefill_token_threshold)
         num_new = min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens, cap)
         while not self.kv.allocate_slots(req, num_new):
@@ -389,10 +375,7 @@ class Scheduler:
                 return None
         num_draft = max(0, req.num_computed_tokens + num_new - req.num_tokens)
         del req.spec_token_ids[num_draft:]  # the budget may cut the drafts short
-        scheduled = ScheduledRequest(req, num_new, num_draft)
-        if long:
-            self._capped.append(scheduled)
-        return scheduled
+        return ScheduledRequest(req, num_new, num_draft)
 
     def _lora_full(self, req: Request, loras: set) -> bool:
         """Whether admitting `req` would need more adapter slots than a step has."""

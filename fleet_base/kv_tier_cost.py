@@ -86,10 +86,9 @@ class PrefillTiming:
 
     s_per_token: float
     step_s: float = 0.0
-    # The engine's long-prefill cap (0: off) and the share of the prefill rate a long prompt
-    # keeps while shorter ones are prefilled beside it (the cap over the step's budget).
+    # The engine's long-prefill cap (0: off): a long prompt takes this many tokens of every
+    # step, so a short prompt beside it is prefilled in a step that also carries them.
     long_threshold: int = 0
-    long_share: float = 0.0
 
     def prefill_s(self, tokens: float) -> float:
         return max(0.0, tokens) * self.s_per_token
@@ -102,9 +101,7 @@ class PrefillTiming:
 def long_prefill_timing(timing: PrefillTiming, threshold: int, budget: int) -> PrefillTiming:
     """`timing` with the engine's long-prefill cap (`threshold` tokens of a `budget`-token
     step; a cap at or past the step's budget caps nothing)."""
-    if threshold <= 0 or threshold >= budget:
-        return replace(timing, long_threshold=0, long_share=0.0)
-    return replace(timing, long_threshold=threshold, long_share=threshold / budget)
+    return replace(timing, long_threshold=threshold if 0 < threshold < budget else 0)
 
 
 def profile_timing(profile: PerfProfile) -> PrefillTiming:
@@ -122,14 +119,14 @@ def queue_wait_s(
     `now`. The part of a long prefill already done is not waited for again.
 
     `short`: the wait of a prompt the engine lets past long ones (`timing.is_short`): only the
-    short prefills ahead count, slowed by the share a long one beside them keeps."""
+    short prefills ahead count, and while a long one is pending every step, the prompt's own
+    included, also carries the long prompt's `long_threshold` tokens."""
     if short and timing.long_threshold > 0:
-        longs = any(not timing.is_short(tokens) for _, tokens in pending)
-        rate = 1.0 - timing.long_share if longs else 1.0
+        beside = 0 if all(timing.is_short(tokens) for _, tokens in pending) else timing.long_threshold
         end = -math.inf
         for at, tokens in sorted(p for p in pending if timing.is_short(p[1])):
-            end = max(end, at) + timing.prefill_s(tokens) / rate
-        return max(0.0, end - now)
+            end = max(end, at) + timing.prefill_s(tokens + beside)
+        return max(0.0, end - now) + timing.prefill_s(beside)
     end = -math.inf
     for at, tokens in sorted(pending):
         end = max(end, at) + timing.prefill_s(tokens)

@@ -169,17 +169,14 @@ class PrefixRouting:
 
     def timing(self, deployment: str) -> PrefillTiming | None:
         """The deployment's replicas' prefill speed, from the same profile, with the
-        long-prefill cap its engine args set (the engine's flag); None: unknown."""
+        long-prefill cap its engine args set (the engine's flag; none: off, the engine's
+        default, whatever the profile assumed); None: unknown."""
         profile = self._profile(deployment)
         if profile is None:
             return None
-        threshold = self.engine_arg(deployment, "long_prefill_token_threshold")
-        if isinstance(threshold, int) and not isinstance(threshold, bool) and threshold >= 0:
-            budget = self.engine_arg(deployment, "max_num_batched_tokens")
-            if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
-                budget = profile.max_prefill_tokens
-            return long_prefill_timing(profile_timing(profile), threshold, budget)
-        return profile_timing(profile)
+        threshold = _count(self.engine_arg(deployment, "long_prefill_token_threshold")) or 0
+        budget = _count(self.engine_arg(deployment, "max_num_batched_tokens")) or profile.max_prefill_tokens
+        return long_prefill_timing(profile_timing(profile), threshold, budget)
 
     def _profile(self, deployment: str) -> PerfProfile | None:
         name = self.engine_arg(deployment, "profile")
@@ -270,3 +267,8 @@ class PrefixRouting:
         self._asked[key] = now
         request = KvResyncRequest(cluster=cluster, replica_id=replica_id, requester=self.cluster)
         await self.link.publish(kvresync_subject(cluster), request)
+
+
+def _count(value: object) -> int | None:
+    """An engine arg that should be a positive count, or None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

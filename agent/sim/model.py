@@ -13,11 +13,12 @@ segments, not steps: an hour of trace costs a few events per request, not per to
 Prefix hits in the cache's host tier are loaded back before the batch's prefill: the batch
 pays their load time (`fleet_base.kv_tier_cost`) instead of their prefill.
 
-With `long_prefill_token_threshold` T (the engine's chunked-prefill cap, as vLLM's) a prompt
-needing more than T new tokens is long: it prefills in a lane of its own, one at a time, and
-shorter prompts behind it go past it into the other lane. While both lanes run they share
-the prefill rate as the engine's steps share the token budget B: T/B to the long prompt,
-the rest to the short batch; a lane running alone has all of it."""
+With `long_prefill_token_threshold` T (the engine's long-prefill cap, vLLM's meaning) a
+prompt needing more than T new tokens is long: it prefills in a lane of its own, one at a
+time, T tokens a step (a step of T tokens alone), and shorter prompts behind it go past it
+into the other lane. A short batch of S tokens beside it shares its steps: they carry T long
+tokens and up to B - T short ones (B = `max_prefill_tokens`), so the batch takes
+`prefill_time(T + S)` (or S / (B - T) full steps) and the long prompt gains T a step."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from fleet_base.kv_tier_cost import load_seconds, prefix_hit
 from fleet_base.profile import PerfProfile
 
 EPS = 1e-9
-LOOKAHEAD = 64  # waiting requests scanned past a long prompt that must wait for the long lane
+LOOKAHEAD = 64  # waiting requests that may be passed in one admission (the engine's bound)
 
 
 @dataclass
@@ -72,9 +73,9 @@ class ReplicaModel:
         self.prefill_end = math.inf
         self.long_prefilling: SimRequest | None = None  # the long lane (a threshold is set)
         self.long_end = math.inf
-        self._lane_t = now  # lanes' work left (full-rate seconds) as of this time
-        self._short_left = 0.0
+        self._lane_t = now  # the long lane's tokens left, as of this time
         self._long_left = 0.0
+        self._short_tokens = 0  # the short batch's new tokens (its steps' size)
         self.kv_used = 0
         self.generated_tokens = 0
         self.prompt_tokens = 0
@@ -113,12 +114,19 @@ class ReplicaModel:
         return bool(self.prefilling) or self.long_prefilling is not None
 
     def next_event_time(self) -> float:
-        if self._in_prefill():
+        if self.prefilling:
             return min(self.prefill_end, self.long_end)
+        if self.long_prefilling is not None:
+            return min(self.long_end, self._next_finish(self._long_step_s()))
         if self._finish_heap:
-            step = self.profile.decode_time(len(self.running))
-            return self.t + max(0.0, self._finish_heap[0][0] - self.clock) * step
+            return self._next_finish(self.profile.decode_time(len(self.running)))
         return math.inf
+
+    def _next_finish(self, step: float) -> float:
+        """When the next running sequence finishes at `step` seconds a decode step."""
+        if not self._finish_heap:
+            return math.inf
+        return self.t + max(0.0, self._finish_heap[0][0] - self.clock) * step
 
     # ------------------------------------------------------------ input
 
@@ -137,7 +145,7 @@ class ReplicaModel:
     def advance(self, now: float) -> list[SimRequest]:
         events: list[SimRequest] = []
         while True:
-            if self._in_prefill():
+            if self.prefilling:
                 if min(self.prefill_end, self.long_end) > now + EPS:
                     # Decode is paused while a prefill batch runs.
                     self.t = max(self.t, now)
@@ -148,29 +156,53 @@ class ReplicaModel:
                     self._finish_long(events)
                 self._start_prefill()  # prefill first: admit what waited meanwhile
                 continue
+            if self.long_prefilling is not None:
+                # A long prompt alone: its steps of T tokens carry every running sequence's next one.
+                step = self._long_step_s()
+                finish = self._next_finish(step)
+                if min(self.long_end, finish) > now + EPS:
+                    self._decode_until(now, step)
+                    break
+                if self.long_end <= finish:
+                    self._decode_until(self.long_end, step)
+                    self._finish_long(events)
+                else:
+                    self._lanes_at(finish)  # the batch, so the step, changes
+                    self._pop_finishes(finish, events)
+                    self._lane_ends()
+                self._start_prefill()
+                continue
             if self._finish_heap:
                 step = self.profile.decode_time(len(self.running))
-                target, _ = self._finish_heap[0]
-                at = self.t + max(0.0, target - self.clock) * step
+                at = self._next_finish(step)
                 if at > now + EPS:
-                    self.clock += max(0.0, now - self.t) / step if step > 0 else 0.0
-                    self.t = now
+                    self._decode_until(now, step)
                     break
-                self.clock = max(self.clock, target)
-                self.t = at
-                while self._finish_heap and self._finish_heap[0][0] <= self.clock + EPS:
-                    _, rid = heapq.heappop(self._finish_heap)
-                    req = self.running.pop(rid)
-                    req.finished_at = at
-                    self.kv_used -= req.kv_tokens
-                    self.generated_tokens += req.output_tokens
-                    events.append(req)
+                self._pop_finishes(at, events)
                 self._start_prefill()
                 continue
             self.t = max(self.t, now)
             if not self._start_prefill():
                 break
         return events
+
+    def _decode_until(self, t: float, step: float) -> None:
+        """The running sequences decode at `step` seconds a token until `t`."""
+        if t > self.t:
+            self.clock += (t - self.t) / step if step > 0 else 0.0
+            self.t = t
+
+    def _pop_finishes(self, at: float, events: list[SimRequest]) -> None:
+        """The sequences whose last token comes at `at` finish (the clock reaches theirs)."""
+        self.clock = max(self.clock, self._finish_heap[0][0])
+        self.t = at
+        while self._finish_heap and self._finish_heap[0][0] <= self.clock + EPS:
+            _, rid = heapq.heappop(self._finish_heap)
+            req = self.running.pop(rid)
+            req.finished_at = at
+            self.kv_used -= req.kv_tokens
+            self.generated_tokens += req.output_tokens
+            events.append(req)
 
     def _threshold(self) -> int:
         return self.profile.long_prefill_token_threshold
@@ -187,7 +219,7 @@ class ReplicaModel:
         """The prefill `req` would need here now (its prompt less what the cache holds)."""
         if self.cache is None or not req.block_hashes:
             return req.prompt_tokens
-        device, host = self.cache.lookup_tiers(req.block_hashes)
+        device, host = self.cache.peek_tiers(req.block_hashes)
         return req.prompt_tokens - prefix_hit(device, host, req.block_tokens, req.prompt_tokens).tokens
 
     def _admit(self, req: SimRequest) -> tuple[int, float]:
@@ -229,31 +261,48 @@ class ReplicaModel:
         self.prefill_end = self.t + prof.prefill_time(tokens) + load_s
         return True
 
-    def _rates(self) -> tuple[float, float]:
-        """(short, long) lanes' shares of the prefill rate now: T/B to a long prompt while a
-        short batch runs beside it, else all of it to whichever runs."""
-        if self.prefilling and self.long_prefilling is not None:
-            long = self._threshold() / self.profile.max_prefill_tokens
-            return 1.0 - long, long
-        return 1.0, 1.0
+    def _long_step_s(self) -> float:
+        """A step of the long prompt alone: T of its tokens and one of every running
+        sequence's."""
+        decode = self.profile.decode_time(len(self.running)) if self.running else 0.0
+        return self.profile.prefill_time(self._threshold()) + decode
+
+    def _long_rate(self) -> float:
+        """Long-prompt tokens a second now: T a step, in steps of its own (with the
+        decodes) or of T + the short batch's share beside it (decode paused)."""
+        threshold = self._threshold()
+        prof = self.profile
+        if self.prefilling:
+            step_s = prof.prefill_time(
+                threshold + min(self._short_tokens, prof.max_prefill_tokens - threshold)
+            )
+        else:
+            step_s = self._long_step_s()
+        return threshold / max(step_s, EPS)
+
+    def _short_seconds(self, tokens: int) -> float:
+        """A short batch's prefill: alone as without the cap, beside a long prompt in
+        steps that also carry T of its tokens."""
+        prof = self.profile
+        if self.long_prefilling is None:
+            return prof.prefill_time(tokens)
+        room = prof.max_prefill_tokens - self._threshold()
+        if tokens <= room:
+            return prof.prefill_time(self._threshold() + tokens)
+        return tokens / room * prof.prefill_time(prof.max_prefill_tokens)
 
     def _lanes_at(self, t: float) -> None:
-        """Bring the lanes' full-rate work left to `t` (before a lane starts or ends)."""
-        short, long = self._rates()
-        dt = max(0.0, t - self._lane_t)
-        if self.prefilling:
-            self._short_left = max(0.0, self._short_left - dt * short)
+        """Bring the long lane's tokens left to `t` (before a lane starts or ends)."""
         if self.long_prefilling is not None:
-            self._long_left = max(0.0, self._long_left - dt * long)
+            self._long_left = max(0.0, self._long_left - max(0.0, t - self._lane_t) * self._long_rate())
         self._lane_t = t
 
     def _lane_ends(self) -> None:
-        """Each lane's end at its share from `_lane_t` (after a lane started or ended)."""
-        short, long = self._rates()
-        self.prefill_end = self._lane_t + self._short_left / short if self.prefilling else math.inf
-        self.long_end = (
-            self._lane_t + self._long_left / long if self.long_prefilling is not None else math.inf
-        )
+        """The long lane's end at its rate from `_lane_t` (after a lane started or ended)."""
+        if self.long_prefilling is None:
+            self.long_end = math.inf
+        else:
+            self.long_end = self._lane_t + self._long_left / self._long_rate()
 
     def _start_lanes(self) -> bool:
         """Fill whichever lane is free, in arrival order, letting short prompts past a long
@@ -267,17 +316,16 @@ class ReplicaModel:
         long_req: SimRequest | None = None
         long_work = 0.0
         skipped: list[SimRequest] = []
-        scanned = 0
-        while self.waiting and scanned < LOOKAHEAD:
+        while self.waiting and len(skipped) < LOOKAHEAD:
             req = self.waiting[0]
-            scanned += 1
             if not self._admissible(req, batch if long_req is None else [*batch, long_req]):
                 break
             if self._new_tokens(req) > threshold:
                 if self.long_prefilling is None and long_req is None:
                     self.waiting.popleft()
                     new, load = self._admit(req)
-                    long_req, long_work = req, prof.prefill_time(new) + load
+                    # Its host hits' load, as the long-prompt tokens that time would prefill alone.
+                    long_req, long_work = req, new + load * threshold / max(prof.prefill_time(threshold), EPS)
                     continue
                 skipped.append(self.waiting.popleft())  # the long lane is taken: shorter ones go past
                 continue
@@ -295,12 +343,13 @@ class ReplicaModel:
         if not batch and long_req is None:
             return False
         self._lanes_at(self.t)
-        if batch:
-            self.prefilling = batch
-            self._short_left = prof.prefill_time(tokens) + load_s
         if long_req is not None:
             self.long_prefilling = long_req
             self._long_left = long_work
+        if batch:
+            self.prefilling = batch
+            self._short_tokens = tokens
+            self.prefill_end = self.t + self._short_seconds(tokens) + load_s
         self._lane_ends()
         return True
 

@@ -65,7 +65,16 @@ class PrefixCacheModel:
 
     def lookup_tiers(self, blocks: Sequence[int]) -> tuple[int, int]:
         """Leading blocks held: (on the device, then after those in the host tier), as
-        the engine's lookup continues in the host tier where the device's prefix ends."""
+        the engine's lookup continues in the host tier where the device's prefix ends.
+        Counted in the hit statistics (an admission's lookup)."""
+        device, host = self.peek_tiers(blocks)
+        self.queried_blocks += len(blocks)
+        self.hit_blocks += device + host
+        self.host_hit_blocks += host
+        return device, host
+
+    def peek_tiers(self, blocks: Sequence[int]) -> tuple[int, int]:
+        """`lookup_tiers` without counting it (a scheduler looking before it admits)."""
         device = host = 0
         for b in blocks:
             if host == 0 and b in self._blocks:
@@ -74,9 +83,6 @@ class PrefixCacheModel:
                 host += 1
             else:
                 break
-        self.queried_blocks += len(blocks)
-        self.hit_blocks += device + host
-        self.host_hit_blocks += host
         return device, host
 
     def insert(self, blocks: Sequence[int]) -> None:

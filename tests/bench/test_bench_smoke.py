@@ -16,7 +16,7 @@ import psutil
 import pytest
 import torch
 
-from bench import common, engine_throughput, inputs, kv_offload, prefix_cache
+from bench import common, engine_throughput, inputs, kv_offload, long_prefill, prefix_cache
 from bench.engine_throughput import SystemResult, Workload
 from tests.polling import wait_for
 
@@ -140,7 +140,7 @@ def test_data_loaders(shared_data: Path) -> None:
     assert all(16 <= n <= 256 for n in a) and len(set(a)) > 20
 
 
-@pytest.mark.parametrize("module", [engine_throughput, prefix_cache, kv_offload])
+@pytest.mark.parametrize("module", [engine_throughput, prefix_cache, kv_offload, long_prefill])
 def test_missing_data_exits_with_code_2(
     module: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -182,6 +182,21 @@ def test_kv_offload_report_reads_returning_prefixes_against_off_and_the_bound(
     assert "4.00" in out  # off / host tier
     assert "1.25" in out  # host tier / all on device
     assert "NO" in out  # the bound's tokens differ in this made-up report
+
+
+def test_long_prefill_report_reads_the_cap_against_off(capsys: pytest.CaptureFixture[str]) -> None:
+    def rnd(config: str, long: float, short: float, tokens: list[int]) -> long_prefill.Round:
+        return long_prefill.Round(
+            config=config, long_ttft_s=long, short_ttft_s=[short] * 4, wall_s=long + 0.1, token_ids=[tokens]
+        )
+
+    results = [rnd("off", 1.0, 1.0, [1]), rnd("cap 64", 1.2, 0.1, [1])] * 2
+    report = long_prefill.Report(rounds=2, long_tokens=100, shorts=4, budget=32, threshold=8, results=results)
+    long_prefill.print_report(report, ["off", "cap 64"])
+    out = capsys.readouterr().out
+    assert "10.00" in out  # short TTFT, off / cap
+    assert "0.83" in out  # long TTFT, off / cap: the cap's cost
+    assert "NO" not in out
 
 
 # ---------------------------------------------------------------- real model and engine

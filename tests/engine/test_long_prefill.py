@@ -4,6 +4,7 @@ and a long prompt alone still gets the whole step."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -52,11 +53,11 @@ def test_a_short_prompt_is_scheduled_beside_a_long_prefill() -> None:
     long = _request("long", 200, arrival=0.0)
     sched.add_request(long)
     first = sched.schedule()
-    assert _chunks(first) == {"long": 32}  # alone: the whole budget (held to 16, then topped up)
+    assert _chunks(first) == {"long": 16}  # T a step, alone too (vLLM's meaning)
     _step(sched, first)
     short = _request("short", 8, arrival=1.0)
     sched.add_request(short)
-    assert _chunks(sched.schedule()) == {"long": 24, "short": 8}  # 16, the short one, then the rest
+    assert _chunks(sched.schedule()) == {"long": 16, "short": 8}
 
 
 def test_without_the_threshold_the_short_prompt_waits_for_the_long_one() -> None:
@@ -74,7 +75,7 @@ def test_long_prompts_prefill_one_at_a_time_and_short_ones_go_past_the_second() 
     for r in (a, b, c):
         sched.add_request(r)
     out = sched.schedule()
-    assert _chunks(out) == {"a": 56, "c": 8}  # b waits for the long slot; c went past it
+    assert _chunks(out) == {"a": 16, "c": 8}  # b waits for the long slot; c went past it
     assert [r.request_id for r in sched.waiting] == ["b"]
     # Until a is down to the threshold b stays out; then it is admitted.
     while a.num_tokens - a.num_computed_tokens > 16:
@@ -82,6 +83,26 @@ def test_long_prompts_prefill_one_at_a_time_and_short_ones_go_past_the_second() 
         _step(sched, out)
         out = sched.schedule()
     assert "b" in _chunks(out)  # the step a is no longer long in
+
+
+def test_a_less_important_long_prefill_does_not_hold_the_slot_against_a_more_important_one() -> None:
+    sched = _sched(threshold=16, budget=64)
+    sched.add_request(_request("batch-long", 200, 0.0, klass="batch"))
+    _step(sched, sched.schedule())
+    sched.add_request(_request("interactive-long", 200, 1.0))
+    assert _chunks(sched.schedule()) == {"interactive-long": 16}  # the batch one is deferred meanwhile
+
+
+def test_the_cap_needs_chunked_prefill_and_room_in_the_step() -> None:
+    from pydantic import ValidationError
+
+    from engine.config import EngineArgs
+
+    with pytest.raises(ValidationError, match="chunked prefill"):
+        EngineArgs(long_prefill_token_threshold=16, enable_chunked_prefill=False)
+    with pytest.raises(ValidationError, match="below max_num_batched_tokens"):
+        EngineArgs(long_prefill_token_threshold=2048, max_num_batched_tokens=2048)
+    assert EngineArgs(long_prefill_token_threshold=512).long_prefill_token_threshold == 512
 
 
 def test_two_long_slots_admit_two_long_prompts() -> None:
@@ -100,34 +121,49 @@ def test_a_less_important_short_prompt_does_not_pass_a_long_one() -> None:
     assert set(_chunks(sched.schedule())) == {"a"}  # the batch-class prompt waits behind b
 
 
-@settings(max_examples=60, deadline=None)
+SHARED = [500 + i for i in range(64)]  # a common prefix some prompts start with (prefix-cache hits)
+
+
+@settings(max_examples=80, deadline=None)
 @given(
-    st.lists(st.tuples(st.integers(1, 120), st.integers(1, 4)), min_size=1, max_size=12),
+    st.lists(
+        st.tuples(st.integers(1, 120), st.integers(1, 4), st.sampled_from([0, 32, 64])),
+        min_size=1,
+        max_size=12,
+    ),
     st.sampled_from([0, 8, 24]),
     st.integers(1, 2),
 )
 def test_every_request_finishes_within_the_budget_and_the_long_slots(
-    reqs: list[tuple[int, int]], threshold: int, long_slots: int
+    reqs: list[tuple[int, int, int]], threshold: int, long_slots: int
 ) -> None:
     budget = 48
     sched = _sched(threshold, budget=budget, blocks=128, long_slots=long_slots)
-    requests = [_request(f"r{i}", p, float(i), max_tokens=o) for i, (p, o) in enumerate(reqs)]
+    requests = []
+    for i, (p, o, shared) in enumerate(reqs):
+        r = _request(f"r{i}", p, float(i), max_tokens=o)
+        r.prompt_token_ids[:0] = SHARED[:shared]
+        requests.append(
+            Request(r.request_id, r.prompt_token_ids, r.sampling_params, arrival_time=r.arrival_time)
+        )
     for r in requests:
         sched.add_request(r)
-    for _ in range(2000):
+    for _ in range(3000):
         if not sched.has_work():
             break
-        waiting = {id(r) for r in sched.waiting}
         out = sched.schedule()
         assert out.num_tokens <= budget
-        if threshold:  # a long prompt is admitted only into a free long slot
-            admitted_long = [
-                s
+        assert len(sched.waiting) + len(sched.running) <= len(requests)
+        if threshold:  # one priority here: never more long prompts in prefill than slots
+            assert (
+                sum(1 for r in sched.running if r.num_tokens - r.num_computed_tokens > threshold)
+                <= long_slots
+            )
+            assert all(
+                s.num_new_tokens <= threshold
                 for s in out.scheduled
-                if id(s.request) in waiting
-                and s.request.num_tokens - s.request.num_computed_tokens > threshold
-            ]
-            assert len(admitted_long) <= long_slots
+                if s.request.num_tokens - s.request.num_computed_tokens > threshold
+            )
         _step(sched, out)
     assert not sched.has_work()
     assert all(r.status == RequestStatus.FINISHED_LENGTH for r in requests)

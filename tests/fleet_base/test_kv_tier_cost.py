@@ -159,13 +159,19 @@ def test_queue_wait(row: WaitRow) -> None:
     assert queue_wait_s(row.pending, row.now, T) == pytest.approx(row.want_s)
 
 
-# A 2048-token cap on an 8192-token step: a long prompt keeps a quarter of the rate beside short ones.
+# A 2,048-token cap: while a long prompt is pending, every step carries 2,048 of its tokens.
 LONG = long_prefill_timing(T, 2048, 8192)
 
 SHORT_WAIT_ROWS = [
-    WaitRow("a long prefill ahead: a short prompt does not wait for it", ((5.0, 20_000),), 5.0, 0.0),
-    WaitRow("a short one ahead runs at the rate the long one leaves", ((5.0, 20_000), (5.0, 1500)), 5.0, 0.2),
-    WaitRow("short ones alone run at full rate", ((5.0, 1500), (5.0, 500)), 5.0, 0.2),
+    WaitRow("a long prefill ahead: only the step its tokens share", ((5.0, 20_000),), 5.0, 0.2048),
+    WaitRow(
+        "a short one ahead: its step and the prompt's own, each with the long tokens",
+        ((5.0, 20_000), (5.0, 1500)),
+        5.0,
+        0.3548 + 0.2048,
+    ),
+    WaitRow("short ones alone run as without the cap", ((5.0, 1500), (5.0, 500)), 5.0, 0.2),
+    WaitRow("a short one mostly done: only what is left", ((4.9, 1500),), 5.0, 0.05),
 ]
 
 

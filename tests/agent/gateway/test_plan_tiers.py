@@ -148,14 +148,16 @@ def test_the_gateway_values_host_hits_by_the_deployments_profile() -> None:
 
 
 def test_the_gateway_takes_the_long_prefill_cap_from_the_engine_args() -> None:
+    profile = "llama2-70b-h100-tp4"  # its batch: 8,192 tokens
     args = {
-        "capped": {
-            "profile": "llama2-70b-h100-tp4",
-            "long_prefill_token_threshold": 512,
+        "capped": {"profile": profile, "long_prefill_token_threshold": 512, "max_num_batched_tokens": 2048},
+        "whole-step": {
+            "profile": profile,
+            "long_prefill_token_threshold": 2048,
             "max_num_batched_tokens": 2048,
         },
-        "profile-budget": {"profile": "llama2-70b-h100-tp4", "long-prefill-token-threshold": 2048},
-        "plain": {"profile": "llama2-70b-h100-tp4"},
+        "profile-budget": {"profile": profile, "long-prefill-token-threshold": 4096},
+        "plain": {"profile": profile},
     }
     prefix = PrefixRouting(
         None,
@@ -163,14 +165,14 @@ def test_the_gateway_takes_the_long_prefill_cap_from_the_engine_args() -> None:
         GatewayMetrics(load=dict),
         engine_arg=lambda d, name: args[d].get(name, args[d].get(name.replace("_", "-"))),
     )
-    capped, by_profile, plain = (prefix.timing(d) for d in ("capped", "profile-budget", "plain"))
-    assert capped is not None and (capped.long_threshold, capped.long_share) == (512, 0.25)
-    assert by_profile is not None and (by_profile.long_threshold, by_profile.long_share) == (
-        2048,
-        0.25,
-    )  # of 8,192
-    assert plain is not None and plain.long_threshold == 0  # the profile's own: off
-    assert capped.s_per_token == plain.s_per_token
+    found = {d: prefix.timing(d) for d in args}
+    assert {d: t.long_threshold for d, t in found.items() if t is not None} == {
+        "capped": 512,
+        "whole-step": 0,  # a cap of the whole step caps nothing
+        "profile-budget": 4096,  # below the profile's batch when the args name no budget
+        "plain": 0,  # none in the args: the engine's default (off), whatever the profile says
+    }
+    assert found["capped"].s_per_token == found["plain"].s_per_token
 
 
 def test_the_gateway_counts_host_tier_tokens_apart() -> None:

@@ -114,21 +114,34 @@ def test_splitwise_profile_matches_stored(shared_data) -> None:
     assert p.prefill_time(1000) == pytest.approx(p.prefill_time(1024), rel=0.05)
 
 
-def test_a_short_prompt_goes_past_a_long_prefill_at_its_share() -> None:
-    # B = 1000 tokens a batch, T = 200: the long prompt gets 1/5 of the rate beside a short batch.
+def test_a_short_prompt_goes_past_a_long_prefill_in_steps_it_shares() -> None:
+    # B = 1000 tokens a step, T = 200; 1 ms a token: the long prompt alone gains 200 tokens
+    # every 0.2 s step; beside the short one, 200 in its one 0.3 s step (200 + 100 tokens).
     prof = flat(max_prefill_tokens=1000, long_prefill_token_threshold=200, kv_capacity_tokens=100_000)
     long_first = SimRequest(1, prompt_tokens=5000, output_tokens=1, arrival=0.0)
     short = SimRequest(2, prompt_tokens=100, output_tokens=1, arrival=1.0)
     run(ReplicaModel(prof), [long_first, short])
-    # Alone 1 s of the long one's 5 s is done; the short batch then runs at 4/5 of the rate.
-    assert short.first_token_at == pytest.approx(1.0 + 0.1 / 0.8)
-    # The long one lost 0.125 s at 1/5 of the rate: 0.025 s of full-rate work, made up after.
-    assert long_first.first_token_at == pytest.approx(5.0 + 0.125 - 0.025)
+    assert short.first_token_at == pytest.approx(1.0 + 0.3)
+    assert long_first.first_token_at == pytest.approx(1.3 + (5000 - 1000 - 200) / 1000)
 
     fifo_long = SimRequest(1, prompt_tokens=5000, output_tokens=1, arrival=0.0)
     fifo_short = SimRequest(2, prompt_tokens=100, output_tokens=1, arrival=1.0)
     run(ReplicaModel(flat(max_prefill_tokens=1000, kv_capacity_tokens=100_000)), [fifo_long, fifo_short])
     assert fifo_short.first_token_at == pytest.approx(5.0 + 0.1)  # without: behind the whole prefill
+
+
+def test_running_sequences_decode_in_the_long_prompts_steps() -> None:
+    capped = flat(max_prefill_tokens=1000, long_prefill_token_threshold=200, kv_capacity_tokens=100_000)
+    plain = flat(max_prefill_tokens=1000, kv_capacity_tokens=100_000)
+    for prof, a_done, long_done in ((capped, 1.2, 5.2), (plain, 5.2, 5.15)):
+        a = SimRequest(1, prompt_tokens=100, output_tokens=11, arrival=0.0)  # first token at 0.1
+        long = SimRequest(2, prompt_tokens=5000, output_tokens=1, arrival=0.15)
+        run(ReplicaModel(prof), [a, long])
+        # Capped: 5 of a's 10 decode steps by 0.15, the other 5 in the long prompt's steps of
+        # 0.2 s + 0.01 s, which gains 200 tokens in each, then 1,000 tokens a second alone.
+        # Plain: the 5 s prefill pauses a's decoding.
+        assert a.finished_at == pytest.approx(a_done)
+        assert long.first_token_at == pytest.approx(long_done)
 
 
 def test_long_prompts_take_the_long_lane_one_at_a_time_in_order() -> None:
