@@ -27,6 +27,7 @@ from fleet_base.profile import PerfProfile
 # (a live engine started with `--kv-offloading-size` and no profile): half a device hit.
 # Below a device hit on purpose, so an unmeasured tier never outranks a device copy.
 UNKNOWN_HOST_TOKEN_VALUE = 0.5
+EPS = 1e-9  # a queue that ends on a step's edge does not start another
 
 
 def host_token_value(kv_bytes_per_token: float, h2d_bytes_per_s: float, prefill_s_per_token: float) -> float:
@@ -87,8 +88,10 @@ class PrefillTiming:
     s_per_token: float
     step_s: float = 0.0
     # The engine's long-prefill cap (0: off): a long prompt takes this many tokens of every
-    # step, so a short prompt beside it is prefilled in a step that also carries them.
+    # step, so a short prompt beside it is prefilled in a step that also carries them; and
+    # the room such a step leaves the short ones (the step's budget less the cap).
     long_threshold: int = 0
+    long_room: int = 0
 
     def prefill_s(self, tokens: float) -> float:
         return max(0.0, tokens) * self.s_per_token
@@ -101,7 +104,9 @@ class PrefillTiming:
 def long_prefill_timing(timing: PrefillTiming, threshold: int, budget: int) -> PrefillTiming:
     """`timing` with the engine's long-prefill cap (`threshold` tokens of a `budget`-token
     step; a cap at or past the step's budget caps nothing)."""
-    return replace(timing, long_threshold=threshold if 0 < threshold < budget else 0)
+    if not 0 < threshold < budget:
+        return replace(timing, long_threshold=0, long_room=0)
+    return replace(timing, long_threshold=threshold, long_room=budget - threshold)
 
 
 def profile_timing(profile: PerfProfile) -> PrefillTiming:
@@ -119,14 +124,19 @@ def queue_wait_s(
     `now`. The part of a long prefill already done is not waited for again.
 
     `short`: the wait of a prompt the engine lets past long ones (`timing.is_short`): only the
-    short prefills ahead count, and while a long one is pending every step, the prompt's own
-    included, also carries the long prompt's `long_threshold` tokens."""
+    short prefills ahead count, and while a long one is pending each step, the prompt's own
+    included, also carries `long_threshold` of its tokens (one step per `long_room` short
+    tokens)."""
     if short and timing.long_threshold > 0:
-        beside = 0 if all(timing.is_short(tokens) for _, tokens in pending) else timing.long_threshold
         end = -math.inf
         for at, tokens in sorted(p for p in pending if timing.is_short(p[1])):
-            end = max(end, at) + timing.prefill_s(tokens + beside)
-        return max(0.0, end - now) + timing.prefill_s(beside)
+            end = max(end, at) + timing.prefill_s(tokens)
+        queued = max(0.0, end - now)
+        if all(timing.is_short(tokens) for _, tokens in pending):
+            return queued
+        tokens_left = queued / timing.s_per_token if timing.s_per_token > 0 else 0.0
+        steps = math.ceil(tokens_left / max(1, timing.long_room) - EPS) + 1
+        return queued + steps * timing.prefill_s(timing.long_threshold)
     end = -math.inf
     for at, tokens in sorted(pending):
         end = max(end, at) + timing.prefill_s(tokens)

@@ -270,5 +270,8 @@ class PrefixRouting:
 
 
 def _count(value: object) -> int | None:
-    """An engine arg that should be a positive count, or None."""
+    """An engine arg that should be a positive count (a number or its digits, as the engine's
+    flag takes either), or None."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

@@ -212,7 +212,7 @@ class ReplicaModel:
         alone)."""
         prof = self.profile
         fits_kv = self.kv_used + req.kv_tokens <= prof.kv_capacity_tokens
-        alone = not self.running and not batch and self.long_prefilling is None
+        alone = not self.running and not self.prefilling and not batch and self.long_prefilling is None
         return self.num_running + len(batch) < prof.max_num_seqs and (fits_kv or alone)
 
     def _new_tokens(self, req: SimRequest) -> int:
@@ -346,6 +346,9 @@ class ReplicaModel:
         if long_req is not None:
             self.long_prefilling = long_req
             self._long_left = long_work
+            if self.prefilling and not batch:
+                # Beside a batch already in its step (timed alone): it joins the step after.
+                self._lane_t = self.prefill_end
         if batch:
             self.prefilling = batch
             self._short_tokens = tokens

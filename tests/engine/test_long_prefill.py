@@ -1,6 +1,6 @@
 """The long-prefill cap (vLLM's `--long-prefill-token-threshold`, `--max-long-partial-prefills`):
 a short prompt behind a long prefill is scheduled at once, long prompts prefill one at a time,
-and a long prompt alone still gets the whole step."""
+and a long prompt takes at most T tokens a step, alone too (vLLM's meaning)."""
 
 from __future__ import annotations
 

@@ -234,6 +234,24 @@ def test_tracker_keeps_each_queued_prefill_with_when_it_was_sent() -> None:
     assert tracker.pending_prefill("r1") == ()
 
 
+def test_replica_facts_give_the_short_wait_where_the_replica_has_a_cap() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from agent.gateway.adapters import AdapterRouting
+    from agent.gateway.router import replica_facts
+    from tests.agent.gateway.harness import replica
+
+    now = [10.0]
+    tracker = LoadTracker(clock=lambda: now[0])
+    tracker.start("r1", 20_100, 20_000)  # a long prefill (2 s at T's speed) just sent there
+    adapters = AdapterRouting(CollectorRegistry())
+    capped = replica_facts(replica("r1", "http://r1"), tracker, adapters, long_prefill_timing(T, 512, 2048))
+    assert capped.wait_s == pytest.approx(2.0)
+    assert capped.short_wait_s == pytest.approx(0.0512)  # only the step its 512 tokens share
+    plain = replica_facts(replica("r1", "http://r1"), tracker, adapters, T)
+    assert plain.wait_s == pytest.approx(2.0) and plain.short_wait_s is None
+
+
 def test_an_attempt_queues_its_new_prefill_until_its_first_token() -> None:
     """The gateway's side: an attempt sent to a replica adds its new prefill (the prompt
     less the cached prefix) to the replica's queued prefill; a stream's first token takes

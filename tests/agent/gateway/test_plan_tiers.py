@@ -156,7 +156,7 @@ def test_the_gateway_takes_the_long_prefill_cap_from_the_engine_args() -> None:
             "long_prefill_token_threshold": 2048,
             "max_num_batched_tokens": 2048,
         },
-        "profile-budget": {"profile": profile, "long-prefill-token-threshold": 4096},
+        "profile-budget": {"profile": profile, "long-prefill-token-threshold": "4096"},
         "plain": {"profile": profile},
     }
     prefix = PrefixRouting(

@@ -144,6 +144,15 @@ def test_running_sequences_decode_in_the_long_prompts_steps() -> None:
         assert long.first_token_at == pytest.approx(long_done)
 
 
+def test_a_long_prompt_joins_a_batch_already_in_its_step_after_it() -> None:
+    prof = flat(max_prefill_tokens=1000, long_prefill_token_threshold=200, kv_capacity_tokens=100_000)
+    short = SimRequest(1, prompt_tokens=200, output_tokens=1, arrival=0.0)  # timed alone: 0.2 s
+    long = SimRequest(2, prompt_tokens=5000, output_tokens=1, arrival=0.1)
+    run(ReplicaModel(prof), [short, long])
+    assert short.first_token_at == pytest.approx(0.2)
+    assert long.first_token_at == pytest.approx(0.2 + 5.0)  # no work done before that step ends
+
+
 def test_long_prompts_take_the_long_lane_one_at_a_time_in_order() -> None:
     prof = flat(max_prefill_tokens=1000, long_prefill_token_threshold=200, kv_capacity_tokens=100_000)
     a = SimRequest(1, 3000, 1, arrival=0.0)
@@ -178,7 +187,15 @@ def test_every_request_is_served_once_and_the_kv_is_returned(
     prof = flat(max_prefill_tokens=1000, long_prefill_token_threshold=threshold, kv_capacity_tokens=20_000)
     model = ReplicaModel(prof)
     sim = [SimRequest(i, p, o, arrival=t) for i, (t, p, o) in enumerate(reqs)]
-    run(model, sim)
+    alone = max(r.kv_tokens for r in sim)  # a request bigger than the cache runs alone
+    for r in sorted(sim, key=lambda r: r.arrival):
+        model.submit(r, r.arrival)
+        assert model.kv_used <= max(prof.kv_capacity_tokens, alone)
+    while not model.idle():
+        before = model.t
+        model.advance(model.next_event_time())
+        assert model.t >= before
+        assert model.kv_used <= max(prof.kv_capacity_tokens, alone)
     assert model.kv_used == 0 and model.idle()
     assert model.generated_tokens == sum(r.output_tokens for r in sim)
     for r in sim:

@@ -287,9 +287,17 @@ def test_fleetctl_simulate_long_prefill_token_threshold_reaches_the_replicas(tmp
     runner = CliRunner()
     base = ["simulate", "--trace", str(trace), "--profile", str(prof), "--policies", "static"]
     base += ["--replicas", "2", "--routing", "prefix", "--no-best-fixed"]
-    out = runner.invoke(app, [*base, "--long-prefill-token-threshold", "512", "-o", "json"])
-    assert out.exit_code == 0, out.output
-    assert json.loads(out.stdout)["long_prefill_token_threshold"] == 512
+    runs = {}
+    for threshold in ("0", "512"):
+        out = runner.invoke(app, [*base, "--long-prefill-token-threshold", threshold, "-o", "json"])
+        assert out.exit_code == 0, out.output
+        runs[threshold] = json.loads(out.stdout)
+    assert runs["512"]["long_prefill_token_threshold"] == 512
+    timing = [
+        (r["ttft_p50_s"], r["ttft_p90_s"], r["itl_p99_s"])
+        for r in (runs["0"]["policies"][0], runs["512"]["policies"][0])
+    ]
+    assert timing[0] != timing[1]  # the replicas ran with it: their steps changed
     table = runner.invoke(app, [*base, "--long-prefill-token-threshold", "512"])
     assert table.exit_code == 0 and "long-prefill cap 512 tokens" in table.output
     too_big = runner.invoke(app, [*base, "--long-prefill-token-threshold", str(PROFILE.max_prefill_tokens)])
