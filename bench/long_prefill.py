@@ -25,7 +25,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from bench.common import machine_note, print_table, progress, resolve_device, run_main, write_json
-from bench.inputs import load_sharegpt_prompts, resolve_model
+from bench.inputs import resolve_model
+from bench.kv_offload import build_prefixes
 
 
 class Round(BaseModel):
@@ -43,18 +44,6 @@ class Report(BaseModel):
     budget: int
     threshold: int
     results: list[Round]
-
-
-def long_prompts(tokenizer: Any, n: int, tokens: int) -> list[list[int]]:
-    """`n` consecutive, non-overlapping `tokens`-long windows of ShareGPT text."""
-    stream: list[int] = []
-    for text in load_sharegpt_prompts():
-        stream.extend(tokenizer.encode(text + "\n\n", add_special_tokens=False))
-        if len(stream) >= n * tokens:
-            break
-    if len(stream) < n * tokens:
-        raise ValueError(f"ShareGPT holds {len(stream)} tokens, {n * tokens} needed")
-    return [stream[i * tokens : (i + 1) * tokens] for i in range(n)]
 
 
 def run_round(name: str, llm: Any, prompts: list[list[int]], max_tokens: int) -> Round:
@@ -94,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.tokenizer import Tokenizer
 
     tok = Tokenizer.from_path(resolve_model("smollm2-135m"))  # found without importing it
-    longs = long_prompts(tok, args.rounds, args.long_tokens)
+    longs = build_prefixes(tok, args.rounds, args.long_tokens)
     rounds = []
     for i, long in enumerate(longs):
         shorts = [
