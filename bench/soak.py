@@ -23,7 +23,8 @@ open rollout, five minutes for the others (this soak runs none).
 
 `--heap-profile` starts every Python process of the fleet under tracemalloc
 (bench/heap_profile) and prints, for each process that still grows, the allocation sites
-whose live memory grew most between the end of the warm-up and the end of the run.
+whose live memory grew most between the end of the warm-up and the end of the run; for
+nats-server, the same from Go's heap profile (`bench.go_heap`, its `--profile` port).
 
 Replicas are simulated (agent/sim: calibrated timing, no model), so the soak exercises
 the fleet's own processes; the hostile inputs that only an engine judges (seed) are
@@ -49,8 +50,10 @@ import httpx
 import numpy as np
 import psutil
 
+from bench import go_heap
 from bench.common import console, print_table, run_main
 from bench.soak_abuse import Attackers, key_flood, responses_uncapped, slow_reader, slowloris
+from fleet_base.ports import free_port
 from tests.e2e.sim_fleet import SimFleet, wait_for
 
 NAME = "soak"
@@ -282,8 +285,12 @@ def main(argv: list[str] | None = None) -> int:
         here = str(Path(__file__).resolve().parent / "heap_profile")
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
 
+    nats_prof = free_port() if args.heap_profile else None
+    nats_heaps: list[go_heap.GoHeap | None] = []
     with tempfile.TemporaryDirectory(prefix="fleet-soak-") as tmp:
-        fleet = SimFleet(Path(tmp) / "home", [REGION], slots=max(2, args.replicas))
+        fleet = SimFleet(
+            Path(tmp) / "home", [REGION], slots=max(2, args.replicas), nats_profile_port=nats_prof
+        )
         try:
             fleet.up()
             r = fleet.api("POST", "/v1/deployments", json={"name": NAME, "model": "sim", "replicas": args.replicas,
@@ -316,9 +323,11 @@ def main(argv: list[str] | None = None) -> int:
             if profile_dir is not None:
                 time.sleep(max(0.0, warm_at - time.monotonic()))
                 heap_snapshot(fleet)  # tracing starts: what is still alive at the end is growth
+                nats_heaps.append(go_heap.try_fetch(nats_prof))
             time.sleep(max(0.0, load.t0 + args.baseline_s + args.duration_s - time.monotonic()))
             if profile_dir is not None:
                 heap_snapshot(fleet)
+                nats_heaps.append(go_heap.try_fetch(nats_prof))
                 time.sleep(5)  # each process writes its own file
             rss.stop()  # before the load winds down: its last samples are of the mix
             load.stop()
@@ -366,6 +375,11 @@ def main(argv: list[str] | None = None) -> int:
         growth,
     )
     print_table("attacks: what each met", ["attack", "outcome", "count", "median s"], attackers.table())
+    if len(nats_heaps) == 2 and None not in nats_heaps:
+        print_table("nats-server: Go runtime memory (MiB; NumGC a count), warm-up vs end",
+                    ["MemStats", "warm-up", "end"], go_heap.memstats_rows(*nats_heaps))  # fmt: skip
+        print_table("nats-server: live heap by allocation site (MiB, sampled and scaled), warm-up vs end",
+                    ["site <- caller", "warm-up", "end", "growth"], go_heap.growth(*nats_heaps))  # fmt: skip
     if profile_dir is not None:
         growing = [row[0] for row in growth if row[-1] == "GROWS"]
         for path in sorted(profile_dir.glob("*.txt")):

@@ -174,7 +174,9 @@ class LocalFleet:
         self.save(state)
         return record
 
-    def start_nats(self, state: FleetState, port: int | None = None) -> ProcessRecord:
+    def start_nats(
+        self, state: FleetState, port: int | None = None, profile_port: int | None = None
+    ) -> ProcessRecord:
         port = port or _port_or_free(4222)
         config_file = None
         if state.secure:  # TLS required; one user per identity (control_plane.security)
@@ -189,6 +191,7 @@ class LocalFleet:
             port=port,
             log_file=self.dir / "logs" / "nats-nats.log",
             config_file=config_file,
+            profile_port=profile_port,
         )
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
         record = self.spawn(state, "nats", "nats", server.command(), url=server.url)

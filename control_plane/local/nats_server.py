@@ -34,6 +34,7 @@ class NatsServer:
         host: str = "127.0.0.1",
         log_file: Path | None = None,
         config_file: Path | None = None,
+        profile_port: int | None = None,
     ) -> None:
         self.store_dir = Path(store_dir)
         self.host = host
@@ -42,6 +43,8 @@ class NatsServer:
         # A generated config (TLS, users, permissions: control_plane.security.nats_config);
         # it must listen on host:port. None: plaintext, anonymous (tests of other things).
         self.config_file = config_file
+        # Go's pprof over HTTP on the loopback (bench.soak reads the heap profile); off by default
+        self.profile_port = profile_port
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -49,8 +52,9 @@ class NatsServer:
         return f"{'tls' if self.config_file else 'nats'}://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
+        profile = ["--profile", str(self.profile_port)] if self.profile_port else []
         if self.config_file is not None:
-            return [nats_server_binary(), "-c", str(self.config_file)]
+            return [nats_server_binary(), "-c", str(self.config_file), *profile]
         return [
             nats_server_binary(),
             "-a",
@@ -62,6 +66,7 @@ class NatsServer:
             str(self.store_dir),
             "-n",
             f"fleet-{self.port}",
+            *profile,
         ]
 
     def start(self, timeout: float = 15.0) -> NatsServer:

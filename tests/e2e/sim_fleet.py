@@ -121,6 +121,7 @@ class SimFleet:
         pool: dict | None = None,
         control_planes: int = 1,
         control_plane_env: dict[str, str] | None = None,
+        nats_profile_port: int | None = None,
     ) -> None:
         self.home = home
         self.regions = regions
@@ -132,6 +133,7 @@ class SimFleet:
         self.pool_overrides = pool or {}  # more PoolInventory fields of every region's pool (a price)
         self.control_plane_count = control_planes  # instances on one database (FLEET_DATABASE_URL)
         self.control_plane_env = control_plane_env or {}  # FLEET_DATABASE_URL, FLEET_LEADER_*...
+        self.nats_profile_port = nats_profile_port  # nats-server's pprof (bench.soak --heap-profile)
         self.local = LocalFleet(home)
         self.state = self.local.new_state(regions)
         self.token = ""
@@ -143,7 +145,9 @@ class SimFleet:
     def up(self, timeout: float = 60) -> SimFleet:
         local, state = self.local, self.state
         local.save(state)
-        local.start_nats(state, port=free_port())  # never a shared default port: others run fleets too
+        local.start_nats(
+            state, port=free_port(), profile_port=self.nats_profile_port
+        )  # never a shared default port: others run fleets too
         if self.control_plane_count == 1:
             self.start_control_plane(port=free_port(), timeout=timeout)
         else:
