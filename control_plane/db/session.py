@@ -88,6 +88,19 @@ def _sqlite_pragmas(dbapi_conn, _record) -> None:
     cur.close()
 
 
+def begin_write(session: Session) -> None:
+    """Start `session`'s transaction as a writer. On SQLite a transaction that reads and then
+    writes fails at once with "database is locked" when another connection committed since
+    its read (WAL cannot upgrade a stale snapshot, and the busy timeout does not apply), so
+    a writer takes the write lock first (BEGIN IMMEDIATE: it waits its turn under the busy
+    timeout instead). PostgreSQL locks rows, not the database: nothing to do there."""
+    if session.get_bind().dialect.name != "sqlite":
+        return
+    conn = session.connection()
+    if not conn.connection.dbapi_connection.in_transaction:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
 def make_sessions(url: str | Engine, *, idle_in_transaction_s: float | None = None) -> sessionmaker[Session]:
     engine = url if isinstance(url, Engine) else make_engine(url, idle_in_transaction_s=idle_in_transaction_s)
     return sessionmaker(engine, expire_on_commit=False)

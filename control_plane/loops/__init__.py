@@ -34,9 +34,9 @@ from control_plane.loops.autoscale import AutoscaleLoop, start_autoscale_loop
 from control_plane.loops.budgets import start_budget_loop
 from control_plane.loops.durable import DurableConsumer
 from control_plane.loops.ingest import (
-    apply_heartbeats,
     mark_silent_unhealthy,
     store_event_batch,
+    write_heartbeats,
 )
 from control_plane.loops.keys import start_key_loop
 from control_plane.loops.publish import KvPublisher
@@ -185,10 +185,7 @@ class Loops(NatsLoop):
         self._inbox.set()
 
     def _write_inbox(self, heartbeats: list[protocol.Heartbeat]) -> bool:
-        with self.ctx.sessions() as session:
-            changed = apply_heartbeats(session, heartbeats, utcnow(), self.rejections)
-            session.commit()
-            return changed
+        return write_heartbeats(self.ctx.sessions, heartbeats, utcnow(), self.rejections)
 
     async def _ingest_loop(self) -> None:
         while not self._stopping:

@@ -16,6 +16,7 @@ from control_plane.counters import Rejections
 from control_plane.db.models import Cluster, ReplicaAssignment
 from control_plane.db.models import Event as EventRow
 from control_plane.db.once import insert_once
+from control_plane.db.session import begin_write
 from control_plane.loops.durable import Received, Verdicts
 from control_plane.loops.preemption import apply_preemptions
 from control_plane.loops.store import store_batch
@@ -155,6 +156,18 @@ def apply_heartbeats(
                 raise
             rejections.reject(HEARTBEAT_WILDCARD, "database", heartbeat_subject(hb.cluster), err)
     return changed
+
+
+def write_heartbeats(
+    sessions, heartbeats: Iterable[Heartbeat], now: datetime, rejections: Rejections
+) -> bool:
+    """`apply_heartbeats` in one writer's transaction (`begin_write`: a heartbeat reads its
+    cluster before it updates it, which SQLite refuses under concurrent writers otherwise)."""
+    with sessions() as session:
+        begin_write(session)
+        changed = apply_heartbeats(session, heartbeats, now, rejections)
+        session.commit()
+        return changed
 
 
 def _event_values(e: Event, seq: int | None = None) -> dict:

@@ -1,15 +1,20 @@
 """How a batch from a durable stream is stored: one transaction with a savepoint per
 message, each row inserted once by its unique message id. A message that does not
 decode, or whose row the database refuses, is counted and marked poison (terminated,
-never redelivered); it never rolls back the rest."""
+never redelivered); it never rolls back the rest. A database that is unavailable (locked
+past its busy timeout, the connection lost: `OperationalError`) refuses no row: the batch
+fails whole and is redelivered."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from sqlalchemy.exc import OperationalError
+
 from control_plane.counters import Rejections
 from control_plane.db.once import insert_once
+from control_plane.db.session import begin_write
 from control_plane.loops.durable import Received, Verdicts
 from fleet_base.wire import Rejected
 
@@ -34,6 +39,7 @@ def store_batch(
     insert that make its message poison."""
     poison: set[int] = set()
     with sessions() as session:
+        begin_write(session)
         for i, m in enumerate(batch):
             try:
                 item = decode(m.subject, m.data)
@@ -46,6 +52,8 @@ def store_batch(
             try:
                 with session.begin_nested():
                     insert_once(session, table, values(item, m.seq), key)
+            except OperationalError:
+                raise
             except refused as err:
                 rejections.reject(pattern, "database", m.subject, err)
                 poison.add(i)

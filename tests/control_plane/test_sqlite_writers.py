@@ -1,0 +1,73 @@
+"""Writers beside each other on the default SQLite database: the control plane's loops run
+in threads, each with its own connection, and WAL lets a transaction that read before it
+writes fail at once ("database is locked") when another committed in between. Heartbeats
+(read the cluster, then update it) must be stored anyway, and a store that finds the
+database unavailable must fail its batch whole (redelivered), never mark a message poison."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from sqlalchemy.exc import OperationalError
+
+from control_plane.counters import Rejections
+from control_plane.db import models as m
+from control_plane.loops import store
+from control_plane.loops.durable import Received
+from control_plane.loops.ingest import store_event_batch, write_heartbeats
+from fleet_base import protocol
+from tests.control_plane.test_loops import heartbeat
+
+
+def test_heartbeats_are_stored_while_another_writer_commits(sessions) -> None:
+    write_heartbeats(sessions, [heartbeat("c1"), heartbeat("c2")], m.utcnow(), Rejections())
+    stop, other_commits = threading.Event(), [0]
+
+    def other_writer() -> None:  # another loop: commits to another row, as fast as it can
+        while not stop.is_set():
+            with sessions() as s:
+                s.get(m.Cluster, "c2").load = {"queue_depth": other_commits[0]}
+                s.commit()
+            other_commits[0] += 1
+
+    rejections = Rejections()
+    thread = threading.Thread(target=other_writer)
+    thread.start()
+    stored = 0
+    try:
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            write_heartbeats(sessions, [heartbeat("c1", queue_depth=stored)], m.utcnow(), rejections)
+            stored += 1
+    finally:
+        stop.set()
+        thread.join()
+    assert other_commits[0] > 10 and stored > 10, (other_commits, stored)
+    assert not rejections.counts, rejections.counts
+    with sessions() as s:
+        assert s.get(m.Cluster, "c1").load["queue_depth"] == stored - 1
+
+
+def test_an_unavailable_database_fails_the_batch_instead_of_poisoning_it(sessions, monkeypatch) -> None:
+    events = [protocol.Event(cluster="c1", kind="replica_ready", message=f"m{i}") for i in range(3)]
+    batch = [Received(protocol.events_subject("c1"), e.to_bytes(), i + 1) for i, e in enumerate(events)]
+    real = store.insert_once
+
+    def locked_on_second(session, table, values, key):
+        if values["message"] == "m1":
+            raise OperationalError("INSERT", {}, Exception("database is locked"))
+        return real(session, table, values, key)
+
+    monkeypatch.setattr(store, "insert_once", locked_on_second)
+    rejections = Rejections()
+    with pytest.raises(OperationalError):
+        store_event_batch(sessions, batch, rejections)
+    assert not rejections.counts  # nothing counted as refused: the whole batch comes again
+    with sessions() as s:
+        assert s.query(m.Event).filter(m.Event.message.like("m%")).count() == 0  # nor half stored
+    monkeypatch.setattr(store, "insert_once", real)
+    assert store_event_batch(sessions, batch, rejections).poison == set()
+    with sessions() as s:
+        assert s.query(m.Event).filter(m.Event.message.like("m%")).count() == 3
