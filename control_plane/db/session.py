@@ -14,6 +14,7 @@ from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import NullPool
 
@@ -99,6 +100,34 @@ def begin_write(session: Session) -> None:
     conn = session.connection()
     if not conn.connection.dbapi_connection.in_transaction:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+# PostgreSQL error classes that say "not now" rather than "not this row": connection
+# exceptions (08), serialization failure and deadlock (40001, 40P01), insufficient resources
+# (53: a full disk, too many connections), lock not available (55P03), the server shutting
+# down (57P01-57P03). SQLite says the same in words.
+RETRYABLE_SQLSTATES = ("08", "40001", "40P01", "53", "55P03", "57P01", "57P02", "57P03")
+SQLITE_UNAVAILABLE = (
+    "database is locked",
+    "database is busy",
+    "database table is locked",
+    "disk is full",
+    "disk i/o error",
+)
+
+
+def unavailable(err: OperationalError) -> bool:
+    """Whether `err` means the database could not be had (the connection lost, the lock not
+    had within the busy or lock timeout, a full disk): the work is retried whole later, and
+    nothing accepted is lost meanwhile. Any other `OperationalError` is about the statement,
+    and retrying it would fail forever."""
+    if err.connection_invalidated:
+        return True
+    state = getattr(err.orig, "sqlstate", None)
+    if isinstance(state, str):
+        return state.startswith(RETRYABLE_SQLSTATES)
+    text = str(err.orig).lower()
+    return any(words in text for words in SQLITE_UNAVAILABLE)
 
 
 def make_sessions(url: str | Engine, *, idle_in_transaction_s: float | None = None) -> sessionmaker[Session]:

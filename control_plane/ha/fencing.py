@@ -62,7 +62,8 @@ def fenced_sessions(
         if session.in_nested_transaction() and session.get_bind().dialect.name != "sqlite":
             # A savepoint's release (SQLAlchemy fires before_commit for it too): the outer commit
             # checks. Not on SQLite, where the driver opens no transaction before a SAVEPOINT, so
-            # releasing the first one commits: there each release is checked (a local read).
+            # releasing the first one commits unless `begin_write` opened one: there each
+            # release is checked (a local read).
             return
         session.flush()  # take the write lock (SQLite) before the check, not after
         hold_lease_briefly(session, hold_timeout_s)

@@ -43,7 +43,8 @@ class NatsServer:
         # A generated config (TLS, users, permissions: control_plane.security.nats_config);
         # it must listen on host:port. None: plaintext, anonymous (tests of other things).
         self.config_file = config_file
-        # Go's pprof over HTTP on the loopback (bench.soak reads the heap profile); off by default
+        # Go's pprof over plain, unauthenticated HTTP on the server's listen host (bench.soak reads
+        # the heap profile): never for a fleet that listens beyond the loopback; off by default
         self.profile_port = profile_port
         self.proc: subprocess.Popen | None = None
 

@@ -2,8 +2,8 @@
 message, each row inserted once by its unique message id. A message that does not
 decode, or whose row the database refuses, is counted and marked poison (terminated,
 never redelivered); it never rolls back the rest. A database that is unavailable (locked
-past its busy timeout, the connection lost: `OperationalError`) refuses no row: the batch
-fails whole and is redelivered."""
+past its busy timeout, the connection lost: `control_plane.db.session.unavailable`) refuses
+no row: the batch fails whole and is redelivered."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from sqlalchemy.exc import OperationalError
 
 from control_plane.counters import Rejections
 from control_plane.db.once import insert_once
-from control_plane.db.session import begin_write
+from control_plane.db.session import begin_write, unavailable
 from control_plane.loops.durable import Received, Verdicts
 from fleet_base.wire import Rejected
 
@@ -52,8 +52,11 @@ def store_batch(
             try:
                 with session.begin_nested():
                     insert_once(session, table, values(item, m.seq), key)
-            except OperationalError:
-                raise
+            except OperationalError as err:
+                if unavailable(err):
+                    raise
+                rejections.reject(pattern, "database", m.subject, err)
+                poison.add(i)
             except refused as err:
                 rejections.reject(pattern, "database", m.subject, err)
                 poison.add(i)

@@ -14,6 +14,7 @@ from sqlalchemy.exc import OperationalError
 
 from control_plane.counters import Rejections
 from control_plane.db import models as m
+from control_plane.db.session import unavailable
 from control_plane.loops import store
 from control_plane.loops.durable import Received
 from control_plane.loops.ingest import store_event_batch, write_heartbeats
@@ -71,3 +72,46 @@ def test_an_unavailable_database_fails_the_batch_instead_of_poisoning_it(session
     assert store_event_batch(sessions, batch, rejections).poison == set()
     with sessions() as s:
         assert s.query(m.Event).filter(m.Event.message.like("m%")).count() == 3
+
+
+def test_a_statement_the_database_cannot_run_is_poison_not_retried_forever(sessions, monkeypatch) -> None:
+    events = [protocol.Event(cluster="c1", kind="replica_ready", message=f"n{i}") for i in range(3)]
+    batch = [Received(protocol.events_subject("c1"), e.to_bytes(), i + 1) for i, e in enumerate(events)]
+    real = store.insert_once
+
+    def broken_on_second(session, table, values, key):
+        if values["message"] == "n1":
+            raise OperationalError("INSERT", {}, Exception("no such column: foo"))
+        return real(session, table, values, key)
+
+    monkeypatch.setattr(store, "insert_once", broken_on_second)
+    rejections = Rejections()
+    assert store_event_batch(sessions, batch, rejections).poison == {1}
+    assert rejections.counts[(protocol.EVENTS_WILDCARD, "database")] == 1
+    with sessions() as s:
+        assert s.query(m.Event).filter(m.Event.message.like("n%")).count() == 2
+
+
+class _PgError(Exception):
+    def __init__(self, sqlstate: str) -> None:
+        super().__init__(sqlstate)
+        self.sqlstate = sqlstate
+
+
+@pytest.mark.parametrize(
+    ("orig", "invalidated", "retry"),
+    [
+        (Exception("database is locked"), False, True),
+        (Exception("no such table: usage_records"), False, False),
+        (Exception("server closed the connection"), True, True),
+        (_PgError("55P03"), False, True),  # lock_not_available
+        (_PgError("08006"), False, True),  # connection_failure
+        (_PgError("40P01"), False, True),  # deadlock_detected
+        (_PgError("54000"), False, False),  # program_limit_exceeded: this statement, always
+        (_PgError("53100"), False, True),  # disk_full: kept until there is room (and logged each time)
+        (Exception("database or disk is full"), False, True),
+    ],
+)
+def test_unavailable_tells_not_now_from_not_this(orig, invalidated, retry) -> None:
+    err = OperationalError("SELECT 1", {}, orig, connection_invalidated=invalidated)
+    assert unavailable(err) is retry
