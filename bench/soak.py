@@ -14,6 +14,7 @@ short look:
 
     PYTHONPATH=. .venv/bin/python -m bench.soak --duration-s 7200 --heap-profile
     PYTHONPATH=. .venv/bin/python -m bench.soak --duration-s 300 --baseline-s 30 --warmup-s 60
+    PYTHONPATH=. .venv/bin/python -m bench.soak --replot /tmp/fleet-soak-rss-XXXX/rss.json --plot rss.png
 
 Run it alone on the machine: other work starves the replicas' health probes, the agent
 replaces them, and both the error counts and every replica's growth then measure that (the
@@ -200,6 +201,34 @@ class RssSampler:
         path.write_text(json.dumps([{"t": t, "rss_mib": rss} for t, rss in self.series]))
 
 
+def plot_rss(series: list[tuple[float, dict[str, float]]], path: Path, warmup_s: float) -> None:
+    """Every process's RSS over the run, relative to its value at the end of the warm-up (so
+    the 2 %/h line reads the same for all), with the warm-up shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 5))
+    names = sorted({k for _, rss in series for k in rss})
+    end_h = max((t for t, _ in series), default=0.0) / 3600
+    for name in names:
+        pts = [(t / 3600, rss[name]) for t, rss in series if name in rss]
+        base = next((m for t, m in pts if t >= warmup_s / 3600), None)
+        if not pts or not base:
+            continue
+        ax.plot([t for t, _ in pts], [100 * (m / base - 1) for _, m in pts], label=f"{name} ({base:.0f} MiB)")
+    w = warmup_s / 3600
+    ax.axvspan(0, w, color="0.9", label="warm-up")
+    ax.plot([w, end_h], [0, 2 * (end_h - w)], "k--", label="2 %/h")
+    ax.set_xlabel("hours")
+    ax.set_ylabel("RSS vs the end of the warm-up (%)")
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def theil_sen(xs: np.ndarray, ys: np.ndarray) -> float:
     """The median of the slopes between every pair of points with distinct x."""
     i, j = np.triu_indices(len(xs), k=1)
@@ -277,7 +306,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flood-burst", type=int, default=16, help="requests at once from the flooding key")
     p.add_argument("--flood-max-concurrent", type=int, default=2, help="the flooding key's max_concurrent")
     p.add_argument("--heap-profile", action="store_true", help="tracemalloc in every Python process")
+    p.add_argument("--plot", type=Path, help="a PNG of every process's RSS over the run")
+    p.add_argument("--replot", type=Path, help="no run: plot the rss.json of an earlier one (--plot)")
     args = p.parse_args(argv)
+    if args.replot is not None:
+        series = [(x["t"], x["rss_mib"]) for x in json.loads(args.replot.read_text())]
+        plot_rss(series, args.plot or args.replot.with_suffix(".png"), args.warmup_s)
+        return 0
     window = args.window_s or max(5.0, (args.baseline_s + args.duration_s) / 10)
     profile_dir = Path(tempfile.mkdtemp(prefix="fleet-soak-heap-")) if args.heap_profile else None
     if profile_dir is not None:  # inherited by every process the fleet starts
@@ -362,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     growth = rss.growth(args.warmup_s)
     series_out = Path(tempfile.mkdtemp(prefix="fleet-soak-rss-")) / "rss.json"
     rss.dump(series_out)
+    if args.plot is not None:
+        plot_rss(rss.series, args.plot, args.warmup_s)
     print_table(
         f"RSS growth after the first {args.warmup_s:.0f} s (sampled every {args.rss_every_s:.0f} s)",
         [
