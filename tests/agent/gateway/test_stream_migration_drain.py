@@ -45,8 +45,9 @@ def _replicas(model: Path, logs: Path, names: list[str]) -> list[ServerProcess]:
 @pytest.fixture(scope="module")
 def pool(gw_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerProcess]]:
     """Every replica of this module, started in one parallel wave (a replica's start is most
-    of each test's time): the drain test takes "a" and "b" and stops "a"; the region test
-    takes "c" for east (SIGKILLed) and "b", still serving after the drain, for west."""
+    of each test's time): the drain test takes "a" and "b" and stops the busier; the region test
+    takes "c" for east (SIGKILLed) and whichever of "a" and "b" still serves after the drain,
+    for west."""
     names = ["a", "b", "c"]
     procs = _replicas(gw_model, tmp_path_factory.mktemp("drain-replicas"), names)
     try:
@@ -87,16 +88,37 @@ def _drained(gw: GatewayProcess) -> float:
     )
 
 
+def _chosen(gw: GatewayProcess) -> dict[str, float]:
+    """Attempts the gateway sent to each replica so far."""
+    out: dict[str, float] = {}
+    for (name, labels), value in scrape(gw.url).items():
+        if name == "fleet_gateway_replica_choice_total":
+            rid = dict(labels).get("replica", "")
+            out[rid] = out.get(rid, 0.0) + value
+    return out
+
+
 def test_a_draining_replica_hands_its_streams_over(fleet) -> None:
     gw, procs, key = fleet
     healthy, _ = asyncio.run(run_streams(gw.url, key, TEXTS, MAX_TOKENS, extra=BODY))
-    before = _drained(gw)
+    before, chosen = _drained(gw), _chosen(gw)
+    stopped: list[ServerProcess] = []
+
+    def drain_the_busier() -> None:
+        # The router may put most streams on one replica (their prefixes are cached where
+        # the healthy run left them): stop the one serving more of them, so there are
+        # streams to hand over whichever it is.
+        now = _chosen(gw)
+        a, b = (now.get(n, 0.0) - chosen.get(n, 0.0) for n in ("a", "b"))
+        stopped.append(procs[0] if a >= b else procs[1])
+        stopped[0].terminate()
+
     moved, at = asyncio.run(
-        run_streams(gw.url, key, TEXTS, MAX_TOKENS, extra=BODY, kill=procs[0].terminate, kill_after_chunks=3)
+        run_streams(gw.url, key, TEXTS, MAX_TOKENS, extra=BODY, kill=drain_the_busier, kill_after_chunks=3)
     )
-    assert at is not None
+    assert at is not None and stopped
     _check(healthy, moved)
-    assert procs[0].wait(30) == 0  # it drained and exited cleanly
+    assert stopped[0].wait(30) == 0  # it drained and exited cleanly
     assert _drained(gw) > before  # its streams were handed over, not finished there
 
 
@@ -105,7 +127,8 @@ def test_a_region_lost_mid_stream_continues_in_the_peer_region(
 ) -> None:
     """East's only replica is SIGKILLed: east's gateway continues the streams through the
     west gateway, whose replica prefills the continuation."""
-    east_r, west_r = pool["c"], pool["b"]
+    east_r = pool["c"]
+    west_r = next(p for p in (pool["b"], pool["a"]) if p.proc is not None and p.proc.poll() is None)
     east = GatewayProcess(tmp_path / "east", "east", nats_url=nats.url, lat=EAST[0], lon=EAST[1])
     west = GatewayProcess(tmp_path / "west", "west", nats_url=nats.url, lat=WEST[0], lon=WEST[1])
     try:
