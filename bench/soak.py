@@ -39,6 +39,7 @@ import collections
 import json
 import os
 import random
+import shutil
 import signal
 import tempfile
 import threading
@@ -341,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
 
     nats_prof = free_port() if args.heap_profile else None
     nats_heaps: list[go_heap.GoHeap | None] = []
+    out_dir = Path(tempfile.mkdtemp(prefix="fleet-soak-rss-"))
     with tempfile.TemporaryDirectory(prefix="fleet-soak-") as tmp:
         fleet = SimFleet(
             Path(tmp) / "home", [REGION], slots=max(2, args.replicas), nats_profile_port=nats_prof
@@ -394,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         finally:
             fleet.down()
+            # the fleet's logs outlive the run (its home is temporary): why a replica was
+            # replaced or a cluster declared silent is read there
+            shutil.copytree(Path(tmp) / "home" / "local" / "logs", out_dir / "logs", dirs_exist_ok=True)
 
     samples = load.samples
     print_table(
@@ -417,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
          for k in sorted(before)],
     )  # fmt: skip
     growth = rss.growth(args.warmup_s)
-    series_out = Path(tempfile.mkdtemp(prefix="fleet-soak-rss-")) / "rss.json"
+    series_out = out_dir / "rss.json"
     rss.dump(series_out)
     if args.plot is not None:
         plot_rss(rss.series, args.plot, args.warmup_s)
@@ -486,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
                  for k, n in kinds.most_common()])  # fmt: skip
     shed = sum(s.status in (429, 503) for s in valid)
     console.print(f"valid requests shed at saturation (429/503 with Retry-After): {shed} of {len(valid)}")
-    console.print(f"RSS samples of every process: {series_out}")
+    console.print(f"RSS samples of every process: {series_out}; the fleet's logs: {out_dir / 'logs'}")
     return 0
 
 
