@@ -31,7 +31,7 @@ TEXTS = [f"hello world {i} the quick brown fox" for i in range(STREAMS)]
 
 def _replicas(model: Path, logs: Path, names: list[str]) -> list[ServerProcess]:
     args = ["--served-model-name", DEPLOYMENT, "--threads", "1", "--kv-cache-memory", "4MiB"]
-    args += ["--max-model-len", "256", "--drain-handover", "0.3", "--drain-timeout", "30"]
+    args += ["--max-model-len", "256", "--drain-handover", "0.05", "--drain-timeout", "30"]
     procs = [ServerProcess(*args, model=str(model), log_path=logs / f"{n}.log") for n in names]
     threads = [threading.Thread(target=p.start, kwargs={"timeout": 120}) for p in procs]
     for t in threads:
