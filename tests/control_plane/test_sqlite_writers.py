@@ -51,45 +51,47 @@ def test_heartbeats_are_stored_while_another_writer_commits(sessions) -> None:
         assert s.get(m.Cluster, "c1").load["queue_depth"] == stored - 1
 
 
-def test_an_unavailable_database_fails_the_batch_instead_of_poisoning_it(sessions, monkeypatch) -> None:
-    events = [protocol.Event(cluster="c1", kind="replica_ready", message=f"m{i}") for i in range(3)]
-    batch = [Received(protocol.events_subject("c1"), e.to_bytes(), i + 1) for i, e in enumerate(events)]
+def _three_events(prefix: str) -> list[Received]:
+    events = [protocol.Event(cluster="c1", kind="replica_ready", message=f"{prefix}{i}") for i in range(3)]
+    return [Received(protocol.events_subject("c1"), e.to_bytes(), i + 1) for i, e in enumerate(events)]
+
+
+def _insert_failing_on(monkeypatch, message: str, error: str) -> None:
+    """`store.insert_once`, raising OperationalError(`error`) for the row whose message is `message`."""
     real = store.insert_once
 
-    def locked_on_second(session, table, values, key):
-        if values["message"] == "m1":
-            raise OperationalError("INSERT", {}, Exception("database is locked"))
+    def insert(session, table, values, key):
+        if values["message"] == message:
+            raise OperationalError("INSERT", {}, Exception(error))
         return real(session, table, values, key)
 
-    monkeypatch.setattr(store, "insert_once", locked_on_second)
+    monkeypatch.setattr(store, "insert_once", insert)
+
+
+def _stored(sessions, prefix: str) -> int:
+    with sessions() as s:
+        return s.query(m.Event).filter(m.Event.message.like(f"{prefix}%")).count()
+
+
+def test_an_unavailable_database_fails_the_batch_instead_of_poisoning_it(sessions, monkeypatch) -> None:
+    batch = _three_events("m")
+    _insert_failing_on(monkeypatch, "m1", "database is locked")
     rejections = Rejections()
     with pytest.raises(OperationalError):
         store_event_batch(sessions, batch, rejections)
     assert not rejections.counts  # nothing counted as refused: the whole batch comes again
-    with sessions() as s:
-        assert s.query(m.Event).filter(m.Event.message.like("m%")).count() == 0  # nor half stored
-    monkeypatch.setattr(store, "insert_once", real)
+    assert _stored(sessions, "m") == 0  # nor half stored
+    monkeypatch.undo()
     assert store_event_batch(sessions, batch, rejections).poison == set()
-    with sessions() as s:
-        assert s.query(m.Event).filter(m.Event.message.like("m%")).count() == 3
+    assert _stored(sessions, "m") == 3
 
 
 def test_a_statement_the_database_cannot_run_is_poison_not_retried_forever(sessions, monkeypatch) -> None:
-    events = [protocol.Event(cluster="c1", kind="replica_ready", message=f"n{i}") for i in range(3)]
-    batch = [Received(protocol.events_subject("c1"), e.to_bytes(), i + 1) for i, e in enumerate(events)]
-    real = store.insert_once
-
-    def broken_on_second(session, table, values, key):
-        if values["message"] == "n1":
-            raise OperationalError("INSERT", {}, Exception("no such column: foo"))
-        return real(session, table, values, key)
-
-    monkeypatch.setattr(store, "insert_once", broken_on_second)
+    _insert_failing_on(monkeypatch, "n1", "no such column: foo")
     rejections = Rejections()
-    assert store_event_batch(sessions, batch, rejections).poison == {1}
+    assert store_event_batch(sessions, _three_events("n"), rejections).poison == {1}
     assert rejections.counts[(protocol.EVENTS_WILDCARD, "database")] == 1
-    with sessions() as s:
-        assert s.query(m.Event).filter(m.Event.message.like("n%")).count() == 2
+    assert _stored(sessions, "n") == 2
 
 
 class _PgError(Exception):
