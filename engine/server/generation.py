@@ -206,8 +206,9 @@ class Generation:
             self._watcher = None
 
     def hand_over(self) -> None:
-        """End the stream with `HandedOver` (its next output raises it) and free the engine."""
-        self.handed_over = True
+        """End the stream with `HandedOver` (its next output raises it) and free the engine.
+        A stream whose every request already finished has nothing left to hand over."""
+        self.handed_over = not all(self._done)
         self.close()
 
     def allow_hand_over(self) -> None:
@@ -254,6 +255,10 @@ class Generation:
                         raise HandedOver()
                     self._record(i, out)
                     yield i, out
+            # The hand-over may come while this generator waits at a `yield` (the server is
+            # writing a chunk): it marks every request done, so the loops above end quietly.
+            if self.handed_over:
+                raise HandedOver()
         finally:
             self.close()
 
