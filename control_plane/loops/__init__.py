@@ -71,6 +71,8 @@ class Loops(NatsLoop):
         self._nodes: dict[str, int] = {}
         self._reported: dict[tuple[str, int], Unplaced] = {}
         self._heartbeats: dict[str, protocol.Heartbeat] = {}
+        # when each cluster's last heartbeat arrived (liveness), before its database write
+        self._heard: dict[str, datetime] = {}
         self.rejections = Rejections()  # read by GET /metrics
         self.inbox = Inbox(ctx, self.rejections)  # heartbeats, decoded once for every loop
         self.inbox.receive("heartbeat", self._take_heartbeat)
@@ -179,6 +181,7 @@ class Loops(NatsLoop):
 
     def _take_heartbeat(self, hb: protocol.Heartbeat) -> None:
         self._heartbeats[hb.cluster] = hb
+        self._heard[hb.cluster] = utcnow()
         self.ctx.saw_epoch(hb.fence_epoch, f"agent {hb.cluster}")
         if self.publisher is not None:
             self.publisher.raise_floor(protocol.BUCKET_DESIRED, hb.cluster, hb.desired_generation)
@@ -203,9 +206,9 @@ class Loops(NatsLoop):
 
     # ----------------------------------------------------------------- failover
 
-    def _mark_silent(self, since: datetime, limit_s: float) -> list[str]:
+    def _mark_silent(self, since: datetime, limit_s: float, heard: dict[str, datetime]) -> list[str]:
         with self.ctx.sessions() as session:
-            marked = mark_silent_unhealthy(session, since, utcnow(), limit_s)
+            marked = mark_silent_unhealthy(session, since, utcnow(), limit_s, heard)
             session.commit()
             return marked
 
@@ -218,7 +221,8 @@ class Loops(NatsLoop):
             if link is None or not link.is_connected or self._listening_since is None:
                 continue  # we cannot hear anyone: nobody is silent
             try:
-                marked = await asyncio.to_thread(self._mark_silent, self._listening_since, limit_s)
+                heard = dict(self._heard)  # copied here: heartbeats land on this loop
+                marked = await asyncio.to_thread(self._mark_silent, self._listening_since, limit_s, heard)
             except asyncio.CancelledError:
                 raise
             except Exception:

@@ -5,7 +5,7 @@ routes may have changed, so the caller knows to wake the reconcile loop."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta, timezone
 
 from sqlalchemy import select
@@ -222,10 +222,20 @@ def is_silent(
 
 
 def mark_silent_unhealthy(
-    session: Session, listening_since: datetime, now: datetime, limit_s: float
+    session: Session,
+    listening_since: datetime,
+    now: datetime,
+    limit_s: float,
+    heard: Mapping[str, datetime] | None = None,
 ) -> list[str]:
     """Healthy or draining clusters that stopped heart-beating become unhealthy (their
-    replicas are then re-placed and their routes dropped). Returns their ids."""
+    replicas are then re-placed and their routes dropped). Returns their ids.
+
+    `heard`: when this control plane last received each cluster's heartbeat. Liveness is
+    judged from the later of that and the stored stamp, so a heartbeat that arrived but
+    still waits for its database write (a busy SQLite writer, a slow PostgreSQL) does not
+    fail a healthy cluster over."""
+    heard = heard or {}
     rows = session.scalars(
         select(Cluster).where(
             Cluster.status.in_([ClusterStatus.healthy.value, ClusterStatus.draining.value]),
@@ -234,7 +244,11 @@ def mark_silent_unhealthy(
     ).all()
     marked = []
     for row in rows:
-        if not is_silent(row.last_heartbeat_at, listening_since, now, limit_s):
+        last = row.last_heartbeat_at
+        arrived = heard.get(row.id)
+        if arrived is not None and (last is None or arrived > last):
+            last = arrived
+        if not is_silent(last, listening_since, now, limit_s):
             continue
         was = row.status
         row.status = ClusterStatus.unhealthy.value

@@ -1,0 +1,81 @@
+"""Liveness is judged from when a heartbeat arrived, not from when the database stored it:
+a cluster whose heartbeats keep coming while their write waits (a busy SQLite writer, a slow
+PostgreSQL, a starved thread pool) is not failed over, and one that really stops is."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from datetime import timedelta
+from types import SimpleNamespace
+
+from sqlalchemy import select
+
+from control_plane.context import ControlPlaneContext
+from control_plane.counters import Rejections
+from control_plane.db import models as m
+from control_plane.loops import Loops
+from control_plane.loops.ingest import write_heartbeats
+from control_plane.settings import Settings
+from fleet_base import protocol
+from tests.control_plane.test_loops import heartbeat
+
+INTERVAL_S = 0.2
+MISSED = 5  # silent after 1 s
+
+
+def _status(sessions) -> str:
+    with sessions() as s:
+        return s.get(m.Cluster, "east").status
+
+
+def _unhealthy_events(sessions) -> int:
+    with sessions() as s:
+        return len(s.scalars(select(m.Event).where(m.Event.kind == "cluster_unhealthy")).all())
+
+
+async def test_a_cluster_whose_heartbeat_writes_are_late_stays_healthy_and_one_that_stops_fails_over(
+    sessions, tmp_path, monkeypatch
+) -> None:
+    settings = Settings(home=tmp_path, heartbeat_interval_s=INTERVAL_S, missed_heartbeats=MISSED)
+    ctx = ControlPlaneContext(settings=settings, sessions=sessions)
+    ctx.nats = SimpleNamespace(is_connected=True)  # type: ignore[assignment]
+    loops = Loops(ctx)
+    write_heartbeats(sessions, [heartbeat("east")], m.utcnow(), Rejections())
+    loops._listening_since = m.utcnow() - timedelta(minutes=1)
+
+    writes_wait = threading.Event()
+    write = loops._write_inbox
+
+    def late_write(heartbeats: list[protocol.Heartbeat]) -> bool:
+        writes_wait.wait(30)  # the database is busy for three failover windows
+        return write(heartbeats)
+
+    monkeypatch.setattr(loops, "_write_inbox", late_write)
+    tasks = [asyncio.create_task(loops._ingest_loop()), asyncio.create_task(loops._failover_loop())]
+    subject = protocol.heartbeat_subject("east")
+    try:
+        deadline = time.monotonic() + 3 * INTERVAL_S * MISSED
+        while time.monotonic() < deadline:
+            beat = protocol.Heartbeat(cluster="east")
+            await loops._on_heartbeat(SimpleNamespace(subject=subject, data=beat.to_bytes()))
+            await asyncio.sleep(INTERVAL_S)
+        assert _status(sessions) == "healthy" and _unhealthy_events(sessions) == 0
+        writes_wait.set()
+
+        # Now it really stops: failed over within a window and a bit.
+        stopped = time.monotonic()
+        while _status(sessions) != "unhealthy":
+            assert time.monotonic() - stopped < 10 * INTERVAL_S * MISSED, (
+                "a silent cluster was never failed over"
+            )
+            await asyncio.sleep(0.05)
+        assert time.monotonic() - stopped >= INTERVAL_S * MISSED * 0.9
+        assert _unhealthy_events(sessions) == 1
+    finally:
+        writes_wait.set()
+        loops._stopping = True
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
