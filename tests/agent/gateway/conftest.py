@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from control_plane.local.nats_server import NatsServer
+from engine.server.launcher import TEST_HOOKS_ENV
 from engine.server.process import ServerProcess
 from fleet_base.api_keys import ApiKeyRecord
 from tests.agent.conftest import make_tiny_model_dir
@@ -37,7 +38,8 @@ def gw_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def replicas(gw_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ServerProcess]]:
     """Two real replicas serving the deployment, started in parallel. A small unread-output
     bound (test_slow_reader) costs the other tests nothing: their whole answers fit the
-    socket buffers, so a replica's queue never holds more than a step or two."""
+    socket buffers, so a replica's queue never holds more than a step or two. The test hooks
+    are on (a test freezes the engines so an attempt outlasts a deadline on any machine)."""
     logs = tmp_path_factory.mktemp("gw-replicas")
     args = ["--served-model-name", DEPLOYMENT, "--threads", "1", "--kv-cache-memory", "2MiB"]
     args += ["--max-model-len", "256", "--access-log", "--max-unread-bytes", "64KiB"]
@@ -51,10 +53,12 @@ def replicas(gw_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             errors.append(err)
 
     threads = [threading.Thread(target=start, args=(p,)) for p in procs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(TEST_HOOKS_ENV, "1")
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     try:
         if errors:
             raise errors[0]

@@ -37,7 +37,7 @@ def test_a_generation_abandoned_at_its_deadline_is_charged_and_stopped(
         tmp_path / "gw",
         "east",
         nats_url=nats.url,
-        first_byte_timeout_s=0.2,  # far less than 240 tokens take on the tiny replicas
+        first_byte_timeout_s=0.2,
         token_timeout_s=0.0,
         quota_minute_s=86400.0,  # no refill to speak of while the test runs
     )
@@ -66,7 +66,15 @@ def test_a_generation_abandoned_at_its_deadline_is_charged_and_stopped(
         headers = {"Authorization": f"Bearer {secret}"}
         before = engine_counts()
         body = {"model": DEPLOYMENT, "prompt": PROMPT, "max_tokens": 240, "ignore_eos": True}
-        r = httpx.post(f"{gw.url}/v1/completions", json=body, headers=headers, timeout=30)
+        # The engines are frozen while the request runs, so each attempt outlasts its deadline
+        # however fast the machine (the tiny model can write 240 tokens in under 0.2 s).
+        try:
+            for rep in replicas:
+                assert httpx.post(f"{rep.url}/debug/freeze", timeout=10).status_code == 200
+            r = httpx.post(f"{gw.url}/v1/completions", json=body, headers=headers, timeout=30)
+        finally:
+            for rep in replicas:
+                httpx.post(f"{rep.url}/debug/thaw", timeout=10)
         assert r.status_code == 502, r.text  # both replicas timed out: no third try
 
         # Each attempt sent is charged its prompt (no usage came back from either).
