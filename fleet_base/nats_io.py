@@ -22,8 +22,9 @@ from typing import Any
 
 import nats
 from nats.aio.client import Client as NATS
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
-from nats.js.api import DiscardPolicy, KeyValueConfig, StreamConfig
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, DiscardPolicy, KeyValueConfig, StreamConfig
 from nats.js.errors import APIError, BucketNotFoundError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
@@ -349,6 +350,53 @@ class NatsLink:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.nc.close(), 2)
         self.connected.clear()
+
+
+KV_VALUES_BATCH = 512  # messages per pull while reading a key range
+
+
+async def kv_values(js: JetStreamContext, bucket: str, keys: str = ">") -> list[tuple[str, bytes, int]]:
+    """Every live (key, value, revision) of a bucket under a key pattern, in one pass: the
+    bucket as of the read's start (a key written meanwhile may show its newer value).
+
+    Read by an ephemeral pull consumer on the last message of each matching subject. A pull
+    consumer delivers nothing before it is asked, so its pending count read first is exact:
+    nats-py's `KeyValue.watch` reads that count after the server has started pushing, and can
+    report "caught up" before entries it already holds, so a full range could read as empty.
+    The read ends at the stream's last sequence when it began, so writers that keep adding
+    keys cannot keep it going. For a bucket the caller may only `get` from,
+    `NatsLink.kv_revisions` lists subjects instead."""
+    stream, prefix = f"KV_{bucket}", f"$KV.{bucket}."
+    end = int((await js.stream_info(stream)).state.last_seq or 0)
+    config = ConsumerConfig(
+        filter_subject=prefix + keys,
+        deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+        ack_policy=AckPolicy.NONE,
+        mem_storage=True,
+        inactive_threshold=30.0,  # the server removes it once no pull is waiting on it
+    )
+    # Created unnamed (`CONSUMER.CREATE.<stream>`, the subject roles are permitted), then bound.
+    info = await js.add_consumer(stream, config)
+    sub = await js.pull_subscribe_bind(info.name, stream=stream)
+    out: list[tuple[str, bytes, int]] = []
+    try:
+        left = info.num_pending
+        while left > 0:
+            try:
+                msgs = await sub.fetch(min(left, KV_VALUES_BATCH), timeout=5.0)
+            except NatsTimeoutError:  # what was pending went away meanwhile (a purge)
+                break
+            for msg in msgs:
+                meta = msg.metadata
+                left = 0 if meta.sequence.stream >= end else meta.num_pending
+                headers = msg.headers or {}
+                if headers.get("KV-Operation") or headers.get("Nats-Marker-Reason"):
+                    continue  # a delete or purge marker: the key holds nothing
+                out.append((msg.subject[len(prefix) :], msg.data, int(meta.sequence.stream)))
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+    return out
 
 
 def redact_url(url: str) -> str:

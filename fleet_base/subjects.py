@@ -85,8 +85,9 @@ def batch_store_subjects() -> list[str]:
     deliveries (pull batches, ordered reads of keys and object chunks, API replies) come
     on the identity's own inbox.
 
-    Per KV bucket: bind, read a key, write (put, create, compare-and-set, delete), and list
-    keys by an ordered consumer (filter in the payload: the buckets are the role's whole).
+    Per KV bucket: bind, read a key, write (put, create, compare-and-set, delete), and read
+    a key range by an ephemeral pull consumer (`nats_io.kv_values`; filter in the payload:
+    the buckets are the role's whole).
     The object store: bind, read an object's metadata, write chunks and metadata, purge an
     object's old chunks, read chunks by an ordered consumer. The work queue: publish items,
     count one parent's items, purge them (a cancelled batch's; the filter is in the
@@ -103,6 +104,7 @@ def batch_store_subjects() -> list[str]:
             f"$KV.{bucket}.>",
             f"{JS}.CONSUMER.CREATE.{stream}",
             f"{JS}.CONSUMER.INFO.{stream}.*",
+            f"{JS}.CONSUMER.MSG.NEXT.{stream}.*",
             f"$JS.FC.{stream}.>",
         ]
     obj = f"OBJ_{batch.OBJECT_BUCKET_FILES}"

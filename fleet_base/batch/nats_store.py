@@ -26,6 +26,7 @@ from fleet_base.batch.blobs import blob_store
 from fleet_base.batch.config import BatchConfig
 from fleet_base.batch.models import AsyncRecord, BatchRecord, FileRecord, StoredResult, WorkItem
 from fleet_base.batch.store import BlobStore, Conflict, NotFound, Versioned
+from fleet_base.nats_io import kv_values
 
 M = TypeVar("M", bound=BaseModel)
 MSG_ID = "Nats-Msg-Id"
@@ -112,22 +113,10 @@ class NatsBatchStore:
             raise Conflict(key) from err
         return Versioned(record, new)
 
-    @staticmethod
-    async def _values(kv: KeyValue, keys: str, model: type[M]) -> list[tuple[str, M]]:
-        """Every live (key, value) under the key pattern, read by one ordered consumer on
-        the bucket (server-side filter), not by listing every key."""
-        watcher = await kv.watch(keys, ignore_deletes=True)
-        out: list[tuple[str, M]] = []
-        try:
-            async for entry in watcher:
-                if entry is None:  # caught up
-                    break
-                if entry.value:
-                    out.append((entry.key, model.model_validate_json(entry.value)))
-        finally:
-            with contextlib.suppress(Exception):
-                await watcher.stop()
-        return out
+    async def _values(self, bucket: str, keys: str, model: type[M]) -> list[tuple[str, M]]:
+        """Every live (key, value) under the key pattern, read in one pass (`kv_values`)."""
+        found = await kv_values(self.js, bucket, keys)
+        return [(key, model.model_validate_json(value)) for key, value, _ in found if value]
 
     # ------------------------------------------------------------ files
 
@@ -149,7 +138,7 @@ class NatsBatchStore:
         await self._files.delete(file_id)
 
     async def files(self, key_id: str | None = None) -> list[FileRecord]:
-        records = [r for _, r in await self._values(self._files, ">", FileRecord)]
+        records = [r for _, r in await self._values(names.BUCKET_FILES, ">", FileRecord)]
         return [r for r in records if key_id is None or r.key_id == key_id]
 
     # ------------------------------------------------------------ batches
@@ -164,7 +153,7 @@ class NatsBatchStore:
         return await self._update(self._batches, record.id, record, revision)
 
     async def batches(self, key_id: str | None = None) -> list[BatchRecord]:
-        records = [r for _, r in await self._values(self._batches, ">", BatchRecord)]
+        records = [r for _, r in await self._values(names.BUCKET_BATCHES, ">", BatchRecord)]
         return [r for r in records if key_id is None or r.key_id == key_id]
 
     # ------------------------------------------------------------ results
@@ -183,7 +172,7 @@ class NatsBatchStore:
             return None
 
     async def results(self, batch_id: str) -> list[tuple[int, StoredResult]]:
-        found = await self._values(self._results, f"{batch_id}.*", StoredResult)
+        found = await self._values(names.BUCKET_RESULTS, f"{batch_id}.*", StoredResult)
         return sorted((int(key.rsplit(".", 1)[1]), result) for key, result in found)
 
     async def result_count(self, batch_id: str) -> int:
@@ -205,7 +194,7 @@ class NatsBatchStore:
         return await self._update(self._async, record.id, record, revision)
 
     async def async_requests(self, key_id: str | None = None) -> list[AsyncRecord]:
-        records = [r for _, r in await self._values(self._async, ">", AsyncRecord)]
+        records = [r for _, r in await self._values(names.BUCKET_ASYNC, ">", AsyncRecord)]
         return [r for r in records if key_id is None or r.key_id == key_id]
 
     # ------------------------------------------------------------ the work queue
