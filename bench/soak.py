@@ -16,6 +16,12 @@ short look:
     PYTHONPATH=. .venv/bin/python -m bench.soak --duration-s 300 --baseline-s 30 --warmup-s 60
     PYTHONPATH=. .venv/bin/python -m bench.soak --replot /tmp/fleet-soak-rss-XXXX/rss.json --plot rss.png
 
+nats-server's memory steps up once the usage stream reaches its retention limit (its file
+store then holds a message-block buffer where it deletes beside the one it writes: 8 MiB
+each at the default store, `getMsgBlockBuf` in its heap profile) and is flat after. At the
+soak's ~17 records/s and the default 2 GiB store that is about minute 72, inside the
+measured window; `--jetstream-store-bytes 67108864` reaches it in the warm-up.
+
 Run it alone on the machine: other work starves the replicas' health probes, the agent
 replaces them, and both the error counts and every replica's growth then measure that (the
 events table at the end says how many replicas were replaced, and why). The control plane
@@ -55,6 +61,7 @@ import psutil
 from bench import go_heap
 from bench.common import console, print_table, run_main
 from bench.soak_abuse import Attackers, key_flood, responses_uncapped, slow_reader, slowloris
+from fleet_base.jetstream_budget import STORE_ENV, JetStreamBudget
 from fleet_base.ports import free_port
 from tests.e2e.sim_fleet import SimFleet, wait_for
 
@@ -328,12 +335,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heap-profile", action="store_true", help="tracemalloc in every Python process")
     p.add_argument("--plot", type=Path, help="a PNG of every process's RSS over the run")
     p.add_argument("--replot", type=Path, help="no run: plot the rss.json of an earlier one (--plot)")
+    p.add_argument(
+        "--jetstream-store-bytes",
+        type=int,
+        help="the fleet's JetStream store (FLEET_JETSTREAM_STORE_BYTES): small enough that the usage"
+        " stream reaches its retention limit in the warm-up, so nats-server is read at steady state",
+    )
     args = p.parse_args(argv)
     if args.replot is not None:
         series = [(x["t"], x["rss_mib"]) for x in json.loads(args.replot.read_text())]
         plot_rss(series, args.plot or args.replot.with_suffix(".png"), args.warmup_s)
         return 0
     window = args.window_s or max(5.0, (args.baseline_s + args.duration_s) / 10)
+    if args.jetstream_store_bytes is not None:  # read by fleetctl's config and the control plane
+        os.environ[STORE_ENV] = str(JetStreamBudget(store_bytes=args.jetstream_store_bytes).store_bytes)
     profile_dir = Path(tempfile.mkdtemp(prefix="fleet-soak-heap-")) if args.heap_profile else None
     if profile_dir is not None:  # inherited by every process the fleet starts
         os.environ["FLEET_HEAP_PROFILE_DIR"] = str(profile_dir)
