@@ -356,16 +356,18 @@ KV_VALUES_BATCH = 512  # messages per pull while reading a key range
 
 
 async def kv_values(js: JetStreamContext, bucket: str, keys: str = ">") -> list[tuple[str, bytes, int]]:
-    """Every live (key, value, revision) of a bucket under a key pattern, in one pass: the
-    bucket as of the read's start (a key written meanwhile may show its newer value).
+    """Every live (key, value, revision) of a bucket under a key pattern, in one pass, each
+    key once with the latest value the read saw.
 
-    Read by an ephemeral pull consumer on the last message of each matching subject. A pull
-    consumer delivers nothing before it is asked, so its pending count read first is exact:
-    nats-py's `KeyValue.watch` reads that count after the server has started pushing, and can
-    report "caught up" before entries it already holds, so a full range could read as empty.
-    The read ends at the stream's last sequence when it began, so writers that keep adding
-    keys cannot keep it going. For a bucket the caller may only `get` from,
-    `NatsLink.kv_revisions` lists subjects instead."""
+    Read by an ephemeral pull consumer. A pull consumer delivers nothing before it is asked,
+    so its pending count, taken at creation, is exact: nats-py's `KeyValue.watch` reads that
+    count after the server has started pushing, and can report "caught up" before entries it
+    already holds, so a full range could read as empty. Writes made during the read are
+    delivered too (a key overwritten before its turn comes back at its new sequence), so the
+    read goes on past the stream's last sequence at its start until nothing is pending, but
+    for at most as many messages again as it began with: writers that never stop cannot keep
+    it going (a key they overwrite then may be missing). For a bucket the caller may only
+    `get` from, `NatsLink.kv_revisions` lists subjects instead."""
     stream, prefix = f"KV_{bucket}", f"$KV.{bucket}."
     end = int((await js.stream_info(stream)).state.last_seq or 0)
     config = ConsumerConfig(
@@ -373,30 +375,31 @@ async def kv_values(js: JetStreamContext, bucket: str, keys: str = ">") -> list[
         deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
         ack_policy=AckPolicy.NONE,
         mem_storage=True,
-        inactive_threshold=30.0,  # the server removes it once no pull is waiting on it
+        inactive_threshold=10.0,  # the server removes it once no pull is waiting on it
     )
     # Created unnamed (`CONSUMER.CREATE.<stream>`, the subject roles are permitted), then bound.
     info = await js.add_consumer(stream, config)
     sub = await js.pull_subscribe_bind(info.name, stream=stream)
-    out: list[tuple[str, bytes, int]] = []
+    latest: dict[str, tuple[bytes | None, int]] = {}
+    left, extra = info.num_pending, max(info.num_pending, KV_VALUES_BATCH)
     try:
-        left = info.num_pending
-        while left > 0:
+        while left > 0 and extra > 0:
             try:
                 msgs = await sub.fetch(min(left, KV_VALUES_BATCH), timeout=5.0)
-            except NatsTimeoutError:  # what was pending went away meanwhile (a purge)
+            except (NatsTimeoutError, asyncio.TimeoutError):  # what was pending went away (a purge)
                 break
             for msg in msgs:
                 meta = msg.metadata
-                left = 0 if meta.sequence.stream >= end else meta.num_pending
+                seq = int(meta.sequence.stream)
+                left = meta.num_pending
+                extra -= seq > end
                 headers = msg.headers or {}
-                if headers.get("KV-Operation") or headers.get("Nats-Marker-Reason"):
-                    continue  # a delete or purge marker: the key holds nothing
-                out.append((msg.subject[len(prefix) :], msg.data, int(meta.sequence.stream)))
+                marker = headers.get("KV-Operation") or headers.get("Nats-Marker-Reason")
+                latest[msg.subject[len(prefix) :]] = (None if marker else msg.data, seq)
     finally:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
-    return out
+    return [(key, value, seq) for key, (value, seq) in latest.items() if value is not None]
 
 
 def redact_url(url: str) -> str:

@@ -82,3 +82,26 @@ async def test_a_range_read_while_keys_are_written_is_never_short(js) -> None:
     finally:
         written[0] = 1 << 30
         await task
+
+
+async def test_keys_overwritten_during_the_read_come_back_once_with_their_latest_value(js) -> None:
+    kv = await js.key_value(BUCKET)
+    await asyncio.gather(*(kv.put(f"o.{i}", b"0") for i in range(200)))
+    done = asyncio.Event()
+
+    async def overwriter() -> None:
+        for n in range(1, 1500):
+            await kv.put(f"o.{n * 37 % 200}", str(n).encode())
+            await asyncio.sleep(0.001)
+        done.set()
+
+    task = asyncio.create_task(overwriter())
+    try:
+        while not done.is_set():
+            found = await asyncio.wait_for(kv_values(js, BUCKET, "o.*"), 10)
+            assert sorted(key for key, _, _ in found) == sorted(f"o.{i}" for i in range(200))
+    finally:
+        await task
+    final = {key: value for key, value, _ in await kv_values(js, BUCKET, "o.*")}
+    for key in final:
+        assert final[key] == (await kv.get(key)).value
