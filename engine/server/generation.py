@@ -205,11 +205,12 @@ class Generation:
             self._watcher.cancel()
             self._watcher = None
 
-    def hand_over(self) -> None:
+    def hand_over(self) -> bool:
         """End the stream with `HandedOver` (its next output raises it) and free the engine.
-        A stream whose every request already finished has nothing left to hand over."""
+        A stream whose every request already finished has nothing left to hand over (False)."""
         self.handed_over = not all(self._done)
         self.close()
+        return self.handed_over
 
     def allow_hand_over(self) -> None:
         """A gateway that can continue this stream elsewhere asked for its token ids."""

@@ -76,7 +76,7 @@ class ServerState:
     active_requests: set[str] = field(default_factory=set)
     created: float = 0.0
     # streams a gateway can continue elsewhere: request id -> what ends them with a hand-over
-    handovers: dict[str, Callable[[], None]] = field(default_factory=dict)
+    handovers: dict[str, Callable[[], bool]] = field(default_factory=dict)
     lora_sources: dict[str, str] = field(default_factory=dict)  # adapter name -> path or URI given
     idle: asyncio.Event | None = field(default=None, repr=False)
 
@@ -88,9 +88,7 @@ class ServerState:
         """End every stream a gateway can continue elsewhere (a drain); how many."""
         ends = list(self.handovers.values())
         self.handovers.clear()
-        for end in ends:
-            end()
-        return len(ends)
+        return sum(end() for end in ends)
 
     def enter(self) -> None:
         self.in_flight += 1
