@@ -20,7 +20,9 @@ nats-server's memory steps up once the usage stream reaches its retention limit 
 store then holds a message-block buffer where it deletes beside the one it writes: 8 MiB
 each at the default store, `getMsgBlockBuf` in its heap profile) and is flat after. At the
 soak's ~17 records/s and the default 2 GiB store that is about minute 72, inside the
-measured window; `--jetstream-store-bytes 67108864` reaches it in the warm-up.
+measured window; `--jetstream-store-bytes 67108864` reaches it in the warm-up (every stream
+is then smaller, and so are its blocks: the level is lower than the default store's, the
+shape the same).
 
 Run it alone on the machine: other work starves the replicas' health probes, the agent
 replaces them, and both the error counts and every replica's growth then measure that (the

@@ -88,6 +88,15 @@ def _drained(gw: GatewayProcess) -> float:
     )
 
 
+def _migrations(gw: GatewayProcess) -> dict[str, float]:
+    """Streams migrated so far, by reason (what a failure of the drain test reports)."""
+    return {
+        dict(labels).get("reason", ""): value
+        for (name, labels), value in scrape(gw.url).items()
+        if name == "fleet_gateway_stream_migrations_total"
+    }
+
+
 def _chosen(gw: GatewayProcess) -> dict[str, float]:
     """Attempts the gateway sent to each replica so far."""
     out: dict[str, float] = {}
@@ -101,7 +110,7 @@ def _chosen(gw: GatewayProcess) -> dict[str, float]:
 def test_a_draining_replica_hands_its_streams_over(fleet) -> None:
     gw, procs, key = fleet
     healthy, _ = asyncio.run(run_streams(gw.url, key, TEXTS, MAX_TOKENS, extra=BODY))
-    before, chosen = _drained(gw), _chosen(gw)
+    before, chosen, reasons = _drained(gw), _chosen(gw), _migrations(gw)
     stopped: list[ServerProcess] = []
 
     def drain_the_busier() -> None:
@@ -119,7 +128,9 @@ def test_a_draining_replica_hands_its_streams_over(fleet) -> None:
     assert at is not None and stopped
     _check(healthy, moved)
     assert stopped[0].wait(30) == 0  # it drained and exited cleanly
-    assert _drained(gw) > before  # its streams were handed over, not finished there
+    # its streams were handed over, not finished there
+    log = stopped[0].log_path.read_text(errors="replace")[-2000:] if stopped[0].log_path else ""
+    assert _drained(gw) > before, (reasons, _migrations(gw), chosen, _chosen(gw), log)
 
 
 def test_a_region_lost_mid_stream_continues_in_the_peer_region(
