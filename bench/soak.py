@@ -18,7 +18,8 @@ short look:
 
 nats-server's memory steps up once the usage stream reaches its retention limit (its file
 store then holds a message-block buffer where it deletes beside the one it writes: 8 MiB
-each at the default store, `getMsgBlockBuf` in its heap profile) and is flat after. At the
+each at the default store, `getMsgBlockBuf` in its heap profile), with no trend in the 7.5
+minutes measured after (docs/hardening.md). At the
 soak's ~17 records/s and the default 2 GiB store that is about minute 72, inside the
 measured window; `--jetstream-store-bytes 67108864` reaches it in the warm-up (every stream
 is then smaller, and so are its blocks: the level is lower than the default store's, the

@@ -22,7 +22,6 @@ from typing import Any
 
 import nats
 from nats.aio.client import Client as NATS
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, DiscardPolicy, KeyValueConfig, StreamConfig
 from nats.js.errors import APIError, BucketNotFoundError, KeyNotFoundError, NotFoundError
@@ -386,7 +385,7 @@ async def kv_values(js: JetStreamContext, bucket: str, keys: str = ">") -> list[
         while left > 0 and extra > 0:
             try:
                 msgs = await sub.fetch(min(left, KV_VALUES_BATCH), timeout=5.0)
-            except (NatsTimeoutError, asyncio.TimeoutError):  # what was pending went away (a purge)
+            except asyncio.TimeoutError:  # nats-py's own subclasses it: what was pending went away
                 break
             for msg in msgs:
                 meta = msg.metadata
