@@ -8,6 +8,15 @@ over half an hour). `malloc_trim(0)` walks every arena and releases the whole fr
 inside it with `madvise(MADV_DONTNEED)`; it runs on a daemon thread (ctypes drops the GIL
 for the call) so the event loop never waits on it. On a libc without it (musl, macOS) the
 trimmer says so once and does nothing.
+
+Trimming cannot return a page that still holds one live chunk, so `tune()` also keeps big
+buffers out of the heap: glibc raises its mmap threshold to the size of every mmapped
+block freed (up to 32 MiB), so after one large request body every later body of that size
+is carved from the heap, between small live objects, where its pages are never whole again.
+A fixed threshold keeps them mmapped (returned whole on free), and a cap of two arenas
+keeps the worker threads that parse bodies from each fragmenting an arena of its own (the
+GIL serialises them anyway). glibc's own settings (`MALLOC_ARENA_MAX`,
+`MALLOC_MMAP_THRESHOLD_`, `GLIBC_TUNABLES`) win over these.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ import ctypes.util
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 
 log = logging.getLogger(__name__)
 
@@ -26,15 +35,61 @@ DEFAULT_INTERVAL_S = 60.0
 
 _started: threading.Event | None = None
 
+# mallopt(3) parameters, and glibc's own names for them (environment, tunables).
+M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
+MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's starting value, now kept
+ARENA_MAX = 2
+_GLIBC_NAMES = {
+    M_MMAP_THRESHOLD: ("MALLOC_MMAP_THRESHOLD_", "glibc.malloc.mmap_threshold"),
+    M_ARENA_MAX: ("MALLOC_ARENA_MAX", "glibc.malloc.arena_max"),
+}
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
 
 def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        fn = libc.malloc_trim
-    except (OSError, AttributeError):
+    libc = _libc()
+    fn = getattr(libc, "malloc_trim", None)
+    if fn is None:
         return None
     fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
     return fn
+
+
+def _set_by_glibc(param: int, environ: Mapping[str, str]) -> bool:
+    env_name, tunable = _GLIBC_NAMES[param]
+    return env_name in environ or tunable in environ.get("GLIBC_TUNABLES", "")
+
+
+def tuning(environ: Mapping[str, str]) -> dict[str, tuple[int, int]]:
+    """What `tune()` sets, by name: (mallopt parameter, value), less what glibc's own
+    settings in `environ` chose."""
+    wanted = {
+        "mmap_threshold": (M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES),
+        "arena_max": (M_ARENA_MAX, ARENA_MAX),
+    }
+    return {name: pv for name, pv in wanted.items() if not _set_by_glibc(pv[0], environ)}
+
+
+def tune(names: Collection[str] | None = None) -> dict[str, int]:
+    """Fix the mmap threshold and cap the arenas (see the module's docstring; `names`: only
+    those), except where glibc's own settings chose; returns what was set (empty without
+    glibc's `mallopt`)."""
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
+        return {}
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return {
+        name: value
+        for name, (param, value) in tuning(os.environ).items()
+        if (names is None or name in names) and mallopt(param, value) == 1
+    }
 
 
 def trim() -> bool | None:
@@ -58,12 +113,15 @@ def interval_from_env(environ: dict[str, str] | None = None) -> float:
     return value
 
 
-def start(interval_s: float | None = None) -> threading.Event | None:
-    """Start the process's one trimmer thread (later calls return the same stop event);
-    None when turned off or unsupported."""
+def start(interval_s: float | None = None, tune_allocator: bool = True) -> threading.Event | None:
+    """Tune the allocator (not in a process whose big buffers are reused tensors: a fixed
+    threshold would map and fault in each one afresh) and start the process's one trimmer
+    thread (later calls return the same stop event); None when trimming is off or unsupported."""
     global _started
     if _started is not None:
         return _started
+    if tune_allocator:
+        tune()
     every = interval_from_env() if interval_s is None else interval_s
     if every <= 0:
         return None

@@ -437,5 +437,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(max(1, ns.threads))
-    heap_trim.start()
+    heap_trim.start(tune_allocator=False)
     return asyncio.run(_serve(ns, settings))

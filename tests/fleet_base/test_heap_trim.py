@@ -1,5 +1,7 @@
 """The heap trimmer: a fragmented heap's free pages go back to the kernel, measured as RSS
-in a fresh process; its interval setting refuses nonsense."""
+in a fresh process; its interval setting refuses nonsense. The tuning: after one large
+buffer is freed, later large buffers are still mmapped (glibc alone carves them from the
+heap), and glibc's own settings win."""
 
 from __future__ import annotations
 
@@ -54,9 +56,55 @@ def test_interval_from_env_refuses_nonsense(raw: str):
 def test_start_is_once_per_process_and_off_at_zero(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(heap_trim, "_started", None)
     assert heap_trim.start(0) is None
-    first = heap_trim.start(3600)
+    first = heap_trim.start(3600, tune_allocator=False)  # this process's allocator stays as it is
     try:
-        assert first is not None and heap_trim.start(3600) is first
+        assert first is not None and heap_trim.start(3600, tune_allocator=False) is first
     finally:
         if first is not None:
             first.set()
+
+
+BIG_AFTER_BIGGER = r"""
+import ctypes, sys
+from fleet_base import heap_trim
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+applied = heap_trim.tune() if sys.argv[1] == "tuned" else {}
+first = bytearray(8 << 20)  # mmapped; freeing it moves glibc's own threshold up to 8 MiB
+del first
+bodies = [bytearray(1 << 20) for _ in range(16)]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+print(sorted(applied), libc.mallinfo2().hblks)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or heap_trim.trim() is None, reason="glibc only")
+def test_tuned_big_buffers_stay_mmapped_after_a_bigger_one():
+    def run(side: str) -> tuple[str, int]:
+        out = subprocess.run(
+            [sys.executable, "-c", BIG_AFTER_BIGGER, side], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        applied, blocks = out.rsplit(" ", 1)
+        return applied, int(blocks)
+
+    untuned, tuned = run("glibc"), run("tuned")
+    assert tuned[0] == "['arena_max', 'mmap_threshold']"
+    assert tuned[1] >= 16  # each 1 MiB body mapped: freed whole
+    assert untuned[1] < 16  # glibc alone put them in the heap, between whatever lives there
+
+
+@pytest.mark.parametrize(
+    ("environ", "left"),
+    [
+        ({}, {"arena_max", "mmap_threshold"}),
+        ({"MALLOC_ARENA_MAX": "4"}, {"mmap_threshold"}),
+        ({"MALLOC_MMAP_THRESHOLD_": "65536"}, {"arena_max"}),
+        ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=1:glibc.malloc.mmap_threshold=65536"}, set()),
+    ],
+)
+def test_glibcs_own_settings_win(environ: dict[str, str], left: set[str]):
+    assert set(heap_trim.tuning(environ)) == left
