@@ -8,9 +8,11 @@ hostile and long-context clients send), parse them with the gateway's own
 (the ones in flight) and a bounded history of small records (what a gateway keeps per
 request), with the trimmer running every `--trim-s`. RSS is sampled every 1,000 requests;
 the table gives it after the warm-up and at the end, the growth per 10k requests after the
-warm-up (least squares), and glibc's own view at the end. Measures, never asserts:
+warm-up (least squares) and the requests' wall time (what the mapped buffers cost), as the
+median and range over `--repeat` runs of each side, in alternating order. Measures, never
+asserts:
 
-    PYTHONPATH=. python -m bench.heap_tuning --requests 60000
+    PYTHONPATH=. python -m bench.heap_tuning --requests 20000 --warmup 4000 --repeat 3
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import ctypes
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -34,24 +36,6 @@ SAMPLE_EVERY = 1000
 def _rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
-    ]  # fmt: skip
-
-
-def _glibc() -> dict[str, float]:
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = _MallInfo2
-    m = libc.mallinfo2()
-    return {
-        "in_use_mib": m.uordblks / 2**20,
-        "free_in_heap_mib": m.fordblks / 2**20,
-        "mmapped_mib": m.hblkhd / 2**20,
-    }
 
 
 def _body(rng: random.Random) -> bytes:
@@ -97,8 +81,10 @@ async def _child(side: str, requests: int, seed: int, trim_s: float) -> None:
                 samples.append((n, _rss_mib()))
             await asyncio.sleep(0)
 
+    began = time.monotonic()
     await asyncio.gather(*(worker() for _ in range(16)))
-    print(json.dumps({"applied": applied, "samples": samples, "glibc": _glibc()}))
+    elapsed = time.monotonic() - began
+    print(json.dumps({"applied": applied, "samples": samples, "elapsed_s": elapsed}))
 
 
 def _slope(points: list[tuple[int, float]]) -> float:
@@ -109,10 +95,41 @@ def _slope(points: list[tuple[int, float]]) -> float:
     return sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
 
 
+def _run_side(side: str, ns: argparse.Namespace) -> dict:
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES", "FLEET_MALLOC"))
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.heap_tuning", "--child", side, "--requests", str(ns.requests),
+         "--seed", str(ns.seed), "--trim-s", str(ns.trim_s)],
+        capture_output=True, text=True, check=True, env=env,
+    )  # fmt: skip
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    measured = sorted((n, r) for n, r in result["samples"] if n >= ns.warmup)
+    return {
+        "applied": result["applied"],
+        "warm": measured[0][1],
+        "end": measured[-1][1],
+        "growth": _slope(measured) * 10000,
+        "wall": result["elapsed_s"],
+    }
+
+
+def _spread(values: list[float], signed: bool = False) -> str:
+    mid = statistics.median(values)
+    f = "{:+.2f}" if signed else "{:.1f}"
+    return (
+        f.format(mid)
+        if len(values) == 1
+        else f"{f.format(mid)} ({f.format(min(values))} .. {f.format(max(values))})"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=60000)
     ap.add_argument("--warmup", type=int, default=10000, help="requests before growth is measured")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of every side, the order reversed each time")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--trim-s", type=float, default=5.0)
     ap.add_argument("--child", choices=sorted(SIDES), help=argparse.SUPPRESS)
@@ -120,35 +137,26 @@ def main(argv: list[str] | None = None) -> int:
     if ns.child:
         asyncio.run(_child(ns.child, ns.requests, ns.seed, ns.trim_s))
         return 0
-    rows = []
-    for side in SIDES:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
-        began = time.monotonic()
-        out = subprocess.run(
-            [sys.executable, "-m", "bench.heap_tuning", "--child", side, "--requests", str(ns.requests),
-             "--seed", str(ns.seed), "--trim-s", str(ns.trim_s)],
-            capture_output=True, text=True, check=True, env=env,
-        )  # fmt: skip
-        result = json.loads(out.stdout.strip().splitlines()[-1])
-        measured = [(n, r) for n, r in result["samples"] if n >= ns.warmup]
-        at_warmup, at_end = measured[0][1], measured[-1][1]
-        rows.append(
-            [
-                "glibc defaults" if side == "glibc" else f"tune(): {result['applied']}",
-                f"{at_warmup:.1f}",
-                f"{at_end:.1f}",
-                f"{_slope(measured) * 10000:+.2f}",
-                f"{result['glibc']['free_in_heap_mib']:.1f}",
-                f"{result['glibc']['mmapped_mib']:.1f}",
-                f"{time.monotonic() - began:.0f}",
-            ]
-        )
+    if ns.requests < ns.warmup + 3 * SAMPLE_EVERY or ns.repeat < 1:
+        ap.error(f"--requests must exceed --warmup by at least {3 * SAMPLE_EVERY}, and --repeat be >= 1")
+    runs: dict[str, list[dict]] = {side: [] for side in SIDES}
+    for r in range(ns.repeat):
+        for side in list(SIDES) if r % 2 == 0 else list(reversed(SIDES)):
+            runs[side].append(_run_side(side, ns))
+    rows = [
+        [
+            "glibc defaults" if side == "glibc" else f"tune(): {got[0]['applied']}",
+            *(_spread([g[k] for g in got], signed=k == "growth") for k in ("warm", "end", "growth", "wall")),
+        ]
+        for side, got in runs.items()
+    ]
     print_table(
-        f"{ns.requests} gateway-shaped requests, warm-up {ns.warmup}, trim every {ns.trim_s} s",
-        ["allocator", "RSS after warm-up MiB", "RSS at end MiB", "growth MiB / 10k req", "free in heap MiB", "mmapped MiB", "wall s"],
+        f"{ns.requests} gateway-shaped requests, warm-up {ns.warmup}, trim every {ns.trim_s} s; "
+        f"median (min .. max) of {ns.repeat} runs",
+        ["allocator", "RSS after warm-up MiB", "RSS at end MiB", "growth MiB / 10k req", "requests' wall s"],
         rows,
-        min_width=150,
-    )  # fmt: skip
+        min_width=160,
+    )
     return 0
 
 

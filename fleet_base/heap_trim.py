@@ -16,7 +16,8 @@ is carved from the heap, between small live objects, where its pages are never w
 A fixed threshold keeps them mmapped (returned whole on free), and a cap of two arenas
 keeps the worker threads that parse bodies from each fragmenting an arena of its own (the
 GIL serialises them anyway). glibc's own settings (`MALLOC_ARENA_MAX`,
-`MALLOC_MMAP_THRESHOLD_`, `GLIBC_TUNABLES`) win over these.
+`MALLOC_MMAP_THRESHOLD_`, `GLIBC_TUNABLES`) win over these; FLEET_MALLOC_TUNE=0 leaves glibc's
+defaults alone.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from collections.abc import Callable, Collection, Mapping
 log = logging.getLogger(__name__)
 
 ENV = "FLEET_MALLOC_TRIM_INTERVAL_S"
+TUNE_ENV = "FLEET_MALLOC_TUNE"
 DEFAULT_INTERVAL_S = 60.0
 
 _started: threading.Event | None = None
@@ -69,7 +71,12 @@ def _set_by_glibc(param: int, environ: Mapping[str, str]) -> bool:
 
 def tuning(environ: Mapping[str, str]) -> dict[str, tuple[int, int]]:
     """What `tune()` sets, by name: (mallopt parameter, value), less what glibc's own
-    settings in `environ` chose."""
+    settings in `environ` chose; nothing with FLEET_MALLOC_TUNE=0."""
+    switch = environ.get(TUNE_ENV, "").strip()
+    if switch not in ("", "0", "1"):
+        raise ValueError(f"{TUNE_ENV} must be 0 (glibc's defaults) or 1, got {switch!r}")
+    if switch == "0":
+        return {}
     wanted = {
         "mmap_threshold": (M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES),
         "arena_max": (M_ARENA_MAX, ARENA_MAX),

@@ -5,6 +5,7 @@ heap), and glibc's own settings win."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -55,7 +56,7 @@ def test_interval_from_env_refuses_nonsense(raw: str):
 
 def test_start_is_once_per_process_and_off_at_zero(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(heap_trim, "_started", None)
-    assert heap_trim.start(0) is None
+    assert heap_trim.start(0, tune_allocator=False) is None
     first = heap_trim.start(3600, tune_allocator=False)  # this process's allocator stays as it is
     try:
         assert first is not None and heap_trim.start(3600, tune_allocator=False) is first
@@ -85,8 +86,17 @@ print(sorted(applied), libc.mallinfo2().hblks)
 @pytest.mark.skipif(not sys.platform.startswith("linux") or heap_trim.trim() is None, reason="glibc only")
 def test_tuned_big_buffers_stay_mmapped_after_a_bigger_one():
     def run(side: str) -> tuple[str, int]:
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("MALLOC_", "GLIBC_TUNABLES", "FLEET_MALLOC"))
+        }
         out = subprocess.run(
-            [sys.executable, "-c", BIG_AFTER_BIGGER, side], capture_output=True, text=True, check=True
+            [sys.executable, "-c", BIG_AFTER_BIGGER, side],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=env,
         ).stdout.strip()
         applied, blocks = out.rsplit(" ", 1)
         return applied, int(blocks)
@@ -104,7 +114,14 @@ def test_tuned_big_buffers_stay_mmapped_after_a_bigger_one():
         ({"MALLOC_ARENA_MAX": "4"}, {"mmap_threshold"}),
         ({"MALLOC_MMAP_THRESHOLD_": "65536"}, {"arena_max"}),
         ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=1:glibc.malloc.mmap_threshold=65536"}, set()),
+        ({heap_trim.TUNE_ENV: "0"}, set()),
+        ({heap_trim.TUNE_ENV: "1", "MALLOC_ARENA_MAX": "4"}, {"mmap_threshold"}),
     ],
 )
-def test_glibcs_own_settings_win(environ: dict[str, str], left: set[str]):
+def test_glibcs_own_settings_and_the_switch_win(environ: dict[str, str], left: set[str]):
     assert set(heap_trim.tuning(environ)) == left
+
+
+def test_the_switch_refuses_nonsense():
+    with pytest.raises(ValueError, match=heap_trim.TUNE_ENV):
+        heap_trim.tuning({heap_trim.TUNE_ENV: "yes"})

@@ -150,7 +150,9 @@ def test_preempted_ids_repeat_for_the_report_window() -> None:
 
 def test_agent_cli_selects_kubernetes_and_refuses_what_cannot_work(tmp_path, capsys, monkeypatch) -> None:
     from agent.__main__ import main
+    from fleet_base import heap_trim
 
+    monkeypatch.setattr(heap_trim, "start", lambda *_a, **_k: None)  # this process's allocator stays as it is
     path = tmp_path / "cluster.yaml"
     ClusterConfig(cluster="c", state_dir=tmp_path / "state").dump(path)  # runtime: process
     assert main(["--config", str(path), "--runtime", "kubernetes"]) == 2
