@@ -31,7 +31,9 @@ TEXTS = [f"hello world {i} the quick brown fox" for i in range(STREAMS)]
 
 def _replicas(model: Path, logs: Path, names: list[str]) -> list[ServerProcess]:
     args = ["--served-model-name", DEPLOYMENT, "--threads", "1", "--kv-cache-memory", "4MiB"]
-    args += ["--max-model-len", "256", "--drain-handover", "0.05", "--drain-timeout", "30"]
+    # The tiny model writes a 180-token stream in a few tenths of a second: a drain that let
+    # streams run on for even 50 ms would see most of them finish there instead of moving.
+    args += ["--max-model-len", "256", "--drain-handover", "0", "--drain-timeout", "30"]
     procs = [ServerProcess(*args, model=str(model), log_path=logs / f"{n}.log") for n in names]
     threads = [threading.Thread(target=p.start, kwargs={"timeout": 120}) for p in procs]
     for t in threads:
@@ -107,30 +109,40 @@ def _chosen(gw: GatewayProcess) -> dict[str, float]:
     return out
 
 
+def _running(proc: ServerProcess) -> float:
+    """Sequences the engine is generating now, from its own /metrics."""
+    return sum(v for (name, _), v in scrape(proc.url).items() if name == "fleet_engine_requests_running")
+
+
 def test_a_draining_replica_hands_its_streams_over(fleet) -> None:
     gw, procs, key = fleet
     healthy, _ = asyncio.run(run_streams(gw.url, key, TEXTS, MAX_TOKENS, extra=BODY))
     before, chosen, reasons = _drained(gw), _chosen(gw), _migrations(gw)
     stopped: list[ServerProcess] = []
 
+    at_kill: dict[str, object] = {}
+
     def drain_the_busier() -> None:
         # The router may put most streams on one replica (their prefixes are cached where
-        # the healthy run left them): stop the one serving more of them, so there are
-        # streams to hand over whichever it is.
-        now = _chosen(gw)
-        a, b = (now.get(n, 0.0) - chosen.get(n, 0.0) for n in ("a", "b"))
-        stopped.append(procs[0] if a >= b else procs[1])
+        # the healthy run left them): stop the one generating more of them, as each engine
+        # says, so there are streams to hand over whichever it is.
+        running = [_running(p) for p in procs]
+        stopped.append(procs[0] if running[0] >= running[1] else procs[1])
         stopped[0].terminate()
+        at_kill.update(running=running, chosen=_chosen(gw))
 
     moved, at = asyncio.run(
-        run_streams(gw.url, key, TEXTS, MAX_TOKENS, extra=BODY, kill=drain_the_busier, kill_after_chunks=3)
+        run_streams(gw.url, key, TEXTS, MAX_TOKENS, extra=BODY, kill=drain_the_busier, kill_after_chunks=1)
     )
     assert at is not None and stopped
     _check(healthy, moved)
     assert stopped[0].wait(30) == 0  # it drained and exited cleanly
     # its streams were handed over, not finished there
     log = stopped[0].log_path.read_text(errors="replace")[-2000:] if stopped[0].log_path else ""
-    assert _drained(gw) > before, (reasons, _migrations(gw), chosen, _chosen(gw), log)
+    assert _drained(gw) > before, (
+        f"migrations before {reasons}, after {_migrations(gw)}; gateway choices before {chosen}, "
+        f"at the kill {at_kill}; the stopped replica's log:\n{log}"
+    )
 
 
 def test_a_region_lost_mid_stream_continues_in_the_peer_region(
