@@ -28,6 +28,8 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
 from bench.common import print_table, run_main
 
 SAMPLE_EVERY = 1000
@@ -87,14 +89,6 @@ async def _child(side: str, requests: int, seed: int, trim_s: float) -> None:
     print(json.dumps({"applied": applied, "samples": samples, "elapsed_s": elapsed}))
 
 
-def _slope(points: list[tuple[int, float]]) -> float:
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    return sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
-
-
 def _run_side(side: str, ns: argparse.Namespace) -> dict:
     env = {
         k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES", "FLEET_MALLOC"))
@@ -110,7 +104,7 @@ def _run_side(side: str, ns: argparse.Namespace) -> dict:
         "applied": result["applied"],
         "warm": measured[0][1],
         "end": measured[-1][1],
-        "growth": _slope(measured) * 10000,
+        "growth": float(np.polyfit(*zip(*measured, strict=True), 1)[0]) * 10000,  # least squares
         "wall": result["elapsed_s"],
     }
 

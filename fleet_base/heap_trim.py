@@ -37,14 +37,13 @@ DEFAULT_INTERVAL_S = 60.0
 
 _started: threading.Event | None = None
 
-# mallopt(3) parameters, and glibc's own names for them (environment, tunables).
+# What `tune()` sets: name -> (mallopt(3) parameter, value, glibc's environment variable and
+# tunable for it, either of which leaves the parameter to glibc).
 M_MMAP_THRESHOLD = -3
 M_ARENA_MAX = -8
-MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's starting value, now kept
-ARENA_MAX = 2
-_GLIBC_NAMES = {
-    M_MMAP_THRESHOLD: ("MALLOC_MMAP_THRESHOLD_", "glibc.malloc.mmap_threshold"),
-    M_ARENA_MAX: ("MALLOC_ARENA_MAX", "glibc.malloc.arena_max"),
+_SETTINGS = {
+    "mmap_threshold": (M_MMAP_THRESHOLD, 128 * 1024, "MALLOC_MMAP_THRESHOLD_", "glibc.malloc.mmap_threshold"),
+    "arena_max": (M_ARENA_MAX, 2, "MALLOC_ARENA_MAX", "glibc.malloc.arena_max"),
 }
 
 
@@ -64,11 +63,6 @@ def _malloc_trim() -> Callable[[int], int] | None:
     return fn
 
 
-def _set_by_glibc(param: int, environ: Mapping[str, str]) -> bool:
-    env_name, tunable = _GLIBC_NAMES[param]
-    return env_name in environ or tunable in environ.get("GLIBC_TUNABLES", "")
-
-
 def tuning(environ: Mapping[str, str]) -> dict[str, tuple[int, int]]:
     """What `tune()` sets, by name: (mallopt parameter, value), less what glibc's own
     settings in `environ` chose; nothing with FLEET_MALLOC_TUNE=0."""
@@ -77,11 +71,12 @@ def tuning(environ: Mapping[str, str]) -> dict[str, tuple[int, int]]:
         raise ValueError(f"{TUNE_ENV} must be 0 (glibc's defaults) or 1, got {switch!r}")
     if switch == "0":
         return {}
-    wanted = {
-        "mmap_threshold": (M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES),
-        "arena_max": (M_ARENA_MAX, ARENA_MAX),
+    tunables = environ.get("GLIBC_TUNABLES", "")
+    return {
+        name: (param, value)
+        for name, (param, value, env_name, tunable) in _SETTINGS.items()
+        if env_name not in environ and tunable not in tunables
     }
-    return {name: pv for name, pv in wanted.items() if not _set_by_glibc(pv[0], environ)}
 
 
 def tune(names: Collection[str] | None = None) -> dict[str, int]:
