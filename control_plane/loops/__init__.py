@@ -34,6 +34,7 @@ from control_plane.loops.autoscale import AutoscaleLoop, start_autoscale_loop
 from control_plane.loops.budgets import start_budget_loop
 from control_plane.loops.durable import DurableConsumer
 from control_plane.loops.ingest import (
+    deaf_for,
     mark_silent_unhealthy,
     store_event_batch,
     write_heartbeats,
@@ -215,11 +216,18 @@ class Loops(NatsLoop):
     async def _failover_loop(self) -> None:
         settings = self.ctx.settings
         limit_s = settings.missed_heartbeats * settings.heartbeat_interval_s
+        tick_s = max(0.05, settings.heartbeat_interval_s / 2)
         while not self._stopping:
-            await asyncio.sleep(max(0.05, settings.heartbeat_interval_s / 2))
+            asleep = time.monotonic()
+            await asyncio.sleep(tick_s)
+            slept_s = time.monotonic() - asleep
             link = self.ctx.nats
             if link is None or not link.is_connected or self._listening_since is None:
                 continue  # we cannot hear anyone: nobody is silent
+            if deaf_for(slept_s, tick_s, settings.heartbeat_interval_s):
+                self._listening_since = utcnow()
+                log.warning("this control plane stood still for %.1fs: liveness counts from now", slept_s)
+                continue
             try:
                 heard = dict(self._heard)  # copied here: heartbeats land on this loop
                 marked = await asyncio.to_thread(self._mark_silent, self._listening_since, limit_s, heard)

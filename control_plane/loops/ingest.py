@@ -221,6 +221,15 @@ def is_silent(
     return now - max(last_heartbeat_at, listening_since) > timedelta(seconds=limit_s)
 
 
+def deaf_for(slept_s: float, asked_s: float, heartbeat_interval_s: float) -> bool:
+    """Whether this control plane's own loop stood still for longer than a heartbeat
+    interval (a long GC pause, CPU starvation, a stopped process): a sleep of `asked_s`
+    that took `slept_s`. Heartbeats sent meanwhile wait unread in the socket, so the
+    silence was ours and the clusters' clocks restart from now. A control plane that
+    stalls on every tick fails no one over; its judgement would be no better."""
+    return slept_s - asked_s > heartbeat_interval_s
+
+
 def mark_silent_unhealthy(
     session: Session,
     listening_since: datetime,
