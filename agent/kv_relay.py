@@ -93,6 +93,8 @@ class KvRelay:
         self.relay_id = secrets.token_hex(4)
         self._tasks: dict[str, tuple[Followed, asyncio.Task[None]]] = {}
         self._engine_states: dict[str, EngineKvState] = {}  # vLLM and SGLang replicas'
+        # replicas that answered 404 (no KV events), as followed: asked again only once changed
+        self._without_events: dict[str, Followed] = {}
         self._resync: set[str] = set()
         self._resync_intake = Intake(RESYNC_MAX_BYTES, RESYNC_PER_S, RESYNC_PER_S * RESYNC_MAX_BYTES)
         self.resync_dropped = 0
@@ -109,8 +111,11 @@ class KvRelay:
                 del self._tasks[rid]
         for rid in set(self._engine_states) - set(want):
             del self._engine_states[rid]  # the replica is gone
+        for rid, r in list(self._without_events.items()):
+            if want.get(rid) != r:
+                del self._without_events[rid]  # gone, or a new replica under its id
         for rid, r in want.items():
-            if rid in self._tasks:
+            if rid in self._tasks or rid in self._without_events:
                 continue
             transport = CAPABILITIES[r.engine].kv_events
             if transport is None:
@@ -181,6 +186,7 @@ class KvRelay:
                 resp = await self._http().get(url, params=params)
                 if resp.status_code == 404:
                     log.info("replica %s publishes no KV events; not relayed", r.replica_id)
+                    self._without_events[r.replica_id] = r
                     return
                 resp.raise_for_status()
                 data = resp.json()

@@ -127,3 +127,46 @@ async def _feed(replica, state, agent_link, gw_link, relay, prefix, url) -> None
         await eventually(lambda: late.index.match("east", "r1", keys) == 2)
     finally:
         await late_link.close()
+
+
+async def test_a_replica_without_kv_events_is_asked_once_until_it_changes(nats_server) -> None:
+    """A replica that answers 404 (the sim runtime's) is left alone across the agent's
+    syncs, each a second apart in the daemon, instead of being asked (and logged) again on
+    every one; a new replica under the same id is asked afresh."""
+    asked: list[str] = []
+    app = FastAPI()
+
+    @app.get("/kv/events", status_code=404)
+    async def no_events() -> dict[str, str]:
+        asked.append("x")
+        return {"detail": "no KV events"}
+
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    )
+    serve = asyncio.create_task(server.serve())
+    link = NatsLink(nats_server.url, "agent")
+    relay = KvRelay(link, "east")
+    try:
+        await eventually(lambda: server.started)
+        first = Followed("r1", "d", f"http://127.0.0.1:{port}")
+        relay.sync([first])
+        await eventually(lambda: len(asked) == 1)
+        for _ in range(5):
+            await asyncio.sleep(0.05)
+            relay.sync([first])
+        await asyncio.sleep(0.2)
+        assert len(asked) == 1
+
+        relay.sync([Followed("r1", "d", f"http://localhost:{port}")])  # replaced: a new address
+        await eventually(lambda: len(asked) == 2)
+        relay.sync([])
+        relay.sync([first])  # gone and back: asked again
+        await eventually(lambda: len(asked) == 3)
+    finally:
+        await relay.close()
+        await link.close()
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(serve, 10)
