@@ -38,15 +38,31 @@ def _unhealthy_events(sessions) -> int:
         return len(s.scalars(select(m.Event).where(m.Event.kind == "cluster_unhealthy")).all())
 
 
-async def test_a_cluster_whose_heartbeat_writes_are_late_stays_healthy_and_one_that_stops_fails_over(
-    sessions, tmp_path, monkeypatch
-) -> None:
+def _listening_loops(sessions, tmp_path) -> Loops:
+    """The control plane's loops (not started), listening for a minute, with cluster east
+    heart-beating just now."""
     settings = Settings(home=tmp_path, heartbeat_interval_s=INTERVAL_S, missed_heartbeats=MISSED)
     ctx = ControlPlaneContext(settings=settings, sessions=sessions)
     ctx.nats = SimpleNamespace(is_connected=True)  # type: ignore[assignment]
     loops = Loops(ctx)
     write_heartbeats(sessions, [heartbeat("east")], m.utcnow(), Rejections())
     loops._listening_since = m.utcnow() - timedelta(minutes=1)
+    return loops
+
+
+async def _fails_over_a_window_after(sessions, since: float) -> None:
+    """East becomes unhealthy once, no sooner than a silence window after `since` (monotonic)."""
+    while _status(sessions) != "unhealthy":
+        assert time.monotonic() - since < 10 * INTERVAL_S * MISSED, "a silent cluster was never failed over"
+        await asyncio.sleep(0.05)
+    assert time.monotonic() - since >= INTERVAL_S * MISSED * 0.9
+    assert _unhealthy_events(sessions) == 1
+
+
+async def test_a_cluster_whose_heartbeat_writes_are_late_stays_healthy_and_one_that_stops_fails_over(
+    sessions, tmp_path, monkeypatch
+) -> None:
+    loops = _listening_loops(sessions, tmp_path)
 
     writes_wait = threading.Event()
     write = loops._write_inbox
@@ -68,14 +84,7 @@ async def test_a_cluster_whose_heartbeat_writes_are_late_stays_healthy_and_one_t
         writes_wait.set()
 
         # Now it really stops: failed over within a window and a bit.
-        stopped = time.monotonic()
-        while _status(sessions) != "unhealthy":
-            assert time.monotonic() - stopped < 10 * INTERVAL_S * MISSED, (
-                "a silent cluster was never failed over"
-            )
-            await asyncio.sleep(0.05)
-        assert time.monotonic() - stopped >= INTERVAL_S * MISSED * 0.9
-        assert _unhealthy_events(sessions) == 1
+        await _fails_over_a_window_after(sessions, time.monotonic())
     finally:
         writes_wait.set()
         loops._stopping = True
@@ -108,12 +117,7 @@ async def test_a_control_plane_that_stood_still_fails_no_cluster_over_and_still_
     would) for longer than the silence limit. The heartbeats sent meanwhile have not been
     read: the cluster is not failed over when the loop resumes. If none comes after, it
     is failed over a full limit later."""
-    settings = Settings(home=tmp_path, heartbeat_interval_s=INTERVAL_S, missed_heartbeats=MISSED)
-    ctx = ControlPlaneContext(settings=settings, sessions=sessions)
-    ctx.nats = SimpleNamespace(is_connected=True)  # type: ignore[assignment]
-    loops = Loops(ctx)
-    write_heartbeats(sessions, [heartbeat("east")], m.utcnow(), Rejections())
-    loops._listening_since = m.utcnow() - timedelta(minutes=1)
+    loops = _listening_loops(sessions, tmp_path)
     task = asyncio.create_task(loops._failover_loop())
     try:
         await asyncio.sleep(2 * INTERVAL_S)
@@ -123,13 +127,7 @@ async def test_a_control_plane_that_stood_still_fails_no_cluster_over_and_still_
         await asyncio.sleep(3 * INTERVAL_S)
         assert _status(sessions) == "healthy" and _unhealthy_events(sessions) == 0
 
-        while _status(sessions) != "unhealthy":
-            assert time.monotonic() - resumed < 10 * INTERVAL_S * MISSED, (
-                "a silent cluster was never failed over"
-            )
-            await asyncio.sleep(0.05)
-        assert time.monotonic() - resumed >= INTERVAL_S * MISSED * 0.9
-        assert _unhealthy_events(sessions) == 1
+        await _fails_over_a_window_after(sessions, resumed)
     finally:
         loops._stopping = True
         task.cancel()
