@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from bench.rollout_fleet import RolloutFleet
+from bench.stream_migration import StreamResult
 from tests.agent.conftest import make_tiny_model_dir
 from tests.agent.gateway.conftest import CHAT_TEMPLATE
 from tests.agent.gateway.harness import sample, scrape
@@ -76,11 +77,12 @@ def test_a_rollout_replaces_every_replica_while_streams_run(fleet: RolloutFleet)
     moved = through.across_removal()
     assert len(moved) >= STREAMS // 2, len(moved)  # streams were running on the old replica (measured: 12-30)
 
+    stopped = wait_for(lambda: fleet.stop_events(set(old)), 30, 0.2, "the old replicas' stop events")
     metrics = scrape(fleet.gateway)
     drains = _drains(metrics) - drains_before
-    assert drains >= STREAMS // 2, drains  # the old replica handed them over (measured: 12-30)
+    # the old replica handed them over (measured: 12-30); a failure says how they moved instead
+    assert drains >= STREAMS // 2, (drains, _migrations(metrics), stopped, through.removed_at, _spans(moved))
     assert sample(metrics, "fleet_gateway_stream_migrations_failed_total", deployment=NAME) == 0
-    stopped = wait_for(lambda: fleet.stop_events(set(old)), 30, 0.2, "the old replicas' stop events")
     assert all(m.endswith("exit code 0") for m in stopped.values()), stopped  # drained, not killed
 
     gaps = sorted(m.max_gap() for m in moved)
@@ -93,3 +95,17 @@ def test_a_rollout_replaces_every_replica_while_streams_run(fleet: RolloutFleet)
 
 def _drains(metrics: dict) -> float:
     return sample(metrics, "fleet_gateway_stream_migrations_total", deployment=NAME, reason="drain")
+
+
+def _migrations(metrics: dict) -> dict[str, float]:
+    """Streams migrated so far, by reason."""
+    return {
+        dict(labels).get("reason", ""): value
+        for (name, labels), value in metrics.items()
+        if name == "fleet_gateway_stream_migrations_total"
+    }
+
+
+def _spans(streams: list[StreamResult]) -> list[tuple[float, float]]:
+    """When each stream sent its first and last chunk (the removal times' clock)."""
+    return [(round(r.chunk_times[0], 2), round(r.chunk_times[-1], 2)) for r in streams]

@@ -65,6 +65,15 @@ def gateway(
     gw.stop()
 
 
+def _refused(url: str) -> dict[str, float]:
+    """The listener's refusals so far, by reason (which deadline answered a 408)."""
+    return {
+        dict(labels).get("reason", ""): value
+        for (name, labels), value in scrape(url).items()
+        if name == "fleet_listener_refused_total"
+    }
+
+
 def _aborted(url: str) -> float:
     return sample(scrape(url), "fleet_engine_requests_aborted_total", model=DEPLOYMENT, reason="slow_reader")
 
@@ -109,7 +118,7 @@ def test_a_client_that_reads_nothing_is_cut_and_frees_what_it_held(
         )
         # a well-behaved client is served while it is held
         good = httpx.post(f"{g}/v1/completions", json={**HEAVY, "max_tokens": 8}, headers=auth, timeout=60)
-        assert good.status_code == 200
+        assert good.status_code == 200, (good.headers, good.text, _refused(g), _refused(r1))
         wait_for(
             lambda: (
                 sample(
