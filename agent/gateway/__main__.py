@@ -41,13 +41,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("agent.gateway.access").setLevel(
         logging.INFO if config.gateway.access_log else logging.WARNING
     )
-    tracing.setup("fleet-gateway", attributes={tracing.CLUSTER: config.cluster})
     try:
         listener = uvicorn_options()
-        heap_trim.start()
+        heap_trim.start()  # before any thread (the span exporter's) takes an arena of its own
     except ValueError as err:
         print(f"gateway: {err}", file=sys.stderr)
         return 2
+    tracing.setup("fleet-gateway", attributes={tracing.CLUSTER: config.cluster})
     app = build_app(config)
     server = uvicorn.Server(
         uvicorn.Config(

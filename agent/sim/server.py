@@ -587,11 +587,11 @@ def main(argv: list[str] | None = None) -> None:
         cold,
         error_rate,
     )
-    tracing.setup("fleet-sim", attributes={tracing.DEPLOYMENT: args.served_model_name})
     try:
-        heap_trim.start()
+        heap_trim.start()  # before any thread (the span exporter's) takes an arena of its own
     except ValueError as err:
         sys.exit(f"error: {err}")
+    tracing.setup("fleet-sim", attributes={tracing.DEPLOYMENT: args.served_model_name})
     asyncio.run(_serve(args, profile, cold, error_rate))
 
 
