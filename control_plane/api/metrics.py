@@ -29,6 +29,7 @@ from control_plane.cost.metrics import CostCollector
 from control_plane.counters import ReconcileStats, Rejections
 from control_plane.db.models import CapacityPool, Cluster, Deployment, ReplicaAssignment, Rollout
 from control_plane.nodes.metrics import node_metrics
+from control_plane.placement.hold import UNREACHABLE
 from control_plane.rollouts.policy import Phase
 from control_plane.scheduled import ScheduledJobs
 from control_plane.scheduled.metrics import scheduled_metrics
@@ -223,10 +224,8 @@ def _database_metrics(session: Session) -> Iterator[Metric]:
     regions = {cid: region for cid, region, _ in clusters}
     g = _gauge("replicas", "Replica assignments by cluster and state.", ["cluster", "region", "state"])
     for cluster_id, _, _ in sorted(clusters):
-        for state in ReplicaState:
-            g.add_metric(
-                [cluster_id, regions[cluster_id], state.value], per_cluster.get((cluster_id, state.value), 0)
-            )
+        for state in (*(s.value for s in ReplicaState), UNREACHABLE):
+            g.add_metric([cluster_id, regions[cluster_id], state], per_cluster.get((cluster_id, state), 0))
     yield g
 
     used = used_gpus(session)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta, timezone
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, selectinload
 
@@ -21,12 +21,14 @@ from control_plane.loops.durable import Received, Verdicts
 from control_plane.loops.preemption import apply_preemptions
 from control_plane.loops.store import store_batch
 from control_plane.nodes.record import record_nodes
+from control_plane.placement.hold import UNREACHABLE
 from fleet_base.domain import ClusterStatus
 from fleet_base.protocol import (
     EVENTS_WILDCARD,
     HEARTBEAT_WILDCARD,
     Event,
     Heartbeat,
+    ReplicaState,
     ReplicaStatus,
     heartbeat_subject,
 )
@@ -238,7 +240,8 @@ def mark_silent_unhealthy(
     heard: Mapping[str, datetime] | None = None,
 ) -> list[str]:
     """Healthy or draining clusters that stopped heart-beating become unhealthy (their
-    replicas are then re-placed and their routes dropped). Returns their ids.
+    replicas are then re-placed and their routes dropped) and their ready replicas
+    unreachable (held until ready elsewhere: `placement.hold`). Returns their ids.
 
     `heard`: when this control plane last received each cluster's heartbeat. Liveness is
     judged from the later of that and the stored stamp, so a heartbeat that arrived but
@@ -263,11 +266,20 @@ def mark_silent_unhealthy(
         row.status = ClusterStatus.unhealthy.value
         if was == ClusterStatus.draining.value:
             row.load = {**(row.load or {}), "cordoned": True}
+        session.execute(
+            update(ReplicaAssignment)
+            .where(
+                ReplicaAssignment.cluster_id == row.id,
+                ReplicaAssignment.state == ReplicaState.ready.value,
+            )
+            .values(state=UNREACHABLE)
+        )
         session.add(
             EventRow(
                 kind="cluster_unhealthy",
                 cluster=row.id,
-                message=f"{row.id}: no heartbeat for over {limit_s:g}s (was {was}); re-placing its replicas",
+                message=f"{row.id}: no heartbeat for over {limit_s:g}s (was {was}); re-placing its replicas, "
+                "its ready ones kept there until their replacements are ready",
             )
         )
         marked.append(row.id)

@@ -24,6 +24,7 @@ from control_plane.fleet_model.snapshot import FleetSnapshot, read_snapshot
 from control_plane.fleet_model.standby import standby_demands
 from control_plane.pipelines import load_pipelines
 from control_plane.placement import PlacementResult, Placer, SolvedPlan, SolveInfo, Unplaced, pipeline
+from control_plane.placement.hold import UNREACHABLE
 from fleet_base.protocol import BUCKET_DESIRED, BUCKET_ROUTES, Message, ReplicaState
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,8 @@ def reconcile_once(
             current=tuple(current),
             standby=tuple(standby_demands(snap)),
             pipelines=tuple(pipelines),
+            ready=frozenset(a.replica_id for a in snap.assignments if a.state == ReplicaState.ready.value),
+            unreachable=frozenset(a.replica_id for a in snap.assignments if a.state == UNREACHABLE),
         )
         outcome = pipeline.run(inputs, placer, previous=previous, context=removal_context(snap))
         result = outcome.result

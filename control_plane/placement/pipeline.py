@@ -8,6 +8,8 @@
     verify    every hard rule, no running replica dropped, no priority or quota rule
               broken (`evaluate.plan_problems`); a plan that fails, or a placer that
               raises, is replaced by first-fit-decreasing (made spot-share safe)
+    hold      a silent cluster's replicas that were ready kept until their deployment
+              has enough ready replicas elsewhere (`hold.hold_unreachable`)
     explain   why each removed replica goes (`explain.removal_reasons`); shortfalls
               carry their reasons from the placers
 
@@ -36,6 +38,7 @@ from control_plane.placement.colocation import groups
 from control_plane.placement.evaluate import plan_cost, plan_problems
 from control_plane.placement.explain import RemovalContext, removal_reasons
 from control_plane.placement.ffd import FirstFitDecreasing, spot_safe_ffd
+from control_plane.placement.hold import hold_unreachable
 from control_plane.placement.quotas import NO_QUOTAS, GpuQuotas
 from control_plane.placement.standby import StandbyDemand, complete, split
 from fleet_base.pipelines import PipelineSpec
@@ -52,6 +55,8 @@ class PlacementInputs(BaseModel):
     current: tuple[Assignment, ...] = ()
     standby: tuple[StandbyDemand, ...] = ()
     pipelines: tuple[PipelineSpec, ...] = ()  # steps co-placed: all in a cluster or none
+    ready: frozenset[str] = frozenset()  # replica ids last reported ready
+    unreachable: frozenset[str] = frozenset()  # ready when their cluster went silent
 
 
 class PlacementOutcome(BaseModel):
@@ -75,7 +80,7 @@ def run(
     lp_bound: bool = False,
     context: RemovalContext | None = None,
 ) -> PlacementOutcome:
-    """split -> solve -> complete -> verify -> explain. `placer` is a name in the
+    """split -> solve -> complete -> verify -> hold -> explain. `placer` is a name in the
     registry (built afresh, with `quotas`) or an instance (its own quotas)."""
     if isinstance(placer, str):
         placer = get_placer(placer)
@@ -102,6 +107,9 @@ def run(
     solved = _remember(placer, demands, pools, quotas, result, info, inputs.pipelines)
     steps = groups(inputs.pipelines, demands, inputs.pools) if inputs.pipelines else []
     result = complete(inputs.standby, inputs.pools, result, kept, steps)
+    result = hold_unreachable(
+        result, inputs.current, inputs.demands, inputs.pools, inputs.ready, inputs.unreachable
+    )
     reasons = removal_reasons(inputs.current, inputs.pools, result, context) if context else {}
     return PlacementOutcome(
         result=result, info=info, solved=solved, reasons=reasons, problems=tuple(problems)
