@@ -43,6 +43,10 @@ class Settings(BaseSettings):
     # A cluster is unhealthy after this many heartbeat intervals without one.
     missed_heartbeats: int = 5
     reconcile_interval_s: float = 2.0
+    # A silent cluster's ready replicas stay in its desired state until they are ready
+    # elsewhere, for at most this long after its last heartbeat (placement/hold.py; 300 s
+    # as Kubernetes tolerates an unreachable node). 0 gives them up at once.
+    unreachable_hold_s: float = Field(300.0, ge=0)
     # Placement algorithm by registry name (FLEET_PLACER): "milp" (HiGHS, falls back to
     # first-fit-decreasing on any solver error) or "ffd".
     placer: str = DEFAULT_PLACER

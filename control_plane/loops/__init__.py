@@ -146,6 +146,7 @@ class Loops(NatsLoop):
                 self._nodes,
                 self._reported,
                 self.last.solved if self.last is not None else None,
+                self.ctx.settings.unreachable_hold_s,
             )
         except Exception:
             self.stats.fail()

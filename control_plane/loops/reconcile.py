@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from datetime import timedelta
 
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import delete, select
@@ -49,10 +50,12 @@ def reconcile_once(
     nodes: dict[str, int],
     reported: dict[tuple[str, int], Unplaced],
     previous: SolvedPlan | None = None,
+    hold_s: float = 300.0,
 ) -> ReconcileOutcome:
     """Synchronous (run it in a thread). `nodes` (replica id -> node index) and
     `reported` (shortfalls already announced as events) are the loop's memory and are
-    updated in place; `previous` is the last outcome's `solved` (the warm start)."""
+    updated in place; `previous` is the last outcome's `solved` (the warm start); a silent
+    cluster's unreachable replicas are held for `hold_s` after its last heartbeat."""
     with sessions() as session:
         snap = read_snapshot(session)
         demands, pools, current = placement_inputs(snap, nodes)
@@ -65,7 +68,7 @@ def reconcile_once(
             standby=tuple(standby_demands(snap)),
             pipelines=tuple(pipelines),
             ready=frozenset(a.replica_id for a in snap.assignments if a.state == ReplicaState.ready.value),
-            unreachable=frozenset(a.replica_id for a in snap.assignments if a.state == UNREACHABLE),
+            unreachable=_still_held(snap, hold_s),
         )
         outcome = pipeline.run(inputs, placer, previous=previous, context=removal_context(snap))
         result = outcome.result
@@ -86,6 +89,13 @@ def reconcile_once(
             BUCKET_ROUTES: dict(build_routes(snap, assignments, pipelines)),
         }
         return ReconcileOutcome(result=result, wanted=wanted, info=outcome.info, solved=outcome.solved)
+
+
+def _still_held(snap: FleetSnapshot, hold_s: float) -> frozenset[str]:
+    """Unreachable replicas whose cluster was last heard less than `hold_s` ago."""
+    since = utcnow() - timedelta(seconds=hold_s)
+    heard = {c.id for c in snap.clusters if c.last_heartbeat_at is not None and c.last_heartbeat_at > since}
+    return frozenset(a.replica_id for a in snap.assignments if a.state == UNREACHABLE and a.cluster in heard)
 
 
 def _write(

@@ -6,13 +6,16 @@ replicas up at once costs nothing in the first case and, in the second, has a li
 stop every warm replica it runs, with nowhere else to put them or long before their
 replacements are ready.
 
-So the placer re-places them as before (a silent cluster keeps nothing), and this step
-then holds those that were ready when the silence began (`UNREACHABLE` in the control
-plane's records) for as long as their deployment version has fewer ready replicas
-elsewhere than it wants. Their routes are gone either way (`build_routes` leaves silent
-clusters out); what is held is the desired state their agent is told. When the cluster
-heart-beats again its replicas are ready again and simply kept; when the replacements are
-ready the held ones go.
+So the replicas of a silent cluster that were ready when the silence began (`UNREACHABLE`
+in the control plane's records) are set aside before the placer runs (`waiting`): it
+places the deployment as if they were gone, replacements included, and its plan stays the
+same pass after pass (the optimizing placer's warm start still matches). This step then
+keeps each version's waiting replicas while it has fewer ready replicas elsewhere than it
+wants, and removes the rest. Their routes are gone either way (`build_routes` leaves silent
+clusters out); what is held is the desired state their agent is told. The reconcile loop
+passes a replica as unreachable only for `Settings.unreachable_hold_s` after its cluster's
+last heartbeat (as Kubernetes evicts from an unreachable node after 300 s), so a cluster
+that is really gone lets go of its replicas, its GPU-hours and its deletion.
 
 Pure; the same in the reconcile loop, `fleetctl plan` and tests."""
 
@@ -29,40 +32,45 @@ UNREACHABLE = "unreachable"
 (never on the wire: the agent reports the real state again when it is heard)."""
 
 
+def silent_clusters(pools: Sequence[PoolCapacity]) -> set[str]:
+    return {p.cluster for p in pools if p.cluster_status == ClusterStatus.unhealthy}
+
+
+def waiting(
+    current: Sequence[Assignment], pools: Sequence[PoolCapacity], unreachable: Collection[str]
+) -> tuple[Assignment, ...]:
+    """The current replicas this step decides on: unreachable, on a cluster not healthy
+    (silent, or cordoned while silent: a cordon keeps what runs, and nothing is known to)."""
+    healthy = {p.cluster for p in pools if p.cluster_status == ClusterStatus.healthy}
+    return tuple(a for a in current if a.replica_id in unreachable and a.cluster not in healthy)
+
+
 def hold_unreachable(
     result: PlacementResult,
-    current: Sequence[Assignment],
+    held_back: Sequence[Assignment],
     demands: Sequence[ReplicaDemand],
     pools: Sequence[PoolCapacity],
     ready: Collection[str],
-    unreachable: Collection[str],
 ) -> PlacementResult:
-    """`result` with the removed replicas of silent clusters kept back, each deployment
-    version's up to the ready replicas it still lacks elsewhere (`ready`: the ids last
-    reported ready; `unreachable`: those that were ready when their cluster went silent)."""
-    silent = {p.cluster for p in pools if p.cluster_status == ClusterStatus.unhealthy}
-    removed = set(result.removed) - {p.replica_id for p in result.preempted}
-    candidates: dict[tuple[str, int], list[Assignment]] = defaultdict(list)
-    for a in current:
-        if a.replica_id in removed and a.replica_id in unreachable and a.cluster in silent:
-            candidates[(a.deployment, a.version)].append(a)
-    if not candidates:
+    """The placer's `result` (made without `held_back`, standby not added yet) with each
+    deployment version's `held_back` replicas kept, lowest ids first, up to the ready
+    replicas it lacks on the other clusters (`ready`: ids last reported ready); the rest
+    removed."""
+    if not held_back:
         return result
+    silent = silent_clusters(pools)
     wanted = {(d.deployment, d.version): d.count for d in demands}
     serving: dict[tuple[str, int], int] = defaultdict(int)
     for a in result.assignments:
         if a.replica_id in ready and a.cluster not in silent:
             serving[(a.deployment, a.version)] += 1
-    held: list[Assignment] = []
-    for key, waiting in sorted(candidates.items()):
-        lacking = wanted.get(key, 0) - serving[key]
-        held += sorted(waiting, key=lambda a: a.replica_id)[: max(0, lacking)]
-    if not held:
-        return result
-    ids = {a.replica_id for a in held}
-    return result.model_copy(
-        update={
-            "kept": result.kept + tuple(held),
-            "removed": tuple(r for r in result.removed if r not in ids),
-        }
-    )
+    by_key: dict[tuple[str, int], list[Assignment]] = defaultdict(list)
+    for a in held_back:
+        by_key[(a.deployment, a.version)].append(a)
+    kept: list[Assignment] = []
+    for key, replicas in sorted(by_key.items()):
+        lacking = max(0, wanted.get(key, 0) - serving[key])
+        kept += sorted(replicas, key=lambda a: a.replica_id)[:lacking]
+    ids = {a.replica_id for a in kept}
+    gone = tuple(sorted(a.replica_id for a in held_back if a.replica_id not in ids))
+    return result.model_copy(update={"kept": result.kept + tuple(kept), "removed": result.removed + gone})

@@ -1,15 +1,16 @@
 """Placement as one pipeline, the same for the reconcile loop, `fleetctl plan` and tests:
 
-    split     warm standby replicas set aside, their GPUs reserved (`standby.split`)
+    split     warm standby replicas set aside, their GPUs reserved (`standby.split`), and
+              a silent cluster's unreachable replicas, for the hold step
     solve     the named placer from the registry (or one given), warm-started from the
               previous plan passed in (`SolvedPlan`); placers keep no state
-    complete  the standby replicas added back (`standby.complete`), a pipeline step's
-              only where the plan holds every other step of its pipeline
     verify    every hard rule, no running replica dropped, no priority or quota rule
               broken (`evaluate.plan_problems`); a plan that fails, or a placer that
               raises, is replaced by first-fit-decreasing (made spot-share safe)
-    hold      a silent cluster's replicas that were ready kept until their deployment
-              has enough ready replicas elsewhere (`hold.hold_unreachable`)
+    hold      the unreachable replicas kept while their version lacks ready replicas
+              elsewhere, the rest removed (`hold.hold_unreachable`)
+    complete  the standby replicas added back (`standby.complete`), a pipeline step's
+              only where the plan holds every other step of its pipeline
     explain   why each removed replica goes (`explain.removal_reasons`); shortfalls
               carry their reasons from the placers
 
@@ -38,7 +39,7 @@ from control_plane.placement.colocation import groups
 from control_plane.placement.evaluate import plan_cost, plan_problems
 from control_plane.placement.explain import RemovalContext, removal_reasons
 from control_plane.placement.ffd import FirstFitDecreasing, spot_safe_ffd
-from control_plane.placement.hold import hold_unreachable
+from control_plane.placement.hold import hold_unreachable, waiting
 from control_plane.placement.quotas import NO_QUOTAS, GpuQuotas
 from control_plane.placement.standby import StandbyDemand, complete, split
 from fleet_base.pipelines import PipelineSpec
@@ -80,13 +81,15 @@ def run(
     lp_bound: bool = False,
     context: RemovalContext | None = None,
 ) -> PlacementOutcome:
-    """split -> solve -> complete -> verify -> hold -> explain. `placer` is a name in the
+    """split -> solve -> verify -> hold -> complete -> explain. `placer` is a name in the
     registry (built afresh, with `quotas`) or an instance (its own quotas)."""
     if isinstance(placer, str):
         placer = get_placer(placer)
         placer.quotas = quotas or NO_QUOTAS
     quotas = getattr(placer, "quotas", None) or NO_QUOTAS
-    kept = split(inputs.standby, inputs.pools, inputs.current)
+    held_back = waiting(inputs.current, inputs.pools, inputs.unreachable)  # the hold step's to decide
+    ids = {a.replica_id for a in held_back}
+    kept = split(inputs.standby, inputs.pools, tuple(a for a in inputs.current if a.replica_id not in ids))
     demands, pools, current = inputs.demands, kept.pools, kept.current
     started = time.perf_counter()
     try:
@@ -105,11 +108,9 @@ def run(
         info = _fallback_info(pools, result, started, note, info)
         problems = []
     solved = _remember(placer, demands, pools, quotas, result, info, inputs.pipelines)
+    result = hold_unreachable(result, held_back, demands, inputs.pools, inputs.ready)
     steps = groups(inputs.pipelines, demands, inputs.pools) if inputs.pipelines else []
     result = complete(inputs.standby, inputs.pools, result, kept, steps)
-    result = hold_unreachable(
-        result, inputs.current, inputs.demands, inputs.pools, inputs.ready, inputs.unreachable
-    )
     reasons = removal_reasons(inputs.current, inputs.pools, result, context) if context else {}
     return PlacementOutcome(
         result=result, info=info, solved=solved, reasons=reasons, problems=tuple(problems)

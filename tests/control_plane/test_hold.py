@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 from control_plane.placement import Assignment, PoolCapacity, ReplicaDemand
 from control_plane.placement.ffd import FirstFitDecreasing
-from control_plane.placement.hold import hold_unreachable
+from control_plane.placement.hold import hold_unreachable, waiting
 from control_plane.placement.pipeline import PlacementInputs, run
+from control_plane.placement.standby import StandbyDemand
 from fleet_base.domain import ClusterStatus
 
 SILENT = ClusterStatus.unhealthy
@@ -60,6 +61,8 @@ CASES = [
      ["y-1", "y-2"], ["x-1", "x-2"], 2, [], ["x-1", "x-2"]),
     ("not ready when the silence began (starting, failed): not held",
      {"a": SILENT}, [("a", "x-1"), ("a", "x-2")], [], ["x-2"], 2, ["x-2"], ["x-1"]),
+    ("cordoned while silent: held the same",
+     {"a": ClusterStatus.draining}, [("a", "x-1"), ("a", "x-2")], [], ["x-1", "x-2"], 2, ["x-1", "x-2"], []),
     ("the deployment scaled to zero meanwhile: not held",
      {"a": SILENT}, [("a", "x-1")], [], ["x-1"], 0, [], ["x-1"]),
     ("a healthy cluster's scale-down is the placer's alone",
@@ -123,25 +126,57 @@ def _fleets(draw):
 @given(fleet=_fleets())
 def test_only_what_is_lacking_is_held_and_only_from_silent_clusters(fleet) -> None:
     pools, current, ready, unreachable, demands = fleet
-    plain = FirstFitDecreasing().place(demands, pools, current)
-    out = hold_unreachable(plain, current, demands, pools, ready, unreachable)
+    held_back = waiting(current, pools, unreachable)
     silent = {p.cluster for p in pools if p.cluster_status == SILENT}
-    held = set(plain.removed) - set(out.removed)
-    assert set(out.removed) <= set(plain.removed) and out.added == plain.added
-    by_id = {a.replica_id: a for a in current}
-    assert all(by_id[r].cluster in silent and r in unreachable for r in held)
-    assert {a.replica_id for a in out.kept} == {a.replica_id for a in plain.kept} | held
+    healthy = {p.cluster for p in pools if p.cluster_status == ClusterStatus.healthy}
+    assert all(a.cluster not in healthy and a.replica_id in unreachable for a in held_back)
+    seen = [a for a in current if a not in held_back]
+    plain = FirstFitDecreasing().place(demands, pools, seen)
+    out = hold_unreachable(plain, held_back, demands, pools, ready)
+    kept = {a.replica_id for a in held_back} - set(out.removed)
+    assert out.added == plain.added
+    assert set(out.removed) == set(plain.removed) | ({a.replica_id for a in held_back} - kept)
+    assert {a.replica_id for a in out.kept} == {a.replica_id for a in plain.kept} | kept
     for d in demands:
         key = (d.deployment, d.version)
         serving = sum(
             1 for a in plain.assignments if (a.deployment, a.version) == key and a.replica_id in ready
             and a.cluster not in silent
         )  # fmt: skip
-        waiting = [
-            r for r in plain.removed
-            if (by_id[r].deployment, by_id[r].version) == key and r in unreachable and by_id[r].cluster in silent
-        ]  # fmt: skip
-        mine = [r for r in held if (by_id[r].deployment, by_id[r].version) == key]
-        assert len(mine) == min(len(waiting), max(0, d.count - serving))
-    if not silent:
+        mine = [a for a in held_back if (a.deployment, a.version) == key]
+        assert len([a for a in mine if a.replica_id in kept]) == min(len(mine), max(0, d.count - serving))
+    if not held_back:
         assert out == plain
+
+
+def test_a_warm_standby_does_not_count_as_serving() -> None:
+    pools = [_pool("a", SILENT), _pool("b"), _pool("s")]
+    pools[2] = pools[2].model_copy(update={"region": "standby"})
+    standby = StandbyDemand(deployment="x", version=1, regions=("standby",))
+    warm = _on("s", "x-s")
+    inputs = PlacementInputs(
+        demands=(ReplicaDemand(deployment="x", version=1, count=2, regions=("r-a", "r-b")),),
+        pools=tuple(pools),
+        current=(_on("a", "x-1"), _on("a", "x-2"), warm),
+        standby=(standby,),
+        ready=frozenset({"x-s"}),
+        unreachable=frozenset({"x-1", "x-2"}),
+    )
+    out = run(inputs, "ffd").result
+    assert warm in out.kept and _kept(out, "a") == ["x-1", "x-2"]
+
+
+def test_the_optimizing_placers_warm_start_still_matches_while_replicas_are_held() -> None:
+    pools = [_pool("a", SILENT), _pool("b", nodes=0)]  # nowhere else to go
+    inputs = PlacementInputs(
+        demands=(ReplicaDemand(deployment="x", version=1, count=2),),
+        pools=tuple(pools),
+        current=(_on("a", "x-1"), _on("a", "x-2")),
+        unreachable=frozenset({"x-1", "x-2"}),
+    )
+    first = run(inputs, "milp")
+    again = run(
+        inputs.model_copy(update={"current": first.result.assignments}), "milp", previous=first.solved
+    )
+    assert again.info is not None and again.info.method == "unchanged", again.info
+    assert not again.result.changed and _kept(again.result, "a") == ["x-1", "x-2"]

@@ -10,6 +10,8 @@ from datetime import timedelta
 
 from control_plane.db import models as m
 from control_plane.loops.ingest import apply_heartbeat, mark_silent_unhealthy
+from control_plane.loops.reconcile import reconcile_once
+from control_plane.placement import get_placer
 from fleet_base.protocol import BUCKET_DESIRED, BUCKET_ROUTES, ReplicaState, ReplicaStatus
 from tests.control_plane.test_loops import add_deployment, assignments, events, heartbeat, run
 
@@ -93,3 +95,17 @@ def test_a_silent_clusters_replicas_go_once_their_replacements_are_ready(session
     assert sorted(assignments(sessions)) == new and _desired(out, "a") == []
     removed = events(sessions, "removed")
     assert len(removed) == 2 and all("cluster a is unhealthy" in e.message for e in removed)
+
+
+def test_a_cluster_silent_for_longer_than_the_hold_gives_its_replicas_up(sessions) -> None:
+    _beat(sessions, "a", {})
+    add_deployment(sessions, "chat", replicas=2)
+    memory = ({}, {})
+    run(sessions, memory)
+    ids = sorted(assignments(sessions))
+    _beat(sessions, "a", dict.fromkeys(ids, ReplicaState.ready))
+    assert _silence(sessions) == ["a"]
+    nodes, reported = memory
+    out = reconcile_once(sessions, get_placer("ffd"), nodes, reported, hold_s=0.0)
+    assert sorted(out.result.removed) == ids and _desired(out, "a") == []
+    assert not assignments(sessions) and len(events(sessions, "removed")) == 2

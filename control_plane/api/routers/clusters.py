@@ -130,7 +130,8 @@ def delete_cluster(cluster_id: str, request: Request, session: SessionDep, who: 
     if before.replicas:
         raise conflict(
             f"cluster {cluster_id!r} has {before.replicas} replica(s) assigned; stop its agent (its replicas "
-            "are re-placed once it is unhealthy) or delete those deployments first"
+            "are re-placed once it is unhealthy, and given up once ready elsewhere or "
+            "FLEET_UNREACHABLE_HOLD_S after its last heartbeat) or delete those deployments first"
         )
     session.delete(row)
     audit(session, who, "cluster.delete", "cluster", cluster_id, before, None)
