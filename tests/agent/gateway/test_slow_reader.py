@@ -46,10 +46,24 @@ def stalled_stream(url: str, path: str, body: dict, headers: dict[str, str] | No
 
 
 @pytest.fixture(scope="module")
+def roomy(gw_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A replica whose own unread bound (64 MiB) cannot end the stream first: behind the
+    gateway, only the gateway's write deadline may (with the shared replicas' 64 KiB bound
+    the two raced, and the replica often won)."""
+    args = ["--served-model-name", DEPLOYMENT, "--threads", "1", "--kv-cache-memory", "2MiB"]
+    args += ["--max-model-len", "256", "--max-unread-bytes", "64MiB"]
+    log = tmp_path_factory.mktemp("gw-roomy") / "roomy.log"
+    proc = ServerProcess(*args, model=str(gw_model), log_path=log)
+    proc.start(timeout=120)
+    yield proc
+    proc.stop(timeout=10)
+
+
+@pytest.fixture(scope="module")
 def gateway(
     tmp_path_factory: pytest.TempPathFactory,
     nats: NatsServer,
-    replicas: list[ServerProcess],
+    roomy: ServerProcess,
     keys: dict[str, tuple[str, ApiKeyRecord]],
 ) -> Iterator[GatewayProcess]:
     gw = GatewayProcess(
@@ -57,7 +71,7 @@ def gateway(
     )
     gw.start()
     gw.write(
-        replicas=[replica("r1", replicas[0].url)],
+        replicas=[replica("r1", roomy.url)],
         keys=[record for _, record in keys.values()],
         routes=[route(DEPLOYMENT, [peer("east", gw.url, *EAST)])],
     )
@@ -79,7 +93,7 @@ def _aborted(url: str) -> float:
 
 
 def test_a_client_that_reads_nothing_is_cut_and_frees_what_it_held(
-    gateway: GatewayProcess, replicas: list[ServerProcess], secret: str, tmp_path: Path
+    gateway: GatewayProcess, replicas: list[ServerProcess], roomy: ServerProcess, secret: str, tmp_path: Path
 ) -> None:
     r1 = replicas[0].url
     auth = {"Authorization": f"Bearer {secret}"}
@@ -118,7 +132,7 @@ def test_a_client_that_reads_nothing_is_cut_and_frees_what_it_held(
         )
         # a well-behaved client is served while it is held
         good = httpx.post(f"{g}/v1/completions", json={**HEAVY, "max_tokens": 8}, headers=auth, timeout=60)
-        assert good.status_code == 200, (good.headers, good.text, _refused(g), _refused(r1))
+        assert good.status_code == 200, (good.headers, good.text, _refused(g), _refused(roomy.url))
         wait_for(
             lambda: (
                 sample(
