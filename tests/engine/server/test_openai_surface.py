@@ -270,7 +270,7 @@ def test_responses_text_and_stream_events(client: openai.OpenAI) -> None:
 
 def test_responses_json_schema_and_function_tool(client: openai.OpenAI) -> None:
     r = client.responses.create(
-        model=MODEL, input="A person, please.", max_output_tokens=64,
+        model=MODEL, input="A person, please.", max_output_tokens=64, temperature=0,
         text={"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}},
     )  # fmt: skip
     assert r.status == "completed", r.output_text
