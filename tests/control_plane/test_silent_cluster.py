@@ -27,6 +27,16 @@ def _beat(sessions, cluster: str, states: dict[str, ReplicaState]) -> None:
         s.commit()
 
 
+def _two_ready_on_a(sessions, memory) -> list[str]:
+    """Cluster a runs the deployment's two replicas, both reported ready; their ids."""
+    _beat(sessions, "a", {})
+    add_deployment(sessions, "chat", replicas=2)
+    run(sessions, memory)
+    ids = sorted(assignments(sessions))
+    _beat(sessions, "a", dict.fromkeys(ids, ReplicaState.ready))
+    return ids
+
+
 def _silence(sessions) -> list[str]:
     """Every cluster has been silent for a minute."""
     now = m.utcnow()
@@ -46,12 +56,8 @@ def _routed(out) -> list[str]:
 
 
 def test_a_silent_cluster_with_nowhere_else_to_go_keeps_its_replicas_and_restarts_none(sessions) -> None:
-    _beat(sessions, "a", {})
-    add_deployment(sessions, "chat", replicas=2)
     memory = ({}, {})
-    run(sessions, memory)
-    ids = sorted(assignments(sessions))
-    _beat(sessions, "a", dict.fromkeys(ids, ReplicaState.ready))
+    ids = _two_ready_on_a(sessions, memory)
 
     assert _silence(sessions) == ["a"]
     assert {state for _, state, _ in assignments(sessions).values()} == {"unreachable"}
@@ -68,12 +74,8 @@ def test_a_silent_cluster_with_nowhere_else_to_go_keeps_its_replicas_and_restart
 
 
 def test_a_silent_clusters_replicas_go_once_their_replacements_are_ready(sessions) -> None:
-    _beat(sessions, "a", {})
-    add_deployment(sessions, "chat", replicas=2)
     memory = ({}, {})
-    run(sessions, memory)
-    old = sorted(assignments(sessions))
-    _beat(sessions, "a", dict.fromkeys(old, ReplicaState.ready))
+    old = _two_ready_on_a(sessions, memory)
     _beat(sessions, "b", {})  # room elsewhere, heard from since
 
     with sessions() as s:  # only a has been silent for long
@@ -98,12 +100,8 @@ def test_a_silent_clusters_replicas_go_once_their_replacements_are_ready(session
 
 
 def test_a_cluster_silent_for_longer_than_the_hold_gives_its_replicas_up(sessions) -> None:
-    _beat(sessions, "a", {})
-    add_deployment(sessions, "chat", replicas=2)
     memory = ({}, {})
-    run(sessions, memory)
-    ids = sorted(assignments(sessions))
-    _beat(sessions, "a", dict.fromkeys(ids, ReplicaState.ready))
+    ids = _two_ready_on_a(sessions, memory)
     assert _silence(sessions) == ["a"]
     nodes, reported = memory
     out = reconcile_once(sessions, get_placer("ffd"), nodes, reported, hold_s=0.0)
