@@ -13,6 +13,12 @@ file descriptors (slowloris). `GuardedH11Protocol` adds one deadline per connect
 - past `max_connections` open connections a new one is answered 503 with Retry-After and
   closed at once, before any of its bytes are read.
 
+A listener whose clients are the fleet's own connection pools (a replica, a gateway's peer
+listener) keeps an idle connection longer than those pools do (`behind_pool`): whichever end
+closes an idle connection first should be the client. A server that closes first races the
+pool (a request written as the close arrives fails), and its TLS shutdown waits for a
+close_notify the idle pool never reads, holding the connection's buffers until it times out.
+
 Limits come from the environment (`ListenerLimits.from_env`, names in `ENV`); refusals are
 counted per process and exposed as `fleet_listener_refused_total{reason}` by the servers
 that have a /metrics (`RefusalCollector`).
@@ -43,6 +49,10 @@ ENV = {
     "max_header_bytes": "FLEET_MAX_HEADER_BYTES",
 }
 REASONS = ("connection_cap", "header_timeout", "body_timeout")
+# How long the fleet's own HTTP clients (the gateway's pool to replicas and peers) keep an
+# idle connection, and the least a listener behind such a pool keeps one.
+POOL_KEEPALIVE_S = 30.0
+BEHIND_POOL_KEEPALIVE_S = 2 * POOL_KEEPALIVE_S
 
 
 class ListenerLimits(BaseModel):
@@ -57,17 +67,22 @@ class ListenerLimits(BaseModel):
     max_header_bytes: int = Field(16 * 1024, ge=1024)
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> ListenerLimits:
+    def from_env(cls, env: Mapping[str, str] | None = None, *, behind_pool: bool = False) -> ListenerLimits:
         """The limits set in the environment (ENV names), the defaults for the others;
-        ValueError naming the variable for a bad value."""
+        ValueError naming the variable for a bad value. `behind_pool`: the keep-alive is at
+        least BEHIND_POOL_KEEPALIVE_S whatever the environment says (it bounds the idle
+        connections of clients; here the only clients are pools that must close first)."""
         env = os.environ if env is None else env
         given = {field: env[name] for field, name in ENV.items() if env.get(name, "").strip()}
         try:
-            return cls.model_validate(given)
+            limits = cls.model_validate(given)
         except ValidationError as err:
             first = err.errors()[0]
             name = ENV.get(str(first["loc"][0]), str(first["loc"][0]))
             raise ValueError(f"{name}={given.get(str(first['loc'][0]))!r}: {first['msg']}") from None
+        if behind_pool and limits.keepalive_timeout_s < BEHIND_POOL_KEEPALIVE_S:
+            limits = limits.model_copy(update={"keepalive_timeout_s": BEHIND_POOL_KEEPALIVE_S})
+        return limits
 
 
 # refusals of every listener of this process, by reason
@@ -208,11 +223,12 @@ def protocol_for(limits: ListenerLimits) -> type[GuardedH11Protocol]:
     return type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits})
 
 
-def uvicorn_options(limits: ListenerLimits | None = None) -> dict[str, Any]:
+def uvicorn_options(limits: ListenerLimits | None = None, *, behind_pool: bool = False) -> dict[str, Any]:
     """Keyword arguments for `uvicorn.Config` that apply `limits` (default: from the
-    environment). uvicorn's own `limit_concurrency` backs the connection cap for requests
-    (503 past it); the protocol refuses the connection itself before it can hold a slot."""
-    limits = limits or ListenerLimits.from_env()
+    environment, `behind_pool` as `ListenerLimits.from_env`). uvicorn's own
+    `limit_concurrency` backs the connection cap for requests (503 past it); the protocol
+    refuses the connection itself before it can hold a slot."""
+    limits = limits or ListenerLimits.from_env(behind_pool=behind_pool)
     return {
         "http": protocol_for(limits),
         "limit_concurrency": limits.max_connections + 1,  # uvicorn refuses at >=; the cap admits max

@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             **listener,
         )
     )
-    peer = peer_server(config, app, ns.log_level, listener)
+    peer = peer_server(config, app, ns.log_level, uvicorn_options(behind_pool=True))
     logging.getLogger("agent.gateway").info(
         "gateway of cluster %s on %s%s (state %s)",
         config.cluster,
@@ -97,7 +97,7 @@ def peer_server(
             ssl_keyfile=str(creds.gateway_key),
             ssl_ca_certs=str(creds.ca_file),
             ssl_cert_reqs=ssl.CERT_REQUIRED,
-            **(listener if listener is not None else uvicorn_options()),
+            **(listener if listener is not None else uvicorn_options(behind_pool=True)),
         )
     )
 

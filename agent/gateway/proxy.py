@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from fleet_base import tracing
+from fleet_base.listener import POOL_KEEPALIVE_S
 from fleet_base.openai_contract.timing import TTFT_HEADER, read_ttft
 from fleet_base.tracing import INVALID_SPAN, Span
 
@@ -38,12 +39,15 @@ NO_RETRY_HEADER = "x-fleet-no-retry"
 def make_client(read_timeout_s: float = 600.0, verify: ssl.SSLContext | bool = True) -> httpx.AsyncClient:
     """The gateway's one upstream client: pooled keep-alive connections, a short connect
     timeout (a dead replica is found fast and retried elsewhere), a read timeout long
-    enough for a non-streamed generation, and no proxies from the environment. `verify`:
+    enough for a non-streamed generation, and no proxies from the environment. Replicas and
+    peers keep an idle connection longer than this pool does (`fleet_base.listener`). `verify`:
     the fleet CA context (with the gateway's client certificate) on a secured cluster."""
     return httpx.AsyncClient(
         verify=verify,
         timeout=httpx.Timeout(connect=2.0, read=read_timeout_s, write=30.0, pool=10.0),
-        limits=httpx.Limits(max_connections=2048, max_keepalive_connections=256, keepalive_expiry=30.0),
+        limits=httpx.Limits(
+            max_connections=2048, max_keepalive_connections=256, keepalive_expiry=POOL_KEEPALIVE_S
+        ),
         trust_env=False,
         follow_redirects=False,
     )

@@ -609,7 +609,7 @@ async def _serve(args: argparse.Namespace, profile: PerfProfile, cold: float, er
             access_log=False,
             ssl_certfile=args.ssl_certfile,
             ssl_keyfile=args.ssl_keyfile,
-            **uvicorn_options(),
+            **uvicorn_options(behind_pool=True),  # the gateway's pool closes idle connections first
         )
     )
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]

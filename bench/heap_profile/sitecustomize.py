@@ -46,6 +46,7 @@ if os.environ.get("FLEET_HEAP_PROFILE_DIR"):
         except (OSError, AttributeError):
             pass
         f.write(f"python: {sys.getallocatedblocks()} allocated blocks\n")
+        gc.collect()  # count what is alive, not the cyclic garbage the next collection frees
         types = collections.Counter(type(o).__name__ for o in gc.get_objects())
         if not _types_at_start:
             _types_at_start.update(types)

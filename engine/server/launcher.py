@@ -385,7 +385,7 @@ async def _serve(ns: argparse.Namespace, settings: ServerSettings) -> int:
         lifespan="off",
         ssl_certfile=ns.ssl_certfile,
         ssl_keyfile=ns.ssl_keyfile,
-        **uvicorn_options(),
+        **uvicorn_options(behind_pool=True),  # the gateway's pool closes idle connections first
     )
     server = _Server(config, state)
     loader = threading.Thread(
@@ -428,7 +428,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             stall_timeout_s=ns.stall_timeout,
             test_hooks=os.environ.get(TEST_HOOKS_ENV) == "1",
         )
-        ListenerLimits.from_env()
+        ListenerLimits.from_env(behind_pool=True)
         heap_trim.interval_from_env()
     except Exception as err:
         print(f"error: {err}", file=sys.stderr)

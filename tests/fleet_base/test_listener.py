@@ -15,7 +15,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from fleet_base.listener import REFUSED, ListenerLimits, RefusalCollector, uvicorn_options
+from fleet_base.listener import (
+    BEHIND_POOL_KEEPALIVE_S,
+    POOL_KEEPALIVE_S,
+    REFUSED,
+    ListenerLimits,
+    RefusalCollector,
+    uvicorn_options,
+)
 from fleet_base.ports import free_port
 from tests.polling import eventually
 
@@ -43,6 +50,23 @@ def test_limits_from_env(env: dict[str, str], expected: object) -> None:
         assert ListenerLimits.from_env(env) == ListenerLimits(**expected)
     else:
         assert ListenerLimits.from_env(env) == expected
+
+
+@pytest.mark.parametrize(
+    ("env", "keepalive"),
+    [
+        ({}, BEHIND_POOL_KEEPALIVE_S),
+        ({"FLEET_KEEPALIVE_TIMEOUT_S": "1"}, BEHIND_POOL_KEEPALIVE_S),
+        ({"FLEET_KEEPALIVE_TIMEOUT_S": "300"}, 300),
+    ],
+)
+def test_a_listener_behind_the_pool_keeps_idle_connections_longer_than_the_pool(
+    env: dict[str, str], keepalive: float
+) -> None:
+    limits = ListenerLimits.from_env({**env, "FLEET_MAX_CONNECTIONS": "7"}, behind_pool=True)
+    assert limits.keepalive_timeout_s == keepalive > POOL_KEEPALIVE_S
+    assert limits.max_connections == 7  # the other limits are the environment's
+    assert uvicorn_options(behind_pool=True)["timeout_keep_alive"] > POOL_KEEPALIVE_S
 
 
 def test_uvicorn_options_apply_the_limits() -> None:
