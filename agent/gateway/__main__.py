@@ -8,7 +8,6 @@ import logging
 import ssl
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 import uvicorn
 from pydantic import ValidationError
@@ -61,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             **listener,
         )
     )
-    peer = peer_server(config, app, ns.log_level, uvicorn_options(behind_pool=True))
+    peer = peer_server(config, app, ns.log_level)
     logging.getLogger("agent.gateway").info(
         "gateway of cluster %s on %s%s (state %s)",
         config.cluster,
@@ -76,11 +75,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def peer_server(
-    config: ClusterConfig, app, log_level: str, listener: dict[str, Any] | None = None
-) -> uvicorn.Server | None:
+def peer_server(config: ClusterConfig, app, log_level: str) -> uvicorn.Server | None:
     """The HTTPS listener for peer gateways: the fleet CA must have issued the client's
-    certificate (mutual TLS); which gateway it is comes from its peer token."""
+    certificate (mutual TLS); which gateway it is comes from its peer token. Only peers'
+    pools connect here, so it keeps idle connections longer than they do (`behind_pool`)."""
     creds, gwc = config.security, config.gateway
     if not (gwc.peer_port and creds.enabled and creds.gateway_cert and creds.gateway_key):
         return None
@@ -97,7 +95,7 @@ def peer_server(
             ssl_keyfile=str(creds.gateway_key),
             ssl_ca_certs=str(creds.ca_file),
             ssl_cert_reqs=ssl.CERT_REQUIRED,
-            **(listener if listener is not None else uvicorn_options(behind_pool=True)),
+            **uvicorn_options(behind_pool=True),
         )
     )
 
