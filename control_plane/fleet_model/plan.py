@@ -59,8 +59,10 @@ def placement_inputs(
             if spec is None:
                 continue
             demands.append(_demand(snap, d, spec, count))
+    ready = ReplicaState.ready.value
     current = [
-        Assignment(**a.model_dump(include=PLACED), node=nodes.get(a.replica_id)) for a in snap.assignments
+        Assignment(**a.model_dump(include=PLACED), node=nodes.get(a.replica_id), ready=a.state == ready)
+        for a in snap.assignments
     ]
     return demands, healthy_pools(snap, _pools(snap)), current
 

@@ -163,7 +163,11 @@ class ReplicaDemand(_Frozen):
 class Assignment(_Frozen):
     """One replica on one pool. `node` (index within the pool) is the placer's own
     bookkeeping; it may be None when the caller does not store it, and is then
-    reconstructed."""
+    reconstructed. `ready`: its agent last reported it serving (a caller that does not know
+    says nothing, and the replica counts as serving: it is never traded away for not being
+    known). A scale-down stops the replicas still starting before those that serve, as a
+    Kubernetes ReplicaSet deletes unready pods first: trading a warm replica for one that
+    may not come up is capacity lost now for a preference later."""
 
     replica_id: str
     deployment: str
@@ -172,6 +176,7 @@ class Assignment(_Frozen):
     pool: str
     gpus: int = Field(1, ge=1)
     node: int | None = None
+    ready: bool = True
 
     @property
     def pool_key(self) -> tuple[str, str]:

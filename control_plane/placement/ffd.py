@@ -496,8 +496,9 @@ def _keep_order(
     group: list[Assignment], d: ReplicaDemand, by_pool: dict[tuple[str, str], PoolCapacity]
 ) -> list[Assignment]:
     """Current replicas of one demand, best kept first: the most preferred one in each
-    region until min_regions regions are covered, then by pool preference."""
-    ranked = sorted(group, key=lambda a: (by_pool[a.pool_key].preference(), a.replica_id))
+    region until min_regions regions are covered, then by pool preference; those that
+    serve before those still starting, at each step (`Assignment.ready`)."""
+    ranked = sorted(group, key=lambda a: (not a.ready, by_pool[a.pool_key].preference(), a.replica_id))
     first: list[Assignment] = []
     regions: set[str] = set()
     for a in ranked:

@@ -8,17 +8,24 @@ y[p] (nodes to acquire, at most the pool's `nodes`), and:
     sum_{p spot} x[d,p] <= floor(S_d R_d)        spot share
     z[d,r] <= sum_{p in r} x[d,p],  sum_r z[d,r] + v[d] >= min(K_d, R_d)   active-active
     m[d,p] >= cur[d,p] - x[d,p]                  moves away from the current assignment
+    r[d,p] >= ready[d,p] - x[d,p]                of them, replicas that serve (the starting
+                                                  ones in a pair go first)
     w[g,c] <= sum_{p in c} x[s,p] <= R_s w[g,c]   pipelines: every step s of group g in
                                                   cluster c, or none (w binary)
 
 minimize   sum_p price_p y_p   (reserved pools: 0, already paid for; plus the pool's
                                 reliability premium, control_plane.placement.reliability)
-         + move_fraction * (price per GPU of the pool left) * GPUs * m       a move must pay
+         + move_fraction * (price per GPU of the pool left) * GPUs * (m + r) / 2
+                                                  a move must pay (half of it for a replica
+                                                  still starting)
          + distance_weight * RTT(pool, demand regions) * GPUs * x            then nearness
          + BIG * u + BIG_R * v                                                 shortfalls last
 
 The weights make the order cost > moves > distance without a second solve: a replica
-moves only to save more than `move_fraction` of its own hourly price. The solve is
+moves only to save more than `move_fraction` of its own hourly price, and one still
+starting for half that: a scale-down stops starting replicas before warm ones unless the
+warm ones' price per GPU is over (1 - f/2) / (1 - f) times theirs (f = move_fraction:
+1.056 at 0.1). The solve is
 warm-started from the current assignment (on small instances, from first-fit-decreasing
 seeded with it, so it is never worse than FFD; FFD is Python and too slow to seed
 thousands of replicas over thousands of pools), runs under a time limit and a relative
@@ -179,9 +186,14 @@ class MilpPlacer(Placer):
         by_pool = {p.key: p for p in pools}
         cur_ok, removed = current_split(current, by_demand, by_pool)
         cur: dict[Pair, int] = defaultdict(int)
+        serving: dict[Pair, int] = defaultdict(int)
         for a in cur_ok:
             cur[((a.deployment, a.version), a.pool_key)] += 1
-        v = MilpVars(by_demand=by_demand, by_pool=by_pool, cur=cur, cur_ok=cur_ok, removed=removed)
+            if a.ready:
+                serving[((a.deployment, a.version), a.pool_key)] += 1
+        v = MilpVars(
+            by_demand=by_demand, by_pool=by_pool, cur=cur, cur_ok=cur_ok, removed=removed, serving=serving
+        )
         m = v.m
         pairs = [(d, p) for d, p in pairs if p.accepts_new or cur[(d.key, p.key)] > 0]
         top_price = max([p.hourly_price + p.reliability_premium for p in pools] + [1.0])
@@ -204,17 +216,21 @@ class MilpPlacer(Placer):
         weights, penalty = shortfall_weights(by_demand, pools, big)
         v.u = {k: m.var(weights[d.rank], float(d.count), False) for k, d in by_demand.items() if d.count > 0}
         for (dk, pk), n in cur.items():
-            w = self.move_fraction * by_pool[pk].price_per_gpu * by_demand[dk].gpu_count + 1e-3
-            v.moves[(dk, pk)] = m.var(w, float(n), False, cost_only=0.0)
+            w = self.move_fraction * by_pool[pk].price_per_gpu * by_demand[dk].gpu_count / 2
+            v.moves[(dk, pk)] = m.var(w + 1e-3, float(n), False, cost_only=0.0)
+            if serving[(dk, pk)]:
+                v.ready_moves[(dk, pk)] = m.var(w + 1e-3, float(serving[(dk, pk)]), False, cost_only=0.0)
         _add_capacity_rows(v)
         _add_regions(v, big / 2)
         _add_pipelines(v, groups)
         add_priority_terms(v, self.quotas, weights, penalty)
-        # moves: every running replica not kept (a preempted one too)
-        for (dk, pk), j in v.moves.items():
-            kj = v.keep.get((dk, pk), v.x.get((dk, pk)))
-            terms = [(j, 1.0)] + ([(kj, 1.0)] if kj is not None else [])
-            m.row(terms, float(cur[(dk, pk)]), math.inf)
+        # moves: every running replica not kept (a preempted one too); of them, those that
+        # serve, once the pair's starting ones are gone
+        for counts, columns in ((cur, v.moves), (serving, v.ready_moves)):
+            for (dk, pk), j in columns.items():
+                kj = v.keep.get((dk, pk), v.x.get((dk, pk)))
+                terms = [(j, 1.0)] + ([(kj, 1.0)] if kj is not None else [])
+                m.row(terms, float(counts[(dk, pk)]), math.inf)
         return v
 
     def _solve(self, by_demand, pools, current, pairs, greedy, started, want_bound, groups=()):
@@ -395,9 +411,10 @@ def _warm_start(v: MilpVars, greedy: PlacementResult | None) -> np.ndarray:
     for dk, j in v.u.items():
         start[j] = by_demand[dk].count - sum(start[jx] for jx in v.per_demand[dk])
     priority_start(v, start, kept0, evicted0)
-    for (dk, pk), j in v.moves.items():
-        kj = v.keep.get((dk, pk), v.x.get((dk, pk)))
-        start[j] = max(0.0, cur[(dk, pk)] - (start[kj] if kj is not None else 0))
+    for counts, columns in ((cur, v.moves), (v.serving, v.ready_moves)):
+        for (dk, pk), j in columns.items():
+            kj = v.keep.get((dk, pk), v.x.get((dk, pk)))
+            start[j] = max(0.0, counts[(dk, pk)] - (start[kj] if kj is not None else 0))
     covered: dict[Key, set[str]] = defaultdict(set)
     for (dk, pk), jx in v.x.items():
         if start[jx] > 0:

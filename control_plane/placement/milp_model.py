@@ -140,7 +140,8 @@ class MilpVars:
     """The model and every column family in it, with the inputs they index.
 
     x: replicas per (demand, pool); y: nodes per pool; u: shortfall per demand; moves:
-    running replicas not kept per pair; region_short / covered: active-active (regions a
+    running replicas not kept per pair; ready_moves: of those, the ones that serve (beyond
+    the pair's starting ones, which go first); region_short / covered: active-active (regions a
     demand is short of, a binary per (demand, region)); keep / evict: running replicas
     kept / preempted per pair; allow: a binary per (pool, rank) that lets that rank be
     preempted there; forced: running replicas of a demand that no longer fit; floor_short:
@@ -151,11 +152,13 @@ class MilpVars:
     cur: dict[Pair, int]  # running replicas that may stay, per pair
     cur_ok: list[Assignment]  # those replicas
     removed: list[str]  # running replicas that must go whatever the solution
+    serving: dict[Pair, int] = field(default_factory=dict)  # of `cur`, those reported ready
     m: SparseModel = field(default_factory=SparseModel)
     x: dict[Pair, int] = field(default_factory=dict)
     y: dict[PoolKey, int] = field(default_factory=dict)
     u: dict[Key, int] = field(default_factory=dict)
     moves: dict[Pair, int] = field(default_factory=dict)
+    ready_moves: dict[Pair, int] = field(default_factory=dict)
     region_short: dict[Key, int] = field(default_factory=dict)
     covered: dict[tuple[Key, str], int] = field(default_factory=dict)
     keep: dict[Pair, int] = field(default_factory=dict)

@@ -65,8 +65,10 @@ def _running(
     v: MilpVars, sol: MilpSolution, by_pair: dict[Pair, list[Assignment]]
 ) -> tuple[list[Assignment], list[str], list[Preemption]]:
     """Which running replicas stay, which go, and which of those were preempted (by whom).
-    Replicas stay on the fullest nodes and leave from the emptiest, so the room they free
-    comes in whole nodes (what a replica of several GPUs, or a preemptor, needs)."""
+    In a pair, those that serve stay first (the model charged their removal only past the
+    starting ones), unless the pair is preempted; then replicas stay on the fullest nodes
+    and leave from the emptiest, so the room they free comes in whole nodes (what a replica
+    of several GPUs, or a preemptor, needs)."""
     kept: list[Assignment] = []
     removed = list(v.removed)
     load: dict[tuple, int] = defaultdict(int)
@@ -74,7 +76,16 @@ def _running(
         load[(a.pool_key, a.node)] += a.gpus
     preempted: list[Preemption] = []
     for key, group in by_pair.items():
-        group.sort(key=lambda a: (a.node is None, -load[(a.pool_key, a.node)], a.node or 0, a.replica_id))
+        by_readiness = not sol.evicted.get(key, 0)  # a preemptor needs whole nodes more
+        group.sort(
+            key=lambda a: (
+                by_readiness and not a.ready,
+                a.node is None,
+                -load[(a.pool_key, a.node)],
+                a.node or 0,
+                a.replica_id,
+            )
+        )
         n = min(sol.keep.get(key, sol.want.get(key, 0)), sol.want.get(key, 0))
         kept += group[:n]
         gone = group[n:]

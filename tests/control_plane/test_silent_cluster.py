@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
+
 from control_plane.db import models as m
 from control_plane.loops.ingest import apply_heartbeat, mark_silent_unhealthy
 from control_plane.loops.reconcile import reconcile_once
@@ -107,3 +109,33 @@ def test_a_cluster_silent_for_longer_than_the_hold_gives_its_replicas_up(session
     out = reconcile_once(sessions, get_placer("ffd"), nodes, reported, hold_s=0.0)
     assert sorted(out.result.removed) == ids and _desired(out, "a") == []
     assert not assignments(sessions) and len(events(sessions, "removed")) == 2
+
+
+@pytest.mark.parametrize("placer", ["ffd", "milp"])
+def test_a_cluster_heard_again_keeps_its_warm_replicas_over_replacements_still_starting(
+    sessions, placer: str
+) -> None:
+    """The replacements' cluster is the preferred one (same price, first by name), yet the
+    warm replicas stay and the starting replacements go: no capacity is traded for it."""
+    memory = ({}, {})
+    nodes, reported = memory
+    _beat(sessions, "z", {})
+    add_deployment(sessions, "chat", replicas=2)
+    reconcile_once(sessions, get_placer(placer), nodes, reported)
+    old = sorted(assignments(sessions))
+    _beat(sessions, "z", dict.fromkeys(old, ReplicaState.ready))
+    _beat(sessions, "a", {})
+    with sessions() as s:  # only z has been silent for long
+        s.get(m.Cluster, "a").last_heartbeat_at = m.utcnow() + timedelta(minutes=1)
+        s.commit()
+    assert _silence(sessions) == ["z"]
+    out = reconcile_once(sessions, get_placer(placer), nodes, reported)
+    new = sorted(a.replica_id for a in out.result.added)
+    assert len(new) == 2 and {a.cluster for a in out.result.added} == {"a"}
+
+    _beat(sessions, "a", dict.fromkeys(new, ReplicaState.starting))
+    _beat(sessions, "z", dict.fromkeys(old, ReplicaState.ready))  # heard again, still warm
+    out = reconcile_once(sessions, get_placer(placer), nodes, reported)
+    assert sorted(out.result.removed) == new, out.result
+    assert sorted(assignments(sessions)) == old and _desired(out, "z") == old
+    assert _routed(out) == ["z"]
