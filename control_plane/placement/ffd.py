@@ -532,19 +532,21 @@ def spot_safe_ffd(
     pipelines: Sequence[PipelineSpec] = (),
 ) -> PlacementResult:
     """First-fit-decreasing as the fallback of a placer that keeps every hard rule: FFD
-    does not know max_spot_fraction, so surplus spot replicas (newest first) are dropped
-    and reported as unplaced."""
+    does not know max_spot_fraction, so surplus spot replicas (newest first, then those
+    still starting) are dropped and reported as unplaced."""
     result = FirstFitDecreasing(id_factory, quotas).place(demands, pools, current, pipelines)
     by_pool = {p.key: p for p in pools}
     by_demand = {d.key: d for d in demands}
     drop: set[str] = set()
     notes: dict[tuple, int] = {}
     for dk, d in by_demand.items():
-        spot = [
+        mine = [
             a
             for a in result.added + result.kept
             if (a.deployment, a.version) == dk and by_pool[a.pool_key].tier == Tier.spot
         ]
+        new = {a.replica_id for a in result.added}
+        spot = sorted(mine, key=lambda a: (a.replica_id not in new, a.ready))  # new, starting, ready
         extra = len(spot) - d.max_spot
         if extra > 0:
             drop |= {a.replica_id for a in spot[:extra]}

@@ -91,9 +91,9 @@ def test_a_scale_down_never_stops_a_replica_that_serves_while_its_pool_keeps_a_s
 ) -> None:
     for placer in PLACERS:
         first = get_placer(placer).place(demands, pools)
-        current = [
-            a.model_copy(update={"ready": data.draw(st.booleans(), label=a.replica_id)})
-            for a in first.assignments
+        current = [  # ids of our own: the placer's are random, and the case must replay
+            a.model_copy(update={"replica_id": f"{a.deployment}-{i}", "ready": data.draw(st.booleans())})
+            for i, a in enumerate(first.assignments)
         ]
         smaller = [d.model_copy(update={"count": d.count // 2}) for d in demands]
         result = get_placer(placer).place(smaller, pools, current)
