@@ -23,9 +23,10 @@ minimize   sum_p price_p y_p   (reserved pools: 0, already paid for; plus the po
 
 The weights make the order cost > moves > distance without a second solve: a replica
 moves only to save more than `move_fraction` of its own hourly price, and one still
-starting for half that: a scale-down stops starting replicas before warm ones unless the
-warm ones' price per GPU is over (1 - f/2) / (1 - f) times theirs (f = move_fraction:
-1.056 at 0.1). The solve is
+starting for half that: where each removal frees a paid node, a scale-down stops starting
+replicas before warm ones unless the warm ones' price per GPU is over (1 - f/2) / (1 - f)
+times theirs (f = move_fraction: 1.056 at 0.1); otherwise node costs decide first, and at
+equal cost readiness does. The solve is
 warm-started from the current assignment (on small instances, from first-fit-decreasing
 seeded with it, so it is never worse than FFD; FFD is Python and too slow to seed
 thousands of replicas over thousands of pools), runs under a time limit and a relative
