@@ -165,6 +165,9 @@ class MilpPlacer(Placer):
                 list(by_demand.values()), pools, current, self._id_factory, self.quotas, pipelines
             )
 
+        if not any(d.count > 0 for d in by_demand.values()):  # nothing wanted: remove all, exact
+            plan = greedy()
+            return plan, solve_info("milp-optimal", pools, plan, started, note="nothing to place")
         if len(pairs) > self.max_pairs:
             plan = greedy()
             note = f"{len(pairs)} pairs > {self.max_pairs}"

@@ -38,6 +38,7 @@ from control_plane.placement.base import PoolCapacity, ReplicaDemand
 from control_plane.placement.evaluate import slot_size
 from control_plane.placement.milp_model import Key, MilpVars, Pair, PoolKey
 from control_plane.placement.quotas import GpuQuotas, class_caps, preemptible, running_gpus
+from fleet_base.domain import Tier
 
 
 def shortfall_weights(
@@ -111,12 +112,13 @@ def _allow_rows(v: MilpVars) -> None:
 
 
 def _stay_rows(v: MilpVars, stayable: Mapping[Key, int], huge: float) -> None:
-    """A running replica leaves only by scale-down, a move or a preemption (or: it no longer fits)."""
+    """A running replica leaves only by scale-down, a move or a preemption (or: it no longer
+    fits, its pool shrank or its spot share did)."""
     evict_by_demand: dict[Key, list[int]] = defaultdict(list)
     for (dk, _), j in v.evict.items():
         evict_by_demand[dk].append(j)
     overfull = _overfull_pools(v)
-    overfull_demands = {dk for (dk, pk) in v.cur if pk in overfull}
+    overfull_demands = {dk for (dk, pk) in v.cur if pk in overfull} | _over_spot_share(v)
     # a pipeline step's running replicas may have to leave a cluster its other steps no longer fit
     stepped = {dep for deps in v.co_steps.values() for dep in deps}
     for dk, c in stayable.items():
@@ -155,6 +157,17 @@ def _quota_rows(v: MilpVars, quotas: GpuQuotas, stayable: Mapping[Key, int], hug
             j = v.m.var(huge, rhs, False, cost_only=0.0)
             v.floor_short[c] = (j, rhs)
             v.m.row([*by_class[c], (j, 1.0)], rhs, math.inf)
+
+
+def _over_spot_share(v: MilpVars) -> set[Key]:
+    """Demands running more replicas on spot than their spot share now allows (scaled
+    down, or the share lowered): the share row sends the surplus away even where no other
+    pool can take it."""
+    on_spot: dict[Key, int] = defaultdict(int)
+    for (dk, pk), n in v.cur.items():
+        if v.by_pool[pk].tier == Tier.spot:
+            on_spot[dk] += n
+    return {dk for dk, n in on_spot.items() if n > v.by_demand[dk].max_spot}
 
 
 def _overfull_pools(v: MilpVars) -> set[PoolKey]:

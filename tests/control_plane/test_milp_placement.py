@@ -336,3 +336,27 @@ def test_a_replan_from_its_own_plan_never_drops_a_running_replica(pools, demands
     if info.method == "milp-optimal":
         kept = {a.replica_id for a in again.assignments}
         assert kept >= {a.replica_id for a in first.assignments}
+
+
+def test_a_scale_down_below_the_spot_share_is_solved_not_left_to_the_fallback():
+    """Three replicas on spot, the only pool that takes them; scaled to 3 of which at most
+    one may be on spot: two must go. The model once found that infeasible (a running
+    replica may leave only by scale-down, move or preemption) and fell back to FFD."""
+    spot = _pool("spot", "r1", tier=Tier.spot, price=7.0, nodes=3, gpus=8)
+    d = ReplicaDemand(deployment="d", version=1, count=6, gpu_count=4, max_spot_fraction=0.5)
+    first, _ = EXACT.solve([d], [spot])
+    assert len(first.assignments) == 3
+    again, info = EXACT.solve([d.model_copy(update={"count": 3})], [spot], first.assignments)
+    assert info.method == "milp-optimal", info
+    assert len(again.assignments) == 1 and len(again.removed) == 2 and not again.added
+    assert violations([d.model_copy(update={"count": 3})], [spot], again.assignments) == []
+
+
+@PROFILE
+@given(pools_st(), demands_st())
+def test_a_scale_down_from_its_own_plan_is_solved_by_the_model(pools, demands):
+    first, _ = COLD.solve(demands, pools)
+    smaller = [d.model_copy(update={"count": d.count // 2}) for d in demands]
+    again, info = MilpPlacer(time_limit_s=20, mip_gap=0.0).solve(smaller, pools, first.assignments)
+    assert info.method.startswith("milp"), info
+    assert violations(smaller, pools, again.assignments) == []
