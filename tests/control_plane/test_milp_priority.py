@@ -92,7 +92,7 @@ def test_no_milp_plan_preempts_an_equal_or_higher_class_and_ffd_agrees(case):
     pools, before, after = case
     running = FirstFitDecreasing().place(before, pools).assignments
     milp, info = _milp().solve(after, pools, running)
-    # the model's own plan checks out (an empty model, nothing to place, is handed to FFD)
+    # the model's own plan checks out (an empty model, where no pool takes any demand, is handed to FFD)
     assert info.method != "greedy-error" or "(Empty)" in info.note, info.note
     ffd = FirstFitDecreasing().place(after, pools, running)
     for result in (milp, ffd):
