@@ -67,9 +67,9 @@ def split(
                     and p.keeps_existing
                     and demand.acceptable(p)
                 ),
-                key=lambda a: (by_pool[a.pool_key].preference(), a.replica_id),
+                key=lambda a: (not a.ready, by_pool[a.pool_key].preference(), a.replica_id),
             )
-            kept += group[: s.count]
+            kept += group[: s.count]  # a warm minimum: the ready ones first
     ids = {a.replica_id for a in kept}
     used: dict[tuple[str, str], int] = defaultdict(int)
     for a in kept:

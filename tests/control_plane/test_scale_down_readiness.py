@@ -1,7 +1,8 @@
-"""A scale-down stops replicas still starting before replicas that serve, in both placers:
-the case of a cluster heard again after its replacements were placed elsewhere, where the
-replacements' pool is the preferred one. The optimizing placer still trades by cost: a
-warm replica goes when its pool is dearer by more than a move is worth."""
+"""A scale-down stops replicas still starting before replicas that serve, in both placers,
+and a region's warm standby is a ready replica. The case behind it: a cluster heard again
+after its replacements were placed elsewhere, where the replacements' pool is the
+preferred one. The optimizing placer still trades by cost: a warm replica goes when its
+pool is dearer by more than a move is worth."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from control_plane.placement import Assignment, PoolCapacity, ReplicaDemand, get_placer
+from control_plane.placement.standby import StandbyDemand, split
 from fleet_base.domain import ClusterStatus, Tier
 from tests.control_plane.test_milp_placement import demands_st, pools_st
 
@@ -105,3 +107,10 @@ def test_a_scale_down_never_stops_a_replica_that_serves_while_its_pool_keeps_a_s
             stopped_serving = [a.replica_id for a in group if a.ready and a.replica_id not in kept]
             kept_starting = [a.replica_id for a in group if not a.ready and a.replica_id in kept]
             assert not (stopped_serving and kept_starting), (placer, pair, stopped_serving, kept_starting)
+
+
+def test_a_regions_standby_is_its_ready_replica_not_its_preferred_one() -> None:
+    standby = StandbyDemand(deployment="chat", version=1, regions=("r1",))
+    current = [_replica("new-1", "new", ready=False), _replica("warm-1", "warm", ready=True)]
+    kept = split([standby], [_pool("new", 10.0), _pool("warm", 10.0)], current).kept
+    assert [a.replica_id for a in kept] == ["warm-1"]
