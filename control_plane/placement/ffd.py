@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import secrets
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -492,13 +492,19 @@ def _residency_width(d: ReplicaDemand) -> float:
     return math.inf if d.residency is None else len(set(d.residency))
 
 
+def keep_rank(a: Assignment, by_pool: Mapping[tuple[str, str], PoolCapacity]) -> tuple:
+    """Which of a demand's running replicas to keep first: those that serve, then by pool
+    preference (the placers' scale-down and the standby's warm minimum share it)."""
+    return (not a.ready, by_pool[a.pool_key].preference(), a.replica_id)
+
+
 def _keep_order(
     group: list[Assignment], d: ReplicaDemand, by_pool: dict[tuple[str, str], PoolCapacity]
 ) -> list[Assignment]:
     """Current replicas of one demand, best kept first: the most preferred one in each
     region until min_regions regions are covered, then by pool preference; those that
     serve before those still starting, at each step (`Assignment.ready`)."""
-    ranked = sorted(group, key=lambda a: (not a.ready, by_pool[a.pool_key].preference(), a.replica_id))
+    ranked = sorted(group, key=lambda a: keep_rank(a, by_pool))
     first: list[Assignment] = []
     regions: set[str] = set()
     for a in ranked:
@@ -539,13 +545,13 @@ def spot_safe_ffd(
     by_demand = {d.key: d for d in demands}
     drop: set[str] = set()
     notes: dict[tuple, int] = {}
+    new = {a.replica_id for a in result.added}
     for dk, d in by_demand.items():
         mine = [
             a
             for a in result.added + result.kept
             if (a.deployment, a.version) == dk and by_pool[a.pool_key].tier == Tier.spot
         ]
-        new = {a.replica_id for a in result.added}
         spot = sorted(mine, key=lambda a: (a.replica_id not in new, a.ready))  # new, starting, ready
         extra = len(spot) - d.max_spot
         if extra > 0:

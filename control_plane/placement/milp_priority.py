@@ -118,7 +118,7 @@ def _stay_rows(v: MilpVars, stayable: Mapping[Key, int], huge: float) -> None:
     for (dk, _), j in v.evict.items():
         evict_by_demand[dk].append(j)
     overfull = _overfull_pools(v)
-    overfull_demands = {dk for (dk, pk) in v.cur if pk in overfull} | _over_spot_share(v)
+    forced = {dk for (dk, pk) in v.cur if pk in overfull} | _over_spot_share(v)
     # a pipeline step's running replicas may have to leave a cluster its other steps no longer fit
     stepped = {dep for deps in v.co_steps.values() for dep in deps}
     for dk, c in stayable.items():
@@ -126,7 +126,7 @@ def _stay_rows(v: MilpVars, stayable: Mapping[Key, int], huge: float) -> None:
         if want <= 0:
             continue
         terms = [(j, 1.0) for j in v.per_demand[dk]] + [(j, 1.0) for j in evict_by_demand[dk]]
-        if dk in overfull_demands or dk[0] in stepped:
+        if dk in forced or dk[0] in stepped:
             v.forced[dk] = v.m.var(huge * 4, float(want), False, cost_only=0.0)
             terms.append((v.forced[dk], 1.0))
         v.m.row(terms, float(want), math.inf)

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from control_plane.placement.base import Assignment, PlacementResult, PoolCapacity, ReplicaDemand, Unplaced
 from control_plane.placement.colocation import Group, presence
-from control_plane.placement.ffd import fresh_assignment, new_replica_id
+from control_plane.placement.ffd import fresh_assignment, keep_rank, new_replica_id
 from fleet_base.residency import describe
 
 
@@ -67,7 +67,7 @@ def split(
                     and p.keeps_existing
                     and demand.acceptable(p)
                 ),
-                key=lambda a: (not a.ready, by_pool[a.pool_key].preference(), a.replica_id),
+                key=lambda a: keep_rank(a, by_pool),
             )
             kept += group[: s.count]  # a warm minimum: the ready ones first
     ids = {a.replica_id for a in kept}
