@@ -189,9 +189,7 @@ class ReplicaCapacity:
         # Service times in proportion to prompt tokens (at the batching this load gets); the
         # router sends work to the replica with the least outstanding, so the replicas wait
         # like one queue served by n (M/G/n, Allen-Cunneen): P(wait > x) ~ C exp(-x / theta).
-        es2 = s * s * m2
-        theta = es2 / (2 * s * n * (1 - rho)) if s > 0 else 0.0
-        c_wait = erlang_c(n, rho * n)
+        c_wait, theta = wait_tail(n, rho * n, s, m2)
         wait = c_wait * theta
         attainment = (
             sum(1 - c_wait * math.exp(-(ttft_target_s - o) / theta) for o in own_each if o <= ttft_target_s)
@@ -258,6 +256,16 @@ def _normalized(prompts: Sequence[float], mean: float) -> list[float]:
 
 def _share(times: Sequence[float], limit: float) -> float:
     return sum(1 for t in times if t <= limit) / len(times) if times else 1.0
+
+
+def wait_tail(servers: int, offered: float, service_s: float, m2: float) -> tuple[float, float]:
+    """(C, theta) of P(wait > x) ~ C exp(-x / theta) for `servers` serving one queue at
+    `offered` = lambda x E[S] (< servers), E[S] = `service_s` and E[S^2] = m2 E[S]^2
+    (M/G/n, Allen-Cunneen: Erlang C's chance to wait, the M/M/n tail stretched by the
+    service times' spread)."""
+    rho = offered / servers
+    theta = service_s * m2 / (2 * servers * (1 - rho)) if service_s > 0 and rho < 1 else 0.0
+    return erlang_c(servers, offered), theta
 
 
 def erlang_c(servers: int, offered: float) -> float:

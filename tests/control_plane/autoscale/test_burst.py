@@ -154,3 +154,52 @@ def test_the_hold_does_not_shrink_when_the_held_fleet_grows() -> None:
     after = m.view(t, 60.0, 0.01)
     assert before.bursts >= 4
     assert (after.since_s, after.hold_s, after.gap_s) == (before.since_s, before.hold_s, before.gap_s)
+
+
+def _bursts_of(own_s: float, burst_rps: float, need_of) -> BurstMemory:
+    """Bursts of 20 s every 240 s over a quiet background; a window's requests each take
+    `own_s` of prefill at best batching."""
+    m = BurstMemory()
+    need = lambda load: (need_of(load), own_s * load.requests_per_s)  # noqa: E731
+    for k in range(600):
+        t = 2.0 * k
+        rps = burst_rps if 200 <= t % 240 < 220 else 0.2
+        m.update(t, Load(rps, rps * 1000, rps * 30), need)
+    return m
+
+
+def test_requests_inside_a_window_queue_for_each_other() -> None:
+    """A burst whose work just fits 9 replicas on average (6 req/s of 1.5 s prefills) still
+    queues: arrivals bunch, and a request waiting 0.5 s behind another misses a 2 s target.
+    A fluid model of the window (its work spread evenly) held 8; the memory holds enough
+    for the window's own queue to stay within the miss budget."""
+    m = _bursts_of(1.5, 6.0, lambda load: math.ceil(3 * load.requests_per_s))
+    v = m.view(2.0 * 599, 60.0, 0.01)
+    assert v.bursts >= 4
+    assert 11 <= v.need <= 18  # over the 9 busy on average, under the peak's steady need
+
+
+def test_requests_no_fleet_serves_in_time_do_not_hold_the_replica_limit() -> None:
+    """Prompts whose mean prefill (6 s) is three times the 2 s target: the capacity model
+    finds no count meeting the target and answers its limit (64). Only the requests whose
+    own prefill fits the target count, so the memory holds what they need."""
+    m = _bursts_of(6.0, 2.0, lambda load: 64 if load.requests_per_s > 1 else 1)
+    v = m.view(2.0 * 599, 60.0, 0.01)
+    assert v.bursts >= 4
+    assert 12 <= v.need < 24  # 12 replicas busy on average; far from the limit
+
+
+def test_a_burst_shorter_than_a_window_is_queued_at_its_own_rate() -> None:
+    """Bursts of 4 s at 20 req/s (10 replicas busy while they last) every two minutes: a
+    10 s window averages one to 4 replicas busy, and a fluid queue at that resolution
+    sees a fleet of 5 keep up. At the slices' resolution the burst's work piles up for
+    4 s on 5 replicas, and its requests wait past the target."""
+    m = BurstMemory()
+    need = lambda load: (math.ceil(load.requests_per_s * 0.5 * 1.3), 0.5 * load.requests_per_s)  # noqa: E731
+    for k in range(900):
+        t = 2.0 * k
+        rps = 20.0 if 100 <= t % 120 < 104 else 0.2
+        m.update(t, Load(rps, rps * 1000, rps * 30), need)
+    v = m.view(2.0 * 899, 60.0, 0.01)
+    assert v.bursts >= 4
+    assert v.need >= 8
