@@ -369,7 +369,12 @@ class SloPolicy:
         expected = cap.predict(level, obs.ready, mem.correction, prompts, settings.slo_ttft_s)
         if not expected.feasible or expected.ttft_s <= 0:
             return
-        if obs.ttft_s > expected.ttft_s and not meets(expected, settings):
+        # While requests are queued, the answers waited for the backlog, not for the service
+        # times (and the fastest, answered first, say no more): no evidence either way.
+        if obs.queued > 0 or (obs.ttft_s > expected.ttft_s and not meets(expected, settings)):
+            # Skipped time is no evidence either: after a long backlog, the first interval
+            # (its last queued requests' waits) must not weigh as the whole gap.
+            mem.corrected_at = t
             return
         lo, hi = CORRECTION_BOUNDS
         ratio = min(hi, max(lo, mem.correction * obs.ttft_s / expected.ttft_s))

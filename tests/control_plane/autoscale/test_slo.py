@@ -174,6 +174,32 @@ def test_observed_ttft_above_the_model_corrects_it() -> None:
     assert current > plain[-1][1]
 
 
+def test_a_backlogs_wait_does_not_correct_the_model() -> None:
+    """A start under load (one replica, a backlog of hundreds): the requests answered while
+    the backlog drains waited for it, not for slow replicas. Their TTFT is no news about
+    the service times, and neither is the first interval after it, whose last queued
+    requests still waited: it weighs one tick, not the whole time the backlog lasted."""
+    s = AutoscaleSettings(profile=H100, max_replicas=40, target_concurrency=64.0)
+    p, state, current = make_policy("slo"), ScalerState(), 1
+    w = Work(6.0, 2000, 100)
+    d = None
+    for t in range(0, 400, 2):
+        backlog = max(0.0, 400.0 - 4.0 * t)  # drained by t = 100
+        pred = ReplicaCapacity(H100).predict(Load(w.rps, w.rps * w.prompt, w.rps * w.output), current, 1.0,
+                                             [w.prompt] * 4)  # fmt: skip
+        waited = 60.0 if backlog > 0 or t == 100 else pred.ttft_s  # the service itself as modelled
+        obs = Observation(
+            at=t, in_flight=8, queued=backlog, ready=current, current=current, requests_per_s=w.rps,
+            prompt_tokens_per_s=w.rps * w.prompt, output_tokens_per_s=w.rps * w.output,
+            prompt_sample=(w.prompt,) * 4, ttft_s=waited,
+        )  # fmt: skip
+        d = p.decide(s, state, obs)
+        current = d.desired
+        if t == 102:
+            assert d.predicted["correction"] < 1.1, d.predicted
+    assert d is not None and d.predicted["correction"] < 1.05
+
+
 def test_without_a_profile_it_scales_by_concurrency_and_says_so() -> None:
     p, state = make_policy("ours"), ScalerState()
     s = AutoscaleSettings(target_concurrency=10, target_utilization=0.8, max_replicas=20)
