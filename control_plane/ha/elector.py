@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 RENEW_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # A clean shutdown gives the loops as long as before election existed.
 SHUTDOWN_STOP_S = 10.0
+START_ROUNDS = 3  # rounds `start` tries before serving as a follower
 
 LoopStarter = Callable[[ControlPlaneContext], Awaitable[object | None]]
 
@@ -127,15 +128,18 @@ class Elector:
     # ----------------------------------------------------------------- lifecycle
 
     async def start(self) -> Elector:
-        """One election round before returning: a lone instance on a fresh (or released)
-        lease leads before the API serves."""
+        """One completed election round before returning: a lone instance on a fresh (or
+        released) lease leads before the API serves. A round whose database call failed (a
+        loaded machine) is retried a few times."""
         self._event_loop = asyncio.get_running_loop()
         self.ctx.on_kick = self._forward_kick
         if self.ctx.nats is not None:
             self.ctx.nats.on_connect(self._subscribe_kicks)
             if self.ctx.nats.is_connected:
                 await self._subscribe_kicks()
-        await self.step()
+        for _ in range(START_ROUNDS):
+            if await self.step():
+                break
         self._tasks = [
             asyncio.create_task(self._run(), name="cp-elector"),
             asyncio.create_task(self._watchdog(), name="cp-elector-watchdog"),
@@ -183,27 +187,30 @@ class Elector:
             except Exception:
                 log.exception("election round failed")
 
-    async def step(self) -> None:
+    async def step(self) -> bool:
         """One round: read, then acquire or renew as the policy decides; the member
-        heartbeat follows in a task of its own, never in the renew's way."""
+        heartbeat follows in a task of its own, never in the renew's way. False where a
+        database call failed."""
         started = self._clock()
         try:
             record = await self._db(self.store.read)
         except Exception as err:
             log.warning("lease unreadable (%r); the watchdog stops the loops at the renew deadline", err)
             self._beat()
-            return
+            return False
         self.last_record = record
         # A change is dated by the end of the read that saw it (a follower must not count the
         # read's own duration as the holder's silence); a leader's renew counts from `started`.
         decision = self.candidate.observe(record, self._clock())
         if decision.action == Action.acquire and self._clock() < self._hold_off_until:
-            return  # our last start of the loops failed: others first, us again after the backoff
+            return True  # our last start of the loops failed: others first, us again after the backoff
+        done = True
         if decision.action == Action.acquire:
-            await self._acquire(record, started, decision.reason)
+            done = await self._acquire(record, started, decision.reason)
         elif decision.action == Action.renew:
             await self._renew(started)
         self._beat()
+        return done
 
     def _beat(self) -> None:
         """One member heartbeat at a time, in the background (a slow one is not repeated)."""
@@ -231,14 +238,15 @@ class Elector:
         except Exception as err:
             log.warning("member heartbeat failed: %s", err)
 
-    async def _acquire(self, seen: LeaseRecord | None, started: float, reason: str) -> None:
+    async def _acquire(self, seen: LeaseRecord | None, started: float, reason: str) -> bool:
+        """False where the database call failed (it may still have written the lease)."""
         try:
             won = await self._db(self.store.acquire, self.member_id, seen, self.lease_s)
         except Exception as err:
             log.warning("acquiring the lease failed: %r", err)
-            return
+            return False
         if won is None:
-            return  # someone else moved it first
+            return True  # someone else moved it first
         self.renew_stats.observe(self._clock() - started)
         self.last_record = won
         async with self._transition:
@@ -246,9 +254,10 @@ class Elector:
                 await self._end_term()  # a term of ours we had given up on: its loops are done
             if not self.candidate.acquired(won, started, self._clock()):
                 log.warning("the lease of epoch %d was won too late to lead by it", won.epoch)
-                return
+                return False
             log.warning("leading the control plane: epoch %d (%s)", won.epoch, reason)
             self._begin_term(won.epoch)
+        return True
 
     async def _renew(self, started: float) -> None:
         epoch = self.candidate.epoch

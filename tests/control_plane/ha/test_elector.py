@@ -73,6 +73,26 @@ async def test_a_lone_instance_leads_at_once_with_a_fenced_context(sessions):
     assert LeaseStore(sessions).members() == []
 
 
+async def test_a_first_acquire_that_times_out_is_retried_before_start_returns(sessions):
+    started, calls = Started(), []
+    a = Elector(_ctx(sessions), started, member_id="a")
+    real_acquire = a.store.acquire
+
+    def slow_once(*args):
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            time.sleep(a.call_timeout_s + 0.2)  # written, but answered after the call's timeout
+        return real_acquire(*args)
+
+    a.store.acquire = slow_once
+    await a.start()
+    try:
+        assert len(calls) == 2 and a.is_leader  # whichever write of the two won the lease
+        assert a.leader_changes == 1 and len(started.loops) == 1
+    finally:
+        await a.stop()
+
+
 async def test_a_clean_shutdown_hands_over_at_once_and_the_follower_waits_otherwise(sessions):
     a_loops, b_loops = Started(), Started()
     a = await Elector(_ctx(sessions), a_loops, member_id="a").start()
