@@ -56,18 +56,9 @@ def _model_share(memory, fleet: int) -> float:
 
 
 def _fleet_at(memory, t: float, share: float) -> int:
-    """The held fleet with the allowance set to `share` of the attainable requests."""
-    from control_plane.autoscale import burst
-
-    if not hasattr(burst, "allowed_miss"):  # a memory whose budget is its own field
-        memory.miss_budget = share
-        return memory._fleet(t)
-    real = burst.allowed_miss
-    burst.allowed_miss = lambda attainable: share * attainable
-    try:
-        return memory._fleet(t)
-    finally:
-        burst.allowed_miss = real
+    """The held fleet with the miss budget set to `share` of the attainable requests."""
+    memory.miss_budget = share
+    return memory._fleet(t)
 
 
 def calibrate(shape: str, seed: int, profile_key: str, rate: float, offsets: list[int], work: Path):

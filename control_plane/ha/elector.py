@@ -190,7 +190,7 @@ class Elector:
     async def step(self) -> bool:
         """One round: read, then acquire or renew as the policy decides; the member
         heartbeat follows in a task of its own, never in the renew's way. False where a
-        database call failed."""
+        database call failed or a lease was won too late to lead by (`start` retries)."""
         started = self._clock()
         try:
             record = await self._db(self.store.read)

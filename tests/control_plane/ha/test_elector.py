@@ -53,6 +53,21 @@ async def _until(predicate, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.02)
 
 
+async def _take(store: LeaseStore, lease_s: float) -> int:
+    """The intruder takes the lease (its compare-and-set retried while a candidate moves
+    it); the epoch it took."""
+    won: list[int] = []
+
+    def attempt() -> bool:
+        record = store.acquire("intruder", store.read(), lease_s)
+        if record is not None:
+            won.append(record.epoch)
+        return record is not None
+
+    await _until(attempt)
+    return won[0]
+
+
 async def test_a_lone_instance_leads_at_once_with_a_fenced_context(sessions):
     ctx, started, seen = _ctx(sessions), Started(), []
     elector = await Elector(ctx, started, url="http://a", on_loops=seen.append).start()
@@ -373,11 +388,14 @@ async def test_renews_go_on_while_the_loops_start_and_a_demotion_cancels_the_sta
 
         release.clear()
         await a.demote("test: a new term")
-        store.acquire("intruder", store.read(), 0.5)  # its lease soon runs out: a takes it over
-        await _until(lambda: a.candidate.leading and a.candidate.epoch == first + 2)
+        # Its lease soon runs out: a takes it over. a may first re-take its own stale lease
+        # (a round already in flight): the intruder's compare-and-set then retries.
+        taken = await _take(store, 0.5)
+        await _until(lambda: a.candidate.leading and a.candidate.epoch == taken + 1)
         assert not a.is_leader  # starting
-        store.acquire("intruder", store.read(), 60.0)  # a's renew is refused: a demotes
-        await _until(lambda: cancelled == [first + 2])
+        await _take(store, 60.0)  # a's renew is refused: a demotes
+        await _until(lambda: taken + 1 in cancelled)
+        assert cancelled[-1] == taken + 1 and all(e > first for e in cancelled)
         assert not a.candidate.leading and a.loops is None and a._starting is None
     finally:
         release.set()
