@@ -33,9 +33,6 @@ class StackDistances:
         self._last: dict[int, int] = {}  # block -> its latest access time
         self._t = 0
 
-    def __len__(self) -> int:
-        return len(self._last)
-
     def _add(self, i: int, v: int) -> None:
         i += 1
         while i <= self._size:

@@ -1,12 +1,13 @@
-"""Prefix reuse as a function of the fleet's size, for the capacity model (pure).
+"""Prefix reuse as a function of the fleet's size (pure).
 
 A fleet of n replicas caches prefixes in n replicas' KV (device and host tiers); the
 gateway routes each prompt to where its prefix is, so the fleet caches about as one LRU of
 their sum would (with no duplicates: a bound, reached as prefix routing concentrates each
-prefix on one replica). The recent prompts' `ReuseCurve`s (measured where the requests
-arrive, `fleet_base.reuse_curve`) say what such a cache holds of each: so a count is
-judged with the prefill its own caches would leave, not with the reuse the current fleet
-happens to see. More replicas cache more: predictions still improve with the count."""
+prefix on one replica). The recent prompts' `ReuseCurve`s (`fleet_base.reuse_curve`) say
+what such a cache holds of each: so a count can be judged with the prefill its own caches
+would leave, not with the reuse the current fleet happens to see. More replicas cache more.
+`bench/reuse_calibration.py` measures this against the simulator; the SLO policy does not
+use it yet (docs/autoscaling.md, "Prefix reuse and the fleet's size")."""
 
 from __future__ import annotations
 
