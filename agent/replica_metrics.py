@@ -3,13 +3,17 @@ for vLLM, SGLang and llama.cpp replicas, docs/engines.md): running and waiting s
 KV-cache usage, and as rates between scrapes: generated tokens/s
 (`fleet_engine_generation_tokens_total`), admitted prompt tokens/s
 (`fleet_engine_prompt_tokens_total`), requests starting per second and their mean TTFT
-(`fleet_engine_time_to_first_token_seconds` count and sum).
+(`fleet_engine_time_to_first_token_seconds` count and sum), and the prompt lengths of the
+requests that started, read from the increments of a prompt-length histogram
+(`fleet_engine_request_prompt_tokens`, vLLM's `vllm:request_prompt_tokens`): the mix the SLO
+policy's queue model needs, which no rate carries.
 
 This is the one place an engine's series names become Fleet's: `SOURCES` lists, per
 `EngineSample` field, the series of each engine that carries it."""
 
 from __future__ import annotations
 
+import math
 import ssl
 import time
 from collections import deque
@@ -104,6 +108,10 @@ SOURCES: dict[str, tuple[str, ...]] = {
     # Engines that only publish a hit-rate gauge, not hit and query counters.
     "prefix_cache_hit_rate": ("sglang:cache_hit_rate", "vllm:gpu_prefix_cache_hit_rate"),
 }
+# Histograms of each request's prompt tokens, Fleet's first (llama.cpp and SGLang serve none
+# by default: their replicas report no mix, and the policy assumes one).
+PROMPT_LENGTHS = ("fleet_engine_request_prompt_tokens", "vllm:request_prompt_tokens")
+PROMPT_SAMPLE = 16  # prompt lengths a replica reports per heartbeat, at most
 # Ratios of one pool: the fullest label set (a data-parallel rank) stands for the replica.
 _RATIOS = frozenset({"kv_cache_usage", "prefix_cache_hit_rate"})
 _SOURCE_NAMES = frozenset(n for names in SOURCES.values() for n in names)
@@ -127,6 +135,8 @@ class EngineSample:
     prefix_cache_hits: float = 0.0
     prefix_cache_queries: float = 0.0
     prefix_cache_hit_rate: float | None = None
+    # Cumulative counts of the prompt-length histogram: (upper bound, count), by bound.
+    prompt_buckets: tuple[tuple[float, float], ...] = ()
 
 
 def engine_sources(engine: EngineKind | None) -> dict[str, tuple[str, ...]]:
@@ -146,18 +156,64 @@ def parse_metrics(text: str, engine: EngineKind | None = None) -> EngineSample:
     sources = engine_sources(engine)
     seen: dict[str, list[float]] = {}
     startup: dict[str, float] = {}
+    buckets: dict[str, dict[float, float]] = {}  # histogram -> upper bound -> count
+    wanted = {f"{h}_bucket": h for h in _prompt_histograms(engine)}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in _SOURCE_NAMES:
                 seen.setdefault(sample.name, []).append(float(sample.value))
             elif sample.name == STARTUP and sample.labels.get("phase") in ENGINE_PHASES:
                 startup[sample.labels["phase"]] = float(sample.value)
+            elif sample.name in wanted and "le" in sample.labels:
+                le = float(sample.labels["le"])
+                mine = buckets.setdefault(wanted[sample.name], {})
+                mine[le] = mine.get(le, 0.0) + float(sample.value)
     fields: dict[str, float] = {}
     for field, names in sources.items():
         values = next((seen[n] for n in names if n in seen), None)
         if values is not None:
             fields[field] = max(values) if field in _RATIOS else sum(values)
-    return EngineSample(startup=tuple(sorted(startup.items())), **fields)
+    prompts = next((buckets[h] for h in _prompt_histograms(engine) if h in buckets), {})
+    return EngineSample(
+        startup=tuple(sorted(startup.items())), prompt_buckets=tuple(sorted(prompts.items())), **fields
+    )
+
+
+def _prompt_histograms(engine: EngineKind | None) -> tuple[str, ...]:
+    if engine is None or engine == "fleet":
+        return PROMPT_LENGTHS
+    prefix = CAPABILITIES[engine].metrics_prefix
+    return tuple(h for h in PROMPT_LENGTHS if h.startswith(prefix))
+
+
+def prompt_sample(
+    before: tuple[tuple[float, float], ...], after: tuple[tuple[float, float], ...], size: int = PROMPT_SAMPLE
+) -> tuple[int, ...]:
+    """Up to `size` prompt lengths spread like those of the requests counted between two
+    readings of a cumulative prompt-length histogram: evenly spaced quantiles, each at its
+    bucket's geometric middle (the first bucket's half, the open last bucket's double).
+    Empty when nothing was counted, or the buckets changed (a restart, another engine)."""
+    if not after or (before and [b for b, _ in before] != [b for b, _ in after]):
+        return ()
+    start = dict(before)
+    counts = [(le, c - start.get(le, 0.0)) for le, c in after]
+    total = counts[-1][1]
+    if total < 1 or any(c < 0 for _, c in counts):
+        return ()
+    mids, lo = [], 0.0
+    for le, _ in counts:
+        if math.isinf(le):
+            mids.append(2 * lo)
+        else:
+            mids.append(math.sqrt(lo * le) if lo > 0 else le / 2)
+            lo = le
+    k = min(size, int(total))
+    out = []
+    for i in range(k):
+        q = (i + 0.5) / k * total
+        j = next(j for j, (_, c) in enumerate(counts) if c >= q)
+        out.append(max(1, round(mids[j])))
+    return tuple(out)
 
 
 class LoadTracker:
@@ -189,6 +245,7 @@ class LoadTracker:
             prompt_tokens_per_s=rate(a.prompt_tokens, b.prompt_tokens),
             requests_per_s=rate(a.ttft_count, b.ttft_count),
             ttft_s=(b.ttft_sum - a.ttft_sum) / started if started > 0 else None,
+            prompt_sample=prompt_sample(a.prompt_buckets, b.prompt_buckets) if a is not b else (),
         )
 
 

@@ -42,3 +42,6 @@ ITL_BUCKETS = (
 )
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 QUEUE_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Prompt lengths in tokens, doubling: the autoscaler reads the mix of prompt lengths from
+# this histogram's increments (agent.replica_metrics), so its buckets bound that precision.
+PROMPT_TOKEN_BUCKETS = tuple(float(16 << i) for i in range(15))  # 16 .. 262144

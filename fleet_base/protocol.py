@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from fleet_base.bounds import MAX_TOKENS, Count, FiniteFloat, Timestamp
+from fleet_base.bounds import MAX_TOKENS, Count, FiniteFloat, Timestamp, TokenCount
 from fleet_base.domain import AdapterName, Coordinates, PoolShape
 from fleet_base.engines import EngineKind
 from fleet_base.node_health import MAX_FAULTS, MAX_NODES, NodeAction, NodeFault, NodeHealth
@@ -32,6 +32,7 @@ MAX_REPLICAS = 10_000
 # forged record cannot bill a key for more than one request could use.
 MAX_USAGE_TOKENS = MAX_TOKENS
 MAX_TEXT = 4096
+MAX_PROMPT_SAMPLE = 64  # prompt lengths one replica's load may carry
 
 SCHEMA_VERSION = 1
 
@@ -284,6 +285,9 @@ class ReplicaLoad(BaseModel):
     prompt_tokens_per_s: FiniteFloat = 0.0
     requests_per_s: FiniteFloat = 0.0
     ttft_s: FiniteFloat | None = None
+    # Prompt lengths spread like those of the requests that started (from the engine's
+    # prompt-length histogram): the mix of the work, which the rates do not carry.
+    prompt_sample: tuple[TokenCount, ...] = Field(default=(), max_length=MAX_PROMPT_SAMPLE)
 
 
 class ReplicaStatus(BaseModel):

@@ -66,7 +66,7 @@ from fleet_base.bounds import Seed
 from fleet_base.listener import uvicorn_options
 
 # The engine's own buckets, so dashboards read both runtimes alike.
-from fleet_base.metric_buckets import QUEUE_BUCKETS, TTFT_BUCKETS
+from fleet_base.metric_buckets import PROMPT_TOKEN_BUCKETS, QUEUE_BUCKETS, TTFT_BUCKETS
 from fleet_base.openai_contract.continuation import RESUME_FIELD, TOKEN_IDS_FIELD, TOKEN_IDS_HEADER
 from fleet_base.openai_contract.responses import ResponsesRequest
 from fleet_base.openai_contract.timing import TTFT_HEADER, ttft_header
@@ -158,6 +158,10 @@ class SimState:
         self.ttft = Histogram(
             "fleet_engine_time_to_first_token_seconds", "Simulated arrival to first token.",
             ["model"], registry=self.registry, buckets=TTFT_BUCKETS,
+        )  # fmt: skip
+        self.prompt_len = Histogram(
+            "fleet_engine_request_prompt_tokens", "Prompt tokens of each request, with its TTFT.",
+            ["model"], registry=self.registry, buckets=PROMPT_TOKEN_BUCKETS,
         )  # fmt: skip
         self.queue_time = Histogram(
             "fleet_engine_request_queue_time_seconds", "Simulated arrival to first scheduled.",
@@ -327,6 +331,7 @@ def _record_done(state: SimState, req: Any) -> None:
         if state.first_ttft is None:
             state.first_ttft = req.first_token_at - req.arrival
         state.ttft.labels(state.served_model_name).observe(req.first_token_at - req.arrival)
+        state.prompt_len.labels(state.served_model_name).observe(req.prompt_tokens)
     if req.admitted_at is not None:
         state.queue_time.labels(state.served_model_name).observe(req.admitted_at - req.arrival)
 

@@ -3,7 +3,9 @@
 - replicas: the latest heartbeat of each cluster (stale ones, older than `stale_s`, are
   left out): ready replicas' running and waiting sequences, ready and starting counts,
   and their work: admitted prompt tokens/s, generated tokens/s, requests starting per
-  second, KV usage and the mean TTFT of the requests that started; the measured cold start
+  second, KV usage and the mean TTFT of the requests that started, and the prompt lengths
+  the replicas sampled of those requests (the mix, at most `MAX_PROMPT_SAMPLE` evenly
+  strided over all replicas); the measured cold start
   (the slowest of its replicas' latest starts, as agents report them), which the SLO policy
   prefers to the profile's;
 - gateway queues: the latest `Demand` per (cluster, deployment) younger than `demand_ttl_s`,
@@ -40,6 +42,7 @@ MAX_RATE = 1e9
 MAX_COLD_START_S = 3600.0  # a longer measured cold start is taken for a broken report
 STALE_S = 10.0  # a heartbeat older than this is left out
 DEMAND_TTL_S = 3.0  # a gateway's demand counts this long
+MAX_PROMPT_SAMPLE = 256  # prompt lengths one observation carries, over all replicas
 
 
 def _rate(value: float) -> float:
@@ -67,6 +70,7 @@ def observe(
     ready = starting = 0
     prompt = output = started = kv = ttft_weighted = 0.0
     colds: list[float] = []
+    prompts: list[int] = []
     for hb in heartbeats:
         if now - hb.sent_at > stale_s:
             continue
@@ -82,6 +86,7 @@ def observe(
                 prompt += _rate(r.load.prompt_tokens_per_s)
                 output += _rate(r.load.tokens_per_s)
                 started += _rate(r.load.requests_per_s)
+                prompts.extend(r.load.prompt_sample)
                 kv += min(max(r.load.kv_cache_usage, 0.0), 1.0)
                 if r.load.ttft_s is not None:
                     ttft_weighted += _rate(r.load.ttft_s) * _rate(r.load.requests_per_s)
@@ -103,6 +108,7 @@ def observe(
         kv_usage=kv / ready if ready else 0.0,
         ttft_s=ttft_weighted / started if started > 0 else None,
         cold_start_s=max(colds) if colds else None,
+        prompt_sample=tuple(prompts[:: max(1, -(-len(prompts) // MAX_PROMPT_SAMPLE))]),
     )
 
 

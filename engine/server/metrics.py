@@ -20,7 +20,13 @@ from engine.outputs import EngineStats, RequestOutput
 from engine.server.protocol_metrics import protocol_families
 from engine.timing import HistogramSnapshot
 from fleet_base.listener import RefusalCollector
-from fleet_base.metric_buckets import E2E_BUCKETS, ITL_BUCKETS, QUEUE_BUCKETS, TTFT_BUCKETS
+from fleet_base.metric_buckets import (
+    E2E_BUCKETS,
+    ITL_BUCKETS,
+    PROMPT_TOKEN_BUCKETS,
+    QUEUE_BUCKETS,
+    TTFT_BUCKETS,
+)
 
 
 class _EngineStatsCollector(Collector):
@@ -225,6 +231,11 @@ class ServerMetrics:
         self.e2e = histogram(
             "fleet_engine_e2e_request_latency_seconds", "Arrival to the last token of a request.", E2E_BUCKETS
         )
+        self.prompt_len = histogram(
+            "fleet_engine_request_prompt_tokens",
+            "Prompt tokens of each request, observed at its first token (the autoscaler's prompt mix).",
+            PROMPT_TOKEN_BUCKETS,
+        )
         self.queue = histogram(
             "fleet_engine_request_queue_time_seconds",
             "Arrival to first scheduled (time waiting in the queue).",
@@ -304,6 +315,7 @@ class RequestObserver:
             if self.last is None:
                 ttft = out.metrics.ttft if out.metrics is not None else None
                 self.m.ttft.observe(ttft if ttft is not None else now - self.start)
+                self.m.prompt_len.observe(len(out.prompt_token_ids))
                 self.m.startup.setdefault(
                     "first_token", round(ttft if ttft is not None else now - self.start, 4)
                 )

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.replica_metrics import EngineSample, LoadTracker, parse_metrics
+from agent.replica_metrics import PROMPT_SAMPLE, EngineSample, LoadTracker, parse_metrics, prompt_sample
 
 M = 'model_name="meta-llama/Llama-3.1-70B-Instruct"'
 
@@ -297,3 +297,40 @@ def test_any_engines_load_reads_back_exactly(prefix, running, waiting, usage, ge
         usage,
         generated,
     )
+
+
+def _prompt_histogram(name: str, lengths: list[int], labels: str = 'model_name="m"') -> str:
+    """Prometheus text of a cumulative prompt-length histogram over `lengths`."""
+    from fleet_base.metric_buckets import PROMPT_TOKEN_BUCKETS
+
+    lines = [f"# TYPE {name} histogram"]
+    for le in [*PROMPT_TOKEN_BUCKETS, float("inf")]:
+        bound = "+Inf" if le == float("inf") else repr(le)
+        lines.append(f'{name}_bucket{{{labels},le="{bound}"}} {sum(1 for x in lengths if x <= le)}')
+    lines.append(f"{name}_count{{{labels}}} {len(lengths)}")
+    lines.append(f"{name}_sum{{{labels}}} {sum(lengths)}")
+    return "\n".join(lines) + "\n"
+
+
+def test_the_prompt_mix_comes_from_the_histograms_increments() -> None:
+    """Two scrapes of vLLM's prompt-length histogram: the sample is spread like the requests
+    counted between them (not the ones before), each at its bucket's middle."""
+    t = LoadTracker(window_s=3.0)
+    old = [100] * 50  # counted before the first scrape: not this window's mix
+    t.update(parse_metrics(_prompt_histogram("vllm:request_prompt_tokens", old)), 10.0)
+    new = [1000] * 6 + [8000] * 2
+    load = t.update(parse_metrics(_prompt_histogram("vllm:request_prompt_tokens", old + new)), 11.0)
+    assert sorted(load.prompt_sample) == [724] * 6 + [5793] * 2  # (512, 1024] and (4096, 8192]
+    long = [20000] * 100  # more requests than a sample holds: evenly spaced quantiles
+    load = t.update(parse_metrics(_prompt_histogram("vllm:request_prompt_tokens", old + new + long)), 12.0)
+    assert len(load.prompt_sample) == PROMPT_SAMPLE and set(load.prompt_sample) <= {724, 5793, 23170}
+    assert sum(1 for x in load.prompt_sample if x == 23170) == round(PROMPT_SAMPLE * 100 / 108)
+
+
+def test_a_foreign_engines_histogram_is_not_read_as_fleets_and_a_restart_reports_none() -> None:
+    text = _prompt_histogram("fleet_engine_request_prompt_tokens", [300, 300])
+    assert parse_metrics(text, "vllm").prompt_buckets == ()
+    assert parse_metrics(text).prompt_buckets[-1] == (float("inf"), 2.0)
+    later = parse_metrics(_prompt_histogram("fleet_engine_request_prompt_tokens", [300]))  # went down
+    assert prompt_sample(parse_metrics(text).prompt_buckets, later.prompt_buckets) == ()
+    assert prompt_sample((), ()) == ()

@@ -117,6 +117,9 @@ def test_cold_start_then_openai_api(replica) -> None:
     assert sample.generation_tokens == 55 and sample.running == 0
     # The work the autoscaler reads: prompt tokens, and the TTFT of the three requests.
     assert sample.prompt_tokens > 200 and sample.ttft_count == 3 and 0 < sample.ttft_sum < 2
+    # And their prompt lengths (the mix): one count per request, the long one's bucket above 32.
+    assert sample.prompt_buckets[-1] == (float("inf"), 3.0)
+    assert dict(sample.prompt_buckets)[32.0] < 3
 
     bad = httpx.post(
         f"{url}/v1/chat/completions", json={"model": "other", "messages": [{"role": "user", "content": "x"}]}

@@ -214,3 +214,27 @@ def test_observe_takes_the_slowest_measured_cold_start_of_the_deployment() -> No
     ]  # fmt: skip
     assert observe("chat", hbs, {}, now=now, current=2).cold_start_s == 71.5
     assert observe("chat", [], {}, now=now, current=0).cold_start_s is None
+
+
+def test_the_prompt_mix_is_every_ready_replicas_sample() -> None:
+    now = 1000.0
+    hb = Heartbeat(cluster="a", sent_at=now, replicas=[
+        ReplicaStatus(replica_id="x", deployment="chat", version=1, state=ReplicaState.ready,
+                      load=ReplicaLoad(requests_per_s=2, prompt_sample=(700, 5800))),
+        ReplicaStatus(replica_id="y", deployment="chat", version=1, state=ReplicaState.starting,
+                      load=ReplicaLoad(prompt_sample=(99,))),
+        ReplicaStatus(replica_id="z", deployment="other", version=1, state=ReplicaState.ready,
+                      load=ReplicaLoad(prompt_sample=(42,)))])  # fmt: skip
+    stale = Heartbeat(cluster="b", sent_at=now - 60, replicas=[
+        ReplicaStatus(replica_id="w", deployment="chat", version=1, state=ReplicaState.ready,
+                      load=ReplicaLoad(prompt_sample=(1,)))])  # fmt: skip
+    assert observe("chat", [hb, stale], {}, now=now, current=1).prompt_sample == (700, 5800)
+    full = ReplicaLoad(prompt_sample=tuple(range(1, 65)))
+    replicas = [
+        ReplicaStatus(replica_id=f"r{i}", deployment="chat", version=1, state=ReplicaState.ready, load=full)
+        for i in range(10)
+    ]
+    many = [Heartbeat(cluster=f"c{i}", sent_at=now, replicas=[r]) for i, r in enumerate(replicas)]
+    assert len(observe("chat", many, {}, now=now, current=10).prompt_sample) <= 256
+    with pytest.raises(ValueError):
+        ReplicaLoad(prompt_sample=tuple(range(1, 100)))  # bounded on the wire

@@ -323,12 +323,18 @@ def test_metrics_expose_every_series(http: httpx.Client, client: openai.OpenAI) 
         "inter_token_latency_seconds",
         "e2e_request_latency_seconds",
         "request_queue_time_seconds",
+        "request_prompt_tokens",
     ):
         assert metric(s, f"fleet_engine_{name}_count") >= 1
         assert metric(s, f"fleet_engine_{name}_bucket", le="+Inf") == metric(s, f"fleet_engine_{name}_count")
     for name in ("requests_running", "requests_waiting", "kv_cache_usage_ratio", "preemptions_total"):
         assert metric(s, f"fleet_engine_{name}") >= 0
     assert metric(s, "fleet_engine_prompt_tokens_total") >= 3
+    # Each request's prompt length, as many as there are first tokens (the autoscaler's mix).
+    assert metric(s, "fleet_engine_request_prompt_tokens_count") == metric(
+        s, "fleet_engine_time_to_first_token_seconds_count"
+    )
+    assert metric(s, "fleet_engine_request_prompt_tokens_sum") >= 2  # "Hello there", at least
     assert metric(s, "fleet_engine_generation_tokens_total") >= 3
     assert (
         metric(s, "fleet_engine_prefix_cache_queries_total")
