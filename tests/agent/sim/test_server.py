@@ -242,3 +242,37 @@ def test_sim_runtime_runs_a_replica(tmp_path: Path) -> None:
             await rt.close()
 
     asyncio.run(go())
+
+
+def test_the_agents_scraper_reads_the_prompt_mix_of_the_requests_since_its_last_scrape(replica) -> None:
+    """What a heartbeat carries for the SLO autoscaler: the scraper, between two scrapes of a
+    replica, sees only the requests that started in between, spread by their prompt lengths."""
+    from agent.replica_metrics import MetricsScraper
+
+    _, url = replica
+    wait_status(url, 200)
+
+    def send(words: int) -> int:
+        r = httpx.post(
+            f"{url}/v1/completions", json={"model": "sim-d", "prompt": "w " * words, "max_tokens": 1}
+        )
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    async def scrape_around(before: list[int], between: list[int]) -> tuple[tuple[int, ...], list[int]]:
+        scraper = MetricsScraper()
+        try:
+            for w in before:
+                send(w)
+            assert await scraper.scrape("r", url, now=0.0) is not None
+            lengths = sorted(send(w) for w in between)
+            load = await scraper.scrape("r", url, now=1.0)
+        finally:
+            await scraper.close()
+        assert load is not None
+        return load.prompt_sample, lengths
+
+    sample, lengths = asyncio.run(scrape_around([3000] * 4, [20, 20, 20, 900, 900]))
+    assert len(sample) == len(lengths)
+    for got, sent in zip(sorted(sample), lengths, strict=True):  # each within its doubling bucket
+        assert sent / 2 < got < sent * 2, (sample, lengths)
