@@ -145,8 +145,15 @@ def engine_sources(engine: EngineKind | None) -> dict[str, tuple[str, ...]]:
     Fleet's names first."""
     if engine is None or engine == "fleet":
         return SOURCES
+    return {field: _own(names, engine) for field, names in SOURCES.items()}
+
+
+def _own(names: tuple[str, ...], engine: EngineKind | None) -> tuple[str, ...]:
+    """Of `names`, those a replica of `engine` serves (all of them for Fleet's engine)."""
+    if engine is None or engine == "fleet":
+        return names
     prefix = CAPABILITIES[engine].metrics_prefix
-    return {field: tuple(n for n in names if n.startswith(prefix)) for field, names in SOURCES.items()}
+    return tuple(n for n in names if n.startswith(prefix))
 
 
 def parse_metrics(text: str, engine: EngineKind | None = None) -> EngineSample:
@@ -157,7 +164,8 @@ def parse_metrics(text: str, engine: EngineKind | None = None) -> EngineSample:
     seen: dict[str, list[float]] = {}
     startup: dict[str, float] = {}
     buckets: dict[str, dict[float, float]] = {}  # histogram -> upper bound -> count
-    wanted = {f"{h}_bucket": h for h in _prompt_histograms(engine)}
+    histograms = _own(PROMPT_LENGTHS, engine)
+    wanted = {f"{h}_bucket": h for h in histograms}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in _SOURCE_NAMES:
@@ -173,17 +181,10 @@ def parse_metrics(text: str, engine: EngineKind | None = None) -> EngineSample:
         values = next((seen[n] for n in names if n in seen), None)
         if values is not None:
             fields[field] = max(values) if field in _RATIOS else sum(values)
-    prompts = next((buckets[h] for h in _prompt_histograms(engine) if h in buckets), {})
+    prompts = next((buckets[h] for h in histograms if h in buckets), {})
     return EngineSample(
         startup=tuple(sorted(startup.items())), prompt_buckets=tuple(sorted(prompts.items())), **fields
     )
-
-
-def _prompt_histograms(engine: EngineKind | None) -> tuple[str, ...]:
-    if engine is None or engine == "fleet":
-        return PROMPT_LENGTHS
-    prefix = CAPABILITIES[engine].metrics_prefix
-    return tuple(h for h in PROMPT_LENGTHS if h.startswith(prefix))
 
 
 def prompt_sample(

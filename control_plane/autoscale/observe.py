@@ -4,7 +4,7 @@
   left out): ready replicas' running and waiting sequences, ready and starting counts,
   and their work: admitted prompt tokens/s, generated tokens/s, requests starting per
   second, KV usage and the mean TTFT of the requests that started, and the prompt lengths
-  the replicas sampled of those requests (the mix, at most `MAX_PROMPT_SAMPLE` evenly
+  the replicas sampled of those requests (the mix, at most `OBSERVED_PROMPTS` evenly
   strided over all replicas); the measured cold start
   (the slowest of its replicas' latest starts, as agents report them), which the SLO policy
   prefers to the profile's;
@@ -42,7 +42,7 @@ MAX_RATE = 1e9
 MAX_COLD_START_S = 3600.0  # a longer measured cold start is taken for a broken report
 STALE_S = 10.0  # a heartbeat older than this is left out
 DEMAND_TTL_S = 3.0  # a gateway's demand counts this long
-MAX_PROMPT_SAMPLE = 256  # prompt lengths one observation carries, over all replicas
+OBSERVED_PROMPTS = 256  # prompt lengths one observation carries, over all replicas
 
 
 def _rate(value: float) -> float:
@@ -108,7 +108,7 @@ def observe(
         kv_usage=kv / ready if ready else 0.0,
         ttft_s=ttft_weighted / started if started > 0 else None,
         cold_start_s=max(colds) if colds else None,
-        prompt_sample=tuple(prompts[:: max(1, -(-len(prompts) // MAX_PROMPT_SAMPLE))]),
+        prompt_sample=tuple(prompts[:: max(1, -(-len(prompts) // OBSERVED_PROMPTS))]),
     )
 
 
