@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from fleet_base.bounds import MAX_TOKENS
 from fleet_base.engines import CAPABILITIES, EngineKind
 from fleet_base.protocol import ReplicaLoad
 
@@ -173,7 +174,12 @@ def parse_metrics(text: str, engine: EngineKind | None = None) -> EngineSample:
             elif sample.name == STARTUP and sample.labels.get("phase") in ENGINE_PHASES:
                 startup[sample.labels["phase"]] = float(sample.value)
             elif sample.name in wanted and "le" in sample.labels:
-                le = float(sample.labels["le"])
+                try:
+                    le = float(sample.labels["le"])
+                except ValueError:  # a malformed bound drops that bucket, not the replica's load
+                    continue
+                if math.isnan(le):
+                    continue
                 mine = buckets.setdefault(wanted[sample.name], {})
                 mine[le] = mine.get(le, 0.0) + float(sample.value)
     fields: dict[str, float] = {}
@@ -193,13 +199,14 @@ def prompt_sample(
     """Up to `size` prompt lengths spread like those of the requests counted between two
     readings of a cumulative prompt-length histogram: evenly spaced quantiles, each at its
     bucket's geometric middle (the first bucket's half, the open last bucket's double).
-    Empty when nothing was counted, or the buckets changed (a restart, another engine)."""
+    Empty when nothing was counted, or the buckets changed (a restart, another engine), or
+    the counts are not finite. Lengths are bounded to 1 .. MAX_TOKENS (a bogus bound)."""
     if not after or (before and [b for b, _ in before] != [b for b, _ in after]):
         return ()
     start = dict(before)
     counts = [(le, c - start.get(le, 0.0)) for le, c in after]
     total = counts[-1][1]
-    if total < 1 or any(c < 0 for _, c in counts):
+    if not all(math.isfinite(c) and c >= 0 for _, c in counts) or total < 1:
         return ()
     mids, lo = [], 0.0
     for le, _ in counts:
@@ -213,7 +220,7 @@ def prompt_sample(
     for i in range(k):
         q = (i + 0.5) / k * total
         j = next(j for j, (_, c) in enumerate(counts) if c >= q)
-        out.append(max(1, round(mids[j])))
+        out.append(round(min(MAX_TOKENS, max(1.0, mids[j]))))
     return tuple(out)
 
 
@@ -279,7 +286,10 @@ class MetricsScraper:
             return None
         self._startup[replica_id] = dict(sample.startup)
         tracker = self._trackers.setdefault(replica_id, LoadTracker())
-        return tracker.update(sample, time.monotonic() if now is None else now)
+        try:
+            return tracker.update(sample, time.monotonic() if now is None else now)
+        except (ValueError, OverflowError):  # figures no load can hold (NaN, out of bounds)
+            return None
 
     def startup(self, replica_id: str) -> dict[str, float]:
         """The load/warmup/first_token seconds the replica last reported of its own start."""

@@ -4,8 +4,8 @@
   left out): ready replicas' running and waiting sequences, ready and starting counts,
   and their work: admitted prompt tokens/s, generated tokens/s, requests starting per
   second, KV usage and the mean TTFT of the requests that started, and the prompt lengths
-  the replicas sampled of those requests (the mix, at most `OBSERVED_PROMPTS` evenly
-  strided over all replicas); the measured cold start
+  the replicas sampled of those requests (the mix: `OBSERVED_PROMPTS` quantiles over all
+  ready replicas, each replica's lengths weighted by its requests); the measured cold start
   (the slowest of its replicas' latest starts, as agents report them), which the SLO policy
   prefers to the profile's;
 - gateway queues: the latest `Demand` per (cluster, deployment) younger than `demand_ttl_s`,
@@ -42,7 +42,7 @@ MAX_RATE = 1e9
 MAX_COLD_START_S = 3600.0  # a longer measured cold start is taken for a broken report
 STALE_S = 10.0  # a heartbeat older than this is left out
 DEMAND_TTL_S = 3.0  # a gateway's demand counts this long
-OBSERVED_PROMPTS = 256  # prompt lengths one observation carries, over all replicas
+OBSERVED_PROMPTS = 64  # prompt lengths one observation carries, over all replicas
 
 
 def _rate(value: float) -> float:
@@ -70,7 +70,7 @@ def observe(
     ready = starting = 0
     prompt = output = started = kv = ttft_weighted = 0.0
     colds: list[float] = []
-    prompts: list[int] = []
+    prompts: list[tuple[int, float]] = []  # (length, the requests/s it stands for)
     for hb in heartbeats:
         if now - hb.sent_at > stale_s:
             continue
@@ -86,7 +86,8 @@ def observe(
                 prompt += _rate(r.load.prompt_tokens_per_s)
                 output += _rate(r.load.tokens_per_s)
                 started += _rate(r.load.requests_per_s)
-                prompts.extend(r.load.prompt_sample)
+                share = max(_rate(r.load.requests_per_s), 1e-9) / max(1, len(r.load.prompt_sample))
+                prompts.extend((x, share) for x in r.load.prompt_sample)
                 kv += min(max(r.load.kv_cache_usage, 0.0), 1.0)
                 if r.load.ttft_s is not None:
                     ttft_weighted += _rate(r.load.ttft_s) * _rate(r.load.requests_per_s)
@@ -108,8 +109,26 @@ def observe(
         kv_usage=kv / ready if ready else 0.0,
         ttft_s=ttft_weighted / started if started > 0 else None,
         cold_start_s=max(colds) if colds else None,
-        prompt_sample=tuple(prompts[:: max(1, -(-len(prompts) // OBSERVED_PROMPTS))]),
+        prompt_sample=_weighted_quantiles(prompts, OBSERVED_PROMPTS),
     )
+
+
+def _weighted_quantiles(values: list[tuple[int, float]], count: int) -> tuple[int, ...]:
+    """Up to `count` evenly spaced quantiles of weighted values: a busy replica's lengths
+    stand for more requests than an idle one's."""
+    if not values:
+        return ()
+    ordered = sorted(values)
+    total = sum(w for _, w in ordered)
+    k = min(count, len(ordered))
+    out, acc, j = [], ordered[0][1], 0
+    for i in range(k):
+        q = (i + 0.5) / k * total
+        while acc < q and j + 1 < len(ordered):
+            j += 1
+            acc += ordered[j][1]
+        out.append(ordered[j][0])
+    return tuple(out)
 
 
 @lru_cache(maxsize=128)

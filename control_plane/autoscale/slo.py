@@ -75,9 +75,11 @@ class SloMemory:
             self.prompts.popleft()
 
     def mix(self) -> list[int]:
-        values = [x for _, x in self.prompts]
-        step = max(1, len(values) // SAMPLE_MAX)
-        return values[::step]
+        """Up to SAMPLE_MAX evenly spaced quantiles of the remembered lengths, whatever order
+        they came in (a heartbeat's arrive sorted)."""
+        values = sorted(x for _, x in self.prompts)
+        k = min(len(values), SAMPLE_MAX)
+        return [values[int((i + 0.5) * len(values) / k)] for i in range(k)]
 
 
 def meets(p: Prediction, settings: AutoscaleSettings) -> bool:

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agent.replica_metrics import PROMPT_SAMPLE, EngineSample, LoadTracker, parse_metrics, prompt_sample
+from fleet_base.bounds import MAX_TOKENS
 
 M = 'model_name="meta-llama/Llama-3.1-70B-Instruct"'
 
@@ -334,3 +335,25 @@ def test_a_foreign_engines_histogram_is_not_read_as_fleets_and_a_restart_reports
     later = parse_metrics(_prompt_histogram("fleet_engine_request_prompt_tokens", [300]))  # went down
     assert prompt_sample(parse_metrics(text).prompt_buckets, later.prompt_buckets) == ()
     assert prompt_sample((), ()) == ()
+
+
+def test_a_malformed_prompt_histogram_costs_the_mix_not_the_load() -> None:
+    """A foreign engine's bad histogram (an unparsable or NaN bound, NaN or infinite counts, a
+    bound beyond any context) never raises and never drops the replica's other figures."""
+    bad = (
+        "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 3\n"
+        "# TYPE vllm:request_prompt_tokens histogram\n"
+        'vllm:request_prompt_tokens_bucket{le="abc"} 1\n'
+        'vllm:request_prompt_tokens_bucket{le="NaN"} 1\n'
+        'vllm:request_prompt_tokens_bucket{le="1e30"} 2\n'
+        'vllm:request_prompt_tokens_bucket{le="+Inf"} 2\n'
+    )
+    t = LoadTracker(window_s=3.0)
+    first = parse_metrics(bad)
+    assert first.running == 3 and [le for le, _ in first.prompt_buckets] == [1e30, float("inf")]
+    t.update(first, 0.0)
+    load = t.update(parse_metrics(bad.replace("} 2\n", "} 5\n")), 1.0)
+    assert load.running == 3 and load.prompt_sample and max(load.prompt_sample) <= MAX_TOKENS
+    for count in ("NaN", "+Inf"):
+        worse = bad.replace('le="+Inf"} 2', f'le="+Inf"}} {count}')
+        assert prompt_sample(first.prompt_buckets, parse_metrics(worse).prompt_buckets) == ()

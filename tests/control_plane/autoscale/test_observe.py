@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from agent.gateway.demand import DemandSignal
-from control_plane.autoscale.observe import observe, settings_of
+from control_plane.autoscale.observe import OBSERVED_PROMPTS, observe, settings_of
 from control_plane.autoscale.policy import AutoscaleSettings, ScalerState, make_policy
 from control_plane.db.models import CapacityPool, DeploymentVersion
 from control_plane.fleet_model.plan import build_routes
@@ -229,12 +229,16 @@ def test_the_prompt_mix_is_every_ready_replicas_sample() -> None:
         ReplicaStatus(replica_id="w", deployment="chat", version=1, state=ReplicaState.ready,
                       load=ReplicaLoad(prompt_sample=(1,)))])  # fmt: skip
     assert observe("chat", [hb, stale], {}, now=now, current=1).prompt_sample == (700, 5800)
-    full = ReplicaLoad(prompt_sample=tuple(range(1, 65)))
-    replicas = [
-        ReplicaStatus(replica_id=f"r{i}", deployment="chat", version=1, state=ReplicaState.ready, load=full)
-        for i in range(10)
-    ]
-    many = [Heartbeat(cluster=f"c{i}", sent_at=now, replicas=[r]) for i, r in enumerate(replicas)]
-    assert len(observe("chat", many, {}, now=now, current=10).prompt_sample) <= 256
+    # A busy replica's lengths stand for more requests than an idle one's, and the whole mix
+    # is a bounded set of quantiles: sorted, spread over both replicas' lengths.
+    busy = ReplicaLoad(requests_per_s=9, prompt_sample=tuple(range(1000, 1064)))
+    idle = ReplicaLoad(requests_per_s=1, prompt_sample=tuple(range(1, 65)))
+    both = Heartbeat(cluster="c", sent_at=now, replicas=[
+        ReplicaStatus(replica_id="b", deployment="chat", version=1, state=ReplicaState.ready, load=busy),
+        ReplicaStatus(replica_id="i", deployment="chat", version=1, state=ReplicaState.ready, load=idle)])  # fmt: skip
+    mix = observe("chat", [both], {}, now=now, current=2).prompt_sample
+    assert len(mix) == OBSERVED_PROMPTS and list(mix) == sorted(mix)
+    assert sum(1 for x in mix if x >= 1000) == round(0.9 * OBSERVED_PROMPTS)
+    assert mix[0] < 64 and mix[-1] >= 1060  # both ends of the mix, not one replica's low half
     with pytest.raises(ValueError):
         ReplicaLoad(prompt_sample=tuple(range(1, 100)))  # bounded on the wire

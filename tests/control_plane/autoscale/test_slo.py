@@ -226,3 +226,13 @@ def test_prefix_reuse_shortens_prefill_but_not_the_kv_a_request_holds() -> None:
     assert smallest(cap, warm, AutoscaleSettings(), 40, 1.0, [4000] * 4)[0] < n_cold
     with pytest.raises(ValueError, match="prefix_reuse"):
         Load(1.0, 100, 10, prefix_reuse=1.0)
+
+
+def test_the_mix_is_spread_quantiles_whatever_order_the_lengths_came_in() -> None:
+    from control_plane.autoscale.slo import SAMPLE_MAX, SloMemory
+
+    mem = SloMemory()
+    for t in range(16):  # heartbeats bring sorted blocks of lengths
+        mem.remember(float(t), tuple(range(100, 1700, 100)))
+    mix = mem.mix()
+    assert len(mix) == SAMPLE_MAX and min(mix) == 100 and max(mix) == 1600
