@@ -3,6 +3,7 @@ nvidia-smi parsing, pool inventory."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from engine.outputs import EngineStats
 from engine.server.metrics import ServerMetrics
 from fleet_base.cluster_config import ClusterConfig, ReplicaConfig
 from fleet_base.domain import Tier
+from fleet_base.metric_buckets import PROMPT_TOKEN_BUCKETS
 from fleet_base.protocol import PoolInventory, ReplicaSpec
 
 
@@ -113,6 +115,7 @@ def engine_metrics_text(stats: EngineStats) -> str:
     m = ServerMetrics("chat")
     m.stats = lambda: stats
     m.ttft.observe(0.1)
+    m.prompt_len.observe(40)
     m.finished("stop")
     return generate_latest(m.registry).decode()
 
@@ -131,6 +134,8 @@ def test_parse_engine_metrics() -> None:
         prompt_tokens=99,
         ttft_sum=pytest.approx(0.1),
         ttft_count=1,
+        # The prompt-length histogram, cumulative by bound: the 40-token prompt from 64 on.
+        prompt_buckets=(*((le, float(le >= 40)) for le in PROMPT_TOKEN_BUCKETS), (math.inf, 1.0)),
     )
     assert parse_metrics("") == EngineSample()
 
