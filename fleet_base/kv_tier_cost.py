@@ -17,9 +17,12 @@ holder wins exactly while its queue costs less than the recompute its cache save
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, replace
+from operator import itemgetter
 
 from fleet_base.profile import PerfProfile
 
@@ -115,6 +118,44 @@ def profile_timing(profile: PerfProfile) -> PrefillTiming:
     return long_prefill_timing(timing, profile.long_prefill_token_threshold, batch)
 
 
+@dataclass(frozen=True)
+class QueueEnd:
+    """When a replica's pending prefills end, run one after another in the order sent (each
+    starting when it arrived or when the one before ended, whichever is later): all of them,
+    and the short ones alone (those the engine lets past long ones, `PrefillTiming.is_short`;
+    read only where the timing has a long-prefill cap)."""
+
+    end: float = -math.inf
+    short_end: float = -math.inf
+    has_long: bool = False  # a prefill past the long-prefill cap is pending
+
+    def wait_s(self, now: float, timing: PrefillTiming, *, short: bool = False) -> float:
+        """Seconds from `now` until a new prompt's prefill could start (`queue_wait_s`)."""
+        if not (short and timing.long_threshold > 0):
+            return max(0.0, self.end - now)
+        queued = max(0.0, self.short_end - now)
+        if not self.has_long:
+            return queued
+        tokens_left = queued / timing.s_per_token if timing.s_per_token > 0 else 0.0
+        steps = math.ceil(tokens_left / max(1, timing.long_room) - EPS) + 1
+        return queued + steps * timing.prefill_s(timing.long_threshold)
+
+
+def queue_end(pending: Iterable[tuple[float, int]], timing: PrefillTiming) -> QueueEnd:
+    """The `QueueEnd` of pending prefills (sent at, new prefill tokens), in whatever order
+    listed (those sent at one instant, in the order listed)."""
+    end = short_end = -math.inf
+    has_long = False
+    for at, tokens in sorted(pending, key=itemgetter(0)):
+        seconds = timing.prefill_s(tokens)
+        end = max(end, at) + seconds
+        if timing.is_short(tokens):
+            short_end = max(short_end, at) + seconds
+        else:
+            has_long = True
+    return QueueEnd(end, short_end, has_long)
+
+
 def queue_wait_s(
     pending: Sequence[tuple[float, int]], now: float, timing: PrefillTiming, *, short: bool = False
 ) -> float:
@@ -127,20 +168,122 @@ def queue_wait_s(
     short prefills ahead count, and while a long one is pending each step, the prompt's own
     included, also carries `long_threshold` of its tokens (one step per `long_room` short
     tokens)."""
-    if short and timing.long_threshold > 0:
-        end = -math.inf
-        for at, tokens in sorted(p for p in pending if timing.is_short(p[1])):
-            end = max(end, at) + timing.prefill_s(tokens)
-        queued = max(0.0, end - now)
-        if all(timing.is_short(tokens) for _, tokens in pending):
-            return queued
-        tokens_left = queued / timing.s_per_token if timing.s_per_token > 0 else 0.0
-        steps = math.ceil(tokens_left / max(1, timing.long_room) - EPS) + 1
-        return queued + steps * timing.prefill_s(timing.long_threshold)
-    end = -math.inf
-    for at, tokens in sorted(pending):
-        end = max(end, at) + timing.prefill_s(tokens)
-    return max(0.0, end - now)
+    return queue_end(pending, timing).wait_s(now, timing, short=short)
+
+
+class _Lane:
+    """One lane's queue end, kept as prefills are sent and the oldest leaves. Unrolled, the
+    fold `end = max(end, at) + seconds` is the largest, over the prefills, of one's send time
+    plus the seconds of it and all sent after it. With `spent` the seconds of every prefill
+    this lane was ever sent and `before` that sum when one was sent, a prefill's term is
+    `spent + (at - before)` while only older ones have left; so the end is `spent` plus the
+    largest `at - before` of those still here: a sliding-window maximum."""
+
+    __slots__ = ("keys", "peaks", "spent")
+
+    def __init__(self) -> None:
+        self.spent = 0.0
+        self.keys: deque[Hashable] = deque()  # oldest first
+        self.peaks: deque[tuple[Hashable, float]] = deque()  # (key, at - before), falling
+
+    def add(self, key: Hashable, at: float, seconds: float) -> None:
+        term = at - self.spent
+        self.spent += seconds
+        while self.peaks and self.peaks[-1][1] <= term:
+            self.peaks.pop()
+        self.peaks.append((key, term))
+        self.keys.append(key)
+
+    def pop_oldest(self, key: Hashable) -> bool:
+        """Drop `key` if it is the oldest here; False if it is not (the lane must be rebuilt)."""
+        if not self.keys or self.keys[0] != key:
+            return False
+        self.keys.popleft()
+        if self.peaks[0][0] == key:
+            self.peaks.popleft()
+        return True
+
+    def end(self) -> float:
+        return self.spent + self.peaks[0][1] if self.peaks else -math.inf
+
+
+class PendingPrefills:
+    """A replica's prefills sent and not yet done, with their queue's end kept as they come
+    and go: routing asks every replica's wait for every request, and a burst makes queues
+    thousands long, so an ask must not cost a pass over the queue. Sent in order and done
+    oldest first (the usual case) costs O(1) each; anything else refolds once, at the next ask."""
+
+    def __init__(self) -> None:
+        self._items: dict[Hashable, tuple[float, int]] = {}
+        self._keys = itertools.count()
+        self._last_at = -math.inf
+        self._timing: PrefillTiming | None = None  # the timing the lanes below are kept for
+        self._all = _Lane()
+        self._short = _Lane()
+        self._long = 0  # of those, past the timing's long-prefill cap
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def items(self) -> tuple[tuple[float, int], ...]:
+        """(sent at, new prefill tokens) of each, in the order sent."""
+        return tuple(self._items.values())
+
+    def add(self, at: float, tokens: int, key: Hashable | None = None) -> Hashable:
+        """One more prefill; returns its key (given, or a fresh one)."""
+        key = next(self._keys) if key is None else key
+        if key in self._items:
+            self.pop(key)
+        self._items[key] = (at, tokens)
+        if self._timing is not None and at >= self._last_at:
+            self._keep(key, at, tokens, self._timing)
+        else:
+            self._timing = None
+        self._last_at = max(self._last_at, at)
+        return key
+
+    def pop(self, key: Hashable) -> tuple[float, int] | None:
+        item = self._items.pop(key, None)
+        if item is None or self._timing is None:
+            return item
+        timing = self._timing
+        if not self._all.pop_oldest(key):
+            self._timing = None
+        elif timing.is_short(item[1]):
+            if not self._short.pop_oldest(key):
+                self._timing = None
+        else:
+            self._long -= 1
+        return item
+
+    def release(self, tokens: int) -> None:
+        """The oldest prefill of `tokens` is done, else the oldest of any size (a caller that
+        tracks no keys knows only the size)."""
+        if not self._items:
+            return
+        key = next((k for k, (_, t) in self._items.items() if t == tokens), next(iter(self._items)))
+        self.pop(key)
+
+    def wait_s(self, now: float, timing: PrefillTiming, *, short: bool = False) -> float:
+        """`queue_wait_s` of these prefills."""
+        if self._timing is not timing and self._timing != timing:
+            self._rebuild(timing)
+        end = QueueEnd(self._all.end(), self._short.end(), self._long > 0)
+        return end.wait_s(now, timing, short=short)
+
+    def _keep(self, key: Hashable, at: float, tokens: int, timing: PrefillTiming) -> None:
+        seconds = timing.prefill_s(tokens)
+        self._all.add(key, at, seconds)
+        if timing.is_short(tokens):
+            self._short.add(key, at, seconds)
+        else:
+            self._long += 1
+
+    def _rebuild(self, timing: PrefillTiming) -> None:
+        self._all, self._short, self._long = _Lane(), _Lane(), 0
+        for key, (at, tokens) in sorted(self._items.items(), key=lambda kv: kv[1][0]):
+            self._keep(key, at, tokens, timing)
+        self._timing = timing
 
 
 def expected_ttft_s(

@@ -7,9 +7,10 @@ from each side independently); the heartbeat's engine-side load can refine it la
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from fleet_base.kv_tier_cost import PendingPrefills, PrefillTiming
 
 
 @dataclass
@@ -17,19 +18,13 @@ class _Load:
     tokens: int = 0
     requests: int = 0
     prefill: int = 0  # of `tokens`, new prefill with no first token yet
-    pending: deque[tuple[float, int]] = field(default_factory=deque)  # that prefill: (sent at, tokens)
+    pending: PendingPrefills = field(default_factory=PendingPrefills)  # that prefill, as sent
 
     def release(self, prefill: int) -> None:
         """One request's prefill is done (or gone): it no longer delays a new prompt."""
         self.prefill = max(0, self.prefill - prefill)
-        if prefill <= 0:
-            return
-        for i, (_, tokens) in enumerate(self.pending):
-            if tokens == prefill:
-                del self.pending[i]
-                return
-        if self.pending:
-            self.pending.popleft()
+        if prefill > 0:
+            self.pending.release(prefill)
 
 
 class LoadTracker:
@@ -45,7 +40,7 @@ class LoadTracker:
         load.requests += 1
         load.prefill += prefill
         if prefill > 0:
-            load.pending.append((self.clock(), prefill))
+            load.pending.add(self.clock(), prefill)
 
     def prefilled(self, replica_id: str, prefill: int) -> None:
         """A request's first token came: its prefill no longer delays a new prompt there."""
@@ -75,7 +70,12 @@ class LoadTracker:
     def pending_prefill(self, replica_id: str) -> tuple[tuple[float, int], ...]:
         """The queued prefill request by request: (sent at, by `clock`; new prefill tokens)."""
         load = self._load.get(replica_id)
-        return tuple(load.pending) if load else ()
+        return load.pending.items() if load else ()
+
+    def prefill_wait_s(self, replica_id: str, timing: PrefillTiming, *, short: bool = False) -> float:
+        """Seconds before a new prompt's prefill could start there (`kv_tier_cost.queue_wait_s`)."""
+        load = self._load.get(replica_id)
+        return load.pending.wait_s(self.clock(), timing, short=short) if load else 0.0
 
     def in_flight(self, replica_id: str) -> int:
         load = self._load.get(replica_id)

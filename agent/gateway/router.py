@@ -30,7 +30,7 @@ from agent.gateway.shadow_policy import serves_users
 from agent.gateway.state import ClusterView
 from fleet_base.cluster_config import ClusterConfig
 from fleet_base.engines import CAPABILITIES
-from fleet_base.kv_tier_cost import PrefillTiming, queue_wait_s
+from fleet_base.kv_tier_cost import PrefillTiming
 from fleet_base.protocol import ReplicaStatus
 
 
@@ -42,10 +42,9 @@ def replica_facts(
     its resident adapters."""
     wait = short_wait = None
     if timing is not None:
-        pending = tracker.pending_prefill(r.replica_id)
-        wait = queue_wait_s(pending, tracker.clock(), timing)
+        wait = tracker.prefill_wait_s(r.replica_id, timing)
         if timing.long_threshold:
-            short_wait = queue_wait_s(pending, tracker.clock(), timing, short=True)
+            short_wait = tracker.prefill_wait_s(r.replica_id, timing, short=True)
     return ReplicaFacts(
         r.replica_id,
         r.url.rstrip("/"),

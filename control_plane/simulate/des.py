@@ -36,7 +36,7 @@ from agent.sim.model import ReplicaModel, SimRequest
 from agent.sim.prefix_cache import Ops, PrefixCacheModel, capacity_blocks
 from control_plane.autoscale.policy import AutoscaleSettings, Decision, Observation, ScalerState, make_policy
 from control_plane.simulate.trace import TraceRequest
-from fleet_base.kv_tier_cost import profile_host_token_value, profile_timing, queue_wait_s
+from fleet_base.kv_tier_cost import PendingPrefills, profile_host_token_value, profile_timing
 from fleet_base.profile import PerfProfile
 
 SAMPLE_PER_TICK = 32  # prompt lengths a decision sees of the requests that arrived since the last
@@ -54,7 +54,7 @@ class SimReplica:
     in_flight: int = 0
     kv_seq: int = 0  # sequence number of its last KV-event batch
     prefill_tokens: int = 0  # new prefill of its requests with no first token yet
-    pending: dict[int, tuple[float, int]] = field(default_factory=dict)  # those: request -> (sent at, tokens)
+    pending: PendingPrefills = field(default_factory=PendingPrefills)  # those, by request
 
 
 @dataclass
@@ -220,11 +220,9 @@ class Simulation:
                     r.in_flight,
                     host_token_value=self.host_token_value,
                     prefill_tokens=r.prefill_tokens,
-                    wait_s=queue_wait_s(tuple(r.pending.values()), now, self.timing),
+                    wait_s=r.pending.wait_s(now, self.timing),
                     short_wait_s=(
-                        queue_wait_s(tuple(r.pending.values()), now, self.timing, short=True)
-                        if self.timing.long_threshold
-                        else None
+                        r.pending.wait_s(now, self.timing, short=True) if self.timing.long_threshold else None
                     ),
                     timing=self.timing,
                 )
@@ -243,7 +241,7 @@ class Simulation:
         r.prefill_tokens += prefill
         self.where[req.rid] = (r, work)
         self.prefilling[req.rid] = prefill
-        r.pending[req.rid] = (now, prefill)
+        r.pending.add(now, prefill, key=req.rid)
         r.model.submit(req, now)
         return True
 
@@ -254,7 +252,7 @@ class Simulation:
                 self._ttft.append(req.first_token_at - req.arrival)
             if req.first_token_at is not None and req.rid in self.prefilling:
                 r.prefill_tokens -= self.prefilling.pop(req.rid)  # as the gateway sees a stream's first token
-                r.pending.pop(req.rid, None)
+                r.pending.pop(req.rid)
             if req.rid not in self.where:
                 continue
             if req.finished_at is not None:

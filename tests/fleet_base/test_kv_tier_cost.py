@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fleet_base.kv_tier_cost import (
+    PendingPrefills,
     PrefillTiming,
     PrefixHit,
     expected_ttft_s,
@@ -198,6 +201,64 @@ def test_a_long_prompt_waits_for_everything_and_no_cap_means_no_short_lane() -> 
     assert queue_wait_s(pending, 5.0, T, short=True) == pytest.approx(2.15)  # T has no cap
     assert LONG.is_short(2048) and not LONG.is_short(2049) and not T.is_short(1)
     assert long_prefill_timing(T, 8192, 8192).long_threshold == 0  # a cap of the whole step caps nothing
+
+
+# One step of a replica's prefill queue: a prefill sent now or a little after, one sent
+# earlier than the last (out of order), the oldest done, any one done (by key or by size),
+# or an ask at a later instant.
+QUEUE_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.floats(0.0, 1.0), st.integers(0, 30_000)),
+        st.tuples(st.just("late"), st.floats(0.001, 0.5), st.integers(0, 30_000)),
+        st.tuples(st.just("oldest"), st.just(0.0), st.just(0)),
+        st.tuples(st.just("pop"), st.floats(0.0, 60.0), st.just(0)),
+        st.tuples(st.just("release"), st.just(0.0), st.integers(0, 30_000)),
+        st.tuples(st.just("ask"), st.floats(0.0, 3.0), st.just(0)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=400)
+@given(QUEUE_OPS, st.sampled_from(["T", "LONG"]))
+def test_the_kept_queue_waits_exactly_as_folding_it_again(
+    ops: list[tuple[str, float, int]], name: str
+) -> None:
+    """Whatever the order of sends, completions and asks, the kept end answers what a fresh
+    pass over the same prefills answers (asked at one timing throughout, as a replica is)."""
+    timing = {"T": T, "LONG": LONG}[name]
+    queue, now, keys = PendingPrefills(), 0.0, []
+    for op, x, tokens in ops:
+        if op == "add":
+            now += x
+            keys.append(queue.add(now, tokens))
+        elif op == "late":
+            keys.append(queue.add(now - x, tokens))
+        elif op == "oldest":  # the first sent still here
+            next((k for k in keys if queue.pop(k) is not None), None)
+        elif op == "pop" and keys:
+            queue.pop(keys[int(x) % len(keys)])
+        elif op == "release":
+            queue.release(tokens)
+        else:
+            now += x
+        for short in (False, True):
+            want = queue_wait_s(queue.items(), now, timing, short=short)
+            assert queue.wait_s(now, timing, short=short) == pytest.approx(want, rel=1e-9, abs=1e-9)
+    assert len(queue) == len(queue.items())
+    other = LONG if timing is T else T  # another timing folds afresh
+    want = queue_wait_s(queue.items(), now, other, short=True)
+    assert queue.wait_s(now, other, short=True) == pytest.approx(want, rel=1e-9, abs=1e-9)
+
+
+def test_a_release_by_size_takes_the_oldest_of_that_size_else_the_oldest() -> None:
+    queue = PendingPrefills()
+    for at, tokens in ((1.0, 500), (2.0, 800), (3.0, 500)):
+        queue.add(at, tokens)
+    queue.release(500)
+    assert queue.items() == ((2.0, 800), (3.0, 500))
+    queue.release(123)
+    assert queue.items() == ((3.0, 500),)
 
 
 def test_profile_timing_is_the_full_batch_rate_and_one_step() -> None:
