@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fleet_base.bounds import MAX_TOKENS
 from fleet_base.engines import CAPABILITIES, EngineKind
 from fleet_base.protocol import ReplicaLoad
+from fleet_base.quantiles import evenly_spaced
 
 RUNNING = "fleet_engine_requests_running"
 WAITING = "fleet_engine_requests_waiting"
@@ -208,20 +209,13 @@ def prompt_sample(
     total = counts[-1][1]
     if not all(math.isfinite(c) and c >= 0 for _, c in counts) or total < 1:
         return ()
-    mids, lo = [], 0.0
-    for le, _ in counts:
-        if math.isinf(le):
-            mids.append(2 * lo)
-        else:
-            mids.append(math.sqrt(lo * le) if lo > 0 else le / 2)
-            lo = le
-    k = min(size, int(total))
-    out = []
-    for i in range(k):
-        q = (i + 0.5) / k * total
-        j = next(j for j, (_, c) in enumerate(counts) if c >= q)
-        out.append(round(min(MAX_TOKENS, max(1.0, mids[j]))))
-    return tuple(out)
+    buckets, lo, below = [], 0.0, 0.0  # (geometric middle, requests in the bucket)
+    for le, c in counts:
+        mid = 2 * lo if math.isinf(le) else (math.sqrt(lo * le) if lo > 0 else le / 2)
+        buckets.append((mid, c - below))
+        lo, below = (lo if math.isinf(le) else le), c
+    picked = evenly_spaced(buckets, min(size, int(total)))
+    return tuple(round(min(MAX_TOKENS, max(1.0, x))) for x in picked)
 
 
 class LoadTracker:

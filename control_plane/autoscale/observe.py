@@ -35,6 +35,7 @@ from fleet_base import residency
 from fleet_base.bounds import MAX_COUNT
 from fleet_base.profile import PerfProfile, load_profile
 from fleet_base.protocol import Demand, Heartbeat, ReplicaState
+from fleet_base.quantiles import evenly_spaced
 
 STARTING = (ReplicaState.pending, ReplicaState.starting)
 # Tokens or requests per second one replica may claim; sums of reported figures stay finite.
@@ -109,26 +110,8 @@ def observe(
         kv_usage=kv / ready if ready else 0.0,
         ttft_s=ttft_weighted / started if started > 0 else None,
         cold_start_s=max(colds) if colds else None,
-        prompt_sample=_weighted_quantiles(prompts, OBSERVED_PROMPTS),
+        prompt_sample=tuple(evenly_spaced(sorted(prompts), min(len(prompts), OBSERVED_PROMPTS))),
     )
-
-
-def _weighted_quantiles(values: list[tuple[int, float]], count: int) -> tuple[int, ...]:
-    """Up to `count` evenly spaced quantiles of weighted values: a busy replica's lengths
-    stand for more requests than an idle one's."""
-    if not values:
-        return ()
-    ordered = sorted(values)
-    total = sum(w for _, w in ordered)
-    k = min(count, len(ordered))
-    out, acc, j = [], ordered[0][1], 0
-    for i in range(k):
-        q = (i + 0.5) / k * total
-        while acc < q and j + 1 < len(ordered):
-            j += 1
-            acc += ordered[j][1]
-        out.append(ordered[j][0])
-    return tuple(out)
 
 
 @lru_cache(maxsize=128)

@@ -46,6 +46,7 @@ from control_plane.autoscale.policy import (
     window_mean,
 )
 from control_plane.autoscale.seasonal import Seasons
+from fleet_base.quantiles import evenly_spaced
 
 # Of the requests whose own prefill fits the TTFT target (the attainable ones), at most
 # this share of all requests may be predicted to miss it by waiting.
@@ -78,8 +79,7 @@ class SloMemory:
         """Up to SAMPLE_MAX evenly spaced quantiles of the remembered lengths, whatever order
         they came in (a heartbeat's arrive sorted)."""
         values = sorted(x for _, x in self.prompts)
-        k = min(len(values), SAMPLE_MAX)
-        return [values[int((i + 0.5) * len(values) / k)] for i in range(k)]
+        return evenly_spaced(((x, 1.0) for x in values), min(len(values), SAMPLE_MAX))
 
 
 def meets(p: Prediction, settings: AutoscaleSettings) -> bool:
