@@ -152,7 +152,7 @@ def test_fleetctl_simulate_azure_hour(shared_data: Path, tmp_path: Path) -> None
     rep = json.loads(out.stdout)
     assert (
         rep["requests"] == 19366 and rep["wall_s"] < 120
-    )  # an hour of trace: ~3 s on an idle core; generous for a loaded CI box
+    )  # an hour of trace, four policies and the best-fixed search: ~15 s on an idle core
     by = {p["policy"]: p for p in rep["policies"]}
     assert set(by) == {"static", "kpa", "planner", "ours"}
     for p in by.values():
