@@ -24,6 +24,7 @@ from bench.engine_kv_layouts import MStored as BlockStored
 
 ENCODER = msgspec.msgpack.Encoder()
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+REPLAY_BUFFER = 10_000  # batches an engine keeps for replay (vLLM's buffer_steps default)
 
 
 def engine_hash(parent: bytes | None, tokens: list[int], extra: tuple[Any, ...] | None) -> bytes:
@@ -66,10 +67,14 @@ class StandInPublisher:
         if replay is not None:
             self.router = self.ctx.socket(zmq.ROUTER)
             self.router.setsockopt(zmq.LINGER, 0)
+            # A ROUTER drops what passes its send high-water mark (1,000 by default) while
+            # the I/O thread lags, as a busy CI box makes it do; the stand-in delivers its
+            # whole buffer, so that a replay's count says what the follower did with it.
+            self.router.setsockopt(zmq.SNDHWM, REPLAY_BUFFER + 1)
             self.router.bind(replay)
         self.topic = topic
         self.seq = 0
-        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=10_000)
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_BUFFER)
         self.replays: list[int] = []
         self._task: asyncio.Task[None] | None = None
 
